@@ -1,0 +1,468 @@
+//! The record frame: how one record is laid out inside a segment. Pure byte work, no I/O.
+//!
+//! ```text
+//! 0   4  magic        b"PTR1"
+//! 4   4  crc32c       of bytes [8, frame_len): everything after this field, padding excluded
+//! 8   4  frame_len    header + headers block + key + payload, without padding (u32 LE)
+//! 12  2  flags        bit 0: has headers; bit 1: has key; other bits reserved, must be 0
+//! 14  2  key_len      (u16 LE, 0 without a key)
+//! 16  8  offset       dense record offset (u64 LE)
+//! 24  8  timestamp    nanoseconds since the Unix epoch (u64 LE), non-decreasing within a log
+//! 32  …  [headers block, if flag 0: u32 LE length L, then L bytes of entries]
+//!        [key, if flag 1: key_len bytes]
+//!        payload: the rest of frame_len
+//! …   …  zero padding to the next multiple of 8
+//! ```
+//!
+//! A header entry is `u16 LE name length, name (UTF-8), u32 LE value length, value`.
+
+use crate::error::FrameError;
+
+pub const FRAME_MAGIC: [u8; 4] = *b"PTR1";
+pub const FRAME_HEADER_LEN: usize = 32;
+pub const FRAME_ALIGN: usize = 8;
+
+pub(crate) const FLAG_HEADERS: u16 = 1;
+pub(crate) const FLAG_KEY: u16 = 2;
+const KNOWN_FLAGS: u16 = FLAG_HEADERS | FLAG_KEY;
+
+/// Largest key a record may carry.
+pub const MAX_KEY_LEN: usize = u16::MAX as usize;
+
+/// One header of a record: a name and an opaque value.
+pub type Header<'a> = (&'a str, &'a [u8]);
+
+/// What a caller appends: the payload with an optional key, headers and timestamp.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Input<'a> {
+    pub key: Option<&'a [u8]>,
+    pub headers: &'a [Header<'a>],
+    pub payload: &'a [u8],
+    /// Nanoseconds since the Unix epoch; `None` takes the current time. A timestamp earlier than
+    /// the previous record's is raised to it, so time order and offset order agree.
+    pub timestamp: Option<u64>,
+}
+
+impl<'a> Input<'a> {
+    pub fn payload(payload: &'a [u8]) -> Self {
+        Input {
+            payload,
+            ..Input::default()
+        }
+    }
+}
+
+pub(crate) fn align_up(n: usize) -> usize {
+    (n + FRAME_ALIGN - 1) & !(FRAME_ALIGN - 1)
+}
+
+fn headers_block_len(headers: &[Header<'_>]) -> usize {
+    if headers.is_empty() {
+        0
+    } else {
+        4 + headers
+            .iter()
+            .map(|(n, v)| 2 + n.len() + 4 + v.len())
+            .sum::<usize>()
+    }
+}
+
+/// Unpadded length of the frame `input` encodes to.
+pub(crate) fn frame_len(input: &Input<'_>) -> usize {
+    FRAME_HEADER_LEN
+        + headers_block_len(input.headers)
+        + input.key.map_or(0, <[u8]>::len)
+        + input.payload.len()
+}
+
+/// Checks what `frame_len` cannot express: a key or header field too long for its length field.
+pub(crate) fn check_input(input: &Input<'_>) -> Result<(), FrameError> {
+    if input.key.is_some_and(|k| k.len() > MAX_KEY_LEN) {
+        return Err(FrameError::KeyTooLong);
+    }
+    for (name, value) in input.headers {
+        if name.len() > u16::MAX as usize || value.len() > u32::MAX as usize {
+            return Err(FrameError::HeaderTooLong);
+        }
+    }
+    Ok(())
+}
+
+/// Writes the frame for `input` at the start of `buf` (which must hold `align_up(len)` bytes,
+/// `len` being `frame_len(input)`, and be zero past the frame: segments are zero-filled) and
+/// returns the aligned length.
+#[inline]
+pub(crate) fn encode(
+    buf: &mut [u8],
+    len: usize,
+    offset: u64,
+    timestamp: u64,
+    input: &Input<'_>,
+) -> usize {
+    let aligned = align_up(len);
+    let buf = &mut buf[..aligned];
+    let mut flags = 0u16;
+    let mut at = FRAME_HEADER_LEN;
+    if !input.headers.is_empty() {
+        flags |= FLAG_HEADERS;
+        let block = headers_block_len(input.headers);
+        buf[at..at + 4].copy_from_slice(&((block - 4) as u32).to_le_bytes());
+        at += 4;
+        for (name, value) in input.headers {
+            buf[at..at + 2].copy_from_slice(&(name.len() as u16).to_le_bytes());
+            at += 2;
+            buf[at..at + name.len()].copy_from_slice(name.as_bytes());
+            at += name.len();
+            buf[at..at + 4].copy_from_slice(&(value.len() as u32).to_le_bytes());
+            at += 4;
+            buf[at..at + value.len()].copy_from_slice(value);
+            at += value.len();
+        }
+    }
+    let key_len = match input.key {
+        Some(key) => {
+            flags |= FLAG_KEY;
+            buf[at..at + key.len()].copy_from_slice(key);
+            at += key.len();
+            key.len()
+        }
+        None => 0,
+    };
+    buf[at..len].copy_from_slice(input.payload);
+    buf[0..4].copy_from_slice(&FRAME_MAGIC);
+    buf[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+    buf[12..14].copy_from_slice(&flags.to_le_bytes());
+    buf[14..16].copy_from_slice(&(key_len as u16).to_le_bytes());
+    buf[16..24].copy_from_slice(&offset.to_le_bytes());
+    buf[24..32].copy_from_slice(&timestamp.to_le_bytes());
+    let crc = crc32c::crc32c(&buf[8..len]);
+    buf[4..8].copy_from_slice(&crc.to_le_bytes());
+    aligned
+}
+
+/// A record read from the log. Borrows the segment mapping: copying is explicit (`to_owned`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Record<'a> {
+    pub offset: u64,
+    /// Nanoseconds since the Unix epoch.
+    pub timestamp: u64,
+    pub key: Option<&'a [u8]>,
+    pub headers: Headers<'a>,
+    pub payload: &'a [u8],
+}
+
+impl Record<'_> {
+    pub fn to_owned(&self) -> OwnedRecord {
+        OwnedRecord {
+            offset: self.offset,
+            timestamp: self.timestamp,
+            key: self.key.map(<[u8]>::to_vec),
+            headers: self
+                .headers
+                .iter()
+                .map(|(n, v)| (n.to_owned(), v.to_vec()))
+                .collect(),
+            payload: self.payload.to_vec(),
+        }
+    }
+}
+
+/// A record copied out of the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedRecord {
+    pub offset: u64,
+    pub timestamp: u64,
+    pub key: Option<Vec<u8>>,
+    pub headers: Vec<(String, Vec<u8>)>,
+    pub payload: Vec<u8>,
+}
+
+/// The headers of a record, decoded lazily. Validated when the frame was decoded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Headers<'a> {
+    block: &'a [u8],
+}
+
+impl<'a> Headers<'a> {
+    pub fn is_empty(&self) -> bool {
+        self.block.is_empty()
+    }
+
+    pub fn iter(&self) -> HeaderIter<'a> {
+        HeaderIter { rest: self.block }
+    }
+
+    /// The value of the first header called `name`.
+    pub fn get(&self, name: &str) -> Option<&'a [u8]> {
+        self.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
+    }
+}
+
+pub struct HeaderIter<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Iterator for HeaderIter<'a> {
+    type Item = Header<'a>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        // The block was checked by `validate_headers`, so these reads cannot fail.
+        let (entry, rest) = split_header(self.rest).ok()??;
+        self.rest = rest;
+        Some(entry)
+    }
+}
+
+/// Splits the first entry off a headers block. `Ok(None)` at the end of the block.
+fn split_header(block: &[u8]) -> Result<Option<(Header<'_>, &[u8])>, FrameError> {
+    if block.is_empty() {
+        return Ok(None);
+    }
+    let name_len = u16::from_le_bytes(
+        block
+            .get(..2)
+            .ok_or(FrameError::BadHeaders)?
+            .try_into()
+            .unwrap(),
+    ) as usize;
+    let name = block.get(2..2 + name_len).ok_or(FrameError::BadHeaders)?;
+    let name = std::str::from_utf8(name).map_err(|_| FrameError::BadHeaders)?;
+    let at = 2 + name_len;
+    let value_len = u32::from_le_bytes(
+        block
+            .get(at..at + 4)
+            .ok_or(FrameError::BadHeaders)?
+            .try_into()
+            .unwrap(),
+    ) as usize;
+    let value = block
+        .get(at + 4..at + 4 + value_len)
+        .ok_or(FrameError::BadHeaders)?;
+    Ok(Some(((name, value), &block[at + 4 + value_len..])))
+}
+
+fn validate_headers(block: &[u8]) -> Result<(), FrameError> {
+    let mut rest = block;
+    while let Some((_, next)) = split_header(rest)? {
+        rest = next;
+    }
+    Ok(())
+}
+
+/// What `decode` found at a position.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Decoded<'a> {
+    /// A whole, checked frame and its aligned length.
+    Frame(Record<'a>, usize),
+    /// Zero bytes where a frame would start: nothing was ever written here.
+    Empty,
+}
+
+/// Decodes and checks the frame at the start of `buf`. `max_len` bounds `frame_len`.
+#[inline]
+pub(crate) fn decode(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
+    let Some(head) = buf.get(..FRAME_HEADER_LEN) else {
+        return if buf.iter().all(|&b| b == 0) {
+            Ok(Decoded::Empty)
+        } else {
+            Err(FrameError::Truncated)
+        };
+    };
+    if head[0..4] != FRAME_MAGIC {
+        return if head[0..8] == [0; 8] {
+            Ok(Decoded::Empty)
+        } else {
+            Err(FrameError::BadMagic)
+        };
+    }
+    let crc = u32::from_le_bytes(head[4..8].try_into().unwrap());
+    let len = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
+    if len < FRAME_HEADER_LEN || len > max_len {
+        return Err(FrameError::BadLength);
+    }
+    let frame = buf.get(..len).ok_or(FrameError::Truncated)?;
+    if crc32c::crc32c(&frame[8..]) != crc {
+        return Err(FrameError::BadChecksum);
+    }
+    let flags = u16::from_le_bytes(head[12..14].try_into().unwrap());
+    if flags & !KNOWN_FLAGS != 0 {
+        return Err(FrameError::UnknownFlags);
+    }
+    let key_len = u16::from_le_bytes(head[14..16].try_into().unwrap()) as usize;
+    let offset = u64::from_le_bytes(head[16..24].try_into().unwrap());
+    let timestamp = u64::from_le_bytes(head[24..32].try_into().unwrap());
+    let mut rest = &frame[FRAME_HEADER_LEN..];
+    let mut headers = Headers::default();
+    if flags & FLAG_HEADERS != 0 {
+        let block_len = u32::from_le_bytes(
+            rest.get(..4)
+                .ok_or(FrameError::BadHeaders)?
+                .try_into()
+                .unwrap(),
+        ) as usize;
+        let block = rest.get(4..4 + block_len).ok_or(FrameError::BadHeaders)?;
+        validate_headers(block)?;
+        headers = Headers { block };
+        rest = &rest[4 + block_len..];
+    }
+    let key = if flags & FLAG_KEY != 0 {
+        let key = rest.get(..key_len).ok_or(FrameError::BadLength)?;
+        rest = &rest[key_len..];
+        Some(key)
+    } else if key_len != 0 {
+        return Err(FrameError::BadLength);
+    } else {
+        None
+    };
+    Ok(Decoded::Frame(
+        Record {
+            offset,
+            timestamp,
+            key,
+            headers,
+            payload: rest,
+        },
+        align_up(len),
+    ))
+}
+
+/// Aligned length of the frame at the start of `buf`, judged by its magic and length field
+/// only (no CRC): for skipping over frames already known to be valid.
+pub(crate) fn peek_len(buf: &[u8]) -> Option<usize> {
+    let head = buf.get(..FRAME_HEADER_LEN)?;
+    if head[0..4] != FRAME_MAGIC {
+        return None;
+    }
+    let len = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
+    (len >= FRAME_HEADER_LEN && len <= buf.len()).then(|| align_up(len))
+}
+
+/// Decodes a frame that `decode` has already accepted, skipping the checks.
+///
+/// Panics (never undefined behaviour) if the bytes are not such a frame.
+#[inline]
+pub(crate) fn decode_checked_frame(buf: &[u8]) -> (Record<'_>, usize) {
+    let len = u32::from_le_bytes(buf[8..12].try_into().unwrap()) as usize;
+    let flags = u16::from_le_bytes(buf[12..14].try_into().unwrap());
+    let key_len = u16::from_le_bytes(buf[14..16].try_into().unwrap()) as usize;
+    let offset = u64::from_le_bytes(buf[16..24].try_into().unwrap());
+    let timestamp = u64::from_le_bytes(buf[24..32].try_into().unwrap());
+    let mut rest = &buf[FRAME_HEADER_LEN..len];
+    let mut headers = Headers::default();
+    if flags & FLAG_HEADERS != 0 {
+        let block_len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+        headers = Headers {
+            block: &rest[4..4 + block_len],
+        };
+        rest = &rest[4 + block_len..];
+    }
+    let key = if flags & FLAG_KEY != 0 {
+        let (key, after) = rest.split_at(key_len);
+        rest = after;
+        Some(key)
+    } else {
+        None
+    };
+    (
+        Record {
+            offset,
+            timestamp,
+            key,
+            headers,
+            payload: rest,
+        },
+        align_up(len),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(input: Input<'_>) {
+        let len = frame_len(&input);
+        let mut buf = vec![0u8; align_up(len) + 8];
+        let aligned = encode(&mut buf, len, 42, 7, &input);
+        assert_eq!(aligned % FRAME_ALIGN, 0);
+        let Decoded::Frame(rec, n) = decode(&buf, 1 << 20).unwrap() else {
+            panic!("empty")
+        };
+        assert_eq!(n, aligned);
+        assert_eq!((rec.offset, rec.timestamp), (42, 7));
+        assert_eq!(rec.key, input.key);
+        assert_eq!(rec.payload, input.payload);
+        assert_eq!(
+            rec.headers.iter().collect::<Vec<_>>(),
+            input.headers.to_vec()
+        );
+        assert_eq!(decode(&buf[aligned..], 1 << 20).unwrap(), Decoded::Empty);
+    }
+
+    #[test]
+    fn encodes_and_decodes_every_shape() {
+        roundtrip(Input::payload(b""));
+        roundtrip(Input::payload(b"hello"));
+        roundtrip(Input {
+            key: Some(b""),
+            ..Input::payload(b"x")
+        });
+        roundtrip(Input {
+            key: Some(b"k1"),
+            headers: &[("a", b"1"), ("", b"")],
+            payload: b"pp",
+            timestamp: None,
+        });
+    }
+
+    #[test]
+    fn every_single_byte_flip_is_detected() {
+        let input = Input {
+            key: Some(b"key"),
+            headers: &[("h", b"v")],
+            payload: b"payload!",
+            timestamp: None,
+        };
+        let len = frame_len(&input);
+        let mut buf = vec![0u8; align_up(len)];
+        encode(&mut buf, len, 9, 9, &input);
+        for i in 0..len {
+            for bit in 0..8 {
+                let mut bad = buf.clone();
+                bad[i] ^= 1 << bit;
+                assert!(
+                    decode(&bad, 1 << 20).is_err(),
+                    "flip of byte {i} bit {bit} went unnoticed"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_detected() {
+        let input = Input::payload(&[7u8; 100]);
+        let len = frame_len(&input);
+        let mut buf = vec![0u8; align_up(len)];
+        encode(&mut buf, len, 1, 1, &input);
+        for cut in 1..len {
+            let mut torn = buf.clone();
+            torn[cut..].fill(0);
+            assert!(
+                decode(&torn, 1 << 20).is_err(),
+                "zeroed from {cut} went unnoticed"
+            );
+            assert!(
+                decode(&buf[..cut], 1 << 20).is_err(),
+                "cut at {cut} went unnoticed"
+            );
+        }
+    }
+
+    #[test]
+    fn oversized_length_is_rejected_before_reading() {
+        let input = Input::payload(&[1u8; 64]);
+        let len = frame_len(&input);
+        let mut buf = vec![0u8; align_up(len)];
+        encode(&mut buf, len, 1, 1, &input);
+        assert_eq!(decode(&buf, 40), Err(FrameError::BadLength));
+    }
+}

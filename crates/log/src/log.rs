@@ -1,0 +1,638 @@
+//! The writer side of a log: opening and recovering it, appending, rolling segments, and
+//! making records durable.
+
+use std::fs::{self, File};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Reason, Result, io_err};
+use crate::frame::{self, Input};
+use crate::mmap::{DataWriter, HEADER_LEN};
+use crate::options::{Durability, Options};
+use crate::reader::Reader;
+use crate::recovery::{self, Stop};
+use crate::segment::{self, Segment};
+
+const LOCK_FILE: &str = "LOCK";
+
+/// What opening a log found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub segments: usize,
+    /// Records checked from the last durable checkpoint to the end.
+    pub records_scanned: u64,
+    /// Bytes of an incomplete last append that were cut, if any.
+    pub torn_bytes_cut: u64,
+    /// Position of the cut in the last segment.
+    pub torn_at: Option<u64>,
+    /// Leftover temporary files of an interrupted segment creation that were removed.
+    pub leftovers_removed: usize,
+}
+
+/// State shared by the writer, its readers and its sync thread.
+pub(crate) struct Shared {
+    pub dir: PathBuf,
+    pub options: Options,
+    /// Every segment, oldest first. The last one is the active one when there is a writer.
+    pub segments: RwLock<Vec<Arc<Segment>>>,
+    /// One past the last published record.
+    pub next_offset: AtomicU64,
+    poisoned: AtomicBool,
+    poison_reason: Mutex<Option<String>>,
+    sync: Mutex<SyncState>,
+    synced: Condvar,
+    /// The segment a sync must cover; changed by the writer only when it rolls.
+    active: Mutex<Arc<Segment>>,
+    #[cfg(test)]
+    pub fail_next_sync: AtomicBool,
+}
+
+struct SyncState {
+    /// Records below this offset are durable.
+    durable: u64,
+    /// A thread is syncing right now; others wait for it rather than sync again.
+    syncing: bool,
+    /// Tells the interval thread to stop.
+    stopping: bool,
+}
+
+impl Shared {
+    pub(crate) fn check_poison(&self) -> Result<()> {
+        if self.poisoned.load(Ordering::Relaxed) {
+            let reason = self.poison_reason.lock().unwrap_or_else(|e| e.into_inner());
+            return Err(Error::Poisoned(reason.clone().unwrap_or_default()));
+        }
+        Ok(())
+    }
+
+    fn poison(&self, reason: String) -> Error {
+        tracing::error!(dir = %self.dir.display(), %reason, "sync failed; log poisoned");
+        let mut slot = self.poison_reason.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert(reason.clone());
+        self.poisoned.store(true, Ordering::Relaxed);
+        Error::Poisoned(reason)
+    }
+
+    fn lock_sync(&self) -> MutexGuard<'_, SyncState> {
+        self.sync.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Returns once record `offset` is durable, syncing if no other thread is. This is the group
+    /// commit: whoever syncs covers every record published before the sync started, and the
+    /// threads that waited meanwhile return without a sync of their own.
+    pub(crate) fn make_durable(&self, offset: u64) -> Result<()> {
+        let mut state = self.lock_sync();
+        loop {
+            self.check_poison()?;
+            if state.durable > offset {
+                return Ok(());
+            }
+            if state.syncing {
+                state = self.synced.wait(state).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            state.syncing = true;
+            drop(state);
+            let result = self.sync_active();
+            state = self.lock_sync();
+            state.syncing = false;
+            match result {
+                Ok(durable) => state.durable = state.durable.max(durable),
+                Err(e) => {
+                    self.synced.notify_all();
+                    return Err(e);
+                }
+            }
+            self.synced.notify_all();
+        }
+    }
+
+    /// Syncs the active segment and returns the offset below which everything is durable.
+    /// Sealed segments were synced when they were sealed.
+    fn sync_active(&self) -> Result<u64> {
+        let seg = Arc::clone(&self.active.lock().unwrap_or_else(|e| e.into_inner()));
+        let (pos, records) = seg.tail();
+        #[cfg(test)]
+        if self.fail_next_sync.swap(false, Ordering::Relaxed) {
+            return Err(self.poison(format!(
+                "fdatasync {}: injected failure",
+                seg.path.display()
+            )));
+        }
+        if let Err(e) = seg.sync() {
+            return Err(self.poison(format!("fdatasync {}: {e}", seg.path.display())));
+        }
+        seg.write_checkpoint(pos as u64, seg.base + records);
+        Ok(seg.base + records)
+    }
+
+    /// The segment holding `offset`, if it is in the log.
+    pub(crate) fn segment_for(&self, offset: u64) -> Option<Arc<Segment>> {
+        let segments = self.segments.read().unwrap_or_else(|e| e.into_inner());
+        let i = segments.partition_point(|s| s.base <= offset);
+        (i > 0).then(|| Arc::clone(&segments[i - 1]))
+    }
+
+    /// The segment after the one starting at `base`.
+    pub(crate) fn segment_after(&self, base: u64) -> Option<Arc<Segment>> {
+        let segments = self.segments.read().unwrap_or_else(|e| e.into_inner());
+        let i = segments.partition_point(|s| s.base <= base);
+        segments.get(i).cloned()
+    }
+
+    pub(crate) fn first_offset(&self) -> u64 {
+        let segments = self.segments.read().unwrap_or_else(|e| e.into_inner());
+        segments.first().map_or(0, |s| s.base)
+    }
+}
+
+/// An open log with its single writer. Appends need `&mut self` and take no lock; for many
+/// producer threads, convert it with [`Log::into_shared`].
+pub struct Log {
+    shared: Arc<Shared>,
+    active: Arc<Segment>,
+    writer: DataWriter,
+    /// Where the next frame goes (ahead of the published end during a batch).
+    pos: usize,
+    next_offset: u64,
+    last_timestamp: u64,
+    /// Everything before this position of the active segment has been prefaulted.
+    prefaulted: usize,
+    report: RecoveryReport,
+    interval_thread: Option<JoinHandle<()>>,
+    /// Held (flock) for as long as the writer lives.
+    _lock: File,
+}
+
+/// How far ahead of the writer pages are faulted in, in one system call per step.
+const PREFAULT_STEP: usize = 2 << 20;
+
+impl Log {
+    /// Opens the log in `dir`, creating it if allowed, and recovers it.
+    pub fn open(dir: impl AsRef<Path>, options: Options) -> Result<Log> {
+        options.validate()?;
+        let dir = dir.as_ref().to_path_buf();
+        if options.create {
+            fs::create_dir_all(&dir).map_err(io_err("create directory", &dir))?;
+        }
+        let lock = lock_dir(&dir)?;
+        let mut report = RecoveryReport::default();
+        let mut bases = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(io_err("list directory", &dir))? {
+            let entry = entry.map_err(io_err("list directory", &dir))?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if segment::is_leftover_tmp(&name) {
+                fs::remove_file(entry.path()).map_err(io_err("remove leftover", entry.path()))?;
+                report.leftovers_removed += 1;
+            } else if let Some(base) = segment::parse_name(&name) {
+                bases.push(base);
+            }
+        }
+        bases.sort_unstable();
+        let durable = options.durability != Durability::None;
+        let now = now_ns();
+        let mut segments = Vec::with_capacity(bases.len() + 1);
+        if let Some((&last, sealed)) = bases.split_last() {
+            for &base in sealed {
+                let (seg, header) =
+                    Segment::open(&dir.join(segment::file_name(base)), base, false)?;
+                if let Err(reason) = header {
+                    return Err(corrupt(&seg.path, 0, None, Reason::Other(reason)));
+                }
+                segments.push(Arc::new(seg));
+            }
+            let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, true)?;
+            segments.push(Arc::new(seg));
+            let _ = header;
+        } else {
+            segments.push(Arc::new(Segment::create(
+                &dir,
+                0,
+                options.segment_bytes,
+                now,
+                durable,
+            )?));
+        }
+        report.segments = segments.len();
+        let active = Arc::clone(segments.last().unwrap());
+        let mut writer = active.map.writer().expect("a new mapping has its writer");
+        let (pos, next_offset) = recover_active(&active, &mut writer, &mut report)?;
+        writer.publish(pos);
+        active.set_tail(pos, next_offset - active.base);
+
+        let shared = Arc::new(Shared {
+            dir,
+            options,
+            segments: RwLock::new(segments),
+            next_offset: AtomicU64::new(next_offset),
+            poisoned: AtomicBool::new(false),
+            poison_reason: Mutex::new(None),
+            sync: Mutex::new(SyncState {
+                durable: 0,
+                syncing: false,
+                stopping: false,
+            }),
+            synced: Condvar::new(),
+            active: Mutex::new(Arc::clone(&active)),
+            #[cfg(test)]
+            fail_next_sync: AtomicBool::new(false),
+        });
+        // Whatever recovery kept was written before the crash; make it durable now if the
+        // policy asks for durability, so the checkpoint covers it.
+        if durable && next_offset > 0 {
+            shared.make_durable(next_offset - 1)?;
+        }
+        let interval_thread = match shared.options.durability {
+            Durability::Interval(every) => Some(spawn_interval_sync(Arc::clone(&shared), every)?),
+            _ => None,
+        };
+        Ok(Log {
+            shared,
+            active,
+            writer,
+            pos,
+            next_offset,
+            last_timestamp: 0,
+            prefaulted: pos,
+            report,
+            interval_thread,
+            _lock: lock,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.shared.options
+    }
+
+    pub fn recovery_report(&self) -> &RecoveryReport {
+        &self.report
+    }
+
+    /// Offset the next appended record will get.
+    pub fn next_offset(&self) -> u64 {
+        self.next_offset
+    }
+
+    /// Offset of the oldest record still in the log.
+    pub fn first_offset(&self) -> u64 {
+        self.shared.first_offset()
+    }
+
+    /// A reader positioned at the oldest record. Readers may live on other threads.
+    pub fn reader(&self) -> Reader {
+        Reader::new(Arc::clone(&self.shared))
+    }
+
+    /// Appends one record with just a payload; returns its offset.
+    #[inline]
+    pub fn append(&mut self, payload: &[u8]) -> Result<u64> {
+        self.append_with(&Input::payload(payload))
+    }
+
+    /// Appends one record with optional key, headers and timestamp; returns its offset.
+    pub fn append_with(&mut self, input: &Input<'_>) -> Result<u64> {
+        let offset = self.append_unsynced(input)?;
+        self.after_publish(offset)?;
+        Ok(offset)
+    }
+
+    /// Appends payloads as consecutive records, published together (readers see all or none
+    /// of them); returns their offsets. Every payload is checked before any is written.
+    pub fn append_batch<P: AsRef<[u8]>>(&mut self, payloads: &[P]) -> Result<Range<u64>> {
+        self.batch(payloads.len(), |i| Input::payload(payloads[i].as_ref()))
+    }
+
+    /// `append_batch` for records with keys, headers or timestamps.
+    pub fn append_batch_with(&mut self, inputs: &[Input<'_>]) -> Result<Range<u64>> {
+        self.batch(inputs.len(), |i| inputs[i])
+    }
+
+    /// Makes every appended record durable now, whatever the policy.
+    pub fn sync(&mut self) -> Result<()> {
+        self.shared.check_poison()?;
+        match self.next_offset.checked_sub(1) {
+            Some(last) => self.shared.make_durable(last),
+            None => Ok(()),
+        }
+    }
+
+    /// Turns this writer into a handle that many threads can clone and append through.
+    pub fn into_shared(self) -> crate::SharedLog {
+        crate::SharedLog::new(self)
+    }
+
+    /// Syncs (unless the policy is `None`) and closes the log, reporting a failed final sync.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if let Some(thread) = self.interval_thread.take() {
+            self.shared.lock_sync().stopping = true;
+            self.shared.synced.notify_all();
+            let _ = thread.join();
+        }
+        if self.shared.options.durability != Durability::None {
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Waits for durability as the policy says. Used after the record is published.
+    pub(crate) fn after_publish(&self, last: u64) -> Result<()> {
+        if self.shared.options.durability == Durability::Always {
+            self.shared.make_durable(last)?;
+        }
+        Ok(())
+    }
+
+    /// Appends and publishes one record without waiting for durability.
+    #[inline]
+    pub(crate) fn append_unsynced(&mut self, input: &Input<'_>) -> Result<u64> {
+        self.shared.check_poison()?;
+        let len = self.check(input)?;
+        let timestamp = self.timestamp(input.timestamp);
+        let offset = self.write(input, len, timestamp)?;
+        self.publish();
+        Ok(offset)
+    }
+
+    pub(crate) fn batch<'a>(
+        &mut self,
+        n: usize,
+        input: impl Fn(usize) -> Input<'a>,
+    ) -> Result<Range<u64>> {
+        let range = self.batch_unsynced(n, input)?;
+        if !range.is_empty() {
+            self.after_publish(range.end - 1)?;
+        }
+        Ok(range)
+    }
+
+    pub(crate) fn batch_unsynced<'a>(
+        &mut self,
+        n: usize,
+        input: impl Fn(usize) -> Input<'a>,
+    ) -> Result<Range<u64>> {
+        self.shared.check_poison()?;
+        for i in 0..n {
+            self.check(&input(i))?;
+        }
+        let first = self.next_offset;
+        let timestamp = self.timestamp(None);
+        for i in 0..n {
+            let input = input(i);
+            let timestamp = match input.timestamp {
+                Some(_) => self.timestamp(input.timestamp),
+                None => timestamp,
+            };
+            if let Err(e) = self.write(&input, frame::frame_len(&input), timestamp) {
+                self.discard_unpublished();
+                return Err(e);
+            }
+        }
+        self.publish();
+        Ok(first..self.next_offset)
+    }
+
+    /// Checks a record against the limits; returns its frame length.
+    #[inline]
+    fn check(&self, input: &Input<'_>) -> Result<usize> {
+        let len = frame::frame_len(input);
+        let record = len - frame::FRAME_HEADER_LEN;
+        if record > self.shared.options.max_record_bytes {
+            return Err(Error::RecordTooLarge {
+                size: record,
+                max: self.shared.options.max_record_bytes,
+            });
+        }
+        frame::check_input(input).map_err(Error::InvalidRecord)?;
+        Ok(len)
+    }
+
+    /// Current time, or `requested`, raised to the previous record's time if earlier.
+    #[inline]
+    fn timestamp(&mut self, requested: Option<u64>) -> u64 {
+        let t = requested.unwrap_or_else(now_ns).max(self.last_timestamp);
+        self.last_timestamp = t;
+        t
+    }
+
+    /// Writes one frame after the current position, rolling to a new segment if it does not
+    /// fit. Not visible to readers until `publish`.
+    #[inline]
+    fn write(&mut self, input: &Input<'_>, len: usize, timestamp: u64) -> Result<u64> {
+        let aligned = frame::align_up(len);
+        if self.pos + aligned > self.active.map.len() {
+            self.roll(aligned)?;
+        }
+        let start = self.writer.published_end();
+        let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
+        let offset = self.next_offset;
+        frame::encode(buf, len, offset, timestamp, input);
+        self.pos += aligned;
+        self.next_offset += 1;
+        if self.pos > self.prefaulted {
+            self.prefaulted = self.pos + PREFAULT_STEP;
+            self.active.map.prefault_write(self.pos, self.prefaulted);
+        }
+        Ok(offset)
+    }
+
+    /// Makes everything written so far visible to readers.
+    #[inline]
+    fn publish(&mut self) {
+        self.writer.publish(self.pos);
+        self.active
+            .set_tail(self.pos, self.next_offset - self.active.base);
+        self.shared
+            .next_offset
+            .store(self.next_offset, Ordering::Release);
+    }
+
+    /// Forgets frames written but not published, zeroing them so recovery never sees them.
+    fn discard_unpublished(&mut self) {
+        let start = self.writer.published_end();
+        self.writer.unpublished_mut()[..self.pos - start].fill(0);
+        self.pos = start;
+        self.next_offset = self.shared.next_offset.load(Ordering::Relaxed);
+    }
+
+    /// Seals the active segment and starts a new one that fits a frame of `needed` bytes.
+    /// Frames written but unpublished in the old segment are published only once the new
+    /// segment exists, so a failed roll (a full disk) leaves the batch unappended.
+    fn roll(&mut self, needed: usize) -> Result<()> {
+        let opts = &self.shared.options;
+        let durable = opts.durability != Durability::None;
+        let len = opts
+            .segment_bytes
+            .max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
+        let next = Segment::create(&self.shared.dir, self.next_offset, len, now_ns(), durable)?;
+        // Publish what is written, then seal: with a durability policy the sealed segment is
+        // synced now, so later syncs need only cover the active segment.
+        self.publish();
+        if durable {
+            if let Err(e) = self.active.sync() {
+                let _ = fs::remove_file(&next.path);
+                return Err(self
+                    .shared
+                    .poison(format!("fdatasync {}: {e}", self.active.path.display())));
+            }
+            let (pos, records) = self.active.tail();
+            self.active
+                .write_checkpoint(pos as u64, self.active.base + records);
+        }
+        let next = Arc::new(next);
+        let writer = next.map.writer().expect("a new mapping has its writer");
+        // Readers look for the next segment only after reaching the old one's published end,
+        // which is final by now (see Reader::advance).
+        self.shared
+            .segments
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::clone(&next));
+        *self.shared.active.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&next);
+        self.active = next;
+        self.writer = writer;
+        self.pos = HEADER_LEN;
+        self.prefaulted = HEADER_LEN;
+        Ok(())
+    }
+}
+
+impl Drop for Log {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::error!(dir = %self.shared.dir.display(), error = %e, "final sync failed on close");
+        }
+    }
+}
+
+/// Finds the end of the valid records of the active segment, cutting a torn tail.
+/// Returns the position after the last valid frame and the next offset.
+fn recover_active(
+    seg: &Segment,
+    writer: &mut DataWriter,
+    report: &mut RecoveryReport,
+) -> Result<(usize, u64)> {
+    let header = seg.header();
+    let (start, start_offset) = match &header {
+        Ok(h)
+            if h.checkpoint_pos as usize >= HEADER_LEN
+                && (h.checkpoint_pos as usize) <= seg.map.len()
+                && h.checkpoint_pos % frame::FRAME_ALIGN as u64 == 0 =>
+        {
+            (h.checkpoint_pos as usize, h.checkpoint_offset)
+        }
+        Ok(_) => (HEADER_LEN, seg.base),
+        Err(reason) => {
+            tracing::warn!(file = %seg.path.display(), %reason, "segment header unreadable; rescanning the segment");
+            (HEADER_LEN, seg.base)
+        }
+    };
+    let data = writer.unpublished_mut();
+    let scan = recovery::scan(data, start - HEADER_LEN, start_offset);
+    report.records_scanned = scan.records;
+    let end = HEADER_LEN + scan.end;
+    match scan.stop {
+        Stop::Clean => {}
+        Stop::Torn { error, garbage_end } => {
+            let cut = garbage_end - scan.end;
+            tracing::warn!(file = %seg.path.display(), position = end, bytes = cut, %error,
+                "cut the torn tail left by an interrupted append");
+            data[scan.end..garbage_end].fill(0);
+            report.torn_bytes_cut = cut as u64;
+            report.torn_at = Some(end as u64);
+        }
+        Stop::Corrupt {
+            error,
+            later_pos,
+            later_offset,
+        } => {
+            return Err(Error::Corrupt {
+                file: seg.path.clone(),
+                position: end as u64,
+                offset: Some(scan.next_offset),
+                reason: Reason::Other(format!(
+                    "{error}, yet a valid record {later_offset} follows at byte {}",
+                    HEADER_LEN + later_pos
+                )),
+                before_tail: true,
+            });
+        }
+    }
+    if header.is_err() {
+        seg.write_checkpoint(0, seg.base);
+    }
+    Ok((end, scan.next_offset))
+}
+
+fn spawn_interval_sync(shared: Arc<Shared>, every: Duration) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("petrel-log-sync".into())
+        .spawn(move || {
+            loop {
+                {
+                    let state = shared.lock_sync();
+                    let (state, _) = shared
+                        .synced
+                        .wait_timeout_while(state, every, |s| !s.stopping)
+                        .unwrap_or_else(|e| e.into_inner());
+                    if state.stopping {
+                        return;
+                    }
+                }
+                let next = shared.next_offset.load(Ordering::Acquire);
+                if next > 0 && shared.make_durable(next - 1).is_err() {
+                    return; // poisoned: every later call reports it
+                }
+            }
+        })
+        .map_err(io_err("spawn sync thread", PathBuf::new()))
+}
+
+fn lock_dir(dir: &Path) -> Result<File> {
+    let path = dir.join(LOCK_FILE);
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_err("open lock file", &path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
+            path: dir.to_path_buf(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_err("lock", &path)(e)),
+    }
+}
+
+pub(crate) fn corrupt(file: &Path, position: u64, offset: Option<u64>, reason: Reason) -> Error {
+    Error::Corrupt {
+        file: file.to_path_buf(),
+        position,
+        offset,
+        reason,
+        before_tail: true,
+    }
+}
+
+pub(crate) fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}

@@ -1,0 +1,203 @@
+//! The only module with `unsafe` code: a shared, writable memory mapping of one segment file.
+//!
+//! The mapping is split in two regions with different rules:
+//!
+//! * the **header** `[0, HEADER_LEN)`: read and written only while holding `header_lock`, by copy;
+//! * the **data** `[HEADER_LEN, len)`: a prefix `[HEADER_LEN, published)` that readers on any thread
+//!   may borrow, and a suffix `[published, len)` that only the one [`DataWriter`] may touch.
+//!
+//! Soundness rests on three invariants, each kept by this module alone:
+//!
+//! 1. **Disjointness.** At most one `DataWriter` exists per mapping (`writer_taken`), and it only
+//!    hands out `&mut` slices of `[published, len)`. Readers only get `&` slices of
+//!    `[HEADER_LEN, published)`. The two never overlap, so no byte is read and written at once.
+//! 2. **Immutability after publication.** `published` only grows (`DataWriter::publish` asserts
+//!    it), so a byte a reader may see never changes again for the life of the mapping.
+//! 3. **Happens-before.** The writer stores `published` with `Release` after writing the bytes;
+//!    readers load it with `Acquire` before reading, so they see every byte below it.
+//!
+//! Access through the mapping never faults for lack of disk space: segment files are fully
+//! allocated with `fallocate` before they are mapped, and never shrunk while mapped.
+
+use std::fs::File;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use memmap2::{MmapOptions, MmapRaw};
+
+/// Bytes at the start of every segment reserved for its header.
+pub(crate) const HEADER_LEN: usize = 64;
+
+pub(crate) struct Mapping {
+    raw: MmapRaw,
+    len: usize,
+    published: AtomicUsize,
+    writer_taken: AtomicBool,
+    writable: bool,
+    header_lock: Mutex<()>,
+}
+
+// SAFETY: all shared access to the mapped bytes follows the invariants in the module comment;
+// the raw pointer itself is valid for the whole life of `raw`.
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the whole of `file`, which must be at least `HEADER_LEN` bytes and already allocated
+    /// on disk. Nothing is published yet; the data region is reachable only through `writer()`
+    /// until `DataWriter::publish`.
+    pub(crate) fn new(file: &File, len: usize) -> io::Result<Mapping> {
+        assert!(len >= HEADER_LEN, "segment shorter than its header");
+        let raw = MmapOptions::new().len(len).map_raw(file)?;
+        Ok(Mapping {
+            raw,
+            len,
+            published: AtomicUsize::new(HEADER_LEN),
+            writer_taken: AtomicBool::new(false),
+            writable: true,
+            header_lock: Mutex::new(()),
+        })
+    }
+
+    /// Maps `file` read-only with `[HEADER_LEN, published)` published: for sealed segments and
+    /// offline tools. There is no writer and the header cannot be written.
+    pub(crate) fn new_read_only(file: &File, len: usize, published: usize) -> io::Result<Mapping> {
+        assert!(len >= HEADER_LEN, "segment shorter than its header");
+        assert!(
+            (HEADER_LEN..=len).contains(&published),
+            "published end out of range"
+        );
+        let raw = MmapOptions::new().len(len).map_raw_read_only(file)?;
+        Ok(Mapping {
+            raw,
+            len,
+            published: AtomicUsize::new(published),
+            writer_taken: AtomicBool::new(true),
+            writable: false,
+            header_lock: Mutex::new(()),
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// End of the published data region (`HEADER_LEN` when nothing is published).
+    pub(crate) fn published_end(&self) -> usize {
+        self.published.load(Ordering::Acquire)
+    }
+
+    /// The published data region, addressed by file position.
+    pub(crate) fn published(&self) -> Published<'_> {
+        let end = self.published.load(Ordering::Acquire);
+        // SAFETY: [HEADER_LEN, end) is published: by invariants 1–3 no one writes it any more
+        // and its contents are visible to this thread. `end <= len` (asserted in `publish`).
+        let data = unsafe {
+            std::slice::from_raw_parts(self.raw.as_ptr().add(HEADER_LEN), end - HEADER_LEN)
+        };
+        Published { data }
+    }
+
+    /// Takes the single data writer of this mapping; `None` if it was already taken.
+    pub(crate) fn writer(self: &Arc<Self>) -> Option<DataWriter> {
+        if self.writer_taken.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        Some(DataWriter {
+            map: Arc::clone(self),
+        })
+    }
+
+    pub(crate) fn read_header(&self) -> [u8; HEADER_LEN] {
+        let _guard = self.header_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = [0u8; HEADER_LEN];
+        // SAFETY: the header is only touched under `header_lock`, which we hold.
+        unsafe { std::ptr::copy_nonoverlapping(self.raw.as_ptr(), out.as_mut_ptr(), HEADER_LEN) };
+        out
+    }
+
+    pub(crate) fn write_header(&self, header: &[u8; HEADER_LEN]) {
+        assert!(self.writable, "header write to a read-only mapping");
+        let _guard = self.header_lock.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the header is only touched under `header_lock`, which we hold.
+        unsafe {
+            std::ptr::copy_nonoverlapping(header.as_ptr(), self.raw.as_mut_ptr(), HEADER_LEN)
+        };
+    }
+
+    /// Asks the kernel to fault in `[from, to)` of the data region writable ahead of the writer,
+    /// so appends do not stop on page faults. Advice only: errors are ignored.
+    pub(crate) fn prefault_write(&self, from: usize, to: usize) {
+        let page = 4096;
+        let from = from / page * page;
+        let to = to.min(self.len);
+        if !self.writable || from >= to {
+            return;
+        }
+        // SAFETY: MADV_POPULATE_WRITE does not change the contents of the mapping (it faults in
+        // pages as if written with their current contents), so it cannot race with readers or
+        // the writer; the range lies within the mapping.
+        unsafe {
+            let _ = rustix::mm::madvise(
+                self.raw.as_mut_ptr().add(from).cast(),
+                to - from,
+                rustix::mm::Advice::LinuxPopulateWrite,
+            );
+        }
+    }
+}
+
+/// The published frames of a segment, indexed by file position.
+#[derive(Clone, Copy)]
+pub(crate) struct Published<'a> {
+    data: &'a [u8],
+}
+
+impl<'a> Published<'a> {
+    /// File position one past the last published byte.
+    pub(crate) fn end(&self) -> usize {
+        HEADER_LEN + self.data.len()
+    }
+
+    /// The published bytes from file position `pos` (must be `>= HEADER_LEN`) to the end.
+    pub(crate) fn from(&self, pos: usize) -> &'a [u8] {
+        &self.data[pos - HEADER_LEN..]
+    }
+}
+
+/// Exclusive access to the unpublished data region of one mapping.
+pub(crate) struct DataWriter {
+    map: Arc<Mapping>,
+}
+
+impl DataWriter {
+    /// File position where the unpublished region starts.
+    pub(crate) fn published_end(&self) -> usize {
+        self.map.published.load(Ordering::Relaxed)
+    }
+
+    /// The unpublished region `[published, len)`, as a slice starting at file position
+    /// `published_end()`.
+    pub(crate) fn unpublished_mut(&mut self) -> &mut [u8] {
+        let start = self.map.published.load(Ordering::Relaxed);
+        // SAFETY: invariant 1 — this is the only DataWriter, `&mut self` prevents two live
+        // slices from it, and readers never look at or past `published`.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.map.raw.as_mut_ptr().add(start),
+                self.map.len - start,
+            )
+        }
+    }
+
+    /// Makes `[published, end)` visible to readers, for good.
+    pub(crate) fn publish(&mut self, end: usize) {
+        let current = self.map.published.load(Ordering::Relaxed);
+        assert!(
+            end >= current && end <= self.map.len,
+            "publish out of range"
+        );
+        self.map.published.store(end, Ordering::Release);
+    }
+}

@@ -1,0 +1,107 @@
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// When appended records reach stable storage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// Records live in the page cache: they survive a crash of the process, not of the machine.
+    #[default]
+    None,
+    /// A background thread syncs at this interval: a machine crash loses at most that much.
+    Interval(Duration),
+    /// An append returns only once its record is on stable storage. Concurrent appends through a
+    /// [`SharedLog`](crate::SharedLog) share one sync (group commit).
+    Always,
+}
+
+impl FromStr for Durability {
+    type Err = String;
+
+    /// `none`, `always`, or `interval:MS` (milliseconds, fractions allowed: `interval:0.05`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Durability::None),
+            "always" => Ok(Durability::Always),
+            _ => {
+                let ms = s
+                    .strip_prefix("interval:")
+                    .and_then(|ms| ms.parse::<f64>().ok())
+                    .filter(|ms| ms.is_finite() && *ms > 0.0)
+                    .ok_or_else(|| {
+                        format!("durability must be none, always or interval:MS, not {s:?}")
+                    })?;
+                Ok(Durability::Interval(Duration::from_secs_f64(ms / 1000.0)))
+            }
+        }
+    }
+}
+
+impl fmt::Display for Durability {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Durability::None => f.write_str("none"),
+            Durability::Always => f.write_str("always"),
+            Durability::Interval(d) => write!(f, "interval:{}", d.as_secs_f64() * 1000.0),
+        }
+    }
+}
+
+/// How a log is opened. Every limit has a default; `validate` says what is out of range.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Bytes preallocated per segment file.
+    pub segment_bytes: u64,
+    /// Largest record (payload + key + headers) accepted by `append`.
+    pub max_record_bytes: usize,
+    pub durability: Durability,
+    /// Create the directory when it does not exist.
+    pub create: bool,
+}
+
+pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
+pub const MIN_SEGMENT_BYTES: u64 = 64 << 10;
+/// Frame positions are stored in 32 bits (see `docs/format.md`).
+pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - 4096;
+pub const DEFAULT_MAX_RECORD_BYTES: usize = 16 << 20;
+pub const MAX_MAX_RECORD_BYTES: usize = 1 << 30;
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            segment_bytes: DEFAULT_SEGMENT_BYTES,
+            max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
+            durability: Durability::None,
+            create: true,
+        }
+    }
+}
+
+impl Options {
+    pub fn validate(&self) -> Result<()> {
+        if !(MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&self.segment_bytes)
+            || self.segment_bytes % 4096 != 0
+        {
+            return Err(Error::Config(format!(
+                "segment_bytes must be a multiple of 4096 between {MIN_SEGMENT_BYTES} and {MAX_SEGMENT_BYTES}, not {}",
+                self.segment_bytes
+            )));
+        }
+        if self.max_record_bytes == 0 || self.max_record_bytes > MAX_MAX_RECORD_BYTES {
+            return Err(Error::Config(format!(
+                "max_record_bytes must be between 1 and {MAX_MAX_RECORD_BYTES}, not {}",
+                self.max_record_bytes
+            )));
+        }
+        if let Durability::Interval(d) = self.durability
+            && d.is_zero()
+        {
+            return Err(Error::Config(
+                "a durability interval must be longer than zero".into(),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,255 @@
+//! Reading records: sequentially, in batches, or by offset. Records borrow the segment mapping.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use crate::error::{Reason, Result};
+use crate::frame::{self, Decoded, Record};
+use crate::log::{Shared, corrupt};
+use crate::mmap::HEADER_LEN;
+use crate::segment::Segment;
+
+/// A cursor over the log that sees only complete, published records. Independent of the writer
+/// and of other readers; move it to any thread.
+pub struct Reader {
+    shared: Arc<Shared>,
+    /// Segment holding `next`, once located.
+    seg: Option<Arc<Segment>>,
+    /// Position of record `next` in `seg`.
+    pos: usize,
+    next: u64,
+}
+
+impl Reader {
+    pub(crate) fn new(shared: Arc<Shared>) -> Reader {
+        let next = shared.first_offset();
+        Reader {
+            shared,
+            seg: None,
+            pos: 0,
+            next,
+        }
+    }
+
+    /// Offset of the record the next read returns.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+
+    /// Offset of the oldest record in the log.
+    pub fn first_offset(&self) -> u64 {
+        self.shared.first_offset()
+    }
+
+    /// One past the newest published record.
+    pub fn end_offset(&self) -> u64 {
+        self.shared.next_offset.load(Ordering::Acquire)
+    }
+
+    /// Moves to `offset` (to the oldest record if it is older, to the end if it is newer).
+    pub fn seek(&mut self, offset: u64) {
+        let offset = offset.clamp(self.first_offset(), self.end_offset());
+        if offset != self.next || self.seg.is_none() {
+            self.seg = None;
+            self.next = offset;
+        }
+    }
+
+    /// The next record, or `None` at the end of the log.
+    pub fn next(&mut self) -> Result<Option<Record<'_>>> {
+        Ok(self.read_batch(1)?.into_iter().next())
+    }
+
+    /// The record at `offset`, or `None` if it is not in the log. Leaves the reader after it.
+    pub fn get(&mut self, offset: u64) -> Result<Option<Record<'_>>> {
+        if offset < self.first_offset() || offset >= self.end_offset() {
+            return Ok(None);
+        }
+        self.seek(offset);
+        self.next()
+    }
+
+    /// Up to `max` consecutive records, all from one segment (so possibly fewer than `max` even
+    /// when more follow). Every record is checked (CRC, offset) before it is returned. An empty
+    /// batch means the end of the log.
+    pub fn read_batch(&mut self, max: usize) -> Result<Batch<'_>> {
+        self.shared.check_poison()?;
+        if max == 0 || !self.advance()? {
+            return Ok(Batch::default());
+        }
+        let seg = self.seg.as_ref().expect("advance located a segment");
+        let data = seg.map.published().from(self.pos);
+        let first = self.next;
+        let mut at = 0;
+        let mut count = 0;
+        while count < max && at + frame::FRAME_ALIGN <= data.len() && data[at..at + 8] != [0; 8] {
+            let expected = first + count as u64;
+            let reason = match frame::decode(&data[at..], data.len() - at) {
+                Ok(Decoded::Frame(rec, len)) if rec.offset == expected => {
+                    at += len;
+                    count += 1;
+                    continue;
+                }
+                Ok(Decoded::Frame(rec, _)) => Reason::Gap {
+                    expected,
+                    found: rec.offset,
+                },
+                Ok(Decoded::Empty) => unreachable!("checked for zero bytes above"),
+                Err(e) => Reason::Frame(e),
+            };
+            if count > 0 {
+                break; // return the good records; the next call reports the bad one
+            }
+            return Err(corrupt(
+                &seg.path,
+                (self.pos + at) as u64,
+                Some(expected),
+                reason,
+            ));
+        }
+        self.pos += at;
+        self.next += count as u64;
+        Ok(Batch {
+            data: &data[..at],
+            first,
+            count,
+        })
+    }
+
+    /// Makes `seg`/`pos` point at record `next`; `false` at the end of the log.
+    fn advance(&mut self) -> Result<bool> {
+        loop {
+            let Some(seg) = &self.seg else {
+                let Some(seg) = self.shared.segment_for(self.next) else {
+                    return Ok(false);
+                };
+                self.pos = locate(&seg, self.next)?;
+                self.seg = Some(seg);
+                continue;
+            };
+            let published = seg.map.published();
+            if self.pos + frame::FRAME_ALIGN <= published.end()
+                && published.from(self.pos)[..8] != [0; 8]
+            {
+                return Ok(true);
+            }
+            // At the end of this segment's data: move on if the writer has rolled. The writer
+            // publishes a segment's last frame before it adds the next segment, so once a next
+            // segment is seen, a second look at `published_end` is final.
+            let Some(after) = self.shared.segment_after(seg.base) else {
+                return Ok(false);
+            };
+            if seg.map.published_end() != published.end() {
+                continue;
+            }
+            if after.base != self.next {
+                return Err(corrupt(
+                    &seg.path,
+                    self.pos as u64,
+                    Some(self.next),
+                    Reason::Missing {
+                        expected: self.next,
+                    },
+                ));
+            }
+            self.seg = Some(after);
+            self.pos = HEADER_LEN;
+        }
+    }
+}
+
+/// Position of record `offset` in `seg`, found by walking frame lengths from the start (or
+/// straight from the tail when `offset` is the next to be written).
+fn locate(seg: &Segment, offset: u64) -> Result<usize> {
+    let (tail_pos, tail_records) = seg.tail();
+    if tail_records > 0 && offset == seg.base + tail_records {
+        return Ok(tail_pos);
+    }
+    let published = seg.map.published();
+    let mut pos = HEADER_LEN;
+    let mut at = seg.base;
+    while at < offset {
+        let bytes = published.from(pos);
+        match frame::peek_len(bytes) {
+            Some(len) => pos += len,
+            None => break,
+        }
+        at += 1;
+    }
+    if at != offset {
+        return Err(corrupt(
+            &seg.path,
+            pos as u64,
+            Some(at),
+            Reason::Missing { expected: offset },
+        ));
+    }
+    Ok(pos)
+}
+
+/// Consecutive checked records from one segment. Iterating decodes them again without the CRC
+/// (already checked) and allocates nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Batch<'a> {
+    data: &'a [u8],
+    first: u64,
+    count: usize,
+}
+
+impl<'a> Batch<'a> {
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Offset of the first record (meaningless when empty).
+    pub fn first_offset(&self) -> u64 {
+        self.first
+    }
+
+    /// Bytes the batch spans in the segment (frames with padding).
+    pub fn frame_bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+impl<'a> IntoIterator for Batch<'a> {
+    type Item = Record<'a>;
+    type IntoIter = BatchIter<'a>;
+
+    fn into_iter(self) -> BatchIter<'a> {
+        BatchIter {
+            rest: self.data,
+            left: self.count,
+        }
+    }
+}
+
+pub struct BatchIter<'a> {
+    rest: &'a [u8],
+    left: usize,
+}
+
+impl<'a> Iterator for BatchIter<'a> {
+    type Item = Record<'a>;
+
+    #[inline]
+    fn next(&mut self) -> Option<Record<'a>> {
+        if self.left == 0 {
+            return None;
+        }
+        let (record, len) = frame::decode_checked_frame(self.rest);
+        self.rest = &self.rest[len..];
+        self.left -= 1;
+        Some(record)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for BatchIter<'_> {}

@@ -1,0 +1,324 @@
+//! One segment file: its name, its header, creation with preallocation, and syncing.
+//!
+//! ```text
+//! header, 64 bytes, little-endian:
+//! 0   8  magic             b"PETRELSG"
+//! 8   4  format version    1
+//! 12  4  header length     64 (frames start here)
+//! 16  8  base offset       offset of the first record; also in the file name
+//! 24  8  segment length    bytes preallocated for the file
+//! 32  8  created           nanoseconds since the Unix epoch
+//! 40  8  checkpoint pos    frames in [64, pos) were durable when this was written (0 = none)
+//! 48  8  checkpoint offset offset of the record starting at `checkpoint pos`
+//! 56  4  reserved          0
+//! 60  4  crc32c            of bytes [0, 60)
+//! ```
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, Result, io_err};
+use crate::mmap::{HEADER_LEN, Mapping};
+
+pub(crate) const SEGMENT_MAGIC: [u8; 8] = *b"PETRELSG";
+pub(crate) const FORMAT_VERSION: u32 = 1;
+const SUFFIX: &str = ".log";
+const TMP_SUFFIX: &str = ".log.tmp";
+
+/// File name of the segment whose first record is `base`.
+pub(crate) fn file_name(base: u64) -> String {
+    format!("{base:020}{SUFFIX}")
+}
+
+/// The base offset in a segment file name, or `None` for other files.
+pub(crate) fn parse_name(name: &str) -> Option<u64> {
+    let digits = name.strip_suffix(SUFFIX)?;
+    (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())?
+}
+
+pub(crate) fn is_leftover_tmp(name: &str) -> bool {
+    name.ends_with(TMP_SUFFIX)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SegmentHeader {
+    pub base_offset: u64,
+    pub len: u64,
+    pub created: u64,
+    pub checkpoint_pos: u64,
+    pub checkpoint_offset: u64,
+}
+
+impl SegmentHeader {
+    pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..8].copy_from_slice(&SEGMENT_MAGIC);
+        b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&(HEADER_LEN as u32).to_le_bytes());
+        b[16..24].copy_from_slice(&self.base_offset.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..40].copy_from_slice(&self.created.to_le_bytes());
+        b[40..48].copy_from_slice(&self.checkpoint_pos.to_le_bytes());
+        b[48..56].copy_from_slice(&self.checkpoint_offset.to_le_bytes());
+        let crc = crc32c::crc32c(&b[0..60]);
+        b[60..64].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<SegmentHeader, String> {
+        if b[0..8] != SEGMENT_MAGIC {
+            return Err("bad segment magic".into());
+        }
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
+        if crc32c::crc32c(&b[0..60]) != u32_at(60) {
+            return Err("segment header CRC mismatch".into());
+        }
+        if u32_at(8) != FORMAT_VERSION {
+            return Err(format!("unsupported format version {}", u32_at(8)));
+        }
+        if u32_at(12) as usize != HEADER_LEN {
+            return Err(format!("unsupported header length {}", u32_at(12)));
+        }
+        Ok(SegmentHeader {
+            base_offset: u64_at(16),
+            len: u64_at(24),
+            created: u64_at(32),
+            checkpoint_pos: u64_at(40),
+            checkpoint_offset: u64_at(48),
+        })
+    }
+}
+
+/// An open segment file and its mapping.
+pub(crate) struct Segment {
+    pub base: u64,
+    pub path: PathBuf,
+    file: File,
+    pub map: Arc<Mapping>,
+    /// Position after the last published frame (high 32 bits) and records published (low 32
+    /// bits), stored together so a sync can checkpoint a consistent pair.
+    tail: AtomicU64,
+}
+
+impl Segment {
+    /// Creates, preallocates and maps a new segment. The file appears under its final name only
+    /// once fully allocated and headed, so a crash or a full disk never leaves a half-made segment
+    /// where the next open would trip on it. With `durable`, file and directory are synced too.
+    pub(crate) fn create(
+        dir: &Path,
+        base: u64,
+        len: u64,
+        now: u64,
+        durable: bool,
+    ) -> Result<Segment> {
+        let path = dir.join(file_name(base));
+        let tmp = dir.join(format!("{base:020}{TMP_SUFFIX}"));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)
+            .map_err(io_err("create segment", &tmp))?;
+        let made = (|| {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(
+                |e| Error::SegmentAllocation {
+                    path: path.clone(),
+                    size: len,
+                    source: e.into(),
+                },
+            )?;
+            let map =
+                Arc::new(Mapping::new(&file, len as usize).map_err(io_err("map segment", &tmp))?);
+            let header = SegmentHeader {
+                base_offset: base,
+                len,
+                created: now,
+                checkpoint_pos: 0,
+                checkpoint_offset: base,
+            };
+            map.write_header(&header.encode());
+            if durable {
+                rustix::fs::fdatasync(&file).map_err(|e| io_err("sync segment", &tmp)(e.into()))?;
+            }
+            fs::rename(&tmp, &path).map_err(io_err("rename segment", &path))?;
+            if durable {
+                sync_dir(dir)?;
+            }
+            Ok(map)
+        })();
+        match made {
+            Ok(map) => Ok(Segment {
+                base,
+                path,
+                file,
+                map,
+                tail: AtomicU64::new(pack(HEADER_LEN, 0)),
+            }),
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                Err(e)
+            }
+        }
+    }
+
+    /// Opens an existing segment. Returns its header, or why the header could not be trusted
+    /// (the caller decides whether that matters).
+    pub(crate) fn open(
+        path: &Path,
+        base: u64,
+        writable: bool,
+    ) -> Result<(Segment, Result<SegmentHeader, String>)> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(path)
+            .map_err(io_err("open segment", path))?;
+        let file_len = file.metadata().map_err(io_err("stat segment", path))?.len();
+        if file_len < HEADER_LEN as u64 {
+            return Err(Error::Corrupt {
+                file: path.to_path_buf(),
+                position: 0,
+                offset: None,
+                reason: crate::error::Reason::Other(format!(
+                    "segment is {file_len} bytes, shorter than its header"
+                )),
+                before_tail: false,
+            });
+        }
+        let mut header_bytes = [0u8; HEADER_LEN];
+        read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
+        let header = SegmentHeader::decode(&header_bytes).and_then(|h| {
+            if h.base_offset == base {
+                Ok(h)
+            } else {
+                Err(format!(
+                    "header base offset {} does not match the file name",
+                    h.base_offset
+                ))
+            }
+        });
+        // A segment cut short (copied badly, or truncated by hand) is extended back to its
+        // allocated length so appends never reach past the end of the file.
+        if writable
+            && let Ok(h) = &header
+            && file_len < h.len
+        {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, h.len).map_err(
+                |e| Error::SegmentAllocation {
+                    path: path.to_path_buf(),
+                    size: h.len,
+                    source: e.into(),
+                },
+            )?;
+        }
+        let len = file.metadata().map_err(io_err("stat segment", path))?.len();
+        let map = if writable {
+            Mapping::new(&file, len as usize)
+        } else {
+            Mapping::new_read_only(&file, len as usize, len as usize)
+        };
+        let map = Arc::new(map.map_err(io_err("map segment", path))?);
+        let tail = AtomicU64::new(pack(HEADER_LEN, 0));
+        Ok((
+            Segment {
+                base,
+                path: path.to_path_buf(),
+                file,
+                map,
+                tail,
+            },
+            header,
+        ))
+    }
+
+    /// The published end position and the number of records before it.
+    pub(crate) fn tail(&self) -> (usize, u64) {
+        let t = self.tail.load(Ordering::Acquire);
+        ((t >> 32) as usize, t & 0xFFFF_FFFF)
+    }
+
+    pub(crate) fn set_tail(&self, pos: usize, records: u64) {
+        self.tail.store(pack(pos, records), Ordering::Release);
+    }
+
+    /// Makes everything written to the mapping so far durable.
+    pub(crate) fn sync(&self) -> io::Result<()> {
+        rustix::fs::fdatasync(&self.file).map_err(Into::into)
+    }
+
+    pub(crate) fn header(&self) -> Result<SegmentHeader, String> {
+        SegmentHeader::decode(&self.map.read_header())
+    }
+
+    /// Records that frames before `pos` (where record `offset` starts) are durable. The header
+    /// itself becomes durable with the next sync.
+    pub(crate) fn write_checkpoint(&self, pos: u64, offset: u64) {
+        let mut header = match self.header() {
+            Ok(h) => h,
+            Err(_) => SegmentHeader {
+                base_offset: self.base,
+                len: self.map.len() as u64,
+                created: 0,
+                checkpoint_pos: 0,
+                checkpoint_offset: self.base,
+            },
+        };
+        header.checkpoint_pos = pos;
+        header.checkpoint_offset = offset;
+        self.map.write_header(&header.encode());
+    }
+}
+
+fn pack(pos: usize, records: u64) -> u64 {
+    debug_assert!(pos <= u32::MAX as usize && records <= u32::MAX as u64);
+    (pos as u64) << 32 | records
+}
+
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    let d = File::open(dir).map_err(io_err("open directory", dir))?;
+    d.sync_all().map_err(io_err("sync directory", dir))
+}
+
+fn read_exact_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    file.read_exact_at(buf, at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        assert_eq!(file_name(42), "00000000000000000042.log");
+        assert_eq!(parse_name(&file_name(u64::MAX)), Some(u64::MAX));
+        assert_eq!(parse_name("42.log"), None);
+        assert_eq!(parse_name("0000000000000000004x.log"), None);
+        assert_eq!(parse_name("00000000000000000042.log.tmp"), None);
+        assert!(is_leftover_tmp("00000000000000000042.log.tmp"));
+    }
+
+    #[test]
+    fn header_round_trips_and_rejects_damage() {
+        let h = SegmentHeader {
+            base_offset: 7,
+            len: 65536,
+            created: 1,
+            checkpoint_pos: 128,
+            checkpoint_offset: 9,
+        };
+        let b = h.encode();
+        assert_eq!(SegmentHeader::decode(&b), Ok(h));
+        for i in 0..HEADER_LEN {
+            let mut bad = b;
+            bad[i] ^= 0x10;
+            assert!(SegmentHeader::decode(&bad).is_err(), "byte {i}");
+        }
+    }
+}

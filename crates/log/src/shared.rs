@@ -1,0 +1,87 @@
+//! A cloneable handle for many producer threads, with group commit.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::Result;
+use crate::frame::Input;
+use crate::log::{Log, Shared};
+use crate::options::Durability;
+use crate::reader::Reader;
+
+/// A [`Log`] that many threads append to. Appends are serialized by a short lock (the frame
+/// copy); under [`Durability::Always`] the wait for the disk happens outside that lock, and all
+/// appends that arrive while one thread syncs are covered by the next single sync.
+#[derive(Clone)]
+pub struct SharedLog {
+    log: Arc<Mutex<Log>>,
+    shared: Arc<Shared>,
+}
+
+impl SharedLog {
+    pub(crate) fn new(log: Log) -> SharedLog {
+        let shared = Arc::clone(log.shared());
+        SharedLog {
+            log: Arc::new(Mutex::new(log)),
+            shared,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Log> {
+        self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn durable(&self, last: u64) -> Result<()> {
+        if self.shared.options.durability == Durability::Always {
+            self.shared.make_durable(last)?;
+        }
+        Ok(())
+    }
+
+    pub fn append(&self, payload: &[u8]) -> Result<u64> {
+        self.append_with(&Input::payload(payload))
+    }
+
+    pub fn append_with(&self, input: &Input<'_>) -> Result<u64> {
+        let offset = self.lock().append_unsynced(input)?;
+        self.durable(offset)?;
+        Ok(offset)
+    }
+
+    pub fn append_batch<P: AsRef<[u8]>>(&self, payloads: &[P]) -> Result<Range<u64>> {
+        let range = self
+            .lock()
+            .batch_unsynced(payloads.len(), |i| Input::payload(payloads[i].as_ref()))?;
+        if !range.is_empty() {
+            self.durable(range.end - 1)?;
+        }
+        Ok(range)
+    }
+
+    pub fn append_batch_with(&self, inputs: &[Input<'_>]) -> Result<Range<u64>> {
+        let range = self.lock().batch_unsynced(inputs.len(), |i| inputs[i])?;
+        if !range.is_empty() {
+            self.durable(range.end - 1)?;
+        }
+        Ok(range)
+    }
+
+    /// Makes every record appended so far durable.
+    pub fn sync(&self) -> Result<()> {
+        let next = self.next_offset();
+        if next == 0 {
+            return self.shared.check_poison();
+        }
+        self.shared.make_durable(next - 1)
+    }
+
+    pub fn next_offset(&self) -> u64 {
+        self.shared
+            .next_offset
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn reader(&self) -> Reader {
+        Reader::new(Arc::clone(&self.shared))
+    }
+}
