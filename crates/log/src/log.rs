@@ -61,6 +61,32 @@ struct SyncState {
 }
 
 impl Shared {
+    pub(crate) fn new(
+        dir: PathBuf,
+        options: Options,
+        segments: Vec<Arc<Segment>>,
+        next_offset: u64,
+    ) -> Arc<Shared> {
+        let active = Arc::clone(segments.last().expect("a log has at least one segment"));
+        Arc::new(Shared {
+            dir,
+            options,
+            segments: RwLock::new(segments),
+            next_offset: AtomicU64::new(next_offset),
+            poisoned: AtomicBool::new(false),
+            poison_reason: Mutex::new(None),
+            sync: Mutex::new(SyncState {
+                durable: 0,
+                syncing: false,
+                stopping: false,
+            }),
+            synced: Condvar::new(),
+            active: Mutex::new(active),
+            #[cfg(test)]
+            fail_next_sync: AtomicBool::new(false),
+        })
+    }
+
     pub(crate) fn check_poison(&self) -> Result<()> {
         if self.poisoned.load(Ordering::Relaxed) {
             let reason = self.poison_reason.lock().unwrap_or_else(|e| e.into_inner());
@@ -181,19 +207,8 @@ impl Log {
         }
         let lock = lock_dir(&dir)?;
         let mut report = RecoveryReport::default();
-        let mut bases = Vec::new();
-        for entry in fs::read_dir(&dir).map_err(io_err("list directory", &dir))? {
-            let entry = entry.map_err(io_err("list directory", &dir))?;
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if segment::is_leftover_tmp(&name) {
-                fs::remove_file(entry.path()).map_err(io_err("remove leftover", entry.path()))?;
-                report.leftovers_removed += 1;
-            } else if let Some(base) = segment::parse_name(&name) {
-                bases.push(base);
-            }
-        }
-        bases.sort_unstable();
+        let (bases, leftovers) = list_segments(&dir, true)?;
+        report.leftovers_removed = leftovers;
         let durable = options.durability != Durability::None;
         let now = now_ns();
         let mut segments = Vec::with_capacity(bases.len() + 1);
@@ -225,23 +240,7 @@ impl Log {
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
 
-        let shared = Arc::new(Shared {
-            dir,
-            options,
-            segments: RwLock::new(segments),
-            next_offset: AtomicU64::new(next_offset),
-            poisoned: AtomicBool::new(false),
-            poison_reason: Mutex::new(None),
-            sync: Mutex::new(SyncState {
-                durable: 0,
-                syncing: false,
-                stopping: false,
-            }),
-            synced: Condvar::new(),
-            active: Mutex::new(Arc::clone(&active)),
-            #[cfg(test)]
-            fail_next_sync: AtomicBool::new(false),
-        });
+        let shared = Shared::new(dir, options, segments, next_offset);
         // Whatever recovery kept was written before the crash; make it durable now if the
         // policy asks for durability, so the checkpoint covers it.
         if durable && next_offset > 0 {
@@ -529,20 +528,7 @@ fn recover_active(
     report: &mut RecoveryReport,
 ) -> Result<(usize, u64)> {
     let header = seg.header();
-    let (start, start_offset) = match &header {
-        Ok(h)
-            if h.checkpoint_pos as usize >= HEADER_LEN
-                && (h.checkpoint_pos as usize) <= seg.map.len()
-                && h.checkpoint_pos % frame::FRAME_ALIGN as u64 == 0 =>
-        {
-            (h.checkpoint_pos as usize, h.checkpoint_offset)
-        }
-        Ok(_) => (HEADER_LEN, seg.base),
-        Err(reason) => {
-            tracing::warn!(file = %seg.path.display(), %reason, "segment header unreadable; rescanning the segment");
-            (HEADER_LEN, seg.base)
-        }
-    };
+    let (start, start_offset) = scan_start(seg, &header);
     let data = writer.unpublished_mut();
     let scan = recovery::scan(data, start - HEADER_LEN, start_offset);
     report.records_scanned = scan.records;
@@ -562,22 +548,62 @@ fn recover_active(
             later_pos,
             later_offset,
         } => {
-            return Err(Error::Corrupt {
-                file: seg.path.clone(),
-                position: end as u64,
-                offset: Some(scan.next_offset),
-                reason: Reason::Other(format!(
-                    "{error}, yet a valid record {later_offset} follows at byte {}",
-                    HEADER_LEN + later_pos
-                )),
-                before_tail: true,
-            });
+            return Err(corrupt_before_valid(
+                seg,
+                end,
+                scan.next_offset,
+                error,
+                later_pos,
+                later_offset,
+            ));
         }
     }
     if header.is_err() {
         seg.write_checkpoint(0, seg.base);
     }
     Ok((end, scan.next_offset))
+}
+
+pub(crate) fn corrupt_before_valid(
+    seg: &Segment,
+    end: usize,
+    next_offset: u64,
+    error: crate::FrameError,
+    later_pos: usize,
+    later_offset: u64,
+) -> Error {
+    Error::Corrupt {
+        file: seg.path.clone(),
+        position: end as u64,
+        offset: Some(next_offset),
+        reason: Reason::Other(format!(
+            "{error}, yet a valid record {later_offset} follows at byte {}",
+            HEADER_LEN + later_pos
+        )),
+        before_tail: true,
+    }
+}
+
+/// Where recovery of the last segment starts: its durable checkpoint when the header has a
+/// sane one, else the start of the segment.
+pub(crate) fn scan_start(
+    seg: &Segment,
+    header: &Result<segment::SegmentHeader, String>,
+) -> (usize, u64) {
+    match header {
+        Ok(h)
+            if h.checkpoint_pos as usize >= HEADER_LEN
+                && (h.checkpoint_pos as usize) <= seg.map.len()
+                && h.checkpoint_pos % frame::FRAME_ALIGN as u64 == 0 =>
+        {
+            (h.checkpoint_pos as usize, h.checkpoint_offset)
+        }
+        Ok(_) => (HEADER_LEN, seg.base),
+        Err(reason) => {
+            tracing::warn!(file = %seg.path.display(), %reason, "segment header unreadable; rescanning the segment");
+            (HEADER_LEN, seg.base)
+        }
+    }
 }
 
 fn spawn_interval_sync(shared: Arc<Shared>, every: Duration) -> Result<JoinHandle<()>> {
@@ -604,7 +630,29 @@ fn spawn_interval_sync(shared: Arc<Shared>, every: Duration) -> Result<JoinHandl
         .map_err(io_err("spawn sync thread", PathBuf::new()))
 }
 
-fn lock_dir(dir: &Path) -> Result<File> {
+/// Base offsets of the segments in `dir`, oldest first, and how many leftover temporary files
+/// (an interrupted segment creation) were found — and removed, if `remove_leftovers`.
+pub(crate) fn list_segments(dir: &Path, remove_leftovers: bool) -> Result<(Vec<u64>, usize)> {
+    let mut bases = Vec::new();
+    let mut leftovers = 0;
+    for entry in fs::read_dir(dir).map_err(io_err("list directory", dir))? {
+        let entry = entry.map_err(io_err("list directory", dir))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if segment::is_leftover_tmp(&name) {
+            if remove_leftovers {
+                fs::remove_file(entry.path()).map_err(io_err("remove leftover", entry.path()))?;
+            }
+            leftovers += 1;
+        } else if let Some(base) = segment::parse_name(&name) {
+            bases.push(base);
+        }
+    }
+    bases.sort_unstable();
+    Ok((bases, leftovers))
+}
+
+pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
     let path = dir.join(LOCK_FILE);
     let file = fs::OpenOptions::new()
         .create(true)
@@ -635,4 +683,34 @@ pub(crate) fn now_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_sync_poisons_every_later_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(
+            dir.path(),
+            Options {
+                durability: Durability::Always,
+                ..Options::default()
+            },
+        )
+        .unwrap();
+        log.append(b"durable").unwrap();
+        log.shared.fail_next_sync.store(true, Ordering::Relaxed);
+        let err = log.append(b"doomed").unwrap_err();
+        assert!(matches!(err, Error::Poisoned(_)), "{err}");
+        assert!(matches!(log.append(b"later"), Err(Error::Poisoned(_))));
+        assert!(matches!(log.sync(), Err(Error::Poisoned(_))));
+        assert!(matches!(
+            log.reader().read_batch(1),
+            Err(Error::Poisoned(_))
+        ));
+        let shared = log.into_shared();
+        assert!(matches!(shared.append(b"shared"), Err(Error::Poisoned(_))));
+    }
 }

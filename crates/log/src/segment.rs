@@ -237,6 +237,19 @@ impl Segment {
         ))
     }
 
+    /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last
+    /// segment opened by an offline tool, whose torn tail must stay hidden.
+    pub(crate) fn read_only_until(self, end: usize, records: u64) -> Result<Segment> {
+        let map = Mapping::new_read_only(&self.file, self.map.len(), end)
+            .map_err(io_err("map segment", &self.path))?;
+        let seg = Segment {
+            map: Arc::new(map),
+            ..self
+        };
+        seg.set_tail(end, records);
+        Ok(seg)
+    }
+
     /// The published end position and the number of records before it.
     pub(crate) fn tail(&self) -> (usize, u64) {
         let t = self.tail.load(Ordering::Acquire);

@@ -1,1 +1,345 @@
-//! todo
+//! Offline tools: a read-only view of a log, a full check of every frame, and the explicit
+//! repair that truncates at the first bad frame.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Reason, Result, io_err};
+use crate::log::{Shared, corrupt_before_valid, list_segments, lock_dir, scan_start};
+use crate::mmap::HEADER_LEN;
+use crate::options::Options;
+use crate::reader::Reader;
+use crate::recovery::{self, Stop};
+use crate::segment::{self, Segment, SegmentHeader};
+
+/// Opens `dir` for reading only: no lock is taken and nothing is written, so it works beside a
+/// running writer (which may append while this reads) and on a log that needs repair. A torn
+/// tail is hidden, as the next open would cut it.
+pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
+    let dir = dir.as_ref();
+    let (bases, _) = list_segments(dir, false)?;
+    let Some((&last, sealed)) = bases.split_last() else {
+        return Err(Error::NotALog {
+            path: dir.to_path_buf(),
+            reason: "no segment files".into(),
+        });
+    };
+    let mut segments = Vec::with_capacity(bases.len());
+    for &base in sealed {
+        let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
+        if let Err(reason) = header {
+            return Err(crate::log::corrupt(
+                &seg.path,
+                0,
+                None,
+                Reason::Other(reason),
+            ));
+        }
+        segments.push(Arc::new(seg));
+    }
+    let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, false)?;
+    let (start, start_offset) = scan_start(&seg, &header);
+    let scan = recovery::scan(
+        seg.map.published().from(HEADER_LEN),
+        start - HEADER_LEN,
+        start_offset,
+    );
+    if let Stop::Corrupt {
+        error,
+        later_pos,
+        later_offset,
+    } = scan.stop
+    {
+        return Err(corrupt_before_valid(
+            &seg,
+            HEADER_LEN + scan.end,
+            scan.next_offset,
+            error,
+            later_pos,
+            later_offset,
+        ));
+    }
+    let end = HEADER_LEN + scan.end;
+    let seg = seg.read_only_until(end, scan.next_offset - last)?;
+    segments.push(Arc::new(seg));
+    let options = Options {
+        create: false,
+        ..Options::default()
+    };
+    Ok(Reader::new(Shared::new(
+        dir.to_path_buf(),
+        options,
+        segments,
+        scan.next_offset,
+    )))
+}
+
+/// One problem `verify` found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub file: PathBuf,
+    /// Byte position in the file.
+    pub position: u64,
+    /// The record expected there.
+    pub offset: Option<u64>,
+    pub kind: ProblemKind,
+    pub detail: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProblemKind {
+    /// A bad header, a bad frame before the end, or missing records: data is damaged.
+    Corrupt,
+    /// An interrupted last append at the very end of the log; the next open cuts it.
+    TornTail,
+}
+
+/// What `verify` saw.
+#[derive(Clone, Debug, Default)]
+pub struct VerifyReport {
+    pub segments: usize,
+    /// Valid records checked.
+    pub records: u64,
+    /// Bytes of valid frames checked.
+    pub frame_bytes: u64,
+    pub first_offset: u64,
+    pub next_offset: u64,
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    pub fn is_clean(&self) -> bool {
+        self.problems
+            .iter()
+            .all(|p| p.kind == ProblemKind::TornTail)
+    }
+}
+
+/// Checks every frame of every segment (magic, length, CRC, flags, offsets dense across
+/// segments) and lists each problem. `progress(done, total)` is called with segment bytes.
+pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport> {
+    let dir = dir.as_ref();
+    let (bases, _) = list_segments(dir, false)?;
+    if bases.is_empty() {
+        return Err(Error::NotALog {
+            path: dir.to_path_buf(),
+            reason: "no segment files".into(),
+        });
+    }
+    let mut total = 0;
+    for &base in &bases {
+        let path = dir.join(segment::file_name(base));
+        total += fs::metadata(&path)
+            .map_err(io_err("stat segment", &path))?
+            .len();
+    }
+    let mut report = VerifyReport {
+        segments: bases.len(),
+        first_offset: bases[0],
+        ..VerifyReport::default()
+    };
+    let mut done = 0;
+    let mut expected = bases[0];
+    for (i, &base) in bases.iter().enumerate() {
+        let is_last = i + 1 == bases.len();
+        let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
+        let problem = |position: usize, offset: Option<u64>, kind, detail: String| Problem {
+            file: seg.path.clone(),
+            position: position as u64,
+            offset,
+            kind,
+            detail,
+        };
+        if let Err(reason) = &header {
+            report.problems.push(problem(
+                0,
+                None,
+                ProblemKind::Corrupt,
+                format!("segment header: {reason}"),
+            ));
+        }
+        if base != expected {
+            let detail = if base > expected {
+                format!("records {expected}..{base} are missing before this segment")
+            } else {
+                format!("segment starts at record {base}, but the previous one ends at {expected}")
+            };
+            report.problems.push(problem(
+                HEADER_LEN,
+                Some(expected),
+                ProblemKind::Corrupt,
+                detail,
+            ));
+        }
+        expected = base;
+        let data = seg.map.published().from(HEADER_LEN);
+        let mut pos = 0;
+        loop {
+            let scan = recovery::scan(data, pos, expected);
+            report.records += scan.records;
+            report.frame_bytes += (scan.end - pos) as u64;
+            expected = scan.next_offset;
+            match scan.stop {
+                Stop::Clean => break,
+                Stop::Torn { error, .. } => {
+                    let kind = if is_last {
+                        ProblemKind::TornTail
+                    } else {
+                        ProblemKind::Corrupt
+                    };
+                    let detail = if is_last {
+                        format!("{error}: an interrupted last append, cut on the next open")
+                    } else {
+                        format!("{error}: the rest of this sealed segment is unreadable")
+                    };
+                    report.problems.push(problem(
+                        HEADER_LEN + scan.end,
+                        Some(expected),
+                        kind,
+                        detail,
+                    ));
+                    break;
+                }
+                Stop::Corrupt {
+                    error,
+                    later_pos,
+                    later_offset,
+                } => {
+                    let detail = format!(
+                        "{error}; records {expected}..{later_offset} lost, reading resumes at byte {}",
+                        HEADER_LEN + later_pos
+                    );
+                    report.problems.push(problem(
+                        HEADER_LEN + scan.end,
+                        Some(expected),
+                        ProblemKind::Corrupt,
+                        detail,
+                    ));
+                    pos = later_pos;
+                    expected = later_offset;
+                }
+            }
+        }
+        done += seg.map.len() as u64;
+        progress(done, total);
+    }
+    report.next_offset = expected;
+    Ok(report)
+}
+
+/// What `repair` did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RepairReport {
+    /// Records removed: everything from the first bad frame to the end of the log.
+    pub records_removed: u64,
+    pub segments_removed: usize,
+    /// Where the log was cut, if it was.
+    pub cut_at: Option<(PathBuf, u64)>,
+    /// Segment headers rewritten from the file name (the frames were fine).
+    pub headers_rewritten: usize,
+    pub next_offset: u64,
+}
+
+/// Truncates the log at its first bad frame: that frame, everything after it in its segment and
+/// every later segment are removed. A bad segment header over good frames is rewritten instead.
+/// Takes the directory lock, so the log must not be open for writing.
+pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
+    let dir = dir.as_ref();
+    let _lock = lock_dir(dir)?;
+    let before = verify(dir, |_, _| {})?;
+    let mut out = RepairReport {
+        next_offset: before.next_offset,
+        ..RepairReport::default()
+    };
+    let (bases, _) = list_segments(dir, false)?;
+    for problem in &before.problems {
+        if problem.position == 0 {
+            rewrite_header(&problem.file)?;
+            out.headers_rewritten += 1;
+        }
+    }
+    let Some(first) = before.problems.iter().find(|p| p.position != 0) else {
+        return Ok(out);
+    };
+    let cut_base =
+        segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())
+            .expect("problems name segment files");
+    let cut_offset = first
+        .offset
+        .expect("frame problems name the expected record");
+    zero_from(&first.file, first.position)?;
+    out.cut_at = Some((first.file.clone(), first.position));
+    for &base in bases.iter().filter(|&&b| b > cut_base) {
+        let path = dir.join(segment::file_name(base));
+        fs::remove_file(&path).map_err(io_err("remove segment", &path))?;
+        out.segments_removed += 1;
+    }
+    segment::sync_dir(dir)?;
+    // Counted again rather than computed, so the number printed is what is really on disk.
+    let after = verify(dir, |_, _| {})?;
+    out.records_removed = before.records - after.records;
+    out.next_offset = cut_offset;
+    Ok(out)
+}
+
+fn rewrite_header(path: &Path) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
+        .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(io_err("open segment", path))?;
+    let len = file.metadata().map_err(io_err("stat segment", path))?.len();
+    let header = SegmentHeader {
+        base_offset: base,
+        len,
+        created: 0,
+        checkpoint_pos: 0,
+        checkpoint_offset: base,
+    };
+    file.write_all_at(&header.encode(), 0)
+        .map_err(io_err("write segment header", path))?;
+    file.sync_data().map_err(io_err("sync segment", path))
+}
+
+/// Zeroes `path` from `position` to its end (keeping the space allocated) and resets its
+/// checkpoint so the next open scans it from the start.
+fn zero_from(path: &Path, position: u64) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(io_err("open segment", path))?;
+    let len = file.metadata().map_err(io_err("stat segment", path))?.len();
+    if position < len {
+        let zeroed = rustix::fs::fallocate(
+            &file,
+            rustix::fs::FallocateFlags::ZERO_RANGE,
+            position,
+            len - position,
+        );
+        if zeroed.is_err() {
+            let zeros = vec![0u8; 1 << 20];
+            let mut at = position;
+            while at < len {
+                let n = (len - at).min(zeros.len() as u64) as usize;
+                file.write_all_at(&zeros[..n], at)
+                    .map_err(io_err("zero segment", path))?;
+                at += n as u64;
+            }
+        }
+    }
+    let mut raw = [0u8; HEADER_LEN];
+    file.read_exact_at(&mut raw, 0)
+        .map_err(io_err("read segment header", path))?;
+    if let Ok(mut header) = SegmentHeader::decode(&raw) {
+        header.checkpoint_pos = 0;
+        header.checkpoint_offset = header.base_offset;
+        file.write_all_at(&header.encode(), 0)
+            .map_err(io_err("write segment header", path))?;
+    }
+    file.sync_data().map_err(io_err("sync segment", path))
+}

@@ -1,0 +1,493 @@
+//! The log's contract, checked through its public API on real files.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use petrel_log::verify::{self, ProblemKind};
+use petrel_log::{Durability, Error, Input, Log, MIN_SEGMENT_BYTES, Options, OwnedRecord};
+
+fn small(durability: Durability) -> Options {
+    Options {
+        segment_bytes: MIN_SEGMENT_BYTES,
+        durability,
+        ..Options::default()
+    }
+}
+
+/// Payload of record `i`: its length varies, its bytes depend on `i`.
+fn payload(i: u64) -> Vec<u8> {
+    let len = (i * 7919 % 300) as usize;
+    (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
+}
+
+fn read_all(log_reader: &mut petrel_log::Reader) -> Vec<OwnedRecord> {
+    let mut out = Vec::new();
+    loop {
+        let batch = log_reader.read_batch(64).unwrap();
+        if batch.is_empty() {
+            return out;
+        }
+        out.extend(batch.into_iter().map(|r| r.to_owned()));
+    }
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn appends_and_reads_back_across_segments_and_reopens() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    for i in 0..3000u64 {
+        let key = format!("k{}", i % 10);
+        let input = Input {
+            key: (i % 3 == 0).then_some(key.as_bytes()),
+            headers: if i % 5 == 0 {
+                &[("h", b"v"), ("empty", b"")]
+            } else {
+                &[]
+            },
+            payload: &payload(i),
+            timestamp: None,
+        };
+        assert_eq!(log.append_with(&input).unwrap(), i);
+    }
+    let range = log.append_batch(&[b"x".as_slice(), b"y", b""]).unwrap();
+    assert_eq!(range, 3000..3003);
+    assert!(segments(dir.path()).len() > 5, "small segments must roll");
+
+    let check = |records: &[OwnedRecord]| {
+        assert_eq!(records.len(), 3003);
+        let mut last_ts = 0;
+        for (i, r) in records.iter().enumerate().take(3000) {
+            let i = i as u64;
+            assert_eq!(r.offset, i);
+            assert_eq!(r.payload, payload(i));
+            assert_eq!(r.key.is_some(), i % 3 == 0);
+            assert_eq!(r.headers.len(), if i % 5 == 0 { 2 } else { 0 });
+            assert!(r.timestamp >= last_ts);
+            last_ts = r.timestamp;
+        }
+        assert_eq!(records[3001].payload, b"y");
+    };
+    check(&read_all(&mut log.reader()));
+    let mut reader = log.reader();
+    for offset in [0, 1, 777, 2999, 1500, 3002] {
+        assert_eq!(reader.get(offset).unwrap().unwrap().offset, offset);
+    }
+    assert!(reader.get(3003).unwrap().is_none());
+    drop(log);
+
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert_eq!(log.next_offset(), 3003);
+    check(&read_all(&mut log.reader()));
+    assert_eq!(log.append(b"after reopen").unwrap(), 3003);
+    assert_eq!(
+        log.reader().get(3003).unwrap().unwrap().payload,
+        b"after reopen"
+    );
+}
+
+#[test]
+fn a_second_writer_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let _log = Log::open(dir.path(), Options::default()).unwrap();
+    let err = Log::open(dir.path(), Options::default())
+        .err()
+        .expect("second open must fail");
+    assert!(matches!(err, Error::Locked { .. }), "{err}");
+    // Offline readers need no lock.
+    verify::open_read_only(dir.path()).unwrap();
+}
+
+#[test]
+fn limits_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options {
+        max_record_bytes: 1000,
+        ..small(Durability::None)
+    };
+    let mut log = Log::open(dir.path(), opts).unwrap();
+    let err = log.append(&[0u8; 1001]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::RecordTooLarge {
+                size: 1001,
+                max: 1000
+            }
+        ),
+        "{err}"
+    );
+    // A batch is checked whole before anything is written.
+    let err = log
+        .append_batch(&[vec![1u8; 10], vec![2u8; 2000]])
+        .unwrap_err();
+    assert!(matches!(err, Error::RecordTooLarge { .. }));
+    assert_eq!(log.next_offset(), 0);
+    let key = vec![0u8; 70_000];
+    let err = log
+        .append_with(&Input {
+            key: Some(&key),
+            ..Input::payload(b"")
+        })
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::RecordTooLarge { .. } | Error::InvalidRecord(_)),
+        "{err}"
+    );
+    assert!(
+        Log::open(
+            dir.path().join("x"),
+            Options {
+                segment_bytes: 1000,
+                ..Options::default()
+            }
+        )
+        .is_err()
+    );
+}
+
+#[test]
+fn a_record_larger_than_a_segment_gets_a_segment_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let big = vec![0xabu8; 200_000];
+    log.append(b"before").unwrap();
+    assert_eq!(log.append(&big).unwrap(), 1);
+    log.append(b"after").unwrap();
+    drop(log);
+    let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let records = read_all(&mut log.reader());
+    assert_eq!(records[1].payload, big);
+    assert_eq!(records[2].payload, b"after");
+}
+
+#[test]
+fn timestamps_never_go_backwards() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    log.append_with(&Input {
+        timestamp: Some(5_000),
+        ..Input::payload(b"a")
+    })
+    .unwrap();
+    log.append_with(&Input {
+        timestamp: Some(1_000),
+        ..Input::payload(b"b")
+    })
+    .unwrap();
+    log.append(b"c").unwrap();
+    let r = read_all(&mut log.reader());
+    assert_eq!(r[0].timestamp, 5_000);
+    assert_eq!(
+        r[1].timestamp, 5_000,
+        "an earlier timestamp is raised to the previous one"
+    );
+    assert!(
+        r[2].timestamp > 1_600_000_000_000_000_000,
+        "current time in ns"
+    );
+}
+
+/// Writes `n` equal-sized records to a fresh log; returns the position of each frame.
+fn fixed_log(dir: &Path, n: u64, len: usize) -> Vec<u64> {
+    let mut log = Log::open(dir, small(Durability::None)).unwrap();
+    for i in 0..n {
+        log.append(&vec![i as u8 + 1; len]).unwrap();
+    }
+    let frame = (32 + len).next_multiple_of(8) as u64;
+    (0..=n).map(|i| 64 + i * frame).collect()
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for e in fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn a_torn_last_frame_is_cut_at_every_byte_position() {
+    let base = tempfile::tempdir().unwrap();
+    let pristine = base.path().join("pristine");
+    let starts = fixed_log(&pristine, 20, 45);
+    let seg = segments(&pristine).pop().unwrap();
+    let name = seg.file_name().unwrap().to_owned();
+    let last = starts[19];
+    let end = last + 32 + 45; // the frame without its padding
+    for cut in last + 1..end {
+        for truncate in [false, true] {
+            let work = base.path().join(format!("w{cut}{truncate}"));
+            copy_dir(&pristine, &work);
+            let file = work.join(&name);
+            if truncate {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .open(&file)
+                    .unwrap()
+                    .set_len(cut)
+                    .unwrap();
+            } else {
+                let mut bytes = fs::read(&file).unwrap();
+                bytes[cut as usize..end as usize].fill(0);
+                fs::write(&file, bytes).unwrap();
+            }
+            let mut log = Log::open(&work, small(Durability::None)).unwrap();
+            assert_eq!(log.next_offset(), 19, "cut at {cut} (truncate: {truncate})");
+            assert_eq!(log.recovery_report().torn_at, Some(last));
+            let records = read_all(&mut log.reader());
+            assert_eq!(records.len(), 19);
+            assert!(
+                records
+                    .iter()
+                    .all(|r| r.payload == vec![r.offset as u8 + 1; 45])
+            );
+            assert_eq!(log.append(b"next").unwrap(), 19);
+            drop(log);
+            let log = Log::open(&work, small(Durability::None)).unwrap();
+            assert_eq!(
+                log.recovery_report().torn_at,
+                None,
+                "the cut is clean on the next open"
+            );
+            assert_eq!(read_all(&mut log.reader())[19].payload, b"next");
+            fs::remove_dir_all(&work).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_flipped_byte_in_a_sealed_segment_is_reported_then_repaired() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    for i in 0..2000u64 {
+        log.append(&payload(i)).unwrap();
+    }
+    drop(log);
+    let segs = segments(dir.path());
+    assert!(segs.len() >= 3);
+    let victim = &segs[1];
+    let mut bytes = fs::read(victim).unwrap();
+    let at = 64 + 32 * 1024 + 8; // somewhere inside the segment's frames
+    bytes[at] ^= 0x40;
+    fs::write(victim, &bytes).unwrap();
+
+    // Opening does not scan sealed segments; reading them checks every frame.
+    let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let mut reader = log.reader();
+    let err = loop {
+        match reader.read_batch(100) {
+            Ok(b) if b.is_empty() => panic!("corruption went unnoticed"),
+            Ok(_) => {}
+            Err(e) => break e,
+        }
+    };
+    let Error::Corrupt {
+        file,
+        position,
+        offset,
+        ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(file, victim);
+    assert!(
+        *position <= at as u64 && *position + 400 > at as u64,
+        "{err}"
+    );
+    let bad_offset = offset.unwrap();
+    assert!(err.to_string().contains(&victim.display().to_string()));
+    drop(log);
+
+    let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+    assert!(!report.is_clean());
+    let problem = &report.problems[0];
+    assert_eq!(
+        (problem.kind, &problem.file, problem.offset),
+        (ProblemKind::Corrupt, victim, Some(bad_offset))
+    );
+    assert_eq!(
+        report.records, 1999,
+        "only the damaged record is unreadable"
+    );
+
+    let repaired = verify::repair(dir.path()).unwrap();
+    assert_eq!(repaired.records_removed, 2000 - bad_offset - 1);
+    assert_eq!(repaired.next_offset, bad_offset);
+    assert!(
+        verify::verify(dir.path(), |_, _| {})
+            .unwrap()
+            .problems
+            .is_empty()
+    );
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert_eq!(log.next_offset(), bad_offset);
+    let records = read_all(&mut log.reader());
+    assert_eq!(records.len() as u64, bad_offset);
+    assert!(records.iter().all(|r| r.payload == payload(r.offset)));
+    assert_eq!(log.append(b"resumed").unwrap(), bad_offset);
+}
+
+#[test]
+fn damage_before_valid_frames_in_the_last_segment_fails_the_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let starts = fixed_log(dir.path(), 50, 20);
+    let seg = segments(dir.path()).pop().unwrap();
+    let mut bytes = fs::read(&seg).unwrap();
+    bytes[starts[10] as usize + 40] ^= 1;
+    fs::write(&seg, &bytes).unwrap();
+    let err = Log::open(dir.path(), small(Durability::None))
+        .err()
+        .expect("must not open");
+    let Error::Corrupt {
+        file,
+        position,
+        offset,
+        before_tail: true,
+        ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!((file, *position, *offset), (&seg, starts[10], Some(10)));
+    assert!(verify::open_read_only(dir.path()).is_err());
+    let repaired = verify::repair(dir.path()).unwrap();
+    assert_eq!(repaired.records_removed, 39);
+    assert_eq!(
+        Log::open(dir.path(), small(Durability::None))
+            .unwrap()
+            .next_offset(),
+        10
+    );
+}
+
+#[test]
+fn readers_on_other_threads_see_every_record_while_the_writer_appends() {
+    const N: u64 = 100_000;
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..3)
+        .map(|_| {
+            let mut reader = log.reader();
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || {
+                let mut next = 0u64;
+                while next < N {
+                    let batch = reader.read_batch(50).unwrap();
+                    if batch.is_empty() {
+                        assert!(
+                            !done.load(Ordering::Acquire) || reader.end_offset() > next,
+                            "lost records"
+                        );
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    for r in batch {
+                        assert_eq!(r.offset, next);
+                        assert_eq!(r.payload, &next.to_le_bytes()[..((next % 8) as usize + 1)]);
+                        next += 1;
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut i = 0u64;
+    while i < N {
+        if i % 3 == 0 {
+            let batch: Vec<Vec<u8>> = (i..(i + 5).min(N))
+                .map(|j| j.to_le_bytes()[..(j % 8) as usize + 1].to_vec())
+                .collect();
+            i = log.append_batch(&batch).unwrap().end;
+        } else {
+            log.append(&i.to_le_bytes()[..(i % 8) as usize + 1])
+                .unwrap();
+            i += 1;
+        }
+    }
+    done.store(true, Ordering::Release);
+    for r in readers {
+        r.join().unwrap();
+    }
+}
+
+#[test]
+fn shared_log_appends_from_many_threads_with_group_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Log::open(dir.path(), small(Durability::Always))
+        .unwrap()
+        .into_shared();
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                (0..100u64)
+                    .map(|i| log.append(format!("{t}:{i}").as_bytes()).unwrap())
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let mut offsets: Vec<u64> = threads
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    offsets.sort_unstable();
+    assert_eq!(offsets, (0..800).collect::<Vec<_>>());
+    let records = read_all(&mut log.reader());
+    for t in 0..8 {
+        let mine: Vec<_> = records
+            .iter()
+            .filter_map(|r| {
+                std::str::from_utf8(&r.payload)
+                    .unwrap()
+                    .strip_prefix(&format!("{t}:"))
+                    .map(|s| s.parse::<u64>().unwrap())
+            })
+            .collect();
+        assert_eq!(
+            mine,
+            (0..100).collect::<Vec<_>>(),
+            "each thread's records in its order"
+        );
+    }
+}
+
+#[test]
+fn interval_durability_stops_cleanly_and_keeps_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = small(Durability::Interval(std::time::Duration::from_millis(2)));
+    let mut log = Log::open(dir.path(), opts.clone()).unwrap();
+    for i in 0..5000u64 {
+        log.append(&payload(i)).unwrap();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(10));
+    log.close().unwrap();
+    let log = Log::open(dir.path(), opts).unwrap();
+    assert_eq!(read_all(&mut log.reader()).len(), 5000);
+}
+
+#[test]
+fn a_leftover_segment_from_an_interrupted_roll_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    fixed_log(dir.path(), 3, 10);
+    fs::write(
+        dir.path().join("00000000000000000003.log.tmp"),
+        b"half made",
+    )
+    .unwrap();
+    let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert_eq!(log.recovery_report().leftovers_removed, 1);
+    assert_eq!(log.next_offset(), 3);
+}
