@@ -1,1 +1,60 @@
-fn main() {}
+//! The `petrel` command.
+
+mod bench;
+mod log_cmd;
+mod progress;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Where data lives when no directory is given.
+pub const DEFAULT_DATA_DIR: &str = "petrel-data";
+
+#[derive(Parser)]
+#[command(
+    name = "petrel",
+    version,
+    about = "Petrel: a fast, durable message queue"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Offline tools for a log directory.
+    #[command(subcommand)]
+    Log(log_cmd::LogCommand),
+    /// Load generators that measure Petrel on this machine.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Log(cmd) => log_cmd::run(cmd),
+        Command::Bench(cmd) => bench::run(cmd),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("petrel: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The default data directory, relative to the working directory.
+pub fn default_data_dir() -> PathBuf {
+    PathBuf::from(DEFAULT_DATA_DIR)
+}

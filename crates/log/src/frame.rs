@@ -88,6 +88,9 @@ pub(crate) fn check_input(input: &Input<'_>) -> Result<(), FrameError> {
     Ok(())
 }
 
+/// Frames up to this length are assembled on the stack and copied into the segment whole.
+const SMALL_FRAME: usize = 256;
+
 /// Writes the frame for `input` at the start of `buf` (which must hold `align_up(len)` bytes,
 /// `len` being `frame_len(input)`, and be zero past the frame: segments are zero-filled) and
 /// returns the aligned length.
@@ -100,7 +103,20 @@ pub(crate) fn encode(
     input: &Input<'_>,
 ) -> usize {
     let aligned = align_up(len);
-    let buf = &mut buf[..aligned];
+    if aligned <= SMALL_FRAME {
+        // Checksumming bytes just stored to mapped memory stalls on store forwarding; a small
+        // frame is checksummed where it is built, on the stack.
+        let mut frame = [0u8; SMALL_FRAME];
+        encode_in_place(&mut frame[..aligned], len, offset, timestamp, input);
+        buf[..aligned].copy_from_slice(&frame[..aligned]);
+    } else {
+        encode_in_place(&mut buf[..aligned], len, offset, timestamp, input);
+    }
+    aligned
+}
+
+#[inline]
+fn encode_in_place(buf: &mut [u8], len: usize, offset: u64, timestamp: u64, input: &Input<'_>) {
     let mut flags = 0u16;
     let mut at = FRAME_HEADER_LEN;
     if !input.headers.is_empty() {
@@ -137,7 +153,6 @@ pub(crate) fn encode(
     buf[24..32].copy_from_slice(&timestamp.to_le_bytes());
     let crc = crc32c::crc32c(&buf[8..len]);
     buf[4..8].copy_from_slice(&crc.to_le_bytes());
-    aligned
 }
 
 /// A record read from the log. Borrows the segment mapping: copying is explicit (`to_owned`).

@@ -24,6 +24,7 @@ mod frame;
 mod log;
 mod mmap;
 mod options;
+mod prefault;
 mod reader;
 mod recovery;
 mod segment;
@@ -34,7 +35,7 @@ pub use error::{Error, FrameError, Reason, Result};
 pub use frame::{
     FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LEN, OwnedRecord, Record,
 };
-pub use log::{Log, RecoveryReport};
+pub use log::{Log, LogStats, RecoveryReport};
 pub use options::{
     DEFAULT_MAX_RECORD_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
     MIN_SEGMENT_BYTES, Options,

@@ -13,6 +13,7 @@ use crate::error::{Error, Reason, Result, io_err};
 use crate::frame::{self, Input};
 use crate::mmap::{DataWriter, HEADER_LEN};
 use crate::options::{Durability, Options};
+use crate::prefault::Prefaulter;
 use crate::reader::Reader;
 use crate::recovery::{self, Stop};
 use crate::segment::{self, Segment};
@@ -33,6 +34,16 @@ pub struct RecoveryReport {
     pub leftovers_removed: usize,
 }
 
+/// Figures about a log, cheap to read at any time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LogStats {
+    pub first_offset: u64,
+    pub next_offset: u64,
+    pub segments: usize,
+    /// Data syncs (fdatasync) done since open.
+    pub syncs: u64,
+}
+
 /// State shared by the writer, its readers and its sync thread.
 pub(crate) struct Shared {
     pub dir: PathBuf,
@@ -41,6 +52,8 @@ pub(crate) struct Shared {
     pub segments: RwLock<Vec<Arc<Segment>>>,
     /// One past the last published record.
     pub next_offset: AtomicU64,
+    /// Syncs done (group commit makes this smaller than the appends that waited for one).
+    pub syncs: AtomicU64,
     poisoned: AtomicBool,
     poison_reason: Mutex<Option<String>>,
     sync: Mutex<SyncState>,
@@ -73,6 +86,7 @@ impl Shared {
             options,
             segments: RwLock::new(segments),
             next_offset: AtomicU64::new(next_offset),
+            syncs: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
             sync: Mutex::new(SyncState {
@@ -123,6 +137,8 @@ impl Shared {
             }
             state.syncing = true;
             drop(state);
+            // Let producers that are ready to run append first: the sync then covers them too.
+            std::thread::yield_now();
             let result = self.sync_active();
             state = self.lock_sync();
             state.syncing = false;
@@ -152,8 +168,22 @@ impl Shared {
         if let Err(e) = seg.sync() {
             return Err(self.poison(format!("fdatasync {}: {e}", seg.path.display())));
         }
+        self.syncs.fetch_add(1, Ordering::Relaxed);
         seg.write_checkpoint(pos as u64, seg.base + records);
         Ok(seg.base + records)
+    }
+
+    pub(crate) fn stats(&self) -> LogStats {
+        LogStats {
+            next_offset: self.next_offset.load(Ordering::Acquire),
+            first_offset: self.first_offset(),
+            segments: self
+                .segments
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .len(),
+            syncs: self.syncs.load(Ordering::Relaxed),
+        }
     }
 
     /// The segment holding `offset`, if it is in the log.
@@ -186,16 +216,18 @@ pub struct Log {
     pos: usize,
     next_offset: u64,
     last_timestamp: u64,
-    /// Everything before this position of the active segment has been prefaulted.
-    prefaulted: usize,
+    clock: Clock,
+    /// When the writer passes this position, it asks for the pages ahead to be faulted in.
+    prefault_trigger: usize,
+    prefaulter: Prefaulter,
     report: RecoveryReport,
     interval_thread: Option<JoinHandle<()>>,
     /// Held (flock) for as long as the writer lives.
     _lock: File,
 }
 
-/// How far ahead of the writer pages are faulted in, in one system call per step.
-const PREFAULT_STEP: usize = 2 << 20;
+/// Pages are faulted in this far ahead of the writer, a step at a time.
+const PREFAULT_STEP: usize = 4 << 20;
 
 impl Log {
     /// Opens the log in `dir`, creating it if allowed, and recovers it.
@@ -257,7 +289,10 @@ impl Log {
             pos,
             next_offset,
             last_timestamp: 0,
-            prefaulted: pos,
+            clock: Clock::default(),
+            prefault_trigger: pos,
+            prefaulter: Prefaulter::start()
+                .map_err(io_err("spawn prefault thread", PathBuf::new()))?,
             report,
             interval_thread,
             _lock: lock,
@@ -274,6 +309,11 @@ impl Log {
 
     pub fn recovery_report(&self) -> &RecoveryReport {
         &self.report
+    }
+
+    /// Counters since open.
+    pub fn stats(&self) -> LogStats {
+        self.shared.stats()
     }
 
     /// Offset the next appended record will get.
@@ -425,7 +465,9 @@ impl Log {
     /// Current time, or `requested`, raised to the previous record's time if earlier.
     #[inline]
     fn timestamp(&mut self, requested: Option<u64>) -> u64 {
-        let t = requested.unwrap_or_else(now_ns).max(self.last_timestamp);
+        let t = requested
+            .unwrap_or_else(|| self.clock.now())
+            .max(self.last_timestamp);
         self.last_timestamp = t;
         t
     }
@@ -444,9 +486,10 @@ impl Log {
         frame::encode(buf, len, offset, timestamp, input);
         self.pos += aligned;
         self.next_offset += 1;
-        if self.pos > self.prefaulted {
-            self.prefaulted = self.pos + PREFAULT_STEP;
-            self.active.map.prefault_write(self.pos, self.prefaulted);
+        if self.pos > self.prefault_trigger {
+            self.prefault_trigger = self.pos + PREFAULT_STEP;
+            self.prefaulter
+                .request(&self.active, self.pos, self.pos + 2 * PREFAULT_STEP);
         }
         Ok(offset)
     }
@@ -507,7 +550,7 @@ impl Log {
         self.active = next;
         self.writer = writer;
         self.pos = HEADER_LEN;
-        self.prefaulted = HEADER_LEN;
+        self.prefault_trigger = HEADER_LEN;
         Ok(())
     }
 }
@@ -712,5 +755,33 @@ mod tests {
         ));
         let shared = log.into_shared();
         assert!(matches!(shared.append(b"shared"), Err(Error::Poisoned(_))));
+    }
+}
+
+/// The writer's clock. Reading the precise clock costs about as much as the rest of an append,
+/// so it is read only when the coarse clock (a few ns; it moves once per kernel tick, 1–4 ms)
+/// has moved, or after every `PRECISE_EVERY` appends within a tick. A timestamp is therefore
+/// never more than one tick behind, and under load within a few appends of exact.
+#[derive(Default)]
+struct Clock {
+    coarse: u64,
+    precise: u64,
+    uses: u32,
+}
+
+const PRECISE_EVERY: u32 = 16;
+
+impl Clock {
+    #[inline]
+    fn now(&mut self) -> u64 {
+        let coarse = rustix::time::clock_gettime(rustix::time::ClockId::RealtimeCoarse);
+        let coarse = coarse.tv_sec as u64 * 1_000_000_000 + coarse.tv_nsec as u64;
+        if coarse != self.coarse || self.uses >= PRECISE_EVERY {
+            self.coarse = coarse;
+            self.precise = now_ns();
+            self.uses = 0;
+        }
+        self.uses += 1;
+        self.precise
     }
 }

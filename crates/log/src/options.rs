@@ -82,7 +82,7 @@ impl Default for Options {
 impl Options {
     pub fn validate(&self) -> Result<()> {
         if !(MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&self.segment_bytes)
-            || self.segment_bytes % 4096 != 0
+            || !self.segment_bytes.is_multiple_of(4096)
         {
             return Err(Error::Config(format!(
                 "segment_bytes must be a multiple of 4096 between {MIN_SEGMENT_BYTES} and {MAX_SEGMENT_BYTES}, not {}",

@@ -56,7 +56,7 @@ impl Reader {
     }
 
     /// The next record, or `None` at the end of the log.
-    pub fn next(&mut self) -> Result<Option<Record<'_>>> {
+    pub fn read_next(&mut self) -> Result<Option<Record<'_>>> {
         Ok(self.read_batch(1)?.into_iter().next())
     }
 
@@ -66,7 +66,7 @@ impl Reader {
             return Ok(None);
         }
         self.seek(offset);
-        self.next()
+        self.read_next()
     }
 
     /// Up to `max` consecutive records, all from one segment (so possibly fewer than `max` even

@@ -81,6 +81,10 @@ impl SharedLog {
             .load(std::sync::atomic::Ordering::Acquire)
     }
 
+    pub fn stats(&self) -> crate::LogStats {
+        self.shared.stats()
+    }
+
     pub fn reader(&self) -> Reader {
         Reader::new(Arc::clone(&self.shared))
     }

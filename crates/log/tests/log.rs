@@ -72,8 +72,8 @@ fn appends_and_reads_back_across_segments_and_reopens() {
             let i = i as u64;
             assert_eq!(r.offset, i);
             assert_eq!(r.payload, payload(i));
-            assert_eq!(r.key.is_some(), i % 3 == 0);
-            assert_eq!(r.headers.len(), if i % 5 == 0 { 2 } else { 0 });
+            assert_eq!(r.key.is_some(), i.is_multiple_of(3));
+            assert_eq!(r.headers.len(), if i.is_multiple_of(5) { 2 } else { 0 });
             assert!(r.timestamp >= last_ts);
             last_ts = r.timestamp;
         }
@@ -406,7 +406,7 @@ fn readers_on_other_threads_see_every_record_while_the_writer_appends() {
         .collect();
     let mut i = 0u64;
     while i < N {
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             let batch: Vec<Vec<u8>> = (i..(i + 5).min(N))
                 .map(|j| j.to_le_bytes()[..(j % 8) as usize + 1].to_vec())
                 .collect();

@@ -1,0 +1,218 @@
+//! `petrel bench …`: measure Petrel on this machine. Results are printed for people, and with
+//! `--json` the last line is one JSON object for scripts.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Subcommand};
+use petrel_log::{Durability, Log, Options};
+
+use crate::progress::{self, Unit};
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// The embedded log: append N records, then read them all back.
+    Log(LogBench),
+}
+
+#[derive(Args)]
+pub struct LogBench {
+    /// Data directory; the benchmark works in a fresh subdirectory and removes it afterwards.
+    #[arg(long, default_value_os_t = crate::default_data_dir())]
+    data: PathBuf,
+    #[arg(long, default_value_t = 32)]
+    payload_bytes: usize,
+    #[arg(long, default_value_t = 10_000_000)]
+    count: u64,
+    /// none, always, or interval:MS.
+    #[arg(long, default_value = "none")]
+    durability: Durability,
+    /// Producer threads appending through one shared handle (group commit under `always`).
+    #[arg(long, default_value_t = 1)]
+    producers: u64,
+    /// Records per append call (1 = one `append` per record).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[arg(long, default_value_t = petrel_log::DEFAULT_SEGMENT_BYTES)]
+    segment_bytes: u64,
+    /// Keep the benchmark's log directory.
+    #[arg(long)]
+    keep: bool,
+    /// Print the result as one JSON object on the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    match cmd {
+        BenchCommand::Log(args) => log_bench(args),
+    }
+}
+
+fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if args.producers == 0 || args.batch == 0 || args.count == 0 {
+        return Err("--producers, --batch and --count must be at least 1".into());
+    }
+    let dir = args.data.join(format!("bench-log-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let options = Options {
+        segment_bytes: args.segment_bytes,
+        durability: args.durability,
+        ..Options::default()
+    };
+    let payload: Vec<u8> = (0..args.payload_bytes).map(|i| (i * 7 + 1) as u8).collect();
+    let bar = progress::bar(args.count, "append", Unit::Items);
+
+    let log = Log::open(&dir, options)?;
+    let started = Instant::now();
+    let (log, appended) = if args.producers == 1 {
+        let mut log = log;
+        let batch: Vec<&[u8]> = vec![&payload; args.batch];
+        let mut done = 0u64;
+        while done < args.count {
+            let n = (args.count - done).min(args.batch as u64);
+            if n == 1 {
+                log.append(&payload)?;
+            } else {
+                log.append_batch(&batch[..n as usize])?;
+            }
+            done += n;
+            if done & 0xFFFF < n {
+                bar.set_position(done);
+            }
+        }
+        (log.into_shared(), done)
+    } else {
+        let log = log.into_shared();
+        let per = args.count / args.producers;
+        let threads: Vec<_> = (0..args.producers)
+            .map(|_| {
+                let log = log.clone();
+                let payload = payload.clone();
+                let bar = bar.clone();
+                std::thread::spawn(move || -> petrel_log::Result<u64> {
+                    for i in 0..per {
+                        log.append(&payload)?;
+                        if i % 1024 == 0 {
+                            bar.inc(1024.min(per - i));
+                        }
+                    }
+                    Ok(per)
+                })
+            })
+            .collect();
+        let mut total = 0;
+        for t in threads {
+            total += t.join().map_err(|_| "producer thread panicked")??;
+        }
+        (log, total)
+    };
+    let append_secs = started.elapsed().as_secs_f64();
+    let syncs = log.stats().syncs;
+    bar.finish_and_clear();
+
+    let bar = progress::bar(appended, "read", Unit::Items);
+    let mut reader = log.reader();
+    let started = Instant::now();
+    let mut read = 0u64;
+    let mut checksum = 0u64;
+    loop {
+        let batch = reader.read_batch(4096)?;
+        if batch.is_empty() {
+            break;
+        }
+        read += batch.len() as u64;
+        for record in batch {
+            checksum = checksum.wrapping_add(
+                record.payload.len() as u64 + record.payload.first().copied().unwrap_or(0) as u64,
+            );
+        }
+        if read & 0xFFFF < 4096 {
+            bar.set_position(read);
+        }
+    }
+    let read_secs = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    if read != appended {
+        return Err(format!("read {read} records but appended {appended}").into());
+    }
+    let expected = appended * (payload.len() as u64 + payload.first().copied().unwrap_or(0) as u64);
+    if checksum != expected {
+        return Err("records read back differ from those appended".into());
+    }
+    drop(reader);
+    drop(log);
+    let bytes_on_disk = disk_usage(&dir)?;
+    if !args.keep {
+        std::fs::remove_dir_all(&dir)?;
+    }
+
+    let mb = (appended * args.payload_bytes as u64) as f64 / 1e6;
+    let result = serde_json::json!({
+        "bench": "log",
+        "payload_bytes": args.payload_bytes,
+        "count": appended,
+        "durability": args.durability.to_string(),
+        "producers": args.producers,
+        "batch": args.batch,
+        "append_secs": append_secs,
+        "append_msgs_per_sec": appended as f64 / append_secs,
+        "append_mb_per_sec": mb / append_secs,
+        "read_secs": read_secs,
+        "read_msgs_per_sec": read as f64 / read_secs,
+        "read_mb_per_sec": mb / read_secs,
+        "syncs": syncs,
+        "bytes_on_disk": bytes_on_disk,
+        "peak_rss_bytes": peak_rss_bytes(),
+    });
+    println!(
+        "appended {appended} × {} B ({}, {} producer(s), batch {}): {:.0} msg/s, {:.1} MB/s",
+        args.payload_bytes,
+        args.durability,
+        args.producers,
+        args.batch,
+        appended as f64 / append_secs,
+        mb / append_secs
+    );
+    if syncs > 0 {
+        println!(
+            "{syncs} syncs, {:.1} records per sync",
+            appended as f64 / syncs as f64
+        );
+    }
+    println!(
+        "read {read}: {:.0} msg/s, {:.1} MB/s",
+        read as f64 / read_secs,
+        mb / read_secs
+    );
+    println!("on disk {bytes_on_disk} B, peak RSS {} B", peak_rss_bytes());
+    if args.json {
+        println!("{result}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Bytes allocated on disk for the files in `dir`.
+fn disk_usage(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        total += entry?.metadata()?.blocks() * 512;
+    }
+    Ok(total)
+}
+
+/// High-water mark of resident memory (VmHWM), in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}

@@ -1,0 +1,263 @@
+//! `petrel log …`: verify, dump, append and repair a log directory.
+
+use std::io::{self, BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use clap::{Args, Subcommand};
+use petrel_log::verify::{self, ProblemKind};
+use petrel_log::{Durability, Log, Options, Record};
+
+use crate::progress::{self, Unit};
+
+#[derive(Subcommand)]
+pub enum LogCommand {
+    /// Check every frame of every segment and list each problem (exit 1 if any is corruption).
+    Verify { dir: PathBuf },
+    /// Print records: a table, or one JSON object per line with --json.
+    Dump(DumpArgs),
+    /// Append each line of stdin as a record; print each offset once acknowledged.
+    Append(AppendArgs),
+    /// Truncate the log at its first bad frame (needs --yes).
+    Repair {
+        dir: PathBuf,
+        /// Confirm: records from the first bad frame to the end are deleted.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Args)]
+pub struct DumpArgs {
+    dir: PathBuf,
+    /// First offset to print (default: the oldest).
+    #[arg(long)]
+    from: Option<u64>,
+    /// Print at most this many records.
+    #[arg(long)]
+    count: Option<u64>,
+    /// One JSON object per line: offset, timestamp, key_base64, headers, payload_base64.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct AppendArgs {
+    dir: PathBuf,
+    /// none, always, or interval:MS.
+    #[arg(long, default_value = "none")]
+    durability: Durability,
+    /// Bytes preallocated per segment file.
+    #[arg(long, default_value_t = petrel_log::DEFAULT_SEGMENT_BYTES)]
+    segment_bytes: u64,
+}
+
+pub fn run(cmd: LogCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    match cmd {
+        LogCommand::Verify { dir } => verify_cmd(dir),
+        LogCommand::Dump(args) => dump(args),
+        LogCommand::Append(args) => append(args),
+        LogCommand::Repair { dir, yes } => repair(dir, yes),
+    }
+}
+
+fn verify_cmd(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let bar = progress::bar(0, "verify", Unit::Bytes);
+    let report = verify::verify(&dir, |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })?;
+    bar.finish_and_clear();
+    println!(
+        "{}: {} segments, records {}..{}, {} valid records in {} bytes of frames",
+        dir.display(),
+        report.segments,
+        report.first_offset,
+        report.next_offset,
+        report.records,
+        report.frame_bytes
+    );
+    for p in &report.problems {
+        let kind = match p.kind {
+            ProblemKind::Corrupt => "CORRUPT",
+            ProblemKind::TornTail => "torn tail",
+        };
+        let offset = p.offset.map(|o| format!(" record {o}")).unwrap_or_default();
+        println!(
+            "{kind}: {} byte {}{offset}: {}",
+            p.file.display(),
+            p.position,
+            p.detail
+        );
+    }
+    if report.is_clean() {
+        println!("ok");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!(
+            "corrupt: run `petrel log repair {} --yes` to truncate at the first bad frame",
+            dir.display()
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+fn dump(args: DumpArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let mut reader = verify::open_read_only(&args.dir)?;
+    if let Some(from) = args.from {
+        reader.seek(from);
+    }
+    let mut left = args.count.unwrap_or(u64::MAX);
+    let stdout = io::stdout();
+    let mut out = io::BufWriter::new(stdout.lock());
+    if !args.json {
+        writeln!(
+            out,
+            "{:>12}  {:<30}  {:<16}  {:>9}  first bytes",
+            "offset", "time", "key", "size"
+        )?;
+    }
+    while left > 0 {
+        let batch = reader.read_batch(left.min(1024) as usize)?;
+        if batch.is_empty() {
+            break;
+        }
+        left -= batch.len() as u64;
+        for record in batch {
+            if args.json {
+                writeln!(out, "{}", record_json(&record))?;
+            } else {
+                writeln!(out, "{}", record_row(&record))?;
+            }
+        }
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn record_json(r: &Record<'_>) -> serde_json::Value {
+    let headers: serde_json::Map<String, serde_json::Value> = r
+        .headers
+        .iter()
+        .map(|(n, v)| (n.to_owned(), B64.encode(v).into()))
+        .collect();
+    serde_json::json!({
+        "offset": r.offset,
+        "timestamp": r.timestamp,
+        "key_base64": r.key.map(|k| B64.encode(k)),
+        "headers": headers,
+        "payload_base64": B64.encode(r.payload),
+    })
+}
+
+fn record_row(r: &Record<'_>) -> String {
+    let time = humantime::format_rfc3339_micros(
+        std::time::UNIX_EPOCH + std::time::Duration::from_nanos(r.timestamp),
+    );
+    let key = r
+        .key
+        .map(|k| printable(k, 16))
+        .unwrap_or_else(|| "-".into());
+    format!(
+        "{:>12}  {:<30}  {:<16}  {:>9}  {}",
+        r.offset,
+        time.to_string(),
+        key,
+        r.payload.len(),
+        printable(r.payload, 32)
+    )
+}
+
+/// Up to `max` bytes, printable ASCII as is, the rest as `\xNN`.
+fn printable(bytes: &[u8], max: usize) -> String {
+    let mut s: String = bytes
+        .iter()
+        .take(max)
+        .flat_map(|&b| std::ascii::escape_default(b))
+        .map(char::from)
+        .collect();
+    if bytes.len() > max {
+        s.push('…');
+    }
+    s
+}
+
+/// Appends stdin lines. Lines already waiting are appended as one batch, then acknowledged
+/// together under the durability policy, then their offsets are printed and flushed: a printed
+/// offset is a record that survives what the policy promises.
+fn append(args: AppendArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let options = Options {
+        segment_bytes: args.segment_bytes,
+        durability: args.durability,
+        ..Options::default()
+    };
+    let mut log = Log::open(&args.dir, options)?;
+    let mut input = io::BufReader::with_capacity(1 << 16, io::stdin().lock());
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    let mut lines: Vec<Vec<u8>> = Vec::new();
+    loop {
+        lines.clear();
+        // Take one line (blocking), then whatever else is already buffered, up to a bound.
+        loop {
+            let mut line = Vec::new();
+            if input.read_until(b'\n', &mut line)? == 0 {
+                break;
+            }
+            if line.last() == Some(&b'\n') {
+                line.pop();
+            }
+            lines.push(line);
+            if input.buffer().is_empty() || lines.len() >= 4096 {
+                break;
+            }
+        }
+        if lines.is_empty() {
+            break;
+        }
+        let range = log.append_batch(&lines)?;
+        for offset in range {
+            writeln!(out, "{offset}")?;
+        }
+        out.flush()?;
+    }
+    log.close()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if !yes {
+        let report = verify::verify(&dir, |_, _| {})?;
+        match report.problems.first() {
+            None => println!("{}: nothing to repair", dir.display()),
+            Some(p) => println!(
+                "would truncate {} at byte {} (record {}) and delete everything after it; run again with --yes",
+                p.file.display(),
+                p.position,
+                p.offset.map_or("-".into(), |o| o.to_string())
+            ),
+        }
+        return Ok(ExitCode::from(if report.problems.is_empty() {
+            0
+        } else {
+            1
+        }));
+    }
+    let report = verify::repair(&dir)?;
+    match &report.cut_at {
+        Some((file, pos)) => println!(
+            "truncated {} at byte {pos}: removed {} records ({} later segments); the log now ends before record {}",
+            file.display(),
+            report.records_removed,
+            report.segments_removed,
+            report.next_offset
+        ),
+        None => println!(
+            "no bad frames; {} segment headers rewritten",
+            report.headers_rewritten
+        ),
+    }
+    Ok(ExitCode::SUCCESS)
+}

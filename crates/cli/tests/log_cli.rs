@@ -1,0 +1,135 @@
+//! `petrel log …` from the outside: the commands scripts rely on.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+fn petrel(args: &[&str], stdin: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn append_dump_verify_and_repair() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let out = petrel(
+        &["log", "append", d, "--durability", "always"],
+        b"alpha\nbeta\n\ngamma",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "0\n1\n2\n3\n");
+
+    let out = petrel(
+        &["log", "dump", d, "--json", "--from", "1", "--count", "2"],
+        b"",
+    );
+    assert!(out.status.success());
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["offset"], 1);
+    assert_eq!(lines[0]["payload_base64"], "YmV0YQ==");
+    assert_eq!(lines[1]["payload_base64"], "");
+    assert!(lines[0]["key_base64"].is_null());
+    assert!(lines[0]["timestamp"].as_u64().unwrap() > 1_600_000_000_000_000_000);
+
+    let out = petrel(&["log", "dump", d], b"");
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("alpha") && table.contains("gamma"),
+        "{table}"
+    );
+
+    let out = petrel(&["log", "verify", d], b"");
+    assert!(out.status.success(), "{}", text(&out.stdout));
+    assert!(text(&out.stdout).contains("4 valid records"));
+
+    // Damage record 1 ("beta"); records 2 and 3 follow it, so this is corruption, not a tail.
+    let seg = dir.path().join("00000000000000000000.log");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let at = bytes.windows(4).position(|w| w == b"beta").unwrap();
+    bytes[at] = b'B';
+    std::fs::write(&seg, &bytes).unwrap();
+
+    let out = petrel(&["log", "verify", d], b"");
+    assert_eq!(out.status.code(), Some(1));
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("CORRUPT") && report.contains("record 1"),
+        "{report}"
+    );
+
+    let out = petrel(&["log", "append", d], b"more\n");
+    assert!(
+        !out.status.success(),
+        "a corrupt log must not open for writing"
+    );
+    assert!(
+        text(&out.stderr).contains("corrupt"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = petrel(&["log", "repair", d], b"");
+    assert!(text(&out.stdout).contains("--yes"));
+    let out = petrel(&["log", "repair", d, "--yes"], b"");
+    assert!(out.status.success());
+    assert!(
+        text(&out.stdout).contains("removed 2 records"),
+        "{}",
+        text(&out.stdout)
+    );
+
+    let out = petrel(&["log", "append", d], b"delta\n");
+    assert_eq!(text(&out.stdout), "1\n");
+}
+
+#[test]
+fn bench_log_prints_one_json_object_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = petrel(
+        &[
+            "bench",
+            "log",
+            "--data",
+            dir.path().to_str().unwrap(),
+            "--count",
+            "20000",
+            "--segment-bytes",
+            "1048576",
+            "--json",
+        ],
+        b"",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    for key in [
+        "append_msgs_per_sec",
+        "append_mb_per_sec",
+        "read_msgs_per_sec",
+        "bytes_on_disk",
+        "peak_rss_bytes",
+    ] {
+        assert!(last[key].as_f64().unwrap() > 0.0, "{key} in {last}");
+    }
+    assert_eq!(last["count"], 20000);
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the bench cleans up after itself"
+    );
+}
