@@ -58,11 +58,7 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if dir.exists() {
         std::fs::remove_dir_all(&dir)?;
     }
-    let options = Options {
-        segment_bytes: args.segment_bytes,
-        durability: args.durability,
-        ..Options::default()
-    };
+    let options = Options { segment_bytes: args.segment_bytes, durability: args.durability, ..Options::default() };
     let payload: Vec<u8> = (0..args.payload_bytes).map(|i| (i * 7 + 1) as u8).collect();
     let bar = progress::bar(args.count, "append", Unit::Items);
 
@@ -126,9 +122,8 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
         read += batch.len() as u64;
         for record in batch {
-            checksum = checksum.wrapping_add(
-                record.payload.len() as u64 + record.payload.first().copied().unwrap_or(0) as u64,
-            );
+            checksum = checksum
+                .wrapping_add(record.payload.len() as u64 + record.payload.first().copied().unwrap_or(0) as u64);
         }
         if read & 0xFFFF < 4096 {
             bar.set_position(read);
@@ -178,16 +173,9 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         mb / append_secs
     );
     if syncs > 0 {
-        println!(
-            "{syncs} syncs, {:.1} records per sync",
-            appended as f64 / syncs as f64
-        );
+        println!("{syncs} syncs, {:.1} records per sync", appended as f64 / syncs as f64);
     }
-    println!(
-        "read {read}: {:.0} msg/s, {:.1} MB/s",
-        read as f64 / read_secs,
-        mb / read_secs
-    );
+    println!("read {read}: {:.0} msg/s, {:.1} MB/s", read as f64 / read_secs, mb / read_secs);
     println!("on disk {bytes_on_disk} B, peak RSS {} B", peak_rss_bytes());
     if args.json {
         println!("{result}");

@@ -85,21 +85,13 @@ fn verify_cmd(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
             ProblemKind::TornTail => "torn tail",
         };
         let offset = p.offset.map(|o| format!(" record {o}")).unwrap_or_default();
-        println!(
-            "{kind}: {} byte {}{offset}: {}",
-            p.file.display(),
-            p.position,
-            p.detail
-        );
+        println!("{kind}: {} byte {}{offset}: {}", p.file.display(), p.position, p.detail);
     }
     if report.is_clean() {
         println!("ok");
         Ok(ExitCode::SUCCESS)
     } else {
-        println!(
-            "corrupt: run `petrel log repair {} --yes` to truncate at the first bad frame",
-            dir.display()
-        );
+        println!("corrupt: run `petrel log repair {} --yes` to truncate at the first bad frame", dir.display());
         Ok(ExitCode::from(1))
     }
 }
@@ -113,11 +105,7 @@ fn dump(args: DumpArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let stdout = io::stdout();
     let mut out = io::BufWriter::new(stdout.lock());
     if !args.json {
-        writeln!(
-            out,
-            "{:>12}  {:<30}  {:<16}  {:>9}  first bytes",
-            "offset", "time", "key", "size"
-        )?;
+        writeln!(out, "{:>12}  {:<30}  {:<16}  {:>9}  first bytes", "offset", "time", "key", "size")?;
     }
     while left > 0 {
         let batch = reader.read_batch(left.min(1024) as usize)?;
@@ -138,11 +126,8 @@ fn dump(args: DumpArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 }
 
 pub fn record_json(r: &Record<'_>) -> serde_json::Value {
-    let headers: serde_json::Map<String, serde_json::Value> = r
-        .headers
-        .iter()
-        .map(|(n, v)| (n.to_owned(), B64.encode(v).into()))
-        .collect();
+    let headers: serde_json::Map<String, serde_json::Value> =
+        r.headers.iter().map(|(n, v)| (n.to_owned(), B64.encode(v).into())).collect();
     serde_json::json!({
         "offset": r.offset,
         "timestamp": r.timestamp,
@@ -153,13 +138,8 @@ pub fn record_json(r: &Record<'_>) -> serde_json::Value {
 }
 
 fn record_row(r: &Record<'_>) -> String {
-    let time = humantime::format_rfc3339_micros(
-        std::time::UNIX_EPOCH + std::time::Duration::from_nanos(r.timestamp),
-    );
-    let key = r
-        .key
-        .map(|k| printable(k, 16))
-        .unwrap_or_else(|| "-".into());
+    let time = humantime::format_rfc3339_micros(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(r.timestamp));
+    let key = r.key.map(|k| printable(k, 16)).unwrap_or_else(|| "-".into());
     format!(
         "{:>12}  {:<30}  {:<16}  {:>9}  {}",
         r.offset,
@@ -172,12 +152,7 @@ fn record_row(r: &Record<'_>) -> String {
 
 /// Up to `max` bytes, printable ASCII as is, the rest as `\xNN`.
 fn printable(bytes: &[u8], max: usize) -> String {
-    let mut s: String = bytes
-        .iter()
-        .take(max)
-        .flat_map(|&b| std::ascii::escape_default(b))
-        .map(char::from)
-        .collect();
+    let mut s: String = bytes.iter().take(max).flat_map(|&b| std::ascii::escape_default(b)).map(char::from).collect();
     if bytes.len() > max {
         s.push('…');
     }
@@ -188,11 +163,7 @@ fn printable(bytes: &[u8], max: usize) -> String {
 /// together under the durability policy, then their offsets are printed and flushed: a printed
 /// offset is a record that survives what the policy promises.
 fn append(args: AppendArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let options = Options {
-        segment_bytes: args.segment_bytes,
-        durability: args.durability,
-        ..Options::default()
-    };
+    let options = Options { segment_bytes: args.segment_bytes, durability: args.durability, ..Options::default() };
     let mut log = Log::open(&args.dir, options)?;
     let mut input = io::BufReader::with_capacity(1 << 16, io::stdin().lock());
     let stdout = io::stdout();
@@ -239,11 +210,7 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
                 p.offset.map_or("-".into(), |o| o.to_string())
             ),
         }
-        return Ok(ExitCode::from(if report.problems.is_empty() {
-            0
-        } else {
-            1
-        }));
+        return Ok(ExitCode::from(if report.problems.is_empty() { 0 } else { 1 }));
     }
     let report = verify::repair(&dir)?;
     match &report.cut_at {
@@ -254,10 +221,7 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
             report.segments_removed,
             report.next_offset
         ),
-        None => println!(
-            "no bad frames; {} segment headers rewritten",
-            report.headers_rewritten
-        ),
+        None => println!("no bad frames; {} segment headers rewritten", report.headers_rewritten),
     }
     Ok(ExitCode::SUCCESS)
 }

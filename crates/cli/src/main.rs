@@ -13,11 +13,7 @@ use clap::{Parser, Subcommand};
 pub const DEFAULT_DATA_DIR: &str = "petrel-data";
 
 #[derive(Parser)]
-#[command(
-    name = "petrel",
-    version,
-    about = "Petrel: a fast, durable message queue"
-)]
+#[command(name = "petrel", version, about = "Petrel: a fast, durable message queue")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -36,9 +32,7 @@ enum Command {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

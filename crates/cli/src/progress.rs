@@ -9,11 +9,7 @@ pub fn bar(total: u64, what: &str, unit: Unit) -> ProgressBar {
     };
     // Hidden by indicatif itself when stderr is not a terminal.
     let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template(template)
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    bar.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
     bar.set_message(what.to_owned());
     bar
 }

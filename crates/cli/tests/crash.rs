@@ -30,20 +30,13 @@ fn open(dir: &Path, options: Options) -> Log {
 }
 
 fn iterations() -> usize {
-    std::env::var("PETREL_CRASH_ITERATIONS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30)
+    std::env::var("PETREL_CRASH_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(30)
 }
 
 /// A line for record `n` of iteration `iter`: printable, no newline, length from 1 byte to 20 KB
 /// so that frames span pages and segments roll often.
 fn line(iter: usize, n: usize, rng: &mut impl rand::Rng) -> Vec<u8> {
-    let len = if rng.random_range(0..10) == 0 {
-        rng.random_range(1000..20_000)
-    } else {
-        rng.random_range(1..200)
-    };
+    let len = if rng.random_range(0..10) == 0 { rng.random_range(1000..20_000) } else { rng.random_range(1..200) };
     let mut l = format!("{iter}:{n}:").into_bytes();
     l.extend((0..len).map(|_| rng.random_range(b' '..=b'~')));
     l
@@ -51,12 +44,7 @@ fn line(iter: usize, n: usize, rng: &mut impl rand::Rng) -> Vec<u8> {
 
 /// Runs one append child, kills it after `kill_after`, returns the lines it was sent (in order)
 /// and the offsets it acknowledged.
-fn run_and_kill(
-    dir: &Path,
-    durability: &str,
-    iter: usize,
-    kill_after: Duration,
-) -> (Vec<Vec<u8>>, Vec<u64>) {
+fn run_and_kill(dir: &Path, durability: &str, iter: usize, kill_after: Duration) -> (Vec<Vec<u8>>, Vec<u64>) {
     let mut child = petrel()
         .args(["log", "append"])
         .arg(dir)
@@ -71,9 +59,7 @@ fn run_and_kill(
     let reader = std::thread::spawn(move || {
         for l in BufReader::new(stdout).lines() {
             let Ok(l) = l else { break };
-            acked_tx
-                .send(l.parse::<u64>().expect("offsets on stdout"))
-                .unwrap();
+            acked_tx.send(l.parse::<u64>().expect("offsets on stdout")).unwrap();
         }
     });
     let mut stdin = child.stdin.take().unwrap();
@@ -110,20 +96,12 @@ fn crash_loop(durability: &str) {
     let mut torn = 0;
     let mut unacked_survivors = 0;
     for iter in 0..iterations() {
-        let start = if iter == 0 {
-            0
-        } else {
-            open(dir.path(), Options::default()).next_offset()
-        };
+        let start = if iter == 0 { 0 } else { open(dir.path(), Options::default()).next_offset() };
         let kill_after = Duration::from_millis(rng.random_range(5..60));
         let (sent, acked) = run_and_kill(dir.path(), durability, iter, kill_after);
         // Offsets are acknowledged in order, starting where the last run's log ended.
         for (i, &offset) in acked.iter().enumerate() {
-            assert_eq!(
-                offset,
-                start + i as u64,
-                "iteration {iter}: acknowledged offsets are dense"
-            );
+            assert_eq!(offset, start + i as u64, "iteration {iter}: acknowledged offsets are dense");
         }
         let log = open(dir.path(), Options::default());
         torn += log.recovery_report().torn_at.is_some() as usize;
@@ -140,26 +118,17 @@ fn crash_loop(durability: &str) {
         while let Some(record) = reader.read_next().unwrap() {
             assert_eq!(record.offset, offset);
             let expected = &sent[(offset - start) as usize];
-            assert!(
-                record.payload == &expected[..],
-                "iteration {iter}: record {offset} differs from the line sent"
-            );
+            assert!(record.payload == &expected[..], "iteration {iter}: record {offset} differs from the line sent");
             offset += 1;
         }
-        assert_eq!(
-            offset, end,
-            "iteration {iter}: every record up to the end is readable"
-        );
+        assert_eq!(offset, end, "iteration {iter}: every record up to the end is readable");
         total_acked += acked.len();
     }
     eprintln!(
         "{durability}: {} kills, {total_acked} records acknowledged, {unacked_survivors} written but unacknowledged, {torn} torn tails cut",
         iterations()
     );
-    assert!(
-        total_acked > iterations(),
-        "the children should have acknowledged records before being killed"
-    );
+    assert!(total_acked > iterations(), "the children should have acknowledged records before being killed");
 }
 
 #[test]
@@ -176,12 +145,7 @@ fn kill_9_with_durability_none_loses_no_acknowledged_record() {
 /// Runs `petrel log append` in `script` (bash, with `$PETREL` and `$LOG` set), feeding it
 /// `lines` (pausing before line `pause_before`, so earlier lines are acknowledged as their own
 /// batch); returns its exit status, stdout offsets and stderr.
-fn append_in(
-    script: &str,
-    log: &Path,
-    lines: Vec<Vec<u8>>,
-    pause_before: usize,
-) -> (bool, Vec<u64>, String) {
+fn append_in(script: &str, log: &Path, lines: Vec<Vec<u8>>, pause_before: usize) -> (bool, Vec<u64>, String) {
     let mut child = Command::new("bash")
         .args(["-c", script])
         .env("PETREL", env!("CARGO_BIN_EXE_petrel"))
@@ -198,66 +162,28 @@ fn append_in(
                 let _ = stdin.flush();
                 std::thread::sleep(Duration::from_millis(300));
             }
-            if stdin
-                .write_all(&l)
-                .and_then(|_| stdin.write_all(b"\n"))
-                .is_err()
-            {
+            if stdin.write_all(&l).and_then(|_| stdin.write_all(b"\n")).is_err() {
                 break;
             }
         }
     });
     let out = child.wait_with_output().unwrap();
     writer.join().unwrap();
-    let acked = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| l.parse().unwrap())
-        .collect();
-    (
-        out.status.success(),
-        acked,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let acked = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.parse().unwrap()).collect();
+    (out.status.success(), acked, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-fn check_after_full_disk(
-    log: &Path,
-    ok: bool,
-    acked: &[u64],
-    stderr: &str,
-    payload: impl Fn(u64) -> Vec<u8>,
-) {
+fn check_after_full_disk(log: &Path, ok: bool, acked: &[u64], stderr: &str, payload: impl Fn(u64) -> Vec<u8>) {
     assert!(!ok, "the append must fail");
-    assert!(
-        stderr.contains("cannot allocate segment") && stderr.contains("disk full"),
-        "{stderr}"
-    );
-    assert!(
-        acked.len() > 100,
-        "records before the failure were acknowledged"
-    );
-    let names: Vec<_> = std::fs::read_dir(log)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert!(
-        names.iter().all(|n| !n.to_string_lossy().ends_with(".tmp")),
-        "no half-made segment: {names:?}"
-    );
-    let log = open(
-        log,
-        Options {
-            segment_bytes: 65536,
-            ..Options::default()
-        },
-    );
+    assert!(stderr.contains("cannot allocate segment") && stderr.contains("disk full"), "{stderr}");
+    assert!(acked.len() > 100, "records before the failure were acknowledged");
+    let names: Vec<_> = std::fs::read_dir(log).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(names.iter().all(|n| !n.to_string_lossy().ends_with(".tmp")), "no half-made segment: {names:?}");
+    let log = open(log, Options { segment_bytes: 65536, ..Options::default() });
     assert!(log.next_offset() >= acked.len() as u64);
     let mut reader = log.reader();
     for &offset in acked {
-        assert_eq!(
-            reader.get(offset).unwrap().unwrap().payload,
-            payload(offset)
-        );
+        assert_eq!(reader.get(offset).unwrap().unwrap().payload, payload(offset));
     }
 }
 
@@ -272,8 +198,7 @@ fn a_full_disk_is_a_clear_error_and_leaves_a_readable_log() {
         "$PETREL" log append "$mnt/log" --segment-bytes 65536; rc=$?
         cp -r "$mnt/log" "$LOG"; exit $rc'"#;
     let payload = |n: u64| format!("record {n} {}", "x".repeat(100)).into_bytes();
-    let (ok, acked, stderr) =
-        append_in(script, &log, (0..20_000).map(payload).collect(), usize::MAX);
+    let (ok, acked, stderr) = append_in(script, &log, (0..20_000).map(payload).collect(), usize::MAX);
     check_after_full_disk(&log, ok, &acked, &stderr, payload);
 }
 
@@ -283,20 +208,11 @@ fn a_file_size_limit_is_a_clear_error_too() {
     // with EFBIG; SIGXFSZ is ignored so that is an error return, not a kill.
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
-    let script =
-        r#"ulimit -f 100; trap '' XFSZ; exec "$PETREL" log append "$LOG" --segment-bytes 65536"#;
+    let script = r#"ulimit -f 100; trap '' XFSZ; exec "$PETREL" log append "$LOG" --segment-bytes 65536"#;
     let payload = |n: u64| {
-        if n == 1000 {
-            vec![b'y'; 120_000]
-        } else {
-            format!("small {n}").into_bytes()
-        }
+        if n == 1000 { vec![b'y'; 120_000] } else { format!("small {n}").into_bytes() }
     };
     let (ok, acked, stderr) = append_in(script, &log, (0..2000).map(payload).collect(), 1000);
     check_after_full_disk(&log, ok, &acked, &stderr, payload);
-    assert_eq!(
-        acked.len(),
-        1000,
-        "everything before the big record, nothing after it"
-    );
+    assert_eq!(acked.len(), 1000, "everything before the big record, nothing after it");
 }

@@ -29,21 +29,13 @@ pub enum FrameError {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{op} {}: {source}", path.display())]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        source: io::Error,
-    },
+    Io { op: &'static str, path: PathBuf, source: io::Error },
 
     #[error("log {} is already open for writing by another process (lock file held)", path.display())]
     Locked { path: PathBuf },
 
     #[error("cannot allocate segment {} ({size} bytes): {source} — is the disk full?", path.display())]
-    SegmentAllocation {
-        path: PathBuf,
-        size: u64,
-        source: io::Error,
-    },
+    SegmentAllocation { path: PathBuf, size: u64, source: io::Error },
 
     #[error("record of {size} bytes exceeds the maximum of {max} bytes")]
     RecordTooLarge { size: usize, max: usize },
@@ -54,17 +46,9 @@ pub enum Error {
     #[error("corrupt log: {} at byte {position}{}: {reason}{}", file.display(),
         offset.map(|o| format!(" (record {o})")).unwrap_or_default(),
         if *before_tail { " — this is not a torn tail; run `petrel log verify` and `petrel log repair`" } else { "" })]
-    Corrupt {
-        file: PathBuf,
-        position: u64,
-        offset: Option<u64>,
-        reason: Reason,
-        before_tail: bool,
-    },
+    Corrupt { file: PathBuf, position: u64, offset: Option<u64>, reason: Reason, before_tail: bool },
 
-    #[error(
-        "log is poisoned after a failed sync, nothing more can be written or trusted in this process: {0}"
-    )]
+    #[error("log is poisoned after a failed sync, nothing more can be written or trusted in this process: {0}")]
     Poisoned(String),
 
     #[error("invalid configuration: {0}")]
@@ -98,10 +82,7 @@ impl fmt::Display for Reason {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-pub(crate) fn io_err(
-    op: &'static str,
-    path: impl Into<PathBuf>,
-) -> impl FnOnce(io::Error) -> Error {
+pub(crate) fn io_err(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> Error {
     let path = path.into();
     move |source| Error::Io { op, path, source }
 }

@@ -45,10 +45,7 @@ pub struct Input<'a> {
 
 impl<'a> Input<'a> {
     pub fn payload(payload: &'a [u8]) -> Self {
-        Input {
-            payload,
-            ..Input::default()
-        }
+        Input { payload, ..Input::default() }
     }
 }
 
@@ -57,22 +54,12 @@ pub(crate) fn align_up(n: usize) -> usize {
 }
 
 fn headers_block_len(headers: &[Header<'_>]) -> usize {
-    if headers.is_empty() {
-        0
-    } else {
-        4 + headers
-            .iter()
-            .map(|(n, v)| 2 + n.len() + 4 + v.len())
-            .sum::<usize>()
-    }
+    if headers.is_empty() { 0 } else { 4 + headers.iter().map(|(n, v)| 2 + n.len() + 4 + v.len()).sum::<usize>() }
 }
 
 /// Unpadded length of the frame `input` encodes to.
 pub(crate) fn frame_len(input: &Input<'_>) -> usize {
-    FRAME_HEADER_LEN
-        + headers_block_len(input.headers)
-        + input.key.map_or(0, <[u8]>::len)
-        + input.payload.len()
+    FRAME_HEADER_LEN + headers_block_len(input.headers) + input.key.map_or(0, <[u8]>::len) + input.payload.len()
 }
 
 /// Checks what `frame_len` cannot express: a key or header field too long for its length field.
@@ -95,13 +82,7 @@ const SMALL_FRAME: usize = 256;
 /// `len` being `frame_len(input)`, and be zero past the frame: segments are zero-filled) and
 /// returns the aligned length.
 #[inline]
-pub(crate) fn encode(
-    buf: &mut [u8],
-    len: usize,
-    offset: u64,
-    timestamp: u64,
-    input: &Input<'_>,
-) -> usize {
+pub(crate) fn encode(buf: &mut [u8], len: usize, offset: u64, timestamp: u64, input: &Input<'_>) -> usize {
     let aligned = align_up(len);
     if aligned <= SMALL_FRAME {
         // Checksumming bytes just stored to mapped memory stalls on store forwarding; a small
@@ -172,11 +153,7 @@ impl Record<'_> {
             offset: self.offset,
             timestamp: self.timestamp,
             key: self.key.map(<[u8]>::to_vec),
-            headers: self
-                .headers
-                .iter()
-                .map(|(n, v)| (n.to_owned(), v.to_vec()))
-                .collect(),
+            headers: self.headers.iter().map(|(n, v)| (n.to_owned(), v.to_vec())).collect(),
             payload: self.payload.to_vec(),
         }
     }
@@ -233,26 +210,13 @@ fn split_header(block: &[u8]) -> Result<Option<(Header<'_>, &[u8])>, FrameError>
     if block.is_empty() {
         return Ok(None);
     }
-    let name_len = u16::from_le_bytes(
-        block
-            .get(..2)
-            .ok_or(FrameError::BadHeaders)?
-            .try_into()
-            .unwrap(),
-    ) as usize;
+    let name_len = u16::from_le_bytes(block.get(..2).ok_or(FrameError::BadHeaders)?.try_into().unwrap()) as usize;
     let name = block.get(2..2 + name_len).ok_or(FrameError::BadHeaders)?;
     let name = std::str::from_utf8(name).map_err(|_| FrameError::BadHeaders)?;
     let at = 2 + name_len;
-    let value_len = u32::from_le_bytes(
-        block
-            .get(at..at + 4)
-            .ok_or(FrameError::BadHeaders)?
-            .try_into()
-            .unwrap(),
-    ) as usize;
-    let value = block
-        .get(at + 4..at + 4 + value_len)
-        .ok_or(FrameError::BadHeaders)?;
+    let value_len =
+        u32::from_le_bytes(block.get(at..at + 4).ok_or(FrameError::BadHeaders)?.try_into().unwrap()) as usize;
+    let value = block.get(at + 4..at + 4 + value_len).ok_or(FrameError::BadHeaders)?;
     Ok(Some(((name, value), &block[at + 4 + value_len..])))
 }
 
@@ -277,18 +241,10 @@ pub(crate) enum Decoded<'a> {
 #[inline]
 pub(crate) fn decode(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
     let Some(head) = buf.get(..FRAME_HEADER_LEN) else {
-        return if buf.iter().all(|&b| b == 0) {
-            Ok(Decoded::Empty)
-        } else {
-            Err(FrameError::Truncated)
-        };
+        return if buf.iter().all(|&b| b == 0) { Ok(Decoded::Empty) } else { Err(FrameError::Truncated) };
     };
     if head[0..4] != FRAME_MAGIC {
-        return if head[0..8] == [0; 8] {
-            Ok(Decoded::Empty)
-        } else {
-            Err(FrameError::BadMagic)
-        };
+        return if head[0..8] == [0; 8] { Ok(Decoded::Empty) } else { Err(FrameError::BadMagic) };
     }
     let crc = u32::from_le_bytes(head[4..8].try_into().unwrap());
     let len = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
@@ -309,12 +265,7 @@ pub(crate) fn decode(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameErr
     let mut rest = &frame[FRAME_HEADER_LEN..];
     let mut headers = Headers::default();
     if flags & FLAG_HEADERS != 0 {
-        let block_len = u32::from_le_bytes(
-            rest.get(..4)
-                .ok_or(FrameError::BadHeaders)?
-                .try_into()
-                .unwrap(),
-        ) as usize;
+        let block_len = u32::from_le_bytes(rest.get(..4).ok_or(FrameError::BadHeaders)?.try_into().unwrap()) as usize;
         let block = rest.get(4..4 + block_len).ok_or(FrameError::BadHeaders)?;
         validate_headers(block)?;
         headers = Headers { block };
@@ -329,16 +280,7 @@ pub(crate) fn decode(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameErr
     } else {
         None
     };
-    Ok(Decoded::Frame(
-        Record {
-            offset,
-            timestamp,
-            key,
-            headers,
-            payload: rest,
-        },
-        align_up(len),
-    ))
+    Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload: rest }, align_up(len)))
 }
 
 /// Aligned length of the frame at the start of `buf`, judged by its magic and length field
@@ -366,9 +308,7 @@ pub(crate) fn decode_checked_frame(buf: &[u8]) -> (Record<'_>, usize) {
     let mut headers = Headers::default();
     if flags & FLAG_HEADERS != 0 {
         let block_len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
-        headers = Headers {
-            block: &rest[4..4 + block_len],
-        };
+        headers = Headers { block: &rest[4..4 + block_len] };
         rest = &rest[4 + block_len..];
     }
     let key = if flags & FLAG_KEY != 0 {
@@ -378,16 +318,7 @@ pub(crate) fn decode_checked_frame(buf: &[u8]) -> (Record<'_>, usize) {
     } else {
         None
     };
-    (
-        Record {
-            offset,
-            timestamp,
-            key,
-            headers,
-            payload: rest,
-        },
-        align_up(len),
-    )
+    (Record { offset, timestamp, key, headers, payload: rest }, align_up(len))
 }
 
 #[cfg(test)]
@@ -399,17 +330,12 @@ mod tests {
         let mut buf = vec![0u8; align_up(len) + 8];
         let aligned = encode(&mut buf, len, 42, 7, &input);
         assert_eq!(aligned % FRAME_ALIGN, 0);
-        let Decoded::Frame(rec, n) = decode(&buf, 1 << 20).unwrap() else {
-            panic!("empty")
-        };
+        let Decoded::Frame(rec, n) = decode(&buf, 1 << 20).unwrap() else { panic!("empty") };
         assert_eq!(n, aligned);
         assert_eq!((rec.offset, rec.timestamp), (42, 7));
         assert_eq!(rec.key, input.key);
         assert_eq!(rec.payload, input.payload);
-        assert_eq!(
-            rec.headers.iter().collect::<Vec<_>>(),
-            input.headers.to_vec()
-        );
+        assert_eq!(rec.headers.iter().collect::<Vec<_>>(), input.headers.to_vec());
         assert_eq!(decode(&buf[aligned..], 1 << 20).unwrap(), Decoded::Empty);
     }
 
@@ -417,26 +343,13 @@ mod tests {
     fn encodes_and_decodes_every_shape() {
         roundtrip(Input::payload(b""));
         roundtrip(Input::payload(b"hello"));
-        roundtrip(Input {
-            key: Some(b""),
-            ..Input::payload(b"x")
-        });
-        roundtrip(Input {
-            key: Some(b"k1"),
-            headers: &[("a", b"1"), ("", b"")],
-            payload: b"pp",
-            timestamp: None,
-        });
+        roundtrip(Input { key: Some(b""), ..Input::payload(b"x") });
+        roundtrip(Input { key: Some(b"k1"), headers: &[("a", b"1"), ("", b"")], payload: b"pp", timestamp: None });
     }
 
     #[test]
     fn every_single_byte_flip_is_detected() {
-        let input = Input {
-            key: Some(b"key"),
-            headers: &[("h", b"v")],
-            payload: b"payload!",
-            timestamp: None,
-        };
+        let input = Input { key: Some(b"key"), headers: &[("h", b"v")], payload: b"payload!", timestamp: None };
         let len = frame_len(&input);
         let mut buf = vec![0u8; align_up(len)];
         encode(&mut buf, len, 9, 9, &input);
@@ -444,10 +357,7 @@ mod tests {
             for bit in 0..8 {
                 let mut bad = buf.clone();
                 bad[i] ^= 1 << bit;
-                assert!(
-                    decode(&bad, 1 << 20).is_err(),
-                    "flip of byte {i} bit {bit} went unnoticed"
-                );
+                assert!(decode(&bad, 1 << 20).is_err(), "flip of byte {i} bit {bit} went unnoticed");
             }
         }
     }
@@ -461,14 +371,8 @@ mod tests {
         for cut in 1..len {
             let mut torn = buf.clone();
             torn[cut..].fill(0);
-            assert!(
-                decode(&torn, 1 << 20).is_err(),
-                "zeroed from {cut} went unnoticed"
-            );
-            assert!(
-                decode(&buf[..cut], 1 << 20).is_err(),
-                "cut at {cut} went unnoticed"
-            );
+            assert!(decode(&torn, 1 << 20).is_err(), "zeroed from {cut} went unnoticed");
+            assert!(decode(&buf[..cut], 1 << 20).is_err(), "cut at {cut} went unnoticed");
         }
     }
 

@@ -32,13 +32,10 @@ mod shared;
 pub mod verify;
 
 pub use error::{Error, FrameError, Reason, Result};
-pub use frame::{
-    FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LEN, OwnedRecord, Record,
-};
+pub use frame::{FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LEN, OwnedRecord, Record};
 pub use log::{Log, LogStats, RecoveryReport};
 pub use options::{
-    DEFAULT_MAX_RECORD_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
-    MIN_SEGMENT_BYTES, Options,
+    DEFAULT_MAX_RECORD_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, Options,
 };
 pub use reader::{Batch, BatchIter, Reader};
 pub use shared::SharedLog;

@@ -74,12 +74,7 @@ struct SyncState {
 }
 
 impl Shared {
-    pub(crate) fn new(
-        dir: PathBuf,
-        options: Options,
-        segments: Vec<Arc<Segment>>,
-        next_offset: u64,
-    ) -> Arc<Shared> {
+    pub(crate) fn new(dir: PathBuf, options: Options, segments: Vec<Arc<Segment>>, next_offset: u64) -> Arc<Shared> {
         let active = Arc::clone(segments.last().expect("a log has at least one segment"));
         Arc::new(Shared {
             dir,
@@ -89,11 +84,7 @@ impl Shared {
             syncs: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
-            sync: Mutex::new(SyncState {
-                durable: 0,
-                syncing: false,
-                stopping: false,
-            }),
+            sync: Mutex::new(SyncState { durable: 0, syncing: false, stopping: false }),
             synced: Condvar::new(),
             active: Mutex::new(active),
             #[cfg(test)]
@@ -160,10 +151,7 @@ impl Shared {
         let (pos, records) = seg.tail();
         #[cfg(test)]
         if self.fail_next_sync.swap(false, Ordering::Relaxed) {
-            return Err(self.poison(format!(
-                "fdatasync {}: injected failure",
-                seg.path.display()
-            )));
+            return Err(self.poison(format!("fdatasync {}: injected failure", seg.path.display())));
         }
         if let Err(e) = seg.sync() {
             return Err(self.poison(format!("fdatasync {}: {e}", seg.path.display())));
@@ -177,11 +165,7 @@ impl Shared {
         LogStats {
             next_offset: self.next_offset.load(Ordering::Acquire),
             first_offset: self.first_offset(),
-            segments: self
-                .segments
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .len(),
+            segments: self.segments.read().unwrap_or_else(|e| e.into_inner()).len(),
             syncs: self.syncs.load(Ordering::Relaxed),
         }
     }
@@ -246,8 +230,7 @@ impl Log {
         let mut segments = Vec::with_capacity(bases.len() + 1);
         if let Some((&last, sealed)) = bases.split_last() {
             for &base in sealed {
-                let (seg, header) =
-                    Segment::open(&dir.join(segment::file_name(base)), base, false)?;
+                let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
                 if let Err(reason) = header {
                     return Err(corrupt(&seg.path, 0, None, Reason::Other(reason)));
                 }
@@ -257,13 +240,7 @@ impl Log {
             segments.push(Arc::new(seg));
             let _ = header;
         } else {
-            segments.push(Arc::new(Segment::create(
-                &dir,
-                0,
-                options.segment_bytes,
-                now,
-                durable,
-            )?));
+            segments.push(Arc::new(Segment::create(&dir, 0, options.segment_bytes, now, durable)?));
         }
         report.segments = segments.len();
         let active = Arc::clone(segments.last().unwrap());
@@ -291,8 +268,7 @@ impl Log {
             last_timestamp: 0,
             clock: Clock::default(),
             prefault_trigger: pos,
-            prefaulter: Prefaulter::start()
-                .map_err(io_err("spawn prefault thread", PathBuf::new()))?,
+            prefaulter: Prefaulter::start().map_err(io_err("spawn prefault thread", PathBuf::new()))?,
             report,
             interval_thread,
             _lock: lock,
@@ -409,11 +385,7 @@ impl Log {
         Ok(offset)
     }
 
-    pub(crate) fn batch<'a>(
-        &mut self,
-        n: usize,
-        input: impl Fn(usize) -> Input<'a>,
-    ) -> Result<Range<u64>> {
+    pub(crate) fn batch<'a>(&mut self, n: usize, input: impl Fn(usize) -> Input<'a>) -> Result<Range<u64>> {
         let range = self.batch_unsynced(n, input)?;
         if !range.is_empty() {
             self.after_publish(range.end - 1)?;
@@ -421,11 +393,7 @@ impl Log {
         Ok(range)
     }
 
-    pub(crate) fn batch_unsynced<'a>(
-        &mut self,
-        n: usize,
-        input: impl Fn(usize) -> Input<'a>,
-    ) -> Result<Range<u64>> {
+    pub(crate) fn batch_unsynced<'a>(&mut self, n: usize, input: impl Fn(usize) -> Input<'a>) -> Result<Range<u64>> {
         self.shared.check_poison()?;
         for i in 0..n {
             self.check(&input(i))?;
@@ -453,10 +421,7 @@ impl Log {
         let len = frame::frame_len(input);
         let record = len - frame::FRAME_HEADER_LEN;
         if record > self.shared.options.max_record_bytes {
-            return Err(Error::RecordTooLarge {
-                size: record,
-                max: self.shared.options.max_record_bytes,
-            });
+            return Err(Error::RecordTooLarge { size: record, max: self.shared.options.max_record_bytes });
         }
         frame::check_input(input).map_err(Error::InvalidRecord)?;
         Ok(len)
@@ -465,9 +430,7 @@ impl Log {
     /// Current time, or `requested`, raised to the previous record's time if earlier.
     #[inline]
     fn timestamp(&mut self, requested: Option<u64>) -> u64 {
-        let t = requested
-            .unwrap_or_else(|| self.clock.now())
-            .max(self.last_timestamp);
+        let t = requested.unwrap_or_else(|| self.clock.now()).max(self.last_timestamp);
         self.last_timestamp = t;
         t
     }
@@ -488,8 +451,7 @@ impl Log {
         self.next_offset += 1;
         if self.pos > self.prefault_trigger {
             self.prefault_trigger = self.pos + PREFAULT_STEP;
-            self.prefaulter
-                .request(&self.active, self.pos, self.pos + 2 * PREFAULT_STEP);
+            self.prefaulter.request(&self.active, self.pos, self.pos + 2 * PREFAULT_STEP);
         }
         Ok(offset)
     }
@@ -498,11 +460,8 @@ impl Log {
     #[inline]
     fn publish(&mut self) {
         self.writer.publish(self.pos);
-        self.active
-            .set_tail(self.pos, self.next_offset - self.active.base);
-        self.shared
-            .next_offset
-            .store(self.next_offset, Ordering::Release);
+        self.active.set_tail(self.pos, self.next_offset - self.active.base);
+        self.shared.next_offset.store(self.next_offset, Ordering::Release);
     }
 
     /// Forgets frames written but not published, zeroing them so recovery never sees them.
@@ -519,9 +478,7 @@ impl Log {
     fn roll(&mut self, needed: usize) -> Result<()> {
         let opts = &self.shared.options;
         let durable = opts.durability != Durability::None;
-        let len = opts
-            .segment_bytes
-            .max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
+        let len = opts.segment_bytes.max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
         let next = Segment::create(&self.shared.dir, self.next_offset, len, now_ns(), durable)?;
         // Publish what is written, then seal: with a durability policy the sealed segment is
         // synced now, so later syncs need only cover the active segment.
@@ -529,23 +486,16 @@ impl Log {
         if durable {
             if let Err(e) = self.active.sync() {
                 let _ = fs::remove_file(&next.path);
-                return Err(self
-                    .shared
-                    .poison(format!("fdatasync {}: {e}", self.active.path.display())));
+                return Err(self.shared.poison(format!("fdatasync {}: {e}", self.active.path.display())));
             }
             let (pos, records) = self.active.tail();
-            self.active
-                .write_checkpoint(pos as u64, self.active.base + records);
+            self.active.write_checkpoint(pos as u64, self.active.base + records);
         }
         let next = Arc::new(next);
         let writer = next.map.writer().expect("a new mapping has its writer");
         // Readers look for the next segment only after reaching the old one's published end,
         // which is final by now (see Reader::advance).
-        self.shared
-            .segments
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Arc::clone(&next));
+        self.shared.segments.write().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(&next));
         *self.shared.active.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&next);
         self.active = next;
         self.writer = writer;
@@ -565,11 +515,7 @@ impl Drop for Log {
 
 /// Finds the end of the valid records of the active segment, cutting a torn tail.
 /// Returns the position after the last valid frame and the next offset.
-fn recover_active(
-    seg: &Segment,
-    writer: &mut DataWriter,
-    report: &mut RecoveryReport,
-) -> Result<(usize, u64)> {
+fn recover_active(seg: &Segment, writer: &mut DataWriter, report: &mut RecoveryReport) -> Result<(usize, u64)> {
     let header = seg.header();
     let (start, start_offset) = scan_start(seg, &header);
     let data = writer.unpublished_mut();
@@ -586,19 +532,8 @@ fn recover_active(
             report.torn_bytes_cut = cut as u64;
             report.torn_at = Some(end as u64);
         }
-        Stop::Corrupt {
-            error,
-            later_pos,
-            later_offset,
-        } => {
-            return Err(corrupt_before_valid(
-                seg,
-                end,
-                scan.next_offset,
-                error,
-                later_pos,
-                later_offset,
-            ));
+        Stop::Corrupt { error, later_pos, later_offset } => {
+            return Err(corrupt_before_valid(seg, end, scan.next_offset, error, later_pos, later_offset));
         }
     }
     if header.is_err() {
@@ -629,10 +564,7 @@ pub(crate) fn corrupt_before_valid(
 
 /// Where recovery of the last segment starts: its durable checkpoint when the header has a
 /// sane one, else the start of the segment.
-pub(crate) fn scan_start(
-    seg: &Segment,
-    header: &Result<segment::SegmentHeader, String>,
-) -> (usize, u64) {
+pub(crate) fn scan_start(seg: &Segment, header: &Result<segment::SegmentHeader, String>) -> (usize, u64) {
     match header {
         Ok(h)
             if h.checkpoint_pos as usize >= HEADER_LEN
@@ -705,27 +637,17 @@ pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
         .map_err(io_err("open lock file", &path))?;
     match file.try_lock() {
         Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
-            path: dir.to_path_buf(),
-        }),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked { path: dir.to_path_buf() }),
         Err(std::fs::TryLockError::Error(e)) => Err(io_err("lock", &path)(e)),
     }
 }
 
 pub(crate) fn corrupt(file: &Path, position: u64, offset: Option<u64>, reason: Reason) -> Error {
-    Error::Corrupt {
-        file: file.to_path_buf(),
-        position,
-        offset,
-        reason,
-        before_tail: true,
-    }
+    Error::Corrupt { file: file.to_path_buf(), position, offset, reason, before_tail: true }
 }
 
 pub(crate) fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 #[cfg(test)]
@@ -735,24 +657,14 @@ mod tests {
     #[test]
     fn a_failed_sync_poisons_every_later_call() {
         let dir = tempfile::tempdir().unwrap();
-        let mut log = Log::open(
-            dir.path(),
-            Options {
-                durability: Durability::Always,
-                ..Options::default()
-            },
-        )
-        .unwrap();
+        let mut log = Log::open(dir.path(), Options { durability: Durability::Always, ..Options::default() }).unwrap();
         log.append(b"durable").unwrap();
         log.shared.fail_next_sync.store(true, Ordering::Relaxed);
         let err = log.append(b"doomed").unwrap_err();
         assert!(matches!(err, Error::Poisoned(_)), "{err}");
         assert!(matches!(log.append(b"later"), Err(Error::Poisoned(_))));
         assert!(matches!(log.sync(), Err(Error::Poisoned(_))));
-        assert!(matches!(
-            log.reader().read_batch(1),
-            Err(Error::Poisoned(_))
-        ));
+        assert!(matches!(log.reader().read_batch(1), Err(Error::Poisoned(_))));
         let shared = log.into_shared();
         assert!(matches!(shared.append(b"shared"), Err(Error::Poisoned(_))));
     }

@@ -64,10 +64,7 @@ impl Mapping {
     /// offline tools. There is no writer and the header cannot be written.
     pub(crate) fn new_read_only(file: &File, len: usize, published: usize) -> io::Result<Mapping> {
         assert!(len >= HEADER_LEN, "segment shorter than its header");
-        assert!(
-            (HEADER_LEN..=len).contains(&published),
-            "published end out of range"
-        );
+        assert!((HEADER_LEN..=len).contains(&published), "published end out of range");
         let raw = MmapOptions::new().len(len).map_raw_read_only(file)?;
         Ok(Mapping {
             raw,
@@ -93,9 +90,7 @@ impl Mapping {
         let end = self.published.load(Ordering::Acquire);
         // SAFETY: [HEADER_LEN, end) is published: by invariants 1–3 no one writes it any more
         // and its contents are visible to this thread. `end <= len` (asserted in `publish`).
-        let data = unsafe {
-            std::slice::from_raw_parts(self.raw.as_ptr().add(HEADER_LEN), end - HEADER_LEN)
-        };
+        let data = unsafe { std::slice::from_raw_parts(self.raw.as_ptr().add(HEADER_LEN), end - HEADER_LEN) };
         Published { data }
     }
 
@@ -104,9 +99,7 @@ impl Mapping {
         if self.writer_taken.swap(true, Ordering::AcqRel) {
             return None;
         }
-        Some(DataWriter {
-            map: Arc::clone(self),
-        })
+        Some(DataWriter { map: Arc::clone(self) })
     }
 
     pub(crate) fn read_header(&self) -> [u8; HEADER_LEN] {
@@ -121,9 +114,7 @@ impl Mapping {
         assert!(self.writable, "header write to a read-only mapping");
         let _guard = self.header_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the header is only touched under `header_lock`, which we hold.
-        unsafe {
-            std::ptr::copy_nonoverlapping(header.as_ptr(), self.raw.as_mut_ptr(), HEADER_LEN)
-        };
+        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.raw.as_mut_ptr(), HEADER_LEN) };
     }
 
     /// Asks the kernel to fault in `[from, to)` of the data region writable ahead of the writer,
@@ -183,21 +174,13 @@ impl DataWriter {
         let start = self.map.published.load(Ordering::Relaxed);
         // SAFETY: invariant 1 — this is the only DataWriter, `&mut self` prevents two live
         // slices from it, and readers never look at or past `published`.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.map.raw.as_mut_ptr().add(start),
-                self.map.len - start,
-            )
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.map.raw.as_mut_ptr().add(start), self.map.len - start) }
     }
 
     /// Makes `[published, end)` visible to readers, for good.
     pub(crate) fn publish(&mut self, end: usize) {
         let current = self.map.published.load(Ordering::Relaxed);
-        assert!(
-            end >= current && end <= self.map.len,
-            "publish out of range"
-        );
+        assert!(end >= current && end <= self.map.len, "publish out of range");
         self.map.published.store(end, Ordering::Release);
     }
 }

@@ -30,9 +30,7 @@ impl FromStr for Durability {
                     .strip_prefix("interval:")
                     .and_then(|ms| ms.parse::<f64>().ok())
                     .filter(|ms| ms.is_finite() && *ms > 0.0)
-                    .ok_or_else(|| {
-                        format!("durability must be none, always or interval:MS, not {s:?}")
-                    })?;
+                    .ok_or_else(|| format!("durability must be none, always or interval:MS, not {s:?}"))?;
                 Ok(Durability::Interval(Duration::from_secs_f64(ms / 1000.0)))
             }
         }
@@ -98,9 +96,7 @@ impl Options {
         if let Durability::Interval(d) = self.durability
             && d.is_zero()
         {
-            return Err(Error::Config(
-                "a durability interval must be longer than zero".into(),
-            ));
+            return Err(Error::Config("a durability interval must be longer than zero".into()));
         }
         Ok(())
     }

@@ -21,30 +21,25 @@ impl Prefaulter {
     pub(crate) fn start() -> std::io::Result<Prefaulter> {
         let state = Arc::new((Mutex::new(Request::default()), Condvar::new()));
         let thread_state = Arc::clone(&state);
-        let thread = std::thread::Builder::new()
-            .name("petrel-log-prefault".into())
-            .spawn(move || {
-                let (lock, wake) = &*thread_state;
-                loop {
-                    let (seg, from, to) = {
-                        let mut req = lock.lock().unwrap_or_else(|e| e.into_inner());
-                        loop {
-                            if req.stop {
-                                return;
-                            }
-                            if let Some(next) = req.next.take() {
-                                break next;
-                            }
-                            req = wake.wait(req).unwrap_or_else(|e| e.into_inner());
+        let thread = std::thread::Builder::new().name("petrel-log-prefault".into()).spawn(move || {
+            let (lock, wake) = &*thread_state;
+            loop {
+                let (seg, from, to) = {
+                    let mut req = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    loop {
+                        if req.stop {
+                            return;
                         }
-                    };
-                    seg.map.prefault_write(from, to);
-                }
-            })?;
-        Ok(Prefaulter {
-            state,
-            thread: Some(thread),
-        })
+                        if let Some(next) = req.next.take() {
+                            break next;
+                        }
+                        req = wake.wait(req).unwrap_or_else(|e| e.into_inner());
+                    }
+                };
+                seg.map.prefault_write(from, to);
+            }
+        })?;
+        Ok(Prefaulter { state, thread: Some(thread) })
     }
 
     /// Asks for `[from, to)` of `seg` to be faulted in; replaces a request not yet started.

@@ -23,12 +23,7 @@ pub struct Reader {
 impl Reader {
     pub(crate) fn new(shared: Arc<Shared>) -> Reader {
         let next = shared.first_offset();
-        Reader {
-            shared,
-            seg: None,
-            pos: 0,
-            next,
-        }
+        Reader { shared, seg: None, pos: 0, next }
     }
 
     /// Offset of the record the next read returns.
@@ -90,30 +85,18 @@ impl Reader {
                     count += 1;
                     continue;
                 }
-                Ok(Decoded::Frame(rec, _)) => Reason::Gap {
-                    expected,
-                    found: rec.offset,
-                },
+                Ok(Decoded::Frame(rec, _)) => Reason::Gap { expected, found: rec.offset },
                 Ok(Decoded::Empty) => unreachable!("checked for zero bytes above"),
                 Err(e) => Reason::Frame(e),
             };
             if count > 0 {
                 break; // return the good records; the next call reports the bad one
             }
-            return Err(corrupt(
-                &seg.path,
-                (self.pos + at) as u64,
-                Some(expected),
-                reason,
-            ));
+            return Err(corrupt(&seg.path, (self.pos + at) as u64, Some(expected), reason));
         }
         self.pos += at;
         self.next += count as u64;
-        Ok(Batch {
-            data: &data[..at],
-            first,
-            count,
-        })
+        Ok(Batch { data: &data[..at], first, count })
     }
 
     /// Makes `seg`/`pos` point at record `next`; `false` at the end of the log.
@@ -128,9 +111,7 @@ impl Reader {
                 continue;
             };
             let published = seg.map.published();
-            if self.pos + frame::FRAME_ALIGN <= published.end()
-                && published.from(self.pos)[..8] != [0; 8]
-            {
+            if self.pos + frame::FRAME_ALIGN <= published.end() && published.from(self.pos)[..8] != [0; 8] {
                 return Ok(true);
             }
             // At the end of this segment's data: move on if the writer has rolled. The writer
@@ -147,9 +128,7 @@ impl Reader {
                     &seg.path,
                     self.pos as u64,
                     Some(self.next),
-                    Reason::Missing {
-                        expected: self.next,
-                    },
+                    Reason::Missing { expected: self.next },
                 ));
             }
             self.seg = Some(after);
@@ -177,12 +156,7 @@ fn locate(seg: &Segment, offset: u64) -> Result<usize> {
         at += 1;
     }
     if at != offset {
-        return Err(corrupt(
-            &seg.path,
-            pos as u64,
-            Some(at),
-            Reason::Missing { expected: offset },
-        ));
+        return Err(corrupt(&seg.path, pos as u64, Some(at), Reason::Missing { expected: offset }));
     }
     Ok(pos)
 }
@@ -221,10 +195,7 @@ impl<'a> IntoIterator for Batch<'a> {
     type IntoIter = BatchIter<'a>;
 
     fn into_iter(self) -> BatchIter<'a> {
-        BatchIter {
-            rest: self.data,
-            left: self.count,
-        }
+        BatchIter { rest: self.data, left: self.count }
     }
 }
 

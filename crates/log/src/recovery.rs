@@ -22,16 +22,9 @@ pub(crate) enum Stop {
     /// Zero bytes (or the end of the segment) after the last frame; nothing to cut.
     Clean,
     /// A torn tail starting at `end`: `garbage_end` is where its non-zero bytes end.
-    Torn {
-        error: FrameError,
-        garbage_end: usize,
-    },
+    Torn { error: FrameError, garbage_end: usize },
     /// A bad frame at `end` with a valid frame (`later_offset` at `later_pos`) after it.
-    Corrupt {
-        error: FrameError,
-        later_pos: usize,
-        later_offset: u64,
-    },
+    Corrupt { error: FrameError, later_pos: usize, later_offset: u64 },
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -54,12 +47,7 @@ pub(crate) fn scan(data: &[u8], start: usize, start_offset: u64) -> Scan {
     loop {
         let rest = &data[pos.min(data.len())..];
         if rest.is_empty() {
-            return Scan {
-                end: pos,
-                next_offset: next,
-                records,
-                stop: Stop::Clean,
-            };
+            return Scan { end: pos, next_offset: next, records, stop: Stop::Clean };
         }
         let error = match frame::decode(rest, rest.len()) {
             Ok(Decoded::Frame(rec, len)) if rec.offset == next => {
@@ -78,35 +66,19 @@ pub(crate) fn scan(data: &[u8], start: usize, start_offset: u64) -> Scan {
                 } else {
                     classify(data, pos, next, garbage_end, FrameError::BadMagic)
                 };
-                return Scan {
-                    end: pos,
-                    next_offset: next,
-                    records,
-                    stop,
-                };
+                return Scan { end: pos, next_offset: next, records, stop };
             }
             Err(e) => e,
         };
-        let garbage_end = nonzero_extent(data, pos)
-            .max(pos + FRAME_ALIGN)
-            .min(data.len());
+        let garbage_end = nonzero_extent(data, pos).max(pos + FRAME_ALIGN).min(data.len());
         let stop = classify(data, pos, next, garbage_end, error);
-        return Scan {
-            end: pos,
-            next_offset: next,
-            records,
-            stop,
-        };
+        return Scan { end: pos, next_offset: next, records, stop };
     }
 }
 
 fn classify(data: &[u8], pos: usize, next: u64, garbage_end: usize, error: FrameError) -> Stop {
     match find_valid_after(data, pos + FRAME_ALIGN, next) {
-        Some((later_pos, later_offset)) => Stop::Corrupt {
-            error,
-            later_pos,
-            later_offset,
-        },
+        Some((later_pos, later_offset)) => Stop::Corrupt { error, later_pos, later_offset },
         None => Stop::Torn { error, garbage_end },
     }
 }
@@ -172,15 +144,7 @@ mod tests {
     fn clean_segment_scans_to_its_end() {
         let (data, starts) = segment(10, b"abc");
         let s = scan(&data, 0, 0);
-        assert_eq!(
-            s,
-            Scan {
-                end: starts[10],
-                next_offset: 10,
-                records: 10,
-                stop: Stop::Clean
-            }
-        );
+        assert_eq!(s, Scan { end: starts[10], next_offset: 10, records: 10, stop: Stop::Clean });
         let s = scan(&data, starts[4], 4);
         assert_eq!((s.end, s.next_offset, s.records), (starts[10], 10, 6));
     }
@@ -193,11 +157,7 @@ mod tests {
             torn[cut..].fill(0);
             let s = scan(&torn, 0, 0);
             assert_eq!((s.end, s.next_offset), (starts[4], 4), "cut at {cut}");
-            assert!(
-                matches!(s.stop, Stop::Torn { .. }),
-                "cut at {cut}: {:?}",
-                s.stop
-            );
+            assert!(matches!(s.stop, Stop::Torn { .. }), "cut at {cut}: {:?}", s.stop);
         }
     }
 
@@ -207,13 +167,7 @@ mod tests {
         data[starts[2]..starts[2] + 32].fill(0);
         let s = scan(&data, 0, 0);
         assert_eq!(s.end, starts[2]);
-        assert_eq!(
-            s.stop,
-            Stop::Torn {
-                error: FrameError::BadMagic,
-                garbage_end: starts[3] - 4
-            }
-        );
+        assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] - 4 });
     }
 
     #[test]
@@ -222,14 +176,7 @@ mod tests {
         data[starts[1] + 40] ^= 1;
         let s = scan(&data, 0, 0);
         assert_eq!(s.end, starts[1]);
-        assert_eq!(
-            s.stop,
-            Stop::Corrupt {
-                error: FrameError::BadChecksum,
-                later_pos: starts[2],
-                later_offset: 2
-            }
-        );
+        assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: 2 });
     }
 
     #[test]

@@ -36,8 +36,7 @@ pub(crate) fn file_name(base: u64) -> String {
 /// The base offset in a segment file name, or `None` for other files.
 pub(crate) fn parse_name(name: &str) -> Option<u64> {
     let digits = name.strip_suffix(SUFFIX)?;
-    (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()))
-        .then(|| digits.parse().ok())?
+    (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok())?
 }
 
 pub(crate) fn is_leftover_tmp(name: &str) -> bool {
@@ -109,13 +108,7 @@ impl Segment {
     /// Creates, preallocates and maps a new segment. The file appears under its final name only
     /// once fully allocated and headed, so a crash or a full disk never leaves a half-made segment
     /// where the next open would trip on it. With `durable`, file and directory are synced too.
-    pub(crate) fn create(
-        dir: &Path,
-        base: u64,
-        len: u64,
-        now: u64,
-        durable: bool,
-    ) -> Result<Segment> {
+    pub(crate) fn create(dir: &Path, base: u64, len: u64, now: u64, durable: bool) -> Result<Segment> {
         let path = dir.join(file_name(base));
         let tmp = dir.join(format!("{base:020}{TMP_SUFFIX}"));
         let file = OpenOptions::new()
@@ -126,22 +119,11 @@ impl Segment {
             .open(&tmp)
             .map_err(io_err("create segment", &tmp))?;
         let made = (|| {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(
-                |e| Error::SegmentAllocation {
-                    path: path.clone(),
-                    size: len,
-                    source: e.into(),
-                },
-            )?;
-            let map =
-                Arc::new(Mapping::new(&file, len as usize).map_err(io_err("map segment", &tmp))?);
-            let header = SegmentHeader {
-                base_offset: base,
-                len,
-                created: now,
-                checkpoint_pos: 0,
-                checkpoint_offset: base,
-            };
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len)
+                .map_err(|e| Error::SegmentAllocation { path: path.clone(), size: len, source: e.into() })?;
+            let map = Arc::new(Mapping::new(&file, len as usize).map_err(io_err("map segment", &tmp))?);
+            let header =
+                SegmentHeader { base_offset: base, len, created: now, checkpoint_pos: 0, checkpoint_offset: base };
             map.write_header(&header.encode());
             if durable {
                 rustix::fs::fdatasync(&file).map_err(|e| io_err("sync segment", &tmp)(e.into()))?;
@@ -153,13 +135,7 @@ impl Segment {
             Ok(map)
         })();
         match made {
-            Ok(map) => Ok(Segment {
-                base,
-                path,
-                file,
-                map,
-                tail: AtomicU64::new(pack(HEADER_LEN, 0)),
-            }),
+            Ok(map) => Ok(Segment { base, path, file, map, tail: AtomicU64::new(pack(HEADER_LEN, 0)) }),
             Err(e) => {
                 let _ = fs::remove_file(&tmp);
                 Err(e)
@@ -169,25 +145,15 @@ impl Segment {
 
     /// Opens an existing segment. Returns its header, or why the header could not be trusted
     /// (the caller decides whether that matters).
-    pub(crate) fn open(
-        path: &Path,
-        base: u64,
-        writable: bool,
-    ) -> Result<(Segment, Result<SegmentHeader, String>)> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(writable)
-            .open(path)
-            .map_err(io_err("open segment", path))?;
+    pub(crate) fn open(path: &Path, base: u64, writable: bool) -> Result<(Segment, Result<SegmentHeader, String>)> {
+        let file = OpenOptions::new().read(true).write(writable).open(path).map_err(io_err("open segment", path))?;
         let file_len = file.metadata().map_err(io_err("stat segment", path))?.len();
         if file_len < HEADER_LEN as u64 {
             return Err(Error::Corrupt {
                 file: path.to_path_buf(),
                 position: 0,
                 offset: None,
-                reason: crate::error::Reason::Other(format!(
-                    "segment is {file_len} bytes, shorter than its header"
-                )),
+                reason: crate::error::Reason::Other(format!("segment is {file_len} bytes, shorter than its header")),
                 before_tail: false,
             });
         }
@@ -197,10 +163,7 @@ impl Segment {
             if h.base_offset == base {
                 Ok(h)
             } else {
-                Err(format!(
-                    "header base offset {} does not match the file name",
-                    h.base_offset
-                ))
+                Err(format!("header base offset {} does not match the file name", h.base_offset))
             }
         });
         // A segment cut short (copied badly, or truncated by hand) is extended back to its
@@ -209,13 +172,8 @@ impl Segment {
             && let Ok(h) = &header
             && file_len < h.len
         {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, h.len).map_err(
-                |e| Error::SegmentAllocation {
-                    path: path.to_path_buf(),
-                    size: h.len,
-                    source: e.into(),
-                },
-            )?;
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, h.len)
+                .map_err(|e| Error::SegmentAllocation { path: path.to_path_buf(), size: h.len, source: e.into() })?;
         }
         let len = file.metadata().map_err(io_err("stat segment", path))?.len();
         let map = if writable {
@@ -225,27 +183,14 @@ impl Segment {
         };
         let map = Arc::new(map.map_err(io_err("map segment", path))?);
         let tail = AtomicU64::new(pack(HEADER_LEN, 0));
-        Ok((
-            Segment {
-                base,
-                path: path.to_path_buf(),
-                file,
-                map,
-                tail,
-            },
-            header,
-        ))
+        Ok((Segment { base, path: path.to_path_buf(), file, map, tail }, header))
     }
 
     /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last
     /// segment opened by an offline tool, whose torn tail must stay hidden.
     pub(crate) fn read_only_until(self, end: usize, records: u64) -> Result<Segment> {
-        let map = Mapping::new_read_only(&self.file, self.map.len(), end)
-            .map_err(io_err("map segment", &self.path))?;
-        let seg = Segment {
-            map: Arc::new(map),
-            ..self
-        };
+        let map = Mapping::new_read_only(&self.file, self.map.len(), end).map_err(io_err("map segment", &self.path))?;
+        let seg = Segment { map: Arc::new(map), ..self };
         seg.set_tail(end, records);
         Ok(seg)
     }
@@ -319,13 +264,7 @@ mod tests {
 
     #[test]
     fn header_round_trips_and_rejects_damage() {
-        let h = SegmentHeader {
-            base_offset: 7,
-            len: 65536,
-            created: 1,
-            checkpoint_pos: 128,
-            checkpoint_offset: 9,
-        };
+        let h = SegmentHeader { base_offset: 7, len: 65536, created: 1, checkpoint_pos: 128, checkpoint_offset: 9 };
         let b = h.encode();
         assert_eq!(SegmentHeader::decode(&b), Ok(h));
         for i in 0..HEADER_LEN {

@@ -21,10 +21,7 @@ pub struct SharedLog {
 impl SharedLog {
     pub(crate) fn new(log: Log) -> SharedLog {
         let shared = Arc::clone(log.shared());
-        SharedLog {
-            log: Arc::new(Mutex::new(log)),
-            shared,
-        }
+        SharedLog { log: Arc::new(Mutex::new(log)), shared }
     }
 
     fn lock(&self) -> MutexGuard<'_, Log> {
@@ -49,9 +46,7 @@ impl SharedLog {
     }
 
     pub fn append_batch<P: AsRef<[u8]>>(&self, payloads: &[P]) -> Result<Range<u64>> {
-        let range = self
-            .lock()
-            .batch_unsynced(payloads.len(), |i| Input::payload(payloads[i].as_ref()))?;
+        let range = self.lock().batch_unsynced(payloads.len(), |i| Input::payload(payloads[i].as_ref()))?;
         if !range.is_empty() {
             self.durable(range.end - 1)?;
         }
@@ -76,9 +71,7 @@ impl SharedLog {
     }
 
     pub fn next_offset(&self) -> u64 {
-        self.shared
-            .next_offset
-            .load(std::sync::atomic::Ordering::Acquire)
+        self.shared.next_offset.load(std::sync::atomic::Ordering::Acquire)
     }
 
     pub fn stats(&self) -> crate::LogStats {

@@ -20,37 +20,20 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     let dir = dir.as_ref();
     let (bases, _) = list_segments(dir, false)?;
     let Some((&last, sealed)) = bases.split_last() else {
-        return Err(Error::NotALog {
-            path: dir.to_path_buf(),
-            reason: "no segment files".into(),
-        });
+        return Err(Error::NotALog { path: dir.to_path_buf(), reason: "no segment files".into() });
     };
     let mut segments = Vec::with_capacity(bases.len());
     for &base in sealed {
         let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
         if let Err(reason) = header {
-            return Err(crate::log::corrupt(
-                &seg.path,
-                0,
-                None,
-                Reason::Other(reason),
-            ));
+            return Err(crate::log::corrupt(&seg.path, 0, None, Reason::Other(reason)));
         }
         segments.push(Arc::new(seg));
     }
     let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, false)?;
     let (start, start_offset) = scan_start(&seg, &header);
-    let scan = recovery::scan(
-        seg.map.published().from(HEADER_LEN),
-        start - HEADER_LEN,
-        start_offset,
-    );
-    if let Stop::Corrupt {
-        error,
-        later_pos,
-        later_offset,
-    } = scan.stop
-    {
+    let scan = recovery::scan(seg.map.published().from(HEADER_LEN), start - HEADER_LEN, start_offset);
+    if let Stop::Corrupt { error, later_pos, later_offset } = scan.stop {
         return Err(corrupt_before_valid(
             &seg,
             HEADER_LEN + scan.end,
@@ -63,16 +46,8 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     let end = HEADER_LEN + scan.end;
     let seg = seg.read_only_until(end, scan.next_offset - last)?;
     segments.push(Arc::new(seg));
-    let options = Options {
-        create: false,
-        ..Options::default()
-    };
-    Ok(Reader::new(Shared::new(
-        dir.to_path_buf(),
-        options,
-        segments,
-        scan.next_offset,
-    )))
+    let options = Options { create: false, ..Options::default() };
+    Ok(Reader::new(Shared::new(dir.to_path_buf(), options, segments, scan.next_offset)))
 }
 
 /// One problem `verify` found.
@@ -110,9 +85,7 @@ pub struct VerifyReport {
 
 impl VerifyReport {
     pub fn is_clean(&self) -> bool {
-        self.problems
-            .iter()
-            .all(|p| p.kind == ProblemKind::TornTail)
+        self.problems.iter().all(|p| p.kind == ProblemKind::TornTail)
     }
 }
 
@@ -122,23 +95,14 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
     let dir = dir.as_ref();
     let (bases, _) = list_segments(dir, false)?;
     if bases.is_empty() {
-        return Err(Error::NotALog {
-            path: dir.to_path_buf(),
-            reason: "no segment files".into(),
-        });
+        return Err(Error::NotALog { path: dir.to_path_buf(), reason: "no segment files".into() });
     }
     let mut total = 0;
     for &base in &bases {
         let path = dir.join(segment::file_name(base));
-        total += fs::metadata(&path)
-            .map_err(io_err("stat segment", &path))?
-            .len();
+        total += fs::metadata(&path).map_err(io_err("stat segment", &path))?.len();
     }
-    let mut report = VerifyReport {
-        segments: bases.len(),
-        first_offset: bases[0],
-        ..VerifyReport::default()
-    };
+    let mut report = VerifyReport { segments: bases.len(), first_offset: bases[0], ..VerifyReport::default() };
     let mut done = 0;
     let mut expected = bases[0];
     for (i, &base) in bases.iter().enumerate() {
@@ -152,12 +116,7 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
             detail,
         };
         if let Err(reason) = &header {
-            report.problems.push(problem(
-                0,
-                None,
-                ProblemKind::Corrupt,
-                format!("segment header: {reason}"),
-            ));
+            report.problems.push(problem(0, None, ProblemKind::Corrupt, format!("segment header: {reason}")));
         }
         if base != expected {
             let detail = if base > expected {
@@ -165,12 +124,7 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
             } else {
                 format!("segment starts at record {base}, but the previous one ends at {expected}")
             };
-            report.problems.push(problem(
-                HEADER_LEN,
-                Some(expected),
-                ProblemKind::Corrupt,
-                detail,
-            ));
+            report.problems.push(problem(HEADER_LEN, Some(expected), ProblemKind::Corrupt, detail));
         }
         expected = base;
         let data = seg.map.published().from(HEADER_LEN);
@@ -183,39 +137,21 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
             match scan.stop {
                 Stop::Clean => break,
                 Stop::Torn { error, .. } => {
-                    let kind = if is_last {
-                        ProblemKind::TornTail
-                    } else {
-                        ProblemKind::Corrupt
-                    };
+                    let kind = if is_last { ProblemKind::TornTail } else { ProblemKind::Corrupt };
                     let detail = if is_last {
                         format!("{error}: an interrupted last append, cut on the next open")
                     } else {
                         format!("{error}: the rest of this sealed segment is unreadable")
                     };
-                    report.problems.push(problem(
-                        HEADER_LEN + scan.end,
-                        Some(expected),
-                        kind,
-                        detail,
-                    ));
+                    report.problems.push(problem(HEADER_LEN + scan.end, Some(expected), kind, detail));
                     break;
                 }
-                Stop::Corrupt {
-                    error,
-                    later_pos,
-                    later_offset,
-                } => {
+                Stop::Corrupt { error, later_pos, later_offset } => {
                     let detail = format!(
                         "{error}; records {expected}..{later_offset} lost, reading resumes at byte {}",
                         HEADER_LEN + later_pos
                     );
-                    report.problems.push(problem(
-                        HEADER_LEN + scan.end,
-                        Some(expected),
-                        ProblemKind::Corrupt,
-                        detail,
-                    ));
+                    report.problems.push(problem(HEADER_LEN + scan.end, Some(expected), ProblemKind::Corrupt, detail));
                     pos = later_pos;
                     expected = later_offset;
                 }
@@ -248,10 +184,7 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     let dir = dir.as_ref();
     let _lock = lock_dir(dir)?;
     let before = verify(dir, |_, _| {})?;
-    let mut out = RepairReport {
-        next_offset: before.next_offset,
-        ..RepairReport::default()
-    };
+    let mut out = RepairReport { next_offset: before.next_offset, ..RepairReport::default() };
     let (bases, _) = list_segments(dir, false)?;
     for problem in &before.problems {
         if problem.position == 0 {
@@ -262,12 +195,9 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     let Some(first) = before.problems.iter().find(|p| p.position != 0) else {
         return Ok(out);
     };
-    let cut_base =
-        segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())
-            .expect("problems name segment files");
-    let cut_offset = first
-        .offset
-        .expect("frame problems name the expected record");
+    let cut_base = segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())
+        .expect("problems name segment files");
+    let cut_offset = first.offset.expect("frame problems name the expected record");
     zero_from(&first.file, first.position)?;
     out.cut_at = Some((first.file.clone(), first.position));
     for &base in bases.iter().filter(|&&b| b > cut_base) {
@@ -287,20 +217,10 @@ fn rewrite_header(path: &Path) -> Result<()> {
     use std::os::unix::fs::FileExt;
     let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
         .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
-    let file = fs::OpenOptions::new()
-        .write(true)
-        .open(path)
-        .map_err(io_err("open segment", path))?;
+    let file = fs::OpenOptions::new().write(true).open(path).map_err(io_err("open segment", path))?;
     let len = file.metadata().map_err(io_err("stat segment", path))?.len();
-    let header = SegmentHeader {
-        base_offset: base,
-        len,
-        created: 0,
-        checkpoint_pos: 0,
-        checkpoint_offset: base,
-    };
-    file.write_all_at(&header.encode(), 0)
-        .map_err(io_err("write segment header", path))?;
+    let header = SegmentHeader { base_offset: base, len, created: 0, checkpoint_pos: 0, checkpoint_offset: base };
+    file.write_all_at(&header.encode(), 0).map_err(io_err("write segment header", path))?;
     file.sync_data().map_err(io_err("sync segment", path))
 }
 
@@ -308,38 +228,26 @@ fn rewrite_header(path: &Path) -> Result<()> {
 /// checkpoint so the next open scans it from the start.
 fn zero_from(path: &Path, position: u64) -> Result<()> {
     use std::os::unix::fs::FileExt;
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(io_err("open segment", path))?;
+    let file = fs::OpenOptions::new().read(true).write(true).open(path).map_err(io_err("open segment", path))?;
     let len = file.metadata().map_err(io_err("stat segment", path))?.len();
     if position < len {
-        let zeroed = rustix::fs::fallocate(
-            &file,
-            rustix::fs::FallocateFlags::ZERO_RANGE,
-            position,
-            len - position,
-        );
+        let zeroed = rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::ZERO_RANGE, position, len - position);
         if zeroed.is_err() {
             let zeros = vec![0u8; 1 << 20];
             let mut at = position;
             while at < len {
                 let n = (len - at).min(zeros.len() as u64) as usize;
-                file.write_all_at(&zeros[..n], at)
-                    .map_err(io_err("zero segment", path))?;
+                file.write_all_at(&zeros[..n], at).map_err(io_err("zero segment", path))?;
                 at += n as u64;
             }
         }
     }
     let mut raw = [0u8; HEADER_LEN];
-    file.read_exact_at(&mut raw, 0)
-        .map_err(io_err("read segment header", path))?;
+    file.read_exact_at(&mut raw, 0).map_err(io_err("read segment header", path))?;
     if let Ok(mut header) = SegmentHeader::decode(&raw) {
         header.checkpoint_pos = 0;
         header.checkpoint_offset = header.base_offset;
-        file.write_all_at(&header.encode(), 0)
-            .map_err(io_err("write segment header", path))?;
+        file.write_all_at(&header.encode(), 0).map_err(io_err("write segment header", path))?;
     }
     file.sync_data().map_err(io_err("sync segment", path))
 }

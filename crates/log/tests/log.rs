@@ -9,11 +9,7 @@ use petrel_log::verify::{self, ProblemKind};
 use petrel_log::{Durability, Error, Input, Log, MIN_SEGMENT_BYTES, Options, OwnedRecord};
 
 fn small(durability: Durability) -> Options {
-    Options {
-        segment_bytes: MIN_SEGMENT_BYTES,
-        durability,
-        ..Options::default()
-    }
+    Options { segment_bytes: MIN_SEGMENT_BYTES, durability, ..Options::default() }
 }
 
 /// Payload of record `i`: its length varies, its bytes depend on `i`.
@@ -51,11 +47,7 @@ fn appends_and_reads_back_across_segments_and_reopens() {
         let key = format!("k{}", i % 10);
         let input = Input {
             key: (i % 3 == 0).then_some(key.as_bytes()),
-            headers: if i % 5 == 0 {
-                &[("h", b"v"), ("empty", b"")]
-            } else {
-                &[]
-            },
+            headers: if i % 5 == 0 { &[("h", b"v"), ("empty", b"")] } else { &[] },
             payload: &payload(i),
             timestamp: None,
         };
@@ -91,19 +83,14 @@ fn appends_and_reads_back_across_segments_and_reopens() {
     assert_eq!(log.next_offset(), 3003);
     check(&read_all(&mut log.reader()));
     assert_eq!(log.append(b"after reopen").unwrap(), 3003);
-    assert_eq!(
-        log.reader().get(3003).unwrap().unwrap().payload,
-        b"after reopen"
-    );
+    assert_eq!(log.reader().get(3003).unwrap().unwrap().payload, b"after reopen");
 }
 
 #[test]
 fn a_second_writer_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let _log = Log::open(dir.path(), Options::default()).unwrap();
-    let err = Log::open(dir.path(), Options::default())
-        .err()
-        .expect("second open must fail");
+    let err = Log::open(dir.path(), Options::default()).err().expect("second open must fail");
     assert!(matches!(err, Error::Locked { .. }), "{err}");
     // Offline readers need no lock.
     verify::open_read_only(dir.path()).unwrap();
@@ -112,49 +99,18 @@ fn a_second_writer_is_refused() {
 #[test]
 fn limits_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let opts = Options {
-        max_record_bytes: 1000,
-        ..small(Durability::None)
-    };
+    let opts = Options { max_record_bytes: 1000, ..small(Durability::None) };
     let mut log = Log::open(dir.path(), opts).unwrap();
     let err = log.append(&[0u8; 1001]).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::RecordTooLarge {
-                size: 1001,
-                max: 1000
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, Error::RecordTooLarge { size: 1001, max: 1000 }), "{err}");
     // A batch is checked whole before anything is written.
-    let err = log
-        .append_batch(&[vec![1u8; 10], vec![2u8; 2000]])
-        .unwrap_err();
+    let err = log.append_batch(&[vec![1u8; 10], vec![2u8; 2000]]).unwrap_err();
     assert!(matches!(err, Error::RecordTooLarge { .. }));
     assert_eq!(log.next_offset(), 0);
     let key = vec![0u8; 70_000];
-    let err = log
-        .append_with(&Input {
-            key: Some(&key),
-            ..Input::payload(b"")
-        })
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::RecordTooLarge { .. } | Error::InvalidRecord(_)),
-        "{err}"
-    );
-    assert!(
-        Log::open(
-            dir.path().join("x"),
-            Options {
-                segment_bytes: 1000,
-                ..Options::default()
-            }
-        )
-        .is_err()
-    );
+    let err = log.append_with(&Input { key: Some(&key), ..Input::payload(b"") }).unwrap_err();
+    assert!(matches!(err, Error::RecordTooLarge { .. } | Error::InvalidRecord(_)), "{err}");
+    assert!(Log::open(dir.path().join("x"), Options { segment_bytes: 1000, ..Options::default() }).is_err());
 }
 
 #[test]
@@ -176,27 +132,13 @@ fn a_record_larger_than_a_segment_gets_a_segment_of_its_own() {
 fn timestamps_never_go_backwards() {
     let dir = tempfile::tempdir().unwrap();
     let mut log = Log::open(dir.path(), Options::default()).unwrap();
-    log.append_with(&Input {
-        timestamp: Some(5_000),
-        ..Input::payload(b"a")
-    })
-    .unwrap();
-    log.append_with(&Input {
-        timestamp: Some(1_000),
-        ..Input::payload(b"b")
-    })
-    .unwrap();
+    log.append_with(&Input { timestamp: Some(5_000), ..Input::payload(b"a") }).unwrap();
+    log.append_with(&Input { timestamp: Some(1_000), ..Input::payload(b"b") }).unwrap();
     log.append(b"c").unwrap();
     let r = read_all(&mut log.reader());
     assert_eq!(r[0].timestamp, 5_000);
-    assert_eq!(
-        r[1].timestamp, 5_000,
-        "an earlier timestamp is raised to the previous one"
-    );
-    assert!(
-        r[2].timestamp > 1_600_000_000_000_000_000,
-        "current time in ns"
-    );
+    assert_eq!(r[1].timestamp, 5_000, "an earlier timestamp is raised to the previous one");
+    assert!(r[2].timestamp > 1_600_000_000_000_000_000, "current time in ns");
 }
 
 /// Writes `n` equal-sized records to a fresh log; returns the position of each frame.
@@ -232,12 +174,7 @@ fn a_torn_last_frame_is_cut_at_every_byte_position() {
             copy_dir(&pristine, &work);
             let file = work.join(&name);
             if truncate {
-                fs::OpenOptions::new()
-                    .write(true)
-                    .open(&file)
-                    .unwrap()
-                    .set_len(cut)
-                    .unwrap();
+                fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(cut).unwrap();
             } else {
                 let mut bytes = fs::read(&file).unwrap();
                 bytes[cut as usize..end as usize].fill(0);
@@ -248,19 +185,11 @@ fn a_torn_last_frame_is_cut_at_every_byte_position() {
             assert_eq!(log.recovery_report().torn_at, Some(last));
             let records = read_all(&mut log.reader());
             assert_eq!(records.len(), 19);
-            assert!(
-                records
-                    .iter()
-                    .all(|r| r.payload == vec![r.offset as u8 + 1; 45])
-            );
+            assert!(records.iter().all(|r| r.payload == vec![r.offset as u8 + 1; 45]));
             assert_eq!(log.append(b"next").unwrap(), 19);
             drop(log);
             let log = Log::open(&work, small(Durability::None)).unwrap();
-            assert_eq!(
-                log.recovery_report().torn_at,
-                None,
-                "the cut is clean on the next open"
-            );
+            assert_eq!(log.recovery_report().torn_at, None, "the cut is clean on the next open");
             assert_eq!(read_all(&mut log.reader())[19].payload, b"next");
             fs::remove_dir_all(&work).unwrap();
         }
@@ -293,20 +222,9 @@ fn a_flipped_byte_in_a_sealed_segment_is_reported_then_repaired() {
             Err(e) => break e,
         }
     };
-    let Error::Corrupt {
-        file,
-        position,
-        offset,
-        ..
-    } = &err
-    else {
-        panic!("{err}")
-    };
+    let Error::Corrupt { file, position, offset, .. } = &err else { panic!("{err}") };
     assert_eq!(file, victim);
-    assert!(
-        *position <= at as u64 && *position + 400 > at as u64,
-        "{err}"
-    );
+    assert!(*position <= at as u64 && *position + 400 > at as u64, "{err}");
     let bad_offset = offset.unwrap();
     assert!(err.to_string().contains(&victim.display().to_string()));
     drop(log);
@@ -314,24 +232,13 @@ fn a_flipped_byte_in_a_sealed_segment_is_reported_then_repaired() {
     let report = verify::verify(dir.path(), |_, _| {}).unwrap();
     assert!(!report.is_clean());
     let problem = &report.problems[0];
-    assert_eq!(
-        (problem.kind, &problem.file, problem.offset),
-        (ProblemKind::Corrupt, victim, Some(bad_offset))
-    );
-    assert_eq!(
-        report.records, 1999,
-        "only the damaged record is unreadable"
-    );
+    assert_eq!((problem.kind, &problem.file, problem.offset), (ProblemKind::Corrupt, victim, Some(bad_offset)));
+    assert_eq!(report.records, 1999, "only the damaged record is unreadable");
 
     let repaired = verify::repair(dir.path()).unwrap();
     assert_eq!(repaired.records_removed, 2000 - bad_offset - 1);
     assert_eq!(repaired.next_offset, bad_offset);
-    assert!(
-        verify::verify(dir.path(), |_, _| {})
-            .unwrap()
-            .problems
-            .is_empty()
-    );
+    assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
     let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
     assert_eq!(log.next_offset(), bad_offset);
     let records = read_all(&mut log.reader());
@@ -348,29 +255,13 @@ fn damage_before_valid_frames_in_the_last_segment_fails_the_open() {
     let mut bytes = fs::read(&seg).unwrap();
     bytes[starts[10] as usize + 40] ^= 1;
     fs::write(&seg, &bytes).unwrap();
-    let err = Log::open(dir.path(), small(Durability::None))
-        .err()
-        .expect("must not open");
-    let Error::Corrupt {
-        file,
-        position,
-        offset,
-        before_tail: true,
-        ..
-    } = &err
-    else {
-        panic!("{err}")
-    };
+    let err = Log::open(dir.path(), small(Durability::None)).err().expect("must not open");
+    let Error::Corrupt { file, position, offset, before_tail: true, .. } = &err else { panic!("{err}") };
     assert_eq!((file, *position, *offset), (&seg, starts[10], Some(10)));
     assert!(verify::open_read_only(dir.path()).is_err());
     let repaired = verify::repair(dir.path()).unwrap();
     assert_eq!(repaired.records_removed, 39);
-    assert_eq!(
-        Log::open(dir.path(), small(Durability::None))
-            .unwrap()
-            .next_offset(),
-        10
-    );
+    assert_eq!(Log::open(dir.path(), small(Durability::None)).unwrap().next_offset(), 10);
 }
 
 #[test]
@@ -388,10 +279,7 @@ fn readers_on_other_threads_see_every_record_while_the_writer_appends() {
                 while next < N {
                     let batch = reader.read_batch(50).unwrap();
                     if batch.is_empty() {
-                        assert!(
-                            !done.load(Ordering::Acquire) || reader.end_offset() > next,
-                            "lost records"
-                        );
+                        assert!(!done.load(Ordering::Acquire) || reader.end_offset() > next, "lost records");
                         std::thread::yield_now();
                         continue;
                     }
@@ -407,13 +295,11 @@ fn readers_on_other_threads_see_every_record_while_the_writer_appends() {
     let mut i = 0u64;
     while i < N {
         if i.is_multiple_of(3) {
-            let batch: Vec<Vec<u8>> = (i..(i + 5).min(N))
-                .map(|j| j.to_le_bytes()[..(j % 8) as usize + 1].to_vec())
-                .collect();
+            let batch: Vec<Vec<u8>> =
+                (i..(i + 5).min(N)).map(|j| j.to_le_bytes()[..(j % 8) as usize + 1].to_vec()).collect();
             i = log.append_batch(&batch).unwrap().end;
         } else {
-            log.append(&i.to_le_bytes()[..(i % 8) as usize + 1])
-                .unwrap();
+            log.append(&i.to_le_bytes()[..(i % 8) as usize + 1]).unwrap();
             i += 1;
         }
     }
@@ -426,23 +312,16 @@ fn readers_on_other_threads_see_every_record_while_the_writer_appends() {
 #[test]
 fn shared_log_appends_from_many_threads_with_group_commit() {
     let dir = tempfile::tempdir().unwrap();
-    let log = Log::open(dir.path(), small(Durability::Always))
-        .unwrap()
-        .into_shared();
+    let log = Log::open(dir.path(), small(Durability::Always)).unwrap().into_shared();
     let threads: Vec<_> = (0..8u64)
         .map(|t| {
             let log = log.clone();
             std::thread::spawn(move || {
-                (0..100u64)
-                    .map(|i| log.append(format!("{t}:{i}").as_bytes()).unwrap())
-                    .collect::<Vec<_>>()
+                (0..100u64).map(|i| log.append(format!("{t}:{i}").as_bytes()).unwrap()).collect::<Vec<_>>()
             })
         })
         .collect();
-    let mut offsets: Vec<u64> = threads
-        .into_iter()
-        .flat_map(|t| t.join().unwrap())
-        .collect();
+    let mut offsets: Vec<u64> = threads.into_iter().flat_map(|t| t.join().unwrap()).collect();
     offsets.sort_unstable();
     assert_eq!(offsets, (0..800).collect::<Vec<_>>());
     let records = read_all(&mut log.reader());
@@ -456,11 +335,7 @@ fn shared_log_appends_from_many_threads_with_group_commit() {
                     .map(|s| s.parse::<u64>().unwrap())
             })
             .collect();
-        assert_eq!(
-            mine,
-            (0..100).collect::<Vec<_>>(),
-            "each thread's records in its order"
-        );
+        assert_eq!(mine, (0..100).collect::<Vec<_>>(), "each thread's records in its order");
     }
 }
 
@@ -482,11 +357,7 @@ fn interval_durability_stops_cleanly_and_keeps_everything() {
 fn a_leftover_segment_from_an_interrupted_roll_is_removed() {
     let dir = tempfile::tempdir().unwrap();
     fixed_log(dir.path(), 3, 10);
-    fs::write(
-        dir.path().join("00000000000000000003.log.tmp"),
-        b"half made",
-    )
-    .unwrap();
+    fs::write(dir.path().join("00000000000000000003.log.tmp"), b"half made").unwrap();
     let log = Log::open(dir.path(), small(Durability::None)).unwrap();
     assert_eq!(log.recovery_report().leftovers_removed, 1);
     assert_eq!(log.next_offset(), 3);
