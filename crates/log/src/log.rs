@@ -13,7 +13,7 @@ use crate::error::{Error, Reason, Result, io_err};
 use crate::frame::{self, Input};
 use crate::mmap::{DataWriter, HEADER_LEN};
 use crate::options::{Durability, Options};
-use crate::prefault::Prefaulter;
+use crate::prefault::{self, Prefaulter};
 use crate::reader::Reader;
 use crate::recovery::{self, Stop};
 use crate::segment::{self, Segment};
@@ -209,9 +209,6 @@ pub struct Log {
     /// Held (flock) for as long as the writer lives.
     _lock: File,
 }
-
-/// Pages are faulted in this far ahead of the writer, a step at a time.
-const PREFAULT_STEP: usize = 4 << 20;
 
 impl Log {
     /// Opens the log in `dir`, creating it if allowed, and recovers it.
@@ -450,8 +447,8 @@ impl Log {
         self.pos += aligned;
         self.next_offset += 1;
         if self.pos > self.prefault_trigger {
-            self.prefault_trigger = self.pos + PREFAULT_STEP;
-            self.prefaulter.request(&self.active, self.pos, self.pos + 2 * PREFAULT_STEP);
+            self.prefault_trigger = self.pos + prefault::STEP;
+            self.prefaulter.advance(&self.active, self.pos);
         }
         Ok(offset)
     }

@@ -1,52 +1,74 @@
-//! A helper thread that faults in the pages of the active segment just ahead of the writer, so
-//! the kernel's page allocation and zeroing happen off the append path.
+//! A helper thread that faults in the pages of the active segment ahead of the writer, so the
+//! kernel's page-cache allocation and zeroing happen off the append path, on another core.
+//!
+//! The writer reports its position every `STEP` bytes; the thread keeps the pages up to
+//! `WINDOW` bytes past it faulted in, a `CHUNK` per system call.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::segment::Segment;
 
+/// How often (in bytes written) the writer reports its position.
+pub(crate) const STEP: usize = 1 << 20;
+const WINDOW: usize = 32 << 20;
+const CHUNK: usize = 2 << 20;
+
 #[derive(Default)]
-struct Request {
-    next: Option<(Arc<Segment>, usize, usize)>,
+struct State {
+    seg: Option<Arc<Segment>>,
+    /// Pages of `seg` below this position are faulted in.
+    done: usize,
+    /// The thread works until `done` reaches this.
+    want: usize,
     stop: bool,
 }
 
 pub(crate) struct Prefaulter {
-    state: Arc<(Mutex<Request>, Condvar)>,
+    state: Arc<(Mutex<State>, Condvar)>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Prefaulter {
     pub(crate) fn start() -> std::io::Result<Prefaulter> {
-        let state = Arc::new((Mutex::new(Request::default()), Condvar::new()));
-        let thread_state = Arc::clone(&state);
-        let thread = std::thread::Builder::new().name("petrel-log-prefault".into()).spawn(move || {
-            let (lock, wake) = &*thread_state;
-            loop {
-                let (seg, from, to) = {
-                    let mut req = lock.lock().unwrap_or_else(|e| e.into_inner());
-                    loop {
-                        if req.stop {
-                            return;
-                        }
-                        if let Some(next) = req.next.take() {
-                            break next;
-                        }
-                        req = wake.wait(req).unwrap_or_else(|e| e.into_inner());
-                    }
-                };
-                seg.map.prefault_write(from, to);
-            }
-        })?;
+        let state = Arc::new((Mutex::new(State::default()), Condvar::new()));
+        let shared = Arc::clone(&state);
+        let thread = std::thread::Builder::new().name("petrel-log-prefault".into()).spawn(move || run(&shared))?;
         Ok(Prefaulter { state, thread: Some(thread) })
     }
 
-    /// Asks for `[from, to)` of `seg` to be faulted in; replaces a request not yet started.
-    pub(crate) fn request(&self, seg: &Arc<Segment>, from: usize, to: usize) {
+    /// The writer is at `pos` in `seg`.
+    pub(crate) fn advance(&self, seg: &Arc<Segment>, pos: usize) {
         let (lock, wake) = &*self.state;
-        lock.lock().unwrap_or_else(|e| e.into_inner()).next = Some((Arc::clone(seg), from, to));
+        let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if !state.seg.as_ref().is_some_and(|s| Arc::ptr_eq(s, seg)) {
+            state.seg = Some(Arc::clone(seg));
+            state.done = pos;
+        }
+        state.done = state.done.max(pos);
+        state.want = (pos + WINDOW).min(seg.map.len());
         wake.notify_one();
+    }
+}
+
+fn run(state: &(Mutex<State>, Condvar)) {
+    let (lock, wake) = state;
+    let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if guard.stop {
+            return;
+        }
+        let Some(seg) = guard.seg.clone().filter(|_| guard.done < guard.want) else {
+            guard = wake.wait(guard).unwrap_or_else(|e| e.into_inner());
+            continue;
+        };
+        let (from, to) = (guard.done, (guard.done + CHUNK).min(guard.want));
+        drop(guard);
+        seg.map.prefault_write(from, to);
+        guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.seg.as_ref().is_some_and(|s| Arc::ptr_eq(s, &seg)) {
+            guard.done = guard.done.max(to);
+        }
     }
 }
 
