@@ -348,6 +348,19 @@ mod tests {
     }
 
     #[test]
+    fn the_documented_example_is_exact() {
+        let input = Input::payload(b"hello");
+        let mut buf = [0u8; 40];
+        assert_eq!(encode(&mut buf, frame_len(&input), 5, 1_700_000_000_000_000_000, &input), 40);
+        let hex: Vec<String> = buf.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex.join(" "),
+            "50 54 52 31 cd ee ba 80 25 00 00 00 00 00 00 00 05 00 00 00 00 00 00 00 \
+             00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00"
+        );
+    }
+
+    #[test]
     fn every_single_byte_flip_is_detected() {
         let input = Input { key: Some(b"key"), headers: &[("h", b"v")], payload: b"payload!", timestamp: None };
         let len = frame_len(&input);
