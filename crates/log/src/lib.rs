@@ -39,3 +39,34 @@ pub use options::{
 };
 pub use reader::{Batch, BatchIter, Reader};
 pub use shared::SharedLog;
+
+/// Entry points for fuzzers and property tests of the decoders. Not a stable API.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// Decodes arbitrary bytes as a frame, the way readers and recovery do. Must never panic;
+    /// returns the offset and aligned length of a valid frame.
+    pub fn decode_frame(bytes: &[u8]) -> Option<(u64, usize)> {
+        match crate::frame::decode(bytes, bytes.len()) {
+            Ok(crate::frame::Decoded::Frame(record, len)) => {
+                // What decode accepted, the trusted decoder must read back the same.
+                let (again, len_again) = crate::frame::decode_checked_frame(bytes);
+                assert_eq!((again, len_again), (record, len));
+                Some((record.offset, len))
+            }
+            _ => None,
+        }
+    }
+
+    /// Scans arbitrary bytes as a segment's data region, the way recovery does. Must never
+    /// panic; returns the end of the valid frames and the next offset.
+    pub fn scan_segment(data: &[u8], start_offset: u64) -> (usize, u64) {
+        let scan = crate::recovery::scan(data, 0, start_offset);
+        assert!(scan.end <= data.len());
+        (scan.end, scan.next_offset)
+    }
+
+    /// Decodes arbitrary bytes as a segment header. Must never panic.
+    pub fn decode_segment_header(bytes: &[u8; 64]) -> bool {
+        crate::segment::SegmentHeader::decode(bytes).is_ok()
+    }
+}
