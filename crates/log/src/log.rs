@@ -233,9 +233,9 @@ impl Log {
                 }
                 segments.push(Arc::new(seg));
             }
-            let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, true)?;
+            // Its header is checked by recovery, which can do without it.
+            let (seg, _) = Segment::open(&dir.join(segment::file_name(last)), last, true)?;
             segments.push(Arc::new(seg));
-            let _ = header;
         } else {
             segments.push(Arc::new(Segment::create(&dir, 0, options.segment_bytes, now, durable)?));
         }
@@ -317,8 +317,14 @@ impl Log {
         Ok(offset)
     }
 
-    /// Appends payloads as consecutive records, published together (readers see all or none
-    /// of them); returns their offsets. Every payload is checked before any is written.
+    /// Appends payloads as consecutive records with one publication and (under `Always`) one
+    /// sync; returns their offsets. Every payload is checked against the limits before any is
+    /// written, so a batch that fails on a limit appends nothing.
+    ///
+    /// Readers see the whole batch at once, with one exception: a batch that crosses into a new
+    /// segment is published up to the boundary first, and if the next segment cannot be
+    /// allocated (a full disk) that first part stays. A batch is not atomic across a crash:
+    /// its complete frames survive it, like any unacknowledged append may.
     pub fn append_batch<P: AsRef<[u8]>>(&mut self, payloads: &[P]) -> Result<Range<u64>> {
         self.batch(payloads.len(), |i| Input::payload(payloads[i].as_ref()))
     }
