@@ -51,6 +51,18 @@ pub enum Error {
     #[error("log is poisoned after a failed sync, nothing more can be written or trusted in this process: {0}")]
     Poisoned(String),
 
+    #[error("consumer group {0:?} is already open in this process")]
+    GroupInUse(String),
+
+    #[error("consumer group {0:?} does not exist")]
+    NoSuchGroup(String),
+
+    #[error("consumer group {group:?} has {max} records delivered and unacknowledged: acknowledge some first")]
+    TooManyPending { group: String, max: usize },
+
+    #[error("record {offset} is not pending in consumer group {group:?} (never delivered, or already acknowledged)")]
+    NotDelivered { group: String, offset: u64 },
+
     #[error("invalid configuration: {0}")]
     Config(String),
 

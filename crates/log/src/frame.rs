@@ -294,6 +294,12 @@ pub(crate) fn peek_len(buf: &[u8]) -> Option<usize> {
     (len >= FRAME_HEADER_LEN && len <= buf.len()).then(|| align_up(len))
 }
 
+/// Timestamp of the frame at the start of `buf`, judged by its magic only (no CRC).
+pub(crate) fn peek_timestamp(buf: &[u8]) -> Option<u64> {
+    let head = buf.get(..FRAME_HEADER_LEN)?;
+    (head[0..4] == FRAME_MAGIC).then(|| u64::from_le_bytes(head[24..32].try_into().unwrap()))
+}
+
 /// Decodes a frame that `decode` has already accepted, skipping the checks.
 ///
 /// Panics (never undefined behaviour) if the bytes are not such a frame.

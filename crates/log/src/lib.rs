@@ -19,8 +19,10 @@
 //!
 //! The on-disk format and the recovery rules are in `docs/format.md`.
 
+mod cursor;
 mod error;
 mod frame;
+mod group;
 mod log;
 mod mmap;
 mod options;
@@ -31,8 +33,10 @@ mod segment;
 mod shared;
 pub mod verify;
 
+pub use cursor::MAX_PENDING;
 pub use error::{Error, FrameError, Reason, Result};
 pub use frame::{FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LEN, OwnedRecord, Record};
+pub use group::{ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
 pub use log::{Log, LogStats, RecoveryReport};
 pub use options::{
     DEFAULT_MAX_RECORD_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, Options,

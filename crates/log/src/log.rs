@@ -1,10 +1,11 @@
 //! The writer side of a log: opening and recovering it, appending, rolling segments, and
 //! making records durable.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -52,6 +53,12 @@ pub(crate) struct Shared {
     pub segments: RwLock<Vec<Arc<Segment>>>,
     /// One past the last published record.
     pub next_offset: AtomicU64,
+    /// Consumer groups, open or not.
+    pub groups: crate::group::Registry,
+    /// Readers waiting for a new record sleep here; the writer wakes them only if any wait.
+    append_waiters: AtomicUsize,
+    append_lock: Mutex<()>,
+    appended: Condvar,
     /// Syncs done (group commit makes this smaller than the appends that waited for one).
     pub syncs: AtomicU64,
     poisoned: AtomicBool,
@@ -74,13 +81,35 @@ struct SyncState {
 }
 
 impl Shared {
-    pub(crate) fn new(dir: PathBuf, options: Options, segments: Vec<Arc<Segment>>, next_offset: u64) -> Arc<Shared> {
+    pub(crate) fn new(
+        dir: PathBuf,
+        options: Options,
+        segments: Vec<Arc<Segment>>,
+        next_offset: u64,
+        cursors: BTreeMap<String, crate::cursor::CursorState>,
+    ) -> Arc<Shared> {
         let active = Arc::clone(segments.last().expect("a log has at least one segment"));
+        let groups = cursors
+            .into_iter()
+            .map(|(name, state)| {
+                let entry = crate::group::GroupEntry {
+                    committed: AtomicU64::new(state.committed),
+                    open: AtomicBool::new(false),
+                    skipped: AtomicU64::new(0),
+                    acked_above: AtomicU64::new(state.acked_above.len() as u64),
+                };
+                (name, Arc::new(entry))
+            })
+            .collect();
         Arc::new(Shared {
             dir,
             options,
             segments: RwLock::new(segments),
             next_offset: AtomicU64::new(next_offset),
+            groups: Mutex::new(groups),
+            append_waiters: AtomicUsize::new(0),
+            append_lock: Mutex::new(()),
+            appended: Condvar::new(),
             syncs: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
@@ -170,6 +199,91 @@ impl Shared {
         }
     }
 
+    /// Waits until a record at `offset` is published or `deadline` passes; `true` if it is.
+    pub(crate) fn wait_for_append(&self, offset: u64, deadline: std::time::Instant) -> bool {
+        // Dekker-style with `publish`: we announce ourselves, then look; the writer stores, then
+        // looks for waiters. SeqCst on both sides means one of us sees the other.
+        self.append_waiters.fetch_add(1, Ordering::SeqCst);
+        let mut guard = self.append_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let published = loop {
+            if self.next_offset.load(Ordering::SeqCst) > offset || self.poisoned.load(Ordering::Relaxed) {
+                break true;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                break false;
+            }
+            guard = self.appended.wait_timeout(guard, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        };
+        drop(guard);
+        self.append_waiters.fetch_sub(1, Ordering::SeqCst);
+        published
+    }
+
+    /// Called by the writer after publishing: wakes waiting readers, if there are any.
+    #[inline]
+    fn notify_appended(&self) {
+        if self.append_waiters.load(Ordering::SeqCst) != 0 {
+            let _guard = self.append_lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.appended.notify_all();
+        }
+    }
+
+    /// Every group, open or not.
+    pub(crate) fn group_infos(&self) -> Vec<crate::GroupInfo> {
+        let groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        groups
+            .iter()
+            .map(|(name, e)| crate::GroupInfo {
+                name: name.clone(),
+                committed: e.committed.load(Ordering::Acquire),
+                acked_above: e.acked_above.load(Ordering::Relaxed) as usize,
+                open: e.open.load(Ordering::Acquire),
+                skipped: e.skipped.load(Ordering::Relaxed),
+            })
+            .collect()
+    }
+
+    /// Creates group `to` at the position of group `from` (its last written cursor).
+    pub(crate) fn copy_group(&self, from: &str, to: &str) -> Result<()> {
+        crate::group::check_name(to)?;
+        let path = crate::group::cursor_path(&self.dir, from);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::NoSuchGroup(from.to_owned())),
+            Err(e) => return Err(io_err("read cursor", &path)(e)),
+        };
+        let (_, state) = crate::cursor::read(&bytes)
+            .ok_or_else(|| corrupt(&path, 0, None, Reason::Other("no valid cursor slot".into())))?;
+        let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        if groups.contains_key(to) {
+            return Err(Error::Config(format!("consumer group {to:?} already exists")));
+        }
+        crate::group::create_cursor(&self.dir, to, &state, self.options.durability != Durability::None)?;
+        let entry = crate::group::GroupEntry {
+            committed: AtomicU64::new(state.committed),
+            open: AtomicBool::new(false),
+            skipped: AtomicU64::new(0),
+            acked_above: AtomicU64::new(state.acked_above.len() as u64),
+        };
+        groups.insert(to.to_owned(), Arc::new(entry));
+        Ok(())
+    }
+
+    /// Deletes a group that is not open.
+    pub(crate) fn delete_group(&self, name: &str) -> Result<()> {
+        let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        match groups.get(name) {
+            None => return Err(Error::NoSuchGroup(name.to_owned())),
+            Some(e) if e.open.load(Ordering::Acquire) => return Err(Error::GroupInUse(name.to_owned())),
+            Some(_) => {}
+        }
+        let path = crate::group::cursor_path(&self.dir, name);
+        fs::remove_file(&path).map_err(io_err("remove cursor", &path))?;
+        groups.remove(name);
+        Ok(())
+    }
+
     /// The segment holding `offset`, if it is in the log.
     pub(crate) fn segment_for(&self, offset: u64) -> Option<Arc<Segment>> {
         let segments = self.segments.read().unwrap_or_else(|e| e.into_inner());
@@ -246,7 +360,8 @@ impl Log {
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
 
-        let shared = Shared::new(dir, options, segments, next_offset);
+        let cursors = crate::group::load_all(&dir)?;
+        let shared = Shared::new(dir, options, segments, next_offset, cursors);
         // Whatever recovery kept was written before the crash; make it durable now if the
         // policy asks for durability, so the checkpoint covers it.
         if durable && next_offset > 0 {
@@ -341,6 +456,26 @@ impl Log {
             Some(last) => self.shared.make_durable(last),
             None => Ok(()),
         }
+    }
+
+    /// Opens (creating if needed) the consumer group `name`.
+    pub fn group(&self, name: &str, options: crate::GroupOptions) -> Result<crate::ConsumerGroup> {
+        crate::ConsumerGroup::open(Arc::clone(&self.shared), name, options)
+    }
+
+    /// Every consumer group of the log.
+    pub fn groups(&self) -> Vec<crate::GroupInfo> {
+        self.shared.group_infos()
+    }
+
+    /// Creates group `to` at the same position as group `from`.
+    pub fn copy_group(&self, from: &str, to: &str) -> Result<()> {
+        self.shared.copy_group(from, to)
+    }
+
+    /// Deletes a group (not while it is open).
+    pub fn delete_group(&self, name: &str) -> Result<()> {
+        self.shared.delete_group(name)
     }
 
     /// Turns this writer into a handle that many threads can clone and append through.
@@ -464,7 +599,8 @@ impl Log {
     fn publish(&mut self) {
         self.writer.publish(self.pos);
         self.active.set_tail(self.pos, self.next_offset - self.active.base);
-        self.shared.next_offset.store(self.next_offset, Ordering::Release);
+        self.shared.next_offset.store(self.next_offset, Ordering::SeqCst);
+        self.shared.notify_appended();
     }
 
     /// Forgets frames written but not published, zeroing them so recovery never sees them.

@@ -184,3 +184,16 @@ impl DataWriter {
         self.map.published.store(end, Ordering::Release);
     }
 }
+
+/// Maps a small private file (a consumer group's cursor) for reading and writing through a plain
+/// `&mut [u8]`.
+///
+/// The returned `MmapMut` is an ordinary exclusive slice; the one thing the compiler cannot check
+/// is that nobody else writes the file while it is mapped. That holds because cursor files are
+/// written only by the process holding the log directory's lock, through the one open handle of
+/// that group (the group registry refuses a second), and offline tools only read them.
+pub(crate) fn map_private_file(file: &File) -> io::Result<memmap2::MmapMut> {
+    // SAFETY: see above — no other writer exists while the mapping lives, and the file is never
+    // truncated while mapped (its length is fixed when it is created).
+    unsafe { MmapOptions::new().map_mut(file) }
+}

@@ -99,6 +99,35 @@ impl Reader {
         Ok(Batch { data: &data[..at], first, count })
     }
 
+    /// Offset of the first record with a timestamp at or after `t` (ns since the Unix epoch), or
+    /// the end of the log if there is none. Timestamps never decrease along the log, so this is
+    /// a binary search over segments, then a walk over frame headers within one.
+    pub fn offset_at_time(&mut self, t: u64) -> Result<u64> {
+        let segments: Vec<Arc<Segment>> = self.shared.segments.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let first_ts = |seg: &Segment| frame::peek_timestamp(seg.map.published().from(HEADER_LEN));
+        // Segments whose first record is older than `t`; the answer is in the last of them, or is
+        // the first record of the segment after.
+        let older = segments.partition_point(|s| first_ts(s).is_some_and(|ts| ts < t));
+        let end = self.end_offset();
+        let Some(seg) = older.checked_sub(1).map(|i| &segments[i]) else {
+            return Ok(self.first_offset());
+        };
+        let limit = segments.get(older).map_or(end, |next| next.base);
+        let published = seg.map.published();
+        let mut pos = HEADER_LEN;
+        let mut offset = seg.base;
+        while offset < limit {
+            let bytes = published.from(pos);
+            match (frame::peek_timestamp(bytes), frame::peek_len(bytes)) {
+                (Some(ts), _) if ts >= t => return Ok(offset),
+                (Some(_), Some(len)) => pos += len,
+                _ => return Err(corrupt(&seg.path, pos as u64, Some(offset), Reason::Missing { expected: offset })),
+            }
+            offset += 1;
+        }
+        Ok(limit)
+    }
+
     /// Makes `seg`/`pos` point at record `next`; `false` at the end of the log.
     fn advance(&mut self) -> Result<bool> {
         loop {

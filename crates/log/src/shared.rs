@@ -78,6 +78,23 @@ impl SharedLog {
         self.shared.stats()
     }
 
+    /// Opens (creating if needed) the consumer group `name`.
+    pub fn group(&self, name: &str, options: crate::GroupOptions) -> Result<crate::ConsumerGroup> {
+        crate::ConsumerGroup::open(Arc::clone(&self.shared), name, options)
+    }
+
+    pub fn groups(&self) -> Vec<crate::GroupInfo> {
+        self.shared.group_infos()
+    }
+
+    pub fn copy_group(&self, from: &str, to: &str) -> Result<()> {
+        self.shared.copy_group(from, to)
+    }
+
+    pub fn delete_group(&self, name: &str) -> Result<()> {
+        self.shared.delete_group(name)
+    }
+
     pub fn reader(&self) -> Reader {
         Reader::new(Arc::clone(&self.shared))
     }

@@ -47,7 +47,22 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     let seg = seg.read_only_until(end, scan.next_offset - last)?;
     segments.push(Arc::new(seg));
     let options = Options { create: false, ..Options::default() };
-    Ok(Reader::new(Shared::new(dir.to_path_buf(), options, segments, scan.next_offset)))
+    let cursors = crate::group::load_all(dir)?;
+    Ok(Reader::new(Shared::new(dir.to_path_buf(), options, segments, scan.next_offset, cursors)))
+}
+
+/// The consumer groups of the log in `dir`, read from their cursor files (no lock taken).
+pub fn list_groups(dir: impl AsRef<Path>) -> Result<Vec<crate::GroupInfo>> {
+    Ok(crate::group::load_all(dir.as_ref())?
+        .into_iter()
+        .map(|(name, state)| crate::GroupInfo {
+            name,
+            committed: state.committed,
+            acked_above: state.acked_above.len(),
+            open: false,
+            skipped: 0,
+        })
+        .collect())
 }
 
 /// One problem `verify` found.

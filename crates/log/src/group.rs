@@ -1,0 +1,492 @@
+//! Consumer groups: named, independent readers of a log with crash-safe cursors, at-least-once
+//! delivery, out-of-order acknowledgements, negative acknowledgements and seeking.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::cursor::{self, CURSOR_FILE_LEN, CursorState, MAX_PENDING};
+use crate::error::{Error, Reason, Result, io_err};
+use crate::log::{Shared, corrupt};
+use crate::options::Durability;
+use crate::reader::{Batch, Reader};
+
+pub(crate) const GROUPS_DIR: &str = "groups";
+const CURSOR_SUFFIX: &str = ".cursor";
+
+/// Where a group (re)starts reading.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeekTo {
+    /// The oldest record still in the log.
+    Oldest,
+    /// After the newest record: only records appended from now on.
+    Newest,
+    /// This offset (clamped to the records in the log).
+    Offset(u64),
+    /// The first record with a timestamp at or after this many ns since the Unix epoch.
+    Time(u64),
+}
+
+/// How a group is opened.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupOptions {
+    /// When acknowledgements reach stable storage (same meanings as for the log).
+    pub durability: Durability,
+    /// Most records delivered and not yet acknowledged; `poll` refuses to deliver more.
+    pub max_pending: usize,
+    /// Where a group that does not exist yet starts.
+    pub start: SeekTo,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        GroupOptions { durability: Durability::None, max_pending: 4096, start: SeekTo::Oldest }
+    }
+}
+
+/// What is known about a group without opening it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupInfo {
+    pub name: String,
+    /// Lowest unacknowledged offset.
+    pub committed: u64,
+    /// Records above `committed` already acknowledged (out of order).
+    pub acked_above: usize,
+    /// Whether a handle to the group is open in this process.
+    pub open: bool,
+    /// Records the group lost to retention caps before it read them.
+    pub skipped: u64,
+}
+
+/// A group's entry in the log's registry: what retention and listings need to know.
+pub(crate) struct GroupEntry {
+    pub committed: AtomicU64,
+    pub open: AtomicBool,
+    pub skipped: AtomicU64,
+    pub acked_above: AtomicU64,
+}
+
+pub(crate) type Registry = Mutex<BTreeMap<String, Arc<GroupEntry>>>;
+
+pub(crate) fn check_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        && !name.starts_with('.');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "group name {name:?} must be 1 to 128 characters of A-Z a-z 0-9 . _ - and not start with '.'"
+        )))
+    }
+}
+
+pub(crate) fn cursor_path(dir: &Path, name: &str) -> PathBuf {
+    dir.join(GROUPS_DIR).join(format!("{name}{CURSOR_SUFFIX}"))
+}
+
+/// Reads every cursor file under `dir/groups`. A file with no valid slot is corruption.
+pub(crate) fn load_all(dir: &Path) -> Result<BTreeMap<String, CursorState>> {
+    let groups = dir.join(GROUPS_DIR);
+    let mut out = BTreeMap::new();
+    let entries = match fs::read_dir(&groups) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(io_err("list groups", &groups)(e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(io_err("list groups", &groups))?;
+        let file_name = entry.file_name();
+        let Some(name) = file_name.to_str().and_then(|n| n.strip_suffix(CURSOR_SUFFIX)) else {
+            continue; // a leftover `.tmp` or a foreign file
+        };
+        let bytes = fs::read(entry.path()).map_err(io_err("read cursor", entry.path()))?;
+        let Some((_, state)) = cursor::read(&bytes) else {
+            return Err(corrupt(&entry.path(), 0, None, Reason::Other("no valid cursor slot".into())));
+        };
+        out.insert(name.to_owned(), state);
+    }
+    Ok(out)
+}
+
+/// Writes a new cursor file for `name` with `state`, atomically (temporary file, rename).
+pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable: bool) -> Result<()> {
+    let groups = dir.join(GROUPS_DIR);
+    fs::create_dir_all(&groups).map_err(io_err("create directory", &groups))?;
+    let path = cursor_path(dir, name);
+    let tmp = path.with_extension("cursor.tmp");
+    let mut bytes = vec![0u8; CURSOR_FILE_LEN];
+    let mut bitmap = Vec::new();
+    cursor::bitmap(state.committed, state.acked_above.iter().copied(), &mut bitmap);
+    cursor::write(&mut bytes, 1, state.committed, &bitmap);
+    fs::write(&tmp, &bytes).map_err(io_err("write cursor", &tmp))?;
+    if durable {
+        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("sync cursor", &tmp))?;
+    }
+    fs::rename(&tmp, &path).map_err(io_err("rename cursor", &path))?;
+    if durable {
+        crate::segment::sync_dir(&groups)?;
+    }
+    Ok(())
+}
+
+/// A named consumer group, open for reading. One handle per group at a time; use it from one
+/// thread (it is `Send`). Dropping it syncs its cursor (unless durability is `None`).
+pub struct ConsumerGroup {
+    shared: Arc<Shared>,
+    name: String,
+    entry: Arc<GroupEntry>,
+    options: GroupOptions,
+    file: Arc<File>,
+    map: memmap2::MmapMut,
+    seq: u64,
+    /// Reads new records at `next`.
+    reader: Reader,
+    /// Reads records to redeliver.
+    redelivery: Reader,
+    /// Lowest unacknowledged offset.
+    committed: u64,
+    /// Next offset never delivered yet.
+    next: u64,
+    /// Acknowledgement flags of `[committed, next)`; the front is always `false`.
+    acked: VecDeque<bool>,
+    acked_above: usize,
+    /// Pending offsets to deliver again before new records (`nack`).
+    redeliver: BTreeSet<u64>,
+    /// Offsets acknowledged before a restart that must not be delivered again.
+    skip: BTreeSet<u64>,
+    bitmap: Vec<u8>,
+    syncer: Option<CursorSyncer>,
+}
+
+impl ConsumerGroup {
+    pub(crate) fn open(shared: Arc<Shared>, name: &str, options: GroupOptions) -> Result<ConsumerGroup> {
+        check_name(name)?;
+        if options.max_pending == 0 || options.max_pending > MAX_PENDING {
+            return Err(Error::Config(format!("max_pending must be between 1 and {MAX_PENDING}")));
+        }
+        let entry = {
+            let mut groups = shared.groups.lock().unwrap_or_else(|e| e.into_inner());
+            let entry = groups.entry(name.to_owned()).or_insert_with(|| {
+                Arc::new(GroupEntry {
+                    committed: AtomicU64::new(u64::MAX),
+                    open: AtomicBool::new(false),
+                    skipped: AtomicU64::new(0),
+                    acked_above: AtomicU64::new(0),
+                })
+            });
+            if entry.open.swap(true, Ordering::AcqRel) {
+                return Err(Error::GroupInUse(name.to_owned()));
+            }
+            Arc::clone(entry)
+        };
+        match Self::open_file(Arc::clone(&shared), name, options, Arc::clone(&entry)) {
+            Ok(group) => Ok(group),
+            Err(e) => {
+                entry.open.store(false, Ordering::Release);
+                Err(e)
+            }
+        }
+    }
+
+    fn open_file(shared: Arc<Shared>, name: &str, options: GroupOptions, entry: Arc<GroupEntry>) -> Result<Self> {
+        let path = cursor_path(&shared.dir, name);
+        let durable = options.durability != Durability::None;
+        if !path.exists() {
+            let start = resolve(&shared, options.start)?;
+            create_cursor(&shared.dir, name, &CursorState { committed: start, acked_above: vec![] }, durable)?;
+        }
+        let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err("open cursor", &path))?;
+        let len = file.metadata().map_err(io_err("stat cursor", &path))?.len();
+        if len != CURSOR_FILE_LEN as u64 {
+            return Err(corrupt(
+                &path,
+                0,
+                None,
+                Reason::Other(format!("cursor file is {len} bytes, not {CURSOR_FILE_LEN}")),
+            ));
+        }
+        let map = crate::mmap::map_private_file(&file).map_err(io_err("map cursor", &path))?;
+        let Some((seq, state)) = cursor::read(&map) else {
+            return Err(corrupt(&path, 0, None, Reason::Other("no valid cursor slot".into())));
+        };
+        let first = shared.first_offset();
+        let mut committed = state.committed;
+        if committed < first {
+            // Retention removed records this group had not read.
+            entry.skipped.fetch_add(first - committed, Ordering::Relaxed);
+            committed = first;
+        }
+        let skip: BTreeSet<u64> = state.acked_above.into_iter().filter(|&o| o > committed).collect();
+        entry.committed.store(committed, Ordering::Release);
+        entry.acked_above.store(skip.len() as u64, Ordering::Relaxed);
+        let file = Arc::new(file);
+        let syncer = match options.durability {
+            Durability::Interval(every) => Some(CursorSyncer::start(Arc::clone(&file), every)?),
+            _ => None,
+        };
+        let mut reader = Reader::new(Arc::clone(&shared));
+        reader.seek(committed);
+        let redelivery = Reader::new(Arc::clone(&shared));
+        Ok(ConsumerGroup {
+            shared,
+            name: name.to_owned(),
+            entry,
+            options,
+            file,
+            map,
+            seq,
+            reader,
+            redelivery,
+            committed,
+            next: committed,
+            acked: VecDeque::new(),
+            acked_above: 0,
+            redeliver: BTreeSet::new(),
+            skip,
+            bitmap: Vec::new(),
+            syncer,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Lowest unacknowledged offset: where the group resumes after a restart.
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// Records delivered and not acknowledged.
+    pub fn pending(&self) -> usize {
+        (self.next - self.committed) as usize - self.acked_above
+    }
+
+    /// Records in the log that the group has not acknowledged.
+    pub fn lag(&self) -> u64 {
+        self.shared.next_offset.load(Ordering::Acquire).saturating_sub(self.committed)
+    }
+
+    /// Up to `max` records: first any `nack`ed ones (one at a time, lowest offset first), then
+    /// new ones in order. Waits up to `timeout` for a record when there is none, woken by the
+    /// writer (no spinning). An empty batch means the timeout passed.
+    ///
+    /// Fails with `TooManyPending` when `max_pending` records are delivered and unacknowledged.
+    pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Batch<'_>> {
+        self.shared.check_poison()?;
+        if let Some(offset) = self.redeliver.pop_first() {
+            self.redelivery.seek(offset);
+            return self.redelivery.read_batch(1);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            while self.skip.first() == Some(&self.next) {
+                self.skip.pop_first();
+                self.acked.push_back(true);
+                self.acked_above += 1;
+                self.next += 1;
+                self.advance_committed();
+            }
+            let pending = (self.next - self.committed) as usize;
+            if pending >= self.options.max_pending {
+                return Err(Error::TooManyPending { group: self.name.clone(), max: self.options.max_pending });
+            }
+            let mut allowed = max.min(self.options.max_pending - pending) as u64;
+            if let Some(&s) = self.skip.first() {
+                allowed = allowed.min(s - self.next);
+            }
+            if self.reader.position() != self.next {
+                self.reader.seek(self.next);
+            }
+            if self.shared.next_offset.load(Ordering::Acquire) > self.next {
+                let batch = self.reader.read_batch(allowed as usize)?;
+                self.acked.extend(std::iter::repeat_n(false, batch.len()));
+                self.next += batch.len() as u64;
+                return Ok(batch);
+            }
+            if max == 0 || !self.shared.wait_for_append(self.next, deadline) {
+                return Ok(Batch::default());
+            }
+        }
+    }
+
+    /// Acknowledges a delivered record. Acknowledging one twice, or one below `committed`, is a
+    /// no-op; acknowledging one never delivered is an error.
+    pub fn ack(&mut self, offset: u64) -> Result<()> {
+        if offset < self.committed {
+            return Ok(());
+        }
+        if offset >= self.next {
+            return Err(Error::NotDelivered { group: self.name.clone(), offset });
+        }
+        let i = (offset - self.committed) as usize;
+        if self.acked[i] {
+            return Ok(());
+        }
+        self.acked[i] = true;
+        self.acked_above += 1;
+        self.redeliver.remove(&offset);
+        self.advance_committed();
+        self.persist()
+    }
+
+    /// Returns a delivered, unacknowledged record to be delivered again before newer records.
+    pub fn nack(&mut self, offset: u64) -> Result<()> {
+        let pending = offset >= self.committed && offset < self.next && !self.acked[(offset - self.committed) as usize];
+        if !pending {
+            return Err(Error::NotDelivered { group: self.name.clone(), offset });
+        }
+        self.redeliver.insert(offset);
+        Ok(())
+    }
+
+    /// Moves the group: everything before the new position counts as acknowledged, everything
+    /// after it as never delivered. Returns the offset the group now stands at.
+    pub fn seek(&mut self, to: SeekTo) -> Result<u64> {
+        let target = resolve(&self.shared, to)?;
+        self.committed = target;
+        self.next = target;
+        self.acked.clear();
+        self.acked_above = 0;
+        self.redeliver.clear();
+        self.skip.clear();
+        self.reader.seek(target);
+        self.persist()?;
+        Ok(target)
+    }
+
+    fn advance_committed(&mut self) {
+        while self.acked.front() == Some(&true) {
+            self.acked.pop_front();
+            self.acked_above -= 1;
+            self.committed += 1;
+        }
+    }
+
+    /// Writes the cursor (a memory write into the mapped file) and syncs it as the policy says.
+    fn persist(&mut self) -> Result<()> {
+        if self.acked_above == 0 {
+            self.bitmap.clear();
+        } else {
+            let committed = self.committed;
+            let acked = self.acked.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| committed + i as u64);
+            cursor::bitmap(committed, acked, &mut self.bitmap);
+        }
+        self.seq += 1;
+        cursor::write(&mut self.map, self.seq, self.committed, &self.bitmap);
+        self.entry.committed.store(self.committed, Ordering::Release);
+        self.entry.acked_above.store(self.acked_above as u64, Ordering::Relaxed);
+        match (&self.options.durability, &self.syncer) {
+            (Durability::Always, _) => self.sync(),
+            (Durability::Interval(_), Some(syncer)) => syncer.mark_dirty(),
+            _ => Ok(()),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        if let Some(syncer) = &self.syncer
+            && let Some(e) = syncer.error()
+        {
+            return Err(e);
+        }
+        let path = cursor_path(&self.shared.dir, &self.name);
+        self.file.sync_data().map_err(io_err("sync cursor", path))
+    }
+}
+
+impl Drop for ConsumerGroup {
+    fn drop(&mut self) {
+        self.syncer.take();
+        if self.options.durability != Durability::None
+            && let Err(e) = self.sync()
+        {
+            tracing::error!(group = %self.name, error = %e, "final cursor sync failed");
+        }
+        self.entry.open.store(false, Ordering::Release);
+    }
+}
+
+/// The offset `to` stands for in the log now.
+pub(crate) fn resolve(shared: &Arc<Shared>, to: SeekTo) -> Result<u64> {
+    let first = shared.first_offset();
+    let end = shared.next_offset.load(Ordering::Acquire);
+    Ok(match to {
+        SeekTo::Oldest => first,
+        SeekTo::Newest => end,
+        SeekTo::Offset(o) => o.clamp(first, end),
+        SeekTo::Time(t) => Reader::new(Arc::clone(shared)).offset_at_time(t)?,
+    })
+}
+
+/// Syncs one cursor file in the background for `Durability::Interval`.
+struct CursorSyncer {
+    state: Arc<(Mutex<SyncerState>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct SyncerState {
+    dirty: bool,
+    stop: bool,
+    error: Option<String>,
+}
+
+impl CursorSyncer {
+    fn start(file: Arc<File>, every: Duration) -> Result<CursorSyncer> {
+        let state = Arc::new((Mutex::new(SyncerState::default()), Condvar::new()));
+        let shared = Arc::clone(&state);
+        let thread = std::thread::Builder::new()
+            .name("petrel-cursor-sync".into())
+            .spawn(move || {
+                let (lock, wake) = &*shared;
+                let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    s = wake.wait_timeout_while(s, every, |s| !s.stop).unwrap_or_else(|e| e.into_inner()).0;
+                    if s.dirty {
+                        s.dirty = false;
+                        drop(s);
+                        let result = file.sync_data();
+                        s = lock.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Err(e) = result {
+                            s.error.get_or_insert(e.to_string());
+                        }
+                    }
+                    if s.stop {
+                        return;
+                    }
+                }
+            })
+            .map_err(io_err("spawn cursor sync thread", PathBuf::new()))?;
+        Ok(CursorSyncer { state, thread: Some(thread) })
+    }
+
+    fn mark_dirty(&self) -> Result<()> {
+        let mut s = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = &s.error {
+            return Err(Error::Poisoned(format!("cursor sync failed: {e}")));
+        }
+        s.dirty = true;
+        Ok(())
+    }
+
+    fn error(&self) -> Option<Error> {
+        let s = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.error.as_ref().map(|e| Error::Poisoned(format!("cursor sync failed: {e}")))
+    }
+}
+
+impl Drop for CursorSyncer {
+    fn drop(&mut self) {
+        self.state.0.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        self.state.1.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

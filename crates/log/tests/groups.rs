@@ -1,0 +1,232 @@
+//! Consumer groups: positions that survive restarts, acknowledgements in any order, redelivery,
+//! seeking, copying, and readers woken by the writer.
+
+use std::time::{Duration, Instant};
+
+use petrel_log::{Durability, Error, GroupOptions, Input, Log, MIN_SEGMENT_BYTES, Options, SeekTo};
+
+const NOW: Duration = Duration::ZERO;
+
+fn log_with(dir: &std::path::Path, n: u64) -> Log {
+    let mut log = Log::open(dir, Options { segment_bytes: MIN_SEGMENT_BYTES, ..Options::default() }).unwrap();
+    for i in log.next_offset()..n {
+        log.append(format!("r{i}").as_bytes()).unwrap();
+    }
+    log
+}
+
+fn offsets(batch: petrel_log::Batch<'_>) -> Vec<u64> {
+    batch.into_iter().map(|r| r.offset).collect()
+}
+
+#[test]
+fn a_group_resumes_at_its_lowest_unacknowledged_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 100);
+    let mut g = log.group("workers", GroupOptions::default()).unwrap();
+    let got = offsets(g.poll(10, NOW).unwrap());
+    assert_eq!(got, (0..10).collect::<Vec<_>>());
+    for o in 0..4 {
+        g.ack(o).unwrap();
+    }
+    assert_eq!((g.committed(), g.pending()), (4, 6));
+    drop(g);
+    drop(log);
+
+    let log = log_with(dir.path(), 100);
+    let mut g = log.group("workers", GroupOptions::default()).unwrap();
+    assert_eq!(g.committed(), 4);
+    assert_eq!(offsets(g.poll(3, NOW).unwrap()), [4, 5, 6]);
+    assert_eq!(g.lag(), 96);
+}
+
+#[test]
+fn out_of_order_acks_are_not_delivered_again_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 20);
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(g.poll(10, NOW).unwrap().len(), 10);
+    for o in [1, 3, 4, 9] {
+        g.ack(o).unwrap();
+    }
+    assert_eq!(g.committed(), 0);
+    drop(g);
+    drop(log);
+    let log = log_with(dir.path(), 20);
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    let mut seen = Vec::new();
+    loop {
+        let batch = offsets(g.poll(100, NOW).unwrap());
+        if batch.is_empty() {
+            break;
+        }
+        for &o in &batch {
+            g.ack(o).unwrap();
+        }
+        seen.extend(batch);
+    }
+    assert_eq!(seen, [0, 2, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]);
+    assert_eq!(g.committed(), 20);
+}
+
+#[test]
+fn a_nacked_record_comes_back_before_newer_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 10);
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(offsets(g.poll(3, NOW).unwrap()), [0, 1, 2]);
+    g.ack(0).unwrap();
+    g.nack(2).unwrap();
+    g.nack(1).unwrap();
+    assert_eq!(offsets(g.poll(10, NOW).unwrap()), [1]);
+    assert_eq!(offsets(g.poll(10, NOW).unwrap()), [2]);
+    assert_eq!(offsets(g.poll(2, NOW).unwrap()), [3, 4]);
+    assert!(matches!(g.nack(0), Err(Error::NotDelivered { .. })), "acked records cannot be nacked");
+    assert!(matches!(g.ack(7), Err(Error::NotDelivered { .. })), "undelivered records cannot be acked");
+    g.ack(0).unwrap(); // twice is fine
+}
+
+#[test]
+fn seeking_by_offset_time_oldest_and_newest() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), Options { segment_bytes: MIN_SEGMENT_BYTES, ..Options::default() }).unwrap();
+    for i in 0..3000u64 {
+        log.append_with(&Input { timestamp: Some(1_000 + i * 10), ..Input::payload(&[0u8; 40]) }).unwrap();
+    }
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(g.seek(SeekTo::Offset(2500)).unwrap(), 2500);
+    assert_eq!(offsets(g.poll(1, NOW).unwrap()), [2500]);
+    assert_eq!(g.seek(SeekTo::Time(1_000 + 1234 * 10)).unwrap(), 1234);
+    assert_eq!(g.seek(SeekTo::Time(1_000 + 1234 * 10 - 5)).unwrap(), 1234, "first record at or after");
+    assert_eq!(g.seek(SeekTo::Time(0)).unwrap(), 0);
+    assert_eq!(g.seek(SeekTo::Time(u64::MAX)).unwrap(), 3000);
+    assert_eq!(g.seek(SeekTo::Newest).unwrap(), 3000);
+    assert!(g.poll(10, NOW).unwrap().is_empty());
+    assert_eq!(g.seek(SeekTo::Oldest).unwrap(), 0);
+    assert_eq!(g.seek(SeekTo::Offset(99_999)).unwrap(), 3000, "clamped to the end");
+    // A new group can start anywhere.
+    let opts = GroupOptions { start: SeekTo::Newest, ..GroupOptions::default() };
+    assert_eq!(log.group("late", opts).unwrap().committed(), 3000);
+}
+
+#[test]
+fn groups_are_listed_copied_and_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 50);
+    let mut a = log.group("a", GroupOptions::default()).unwrap();
+    a.poll(20, NOW).unwrap();
+    for o in 0..15 {
+        a.ack(o).unwrap();
+    }
+    assert!(matches!(log.group("a", GroupOptions::default()), Err(Error::GroupInUse(_))));
+    log.copy_group("a", "b").unwrap();
+    let mut b = log.group("b", GroupOptions::default()).unwrap();
+    assert_eq!(b.committed(), 15);
+    assert_eq!(offsets(b.poll(2, NOW).unwrap()), [15, 16]);
+    drop(b);
+    let names: Vec<_> = log.groups().into_iter().map(|g| (g.name, g.committed, g.open)).collect();
+    assert_eq!(names, [("a".into(), 15, true), ("b".into(), 15, false)]);
+    assert!(matches!(log.delete_group("a"), Err(Error::GroupInUse(_))));
+    log.delete_group("b").unwrap();
+    assert!(matches!(log.delete_group("b"), Err(Error::NoSuchGroup(_))));
+    assert!(log.group("bad/name", GroupOptions::default()).is_err());
+    drop(a);
+    drop(log);
+    let listed = petrel_log::verify::list_groups(dir.path()).unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].name.as_str(), listed[0].committed), ("a", 15));
+}
+
+#[test]
+fn pending_records_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 100);
+    let mut g = log.group("g", GroupOptions { max_pending: 8, ..GroupOptions::default() }).unwrap();
+    assert_eq!(g.poll(100, NOW).unwrap().len(), 8);
+    assert!(matches!(g.poll(1, NOW), Err(Error::TooManyPending { max: 8, .. })));
+    g.ack(0).unwrap();
+    assert_eq!(offsets(g.poll(100, NOW).unwrap()), [8]);
+}
+
+#[test]
+fn a_waiting_poll_is_woken_by_the_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 0).into_shared();
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    let started = Instant::now();
+    assert!(g.poll(1, Duration::from_millis(20)).unwrap().is_empty());
+    assert!(started.elapsed() >= Duration::from_millis(20), "an empty poll waits out its timeout");
+    let writer = {
+        let log = log.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            log.append(b"late").unwrap();
+        })
+    };
+    let started = Instant::now();
+    let batch = g.poll(10, Duration::from_secs(30)).unwrap();
+    assert_eq!(batch.into_iter().next().unwrap().payload, b"late");
+    assert!(started.elapsed() < Duration::from_secs(30), "woken, not timed out");
+    writer.join().unwrap();
+}
+
+#[test]
+fn one_writer_and_several_readers_each_see_every_record_in_order() {
+    const N: u64 = 200_000;
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 0).into_shared();
+    let readers: Vec<_> = (0..3)
+        .map(|r| {
+            let mut groups: Vec<_> = (0..2)
+                .map(|g| {
+                    log.group(&format!("r{r}g{g}"), GroupOptions { max_pending: 512, ..Default::default() }).unwrap()
+                })
+                .collect();
+            std::thread::spawn(move || {
+                let mut next = vec![0u64; groups.len()];
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while next.iter().any(|&n| n < N) {
+                    assert!(Instant::now() < deadline, "readers fell behind for a minute");
+                    for (g, group) in groups.iter_mut().enumerate() {
+                        let got: Vec<(u64, Vec<u8>)> = group
+                            .poll(256, Duration::from_millis(10))
+                            .unwrap()
+                            .into_iter()
+                            .map(|r| (r.offset, r.payload.to_vec()))
+                            .collect();
+                        for (offset, payload) in got {
+                            assert_eq!(offset, next[g], "in order, nothing missing or repeated");
+                            assert_eq!(payload, offset.to_le_bytes());
+                            group.ack(offset).unwrap();
+                            next[g] += 1;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for i in 0..N {
+        log.append(&i.to_le_bytes()).unwrap();
+    }
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert!(log.groups().iter().all(|g| g.committed == N));
+}
+
+#[test]
+fn cursor_durability_always_syncs_each_ack() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 10);
+    let opts = GroupOptions { durability: Durability::Always, ..GroupOptions::default() };
+    let mut g = log.group("g", opts).unwrap();
+    g.poll(10, NOW).unwrap();
+    g.ack(0).unwrap();
+    let opts = GroupOptions { durability: Durability::Interval(Duration::from_millis(1)), ..GroupOptions::default() };
+    let mut h = log.group("h", opts).unwrap();
+    h.poll(10, NOW).unwrap();
+    h.ack(0).unwrap();
+    drop((g, h));
+    let listed = petrel_log::verify::list_groups(dir.path()).unwrap();
+    assert!(listed.iter().all(|g| g.committed == 1));
+}
