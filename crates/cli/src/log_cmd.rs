@@ -8,7 +8,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as B64;
 use clap::{Args, Subcommand};
 use petrel_log::verify::{self, ProblemKind};
-use petrel_log::{Durability, Log, Options, Record};
+use petrel_log::{Durability, GroupOptions, Log, Options, Record};
 
 use crate::progress::{self, Unit};
 
@@ -20,6 +20,10 @@ pub enum LogCommand {
     Dump(DumpArgs),
     /// Append each line of stdin as a record; print each offset once acknowledged.
     Append(AppendArgs),
+    /// List the consumer groups: committed offset, lag, records acknowledged ahead of it.
+    Groups { dir: PathBuf },
+    /// Print records of a consumer group and acknowledge each one after printing it.
+    Consume(ConsumeArgs),
     /// Truncate the log at its first bad frame (needs --yes).
     Repair {
         dir: PathBuf,
@@ -38,7 +42,36 @@ pub struct DumpArgs {
     /// Print at most this many records.
     #[arg(long)]
     count: Option<u64>,
+    /// Start where this consumer group stands (its lowest unacknowledged record).
+    #[arg(long, conflicts_with_all = ["from", "since"])]
+    group: Option<String>,
+    /// Only records with this key (UTF-8).
+    #[arg(long)]
+    key: Option<String>,
+    /// Start at the first record at or after this time: RFC 3339 (2026-11-22T10:00:00Z) or
+    /// nanoseconds since the Unix epoch.
+    #[arg(long, value_parser = parse_time, conflicts_with = "from")]
+    since: Option<u64>,
     /// One JSON object per line: offset, timestamp, key_base64, headers, payload_base64.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ConsumeArgs {
+    dir: PathBuf,
+    #[arg(long)]
+    group: String,
+    /// Stop after this many records (default: when the log has no more).
+    #[arg(long)]
+    count: Option<u64>,
+    /// When acknowledgements are durable: none, always, or interval:MS. With `always`, each
+    /// printed record is durably acknowledged before the next one is printed.
+    #[arg(long, default_value = "none")]
+    cursor_durability: Durability,
+    /// Wait this long for new records before stopping (e.g. 500ms, 10s).
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    wait: std::time::Duration,
     #[arg(long)]
     json: bool,
 }
@@ -59,6 +92,8 @@ pub fn run(cmd: LogCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
         LogCommand::Verify { dir } => verify_cmd(dir),
         LogCommand::Dump(args) => dump(args),
         LogCommand::Append(args) => append(args),
+        LogCommand::Groups { dir } => groups(dir),
+        LogCommand::Consume(args) => consume(args),
         LogCommand::Repair { dir, yes } => repair(dir, yes),
     }
 }
@@ -101,6 +136,18 @@ fn dump(args: DumpArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(from) = args.from {
         reader.seek(from);
     }
+    if let Some(since) = args.since {
+        let at = reader.offset_at_time(since)?;
+        reader.seek(at);
+    }
+    if let Some(name) = &args.group {
+        let group = verify::list_groups(&args.dir)?
+            .into_iter()
+            .find(|g| &g.name == name)
+            .ok_or_else(|| format!("no consumer group {name:?} in {}", args.dir.display()))?;
+        reader.seek(group.committed);
+    }
+    let key = args.key.as_deref().map(str::as_bytes);
     let mut left = args.count.unwrap_or(u64::MAX);
     let stdout = io::stdout();
     let mut out = io::BufWriter::new(stdout.lock());
@@ -112,8 +159,14 @@ fn dump(args: DumpArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         if batch.is_empty() {
             break;
         }
-        left -= batch.len() as u64;
         for record in batch {
+            if key.is_some() && record.key != key {
+                continue;
+            }
+            if left == 0 {
+                break;
+            }
+            left -= 1;
             if args.json {
                 writeln!(out, "{}", record_json(&record))?;
             } else {
@@ -135,6 +188,56 @@ pub fn record_json(r: &Record<'_>) -> serde_json::Value {
         "headers": headers,
         "payload_base64": B64.encode(r.payload),
     })
+}
+
+/// `--since`: RFC 3339, or nanoseconds since the Unix epoch.
+fn parse_time(s: &str) -> Result<u64, String> {
+    if let Ok(ns) = s.parse::<u64>() {
+        return Ok(ns);
+    }
+    let t = humantime::parse_rfc3339_weak(s).map_err(|e| format!("{s:?} is neither RFC 3339 nor nanoseconds: {e}"))?;
+    Ok(t.duration_since(std::time::UNIX_EPOCH).map_err(|e| e.to_string())?.as_nanos() as u64)
+}
+
+fn groups(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let end = verify::open_read_only(&dir)?.end_offset();
+    let groups = verify::list_groups(&dir)?;
+    println!("{:<24} {:>14} {:>14} {:>12}", "group", "committed", "lag", "acked ahead");
+    for g in groups {
+        println!("{:<24} {:>14} {:>14} {:>12}", g.name, g.committed, end.saturating_sub(g.committed), g.acked_above);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints records of a group, acknowledging each after it is printed and flushed.
+fn consume(args: ConsumeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let log = Log::open(&args.dir, Options { create: false, ..Options::default() })?;
+    let options = GroupOptions { durability: args.cursor_durability, ..GroupOptions::default() };
+    let mut group = log.group(&args.group, options)?;
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    let mut left = args.count.unwrap_or(u64::MAX);
+    let mut offsets = Vec::with_capacity(64);
+    while left > 0 {
+        offsets.clear();
+        let batch = group.poll(left.min(64) as usize, args.wait)?;
+        if batch.is_empty() {
+            break;
+        }
+        // Print everything, then acknowledge one by one: printing borrows the batch.
+        let mut lines = Vec::with_capacity(batch.len());
+        for record in batch {
+            lines.push(if args.json { record_json(&record).to_string() } else { record_row(&record) });
+            offsets.push(record.offset);
+        }
+        for (line, &offset) in lines.iter().zip(&offsets) {
+            writeln!(out, "{line}")?;
+            out.flush()?;
+            group.ack(offset)?;
+            left -= 1;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn record_row(r: &Record<'_>) -> String {
