@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::cursor::{self, CURSOR_FILE_LEN, CursorState, MAX_PENDING};
 use crate::error::{Error, Reason, Result, io_err};
+use crate::frame::Record;
 use crate::log::{Shared, corrupt};
 use crate::options::Durability;
 use crate::reader::{Batch, Reader};
@@ -140,11 +141,8 @@ pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable
 pub struct ConsumerGroup {
     shared: Arc<Shared>,
     name: String,
-    entry: Arc<GroupEntry>,
     options: GroupOptions,
-    file: Arc<File>,
-    map: memmap2::MmapMut,
-    seq: u64,
+    cursor: CursorFile,
     /// Reads new records at `next`.
     reader: Reader,
     /// Reads records to redeliver.
@@ -160,8 +158,47 @@ pub struct ConsumerGroup {
     redeliver: BTreeSet<u64>,
     /// Offsets acknowledged before a restart that must not be delivered again.
     skip: BTreeSet<u64>,
+}
+
+/// The open cursor file of a group and what keeps it durable.
+struct CursorFile {
+    path: PathBuf,
+    file: Arc<File>,
+    map: memmap2::MmapMut,
+    seq: u64,
     bitmap: Vec<u8>,
+    durability: Durability,
     syncer: Option<CursorSyncer>,
+    /// The group's entry in the log's registry, kept current.
+    entry: Arc<GroupEntry>,
+}
+
+impl CursorFile {
+    /// Writes the cursor (a memory write into the mapped file) and syncs it as the policy says.
+    fn persist(&mut self, committed: u64, acked: &VecDeque<bool>, acked_above: usize) -> Result<()> {
+        if acked_above == 0 {
+            self.bitmap.clear();
+        } else {
+            let flags = acked.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| committed + i as u64);
+            cursor::bitmap(committed, flags, &mut self.bitmap);
+        }
+        self.seq += 1;
+        cursor::write(&mut self.map, self.seq, committed, &self.bitmap);
+        self.entry.committed.store(committed, Ordering::Release);
+        self.entry.acked_above.store(acked_above as u64, Ordering::Relaxed);
+        match (&self.durability, &self.syncer) {
+            (Durability::Always, _) => self.sync(),
+            (Durability::Interval(_), Some(syncer)) => syncer.mark_dirty(),
+            _ => Ok(()),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        if let Some(e) = self.syncer.as_ref().and_then(CursorSyncer::error) {
+            return Err(e);
+        }
+        self.file.sync_data().map_err(io_err("sync cursor", &self.path))
+    }
 }
 
 impl ConsumerGroup {
@@ -236,11 +273,17 @@ impl ConsumerGroup {
         Ok(ConsumerGroup {
             shared,
             name: name.to_owned(),
-            entry,
             options,
-            file,
-            map,
-            seq,
+            cursor: CursorFile {
+                path,
+                file,
+                map,
+                seq,
+                bitmap: Vec::new(),
+                durability: options.durability,
+                syncer,
+                entry,
+            },
             reader,
             redelivery,
             committed,
@@ -249,8 +292,6 @@ impl ConsumerGroup {
             acked_above: 0,
             redeliver: BTreeSet::new(),
             skip,
-            bitmap: Vec::new(),
-            syncer,
         })
     }
 
@@ -286,13 +327,7 @@ impl ConsumerGroup {
         }
         let deadline = Instant::now() + timeout;
         loop {
-            while self.skip.first() == Some(&self.next) {
-                self.skip.pop_first();
-                self.acked.push_back(true);
-                self.acked_above += 1;
-                self.next += 1;
-                self.advance_committed();
-            }
+            self.pass_acknowledged();
             let pending = (self.next - self.committed) as usize;
             if pending >= self.options.max_pending {
                 return Err(Error::TooManyPending { group: self.name.clone(), max: self.options.max_pending });
@@ -313,6 +348,58 @@ impl ConsumerGroup {
             if max == 0 || !self.shared.wait_for_append(self.next, deadline) {
                 return Ok(Batch::default());
             }
+        }
+    }
+
+    /// The next record, acknowledged before it is returned: at-most-once, the shape of a plain
+    /// queue's dequeue. Waits up to `timeout` for one; `None` if none came.
+    pub fn take(&mut self, timeout: Duration) -> Result<Option<Record<'_>>> {
+        self.shared.check_poison()?;
+        self.pass_acknowledged();
+        if !self.redeliver.is_empty() || !self.skip.is_empty() || self.next != self.committed {
+            // Records are pending: go the general way, then read the record again.
+            let Some(offset) = self.poll(1, timeout)?.into_iter().next().map(|r| r.offset) else {
+                return Ok(None);
+            };
+            self.ack(offset)?;
+            self.redelivery.seek(offset);
+            return Ok(self.redelivery.read_batch(1)?.into_iter().next());
+        }
+        let deadline = Instant::now() + timeout;
+        while self.shared.next_offset.load(Ordering::Acquire) <= self.next {
+            if !self.shared.wait_for_append(self.next, deadline) {
+                return Ok(None);
+            }
+        }
+        if self.reader.position() != self.next {
+            self.reader.seek(self.next);
+        }
+        let record = self.reader.read_batch(1)?.into_iter().next();
+        if record.is_some() {
+            self.next += 1;
+            self.committed += 1;
+            self.cursor.persist(self.committed, &self.acked, 0)?;
+        }
+        Ok(record)
+    }
+
+    /// The record `take` would return now, without taking it (and without waiting).
+    pub fn peek(&mut self) -> Result<Option<Record<'_>>> {
+        self.shared.check_poison()?;
+        self.pass_acknowledged();
+        let offset = self.redeliver.first().copied().unwrap_or(self.next);
+        self.redelivery.seek(offset);
+        Ok(self.redelivery.read_batch(1)?.into_iter().next().filter(|r| r.offset == offset))
+    }
+
+    /// Steps over records acknowledged before a restart (they are not delivered again).
+    fn pass_acknowledged(&mut self) {
+        while self.skip.first() == Some(&self.next) {
+            self.skip.pop_first();
+            self.acked.push_back(true);
+            self.acked_above += 1;
+            self.next += 1;
+            self.advance_committed();
         }
     }
 
@@ -369,46 +456,20 @@ impl ConsumerGroup {
         }
     }
 
-    /// Writes the cursor (a memory write into the mapped file) and syncs it as the policy says.
     fn persist(&mut self) -> Result<()> {
-        if self.acked_above == 0 {
-            self.bitmap.clear();
-        } else {
-            let committed = self.committed;
-            let acked = self.acked.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| committed + i as u64);
-            cursor::bitmap(committed, acked, &mut self.bitmap);
-        }
-        self.seq += 1;
-        cursor::write(&mut self.map, self.seq, self.committed, &self.bitmap);
-        self.entry.committed.store(self.committed, Ordering::Release);
-        self.entry.acked_above.store(self.acked_above as u64, Ordering::Relaxed);
-        match (&self.options.durability, &self.syncer) {
-            (Durability::Always, _) => self.sync(),
-            (Durability::Interval(_), Some(syncer)) => syncer.mark_dirty(),
-            _ => Ok(()),
-        }
-    }
-
-    fn sync(&self) -> Result<()> {
-        if let Some(syncer) = &self.syncer
-            && let Some(e) = syncer.error()
-        {
-            return Err(e);
-        }
-        let path = cursor_path(&self.shared.dir, &self.name);
-        self.file.sync_data().map_err(io_err("sync cursor", path))
+        self.cursor.persist(self.committed, &self.acked, self.acked_above)
     }
 }
 
 impl Drop for ConsumerGroup {
     fn drop(&mut self) {
-        self.syncer.take();
+        self.cursor.syncer.take();
         if self.options.durability != Durability::None
-            && let Err(e) = self.sync()
+            && let Err(e) = self.cursor.sync()
         {
             tracing::error!(group = %self.name, error = %e, "final cursor sync failed");
         }
-        self.entry.open.store(false, Ordering::Release);
+        self.cursor.entry.open.store(false, Ordering::Release);
     }
 }
 

@@ -27,6 +27,7 @@ mod log;
 mod mmap;
 mod options;
 mod prefault;
+mod queue;
 mod reader;
 mod recovery;
 mod segment;
@@ -41,6 +42,7 @@ pub use log::{Log, LogStats, RecoveryReport};
 pub use options::{
     DEFAULT_MAX_RECORD_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, Options,
 };
+pub use queue::{QUEUE_GROUP, Queue};
 pub use reader::{Batch, BatchIter, Reader};
 pub use shared::SharedLog;
 

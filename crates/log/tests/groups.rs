@@ -230,3 +230,34 @@ fn cursor_durability_always_syncs_each_ack() {
     let listed = petrel_log::verify::list_groups(dir.path()).unwrap();
     assert!(listed.iter().all(|g| g.committed == 1));
 }
+
+#[test]
+fn the_queue_api_dequeues_in_order_and_remembers_across_reopens() {
+    use petrel_log::Queue;
+    let dir = tempfile::tempdir().unwrap();
+    let mut q = Queue::open(dir.path(), Options::default()).unwrap();
+    assert!(q.is_empty());
+    assert!(q.dequeue().unwrap().is_none());
+    for i in 0..10u8 {
+        q.enqueue(&[i]).unwrap();
+    }
+    assert_eq!(q.dequeue().unwrap().unwrap().payload, [0]);
+    assert_eq!(q.dequeue().unwrap().unwrap().payload, [1]);
+    assert_eq!(q.peek().unwrap().unwrap().payload, [2]);
+    assert_eq!(q.len(), 8);
+    // A named consumer reads everything from the start, independently (seed 001's consumers).
+    let mut other = q.group("audit", GroupOptions::default()).unwrap();
+    assert_eq!(other.take(NOW).unwrap().unwrap().payload, [0]);
+    drop(other);
+    q.copy_group("audit", "audit-copy").unwrap();
+    drop(q);
+    let mut q = Queue::open(dir.path(), Options::default()).unwrap();
+    assert_eq!(q.len(), 8);
+    assert_eq!(q.dequeue().unwrap().unwrap().payload, [2]);
+    assert_eq!(q.group("audit-copy", GroupOptions::default()).unwrap().committed(), 1);
+    let mut n = 0;
+    while q.dequeue().unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!((n, q.len()), (7, 0));
+}
