@@ -294,6 +294,21 @@ pub(crate) fn peek_len(buf: &[u8]) -> Option<usize> {
     (len >= FRAME_HEADER_LEN && len <= buf.len()).then(|| align_up(len))
 }
 
+/// Key of the frame at the start of `buf` (`None` without one), judged without the CRC.
+pub(crate) fn peek_key(buf: &[u8]) -> Option<&[u8]> {
+    let head = buf.get(..FRAME_HEADER_LEN)?;
+    let flags = u16::from_le_bytes(head[12..14].try_into().unwrap());
+    if head[0..4] != FRAME_MAGIC || flags & FLAG_KEY == 0 {
+        return None;
+    }
+    let key_len = u16::from_le_bytes(head[14..16].try_into().unwrap()) as usize;
+    let mut start = FRAME_HEADER_LEN;
+    if flags & FLAG_HEADERS != 0 {
+        start += 4 + u32::from_le_bytes(buf.get(start..start + 4)?.try_into().unwrap()) as usize;
+    }
+    buf.get(start..start + key_len)
+}
+
 /// Timestamp of the frame at the start of `buf`, judged by its magic only (no CRC).
 pub(crate) fn peek_timestamp(buf: &[u8]) -> Option<u64> {
     let head = buf.get(..FRAME_HEADER_LEN)?;

@@ -23,6 +23,7 @@ mod cursor;
 mod error;
 mod frame;
 mod group;
+mod index;
 mod log;
 mod mmap;
 mod options;

@@ -1,7 +1,7 @@
 //! The writer side of a log: opening and recovering it, appending, rolling segments, and
 //! making records durable.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -55,6 +55,8 @@ pub(crate) struct Shared {
     pub next_offset: AtomicU64,
     /// Consumer groups, open or not.
     pub groups: crate::group::Registry,
+    /// Key → offset of the last record with that key, if `Options::key_index`.
+    pub keys: Option<RwLock<HashMap<Box<[u8]>, u64>>>,
     /// Readers waiting for a new record sleep here; the writer wakes them only if any wait.
     append_waiters: AtomicUsize,
     append_lock: Mutex<()>,
@@ -101,9 +103,11 @@ impl Shared {
                 (name, Arc::new(entry))
             })
             .collect();
+        let keys = options.key_index.then(|| RwLock::new(build_key_index(&segments)));
         Arc::new(Shared {
             dir,
             options,
+            keys,
             segments: RwLock::new(segments),
             next_offset: AtomicU64::new(next_offset),
             groups: Mutex::new(groups),
@@ -315,6 +319,8 @@ pub struct Log {
     next_offset: u64,
     last_timestamp: u64,
     clock: Clock,
+    /// The next frame starting at or after this position gets an index entry.
+    next_index_pos: usize,
     /// When the writer passes this position, it asks for the pages ahead to be faulted in.
     prefault_trigger: usize,
     prefaulter: Prefaulter,
@@ -359,6 +365,7 @@ impl Log {
         let (pos, next_offset) = recover_active(&active, &mut writer, &mut report)?;
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
+        active.index.set(crate::index::build(active.map.published().from(HEADER_LEN), active.base));
 
         let cursors = crate::group::load_all(&dir)?;
         let shared = Shared::new(dir, options, segments, next_offset, cursors);
@@ -371,6 +378,7 @@ impl Log {
             Durability::Interval(every) => Some(spawn_interval_sync(Arc::clone(&shared), every)?),
             _ => None,
         };
+        let next_index_pos = index_resume_pos(&active);
         Ok(Log {
             shared,
             active,
@@ -380,6 +388,7 @@ impl Log {
             last_timestamp: 0,
             clock: Clock::default(),
             prefault_trigger: pos,
+            next_index_pos,
             prefaulter: Prefaulter::start().map_err(io_err("spawn prefault thread", PathBuf::new()))?,
             report,
             interval_thread,
@@ -520,6 +529,9 @@ impl Log {
         let timestamp = self.timestamp(input.timestamp);
         let offset = self.write(input, len, timestamp)?;
         self.publish();
+        if let (Some(keys), Some(key)) = (&self.shared.keys, input.key) {
+            keys.write().unwrap_or_else(|e| e.into_inner()).insert(key.into(), offset);
+        }
         Ok(offset)
     }
 
@@ -550,6 +562,14 @@ impl Log {
             }
         }
         self.publish();
+        if let Some(keys) = &self.shared.keys {
+            let mut keys = keys.write().unwrap_or_else(|e| e.into_inner());
+            for i in 0..n {
+                if let Some(key) = input(i).key {
+                    keys.insert(key.into(), first + i as u64);
+                }
+            }
+        }
         Ok(first..self.next_offset)
     }
 
@@ -585,6 +605,10 @@ impl Log {
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
         frame::encode(buf, len, offset, timestamp, input);
+        if self.pos >= self.next_index_pos {
+            self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });
+            self.next_index_pos = self.pos + crate::index::INDEX_STEP;
+        }
         self.pos += aligned;
         self.next_offset += 1;
         if self.pos > self.prefault_trigger {
@@ -609,6 +633,8 @@ impl Log {
         self.writer.unpublished_mut()[..self.pos - start].fill(0);
         self.pos = start;
         self.next_offset = self.shared.next_offset.load(Ordering::Relaxed);
+        self.active.index.truncate_from(self.next_offset);
+        self.next_index_pos = index_resume_pos(&self.active);
     }
 
     /// Seals the active segment and starts a new one that fits a frame of `needed` bytes.
@@ -630,6 +656,7 @@ impl Log {
             let (pos, records) = self.active.tail();
             self.active.write_checkpoint(pos as u64, self.active.base + records);
         }
+        crate::index::save(&self.shared.dir, self.active.base, &self.active.index.entries());
         let next = Arc::new(next);
         let writer = next.map.writer().expect("a new mapping has its writer");
         // Readers look for the next segment only after reaching the old one's published end,
@@ -640,6 +667,7 @@ impl Log {
         self.writer = writer;
         self.pos = HEADER_LEN;
         self.prefault_trigger = HEADER_LEN;
+        self.next_index_pos = HEADER_LEN;
         Ok(())
     }
 }
@@ -650,6 +678,29 @@ impl Drop for Log {
             tracing::error!(dir = %self.shared.dir.display(), error = %e, "final sync failed on close");
         }
     }
+}
+
+/// Walks every frame header of the log for its key.
+fn build_key_index(segments: &[Arc<Segment>]) -> HashMap<Box<[u8]>, u64> {
+    let mut keys = HashMap::new();
+    for seg in segments {
+        let data = seg.map.published().from(HEADER_LEN);
+        let mut at = 0;
+        let mut offset = seg.base;
+        while let Some(len) = frame::peek_len(&data[at..]) {
+            if let Some(key) = frame::peek_key(&data[at..]) {
+                keys.insert(key.into(), offset);
+            }
+            at += len;
+            offset += 1;
+        }
+    }
+    keys
+}
+
+/// Where the writer's next index entry may start, given the entries the active segment has.
+fn index_resume_pos(seg: &Segment) -> usize {
+    seg.index.entries().last().map_or(HEADER_LEN, |e| e.pos as usize + crate::index::INDEX_STEP)
 }
 
 /// Finds the end of the valid records of the active segment, cutting a torn tail.

@@ -80,6 +80,10 @@ impl Mapping {
         self.len
     }
 
+    pub(crate) fn is_writable(&self) -> bool {
+        self.writable
+    }
+
     /// End of the published data region (`HEADER_LEN` when nothing is published).
     pub(crate) fn published_end(&self) -> usize {
         self.published.load(Ordering::Acquire)

@@ -57,6 +57,9 @@ pub struct Options {
     pub durability: Durability,
     /// Create the directory when it does not exist.
     pub create: bool,
+    /// Keep a map from each key to the last record with that key (`Reader::get_by_key`). It
+    /// lives in memory and is rebuilt from the log on open (a walk over every frame header).
+    pub key_index: bool,
 }
 
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
@@ -73,6 +76,7 @@ impl Default for Options {
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             durability: Durability::None,
             create: true,
+            key_index: false,
         }
     }
 }

@@ -64,6 +64,25 @@ impl Reader {
         self.read_next()
     }
 
+    /// The last record with `key`, with the key index (`Options::key_index`); `None` if no
+    /// record has that key.
+    pub fn get_by_key(&mut self, key: &[u8]) -> Result<Option<Record<'_>>> {
+        let Some(keys) = &self.shared.keys else {
+            return Err(crate::Error::Config("the key index is off: open the log with Options::key_index".into()));
+        };
+        let offset = keys.read().unwrap_or_else(|e| e.into_inner()).get(key).copied();
+        match offset {
+            Some(offset) => self.get(offset),
+            None => Ok(None),
+        }
+    }
+
+    /// The first record at or after time `t` (ns since the Unix epoch).
+    pub fn get_by_time(&mut self, t: u64) -> Result<Option<Record<'_>>> {
+        let offset = self.offset_at_time(t)?;
+        self.get(offset)
+    }
+
     /// Up to `max` consecutive records, all from one segment (so possibly fewer than `max` even
     /// when more follow). Every record is checked (CRC, offset) before it is returned. An empty
     /// batch means the end of the log.
@@ -113,9 +132,12 @@ impl Reader {
             return Ok(self.first_offset());
         };
         let limit = segments.get(older).map_or(end, |next| next.base);
+        seg.ensure_index(&self.shared.dir);
         let published = seg.map.published();
-        let mut pos = HEADER_LEN;
-        let mut offset = seg.base;
+        let (mut pos, mut offset) = match seg.index.before_time(t) {
+            Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset),
+            _ => (HEADER_LEN, seg.base),
+        };
         while offset < limit {
             let bytes = published.from(pos);
             match (frame::peek_timestamp(bytes), frame::peek_len(bytes)) {
@@ -135,7 +157,7 @@ impl Reader {
                 let Some(seg) = self.shared.segment_for(self.next) else {
                     return Ok(false);
                 };
-                self.pos = locate(&seg, self.next)?;
+                self.pos = locate(&self.shared.dir, &seg, self.next)?;
                 self.seg = Some(seg);
                 continue;
             };
@@ -166,16 +188,19 @@ impl Reader {
     }
 }
 
-/// Position of record `offset` in `seg`, found by walking frame lengths from the start (or
-/// straight from the tail when `offset` is the next to be written).
-fn locate(seg: &Segment, offset: u64) -> Result<usize> {
+/// Position of record `offset` in `seg`: from the sparse index entry at or before it, a walk
+/// over frame headers (or straight from the tail when `offset` is the next to be written).
+fn locate(dir: &std::path::Path, seg: &Segment, offset: u64) -> Result<usize> {
     let (tail_pos, tail_records) = seg.tail();
     if tail_records > 0 && offset == seg.base + tail_records {
         return Ok(tail_pos);
     }
+    seg.ensure_index(dir);
     let published = seg.map.published();
-    let mut pos = HEADER_LEN;
-    let mut at = seg.base;
+    let (mut pos, mut at) = match seg.index.at_or_before(offset) {
+        Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset),
+        _ => (HEADER_LEN, seg.base),
+    };
     while at < offset {
         let bytes = published.from(pos);
         match frame::peek_len(bytes) {

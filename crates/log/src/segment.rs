@@ -102,6 +102,7 @@ pub(crate) struct Segment {
     /// Position after the last published frame (high 32 bits) and records published (low 32
     /// bits), stored together so a sync can checkpoint a consistent pair.
     tail: AtomicU64,
+    pub index: crate::index::SparseIndex,
 }
 
 impl Segment {
@@ -135,7 +136,14 @@ impl Segment {
             Ok(map)
         })();
         match made {
-            Ok(map) => Ok(Segment { base, path, file, map, tail: AtomicU64::new(pack(HEADER_LEN, 0)) }),
+            Ok(map) => Ok(Segment {
+                base,
+                path,
+                file,
+                map,
+                tail: AtomicU64::new(pack(HEADER_LEN, 0)),
+                index: crate::index::SparseIndex::ready(Vec::new()),
+            }),
             Err(e) => {
                 let _ = fs::remove_file(&tmp);
                 Err(e)
@@ -183,7 +191,8 @@ impl Segment {
         };
         let map = Arc::new(map.map_err(io_err("map segment", path))?);
         let tail = AtomicU64::new(pack(HEADER_LEN, 0));
-        Ok((Segment { base, path: path.to_path_buf(), file, map, tail }, header))
+        let index = crate::index::SparseIndex::default();
+        Ok((Segment { base, path: path.to_path_buf(), file, map, tail, index }, header))
     }
 
     /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last
@@ -193,6 +202,24 @@ impl Segment {
         let seg = Segment { map: Arc::new(map), ..self };
         seg.set_tail(end, records);
         Ok(seg)
+    }
+
+    /// Makes sure the sparse index is built: loaded from its file, or rebuilt from the frames
+    /// (and the file written again, best effort).
+    pub(crate) fn ensure_index(&self, dir: &Path) {
+        if self.index.is_built() {
+            return;
+        }
+        let path = crate::index::file_path(dir, self.base);
+        if let Some(entries) = fs::read(&path).ok().and_then(|b| crate::index::decode(&b, self.base, self.map.len())) {
+            self.index.set(entries);
+            return;
+        }
+        let entries = crate::index::build(self.map.published().from(HEADER_LEN), self.base);
+        if self.map.is_writable() || fs::metadata(dir.join(crate::index::INDEX_DIR)).is_ok() {
+            crate::index::save(dir, self.base, &entries);
+        }
+        self.index.set(entries);
     }
 
     /// The published end position and the number of records before it.

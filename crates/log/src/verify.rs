@@ -214,10 +214,12 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
         .expect("problems name segment files");
     let cut_offset = first.offset.expect("frame problems name the expected record");
     zero_from(&first.file, first.position)?;
+    crate::index::remove(dir, cut_base);
     out.cut_at = Some((first.file.clone(), first.position));
     for &base in bases.iter().filter(|&&b| b > cut_base) {
         let path = dir.join(segment::file_name(base));
         fs::remove_file(&path).map_err(io_err("remove segment", &path))?;
+        crate::index::remove(dir, base);
         out.segments_removed += 1;
     }
     segment::sync_dir(dir)?;

@@ -362,3 +362,61 @@ fn a_leftover_segment_from_an_interrupted_roll_is_removed() {
     assert_eq!(log.recovery_report().leftovers_removed, 1);
     assert_eq!(log.next_offset(), 3);
 }
+
+#[test]
+fn index_files_are_written_used_and_rebuilt_when_damaged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    for i in 0..5000u64 {
+        log.append_with(&Input { timestamp: Some(10 * i), ..Input::payload(&payload(i)) }).unwrap();
+    }
+    drop(log);
+    let index_dir = dir.path().join("index");
+    let mut files: Vec<_> = fs::read_dir(&index_dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    assert!(files.len() >= 5, "sealed segments have index files");
+    // Damage one, delete another: both are rebuilt from the frames.
+    let mut bytes = fs::read(&files[1]).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    fs::write(&files[1], bytes).unwrap();
+    fs::remove_file(&files[2]).unwrap();
+    let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let mut reader = log.reader();
+    for offset in (0..5000).rev().step_by(7) {
+        let r = reader.get(offset).unwrap().unwrap();
+        assert_eq!((r.offset, r.payload), (offset, &payload(offset)[..]));
+    }
+    for t in [0, 5, 10, 12_345, 49_990, 49_991] {
+        assert_eq!(reader.offset_at_time(t).unwrap(), t.div_ceil(10).min(5000));
+    }
+    assert!(files[2].exists(), "a missing index file is written again");
+}
+
+#[test]
+fn the_key_index_finds_the_last_record_with_a_key_and_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options { key_index: true, ..small(Durability::None) };
+    let mut log = Log::open(dir.path(), opts.clone()).unwrap();
+    for i in 0..3000u64 {
+        let key = format!("user-{}", i % 100);
+        let headers: &[(&str, &[u8])] = if i % 2 == 0 { &[("h", b"v")] } else { &[] };
+        log.append_with(&Input { key: Some(key.as_bytes()), headers, payload: &i.to_le_bytes(), timestamp: None })
+            .unwrap();
+    }
+    let keyed: Vec<Input<'_>> = vec![Input { key: Some(b"batch"), ..Input::payload(b"1") }; 3];
+    log.append_batch_with(&keyed).unwrap();
+    let check = |log: &Log| {
+        let mut reader = log.reader();
+        let r = reader.get_by_key(b"user-7").unwrap().unwrap();
+        assert_eq!(r.offset, 2907);
+        assert_eq!(r.payload, 2907u64.to_le_bytes());
+        assert_eq!(reader.get_by_key(b"batch").unwrap().unwrap().offset, 3002);
+        assert!(reader.get_by_key(b"nobody").unwrap().is_none());
+    };
+    check(&log);
+    drop(log);
+    check(&Log::open(dir.path(), opts).unwrap());
+    let plain = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert!(plain.reader().get_by_key(b"user-7").is_err(), "off unless asked for");
+}

@@ -1,0 +1,198 @@
+//! The sparse index of a segment: one entry per `INDEX_STEP` bytes of frames, giving the offset,
+//! position and timestamp of the first frame starting in that stretch. Finding any offset, or the
+//! first record at or after a time, is a binary search plus a walk over less than `INDEX_STEP`
+//! bytes of frame headers — never a scan of the segment.
+//!
+//! Kept in memory; written to `index/<base>.idx` when a segment is sealed, read back on open, and
+//! rebuilt from the frames whenever the file is missing or damaged. It is never the only copy of
+//! anything.
+//!
+//! ```text
+//! index file, little-endian:
+//! 0   4  magic       b"PIDX"
+//! 4   4  version     1
+//! 8   8  base offset of the segment
+//! 16  4  entries     N
+//! 20  4  crc32c      of the N entries
+//! 24  …  N × { u64 offset, u32 position, u32 reserved (0), u64 timestamp }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::RwLock;
+
+use crate::frame;
+use crate::mmap::HEADER_LEN;
+
+/// Bytes of frames between index entries.
+pub(crate) const INDEX_STEP: usize = 4096;
+pub(crate) const INDEX_DIR: &str = "index";
+const MAGIC: [u8; 4] = *b"PIDX";
+const FILE_HEADER: usize = 24;
+const ENTRY_LEN: usize = 24;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub offset: u64,
+    pub pos: u32,
+    pub timestamp: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct SparseIndex {
+    /// `None` until built (sealed segments are indexed on first use).
+    entries: RwLock<Option<Vec<Entry>>>,
+}
+
+impl SparseIndex {
+    pub(crate) fn ready(entries: Vec<Entry>) -> SparseIndex {
+        SparseIndex { entries: RwLock::new(Some(entries)) }
+    }
+
+    pub(crate) fn is_built(&self) -> bool {
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// Adds an entry (the writer, in order).
+    pub(crate) fn push(&self, entry: Entry) {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        entries.get_or_insert_with(Vec::new).push(entry);
+    }
+
+    pub(crate) fn set(&self, built: Vec<Entry>) {
+        *self.entries.write().unwrap_or_else(|e| e.into_inner()) = Some(built);
+    }
+
+    /// The last entry at or before `offset`.
+    pub(crate) fn at_or_before(&self, offset: u64) -> Option<Entry> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let entries = entries.as_ref()?;
+        let i = entries.partition_point(|e| e.offset <= offset);
+        i.checked_sub(1).map(|i| entries[i])
+    }
+
+    /// The last entry with a timestamp before `t`.
+    pub(crate) fn before_time(&self, t: u64) -> Option<Entry> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let entries = entries.as_ref()?;
+        let i = entries.partition_point(|e| e.timestamp < t);
+        i.checked_sub(1).map(|i| entries[i])
+    }
+
+    /// Drops entries for records at or after `offset` (a batch that was not published).
+    pub(crate) fn truncate_from(&self, offset: u64) {
+        if let Some(entries) = self.entries.write().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            entries.retain(|e| e.offset < offset);
+        }
+    }
+
+    pub(crate) fn entries(&self) -> Vec<Entry> {
+        self.entries.read().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default()
+    }
+}
+
+/// Builds the entries for the frames in `data` (a segment's published bytes from `HEADER_LEN`),
+/// starting at record `base`, walking frame headers only.
+pub(crate) fn build(data: &[u8], base: u64) -> Vec<Entry> {
+    let mut entries = Vec::with_capacity(data.len() / INDEX_STEP + 1);
+    let mut at = 0;
+    let mut offset = base;
+    let mut next_entry = 0;
+    while let (Some(len), Some(timestamp)) = (frame::peek_len(&data[at..]), frame::peek_timestamp(&data[at..])) {
+        if at >= next_entry {
+            entries.push(Entry { offset, pos: (HEADER_LEN + at) as u32, timestamp });
+            next_entry = at + INDEX_STEP;
+        }
+        at += len;
+        offset += 1;
+    }
+    entries
+}
+
+pub(crate) fn file_path(dir: &Path, base: u64) -> PathBuf {
+    dir.join(INDEX_DIR).join(format!("{base:020}.idx"))
+}
+
+/// Writes the index file of segment `base` (temporary file, rename). Best effort: the index can
+/// always be rebuilt, so a failure is only logged.
+pub(crate) fn save(dir: &Path, base: u64, entries: &[Entry]) {
+    let path = file_path(dir, base);
+    let tmp = path.with_extension("idx.tmp");
+    let result = std::fs::create_dir_all(dir.join(INDEX_DIR))
+        .and_then(|()| std::fs::write(&tmp, encode(base, entries)))
+        .and_then(|()| std::fs::rename(&tmp, &path));
+    if let Err(e) = result {
+        tracing::warn!(file = %path.display(), error = %e, "could not write index file; it will be rebuilt");
+    }
+}
+
+/// Removes the index file of segment `base`, if any.
+pub(crate) fn remove(dir: &Path, base: u64) {
+    let _ = std::fs::remove_file(file_path(dir, base));
+}
+
+pub(crate) fn encode(base: u64, entries: &[Entry]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(FILE_HEADER + entries.len() * ENTRY_LEN);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&1u32.to_le_bytes());
+    out.extend_from_slice(&base.to_le_bytes());
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    for e in entries {
+        out.extend_from_slice(&e.offset.to_le_bytes());
+        out.extend_from_slice(&e.pos.to_le_bytes());
+        out.extend_from_slice(&[0; 4]);
+        out.extend_from_slice(&e.timestamp.to_le_bytes());
+    }
+    let crc = crc32c::crc32c(&out[FILE_HEADER..]);
+    out[20..24].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Entries from an index file, if it is whole, belongs to `base`, and is consistent with a
+/// segment of `segment_len` bytes.
+pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<Entry>> {
+    let head = bytes.get(..FILE_HEADER)?;
+    let n = u32::from_le_bytes(head[16..20].try_into().unwrap()) as usize;
+    let body = bytes.get(FILE_HEADER..FILE_HEADER + n * ENTRY_LEN)?;
+    let ok = head[0..4] == MAGIC
+        && u32::from_le_bytes(head[4..8].try_into().unwrap()) == 1
+        && u64::from_le_bytes(head[8..16].try_into().unwrap()) == base
+        && crc32c::crc32c(body) == u32::from_le_bytes(head[20..24].try_into().unwrap());
+    if !ok {
+        return None;
+    }
+    let entries: Vec<Entry> = body
+        .chunks_exact(ENTRY_LEN)
+        .map(|c| Entry {
+            offset: u64::from_le_bytes(c[0..8].try_into().unwrap()),
+            pos: u32::from_le_bytes(c[8..12].try_into().unwrap()),
+            timestamp: u64::from_le_bytes(c[16..24].try_into().unwrap()),
+        })
+        .collect();
+    let sane =
+        entries.iter().all(|e| e.offset >= base && (e.pos as usize) >= HEADER_LEN && (e.pos as usize) < segment_len)
+            && entries
+                .windows(2)
+                .all(|w| w[0].offset < w[1].offset && w[0].pos < w[1].pos && w[0].timestamp <= w[1].timestamp);
+    sane.then_some(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_round_trip_and_damage_is_refused() {
+        let entries = vec![Entry { offset: 10, pos: 64, timestamp: 5 }, Entry { offset: 80, pos: 4200, timestamp: 9 }];
+        let bytes = encode(10, &entries);
+        assert_eq!(decode(&bytes, 10, 1 << 16), Some(entries));
+        assert_eq!(decode(&bytes, 11, 1 << 16), None, "another segment's index");
+        assert_eq!(decode(&bytes, 10, 4000), None, "positions past the segment");
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 1;
+            assert_eq!(decode(&bad, 10, 1 << 16), None, "byte {i}");
+        }
+        assert_eq!(decode(&bytes[..bytes.len() - 1], 10, 1 << 16), None);
+    }
+}
