@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Args, Subcommand};
-use petrel_log::{Durability, Log, Options};
+use petrel_log::{Durability, GroupOptions, Input, Log, MAX_PENDING, Options};
 
 use crate::progress::{self, Unit};
 
@@ -36,6 +36,12 @@ pub struct LogBench {
     batch: usize,
     #[arg(long, default_value_t = petrel_log::DEFAULT_SEGMENT_BYTES)]
     segment_bytes: u64,
+    /// Give records keys `k0`…`k{N-1}` (round robin) and measure get-by-key (0 = no keys).
+    #[arg(long, default_value_t = 0)]
+    keys: u64,
+    /// Random lookups per lookup phase (get by offset, key and time).
+    #[arg(long, default_value_t = 1_000_000)]
+    lookups: u64,
     /// Keep the benchmark's log directory.
     #[arg(long)]
     keep: bool,
@@ -58,7 +64,12 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if dir.exists() {
         std::fs::remove_dir_all(&dir)?;
     }
-    let options = Options { segment_bytes: args.segment_bytes, durability: args.durability, ..Options::default() };
+    let options = Options {
+        segment_bytes: args.segment_bytes,
+        durability: args.durability,
+        key_index: args.keys > 0,
+        ..Options::default()
+    };
     let payload: Vec<u8> = (0..args.payload_bytes).map(|i| (i * 7 + 1) as u8).collect();
     let bar = progress::bar(args.count, "append", Unit::Items);
 
@@ -68,8 +79,17 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let mut log = log;
         let batch: Vec<&[u8]> = vec![&payload; args.batch];
         let mut done = 0u64;
+        let mut key = String::new();
         while done < args.count {
             let n = (args.count - done).min(args.batch as u64);
+            if args.keys > 0 {
+                use std::fmt::Write;
+                key.clear();
+                write!(key, "k{}", done % args.keys).unwrap();
+                log.append_with(&Input { key: Some(key.as_bytes()), ..Input::payload(&payload) })?;
+                done += 1;
+                continue;
+            }
             if n == 1 {
                 log.append(&payload)?;
             } else {
@@ -139,6 +159,74 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return Err("records read back differ from those appended".into());
     }
     drop(reader);
+
+    // Poll + ack of every record through one consumer group.
+    let bar = progress::bar(appended, "poll+ack", Unit::Items);
+    let mut group = log.group("bench", GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
+    let started = Instant::now();
+    let mut polled = 0u64;
+    let mut offsets = Vec::with_capacity(4096);
+    loop {
+        offsets.clear();
+        let batch = group.poll(4096, Duration::ZERO)?;
+        if batch.is_empty() {
+            break;
+        }
+        for record in batch {
+            checksum = checksum.wrapping_add(record.payload.len() as u64);
+            offsets.push(record.offset);
+        }
+        for &offset in &offsets {
+            group.ack(offset)?;
+        }
+        polled += offsets.len() as u64;
+        if polled & 0xFFFF < 4096 {
+            bar.set_position(polled);
+        }
+    }
+    let poll_ack_secs = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    if polled != appended || group.committed() != appended {
+        return Err(format!("polled {polled} records of {appended}").into());
+    }
+    drop(group);
+
+    // Random lookups.
+    let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
+    let mut reader = log.reader();
+    let lookups = args.lookups;
+    let started = Instant::now();
+    for _ in 0..lookups {
+        let offset = rng.below(appended);
+        let record = reader.get(offset)?.ok_or("a record in the log was not found")?;
+        checksum = checksum.wrapping_add(record.payload.len() as u64);
+    }
+    let get_by_offset_per_sec = lookups as f64 / started.elapsed().as_secs_f64();
+
+    let first_ts = reader.get(0)?.map_or(0, |r| r.timestamp);
+    let last_ts = reader.get(appended - 1)?.map_or(0, |r| r.timestamp);
+    let started = Instant::now();
+    for _ in 0..lookups {
+        let t = first_ts + rng.below(last_ts - first_ts + 1);
+        let record = reader.get_by_time(t)?.ok_or("no record at or after a time inside the log")?;
+        checksum = checksum.wrapping_add(record.offset);
+    }
+    let get_by_time_per_sec = lookups as f64 / started.elapsed().as_secs_f64();
+
+    let get_by_key_per_sec = if args.keys > 0 {
+        let names: Vec<String> = (0..args.keys.min(1 << 20)).map(|k| format!("k{k}")).collect();
+        let started = Instant::now();
+        for _ in 0..lookups {
+            let key = &names[rng.below(names.len() as u64) as usize];
+            let record = reader.get_by_key(key.as_bytes())?.ok_or("a key in the log was not found")?;
+            checksum = checksum.wrapping_add(record.offset);
+        }
+        Some(lookups as f64 / started.elapsed().as_secs_f64())
+    } else {
+        None
+    };
+    std::hint::black_box(checksum);
+    drop(reader);
     drop(log);
     let bytes_on_disk = disk_usage(&dir)?;
     if !args.keep {
@@ -159,6 +247,10 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "read_secs": read_secs,
         "read_msgs_per_sec": read as f64 / read_secs,
         "read_mb_per_sec": mb / read_secs,
+        "poll_ack_msgs_per_sec": appended as f64 / poll_ack_secs,
+        "get_by_offset_per_sec": get_by_offset_per_sec,
+        "get_by_time_per_sec": get_by_time_per_sec,
+        "get_by_key_per_sec": get_by_key_per_sec,
         "syncs": syncs,
         "bytes_on_disk": bytes_on_disk,
         "peak_rss_bytes": peak_rss_bytes(),
@@ -176,6 +268,11 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         println!("{syncs} syncs, {:.1} records per sync", appended as f64 / syncs as f64);
     }
     println!("read {read}: {:.0} msg/s, {:.1} MB/s", read as f64 / read_secs, mb / read_secs);
+    println!(
+        "poll+ack (one group): {:.0} msg/s; random get by offset {get_by_offset_per_sec:.0}/s, by time {get_by_time_per_sec:.0}/s{}",
+        appended as f64 / poll_ack_secs,
+        get_by_key_per_sec.map(|k| format!(", by key {k:.0}/s")).unwrap_or_default()
+    );
     println!("on disk {bytes_on_disk} B, peak RSS {} B", peak_rss_bytes());
     if args.json {
         println!("{result}");
@@ -183,12 +280,26 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// A small, fast, deterministic generator for lookup positions.
+struct XorShift(u64);
+
+impl XorShift {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
 /// Bytes allocated on disk for the files in `dir`.
 fn disk_usage(dir: &Path) -> std::io::Result<u64> {
     use std::os::unix::fs::MetadataExt;
     let mut total = 0;
     for entry in std::fs::read_dir(dir)? {
-        total += entry?.metadata()?.blocks() * 512;
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        total += if meta.is_dir() { disk_usage(&entry.path())? } else { meta.blocks() * 512 };
     }
     Ok(total)
 }

@@ -196,3 +196,60 @@ mod tests {
         assert_eq!(decode(&bytes[..bytes.len() - 1], 10, 1 << 16), None);
     }
 }
+
+/// Records per chunk of a dense index.
+const CHUNK: usize = 1 << 16;
+
+/// The position of every record of a segment, for random access in one step. Filled by the
+/// writer as it appends (the active segment) or by one walk over the frames on first use (a
+/// sealed segment). Lives in memory only: rebuilding it is a sequential walk of frame headers.
+/// Chunks are allocated as records arrive, so memory follows the records, not the segment size.
+pub(crate) struct DenseIndex {
+    chunks: Box<[std::sync::OnceLock<Box<[std::sync::atomic::AtomicU32]>>]>,
+    built: std::sync::OnceLock<()>,
+}
+
+impl DenseIndex {
+    /// An index for a segment of `segment_len` bytes (frames are at least 32 bytes).
+    pub(crate) fn new(segment_len: usize) -> DenseIndex {
+        let records = segment_len / crate::frame::FRAME_HEADER_LEN + 1;
+        DenseIndex {
+            chunks: (0..records.div_ceil(CHUNK)).map(|_| Default::default()).collect(),
+            built: Default::default(),
+        }
+    }
+
+    /// Records the position of the `i`-th record (the writer, before publishing it).
+    #[inline]
+    pub(crate) fn set(&self, i: usize, pos: usize) {
+        let chunk =
+            self.chunks[i / CHUNK].get_or_init(|| (0..CHUNK).map(|_| std::sync::atomic::AtomicU32::new(0)).collect());
+        chunk[i % CHUNK].store(pos as u32, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Position of the `i`-th record, if known (0 = unknown).
+    #[inline]
+    pub(crate) fn get(&self, i: usize) -> Option<usize> {
+        let pos = self.chunks.get(i / CHUNK)?.get()?[i % CHUNK].load(std::sync::atomic::Ordering::Relaxed);
+        (pos != 0).then_some(pos as usize)
+    }
+
+    /// Fills the index from the frames in `data` (a segment's published bytes from
+    /// `HEADER_LEN`), once.
+    pub(crate) fn build_once(&self, data: &[u8]) {
+        self.built.get_or_init(|| {
+            let mut at = 0;
+            let mut i = 0;
+            while let Some(len) = frame::peek_len(&data[at..]) {
+                self.set(i, HEADER_LEN + at);
+                at += len;
+                i += 1;
+            }
+        });
+    }
+
+    /// Marks the index as complete (the writer maintains it from here on).
+    pub(crate) fn mark_built(&self) {
+        let _ = self.built.set(());
+    }
+}

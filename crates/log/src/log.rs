@@ -53,6 +53,8 @@ pub(crate) struct Shared {
     pub segments: RwLock<Vec<Arc<Segment>>>,
     /// One past the last published record.
     pub next_offset: AtomicU64,
+    /// Base offset of the oldest segment (kept beside `segments` so readers need no lock).
+    first_offset: AtomicU64,
     /// Consumer groups, open or not.
     pub groups: crate::group::Registry,
     /// Key → offset of the last record with that key, if `Options::key_index`.
@@ -104,12 +106,14 @@ impl Shared {
             })
             .collect();
         let keys = options.key_index.then(|| RwLock::new(build_key_index(&segments)));
+        let first = segments.first().map_or(0, |s| s.base);
         Arc::new(Shared {
             dir,
             options,
             keys,
             segments: RwLock::new(segments),
             next_offset: AtomicU64::new(next_offset),
+            first_offset: AtomicU64::new(first),
             groups: Mutex::new(groups),
             append_waiters: AtomicUsize::new(0),
             append_lock: Mutex::new(()),
@@ -303,8 +307,7 @@ impl Shared {
     }
 
     pub(crate) fn first_offset(&self) -> u64 {
-        let segments = self.segments.read().unwrap_or_else(|e| e.into_inner());
-        segments.first().map_or(0, |s| s.base)
+        self.first_offset.load(Ordering::Acquire)
     }
 }
 
@@ -366,6 +369,7 @@ impl Log {
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
         active.index.set(crate::index::build(active.map.published().from(HEADER_LEN), active.base));
+        active.positions.build_once(active.map.published().from(HEADER_LEN));
 
         let cursors = crate::group::load_all(&dir)?;
         let shared = Shared::new(dir, options, segments, next_offset, cursors);
@@ -605,6 +609,7 @@ impl Log {
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
         frame::encode(buf, len, offset, timestamp, input);
+        self.active.positions.set((offset - self.active.base) as usize, self.pos);
         if self.pos >= self.next_index_pos {
             self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });
             self.next_index_pos = self.pos + crate::index::INDEX_STEP;

@@ -15,6 +15,8 @@ pub struct Reader {
     shared: Arc<Shared>,
     /// Segment holding `next`, once located.
     seg: Option<Arc<Segment>>,
+    /// Base offset of the segment after `seg` when it was located (`u64::MAX` if none).
+    seg_end: u64,
     /// Position of record `next` in `seg`.
     pos: usize,
     next: u64,
@@ -23,7 +25,7 @@ pub struct Reader {
 impl Reader {
     pub(crate) fn new(shared: Arc<Shared>) -> Reader {
         let next = shared.first_offset();
-        Reader { shared, seg: None, pos: 0, next }
+        Reader { shared, seg: None, seg_end: u64::MAX, pos: 0, next }
     }
 
     /// Offset of the record the next read returns.
@@ -44,10 +46,20 @@ impl Reader {
     /// Moves to `offset` (to the oldest record if it is older, to the end if it is newer).
     pub fn seek(&mut self, offset: u64) {
         let offset = offset.clamp(self.first_offset(), self.end_offset());
-        if offset != self.next || self.seg.is_none() {
-            self.seg = None;
-            self.next = offset;
+        if offset == self.next && self.seg.is_some() {
+            return;
         }
+        self.next = offset;
+        // Within the current segment, the dense index gives the position with no lock taken.
+        if let Some(seg) = &self.seg
+            && offset >= seg.base
+            && offset < self.seg_end
+            && let Some(pos) = seg.position_of(offset)
+        {
+            self.pos = pos;
+            return;
+        }
+        self.seg = None;
     }
 
     /// The next record, or `None` at the end of the log.
@@ -158,6 +170,7 @@ impl Reader {
                     return Ok(false);
                 };
                 self.pos = locate(&self.shared.dir, &seg, self.next)?;
+                self.seg_end = self.shared.segment_after(seg.base).map_or(u64::MAX, |s| s.base);
                 self.seg = Some(seg);
                 continue;
             };
@@ -182,6 +195,7 @@ impl Reader {
                     Reason::Missing { expected: self.next },
                 ));
             }
+            self.seg_end = self.shared.segment_after(after.base).map_or(u64::MAX, |s| s.base);
             self.seg = Some(after);
             self.pos = HEADER_LEN;
         }
@@ -194,6 +208,9 @@ fn locate(dir: &std::path::Path, seg: &Segment, offset: u64) -> Result<usize> {
     let (tail_pos, tail_records) = seg.tail();
     if tail_records > 0 && offset == seg.base + tail_records {
         return Ok(tail_pos);
+    }
+    if let Some(pos) = seg.position_of(offset) {
+        return Ok(pos);
     }
     seg.ensure_index(dir);
     let published = seg.map.published();

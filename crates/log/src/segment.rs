@@ -103,6 +103,7 @@ pub(crate) struct Segment {
     /// bits), stored together so a sync can checkpoint a consistent pair.
     tail: AtomicU64,
     pub index: crate::index::SparseIndex,
+    pub positions: crate::index::DenseIndex,
 }
 
 impl Segment {
@@ -143,6 +144,11 @@ impl Segment {
                 map,
                 tail: AtomicU64::new(pack(HEADER_LEN, 0)),
                 index: crate::index::SparseIndex::ready(Vec::new()),
+                positions: {
+                    let positions = crate::index::DenseIndex::new(len as usize);
+                    positions.mark_built();
+                    positions
+                },
             }),
             Err(e) => {
                 let _ = fs::remove_file(&tmp);
@@ -192,14 +198,15 @@ impl Segment {
         let map = Arc::new(map.map_err(io_err("map segment", path))?);
         let tail = AtomicU64::new(pack(HEADER_LEN, 0));
         let index = crate::index::SparseIndex::default();
-        Ok((Segment { base, path: path.to_path_buf(), file, map, tail, index }, header))
+        let positions = crate::index::DenseIndex::new(len as usize);
+        Ok((Segment { base, path: path.to_path_buf(), file, map, tail, index, positions }, header))
     }
 
     /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last
     /// segment opened by an offline tool, whose torn tail must stay hidden.
     pub(crate) fn read_only_until(self, end: usize, records: u64) -> Result<Segment> {
         let map = Mapping::new_read_only(&self.file, self.map.len(), end).map_err(io_err("map segment", &self.path))?;
-        let seg = Segment { map: Arc::new(map), ..self };
+        let seg = Segment { map: Arc::new(map), positions: crate::index::DenseIndex::new(self.map.len()), ..self };
         seg.set_tail(end, records);
         Ok(seg)
     }
@@ -220,6 +227,17 @@ impl Segment {
             crate::index::save(dir, self.base, &entries);
         }
         self.index.set(entries);
+    }
+
+    /// Position of record `offset`, from the dense index (built on first use).
+    #[inline]
+    pub(crate) fn position_of(&self, offset: u64) -> Option<usize> {
+        let i = offset.checked_sub(self.base)? as usize;
+        if let Some(pos) = self.positions.get(i) {
+            return Some(pos);
+        }
+        self.positions.build_once(self.map.published().from(HEADER_LEN));
+        self.positions.get(i)
     }
 
     /// The published end position and the number of records before it.
