@@ -177,26 +177,6 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
     sane.then_some(entries)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn files_round_trip_and_damage_is_refused() {
-        let entries = vec![Entry { offset: 10, pos: 64, timestamp: 5 }, Entry { offset: 80, pos: 4200, timestamp: 9 }];
-        let bytes = encode(10, &entries);
-        assert_eq!(decode(&bytes, 10, 1 << 16), Some(entries));
-        assert_eq!(decode(&bytes, 11, 1 << 16), None, "another segment's index");
-        assert_eq!(decode(&bytes, 10, 4000), None, "positions past the segment");
-        for i in 0..bytes.len() {
-            let mut bad = bytes.clone();
-            bad[i] ^= 1;
-            assert_eq!(decode(&bad, 10, 1 << 16), None, "byte {i}");
-        }
-        assert_eq!(decode(&bytes[..bytes.len() - 1], 10, 1 << 16), None);
-    }
-}
-
 /// Records per chunk of a dense index.
 const CHUNK: usize = 1 << 16;
 
@@ -251,5 +231,25 @@ impl DenseIndex {
     /// Marks the index as complete (the writer maintains it from here on).
     pub(crate) fn mark_built(&self) {
         let _ = self.built.set(());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_round_trip_and_damage_is_refused() {
+        let entries = vec![Entry { offset: 10, pos: 64, timestamp: 5 }, Entry { offset: 80, pos: 4200, timestamp: 9 }];
+        let bytes = encode(10, &entries);
+        assert_eq!(decode(&bytes, 10, 1 << 16), Some(entries));
+        assert_eq!(decode(&bytes, 11, 1 << 16), None, "another segment's index");
+        assert_eq!(decode(&bytes, 10, 4000), None, "positions past the segment");
+        for i in 0..bytes.len() {
+            let mut bad = bytes.clone();
+            bad[i] ^= 1;
+            assert_eq!(decode(&bad, 10, 1 << 16), None, "byte {i}");
+        }
+        assert_eq!(decode(&bytes[..bytes.len() - 1], 10, 1 << 16), None);
     }
 }
