@@ -4,7 +4,9 @@
 #
 #   bench/peers/run.sh [DATA_DIR]        (default: ./petrel-data)
 #
-# Counts: COUNT_32 (default 10000000) messages of 32 B, COUNT_1K (default 1000000) of 1 KiB.
+# Workloads: COUNT_32 (default 10000000) messages of 32 B; COUNT_1K (default 1000000) of 1 KiB;
+# and a lookup workload, COUNT_KEYED (default 2000000) messages of 32 B with 100000 keys, then
+# random gets by offset, by time and by key (klevdb only: bigqueue has no lookups).
 # Each system runs ROUNDS times (default 3), interleaved with the others, the order rotating each
 # round. On a VM, a run that follows another program's pays for memory the host took back (it
 # halves write rates here), so every measured run directly follows an unmeasured warm-up run of
@@ -14,6 +16,7 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 data="$(realpath -m "${1:-$root/petrel-data}")"
 count_32="${COUNT_32:-10000000}"
 count_1k="${COUNT_1K:-1000000}"
+count_keyed="${COUNT_KEYED:-2000000}"
 rounds="${ROUNDS:-3}"
 mkdir -p "$data"
 
@@ -25,19 +28,19 @@ mkdir -p "$bin"
 
 results="$(mktemp)"
 trap 'rm -f "$results" "$results.warmup" "$results.measured"' EXIT
-for spec in "32 $count_32" "1024 $count_1k"; do
+for spec in "32 $count_32 0" "1024 $count_1k 0" "32 $count_keyed 100000"; do
   set -- $spec
-  size=$1 count=$2
-  order=(petrel bigqueue klevdb)
+  size=$1 count=$2 keys=$3
+  if [ "$keys" = 0 ]; then order=(petrel bigqueue klevdb); else order=(petrel klevdb); fi
   for round in $(seq "$rounds"); do
     for system in "${order[@]}"; do
       echo "payload $size B × $count, round $round: $system…" >&2
       for run in warmup measured; do
         if [ "$system" = petrel ]; then
-          "$root/target/release/petrel" bench log --data "$data" --payload-bytes "$size" --count "$count" --json \
+          "$root/target/release/petrel" bench log --data "$data" --payload-bytes "$size" --count "$count" --keys "$keys" --json \
             | tail -n 1 | python3 -c 'import json,sys; d=json.load(sys.stdin); d["peer"]="petrel"; print(json.dumps(d))'
         else
-          "$bin/$system" -dir "$data" -count "$count" -payload-bytes "$size"
+          "$bin/$system" -dir "$data" -count "$count" -payload-bytes "$size" -keys "$keys"
         fi > "$results.$run"
       done
       cat "$results.measured" >> "$results"
@@ -49,22 +52,24 @@ done
 python3 - "$results" <<'PY'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
-rows = []
-for key in dict.fromkeys((r["payload_bytes"], r["peer"]) for r in runs):
-    same = [r for r in runs if (r["payload_bytes"], r["peer"]) == key]
-    row = dict(same[0])
-    for k in ("append_msgs_per_sec", "read_msgs_per_sec"):
-        row[k] = statistics.median(r[k] for r in same)
-    rows.append(row)
-rows.sort(key=lambda r: (r["payload_bytes"], r["peer"] != "petrel"))
-print(f"medians of {len(same)} runs each")
-print(f"{'workload':<18} {'system':<16} {'enqueue msg/s':>15} {'dequeue msg/s':>15} {'petrel/peer enq':>16} {'petrel/peer deq':>16}")
-for size in sorted({r["payload_bytes"] for r in rows}):
-    group = [r for r in rows if r["payload_bytes"] == size]
-    p = next(r for r in group if r["peer"] == "petrel")
-    for r in group:
-        w = f"{size} B × {r['count']}"
-        ratio = lambda k: "" if r is p else f"{p[k] / r[k]:.2f}x"
-        print(f"{w:<18} {r['peer']:<16} {r['append_msgs_per_sec']:>15,.0f} {r['read_msgs_per_sec']:>15,.0f}"
-              f" {ratio('append_msgs_per_sec'):>16} {ratio('read_msgs_per_sec'):>16}")
+metrics = [("append_msgs_per_sec", "enqueue"), ("read_msgs_per_sec", "dequeue/read"),
+           ("poll_ack_msgs_per_sec", "consumer read+ack"), ("get_by_offset_per_sec", "get by offset"),
+           ("get_by_time_per_sec", "get by time"), ("get_by_key_per_sec", "get by key")]
+workloads = list(dict.fromkeys((r["payload_bytes"], r.get("keys", 0), r["count"]) for r in runs))
+print(f"medians of the measured runs; ratio = petrel / peer")
+print(f"{'workload':<28} {'operation':<18} {'petrel':>12} {'peer':<16} {'peer ops/s':>12} {'ratio':>8}")
+for size, keys, count in workloads:
+    w = f"{size} B x {count}" + (f", {keys} keys" if keys else "")
+    group = [r for r in runs if (r["payload_bytes"], r.get("keys", 0), r["count"]) == (size, keys, count)]
+    def median(peer, key):
+        vals = [r[key] for r in group if r["peer"] == peer and r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+    peers = [p for p in dict.fromkeys(r["peer"] for r in group) if p != "petrel"]
+    for key, label in metrics:
+        p = median("petrel", key)
+        for peer in peers:
+            q = median(peer, key)
+            if p is None or q is None:
+                continue
+            print(f"{w:<28} {label:<18} {p:>12,.0f} {peer:<16} {q:>12,.0f} {p / q:>7.2f}x")
 PY

@@ -39,9 +39,24 @@ func main() {
 		}
 	}
 	readTime := time.Since(start)
+
+	// A named consumer reads everything again from the start (bigqueue's consumer API, the
+	// counterpart of a Petrel consumer group's poll + ack).
+	c, err := q.NewConsumer("bench")
+	if err != nil {
+		result.Fail(err)
+	}
+	start = time.Now()
+	for i := 0; i < f.Count; i++ {
+		if _, err := c.Dequeue(); err != nil {
+			result.Fail(err)
+		}
+	}
+	consumerTime := time.Since(start)
 	q.Close()
 	result.Print("bigqueue v0.6.0", f, map[string]float64{
-		"append_msgs_per_sec": result.Rate(f.Count, appendTime),
-		"read_msgs_per_sec":   result.Rate(f.Count, readTime),
+		"append_msgs_per_sec":   result.Rate(f.Count, appendTime),
+		"read_msgs_per_sec":     result.Rate(f.Count, readTime),
+		"poll_ack_msgs_per_sec": result.Rate(f.Count, consumerTime),
 	}, nil)
 }

@@ -241,6 +241,7 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "durability": args.durability.to_string(),
         "producers": args.producers,
         "batch": args.batch,
+        "keys": args.keys,
         "append_secs": append_secs,
         "append_msgs_per_sec": appended as f64 / append_secs,
         "append_mb_per_sec": mb / append_secs,

@@ -534,7 +534,7 @@ impl Log {
         let offset = self.write(input, len, timestamp)?;
         self.publish();
         if let (Some(keys), Some(key)) = (&self.shared.keys, input.key) {
-            keys.write().unwrap_or_else(|e| e.into_inner()).insert(key.into(), offset);
+            index_key(&mut keys.write().unwrap_or_else(|e| e.into_inner()), key, offset);
         }
         Ok(offset)
     }
@@ -570,7 +570,7 @@ impl Log {
             let mut keys = keys.write().unwrap_or_else(|e| e.into_inner());
             for i in 0..n {
                 if let Some(key) = input(i).key {
-                    keys.insert(key.into(), first + i as u64);
+                    index_key(&mut keys, key, first + i as u64);
                 }
             }
         }
@@ -685,6 +685,17 @@ impl Drop for Log {
     }
 }
 
+/// Points `key` at `offset`, allocating only for a key not seen before.
+#[inline]
+fn index_key(keys: &mut HashMap<Box<[u8]>, u64>, key: &[u8], offset: u64) {
+    match keys.get_mut(key) {
+        Some(last) => *last = offset,
+        None => {
+            keys.insert(key.into(), offset);
+        }
+    }
+}
+
 /// Walks every frame header of the log for its key.
 fn build_key_index(segments: &[Arc<Segment>]) -> HashMap<Box<[u8]>, u64> {
     let mut keys = HashMap::new();
@@ -694,7 +705,7 @@ fn build_key_index(segments: &[Arc<Segment>]) -> HashMap<Box<[u8]>, u64> {
         let mut offset = seg.base;
         while let Some(len) = frame::peek_len(&data[at..]) {
             if let Some(key) = frame::peek_key(&data[at..]) {
-                keys.insert(key.into(), offset);
+                index_key(&mut keys, key, offset);
             }
             at += len;
             offset += 1;

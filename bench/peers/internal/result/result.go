@@ -15,6 +15,8 @@ type Flags struct {
 	Dir          string
 	Count        int
 	PayloadBytes int
+	Keys         int
+	Lookups      int
 }
 
 func Parse() Flags {
@@ -22,6 +24,8 @@ func Parse() Flags {
 	flag.StringVar(&f.Dir, "dir", os.TempDir(), "parent directory for the store (a fresh subdirectory is used and removed)")
 	flag.IntVar(&f.Count, "count", 1_000_000, "messages to enqueue, then dequeue")
 	flag.IntVar(&f.PayloadBytes, "payload-bytes", 32, "bytes per message")
+	flag.IntVar(&f.Keys, "keys", 0, "give messages keys k0..k{N-1} and measure lookups (0: no keys)")
+	flag.IntVar(&f.Lookups, "lookups", 1_000_000, "random lookups per lookup phase")
 	flag.Parse()
 	return f
 }
@@ -55,6 +59,16 @@ func Print(peer string, f Flags, rates map[string]float64, extra map[string]any)
 	}
 	b, _ := json.Marshal(out)
 	fmt.Println(string(b))
+}
+
+// XorShift is the same small generator `petrel bench log` uses for lookup positions.
+type XorShift uint64
+
+func (x *XorShift) Below(n uint64) uint64 {
+	*x ^= *x << 13
+	*x ^= *x >> 7
+	*x ^= *x << 17
+	return uint64(*x) % n
 }
 
 // Rate is operations per second.
