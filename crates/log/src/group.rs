@@ -326,6 +326,7 @@ impl ConsumerGroup {
             return self.redelivery.read_batch(1);
         }
         let deadline = Instant::now() + timeout;
+        self.catch_up_with_retention()?;
         loop {
             self.pass_acknowledged();
             let pending = (self.next - self.committed) as usize;
@@ -355,6 +356,7 @@ impl ConsumerGroup {
     /// queue's dequeue. Waits up to `timeout` for one; `None` if none came.
     pub fn take(&mut self, timeout: Duration) -> Result<Option<Record<'_>>> {
         self.shared.check_poison()?;
+        self.catch_up_with_retention()?;
         self.pass_acknowledged();
         if !self.redeliver.is_empty() || !self.skip.is_empty() || self.next != self.committed {
             // Records are pending: go the general way, then read the record again.
@@ -390,6 +392,28 @@ impl ConsumerGroup {
         let offset = self.redeliver.first().copied().unwrap_or(self.next);
         self.redelivery.seek(offset);
         Ok(self.redelivery.read_batch(1)?.into_iter().next().filter(|r| r.offset == offset))
+    }
+
+    /// Moves past records that retention deleted before this group read them (already counted
+    /// in the group's `skipped` by retention).
+    fn catch_up_with_retention(&mut self) -> Result<()> {
+        let first = self.shared.first_offset();
+        if self.committed >= first {
+            return Ok(());
+        }
+        let gone = (first - self.committed) as usize;
+        if gone >= self.acked.len() {
+            self.acked.clear();
+            self.next = first;
+        } else {
+            self.acked.drain(..gone);
+        }
+        self.committed = first;
+        self.acked_above = self.acked.iter().filter(|a| **a).count();
+        self.advance_committed();
+        self.redeliver.retain(|&o| o >= first);
+        self.skip.retain(|&o| o >= first);
+        self.persist()
     }
 
     /// Steps over records acknowledged before a restart (they are not delivered again).

@@ -31,6 +31,7 @@ mod prefault;
 mod queue;
 mod reader;
 mod recovery;
+mod retention;
 mod segment;
 mod shared;
 pub mod verify;
@@ -45,6 +46,7 @@ pub use options::{
 };
 pub use queue::{QUEUE_GROUP, Queue};
 pub use reader::{Batch, BatchIter, Reader};
+pub use retention::{Retention, RetentionReport};
 pub use shared::SharedLog;
 
 /// Entry points for fuzzers and property tests of the decoders. Not a stable API.

@@ -309,6 +309,10 @@ impl Shared {
     pub(crate) fn first_offset(&self) -> u64 {
         self.first_offset.load(Ordering::Acquire)
     }
+
+    pub(crate) fn set_first_offset(&self, first: u64) {
+        self.first_offset.store(first, Ordering::Release);
+    }
 }
 
 /// An open log with its single writer. Appends need `&mut self` and take no lock; for many
@@ -474,6 +478,12 @@ impl Log {
     /// Opens (creating if needed) the consumer group `name`.
     pub fn group(&self, name: &str, options: crate::GroupOptions) -> Result<crate::ConsumerGroup> {
         crate::ConsumerGroup::open(Arc::clone(&self.shared), name, options)
+    }
+
+    /// Deletes old segments as `Options::retention` allows. Also done at every segment roll;
+    /// call it to apply an age cap to a log that is not being written.
+    pub fn apply_retention(&self) -> Result<crate::RetentionReport> {
+        crate::retention::apply(&self.shared)
     }
 
     /// Every consumer group of the log.
@@ -670,6 +680,9 @@ impl Log {
         *self.shared.active.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&next);
         self.active = next;
         self.writer = writer;
+        if let Err(e) = crate::retention::apply(&self.shared) {
+            tracing::warn!(error = %e, "retention failed; will try again at the next roll");
+        }
         self.pos = HEADER_LEN;
         self.prefault_trigger = HEADER_LEN;
         self.next_index_pos = HEADER_LEN;

@@ -60,6 +60,8 @@ pub struct Options {
     /// Keep a map from each key to the last record with that key (`Reader::get_by_key`). It
     /// lives in memory and is rebuilt from the log on open (a walk over every frame header).
     pub key_index: bool,
+    /// What may delete old records (nothing, by default).
+    pub retention: crate::Retention,
 }
 
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
@@ -77,6 +79,7 @@ impl Default for Options {
             durability: Durability::None,
             create: true,
             key_index: false,
+            retention: crate::Retention::default(),
         }
     }
 }

@@ -166,6 +166,8 @@ impl Reader {
     fn advance(&mut self) -> Result<bool> {
         loop {
             let Some(seg) = &self.seg else {
+                // Records removed by retention are stepped over.
+                self.next = self.next.max(self.shared.first_offset());
                 let Some(seg) = self.shared.segment_for(self.next) else {
                     return Ok(false);
                 };

@@ -83,6 +83,11 @@ impl SharedLog {
         crate::ConsumerGroup::open(Arc::clone(&self.shared), name, options)
     }
 
+    /// Deletes old segments as `Options::retention` allows (also done at every roll).
+    pub fn apply_retention(&self) -> Result<crate::RetentionReport> {
+        crate::retention::apply(&self.shared)
+    }
+
     pub fn groups(&self) -> Vec<crate::GroupInfo> {
         self.shared.group_infos()
     }

@@ -1,0 +1,107 @@
+//! Retention: deleting the oldest sealed segments when every consumer group is past them, or
+//! when the log is over its byte or age cap. The active segment is never deleted.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::cursor::CursorState;
+use crate::error::{Result, io_err};
+use crate::frame;
+use crate::log::{Shared, now_ns};
+use crate::options::Durability;
+
+/// What may remove old records. All off by default: a log keeps everything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Retention {
+    /// Delete a sealed segment once every consumer group has acknowledged all its records
+    /// (never when the log has no group).
+    pub delete_consumed: bool,
+    /// Keep at most this many bytes of segment files (the active segment always stays).
+    pub max_bytes: Option<u64>,
+    /// Delete a sealed segment once its newest record is older than this.
+    pub max_age: Option<Duration>,
+}
+
+/// What one pass of retention removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetentionReport {
+    pub segments_removed: usize,
+    pub bytes_removed: u64,
+    pub records_removed: u64,
+    /// Records removed that some group had not acknowledged (counted in that group's `skipped`).
+    pub records_skipped: u64,
+}
+
+/// Deletes what the policy allows, oldest segment first, stopping at the first segment that
+/// must stay (so the log stays contiguous).
+pub(crate) fn apply(shared: &Shared) -> Result<RetentionReport> {
+    let policy = shared.options.retention;
+    let mut report = RetentionReport::default();
+    if policy == Retention::default() {
+        return Ok(report);
+    }
+    let groups = shared.groups.lock().unwrap_or_else(|e| e.into_inner());
+    let min_committed = groups.values().map(|g| g.committed.load(Ordering::Acquire)).min();
+    let mut segments = shared.segments.write().unwrap_or_else(|e| e.into_inner());
+    let old_first = segments[0].base;
+    let mut total: u64 = segments.iter().map(|s| s.map.len() as u64).sum();
+    let now = now_ns();
+    let mut removed = Vec::new();
+    while segments.len() > 1 {
+        let (seg, next_base) = (&segments[0], segments[1].base);
+        let consumed = policy.delete_consumed && min_committed.is_some_and(|c| c >= next_base);
+        let over_bytes = policy.max_bytes.is_some_and(|max| total > max);
+        let too_old = policy.max_age.is_some_and(|age| {
+            let newest =
+                seg.position_of(next_base - 1).and_then(|pos| frame::peek_timestamp(seg.map.published().from(pos)));
+            newest.is_some_and(|ts| ts.saturating_add(age.as_nanos() as u64) < now)
+        });
+        if !(consumed || over_bytes || too_old) {
+            break;
+        }
+        total -= seg.map.len() as u64;
+        report.segments_removed += 1;
+        report.bytes_removed += seg.map.len() as u64;
+        report.records_removed += next_base - seg.base;
+        removed.push(segments.remove(0));
+    }
+    if removed.is_empty() {
+        return Ok(report);
+    }
+    let first = segments[0].base;
+    shared.set_first_offset(first);
+    drop(segments);
+    // Groups behind the new start lose records: count them, and move closed groups' cursors
+    // (open ones move themselves on their next poll).
+    for (name, entry) in groups.iter() {
+        let committed = entry.committed.load(Ordering::Acquire);
+        if committed >= first {
+            continue;
+        }
+        // An open group's cursor moves only when it next polls: count each record once.
+        let lost = first - committed.max(old_first);
+        entry.skipped.fetch_add(lost, Ordering::Relaxed);
+        report.records_skipped += lost;
+        tracing::warn!(group = %name, skipped = lost, "retention removed records the group had not read");
+        if !entry.open.load(Ordering::Acquire) {
+            let state = CursorState { committed: first, acked_above: vec![] };
+            crate::group::create_cursor(&shared.dir, name, &state, shared.options.durability != Durability::None)?;
+            entry.committed.store(first, Ordering::Release);
+        }
+    }
+    drop(groups);
+    for seg in removed {
+        // Readers still holding the segment keep its mapping; the space returns when they let go.
+        std::fs::remove_file(&seg.path).map_err(io_err("remove segment", &seg.path))?;
+        crate::index::remove(&shared.dir, seg.base);
+        drop(Arc::clone(&seg));
+    }
+    tracing::info!(
+        segments = report.segments_removed,
+        bytes = report.bytes_removed,
+        records = report.records_removed,
+        "retention removed old segments"
+    );
+    Ok(report)
+}

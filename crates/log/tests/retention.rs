@@ -1,0 +1,105 @@
+//! Retention: consumed segments go when every group is past them; byte and age caps move groups
+//! that are behind, counting what they skipped; disk space really comes back.
+
+use std::path::Path;
+use std::time::Duration;
+
+use petrel_log::{GroupOptions, Input, Log, MIN_SEGMENT_BYTES, Options, Retention};
+
+fn du(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .map(|p| std::fs::metadata(p).unwrap().blocks() * 512)
+        .sum()
+}
+
+fn opts(retention: Retention) -> Options {
+    Options { segment_bytes: MIN_SEGMENT_BYTES, retention, ..Options::default() }
+}
+
+#[test]
+fn consumed_segments_are_deleted_once_every_group_is_past_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), opts(Retention { delete_consumed: true, ..Default::default() })).unwrap();
+    // No group yet: nothing counts as consumed.
+    for i in 0..3000u64 {
+        log.append(&[i as u8; 100]).unwrap();
+    }
+    assert_eq!(log.first_offset(), 0);
+    let mut fast = log.group("fast", GroupOptions { max_pending: 8192, ..Default::default() }).unwrap();
+    let mut slow = log.group("slow", GroupOptions::default()).unwrap();
+    while let Some(r) = fast.take(Duration::ZERO).unwrap() {
+        let _ = r.offset;
+    }
+    let before = du(dir.path());
+    log.apply_retention().unwrap();
+    assert_eq!(log.first_offset(), 0, "the slow group still needs everything");
+    for _ in 0..1500 {
+        slow.take(Duration::ZERO).unwrap().unwrap();
+    }
+    let report = log.apply_retention().unwrap();
+    assert!(report.segments_removed > 0 && report.records_skipped == 0, "{report:?}");
+    let first = log.first_offset();
+    assert!(first > 0 && first <= 1500, "only what both groups passed: {first}");
+    assert!(du(dir.path()) < before, "disk space is returned");
+    assert_eq!(log.reader().read_next().unwrap().unwrap().offset, first);
+    assert_eq!(slow.take(Duration::ZERO).unwrap().unwrap().offset, 1500);
+}
+
+#[test]
+fn a_byte_cap_moves_a_lagging_group_and_counts_the_skip() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 4 * MIN_SEGMENT_BYTES;
+    let mut log = Log::open(dir.path(), opts(Retention { max_bytes: Some(cap), ..Default::default() })).unwrap();
+    for i in 0..100u64 {
+        log.append(&i.to_le_bytes().repeat(8)).unwrap();
+    }
+    let mut reader_group = log.group("lagging", GroupOptions::default()).unwrap();
+    for _ in 0..5 {
+        reader_group.take(Duration::ZERO).unwrap().unwrap();
+    }
+    drop(reader_group);
+    let mut open_group = log.group("open", GroupOptions::default()).unwrap();
+    for i in 0..20_000u64 {
+        log.append(&i.to_le_bytes().repeat(8)).unwrap();
+    }
+    assert!(du(dir.path()) <= cap, "{} > {cap}", du(dir.path()));
+    let first = log.first_offset();
+    assert!(first > 0);
+    // The open group notices on its next poll and moves to the oldest record.
+    let batch: Vec<u64> = open_group.poll(3, Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+    assert_eq!(batch, [first, first + 1, first + 2]);
+    let infos = log.groups();
+    let lagging = infos.iter().find(|g| g.name == "lagging").unwrap();
+    assert_eq!(lagging.committed, first, "a closed group's cursor is moved");
+    assert_eq!(lagging.skipped, first - 5, "and what it lost is counted");
+    assert_eq!(infos.iter().find(|g| g.name == "open").unwrap().skipped, first);
+    drop(open_group);
+    drop(log);
+    let log = Log::open(dir.path(), opts(Retention::default())).unwrap();
+    assert_eq!(log.group("lagging", GroupOptions::default()).unwrap().committed(), first);
+}
+
+#[test]
+fn an_age_cap_deletes_old_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log =
+        Log::open(dir.path(), opts(Retention { max_age: Some(Duration::from_secs(3600)), ..Default::default() }))
+            .unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let two_hours_ago = now - 7200 * 1_000_000_000;
+    for _ in 0..2000 {
+        log.append_with(&Input { timestamp: Some(two_hours_ago), ..Input::payload(&[1; 100]) }).unwrap();
+    }
+    for _ in 0..2000 {
+        log.append(&[2; 100]).unwrap();
+    }
+    log.apply_retention().unwrap();
+    let first = log.first_offset();
+    assert!(first > 0 && first <= 2000, "old segments gone, recent kept: {first}");
+    let r = log.reader().read_next().unwrap().unwrap().to_owned();
+    assert!(r.offset >= first);
+}
