@@ -57,6 +57,8 @@ pub(crate) struct Shared {
     first_offset: AtomicU64,
     /// Consumer groups, open or not.
     pub groups: crate::group::Registry,
+    /// Sealed segments that may hold resident pages (bounded by `max_resident_bytes`).
+    pub resident: crate::resident::Resident,
     /// Key → offset of the last record with that key, if `Options::key_index`.
     pub keys: Option<RwLock<HashMap<Box<[u8]>, u64>>>,
     /// Readers waiting for a new record sleep here; the writer wakes them only if any wait.
@@ -115,6 +117,7 @@ impl Shared {
             next_offset: AtomicU64::new(next_offset),
             first_offset: AtomicU64::new(first),
             groups: Mutex::new(groups),
+            resident: Default::default(),
             append_waiters: AtomicUsize::new(0),
             append_lock: Mutex::new(()),
             appended: Condvar::new(),
@@ -672,6 +675,7 @@ impl Log {
             self.active.write_checkpoint(pos as u64, self.active.base + records);
         }
         crate::index::save(&self.shared.dir, self.active.base, &self.active.index.entries());
+        self.shared.resident.touch(&self.active, self.shared.options.max_resident_bytes);
         let next = Arc::new(next);
         let writer = next.map.writer().expect("a new mapping has its writer");
         // Readers look for the next segment only after reaching the old one's published end,

@@ -201,3 +201,18 @@ pub(crate) fn map_private_file(file: &File) -> io::Result<memmap2::MmapMut> {
     // truncated while mapped (its length is fixed when it is created).
     unsafe { MmapOptions::new().map_mut(file) }
 }
+
+impl Mapping {
+    /// Drops this process's page-table entries for the whole mapping, so its pages stop counting
+    /// toward resident memory; the next access faults them back in from the page cache (or the
+    /// disk). The data is untouched: for a shared file mapping, dirty pages stay dirty in the
+    /// page cache and are written back as usual.
+    pub(crate) fn release_pages(&self) {
+        // SAFETY: MADV_DONTNEED on a MAP_SHARED file mapping does not change what the mapping
+        // reads (the page cache is the truth), so it cannot race with readers or the writer; the
+        // range is exactly the mapping.
+        unsafe {
+            let _ = rustix::mm::madvise(self.raw.as_mut_ptr().cast(), self.len, rustix::mm::Advice::LinuxDontNeed);
+        }
+    }
+}

@@ -62,7 +62,12 @@ pub struct Options {
     pub key_index: bool,
     /// What may delete old records (nothing, by default).
     pub retention: crate::Retention,
+    /// Resident memory allowed for sealed segments' pages; past it, the least recently used
+    /// segments that no reader is in give their pages back. The active segment is extra.
+    pub max_resident_bytes: u64,
 }
+
+pub const DEFAULT_MAX_RESIDENT_BYTES: u64 = 1 << 30;
 
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
 pub const MIN_SEGMENT_BYTES: u64 = 64 << 10;
@@ -80,6 +85,7 @@ impl Default for Options {
             create: true,
             key_index: false,
             retention: crate::Retention::default(),
+            max_resident_bytes: DEFAULT_MAX_RESIDENT_BYTES,
         }
     }
 }

@@ -59,7 +59,24 @@ impl Reader {
             self.pos = pos;
             return;
         }
-        self.seg = None;
+        self.leave();
+    }
+
+    /// Positions the reader in `seg`, counting it as a user of that segment's pages.
+    fn enter(&mut self, seg: Arc<Segment>) {
+        self.leave();
+        seg.users.fetch_add(1, Ordering::AcqRel);
+        // `seg_end` is set before entering: a segment with a successor is sealed.
+        if self.seg_end != u64::MAX {
+            self.shared.resident.touch(&seg, self.shared.options.max_resident_bytes);
+        }
+        self.seg = Some(seg);
+    }
+
+    fn leave(&mut self) {
+        if let Some(seg) = self.seg.take() {
+            seg.users.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     /// The next record, or `None` at the end of the log.
@@ -173,7 +190,7 @@ impl Reader {
                 };
                 self.pos = locate(&self.shared.dir, &seg, self.next)?;
                 self.seg_end = self.shared.segment_after(seg.base).map_or(u64::MAX, |s| s.base);
-                self.seg = Some(seg);
+                self.enter(seg);
                 continue;
             };
             let published = seg.map.published();
@@ -198,9 +215,15 @@ impl Reader {
                 ));
             }
             self.seg_end = self.shared.segment_after(after.base).map_or(u64::MAX, |s| s.base);
-            self.seg = Some(after);
+            self.enter(after);
             self.pos = HEADER_LEN;
         }
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.leave();
     }
 }
 

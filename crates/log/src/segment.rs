@@ -104,6 +104,8 @@ pub(crate) struct Segment {
     tail: AtomicU64,
     pub index: crate::index::SparseIndex,
     pub positions: crate::index::DenseIndex,
+    /// Readers currently positioned in this segment (their pages must not be released).
+    pub users: std::sync::atomic::AtomicUsize,
 }
 
 impl Segment {
@@ -144,6 +146,7 @@ impl Segment {
                 map,
                 tail: AtomicU64::new(pack(HEADER_LEN, 0)),
                 index: crate::index::SparseIndex::ready(Vec::new()),
+                users: Default::default(),
                 positions: {
                     let positions = crate::index::DenseIndex::new(len as usize);
                     positions.mark_built();
@@ -199,7 +202,8 @@ impl Segment {
         let tail = AtomicU64::new(pack(HEADER_LEN, 0));
         let index = crate::index::SparseIndex::default();
         let positions = crate::index::DenseIndex::new(len as usize);
-        Ok((Segment { base, path: path.to_path_buf(), file, map, tail, index, positions }, header))
+        let users = Default::default();
+        Ok((Segment { base, path: path.to_path_buf(), file, map, tail, index, positions, users }, header))
     }
 
     /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last

@@ -1,0 +1,55 @@
+//! Bounded memory: reading a log ten times larger than the resident budget keeps the process's
+//! file-backed resident memory within the budget plus a small constant. Its own test binary, so
+//! no other test's mappings are counted.
+
+use petrel_log::{Log, Options};
+
+/// RssFile from /proc/self/status: resident pages of file mappings, in bytes.
+fn rss_file() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssFile:"))
+        .map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap())
+        .unwrap();
+    kb * 1024
+}
+
+#[test]
+fn reading_a_log_ten_times_the_budget_stays_within_it() {
+    const SEGMENT: u64 = 1 << 20;
+    const BUDGET: u64 = 4 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options { segment_bytes: SEGMENT, max_resident_bytes: BUDGET, ..Options::default() };
+    let baseline = rss_file();
+    let mut log = Log::open(dir.path(), opts.clone()).unwrap();
+    let payload = vec![7u8; 1000];
+    for _ in 0..42_000 {
+        log.append(&payload).unwrap();
+    }
+    let after_write = rss_file().saturating_sub(baseline);
+    drop(log);
+
+    let log = Log::open(dir.path(), opts).unwrap();
+    assert!(log.stats().segments >= 40, "a log of 40 segments, ten times the budget");
+    let mut reader = log.reader();
+    let mut peak = 0;
+    let mut n = 0u64;
+    loop {
+        let batch = reader.read_batch(256).unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        n += batch.len() as u64;
+        for r in batch {
+            assert_eq!(r.payload.len(), 1000);
+        }
+        peak = peak.max(rss_file().saturating_sub(baseline));
+    }
+    assert_eq!(n, 42_000);
+    // Budget, plus the active segment (prefaulted whole), plus slack for the segment being read.
+    let limit = BUDGET + 3 * SEGMENT;
+    eprintln!("file-backed RSS above baseline: after writing {after_write} B, reading peak {peak} B, limit {limit} B");
+    assert!(after_write <= limit, "writing kept {after_write} B resident");
+    assert!(peak <= limit, "reading kept {peak} B resident");
+}
