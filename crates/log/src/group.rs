@@ -175,17 +175,17 @@ struct CursorFile {
 
 impl CursorFile {
     /// Writes the cursor (a memory write into the mapped file) and syncs it as the policy says.
-    fn persist(&mut self, committed: u64, acked: &VecDeque<bool>, acked_above: usize) -> Result<()> {
-        if acked_above == 0 {
+    /// `acked_above`: the acknowledged offsets above `committed`, ascending; `count` of them.
+    fn persist(&mut self, committed: u64, acked_above: impl Iterator<Item = u64>, count: usize) -> Result<()> {
+        if count == 0 {
             self.bitmap.clear();
         } else {
-            let flags = acked.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| committed + i as u64);
-            cursor::bitmap(committed, flags, &mut self.bitmap);
+            cursor::bitmap(committed, acked_above, &mut self.bitmap);
         }
         self.seq += 1;
         cursor::write(&mut self.map, self.seq, committed, &self.bitmap);
         self.entry.committed.store(committed, Ordering::Release);
-        self.entry.acked_above.store(acked_above as u64, Ordering::Relaxed);
+        self.entry.acked_above.store(count as u64, Ordering::Relaxed);
         match (&self.durability, &self.syncer) {
             (Durability::Always, _) => self.sync(),
             (Durability::Interval(_), Some(syncer)) => syncer.mark_dirty(),
@@ -380,7 +380,7 @@ impl ConsumerGroup {
         if record.is_some() {
             self.next += 1;
             self.committed += 1;
-            self.cursor.persist(self.committed, &self.acked, 0)?;
+            self.cursor.persist(self.committed, std::iter::empty(), 0)?;
         }
         Ok(record)
     }
@@ -444,6 +444,7 @@ impl ConsumerGroup {
         self.acked_above += 1;
         self.redeliver.remove(&offset);
         self.advance_committed();
+        self.pass_acknowledged();
         self.persist()
     }
 
@@ -480,8 +481,13 @@ impl ConsumerGroup {
         }
     }
 
+    /// Writes the cursor: the committed offset and every acknowledgement above it — those of
+    /// this session and those from before a restart not yet passed.
     fn persist(&mut self) -> Result<()> {
-        self.cursor.persist(self.committed, &self.acked, self.acked_above)
+        let committed = self.committed;
+        let this_session = self.acked.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| committed + i as u64);
+        let acked_above = this_session.chain(self.skip.iter().copied());
+        self.cursor.persist(committed, acked_above, self.acked_above + self.skip.len())
     }
 }
 
