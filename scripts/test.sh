@@ -14,3 +14,8 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "== tests"
 cargo test --workspace --locked
+
+echo "== examples"
+for example in queue consumer_groups message_store; do
+  cargo run -q --locked -p petrel-log --example "$example" > /dev/null
+done
