@@ -9,8 +9,11 @@ use petrel_log::{Durability, GroupOptions, Log, Options, SeekTo};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
-    let log = Log::open(dir.path(), Options { durability: Durability::Interval(Duration::from_millis(5)), ..Options::default() })?
-        .into_shared();
+    let log = Log::open(
+        dir.path(),
+        Options { durability: Durability::Interval(Duration::from_millis(5)), ..Options::default() },
+    )?
+    .into_shared();
 
     // A producer thread; consumers are woken as records arrive (no polling loop spins).
     let producer = {

@@ -78,6 +78,11 @@ impl SparseIndex {
         i.checked_sub(1).map(|i| entries[i])
     }
 
+    /// Forgets the entries (a sealed segment giving back memory); `ensure_index` reloads them.
+    pub(crate) fn unload(&self) {
+        *self.entries.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
     /// Drops entries for records at or after `offset` (a batch that was not published).
     pub(crate) fn truncate_from(&self, offset: u64) {
         if let Some(entries) = self.entries.write().unwrap_or_else(|e| e.into_inner()).as_mut() {

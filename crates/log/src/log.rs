@@ -331,6 +331,8 @@ pub struct Log {
     clock: Clock,
     /// The next frame starting at or after this position gets an index entry.
     next_index_pos: usize,
+    /// The active segment's dense position index, filled as records are written.
+    positions: Arc<crate::index::DenseIndex>,
     /// When the writer passes this position, it asks for the pages ahead to be faulted in.
     prefault_trigger: usize,
     prefaulter: Prefaulter,
@@ -376,7 +378,7 @@ impl Log {
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
         active.index.set(crate::index::build(active.map.published().from(HEADER_LEN), active.base));
-        active.positions.build_once(active.map.published().from(HEADER_LEN));
+        let positions = active.positions();
 
         let cursors = crate::group::load_all(&dir)?;
         let shared = Shared::new(dir, options, segments, next_offset, cursors);
@@ -400,6 +402,7 @@ impl Log {
             clock: Clock::default(),
             prefault_trigger: pos,
             next_index_pos,
+            positions,
             prefaulter: Prefaulter::start().map_err(io_err("spawn prefault thread", PathBuf::new()))?,
             report,
             interval_thread,
@@ -622,7 +625,7 @@ impl Log {
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
         frame::encode(buf, len, offset, timestamp, input);
-        self.active.positions.set((offset - self.active.base) as usize, self.pos);
+        self.positions.set((offset - self.active.base) as usize, self.pos);
         if self.pos >= self.next_index_pos {
             self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });
             self.next_index_pos = self.pos + crate::index::INDEX_STEP;
@@ -678,6 +681,7 @@ impl Log {
         self.shared.resident.touch(&self.active, self.shared.options.max_resident_bytes);
         let next = Arc::new(next);
         let writer = next.map.writer().expect("a new mapping has its writer");
+        self.positions = next.positions();
         // Readers look for the next segment only after reaching the old one's published end,
         // which is final by now (see Reader::advance).
         self.shared.segments.write().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(&next));

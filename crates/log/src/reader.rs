@@ -15,6 +15,8 @@ pub struct Reader {
     shared: Arc<Shared>,
     /// Segment holding `next`, once located.
     seg: Option<Arc<Segment>>,
+    /// The dense position index of `seg`, once a seek needed it.
+    positions: Option<Arc<crate::index::DenseIndex>>,
     /// Base offset of the segment after `seg` when it was located (`u64::MAX` if none).
     seg_end: u64,
     /// Position of record `next` in `seg`.
@@ -25,7 +27,7 @@ pub struct Reader {
 impl Reader {
     pub(crate) fn new(shared: Arc<Shared>) -> Reader {
         let next = shared.first_offset();
-        Reader { shared, seg: None, seg_end: u64::MAX, pos: 0, next }
+        Reader { shared, seg: None, positions: None, seg_end: u64::MAX, pos: 0, next }
     }
 
     /// Offset of the record the next read returns.
@@ -54,7 +56,7 @@ impl Reader {
         if let Some(seg) = &self.seg
             && offset >= seg.base
             && offset < self.seg_end
-            && let Some(pos) = seg.position_of(offset)
+            && let Some(pos) = self.positions.get_or_insert_with(|| seg.positions()).get((offset - seg.base) as usize)
         {
             self.pos = pos;
             return;
@@ -74,6 +76,7 @@ impl Reader {
     }
 
     fn leave(&mut self) {
+        self.positions = None;
         if let Some(seg) = self.seg.take() {
             seg.users.fetch_sub(1, Ordering::AcqRel);
         }

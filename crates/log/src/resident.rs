@@ -1,6 +1,6 @@
 //! Bounded memory: sealed segments whose pages may be resident are kept in a least-recently-used
 //! list, and when their total size passes the budget, the least recently used ones that no reader
-//! is in give their pages back (`Mapping::release_pages`). The active segment is never counted or
+//! is in give their pages and in-memory indexes back (`Segment::release`). The active segment is never counted or
 //! released. Segments stay mapped (address space is cheap); only resident memory is bounded.
 
 use std::collections::VecDeque;
@@ -42,7 +42,7 @@ impl Resident {
                     state.bytes = recount(&state.lru);
                 }
                 Some(s) if s.users.load(Ordering::Acquire) == 0 && !Arc::ptr_eq(&s, seg) => {
-                    s.map.release_pages();
+                    s.release();
                     state.bytes -= s.map.len() as u64;
                     state.lru.remove(i);
                 }

@@ -103,7 +103,9 @@ pub(crate) struct Segment {
     /// bits), stored together so a sync can checkpoint a consistent pair.
     tail: AtomicU64,
     pub index: crate::index::SparseIndex,
-    pub positions: crate::index::DenseIndex,
+    /// Dense position index; dropped with the pages when the segment is released, and rebuilt
+    /// by the next random read.
+    positions: std::sync::Mutex<Option<Arc<crate::index::DenseIndex>>>,
     /// Readers currently positioned in this segment (their pages must not be released).
     pub users: std::sync::atomic::AtomicUsize,
 }
@@ -150,7 +152,7 @@ impl Segment {
                 positions: {
                     let positions = crate::index::DenseIndex::new(len as usize);
                     positions.mark_built();
-                    positions
+                    std::sync::Mutex::new(Some(Arc::new(positions)))
                 },
             }),
             Err(e) => {
@@ -201,7 +203,7 @@ impl Segment {
         let map = Arc::new(map.map_err(io_err("map segment", path))?);
         let tail = AtomicU64::new(pack(HEADER_LEN, 0));
         let index = crate::index::SparseIndex::default();
-        let positions = crate::index::DenseIndex::new(len as usize);
+        let positions = Default::default();
         let users = Default::default();
         Ok((Segment { base, path: path.to_path_buf(), file, map, tail, index, positions, users }, header))
     }
@@ -210,7 +212,7 @@ impl Segment {
     /// segment opened by an offline tool, whose torn tail must stay hidden.
     pub(crate) fn read_only_until(self, end: usize, records: u64) -> Result<Segment> {
         let map = Mapping::new_read_only(&self.file, self.map.len(), end).map_err(io_err("map segment", &self.path))?;
-        let seg = Segment { map: Arc::new(map), positions: crate::index::DenseIndex::new(self.map.len()), ..self };
+        let seg = Segment { map: Arc::new(map), positions: Default::default(), ..self };
         seg.set_tail(end, records);
         Ok(seg)
     }
@@ -233,15 +235,27 @@ impl Segment {
         self.index.set(entries);
     }
 
-    /// Position of record `offset`, from the dense index (built on first use).
-    #[inline]
+    /// The dense position index, built on first use by a walk over the frame headers.
+    pub(crate) fn positions(&self) -> Arc<crate::index::DenseIndex> {
+        let positions = {
+            let mut slot = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+            Arc::clone(slot.get_or_insert_with(|| Arc::new(crate::index::DenseIndex::new(self.map.len()))))
+        };
+        positions.build_once(self.map.published().from(HEADER_LEN));
+        positions
+    }
+
+    /// Position of record `offset`, from the dense index.
     pub(crate) fn position_of(&self, offset: u64) -> Option<usize> {
-        let i = offset.checked_sub(self.base)? as usize;
-        if let Some(pos) = self.positions.get(i) {
-            return Some(pos);
-        }
-        self.positions.build_once(self.map.published().from(HEADER_LEN));
-        self.positions.get(i)
+        self.positions().get(offset.checked_sub(self.base)? as usize)
+    }
+
+    /// Gives back what a sealed segment holds in memory: its resident pages and its indexes
+    /// (all rebuilt or reloaded on the next use).
+    pub(crate) fn release(&self) {
+        self.map.release_pages();
+        *self.positions.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.index.unload();
     }
 
     /// The published end position and the number of records before it.

@@ -4,15 +4,20 @@
 
 use petrel_log::{Log, Options};
 
-/// RssFile from /proc/self/status: resident pages of file mappings, in bytes.
-fn rss_file() -> u64 {
+/// A field of /proc/self/status, in bytes.
+fn status(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let kb: u64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("RssFile:"))
+        .find_map(|l| l.strip_prefix(field))
         .map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap())
         .unwrap();
     kb * 1024
+}
+
+/// Resident pages of file mappings.
+fn rss_file() -> u64 {
+    status("RssFile:")
 }
 
 #[test]
@@ -52,4 +57,26 @@ fn reading_a_log_ten_times_the_budget_stays_within_it() {
     eprintln!("file-backed RSS above baseline: after writing {after_write} B, reading peak {peak} B, limit {limit} B");
     assert!(after_write <= limit, "writing kept {after_write} B resident");
     assert!(peak <= limit, "reading kept {peak} B resident");
+
+    // Random reads all over the log build per-segment position indexes (a 256 KiB chunk each);
+    // segments that give their pages back drop those too, so anonymous memory stays bounded.
+    drop(reader);
+    let anon_before = status("RssAnon:");
+    let mut reader = log.reader();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut file_peak = 0;
+    for i in 0..2_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let offset = x % 42_000;
+        assert_eq!(reader.get(offset).unwrap().unwrap().offset, offset);
+        if i % 50 == 0 {
+            file_peak = file_peak.max(rss_file().saturating_sub(baseline));
+        }
+    }
+    let anon_growth = status("RssAnon:").saturating_sub(anon_before);
+    eprintln!("random reads: file-backed peak {file_peak} B, anonymous growth {anon_growth} B");
+    assert!(file_peak <= limit, "random reads kept {file_peak} B resident");
+    assert!(anon_growth < 4 << 20, "indexes of released segments must go: grew {anon_growth} B");
 }
