@@ -321,12 +321,12 @@ impl ConsumerGroup {
     /// Fails with `TooManyPending` when `max_pending` records are delivered and unacknowledged.
     pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Batch<'_>> {
         self.shared.check_poison()?;
+        self.catch_up_with_retention()?;
         if let Some(offset) = self.redeliver.pop_first() {
             self.redelivery.seek(offset);
             return self.redelivery.read_batch(1);
         }
         let deadline = Instant::now() + timeout;
-        self.catch_up_with_retention()?;
         loop {
             self.pass_acknowledged();
             let pending = (self.next - self.committed) as usize;

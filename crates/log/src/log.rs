@@ -380,7 +380,14 @@ impl Log {
         active.index.set(crate::index::build(active.map.published().from(HEADER_LEN), active.base));
         let positions = active.positions();
 
-        let cursors = crate::group::load_all(&dir)?;
+        let mut cursors = crate::group::load_all(&dir)?;
+        for (name, state) in cursors.iter_mut().filter(|(_, s)| s.committed > next_offset) {
+            // The log was cut back (`petrel log repair`) past where this group stood: records
+            // appended from now on reuse those offsets and must reach the group.
+            tracing::warn!(group = %name, committed = state.committed, end = next_offset, "group moved back to the end of the log");
+            *state = crate::cursor::CursorState { committed: next_offset, acked_above: vec![] };
+            crate::group::create_cursor(&dir, name, state, durable)?;
+        }
         let shared = Shared::new(dir, options, segments, next_offset, cursors);
         // Whatever recovery kept was written before the crash; make it durable now if the
         // policy asks for durability, so the checkpoint covers it.

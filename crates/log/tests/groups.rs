@@ -261,3 +261,24 @@ fn the_queue_api_dequeues_in_order_and_remembers_across_reopens() {
     }
     assert_eq!((n, q.len()), (7, 0));
 }
+
+#[test]
+fn a_group_past_the_end_of_a_repaired_log_sees_new_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 10);
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    while g.take(NOW).unwrap().is_some() {}
+    assert_eq!(g.committed(), 10);
+    drop((g, log));
+    // Cut the log back to 4 records, as `petrel log repair` would after damage at record 4.
+    let seg = dir.path().join("00000000000000000000.log");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let at = bytes.windows(2).position(|w| w == b"r4").unwrap();
+    bytes[at] ^= 1;
+    std::fs::write(&seg, bytes).unwrap();
+    assert_eq!(petrel_log::verify::repair(dir.path()).unwrap().next_offset, 4);
+    let mut log = log_with(dir.path(), 0);
+    log.append(b"after repair").unwrap();
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(g.take(NOW).unwrap().unwrap().payload, b"after repair");
+}
