@@ -1,0 +1,229 @@
+//! The message every destination carries, and the response statuses.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::DecodeError;
+use crate::wire::{Reader, Writer};
+
+/// Why a request succeeded or not. One byte on the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+#[repr(u8)]
+pub enum Status {
+    #[default]
+    Ok = 0,
+    BadRequest = 1,
+    ServerError = 2,
+    HandlerError = 3,
+    QueueNotFound = 4,
+    QueueEmpty = 5,
+    QueueFull = 6,
+    TopicNotFound = 7,
+    FunctionNotFound = 8,
+    Unauthorized = 9,
+    Forbidden = 10,
+    TooLarge = 11,
+    Timeout = 12,
+    Unsupported = 13,
+    Exists = 14,
+}
+
+impl Status {
+    pub fn from_u8(v: u8) -> Result<Status, DecodeError> {
+        use Status::*;
+        let status = match v {
+            0 => Ok,
+            1 => BadRequest,
+            2 => ServerError,
+            3 => HandlerError,
+            4 => QueueNotFound,
+            5 => QueueEmpty,
+            6 => QueueFull,
+            7 => TopicNotFound,
+            8 => FunctionNotFound,
+            9 => Unauthorized,
+            10 => Forbidden,
+            11 => TooLarge,
+            12 => Timeout,
+            13 => Unsupported,
+            14 => Exists,
+            _ => return Err(DecodeError::BadValue("status")),
+        };
+        Result::Ok(status)
+    }
+
+    pub fn name(self) -> &'static str {
+        use Status::*;
+        match self {
+            Ok => "OK",
+            BadRequest => "BAD_REQUEST",
+            ServerError => "SERVER_ERROR",
+            HandlerError => "HANDLER_ERROR",
+            QueueNotFound => "QUEUE_NOT_FOUND",
+            QueueEmpty => "QUEUE_EMPTY",
+            QueueFull => "QUEUE_FULL",
+            TopicNotFound => "TOPIC_NOT_FOUND",
+            FunctionNotFound => "FUNCTION_NOT_FOUND",
+            Unauthorized => "UNAUTHORIZED",
+            Forbidden => "FORBIDDEN",
+            TooLarge => "TOO_LARGE",
+            Timeout => "TIMEOUT",
+            Unsupported => "UNSUPPORTED",
+            Exists => "EXISTS",
+        }
+    }
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a message is for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[repr(u8)]
+pub enum MessageKind {
+    #[default]
+    Message = 0,
+    Request = 1,
+    Reply = 2,
+    Oneway = 3,
+}
+
+impl MessageKind {
+    fn from_u8(v: u8) -> Result<MessageKind, DecodeError> {
+        Ok(match v {
+            0 => MessageKind::Message,
+            1 => MessageKind::Request,
+            2 => MessageKind::Reply,
+            3 => MessageKind::Oneway,
+            _ => return Err(DecodeError::BadValue("message kind")),
+        })
+    }
+}
+
+/// A message. Strings are empty when unset; times are nanoseconds since the Unix epoch, 0 when
+/// unset (`timestamp` is set by the server when the message is accepted).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Message {
+    /// Assigned by the server; 0 from clients.
+    pub id: u64,
+    pub kind: MessageKind,
+    /// For replies: how the request went.
+    pub status: Status,
+    pub durable: bool,
+    pub timestamp: u64,
+    pub expires_at: u64,
+    pub request_id: String,
+    pub subject: String,
+    pub destination: String,
+    pub reply_to: String,
+    pub mimetype: String,
+    pub charset: String,
+    #[serde(with = "crate::hex::headers")]
+    pub headers: Vec<(String, Bytes)>,
+    #[serde(with = "crate::hex::bytes")]
+    pub payload: Bytes,
+}
+
+/// Fewest bytes an encoded message takes (all strings and the payload empty).
+pub(crate) const MESSAGE_MIN_LEN: usize = 8 + 4 + 8 + 8 + 6 * 2 + 2 + 4;
+
+const FLAG_DURABLE: u8 = 1;
+
+impl Message {
+    pub fn new(payload: impl Into<Bytes>) -> Message {
+        Message { payload: payload.into(), ..Message::default() }
+    }
+
+    /// Bytes this message takes on the wire.
+    pub fn encoded_len(&self) -> usize {
+        MESSAGE_MIN_LEN
+            + [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset]
+                .iter()
+                .map(|s| s.len())
+                .sum::<usize>()
+            + self.headers.iter().map(|(n, v)| 2 + n.len() + 4 + v.len()).sum::<usize>()
+            + self.payload.len()
+    }
+
+    /// Whether every field fits its length prefix.
+    pub(crate) fn check(&self) -> Result<(), crate::EncodeError> {
+        let strings =
+            [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset];
+        if strings.iter().any(|s| s.len() > u16::MAX as usize)
+            || self.headers.len() > u16::MAX as usize
+            || self.headers.iter().any(|(n, v)| n.len() > u16::MAX as usize || v.len() > u32::MAX as usize)
+            || self.payload.len() > u32::MAX as usize
+        {
+            return Err(crate::EncodeError::FieldTooLong);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn encode(&self, w: &mut Writer<'_>) {
+        w.u64(self.id);
+        w.u8(self.kind as u8);
+        w.u8(self.status as u8);
+        w.u8(if self.durable { FLAG_DURABLE } else { 0 });
+        w.u8(0);
+        w.u64(self.timestamp);
+        w.u64(self.expires_at);
+        for s in [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset] {
+            w.str(s);
+        }
+        w.u16(self.headers.len() as u16);
+        for (name, value) in &self.headers {
+            w.str(name);
+            w.bytes(value);
+        }
+        w.bytes(&self.payload);
+    }
+
+    pub(crate) fn decode(r: &mut Reader) -> Result<Message, DecodeError> {
+        let id = r.u64("message id")?;
+        let kind = MessageKind::from_u8(r.u8("message kind")?)?;
+        let status = Status::from_u8(r.u8("message status")?)?;
+        let flags = r.u8("message flags")?;
+        if flags & !FLAG_DURABLE != 0 {
+            return Err(DecodeError::BadValue("message flags"));
+        }
+        if r.u8("reserved")? != 0 {
+            return Err(DecodeError::BadValue("reserved byte"));
+        }
+        let timestamp = r.u64("timestamp")?;
+        let expires_at = r.u64("expires_at")?;
+        let request_id = r.str("request_id")?;
+        let subject = r.str("subject")?;
+        let destination = r.str("destination")?;
+        let reply_to = r.str("reply_to")?;
+        let mimetype = r.str("mimetype")?;
+        let charset = r.str("charset")?;
+        let count = r.u16("header count")? as usize;
+        let mut headers = Vec::with_capacity(count.min(64));
+        for _ in 0..count {
+            headers.push((r.str("header name")?, r.bytes("header value")?));
+        }
+        let payload = r.bytes("payload")?;
+        Ok(Message {
+            id,
+            kind,
+            status,
+            durable: flags & FLAG_DURABLE != 0,
+            timestamp,
+            expires_at,
+            request_id,
+            subject,
+            destination,
+            reply_to,
+            mimetype,
+            charset,
+            headers,
+            payload,
+        })
+    }
+}

@@ -1,0 +1,402 @@
+//! Requests and responses: what each opcode's body holds. Specified byte by byte in
+//! `docs/protocol.md`; `tests/vectors/` pins every shape.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::frame::{self, FrameKind};
+use crate::message::{MESSAGE_MIN_LEN, Message, Status};
+use crate::wire::{Reader, Writer};
+use crate::{DecodeError, EncodeError};
+
+pub mod opcode {
+    pub const HELLO: u16 = 0x0001;
+    pub const PING: u16 = 0x0002;
+    /// Reserved for authentication.
+    pub const AUTH: u16 = 0x0003;
+    pub const QUEUE_CREATE: u16 = 0x0100;
+    pub const QUEUE_REMOVE: u16 = 0x0101;
+    pub const QUEUE_LIST: u16 = 0x0102;
+    pub const QUEUE_STATUS: u16 = 0x0103;
+    pub const OFFER: u16 = 0x0110;
+    pub const POLL: u16 = 0x0111;
+    pub const ACK: u16 = 0x0112;
+    pub const ABORT: u16 = 0x0113;
+    // 0x02xx: topics, 0x03xx: functions (reserved).
+}
+
+/// How a queue behaves. Zero means "no limit" / "none" throughout.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct QueueConfig {
+    pub max_items: u64,
+    pub max_bytes: u64,
+    /// When full, drop the oldest message instead of refusing the new one.
+    pub circular: bool,
+    /// Kept on disk (a `petrel-log`), surviving restarts.
+    pub durable: bool,
+    /// Owned by the connection that created it and removed when it closes.
+    pub temporary: bool,
+    /// Messages expire this long after they are offered (unless they carry their own expiry).
+    pub ttl_ms: u64,
+    /// Expired messages move to this queue instead of vanishing.
+    pub dead_letter: String,
+}
+
+const FLAG_CIRCULAR: u8 = 1;
+const FLAG_DURABLE: u8 = 2;
+const FLAG_TEMPORARY: u8 = 4;
+
+impl QueueConfig {
+    fn encode(&self, w: &mut Writer<'_>) {
+        w.u64(self.max_items);
+        w.u64(self.max_bytes);
+        let mut flags = 0;
+        for (on, bit) in
+            [(self.circular, FLAG_CIRCULAR), (self.durable, FLAG_DURABLE), (self.temporary, FLAG_TEMPORARY)]
+        {
+            if on {
+                flags |= bit;
+            }
+        }
+        w.u8(flags);
+        w.u8(0);
+        w.u64(self.ttl_ms);
+        w.str(&self.dead_letter);
+    }
+
+    fn decode(r: &mut Reader) -> Result<QueueConfig, DecodeError> {
+        let max_items = r.u64("max_items")?;
+        let max_bytes = r.u64("max_bytes")?;
+        let flags = r.u8("queue flags")?;
+        if flags & !(FLAG_CIRCULAR | FLAG_DURABLE | FLAG_TEMPORARY) != 0 || r.u8("reserved")? != 0 {
+            return Err(DecodeError::BadValue("queue flags"));
+        }
+        Ok(QueueConfig {
+            max_items,
+            max_bytes,
+            circular: flags & FLAG_CIRCULAR != 0,
+            durable: flags & FLAG_DURABLE != 0,
+            temporary: flags & FLAG_TEMPORARY != 0,
+            ttl_ms: r.u64("ttl_ms")?,
+            dead_letter: r.str("dead_letter")?,
+        })
+    }
+}
+
+/// A queue's figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct QueueStats {
+    /// Messages waiting (not counting those taken tentatively).
+    pub items: u64,
+    pub bytes: u64,
+    /// Taken tentatively, not yet acknowledged.
+    pub in_flight: u64,
+    pub total_offered: u64,
+    pub total_polled: u64,
+    pub expired: u64,
+    /// Dropped by a circular queue to make room.
+    pub dropped: u64,
+    /// Pollers waiting for a message right now.
+    pub waiters: u64,
+    pub config: QueueConfig,
+}
+
+impl QueueStats {
+    fn encode(&self, w: &mut Writer<'_>) {
+        for v in [
+            self.items,
+            self.bytes,
+            self.in_flight,
+            self.total_offered,
+            self.total_polled,
+            self.expired,
+            self.dropped,
+            self.waiters,
+        ] {
+            w.u64(v);
+        }
+        self.config.encode(w);
+    }
+
+    fn decode(r: &mut Reader) -> Result<QueueStats, DecodeError> {
+        Ok(QueueStats {
+            items: r.u64("items")?,
+            bytes: r.u64("bytes")?,
+            in_flight: r.u64("in_flight")?,
+            total_offered: r.u64("total_offered")?,
+            total_polled: r.u64("total_polled")?,
+            expired: r.u64("expired")?,
+            dropped: r.u64("dropped")?,
+            waiters: r.u64("waiters")?,
+            config: QueueConfig::decode(r)?,
+        })
+    }
+}
+
+/// A message delivered by `Poll`, with the handle that acknowledges or aborts it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    /// 0 when the poll took the message for good (no visibility timeout).
+    pub handle: u64,
+    pub message: Message,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    Hello {
+        client: String,
+    },
+    Ping,
+    QueueCreate {
+        name: String,
+        config: QueueConfig,
+    },
+    QueueRemove {
+        name: String,
+    },
+    QueueList,
+    QueueStatus {
+        name: String,
+    },
+    /// Adds messages at the tail, all or none; waits up to `timeout_ms` for room in a full
+    /// bounded queue.
+    Offer {
+        queue: String,
+        timeout_ms: u32,
+        messages: Vec<Message>,
+    },
+    /// Takes up to `max` messages from the head, waiting up to `timeout_ms` for the first. With
+    /// `visibility_ms` > 0 they are taken tentatively: not acknowledged in time (or by a closed
+    /// connection) they go back to the head.
+    Poll {
+        queue: String,
+        max: u32,
+        timeout_ms: u32,
+        visibility_ms: u32,
+    },
+    Ack {
+        queue: String,
+        handles: Vec<u64>,
+    },
+    /// Returns tentatively taken messages to the head of the queue.
+    Abort {
+        queue: String,
+        handles: Vec<u64>,
+    },
+}
+
+impl Request {
+    pub fn opcode(&self) -> u16 {
+        use opcode::*;
+        match self {
+            Request::Hello { .. } => HELLO,
+            Request::Ping => PING,
+            Request::QueueCreate { .. } => QUEUE_CREATE,
+            Request::QueueRemove { .. } => QUEUE_REMOVE,
+            Request::QueueList => QUEUE_LIST,
+            Request::QueueStatus { .. } => QUEUE_STATUS,
+            Request::Offer { .. } => OFFER,
+            Request::Poll { .. } => POLL,
+            Request::Ack { .. } => ACK,
+            Request::Abort { .. } => ABORT,
+        }
+    }
+
+    /// Appends this request as a whole frame to `out`.
+    pub fn encode(&self, request_id: u64, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        if let Request::Offer { messages, .. } = self {
+            for m in messages {
+                m.check()?;
+            }
+        }
+        let at = frame::start(out, FrameKind::Request, self.opcode(), request_id);
+        let w = &mut Writer { out };
+        match self {
+            Request::Hello { client } => w.str(client),
+            Request::Ping | Request::QueueList => {}
+            Request::QueueCreate { name, config } => {
+                w.str(name);
+                config.encode(w);
+            }
+            Request::QueueRemove { name } | Request::QueueStatus { name } => w.str(name),
+            Request::Offer { queue, timeout_ms, messages } => {
+                w.str(queue);
+                w.u32(*timeout_ms);
+                w.u32(messages.len() as u32);
+                for m in messages {
+                    m.encode(w);
+                }
+            }
+            Request::Poll { queue, max, timeout_ms, visibility_ms } => {
+                w.str(queue);
+                w.u32(*max);
+                w.u32(*timeout_ms);
+                w.u32(*visibility_ms);
+            }
+            Request::Ack { queue, handles } | Request::Abort { queue, handles } => {
+                w.str(queue);
+                w.u32(handles.len() as u32);
+                for h in handles {
+                    w.u64(*h);
+                }
+            }
+        }
+        frame::finish(out, at);
+        Ok(())
+    }
+
+    /// Decodes a request body. An unknown opcode is `DecodeError::UnknownOpcode`.
+    pub fn decode(opcode: u16, body: Bytes) -> Result<Request, DecodeError> {
+        use opcode::*;
+        let mut r = Reader::new(body);
+        let request = match opcode {
+            HELLO => Request::Hello { client: r.str("client")? },
+            PING => Request::Ping,
+            QUEUE_CREATE => Request::QueueCreate { name: r.str("name")?, config: QueueConfig::decode(&mut r)? },
+            QUEUE_REMOVE => Request::QueueRemove { name: r.str("name")? },
+            QUEUE_LIST => Request::QueueList,
+            QUEUE_STATUS => Request::QueueStatus { name: r.str("name")? },
+            OFFER => {
+                let queue = r.str("queue")?;
+                let timeout_ms = r.u32("timeout_ms")?;
+                let n = r.count(MESSAGE_MIN_LEN, "message count")?;
+                let messages = (0..n).map(|_| Message::decode(&mut r)).collect::<Result<_, _>>()?;
+                Request::Offer { queue, timeout_ms, messages }
+            }
+            POLL => Request::Poll {
+                queue: r.str("queue")?,
+                max: r.u32("max")?,
+                timeout_ms: r.u32("timeout_ms")?,
+                visibility_ms: r.u32("visibility_ms")?,
+            },
+            ACK | ABORT => {
+                let queue = r.str("queue")?;
+                let n = r.count(8, "handle count")?;
+                let handles = (0..n).map(|_| r.u64("handle")).collect::<Result<_, _>>()?;
+                if opcode == ACK { Request::Ack { queue, handles } } else { Request::Abort { queue, handles } }
+            }
+            other => return Err(DecodeError::UnknownOpcode(other)),
+        };
+        r.finish()?;
+        Ok(request)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Response {
+    /// Any request that did not succeed: a status other than OK and a short reason.
+    Error {
+        status: Status,
+        message: String,
+    },
+    Hello {
+        server: String,
+        max_frame: u32,
+    },
+    Pong,
+    /// Success with nothing to say (create, remove).
+    Done,
+    QueueList {
+        names: Vec<String>,
+    },
+    QueueStatus {
+        stats: QueueStats,
+    },
+    Offered {
+        first_id: u64,
+        count: u32,
+    },
+    Polled {
+        deliveries: Vec<Delivery>,
+    },
+    /// How many handles were acknowledged (or aborted) — unknown or expired ones are not counted.
+    Acked {
+        count: u32,
+    },
+}
+
+impl Response {
+    pub fn error(status: Status, message: impl Into<String>) -> Response {
+        Response::Error { status, message: message.into() }
+    }
+
+    /// Appends this response to the request `opcode`/`request_id` as a whole frame to `out`.
+    pub fn encode(&self, opcode: u16, request_id: u64, out: &mut Vec<u8>) {
+        let at = frame::start(out, FrameKind::Response, opcode, request_id);
+        let w = &mut Writer { out };
+        match self {
+            Response::Error { status, message } => {
+                w.u8(*status as u8);
+                w.str(&message[..message.len().min(u16::MAX as usize)]);
+            }
+            ok => {
+                w.u8(Status::Ok as u8);
+                match ok {
+                    Response::Error { .. } => unreachable!(),
+                    Response::Hello { server, max_frame } => {
+                        w.str(server);
+                        w.u32(*max_frame);
+                    }
+                    Response::Pong | Response::Done => {}
+                    Response::QueueList { names } => {
+                        w.u32(names.len() as u32);
+                        for n in names {
+                            w.str(n);
+                        }
+                    }
+                    Response::QueueStatus { stats } => stats.encode(w),
+                    Response::Offered { first_id, count } => {
+                        w.u64(*first_id);
+                        w.u32(*count);
+                    }
+                    Response::Polled { deliveries } => {
+                        w.u32(deliveries.len() as u32);
+                        for d in deliveries {
+                            w.u64(d.handle);
+                            d.message.encode(w);
+                        }
+                    }
+                    Response::Acked { count } => w.u32(*count),
+                }
+            }
+        }
+        frame::finish(out, at);
+    }
+
+    /// Decodes the response to a request with `opcode`.
+    pub fn decode(opcode: u16, body: Bytes) -> Result<Response, DecodeError> {
+        use opcode::*;
+        let mut r = Reader::new(body);
+        let status = Status::from_u8(r.u8("status")?)?;
+        let response = if status != Status::Ok {
+            Response::Error { status, message: r.str("error message")? }
+        } else {
+            match opcode {
+                HELLO => Response::Hello { server: r.str("server")?, max_frame: r.u32("max_frame")? },
+                PING => Response::Pong,
+                QUEUE_CREATE | QUEUE_REMOVE => Response::Done,
+                QUEUE_LIST => {
+                    let n = r.count(2, "name count")?;
+                    Response::QueueList { names: (0..n).map(|_| r.str("name")).collect::<Result<_, _>>()? }
+                }
+                QUEUE_STATUS => Response::QueueStatus { stats: QueueStats::decode(&mut r)? },
+                OFFER => Response::Offered { first_id: r.u64("first_id")?, count: r.u32("count")? },
+                POLL => {
+                    let n = r.count(8 + MESSAGE_MIN_LEN, "delivery count")?;
+                    let deliveries = (0..n)
+                        .map(|_| Ok(Delivery { handle: r.u64("handle")?, message: Message::decode(&mut r)? }))
+                        .collect::<Result<_, DecodeError>>()?;
+                    Response::Polled { deliveries }
+                }
+                ACK | ABORT => Response::Acked { count: r.u32("count")? },
+                other => return Err(DecodeError::UnknownOpcode(other)),
+            }
+        };
+        r.finish()?;
+        Ok(response)
+    }
+}

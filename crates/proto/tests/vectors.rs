@@ -1,0 +1,291 @@
+//! The test vectors in `tests/vectors/*.json` are the protocol's contract: bytes and their
+//! meaning. Every vector must decode to its meaning and its meaning must encode to its bytes.
+//!
+//! To regenerate the files after a deliberate protocol change (and a version bump):
+//! `PETREL_BLESS_VECTORS=1 cargo test -p petrel-proto --test vectors`.
+
+use std::path::PathBuf;
+
+use bytes::{Bytes, BytesMut};
+use petrel_proto::{
+    Delivery, FrameKind, Message, MessageKind, QueueConfig, QueueStats, Request, Response, Status, frame, hex, opcode,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+struct Vector {
+    name: String,
+    description: String,
+    kind: FrameKind,
+    opcode: u16,
+    request_id: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request: Option<Request>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response: Option<Response>,
+    hex: String,
+}
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/vectors")
+}
+
+fn full_message() -> Message {
+    Message {
+        id: 0,
+        kind: MessageKind::Request,
+        status: Status::Ok,
+        durable: true,
+        timestamp: 0,
+        expires_at: 1_700_000_060_000_000_000,
+        request_id: "req-1".into(),
+        subject: "coffee".into(),
+        destination: "orders".into(),
+        reply_to: "tmp.42".into(),
+        mimetype: "text/plain".into(),
+        charset: "UTF-8".into(),
+        headers: vec![("priority".into(), Bytes::from_static(b"high"))],
+        payload: Bytes::from_static(b"espresso"),
+    }
+}
+
+fn request(name: &str, description: &str, id: u64, r: Request) -> Vector {
+    let mut out = Vec::new();
+    r.encode(id, &mut out).unwrap();
+    Vector {
+        name: name.into(),
+        description: description.into(),
+        kind: FrameKind::Request,
+        opcode: r.opcode(),
+        request_id: id,
+        request: Some(r),
+        response: None,
+        hex: hex::encode(&out),
+    }
+}
+
+fn response(name: &str, description: &str, op: u16, id: u64, r: Response) -> Vector {
+    let mut out = Vec::new();
+    r.encode(op, id, &mut out);
+    Vector {
+        name: name.into(),
+        description: description.into(),
+        kind: FrameKind::Response,
+        opcode: op,
+        request_id: id,
+        request: None,
+        response: Some(r),
+        hex: hex::encode(&out),
+    }
+}
+
+/// The cases the vector files are made from.
+fn cases() -> Vec<Vector> {
+    let q = |s: &str| s.to_string();
+    vec![
+        request("hello", "first request on a connection", 1, Request::Hello { client: q("petrel-client/0.1") }),
+        response(
+            "hello_ok",
+            "server name and its largest frame",
+            opcode::HELLO,
+            1,
+            Response::Hello { server: q("petrel/0.1.0"), max_frame: 16_842_752 },
+        ),
+        request("ping", "an empty body", 2, Request::Ping),
+        response("pong", "status OK, nothing else", opcode::PING, 2, Response::Pong),
+        request(
+            "queue_create_bounded_durable",
+            "a durable queue of at most 1000 messages with a 60 s TTL and a dead-letter queue",
+            3,
+            Request::QueueCreate {
+                name: q("orders"),
+                config: QueueConfig {
+                    max_items: 1000,
+                    max_bytes: 0,
+                    circular: false,
+                    durable: true,
+                    temporary: false,
+                    ttl_ms: 60_000,
+                    dead_letter: q("orders.dead"),
+                },
+            },
+        ),
+        response("queue_create_ok", "done", opcode::QUEUE_CREATE, 3, Response::Done),
+        response(
+            "queue_create_exists",
+            "an error: status and reason",
+            opcode::QUEUE_CREATE,
+            3,
+            Response::error(Status::Exists, "queue orders exists with another configuration"),
+        ),
+        request("queue_remove", "by name", 4, Request::QueueRemove { name: q("orders") }),
+        request("queue_list", "an empty body", 5, Request::QueueList),
+        response(
+            "queue_list_ok",
+            "a count, then names",
+            opcode::QUEUE_LIST,
+            5,
+            Response::QueueList { names: vec![q("orders"), q("tmp.42")] },
+        ),
+        request("queue_status", "by name", 6, Request::QueueStatus { name: q("orders") }),
+        response(
+            "queue_status_ok",
+            "eight counters, then the configuration",
+            opcode::QUEUE_STATUS,
+            6,
+            Response::QueueStatus {
+                stats: QueueStats {
+                    items: 3,
+                    bytes: 24,
+                    in_flight: 1,
+                    total_offered: 10,
+                    total_polled: 7,
+                    expired: 1,
+                    dropped: 0,
+                    waiters: 2,
+                    config: QueueConfig { max_items: 1000, ..QueueConfig::default() },
+                },
+            },
+        ),
+        request(
+            "offer_one_plain",
+            "one message with only a payload",
+            7,
+            Request::Offer { queue: q("orders"), timeout_ms: 0, messages: vec![Message::new(&b"hello"[..])] },
+        ),
+        request(
+            "offer_batch_full_fields",
+            "two messages, every field of the first set; waits up to 250 ms for room",
+            8,
+            Request::Offer {
+                queue: q("orders"),
+                timeout_ms: 250,
+                messages: vec![full_message(), Message::new(Bytes::new())],
+            },
+        ),
+        response(
+            "offered",
+            "ids of the accepted messages: first and count",
+            opcode::OFFER,
+            8,
+            Response::Offered { first_id: 41, count: 2 },
+        ),
+        response(
+            "offer_queue_full",
+            "a bounded queue stayed full",
+            opcode::OFFER,
+            8,
+            Response::error(Status::QueueFull, "orders is full (1000 messages)"),
+        ),
+        response(
+            "offer_too_large",
+            "the frame was over the limit; its request id is still answered",
+            opcode::OFFER,
+            9,
+            Response::error(Status::TooLarge, "frame of 20000000 bytes exceeds the limit of 16842752"),
+        ),
+        request(
+            "poll_tentative",
+            "up to 10 messages, wait 1 s, take them tentatively for 30 s",
+            10,
+            Request::Poll { queue: q("orders"), max: 10, timeout_ms: 1000, visibility_ms: 30_000 },
+        ),
+        response(
+            "polled",
+            "a count, then handle and message for each",
+            opcode::POLL,
+            10,
+            Response::Polled {
+                deliveries: vec![Delivery {
+                    handle: 7,
+                    message: Message {
+                        id: 41,
+                        timestamp: 1_700_000_000_000_000_000,
+                        destination: q("orders"),
+                        payload: Bytes::from_static(b"hello"),
+                        ..Message::default()
+                    },
+                }],
+            },
+        ),
+        response(
+            "poll_empty",
+            "nothing arrived before the timeout",
+            opcode::POLL,
+            10,
+            Response::error(Status::QueueEmpty, ""),
+        ),
+        response(
+            "poll_not_found",
+            "no such queue",
+            opcode::POLL,
+            10,
+            Response::error(Status::QueueNotFound, "no queue named orderz"),
+        ),
+        request(
+            "ack",
+            "acknowledge two tentative deliveries",
+            11,
+            Request::Ack { queue: q("orders"), handles: vec![7, 8] },
+        ),
+        response("acked", "how many handles were acknowledged", opcode::ACK, 11, Response::Acked { count: 2 }),
+        request(
+            "abort",
+            "return a tentative delivery to the head",
+            12,
+            Request::Abort { queue: q("orders"), handles: vec![8] },
+        ),
+        response(
+            "unsupported_opcode",
+            "the answer to an opcode the server does not know",
+            0x0777,
+            13,
+            Response::error(Status::Unsupported, "unknown opcode 0x0777"),
+        ),
+    ]
+}
+
+#[test]
+fn vectors_decode_to_their_meaning_and_back() {
+    if std::env::var_os("PETREL_BLESS_VECTORS").is_some() {
+        std::fs::create_dir_all(dir()).unwrap();
+        for v in cases() {
+            let json = serde_json::to_string_pretty(&v).unwrap();
+            std::fs::write(dir().join(format!("{}.json", v.name)), json + "\n").unwrap();
+        }
+    }
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir()).unwrap() {
+        let path = entry.unwrap().path();
+        let v: Vector = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let bytes = hex::decode(&v.hex).unwrap();
+        let mut buf = BytesMut::from(&bytes[..]);
+        let f = frame::decode(&mut buf, u32::MAX).unwrap().expect("a whole frame");
+        assert!(buf.is_empty(), "{}: one frame exactly", v.name);
+        assert_eq!((f.kind, f.opcode, f.request_id), (v.kind, v.opcode, v.request_id), "{}", v.name);
+        let mut again = Vec::new();
+        match (&v.request, &v.response) {
+            (Some(r), None) => {
+                assert_eq!(&Request::decode(f.opcode, f.body).unwrap(), r, "{}: decode", v.name);
+                r.encode(v.request_id, &mut again).unwrap();
+            }
+            (None, Some(r)) => {
+                assert_eq!(&Response::decode(f.opcode, f.body).unwrap(), r, "{}: decode", v.name);
+                r.encode(v.opcode, v.request_id, &mut again);
+            }
+            _ => panic!("{}: a vector holds a request or a response", v.name),
+        }
+        assert_eq!(hex::encode(&again), v.hex, "{}: encode", v.name);
+        seen += 1;
+    }
+    assert_eq!(seen, cases().len(), "every case has its file (bless after adding one)");
+}
+
+#[test]
+fn every_vector_in_the_files_is_the_one_the_code_makes() {
+    for v in cases() {
+        let on_disk: Vector =
+            serde_json::from_str(&std::fs::read_to_string(dir().join(format!("{}.json", v.name))).unwrap()).unwrap();
+        assert_eq!(on_disk, v, "{}", v.name);
+    }
+}
