@@ -5,7 +5,7 @@ fn to_hex(b: &[u8]) -> String {
 }
 
 fn from_hex<E: serde::de::Error>(s: &str) -> Result<Vec<u8>, E> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return Err(E::custom("odd-length hex"));
     }
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(E::custom)).collect()
