@@ -1,0 +1,116 @@
+//! The broker's message: protocol-neutral (the native protocol and the memcache protocol both map
+//! onto it), and how a durable queue stores it as a `petrel-log` record.
+
+use bytes::Bytes;
+use petrel_log::{Input, Record};
+
+/// A message as the broker keeps it. Times are ns since the Unix epoch; 0 and "" mean unset.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Message {
+    /// Assigned when a queue accepts the message.
+    pub id: u64,
+    /// 0 message, 1 request, 2 reply, 3 oneway (the protocol's numbering).
+    pub kind: u8,
+    /// For replies.
+    pub status: u8,
+    pub timestamp: u64,
+    pub expires_at: u64,
+    pub request_id: String,
+    pub subject: String,
+    pub destination: String,
+    pub reply_to: String,
+    pub mimetype: String,
+    pub charset: String,
+    pub headers: Vec<(String, Bytes)>,
+    pub payload: Bytes,
+}
+
+impl Message {
+    pub fn new(payload: impl Into<Bytes>) -> Message {
+        Message { payload: payload.into(), ..Message::default() }
+    }
+
+    /// Bytes counted against a queue's `max_bytes`: the payload and header values.
+    pub fn size(&self) -> u64 {
+        (self.payload.len() + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
+    }
+
+    pub fn is_expired(&self, now: u64) -> bool {
+        self.expires_at != 0 && self.expires_at <= now
+    }
+}
+
+// A stored message is a log record: the payload is the payload, the timestamp is the log's, the
+// offset gives the id, and every other field that is set becomes a record header. Names are
+// short; user headers are prefixed with "h.".
+const KIND: &str = "k";
+const STATUS: &str = "st";
+const EXPIRES: &str = "x";
+const REQUEST_ID: &str = "r";
+const SUBJECT: &str = "s";
+const DESTINATION: &str = "d";
+const REPLY_TO: &str = "rt";
+const MIMETYPE: &str = "m";
+const CHARSET: &str = "c";
+const USER: &str = "h.";
+
+/// The record headers that store `m`'s fields (all but the payload, id and timestamp).
+pub(crate) fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
+    let mut out = Vec::new();
+    if m.kind != 0 {
+        out.push((KIND.into(), Bytes::copy_from_slice(&[m.kind])));
+    }
+    if m.status != 0 {
+        out.push((STATUS.into(), Bytes::copy_from_slice(&[m.status])));
+    }
+    if m.expires_at != 0 {
+        out.push((EXPIRES.into(), Bytes::copy_from_slice(&m.expires_at.to_be_bytes())));
+    }
+    for (name, value) in [
+        (REQUEST_ID, &m.request_id),
+        (SUBJECT, &m.subject),
+        (DESTINATION, &m.destination),
+        (REPLY_TO, &m.reply_to),
+        (MIMETYPE, &m.mimetype),
+        (CHARSET, &m.charset),
+    ] {
+        if !value.is_empty() {
+            out.push((name.into(), Bytes::copy_from_slice(value.as_bytes())));
+        }
+    }
+    for (name, value) in &m.headers {
+        out.push((format!("{USER}{name}"), value.clone()));
+    }
+    out
+}
+
+/// The log input for `m`, given its record headers as borrowed pairs.
+pub(crate) fn input<'a>(m: &'a Message, headers: &'a [(&'a str, &'a [u8])]) -> Input<'a> {
+    Input { key: None, headers, payload: &m.payload, timestamp: None }
+}
+
+/// The message stored in `r`; `id` is the queue's id for it.
+pub(crate) fn from_record(r: &Record<'_>, id: u64) -> Message {
+    let mut m =
+        Message { id, timestamp: r.timestamp, payload: Bytes::copy_from_slice(r.payload), ..Message::default() };
+    let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
+    for (name, value) in r.headers.iter() {
+        match name {
+            KIND => m.kind = value.first().copied().unwrap_or(0),
+            STATUS => m.status = value.first().copied().unwrap_or(0),
+            EXPIRES => m.expires_at = value.try_into().map(u64::from_be_bytes).unwrap_or(0),
+            REQUEST_ID => m.request_id = text(value),
+            SUBJECT => m.subject = text(value),
+            DESTINATION => m.destination = text(value),
+            REPLY_TO => m.reply_to = text(value),
+            MIMETYPE => m.mimetype = text(value),
+            CHARSET => m.charset = text(value),
+            other => {
+                if let Some(user) = other.strip_prefix(USER) {
+                    m.headers.push((user.to_owned(), Bytes::copy_from_slice(value)));
+                }
+            }
+        }
+    }
+    m
+}

@@ -1,0 +1,398 @@
+//! One queue: in memory or on a `petrel-log`, bounded or circular, with tentative reads that come
+//! back unless acknowledged, and expiry.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use petrel_log::{ConsumerGroup, GroupOptions, MAX_PENDING, SharedLog};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::message::{self, Message};
+use crate::{BrokerError, ConnId};
+
+/// How a queue behaves. Zero and "" mean "no limit" / "none".
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct QueueConfig {
+    pub max_items: u64,
+    pub max_bytes: u64,
+    /// When full, drop the oldest message to make room instead of refusing.
+    pub circular: bool,
+    pub durable: bool,
+    /// Removed when the connection that created it goes away.
+    pub temporary: bool,
+    pub ttl_ms: u64,
+    pub dead_letter: String,
+}
+
+/// A queue's figures.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QueueStats {
+    pub items: u64,
+    pub bytes: u64,
+    pub in_flight: u64,
+    pub total_offered: u64,
+    pub total_polled: u64,
+    pub expired: u64,
+    pub dropped: u64,
+    pub waiters: u64,
+}
+
+/// A delivered message; `handle` is 0 when it was taken for good.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    pub handle: u64,
+    pub message: Message,
+}
+
+/// What a poll gave, and the expired messages it stepped over (for the dead-letter queue).
+#[derive(Debug, Default)]
+pub struct Polled {
+    pub deliveries: Vec<Delivery>,
+    pub expired: Vec<Message>,
+}
+
+pub struct Queue {
+    pub name: String,
+    pub config: QueueConfig,
+    /// For temporary queues: the connection that owns it.
+    pub owner: Option<ConnId>,
+    inner: Mutex<Inner>,
+    /// Woken when messages may have become available.
+    pub available: Notify,
+    /// Woken when room may have become free.
+    pub room: Notify,
+}
+
+struct Inner {
+    store: Store,
+    in_flight: HashMap<u64, InFlight>,
+    bytes: u64,
+    counters: QueueStats,
+}
+
+enum Store {
+    Memory { ready: VecDeque<Message>, next_id: u64 },
+    Log { log: SharedLog, group: Box<ConsumerGroup> },
+}
+
+struct InFlight {
+    consumer: ConnId,
+    deadline: u64,
+    bytes: u64,
+    item: Taken,
+}
+
+enum Taken {
+    Memory(Message),
+    Log(u64),
+}
+
+const GROUP: &str = "broker";
+
+impl Queue {
+    pub(crate) fn in_memory(name: String, config: QueueConfig, owner: Option<ConnId>) -> Queue {
+        Queue::with_store(name, config, owner, Store::Memory { ready: VecDeque::new(), next_id: 1 }, 0)
+    }
+
+    /// A durable queue on `log`. Records not yet acknowledged by its group are the queue's
+    /// contents, including those taken tentatively before a restart.
+    pub(crate) fn on_log(name: String, config: QueueConfig, log: SharedLog) -> Result<Queue, BrokerError> {
+        let mut group = log.group(GROUP, GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
+        // Count what is waiting (bytes are not in the log's indexes).
+        let mut reader = log.reader();
+        reader.seek(group.committed());
+        let mut bytes = 0;
+        loop {
+            let batch = reader.read_batch(4096)?;
+            if batch.is_empty() {
+                break;
+            }
+            for r in batch {
+                bytes += message::from_record(&r, 0).size();
+            }
+        }
+        group.seek(petrel_log::SeekTo::Offset(group.committed()))?;
+        Ok(Queue::with_store(name, config, None, Store::Log { log, group: Box::new(group) }, bytes))
+    }
+
+    fn with_store(name: String, config: QueueConfig, owner: Option<ConnId>, store: Store, bytes: u64) -> Queue {
+        Queue {
+            name,
+            config,
+            owner,
+            inner: Mutex::new(Inner { store, in_flight: HashMap::new(), bytes, counters: QueueStats::default() }),
+            available: Notify::new(),
+            room: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds `messages` at the tail, all or none. Returns the first id and how many; dropped
+    /// oldest messages of a circular queue are counted.
+    pub fn offer(&self, mut messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+        let n = messages.len() as u64;
+        let size: u64 = messages.iter().map(Message::size).sum();
+        for m in &mut messages {
+            m.timestamp = now;
+            m.destination.clone_from(&self.name);
+            if m.expires_at == 0 && self.config.ttl_ms > 0 {
+                m.expires_at = now + self.config.ttl_ms * 1_000_000;
+            }
+        }
+        let mut inner = self.lock();
+        let (max_items, max_bytes) = (self.config.max_items, self.config.max_bytes);
+        let fits = |inner: &Inner| {
+            (max_items == 0 || inner.items() + n <= max_items) && (max_bytes == 0 || inner.bytes + size <= max_bytes)
+        };
+        if !fits(&inner) {
+            let impossible = (max_items != 0 && n > max_items) || (max_bytes != 0 && size > max_bytes);
+            if !self.config.circular || impossible {
+                return Err(BrokerError::Full(self.name.clone()));
+            }
+            while !fits(&inner) && inner.drop_oldest()? {
+                inner.counters.dropped += 1;
+            }
+            if !fits(&inner) {
+                return Err(BrokerError::Full(self.name.clone()));
+            }
+        }
+        let first = match &mut inner.store {
+            Store::Memory { ready, next_id } => {
+                let first = *next_id;
+                for (i, mut m) in messages.into_iter().enumerate() {
+                    m.id = first + i as u64;
+                    ready.push_back(m);
+                }
+                *next_id += n;
+                first
+            }
+            Store::Log { log, .. } => {
+                let owned: Vec<Vec<(String, bytes::Bytes)>> = messages.iter().map(message::record_headers).collect();
+                let views: Vec<Vec<(&str, &[u8])>> =
+                    owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
+                let inputs: Vec<_> = messages.iter().zip(&views).map(|(m, h)| message::input(m, h)).collect();
+                log.append_batch_with(&inputs)?.start + 1
+            }
+        };
+        inner.bytes += size;
+        inner.counters.total_offered += n;
+        drop(inner);
+        self.available.notify_waiters();
+        Ok((first, n as u32))
+    }
+
+    /// Takes up to `max` messages from the head; with a visibility timeout they are taken
+    /// tentatively under handles from `next_handle`.
+    pub fn poll(
+        &self,
+        max: usize,
+        visibility: Option<Duration>,
+        consumer: ConnId,
+        now: u64,
+        next_handle: &mut dyn FnMut() -> u64,
+    ) -> Result<Polled, BrokerError> {
+        let mut out = Polled::default();
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        while out.deliveries.len() < max {
+            let Some((message, taken)) = inner.next(max - out.deliveries.len())? else { break };
+            let size = message.size();
+            if message.is_expired(now) {
+                inner.settle(&taken)?;
+                inner.bytes -= size;
+                inner.counters.expired += 1;
+                out.expired.push(message);
+                continue;
+            }
+            let handle = match visibility {
+                Some(v) => {
+                    let handle = next_handle();
+                    let deadline = now + v.as_nanos() as u64;
+                    inner.in_flight.insert(handle, InFlight { consumer, deadline, bytes: size, item: taken });
+                    handle
+                }
+                None => {
+                    inner.settle(&taken)?;
+                    inner.bytes -= size;
+                    0
+                }
+            };
+            inner.counters.total_polled += 1;
+            out.deliveries.push(Delivery { handle, message });
+        }
+        drop(guard);
+        if !out.deliveries.is_empty() || !out.expired.is_empty() {
+            self.room.notify_waiters();
+        }
+        Ok(out)
+    }
+
+    /// Acknowledges tentative deliveries of `consumer`; returns how many were known.
+    pub fn ack(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
+        let mut inner = self.lock();
+        let mut n = 0;
+        for h in handles {
+            if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
+                let f = inner.in_flight.remove(h).expect("just seen");
+                inner.settle(&f.item)?;
+                inner.bytes -= f.bytes;
+                n += 1;
+            }
+        }
+        drop(inner);
+        self.room.notify_waiters();
+        Ok(n)
+    }
+
+    /// Puts tentative deliveries of `consumer` back at the head of the queue.
+    pub fn abort(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
+        let mut inner = self.lock();
+        let mut n = 0;
+        for h in handles {
+            if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
+                let f = inner.in_flight.remove(h).expect("just seen");
+                inner.put_back(f.item)?;
+                n += 1;
+            }
+        }
+        drop(inner);
+        if n > 0 {
+            self.available.notify_waiters();
+        }
+        Ok(n)
+    }
+
+    /// Returns every tentative delivery of `consumer` (its connection closed).
+    pub fn release(&self, consumer: ConnId) -> Result<(), BrokerError> {
+        let handles: Vec<u64> =
+            self.lock().in_flight.iter().filter(|(_, f)| f.consumer == consumer).map(|(h, _)| *h).collect();
+        self.abort(&handles, consumer).map(|_| ())
+    }
+
+    /// Visibility timeouts that passed put their messages back; expired messages at the head
+    /// are removed and returned (for the dead-letter queue).
+    pub fn tick(&self, now: u64) -> Result<Vec<Message>, BrokerError> {
+        let mut inner = self.lock();
+        let overdue: Vec<u64> = inner.in_flight.iter().filter(|(_, f)| f.deadline <= now).map(|(h, _)| *h).collect();
+        for h in &overdue {
+            let f = inner.in_flight.remove(h).expect("just seen");
+            inner.put_back(f.item)?;
+        }
+        let mut expired = Vec::new();
+        if let Store::Memory { ready, .. } = &mut inner.store {
+            while ready.front().is_some_and(|m| m.is_expired(now)) {
+                expired.push(ready.pop_front().expect("just seen"));
+            }
+        }
+        for m in &expired {
+            inner.bytes -= m.size();
+            inner.counters.expired += 1;
+        }
+        drop(inner);
+        if !overdue.is_empty() {
+            self.available.notify_waiters();
+        }
+        if !expired.is_empty() {
+            self.room.notify_waiters();
+        }
+        Ok(expired)
+    }
+
+    /// Removes every waiting message (not those in flight).
+    pub fn flush(&self) -> Result<u64, BrokerError> {
+        let mut inner = self.lock();
+        let mut n = 0;
+        while inner.drop_oldest()? {
+            n += 1;
+        }
+        inner.bytes = inner.in_flight.values().map(|f| f.bytes).sum();
+        drop(inner);
+        self.room.notify_waiters();
+        Ok(n)
+    }
+
+    pub fn stats(&self) -> QueueStats {
+        let inner = self.lock();
+        QueueStats {
+            items: inner.items(),
+            bytes: inner.bytes,
+            in_flight: inner.in_flight.len() as u64,
+            ..inner.counters.clone()
+        }
+    }
+}
+
+impl Inner {
+    /// Messages waiting (not in flight).
+    fn items(&self) -> u64 {
+        match &self.store {
+            Store::Memory { ready, .. } => ready.len() as u64,
+            Store::Log { group, .. } => group.lag() - group.pending() as u64,
+        }
+    }
+
+    /// The next message at the head, taken out of the ready set (not yet settled).
+    fn next(&mut self, max: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
+        match &mut self.store {
+            Store::Memory { ready, .. } => Ok(ready.pop_front().map(|m| (m.clone(), Taken::Memory(m)))),
+            Store::Log { group, .. } => {
+                let _ = max;
+                match group.poll(1, Duration::ZERO) {
+                    Ok(batch) => Ok(batch
+                        .into_iter()
+                        .next()
+                        .map(|r| (message::from_record(&r, r.offset + 1), Taken::Log(r.offset)))),
+                    Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    }
+
+    /// A taken message is gone for good.
+    fn settle(&mut self, taken: &Taken) -> Result<(), BrokerError> {
+        match (&mut self.store, taken) {
+            (Store::Log { group, .. }, Taken::Log(offset)) => Ok(group.ack(*offset)?),
+            _ => Ok(()),
+        }
+    }
+
+    /// A taken message goes back to the head.
+    fn put_back(&mut self, taken: Taken) -> Result<(), BrokerError> {
+        match (&mut self.store, taken) {
+            (Store::Memory { ready, .. }, Taken::Memory(m)) => {
+                ready.push_front(m);
+                Ok(())
+            }
+            (Store::Log { group, .. }, Taken::Log(offset)) => Ok(group.nack(offset)?),
+            _ => unreachable!("a queue's takings match its store"),
+        }
+    }
+
+    /// Drops the oldest waiting message; `false` if there is none.
+    fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
+        match &mut self.store {
+            Store::Memory { ready, .. } => Ok(match ready.pop_front() {
+                Some(m) => {
+                    self.bytes -= m.size();
+                    true
+                }
+                None => false,
+            }),
+            Store::Log { group, .. } => {
+                let size = match group.take(Duration::ZERO)? {
+                    Some(r) => message::from_record(&r, 0).size(),
+                    None => return Ok(false),
+                };
+                self.bytes -= size;
+                Ok(true)
+            }
+        }
+    }
+}
