@@ -86,7 +86,7 @@ struct InFlight {
 }
 
 enum Taken {
-    Memory(Message),
+    Memory(Box<Message>),
     Log(u64),
 }
 
@@ -340,7 +340,7 @@ impl Inner {
     /// The next message at the head, taken out of the ready set (not yet settled).
     fn next(&mut self, max: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
         match &mut self.store {
-            Store::Memory { ready, .. } => Ok(ready.pop_front().map(|m| (m.clone(), Taken::Memory(m)))),
+            Store::Memory { ready, .. } => Ok(ready.pop_front().map(|m| (m.clone(), Taken::Memory(Box::new(m))))),
             Store::Log { group, .. } => {
                 let _ = max;
                 match group.poll(1, Duration::ZERO) {
@@ -367,7 +367,7 @@ impl Inner {
     fn put_back(&mut self, taken: Taken) -> Result<(), BrokerError> {
         match (&mut self.store, taken) {
             (Store::Memory { ready, .. }, Taken::Memory(m)) => {
-                ready.push_front(m);
+                ready.push_front(*m);
                 Ok(())
             }
             (Store::Log { group, .. }, Taken::Log(offset)) => Ok(group.nack(offset)?),
