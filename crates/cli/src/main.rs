@@ -3,6 +3,7 @@
 mod bench;
 mod log_cmd;
 mod progress;
+mod server_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +28,15 @@ enum Command {
     /// Load generators that measure Petrel on this machine.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Run the server (until SIGTERM or SIGINT).
+    Serve(server_cmd::ServeArgs),
+    /// Offer each line of stdin to a queue.
+    Produce(server_cmd::ProduceArgs),
+    /// Print messages taken from a queue.
+    Consume(server_cmd::ConsumeArgs),
+    /// Create, list, remove and inspect queues.
+    #[command(subcommand)]
+    Queue(server_cmd::QueueCommand),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +48,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Log(cmd) => log_cmd::run(cmd),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Serve(args) => server_cmd::serve(args),
+        Command::Produce(args) => server_cmd::produce(args),
+        Command::Consume(args) => server_cmd::consume(args),
+        Command::Queue(cmd) => server_cmd::queue(cmd),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,250 @@
+//! `petrel serve` and the commands that talk to a server: `produce`, `consume`, `queue …`.
+
+use std::io::{self, BufRead, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use petrel_client::blocking::Client;
+use petrel_client::{ClientError, Message, PollOptions, QueueConfig, Status};
+use petrel_server::{Config, DEFAULT_NATIVE_ADDR, Server};
+
+type Res = Result<ExitCode, Box<dyn std::error::Error>>;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Data directory (default: ./petrel-data).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// TOML configuration file; flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Native protocol address (default 127.0.0.1:22134; port 0 picks a free one).
+    #[arg(long)]
+    native_addr: Option<SocketAddr>,
+    /// Also listen on this Unix socket.
+    #[arg(long)]
+    unix_socket: Option<PathBuf>,
+    /// Durability of durable queues: none, always, interval:MS.
+    #[arg(long)]
+    durability: Option<String>,
+}
+
+/// Runs the server until SIGTERM or SIGINT; prints one line per listener on stdout once it
+/// listens (`native <ip:port>`, `unix <path>`).
+pub fn serve(args: ServeArgs) -> Res {
+    let mut config = match &args.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    if let Some(d) = args.data {
+        config.data = d;
+    }
+    if let Some(a) = args.native_addr {
+        config.native_addr = a;
+    }
+    if let Some(u) = args.unix_socket {
+        config.unix_socket = Some(u);
+    }
+    if let Some(d) = args.durability {
+        config.durability = d;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let unix = config.unix_socket.clone();
+        let server = Server::bind(config).await?;
+        let mut out = io::stdout().lock();
+        writeln!(out, "native {}", server.native_addr())?;
+        if let Some(path) = unix {
+            writeln!(out, "unix {}", path.display())?;
+        }
+        out.flush()?;
+        drop(out);
+        tracing::info!(native = %server.native_addr(), "listening");
+        server.run(shutdown_signal()).await?;
+        tracing::info!("stopped");
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+#[derive(Args)]
+pub struct ServerArg {
+    /// Server address.
+    #[arg(long, default_value = DEFAULT_NATIVE_ADDR)]
+    server: String,
+}
+
+#[derive(Args)]
+pub struct ProduceArgs {
+    queue: String,
+    #[command(flatten)]
+    server: ServerArg,
+    /// Create the queue as durable if it does not exist (otherwise in memory).
+    #[arg(long)]
+    durable: bool,
+}
+
+/// Offers each stdin line as a message; lines already waiting go as one batch.
+pub fn produce(args: ProduceArgs) -> Res {
+    let client = Client::connect(&args.server.server)?;
+    let mut input = io::BufReader::with_capacity(1 << 16, io::stdin().lock());
+    let mut batch = Vec::new();
+    let mut sent = 0u64;
+    loop {
+        batch.clear();
+        loop {
+            let mut line = Vec::new();
+            if input.read_until(b'\n', &mut line)? == 0 {
+                break;
+            }
+            if line.last() == Some(&b'\n') {
+                line.pop();
+            }
+            batch.push(Message { durable: args.durable, ..Message::new(line) });
+            if input.buffer().is_empty() || batch.len() >= 1024 {
+                break;
+            }
+        }
+        if batch.is_empty() {
+            break;
+        }
+        match client.offer(&args.queue, batch.clone(), Some(Duration::from_secs(30))) {
+            Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {
+                client.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() })?;
+                client.offer(&args.queue, batch.clone(), Some(Duration::from_secs(30)))?;
+            }
+            other => {
+                other?;
+            }
+        }
+        sent += batch.len() as u64;
+    }
+    eprintln!("{sent} messages offered to {}", args.queue);
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Args)]
+pub struct ConsumeArgs {
+    queue: String,
+    #[command(flatten)]
+    server: ServerArg,
+    /// Take each message tentatively and acknowledge it after printing it (at-least-once);
+    /// without it, messages are removed as they are taken.
+    #[arg(long)]
+    ack: bool,
+    /// Stop after this many messages.
+    #[arg(long)]
+    count: Option<u64>,
+    /// Keep waiting for messages instead of stopping when the queue is empty.
+    #[arg(long)]
+    follow: bool,
+    /// One JSON object per message, with every field.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn consume(args: ConsumeArgs) -> Res {
+    let client = Client::connect(&args.server.server)?;
+    let mut left = args.count.unwrap_or(u64::MAX);
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    while left > 0 {
+        let options = PollOptions {
+            max: left.min(256) as u32,
+            timeout: if args.follow { Duration::from_secs(1) } else { Duration::ZERO },
+            visibility: args.ack.then_some(Duration::from_secs(60)),
+        };
+        let deliveries = client.poll(&args.queue, options)?;
+        if deliveries.is_empty() {
+            if args.follow {
+                continue;
+            }
+            break;
+        }
+        for d in &deliveries {
+            if args.json {
+                writeln!(out, "{}", serde_json::to_string(&d.message)?)?;
+            } else {
+                out.write_all(&d.message.payload)?;
+                out.write_all(b"\n")?;
+            }
+        }
+        out.flush()?;
+        if args.ack {
+            let handles: Vec<u64> = deliveries.iter().map(|d| d.handle).collect();
+            client.ack(&args.queue, &handles)?;
+        }
+        left -= deliveries.len() as u64;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Subcommand)]
+pub enum QueueCommand {
+    /// Create a queue (no-op if it exists with the same configuration).
+    Create {
+        name: String,
+        #[command(flatten)]
+        server: ServerArg,
+        #[arg(long)]
+        durable: bool,
+        #[arg(long, default_value_t = 0)]
+        max_items: u64,
+        #[arg(long, default_value_t = 0)]
+        max_bytes: u64,
+        /// When full, drop the oldest message instead of refusing new ones.
+        #[arg(long)]
+        circular: bool,
+        #[arg(long, default_value_t = 0)]
+        ttl_ms: u64,
+        #[arg(long, default_value = "")]
+        dead_letter: String,
+    },
+    List {
+        #[command(flatten)]
+        server: ServerArg,
+    },
+    Remove {
+        name: String,
+        #[command(flatten)]
+        server: ServerArg,
+    },
+    Status {
+        name: String,
+        #[command(flatten)]
+        server: ServerArg,
+    },
+}
+
+pub fn queue(cmd: QueueCommand) -> Res {
+    match cmd {
+        QueueCommand::Create { name, server, durable, max_items, max_bytes, circular, ttl_ms, dead_letter } => {
+            let config = QueueConfig { max_items, max_bytes, circular, durable, temporary: false, ttl_ms, dead_letter };
+            Client::connect(&server.server)?.create_queue(&name, config)?;
+        }
+        QueueCommand::List { server } => {
+            for name in Client::connect(&server.server)?.list_queues()? {
+                println!("{name}");
+            }
+        }
+        QueueCommand::Remove { name, server } => Client::connect(&server.server)?.remove_queue(&name)?,
+        QueueCommand::Status { name, server } => {
+            let s = Client::connect(&server.server)?.queue_status(&name)?;
+            println!("{}", serde_json::to_string_pretty(&s)?);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,247 @@
+//! The real `petrel serve` on a free loopback port, driven by the Rust client.
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use petrel_client::{Client, ClientError, Message, PollOptions, QueueConfig, Status};
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Server {
+    fn start(data: &Path) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["serve", "--native-addr", "127.0.0.1:0", "--data"])
+            .arg(data)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start petrel serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+        let addr = line.strip_prefix("native ").expect("the first line names the native listener").trim().to_owned();
+        Server { child, addr }
+    }
+
+    async fn client(&self) -> Client {
+        Client::connect(self.addr.as_str()).await.unwrap()
+    }
+
+    fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    fn terminate(mut self) -> std::process::ExitStatus {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn msg(s: &str) -> Message {
+    Message::new(s.as_bytes().to_vec())
+}
+
+fn texts(ds: &[petrel_client::Delivery]) -> Vec<String> {
+    ds.iter().map(|d| String::from_utf8_lossy(&d.message.payload).into_owned()).collect()
+}
+
+const TAKE: PollOptions = PollOptions { max: 100, timeout: Duration::ZERO, visibility: None };
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_competing_consumers_and_tentative_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let a = server.client().await;
+    let b = server.client().await;
+    a.create_queue("q", QueueConfig::default()).await.unwrap();
+    a.offer("q", (0..6).map(|i| msg(&format!("m{i}"))).collect(), None).await.unwrap();
+    let first = a.poll("q", PollOptions { max: 2, ..TAKE }).await.unwrap();
+    let second = b.poll("q", PollOptions { max: 2, ..TAKE }).await.unwrap();
+    assert_eq!(texts(&first), ["m0", "m1"]);
+    assert_eq!(texts(&second), ["m2", "m3"]);
+
+    // A tentative read comes back when its consumer disconnects...
+    let vis = PollOptions { max: 1, timeout: Duration::ZERO, visibility: Some(Duration::from_secs(60)) };
+    let taken = b.poll("q", vis).await.unwrap();
+    assert_eq!(texts(&taken), ["m4"]);
+    drop(b);
+    for _ in 0..500 {
+        if a.queue_status("q").await.unwrap().in_flight == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let again = a.poll("q", PollOptions { timeout: Duration::from_secs(5), ..vis }).await.unwrap();
+    assert_eq!(texts(&again), ["m4"], "returned to the head when its consumer left");
+    // ...and when its visibility timeout passes.
+    let short = PollOptions { max: 1, timeout: Duration::ZERO, visibility: Some(Duration::from_millis(100)) };
+    let m5 = a.poll("q", short).await.unwrap();
+    assert_eq!(texts(&m5), ["m5"]);
+    let back = a.poll("q", PollOptions { max: 1, timeout: Duration::from_secs(5), visibility: None }).await.unwrap();
+    assert_eq!(texts(&back), ["m5"]);
+    assert_eq!(a.ack("q", &[again[0].handle]).await.unwrap(), 1);
+    assert!(a.poll("q", TAKE).await.unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn temporary_bounded_circular_expiry_and_fanout() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    let owner = server.client().await;
+    owner.create_queue("reply.7", QueueConfig { temporary: true, ..QueueConfig::default() }).await.unwrap();
+    assert!(c.list_queues().await.unwrap().contains(&"reply.7".to_string()));
+    drop(owner);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!c.list_queues().await.unwrap().contains(&"reply.7".to_string()), "gone with its connection");
+
+    c.create_queue("small", QueueConfig { max_items: 2, ..QueueConfig::default() }).await.unwrap();
+    c.offer("small", vec![msg("1"), msg("2")], None).await.unwrap();
+    let full = c.offer("small", vec![msg("3")], Some(Duration::from_millis(50))).await.unwrap_err();
+    assert_eq!(full.status(), Some(Status::QueueFull));
+    // An offer that waits gets in once a poll makes room.
+    let waiting = {
+        let c = c.clone();
+        tokio::spawn(async move { c.offer("small", vec![msg("3")], Some(Duration::from_secs(10))).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.poll("small", PollOptions { max: 1, ..TAKE }).await.unwrap();
+    waiting.await.unwrap().unwrap();
+
+    c.create_queue("ring", QueueConfig { max_items: 2, circular: true, ..QueueConfig::default() }).await.unwrap();
+    c.offer("ring", vec![msg("a"), msg("b"), msg("c")], None).await.unwrap_err(); // more than fits at all
+    c.offer("ring", vec![msg("a"), msg("b")], None).await.unwrap();
+    c.offer("ring", vec![msg("c")], None).await.unwrap();
+    assert_eq!(texts(&c.poll("ring", TAKE).await.unwrap()), ["b", "c"]);
+    assert_eq!(c.queue_status("ring").await.unwrap().dropped, 1);
+
+    c.create_queue("dead", QueueConfig::default()).await.unwrap();
+    c.create_queue("short", QueueConfig { ttl_ms: 50, dead_letter: "dead".into(), ..QueueConfig::default() })
+        .await
+        .unwrap();
+    c.offer("short", vec![msg("stale")], None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(c.poll("short", TAKE).await.unwrap().is_empty());
+    assert_eq!(texts(&c.poll("dead", TAKE).await.unwrap()), ["stale"]);
+
+    for q in ["orders", "orders+audit"] {
+        c.create_queue(q, QueueConfig::default()).await.unwrap();
+    }
+    c.offer("orders", vec![msg("o")], None).await.unwrap();
+    assert_eq!(texts(&c.poll("orders+audit", TAKE).await.unwrap()), ["o"]);
+    let missing = c.poll("nope", TAKE).await.unwrap_err();
+    assert_eq!(missing.status(), Some(Status::QueueNotFound));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_garbage_frames_are_answered_and_the_server_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("q", QueueConfig::default()).await.unwrap();
+    // A 20 MB message: over the frame limit. TOO_LARGE, and the same connection still works.
+    let big = c.offer("q", vec![Message::new(vec![7u8; 20 << 20])], None).await.unwrap_err();
+    assert_eq!(big.status(), Some(Status::TooLarge), "{big}");
+    c.offer("q", vec![msg("after")], None).await.unwrap();
+    assert_eq!(texts(&c.poll("q", TAKE).await.unwrap()), ["after"]);
+
+    // Garbage on another connection: a length shorter than a header. That connection is closed.
+    let mut raw = std::net::TcpStream::connect(&server.addr).unwrap();
+    raw.write_all(&[0, 0, 0, 3, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut rest = Vec::new();
+    let _ = raw.read_to_end(&mut rest);
+    assert!(rest.is_empty(), "closed without an answer");
+    // A whole frame with an unknown opcode: UNSUPPORTED, connection kept.
+    let mut raw = std::net::TcpStream::connect(&server.addr).unwrap();
+    raw.write_all(&[0, 0, 0, 12, 1, 0, 0x07, 0x77, 0, 0, 0, 0, 0, 0, 0, 9]).unwrap();
+    let mut answer = [0u8; 17];
+    raw.read_exact(&mut answer).unwrap();
+    assert_eq!(&answer[6..16], &[0x07, 0x77, 0, 0, 0, 0, 0, 0, 0, 9]);
+    assert_eq!(answer[16], Status::Unsupported as u8);
+    // Everyone else is still served.
+    c.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_clients_offer_a_thousand_each_with_none_lost_or_repeated() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("load", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+    let mut tasks = Vec::new();
+    for client in 0..200 {
+        let addr = server.addr.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = Client::connect(addr.as_str()).await.unwrap();
+            for batch in 0..10 {
+                let messages = (0..100).map(|i| msg(&format!("{client}:{}", batch * 100 + i))).collect();
+                c.offer("load", messages, Some(Duration::from_secs(30))).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut seen = HashSet::new();
+    loop {
+        let got = c.poll("load", PollOptions { max: 5000, ..TAKE }).await.unwrap();
+        if got.is_empty() {
+            break;
+        }
+        for d in got {
+            assert!(seen.insert(d.message.payload.clone()), "duplicate {:?}", d.message.payload);
+        }
+    }
+    assert_eq!(seen.len(), 200_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_messages_survive_kill_9_and_sigterm_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+    for chunk in 0..10 {
+        let batch = (0..100).map(|i| msg(&format!("job-{}", chunk * 100 + i))).collect();
+        c.offer("jobs", batch, None).await.unwrap();
+    }
+    // Taken tentatively and never acknowledged: back as ordinary messages after the restart.
+    let taken = c
+        .poll("jobs", PollOptions { max: 5, timeout: Duration::ZERO, visibility: Some(Duration::from_secs(600)) })
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 5);
+    drop(c);
+    server.kill9();
+
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    let mut got = Vec::new();
+    loop {
+        let batch = c.poll("jobs", PollOptions { max: 300, ..TAKE }).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        got.extend(texts(&batch));
+    }
+    let expected: Vec<String> = (0..1000).map(|i| format!("job-{i}")).collect();
+    assert_eq!(got, expected, "every durable message, in order");
+    drop(c);
+    let status = server.terminate();
+    assert!(status.success(), "SIGTERM exits 0: {status:?}");
+    let _ = ClientError::Closed;
+}

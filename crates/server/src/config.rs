@@ -1,0 +1,83 @@
+//! Server configuration: a TOML file, then flags on top. Every limit has a default that needs
+//! neither.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use petrel_log::Durability;
+use serde::Deserialize;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Where queues and their definitions live.
+    pub data: PathBuf,
+    /// Native protocol over TCP; port 0 picks a free one.
+    pub native_addr: SocketAddr,
+    /// Native protocol over a Unix socket too, if set.
+    pub unix_socket: Option<PathBuf>,
+    /// Largest frame accepted (the length field), bytes.
+    pub max_frame_bytes: u32,
+    /// Largest message (payload + headers) accepted, bytes.
+    pub max_message_bytes: usize,
+    /// Requests one connection may have in flight; past it, the server stops reading from it.
+    pub max_in_flight_per_connection: usize,
+    /// Responses buffered per connection before request handling waits for the client to read.
+    pub max_queued_responses: usize,
+    pub max_connections: usize,
+    /// Durability of durable queues: "none", "always" or "interval:MS".
+    pub durability: String,
+    pub segment_bytes: u64,
+    /// How long in-flight requests may take to finish on shutdown, e.g. "5s".
+    pub shutdown_grace: String,
+}
+
+pub const DEFAULT_NATIVE_ADDR: &str = "127.0.0.1:22134";
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            data: PathBuf::from("petrel-data"),
+            native_addr: DEFAULT_NATIVE_ADDR.parse().expect("valid address"),
+            unix_socket: None,
+            max_frame_bytes: petrel_proto::DEFAULT_MAX_FRAME,
+            max_message_bytes: 16 << 20,
+            max_in_flight_per_connection: 256,
+            max_queued_responses: 1024,
+            max_connections: 10_000,
+            durability: "none".into(),
+            segment_bytes: 64 << 20,
+            shutdown_grace: "5s".into(),
+        }
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn durability(&self) -> Result<Durability, String> {
+        self.durability.parse()
+    }
+
+    pub fn shutdown_grace(&self) -> Result<std::time::Duration, String> {
+        humantime::parse_duration(&self.shutdown_grace).map_err(|e| format!("shutdown_grace: {e}"))
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        self.durability()?;
+        self.shutdown_grace()?;
+        if (self.max_frame_bytes as usize) < 1024 {
+            return Err("max_frame_bytes must be at least 1024".into());
+        }
+        if self.max_message_bytes + 1024 > self.max_frame_bytes as usize {
+            return Err("max_message_bytes must leave room for the rest of a frame (max_frame_bytes - 1024)".into());
+        }
+        if self.max_in_flight_per_connection == 0 || self.max_queued_responses == 0 || self.max_connections == 0 {
+            return Err("connection limits must be at least 1".into());
+        }
+        Ok(())
+    }
+}

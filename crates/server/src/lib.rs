@@ -1,0 +1,120 @@
+//! Petrel's server: listeners (TCP, Unix socket) speaking the native protocol over the broker.
+//! The memcache protocol, HTTP and TLS are to come, as more codecs over the same broker.
+
+mod config;
+mod convert;
+mod native;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+pub use config::{Config, DEFAULT_NATIVE_ADDR};
+use petrel_broker::{Broker, BrokerOptions};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// A server with its listeners bound, ready to `run`.
+pub struct Server {
+    ctx: Arc<native::Ctx>,
+    tcp: TcpListener,
+    unix: Option<UnixListener>,
+}
+
+impl Server {
+    /// Opens the broker's data and binds the listeners.
+    pub async fn bind(config: Config) -> Result<Server, String> {
+        config.validate()?;
+        let options = BrokerOptions {
+            durability: config.durability()?,
+            segment_bytes: config.segment_bytes,
+            max_message_bytes: config.max_message_bytes,
+        };
+        let broker = Broker::open(&config.data, options).map_err(|e| format!("{}: {e}", config.data.display()))?;
+        let tcp =
+            TcpListener::bind(config.native_addr).await.map_err(|e| format!("bind {}: {e}", config.native_addr))?;
+        let unix = match &config.unix_socket {
+            Some(path) => {
+                let _ = std::fs::remove_file(path);
+                Some(UnixListener::bind(path).map_err(|e| format!("bind {}: {e}", path.display()))?)
+            }
+            None => None,
+        };
+        Ok(Server { ctx: Arc::new(native::Ctx { broker: Arc::new(broker), config }), tcp, unix })
+    }
+
+    pub fn native_addr(&self) -> SocketAddr {
+        self.tcp.local_addr().expect("a bound listener has an address")
+    }
+
+    /// Serves until `shutdown` completes; then stops accepting, lets requests in flight finish
+    /// (up to the configured grace), and closes the broker (syncing durable queues).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), String> {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let ctx = Arc::clone(&self.ctx);
+        let ticker = {
+            let broker = Arc::clone(&ctx.broker);
+            let mut stop = stop_rx.clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(Duration::from_millis(20));
+                loop {
+                    tokio::select! {
+                        _ = every.tick() => broker.tick(now_ns()),
+                        _ = stop.changed() => return,
+                    }
+                }
+            })
+        };
+        let next_conn = AtomicU64::new(1);
+        let mut connections = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            // Reap finished connections so the set stays bounded by the live ones.
+            while connections.try_join_next().is_some() {}
+            let full = connections.len() >= ctx.config.max_connections;
+            tokio::select! {
+                _ = &mut shutdown => break,
+                accepted = self.tcp.accept(), if !full => match accepted {
+                    Ok((stream, peer)) => {
+                        let _ = stream.set_nodelay(true);
+                        let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(conn, %peer, "connected");
+                        connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone()));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "accept failed"),
+                },
+                accepted = accept_unix(self.unix.as_ref()), if !full => match accepted {
+                    Ok(stream) => {
+                        let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                        connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone()));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "accept failed"),
+                },
+                Some(_) = connections.join_next(), if full => {}
+            }
+        }
+        tracing::info!(connections = connections.len(), "shutting down");
+        drop(self.tcp);
+        if let (Some(_), Some(path)) = (self.unix, &ctx.config.unix_socket) {
+            let _ = std::fs::remove_file(path);
+        }
+        let _ = stop_tx.send(true);
+        while connections.join_next().await.is_some() {}
+        ticker.abort();
+        Ok(())
+    }
+}
+
+async fn accept_unix(listener: Option<&UnixListener>) -> std::io::Result<tokio::net::UnixStream> {
+    match listener {
+        Some(l) => l.accept().await.map(|(s, _)| s),
+        None => std::future::pending().await,
+    }
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
