@@ -14,6 +14,8 @@ use crate::progress::{self, Unit};
 pub enum BenchCommand {
     /// The embedded log: append N records, then read them all back.
     Log(LogBench),
+    /// A queue on a server: offer, poll, or both at once, over many connections and pipelined.
+    Queue(crate::bench_queue::QueueBench),
 }
 
 #[derive(Args)]
@@ -53,6 +55,7 @@ pub struct LogBench {
 pub fn run(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
     match cmd {
         BenchCommand::Log(args) => log_bench(args),
+        BenchCommand::Queue(args) => crate::bench_queue::run(args),
     }
 }
 

@@ -1,6 +1,7 @@
 //! The `petrel` command.
 
 mod bench;
+mod bench_queue;
 mod log_cmd;
 mod progress;
 mod server_cmd;

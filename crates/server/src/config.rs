@@ -81,3 +81,30 @@ impl Config {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_sets_what_it_names_and_unknown_keys_are_errors() {
+        let dir = std::env::temp_dir().join(format!("petrel-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("petrel.toml");
+        std::fs::write(
+            &path,
+            "data = \"/srv\"\ndurability = \"interval:5\"\nmax_message_bytes = 1048576\nmax_frame_bytes = 2097152\n",
+        )
+        .unwrap();
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.data, PathBuf::from("/srv"));
+        assert_eq!(c.durability().unwrap(), Durability::Interval(std::time::Duration::from_millis(5)));
+        assert_eq!(c.native_addr.to_string(), DEFAULT_NATIVE_ADDR);
+        c.validate().unwrap();
+        std::fs::write(&path, "natve_addr = \"x\"\n").unwrap();
+        assert!(Config::load(&path).unwrap_err().contains("natve_addr"));
+        let bad = Config { max_message_bytes: 17 << 20, ..Config::default() };
+        assert!(bad.validate().is_err(), "a message must fit in a frame");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

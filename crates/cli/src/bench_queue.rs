@@ -1,0 +1,247 @@
+//! `petrel bench queue`: load on a server's queue. Without `--server`, it starts a server in this
+//! process (data in a fresh directory under `--data`, removed afterwards).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use hdrhistogram::Histogram;
+use petrel_client::{Client, Message, PollOptions, QueueConfig};
+
+use crate::progress::{self, Unit};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Offer `count` messages.
+    Offer,
+    /// Fill the queue with `count` messages (not timed), then poll them all.
+    Poll,
+    /// Offer and poll at once (half the connections each); polls take tentatively and ack.
+    OfferPoll,
+}
+
+#[derive(Args)]
+pub struct QueueBench {
+    #[arg(long, value_enum, default_value = "offer")]
+    mode: Mode,
+    /// A running server; without it, one is started in this process.
+    #[arg(long)]
+    server: Option<String>,
+    /// Data directory for the in-process server.
+    #[arg(long, default_value_os_t = crate::default_data_dir())]
+    data: PathBuf,
+    #[arg(long, default_value = "bench")]
+    queue: String,
+    /// A durable queue (on disk) rather than one in memory.
+    #[arg(long)]
+    durable: bool,
+    #[arg(long, default_value_t = 32)]
+    payload_bytes: usize,
+    /// Messages in all.
+    #[arg(long, default_value_t = 1_000_000)]
+    count: u64,
+    #[arg(long, default_value_t = 1)]
+    connections: usize,
+    /// Requests in flight per connection.
+    #[arg(long, default_value_t = 64)]
+    pipeline: usize,
+    /// Messages per offer request (and most per poll).
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    if args.connections == 0 || args.pipeline == 0 || args.batch == 0 || args.count == 0 {
+        return Err("--connections, --pipeline, --batch and --count must be at least 1".into());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let (addr, local) = match &args.server {
+            Some(a) => (a.clone(), None),
+            None => {
+                let dir = args.data.join(format!("bench-server-{}", std::process::id()));
+                let config = petrel_server::Config {
+                    data: dir.clone(),
+                    native_addr: "127.0.0.1:0".parse()?,
+                    ..petrel_server::Config::default()
+                };
+                let server = petrel_server::Server::bind(config).await?;
+                let addr = server.native_addr().to_string();
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let task = tokio::spawn(server.run(async move {
+                    let _ = stopped.await;
+                }));
+                (addr, Some((dir, stop, task)))
+            }
+        };
+        let result = bench(&args, &addr).await;
+        if let Some((dir, stop, task)) = local {
+            let _ = stop.send(());
+            let _ = task.await;
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        let result = result?;
+        println!(
+            "{:?} {} × {} B over {} connection(s), pipeline {}, batch {}: {:.0} msg/s, {:.1} MB/s; request latency p50 {:.1} µs, p99 {:.1} µs, p999 {:.1} µs",
+            args.mode, result.messages, args.payload_bytes, args.connections, args.pipeline, args.batch,
+            result.msgs_per_sec, result.mb_per_sec, result.p50_us, result.p99_us, result.p999_us
+        );
+        if args.json {
+            println!("{}", serde_json::json!({
+                "bench": "queue",
+                "mode": format!("{:?}", args.mode).to_lowercase(),
+                "payload_bytes": args.payload_bytes,
+                "count": result.messages,
+                "connections": args.connections,
+                "pipeline": args.pipeline,
+                "batch": args.batch,
+                "durable": args.durable,
+                "secs": result.secs,
+                "msgs_per_sec": result.msgs_per_sec,
+                "mb_per_sec": result.mb_per_sec,
+                "latency_p50_us": result.p50_us,
+                "latency_p99_us": result.p99_us,
+                "latency_p999_us": result.p999_us,
+            }));
+        }
+        Ok::<_, Box<dyn std::error::Error>>(ExitCode::SUCCESS)
+    })
+}
+
+struct Outcome {
+    messages: u64,
+    secs: f64,
+    msgs_per_sec: f64,
+    mb_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+    p999_us: f64,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Offer,
+    Poll,
+}
+
+async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::error::Error>> {
+    let admin = Client::connect(addr).await?;
+    let _ = admin.remove_queue(&args.queue).await;
+    admin.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() }).await?;
+    let payload = bytes::Bytes::from(vec![0x5au8; args.payload_bytes]);
+    if args.mode == Mode::Poll {
+        fill(&admin, &args.queue, &payload, args.count).await?;
+    }
+    let roles: Vec<Role> = (0..args.connections)
+        .map(|i| match args.mode {
+            Mode::Offer => Role::Offer,
+            Mode::Poll => Role::Poll,
+            Mode::OfferPoll if i % 2 == 0 || args.connections == 1 => Role::Offer,
+            Mode::OfferPoll => Role::Poll,
+        })
+        .collect();
+    let offerers = roles.iter().filter(|r| **r == Role::Offer).count() as u64;
+    let pollers = roles.iter().filter(|r| **r == Role::Poll).count() as u64;
+    let bar = progress::bar(args.count, &format!("{:?}", args.mode).to_lowercase(), Unit::Items);
+    let polled = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (i, role) in roles.iter().copied().enumerate() {
+        let client = Client::connect(addr).await?;
+        let (queue, payload, bar, polled) = (args.queue.clone(), payload.clone(), bar.clone(), Arc::clone(&polled));
+        let (pipeline, batch, count, mode) = (args.pipeline, args.batch, args.count, args.mode);
+        // Each offering connection sends its share; pollers together take `count`.
+        let share =
+            if role == Role::Offer { count / offerers + u64::from((i as u64) < count % offerers) } else { count };
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds");
+            let mut in_flight = FuturesUnordered::new();
+            let mut sent = 0u64;
+            let mut stop = false;
+            let tentative = mode == Mode::OfferPoll;
+            loop {
+                while !stop && in_flight.len() < pipeline && (role == Role::Poll || sent < share) {
+                    let c = client.clone();
+                    let (queue, payload) = (queue.clone(), payload.clone());
+                    let n = if role == Role::Offer { (share - sent).min(batch as u64) as usize } else { batch };
+                    sent += n as u64;
+                    in_flight.push(async move {
+                        let t = Instant::now();
+                        let done = match role {
+                            Role::Offer => {
+                                let messages = vec![Message::new(payload); n];
+                                c.offer(&queue, messages, Some(Duration::from_secs(60))).await.map(|_| n as u64)?
+                            }
+                            Role::Poll => {
+                                let visibility = tentative.then_some(Duration::from_secs(60));
+                                let timeout = Duration::from_millis(100);
+                                let got = c.poll(&queue, PollOptions { max: n as u32, timeout, visibility }).await?;
+                                if tentative && !got.is_empty() {
+                                    let handles: Vec<u64> = got.iter().map(|d| d.handle).collect();
+                                    c.ack(&queue, &handles).await?;
+                                }
+                                got.len() as u64
+                            }
+                        };
+                        Ok::<_, petrel_client::ClientError>((t.elapsed(), done, role))
+                    });
+                }
+                let Some(result) = in_flight.next().await else { break };
+                let (latency, done, role) = result?;
+                let _ = hist.record(latency.as_micros().max(1) as u64);
+                if role == Role::Poll || mode == Mode::Offer {
+                    bar.inc(done);
+                }
+                if role == Role::Poll {
+                    let total = polled.fetch_add(done, Ordering::Relaxed) + done;
+                    // Enough taken: let the polls in flight finish, send no more.
+                    stop = total >= count;
+                }
+                if stop && in_flight.is_empty() {
+                    break;
+                }
+            }
+            Ok::<_, petrel_client::ClientError>(hist)
+        }));
+    }
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+    for t in tasks {
+        hist.add(t.await??)?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let messages = if pollers > 0 { polled.load(Ordering::Relaxed).min(args.count) } else { args.count };
+    let _ = admin.remove_queue(&args.queue).await;
+    Ok(Outcome {
+        messages,
+        secs,
+        msgs_per_sec: messages as f64 / secs,
+        mb_per_sec: (messages * args.payload_bytes as u64) as f64 / 1e6 / secs,
+        p50_us: hist.value_at_quantile(0.50) as f64,
+        p99_us: hist.value_at_quantile(0.99) as f64,
+        p999_us: hist.value_at_quantile(0.999) as f64,
+    })
+}
+
+/// Offers `count` messages in large pipelined batches, untimed.
+async fn fill(
+    client: &Client,
+    queue: &str,
+    payload: &bytes::Bytes,
+    count: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut left = count;
+    while left > 0 {
+        let n = left.min(1000);
+        client.offer(queue, vec![Message::new(payload.clone()); n as usize], None).await?;
+        left -= n;
+    }
+    Ok(())
+}
