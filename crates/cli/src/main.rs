@@ -41,6 +41,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    exit_quietly_on_broken_pipe();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
@@ -56,11 +57,32 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("petrel: {e}");
             ExitCode::from(2)
         }
     }
+}
+
+/// `petrel … | head` closes our stdout early; `println!` then panics. That is not an error of
+/// ours: end quietly, as other command-line tools do.
+fn exit_quietly_on_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if message.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info);
+    }));
 }
 
 /// The default data directory, relative to the working directory.

@@ -99,3 +99,24 @@ fn bench_log_prints_one_json_object_last() {
     assert_eq!(last["count"], 20000);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the bench cleans up after itself");
 }
+
+#[test]
+fn a_reader_that_stops_early_is_not_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let lines: String = (0..20_000).map(|i| format!("line {i}\n")).collect();
+    assert!(petrel(&["log", "append", d], lines.as_bytes()).status.success());
+    // `petrel log dump DIR | head -1`: stdout closes after one line.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["log", "dump", d])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 10];
+    std::io::Read::read_exact(child.stdout.as_mut().unwrap(), &mut first).unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{:?}: {}", out.status, text(&out.stderr));
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+}
