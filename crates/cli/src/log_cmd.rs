@@ -1,6 +1,6 @@
 //! `petrel log …`: verify, dump, append and repair a log directory.
 
-use std::io::{self, BufRead, Write};
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -268,26 +268,12 @@ fn printable(bytes: &[u8], max: usize) -> String {
 fn append(args: AppendArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let options = Options { segment_bytes: args.segment_bytes, durability: args.durability, ..Options::default() };
     let mut log = Log::open(&args.dir, options)?;
-    let mut input = io::BufReader::with_capacity(1 << 16, io::stdin().lock());
+    let mut input = crate::lines::StdinLines::new(4096);
     let stdout = io::stdout();
     let mut out = stdout.lock();
     let mut lines: Vec<Vec<u8>> = Vec::new();
     loop {
-        lines.clear();
-        // Take one line (blocking), then whatever else is already buffered, up to a bound.
-        loop {
-            let mut line = Vec::new();
-            if input.read_until(b'\n', &mut line)? == 0 {
-                break;
-            }
-            if line.last() == Some(&b'\n') {
-                line.pop();
-            }
-            lines.push(line);
-            if input.buffer().is_empty() || lines.len() >= 4096 {
-                break;
-            }
-        }
+        input.next_batch(&mut lines)?;
         if lines.is_empty() {
             break;
         }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_queue;
+mod lines;
 mod log_cmd;
 mod progress;
 mod server_cmd;

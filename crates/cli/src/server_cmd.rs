@@ -1,6 +1,6 @@
 //! `petrel serve` and the commands that talk to a server: `produce`, `consume`, `queue …`.
 
-use std::io::{self, BufRead, Write};
+use std::io::{self, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -100,27 +100,16 @@ pub struct ProduceArgs {
 /// Offers each stdin line as a message; lines already waiting go as one batch.
 pub fn produce(args: ProduceArgs) -> Res {
     let client = Client::connect(&args.server.server)?;
-    let mut input = io::BufReader::with_capacity(1 << 16, io::stdin().lock());
-    let mut batch = Vec::new();
+    let mut input = crate::lines::StdinLines::new(1024);
+    let mut lines = Vec::new();
     let mut sent = 0u64;
     loop {
-        batch.clear();
-        loop {
-            let mut line = Vec::new();
-            if input.read_until(b'\n', &mut line)? == 0 {
-                break;
-            }
-            if line.last() == Some(&b'\n') {
-                line.pop();
-            }
-            batch.push(Message { durable: args.durable, ..Message::new(line) });
-            if input.buffer().is_empty() || batch.len() >= 1024 {
-                break;
-            }
-        }
-        if batch.is_empty() {
+        input.next_batch(&mut lines)?;
+        if lines.is_empty() {
             break;
         }
+        let batch: Vec<Message> =
+            lines.drain(..).map(|line| Message { durable: args.durable, ..Message::new(line) }).collect();
         match client.offer(&args.queue, batch.clone(), Some(Duration::from_secs(30))) {
             Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {
                 client.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() })?;
