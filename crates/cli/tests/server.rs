@@ -286,3 +286,32 @@ fn bench_queue_runs_every_mode_and_prints_json() {
         assert!(last["latency_p99_us"].as_f64().unwrap() >= last["latency_p50_us"].as_f64().unwrap());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_unix_socket_serves_the_same_queues() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("petrel.sock");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["serve", "--native-addr", "127.0.0.1:0", "--data"])
+        .arg(dir.path().join("data"))
+        .arg("--unix-socket")
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let native = lines.next().unwrap().unwrap();
+    let unix = lines.next().unwrap().unwrap();
+    assert!(native.starts_with("native 127.0.0.1:"), "{native}");
+    assert_eq!(unix, format!("unix {}", socket.display()));
+    let over_unix = Client::connect_unix(&socket).await.unwrap();
+    let over_tcp = Client::connect(native.strip_prefix("native ").unwrap()).await.unwrap();
+    over_unix.create_queue("both", QueueConfig::default()).await.unwrap();
+    over_tcp.offer("both", vec![msg("hi")], None).await.unwrap();
+    assert_eq!(texts(&over_unix.poll("both", TAKE).await.unwrap()), ["hi"]);
+    drop((over_unix, over_tcp));
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(child.wait().unwrap().success());
+    assert!(!socket.exists(), "the socket file is removed on shutdown");
+}
