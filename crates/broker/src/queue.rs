@@ -201,7 +201,7 @@ impl Queue {
         let mut guard = self.lock();
         let inner = &mut *guard;
         while out.deliveries.len() < max {
-            let Some((message, taken)) = inner.next(max - out.deliveries.len())? else { break };
+            let Some((message, taken)) = inner.next()? else { break };
             let size = message.size();
             if message.is_expired(now) {
                 inner.settle(&taken)?;
@@ -338,20 +338,16 @@ impl Inner {
     }
 
     /// The next message at the head, taken out of the ready set (not yet settled).
-    fn next(&mut self, max: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
+    fn next(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
         match &mut self.store {
             Store::Memory { ready, .. } => Ok(ready.pop_front().map(|m| (m.clone(), Taken::Memory(Box::new(m))))),
-            Store::Log { group, .. } => {
-                let _ = max;
-                match group.poll(1, Duration::ZERO) {
-                    Ok(batch) => Ok(batch
-                        .into_iter()
-                        .next()
-                        .map(|r| (message::from_record(&r, r.offset + 1), Taken::Log(r.offset)))),
-                    Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
-                    Err(e) => Err(e.into()),
+            Store::Log { group, .. } => match group.poll(1, Duration::ZERO) {
+                Ok(batch) => {
+                    Ok(batch.into_iter().next().map(|r| (message::from_record(&r, r.offset + 1), Taken::Log(r.offset))))
                 }
-            }
+                Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
+                Err(e) => Err(e.into()),
+            },
         }
     }
 

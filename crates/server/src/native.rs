@@ -180,8 +180,10 @@ async fn handle(
         },
         Request::Offer { queue, timeout_ms, messages } => {
             let messages: Vec<_> = messages.into_iter().map(convert::message_in).collect();
-            match broker.offer(&queue, messages.clone(), now_ns()) {
-                Err(BrokerError::Full(_)) if timeout_ms > 0 => {
+            // Only an offer that may have to wait for room needs its messages again.
+            let retry = (timeout_ms > 0).then(|| messages.clone());
+            match broker.offer(&queue, messages, now_ns()) {
+                Err(BrokerError::Full(_)) if let Some(messages) = retry => {
                     let (ctx, tx) = (Arc::clone(ctx), tx.clone());
                     tokio::spawn(async move {
                         let r = offer_waiting(&ctx, &queue, messages, timeout_ms).await;
