@@ -6,18 +6,24 @@
 //! queue, contents survive restarts) or in memory, temporary (owned by a connection), with
 //! tentative reads (ack, abort, visibility timeout, disconnect), expiry with dead letters, and
 //! fanout (offering to `q` also offers to every queue named `q+<child>`).
+//!
+//! Queue configuration comes from the queue's creator, or, for queues created by first use (the
+//! memcache protocol) and for queues named in the server's configuration, from the broker's
+//! options: a block per name, a fanout child inheriting its parent's, else the defaults.
 
+mod config;
 mod message;
 mod queue;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+pub use config::QueueConfig;
 pub use message::Message;
-pub use queue::{Delivery, Polled, Queue, QueueConfig, QueueStats};
+pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
 
 use petrel_log::{Durability, Log, Options};
 use serde::{Deserialize, Serialize};
@@ -46,18 +52,33 @@ pub enum BrokerError {
 /// Server-wide settings of the broker.
 #[derive(Clone, Debug)]
 pub struct BrokerOptions {
-    /// Durability of durable queues' logs.
+    /// Durability of durable queues' logs, unless their configuration names one.
     pub durability: Durability,
+    /// Largest segment of a durable queue's log. Segments start at `INITIAL_SEGMENT_BYTES` and
+    /// double up to this, so thousands of small queues take little disk.
     pub segment_bytes: u64,
     /// Largest message payload (plus headers) accepted.
     pub max_message_bytes: usize,
+    /// Configuration of queues created by first use, when no block below names them.
+    pub queue_defaults: QueueConfig,
+    /// Queues named in the server's configuration: created at open, and their configuration
+    /// replaces the stored one.
+    pub queues: BTreeMap<String, QueueConfig>,
 }
 
 impl Default for BrokerOptions {
     fn default() -> Self {
-        BrokerOptions { durability: Durability::None, segment_bytes: 64 << 20, max_message_bytes: 16 << 20 }
+        BrokerOptions {
+            durability: Durability::None,
+            segment_bytes: 64 << 20,
+            max_message_bytes: 16 << 20,
+            queue_defaults: QueueConfig::default(),
+            queues: BTreeMap::new(),
+        }
     }
 }
+
+pub const INITIAL_SEGMENT_BYTES: u64 = 128 << 10;
 
 #[derive(Serialize, Deserialize)]
 struct Definition {
@@ -68,10 +89,46 @@ struct Definition {
 pub struct Broker {
     dir: PathBuf,
     options: BrokerOptions,
-    queues: RwLock<HashMap<String, Arc<Queue>>>,
+    registry: RwLock<Registry>,
     /// Serializes changes to the set of queues and their definitions file.
     definitions: Mutex<()>,
     next_handle: AtomicU64,
+    created: AtomicU64,
+    removed: AtomicU64,
+}
+
+/// The queues, and for each fanout parent name the children that receive copies.
+#[derive(Default)]
+struct Registry {
+    queues: HashMap<String, Arc<Queue>>,
+    children: HashMap<String, Vec<Arc<Queue>>>,
+}
+
+impl Registry {
+    fn insert(&mut self, queue: Arc<Queue>) {
+        if let Some(parent) = fanout_parent(&queue.name) {
+            self.children.entry(parent.to_owned()).or_default().push(Arc::clone(&queue));
+        }
+        self.queues.insert(queue.name.clone(), queue);
+    }
+
+    fn remove(&mut self, name: &str) -> Option<Arc<Queue>> {
+        let queue = self.queues.remove(name)?;
+        if let Some(parent) = fanout_parent(name)
+            && let Some(children) = self.children.get_mut(parent)
+        {
+            children.retain(|c| !Arc::ptr_eq(c, &queue));
+            if children.is_empty() {
+                self.children.remove(parent);
+            }
+        }
+        Some(queue)
+    }
+}
+
+/// A fanout child's parent: the name up to its first `+` (`a+b` and `a+b+c` are children of `a`).
+pub fn fanout_parent(name: &str) -> Option<&str> {
+    name.split_once('+').map(|(parent, _)| parent)
 }
 
 const DEFINITIONS: &str = "queues.json";
@@ -81,12 +138,19 @@ impl Broker {
     pub fn open(dir: impl AsRef<Path>, options: BrokerOptions) -> Result<Broker, BrokerError> {
         let dir = dir.as_ref().to_path_buf();
         std::fs::create_dir_all(dir.join("queues")).map_err(|e| BrokerError::Definitions(e.to_string()))?;
+        for (name, config) in &options.queues {
+            check_name(name)?;
+            config.validate().map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
+        }
+        options.queue_defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))?;
         let broker = Broker {
             dir,
             options,
-            queues: RwLock::new(HashMap::new()),
+            registry: RwLock::new(Registry::default()),
             definitions: Mutex::new(()),
             next_handle: AtomicU64::new(1),
+            created: AtomicU64::new(0),
+            removed: AtomicU64::new(0),
         };
         let path = broker.dir.join(DEFINITIONS);
         let defs: Vec<Definition> = match std::fs::read(&path) {
@@ -95,18 +159,69 @@ impl Broker {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(BrokerError::Definitions(format!("{}: {e}", path.display()))),
         };
+        let mut changed = false;
         for def in defs {
-            let queue = broker.build(def.name.clone(), def.config, None)?;
-            broker.queues.write().unwrap_or_else(|e| e.into_inner()).insert(def.name, Arc::new(queue));
+            let config = match broker.options.queues.get(&def.name) {
+                Some(configured) if *configured != def.config => {
+                    tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
+                    changed = true;
+                    configured.clone()
+                }
+                _ => def.config,
+            };
+            let queue = broker.build(def.name, config, None)?;
+            broker.write().insert(Arc::new(queue));
+        }
+        for (name, config) in &broker.options.queues {
+            if broker.queue(name).is_none() {
+                let queue = broker.build(name.clone(), config.clone(), None)?;
+                broker.write().insert(Arc::new(queue));
+                changed = true;
+            }
+        }
+        if changed {
+            broker.save_definitions()?;
         }
         Ok(broker)
     }
 
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
+        self.registry.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Registry> {
+        self.registry.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The configuration a queue named `name` gets when it is created by first use.
+    pub fn config_for(&self, name: &str) -> QueueConfig {
+        let queues = &self.options.queues;
+        queues
+            .get(name)
+            .or_else(|| fanout_parent(name).and_then(|p| queues.get(p)))
+            .unwrap_or(&self.options.queue_defaults)
+            .clone()
+    }
+
+    /// The queue named `name`, created with `config_for(name)` if there is none (the memcache
+    /// protocol's queues come into being when first named).
+    pub fn queue_or_create(&self, name: &str) -> Result<Arc<Queue>, BrokerError> {
+        if let Some(q) = self.queue(name) {
+            return Ok(q);
+        }
+        match self.create_queue(name, self.config_for(name), None) {
+            Err(BrokerError::Exists(_)) => self.get(name),
+            other => other,
+        }
+    }
+
     fn build(&self, name: String, config: QueueConfig, owner: Option<ConnId>) -> Result<Queue, BrokerError> {
         if config.durable && !config.temporary {
+            let segment_bytes = self.options.segment_bytes;
             let options = Options {
-                durability: self.options.durability,
-                segment_bytes: self.options.segment_bytes,
+                durability: config.durability.unwrap_or(self.options.durability),
+                segment_bytes,
+                initial_segment_bytes: Some(INITIAL_SEGMENT_BYTES.min(segment_bytes)),
                 max_record_bytes: self.options.max_message_bytes + 64 * 1024,
                 retention: petrel_log::Retention { delete_consumed: true, ..Default::default() },
                 ..Options::default()
@@ -126,6 +241,7 @@ impl Broker {
         owner: Option<ConnId>,
     ) -> Result<Arc<Queue>, BrokerError> {
         check_name(name)?;
+        config.validate().map_err(BrokerError::BadRequest)?;
         if config.temporary && owner.is_none() {
             return Err(BrokerError::BadRequest("a temporary queue needs an owning connection".into()));
         }
@@ -134,21 +250,22 @@ impl Broker {
             return if q.config == config { Ok(q) } else { Err(BrokerError::Exists(name.to_owned())) };
         }
         let queue = Arc::new(self.build(name.to_owned(), config, owner)?);
-        self.queues.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned(), Arc::clone(&queue));
-        self.save_definitions()?;
+        self.write().insert(Arc::clone(&queue));
+        self.created.fetch_add(1, Ordering::Relaxed);
+        if !queue.config.temporary {
+            self.save_definitions()?;
+        }
         Ok(queue)
     }
 
     /// Removes a queue and its contents.
     pub fn remove_queue(&self, name: &str) -> Result<(), BrokerError> {
         let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
-        let queue = self
-            .queues
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name)
-            .ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
-        self.save_definitions()?;
+        let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
+        self.removed.fetch_add(1, Ordering::Relaxed);
+        if !queue.config.temporary {
+            self.save_definitions()?;
+        }
         queue.available.notify_waiters();
         if queue.config.durable && !queue.config.temporary {
             drop(queue);
@@ -158,7 +275,7 @@ impl Broker {
     }
 
     pub fn queue(&self, name: &str) -> Option<Arc<Queue>> {
-        self.queues.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
+        self.read().queues.get(name).cloned()
     }
 
     fn get(&self, name: &str) -> Result<Arc<Queue>, BrokerError> {
@@ -166,42 +283,55 @@ impl Broker {
     }
 
     pub fn queue_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.queues.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
+        let mut names: Vec<String> = self.read().queues.keys().cloned().collect();
         names.sort();
         names
     }
 
-    /// Offers to `name` (all or none), then a copy to each fanout child `name+…`. A child that is
-    /// full drops its copy (counted in its `dropped`).
+    /// Queues created since open.
+    pub fn queues_created(&self) -> u64 {
+        self.created.load(Ordering::Relaxed)
+    }
+
+    /// Queues removed since open.
+    pub fn queues_removed(&self) -> u64 {
+        self.removed.load(Ordering::Relaxed)
+    }
+
+    /// The names of the queues that receive a copy of what is offered to `name`.
+    pub fn fanout_children(&self, name: &str) -> Vec<String> {
+        let mut names: Vec<String> =
+            self.read().children.get(name).into_iter().flatten().map(|q| q.name.clone()).collect();
+        names.sort();
+        names
+    }
+
+    /// Offers to `name` (all or none), then a copy to each fanout child (`name+…`). A child that
+    /// refuses its copy (full, or the message too big for it) is skipped, counted in its `dropped`.
     pub fn offer(&self, name: &str, messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+        let queue = self.get(name)?;
+        self.offer_to(&queue, messages, now)
+    }
+
+    /// `offer` to a queue already looked up.
+    pub fn offer_to(&self, queue: &Queue, messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
         for m in &messages {
             if m.size() as usize > self.options.max_message_bytes {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
         }
-        let queue = self.get(name)?;
-        let children = self.children(name);
-        let copies = if children.is_empty() { None } else { Some(messages.clone()) };
-        let accepted = queue.offer(messages, now)?;
-        if let Some(copies) = copies {
-            for child in children {
-                if let Err(e) = child.offer(copies.clone(), now) {
-                    tracing::debug!(queue = %child.name, error = %e, "fanout copy dropped");
-                }
+        let children = self.read().children.get(&queue.name).cloned();
+        let Some(children) = children else { return queue.offer(messages, now) };
+        // Copies only of what the parent accepted: an offer retried while the parent is full
+        // must not fill the children with duplicates.
+        let accepted = queue.offer(messages.clone(), now)?;
+        for child in children {
+            if let Err(e) = child.offer(messages.clone(), now) {
+                child.count_dropped(messages.len() as u64);
+                tracing::debug!(queue = %child.name, error = %e, "fanout copy dropped");
             }
         }
         Ok(accepted)
-    }
-
-    fn children(&self, name: &str) -> Vec<Arc<Queue>> {
-        let prefix = format!("{name}+");
-        self.queues
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter(|(n, _)| n.starts_with(&prefix) && !n[prefix.len()..].contains('+'))
-            .map(|(_, q)| Arc::clone(q))
-            .collect()
     }
 
     /// Takes up to `max` messages (tentatively, with a visibility timeout). Expired messages it
@@ -215,10 +345,30 @@ impl Broker {
         now: u64,
     ) -> Result<Vec<Delivery>, BrokerError> {
         let queue = self.get(name)?;
+        self.poll_from(&queue, max, visibility, consumer, now)
+    }
+
+    /// `poll` from a queue already looked up.
+    pub fn poll_from(
+        &self,
+        queue: &Queue,
+        max: usize,
+        visibility: Option<Duration>,
+        consumer: ConnId,
+        now: u64,
+    ) -> Result<Vec<Delivery>, BrokerError> {
         let mut next_handle = || self.next_handle.fetch_add(1, Ordering::Relaxed);
         let polled = queue.poll(max, visibility, consumer, now, &mut next_handle)?;
-        self.dead_letter(&queue, polled.expired, now);
+        self.dead_letter(queue, polled.expired, now);
         Ok(polled.deliveries)
+    }
+
+    /// The message at the head of `queue`, left there. Expired messages met on the way are
+    /// removed (to the dead-letter queue).
+    pub fn peek(&self, queue: &Queue, now: u64) -> Result<Option<Message>, BrokerError> {
+        let (head, expired) = queue.peek(now)?;
+        self.dead_letter(queue, expired, now);
+        Ok(head)
     }
 
     pub fn ack(&self, name: &str, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
@@ -231,7 +381,7 @@ impl Broker {
 
     /// A connection closed: its tentative reads go back, its temporary queues go away.
     pub fn disconnect(&self, consumer: ConnId) {
-        let queues: Vec<Arc<Queue>> = self.queues.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let queues: Vec<Arc<Queue>> = self.read().queues.values().cloned().collect();
         for q in queues {
             if q.owner == Some(consumer) {
                 let _ = self.remove_queue(&q.name);
@@ -243,7 +393,7 @@ impl Broker {
 
     /// Periodic work: visibility timeouts and expiry. Call it every few tens of milliseconds.
     pub fn tick(&self, now: u64) {
-        let queues: Vec<Arc<Queue>> = self.queues.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        let queues: Vec<Arc<Queue>> = self.read().queues.values().cloned().collect();
         for q in queues {
             match q.tick(now) {
                 Ok(expired) => self.dead_letter(&q, expired, now),
@@ -263,8 +413,9 @@ impl Broker {
     }
 
     fn save_definitions(&self) -> Result<(), BrokerError> {
-        let queues = self.queues.read().unwrap_or_else(|e| e.into_inner());
-        let mut defs: Vec<Definition> = queues
+        let registry = self.read();
+        let mut defs: Vec<Definition> = registry
+            .queues
             .values()
             .filter(|q| !q.config.temporary)
             .map(|q| Definition { name: q.name.clone(), config: q.config.clone() })
@@ -272,6 +423,7 @@ impl Broker {
         defs.sort_by(|a, b| a.name.cmp(&b.name));
         let path = self.dir.join(DEFINITIONS);
         let tmp = path.with_extension("json.tmp");
+        drop(registry);
         let json = serde_json::to_vec_pretty(&defs).expect("definitions serialize");
         std::fs::write(&tmp, json)
             .and_then(|()| std::fs::File::open(&tmp)?.sync_all())

@@ -3,41 +3,37 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use petrel_log::{ConsumerGroup, GroupOptions, MAX_PENDING, SharedLog};
-use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
 use crate::message::{self, Message};
-use crate::{BrokerError, ConnId};
-
-/// How a queue behaves. Zero and "" mean "no limit" / "none".
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct QueueConfig {
-    pub max_items: u64,
-    pub max_bytes: u64,
-    /// When full, drop the oldest message to make room instead of refusing.
-    pub circular: bool,
-    pub durable: bool,
-    /// Removed when the connection that created it goes away.
-    pub temporary: bool,
-    pub ttl_ms: u64,
-    pub dead_letter: String,
-}
+use crate::{BrokerError, ConnId, QueueConfig};
 
 /// A queue's figures.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct QueueStats {
     pub items: u64,
+    /// Bytes of the messages waiting and in flight.
     pub bytes: u64,
     pub in_flight: u64,
+    pub in_flight_bytes: u64,
     pub total_offered: u64,
     pub total_polled: u64,
     pub expired: u64,
+    /// Dropped to make room (circular), or fanout copies the queue refused.
     pub dropped: u64,
+    /// Consumers waiting for a message.
     pub waiters: u64,
+    /// Messages taken tentatively.
+    pub opened: u64,
+    /// Tentative reads returned to the queue (abort, visibility timeout, disconnect).
+    pub aborted: u64,
+    pub flushes: u64,
+    /// When the message most recently taken from the queue was offered, ns (0: none yet).
+    pub last_taken_offered_at: u64,
 }
 
 /// A delivered message; `handle` is 0 when it was taken for good.
@@ -64,6 +60,16 @@ pub struct Queue {
     pub available: Notify,
     /// Woken when room may have become free.
     pub room: Notify,
+    waiters: AtomicU64,
+}
+
+/// Counts a consumer waiting on a queue while it lives (the queue's `waiters` figure).
+pub struct Waiting<'a>(&'a AtomicU64);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 struct Inner {
@@ -126,7 +132,26 @@ impl Queue {
             inner: Mutex::new(Inner { store, in_flight: HashMap::new(), bytes, counters: QueueStats::default() }),
             available: Notify::new(),
             room: Notify::new(),
+            waiters: AtomicU64::new(0),
         }
+    }
+
+    /// Marks a consumer as waiting until the guard is dropped.
+    pub fn waiting(&self) -> Waiting<'_> {
+        self.waiters.fetch_add(1, Ordering::Relaxed);
+        Waiting(&self.waiters)
+    }
+
+    /// Bytes of a durable queue's log files (0 in memory).
+    pub fn log_bytes(&self) -> u64 {
+        match &self.lock().store {
+            Store::Memory { .. } => 0,
+            Store::Log { log, .. } => log.stats().segment_bytes,
+        }
+    }
+
+    pub(crate) fn count_dropped(&self, n: u64) {
+        self.lock().counters.dropped += n;
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -138,11 +163,20 @@ impl Queue {
     pub fn offer(&self, mut messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
         let n = messages.len() as u64;
         let size: u64 = messages.iter().map(Message::size).sum();
+        let max_item = self.config.max_item_bytes;
+        if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
+            return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
+        }
+        let ttl_deadline = match self.config.ttl_ms {
+            0 => u64::MAX,
+            ttl => now.saturating_add(ttl.saturating_mul(1_000_000)),
+        };
         for m in &mut messages {
             m.timestamp = now;
             m.destination.clone_from(&self.name);
-            if m.expires_at == 0 && self.config.ttl_ms > 0 {
-                m.expires_at = now + self.config.ttl_ms * 1_000_000;
+            // The earlier of the message's own expiry and the queue's.
+            if ttl_deadline != u64::MAX && (m.expires_at == 0 || m.expires_at > ttl_deadline) {
+                m.expires_at = ttl_deadline;
             }
         }
         let mut inner = self.lock();
@@ -210,10 +244,12 @@ impl Queue {
                 out.expired.push(message);
                 continue;
             }
+            inner.counters.last_taken_offered_at = message.timestamp;
             let handle = match visibility {
                 Some(v) => {
                     let handle = next_handle();
-                    let deadline = now + v.as_nanos() as u64;
+                    let deadline = now.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
+                    inner.counters.opened += 1;
                     inner.in_flight.insert(handle, InFlight { consumer, deadline, bytes: size, item: taken });
                     handle
                 }
@@ -261,6 +297,7 @@ impl Queue {
                 n += 1;
             }
         }
+        inner.counters.aborted += n as u64;
         drop(inner);
         if n > 0 {
             self.available.notify_waiters();
@@ -284,6 +321,7 @@ impl Queue {
             let f = inner.in_flight.remove(h).expect("just seen");
             inner.put_back(f.item)?;
         }
+        inner.counters.aborted += overdue.len() as u64;
         let mut expired = Vec::new();
         if let Store::Memory { ready, .. } = &mut inner.store {
             while ready.front().is_some_and(|m| m.is_expired(now)) {
@@ -312,6 +350,7 @@ impl Queue {
             n += 1;
         }
         inner.bytes = inner.in_flight.values().map(|f| f.bytes).sum();
+        inner.counters.flushes += 1;
         drop(inner);
         self.room.notify_waiters();
         Ok(n)
@@ -323,8 +362,36 @@ impl Queue {
             items: inner.items(),
             bytes: inner.bytes,
             in_flight: inner.in_flight.len() as u64,
+            in_flight_bytes: inner.in_flight.values().map(|f| f.bytes).sum(),
+            waiters: self.waiters.load(Ordering::Relaxed),
             ..inner.counters.clone()
         }
+    }
+
+    /// The message at the head, left in place; expired messages before it are removed and
+    /// returned (for the dead-letter queue).
+    pub fn peek(&self, now: u64) -> Result<(Option<Message>, Vec<Message>), BrokerError> {
+        let mut expired = Vec::new();
+        let mut inner = self.lock();
+        let head = loop {
+            let head = match &mut inner.store {
+                Store::Memory { ready, .. } => ready.front().cloned(),
+                Store::Log { group, .. } => group.peek()?.map(|r| message::from_record(&r, r.offset + 1)),
+            };
+            match head {
+                Some(m) if m.is_expired(now) => {
+                    inner.drop_oldest()?;
+                    inner.counters.expired += 1;
+                    expired.push(m);
+                }
+                other => break other,
+            }
+        };
+        drop(inner);
+        if !expired.is_empty() {
+            self.room.notify_waiters();
+        }
+        Ok((head, expired))
     }
 }
 

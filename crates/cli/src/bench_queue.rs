@@ -70,6 +70,7 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 let config = petrel_server::Config {
                     data: dir.clone(),
                     native_addr: "127.0.0.1:0".parse()?,
+                    memcache_addr: None,
                     ..petrel_server::Config::default()
                 };
                 let server = petrel_server::Server::bind(config).await?;

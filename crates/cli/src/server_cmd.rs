@@ -27,13 +27,17 @@ pub struct ServeArgs {
     /// Also listen on this Unix socket.
     #[arg(long)]
     unix_socket: Option<PathBuf>,
+    /// Memcache (Kestrel) protocol address (default 127.0.0.1:22133; port 0 picks a free one;
+    /// "off" disables it).
+    #[arg(long)]
+    memcache_addr: Option<String>,
     /// Durability of durable queues: none, always, interval:MS.
     #[arg(long)]
     durability: Option<String>,
 }
 
 /// Runs the server until SIGTERM or SIGINT; prints one line per listener on stdout once it
-/// listens (`native <ip:port>`, `unix <path>`).
+/// listens (`native <ip:port>`, `memcache <ip:port>`, `unix <path>`).
 pub fn serve(args: ServeArgs) -> Res {
     let mut config = match &args.config {
         Some(path) => Config::load(path)?,
@@ -48,6 +52,9 @@ pub fn serve(args: ServeArgs) -> Res {
     if let Some(u) = args.unix_socket {
         config.unix_socket = Some(u);
     }
+    if let Some(m) = args.memcache_addr {
+        config.memcache_addr = petrel_server::parse_listener(&m).map_err(|e| format!("--memcache-addr {e}"))?;
+    }
     if let Some(d) = args.durability {
         config.durability = d;
     }
@@ -57,12 +64,15 @@ pub fn serve(args: ServeArgs) -> Res {
         let server = Server::bind(config).await?;
         let mut out = io::stdout().lock();
         writeln!(out, "native {}", server.native_addr())?;
+        if let Some(addr) = server.memcache_addr() {
+            writeln!(out, "memcache {addr}")?;
+        }
         if let Some(path) = unix {
             writeln!(out, "unix {}", path.display())?;
         }
         out.flush()?;
         drop(out);
-        tracing::info!(native = %server.native_addr(), "listening");
+        tracing::info!(native = %server.native_addr(), memcache = ?server.memcache_addr(), "listening");
         server.run(shutdown_signal()).await?;
         tracing::info!("stopped");
         Ok::<_, Box<dyn std::error::Error>>(())

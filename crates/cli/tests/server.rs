@@ -16,7 +16,7 @@ struct Server {
 impl Server {
     fn start(data: &Path) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-            .args(["serve", "--native-addr", "127.0.0.1:0", "--data"])
+            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0", "--data"])
             .arg(data)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -292,7 +292,7 @@ async fn the_unix_socket_serves_the_same_queues() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("petrel.sock");
     let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(["serve", "--native-addr", "127.0.0.1:0", "--data"])
+        .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0", "--data"])
         .arg(dir.path().join("data"))
         .arg("--unix-socket")
         .arg(&socket)
@@ -302,6 +302,8 @@ async fn the_unix_socket_serves_the_same_queues() {
         .unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let native = lines.next().unwrap().unwrap();
+    let memcache = lines.next().unwrap().unwrap();
+    assert!(memcache.starts_with("memcache 127.0.0.1:"), "{memcache}");
     let unix = lines.next().unwrap().unwrap();
     assert!(native.starts_with("native 127.0.0.1:"), "{native}");
     assert_eq!(unix, format!("unix {}", socket.display()));

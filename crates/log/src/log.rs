@@ -41,6 +41,8 @@ pub struct LogStats {
     pub first_offset: u64,
     pub next_offset: u64,
     pub segments: usize,
+    /// Bytes of the segment files (preallocated, so more than the records take).
+    pub segment_bytes: u64,
     /// Data syncs (fdatasync) done since open.
     pub syncs: u64,
 }
@@ -202,10 +204,12 @@ impl Shared {
     }
 
     pub(crate) fn stats(&self) -> LogStats {
+        let segments = self.segments.read().unwrap_or_else(|e| e.into_inner());
         LogStats {
             next_offset: self.next_offset.load(Ordering::Acquire),
             first_offset: self.first_offset(),
-            segments: self.segments.read().unwrap_or_else(|e| e.into_inner()).len(),
+            segments: segments.len(),
+            segment_bytes: segments.iter().map(|s| s.map.len() as u64).sum(),
             syncs: self.syncs.load(Ordering::Relaxed),
         }
     }
@@ -369,7 +373,8 @@ impl Log {
             let (seg, _) = Segment::open(&dir.join(segment::file_name(last)), last, true)?;
             segments.push(Arc::new(seg));
         } else {
-            segments.push(Arc::new(Segment::create(&dir, 0, options.segment_bytes, now, durable)?));
+            let len = options.initial_segment_bytes.unwrap_or(options.segment_bytes);
+            segments.push(Arc::new(Segment::create(&dir, 0, len, now, durable)?));
         }
         report.segments = segments.len();
         let active = Arc::clone(segments.last().unwrap());
@@ -407,10 +412,10 @@ impl Log {
             next_offset,
             last_timestamp: 0,
             clock: Clock::default(),
-            prefault_trigger: pos,
+            prefault_trigger: pos + prefault::STEP,
             next_index_pos,
             positions,
-            prefaulter: Prefaulter::start().map_err(io_err("spawn prefault thread", PathBuf::new()))?,
+            prefaulter: Prefaulter::default(),
             report,
             interval_thread,
             _lock: lock,
@@ -671,7 +676,11 @@ impl Log {
     fn roll(&mut self, needed: usize) -> Result<()> {
         let opts = &self.shared.options;
         let durable = opts.durability != Durability::None;
-        let len = opts.segment_bytes.max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
+        let grown = match opts.initial_segment_bytes {
+            Some(_) => (self.active.map.len() as u64 * 2).min(opts.segment_bytes),
+            None => opts.segment_bytes,
+        };
+        let len = grown.max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
         let next = Segment::create(&self.shared.dir, self.next_offset, len, now_ns(), durable)?;
         // Publish what is written, then seal: with a durability policy the sealed segment is
         // synced now, so later syncs need only cover the active segment.

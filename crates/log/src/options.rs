@@ -52,6 +52,9 @@ impl fmt::Display for Durability {
 pub struct Options {
     /// Bytes preallocated per segment file.
     pub segment_bytes: u64,
+    /// If set, the first segment has this size and each next one twice the last, up to
+    /// `segment_bytes`: a log that stays small (one of thousands of queues) takes little disk.
+    pub initial_segment_bytes: Option<u64>,
     /// Largest record (payload + key + headers) accepted by `append`.
     pub max_record_bytes: usize,
     pub durability: Durability,
@@ -80,6 +83,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
+            initial_segment_bytes: None,
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             durability: Durability::None,
             create: true,
@@ -98,6 +102,13 @@ impl Options {
             return Err(Error::Config(format!(
                 "segment_bytes must be a multiple of 4096 between {MIN_SEGMENT_BYTES} and {MAX_SEGMENT_BYTES}, not {}",
                 self.segment_bytes
+            )));
+        }
+        if let Some(initial) = self.initial_segment_bytes
+            && (initial < MIN_SEGMENT_BYTES || initial > self.segment_bytes || !initial.is_multiple_of(4096))
+        {
+            return Err(Error::Config(format!(
+                "initial_segment_bytes must be a multiple of 4096 between {MIN_SEGMENT_BYTES} and segment_bytes, not {initial}"
             )));
         }
         if self.max_record_bytes == 0 || self.max_record_bytes > MAX_MAX_RECORD_BYTES {

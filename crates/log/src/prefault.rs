@@ -2,7 +2,8 @@
 //! kernel's page-cache allocation and zeroing happen off the append path, on another core.
 //!
 //! The writer reports its position every `STEP` bytes; the thread keeps the pages up to
-//! `WINDOW` bytes past it faulted in, a `CHUNK` per system call.
+//! `WINDOW` bytes past it faulted in, a `CHUNK` per system call. The thread starts at the first
+//! report, so a log that never writes `STEP` bytes (a small queue among thousands) costs none.
 
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -24,21 +25,23 @@ struct State {
     stop: bool,
 }
 
+#[derive(Default)]
 pub(crate) struct Prefaulter {
     state: Arc<(Mutex<State>, Condvar)>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Prefaulter {
-    pub(crate) fn start() -> std::io::Result<Prefaulter> {
-        let state = Arc::new((Mutex::new(State::default()), Condvar::new()));
-        let shared = Arc::clone(&state);
-        let thread = std::thread::Builder::new().name("petrel-log-prefault".into()).spawn(move || run(&shared))?;
-        Ok(Prefaulter { state, thread: Some(thread) })
-    }
-
     /// The writer is at `pos` in `seg`.
-    pub(crate) fn advance(&self, seg: &Arc<Segment>, pos: usize) {
+    pub(crate) fn advance(&mut self, seg: &Arc<Segment>, pos: usize) {
+        if self.thread.is_none() {
+            let shared = Arc::clone(&self.state);
+            match std::thread::Builder::new().name("petrel-log-prefault".into()).spawn(move || run(&shared)) {
+                Ok(thread) => self.thread = Some(thread),
+                // Prefaulting only saves the writer page faults; go on without it.
+                Err(e) => tracing::warn!(error = %e, "no prefault thread"),
+            }
+        }
         let (lock, wake) = &*self.state;
         let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
         if !state.seg.as_ref().is_some_and(|s| Arc::ptr_eq(s, seg)) {

@@ -420,3 +420,30 @@ fn the_key_index_finds_the_last_record_with_a_key_and_survives_reopen() {
     let plain = Log::open(dir.path(), small(Durability::None)).unwrap();
     assert!(plain.reader().get_by_key(b"user-7").is_err(), "off unless asked for");
 }
+
+#[test]
+fn segments_grow_from_the_initial_size_and_reopen_keeps_the_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options {
+        segment_bytes: 4 * MIN_SEGMENT_BYTES,
+        initial_segment_bytes: Some(MIN_SEGMENT_BYTES),
+        ..Options::default()
+    };
+    let mut log = Log::open(dir.path(), opts.clone()).unwrap();
+    for i in 0..4000u64 {
+        log.append(&payload(i)).unwrap();
+    }
+    drop(log);
+    let sizes: Vec<u64> = segments(dir.path()).iter().map(|p| fs::metadata(p).unwrap().len()).collect();
+    assert!(sizes.len() >= 4, "{sizes:?}");
+    assert_eq!(&sizes[..3], &[MIN_SEGMENT_BYTES, 2 * MIN_SEGMENT_BYTES, 4 * MIN_SEGMENT_BYTES]);
+    assert!(sizes[3..].iter().all(|&s| s == 4 * MIN_SEGMENT_BYTES), "capped at segment_bytes: {sizes:?}");
+    let log = Log::open(dir.path(), opts).unwrap();
+    let got = read_all(&mut log.reader());
+    assert_eq!(got.len(), 4000);
+    assert!(got.iter().enumerate().all(|(i, r)| r.payload == payload(i as u64)));
+    let bad = Options { initial_segment_bytes: Some(8 * MIN_SEGMENT_BYTES), ..Options::default() };
+    assert!(bad.validate().is_ok(), "below segment_bytes is fine");
+    let bad = Options { segment_bytes: MIN_SEGMENT_BYTES, initial_segment_bytes: Some(2 * MIN_SEGMENT_BYTES), ..bad };
+    assert!(bad.validate().is_err(), "an initial size above segment_bytes is refused");
+}

@@ -1,11 +1,13 @@
 //! Server configuration: a TOML file, then flags on top. Every limit has a default that needs
 //! neither.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use petrel_broker::QueueConfig;
 use petrel_log::Durability;
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -16,6 +18,11 @@ pub struct Config {
     pub native_addr: SocketAddr,
     /// Native protocol over a Unix socket too, if set.
     pub unix_socket: Option<PathBuf>,
+    /// The memcache (Kestrel) protocol; "off" (or no value) disables it.
+    #[serde(deserialize_with = "listener")]
+    pub memcache_addr: Option<SocketAddr>,
+    /// Whether the memcache `shutdown` command stops the server (off: any client could).
+    pub memcache_shutdown: bool,
     /// Largest frame accepted (the length field), bytes.
     pub max_frame_bytes: u32,
     /// Largest message (payload + headers) accepted, bytes.
@@ -30,9 +37,28 @@ pub struct Config {
     pub segment_bytes: u64,
     /// How long in-flight requests may take to finish on shutdown, e.g. "5s".
     pub shutdown_grace: String,
+    /// Configuration of queues created by first use (memcache `set`/`get`) that no
+    /// `[queues.NAME]` block names. Kestrel's defaults: durable, no limits.
+    pub queue_defaults: toml::Table,
+    /// Queues by name: created at startup with these settings (the defaults fill in the rest;
+    /// a fanout child `a+b` with no block of its own takes `a`'s).
+    pub queues: BTreeMap<String, toml::Table>,
 }
 
 pub const DEFAULT_NATIVE_ADDR: &str = "127.0.0.1:22134";
+pub const DEFAULT_MEMCACHE_ADDR: &str = "127.0.0.1:22133";
+
+/// A listener address, or "off".
+pub fn parse_listener(text: &str) -> Result<Option<SocketAddr>, String> {
+    match text {
+        "off" | "" => Ok(None),
+        _ => text.parse().map(Some).map_err(|e| format!("{text:?}: {e}")),
+    }
+}
+
+fn listener<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
+    parse_listener(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+}
 
 impl Default for Config {
     fn default() -> Self {
@@ -40,6 +66,8 @@ impl Default for Config {
             data: PathBuf::from("petrel-data"),
             native_addr: DEFAULT_NATIVE_ADDR.parse().expect("valid address"),
             unix_socket: None,
+            memcache_addr: Some(DEFAULT_MEMCACHE_ADDR.parse().expect("valid address")),
+            memcache_shutdown: false,
             max_frame_bytes: petrel_proto::DEFAULT_MAX_FRAME,
             max_message_bytes: 16 << 20,
             max_in_flight_per_connection: 256,
@@ -48,6 +76,8 @@ impl Default for Config {
             durability: "none".into(),
             segment_bytes: 64 << 20,
             shutdown_grace: "5s".into(),
+            queue_defaults: toml::Table::new(),
+            queues: BTreeMap::new(),
         }
     }
 }
@@ -66,8 +96,39 @@ impl Config {
         humantime::parse_duration(&self.shutdown_grace).map_err(|e| format!("shutdown_grace: {e}"))
     }
 
+    /// The configuration of queues created by first use: Kestrel's defaults (durable) under the
+    /// file's `[queue_defaults]`.
+    pub fn queue_defaults(&self) -> Result<QueueConfig, String> {
+        let mut table = toml::Table::new();
+        table.insert("durable".into(), toml::Value::Boolean(true));
+        table.extend(self.queue_defaults.clone());
+        toml::Value::Table(table).try_into().map_err(|e| format!("queue_defaults: {e}"))
+    }
+
+    /// Every `[queues.NAME]` block over the defaults.
+    pub fn queues(&self) -> Result<BTreeMap<String, QueueConfig>, String> {
+        let mut defaults = toml::Table::new();
+        defaults.insert("durable".into(), toml::Value::Boolean(true));
+        defaults.extend(self.queue_defaults.clone());
+        let mut out = BTreeMap::new();
+        for (name, block) in &self.queues {
+            let mut table = defaults.clone();
+            // A child inherits its parent's block, then applies its own.
+            if let Some(parent) = petrel_broker::fanout_parent(name).and_then(|p| self.queues.get(p)) {
+                table.extend(parent.clone());
+            }
+            table.extend(block.clone());
+            let config: QueueConfig =
+                toml::Value::Table(table).try_into().map_err(|e| format!("queues.{name}: {e}"))?;
+            out.insert(name.clone(), config);
+        }
+        Ok(out)
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         self.durability()?;
+        self.queue_defaults()?;
+        self.queues()?;
         self.shutdown_grace()?;
         if (self.max_frame_bytes as usize) < 1024 {
             return Err("max_frame_bytes must be at least 1024".into());

@@ -54,6 +54,7 @@ pub(crate) fn config_in(c: proto::QueueConfig) -> broker::QueueConfig {
         temporary: c.temporary,
         ttl_ms: c.ttl_ms,
         dead_letter: c.dead_letter,
+        ..broker::QueueConfig::default()
     }
 }
 

@@ -1,9 +1,12 @@
-//! Petrel's server: listeners (TCP, Unix socket) speaking the native protocol over the broker.
-//! The memcache protocol, HTTP and TLS are to come, as more codecs over the same broker.
+//! Petrel's server: listeners speaking the native protocol (TCP, Unix socket) and the memcache
+//! protocol (TCP) over one broker. HTTP and TLS are to come, as more codecs over the same broker.
 
 mod config;
 mod convert;
+#[doc(hidden)]
+pub mod memcache;
 mod native;
+mod stats;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -11,17 +14,27 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-pub use config::{Config, DEFAULT_NATIVE_ADDR};
+pub use config::{Config, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, parse_listener};
 use petrel_broker::{Broker, BrokerOptions};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
+
+/// What every connection of every protocol shares.
+pub(crate) struct Ctx {
+    pub broker: Arc<Broker>,
+    pub config: Config,
+    pub stats: stats::ServerStats,
+    /// Notified when a client asks the server to stop (memcache `shutdown`, if allowed).
+    pub shutdown: Notify,
+}
 
 /// A server with its listeners bound, ready to `run`.
 pub struct Server {
-    ctx: Arc<native::Ctx>,
+    ctx: Arc<Ctx>,
     tcp: TcpListener,
     unix: Option<UnixListener>,
+    memcache: Option<TcpListener>,
 }
 
 impl Server {
@@ -32,6 +45,8 @@ impl Server {
             durability: config.durability()?,
             segment_bytes: config.segment_bytes,
             max_message_bytes: config.max_message_bytes,
+            queue_defaults: config.queue_defaults()?,
+            queues: config.queues()?,
         };
         let broker = Broker::open(&config.data, options).map_err(|e| format!("{}: {e}", config.data.display()))?;
         let tcp =
@@ -43,11 +58,20 @@ impl Server {
             }
             None => None,
         };
-        Ok(Server { ctx: Arc::new(native::Ctx { broker: Arc::new(broker), config }), tcp, unix })
+        let memcache = match config.memcache_addr {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
+            None => None,
+        };
+        let ctx = Ctx { broker: Arc::new(broker), config, stats: stats::ServerStats::new(), shutdown: Notify::new() };
+        Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache })
     }
 
     pub fn native_addr(&self) -> SocketAddr {
         self.tcp.local_addr().expect("a bound listener has an address")
+    }
+
+    pub fn memcache_addr(&self) -> Option<SocketAddr> {
+        self.memcache.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
     }
 
     /// Serves until `shutdown` completes; then stops accepting, lets requests in flight finish
@@ -77,6 +101,14 @@ impl Server {
             let full = connections.len() >= ctx.config.max_connections;
             tokio::select! {
                 _ = &mut shutdown => break,
+                _ = ctx.shutdown.notified() => break,
+                accepted = accept_tcp(self.memcache.as_ref()), if !full => match accepted {
+                    Ok(stream) => {
+                        let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                        connections.spawn(memcache::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone()));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "accept failed"),
+                },
                 accepted = self.tcp.accept(), if !full => match accepted {
                     Ok((stream, peer)) => {
                         let _ = stream.set_nodelay(true);
@@ -98,6 +130,7 @@ impl Server {
         }
         tracing::info!(connections = connections.len(), "shutting down");
         drop(self.tcp);
+        drop(self.memcache);
         if let (Some(_), Some(path)) = (self.unix, &ctx.config.unix_socket) {
             let _ = std::fs::remove_file(path);
         }
@@ -105,6 +138,17 @@ impl Server {
         while connections.join_next().await.is_some() {}
         ticker.abort();
         Ok(())
+    }
+}
+
+async fn accept_tcp(listener: Option<&TcpListener>) -> std::io::Result<tokio::net::TcpStream> {
+    match listener {
+        Some(l) => {
+            let (stream, _) = l.accept().await?;
+            let _ = stream.set_nodelay(true);
+            Ok(stream)
+        }
+        None => std::future::pending().await,
     }
 }
 

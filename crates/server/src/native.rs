@@ -10,17 +10,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use petrel_broker::{Broker, BrokerError, ConnId};
+use petrel_broker::{BrokerError, ConnId};
 use petrel_proto::{Delivery, FrameError, FrameKind, Request, Response, Status, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 
-use crate::convert;
-
-pub(crate) struct Ctx {
-    pub broker: Arc<Broker>,
-    pub config: crate::Config,
-}
+use crate::stats::add;
+use crate::{Ctx, convert};
 
 /// Serves one connection until the client closes it, a protocol error makes it unsafe to go on,
 /// or the server shuts down (then requests in flight finish first).
@@ -28,8 +24,11 @@ pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, mut shutdow
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
+    let counted = Arc::clone(&ctx);
+    let _connection = counted.stats.connection();
     let (mut rd, mut wr) = tokio::io::split(stream);
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(ctx.config.max_queued_responses);
+    let written = Arc::clone(&ctx);
     let writer = tokio::spawn(async move {
         while let Some(mut buf) = rx.recv().await {
             // Batch whatever else is ready into one write.
@@ -42,6 +41,7 @@ where
             if wr.write_all(&buf).await.is_err() {
                 break;
             }
+            add(&written.stats.bytes_written, buf.len() as u64);
         }
         let _ = wr.shutdown().await;
     });
@@ -107,7 +107,7 @@ where
         tokio::select! {
             read = rd.read_buf(&mut buf) => match read {
                 Ok(0) | Err(_) => break,
-                Ok(_) => {}
+                Ok(n) => add(&ctx.stats.bytes_read, n as u64),
             },
             _ = shutdown.changed() => break,
         }

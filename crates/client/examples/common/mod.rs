@@ -6,6 +6,7 @@ pub async fn local_server() -> (String, tempfile::TempDir) {
     let config = petrel_server::Config {
         data: dir.path().to_path_buf(),
         native_addr: "127.0.0.1:0".parse().unwrap(),
+        memcache_addr: None,
         ..petrel_server::Config::default()
     };
     let server = petrel_server::Server::bind(config).await.expect("server");

@@ -1,0 +1,378 @@
+//! The memcache text protocol, as Kestrel spoke it for queues: request lines (and the data block
+//! of a storage command) in, commands out. Pure: no I/O, no broker; `decode` is what the fuzz
+//! target and the property tests drive.
+//!
+//! Lines end in LF (CR before it is dropped); tokens are separated by runs of spaces or tabs; the
+//! command word is case-insensitive. A line longer than `MAX_LINE` closes the connection. A data
+//! block longer than the limit is read and thrown away, then refused, so the connection stays
+//! in step with the client.
+
+use bytes::{Buf, Bytes, BytesMut};
+
+/// Longest request line (memcache keys are at most 250 bytes; options add a little).
+pub const MAX_LINE: usize = 2048;
+/// Longest key, as memcached.
+pub const MAX_KEY: usize = 250;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Command {
+    /// `get`/`gets`: `key` is the key as sent (`VALUE` echoes it), `queue` the part before `/`.
+    Get { key: Bytes, queue: String, options: GetOptions },
+    Set { queue: String, flags: u32, exptime: i64, data: Bytes, noreply: bool },
+    /// `add`, `replace`, `append`, `prepend`, `cas`: framed (their data consumed), not supported.
+    OtherStorage { verb: String, noreply: bool },
+    Delete { queue: String, noreply: bool },
+    Flush { queue: String, noreply: bool },
+    /// `memcached_style`: the client sent a delay argument (`flush_all 0`) and expects `OK`.
+    FlushAll { memcached_style: bool, noreply: bool },
+    FlushExpired { queue: String },
+    FlushAllExpired,
+    Version,
+    Shutdown,
+    Quit,
+    Stats,
+    DumpStats { queues: Vec<String> },
+    Unknown { verb: String },
+}
+
+/// The options after a `get` key's queue name: `/t=MS`, `/open`, `/close`, `/abort`, `/peek`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GetOptions {
+    /// Wait up to this long for an item (0: do not wait).
+    pub timeout_ms: u32,
+    pub open: bool,
+    pub close: bool,
+    pub abort: bool,
+    pub peek: bool,
+}
+
+/// A request the server answers with an error line; `close` when the stream cannot be trusted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reject {
+    pub reply: String,
+    pub close: bool,
+}
+
+impl Reject {
+    fn keep(reply: impl Into<String>) -> Reject {
+        Reject { reply: reply.into(), close: false }
+    }
+    fn close(reply: impl Into<String>) -> Reject {
+        Reject { reply: reply.into(), close: true }
+    }
+}
+
+/// The decoder's state between calls: a storage command waiting for its data block, or a
+/// refused data block still being thrown away.
+#[derive(Debug)]
+pub struct Decoder {
+    max_data: usize,
+    pending: Option<(String, StorageLine)>,
+    skipping: usize,
+    after_skip: Option<Reject>,
+}
+
+impl Decoder {
+    /// `max_data`: the largest data block kept; bigger ones are discarded and refused.
+    pub fn new(max_data: usize) -> Decoder {
+        Decoder { max_data, pending: None, skipping: 0, after_skip: None }
+    }
+
+    /// The next request in `buf`, consuming its bytes; `None` when more bytes are needed.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Option<Result<Command, Reject>> {
+        if self.skipping > 0 {
+            let n = self.skipping.min(buf.len());
+            buf.advance(n);
+            self.skipping -= n;
+            if self.skipping > 0 {
+                return None;
+            }
+            return self.after_skip.take().map(Err);
+        }
+        if let Some((verb, line)) = self.pending.take() {
+            return self.data_block(buf, verb, line);
+        }
+        let Some(end) = buf.iter().take(MAX_LINE + 1).position(|&b| b == b'\n') else {
+            return (buf.len() > MAX_LINE).then(|| Err(Reject::close("CLIENT_ERROR line too long")));
+        };
+        let line_len = end + 1;
+        let line = &buf[..end];
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let tokens: Vec<&[u8]> = line.split(|b| *b == b' ' || *b == b'\t').filter(|t| !t.is_empty()).collect();
+        let Some(verb) = tokens.first() else {
+            buf.advance(line_len);
+            return Some(Err(Reject::keep("ERROR")));
+        };
+        let verb = String::from_utf8_lossy(verb).to_ascii_lowercase();
+        if matches!(verb.as_str(), "set" | "add" | "replace" | "append" | "prepend" | "cas") {
+            let line = storage_line(&verb, &tokens, self.max_data);
+            buf.advance(line_len);
+            return match line {
+                Ok(line) => self.data_block(buf, verb, line),
+                Err(StorageError { reject, skip: None }) => Some(Err(reject)),
+                Err(StorageError { reject, skip: Some(len) }) => {
+                    // Throw the data block away so the next line is read as a line.
+                    self.skipping = len.saturating_add(2);
+                    self.after_skip = Some(reject);
+                    self.decode(buf)
+                }
+            };
+        }
+        let result = command(&verb, &tokens);
+        buf.advance(line_len);
+        Some(result)
+    }
+
+    /// The data block of a storage command whose line (already consumed) said `line`; until it
+    /// has all arrived, the line waits in `pending`.
+    fn data_block(&mut self, buf: &mut BytesMut, verb: String, line: StorageLine) -> Option<Result<Command, Reject>> {
+        let len = line.len;
+        if buf.len() < len + 2 {
+            self.pending = Some((verb, line));
+            buf.reserve(len + 2 - buf.len());
+            return None;
+        }
+        if &buf[len..len + 2] != b"\r\n" {
+            buf.advance(len + 2);
+            return Some(Err(Reject::close("CLIENT_ERROR bad data chunk")));
+        }
+        let data = buf.split_to(len).freeze();
+        buf.advance(2);
+        let StorageLine { queue, flags, exptime, noreply, .. } = line;
+        Some(Ok(match verb.as_str() {
+            "set" => Command::Set { queue, flags, exptime, data, noreply },
+            _ => Command::OtherStorage { verb, noreply },
+        }))
+    }
+}
+
+/// What a storage command's line says.
+#[derive(Debug)]
+struct StorageLine {
+    queue: String,
+    flags: u32,
+    exptime: i64,
+    len: usize,
+    noreply: bool,
+}
+
+/// A storage line refused; `skip`: the length of its data block, if the line gave one.
+struct StorageError {
+    reject: Reject,
+    skip: Option<usize>,
+}
+
+fn storage_line(verb: &str, tokens: &[&[u8]], max_data: usize) -> Result<StorageLine, StorageError> {
+    let min_tokens = if verb == "cas" { 6 } else { 5 };
+    if tokens.len() < min_tokens {
+        return Err(StorageError { reject: Reject::close("CLIENT_ERROR bad command line format"), skip: None });
+    }
+    let Some(len) = number::<u64>(tokens[4]).and_then(|n| usize::try_from(n).ok()) else {
+        return Err(StorageError { reject: Reject::close("CLIENT_ERROR bad data chunk"), skip: None });
+    };
+    let flags = number::<i64>(tokens[2]).filter(|f| (i64::from(i32::MIN)..=i64::from(u32::MAX)).contains(f));
+    let exptime = number::<i64>(tokens[3]);
+    let refuse = |reply: &str| Err(StorageError { reject: Reject::keep(reply), skip: Some(len) });
+    if len > max_data {
+        return refuse("SERVER_ERROR object too large for cache");
+    }
+    if tokens[1].len() > MAX_KEY {
+        return refuse("CLIENT_ERROR key too long");
+    }
+    let Some(flags) = flags else { return refuse("CLIENT_ERROR bad flags") };
+    let Some(exptime) = exptime else { return refuse("CLIENT_ERROR bad exptime") };
+    Ok(StorageLine {
+        queue: String::from_utf8_lossy(tokens[1]).into_owned(),
+        flags: flags as u32,
+        exptime,
+        len,
+        noreply: tokens.get(min_tokens).is_some_and(|t| t.eq_ignore_ascii_case(b"noreply")),
+    })
+}
+
+/// A command without a data block.
+fn command(verb: &str, tokens: &[&[u8]]) -> Result<Command, Reject> {
+    let text = |t: &[u8]| String::from_utf8_lossy(t).into_owned();
+    let noreply = tokens.last().is_some_and(|t| t.eq_ignore_ascii_case(b"noreply")) && tokens.len() > 1;
+    let queue_arg = || match tokens.get(1) {
+        Some(q) if !q.eq_ignore_ascii_case(b"noreply") => Ok(text(q)),
+        _ => Err(Reject::keep(format!("CLIENT_ERROR {verb} needs a queue name"))),
+    };
+    Ok(match verb {
+        "get" | "gets" => {
+            let Some(key) = tokens.get(1) else { return Err(Reject::keep("CLIENT_ERROR get needs a key")) };
+            if key.len() > MAX_KEY {
+                return Err(Reject::keep("CLIENT_ERROR key too long"));
+            }
+            let (queue, options) = get_key(key)?;
+            Command::Get { key: Bytes::copy_from_slice(key), queue, options }
+        }
+        "delete" => Command::Delete { queue: queue_arg()?, noreply },
+        "flush" => Command::Flush { queue: queue_arg()?, noreply },
+        "flush_all" => Command::FlushAll { memcached_style: tokens.len() > 1 && !(noreply && tokens.len() == 2), noreply },
+        "flush_expired" => Command::FlushExpired { queue: queue_arg()? },
+        "flush_all_expired" => Command::FlushAllExpired,
+        "version" => Command::Version,
+        "shutdown" => Command::Shutdown,
+        "quit" => Command::Quit,
+        "stats" => Command::Stats,
+        "dump_stats" => Command::DumpStats { queues: tokens[1..].iter().map(|t| text(t)).collect() },
+        _ => Command::Unknown { verb: verb.to_owned() },
+    })
+}
+
+/// Splits `queue/opt/opt…` and checks the combination, as Kestrel does.
+fn get_key(key: &[u8]) -> Result<(String, GetOptions), Reject> {
+    let mut parts = key.split(|b| *b == b'/');
+    let queue = String::from_utf8_lossy(parts.next().unwrap_or_default()).into_owned();
+    if queue.is_empty() {
+        return Err(Reject::close("CLIENT_ERROR empty queue name"));
+    }
+    let mut o = GetOptions::default();
+    for part in parts {
+        match part {
+            b"open" => o.open = true,
+            b"close" => o.close = true,
+            b"abort" => o.abort = true,
+            b"peek" => o.peek = true,
+            b"" => {}
+            _ => match part.strip_prefix(b"t=") {
+                Some(ms) => match number::<i64>(ms) {
+                    Some(ms) => o.timeout_ms = ms.clamp(0, i64::from(u32::MAX)) as u32,
+                    None => return Err(Reject::close("CLIENT_ERROR bad timeout")),
+                },
+                // Kestrel ignored unknown options; a misspelt `/open` would then take the item
+                // for good, so it is refused.
+                None => {
+                    return Err(Reject::keep(format!("CLIENT_ERROR unknown option {:?}", String::from_utf8_lossy(part))));
+                }
+            },
+        }
+    }
+    if (o.peek && (o.open || o.close || o.abort)) || (o.abort && (o.open || o.close)) {
+        return Err(Reject::close("CLIENT_ERROR conflicting options"));
+    }
+    Ok((queue, o))
+}
+
+fn number<T: std::str::FromStr>(token: &[u8]) -> Option<T> {
+    std::str::from_utf8(token).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decode_all(input: &[u8], max_data: usize) -> Vec<Result<Command, Reject>> {
+        let mut d = Decoder::new(max_data);
+        let mut buf = BytesMut::from(input);
+        let mut out = Vec::new();
+        while let Some(r) = d.decode(&mut buf) {
+            out.push(r);
+        }
+        out
+    }
+
+    #[test]
+    fn set_and_get_with_options() {
+        let got = decode_all(b"set work 7 0 5\r\nhello\r\nGET work/t=250/open\r\ngets   work/close/open \n", 100);
+        assert_eq!(
+            got[0],
+            Ok(Command::Set { queue: "work".into(), flags: 7, exptime: 0, data: Bytes::from("hello"), noreply: false })
+        );
+        let Ok(Command::Get { key, queue, options }) = &got[1] else { panic!("{got:?}") };
+        assert_eq!((&key[..], queue.as_str()), (&b"work/t=250/open"[..], "work"));
+        assert_eq!(*options, GetOptions { timeout_ms: 250, open: true, ..GetOptions::default() });
+        let Ok(Command::Get { options, .. }) = &got[2] else { panic!("{got:?}") };
+        assert!(options.open && options.close);
+        assert_eq!(got.len(), 3);
+    }
+
+    #[test]
+    fn a_split_request_waits_for_its_bytes() {
+        let whole = b"set q 0 0 3 noreply\r\nabc\r\n";
+        for cut in 0..whole.len() {
+            let mut d = Decoder::new(100);
+            let mut buf = BytesMut::from(&whole[..cut]);
+            assert_eq!(d.decode(&mut buf), None, "cut at {cut}");
+            buf.extend_from_slice(&whole[cut..]);
+            let Some(Ok(Command::Set { noreply: true, data, .. })) = d.decode(&mut buf) else { panic!("cut {cut}") };
+            assert_eq!(&data[..], b"abc");
+            assert!(buf.is_empty());
+        }
+    }
+
+    #[test]
+    fn malformed_input_gets_error_replies() {
+        let close = |r: &str| Err(Reject::close(r));
+        let keep = |r: &str| Err(Reject::keep(r));
+        assert_eq!(decode_all(b"set q 0 0\r\n", 100), vec![close("CLIENT_ERROR bad command line format")]);
+        assert_eq!(decode_all(b"set q 0 0 x\r\n", 100), vec![close("CLIENT_ERROR bad data chunk")]);
+        assert_eq!(decode_all(b"set q 0 0 -1\r\n", 100), vec![close("CLIENT_ERROR bad data chunk")]);
+        assert_eq!(decode_all(b"set q 0 0 2\r\nabcd\r\n", 100), vec![close("CLIENT_ERROR bad data chunk")]);
+        // A bad flags or exptime token: the data block is skipped and the connection kept.
+        let got = decode_all(b"set q x 0 2\r\nab\r\nset q 0 y 1\r\na\r\nversion\r\n", 100);
+        assert_eq!(got, vec![keep("CLIENT_ERROR bad flags"), keep("CLIENT_ERROR bad exptime"), Ok(Command::Version)]);
+        // Too big: skipped, refused, in step for the next command.
+        let mut big = b"set q 0 0 300\r\n".to_vec();
+        big.extend(vec![b'x'; 300]);
+        big.extend_from_slice(b"\r\nversion\r\n");
+        let got = decode_all(&big, 100);
+        assert_eq!(got, vec![keep("SERVER_ERROR object too large for cache"), Ok(Command::Version)]);
+        assert_eq!(decode_all(b"get /open\r\n", 100), vec![close("CLIENT_ERROR empty queue name")]);
+        assert_eq!(decode_all(b"get q/peek/open\r\n", 100), vec![close("CLIENT_ERROR conflicting options")]);
+        assert_eq!(decode_all(b"get q/abort/close\r\n", 100), vec![close("CLIENT_ERROR conflicting options")]);
+        assert_eq!(decode_all(b"get q/t=soon\r\n", 100), vec![close("CLIENT_ERROR bad timeout")]);
+        assert_eq!(decode_all(b"get q/opne\r\n", 100), vec![keep("CLIENT_ERROR unknown option \"opne\"")]);
+        assert_eq!(decode_all(b"get\r\n", 100), vec![keep("CLIENT_ERROR get needs a key")]);
+        assert_eq!(decode_all(b"\r\n", 100), vec![keep("ERROR")]);
+        assert_eq!(decode_all(b"frobnicate q\r\n", 100), vec![Ok(Command::Unknown { verb: "frobnicate".into() })]);
+        assert_eq!(decode_all(&[b'g'; MAX_LINE + 1], 100), vec![close("CLIENT_ERROR line too long")]);
+        assert_eq!(decode_all(&[b'g'; MAX_LINE], 100), vec![], "not too long yet: wait for the end");
+    }
+
+    #[test]
+    fn flush_all_answers_as_the_client_expects() {
+        let got = decode_all(b"flush_all\r\nflush_all 0\r\nflush_all noreply\r\nflush_all 0 noreply\r\n", 10);
+        let style: Vec<_> = got
+            .into_iter()
+            .map(|c| match c {
+                Ok(Command::FlushAll { memcached_style, noreply }) => (memcached_style, noreply),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(style, vec![(false, false), (true, false), (false, true), (true, true)]);
+    }
+
+    proptest::proptest! {
+        /// Any bytes, in any chunks: the decoder never panics, never loops, and always consumes.
+        #[test]
+        fn arbitrary_bytes_never_panic(input: Vec<u8>, cut in 0usize..64) {
+            let mut d = Decoder::new(64);
+            let mut buf = BytesMut::new();
+            for chunk in input.chunks(cut.max(1)) {
+                buf.extend_from_slice(chunk);
+                let mut guard = 0;
+                while let Some(r) = d.decode(&mut buf) {
+                    guard += 1;
+                    proptest::prop_assert!(guard <= input.len() + 1);
+                    if matches!(r, Err(Reject { close: true, .. })) {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+
+        /// What a client writes with valid values decodes to the same values.
+        #[test]
+        fn sets_round_trip(queue in "[a-z][a-z0-9_+-]{0,20}", flags: u32, exptime in -1000i64..2_000_000,
+                           data in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
+            let mut wire = format!("set {queue} {flags} {exptime} {}\r\n", data.len()).into_bytes();
+            wire.extend_from_slice(&data);
+            wire.extend_from_slice(b"\r\n");
+            let got = decode_all(&wire, 1000);
+            proptest::prop_assert_eq!(got, vec![Ok(Command::Set {
+                queue, flags, exptime, data: Bytes::from(data), noreply: false })]);
+        }
+    }
+}

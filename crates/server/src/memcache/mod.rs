@@ -1,0 +1,458 @@
+//! The memcache text protocol (Kestrel's queue dialect) on one connection: `set` offers to a
+//! queue, `get` polls it, with `/t=`, `/open`, `/close`, `/abort` and `/peek`. Requests are
+//! answered one after another, in order; a client may pipeline them, and the answers to what it
+//! sent together go out in one write. The queues are the broker's, shared with the native
+//! protocol; a queue comes into being when first named, configured by `Broker::config_for`.
+
+pub mod codec;
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use petrel_broker::{BrokerError, ConnId, Message, Queue};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::watch;
+
+use crate::Ctx;
+use crate::stats::add;
+use codec::{Command, Decoder, GetOptions, Reject};
+
+/// The header that carries a memcache item's flags (when not 0), so they reach its reader.
+pub const FLAGS_HEADER: &str = "memcache-flags";
+/// Answers are written once this many bytes are waiting, even mid-pipeline.
+const FLUSH_AT: usize = 64 * 1024;
+/// While a `get` waits, requests pipelined behind it are read up to this many bytes (to notice
+/// a client that went away); past it, TCP holds the rest.
+const READ_AHEAD: usize = 1 << 20;
+
+/// Whether the connection goes on after a request.
+#[derive(PartialEq, Eq)]
+enum Flow {
+    Continue,
+    Close,
+}
+
+struct Session<S> {
+    ctx: Arc<Ctx>,
+    conn: ConnId,
+    stream: S,
+    input: BytesMut,
+    out: Vec<u8>,
+    /// This connection's open (tentatively read) item per queue: its broker handle.
+    open: HashMap<String, u64>,
+    shutdown: watch::Receiver<bool>,
+}
+
+/// Serves one connection until the client quits or goes away, a request makes the stream
+/// untrustworthy, or the server shuts down. Items it left open go back to their queues.
+pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, shutdown: watch::Receiver<bool>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let counted = Arc::clone(&ctx);
+    let _connection = counted.stats.connection();
+    let mut decoder = Decoder::new(ctx.config.max_message_bytes);
+    let mut s = Session {
+        ctx,
+        conn,
+        stream,
+        input: BytesMut::with_capacity(16 * 1024),
+        out: Vec::with_capacity(16 * 1024),
+        open: HashMap::new(),
+        shutdown,
+    };
+    'serve: loop {
+        while let Some(request) = decoder.decode(&mut s.input) {
+            let flow = match request {
+                Ok(command) => s.execute(command).await,
+                Err(Reject { reply, close }) => {
+                    s.line(&reply);
+                    if close { Flow::Close } else { Flow::Continue }
+                }
+            };
+            if flow == Flow::Close || (s.out.len() >= FLUSH_AT && !s.flush().await) {
+                break 'serve;
+            }
+        }
+        if !s.flush().await || *s.shutdown.borrow() {
+            break;
+        }
+        tokio::select! {
+            read = s.stream.read_buf(&mut s.input) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(n) => add(&s.ctx.stats.bytes_read, n as u64),
+            },
+            _ = s.shutdown.changed() => break,
+        }
+    }
+    s.flush().await;
+    let _ = s.stream.shutdown().await;
+    s.ctx.broker.disconnect(conn);
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
+    fn line(&mut self, text: &str) {
+        self.out.extend_from_slice(text.as_bytes());
+        self.out.extend_from_slice(b"\r\n");
+    }
+
+    /// Writes the answers waiting; `false` if the client is gone.
+    async fn flush(&mut self) -> bool {
+        if self.out.is_empty() {
+            return true;
+        }
+        let ok = self.stream.write_all(&self.out).await.is_ok();
+        add(&self.ctx.stats.bytes_written, self.out.len() as u64);
+        self.out.clear();
+        ok
+    }
+
+    async fn execute(&mut self, command: Command) -> Flow {
+        match command {
+            Command::Get { key, queue, options } => return self.get(key, &queue, options).await,
+            Command::Set { queue, flags, exptime, data, noreply } => {
+                let reply = self.set(&queue, flags, exptime, data);
+                if !noreply {
+                    self.line(&reply);
+                }
+            }
+            Command::OtherStorage { verb, noreply } => {
+                if !noreply {
+                    self.line(&format!("CLIENT_ERROR {verb} is not supported by a queue; use set"));
+                }
+            }
+            Command::Delete { queue, noreply } => {
+                self.open.remove(&queue);
+                match self.ctx.broker.remove_queue(&queue) {
+                    Ok(()) | Err(BrokerError::NotFound(_)) => {
+                        if !noreply {
+                            self.line("DELETED");
+                        }
+                    }
+                    Err(e) => self.line(&server_error(&e)),
+                }
+            }
+            Command::Flush { queue, noreply } => {
+                if let Some(q) = self.ctx.broker.queue(&queue)
+                    && let Err(e) = q.flush()
+                {
+                    self.line(&server_error(&e));
+                } else if !noreply {
+                    self.line("END");
+                }
+            }
+            Command::FlushAll { memcached_style, noreply } => {
+                for name in self.ctx.broker.queue_names() {
+                    if let Some(q) = self.ctx.broker.queue(&name)
+                        && let Err(e) = q.flush()
+                    {
+                        tracing::error!(queue = %name, error = %e, "flush failed");
+                    }
+                }
+                if !noreply {
+                    // Kestrel's own sentence, unless the client sent memcached's delay argument
+                    // and so expects memcached's `OK`.
+                    self.line(if memcached_style { "OK" } else { "Flushed all queues." });
+                }
+            }
+            Command::FlushExpired { queue } => {
+                let n = self.flush_expired(&queue);
+                self.line(&n.to_string());
+            }
+            Command::FlushAllExpired => {
+                let n: u64 = self.ctx.broker.queue_names().iter().map(|q| self.flush_expired(q)).sum();
+                self.line(&n.to_string());
+            }
+            Command::Version => self.line(&format!("VERSION petrel-{}", env!("CARGO_PKG_VERSION"))),
+            Command::Shutdown => {
+                if self.ctx.config.memcache_shutdown {
+                    tracing::info!(conn = self.conn, "shutdown requested over memcache");
+                    self.ctx.shutdown.notify_one();
+                    return Flow::Close;
+                }
+                self.line("CLIENT_ERROR shutdown is disabled (memcache_shutdown = true enables it)");
+            }
+            Command::Quit => return Flow::Close,
+            Command::Stats => self.stats(),
+            Command::DumpStats { queues } => self.dump_stats(&queues),
+            Command::Unknown { verb } => {
+                tracing::debug!(conn = self.conn, verb, "unknown memcache command");
+                self.line("ERROR");
+            }
+        }
+        Flow::Continue
+    }
+
+    fn set(&mut self, queue: &str, flags: u32, exptime: i64, data: Bytes) -> String {
+        add(&self.ctx.stats.cmd_set, 1);
+        if petrel_broker::check_name(queue).is_err() {
+            return "CLIENT_ERROR bad queue name".into();
+        }
+        let now = now_ns();
+        let mut message = Message::new(data);
+        message.expires_at = expires_at(exptime, now);
+        if flags != 0 {
+            message.headers.push((FLAGS_HEADER.into(), Bytes::from(flags.to_string())));
+        }
+        let broker = &self.ctx.broker;
+        match broker.queue_or_create(queue).and_then(|q| broker.offer_to(&q, vec![message], now)) {
+            Ok(_) => "STORED".into(),
+            Err(BrokerError::Full(_) | BrokerError::TooLarge { .. }) => "NOT_STORED".into(),
+            Err(e) => server_error(&e),
+        }
+    }
+
+    async fn get(&mut self, key: Bytes, name: &str, o: GetOptions) -> Flow {
+        if petrel_broker::check_name(name).is_err() {
+            self.line("CLIENT_ERROR bad queue name");
+            return Flow::Continue;
+        }
+        let broker = Arc::clone(&self.ctx.broker);
+        if o.abort {
+            if let Some(handle) = self.open.remove(name) {
+                let _ = broker.abort(name, &[handle], self.conn);
+            }
+            self.line("END");
+            return Flow::Continue;
+        }
+        if o.close {
+            if let Some(handle) = self.open.remove(name)
+                && let Err(e) = broker.ack(name, &[handle], self.conn)
+                && !matches!(e, BrokerError::NotFound(_))
+            {
+                self.line(&server_error(&e));
+                return Flow::Continue;
+            }
+            if !o.open {
+                self.line("END");
+                return Flow::Continue;
+            }
+        }
+        if self.open.contains_key(name) && !o.peek {
+            // One open item per queue per connection: a second open, or a plain get while one is
+            // open, is an error that ends the connection (which returns the open item).
+            self.line("ERROR");
+            return Flow::Close;
+        }
+        let stats = &self.ctx.stats;
+        add(if o.peek { &stats.cmd_peek } else { &stats.cmd_get }, 1);
+        let deadline = Instant::now() + Duration::from_millis(u64::from(o.timeout_ms));
+        let mut created = match broker.queue_or_create(name) {
+            Ok(q) => Some(q),
+            Err(e) => {
+                self.line(&server_error(&e));
+                return Flow::Continue;
+            }
+        };
+        loop {
+            // After a wait, look the queue up again: it may have been deleted (or made anew).
+            let Some(queue) = created.take().or_else(|| broker.queue(name)) else {
+                add(&self.ctx.stats.get_misses, 1);
+                self.line("END");
+                return Flow::Continue;
+            };
+            let notified = queue.available.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let now = now_ns();
+            let item = if o.peek {
+                broker.peek(&queue, now).map(|m| m.map(|m| (0, m)))
+            } else {
+                let visibility = o.open.then_some(Duration::MAX);
+                broker.poll_from(&queue, 1, visibility, self.conn, now).map(|d| d.into_iter().next().map(|d| (d.handle, d.message)))
+            };
+            match item {
+                Ok(Some((handle, message))) => {
+                    if o.open {
+                        self.open.insert(name.to_owned(), handle);
+                    }
+                    add(&self.ctx.stats.get_hits, 1);
+                    self.value(&key, &message);
+                    return Flow::Continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.line(&server_error(&e));
+                    return Flow::Continue;
+                }
+            }
+            if Instant::now() >= deadline || *self.shutdown.borrow() {
+                add(&self.ctx.stats.get_misses, 1);
+                self.line("END");
+                return Flow::Continue;
+            }
+            if !self.flush().await {
+                return Flow::Close;
+            }
+            let _waiting = queue.waiting();
+            let reading = self.input.len() < READ_AHEAD;
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep_until(deadline.into()) => {}
+                _ = self.shutdown.changed() => {}
+                read = self.stream.read_buf(&mut self.input), if reading => match read {
+                    // The client went away: stop waiting, so no item is taken for nobody.
+                    Ok(0) | Err(_) => return Flow::Close,
+                    Ok(n) => add(&self.ctx.stats.bytes_read, n as u64),
+                },
+            }
+        }
+    }
+
+    fn value(&mut self, key: &[u8], m: &Message) {
+        let flags = m
+            .headers
+            .iter()
+            .find(|(name, _)| name == FLAGS_HEADER)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u32>().ok())
+            .unwrap_or(0);
+        self.out.extend_from_slice(b"VALUE ");
+        self.out.extend_from_slice(key);
+        let _ = write!(self.out, " {flags} {}\r\n", m.payload.len());
+        self.out.extend_from_slice(&m.payload);
+        self.out.extend_from_slice(b"\r\nEND\r\n");
+    }
+
+    fn flush_expired(&self, name: &str) -> u64 {
+        let Some(q) = self.ctx.broker.queue(name) else { return 0 };
+        let before = q.stats().expired;
+        if let Err(e) = self.ctx.broker.peek(&q, now_ns()) {
+            tracing::error!(queue = name, error = %e, "flush_expired failed");
+        }
+        q.stats().expired - before
+    }
+
+    fn stats(&mut self) {
+        let ctx = Arc::clone(&self.ctx);
+        let broker = &ctx.broker;
+        let queues: Vec<Arc<Queue>> = broker.queue_names().iter().filter_map(|n| broker.queue(n)).collect();
+        let per_queue: Vec<_> = queues.iter().map(|q| (q, q.stats())).collect();
+        let s = &ctx.stats;
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        let mut put = |name: &str, value: &dyn std::fmt::Display| {
+            let _ = write!(self.out, "STAT {name} {value}\r\n");
+        };
+        put("uptime", &s.started.elapsed().as_secs());
+        put("time", &now.as_secs());
+        put("version", &format!("petrel-{}", env!("CARGO_PKG_VERSION")));
+        put("curr_items", &per_queue.iter().map(|(_, st)| st.items).sum::<u64>());
+        put("total_items", &per_queue.iter().map(|(_, st)| st.total_offered).sum::<u64>());
+        put("bytes", &per_queue.iter().map(|(_, st)| st.bytes - st.in_flight_bytes).sum::<u64>());
+        put("curr_connections", &get(&s.curr_connections));
+        put("total_connections", &get(&s.total_connections));
+        put("cmd_get", &get(&s.cmd_get));
+        put("cmd_set", &get(&s.cmd_set));
+        put("cmd_peek", &get(&s.cmd_peek));
+        put("get_hits", &get(&s.get_hits));
+        put("get_misses", &get(&s.get_misses));
+        put("bytes_read", &get(&s.bytes_read));
+        put("bytes_written", &get(&s.bytes_written));
+        put("queue_creates", &broker.queues_created());
+        put("queue_deletes", &broker.queues_removed());
+        put("queue_expires", &0);
+        for (q, st) in &per_queue {
+            for (stat, value) in queue_stats(broker, q, st) {
+                put(&format!("queue_{}_{stat}", q.name), &value);
+            }
+        }
+        self.line("END");
+    }
+
+    fn dump_stats(&mut self, names: &[String]) {
+        let broker = Arc::clone(&self.ctx.broker);
+        let names = if names.is_empty() { broker.queue_names() } else { names.to_vec() };
+        for name in names {
+            let Some(q) = broker.queue(&name) else { continue };
+            let _ = write!(self.out, "queue '{name}' {{\r\n");
+            for (stat, value) in queue_stats(&broker, &q, &q.stats()) {
+                let _ = write!(self.out, "  {stat}={value}\r\n");
+            }
+            self.line("}");
+        }
+        self.line("END");
+    }
+}
+
+/// A queue's figures under Kestrel's names.
+fn queue_stats(
+    broker: &petrel_broker::Broker,
+    q: &Queue,
+    st: &petrel_broker::QueueStats,
+) -> Vec<(&'static str, String)> {
+    let age_ms = if st.items == 0 || st.last_taken_offered_at == 0 {
+        0
+    } else {
+        now_ns().saturating_sub(st.last_taken_offered_at) / 1_000_000
+    };
+    // Kestrel counts open items apart from the queue's items and bytes.
+    let bytes = st.bytes - st.in_flight_bytes;
+    let mut out = vec![
+        ("items", st.items.to_string()),
+        ("bytes", bytes.to_string()),
+        ("total_items", st.total_offered.to_string()),
+        ("logsize", q.log_bytes().to_string()),
+        ("expired_items", st.expired.to_string()),
+        ("mem_items", st.items.to_string()),
+        ("mem_bytes", bytes.to_string()),
+        ("age", age_ms.to_string()),
+        ("discarded", st.dropped.to_string()),
+        ("waiters", st.waiters.to_string()),
+        ("open_transactions", st.in_flight.to_string()),
+        ("transactions", st.opened.to_string()),
+        ("canceled_transactions", st.aborted.to_string()),
+        ("total_flushes", st.flushes.to_string()),
+    ];
+    let children = broker.fanout_children(&q.name);
+    if !children.is_empty() {
+        out.push(("children", children.join(",")));
+    }
+    out
+}
+
+fn server_error(e: &BrokerError) -> String {
+    match e {
+        BrokerError::BadRequest(reason) => format!("CLIENT_ERROR {reason}"),
+        BrokerError::NotFound(_) | BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::Exists(_) => {
+            format!("SERVER_ERROR {e}")
+        }
+        BrokerError::Storage(_) | BrokerError::Definitions(_) => {
+            tracing::error!(error = %e, "memcache request failed");
+            format!("SERVER_ERROR {e}")
+        }
+    }
+}
+
+/// memcache's expiry in seconds, as Kestrel reads it: 0 never; below 1,000,000 relative to now;
+/// from there on a Unix time; negative already expired.
+fn expires_at(exptime: i64, now: u64) -> u64 {
+    const NS: i64 = 1_000_000_000;
+    match exptime {
+        0 => 0,
+        e if e < 0 => 1,
+        e if e < 1_000_000 => now.saturating_add(e as u64 * NS as u64),
+        e => (e as u64).saturating_mul(NS as u64).max(1),
+    }
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expires_at;
+
+    #[test]
+    fn expiry_follows_memcache_rules() {
+        let now = 1_700_000_000 * 1_000_000_000u64;
+        assert_eq!(expires_at(0, now), 0);
+        assert_eq!(expires_at(5, now), now + 5_000_000_000);
+        assert_eq!(expires_at(1_800_000_000, now), 1_800_000_000 * 1_000_000_000);
+        assert!(expires_at(-1, now) < now && expires_at(-1, now) != 0);
+    }
+}
