@@ -15,6 +15,14 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== tests"
 cargo test --workspace --locked
 
+echo "== memcache protocol with an off-the-shelf client (pymemcache)"
+if [ ! -x target/pyenv/bin/python ]; then
+  python3.11 -m venv target/pyenv 2>/dev/null || python3 -m venv target/pyenv
+fi
+target/pyenv/bin/pip install -q --disable-pip-version-check -r tests/requirements.txt
+cargo build -q --locked -p petrel
+PETREL_BIN="$PWD/target/debug/petrel" target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests
+
 echo "== examples"
 for example in queue consumer_groups message_store; do
   cargo run -q --locked -p petrel-log --example "$example" > /dev/null

@@ -407,7 +407,9 @@ impl Broker {
             return;
         }
         let expired = expired.into_iter().map(|m| Message { expires_at: 0, ..m }).collect();
-        if let Err(e) = self.offer(&from.config.dead_letter, expired, now) {
+        // Like Kestrel's expire_to_queue, the dead-letter queue is made by first use.
+        let to = self.queue_or_create(&from.config.dead_letter);
+        if let Err(e) = to.and_then(|to| self.offer_to(&to, expired, now)) {
             tracing::warn!(queue = %from.name, dead_letter = %from.config.dead_letter, error = %e, "expired messages lost");
         }
     }

@@ -96,6 +96,16 @@ enum Taken {
     Log(u64),
 }
 
+impl Taken {
+    /// Orders takings as their messages were offered.
+    fn id(&self) -> u64 {
+        match self {
+            Taken::Memory(m) => m.id,
+            Taken::Log(offset) => *offset,
+        }
+    }
+}
+
 const GROUP: &str = "broker";
 
 impl Queue {
@@ -104,9 +114,11 @@ impl Queue {
     }
 
     /// A durable queue on `log`. Records not yet acknowledged by its group are the queue's
-    /// contents, including those taken tentatively before a restart.
+    /// contents, including those taken tentatively before a restart. (Records acknowledged out
+    /// of order before a restart stay acknowledged; their bytes are counted until the group
+    /// passes them, a small overcount.)
     pub(crate) fn on_log(name: String, config: QueueConfig, log: SharedLog) -> Result<Queue, BrokerError> {
-        let mut group = log.group(GROUP, GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
+        let group = log.group(GROUP, GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
         // Count what is waiting (bytes are not in the log's indexes).
         let mut reader = log.reader();
         reader.seek(group.committed());
@@ -120,7 +132,6 @@ impl Queue {
                 bytes += message::from_record(&r, 0).size();
             }
         }
-        group.seek(petrel_log::SeekTo::Offset(group.committed()))?;
         Ok(Queue::with_store(name, config, None, Store::Log { log, group: Box::new(group) }, bytes))
     }
 
@@ -289,15 +300,14 @@ impl Queue {
     /// Puts tentative deliveries of `consumer` back at the head of the queue.
     pub fn abort(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
         let mut inner = self.lock();
-        let mut n = 0;
+        let mut returned = Vec::new();
         for h in handles {
             if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
-                let f = inner.in_flight.remove(h).expect("just seen");
-                inner.put_back(f.item)?;
-                n += 1;
+                returned.push(inner.in_flight.remove(h).expect("just seen").item);
             }
         }
-        inner.counters.aborted += n as u64;
+        let n = returned.len() as u32;
+        inner.put_back_all(returned)?;
         drop(inner);
         if n > 0 {
             self.available.notify_waiters();
@@ -317,11 +327,8 @@ impl Queue {
     pub fn tick(&self, now: u64) -> Result<Vec<Message>, BrokerError> {
         let mut inner = self.lock();
         let overdue: Vec<u64> = inner.in_flight.iter().filter(|(_, f)| f.deadline <= now).map(|(h, _)| *h).collect();
-        for h in &overdue {
-            let f = inner.in_flight.remove(h).expect("just seen");
-            inner.put_back(f.item)?;
-        }
-        inner.counters.aborted += overdue.len() as u64;
+        let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen").item).collect();
+        inner.put_back_all(returned)?;
         let mut expired = Vec::new();
         if let Store::Memory { ready, .. } = &mut inner.store {
             while ready.front().is_some_and(|m| m.is_expired(now)) {
@@ -424,6 +431,13 @@ impl Inner {
             (Store::Log { group, .. }, Taken::Log(offset)) => Ok(group.ack(*offset)?),
             _ => Ok(()),
         }
+    }
+
+    /// Taken messages go back to the head, in the order they were offered (and counted).
+    fn put_back_all(&mut self, mut taken: Vec<Taken>) -> Result<(), BrokerError> {
+        self.counters.aborted += taken.len() as u64;
+        taken.sort_by_key(|t| std::cmp::Reverse(t.id()));
+        taken.into_iter().try_for_each(|t| self.put_back(t))
     }
 
     /// A taken message goes back to the head.

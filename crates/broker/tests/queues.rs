@@ -113,16 +113,21 @@ fn expired_messages_go_to_the_dead_letter_queue() {
         let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
         b.create_queue("dead", QueueConfig::default(), None).unwrap();
         b.create_queue("q", QueueConfig { ttl_ms: 50, dead_letter: "dead".into(), ..config.clone() }, None).unwrap();
-        let mut own = Message::new(&b"own-expiry"[..]);
-        own.expires_at = 1_000 * MS;
-        b.offer("q", vec![Message::new(&b"ttl"[..]), own], 0).unwrap();
+        let mut early = Message::new(&b"own-early"[..]);
+        early.expires_at = 30 * MS;
+        let mut late = Message::new(&b"own-late"[..]);
+        late.expires_at = 1_000 * MS;
+        b.offer("q", vec![Message::new(&b"ttl"[..]), early, late], 0).unwrap();
         b.tick(10 * MS);
-        assert_eq!(b.queue("q").unwrap().stats().items, 2, "nothing expired yet");
+        assert_eq!(b.queue("q").unwrap().stats().items, 3, "nothing expired yet");
+        let live = b.poll("q", 5, VIS, 1, 40 * MS).unwrap();
+        assert_eq!(payloads(&live), [b"ttl".to_vec(), b"own-late".to_vec()], "{config:?}: the early one expired");
+        b.abort("q", &live.iter().map(|d| d.handle).collect::<Vec<_>>(), 1).unwrap();
         let live = b.poll("q", 5, VIS, 1, 60 * MS).unwrap();
-        assert_eq!(payloads(&live), [b"own-expiry".to_vec()], "{config:?}: the TTL one expired");
+        assert!(live.is_empty(), "{config:?}: the queue's TTL caps a later expiry of the message's own");
         let dead = b.poll("dead", 5, None, 1, 60 * MS).unwrap();
-        assert_eq!(payloads(&dead), [b"ttl".to_vec()]);
-        assert_eq!(b.queue("q").unwrap().stats().expired, 1);
+        assert_eq!(payloads(&dead), [b"own-early".to_vec(), b"ttl".to_vec(), b"own-late".to_vec()]);
+        assert_eq!(b.queue("q").unwrap().stats().expired, 3);
     }
 }
 
@@ -134,10 +139,15 @@ fn fanout_children_get_copies() {
         b.create_queue(q, QueueConfig::default(), None).unwrap();
     }
     b.offer("orders", msgs(&["o1"]), 0).unwrap();
-    for q in ["orders", "orders+audit", "orders+billing"] {
+    // As in Kestrel, a child's parent is the name before the first `+`.
+    for q in ["orders", "orders+audit", "orders+billing", "orders+audit+deep"] {
         assert_eq!(payloads(&b.poll(q, 5, None, 1, 0).unwrap()), [b"o1".to_vec()], "{q}");
     }
-    assert!(b.poll("orders+audit+deep", 5, None, 1, 0).unwrap().is_empty(), "children only, not grandchildren");
+    b.offer("orders+audit", msgs(&["direct"]), 0).unwrap();
+    assert!(b.poll("orders+audit+deep", 5, None, 1, 0).unwrap().is_empty(), "a child has no children");
+    assert!(b.poll("orders", 5, None, 1, 0).unwrap().is_empty(), "nor reaches its parent");
+    b.remove_queue("orders+billing").unwrap();
+    assert_eq!(b.fanout_children("orders"), ["orders+audit", "orders+audit+deep"]);
 }
 
 #[test]
@@ -181,4 +191,49 @@ fn bad_names_and_oversized_messages_are_refused() {
         Err(BrokerError::TooLarge { size: 11, max: 10 })
     ));
     assert!(matches!(b.offer("nope", msgs(&["x"]), 0), Err(BrokerError::NotFound(_))));
+}
+
+#[test]
+fn queues_made_by_first_use_take_their_configuration_from_the_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let jobs = QueueConfig { durable: true, max_items: 2, ..QueueConfig::default() };
+    let options = BrokerOptions {
+        queue_defaults: QueueConfig { max_items: 5, ..QueueConfig::default() },
+        queues: [("jobs".to_owned(), jobs.clone())].into(),
+        ..BrokerOptions::default()
+    };
+    let b = Broker::open(dir.path(), options.clone()).unwrap();
+    assert_eq!(b.queue_names(), ["jobs"], "a configured queue exists from the start");
+    assert_eq!(b.queue_or_create("other").unwrap().config.max_items, 5, "the defaults");
+    assert_eq!(b.queue_or_create("jobs+audit").unwrap().config, jobs, "a child takes its parent's block");
+    b.offer("jobs", msgs(&["a", "b"]), 0).unwrap();
+    assert!(matches!(b.offer("jobs", msgs(&["c"]), 0), Err(BrokerError::Full(_))));
+    let big = QueueConfig { max_item_bytes: 3, ..QueueConfig::default() };
+    b.create_queue("small", big, None).unwrap();
+    assert!(matches!(b.offer("small", msgs(&["four"]), 0), Err(BrokerError::TooLarge { .. })));
+    drop(b);
+
+    // The file's configuration wins over the stored one at the next open; contents stay.
+    let bigger = QueueConfig { max_items: 10, ..jobs };
+    let options = BrokerOptions { queues: [("jobs".to_owned(), bigger.clone())].into(), ..options };
+    let b = Broker::open(dir.path(), options).unwrap();
+    assert_eq!(b.queue("jobs").unwrap().config, bigger);
+    b.offer("jobs", msgs(&["c"]), 0).unwrap();
+    assert_eq!(payloads(&b.poll("jobs", 5, None, 1, 0).unwrap()), [b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+}
+
+#[test]
+fn a_durable_queue_remembers_messages_taken_out_of_order_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = QueueConfig { durable: true, ..QueueConfig::default() };
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", config, None).unwrap();
+        b.offer("q", msgs(&["open", "taken", "left"]), 0).unwrap();
+        b.poll("q", 1, VIS, 1, 0).unwrap();
+        b.poll("q", 1, None, 2, 0).unwrap();
+    }
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let all = b.poll("q", 10, None, 1, 0).unwrap();
+    assert_eq!(payloads(&all), [b"open".to_vec(), b"left".to_vec()], "the taken one is not delivered again");
 }

@@ -168,4 +168,39 @@ mod tests {
         assert!(bad.validate().is_err(), "a message must fit in a frame");
         std::fs::remove_dir_all(dir).unwrap();
     }
+
+    #[test]
+    fn queue_blocks_fill_in_from_the_defaults_and_children_from_their_parent() {
+        let c: Config = toml::from_str(
+            r#"
+            memcache_addr = "off"
+            [queue_defaults]
+            max_items = 100
+            durability = "always"
+            [queues.jobs]
+            max_item_size = 512
+            discard_old_when_full = true
+            [queues."jobs+audit"]
+            durable = false
+            "#,
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.memcache_addr, None);
+        let defaults = c.queue_defaults().unwrap();
+        assert!(defaults.durable, "Kestrel's default: queues are journaled");
+        assert_eq!((defaults.max_items, defaults.durability), (100, Some(Durability::Always)));
+        let queues = c.queues().unwrap();
+        let jobs = &queues["jobs"];
+        assert_eq!((jobs.max_items, jobs.max_item_bytes, jobs.circular, jobs.durable), (100, 512, true, true));
+        let audit = &queues["jobs+audit"];
+        assert_eq!((audit.max_item_bytes, audit.circular, audit.durable), (512, true, false));
+        let typo: Config = toml::from_str(
+            "[queues.q]
+max_itemz = 1
+",
+        )
+        .unwrap();
+        assert!(typo.validate().unwrap_err().contains("max_itemz"));
+    }
 }

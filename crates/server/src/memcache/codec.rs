@@ -16,23 +16,53 @@ pub const MAX_KEY: usize = 250;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Command {
-    /// `get`/`gets`: `key` is the key as sent (`VALUE` echoes it), `queue` the part before `/`.
-    Get { key: Bytes, queue: String, options: GetOptions },
-    Set { queue: String, flags: u32, exptime: i64, data: Bytes, noreply: bool },
+    /// `get`/`gets`: `key` is the key as sent (`VALUE` echoes it), `queue` the part before `/`;
+    /// `gets` answers with a cas number too (the item's id), as memcache clients expect.
+    Get {
+        key: Bytes,
+        queue: String,
+        options: GetOptions,
+        cas: bool,
+    },
+    Set {
+        queue: String,
+        flags: u32,
+        exptime: i64,
+        data: Bytes,
+        noreply: bool,
+    },
     /// `add`, `replace`, `append`, `prepend`, `cas`: framed (their data consumed), not supported.
-    OtherStorage { verb: String, noreply: bool },
-    Delete { queue: String, noreply: bool },
-    Flush { queue: String, noreply: bool },
+    OtherStorage {
+        verb: String,
+        noreply: bool,
+    },
+    Delete {
+        queue: String,
+        noreply: bool,
+    },
+    Flush {
+        queue: String,
+        noreply: bool,
+    },
     /// `memcached_style`: the client sent a delay argument (`flush_all 0`) and expects `OK`.
-    FlushAll { memcached_style: bool, noreply: bool },
-    FlushExpired { queue: String },
+    FlushAll {
+        memcached_style: bool,
+        noreply: bool,
+    },
+    FlushExpired {
+        queue: String,
+    },
     FlushAllExpired,
     Version,
     Shutdown,
     Quit,
     Stats,
-    DumpStats { queues: Vec<String> },
-    Unknown { verb: String },
+    DumpStats {
+        queues: Vec<String>,
+    },
+    Unknown {
+        verb: String,
+    },
 }
 
 /// The options after a `get` key's queue name: `/t=MS`, `/open`, `/close`, `/abort`, `/peek`.
@@ -205,11 +235,13 @@ fn command(verb: &str, tokens: &[&[u8]]) -> Result<Command, Reject> {
                 return Err(Reject::keep("CLIENT_ERROR key too long"));
             }
             let (queue, options) = get_key(key)?;
-            Command::Get { key: Bytes::copy_from_slice(key), queue, options }
+            Command::Get { key: Bytes::copy_from_slice(key), queue, options, cas: verb == "gets" }
         }
         "delete" => Command::Delete { queue: queue_arg()?, noreply },
         "flush" => Command::Flush { queue: queue_arg()?, noreply },
-        "flush_all" => Command::FlushAll { memcached_style: tokens.len() > 1 && !(noreply && tokens.len() == 2), noreply },
+        "flush_all" => {
+            Command::FlushAll { memcached_style: tokens.len() > 1 && !(noreply && tokens.len() == 2), noreply }
+        }
         "flush_expired" => Command::FlushExpired { queue: queue_arg()? },
         "flush_all_expired" => Command::FlushAllExpired,
         "version" => Command::Version,
@@ -244,7 +276,10 @@ fn get_key(key: &[u8]) -> Result<(String, GetOptions), Reject> {
                 // Kestrel ignored unknown options; a misspelt `/open` would then take the item
                 // for good, so it is refused.
                 None => {
-                    return Err(Reject::keep(format!("CLIENT_ERROR unknown option {:?}", String::from_utf8_lossy(part))));
+                    return Err(Reject::keep(format!(
+                        "CLIENT_ERROR unknown option {:?}",
+                        String::from_utf8_lossy(part)
+                    )));
                 }
             },
         }
@@ -268,7 +303,11 @@ mod tests {
         let mut buf = BytesMut::from(input);
         let mut out = Vec::new();
         while let Some(r) = d.decode(&mut buf) {
+            let close = matches!(r, Err(Reject { close: true, .. }));
             out.push(r);
+            if close {
+                break; // the server stops reading here
+            }
         }
         out
     }
@@ -280,10 +319,10 @@ mod tests {
             got[0],
             Ok(Command::Set { queue: "work".into(), flags: 7, exptime: 0, data: Bytes::from("hello"), noreply: false })
         );
-        let Ok(Command::Get { key, queue, options }) = &got[1] else { panic!("{got:?}") };
+        let Ok(Command::Get { key, queue, options, cas: false }) = &got[1] else { panic!("{got:?}") };
         assert_eq!((&key[..], queue.as_str()), (&b"work/t=250/open"[..], "work"));
         assert_eq!(*options, GetOptions { timeout_ms: 250, open: true, ..GetOptions::default() });
-        let Ok(Command::Get { options, .. }) = &got[2] else { panic!("{got:?}") };
+        let Ok(Command::Get { options, cas: true, .. }) = &got[2] else { panic!("{got:?}") };
         assert!(options.open && options.close);
         assert_eq!(got.len(), 3);
     }

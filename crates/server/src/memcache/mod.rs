@@ -113,7 +113,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
 
     async fn execute(&mut self, command: Command) -> Flow {
         match command {
-            Command::Get { key, queue, options } => return self.get(key, &queue, options).await,
+            Command::Get { key, queue, options, cas } => return self.get(key, &queue, options, cas).await,
             Command::Set { queue, flags, exptime, data, noreply } => {
                 let reply = self.set(&queue, flags, exptime, data);
                 if !noreply {
@@ -206,7 +206,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         }
     }
 
-    async fn get(&mut self, key: Bytes, name: &str, o: GetOptions) -> Flow {
+    async fn get(&mut self, key: Bytes, name: &str, o: GetOptions, cas: bool) -> Flow {
         if petrel_broker::check_name(name).is_err() {
             self.line("CLIENT_ERROR bad queue name");
             return Flow::Continue;
@@ -263,7 +263,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 broker.peek(&queue, now).map(|m| m.map(|m| (0, m)))
             } else {
                 let visibility = o.open.then_some(Duration::MAX);
-                broker.poll_from(&queue, 1, visibility, self.conn, now).map(|d| d.into_iter().next().map(|d| (d.handle, d.message)))
+                broker
+                    .poll_from(&queue, 1, visibility, self.conn, now)
+                    .map(|d| d.into_iter().next().map(|d| (d.handle, d.message)))
             };
             match item {
                 Ok(Some((handle, message))) => {
@@ -271,7 +273,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                         self.open.insert(name.to_owned(), handle);
                     }
                     add(&self.ctx.stats.get_hits, 1);
-                    self.value(&key, &message);
+                    self.value(&key, &message, cas);
                     return Flow::Continue;
                 }
                 Ok(None) => {}
@@ -303,7 +305,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         }
     }
 
-    fn value(&mut self, key: &[u8], m: &Message) {
+    fn value(&mut self, key: &[u8], m: &Message, cas: bool) {
         let flags = m
             .headers
             .iter()
@@ -312,7 +314,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             .unwrap_or(0);
         self.out.extend_from_slice(b"VALUE ");
         self.out.extend_from_slice(key);
-        let _ = write!(self.out, " {flags} {}\r\n", m.payload.len());
+        let _ = write!(self.out, " {flags} {}", m.payload.len());
+        if cas {
+            let _ = write!(self.out, " {}", m.id);
+        }
+        self.out.extend_from_slice(b"\r\n");
         self.out.extend_from_slice(&m.payload);
         self.out.extend_from_slice(b"\r\nEND\r\n");
     }

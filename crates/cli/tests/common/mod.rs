@@ -1,0 +1,61 @@
+//! The real `petrel serve`, started on free loopback ports for a test and killed with it.
+
+#![allow(dead_code)] // each test file uses its part
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+pub struct Server {
+    pub child: Child,
+    /// The native protocol's address.
+    pub addr: String,
+    pub memcache: String,
+}
+
+impl Server {
+    pub fn start(data: &Path) -> Server {
+        Server::start_with(data, &[])
+    }
+
+    /// Starts with more flags; returns once the server printed its listeners.
+    pub fn start_with(data: &Path, args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0", "--data"])
+            .arg(data)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start petrel serve");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut next = |kind: &str| {
+            let line = lines.next().expect("a listener line").unwrap();
+            line.strip_prefix(kind).unwrap_or_else(|| panic!("expected {kind:?}, got {line:?}")).trim().to_owned()
+        };
+        let addr = next("native ");
+        let memcache = next("memcache ");
+        Server { child, addr, memcache }
+    }
+
+    pub async fn client(&self) -> petrel_client::Client {
+        petrel_client::Client::connect(self.addr.as_str()).await.unwrap()
+    }
+
+    pub fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,235 @@
+//! The memcache port of the real `petrel serve`, over raw sockets: every malformed input gets its
+//! error line and harms nobody else; items cross between the memcache and native protocols; and
+//! items set or left open survive a `kill -9`.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use petrel_client::{Message, PollOptions};
+
+mod common;
+use common::Server;
+
+/// A raw memcache connection.
+struct Conn(TcpStream);
+
+impl Conn {
+    fn open(server: &Server) -> Conn {
+        let s = TcpStream::connect(&server.memcache).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Conn(s)
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.0.write_all(bytes).unwrap();
+    }
+
+    /// Reads until the answer ends with `end` (or the server closes).
+    fn until(&mut self, end: &[u8]) -> Vec<u8> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 65536];
+        while !got.ends_with(end) {
+            match self.0.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => panic!("reading after {:?}: {e}", String::from_utf8_lossy(&got)),
+            }
+        }
+        got
+    }
+
+    fn ask(&mut self, request: &[u8], end: &[u8]) -> String {
+        self.send(request);
+        String::from_utf8_lossy(&self.until(end)).into_owned()
+    }
+
+    /// True if the server closed the connection (reads EOF).
+    fn closed(&mut self) -> bool {
+        let mut buf = [0u8; 64];
+        matches!(self.0.read(&mut buf), Ok(0) | Err(_))
+    }
+}
+
+#[test]
+fn malformed_input_gets_an_error_line_and_never_hurts_other_clients() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &small_limits(dir.path())]);
+    let mut bystander = Conn::open(&server);
+    assert_eq!(bystander.ask(b"set calm 0 0 2\r\nok\r\n", b"\r\n"), "STORED\r\n");
+
+    // (request, expected answer, whether the connection is closed after it)
+    let cases: &[(&[u8], &str, bool)] = &[
+        (b"frobnicate\r\n", "ERROR\r\n", false),
+        (b"\r\n", "ERROR\r\n", false),
+        (b"get\r\n", "CLIENT_ERROR get needs a key\r\n", false),
+        (b"get q/opne\r\n", "CLIENT_ERROR unknown option \"opne\"\r\n", false),
+        (b"set bad/name 0 0 1\r\nx\r\n", "CLIENT_ERROR bad queue name\r\n", false),
+        (b"set q abc 0 1\r\nx\r\n", "CLIENT_ERROR bad flags\r\n", false),
+        (b"set q 0 soon 1\r\nx\r\n", "CLIENT_ERROR bad exptime\r\n", false),
+        (b"add q 0 0 1\r\nx\r\n", "CLIENT_ERROR add is not supported by a queue; use set\r\n", false),
+        (b"delete\r\n", "CLIENT_ERROR delete needs a queue name\r\n", false),
+        (b"shutdown\r\n", "CLIENT_ERROR shutdown is disabled (memcache_shutdown = true enables it)\r\n", false),
+        (b"set q 0 0\r\n", "CLIENT_ERROR bad command line format\r\n", true),
+        (b"set q 0 0 many\r\n", "CLIENT_ERROR bad data chunk\r\n", true),
+        (b"set q 0 0 -5\r\n", "CLIENT_ERROR bad data chunk\r\n", true),
+        (b"set q 0 0 2\r\nabcdef\r\n", "CLIENT_ERROR bad data chunk\r\n", true),
+        (b"get /open\r\n", "CLIENT_ERROR empty queue name\r\n", true),
+        (b"get q/open/peek\r\n", "CLIENT_ERROR conflicting options\r\n", true),
+        (b"get q/abort/open\r\n", "CLIENT_ERROR conflicting options\r\n", true),
+        (b"get q/t=later\r\n", "CLIENT_ERROR bad timeout\r\n", true),
+        (b"quit\r\n", "", true),
+    ];
+    for &(request, answer, closes) in cases {
+        let mut c = Conn::open(&server);
+        let got = c.ask(request, b"\r\n");
+        assert_eq!(got, answer, "answer to {:?}", String::from_utf8_lossy(request));
+        if closes {
+            assert!(c.closed(), "{:?} closes the connection", String::from_utf8_lossy(request));
+        } else {
+            assert_eq!(c.ask(b"version\r\n", b"\r\n"), "VERSION petrel-0.1.0\r\n", "still usable");
+        }
+    }
+
+    // A line longer than the limit closes that connection.
+    let mut c = Conn::open(&server);
+    let mut long = b"get ".to_vec();
+    long.extend(vec![b'x'; 4000]);
+    c.send(&long);
+    assert_eq!(String::from_utf8_lossy(&c.until(b"\r\n")), "CLIENT_ERROR line too long\r\n");
+    assert!(c.closed());
+
+    // An item over the server's limit (64 KiB here) is read, thrown away and refused; the
+    // connection stays in step.
+    let mut c = Conn::open(&server);
+    let mut big = b"set q 0 0 100000\r\n".to_vec();
+    big.extend(vec![b'z'; 100_000]);
+    big.extend_from_slice(b"\r\nset q 0 0 5\r\nsmall\r\n");
+    c.send(&big);
+    assert_eq!(
+        String::from_utf8_lossy(&c.until(b"STORED\r\n")),
+        "SERVER_ERROR object too large for cache\r\nSTORED\r\n"
+    );
+    // Over the queue's own max_item_size (100 bytes for `tiny`): NOT_STORED, as Kestrel.
+    assert_eq!(c.ask(&[b"set tiny 0 0 101\r\n".as_slice(), &[b'y'; 101], b"\r\n"].concat(), b"\r\n"), "NOT_STORED\r\n");
+    assert_eq!(c.ask(b"get q\r\n", b"END\r\n"), "VALUE q 0 5\r\nsmall\r\nEND\r\n");
+
+    // Random bytes: whatever the answers, the server stays up and the bystander unharmed.
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    for _ in 0..50 {
+        let mut c = Conn::open(&server);
+        let junk: Vec<u8> = (0..512)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed >> 24) as u8
+            })
+            .collect();
+        let _ = c.0.write_all(&junk);
+    }
+    assert_eq!(bystander.ask(b"get calm\r\n", b"END\r\n"), "VALUE calm 0 2\r\nok\r\nEND\r\n");
+    assert_eq!(bystander.ask(b"get q\r\n", b"END\r\n"), "END\r\n", "no junk was stored as an item of q");
+}
+
+fn small_limits(dir: &std::path::Path) -> String {
+    let path = dir.join("petrel.toml");
+    std::fs::write(&path, "max_message_bytes = 65536\nmax_frame_bytes = 1048576\n[queues.tiny]\nmax_item_size = 100\n")
+        .unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_cross_between_the_memcache_and_native_protocols() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut mc = Conn::open(&server);
+    assert_eq!(mc.ask(b"set shared 7 0 9\r\nfrom text\r\n", b"\r\n"), "STORED\r\n");
+    let native = server.client().await;
+    let take = PollOptions { max: 10, timeout: Duration::from_secs(1), visibility: None };
+    let got = native.poll("shared", take).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(&got[0].message.payload[..], b"from text");
+    let flags = got[0].message.headers.iter().find(|(n, _)| n == "memcache-flags").map(|(_, v)| v.to_vec());
+    assert_eq!(flags.as_deref(), Some(&b"7"[..]), "memcache flags travel as a header");
+
+    native.offer("shared", vec![Message::new(b"from binary".to_vec())], None).await.unwrap();
+    assert_eq!(mc.ask(b"get shared\r\n", b"END\r\n"), "VALUE shared 0 11\r\nfrom binary\r\nEND\r\n");
+    // A waiting memcache get is woken by a native offer.
+    let offer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        native.offer("shared", vec![Message::new(b"late".to_vec())], None).await.unwrap();
+    });
+    let started = Instant::now();
+    let got = tokio::task::spawn_blocking(move || mc.ask(b"get shared/t=5000\r\n", b"END\r\n")).await.unwrap();
+    assert_eq!(got, "VALUE shared/t=5000 0 4\r\nlate\r\nEND\r\n");
+    assert!(started.elapsed() < Duration::from_secs(4));
+    offer.await.unwrap();
+}
+
+#[test]
+fn items_set_and_items_left_open_survive_kill_9_and_fanout_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = Server::start(&data);
+    let mut c = Conn::open(&server);
+    assert_eq!(c.ask(b"get jobs+copy\r\n", b"END\r\n"), "END\r\n", "creates the fanout child");
+    let n = 200;
+    let mut pipeline = Vec::new();
+    for i in 0..n {
+        let item = format!("item-{i:04}");
+        pipeline.extend_from_slice(format!("set jobs 0 0 {}\r\n{item}\r\n", item.len()).as_bytes());
+    }
+    c.send(&pipeline);
+    let stored = c.until(&b"STORED\r\n".repeat(n));
+    assert_eq!(stored.len(), n * 8);
+    // Two items open on two connections, neither confirmed, then the server dies.
+    let mut reader_a = Conn::open(&server);
+    let mut reader_b = Conn::open(&server);
+    assert_eq!(reader_a.ask(b"get jobs/open\r\n", b"END\r\n"), "VALUE jobs/open 0 9\r\nitem-0000\r\nEND\r\n");
+    assert_eq!(reader_b.ask(b"get jobs/open\r\n", b"END\r\n"), "VALUE jobs/open 0 9\r\nitem-0001\r\nEND\r\n");
+    assert_eq!(c.ask(b"get jobs\r\n", b"END\r\n"), "VALUE jobs 0 9\r\nitem-0002\r\nEND\r\n", "taken for good");
+    server.kill9();
+
+    let server = Server::start(&data);
+    let mut c = Conn::open(&server);
+    let mut got = Vec::new();
+    loop {
+        let answer = c.ask(b"get jobs\r\n", b"END\r\n");
+        let Some(value) = answer.strip_prefix("VALUE jobs 0 9\r\n") else {
+            assert_eq!(answer, "END\r\n");
+            break;
+        };
+        got.push(value[..9].to_owned());
+    }
+    let mut want: Vec<String> = (0..n).filter(|&i| i != 2).map(|i| format!("item-{i:04}")).collect();
+    want.sort();
+    assert_eq!(got[..2], ["item-0000", "item-0001"], "the open items are back at the head");
+    let mut sorted = got.clone();
+    sorted.sort();
+    assert_eq!(sorted, want, "every acknowledged item, once");
+    // The child received every copy before the crash and keeps receiving after it.
+    assert_eq!(c.ask(b"set jobs 0 0 5\r\nafter\r\n", b"\r\n"), "STORED\r\n");
+    let mut copies = 0;
+    while c.ask(b"get jobs+copy\r\n", b"END\r\n") != "END\r\n" {
+        copies += 1;
+    }
+    assert_eq!(copies, n + 1);
+}
+
+#[test]
+fn shutdown_over_memcache_stops_the_server_only_when_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "memcache_shutdown = true\n").unwrap();
+    let mut server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let mut c = Conn::open(&server);
+    assert_eq!(c.ask(b"set kept 0 0 1\r\nk\r\n", b"\r\n"), "STORED\r\n");
+    c.send(b"shutdown\r\n");
+    assert!(c.closed());
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let server = Server::start(&dir.path().join("data"));
+    let mut c = Conn::open(&server);
+    assert_eq!(c.ask(b"get kept\r\n", b"END\r\n"), "VALUE kept 0 1\r\nk\r\nEND\r\n");
+}
