@@ -131,7 +131,9 @@ pub fn fanout_parent(name: &str) -> Option<&str> {
     name.split_once('+').map(|(parent, _)| parent)
 }
 
-const DEFINITIONS: &str = "queues.json";
+/// Each queue that outlives its connection has a directory `queues/<name>/` holding its
+/// definition (this file) and, if durable, its log.
+const DEFINITION: &str = "queue.json";
 
 impl Broker {
     /// Opens the broker's data in `dir`: queue definitions, and the logs of durable queues.
@@ -152,19 +154,11 @@ impl Broker {
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
         };
-        let path = broker.dir.join(DEFINITIONS);
-        let defs: Vec<Definition> = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| BrokerError::Definitions(format!("{}: {e}", path.display())))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(BrokerError::Definitions(format!("{}: {e}", path.display()))),
-        };
-        let mut changed = false;
-        for def in defs {
+        for def in broker.load_definitions()? {
             let config = match broker.options.queues.get(&def.name) {
                 Some(configured) if *configured != def.config => {
                     tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
-                    changed = true;
+                    broker.save_definition(&def.name, configured)?;
                     configured.clone()
                 }
                 _ => def.config,
@@ -174,13 +168,10 @@ impl Broker {
         }
         for (name, config) in &broker.options.queues {
             if broker.queue(name).is_none() {
+                broker.save_definition(name, config)?;
                 let queue = broker.build(name.clone(), config.clone(), None)?;
                 broker.write().insert(Arc::new(queue));
-                changed = true;
             }
-        }
-        if changed {
-            broker.save_definitions()?;
         }
         Ok(broker)
     }
@@ -249,12 +240,14 @@ impl Broker {
         if let Some(q) = self.queue(name) {
             return if q.config == config { Ok(q) } else { Err(BrokerError::Exists(name.to_owned())) };
         }
+        // The definition first: a crash right after it leaves an empty queue, never a log
+        // nobody knows of.
+        if !config.temporary {
+            self.save_definition(name, &config)?;
+        }
         let queue = Arc::new(self.build(name.to_owned(), config, owner)?);
         self.write().insert(Arc::clone(&queue));
         self.created.fetch_add(1, Ordering::Relaxed);
-        if !queue.config.temporary {
-            self.save_definitions()?;
-        }
         Ok(queue)
     }
 
@@ -263,13 +256,16 @@ impl Broker {
         let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
         let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
         self.removed.fetch_add(1, Ordering::Relaxed);
-        if !queue.config.temporary {
-            self.save_definitions()?;
-        }
         queue.available.notify_waiters();
-        if queue.config.durable && !queue.config.temporary {
+        if !queue.config.temporary {
             drop(queue);
-            let _ = std::fs::remove_dir_all(self.dir.join("queues").join(name));
+            // Renamed out of the way first, so a crash midway never leaves half a queue.
+            let dir = self.dir.join("queues").join(name);
+            let doomed = self.dir.join("queues").join(format!(".removed-{name}"));
+            let failed = |e: std::io::Error| BrokerError::Definitions(format!("remove {}: {e}", dir.display()));
+            let _ = std::fs::remove_dir_all(&doomed);
+            std::fs::rename(&dir, &doomed).map_err(failed)?;
+            std::fs::remove_dir_all(&doomed).map_err(failed)?;
         }
         Ok(())
     }
@@ -414,23 +410,51 @@ impl Broker {
         }
     }
 
-    fn save_definitions(&self) -> Result<(), BrokerError> {
-        let registry = self.read();
-        let mut defs: Vec<Definition> = registry
-            .queues
-            .values()
-            .filter(|q| !q.config.temporary)
-            .map(|q| Definition { name: q.name.clone(), config: q.config.clone() })
-            .collect();
-        defs.sort_by(|a, b| a.name.cmp(&b.name));
-        let path = self.dir.join(DEFINITIONS);
+    /// Writes a queue's definition (file, then rename); synced unless its durability is none.
+    fn save_definition(&self, name: &str, config: &QueueConfig) -> Result<(), BrokerError> {
+        let dir = self.dir.join("queues").join(name);
+        let path = dir.join(DEFINITION);
+        let failed = |e: std::io::Error| BrokerError::Definitions(format!("{}: {e}", path.display()));
+        std::fs::create_dir_all(&dir).map_err(failed)?;
         let tmp = path.with_extension("json.tmp");
-        drop(registry);
-        let json = serde_json::to_vec_pretty(&defs).expect("definitions serialize");
-        std::fs::write(&tmp, json)
-            .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|e| BrokerError::Definitions(format!("{}: {e}", path.display())))
+        let def = Definition { name: name.to_owned(), config: config.clone() };
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&def).expect("definitions serialize")).map_err(failed)?;
+        let sync = config.durability.unwrap_or(self.options.durability) != Durability::None;
+        if sync {
+            std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(failed)?;
+        }
+        std::fs::rename(&tmp, &path).map_err(failed)?;
+        if sync {
+            for d in [&dir, &self.dir.join("queues")] {
+                std::fs::File::open(d).and_then(|f| f.sync_all()).map_err(failed)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every queue definition under `queues/`. A directory without one (a creation cut short
+    /// before its definition was written) holds no message and is left alone.
+    fn load_definitions(&self) -> Result<Vec<Definition>, BrokerError> {
+        let queues = self.dir.join("queues");
+        let failed = |p: &Path, e: &dyn std::fmt::Display| BrokerError::Definitions(format!("{}: {e}", p.display()));
+        let mut defs = Vec::new();
+        for entry in std::fs::read_dir(&queues).map_err(|e| failed(&queues, &e))? {
+            let dir = entry.map_err(|e| failed(&queues, &e))?.path();
+            if dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with(".removed-")) {
+                std::fs::remove_dir_all(&dir).map_err(|e| failed(&dir, &e))?;
+                continue;
+            }
+            let path = dir.join(DEFINITION);
+            match std::fs::read(&path) {
+                Ok(bytes) => defs.push(serde_json::from_slice::<Definition>(&bytes).map_err(|e| failed(&path, &e))?),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    tracing::warn!(dir = %path.parent().unwrap_or(&queues).display(), "no queue definition; ignored");
+                }
+                Err(e) => return Err(failed(&path, &e)),
+            }
+        }
+        defs.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(defs)
     }
 }
 

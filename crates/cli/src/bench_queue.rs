@@ -25,41 +25,53 @@ pub enum Mode {
     OfferPoll,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Protocol {
+    Native,
+    /// The memcache text protocol (`set` / `get`); works against memcached too, for comparison.
+    Memcache,
+}
+
 #[derive(Args)]
 pub struct QueueBench {
     #[arg(long, value_enum, default_value = "offer")]
-    mode: Mode,
+    pub(crate) mode: Mode,
+    #[arg(long, value_enum, default_value = "native")]
+    pub(crate) protocol: Protocol,
+    /// Memcache: spread over this many queues (keys) `QUEUE-0` … (round robin per connection).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) keys: usize,
     /// A running server; without it, one is started in this process.
     #[arg(long)]
-    server: Option<String>,
+    pub(crate) server: Option<String>,
     /// Data directory for the in-process server.
     #[arg(long, default_value_os_t = crate::default_data_dir())]
-    data: PathBuf,
+    pub(crate) data: PathBuf,
     #[arg(long, default_value = "bench")]
-    queue: String,
+    pub(crate) queue: String,
     /// A durable queue (on disk) rather than one in memory.
     #[arg(long)]
-    durable: bool,
+    pub(crate) durable: bool,
     #[arg(long, default_value_t = 32)]
-    payload_bytes: usize,
+    pub(crate) payload_bytes: usize,
     /// Messages in all.
     #[arg(long, default_value_t = 1_000_000)]
-    count: u64,
+    pub(crate) count: u64,
     #[arg(long, default_value_t = 1)]
-    connections: usize,
+    pub(crate) connections: usize,
     /// Requests in flight per connection.
     #[arg(long, default_value_t = 64)]
-    pipeline: usize,
+    pub(crate) pipeline: usize,
     /// Messages per offer request (and most per poll).
     #[arg(long, default_value_t = 1)]
-    batch: usize,
+    pub(crate) batch: usize,
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    if args.connections == 0 || args.pipeline == 0 || args.batch == 0 || args.count == 0 {
-        return Err("--connections, --pipeline, --batch and --count must be at least 1".into());
+    if args.connections == 0 || args.pipeline == 0 || args.batch == 0 || args.count == 0 || args.keys == 0 {
+        return Err("--connections, --pipeline, --batch, --keys and --count must be at least 1".into());
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -67,14 +79,20 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
             Some(a) => (a.clone(), None),
             None => {
                 let dir = args.data.join(format!("bench-server-{}", std::process::id()));
-                let config = petrel_server::Config {
+                let mut config = petrel_server::Config {
                     data: dir.clone(),
                     native_addr: "127.0.0.1:0".parse()?,
-                    memcache_addr: None,
+                    memcache_addr: Some("127.0.0.1:0".parse()?),
                     ..petrel_server::Config::default()
                 };
+                // Memcache queues come into being by first use, with the defaults.
+                config.queue_defaults.insert("durable".into(), args.durable.into());
                 let server = petrel_server::Server::bind(config).await?;
-                let addr = server.native_addr().to_string();
+                let addr = match args.protocol {
+                    Protocol::Native => server.native_addr(),
+                    Protocol::Memcache => server.memcache_addr().expect("asked for"),
+                }
+                .to_string();
                 let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
                 let task = tokio::spawn(server.run(async move {
                     let _ = stopped.await;
@@ -82,7 +100,10 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 (addr, Some((dir, stop, task)))
             }
         };
-        let result = bench(&args, &addr).await;
+        let result = match args.protocol {
+            Protocol::Native => bench(&args, &addr).await,
+            Protocol::Memcache => crate::bench_memcache::bench(&args, &addr).await,
+        };
         if let Some((dir, stop, task)) = local {
             let _ = stop.send(());
             let _ = task.await;
@@ -90,14 +111,22 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
         let result = result?;
         println!(
-            "{:?} {} × {} B over {} connection(s), pipeline {}, batch {}: {:.0} msg/s, {:.1} MB/s; request latency p50 {:.1} µs, p99 {:.1} µs, p999 {:.1} µs",
-            args.mode, result.messages, args.payload_bytes, args.connections, args.pipeline, args.batch,
+            "{:?} {} × {} B over {} {:?} connection(s), pipeline {}, batch {}: {:.0} msg/s, {:.1} MB/s; request latency p50 {:.1} µs, p99 {:.1} µs, p999 {:.1} µs",
+            args.mode, result.messages, args.payload_bytes, args.connections, args.protocol, args.pipeline, args.batch,
             result.msgs_per_sec, result.mb_per_sec, result.p50_us, result.p99_us, result.p999_us
         );
+        if args.protocol == Protocol::Memcache {
+            println!("{} requests ({:.0} per second), {} gets answered with an item", result.requests, result.requests as f64 / result.secs, result.hits);
+        }
         if args.json {
             println!("{}", serde_json::json!({
                 "bench": "queue",
                 "mode": format!("{:?}", args.mode).to_lowercase(),
+                "protocol": format!("{:?}", args.protocol).to_lowercase(),
+                "keys": args.keys,
+                "requests": result.requests,
+                "requests_per_sec": result.requests as f64 / result.secs,
+                "hits": result.hits,
                 "payload_bytes": args.payload_bytes,
                 "count": result.messages,
                 "connections": args.connections,
@@ -116,14 +145,19 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     })
 }
 
-struct Outcome {
-    messages: u64,
-    secs: f64,
-    msgs_per_sec: f64,
-    mb_per_sec: f64,
-    p50_us: f64,
-    p99_us: f64,
-    p999_us: f64,
+pub(crate) struct Outcome {
+    /// Messages offered (offer mode) or taken (poll modes).
+    pub messages: u64,
+    /// Requests sent (memcache: every set and get).
+    pub requests: u64,
+    /// Memcache gets answered with an item.
+    pub hits: u64,
+    pub secs: f64,
+    pub msgs_per_sec: f64,
+    pub mb_per_sec: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -222,6 +256,8 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
     let _ = admin.remove_queue(&args.queue).await;
     Ok(Outcome {
         messages,
+        requests: hist.len(),
+        hits: messages,
         secs,
         msgs_per_sec: messages as f64 / secs,
         mb_per_sec: (messages * args.payload_bytes as u64) as f64 / 1e6 / secs,

@@ -1,6 +1,7 @@
 //! The `petrel` command.
 
 mod bench;
+mod bench_memcache;
 mod bench_queue;
 mod lines;
 mod log_cmd;

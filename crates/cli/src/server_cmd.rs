@@ -58,6 +58,7 @@ pub fn serve(args: ServeArgs) -> Res {
     if let Some(d) = args.durability {
         config.durability = d;
     }
+    raise_open_files_limit();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let unix = config.unix_socket.clone();
@@ -78,6 +79,19 @@ pub fn serve(args: ServeArgs) -> Res {
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Every connection and every durable queue (its lock, segments and cursor) holds files open: take
+/// as many descriptors as the system allows this process, as memcached and NATS do.
+fn raise_open_files_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current != limit.maximum {
+        limit.current = limit.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
+            tracing::warn!(error = %e, "could not raise the open files limit");
+        }
+    }
 }
 
 async fn shutdown_signal() {
