@@ -389,7 +389,7 @@ impl Broker {
 
     /// Periodic work: visibility timeouts and expiry. Call it every few tens of milliseconds.
     pub fn tick(&self, now: u64) {
-        let queues: Vec<Arc<Queue>> = self.read().queues.values().cloned().collect();
+        let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now)).cloned().collect();
         for q in queues {
             match q.tick(now) {
                 Ok(expired) => self.dead_letter(&q, expired, now),

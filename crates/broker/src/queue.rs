@@ -61,6 +61,9 @@ pub struct Queue {
     /// Woken when room may have become free.
     pub room: Notify,
     waiters: AtomicU64,
+    /// The earliest time `tick` may have work (a visibility deadline, an expiry); changed only
+    /// under the lock. The server ticks every queue every few milliseconds: most return at once.
+    due: AtomicU64,
 }
 
 /// Counts a consumer waiting on a queue while it lives (the queue's `waiters` figure).
@@ -144,6 +147,7 @@ impl Queue {
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
+            due: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -190,6 +194,7 @@ impl Queue {
                 m.expires_at = ttl_deadline;
             }
         }
+        let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
         let mut inner = self.lock();
         let (max_items, max_bytes) = (self.config.max_items, self.config.max_bytes);
         let fits = |inner: &Inner| {
@@ -227,6 +232,9 @@ impl Queue {
         };
         inner.bytes += size;
         inner.counters.total_offered += n;
+        if let Some(earliest) = earliest_expiry {
+            self.due.fetch_min(earliest, Ordering::Relaxed);
+        }
         drop(inner);
         self.available.notify_waiters();
         Ok((first, n as u32))
@@ -262,6 +270,7 @@ impl Queue {
                     let deadline = now.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
                     inner.counters.opened += 1;
                     inner.in_flight.insert(handle, InFlight { consumer, deadline, bytes: size, item: taken });
+                    self.due.fetch_min(deadline, Ordering::Relaxed);
                     handle
                 }
                 None => {
@@ -308,6 +317,10 @@ impl Queue {
         }
         let n = returned.len() as u32;
         inner.put_back_all(returned)?;
+        if n > 0 {
+            // A returned message may carry an expiry: let the next tick look.
+            self.due.store(0, Ordering::Relaxed);
+        }
         drop(inner);
         if n > 0 {
             self.available.notify_waiters();
@@ -325,6 +338,9 @@ impl Queue {
     /// Visibility timeouts that passed put their messages back; expired messages at the head
     /// are removed and returned (for the dead-letter queue).
     pub fn tick(&self, now: u64) -> Result<Vec<Message>, BrokerError> {
+        if !self.is_due(now) {
+            return Ok(Vec::new());
+        }
         let mut inner = self.lock();
         let overdue: Vec<u64> = inner.in_flight.iter().filter(|(_, f)| f.deadline <= now).map(|(h, _)| *h).collect();
         let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen").item).collect();
@@ -339,6 +355,7 @@ impl Queue {
             inner.bytes -= m.size();
             inner.counters.expired += 1;
         }
+        self.due.store(inner.next_due(now), Ordering::Relaxed);
         drop(inner);
         if !overdue.is_empty() {
             self.available.notify_waiters();
@@ -347,6 +364,11 @@ impl Queue {
             self.room.notify_waiters();
         }
         Ok(expired)
+    }
+
+    /// Whether `tick` may have work at `now`.
+    pub(crate) fn is_due(&self, now: u64) -> bool {
+        now >= self.due.load(Ordering::Relaxed)
     }
 
     /// Removes every waiting message (not those in flight).
@@ -403,6 +425,20 @@ impl Queue {
 }
 
 impl Inner {
+    /// When `tick` next has work: the earliest visibility deadline, or expiry of a message in
+    /// memory still to come (expired ones behind the head wait until they reach it).
+    fn next_due(&self, now: u64) -> u64 {
+        let deadlines = self.in_flight.values().map(|f| f.deadline);
+        let expiries = match &self.store {
+            Store::Memory { ready, .. } => {
+                let head = ready.front().map(|m| m.expires_at).filter(|&e| e != 0);
+                ready.iter().map(|m| m.expires_at).filter(|&e| e > now).chain(head).min()
+            }
+            Store::Log { .. } => None,
+        };
+        deadlines.chain(expiries).min().unwrap_or(u64::MAX)
+    }
+
     /// Messages waiting (not in flight).
     fn items(&self) -> u64 {
         match &self.store {
