@@ -19,7 +19,6 @@ use crate::reader::Reader;
 use crate::recovery::{self, Stop};
 use crate::segment::{self, Segment};
 
-const LOCK_FILE: &str = "LOCK";
 
 /// What opening a log found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -870,18 +869,14 @@ pub(crate) fn list_segments(dir: &Path, remove_leftovers: bool) -> Result<(Vec<u
     Ok((bases, leftovers))
 }
 
+/// Takes the log's writer lock: an exclusive flock(2) on the directory itself, so a log costs no
+/// lock file (a server with thousands of queues creates thousands of logs).
 pub(crate) fn lock_dir(dir: &Path) -> Result<File> {
-    let path = dir.join(LOCK_FILE);
-    let file = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io_err("open lock file", &path))?;
+    let file = File::open(dir).map_err(io_err("open directory to lock it", dir))?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked { path: dir.to_path_buf() }),
-        Err(std::fs::TryLockError::Error(e)) => Err(io_err("lock", &path)(e)),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_err("lock", dir)(e)),
     }
 }
 
