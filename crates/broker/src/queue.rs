@@ -217,6 +217,12 @@ impl Queue {
                 let first = *next_id;
                 for (i, mut m) in messages.into_iter().enumerate() {
                     m.id = first + i as u64;
+                    // A protocol's message may be a slice of a whole read buffer: a copy of its
+                    // own keeps a small waiting message from holding the buffer in memory.
+                    m.payload = bytes::Bytes::copy_from_slice(&m.payload);
+                    for (_, value) in &mut m.headers {
+                        *value = bytes::Bytes::copy_from_slice(value);
+                    }
                     ready.push_back(m);
                 }
                 *next_id += n;

@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
-use petrel_client::{Client, Message, PollOptions, QueueConfig};
+use petrel_client::{Client, Message, PollOptions, QueueConfig, Request, Response};
 
 use crate::progress::{self, Unit};
 
@@ -170,7 +170,8 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
     let admin = Client::connect(addr).await?;
     let _ = admin.remove_queue(&args.queue).await;
     admin.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() }).await?;
-    let payload = bytes::Bytes::from(vec![0x5au8; args.payload_bytes]);
+    // Static, so the many copies of it in messages cost no shared reference count.
+    let payload = bytes::Bytes::from_static(Vec::leak(vec![0x5au8; args.payload_bytes]));
     if args.mode == Mode::Poll {
         fill(&admin, &args.queue, &payload, args.count).await?;
     }
@@ -202,22 +203,46 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
             let mut stop = false;
             let tentative = mode == Mode::OfferPoll;
             loop {
-                while !stop && in_flight.len() < pipeline && (role == Role::Poll || sent < share) {
+                // Offers go out in bursts of `burst` requests, two bursts in flight (so the
+                // connection never idles between them), as redis-benchmark -P does; each request
+                // has its own frame and answer.
+                let burst = if role == Role::Offer { pipeline.div_ceil(2) } else { 1 };
+                while !stop && in_flight.len() * burst < pipeline && (role == Role::Poll || sent < share) {
                     let c = client.clone();
                     let (queue, payload) = (queue.clone(), payload.clone());
-                    let n = if role == Role::Offer { (share - sent).min(batch as u64) as usize } else { batch };
-                    sent += n as u64;
+                    let requests: Vec<Request> = (0..burst)
+                        .take_while(|_| role == Role::Offer)
+                        .map_while(|_| {
+                            let n = (share - sent).min(batch as u64) as usize;
+                            sent += n as u64;
+                            let messages = vec![Message::new(payload.clone()); n];
+                            (n > 0).then(|| Request::Offer { queue: queue.clone(), timeout_ms: 60_000, messages })
+                        })
+                        .collect();
                     in_flight.push(async move {
                         let t = Instant::now();
                         let done = match role {
                             Role::Offer => {
-                                let messages = vec![Message::new(payload); n];
-                                c.offer(&queue, messages, Some(Duration::from_secs(60))).await.map(|_| n as u64)?
+                                let mut offered = 0;
+                                for r in c.pipeline(&requests).await {
+                                    match r? {
+                                        Response::Offered { count, .. } => offered += u64::from(count),
+                                        Response::Error { status, message } => {
+                                            return Err(petrel_client::ClientError::Status { status, message });
+                                        }
+                                        other => {
+                                            let e = format!("unexpected answer {other:?}");
+                                            return Err(petrel_client::ClientError::Protocol(e));
+                                        }
+                                    }
+                                }
+                                offered
                             }
                             Role::Poll => {
                                 let visibility = tentative.then_some(Duration::from_secs(60));
                                 let timeout = Duration::from_millis(100);
-                                let got = c.poll(&queue, PollOptions { max: n as u32, timeout, visibility }).await?;
+                                let got =
+                                    c.poll(&queue, PollOptions { max: batch as u32, timeout, visibility }).await?;
                                 if tentative && !got.is_empty() {
                                     let handles: Vec<u64> = got.iter().map(|d| d.handle).collect();
                                     c.ack(&queue, &handles).await?;
@@ -225,12 +250,12 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
                                 got.len() as u64
                             }
                         };
-                        Ok::<_, petrel_client::ClientError>((t.elapsed(), done, role))
+                        Ok::<_, petrel_client::ClientError>((t.elapsed(), done, role, requests.len() as u64))
                     });
                 }
                 let Some(result) = in_flight.next().await else { break };
-                let (latency, done, role) = result?;
-                let _ = hist.record(latency.as_micros().max(1) as u64);
+                let (latency, done, role, requests) = result?;
+                let _ = hist.record_n(latency.as_micros().max(1) as u64, requests.max(1));
                 if role == Role::Poll || mode == Mode::Offer {
                     bar.inc(done);
                 }

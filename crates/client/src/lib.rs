@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-pub use petrel_proto::{Delivery, Message, MessageKind, QueueConfig, QueueStats, Status};
-use petrel_proto::{FrameKind, Request, Response, frame};
+pub use petrel_proto::{Delivery, Message, MessageKind, QueueConfig, QueueStats, Request, Response, Status};
+use petrel_proto::{FrameKind, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::oneshot;
 
@@ -53,24 +53,46 @@ impl ClientError {
 type Reply = oneshot::Sender<Result<Response, ClientError>>;
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 
-/// Requests waiting for their response, by request id (with their opcode, to decode it).
+/// Requests encoded and not yet written are held up to this many bytes; past it, callers wait.
+const MAX_OUTBOX: usize = 1 << 20;
+
+/// The connection's shared state: requests waiting for their response, by request id (with
+/// their opcode, to decode it), and the bytes of requests not yet written.
 #[derive(Default)]
 struct Pending {
     waiting: HashMap<u64, (u16, Reply)>,
+    /// Encoded requests for the writer task, which sends all that gathered in one write.
+    outbox: Vec<u8>,
     /// The connection is gone: new requests fail at once instead of waiting forever.
     closed: bool,
 }
 
+impl Pending {
+    /// The connection is gone: every request waiting fails with `error()`, and so will new ones.
+    fn close(&mut self, error: impl Fn() -> ClientError) {
+        self.closed = true;
+        self.outbox.clear();
+        for (_, (_, tx)) in self.waiting.drain() {
+            let _ = tx.send(Err(error()));
+        }
+    }
+}
+
 struct Inner {
-    writer: tokio::sync::Mutex<Writer>,
     pending: Arc<Mutex<Pending>>,
+    /// Wakes the writer task: the outbox has bytes.
+    written: Arc<tokio::sync::Notify>,
+    /// Wakes callers waiting for room in the outbox.
+    room: Arc<tokio::sync::Notify>,
     next_id: AtomicU64,
     reader: tokio::task::JoinHandle<()>,
+    writer: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
         self.reader.abort();
+        self.writer.abort();
     }
 }
 
@@ -112,48 +134,52 @@ impl Client {
     pub async fn over<S: AsyncRead + AsyncWrite + Send + 'static>(stream: S) -> Result<Client, ClientError> {
         let (rd, wr) = tokio::io::split(stream);
         let pending: Arc<Mutex<Pending>> = Arc::default();
+        let (written, room) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
         let reader = tokio::spawn(read_responses(rd, Arc::clone(&pending)));
-        let inner =
-            Inner { writer: tokio::sync::Mutex::new(Box::new(wr)), pending, next_id: AtomicU64::new(1), reader };
+        let writer =
+            tokio::spawn(write_requests(Box::new(wr), Arc::clone(&pending), Arc::clone(&written), Arc::clone(&room)));
+        let inner = Inner { pending, written, room, next_id: AtomicU64::new(1), reader, writer };
         let client = Client { inner: Arc::new(inner) };
         client.hello().await?;
         Ok(client)
     }
 
-    /// Sends requests back to back in one write and waits for all their responses.
+    /// Sends requests back to back and waits for all their responses. Requests from all the
+    /// tasks using this client that gather while a write is under way go out in the next one.
     pub async fn pipeline(&self, requests: &[Request]) -> Vec<Result<Response, ClientError>> {
-        let mut out = Vec::new();
         let mut waiting = Vec::with_capacity(requests.len());
-        {
-            let mut pending = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
-            for r in requests {
-                if pending.closed {
-                    waiting.push(Err(ClientError::Closed));
-                    continue;
+        loop {
+            let room = self.inner.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            {
+                let mut pending = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
+                if pending.outbox.len() < MAX_OUTBOX || pending.closed {
+                    for r in requests {
+                        if pending.closed {
+                            waiting.push(Err(ClientError::Closed));
+                            continue;
+                        }
+                        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+                        if let Err(e) = r.encode(id, &mut pending.outbox) {
+                            waiting.push(Err(ClientError::Protocol(e.to_string())));
+                            continue;
+                        }
+                        let (tx, rx) = oneshot::channel();
+                        pending.waiting.insert(id, (r.opcode(), tx));
+                        waiting.push(Ok(rx));
+                    }
+                    break;
                 }
-                let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-                if let Err(e) = r.encode(id, &mut out) {
-                    waiting.push(Err(ClientError::Protocol(e.to_string())));
-                    continue;
-                }
-                let (tx, rx) = oneshot::channel();
-                pending.waiting.insert(id, (r.opcode(), tx));
-                waiting.push(Ok(rx));
             }
+            room.await;
         }
-        let written = {
-            let mut w = self.inner.writer.lock().await;
-            match w.write_all(&out).await {
-                Ok(()) => w.flush().await,
-                Err(e) => Err(e),
-            }
-        };
+        self.inner.written.notify_one();
         let mut results = Vec::with_capacity(waiting.len());
         for w in waiting {
-            results.push(match (w, &written) {
-                (Err(e), _) => Err(e),
-                (Ok(_), Err(e)) => Err(ClientError::Io(std::io::Error::new(e.kind(), e.to_string()))),
-                (Ok(rx), Ok(())) => rx.await.unwrap_or(Err(ClientError::Closed)),
+            results.push(match w {
+                Err(e) => Err(e),
+                Ok(rx) => rx.await.unwrap_or(Err(ClientError::Closed)),
             });
         }
         results
@@ -272,10 +298,44 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
             Ok(_) => {}
         }
     }
-    let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
-    pending.closed = true;
-    for (_, (_, tx)) in pending.waiting.drain() {
-        let _ = tx.send(Err(ClientError::Closed));
+    pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
+}
+
+/// Writes what gathered in the outbox, all of it in one write, again and again. A failed write
+/// fails every request waiting.
+async fn write_requests(
+    mut wr: Writer,
+    pending: Arc<Mutex<Pending>>,
+    written: Arc<tokio::sync::Notify>,
+    room: Arc<tokio::sync::Notify>,
+) {
+    let mut batch = Vec::with_capacity(64 * 1024);
+    loop {
+        written.notified().await;
+        loop {
+            {
+                let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+                if p.outbox.is_empty() {
+                    break;
+                }
+                std::mem::swap(&mut p.outbox, &mut batch);
+            }
+            room.notify_waiters();
+            let sent = match wr.write_all(&batch).await {
+                Ok(()) => wr.flush().await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = sent {
+                let error = || ClientError::Io(std::io::Error::new(e.kind(), e.to_string()));
+                pending.lock().unwrap_or_else(|e| e.into_inner()).close(error);
+                room.notify_waiters();
+                return;
+            }
+            batch.clear();
+            if batch.capacity() > 4 * MAX_OUTBOX {
+                batch = Vec::with_capacity(64 * 1024); // after one huge request
+            }
+        }
     }
 }
 

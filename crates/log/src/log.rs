@@ -19,7 +19,6 @@ use crate::reader::Reader;
 use crate::recovery::{self, Stop};
 use crate::segment::{self, Segment};
 
-
 /// What opening a log found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RecoveryReport {

@@ -1,7 +1,7 @@
 //! Primitive encodings shared by every frame body: big-endian integers, length-prefixed strings
 //! and byte strings. Decoding is bounds-checked and never panics.
 
-use bytes::{BufMut, Bytes};
+use bytes::{Buf, BufMut, Bytes};
 
 use crate::DecodeError;
 
@@ -44,33 +44,39 @@ impl Reader {
         Reader { buf }
     }
 
-    fn take(&mut self, n: usize, what: &'static str) -> Result<Bytes, DecodeError> {
-        if self.buf.len() < n {
-            return Err(DecodeError::Truncated(what));
-        }
-        Ok(self.buf.split_to(n))
+    fn need(&self, n: usize, what: &'static str) -> Result<(), DecodeError> {
+        if self.buf.len() < n { Err(DecodeError::Truncated(what)) } else { Ok(()) }
     }
 
+    // Fixed-size fields and strings are read in place: no `Bytes` handle (and no reference count
+    // on the frame's buffer) per field.
     pub fn u8(&mut self, what: &'static str) -> Result<u8, DecodeError> {
-        Ok(self.take(1, what)?[0])
+        self.need(1, what)?;
+        Ok(self.buf.get_u8())
     }
     pub fn u16(&mut self, what: &'static str) -> Result<u16, DecodeError> {
-        Ok(u16::from_be_bytes(self.take(2, what)?[..].try_into().unwrap()))
+        self.need(2, what)?;
+        Ok(self.buf.get_u16())
     }
     pub fn u32(&mut self, what: &'static str) -> Result<u32, DecodeError> {
-        Ok(u32::from_be_bytes(self.take(4, what)?[..].try_into().unwrap()))
+        self.need(4, what)?;
+        Ok(self.buf.get_u32())
     }
     pub fn u64(&mut self, what: &'static str) -> Result<u64, DecodeError> {
-        Ok(u64::from_be_bytes(self.take(8, what)?[..].try_into().unwrap()))
+        self.need(8, what)?;
+        Ok(self.buf.get_u64())
     }
     pub fn str(&mut self, what: &'static str) -> Result<String, DecodeError> {
         let len = self.u16(what)? as usize;
-        let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| DecodeError::BadUtf8(what))
+        self.need(len, what)?;
+        let text = std::str::from_utf8(&self.buf[..len]).map_err(|_| DecodeError::BadUtf8(what))?.to_owned();
+        self.buf.advance(len);
+        Ok(text)
     }
     pub fn bytes(&mut self, what: &'static str) -> Result<Bytes, DecodeError> {
         let len = self.u32(what)? as usize;
-        self.take(len, what)
+        self.need(len, what)?;
+        Ok(self.buf.split_to(len))
     }
     /// A count of items that each take at least `min_item` bytes: refused up front if the body
     /// cannot hold that many, so a forged count cannot make the decoder allocate.

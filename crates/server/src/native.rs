@@ -1,10 +1,12 @@
 //! The native protocol on one connection: frames in, requests to the broker, responses out.
 //!
-//! A reader loop decodes frames and answers what needs no waiting at once, in order; a poll that
-//! must wait for a message, or an offer that must wait for room, becomes a task of its own, so a
+//! A reader loop decodes frames and answers what needs no waiting at once, in order, into one
+//! buffer per read (so a pipelined burst of requests costs one write back); a poll that must wait
+//! for a message, or an offer that must wait for room, becomes a task of its own, so a
 //! connection can pipeline many requests. Every buffer is bounded: at most
-//! `max_in_flight_per_connection` requests in progress (the reader stops reading past that, and
-//! TCP pushes back on the client), at most `max_queued_responses` responses waiting to be written.
+//! `max_in_flight_per_connection` waiting requests (the reader stops reading past that, and TCP
+//! pushes back on the client), at most `max_queued_responses` chunks of answers waiting to be
+//! written.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,10 +50,15 @@ where
     let limit = ctx.config.max_in_flight_per_connection;
     let in_flight = Arc::new(Semaphore::new(limit));
     let mut buf = BytesMut::with_capacity(64 * 1024);
+    // Answers to the requests of one read, sent to the writer together.
+    let mut out = Vec::with_capacity(16 * 1024);
     let mut skip: u64 = 0;
     'read: loop {
         // Whole frames already buffered first.
         loop {
+            if out.len() >= 64 * 1024 && tx.send(std::mem::take(&mut out)).await.is_err() {
+                break 'read;
+            }
             if skip > 0 {
                 let n = skip.min(buf.len() as u64) as usize;
                 let _ = buf.split_to(n);
@@ -63,26 +70,36 @@ where
             match frame::decode(&mut buf, ctx.config.max_frame_bytes) {
                 Ok(None) => break,
                 Ok(Some(f)) => {
-                    let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
                     if f.kind != FrameKind::Request {
                         let r = Response::error(Status::BadRequest, "clients send requests only");
-                        send(&tx, f.opcode, f.request_id, &r).await;
+                        r.encode(f.opcode, f.request_id, &mut out);
                         continue;
                     }
                     let request = match Request::decode(f.opcode, f.body) {
                         Ok(r) => r,
                         Err(petrel_proto::DecodeError::UnknownOpcode(op)) => {
                             let r = Response::error(Status::Unsupported, format!("unknown opcode {op:#06x}"));
-                            send(&tx, f.opcode, f.request_id, &r).await;
+                            r.encode(f.opcode, f.request_id, &mut out);
                             continue;
                         }
                         Err(e) => {
-                            send(&tx, f.opcode, f.request_id, &Response::error(Status::BadRequest, e.to_string()))
-                                .await;
+                            Response::error(Status::BadRequest, e.to_string()).encode(f.opcode, f.request_id, &mut out);
                             continue;
                         }
                     };
-                    handle(&ctx, conn, f.request_id, request, &tx, permit).await;
+                    match handle(&ctx, conn, request) {
+                        Ok(response) => response.encode(f.opcode, f.request_id, &mut out),
+                        Err(waiting) => {
+                            // Past the limit of waiting requests, stop reading: TCP pushes back.
+                            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
+                            let (ctx, tx, (op, id)) = (Arc::clone(&ctx), tx.clone(), (f.opcode, f.request_id));
+                            tokio::spawn(async move {
+                                let r = waiting.finish(&ctx, conn).await;
+                                send(&tx, op, id, &r).await;
+                                drop(permit);
+                            });
+                        }
+                    }
                 }
                 Err(FrameError::TooLarge { len, max, request_id, opcode }) => {
                     if request_id.is_none() && buf.len() < 4 + frame::HEADER_LEN {
@@ -91,18 +108,21 @@ where
                     skip = 4 + len as u64;
                     let r =
                         Response::error(Status::TooLarge, format!("frame of {len} bytes exceeds the limit of {max}"));
-                    send(&tx, opcode.unwrap_or(0), request_id.unwrap_or(0), &r).await;
+                    r.encode(opcode.unwrap_or(0), request_id.unwrap_or(0), &mut out);
                 }
                 Err(FrameError::Unsupported { version, kind, request_id, opcode }) => {
                     let r =
                         Response::error(Status::Unsupported, format!("protocol version {version}, frame kind {kind}"));
-                    send(&tx, opcode, request_id, &r).await;
+                    r.encode(opcode, request_id, &mut out);
                 }
                 Err(e @ FrameError::Malformed(_)) => {
                     tracing::debug!(conn, error = %e, "closing connection");
                     break 'read;
                 }
             }
+        }
+        if !out.is_empty() && tx.send(std::mem::take(&mut out)).await.is_err() {
+            break;
         }
         tokio::select! {
             read = rd.read_buf(&mut buf) => match read {
@@ -111,6 +131,9 @@ where
             },
             _ = shutdown.changed() => break,
         }
+    }
+    if !out.is_empty() {
+        let _ = tx.send(out).await;
     }
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
     let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
@@ -145,18 +168,27 @@ fn error(e: BrokerError) -> Response {
     Response::error(status, e.to_string())
 }
 
-/// Answers one request; one that must wait continues in its own task, holding `permit`.
-async fn handle(
-    ctx: &Arc<Ctx>,
-    conn: ConnId,
-    id: u64,
-    request: Request,
-    tx: &mpsc::Sender<Vec<u8>>,
-    permit: tokio::sync::OwnedSemaphorePermit,
-) {
-    let op = request.opcode();
+/// A request that must wait: for a message (poll) or for room (offer).
+enum Waiting {
+    Offer { queue: String, messages: Vec<petrel_broker::Message>, timeout_ms: u32 },
+    Poll { queue: String, max: usize, visibility: Option<Duration>, timeout_ms: u32 },
+}
+
+impl Waiting {
+    async fn finish(self, ctx: &Ctx, conn: ConnId) -> Response {
+        match self {
+            Waiting::Offer { queue, messages, timeout_ms } => offer_waiting(ctx, &queue, messages, timeout_ms).await,
+            Waiting::Poll { queue, max, visibility, timeout_ms } => {
+                poll_waiting(ctx, conn, &queue, max, visibility, timeout_ms).await
+            }
+        }
+    }
+}
+
+/// Answers one request at once, or says what it must wait for.
+fn handle(ctx: &Ctx, conn: ConnId, request: Request) -> Result<Response, Waiting> {
     let broker = &ctx.broker;
-    let response = match request {
+    Ok(match request {
         Request::Hello { .. } => Response::Hello {
             server: format!("petrel/{}", env!("CARGO_PKG_VERSION")),
             max_frame: ctx.config.max_frame_bytes,
@@ -184,13 +216,7 @@ async fn handle(
             let retry = (timeout_ms > 0).then(|| messages.clone());
             match broker.offer(&queue, messages, now_ns()) {
                 Err(BrokerError::Full(_)) if let Some(messages) = retry => {
-                    let (ctx, tx) = (Arc::clone(ctx), tx.clone());
-                    tokio::spawn(async move {
-                        let r = offer_waiting(&ctx, &queue, messages, timeout_ms).await;
-                        send(&tx, op, id, &r).await;
-                        drop(permit);
-                    });
-                    return;
+                    return Err(Waiting::Offer { queue, messages, timeout_ms });
                 }
                 Ok((first_id, count)) => Response::Offered { first_id, count },
                 Err(e) => error(e),
@@ -201,13 +227,7 @@ async fn handle(
             let max = (max as usize).clamp(1, 10_000);
             match broker.poll(&queue, max, visibility, conn, now_ns()) {
                 Ok(d) if d.is_empty() && timeout_ms > 0 => {
-                    let (ctx, tx) = (Arc::clone(ctx), tx.clone());
-                    tokio::spawn(async move {
-                        let r = poll_waiting(&ctx, conn, &queue, max, visibility, timeout_ms).await;
-                        send(&tx, op, id, &r).await;
-                        drop(permit);
-                    });
-                    return;
+                    return Err(Waiting::Poll { queue, max, visibility, timeout_ms });
                 }
                 Ok(d) => polled(d),
                 Err(e) => error(e),
@@ -221,9 +241,7 @@ async fn handle(
             Ok(count) => Response::Acked { count },
             Err(e) => error(e),
         },
-    };
-    send(tx, op, id, &response).await;
-    drop(permit);
+    })
 }
 
 fn polled(deliveries: Vec<petrel_broker::Delivery>) -> Response {
