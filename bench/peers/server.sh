@@ -33,6 +33,7 @@ for _ in $(seq 100); do grep -q '^native' "$work/petrel.out" 2>/dev/null && brea
 addr="$(awk '/^native/{print $2}' "$work/petrel.out")"
 p() { "$petrel" bench queue --server "$addr" --durable --payload-bytes 32 --count "$count" --json "$@" | tail -n 1; }
 echo "petrel offer $(p --mode offer --pipeline 64 | python3 -c 'import json,sys; print(json.load(sys.stdin)["msgs_per_sec"])')" >> "$results"
+echo "petrel offer_deep $(p --mode offer --pipeline 256 | python3 -c 'import json,sys; print(json.load(sys.stdin)["msgs_per_sec"])')" >> "$results"
 echo "petrel offer_batched $(p --mode offer --pipeline 64 --batch 100 | python3 -c 'import json,sys; print(json.load(sys.stdin)["msgs_per_sec"])')" >> "$results"
 echo "petrel offer_poll $(p --mode offer-poll --connections 2 --pipeline 64 --batch 10 | python3 -c 'import json,sys; print(json.load(sys.stdin)["msgs_per_sec"])')" >> "$results"
 
@@ -54,6 +55,8 @@ sleep 1
 redis-benchmark -h 127.0.0.1 -p 6391 -n "$count" -P 64 -d 32 -t lpush,rpop --csv > "$work/redis.csv"
 echo "redis offer $(awk -F'","' '/^"LPUSH/{print $2}' "$work/redis.csv")" >> "$results"
 echo "redis offer_poll $(awk -F'","' '/^"RPOP/{print $2}' "$work/redis.csv")" >> "$results"
+redis-benchmark -h 127.0.0.1 -p 6391 -n "$count" -P 256 -d 32 -t lpush --csv > "$work/redis-deep.csv"
+echo "redis offer_deep $(awk -F'","' '/^"LPUSH/{print $2}' "$work/redis-deep.csv")" >> "$results"
 
 python3 - "$results" "$count" <<'PY'
 import sys
@@ -66,7 +69,8 @@ for line in open(sys.argv[1]):
     system, workload, value = parts
     rows[(system, workload)] = float(value)
 print(f"{sys.argv[2]} messages of 32 B; ratio = petrel / peer")
-labels = {"offer": "offer, 1 per request, pipelined", "offer_batched": "offer, 100 per request", "offer_poll": "consume (poll/fetch/rpop)"}
+labels = {"offer": "offer, 1 per request, 64 in flight", "offer_deep": "offer, 1 per request, 256 in flight",
+          "offer_batched": "offer, 100 per request", "offer_poll": "consume (poll/fetch/rpop)"}
 for (system, workload), v in rows.items():
     peer_ratios = ""
     if system == "petrel":

@@ -304,14 +304,15 @@ impl Broker {
 
     /// Offers to `name` (all or none), then a copy to each fanout child (`name+…`). A child that
     /// refuses its copy (full, or the message too big for it) is skipped, counted in its `dropped`.
-    pub fn offer(&self, name: &str, messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+    pub fn offer(&self, name: &str, mut messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
         let queue = self.get(name)?;
-        self.offer_to(&queue, messages, now)
+        self.offer_to(&queue, &mut messages, now)
     }
 
-    /// `offer` to a queue already looked up.
-    pub fn offer_to(&self, queue: &Queue, messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
-        for m in &messages {
+    /// `offer` to a queue already looked up. On success `messages` is emptied; on refusal it is
+    /// left as it was, for a retry.
+    pub fn offer_to(&self, queue: &Queue, messages: &mut Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+        for m in messages.iter() {
             if m.size() as usize > self.options.max_message_bytes {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
@@ -320,10 +321,11 @@ impl Broker {
         let Some(children) = children else { return queue.offer(messages, now) };
         // Copies only of what the parent accepted: an offer retried while the parent is full
         // must not fill the children with duplicates.
-        let accepted = queue.offer(messages.clone(), now)?;
+        let copies = messages.clone();
+        let accepted = queue.offer(messages, now)?;
         for child in children {
-            if let Err(e) = child.offer(messages.clone(), now) {
-                child.count_dropped(messages.len() as u64);
+            if let Err(e) = child.offer(&mut copies.clone(), now) {
+                child.count_dropped(copies.len() as u64);
                 tracing::debug!(queue = %child.name, error = %e, "fanout copy dropped");
             }
         }
@@ -402,10 +404,10 @@ impl Broker {
         if expired.is_empty() || from.config.dead_letter.is_empty() {
             return;
         }
-        let expired = expired.into_iter().map(|m| Message { expires_at: 0, ..m }).collect();
+        let mut expired = expired.into_iter().map(|m| Message { expires_at: 0, ..m }).collect();
         // Like Kestrel's expire_to_queue, the dead-letter queue is made by first use.
         let to = self.queue_or_create(&from.config.dead_letter);
-        if let Err(e) = to.and_then(|to| self.offer_to(&to, expired, now)) {
+        if let Err(e) = to.and_then(|to| self.offer_to(&to, &mut expired, now)) {
             tracing::warn!(queue = %from.name, dead_letter = %from.config.dead_letter, error = %e, "expired messages lost");
         }
     }

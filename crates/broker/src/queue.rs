@@ -173,28 +173,16 @@ impl Queue {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Adds `messages` at the tail, all or none. Returns the first id and how many; dropped
-    /// oldest messages of a circular queue are counted.
-    pub fn offer(&self, mut messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+    /// Adds `messages` at the tail, all or none: on success `messages` is emptied, on refusal it
+    /// is left as it was (for a retry). Returns the first id and how many; dropped oldest
+    /// messages of a circular queue are counted.
+    pub fn offer(&self, messages: &mut Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
         let n = messages.len() as u64;
         let size: u64 = messages.iter().map(Message::size).sum();
         let max_item = self.config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
         }
-        let ttl_deadline = match self.config.ttl_ms {
-            0 => u64::MAX,
-            ttl => now.saturating_add(ttl.saturating_mul(1_000_000)),
-        };
-        for m in &mut messages {
-            m.timestamp = now;
-            m.destination.clone_from(&self.name);
-            // The earlier of the message's own expiry and the queue's.
-            if ttl_deadline != u64::MAX && (m.expires_at == 0 || m.expires_at > ttl_deadline) {
-                m.expires_at = ttl_deadline;
-            }
-        }
-        let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
         let mut inner = self.lock();
         let (max_items, max_bytes) = (self.config.max_items, self.config.max_bytes);
         let fits = |inner: &Inner| {
@@ -212,10 +200,24 @@ impl Queue {
                 return Err(BrokerError::Full(self.name.clone()));
             }
         }
+        let ttl_deadline = match self.config.ttl_ms {
+            0 => u64::MAX,
+            ttl => now.saturating_add(ttl.saturating_mul(1_000_000)),
+        };
+        for m in messages.iter_mut() {
+            m.timestamp = now;
+            // The queue's name is set on delivery; not stored with each message.
+            m.destination.clear();
+            // The earlier of the message's own expiry and the queue's.
+            if ttl_deadline != u64::MAX && (m.expires_at == 0 || m.expires_at > ttl_deadline) {
+                m.expires_at = ttl_deadline;
+            }
+        }
+        let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
         let first = match &mut inner.store {
             Store::Memory { ready, next_id } => {
                 let first = *next_id;
-                for (i, mut m) in messages.into_iter().enumerate() {
+                for (i, mut m) in messages.drain(..).enumerate() {
                     m.id = first + i as u64;
                     // A protocol's message may be a slice of a whole read buffer: a copy of its
                     // own keeps a small waiting message from holding the buffer in memory.
@@ -233,7 +235,9 @@ impl Queue {
                 let views: Vec<Vec<(&str, &[u8])>> =
                     owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
                 let inputs: Vec<_> = messages.iter().zip(&views).map(|(m, h)| message::input(m, h)).collect();
-                log.append_batch_with(&inputs)?.start + 1
+                let first = log.append_batch_with(&inputs)?.start + 1;
+                messages.clear();
+                first
             }
         };
         inner.bytes += size;
@@ -286,6 +290,7 @@ impl Queue {
                 }
             };
             inner.counters.total_polled += 1;
+            let message = Message { destination: self.name.clone(), ..message };
             out.deliveries.push(Delivery { handle, message });
         }
         drop(guard);
@@ -419,7 +424,7 @@ impl Queue {
                     inner.counters.expired += 1;
                     expired.push(m);
                 }
-                other => break other,
+                other => break other.map(|m| Message { destination: self.name.clone(), ..m }),
             }
         };
         drop(inner);

@@ -211,11 +211,10 @@ fn handle(ctx: &Ctx, conn: ConnId, request: Request) -> Result<Response, Waiting
             None => error(BrokerError::NotFound(name)),
         },
         Request::Offer { queue, timeout_ms, messages } => {
-            let messages: Vec<_> = messages.into_iter().map(convert::message_in).collect();
-            // Only an offer that may have to wait for room needs its messages again.
-            let retry = (timeout_ms > 0).then(|| messages.clone());
-            match broker.offer(&queue, messages, now_ns()) {
-                Err(BrokerError::Full(_)) if let Some(messages) = retry => {
+            let mut messages: Vec<_> = messages.into_iter().map(convert::message_in).collect();
+            let offered = broker.queue(&queue).ok_or_else(|| BrokerError::NotFound(queue.clone()));
+            match offered.and_then(|q| broker.offer_to(&q, &mut messages, now_ns())) {
+                Err(BrokerError::Full(_)) if timeout_ms > 0 => {
                     return Err(Waiting::Offer { queue, messages, timeout_ms });
                 }
                 Ok((first_id, count)) => Response::Offered { first_id, count },
@@ -280,14 +279,14 @@ async fn poll_waiting(
     }
 }
 
-async fn offer_waiting(ctx: &Ctx, queue: &str, messages: Vec<petrel_broker::Message>, timeout_ms: u32) -> Response {
+async fn offer_waiting(ctx: &Ctx, queue: &str, mut messages: Vec<petrel_broker::Message>, timeout_ms: u32) -> Response {
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
     loop {
         let Some(q) = ctx.broker.queue(queue) else { return error(BrokerError::NotFound(queue.to_owned())) };
         let notified = q.room.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        match ctx.broker.offer(queue, messages.clone(), now_ns()) {
+        match ctx.broker.offer_to(&q, &mut messages, now_ns()) {
             Err(BrokerError::Full(_)) => {}
             Ok((first_id, count)) => return Response::Offered { first_id, count },
             Err(e) => return error(e),

@@ -199,7 +199,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             message.headers.push((FLAGS_HEADER.into(), Bytes::from(flags.to_string())));
         }
         let broker = &self.ctx.broker;
-        match broker.queue_or_create(queue).and_then(|q| broker.offer_to(&q, vec![message], now)) {
+        match broker.queue_or_create(queue).and_then(|q| broker.offer_to(&q, &mut vec![message], now)) {
             Ok(_) => "STORED".into(),
             Err(BrokerError::Full(_) | BrokerError::TooLarge { .. }) => "NOT_STORED".into(),
             Err(e) => server_error(&e),
