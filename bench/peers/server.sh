@@ -32,6 +32,7 @@ pids+=($!)
 for _ in $(seq 100); do grep -q '^native' "$work/petrel.out" 2>/dev/null && break; sleep 0.1; done
 addr="$(awk '/^native/{print $2}' "$work/petrel.out")"
 p() { "$petrel" bench queue --server "$addr" --durable --payload-bytes 32 --count "$count" --json "$@" | tail -n 1; }
+p --mode offer --pipeline 64 > /dev/null   # warm-up (see docs/benchmarks.md: this VM's cold memory)
 echo "petrel offer $(p --mode offer --pipeline 64 | python3 -c 'import json,sys; print(json.load(sys.stdin)["msgs_per_sec"])')" >> "$results"
 echo "petrel offer_deep $(p --mode offer --pipeline 256 | python3 -c 'import json,sys; print(json.load(sys.stdin)["msgs_per_sec"])')" >> "$results"
 echo "petrel offer_batched $(p --mode offer --pipeline 64 --batch 100 | python3 -c 'import json,sys; print(json.load(sys.stdin)["msgs_per_sec"])')" >> "$results"

@@ -60,11 +60,38 @@ const MAX_OUTBOX: usize = 1 << 20;
 /// their opcode, to decode it), and the bytes of requests not yet written.
 #[derive(Default)]
 struct Pending {
-    waiting: HashMap<u64, (u16, Reply)>,
+    waiting: HashMap<u64, (u16, Reply), BuildIdHasher>,
     /// Encoded requests for the writer task, which sends all that gathered in one write.
     outbox: Vec<u8>,
     /// The connection is gone: new requests fail at once instead of waiting forever.
     closed: bool,
+}
+
+/// Request ids are a counter: a multiply spreads them well enough, far cheaper than SipHash.
+#[derive(Default, Clone, Copy)]
+struct BuildIdHasher;
+
+struct IdHasher(u64);
+
+impl std::hash::BuildHasher for BuildIdHasher {
+    type Hasher = IdHasher;
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher(0)
+    }
+}
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
 }
 
 impl Pending {
