@@ -92,17 +92,7 @@ pub(crate) async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<
     let secs = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let messages = if args.mode == Mode::Offer { args.count } else { hits };
-    Ok(Outcome {
-        messages,
-        requests,
-        hits,
-        secs,
-        msgs_per_sec: messages as f64 / secs,
-        mb_per_sec: (messages * args.payload_bytes as u64) as f64 / 1e6 / secs,
-        p50_us: hist.value_at_quantile(0.50) as f64,
-        p99_us: hist.value_at_quantile(0.99) as f64,
-        p999_us: hist.value_at_quantile(0.999) as f64,
-    })
+    Ok(Outcome::new(messages, requests, hits, secs, args.payload_bytes, &hist))
 }
 
 struct Conn {

@@ -160,6 +160,29 @@ pub(crate) struct Outcome {
     pub p999_us: f64,
 }
 
+impl Outcome {
+    pub(crate) fn new(
+        messages: u64,
+        requests: u64,
+        hits: u64,
+        secs: f64,
+        payload: usize,
+        hist: &Histogram<u64>,
+    ) -> Self {
+        Outcome {
+            messages,
+            requests,
+            hits,
+            secs,
+            msgs_per_sec: messages as f64 / secs,
+            mb_per_sec: (messages * payload as u64) as f64 / 1e6 / secs,
+            p50_us: hist.value_at_quantile(0.50) as f64,
+            p99_us: hist.value_at_quantile(0.99) as f64,
+            p999_us: hist.value_at_quantile(0.999) as f64,
+        }
+    }
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Role {
     Offer,
@@ -279,17 +302,7 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
     bar.finish_and_clear();
     let messages = if pollers > 0 { polled.load(Ordering::Relaxed).min(args.count) } else { args.count };
     let _ = admin.remove_queue(&args.queue).await;
-    Ok(Outcome {
-        messages,
-        requests: hist.len(),
-        hits: messages,
-        secs,
-        msgs_per_sec: messages as f64 / secs,
-        mb_per_sec: (messages * args.payload_bytes as u64) as f64 / 1e6 / secs,
-        p50_us: hist.value_at_quantile(0.50) as f64,
-        p99_us: hist.value_at_quantile(0.99) as f64,
-        p999_us: hist.value_at_quantile(0.999) as f64,
-    })
+    Ok(Outcome::new(messages, hist.len(), messages, secs, args.payload_bytes, &hist))
 }
 
 /// Offers `count` messages in large pipelined batches, untimed.

@@ -209,41 +209,34 @@ async fn durable_messages_survive_kill_9_and_sigterm_exits_cleanly() {
 #[test]
 fn bench_queue_runs_every_mode_and_prints_json() {
     let dir = tempfile::tempdir().unwrap();
-    for mode in ["offer", "poll", "offer-poll"] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-            .args([
-                "bench",
-                "queue",
-                "--mode",
-                mode,
-                "--count",
-                "3000",
-                "--connections",
-                "2",
-                "--batch",
-                "7",
-                "--json",
-                "--data",
-            ])
-            .arg(dir.path())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let started = std::time::Instant::now();
-        while child.try_wait().unwrap().is_none() {
-            if started.elapsed() > Duration::from_secs(60) {
-                child.kill().unwrap();
-                panic!("bench queue --mode {mode} did not finish");
+    for protocol in ["native", "memcache"] {
+        for mode in ["offer", "poll", "offer-poll"] {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+                .args(["bench", "queue", "--protocol", protocol, "--mode", mode, "--count", "3000"])
+                .args(["--connections", "2", "--batch", "7", "--keys", "5", "--json", "--data"])
+                .arg(dir.path())
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let started = std::time::Instant::now();
+            while child.try_wait().unwrap().is_none() {
+                if started.elapsed() > Duration::from_secs(60) {
+                    child.kill().unwrap();
+                    panic!("bench queue --protocol {protocol} --mode {mode} did not finish");
+                }
+                std::thread::sleep(Duration::from_millis(20));
             }
-            std::thread::sleep(Duration::from_millis(20));
+            let out = child.wait_with_output().unwrap();
+            assert!(out.status.success(), "{protocol} {mode}");
+            let text = String::from_utf8(out.stdout).unwrap();
+            let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+            assert_eq!(last["count"], 3000, "{protocol} {mode}: {last}");
+            assert!(last["msgs_per_sec"].as_f64().unwrap() > 0.0);
+            assert!(last["latency_p99_us"].as_f64().unwrap() >= last["latency_p50_us"].as_f64().unwrap());
+            if protocol == "memcache" && mode == "poll" {
+                assert_eq!(last["hits"], 3000, "every item set is got back once: {last}");
+            }
         }
-        let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "{mode}");
-        let text = String::from_utf8(out.stdout).unwrap();
-        let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-        assert_eq!(last["count"], 3000, "{mode}: {last}");
-        assert!(last["msgs_per_sec"].as_f64().unwrap() > 0.0);
-        assert!(last["latency_p99_us"].as_f64().unwrap() >= last["latency_p50_us"].as_f64().unwrap());
     }
 }
 
