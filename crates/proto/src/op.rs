@@ -22,7 +22,22 @@ pub mod opcode {
     pub const POLL: u16 = 0x0111;
     pub const ACK: u16 = 0x0112;
     pub const ABORT: u16 = 0x0113;
-    // 0x02xx: topics, 0x03xx: functions (reserved).
+    pub const TOPIC_CREATE: u16 = 0x0200;
+    pub const TOPIC_REMOVE: u16 = 0x0201;
+    pub const TOPIC_LIST: u16 = 0x0202;
+    pub const PUBLISH: u16 = 0x0210;
+    pub const SUBSCRIBE: u16 = 0x0211;
+    pub const UNSUBSCRIBE: u16 = 0x0212;
+    pub const SERVE: u16 = 0x0300;
+    pub const UNSERVE: u16 = 0x0301;
+    pub const CALL: u16 = 0x0310;
+    pub const RETURN: u16 = 0x0311;
+    /// Push: messages for a subscription (request id = the subscription).
+    pub const DELIVER: u16 = 0x0280;
+    /// Push: the server ended a subscription (request id = the subscription).
+    pub const SUBSCRIPTION_END: u16 = 0x0281;
+    /// Push: a call for a function this connection serves (request id = the call).
+    pub const INVOKE: u16 = 0x0380;
 }
 
 /// How a queue behaves. Zero means "no limit" / "none" throughout.
@@ -186,6 +201,51 @@ pub enum Request {
         queue: String,
         handles: Vec<u64>,
     },
+    TopicCreate {
+        name: String,
+    },
+    TopicRemove {
+        name: String,
+    },
+    TopicList,
+    /// Delivers the messages to every current subscriber of the topic.
+    Publish {
+        topic: String,
+        messages: Vec<Message>,
+    },
+    /// Starts pushing the topic's messages (DELIVER frames) to this connection. `buffer`:
+    /// messages the server may hold for this subscriber (0: the server's default); a subscriber
+    /// that falls further behind is ended with SUBSCRIPTION_END.
+    Subscribe {
+        topic: String,
+        buffer: u32,
+    },
+    Unsubscribe {
+        subscription: u64,
+    },
+    /// This connection serves calls of `function` (INVOKE frames, answered with RETURN).
+    Serve {
+        function: String,
+    },
+    Unserve {
+        function: String,
+    },
+    /// Calls a function: answered with its reply, or TIMEOUT after `timeout_ms` (0: the server's
+    /// default). A oneway call is answered once a server has it, with no reply.
+    Call {
+        function: String,
+        timeout_ms: u32,
+        oneway: bool,
+        message: Message,
+    },
+    /// A function server's answer to the INVOKE `call`: a status (OK, or HANDLER_ERROR with
+    /// `error`) and the reply.
+    Return {
+        call: u64,
+        status: Status,
+        error: String,
+        message: Message,
+    },
 }
 
 impl Request {
@@ -202,21 +262,59 @@ impl Request {
             Request::Poll { .. } => POLL,
             Request::Ack { .. } => ACK,
             Request::Abort { .. } => ABORT,
+            Request::TopicCreate { .. } => TOPIC_CREATE,
+            Request::TopicRemove { .. } => TOPIC_REMOVE,
+            Request::TopicList => TOPIC_LIST,
+            Request::Publish { .. } => PUBLISH,
+            Request::Subscribe { .. } => SUBSCRIBE,
+            Request::Unsubscribe { .. } => UNSUBSCRIBE,
+            Request::Serve { .. } => SERVE,
+            Request::Unserve { .. } => UNSERVE,
+            Request::Call { .. } => CALL,
+            Request::Return { .. } => RETURN,
         }
     }
 
     /// Appends this request as a whole frame to `out`.
     pub fn encode(&self, request_id: u64, out: &mut Vec<u8>) -> Result<(), EncodeError> {
-        if let Request::Offer { messages, .. } = self {
-            for m in messages {
-                m.check()?;
+        match self {
+            Request::Offer { messages, .. } | Request::Publish { messages, .. } => {
+                messages.iter().try_for_each(Message::check)?;
             }
+            Request::Call { message, .. } | Request::Return { message, .. } => message.check()?,
+            _ => {}
         }
         let at = frame::start(out, FrameKind::Request, self.opcode(), request_id);
         let w = &mut Writer { out };
         match self {
             Request::Hello { client } => w.str(client),
-            Request::Ping | Request::QueueList => {}
+            Request::Ping | Request::QueueList | Request::TopicList => {}
+            Request::TopicCreate { name } | Request::TopicRemove { name } => w.str(name),
+            Request::Publish { topic, messages } => {
+                w.str(topic);
+                w.u32(messages.len() as u32);
+                for m in messages {
+                    m.encode(w);
+                }
+            }
+            Request::Subscribe { topic, buffer } => {
+                w.str(topic);
+                w.u32(*buffer);
+            }
+            Request::Unsubscribe { subscription } => w.u64(*subscription),
+            Request::Serve { function } | Request::Unserve { function } => w.str(function),
+            Request::Call { function, timeout_ms, oneway, message } => {
+                w.str(function);
+                w.u32(*timeout_ms);
+                w.u8(u8::from(*oneway));
+                message.encode(w);
+            }
+            Request::Return { call, status, error, message } => {
+                w.u64(*call);
+                w.u8(*status as u8);
+                w.str(error);
+                message.encode(w);
+            }
             Request::QueueCreate { name, config } => {
                 w.str(name);
                 config.encode(w);
@@ -278,6 +376,35 @@ impl Request {
                 let handles = (0..n).map(|_| r.u64("handle")).collect::<Result<_, _>>()?;
                 if opcode == ACK { Request::Ack { queue, handles } } else { Request::Abort { queue, handles } }
             }
+            TOPIC_CREATE => Request::TopicCreate { name: r.str("name")? },
+            TOPIC_REMOVE => Request::TopicRemove { name: r.str("name")? },
+            TOPIC_LIST => Request::TopicList,
+            PUBLISH => {
+                let topic = r.str("topic")?;
+                let n = r.count(MESSAGE_MIN_LEN, "message count")?;
+                let messages = (0..n).map(|_| Message::decode(&mut r)).collect::<Result<_, _>>()?;
+                Request::Publish { topic, messages }
+            }
+            SUBSCRIBE => Request::Subscribe { topic: r.str("topic")?, buffer: r.u32("buffer")? },
+            UNSUBSCRIBE => Request::Unsubscribe { subscription: r.u64("subscription")? },
+            SERVE => Request::Serve { function: r.str("function")? },
+            UNSERVE => Request::Unserve { function: r.str("function")? },
+            CALL => Request::Call {
+                function: r.str("function")?,
+                timeout_ms: r.u32("timeout_ms")?,
+                oneway: match r.u8("oneway")? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(DecodeError::BadValue("oneway")),
+                },
+                message: Message::decode(&mut r)?,
+            },
+            RETURN => Request::Return {
+                call: r.u64("call")?,
+                status: Status::from_u8(r.u8("status")?)?,
+                error: r.str("error")?,
+                message: Message::decode(&mut r)?,
+            },
             other => return Err(DecodeError::UnknownOpcode(other)),
         };
         r.finish()?;
@@ -317,6 +444,84 @@ pub enum Response {
     Acked {
         count: u32,
     },
+    TopicList {
+        names: Vec<String>,
+    },
+    /// How many subscribers each message reached.
+    Published {
+        subscribers: u32,
+    },
+    Subscribed {
+        subscription: u64,
+    },
+    /// A function's reply.
+    Reply {
+        message: Message,
+    },
+}
+
+/// What the server sends unasked: subscription deliveries and function invocations.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Push {
+    /// Messages for the subscription in the frame's request id.
+    Deliver { messages: Vec<Message> },
+    /// The server ended the subscription in the frame's request id (SUBSCRIPTION_END): a slow
+    /// subscriber, a removed topic.
+    SubscriptionEnd { status: Status, reason: String },
+    /// A call of `function` (a function this connection serves); the request id is the call's,
+    /// to answer with RETURN.
+    Invoke { function: String, message: Message },
+}
+
+impl Push {
+    pub fn opcode(&self) -> u16 {
+        match self {
+            Push::Deliver { .. } => opcode::DELIVER,
+            Push::SubscriptionEnd { .. } => opcode::SUBSCRIPTION_END,
+            Push::Invoke { .. } => opcode::INVOKE,
+        }
+    }
+
+    /// Appends this push as a whole frame to `out`; `id` is the subscription or the call.
+    pub fn encode(&self, id: u64, out: &mut Vec<u8>) {
+        let at = frame::start(out, FrameKind::Push, self.opcode(), id);
+        let w = &mut Writer { out };
+        match self {
+            Push::Deliver { messages } => {
+                w.u32(messages.len() as u32);
+                for m in messages {
+                    m.encode(w);
+                }
+            }
+            Push::SubscriptionEnd { status, reason } => {
+                w.u8(*status as u8);
+                w.str(&reason[..reason.len().min(u16::MAX as usize)]);
+            }
+            Push::Invoke { function, message } => {
+                w.str(function);
+                message.encode(w);
+            }
+        }
+        frame::finish(out, at);
+    }
+
+    pub fn decode(opcode: u16, body: Bytes) -> Result<Push, DecodeError> {
+        let mut r = Reader::new(body);
+        let push = match opcode {
+            opcode::DELIVER => {
+                let n = r.count(MESSAGE_MIN_LEN, "message count")?;
+                Push::Deliver { messages: (0..n).map(|_| Message::decode(&mut r)).collect::<Result<_, _>>()? }
+            }
+            opcode::SUBSCRIPTION_END => {
+                Push::SubscriptionEnd { status: Status::from_u8(r.u8("status")?)?, reason: r.str("reason")? }
+            }
+            opcode::INVOKE => Push::Invoke { function: r.str("function")?, message: Message::decode(&mut r)? },
+            other => return Err(DecodeError::UnknownOpcode(other)),
+        };
+        r.finish()?;
+        Ok(push)
+    }
 }
 
 impl Response {
@@ -342,12 +547,15 @@ impl Response {
                         w.u32(*max_frame);
                     }
                     Response::Pong | Response::Done => {}
-                    Response::QueueList { names } => {
+                    Response::QueueList { names } | Response::TopicList { names } => {
                         w.u32(names.len() as u32);
                         for n in names {
                             w.str(n);
                         }
                     }
+                    Response::Published { subscribers } => w.u32(*subscribers),
+                    Response::Subscribed { subscription } => w.u64(*subscription),
+                    Response::Reply { message } => message.encode(w),
                     Response::QueueStatus { stats } => stats.encode(w),
                     Response::Offered { first_id, count } => {
                         w.u64(*first_id);
@@ -393,6 +601,16 @@ impl Response {
                     Response::Polled { deliveries }
                 }
                 ACK | ABORT => Response::Acked { count: r.u32("count")? },
+                TOPIC_CREATE | TOPIC_REMOVE | UNSUBSCRIBE | SERVE | UNSERVE | RETURN => Response::Done,
+                TOPIC_LIST => {
+                    let n = r.count(2, "name count")?;
+                    Response::TopicList { names: (0..n).map(|_| r.str("name")).collect::<Result<_, _>>()? }
+                }
+                PUBLISH => Response::Published { subscribers: r.u32("subscribers")? },
+                SUBSCRIBE => Response::Subscribed { subscription: r.u64("subscription")? },
+                // A oneway call is answered with nothing after the status.
+                CALL if r.is_empty() => Response::Done,
+                CALL => Response::Reply { message: Message::decode(&mut r)? },
                 other => return Err(DecodeError::UnknownOpcode(other)),
             }
         };

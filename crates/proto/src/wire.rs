@@ -87,6 +87,9 @@ impl Reader {
         }
         Ok(n)
     }
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
     pub fn finish(self) -> Result<(), DecodeError> {
         if self.buf.is_empty() { Ok(()) } else { Err(DecodeError::TrailingBytes(self.buf.len())) }
     }

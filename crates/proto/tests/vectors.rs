@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use bytes::{Bytes, BytesMut};
 use petrel_proto::{
-    Delivery, FrameKind, Message, MessageKind, QueueConfig, QueueStats, Request, Response, Status, frame, hex, opcode,
+    Delivery, FrameKind, Message, MessageKind, Push, QueueConfig, QueueStats, Request, Response, Status, frame, hex,
+    opcode,
 };
 use serde::{Deserialize, Serialize};
 
@@ -23,6 +24,8 @@ struct Vector {
     request: Option<Request>,
     #[serde(skip_serializing_if = "Option::is_none")]
     response: Option<Response>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    push: Option<Push>,
     hex: String,
 }
 
@@ -60,6 +63,7 @@ fn request(name: &str, description: &str, id: u64, r: Request) -> Vector {
         request_id: id,
         request: Some(r),
         response: None,
+        push: None,
         hex: hex::encode(&out),
     }
 }
@@ -75,6 +79,23 @@ fn response(name: &str, description: &str, op: u16, id: u64, r: Response) -> Vec
         request_id: id,
         request: None,
         response: Some(r),
+        push: None,
+        hex: hex::encode(&out),
+    }
+}
+
+fn push(name: &str, description: &str, id: u64, p: Push) -> Vector {
+    let mut out = Vec::new();
+    p.encode(id, &mut out);
+    Vector {
+        name: name.into(),
+        description: description.into(),
+        kind: FrameKind::Push,
+        opcode: p.opcode(),
+        request_id: id,
+        request: None,
+        response: None,
+        push: Some(p),
         hex: hex::encode(&out),
     }
 }
@@ -242,6 +263,94 @@ fn cases() -> Vec<Vector> {
             13,
             Response::error(Status::Unsupported, "unknown opcode 0x0777"),
         ),
+        request("topic_create", "a topic by name", 20, Request::TopicCreate { name: q("prices") }),
+        request("topic_list", "an empty body", 21, Request::TopicList),
+        response(
+            "topic_list_ok",
+            "a count, then names",
+            opcode::TOPIC_LIST,
+            21,
+            Response::TopicList { names: vec![q("prices")] },
+        ),
+        request(
+            "subscribe",
+            "subscribe, the server holding up to 1000 messages for this subscriber",
+            22,
+            Request::Subscribe { topic: q("prices"), buffer: 1000 },
+        ),
+        response(
+            "subscribed",
+            "the subscription id: pushes carry it as their request id",
+            opcode::SUBSCRIBE,
+            22,
+            Response::Subscribed { subscription: 3 },
+        ),
+        request(
+            "publish",
+            "one message to every subscriber",
+            23,
+            Request::Publish { topic: q("prices"), messages: vec![Message::new(&b"EUR 1.08"[..])] },
+        ),
+        response("published", "how many subscribers it reached", opcode::PUBLISH, 23, Response::Published { subscribers: 2 }),
+        push(
+            "deliver",
+            "a push for subscription 3: a count, then messages",
+            3,
+            Push::Deliver {
+                messages: vec![Message {
+                    timestamp: 1_700_000_000_000_000_000,
+                    destination: q("prices"),
+                    payload: Bytes::from_static(b"EUR 1.08"),
+                    ..Message::default()
+                }],
+            },
+        ),
+        push(
+            "subscription_end_slow",
+            "the server ended subscription 3: it fell too far behind",
+            3,
+            Push::SubscriptionEnd { status: Status::TooLarge, reason: q("subscriber fell 1000 messages behind") },
+        ),
+        request("unsubscribe", "by subscription id", 24, Request::Unsubscribe { subscription: 3 }),
+        request("serve", "this connection serves a function", 25, Request::Serve { function: q("coffee") }),
+        request(
+            "call",
+            "a call with a 5 s timeout",
+            26,
+            Request::Call {
+                function: q("coffee"),
+                timeout_ms: 5000,
+                oneway: false,
+                message: Message::new(&b"espresso"[..]),
+            },
+        ),
+        push(
+            "invoke",
+            "the call pushed to a connection serving the function; the request id is the call's",
+            9,
+            Push::Invoke { function: q("coffee"), message: Message::new(&b"espresso"[..]) },
+        ),
+        request(
+            "return",
+            "the function server's answer to call 9",
+            27,
+            Request::Return { call: 9, status: Status::Ok, error: q(""), message: Message::new(&b"ready"[..]) },
+        ),
+        response(
+            "reply",
+            "the caller gets the reply",
+            opcode::CALL,
+            26,
+            Response::Reply { message: Message::new(&b"ready"[..]) },
+        ),
+        response(
+            "call_not_found",
+            "nobody serves the function",
+            opcode::CALL,
+            26,
+            Response::error(Status::FunctionNotFound, "no server for function coffee"),
+        ),
+        response("call_oneway_done", "a oneway call was handed to a server", opcode::CALL, 28, Response::Done),
     ]
 }
 
@@ -264,16 +373,20 @@ fn vectors_decode_to_their_meaning_and_back() {
         assert!(buf.is_empty(), "{}: one frame exactly", v.name);
         assert_eq!((f.kind, f.opcode, f.request_id), (v.kind, v.opcode, v.request_id), "{}", v.name);
         let mut again = Vec::new();
-        match (&v.request, &v.response) {
-            (Some(r), None) => {
+        match (&v.request, &v.response, &v.push) {
+            (Some(r), None, None) => {
                 assert_eq!(&Request::decode(f.opcode, f.body).unwrap(), r, "{}: decode", v.name);
                 r.encode(v.request_id, &mut again).unwrap();
             }
-            (None, Some(r)) => {
+            (None, Some(r), None) => {
                 assert_eq!(&Response::decode(f.opcode, f.body).unwrap(), r, "{}: decode", v.name);
                 r.encode(v.opcode, v.request_id, &mut again);
             }
-            _ => panic!("{}: a vector holds a request or a response", v.name),
+            (None, None, Some(p)) => {
+                assert_eq!(&Push::decode(f.opcode, f.body).unwrap(), p, "{}: decode", v.name);
+                p.encode(v.request_id, &mut again);
+            }
+            _ => panic!("{}: a vector holds a request, a response or a push", v.name),
         }
         assert_eq!(hex::encode(&again), v.hex, "{}: encode", v.name);
         seen += 1;
