@@ -12,8 +12,10 @@
 //! options: a block per name, a fanout child inheriting its parent's, else the defaults.
 
 mod config;
+mod function;
 mod message;
 mod queue;
+mod topic;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -22,7 +24,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 pub use config::QueueConfig;
+pub use function::{Called, Invocation, LocalHandler};
 pub use message::Message;
+pub use topic::{Ended, Subscription, Topic, TopicStats};
 pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
 
 use petrel_log::{Durability, Log, Options};
@@ -47,6 +51,13 @@ pub enum BrokerError {
     Storage(#[from] petrel_log::Error),
     #[error("definitions file: {0}")]
     Definitions(String),
+    #[error("no topic named {0:?}")]
+    TopicNotFound(String),
+    #[error("no server for function {0:?}")]
+    FunctionNotFound(String),
+    /// The function's handler failed, or its server went away.
+    #[error("{0}")]
+    Handler(String),
 }
 
 /// Server-wide settings of the broker.
@@ -95,6 +106,9 @@ pub struct Broker {
     next_handle: AtomicU64,
     created: AtomicU64,
     removed: AtomicU64,
+    /// Topics live in memory: at most once, gone with the server.
+    topics: RwLock<HashMap<String, Arc<Topic>>>,
+    functions: function::Functions,
 }
 
 /// The queues, and for each fanout parent name the children that receive copies.
@@ -153,6 +167,8 @@ impl Broker {
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
+            topics: RwLock::new(HashMap::new()),
+            functions: function::Functions::default(),
         };
         for def in broker.load_definitions()? {
             let config = match broker.options.queues.get(&def.name) {
@@ -377,8 +393,97 @@ impl Broker {
         self.get(name)?.abort(handles, consumer)
     }
 
-    /// A connection closed: its tentative reads go back, its temporary queues go away.
+    /// Creates a topic (or finds the one of that name).
+    pub fn create_topic(&self, name: &str) -> Result<Arc<Topic>, BrokerError> {
+        check_name(name)?;
+        let mut topics = self.topics.write().unwrap_or_else(|e| e.into_inner());
+        Ok(Arc::clone(topics.entry(name.to_owned()).or_insert_with(|| Arc::new(Topic::new(name.to_owned())))))
+    }
+
+    /// Removes a topic; its subscriptions end.
+    pub fn remove_topic(&self, name: &str) -> Result<(), BrokerError> {
+        let topic = self.topics.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        let topic = topic.ok_or_else(|| BrokerError::TopicNotFound(name.to_owned()))?;
+        topic.remove(|_, _| true, Some(Ended::TopicRemoved(format!("topic {name} was removed"))));
+        Ok(())
+    }
+
+    pub fn topic(&self, name: &str) -> Option<Arc<Topic>> {
+        self.topics.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
+    }
+
+    pub fn topic_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.topics.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Hands the messages to every current subscriber of `topic`; returns how many got them.
+    pub fn publish(&self, topic: &str, messages: Vec<Message>, now: u64) -> Result<u32, BrokerError> {
+        let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
+        let mut shared = Vec::with_capacity(messages.len());
+        for m in messages {
+            if m.size() as usize > self.options.max_message_bytes {
+                return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
+            }
+            shared.push(Arc::new(Message { timestamp: now, destination: topic.to_owned(), ..m }));
+        }
+        Ok(t.publish(&shared))
+    }
+
+    /// Subscribes `conn` to `topic`, the broker holding up to `buffer` messages for it.
+    pub fn subscribe(&self, topic: &str, conn: ConnId, buffer: usize) -> Result<Subscription, BrokerError> {
+        let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
+        Ok(t.subscribe(self.next_handle.fetch_add(1, Ordering::Relaxed), conn, buffer))
+    }
+
+    /// Ends a subscription of `conn`'s.
+    pub fn unsubscribe(&self, subscription: u64, conn: ConnId) {
+        let topics: Vec<Arc<Topic>> = self.topics.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        for t in topics {
+            t.remove(|id, c| id == subscription && c == conn, None);
+        }
+    }
+
+    /// `conn` serves calls of `function`, which reach it on `invocations`.
+    pub fn serve(&self, function: &str, conn: ConnId, invocations: tokio::sync::mpsc::Sender<Invocation>) {
+        self.functions.serve_remote(function, conn, invocations);
+    }
+
+    /// A closure in this process serves calls of `function` (the embedded use).
+    pub fn serve_local(&self, function: &str, handler: LocalHandler) {
+        self.functions.serve_local(function, handler);
+    }
+
+    pub fn unserve(&self, function: &str, conn: ConnId) {
+        self.functions.unserve(Some(function), conn);
+    }
+
+    /// Calls `function` with `message`: one of its servers, round robin.
+    pub fn call(&self, function: &str, message: Message, oneway: bool, now: u64) -> Result<Called, BrokerError> {
+        let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let message = Message { timestamp: now, destination: function.to_owned(), kind: 1, ..message };
+        self.functions.call(function, message, oneway, call)
+    }
+
+    /// A server's answer to `call`; `false` if nobody waits for it any more.
+    pub fn reply(&self, call: u64, conn: ConnId, result: Result<Message, String>) -> bool {
+        self.functions.reply(call, conn, result)
+    }
+
+    /// The caller stopped waiting for `call` (its timeout passed).
+    pub fn forget(&self, call: u64) {
+        self.functions.forget(call);
+    }
+
+    /// A connection closed: its tentative reads go back, its temporary queues go away, its
+    /// subscriptions end, its functions stop being served and calls waiting on it fail.
     pub fn disconnect(&self, consumer: ConnId) {
+        let topics: Vec<Arc<Topic>> = self.topics.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+        for t in topics {
+            t.remove(|_, c| c == consumer, None);
+        }
+        self.functions.unserve(None, consumer);
         let queues: Vec<Arc<Queue>> = self.read().queues.values().cloned().collect();
         for q in queues {
             if q.owner == Some(consumer) {

@@ -27,6 +27,8 @@ pub enum Status {
     Timeout = 12,
     Unsupported = 13,
     Exists = 14,
+    /// A subscriber fell too far behind and the server ended its subscription.
+    SlowConsumer = 15,
 }
 
 impl Status {
@@ -48,6 +50,7 @@ impl Status {
             12 => Timeout,
             13 => Unsupported,
             14 => Exists,
+            15 => SlowConsumer,
             _ => return Err(DecodeError::BadValue("status")),
         };
         Result::Ok(status)
@@ -71,6 +74,7 @@ impl Status {
             Timeout => "TIMEOUT",
             Unsupported => "UNSUPPORTED",
             Exists => "EXISTS",
+            SlowConsumer => "SLOW_CONSUMER",
         }
     }
 }

@@ -309,7 +309,7 @@ fn cases() -> Vec<Vector> {
             "subscription_end_slow",
             "the server ended subscription 3: it fell too far behind",
             3,
-            Push::SubscriptionEnd { status: Status::TooLarge, reason: q("subscriber fell 1000 messages behind") },
+            Push::SubscriptionEnd { status: Status::SlowConsumer, reason: q("subscriber fell 1000 messages behind") },
         ),
         request("unsubscribe", "by subscription id", 24, Request::Unsubscribe { subscription: 3 }),
         request("serve", "this connection serves a function", 25, Request::Serve { function: q("coffee") }),

@@ -1,0 +1,142 @@
+//! Functions: request/reply. Servers of a function name are connections (reached through a
+//! bounded channel of invocations) or closures in this process; a call goes to one of them,
+//! round robin, and its reply comes back to the caller by call id. A server that goes away
+//! fails the calls it had, so no caller waits for nothing.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{BrokerError, ConnId, Message};
+
+/// A function served in this process: the request in, the reply (or a handler error) out.
+pub type LocalHandler = Arc<dyn Fn(Message) -> Result<Message, String> + Send + Sync>;
+
+/// A call for a connection serving `function`, to answer with `Broker::reply`.
+#[derive(Debug)]
+pub struct Invocation {
+    pub call: u64,
+    pub function: String,
+    pub message: Message,
+}
+
+/// What became of a call.
+pub enum Called {
+    /// Answered at once (a function served in this process).
+    Replied(Message),
+    /// Handed to a connection; the reply arrives on `reply`. Forget the call if you stop waiting.
+    Pending { call: u64, reply: oneshot::Receiver<Result<Message, BrokerError>> },
+    /// A oneway call handed to a server.
+    Sent,
+}
+
+enum Server {
+    Remote { conn: ConnId, invocations: mpsc::Sender<Invocation> },
+    Local(LocalHandler),
+}
+
+#[derive(Default)]
+struct Servers {
+    list: Vec<Server>,
+    next: usize,
+}
+
+struct Waiting {
+    server: ConnId,
+    reply: oneshot::Sender<Result<Message, BrokerError>>,
+}
+
+#[derive(Default)]
+pub(crate) struct Functions {
+    servers: Mutex<HashMap<String, Servers>>,
+    waiting: Mutex<HashMap<u64, Waiting>>,
+}
+
+impl Functions {
+    pub(crate) fn serve_remote(&self, function: &str, conn: ConnId, invocations: mpsc::Sender<Invocation>) {
+        let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = servers.entry(function.to_owned()).or_default();
+        if !entry.list.iter().any(|s| matches!(s, Server::Remote { conn: c, .. } if *c == conn)) {
+            entry.list.push(Server::Remote { conn, invocations });
+        }
+    }
+
+    pub(crate) fn serve_local(&self, function: &str, handler: LocalHandler) {
+        let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
+        servers.entry(function.to_owned()).or_default().list.push(Server::Local(handler));
+    }
+
+    /// Stops `conn` serving `function` (every function if `None`) and fails the calls it had.
+    pub(crate) fn unserve(&self, function: Option<&str>, conn: ConnId) {
+        let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
+        servers.retain(|name, s| {
+            if function.is_none_or(|f| f == name) {
+                s.list.retain(|server| !matches!(server, Server::Remote { conn: c, .. } if *c == conn));
+            }
+            !s.list.is_empty()
+        });
+        drop(servers);
+        if function.is_none() {
+            let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+            let lost: Vec<u64> = waiting.iter().filter(|(_, w)| w.server == conn).map(|(c, _)| *c).collect();
+            for call in lost {
+                let w = waiting.remove(&call).expect("just seen");
+                let _ = w.reply.send(Err(BrokerError::Handler("the function's server disconnected".into())));
+            }
+        }
+    }
+
+    pub(crate) fn call(&self, function: &str, message: Message, oneway: bool, call: u64) -> Result<Called, BrokerError> {
+        let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
+        let not_found = || BrokerError::FunctionNotFound(function.to_owned());
+        let entry = servers.get_mut(function).ok_or_else(not_found)?;
+        let mut message = Some(message);
+        // Round robin; a server whose channel is full or closed is skipped.
+        for _ in 0..entry.list.len() {
+            let i = entry.next % entry.list.len();
+            entry.next = entry.next.wrapping_add(1);
+            match &entry.list[i] {
+                Server::Local(handler) => {
+                    let handler = Arc::clone(handler);
+                    drop(servers);
+                    let reply = handler(message.take().expect("not yet sent")).map_err(BrokerError::Handler)?;
+                    return Ok(if oneway { Called::Sent } else { Called::Replied(reply) });
+                }
+                Server::Remote { conn, invocations } => {
+                    let (tx, rx) = oneshot::channel();
+                    if !oneway {
+                        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+                        waiting.insert(call, Waiting { server: *conn, reply: tx });
+                    }
+                    let invocation =
+                        Invocation { call, function: function.to_owned(), message: message.take().expect("not yet sent") };
+                    match invocations.try_send(invocation) {
+                        Ok(()) => return Ok(if oneway { Called::Sent } else { Called::Pending { call, reply: rx } }),
+                        Err(e) => {
+                            self.forget(call);
+                            message = Some(e.into_inner().message);
+                        }
+                    }
+                }
+            }
+        }
+        Err(BrokerError::Handler(format!("every server of {function} is busy or gone")))
+    }
+
+    /// A server answered `call`; `false` if no caller waits for it (timed out, or not its call).
+    pub(crate) fn reply(&self, call: u64, conn: ConnId, result: Result<Message, String>) -> bool {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        match waiting.get(&call) {
+            Some(w) if w.server == conn => {
+                let w = waiting.remove(&call).expect("just seen");
+                w.reply.send(result.map_err(BrokerError::Handler)).is_ok()
+            }
+            _ => false,
+        }
+    }
+
+    pub(crate) fn forget(&self, call: u64) {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&call);
+    }
+}

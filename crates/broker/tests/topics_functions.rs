@@ -1,0 +1,99 @@
+//! Topics and functions, with no sockets: the broker alone.
+
+use std::sync::Arc;
+
+use petrel_broker::{Broker, BrokerError, BrokerOptions, Called, Message};
+
+fn broker() -> (Broker, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    (Broker::open(dir.path(), BrokerOptions::default()).unwrap(), dir)
+}
+
+fn texts(sub: &mut petrel_broker::Subscription) -> Vec<String> {
+    let mut out = Vec::new();
+    while let Ok(m) = sub.messages.try_recv() {
+        out.push(String::from_utf8_lossy(&m.payload).into_owned());
+    }
+    out
+}
+
+#[test]
+fn every_subscriber_gets_every_message_and_a_slow_one_is_ended_alone() {
+    let (b, _dir) = broker();
+    assert!(matches!(b.publish("prices", vec![Message::new("x")], 0), Err(BrokerError::TopicNotFound(_))));
+    b.create_topic("prices").unwrap();
+    assert_eq!(b.publish("prices", vec![Message::new("before")], 0).unwrap(), 0, "nobody listens yet");
+    let mut fast = b.subscribe("prices", 1, 100).unwrap();
+    let mut slow = b.subscribe("prices", 2, 3).unwrap();
+    for i in 0..5 {
+        let reached = b.publish("prices", vec![Message::new(format!("p{i}"))], 0).unwrap();
+        assert_eq!(reached, if i < 3 { 2 } else { 1 }, "message {i}");
+    }
+    assert_eq!(texts(&mut fast), ["p0", "p1", "p2", "p3", "p4"]);
+    assert_eq!(texts(&mut slow), ["p0", "p1", "p2"], "what it had room for, then the end");
+    assert!(slow.messages.try_recv().is_err());
+    assert!(matches!(slow.ended.get(), Some(petrel_broker::Ended::TooSlow(r)) if r.contains("behind")));
+    let stats = b.topic("prices").unwrap().stats();
+    assert_eq!((stats.subscribers, stats.published, stats.slow_subscribers_ended), (1, 6, 1));
+
+    b.unsubscribe(fast.id, 1);
+    assert_eq!(b.publish("prices", vec![Message::new("after")], 0).unwrap(), 0);
+    assert!(fast.ended.get().is_none(), "unsubscribed, not ended by the server");
+    let other = b.subscribe("prices", 3, 10).unwrap();
+    b.remove_topic("prices").unwrap();
+    assert!(matches!(other.ended.get(), Some(petrel_broker::Ended::TopicRemoved(_))));
+}
+
+#[tokio::test]
+async fn calls_go_round_robin_to_servers_and_replies_come_back() {
+    let (b, _dir) = broker();
+    assert!(matches!(b.call("coffee", Message::new("x"), false, 0), Err(BrokerError::FunctionNotFound(_))));
+    let (tx1, mut rx1) = tokio::sync::mpsc::channel(8);
+    let (tx2, mut rx2) = tokio::sync::mpsc::channel(8);
+    b.serve("coffee", 1, tx1);
+    b.serve("coffee", 2, tx2);
+    let Called::Pending { call: first, reply } = b.call("coffee", Message::new("espresso"), false, 0).unwrap() else {
+        panic!("a remote server")
+    };
+    let Called::Pending { call: second, reply: reply2 } = b.call("coffee", Message::new("latte"), false, 0).unwrap()
+    else {
+        panic!()
+    };
+    let inv1 = rx1.try_recv().unwrap();
+    let inv2 = rx2.try_recv().unwrap();
+    assert_eq!((inv1.call, inv2.call), (first, second), "one call each");
+    assert!(!b.reply(first, 2, Ok(Message::new("wrong server"))), "only the server it went to answers");
+    assert!(b.reply(first, 1, Ok(Message::new("ready"))));
+    assert_eq!(&reply.await.unwrap().unwrap().payload[..], b"ready");
+    b.reply(second, 2, Err("out of milk".into()));
+    assert!(matches!(reply2.await.unwrap(), Err(BrokerError::Handler(m)) if m == "out of milk"));
+
+    // A server that disconnects fails its calls.
+    let Called::Pending { reply, .. } = b.call("coffee", Message::new("mocha"), false, 0).unwrap() else { panic!() };
+    let Called::Pending { reply: other, .. } = b.call("coffee", Message::new("flat white"), false, 0).unwrap() else {
+        panic!()
+    };
+    b.disconnect(1);
+    b.disconnect(2);
+    assert!(matches!(reply.await.unwrap(), Err(BrokerError::Handler(_))));
+    assert!(matches!(other.await.unwrap(), Err(BrokerError::Handler(_))));
+    assert!(matches!(b.call("coffee", Message::new("x"), false, 0), Err(BrokerError::FunctionNotFound(_))));
+}
+
+#[test]
+fn a_closure_serves_a_function_in_process() {
+    let (b, _dir) = broker();
+    b.serve_local(
+        "upper",
+        Arc::new(|m: Message| {
+            if m.payload.is_empty() {
+                return Err("nothing to shout".to_owned());
+            }
+            Ok(Message::new(String::from_utf8_lossy(&m.payload).to_uppercase()))
+        }),
+    );
+    let Called::Replied(reply) = b.call("upper", Message::new("hi"), false, 0).unwrap() else { panic!() };
+    assert_eq!(&reply.payload[..], b"HI");
+    assert!(matches!(b.call("upper", Message::new(""), false, 0), Err(BrokerError::Handler(_))));
+    assert!(matches!(b.call("upper", Message::new("x"), true, 0).unwrap(), Called::Sent));
+}
