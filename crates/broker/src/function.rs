@@ -24,7 +24,7 @@ pub struct Invocation {
 /// What became of a call.
 pub enum Called {
     /// Answered at once (a function served in this process).
-    Replied(Message),
+    Replied(Box<Message>),
     /// Handed to a connection; the reply arrives on `reply`. Forget the call if you stop waiting.
     Pending { call: u64, reply: oneshot::Receiver<Result<Message, BrokerError>> },
     /// A oneway call handed to a server.
@@ -87,7 +87,13 @@ impl Functions {
         }
     }
 
-    pub(crate) fn call(&self, function: &str, message: Message, oneway: bool, call: u64) -> Result<Called, BrokerError> {
+    pub(crate) fn call(
+        &self,
+        function: &str,
+        message: Message,
+        oneway: bool,
+        call: u64,
+    ) -> Result<Called, BrokerError> {
         let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
         let not_found = || BrokerError::FunctionNotFound(function.to_owned());
         let entry = servers.get_mut(function).ok_or_else(not_found)?;
@@ -101,7 +107,7 @@ impl Functions {
                     let handler = Arc::clone(handler);
                     drop(servers);
                     let reply = handler(message.take().expect("not yet sent")).map_err(BrokerError::Handler)?;
-                    return Ok(if oneway { Called::Sent } else { Called::Replied(reply) });
+                    return Ok(if oneway { Called::Sent } else { Called::Replied(Box::new(reply)) });
                 }
                 Server::Remote { conn, invocations } => {
                     let (tx, rx) = oneshot::channel();
@@ -109,8 +115,11 @@ impl Functions {
                         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
                         waiting.insert(call, Waiting { server: *conn, reply: tx });
                     }
-                    let invocation =
-                        Invocation { call, function: function.to_owned(), message: message.take().expect("not yet sent") };
+                    let invocation = Invocation {
+                        call,
+                        function: function.to_owned(),
+                        message: message.take().expect("not yet sent"),
+                    };
                     match invocations.try_send(invocation) {
                         Ok(()) => return Ok(if oneway { Called::Sent } else { Called::Pending { call, reply: rx } }),
                         Err(e) => {

@@ -26,8 +26,8 @@ use std::time::Duration;
 pub use config::QueueConfig;
 pub use function::{Called, Invocation, LocalHandler};
 pub use message::Message;
-pub use topic::{Ended, Subscription, Topic, TopicStats};
 pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
+pub use topic::{Ended, Subscription, Topic, TopicStats};
 
 use petrel_log::{Durability, Log, Options};
 use serde::{Deserialize, Serialize};

@@ -23,9 +23,9 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 pub use petrel_proto::{Delivery, Message, MessageKind, QueueConfig, QueueStats, Request, Response, Status};
-use petrel_proto::{FrameKind, frame};
+use petrel_proto::{FrameKind, Push, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -61,6 +61,13 @@ const MAX_OUTBOX: usize = 1 << 20;
 #[derive(Default)]
 struct Pending {
     waiting: HashMap<u64, (u16, Reply), BuildIdHasher>,
+    /// Where each subscription's deliveries go, by subscription id.
+    subscriptions: HashMap<u64, mpsc::Sender<Result<Message, ClientError>>>,
+    /// SUBSCRIBE requests in flight, by request id: the reader registers the subscription when
+    /// it reads the answer, before it reads any delivery that follows.
+    subscribing: HashMap<u64, mpsc::Sender<Result<Message, ClientError>>>,
+    /// Where calls of each function this client serves go: (call id, request).
+    functions: HashMap<String, mpsc::Sender<(u64, Message)>>,
     /// Encoded requests for the writer task, which sends all that gathered in one write.
     outbox: Vec<u8>,
     /// The connection is gone: new requests fail at once instead of waiting forever.
@@ -99,6 +106,9 @@ impl Pending {
     fn close(&mut self, error: impl Fn() -> ClientError) {
         self.closed = true;
         self.outbox.clear();
+        self.subscriptions.clear();
+        self.subscribing.clear();
+        self.functions.clear();
         for (_, (_, tx)) in self.waiting.drain() {
             let _ = tx.send(Err(error()));
         }
@@ -171,9 +181,26 @@ impl Client {
         Ok(client)
     }
 
+    /// Closes the connection now: requests waiting fail with `Closed`, subscriptions end, and
+    /// functions this client serves stop (their calls in progress fail at their callers).
+    pub fn close(&self) {
+        self.inner.reader.abort();
+        self.inner.writer.abort();
+        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
+    }
+
     /// Sends requests back to back and waits for all their responses. Requests from all the
     /// tasks using this client that gather while a write is under way go out in the next one.
     pub async fn pipeline(&self, requests: &[Request]) -> Vec<Result<Response, ClientError>> {
+        self.pipeline_with(requests, None).await
+    }
+
+    /// `pipeline`, with the channel for the subscription a (single) SUBSCRIBE request makes.
+    async fn pipeline_with(
+        &self,
+        requests: &[Request],
+        mut subscribing: Option<mpsc::Sender<Result<Message, ClientError>>>,
+    ) -> Vec<Result<Response, ClientError>> {
         let mut waiting = Vec::with_capacity(requests.len());
         loop {
             let room = self.inner.room.notified();
@@ -194,6 +221,9 @@ impl Client {
                         }
                         let (tx, rx) = oneshot::channel();
                         pending.waiting.insert(id, (r.opcode(), tx));
+                        if let Some(sub) = subscribing.take() {
+                            pending.subscribing.insert(id, sub);
+                        }
                         waiting.push(Ok(rx));
                     }
                     break;
@@ -212,7 +242,7 @@ impl Client {
         results
     }
 
-    async fn call(&self, request: Request) -> Result<Response, ClientError> {
+    async fn call_op(&self, request: Request) -> Result<Response, ClientError> {
         match self.pipeline(std::slice::from_ref(&request)).await.pop().expect("one result per request")? {
             Response::Error { status, message } => Err(ClientError::Status { status, message }),
             ok => Ok(ok),
@@ -220,30 +250,32 @@ impl Client {
     }
 
     async fn hello(&self) -> Result<(), ClientError> {
-        self.call(Request::Hello { client: format!("petrel-client/{}", env!("CARGO_PKG_VERSION")) }).await.map(|_| ())
+        self.call_op(Request::Hello { client: format!("petrel-client/{}", env!("CARGO_PKG_VERSION")) })
+            .await
+            .map(|_| ())
     }
 
     pub async fn ping(&self) -> Result<(), ClientError> {
-        self.call(Request::Ping).await.map(|_| ())
+        self.call_op(Request::Ping).await.map(|_| ())
     }
 
     pub async fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
-        self.call(Request::QueueCreate { name: name.into(), config }).await.map(|_| ())
+        self.call_op(Request::QueueCreate { name: name.into(), config }).await.map(|_| ())
     }
 
     pub async fn remove_queue(&self, name: &str) -> Result<(), ClientError> {
-        self.call(Request::QueueRemove { name: name.into() }).await.map(|_| ())
+        self.call_op(Request::QueueRemove { name: name.into() }).await.map(|_| ())
     }
 
     pub async fn list_queues(&self) -> Result<Vec<String>, ClientError> {
-        match self.call(Request::QueueList).await? {
+        match self.call_op(Request::QueueList).await? {
             Response::QueueList { names } => Ok(names),
             other => Err(unexpected(other)),
         }
     }
 
     pub async fn queue_status(&self, name: &str) -> Result<QueueStats, ClientError> {
-        match self.call(Request::QueueStatus { name: name.into() }).await? {
+        match self.call_op(Request::QueueStatus { name: name.into() }).await? {
             Response::QueueStatus { stats } => Ok(stats),
             other => Err(unexpected(other)),
         }
@@ -258,7 +290,7 @@ impl Client {
         timeout: Option<Duration>,
     ) -> Result<u64, ClientError> {
         let timeout_ms = timeout.map_or(0, |t| t.as_millis().min(u32::MAX as u128) as u32);
-        match self.call(Request::Offer { queue: queue.into(), timeout_ms, messages }).await? {
+        match self.call_op(Request::Offer { queue: queue.into(), timeout_ms, messages }).await? {
             Response::Offered { first_id, .. } => Ok(first_id),
             other => Err(unexpected(other)),
         }
@@ -272,7 +304,7 @@ impl Client {
             timeout_ms: options.timeout.as_millis().min(u32::MAX as u128) as u32,
             visibility_ms: options.visibility.map_or(0, |v| v.as_millis().clamp(1, u32::MAX as u128) as u32),
         };
-        match self.call(request).await {
+        match self.call_op(request).await {
             Ok(Response::Polled { deliveries }) => Ok(deliveries),
             Err(ClientError::Status { status: Status::QueueEmpty, .. }) => Ok(Vec::new()),
             Ok(other) => Err(unexpected(other)),
@@ -282,7 +314,7 @@ impl Client {
 
     /// Acknowledges tentative deliveries; returns how many the server knew.
     pub async fn ack(&self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
-        match self.call(Request::Ack { queue: queue.into(), handles: handles.to_vec() }).await? {
+        match self.call_op(Request::Ack { queue: queue.into(), handles: handles.to_vec() }).await? {
             Response::Acked { count } => Ok(count),
             other => Err(unexpected(other)),
         }
@@ -290,9 +322,161 @@ impl Client {
 
     /// Returns tentative deliveries to the head of the queue.
     pub async fn abort(&self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
-        match self.call(Request::Abort { queue: queue.into(), handles: handles.to_vec() }).await? {
+        match self.call_op(Request::Abort { queue: queue.into(), handles: handles.to_vec() }).await? {
             Response::Acked { count } => Ok(count),
             other => Err(unexpected(other)),
+        }
+    }
+}
+
+impl Client {
+    pub async fn create_topic(&self, name: &str) -> Result<(), ClientError> {
+        self.call_op(Request::TopicCreate { name: name.into() }).await.map(|_| ())
+    }
+
+    pub async fn remove_topic(&self, name: &str) -> Result<(), ClientError> {
+        self.call_op(Request::TopicRemove { name: name.into() }).await.map(|_| ())
+    }
+
+    pub async fn list_topics(&self) -> Result<Vec<String>, ClientError> {
+        match self.call_op(Request::TopicList).await? {
+            Response::TopicList { names } => Ok(names),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Publishes to every current subscriber of `topic`; returns how many it reached.
+    pub async fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
+        match self.call_op(Request::Publish { topic: topic.into(), messages }).await? {
+            Response::Published { subscribers } => Ok(subscribers),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Subscribes to `topic`: its messages arrive on the returned stream, pushed by the server.
+    /// `buffer`: how many messages the server may hold for this subscriber (0: its default);
+    /// fall further behind and the server ends the subscription (the stream's last item is then
+    /// a `SLOW_CONSUMER` error).
+    pub async fn subscribe(&self, topic: &str, buffer: u32) -> Result<Subscription, ClientError> {
+        let (tx, rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+        let request = Request::Subscribe { topic: topic.into(), buffer };
+        let answer = self.pipeline_with(std::slice::from_ref(&request), Some(tx)).await.pop();
+        match answer.expect("one result per request")? {
+            Response::Subscribed { subscription } => {
+                Ok(Subscription { id: subscription, rx, client: self.clone(), done: false })
+            }
+            Response::Error { status, message } => Err(ClientError::Status { status, message }),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Serves calls of `function` with `handler` (each call in its own task), until `unserve`,
+    /// `close` or the end of the connection; serving keeps the connection open meanwhile.
+    pub async fn serve<F, Fut>(&self, function: &str, handler: F) -> Result<(), ClientError>
+    where
+        F: Fn(Message) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<Message, String>> + Send + 'static,
+    {
+        let (tx, mut rx) = mpsc::channel::<(u64, Message)>(SUBSCRIPTION_BUFFER);
+        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).functions.insert(function.to_owned(), tx);
+        let (client, handler) = (self.clone(), Arc::new(handler));
+        tokio::spawn(async move {
+            while let Some((call, message)) = rx.recv().await {
+                let (client, handler) = (client.clone(), Arc::clone(&handler));
+                tokio::spawn(async move {
+                    let request = match handler(message).await {
+                        Ok(reply) => Request::Return { call, status: Status::Ok, error: String::new(), message: reply },
+                        Err(error) => {
+                            Request::Return { call, status: Status::HandlerError, error, message: Message::default() }
+                        }
+                    };
+                    // A reply to a call that timed out is refused; nothing to do about it.
+                    let _ = client.call_op(request).await;
+                });
+            }
+        });
+        self.call_op(Request::Serve { function: function.into() }).await.map(|_| ())
+    }
+
+    pub async fn unserve(&self, function: &str) -> Result<(), ClientError> {
+        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).functions.remove(function);
+        self.call_op(Request::Unserve { function: function.into() }).await.map(|_| ())
+    }
+
+    /// Calls `function` and waits for its reply (up to `timeout`, else the server's default);
+    /// `TIMEOUT`, `FUNCTION_NOT_FOUND` and `HANDLER_ERROR` come back as `ClientError::Status`.
+    /// The returned future can be spawned or joined with others: calls are pipelined.
+    pub async fn call(
+        &self,
+        function: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<Message, ClientError> {
+        let timeout_ms = timeout.map_or(0, |t| t.as_millis().clamp(1, u32::MAX as u128) as u32);
+        match self.call_op(Request::Call { function: function.into(), timeout_ms, oneway: false, message }).await? {
+            Response::Reply { message } => Ok(message),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Calls `function` without waiting for a reply: done once a server has the call.
+    pub async fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
+        self.call_op(Request::Call { function: function.into(), timeout_ms: 0, oneway: true, message })
+            .await
+            .map(|_| ())
+    }
+
+    async fn unsubscribe(&self, subscription: u64) -> Result<(), ClientError> {
+        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&subscription);
+        self.call_op(Request::Unsubscribe { subscription }).await.map(|_| ())
+    }
+}
+
+/// Deliveries the client holds per subscription before it stops reading the connection.
+const SUBSCRIPTION_BUFFER: usize = 1024;
+
+/// A topic subscription: a `Stream` of messages, pushed by the server. Its last item is an error
+/// if the server ended it; dropping it unsubscribes.
+pub struct Subscription {
+    pub id: u64,
+    rx: mpsc::Receiver<Result<Message, ClientError>>,
+    client: Client,
+    done: bool,
+}
+
+impl Subscription {
+    /// The next message; `None` once the subscription is over.
+    pub async fn next(&mut self) -> Option<Result<Message, ClientError>> {
+        std::future::poll_fn(|cx| self.rx.poll_recv(cx)).await
+    }
+
+    /// Ends the subscription, waiting for the server to confirm.
+    pub async fn unsubscribe(mut self) -> Result<(), ClientError> {
+        self.done = true;
+        self.client.unsubscribe(self.id).await
+    }
+}
+
+impl futures_core::Stream for Subscription {
+    type Item = Result<Message, ClientError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        if !self.done
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            let (client, id) = (self.client.clone(), self.id);
+            rt.spawn(async move {
+                let _ = client.unsubscribe(id).await;
+            });
         }
     }
 }
@@ -309,13 +493,24 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
         loop {
             match frame::decode(&mut buf, u32::MAX) {
                 Ok(Some(f)) if f.kind == FrameKind::Response => {
-                    let waiter = pending.lock().unwrap_or_else(|e| e.into_inner()).waiting.remove(&f.request_id);
-                    if let Some((opcode, tx)) = waiter {
-                        let _ =
-                            tx.send(Response::decode(opcode, f.body).map_err(|e| ClientError::Protocol(e.to_string())));
+                    let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some((opcode, tx)) = p.waiting.remove(&f.request_id) {
+                        let response =
+                            Response::decode(opcode, f.body).map_err(|e| ClientError::Protocol(e.to_string()));
+                        if let Some(sub) = p.subscribing.remove(&f.request_id)
+                            && let Ok(Response::Subscribed { subscription }) = &response
+                        {
+                            p.subscriptions.insert(*subscription, sub);
+                        }
+                        drop(p);
+                        let _ = tx.send(response);
                     }
                 }
-                Ok(Some(_)) => {} // server pushes: none for queues yet
+                Ok(Some(f)) if f.kind == FrameKind::Push => match Push::decode(f.opcode, f.body) {
+                    Ok(push) => route(&pending, f.request_id, push).await,
+                    Err(e) => tracing_free_warn(&format!("undecodable push: {e}")),
+                },
+                Ok(Some(_)) => {}
                 Ok(None) => break,
                 Err(_) => break 'read,
             }
@@ -326,6 +521,42 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
         }
     }
     pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
+}
+
+/// Hands a push to the subscription or function it is for. Waits when that one's channel is
+/// full: a consumer that does not keep up slows its connection's reading, and the server, past
+/// its own buffer, ends the subscription.
+async fn route(pending: &Mutex<Pending>, id: u64, push: Push) {
+    match push {
+        Push::Deliver { messages } => {
+            let Some(tx) = pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.get(&id).cloned() else {
+                return;
+            };
+            for m in messages {
+                if tx.send(Ok(m)).await.is_err() {
+                    pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&id);
+                    return;
+                }
+            }
+        }
+        Push::SubscriptionEnd { status, reason } => {
+            let tx = pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&id);
+            if let Some(tx) = tx {
+                let _ = tx.send(Err(ClientError::Status { status, message: reason })).await;
+            }
+        }
+        Push::Invoke { function, message } => {
+            let tx = pending.lock().unwrap_or_else(|e| e.into_inner()).functions.get(&function).cloned();
+            if let Some(tx) = tx {
+                let _ = tx.send((id, *message)).await;
+            }
+        }
+    }
+}
+
+fn tracing_free_warn(what: &str) {
+    // The client has no logging dependency; a push it cannot read is dropped.
+    let _ = what;
 }
 
 /// Writes what gathered in the outbox, all of it in one write, again and again. A failed write
@@ -414,6 +645,56 @@ pub mod blocking {
         }
         pub fn ping(&self) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.ping())
+        }
+        pub fn create_topic(&self, name: &str) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.create_topic(name))
+        }
+        pub fn remove_topic(&self, name: &str) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.remove_topic(name))
+        }
+        pub fn list_topics(&self) -> Result<Vec<String>, ClientError> {
+            self.rt.block_on(self.inner.list_topics())
+        }
+        pub fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.publish(topic, messages))
+        }
+        /// A subscription as an iterator; each `next` waits for the server's next push.
+        pub fn subscribe(&self, topic: &str, buffer: u32) -> Result<Subscription<'_>, ClientError> {
+            let inner = self.rt.block_on(self.inner.subscribe(topic, buffer))?;
+            Ok(Subscription { rt: &self.rt, inner })
+        }
+        pub fn call(
+            &self,
+            function: &str,
+            message: Message,
+            timeout: Option<Duration>,
+        ) -> Result<Message, ClientError> {
+            self.rt.block_on(self.inner.call(function, message, timeout))
+        }
+        pub fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.call_oneway(function, message))
+        }
+    }
+
+    /// A blocking subscription: an iterator of the topic's messages.
+    pub struct Subscription<'a> {
+        rt: &'a tokio::runtime::Runtime,
+        inner: super::Subscription,
+    }
+
+    impl Iterator for Subscription<'_> {
+        type Item = Result<Message, ClientError>;
+
+        fn next(&mut self) -> Option<Self::Item> {
+            self.rt.block_on(self.inner.next())
+        }
+    }
+
+    impl Drop for Subscription<'_> {
+        fn drop(&mut self) {
+            // Outside the runtime, the async subscription cannot unsubscribe on its own.
+            self.inner.done = true;
+            let _ = self.rt.block_on(self.inner.client.unsubscribe(self.inner.id));
         }
     }
 }

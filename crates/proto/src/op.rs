@@ -471,7 +471,7 @@ pub enum Push {
     SubscriptionEnd { status: Status, reason: String },
     /// A call of `function` (a function this connection serves); the request id is the call's,
     /// to answer with RETURN.
-    Invoke { function: String, message: Message },
+    Invoke { function: String, message: Box<Message> },
 }
 
 impl Push {
@@ -516,7 +516,9 @@ impl Push {
             opcode::SUBSCRIPTION_END => {
                 Push::SubscriptionEnd { status: Status::from_u8(r.u8("status")?)?, reason: r.str("reason")? }
             }
-            opcode::INVOKE => Push::Invoke { function: r.str("function")?, message: Message::decode(&mut r)? },
+            opcode::INVOKE => {
+                Push::Invoke { function: r.str("function")?, message: Box::new(Message::decode(&mut r)?) }
+            }
             other => return Err(DecodeError::UnknownOpcode(other)),
         };
         r.finish()?;

@@ -291,7 +291,13 @@ fn cases() -> Vec<Vector> {
             23,
             Request::Publish { topic: q("prices"), messages: vec![Message::new(&b"EUR 1.08"[..])] },
         ),
-        response("published", "how many subscribers it reached", opcode::PUBLISH, 23, Response::Published { subscribers: 2 }),
+        response(
+            "published",
+            "how many subscribers it reached",
+            opcode::PUBLISH,
+            23,
+            Response::Published { subscribers: 2 },
+        ),
         push(
             "deliver",
             "a push for subscription 3: a count, then messages",
@@ -328,7 +334,7 @@ fn cases() -> Vec<Vector> {
             "invoke",
             "the call pushed to a connection serving the function; the request id is the call's",
             9,
-            Push::Invoke { function: q("coffee"), message: Message::new(&b"espresso"[..]) },
+            Push::Invoke { function: q("coffee"), message: Box::new(Message::new(&b"espresso"[..])) },
         ),
         request(
             "return",

@@ -7,13 +7,19 @@
 //! `max_in_flight_per_connection` waiting requests (the reader stops reading past that, and TCP
 //! pushes back on the client), at most `max_queued_responses` chunks of answers waiting to be
 //! written.
+//!
+//! Pushes share the writer: each subscription has a task that turns the broker's deliveries into
+//! DELIVER frames, and a connection that serves functions has one that turns invocations into
+//! INVOKE frames. When the writer cannot keep up, their bounded channels fill: a subscriber is
+//! then ended by the broker (SUBSCRIPTION_END), a call goes to another server or fails.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use petrel_broker::{BrokerError, ConnId};
-use petrel_proto::{Delivery, FrameError, FrameKind, Request, Response, Status, frame};
+use petrel_broker::{BrokerError, Called, ConnId, Ended, Invocation, Subscription};
+use petrel_proto::{Delivery, FrameError, FrameKind, Push, Request, Response, Status, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 
@@ -53,10 +59,11 @@ where
     // Answers to the requests of one read, sent to the writer together.
     let mut out = Vec::with_capacity(16 * 1024);
     let mut skip: u64 = 0;
+    let mut pushes = Pushes::default();
     'read: loop {
         // Whole frames already buffered first.
         loop {
-            if out.len() >= 64 * 1024 && tx.send(std::mem::take(&mut out)).await.is_err() {
+            if out.len() >= 64 * 1024 && !pushes.flush(&tx, &mut out).await {
                 break 'read;
             }
             if skip > 0 {
@@ -87,7 +94,7 @@ where
                             continue;
                         }
                     };
-                    match handle(&ctx, conn, request) {
+                    match handle(&ctx, conn, &mut pushes, &tx, request) {
                         Ok(response) => response.encode(f.opcode, f.request_id, &mut out),
                         Err(waiting) => {
                             // Past the limit of waiting requests, stop reading: TCP pushes back.
@@ -121,7 +128,7 @@ where
                 }
             }
         }
-        if !out.is_empty() && tx.send(std::mem::take(&mut out)).await.is_err() {
+        if !out.is_empty() && !pushes.flush(&tx, &mut out).await {
             break;
         }
         tokio::select! {
@@ -133,14 +140,109 @@ where
         }
     }
     if !out.is_empty() {
-        let _ = tx.send(out).await;
+        pushes.flush(&tx, &mut out).await;
     }
+    pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
     let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
     let _ = tokio::time::timeout(grace, in_flight.acquire_many(limit as u32)).await;
     drop(tx);
-    let _ = writer.await;
+    // Requests still waiting (a long call) hold the writer's channel: do not wait for them.
+    let mut writer = writer;
+    if tokio::time::timeout(grace, &mut writer).await.is_err() {
+        writer.abort();
+    }
     ctx.broker.disconnect(conn);
+}
+
+/// The tasks that push to this connection: one per subscription, one for invocations.
+#[derive(Default)]
+struct Pushes {
+    subscriptions: HashMap<u64, tokio::task::JoinHandle<()>>,
+    invocations: Option<(mpsc::Sender<Invocation>, tokio::task::JoinHandle<()>)>,
+    /// New subscriptions wait for these before their first push, so that the client has the
+    /// SUBSCRIBE answer (still in the reader's buffer) before any delivery.
+    answered: Vec<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Pushes {
+    /// Hands the answers in `out` to the writer, then lets new subscriptions push.
+    async fn flush(&mut self, tx: &mpsc::Sender<Vec<u8>>, out: &mut Vec<u8>) -> bool {
+        let sent = tx.send(std::mem::take(out)).await.is_ok();
+        for go in self.answered.drain(..) {
+            let _ = go.send(());
+        }
+        sent
+    }
+
+    fn stop(&mut self) {
+        for (_, task) in self.subscriptions.drain() {
+            task.abort();
+        }
+        if let Some((_, task)) = self.invocations.take() {
+            task.abort();
+        }
+    }
+
+    /// Forwards a subscription's messages as DELIVER pushes, several per frame when they queue up.
+    fn subscribe(&mut self, mut sub: Subscription, tx: mpsc::Sender<Vec<u8>>) {
+        let id = sub.id;
+        let (go, answered) = tokio::sync::oneshot::channel();
+        self.answered.push(go);
+        let task = tokio::spawn(async move {
+            if answered.await.is_err() {
+                return;
+            }
+            while let Some(first) = sub.messages.recv().await {
+                let mut messages = vec![convert::message_out((*first).clone())];
+                while messages.len() < 256 {
+                    match sub.messages.try_recv() {
+                        Ok(m) => messages.push(convert::message_out((*m).clone())),
+                        Err(_) => break,
+                    }
+                }
+                let mut out = Vec::new();
+                Push::Deliver { messages }.encode(id, &mut out);
+                if tx.send(out).await.is_err() {
+                    return;
+                }
+            }
+            let end = match sub.ended.get() {
+                Some(Ended::TooSlow(reason)) => {
+                    Push::SubscriptionEnd { status: Status::SlowConsumer, reason: reason.clone() }
+                }
+                Some(Ended::TopicRemoved(reason)) => {
+                    Push::SubscriptionEnd { status: Status::TopicNotFound, reason: reason.clone() }
+                }
+                None => return,
+            };
+            let mut out = Vec::new();
+            end.encode(id, &mut out);
+            let _ = tx.send(out).await;
+        });
+        self.subscriptions.insert(id, task);
+    }
+
+    /// The channel the broker sends this connection's invocations on (made at the first SERVE).
+    fn invocations(&mut self, tx: &mpsc::Sender<Vec<u8>>, capacity: usize) -> mpsc::Sender<Invocation> {
+        let (sender, _) = self.invocations.get_or_insert_with(|| {
+            let (sender, mut invocations) = mpsc::channel::<Invocation>(capacity);
+            let tx = tx.clone();
+            let task = tokio::spawn(async move {
+                while let Some(inv) = invocations.recv().await {
+                    let mut out = Vec::new();
+                    let push =
+                        Push::Invoke { function: inv.function, message: Box::new(convert::message_out(inv.message)) };
+                    push.encode(inv.call, &mut out);
+                    if tx.send(out).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            (sender, task)
+        });
+        sender.clone()
+    }
 }
 
 async fn send(tx: &mpsc::Sender<Vec<u8>>, op: u16, request_id: u64, response: &Response) {
@@ -161,6 +263,9 @@ fn error(e: BrokerError) -> Response {
         BrokerError::BadRequest(_) => Status::BadRequest,
         BrokerError::TooLarge { .. } => Status::TooLarge,
         BrokerError::Storage(_) | BrokerError::Definitions(_) => Status::ServerError,
+        BrokerError::TopicNotFound(_) => Status::TopicNotFound,
+        BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
+        BrokerError::Handler(_) => Status::HandlerError,
     };
     if status == Status::ServerError {
         tracing::error!(error = %e, "request failed");
@@ -168,11 +273,31 @@ fn error(e: BrokerError) -> Response {
     Response::error(status, e.to_string())
 }
 
-/// A request that must wait: for a message (poll) or for room (offer).
+/// A request that must wait: for a message (poll), for room (offer), for a reply (call).
 enum Waiting {
-    Offer { queue: String, messages: Vec<petrel_broker::Message>, timeout_ms: u32 },
-    Poll { queue: String, max: usize, visibility: Option<Duration>, timeout_ms: u32 },
+    Offer {
+        queue: String,
+        messages: Vec<petrel_broker::Message>,
+        timeout_ms: u32,
+    },
+    Poll {
+        queue: String,
+        max: usize,
+        visibility: Option<Duration>,
+        timeout_ms: u32,
+    },
+    Call {
+        call: u64,
+        reply: tokio::sync::oneshot::Receiver<Result<petrel_broker::Message, BrokerError>>,
+        timeout: Duration,
+    },
 }
+
+/// How long a call waits for its reply when the caller gives no timeout.
+const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Messages the server holds for a subscriber that gave no buffer size.
+const DEFAULT_SUBSCRIBER_BUFFER: usize = 1024;
+const MAX_SUBSCRIBER_BUFFER: usize = 1 << 20;
 
 impl Waiting {
     async fn finish(self, ctx: &Ctx, conn: ConnId) -> Response {
@@ -181,12 +306,27 @@ impl Waiting {
             Waiting::Poll { queue, max, visibility, timeout_ms } => {
                 poll_waiting(ctx, conn, &queue, max, visibility, timeout_ms).await
             }
+            Waiting::Call { call, reply, timeout } => match tokio::time::timeout(timeout, reply).await {
+                Ok(Ok(Ok(message))) => Response::Reply { message: convert::message_out(message) },
+                Ok(Ok(Err(e))) => error(e),
+                Ok(Err(_)) => Response::error(Status::HandlerError, "the call was lost"),
+                Err(_) => {
+                    ctx.broker.forget(call);
+                    Response::error(Status::Timeout, format!("no reply within {} ms", timeout.as_millis()))
+                }
+            },
         }
     }
 }
 
 /// Answers one request at once, or says what it must wait for.
-fn handle(ctx: &Ctx, conn: ConnId, request: Request) -> Result<Response, Waiting> {
+fn handle(
+    ctx: &Ctx,
+    conn: ConnId,
+    pushes: &mut Pushes,
+    tx: &mpsc::Sender<Vec<u8>>,
+    request: Request,
+) -> Result<Response, Waiting> {
     let broker = &ctx.broker;
     Ok(match request {
         Request::Hello { .. } => Response::Hello {
@@ -240,6 +380,70 @@ fn handle(ctx: &Ctx, conn: ConnId, request: Request) -> Result<Response, Waiting
             Ok(count) => Response::Acked { count },
             Err(e) => error(e),
         },
+        Request::TopicCreate { name } => broker.create_topic(&name).map_or_else(error, |_| Response::Done),
+        Request::TopicRemove { name } => broker.remove_topic(&name).map_or_else(error, |()| Response::Done),
+        Request::TopicList => Response::TopicList { names: broker.topic_names() },
+        Request::Publish { topic, messages } => {
+            let messages = messages.into_iter().map(convert::message_in).collect();
+            broker
+                .publish(&topic, messages, now_ns())
+                .map_or_else(error, |subscribers| Response::Published { subscribers })
+        }
+        Request::Subscribe { topic, buffer } => {
+            let buffer = match buffer {
+                0 => DEFAULT_SUBSCRIBER_BUFFER,
+                n => (n as usize).min(MAX_SUBSCRIBER_BUFFER),
+            };
+            match broker.subscribe(&topic, conn, buffer) {
+                Ok(sub) => {
+                    let subscription = sub.id;
+                    pushes.subscribe(sub, tx.clone());
+                    Response::Subscribed { subscription }
+                }
+                Err(e) => error(e),
+            }
+        }
+        Request::Unsubscribe { subscription } => {
+            broker.unsubscribe(subscription, conn);
+            if let Some(task) = pushes.subscriptions.remove(&subscription) {
+                task.abort();
+            }
+            Response::Done
+        }
+        Request::Serve { function } => match petrel_broker::check_name(&function) {
+            Ok(()) => {
+                let invocations = pushes.invocations(tx, ctx.config.max_in_flight_per_connection);
+                broker.serve(&function, conn, invocations);
+                Response::Done
+            }
+            Err(e) => error(e),
+        },
+        Request::Unserve { function } => {
+            broker.unserve(&function, conn);
+            Response::Done
+        }
+        Request::Call { function, timeout_ms, oneway, message } => {
+            match broker.call(&function, convert::message_in(message), oneway, now_ns()) {
+                Ok(Called::Replied(message)) => Response::Reply { message: convert::message_out(*message) },
+                Ok(Called::Sent) => Response::Done,
+                Ok(Called::Pending { call, reply }) => {
+                    let timeout = match timeout_ms {
+                        0 => DEFAULT_CALL_TIMEOUT,
+                        ms => Duration::from_millis(u64::from(ms)),
+                    };
+                    return Err(Waiting::Call { call, reply, timeout });
+                }
+                Err(e) => error(e),
+            }
+        }
+        Request::Return { call, status, error: reason, message } => {
+            let result = if status == Status::Ok { Ok(convert::message_in(message)) } else { Err(reason) };
+            if broker.reply(call, conn, result) {
+                Response::Done
+            } else {
+                Response::error(Status::Timeout, format!("call {call} is no longer waiting for a reply"))
+            }
+        }
     })
 }
 

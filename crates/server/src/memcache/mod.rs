@@ -426,6 +426,9 @@ fn server_error(e: &BrokerError) -> String {
         BrokerError::NotFound(_) | BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::Exists(_) => {
             format!("SERVER_ERROR {e}")
         }
+        BrokerError::TopicNotFound(_) | BrokerError::FunctionNotFound(_) | BrokerError::Handler(_) => {
+            format!("SERVER_ERROR {e}")
+        }
         BrokerError::Storage(_) | BrokerError::Definitions(_) => {
             tracing::error!(error = %e, "memcache request failed");
             format!("SERVER_ERROR {e}")

@@ -1,0 +1,206 @@
+//! Topics and functions through the real `petrel serve`, with the Rust client.
+
+use std::time::{Duration, Instant};
+
+use petrel_client::{Client, ClientError, Message, Status};
+
+mod common;
+use common::Server;
+
+fn text(m: &Message) -> String {
+    String::from_utf8_lossy(&m.payload).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_subscriber_gets_every_message_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let publisher = server.client().await;
+    assert_eq!(
+        publisher.publish("prices", vec![Message::new("x")]).await.unwrap_err().status(),
+        Some(Status::TopicNotFound)
+    );
+    publisher.create_topic("prices").await.unwrap();
+    assert_eq!(publisher.list_topics().await.unwrap(), ["prices"]);
+    let mut subs = Vec::new();
+    for _ in 0..3 {
+        let c = server.client().await;
+        let sub = c.subscribe("prices", 0).await.unwrap();
+        subs.push((c, sub));
+    }
+    let n = 2000;
+    for batch in 0..(n / 100) {
+        let messages = (0..100).map(|i| Message::new(format!("p{}", batch * 100 + i))).collect();
+        assert_eq!(publisher.publish("prices", messages).await.unwrap(), 3);
+    }
+    for (_, sub) in &mut subs {
+        for i in 0..n {
+            let m = tokio::time::timeout(Duration::from_secs(10), sub.next()).await.unwrap().unwrap().unwrap();
+            assert_eq!(text(&m), format!("p{i}"));
+            assert_eq!(m.destination, "prices");
+        }
+    }
+    // Unsubscribing (or dropping) stops the pushes; the others go on.
+    let (_c, first) = subs.remove(0);
+    first.unsubscribe().await.unwrap();
+    assert_eq!(publisher.publish("prices", vec![Message::new("late")]).await.unwrap(), 2);
+    publisher.remove_topic("prices").await.unwrap();
+    for (_, sub) in &mut subs {
+        assert_eq!(text(&sub.next().await.unwrap().unwrap()), "late");
+        let end = sub.next().await.unwrap().unwrap_err();
+        assert_eq!(end.status(), Some(Status::TopicNotFound), "removing the topic ends its subscriptions");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_subscriber_is_ended_and_the_others_get_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let publisher = server.client().await;
+    publisher.create_topic("ticks").await.unwrap();
+    let fast_client = server.client().await;
+    let n: u64 = 200_000;
+    // Room for everything: whatever the publisher's pace, this one is never behind by its buffer.
+    let mut fast = fast_client.subscribe("ticks", n as u32).await.unwrap();
+    let slow_client = server.client().await;
+    let mut slow = slow_client.subscribe("ticks", 16).await.unwrap();
+    let reader = tokio::spawn(async move {
+        for i in 0..n {
+            let m = tokio::time::timeout(Duration::from_secs(20), fast.next()).await.unwrap().unwrap().unwrap();
+            assert_eq!(text(&m), i.to_string());
+        }
+    });
+    for batch in 0..(n / 1000) {
+        let messages = (0..1000).map(|i| Message::new((batch * 1000 + i).to_string())).collect();
+        publisher.publish("ticks", messages).await.unwrap();
+    }
+    reader.await.unwrap();
+    // The slow one (which read nothing meanwhile) got a prefix, in order, then the end.
+    let mut got = 0u64;
+    let end = loop {
+        match tokio::time::timeout(Duration::from_secs(10), slow.next()).await.unwrap() {
+            Some(Ok(m)) => {
+                assert_eq!(text(&m), got.to_string());
+                got += 1;
+            }
+            Some(Err(e)) => break e,
+            None => panic!("ended without a reason"),
+        }
+    };
+    assert_eq!(end.status(), Some(Status::SlowConsumer), "{end}");
+    assert!(got < n, "it fell behind before the end ({got} of {n})");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn functions_round_trip_oneway_async_timeout_not_found_and_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let caller = server.client().await;
+    let err = caller.call("echo", Message::new("x"), None).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::FunctionNotFound));
+
+    let (seen_tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let servers: Vec<Client> = futures_join(2, &server).await;
+    for (i, s) in servers.iter().enumerate() {
+        let seen_tx = seen_tx.clone();
+        s.serve("echo", move |m: Message| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                let body = text(&m);
+                let _ = seen_tx.send((i, body.clone()));
+                match body.as_str() {
+                    "fail" => Err("asked to fail".to_owned()),
+                    "slow" => {
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        Ok(Message::new("too late"))
+                    }
+                    _ => Ok(Message::new(format!("echo {body}"))),
+                }
+            }
+        })
+        .await
+        .unwrap();
+    }
+    // Round trip, round robin between the two servers.
+    for i in 0..4 {
+        let reply = caller.call("echo", Message::new(format!("hi {i}")), None).await.unwrap();
+        assert_eq!(text(&reply), format!("echo hi {i}"));
+    }
+    let mut by_server = [0, 0];
+    while let Ok((s, _)) = seen.try_recv() {
+        by_server[s] += 1;
+    }
+    assert_eq!(by_server, [2, 2]);
+    // Async: many calls in flight at once on one connection.
+    let calls: Vec<_> = (0..50).map(|i| caller.call("echo", Message::new(format!("a{i}")), None)).collect();
+    let replies = futures_all(calls).await;
+    for (i, r) in replies.into_iter().enumerate() {
+        assert_eq!(text(&r.unwrap()), format!("echo a{i}"));
+    }
+    // Oneway: done once handed over; the handler still runs.
+    caller.call_oneway("echo", Message::new("fire")).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok((_, body)) = seen.try_recv()
+            && body == "fire"
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the oneway call never reached a handler");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A handler error, and a timeout.
+    let err = caller.call("echo", Message::new("fail"), None).await.unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Status { status: Status::HandlerError, message } if message == "asked to fail")
+    );
+    let started = Instant::now();
+    let err = caller.call("echo", Message::new("slow"), Some(Duration::from_millis(300))).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::Timeout));
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_server_that_disconnects_fails_its_calls_instead_of_hanging() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let handler_conn = server.client().await;
+    let (got_tx, got) = tokio::sync::oneshot::channel::<()>();
+    let got_tx = std::sync::Mutex::new(Some(got_tx));
+    handler_conn
+        .serve("stuck", move |_m: Message| {
+            if let Some(tx) = got_tx.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+            std::future::pending::<Result<Message, String>>()
+        })
+        .await
+        .unwrap();
+    let caller = server.client().await;
+    let call =
+        tokio::spawn(async move { caller.call("stuck", Message::new("x"), Some(Duration::from_secs(30))).await });
+    got.await.unwrap();
+    // The serving connection goes away with the call in its hands.
+    handler_conn.close();
+    let started = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(10), call).await.unwrap().unwrap().unwrap_err();
+    assert_eq!(err.status(), Some(Status::HandlerError), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+async fn futures_join(n: usize, server: &Server) -> Vec<Client> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(server.client().await);
+    }
+    out
+}
+
+async fn futures_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut out = Vec::new();
+    let handles: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    for h in handles {
+        out.push(h.await);
+    }
+    out
+}
