@@ -204,3 +204,86 @@ async fn futures_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> 
     }
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coffee_order_pattern_with_reply_queues_two_clients_two_workers() {
+    use petrel_client::{PollOptions, QueueConfig};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    server
+        .client()
+        .await
+        .create_queue("orders", QueueConfig { durable: true, ..QueueConfig::default() })
+        .await
+        .unwrap();
+    let mut workers = Vec::new();
+    let total = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for name in ["w1", "w2"] {
+        let c = server.client().await;
+        let total = std::sync::Arc::clone(&total);
+        workers.push(tokio::spawn(async move {
+            let take =
+                PollOptions { max: 1, timeout: Duration::from_millis(200), visibility: Some(Duration::from_secs(30)) };
+            let mut made = 0;
+            while let Ok(ds) = c.poll("orders", take).await {
+                for d in ds {
+                    let reply = Message {
+                        request_id: d.message.request_id.clone(),
+                        ..Message::new(format!("{} by {name}", text(&d.message)))
+                    };
+                    c.offer(&d.message.reply_to, vec![reply], None).await.unwrap();
+                    c.ack("orders", &[d.handle]).await.unwrap();
+                    made += 1;
+                    total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                if total.load(std::sync::atomic::Ordering::Relaxed) >= 20 {
+                    break;
+                }
+            }
+            made
+        }));
+    }
+    let mut customers = Vec::new();
+    for who in ["alice", "bob"] {
+        let c = server.client().await;
+        customers.push(tokio::spawn(async move {
+            let replies = format!("replies.{who}");
+            c.create_queue(&replies, QueueConfig { temporary: true, ..QueueConfig::default() }).await.unwrap();
+            let orders = (0..10)
+                .map(|i| Message {
+                    reply_to: replies.clone(),
+                    request_id: format!("{who}-{i}"),
+                    ..Message::new("latte")
+                })
+                .collect();
+            c.offer("orders", orders, None).await.unwrap();
+            let mut ids = Vec::new();
+            while ids.len() < 10 {
+                let wait = PollOptions { max: 10, timeout: Duration::from_secs(5), visibility: None };
+                let got = c.poll(&replies, wait).await.unwrap();
+                assert!(!got.is_empty(), "{who} waited 5 s for coffee");
+                for d in got {
+                    assert!(text(&d.message).starts_with("latte by w"));
+                    ids.push(d.message.request_id);
+                }
+            }
+            ids.sort();
+            let mut want: Vec<String> = (0..10).map(|i| format!("{who}-{i}")).collect();
+            want.sort();
+            assert_eq!(ids, want, "each of {who}'s orders answered once, on {who}'s own queue");
+            c.close();
+        }));
+    }
+    for c in customers {
+        c.await.unwrap();
+    }
+    let made: usize = futures_all(workers).await.into_iter().map(|r| r.unwrap()).sum();
+    assert_eq!(made, 20);
+    // The reply queues were temporary: gone with their customers.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let admin = server.client().await;
+    while admin.list_queues().await.unwrap() != ["orders"] {
+        assert!(Instant::now() < deadline, "temporary reply queues outlived their connections");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
