@@ -23,6 +23,11 @@ pub enum Mode {
     Poll,
     /// Offer and poll at once (half the connections each); polls take tentatively and ack.
     OfferPoll,
+    /// Publish `count` messages to a topic (named by --queue) with --subscribers subscribers;
+    /// counts messages delivered.
+    Publish,
+    /// Call an echo function (named by --queue) served on its own connection; counts calls.
+    Call,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -41,6 +46,9 @@ pub struct QueueBench {
     /// Memcache: spread over this many queues (keys) `QUEUE-0` … (round robin per connection).
     #[arg(long, default_value_t = 1)]
     pub(crate) keys: usize,
+    /// Publish: subscribers, each on its own connection.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) subscribers: usize,
     /// A running server; without it, one is started in this process.
     #[arg(long)]
     pub(crate) server: Option<String>,
@@ -70,8 +78,11 @@ pub struct QueueBench {
 }
 
 pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    if args.connections == 0 || args.pipeline == 0 || args.batch == 0 || args.count == 0 || args.keys == 0 {
-        return Err("--connections, --pipeline, --batch, --keys and --count must be at least 1".into());
+    if [args.connections, args.pipeline, args.batch, args.keys, args.subscribers].contains(&0) || args.count == 0 {
+        return Err("--connections, --pipeline, --batch, --keys, --subscribers and --count must be at least 1".into());
+    }
+    if args.protocol == Protocol::Memcache && matches!(args.mode, Mode::Publish | Mode::Call) {
+        return Err("--mode publish and call are native-protocol modes".into());
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -101,6 +112,9 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
         };
         let result = match args.protocol {
+            Protocol::Native if matches!(args.mode, Mode::Publish | Mode::Call) => {
+                crate::bench_pubsub::bench(&args, &addr).await
+            }
             Protocol::Native => bench(&args, &addr).await,
             Protocol::Memcache => crate::bench_memcache::bench(&args, &addr).await,
         };
@@ -204,6 +218,7 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
             Mode::Poll => Role::Poll,
             Mode::OfferPoll if i % 2 == 0 || args.connections == 1 => Role::Offer,
             Mode::OfferPoll => Role::Poll,
+            Mode::Publish | Mode::Call => unreachable!("bench_pubsub's modes"),
         })
         .collect();
     let offerers = roles.iter().filter(|r| **r == Role::Offer).count() as u64;

@@ -2,10 +2,12 @@
 
 mod bench;
 mod bench_memcache;
+mod bench_pubsub;
 mod bench_queue;
 mod lines;
 mod log_cmd;
 mod progress;
+mod pubsub_cmd;
 mod server_cmd;
 
 use std::path::PathBuf;
@@ -40,6 +42,11 @@ enum Command {
     /// Create, list, remove and inspect queues.
     #[command(subcommand)]
     Queue(server_cmd::QueueCommand),
+    /// Create, list and remove topics; publish to and subscribe to one.
+    #[command(subcommand)]
+    Topic(pubsub_cmd::TopicCommand),
+    /// Call a function served by some client and print its reply.
+    Call(pubsub_cmd::CallArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +63,8 @@ fn main() -> ExitCode {
         Command::Produce(args) => server_cmd::produce(args),
         Command::Consume(args) => server_cmd::consume(args),
         Command::Queue(cmd) => server_cmd::queue(cmd),
+        Command::Topic(cmd) => pubsub_cmd::topic(cmd),
+        Command::Call(args) => pubsub_cmd::call(args),
     };
     match result {
         Ok(code) => code,

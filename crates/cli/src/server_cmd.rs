@@ -108,7 +108,7 @@ async fn shutdown_signal() {
 pub struct ServerArg {
     /// Server address.
     #[arg(long, default_value = DEFAULT_NATIVE_ADDR)]
-    server: String,
+    pub server: String,
 }
 
 #[derive(Args)]

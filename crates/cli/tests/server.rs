@@ -210,10 +210,13 @@ async fn durable_messages_survive_kill_9_and_sigterm_exits_cleanly() {
 fn bench_queue_runs_every_mode_and_prints_json() {
     let dir = tempfile::tempdir().unwrap();
     for protocol in ["native", "memcache"] {
-        for mode in ["offer", "poll", "offer-poll"] {
+        for mode in ["offer", "poll", "offer-poll", "publish", "call"] {
+            if protocol == "memcache" && (mode == "publish" || mode == "call") {
+                continue;
+            }
             let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
                 .args(["bench", "queue", "--protocol", protocol, "--mode", mode, "--count", "3000"])
-                .args(["--connections", "2", "--batch", "7", "--keys", "5", "--json", "--data"])
+                .args(["--connections", "2", "--batch", "7", "--keys", "5", "--subscribers", "2", "--json", "--data"])
                 .arg(dir.path())
                 .stdout(Stdio::piped())
                 .spawn()
@@ -230,7 +233,8 @@ fn bench_queue_runs_every_mode_and_prints_json() {
             assert!(out.status.success(), "{protocol} {mode}");
             let text = String::from_utf8(out.stdout).unwrap();
             let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-            assert_eq!(last["count"], 3000, "{protocol} {mode}: {last}");
+            let expected = if mode == "publish" { 3000 * 2 } else { 3000 };
+            assert_eq!(last["count"], expected, "{protocol} {mode}: {last}");
             assert!(last["msgs_per_sec"].as_f64().unwrap() > 0.0);
             assert!(last["latency_p99_us"].as_f64().unwrap() >= last["latency_p50_us"].as_f64().unwrap());
             if protocol == "memcache" && mode == "poll" {

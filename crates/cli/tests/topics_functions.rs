@@ -287,3 +287,52 @@ async fn the_coffee_order_pattern_with_reply_queues_two_clients_two_workers() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+#[test]
+fn the_cli_publishes_subscribes_and_calls() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let petrel = |args: &[&str]| {
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_petrel")).args(args).args(["--server", &server.addr]).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    petrel(&["topic", "create", "news"]);
+    assert_eq!(petrel(&["topic", "list"]), "news\n");
+    let mut sub = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["topic", "subscribe", "news", "--count", "2", "--server", &server.addr])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Publish until the subscriber is there (it subscribes after starting).
+    let mut lines = BufReader::new(sub.stdout.take().unwrap()).lines();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = rt.block_on(server.client());
+    while rt.block_on(client.publish("news", vec![])).unwrap() == 0 {
+        assert!(Instant::now() < deadline, "the subscriber never subscribed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut publish = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["topic", "publish", "news", "--server", &server.addr])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    publish.stdin.take().unwrap().write_all(b"first\nsecond\n").unwrap();
+    assert!(publish.wait().unwrap().success());
+    assert_eq!(lines.next().unwrap().unwrap(), "first");
+    assert_eq!(lines.next().unwrap().unwrap(), "second");
+    assert!(sub.wait().unwrap().success());
+
+    rt.block_on(client.serve("shout", |m: Message| async move { Ok(Message::new(text(&m).to_uppercase())) })).unwrap();
+    assert_eq!(petrel(&["call", "shout", "--data", "hello"]), "HELLO\n");
+    let out = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["call", "nobody", "--data", "x", "--server", &server.addr])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FUNCTION_NOT_FOUND"), "{out:?}");
+}
