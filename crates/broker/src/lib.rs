@@ -26,8 +26,9 @@ use std::time::Duration;
 pub use config::QueueConfig;
 pub use function::{Called, Invocation, LocalHandler};
 pub use message::Message;
+pub use petrel_log::SeekTo;
 pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
-pub use topic::{Ended, Subscription, Topic, TopicStats};
+pub use topic::{Ended, GroupReader, Subscription, Topic, TopicStats};
 
 use petrel_log::{Durability, Log, Options};
 use serde::{Deserialize, Serialize};
@@ -189,6 +190,7 @@ impl Broker {
                 broker.write().insert(Arc::new(queue));
             }
         }
+        broker.load_topics()?;
         Ok(broker)
     }
 
@@ -393,18 +395,69 @@ impl Broker {
         self.get(name)?.abort(handles, consumer)
     }
 
-    /// Creates a topic (or finds the one of that name).
-    pub fn create_topic(&self, name: &str) -> Result<Arc<Topic>, BrokerError> {
+    /// Creates a topic, or finds the one of that name (`Exists` if it differs in durability).
+    /// A durable topic keeps a log in `topics/<name>/` and comes back after a restart.
+    pub fn create_topic(&self, name: &str, durable: bool) -> Result<Arc<Topic>, BrokerError> {
         check_name(name)?;
         let mut topics = self.topics.write().unwrap_or_else(|e| e.into_inner());
-        Ok(Arc::clone(topics.entry(name.to_owned()).or_insert_with(|| Arc::new(Topic::new(name.to_owned())))))
+        if let Some(t) = topics.get(name) {
+            return if t.is_durable() == durable {
+                Ok(Arc::clone(t))
+            } else {
+                Err(BrokerError::Exists(name.to_owned()))
+            };
+        }
+        let log = if durable { Some(self.open_topic_log(name)?) } else { None };
+        let topic = Arc::new(Topic::new(name.to_owned(), log));
+        topics.insert(name.to_owned(), Arc::clone(&topic));
+        Ok(topic)
     }
 
-    /// Removes a topic; its subscriptions end.
+    fn open_topic_log(&self, name: &str) -> Result<petrel_log::SharedLog, BrokerError> {
+        let segment_bytes = self.options.segment_bytes;
+        let options = Options {
+            durability: self.options.durability,
+            segment_bytes,
+            initial_segment_bytes: Some(INITIAL_SEGMENT_BYTES.min(segment_bytes)),
+            max_record_bytes: self.options.max_message_bytes + 64 * 1024,
+            ..Options::default()
+        };
+        Ok(Log::open(self.dir.join("topics").join(name), options)?.into_shared())
+    }
+
+    /// Reopens the durable topics found in `topics/`.
+    fn load_topics(&self) -> Result<(), BrokerError> {
+        let dir = self.dir.join("topics");
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(BrokerError::Definitions(format!("{}: {e}", dir.display()))),
+        };
+        for entry in entries {
+            let name = entry.map_err(|e| BrokerError::Definitions(e.to_string()))?.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(".removed-") {
+                let _ = std::fs::remove_dir_all(dir.join(&*name));
+            } else if check_name(&name).is_ok() {
+                self.create_topic(&name, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a topic (and a durable topic's log); its subscriptions end.
     pub fn remove_topic(&self, name: &str) -> Result<(), BrokerError> {
         let topic = self.topics.write().unwrap_or_else(|e| e.into_inner()).remove(name);
         let topic = topic.ok_or_else(|| BrokerError::TopicNotFound(name.to_owned()))?;
         topic.remove(|_, _| true, Some(Ended::TopicRemoved(format!("topic {name} was removed"))));
+        if topic.is_durable() {
+            drop(topic);
+            let dir = self.dir.join("topics").join(name);
+            let doomed = self.dir.join("topics").join(format!(".removed-{name}"));
+            let failed = |e: std::io::Error| BrokerError::Definitions(format!("remove {}: {e}", dir.display()));
+            std::fs::rename(&dir, &doomed).map_err(failed)?;
+            std::fs::remove_dir_all(&doomed).map_err(failed)?;
+        }
         Ok(())
     }
 
@@ -421,14 +474,19 @@ impl Broker {
     /// Hands the messages to every current subscriber of `topic`; returns how many got them.
     pub fn publish(&self, topic: &str, messages: Vec<Message>, now: u64) -> Result<u32, BrokerError> {
         let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
-        let mut shared = Vec::with_capacity(messages.len());
+        let mut stamped = Vec::with_capacity(messages.len());
         for m in messages {
             if m.size() as usize > self.options.max_message_bytes {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
-            shared.push(Arc::new(Message { timestamp: now, destination: topic.to_owned(), ..m }));
+            stamped.push(Message { timestamp: now, destination: topic.to_owned(), ..m });
         }
-        Ok(t.publish(&shared))
+        t.publish(stamped)
+    }
+
+    /// A fresh id (subscriptions, calls, tentative reads share one counter).
+    pub fn next_id(&self) -> u64 {
+        self.next_handle.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Subscribes `conn` to `topic`, the broker holding up to `buffer` messages for it.

@@ -2,16 +2,23 @@
 //! that is gone misses what is published meanwhile). Each subscriber has a bounded buffer; one
 //! that falls a whole buffer behind is ended, with the reason, and counted — a slow subscriber
 //! never makes the server hold unbounded memory, and never slows the others.
+//!
+//! A durable topic also keeps a `petrel-log` of everything published: named consumer groups
+//! read it from any offset or time, at their own pace, acknowledge, and resume where they left
+//! off after a disconnect or a restart (at least once).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use petrel_log::{ConsumerGroup, GroupOptions, SeekTo, SharedLog};
 use tokio::sync::mpsc;
 
-use crate::{ConnId, Message};
+use crate::{BrokerError, ConnId, Message, message};
 
 pub struct Topic {
     pub name: String,
+    /// A durable topic's log.
+    pub(crate) log: Option<SharedLog>,
     subscribers: Mutex<Vec<Subscriber>>,
     published: AtomicU64,
     delivered: AtomicU64,
@@ -53,9 +60,10 @@ pub struct TopicStats {
 }
 
 impl Topic {
-    pub(crate) fn new(name: String) -> Topic {
+    pub(crate) fn new(name: String, log: Option<SharedLog>) -> Topic {
         Topic {
             name,
+            log,
             subscribers: Mutex::new(Vec::new()),
             published: AtomicU64::new(0),
             delivered: AtomicU64::new(0),
@@ -74,12 +82,28 @@ impl Topic {
         Subscription { id, messages, ended }
     }
 
-    /// Hands each message to every subscriber; returns how many subscribers got them all.
-    pub(crate) fn publish(&self, messages: &[Arc<Message>]) -> u32 {
+    pub fn is_durable(&self) -> bool {
+        self.log.is_some()
+    }
+
+    /// Appends the messages to a durable topic's log (each gets its offset + 1 as id), then
+    /// hands each to every live subscriber; returns how many subscribers got them all.
+    pub(crate) fn publish(&self, mut messages: Vec<Message>) -> Result<u32, BrokerError> {
         let mut subscribers = self.lock();
+        if let Some(log) = &self.log {
+            let owned: Vec<Vec<(String, bytes::Bytes)>> = messages.iter().map(message::record_headers).collect();
+            let views: Vec<Vec<(&str, &[u8])>> =
+                owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
+            let inputs: Vec<_> = messages.iter().zip(&views).map(|(m, h)| message::input(m, h)).collect();
+            let first = log.append_batch_with(&inputs)?.start;
+            for (i, m) in messages.iter_mut().enumerate() {
+                m.id = first + i as u64 + 1;
+            }
+        }
+        let messages: Vec<Arc<Message>> = messages.into_iter().map(Arc::new).collect();
         let mut delivered = 0;
         subscribers.retain(|s| {
-            for m in messages {
+            for m in &messages {
                 match s.tx.try_send(Arc::clone(m)) {
                     Ok(()) => delivered += 1,
                     Err(mpsc::error::TrySendError::Full(_)) => {
@@ -99,7 +123,25 @@ impl Topic {
         });
         self.published.fetch_add(messages.len() as u64, Ordering::Relaxed);
         self.delivered.fetch_add(delivered, Ordering::Relaxed);
-        subscribers.len() as u32
+        Ok(subscribers.len() as u32)
+    }
+
+    /// Opens consumer group `group` of a durable topic, positioned by `from` (`None`: where the
+    /// group stands; a new group starts at the newest message).
+    pub fn group(&self, group: &str, from: Option<SeekTo>, max_pending: usize) -> Result<GroupReader, BrokerError> {
+        let Some(log) = &self.log else {
+            return Err(BrokerError::BadRequest(format!(
+                "topic {} is not durable: it has no consumer groups",
+                self.name
+            )));
+        };
+        crate::check_name(group)?;
+        let options = GroupOptions { max_pending, start: SeekTo::Newest, ..GroupOptions::default() };
+        let mut g = log.group(group, options)?;
+        if let Some(to) = from {
+            g.seek(to)?;
+        }
+        Ok(GroupReader { group: g, topic: self.name.clone() })
     }
 
     /// Removes subscriptions matching `which`; they end for `reason` if given.
@@ -120,5 +162,44 @@ impl Topic {
             delivered: self.delivered.load(Ordering::Relaxed),
             slow_subscribers_ended: self.slow.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// A consumer group of a durable topic: polls the topic's log and acknowledges by message id
+/// (offset + 1). Blocking: use it from a thread of its own.
+pub struct GroupReader {
+    group: ConsumerGroup,
+    topic: String,
+}
+
+impl GroupReader {
+    /// Up to `max` messages, waiting up to `timeout` for the first; none while `max_pending`
+    /// are unacknowledged.
+    pub fn poll(&mut self, max: usize, timeout: std::time::Duration) -> Result<Vec<Message>, BrokerError> {
+        match self.group.poll(max, timeout) {
+            Ok(batch) => Ok(batch
+                .into_iter()
+                .map(|r| Message { destination: self.topic.clone(), ..message::from_record(&r, r.offset + 1) })
+                .collect()),
+            Err(petrel_log::Error::TooManyPending { .. }) => Ok(Vec::new()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Acknowledges messages by id; ids never delivered are ignored. Returns how many counted.
+    pub fn ack(&mut self, ids: &[u64]) -> Result<u32, BrokerError> {
+        let mut n = 0;
+        for &id in ids {
+            match self.group.ack(id.wrapping_sub(1)) {
+                Ok(()) => n += 1,
+                Err(petrel_log::Error::NotDelivered { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(n)
+    }
+
+    pub fn pending(&self) -> usize {
+        self.group.pending()
     }
 }

@@ -21,7 +21,7 @@ fn texts(sub: &mut petrel_broker::Subscription) -> Vec<String> {
 fn every_subscriber_gets_every_message_and_a_slow_one_is_ended_alone() {
     let (b, _dir) = broker();
     assert!(matches!(b.publish("prices", vec![Message::new("x")], 0), Err(BrokerError::TopicNotFound(_))));
-    b.create_topic("prices").unwrap();
+    b.create_topic("prices", false).unwrap();
     assert_eq!(b.publish("prices", vec![Message::new("before")], 0).unwrap(), 0, "nobody listens yet");
     let mut fast = b.subscribe("prices", 1, 100).unwrap();
     let mut slow = b.subscribe("prices", 2, 3).unwrap();
@@ -96,4 +96,36 @@ fn a_closure_serves_a_function_in_process() {
     assert_eq!(&reply.payload[..], b"HI");
     assert!(matches!(b.call("upper", Message::new(""), false, 0), Err(BrokerError::Handler(_))));
     assert!(matches!(b.call("upper", Message::new("x"), true, 0).unwrap(), Called::Sent));
+}
+
+#[test]
+fn a_durable_topic_keeps_its_messages_for_groups_that_resume_after_a_restart() {
+    use petrel_broker::SeekTo;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_topic("orders", true).unwrap();
+    assert!(matches!(b.create_topic("orders", false), Err(BrokerError::Exists(_))));
+    b.publish("orders", (0..10).map(|i| Message::new(format!("o{i}"))).collect(), 0).unwrap();
+    let topic = b.topic("orders").unwrap();
+    let mut billing = topic.group("billing", Some(SeekTo::Oldest), 100).unwrap();
+    let got = billing.poll(4, Duration::ZERO).unwrap();
+    assert_eq!(got.iter().map(|m| m.id).collect::<Vec<_>>(), [1, 2, 3, 4]);
+    assert_eq!(billing.ack(&[1, 2]).unwrap(), 2);
+    let mut audit = topic.group("audit", Some(SeekTo::Offset(8)), 100).unwrap();
+    assert_eq!(audit.poll(10, Duration::ZERO).unwrap().len(), 2, "its own position: offsets 8 and 9");
+    drop((billing, audit, topic));
+    drop(b);
+
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.topic_names(), ["orders"], "durable topics come back");
+    let topic = b.topic("orders").unwrap();
+    let mut billing = topic.group("billing", None, 100).unwrap();
+    let again = billing.poll(100, Duration::ZERO).unwrap();
+    let payloads: Vec<_> = again.iter().map(|m| String::from_utf8_lossy(&m.payload).into_owned()).collect();
+    assert_eq!(payloads, ["o2", "o3", "o4", "o5", "o6", "o7", "o8", "o9"], "resumes after the acknowledged");
+    let mut late = topic.group("late", None, 100).unwrap();
+    assert!(late.poll(10, Duration::ZERO).unwrap().is_empty(), "a new group starts at the newest");
+    b.remove_topic("orders").unwrap();
+    assert!(!dir.path().join("topics/orders").exists());
 }

@@ -30,7 +30,7 @@ async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
     let topic = &args.queue;
     let publisher = Client::connect(addr).await?;
     let _ = publisher.remove_topic(topic).await;
-    publisher.create_topic(topic).await?;
+    publisher.create_topic(topic, false).await?;
     let delivered_all = args.count * args.subscribers as u64;
     let bar = progress::bar(delivered_all, "delivered", Unit::Items);
     let mut subscribers = Vec::new();

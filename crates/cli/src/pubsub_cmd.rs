@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Subcommand;
-use petrel_client::Message;
 use petrel_client::blocking::Client;
+use petrel_client::{Message, StartFrom};
 
 use crate::server_cmd::ServerArg;
 
@@ -19,6 +19,9 @@ pub enum TopicCommand {
         name: String,
         #[command(flatten)]
         server: ServerArg,
+        /// Keep a log of everything published, for consumer groups (`subscribe --group`).
+        #[arg(long)]
+        durable: bool,
     },
     List {
         #[command(flatten)]
@@ -44,9 +47,18 @@ pub enum TopicCommand {
         /// Stop after this many messages.
         #[arg(long)]
         count: Option<u64>,
-        /// Messages the server may hold for this subscriber before ending it (0: its default).
+        /// Messages the server may hold for this subscriber before ending it (0: its default);
+        /// with --group, most messages unacknowledged at once.
         #[arg(long, default_value_t = 0)]
         buffer: u32,
+        /// Read a durable topic as this consumer group: each message is acknowledged once
+        /// printed, and the group resumes after the last acknowledged one next time.
+        #[arg(long)]
+        group: Option<String>,
+        /// With --group: where to start: oldest, newest, an offset, or a time (RFC 3339);
+        /// default: where the group stands.
+        #[arg(long, value_parser = parse_from)]
+        from: Option<StartFrom>,
         /// One JSON object per message, with every field.
         #[arg(long)]
         json: bool,
@@ -55,7 +67,9 @@ pub enum TopicCommand {
 
 pub fn topic(cmd: TopicCommand) -> Res {
     match cmd {
-        TopicCommand::Create { name, server } => Client::connect(&server.server)?.create_topic(&name)?,
+        TopicCommand::Create { name, server, durable } => {
+            Client::connect(&server.server)?.create_topic(&name, durable)?
+        }
         TopicCommand::List { server } => {
             for name in Client::connect(&server.server)?.list_topics()? {
                 println!("{name}");
@@ -76,14 +90,19 @@ pub fn topic(cmd: TopicCommand) -> Res {
             }
             eprintln!("{sent} messages published to {name}");
         }
-        TopicCommand::Subscribe { name, server, count, buffer, json } => {
+        TopicCommand::Subscribe { name, server, count, buffer, json, group, from } => {
             let client = Client::connect(&server.server)?;
             let mut left = count.unwrap_or(u64::MAX);
             let mut out = io::stdout().lock();
-            let mut sub = client.subscribe(&name, buffer)?;
+            let mut sub = match &group {
+                Some(g) => client.subscribe_group(&name, g, from.unwrap_or_default(), buffer)?,
+                None if from.is_some() => return Err("--from needs --group".into()),
+                None => client.subscribe(&name, buffer)?,
+            };
             while left > 0 {
                 let Some(m) = sub.next() else { break };
                 let m = m?;
+                let id = m.id;
                 if json {
                     writeln!(out, "{}", serde_json::to_string(&m)?)?;
                 } else {
@@ -91,11 +110,30 @@ pub fn topic(cmd: TopicCommand) -> Res {
                     out.write_all(b"\n")?;
                 }
                 out.flush()?;
+                if group.is_some() {
+                    sub.ack(&[id])?;
+                }
                 left -= 1;
             }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn parse_from(text: &str) -> Result<StartFrom, String> {
+    Ok(match text {
+        "oldest" => StartFrom::Oldest,
+        "newest" => StartFrom::Newest,
+        _ => match text.parse::<u64>() {
+            Ok(offset) => StartFrom::Offset(offset),
+            Err(_) => {
+                let t = humantime::parse_rfc3339_weak(text)
+                    .map_err(|e| format!("{text:?}: not oldest, newest, an offset or a time ({e})"))?;
+                let ns = t.duration_since(std::time::UNIX_EPOCH).map_err(|e| e.to_string())?.as_nanos();
+                StartFrom::Time(ns as u64)
+            }
+        },
+    })
 }
 
 #[derive(clap::Args)]

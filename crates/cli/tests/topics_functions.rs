@@ -20,7 +20,7 @@ async fn every_subscriber_gets_every_message_in_order() {
         publisher.publish("prices", vec![Message::new("x")]).await.unwrap_err().status(),
         Some(Status::TopicNotFound)
     );
-    publisher.create_topic("prices").await.unwrap();
+    publisher.create_topic("prices", false).await.unwrap();
     assert_eq!(publisher.list_topics().await.unwrap(), ["prices"]);
     let mut subs = Vec::new();
     for _ in 0..3 {
@@ -57,7 +57,7 @@ async fn a_slow_subscriber_is_ended_and_the_others_get_everything() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());
     let publisher = server.client().await;
-    publisher.create_topic("ticks").await.unwrap();
+    publisher.create_topic("ticks", false).await.unwrap();
     let fast_client = server.client().await;
     let n: u64 = 200_000;
     // Room for everything: whatever the publisher's pace, this one is never behind by its buffer.
@@ -335,4 +335,84 @@ fn the_cli_publishes_subscribes_and_calls() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("FUNCTION_NOT_FOUND"), "{out:?}");
+}
+
+async fn take(sub: &mut petrel_client::Subscription, n: usize) -> Vec<Message> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let next = tokio::time::timeout(Duration::from_secs(10), sub.next()).await;
+        let m = next.unwrap_or_else(|_| panic!("{sub:?}: message {i} of {n} did not come"));
+        out.push(m.unwrap().unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_topics_replay_from_an_offset_or_a_time_and_groups_keep_their_own_pace() {
+    use petrel_client::StartFrom;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_topic("orders", true).await.unwrap();
+    c.publish("orders", (0..50).map(|i| Message::new(format!("o{i}"))).collect()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let midpoint = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    c.publish("orders", (50..100).map(|i| Message::new(format!("o{i}"))).collect()).await.unwrap();
+
+    let mut from_offset = c.subscribe_group("orders", "audit", StartFrom::Offset(90), 100).await.unwrap();
+    let got = take(&mut from_offset, 10).await;
+    assert_eq!(got.iter().map(text).collect::<Vec<_>>(), (90..100).map(|i| format!("o{i}")).collect::<Vec<_>>());
+    assert_eq!(got[0].id, 91, "a message's id is its offset + 1");
+
+    let mut from_time = c.subscribe_group("orders", "late", StartFrom::Time(midpoint), 100).await.unwrap();
+    assert_eq!(text(&take(&mut from_time, 1).await[0]), "o50", "the first published at or after the time");
+
+    // Two groups from the oldest, at their own pace; acks limit what is in flight.
+    let a_client = server.client().await;
+    let mut a = a_client.subscribe_group("orders", "billing", StartFrom::Oldest, 10).await.unwrap();
+    let b_client = server.client().await;
+    let mut b = b_client.subscribe_group("orders", "shipping", StartFrom::Oldest, 100).await.unwrap();
+    let first = take(&mut a, 10).await;
+    assert!(tokio::time::timeout(Duration::from_millis(300), a.next()).await.is_err(), "10 unacknowledged: no more");
+    assert_eq!(a.ack(&first.iter().map(|m| m.id).collect::<Vec<_>>()).await.unwrap(), 10);
+    assert_eq!(text(&take(&mut a, 1).await[0]), "o10", "more after the acks");
+    let all_b = take(&mut b, 100).await;
+    assert_eq!(text(&all_b[99]), "o99");
+    assert_eq!(b.ack(&all_b.iter().map(|m| m.id).collect::<Vec<_>>()).await.unwrap(), 100);
+    // A second subscriber of a group that is being read is refused.
+    let err = c.subscribe_group("orders", "billing", StartFrom::Resume, 10).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::Exists));
+    // Live subscribers of a durable topic get new messages too.
+    let mut live = c.subscribe("orders", 0).await.unwrap();
+    c.publish("orders", vec![Message::new("o100")]).await.unwrap();
+    assert_eq!(text(&take(&mut live, 1).await[0]), "o100");
+    assert_eq!(text(&take(&mut b, 1).await[0]), "o100");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_resumes_after_kill_9_with_nothing_acknowledged_delivered_again() {
+    use petrel_client::StartFrom;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = Server::start(&data);
+    let c = server.client().await;
+    c.create_topic("events", true).await.unwrap();
+    c.publish("events", (0..100).map(|i| Message::new(format!("e{i}"))).collect()).await.unwrap();
+    let mut sub = c.subscribe_group("events", "indexer", StartFrom::Oldest, 50).await.unwrap();
+    let got = take(&mut sub, 50).await;
+    // Acknowledge the first 30 (and one out of order), then the server dies.
+    let mut acked: Vec<u64> = got[..30].iter().map(|m| m.id).collect();
+    acked.push(got[40].id);
+    assert_eq!(sub.ack(&acked).await.unwrap(), 31);
+    server.kill9();
+
+    let server = Server::start(&data);
+    let c = server.client().await;
+    assert_eq!(c.list_topics().await.unwrap(), ["events"]);
+    let mut sub = c.subscribe_group("events", "indexer", StartFrom::Resume, 100).await.unwrap();
+    let again: Vec<String> = take(&mut sub, 69).await.iter().map(text).collect();
+    let want: Vec<String> = (30..100).filter(|&i| i != 40).map(|i| format!("e{i}")).collect();
+    assert_eq!(again, want, "from the first unacknowledged, the out-of-order ack remembered");
+    assert!(tokio::time::timeout(Duration::from_millis(300), sub.next()).await.is_err(), "and nothing else");
 }

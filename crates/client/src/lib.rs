@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-pub use petrel_proto::{Delivery, Message, MessageKind, QueueConfig, QueueStats, Request, Response, Status};
+pub use petrel_proto::{Delivery, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom, Status};
 use petrel_proto::{FrameKind, Push, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
@@ -330,8 +330,9 @@ impl Client {
 }
 
 impl Client {
-    pub async fn create_topic(&self, name: &str) -> Result<(), ClientError> {
-        self.call_op(Request::TopicCreate { name: name.into() }).await.map(|_| ())
+    /// Creates a topic; a durable one keeps a log that consumer groups read (`subscribe_group`).
+    pub async fn create_topic(&self, name: &str, durable: bool) -> Result<(), ClientError> {
+        self.call_op(Request::TopicCreate { name: name.into(), durable }).await.map(|_| ())
     }
 
     pub async fn remove_topic(&self, name: &str) -> Result<(), ClientError> {
@@ -358,8 +359,31 @@ impl Client {
     /// fall further behind and the server ends the subscription (the stream's last item is then
     /// a `SLOW_CONSUMER` error).
     pub async fn subscribe(&self, topic: &str, buffer: u32) -> Result<Subscription, ClientError> {
+        self.subscribe_with(Request::Subscribe {
+            topic: topic.into(),
+            buffer,
+            group: String::new(),
+            from: StartFrom::Resume,
+        })
+        .await
+    }
+
+    /// Reads a durable topic as consumer group `group`, from `from` (`Resume`: where the group
+    /// stands). At most `max_unacked` messages are delivered and not yet acknowledged
+    /// (`Subscription::ack` with their ids); unacknowledged ones come again after a reconnect.
+    pub async fn subscribe_group(
+        &self,
+        topic: &str,
+        group: &str,
+        from: StartFrom,
+        max_unacked: u32,
+    ) -> Result<Subscription, ClientError> {
+        self.subscribe_with(Request::Subscribe { topic: topic.into(), buffer: max_unacked, group: group.into(), from })
+            .await
+    }
+
+    async fn subscribe_with(&self, request: Request) -> Result<Subscription, ClientError> {
         let (tx, rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
-        let request = Request::Subscribe { topic: topic.into(), buffer };
         let answer = self.pipeline_with(std::slice::from_ref(&request), Some(tx)).await.pop();
         match answer.expect("one result per request")? {
             Response::Subscribed { subscription } => {
@@ -444,10 +468,24 @@ pub struct Subscription {
     done: bool,
 }
 
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription").field("id", &self.id).finish_non_exhaustive()
+    }
+}
+
 impl Subscription {
     /// The next message; `None` once the subscription is over.
     pub async fn next(&mut self) -> Option<Result<Message, ClientError>> {
         std::future::poll_fn(|cx| self.rx.poll_recv(cx)).await
+    }
+
+    /// Acknowledges messages of a group subscription by id; returns how many counted.
+    pub async fn ack(&self, ids: &[u64]) -> Result<u32, ClientError> {
+        match self.client.call_op(Request::TopicAck { subscription: self.id, ids: ids.to_vec() }).await? {
+            Response::Acked { count } => Ok(count),
+            other => Err(unexpected(other)),
+        }
     }
 
     /// Ends the subscription, waiting for the server to confirm.
@@ -646,8 +684,8 @@ pub mod blocking {
         pub fn ping(&self) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.ping())
         }
-        pub fn create_topic(&self, name: &str) -> Result<(), ClientError> {
-            self.rt.block_on(self.inner.create_topic(name))
+        pub fn create_topic(&self, name: &str, durable: bool) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.create_topic(name, durable))
         }
         pub fn remove_topic(&self, name: &str) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.remove_topic(name))
@@ -661,6 +699,16 @@ pub mod blocking {
         /// A subscription as an iterator; each `next` waits for the server's next push.
         pub fn subscribe(&self, topic: &str, buffer: u32) -> Result<Subscription<'_>, ClientError> {
             let inner = self.rt.block_on(self.inner.subscribe(topic, buffer))?;
+            Ok(Subscription { rt: &self.rt, inner })
+        }
+        pub fn subscribe_group(
+            &self,
+            topic: &str,
+            group: &str,
+            from: StartFrom,
+            max_unacked: u32,
+        ) -> Result<Subscription<'_>, ClientError> {
+            let inner = self.rt.block_on(self.inner.subscribe_group(topic, group, from, max_unacked))?;
             Ok(Subscription { rt: &self.rt, inner })
         }
         pub fn call(
@@ -680,6 +728,13 @@ pub mod blocking {
     pub struct Subscription<'a> {
         rt: &'a tokio::runtime::Runtime,
         inner: super::Subscription,
+    }
+
+    impl Subscription<'_> {
+        /// Acknowledges messages of a group subscription by id.
+        pub fn ack(&self, ids: &[u64]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.ack(ids))
+        }
     }
 
     impl Iterator for Subscription<'_> {

@@ -28,6 +28,7 @@ pub mod opcode {
     pub const PUBLISH: u16 = 0x0210;
     pub const SUBSCRIBE: u16 = 0x0211;
     pub const UNSUBSCRIBE: u16 = 0x0212;
+    pub const TOPIC_ACK: u16 = 0x0213;
     pub const SERVE: u16 = 0x0300;
     pub const UNSERVE: u16 = 0x0301;
     pub const CALL: u16 = 0x0310;
@@ -158,6 +159,48 @@ pub struct Delivery {
     pub message: Message,
 }
 
+/// Where a group subscription starts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "at", content = "value", rename_all = "snake_case")]
+pub enum StartFrom {
+    /// Where the group stands (a new group: the newest message).
+    #[default]
+    Resume,
+    Oldest,
+    Newest,
+    /// This offset (a message's id is its offset + 1).
+    Offset(u64),
+    /// The first message published at or after this time (ns since the Unix epoch).
+    Time(u64),
+}
+
+impl StartFrom {
+    fn encode(&self, w: &mut Writer<'_>) {
+        let (kind, value) = match *self {
+            StartFrom::Resume => (0, 0),
+            StartFrom::Oldest => (1, 0),
+            StartFrom::Newest => (2, 0),
+            StartFrom::Offset(o) => (3, o),
+            StartFrom::Time(t) => (4, t),
+        };
+        w.u8(kind);
+        w.u64(value);
+    }
+
+    fn decode(r: &mut Reader) -> Result<StartFrom, DecodeError> {
+        let kind = r.u8("from")?;
+        let value = r.u64("from value")?;
+        Ok(match kind {
+            0 => StartFrom::Resume,
+            1 => StartFrom::Oldest,
+            2 => StartFrom::Newest,
+            3 => StartFrom::Offset(value),
+            4 => StartFrom::Time(value),
+            _ => return Err(DecodeError::BadValue("from")),
+        })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
@@ -201,8 +244,10 @@ pub enum Request {
         queue: String,
         handles: Vec<u64>,
     },
+    /// A durable topic keeps a log that consumer groups read and replay.
     TopicCreate {
         name: String,
+        durable: bool,
     },
     TopicRemove {
         name: String,
@@ -213,12 +258,21 @@ pub enum Request {
         topic: String,
         messages: Vec<Message>,
     },
-    /// Starts pushing the topic's messages (DELIVER frames) to this connection. `buffer`:
-    /// messages the server may hold for this subscriber (0: the server's default); a subscriber
-    /// that falls further behind is ended with SUBSCRIPTION_END.
+    /// Starts pushing the topic's messages (DELIVER frames) to this connection. Without a
+    /// `group`, live messages: `buffer` is what the server may hold for this subscriber (0: the
+    /// server's default), and one that falls further behind is ended with SUBSCRIPTION_END. With
+    /// a `group` (durable topics), the group's messages from `from`, at most `buffer`
+    /// unacknowledged at a time; acknowledge with TOPIC_ACK.
     Subscribe {
         topic: String,
         buffer: u32,
+        group: String,
+        from: StartFrom,
+    },
+    /// Acknowledges a group subscription's messages by id.
+    TopicAck {
+        subscription: u64,
+        ids: Vec<u64>,
     },
     Unsubscribe {
         subscription: u64,
@@ -268,6 +322,7 @@ impl Request {
             Request::Publish { .. } => PUBLISH,
             Request::Subscribe { .. } => SUBSCRIBE,
             Request::Unsubscribe { .. } => UNSUBSCRIBE,
+            Request::TopicAck { .. } => TOPIC_ACK,
             Request::Serve { .. } => SERVE,
             Request::Unserve { .. } => UNSERVE,
             Request::Call { .. } => CALL,
@@ -289,7 +344,11 @@ impl Request {
         match self {
             Request::Hello { client } => w.str(client),
             Request::Ping | Request::QueueList | Request::TopicList => {}
-            Request::TopicCreate { name } | Request::TopicRemove { name } => w.str(name),
+            Request::TopicCreate { name, durable } => {
+                w.str(name);
+                w.u8(u8::from(*durable));
+            }
+            Request::TopicRemove { name } => w.str(name),
             Request::Publish { topic, messages } => {
                 w.str(topic);
                 w.u32(messages.len() as u32);
@@ -297,9 +356,18 @@ impl Request {
                     m.encode(w);
                 }
             }
-            Request::Subscribe { topic, buffer } => {
+            Request::Subscribe { topic, buffer, group, from } => {
                 w.str(topic);
                 w.u32(*buffer);
+                w.str(group);
+                from.encode(w);
+            }
+            Request::TopicAck { subscription, ids } => {
+                w.u64(*subscription);
+                w.u32(ids.len() as u32);
+                for id in ids {
+                    w.u64(*id);
+                }
             }
             Request::Unsubscribe { subscription } => w.u64(*subscription),
             Request::Serve { function } | Request::Unserve { function } => w.str(function),
@@ -376,7 +444,14 @@ impl Request {
                 let handles = (0..n).map(|_| r.u64("handle")).collect::<Result<_, _>>()?;
                 if opcode == ACK { Request::Ack { queue, handles } } else { Request::Abort { queue, handles } }
             }
-            TOPIC_CREATE => Request::TopicCreate { name: r.str("name")? },
+            TOPIC_CREATE => Request::TopicCreate {
+                name: r.str("name")?,
+                durable: match r.u8("durable")? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(DecodeError::BadValue("durable")),
+                },
+            },
             TOPIC_REMOVE => Request::TopicRemove { name: r.str("name")? },
             TOPIC_LIST => Request::TopicList,
             PUBLISH => {
@@ -385,7 +460,17 @@ impl Request {
                 let messages = (0..n).map(|_| Message::decode(&mut r)).collect::<Result<_, _>>()?;
                 Request::Publish { topic, messages }
             }
-            SUBSCRIBE => Request::Subscribe { topic: r.str("topic")?, buffer: r.u32("buffer")? },
+            SUBSCRIBE => Request::Subscribe {
+                topic: r.str("topic")?,
+                buffer: r.u32("buffer")?,
+                group: r.str("group")?,
+                from: StartFrom::decode(&mut r)?,
+            },
+            TOPIC_ACK => {
+                let subscription = r.u64("subscription")?;
+                let n = r.count(8, "id count")?;
+                Request::TopicAck { subscription, ids: (0..n).map(|_| r.u64("id")).collect::<Result<_, _>>()? }
+            }
             UNSUBSCRIBE => Request::Unsubscribe { subscription: r.u64("subscription")? },
             SERVE => Request::Serve { function: r.str("function")? },
             UNSERVE => Request::Unserve { function: r.str("function")? },
@@ -602,7 +687,7 @@ impl Response {
                         .collect::<Result<_, DecodeError>>()?;
                     Response::Polled { deliveries }
                 }
-                ACK | ABORT => Response::Acked { count: r.u32("count")? },
+                ACK | ABORT | TOPIC_ACK => Response::Acked { count: r.u32("count")? },
                 TOPIC_CREATE | TOPIC_REMOVE | UNSUBSCRIBE | SERVE | UNSERVE | RETURN => Response::Done,
                 TOPIC_LIST => {
                     let n = r.count(2, "name count")?;

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 
 use bytes::{Bytes, BytesMut};
 use petrel_proto::{
-    Delivery, FrameKind, Message, MessageKind, Push, QueueConfig, QueueStats, Request, Response, Status, frame, hex,
-    opcode,
+    Delivery, FrameKind, Message, MessageKind, Push, QueueConfig, QueueStats, Request, Response, StartFrom, Status,
+    frame, hex, opcode,
 };
 use serde::{Deserialize, Serialize};
 
@@ -263,7 +263,25 @@ fn cases() -> Vec<Vector> {
             13,
             Response::error(Status::Unsupported, "unknown opcode 0x0777"),
         ),
-        request("topic_create", "a topic by name", 20, Request::TopicCreate { name: q("prices") }),
+        request("topic_create", "a live topic", 20, Request::TopicCreate { name: q("prices"), durable: false }),
+        request(
+            "topic_create_durable",
+            "a durable topic: a log that consumer groups replay",
+            29,
+            Request::TopicCreate { name: q("orders"), durable: true },
+        ),
+        request(
+            "subscribe_group",
+            "group billing of a durable topic, from offset 41, at most 500 unacknowledged",
+            30,
+            Request::Subscribe { topic: q("orders"), buffer: 500, group: q("billing"), from: StartFrom::Offset(41) },
+        ),
+        request(
+            "topic_ack",
+            "acknowledge two messages of subscription 4 by id",
+            31,
+            Request::TopicAck { subscription: 4, ids: vec![42, 43] },
+        ),
         request("topic_list", "an empty body", 21, Request::TopicList),
         response(
             "topic_list_ok",
@@ -276,7 +294,7 @@ fn cases() -> Vec<Vector> {
             "subscribe",
             "subscribe, the server holding up to 1000 messages for this subscriber",
             22,
-            Request::Subscribe { topic: q("prices"), buffer: 1000 },
+            Request::Subscribe { topic: q("prices"), buffer: 1000, group: q(""), from: StartFrom::Resume },
         ),
         response(
             "subscribed",

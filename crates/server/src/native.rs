@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use petrel_broker::{BrokerError, Called, ConnId, Ended, Invocation, Subscription};
-use petrel_proto::{Delivery, FrameError, FrameKind, Push, Request, Response, Status, frame};
+use petrel_broker::{BrokerError, Called, ConnId, Ended, GroupReader, Invocation, SeekTo, Subscription};
+use petrel_proto::{Delivery, FrameError, FrameKind, Push, Request, Response, StartFrom, Status, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 
@@ -163,7 +163,13 @@ struct Pushes {
     /// New subscriptions wait for these before their first push, so that the client has the
     /// SUBSCRIBE answer (still in the reader's buffer) before any delivery.
     answered: Vec<tokio::sync::oneshot::Sender<()>>,
+    /// Group subscriptions of durable topics: each runs on a blocking thread of its own, which
+    /// takes acknowledgements on this channel and stops when it closes.
+    groups: HashMap<u64, std::sync::mpsc::SyncSender<GroupAck>>,
 }
+
+/// Acknowledgements for a group subscription, and where to say how many counted.
+type GroupAck = (Vec<u64>, tokio::sync::oneshot::Sender<u32>);
 
 impl Pushes {
     /// Hands the answers in `out` to the writer, then lets new subscriptions push.
@@ -179,6 +185,7 @@ impl Pushes {
         for (_, task) in self.subscriptions.drain() {
             task.abort();
         }
+        self.groups.clear();
         if let Some((_, task)) = self.invocations.take() {
             task.abort();
         }
@@ -221,6 +228,59 @@ impl Pushes {
             let _ = tx.send(out).await;
         });
         self.subscriptions.insert(id, task);
+    }
+
+    /// Delivers a consumer group's messages as DELIVER pushes, from a blocking thread (the log's
+    /// consumer groups block), at most `max_pending` unacknowledged.
+    fn subscribe_group(&mut self, id: u64, mut reader: GroupReader, max_pending: usize, tx: mpsc::Sender<Vec<u8>>) {
+        let (acks_tx, acks) = std::sync::mpsc::sync_channel::<GroupAck>(1024);
+        let (go, answered) = tokio::sync::oneshot::channel();
+        self.answered.push(go);
+        self.groups.insert(id, acks_tx);
+        tokio::task::spawn_blocking(move || {
+            if answered.blocking_recv().is_err() {
+                return;
+            }
+            let apply = |reader: &mut GroupReader, (ids, done): GroupAck| {
+                let counted = reader.ack(&ids).unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "group acknowledgement failed");
+                    0
+                });
+                let _ = done.send(counted);
+            };
+            loop {
+                loop {
+                    match acks.try_recv() {
+                        Ok(ack) => apply(&mut reader, ack),
+                        Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                    }
+                }
+                if reader.pending() >= max_pending {
+                    // Nothing more until something is acknowledged.
+                    match acks.recv_timeout(Duration::from_millis(100)) {
+                        Ok(ack) => apply(&mut reader, ack),
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                    }
+                    continue;
+                }
+                let room = (max_pending - reader.pending()).min(256);
+                let push = match reader.poll(room, Duration::from_millis(50)) {
+                    Ok(messages) if messages.is_empty() => continue,
+                    Ok(messages) => {
+                        Push::Deliver { messages: messages.into_iter().map(convert::message_out).collect() }
+                    }
+                    Err(e) => Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() },
+                };
+                let end = matches!(push, Push::SubscriptionEnd { .. });
+                let mut out = Vec::new();
+                push.encode(id, &mut out);
+                if tx.blocking_send(out).is_err() || end {
+                    return;
+                }
+            }
+        });
     }
 
     /// The channel the broker sends this connection's invocations on (made at the first SERVE).
@@ -273,8 +333,12 @@ fn error(e: BrokerError) -> Response {
     Response::error(status, e.to_string())
 }
 
-/// A request that must wait: for a message (poll), for room (offer), for a reply (call).
+/// A request that must wait: for a message (poll), for room (offer), for a reply (call), for a
+/// group subscription's thread to apply acknowledgements.
 enum Waiting {
+    GroupAck {
+        counted: tokio::sync::oneshot::Receiver<u32>,
+    },
     Offer {
         queue: String,
         messages: Vec<petrel_broker::Message>,
@@ -306,6 +370,10 @@ impl Waiting {
             Waiting::Poll { queue, max, visibility, timeout_ms } => {
                 poll_waiting(ctx, conn, &queue, max, visibility, timeout_ms).await
             }
+            Waiting::GroupAck { counted } => match counted.await {
+                Ok(count) => Response::Acked { count },
+                Err(_) => Response::error(Status::ServerError, "the subscription ended"),
+            },
             Waiting::Call { call, reply, timeout } => match tokio::time::timeout(timeout, reply).await {
                 Ok(Ok(Ok(message))) => Response::Reply { message: convert::message_out(message) },
                 Ok(Ok(Err(e))) => error(e),
@@ -380,7 +448,9 @@ fn handle(
             Ok(count) => Response::Acked { count },
             Err(e) => error(e),
         },
-        Request::TopicCreate { name } => broker.create_topic(&name).map_or_else(error, |_| Response::Done),
+        Request::TopicCreate { name, durable } => {
+            broker.create_topic(&name, durable).map_or_else(error, |_| Response::Done)
+        }
         Request::TopicRemove { name } => broker.remove_topic(&name).map_or_else(error, |()| Response::Done),
         Request::TopicList => Response::TopicList { names: broker.topic_names() },
         Request::Publish { topic, messages } => {
@@ -389,7 +459,32 @@ fn handle(
                 .publish(&topic, messages, now_ns())
                 .map_or_else(error, |subscribers| Response::Published { subscribers })
         }
-        Request::Subscribe { topic, buffer } => {
+        Request::Subscribe { topic, buffer, group, from } if !group.is_empty() => {
+            let Some(t) = broker.topic(&topic) else { return Ok(error(BrokerError::TopicNotFound(topic))) };
+            let max_pending = match buffer {
+                0 => DEFAULT_SUBSCRIBER_BUFFER,
+                n => (n as usize).min(petrel_log::MAX_PENDING),
+            };
+            let from = match from {
+                StartFrom::Resume => None,
+                StartFrom::Oldest => Some(SeekTo::Oldest),
+                StartFrom::Newest => Some(SeekTo::Newest),
+                StartFrom::Offset(o) => Some(SeekTo::Offset(o)),
+                StartFrom::Time(t) => Some(SeekTo::Time(t)),
+            };
+            match t.group(&group, from, max_pending) {
+                Ok(reader) => {
+                    let subscription = broker.next_id();
+                    pushes.subscribe_group(subscription, reader, max_pending, tx.clone());
+                    Response::Subscribed { subscription }
+                }
+                Err(BrokerError::Storage(petrel_log::Error::GroupInUse { .. })) => {
+                    Response::error(Status::Exists, format!("group {group} of topic {topic} is subscribed already"))
+                }
+                Err(e) => error(e),
+            }
+        }
+        Request::Subscribe { topic, buffer, .. } => {
             let buffer = match buffer {
                 0 => DEFAULT_SUBSCRIBER_BUFFER,
                 n => (n as usize).min(MAX_SUBSCRIBER_BUFFER),
@@ -403,8 +498,19 @@ fn handle(
                 Err(e) => error(e),
             }
         }
+        Request::TopicAck { subscription, ids } => {
+            let Some(acks) = pushes.groups.get(&subscription) else {
+                return Ok(Response::error(Status::BadRequest, format!("no group subscription {subscription}")));
+            };
+            let (done, counted) = tokio::sync::oneshot::channel();
+            if acks.try_send((ids, done)).is_err() {
+                return Ok(Response::error(Status::ServerError, "too many acknowledgements waiting; retry"));
+            }
+            return Err(Waiting::GroupAck { counted });
+        }
         Request::Unsubscribe { subscription } => {
             broker.unsubscribe(subscription, conn);
+            pushes.groups.remove(&subscription);
             if let Some(task) = pushes.subscriptions.remove(&subscription) {
                 task.abort();
             }
