@@ -208,7 +208,7 @@ impl Pushes {
                         Err(_) => break,
                     }
                 }
-                let mut out = Vec::new();
+                let mut out = Vec::with_capacity(messages.iter().map(|m| m.payload.len() + 128).sum());
                 Push::Deliver { messages }.encode(id, &mut out);
                 if tx.send(out).await.is_err() {
                     return;
@@ -290,7 +290,7 @@ impl Pushes {
             let tx = tx.clone();
             let task = tokio::spawn(async move {
                 while let Some(inv) = invocations.recv().await {
-                    let mut out = Vec::new();
+                    let mut out = Vec::with_capacity(inv.message.size() as usize + 256);
                     let push =
                         Push::Invoke { function: inv.function, message: Box::new(convert::message_out(inv.message)) };
                     push.encode(inv.call, &mut out);
