@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use crate::{BrokerError, ConnId, Message};
 
@@ -21,12 +21,16 @@ pub struct Invocation {
     pub message: Message,
 }
 
+/// Takes a call's outcome: the reply, a handler error, the server gone, or the deadline passed.
+/// Called once, from whichever of those comes first (without the broker's locks held).
+pub type Replier = Box<dyn FnOnce(Result<Message, BrokerError>) + Send>;
+
 /// What became of a call.
 pub enum Called {
     /// Answered at once (a function served in this process).
     Replied(Box<Message>),
-    /// Handed to a connection; the reply arrives on `reply`. Forget the call if you stop waiting.
-    Pending { call: u64, reply: oneshot::Receiver<Result<Message, BrokerError>> },
+    /// Handed to a connection; its `Replier` will have the outcome.
+    Pending { call: u64 },
     /// A oneway call handed to a server.
     Sent,
 }
@@ -44,7 +48,8 @@ struct Servers {
 
 struct Waiting {
     server: ConnId,
-    reply: oneshot::Sender<Result<Message, BrokerError>>,
+    deadline: u64,
+    reply: Replier,
 }
 
 #[derive(Default)]
@@ -78,26 +83,40 @@ impl Functions {
         });
         drop(servers);
         if function.is_none() {
-            let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-            let lost: Vec<u64> = waiting.iter().filter(|(_, w)| w.server == conn).map(|(c, _)| *c).collect();
-            for call in lost {
-                let w = waiting.remove(&call).expect("just seen");
-                let _ = w.reply.send(Err(BrokerError::Handler("the function's server disconnected".into())));
+            for w in self.take_waiting(|w| w.server == conn) {
+                (w.reply)(Err(BrokerError::Handler("the function's server disconnected".into())));
             }
         }
     }
 
+    /// Calls whose deadline passed are answered `Timeout`.
+    pub(crate) fn expire(&self, now: u64) {
+        for w in self.take_waiting(|w| w.deadline <= now) {
+            (w.reply)(Err(BrokerError::Timeout("no reply before the call's deadline".into())));
+        }
+    }
+
+    fn take_waiting(&self, which: impl Fn(&Waiting) -> bool) -> Vec<Waiting> {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let calls: Vec<u64> = waiting.iter().filter(|(_, w)| which(w)).map(|(c, _)| *c).collect();
+        calls.into_iter().filter_map(|c| waiting.remove(&c)).collect()
+    }
+
+    /// Hands the call to one of the function's servers. `reply` (with its deadline, ns) gets
+    /// the outcome of a call handed to a connection; it is dropped unused otherwise.
     pub(crate) fn call(
         &self,
         function: &str,
         message: Message,
         oneway: bool,
         call: u64,
+        reply: (Replier, u64),
     ) -> Result<Called, BrokerError> {
         let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
         let not_found = || BrokerError::FunctionNotFound(function.to_owned());
         let entry = servers.get_mut(function).ok_or_else(not_found)?;
         let mut message = Some(message);
+        let mut reply = Some(reply);
         // Round robin; a server whose channel is full or closed is skipped.
         for _ in 0..entry.list.len() {
             let i = entry.next % entry.list.len();
@@ -106,24 +125,28 @@ impl Functions {
                 Server::Local(handler) => {
                     let handler = Arc::clone(handler);
                     drop(servers);
-                    let reply = handler(message.take().expect("not yet sent")).map_err(BrokerError::Handler)?;
-                    return Ok(if oneway { Called::Sent } else { Called::Replied(Box::new(reply)) });
+                    let answer = handler(message.take().expect("not yet sent")).map_err(BrokerError::Handler)?;
+                    return Ok(if oneway { Called::Sent } else { Called::Replied(Box::new(answer)) });
                 }
                 Server::Remote { conn, invocations } => {
-                    let (tx, rx) = oneshot::channel();
-                    if !oneway {
-                        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-                        waiting.insert(call, Waiting { server: *conn, reply: tx });
-                    }
                     let invocation = Invocation {
                         call,
                         function: function.to_owned(),
                         message: message.take().expect("not yet sent"),
                     };
+                    // Registered before it is sent: the reply may come back at once.
+                    if !oneway {
+                        let (r, deadline) = reply.take().expect("registered once");
+                        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+                        waiting.insert(call, Waiting { server: *conn, deadline, reply: r });
+                    }
                     match invocations.try_send(invocation) {
-                        Ok(()) => return Ok(if oneway { Called::Sent } else { Called::Pending { call, reply: rx } }),
+                        Ok(()) => return Ok(if oneway { Called::Sent } else { Called::Pending { call } }),
                         Err(e) => {
-                            self.forget(call);
+                            if !oneway {
+                                let w = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&call);
+                                reply = w.map(|w| (w.reply, w.deadline));
+                            }
                             message = Some(e.into_inner().message);
                         }
                     }
@@ -132,20 +155,17 @@ impl Functions {
         }
         Err(BrokerError::Handler(format!("every server of {function} is busy or gone")))
     }
-
     /// A server answered `call`; `false` if no caller waits for it (timed out, or not its call).
     pub(crate) fn reply(&self, call: u64, conn: ConnId, result: Result<Message, String>) -> bool {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         match waiting.get(&call) {
             Some(w) if w.server == conn => {
                 let w = waiting.remove(&call).expect("just seen");
-                w.reply.send(result.map_err(BrokerError::Handler)).is_ok()
+                drop(waiting);
+                (w.reply)(result.map(|m| Message { kind: 2, ..m }).map_err(BrokerError::Handler));
+                true
             }
             _ => false,
         }
-    }
-
-    pub(crate) fn forget(&self, call: u64) {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&call);
     }
 }

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 pub use config::QueueConfig;
-pub use function::{Called, Invocation, LocalHandler};
+pub use function::{Called, Invocation, LocalHandler, Replier};
 pub use message::Message;
 pub use petrel_log::SeekTo;
 pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
@@ -59,6 +59,8 @@ pub enum BrokerError {
     /// The function's handler failed, or its server went away.
     #[error("{0}")]
     Handler(String),
+    #[error("{0}")]
+    Timeout(String),
 }
 
 /// Server-wide settings of the broker.
@@ -517,21 +519,27 @@ impl Broker {
         self.functions.unserve(Some(function), conn);
     }
 
-    /// Calls `function` with `message`: one of its servers, round robin.
-    pub fn call(&self, function: &str, message: Message, oneway: bool, now: u64) -> Result<Called, BrokerError> {
+    /// Calls `function` with `message`: one of its servers, round robin. A call handed to a
+    /// connection ends in `reply`: the reply, a handler error, the server gone, or `Timeout`
+    /// once `timeout` has passed (checked by `tick`).
+    pub fn call(
+        &self,
+        function: &str,
+        message: Message,
+        oneway: bool,
+        now: u64,
+        timeout: Duration,
+        reply: Replier,
+    ) -> Result<Called, BrokerError> {
         let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let message = Message { timestamp: now, destination: function.to_owned(), kind: 1, ..message };
-        self.functions.call(function, message, oneway, call)
+        let deadline = now.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
+        self.functions.call(function, message, oneway, call, (reply, deadline))
     }
 
     /// A server's answer to `call`; `false` if nobody waits for it any more.
     pub fn reply(&self, call: u64, conn: ConnId, result: Result<Message, String>) -> bool {
         self.functions.reply(call, conn, result)
-    }
-
-    /// The caller stopped waiting for `call` (its timeout passed).
-    pub fn forget(&self, call: u64) {
-        self.functions.forget(call);
     }
 
     /// A connection closed: its tentative reads go back, its temporary queues go away, its
@@ -554,6 +562,7 @@ impl Broker {
 
     /// Periodic work: visibility timeouts and expiry. Call it every few tens of milliseconds.
     pub fn tick(&self, now: u64) {
+        self.functions.expire(now);
         let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now)).cloned().collect();
         for q in queues {
             match q.tick(now) {

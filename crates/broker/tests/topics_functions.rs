@@ -9,6 +9,26 @@ fn broker() -> (Broker, tempfile::TempDir) {
     (Broker::open(dir.path(), BrokerOptions::default()).unwrap(), dir)
 }
 
+type Outcome = Result<Message, BrokerError>;
+
+/// A replier that hands the outcome to a oneshot channel.
+fn replier() -> (petrel_broker::Replier, tokio::sync::oneshot::Receiver<Outcome>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    (Box::new(move |r| drop(tx.send(r))), rx)
+}
+
+const LONG: std::time::Duration = std::time::Duration::from_secs(60);
+
+fn call(
+    b: &Broker,
+    f: &str,
+    m: &str,
+    oneway: bool,
+) -> (Result<Called, BrokerError>, tokio::sync::oneshot::Receiver<Outcome>) {
+    let (r, rx) = replier();
+    (b.call(f, Message::new(m.to_owned()), oneway, 0, LONG, r), rx)
+}
+
 fn texts(sub: &mut petrel_broker::Subscription) -> Vec<String> {
     let mut out = Vec::new();
     while let Ok(m) = sub.messages.try_recv() {
@@ -47,18 +67,13 @@ fn every_subscriber_gets_every_message_and_a_slow_one_is_ended_alone() {
 #[tokio::test]
 async fn calls_go_round_robin_to_servers_and_replies_come_back() {
     let (b, _dir) = broker();
-    assert!(matches!(b.call("coffee", Message::new("x"), false, 0), Err(BrokerError::FunctionNotFound(_))));
+    assert!(matches!(call(&b, "coffee", "x", false).0, Err(BrokerError::FunctionNotFound(_))));
     let (tx1, mut rx1) = tokio::sync::mpsc::channel(8);
     let (tx2, mut rx2) = tokio::sync::mpsc::channel(8);
     b.serve("coffee", 1, tx1);
     b.serve("coffee", 2, tx2);
-    let Called::Pending { call: first, reply } = b.call("coffee", Message::new("espresso"), false, 0).unwrap() else {
-        panic!("a remote server")
-    };
-    let Called::Pending { call: second, reply: reply2 } = b.call("coffee", Message::new("latte"), false, 0).unwrap()
-    else {
-        panic!()
-    };
+    let (Ok(Called::Pending { call: first }), reply) = call(&b, "coffee", "espresso", false) else { panic!() };
+    let (Ok(Called::Pending { call: second }), reply2) = call(&b, "coffee", "latte", false) else { panic!() };
     let inv1 = rx1.try_recv().unwrap();
     let inv2 = rx2.try_recv().unwrap();
     assert_eq!((inv1.call, inv2.call), (first, second), "one call each");
@@ -69,15 +84,30 @@ async fn calls_go_round_robin_to_servers_and_replies_come_back() {
     assert!(matches!(reply2.await.unwrap(), Err(BrokerError::Handler(m)) if m == "out of milk"));
 
     // A server that disconnects fails its calls.
-    let Called::Pending { reply, .. } = b.call("coffee", Message::new("mocha"), false, 0).unwrap() else { panic!() };
-    let Called::Pending { reply: other, .. } = b.call("coffee", Message::new("flat white"), false, 0).unwrap() else {
-        panic!()
-    };
+    let (Ok(Called::Pending { .. }), reply) = call(&b, "coffee", "mocha", false) else { panic!() };
+    let (Ok(Called::Pending { .. }), other) = call(&b, "coffee", "flat white", false) else { panic!() };
     b.disconnect(1);
     b.disconnect(2);
     assert!(matches!(reply.await.unwrap(), Err(BrokerError::Handler(_))));
     assert!(matches!(other.await.unwrap(), Err(BrokerError::Handler(_))));
-    assert!(matches!(b.call("coffee", Message::new("x"), false, 0), Err(BrokerError::FunctionNotFound(_))));
+    assert!(matches!(call(&b, "coffee", "x", false).0, Err(BrokerError::FunctionNotFound(_))));
+
+    // A call nobody answers in time ends in Timeout at the tick after its deadline.
+    let (tx3, _rx3) = tokio::sync::mpsc::channel(8);
+    b.serve("slow", 3, tx3);
+    let (r, late) = replier();
+    let Ok(Called::Pending { call: c }) =
+        b.call("slow", Message::new("x"), false, 0, std::time::Duration::from_millis(5), r)
+    else {
+        panic!()
+    };
+    b.tick(1_000_000);
+    let (r, mut early) = replier();
+    b.call("slow", Message::new("y"), false, 0, LONG, r).unwrap();
+    b.tick(10_000_000);
+    assert!(matches!(late.await.unwrap(), Err(BrokerError::Timeout(_))));
+    assert!(early.try_recv().is_err(), "not before its deadline");
+    assert!(!b.reply(c, 3, Ok(Message::new("too late"))), "a reply after the timeout finds nobody");
 }
 
 #[test]
@@ -92,10 +122,10 @@ fn a_closure_serves_a_function_in_process() {
             Ok(Message::new(String::from_utf8_lossy(&m.payload).to_uppercase()))
         }),
     );
-    let Called::Replied(reply) = b.call("upper", Message::new("hi"), false, 0).unwrap() else { panic!() };
+    let (Ok(Called::Replied(reply)), _) = call(&b, "upper", "hi", false) else { panic!() };
     assert_eq!(&reply.payload[..], b"HI");
-    assert!(matches!(b.call("upper", Message::new(""), false, 0), Err(BrokerError::Handler(_))));
-    assert!(matches!(b.call("upper", Message::new("x"), true, 0).unwrap(), Called::Sent));
+    assert!(matches!(call(&b, "upper", "", false).0, Err(BrokerError::Handler(_))));
+    assert!(matches!(call(&b, "upper", "x", true).0.unwrap(), Called::Sent));
 }
 
 #[test]

@@ -96,6 +96,18 @@ where
                     };
                     match handle(&ctx, conn, &mut pushes, &tx, request) {
                         Ok(response) => response.encode(f.opcode, f.request_id, &mut out),
+                        Err(Waiting::Call { function, message, oneway, timeout }) => {
+                            // A call in progress holds a permit, as a waiting poll does.
+                            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
+                            let reply = replier(tx.clone(), f.opcode, f.request_id, permit);
+                            match ctx.broker.call(&function, message, oneway, now_ns(), timeout, reply) {
+                                Ok(Called::Replied(m)) => Response::Reply { message: convert::message_out(*m) },
+                                Ok(Called::Sent) => Response::Done,
+                                Ok(Called::Pending { .. }) => continue,
+                                Err(e) => error(e),
+                            }
+                            .encode(f.opcode, f.request_id, &mut out);
+                        }
                         Err(waiting) => {
                             // Past the limit of waiting requests, stop reading: TCP pushes back.
                             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
@@ -305,6 +317,30 @@ impl Pushes {
     }
 }
 
+/// Where a call's outcome goes: straight to the caller's writer (a task only if its queue is
+/// full); the permit is the call's place among the connection's waiting requests.
+fn replier(
+    tx: mpsc::Sender<Vec<u8>>,
+    op: u16,
+    request_id: u64,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) -> petrel_broker::Replier {
+    Box::new(move |outcome| {
+        let response = match outcome {
+            Ok(message) => Response::Reply { message: convert::message_out(message) },
+            Err(e) => error(e),
+        };
+        let mut out = Vec::with_capacity(64);
+        response.encode(op, request_id, &mut out);
+        if let Err(mpsc::error::TrySendError::Full(out)) = tx.try_send(out) {
+            tokio::spawn(async move {
+                let _ = tx.send(out).await;
+                drop(permit);
+            });
+        }
+    })
+}
+
 async fn send(tx: &mpsc::Sender<Vec<u8>>, op: u16, request_id: u64, response: &Response) {
     let mut out = Vec::with_capacity(64);
     response.encode(op, request_id, &mut out);
@@ -326,6 +362,7 @@ fn error(e: BrokerError) -> Response {
         BrokerError::TopicNotFound(_) => Status::TopicNotFound,
         BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
         BrokerError::Handler(_) => Status::HandlerError,
+        BrokerError::Timeout(_) => Status::Timeout,
     };
     if status == Status::ServerError {
         tracing::error!(error = %e, "request failed");
@@ -350,9 +387,12 @@ enum Waiting {
         visibility: Option<Duration>,
         timeout_ms: u32,
     },
+    /// A call to a function served by a connection: made once the caller holds a permit, and
+    /// answered by its replier (no task waits for it).
     Call {
-        call: u64,
-        reply: tokio::sync::oneshot::Receiver<Result<petrel_broker::Message, BrokerError>>,
+        function: String,
+        message: petrel_broker::Message,
+        oneway: bool,
         timeout: Duration,
     },
 }
@@ -374,15 +414,7 @@ impl Waiting {
                 Ok(count) => Response::Acked { count },
                 Err(_) => Response::error(Status::ServerError, "the subscription ended"),
             },
-            Waiting::Call { call, reply, timeout } => match tokio::time::timeout(timeout, reply).await {
-                Ok(Ok(Ok(message))) => Response::Reply { message: convert::message_out(message) },
-                Ok(Ok(Err(e))) => error(e),
-                Ok(Err(_)) => Response::error(Status::HandlerError, "the call was lost"),
-                Err(_) => {
-                    ctx.broker.forget(call);
-                    Response::error(Status::Timeout, format!("no reply within {} ms", timeout.as_millis()))
-                }
-            },
+            Waiting::Call { .. } => unreachable!("calls are made by the reader loop"),
         }
     }
 }
@@ -529,18 +561,11 @@ fn handle(
             Response::Done
         }
         Request::Call { function, timeout_ms, oneway, message } => {
-            match broker.call(&function, convert::message_in(message), oneway, now_ns()) {
-                Ok(Called::Replied(message)) => Response::Reply { message: convert::message_out(*message) },
-                Ok(Called::Sent) => Response::Done,
-                Ok(Called::Pending { call, reply }) => {
-                    let timeout = match timeout_ms {
-                        0 => DEFAULT_CALL_TIMEOUT,
-                        ms => Duration::from_millis(u64::from(ms)),
-                    };
-                    return Err(Waiting::Call { call, reply, timeout });
-                }
-                Err(e) => error(e),
-            }
+            let timeout = match timeout_ms {
+                0 => DEFAULT_CALL_TIMEOUT,
+                ms => Duration::from_millis(u64::from(ms)),
+            };
+            return Err(Waiting::Call { function, message: convert::message_in(message), oneway, timeout });
         }
         Request::Return { call, status, error: reason, message } => {
             let result = if status == Status::Ok { Ok(convert::message_in(message)) } else { Err(reason) };

@@ -426,7 +426,10 @@ fn server_error(e: &BrokerError) -> String {
         BrokerError::NotFound(_) | BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::Exists(_) => {
             format!("SERVER_ERROR {e}")
         }
-        BrokerError::TopicNotFound(_) | BrokerError::FunctionNotFound(_) | BrokerError::Handler(_) => {
+        BrokerError::TopicNotFound(_)
+        | BrokerError::FunctionNotFound(_)
+        | BrokerError::Handler(_)
+        | BrokerError::Timeout(_) => {
             format!("SERVER_ERROR {e}")
         }
         BrokerError::Storage(_) | BrokerError::Definitions(_) => {
