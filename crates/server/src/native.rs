@@ -100,7 +100,7 @@ where
                             // A call in progress holds a permit, as a waiting poll does.
                             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
                             let reply = replier(tx.clone(), f.opcode, f.request_id, permit);
-                            match ctx.broker.call(&function, message, oneway, now_ns(), timeout, reply) {
+                            match ctx.broker.call(&function, *message, oneway, now_ns(), timeout, reply) {
                                 Ok(Called::Replied(m)) => Response::Reply { message: convert::message_out(*m) },
                                 Ok(Called::Sent) => Response::Done,
                                 Ok(Called::Pending { .. }) => continue,
@@ -391,7 +391,7 @@ enum Waiting {
     /// answered by its replier (no task waits for it).
     Call {
         function: String,
-        message: petrel_broker::Message,
+        message: Box<petrel_broker::Message>,
         oneway: bool,
         timeout: Duration,
     },
@@ -565,7 +565,7 @@ fn handle(
                 0 => DEFAULT_CALL_TIMEOUT,
                 ms => Duration::from_millis(u64::from(ms)),
             };
-            return Err(Waiting::Call { function, message: convert::message_in(message), oneway, timeout });
+            return Err(Waiting::Call { function, message: Box::new(convert::message_in(message)), oneway, timeout });
         }
         Request::Return { call, status, error: reason, message } => {
             let result = if status == Status::Ok { Ok(convert::message_in(message)) } else { Err(reason) };
