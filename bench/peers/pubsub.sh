@@ -17,12 +17,7 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$work"; }
 trap cleanup EXIT
 
-gobin="$(go env GOPATH)/bin"
-[ -x "$gobin/nats-server" ] || go install github.com/nats-io/nats-server/v2@v2.10.22
-if [ ! -x "$gobin/nats" ]; then
-  dir="$(go mod download -json github.com/nats-io/natscli@v0.3.0 | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
-  (cd "$dir" && go build -o "$gobin/nats" ./nats)
-fi
+source "$root/bench/peers/nats.sh"
 (cd "$root" && cargo build --release --locked -q -p petrel)
 petrel="$root/target/release/petrel"
 
