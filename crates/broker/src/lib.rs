@@ -28,7 +28,7 @@ pub use function::{Called, Invocation, LocalHandler, Replier};
 pub use message::Message;
 pub use petrel_log::SeekTo;
 pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
-pub use topic::{Ended, GroupReader, Subscription, Topic, TopicStats};
+pub use topic::{Delivered, Ended, GroupReader, Subscription, Topic, TopicStats};
 
 use petrel_log::{Durability, Log, Options};
 use serde::{Deserialize, Serialize};

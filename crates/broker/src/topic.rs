@@ -29,8 +29,15 @@ pub struct Topic {
 struct Subscriber {
     id: u64,
     conn: ConnId,
-    tx: mpsc::Sender<Arc<Message>>,
+    tx: mpsc::Sender<Arc<Delivered>>,
     ended: Arc<OnceLock<Ended>>,
+}
+
+/// A published message as every subscriber gets it: shared, with room for a protocol's encoding
+/// of it, made by the first subscriber's connection and reused by all the others.
+pub struct Delivered {
+    pub message: Message,
+    pub encoded: OnceLock<bytes::Bytes>,
 }
 
 /// Why the broker ended a subscription.
@@ -45,7 +52,7 @@ pub enum Ended {
 /// the broker ended it (unset: it was unsubscribed).
 pub struct Subscription {
     pub id: u64,
-    pub messages: mpsc::Receiver<Arc<Message>>,
+    pub messages: mpsc::Receiver<Arc<Delivered>>,
     pub ended: Arc<OnceLock<Ended>>,
 }
 
@@ -100,7 +107,8 @@ impl Topic {
                 m.id = first + i as u64 + 1;
             }
         }
-        let messages: Vec<Arc<Message>> = messages.into_iter().map(Arc::new).collect();
+        let messages: Vec<Arc<Delivered>> =
+            messages.into_iter().map(|message| Arc::new(Delivered { message, encoded: OnceLock::new() })).collect();
         let mut delivered = 0;
         subscribers.retain(|s| {
             for m in &messages {

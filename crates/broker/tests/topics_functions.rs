@@ -32,7 +32,7 @@ fn call(
 fn texts(sub: &mut petrel_broker::Subscription) -> Vec<String> {
     let mut out = Vec::new();
     while let Ok(m) = sub.messages.try_recv() {
-        out.push(String::from_utf8_lossy(&m.payload).into_owned());
+        out.push(String::from_utf8_lossy(&m.message.payload).into_owned());
     }
     out
 }

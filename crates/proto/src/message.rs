@@ -169,6 +169,11 @@ impl Message {
         Ok(())
     }
 
+    /// Appends this message's encoding (as it appears inside OFFER, POLL, DELIVER…) to `out`.
+    pub fn encode_to(&self, out: &mut Vec<u8>) {
+        self.encode(&mut Writer { out });
+    }
+
     pub(crate) fn encode(&self, w: &mut Writer<'_>) {
         w.u64(self.id);
         w.u8(self.kind as u8);

@@ -591,6 +591,18 @@ impl Push {
         frame::finish(out, at);
     }
 
+    /// A DELIVER frame for subscription `id` from messages already encoded (`Message::encode_to`):
+    /// the same bytes as `Push::Deliver`, for a server that encodes a message once for all the
+    /// subscribers it goes to.
+    pub fn encode_deliver<M: AsRef<[u8]>>(id: u64, encoded: &[M], out: &mut Vec<u8>) {
+        let at = frame::start(out, FrameKind::Push, opcode::DELIVER, id);
+        out.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+        for m in encoded {
+            out.extend_from_slice(m.as_ref());
+        }
+        frame::finish(out, at);
+    }
+
     pub fn decode(opcode: u16, body: Bytes) -> Result<Push, DecodeError> {
         let mut r = Reader::new(body);
         let push = match opcode {

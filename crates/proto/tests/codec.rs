@@ -156,3 +156,21 @@ proptest! {
         while let Ok(Some(_)) = frame::decode(&mut buf, 1 << 16) {}
     }
 }
+
+#[test]
+fn a_deliver_frame_from_encoded_messages_is_the_same_bytes() {
+    let messages = vec![Message::new(&b"one"[..]), Message { subject: "s".into(), ..Message::new(&b"two"[..]) }];
+    let mut whole = Vec::new();
+    petrel_proto::Push::Deliver { messages: messages.clone() }.encode(9, &mut whole);
+    let encoded: Vec<Vec<u8>> = messages
+        .iter()
+        .map(|m| {
+            let mut v = Vec::new();
+            m.encode_to(&mut v);
+            v
+        })
+        .collect();
+    let mut pieces = Vec::new();
+    petrel_proto::Push::encode_deliver(9, &encoded, &mut pieces);
+    assert_eq!(pieces, whole);
+}

@@ -212,16 +212,30 @@ impl Pushes {
             if answered.await.is_err() {
                 return;
             }
+            let mut batch = Vec::new();
             while let Some(first) = sub.messages.recv().await {
-                let mut messages = vec![convert::message_out((*first).clone())];
-                while messages.len() < 256 {
+                batch.push(first);
+                while batch.len() < 256 {
                     match sub.messages.try_recv() {
-                        Ok(m) => messages.push(convert::message_out((*m).clone())),
+                        Ok(m) => batch.push(m),
                         Err(_) => break,
                     }
                 }
-                let mut out = Vec::with_capacity(messages.iter().map(|m| m.payload.len() + 128).sum());
-                Push::Deliver { messages }.encode(id, &mut out);
+                // Each message is encoded once, by whichever subscriber's task gets to it first.
+                let encoded: Vec<&bytes::Bytes> = batch
+                    .iter()
+                    .map(|d| {
+                        d.encoded.get_or_init(|| {
+                            let mut out = Vec::with_capacity(d.message.payload.len() + 64);
+                            convert::message_out(d.message.clone()).encode_to(&mut out);
+                            bytes::Bytes::from(out)
+                        })
+                    })
+                    .collect();
+                let mut out = Vec::with_capacity(encoded.iter().map(|e| e.len()).sum::<usize>() + 32);
+                Push::encode_deliver(id, &encoded, &mut out);
+                drop(encoded);
+                batch.clear();
                 if tx.send(out).await.is_err() {
                     return;
                 }
