@@ -78,6 +78,10 @@ pub struct BrokerOptions {
     /// Queues named in the server's configuration: created at open, and their configuration
     /// replaces the stored one.
     pub queues: BTreeMap<String, QueueConfig>,
+    /// What a durable topic's log keeps (its oldest segments go past these; groups that had not
+    /// read them skip them, counted).
+    pub topic_max_bytes: u64,
+    pub topic_max_age: Duration,
 }
 
 impl Default for BrokerOptions {
@@ -88,6 +92,8 @@ impl Default for BrokerOptions {
             max_message_bytes: 16 << 20,
             queue_defaults: QueueConfig::default(),
             queues: BTreeMap::new(),
+            topic_max_bytes: 1 << 30,
+            topic_max_age: Duration::from_secs(7 * 24 * 3600),
         }
     }
 }
@@ -422,6 +428,11 @@ impl Broker {
             segment_bytes,
             initial_segment_bytes: Some(INITIAL_SEGMENT_BYTES.min(segment_bytes)),
             max_record_bytes: self.options.max_message_bytes + 64 * 1024,
+            retention: petrel_log::Retention {
+                delete_consumed: false,
+                max_bytes: Some(self.options.topic_max_bytes),
+                max_age: Some(self.options.topic_max_age),
+            },
             ..Options::default()
         };
         Ok(Log::open(self.dir.join("topics").join(name), options)?.into_shared())

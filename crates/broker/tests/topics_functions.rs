@@ -159,3 +159,26 @@ fn a_durable_topic_keeps_its_messages_for_groups_that_resume_after_a_restart() {
     b.remove_topic("orders").unwrap();
     assert!(!dir.path().join("topics/orders").exists());
 }
+
+#[test]
+fn a_durable_topic_keeps_no_more_than_its_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { segment_bytes: 64 << 10, topic_max_bytes: 256 << 10, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.create_topic("firehose", true).unwrap();
+    let payload = "x".repeat(1000);
+    for _ in 0..20 {
+        b.publish("firehose", (0..50).map(|_| Message::new(payload.clone())).collect(), 0).unwrap();
+    }
+    let on_disk: u64 = std::fs::read_dir(dir.path().join("topics/firehose"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(on_disk <= (256 << 10) + (64 << 10), "1 MB published, {on_disk} bytes kept");
+    let topic = b.topic("firehose").unwrap();
+    let mut g = topic.group("late", Some(petrel_broker::SeekTo::Oldest), 10).unwrap();
+    let first = g.poll(1, std::time::Duration::ZERO).unwrap();
+    assert!(first[0].id > 1, "the oldest messages are gone");
+}

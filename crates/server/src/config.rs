@@ -37,6 +37,10 @@ pub struct Config {
     pub segment_bytes: u64,
     /// How long in-flight requests may take to finish on shutdown, e.g. "5s".
     pub shutdown_grace: String,
+    /// A durable topic's log keeps at most this many bytes…
+    pub topic_max_bytes: u64,
+    /// …and messages at most this old, e.g. "7d" (older segments go; groups behind skip them).
+    pub topic_max_age: String,
     /// Configuration of queues created by first use (memcache `set`/`get`) that no
     /// `[queues.NAME]` block names. Kestrel's defaults: durable, no limits.
     pub queue_defaults: toml::Table,
@@ -76,6 +80,8 @@ impl Default for Config {
             durability: "none".into(),
             segment_bytes: 64 << 20,
             shutdown_grace: "5s".into(),
+            topic_max_bytes: 1 << 30,
+            topic_max_age: "7d".into(),
             queue_defaults: toml::Table::new(),
             queues: BTreeMap::new(),
         }
@@ -90,6 +96,10 @@ impl Config {
 
     pub fn durability(&self) -> Result<Durability, String> {
         self.durability.parse()
+    }
+
+    pub fn topic_max_age(&self) -> Result<std::time::Duration, String> {
+        humantime::parse_duration(&self.topic_max_age).map_err(|e| format!("topic_max_age: {e}"))
     }
 
     pub fn shutdown_grace(&self) -> Result<std::time::Duration, String> {
@@ -127,6 +137,7 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), String> {
         self.durability()?;
+        self.topic_max_age()?;
         self.queue_defaults()?;
         self.queues()?;
         self.shutdown_grace()?;

@@ -47,6 +47,8 @@ impl Server {
             max_message_bytes: config.max_message_bytes,
             queue_defaults: config.queue_defaults()?,
             queues: config.queues()?,
+            topic_max_bytes: config.topic_max_bytes,
+            topic_max_age: config.topic_max_age()?,
         };
         let broker = Broker::open(&config.data, options).map_err(|e| format!("{}: {e}", config.data.display()))?;
         let tcp =
