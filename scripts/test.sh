@@ -27,6 +27,6 @@ echo "== examples"
 for example in queue consumer_groups message_store; do
   cargo run -q --locked -p petrel-log --example "$example" > /dev/null
 done
-for example in offer_poll reliable_worker coffee; do
+for example in offer_poll reliable_worker coffee topics_functions; do
   cargo run -q --locked -p petrel-client --example "$example" > /dev/null
 done

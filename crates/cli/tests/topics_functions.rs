@@ -416,3 +416,24 @@ async fn a_group_resumes_after_kill_9_with_nothing_acknowledged_delivered_again(
     assert_eq!(again, want, "from the first unacknowledged, the out-of-order ack remembered");
     assert!(tokio::time::timeout(Duration::from_millis(300), sub.next()).await.is_err(), "and nothing else");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_can_be_subscribed_again_at_once_after_unsubscribe_or_reconnect() {
+    use petrel_client::StartFrom;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_topic("jobs", true).await.unwrap();
+    c.publish("jobs", (0..3).map(|i| Message::new(format!("j{i}"))).collect()).await.unwrap();
+    let mut sub = c.subscribe_group("jobs", "w", StartFrom::Oldest, 10).await.unwrap();
+    let first = take(&mut sub, 1).await;
+    sub.ack(&[first[0].id]).await.unwrap();
+    sub.unsubscribe().await.unwrap();
+    let mut sub = c.subscribe_group("jobs", "w", StartFrom::Resume, 10).await.unwrap();
+    assert_eq!(text(&take(&mut sub, 1).await[0]), "j1", "resumed after the acknowledged one");
+    // The connection goes away with j1 unacknowledged; a new one takes the group at once.
+    c.close();
+    let c2 = server.client().await;
+    let mut sub = c2.subscribe_group("jobs", "w", StartFrom::Resume, 10).await.unwrap();
+    assert_eq!(take(&mut sub, 2).await.iter().map(text).collect::<Vec<_>>(), ["j1", "j2"]);
+}

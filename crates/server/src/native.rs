@@ -108,6 +108,23 @@ where
                             }
                             .encode(f.opcode, f.request_id, &mut out);
                         }
+                        Err(Waiting::GroupBusy { request }) => {
+                            // Give a subscription that is ending a moment to let its group go.
+                            let mut answer = None;
+                            for _ in 0..20 {
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                                match handle(&ctx, conn, &mut pushes, &tx, (*request).clone()) {
+                                    Err(Waiting::GroupBusy { .. }) => {}
+                                    Ok(r) => {
+                                        answer = Some(r);
+                                        break;
+                                    }
+                                    Err(_) => unreachable!("a subscribe answers at once"),
+                                }
+                            }
+                            let busy = || Response::error(Status::Exists, "the group is subscribed already");
+                            answer.unwrap_or_else(busy).encode(f.opcode, f.request_id, &mut out);
+                        }
                         Err(waiting) => {
                             // Past the limit of waiting requests, stop reading: TCP pushes back.
                             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
@@ -177,7 +194,7 @@ struct Pushes {
     answered: Vec<tokio::sync::oneshot::Sender<()>>,
     /// Group subscriptions of durable topics: each runs on a blocking thread of its own, which
     /// takes acknowledgements on this channel and stops when it closes.
-    groups: HashMap<u64, std::sync::mpsc::SyncSender<GroupAck>>,
+    groups: HashMap<u64, (std::sync::mpsc::SyncSender<GroupAck>, tokio::task::JoinHandle<()>)>,
 }
 
 /// Acknowledgements for a group subscription, and where to say how many counted.
@@ -262,8 +279,7 @@ impl Pushes {
         let (acks_tx, acks) = std::sync::mpsc::sync_channel::<GroupAck>(1024);
         let (go, answered) = tokio::sync::oneshot::channel();
         self.answered.push(go);
-        self.groups.insert(id, acks_tx);
-        tokio::task::spawn_blocking(move || {
+        let task = tokio::task::spawn_blocking(move || {
             if answered.blocking_recv().is_err() {
                 return;
             }
@@ -307,6 +323,7 @@ impl Pushes {
                 }
             }
         });
+        self.groups.insert(id, (acks_tx, task));
     }
 
     /// The channel the broker sends this connection's invocations on (made at the first SERVE).
@@ -385,8 +402,15 @@ fn error(e: BrokerError) -> Response {
 }
 
 /// A request that must wait: for a message (poll), for room (offer), for a reply (call), for a
-/// group subscription's thread to apply acknowledgements.
+/// group subscription's thread to apply acknowledgements or to let its group go.
 enum Waiting {
+    GroupReleased {
+        task: tokio::task::JoinHandle<()>,
+    },
+    /// The group is held by a subscription that is ending (a client that just reconnected).
+    GroupBusy {
+        request: Box<Request>,
+    },
     GroupAck {
         counted: tokio::sync::oneshot::Receiver<u32>,
     },
@@ -428,7 +452,11 @@ impl Waiting {
                 Ok(count) => Response::Acked { count },
                 Err(_) => Response::error(Status::ServerError, "the subscription ended"),
             },
-            Waiting::Call { .. } => unreachable!("calls are made by the reader loop"),
+            Waiting::GroupReleased { task } => {
+                let _ = task.await;
+                Response::Done
+            }
+            Waiting::Call { .. } | Waiting::GroupBusy { .. } => unreachable!("handled by the reader loop"),
         }
     }
 }
@@ -506,6 +534,7 @@ fn handle(
                 .map_or_else(error, |subscribers| Response::Published { subscribers })
         }
         Request::Subscribe { topic, buffer, group, from } if !group.is_empty() => {
+            let original_from = from;
             let Some(t) = broker.topic(&topic) else { return Ok(error(BrokerError::TopicNotFound(topic))) };
             let max_pending = match buffer {
                 0 => DEFAULT_SUBSCRIBER_BUFFER,
@@ -525,7 +554,9 @@ fn handle(
                     Response::Subscribed { subscription }
                 }
                 Err(BrokerError::Storage(petrel_log::Error::GroupInUse { .. })) => {
-                    Response::error(Status::Exists, format!("group {group} of topic {topic} is subscribed already"))
+                    return Err(Waiting::GroupBusy {
+                        request: Box::new(Request::Subscribe { topic, buffer, group, from: original_from }),
+                    });
                 }
                 Err(e) => error(e),
             }
@@ -545,7 +576,7 @@ fn handle(
             }
         }
         Request::TopicAck { subscription, ids } => {
-            let Some(acks) = pushes.groups.get(&subscription) else {
+            let Some((acks, _)) = pushes.groups.get(&subscription) else {
                 return Ok(Response::error(Status::BadRequest, format!("no group subscription {subscription}")));
             };
             let (done, counted) = tokio::sync::oneshot::channel();
@@ -556,9 +587,13 @@ fn handle(
         }
         Request::Unsubscribe { subscription } => {
             broker.unsubscribe(subscription, conn);
-            pushes.groups.remove(&subscription);
             if let Some(task) = pushes.subscriptions.remove(&subscription) {
                 task.abort();
+            }
+            if let Some((acks, task)) = pushes.groups.remove(&subscription) {
+                // Answered once the group is free for its next subscriber.
+                drop(acks);
+                return Err(Waiting::GroupReleased { task });
             }
             Response::Done
         }
