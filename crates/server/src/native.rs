@@ -232,9 +232,15 @@ impl Pushes {
             let mut batch = Vec::new();
             while let Some(first) = sub.messages.recv().await {
                 batch.push(first);
-                while batch.len() < 256 {
+                // A frame of up to 256 messages or 64 KiB: the writer's queue is bounded in
+                // frames, so a frame's size bounds its memory too.
+                let mut bytes = batch[0].message.size();
+                while batch.len() < 256 && bytes < 64 * 1024 {
                     match sub.messages.try_recv() {
-                        Ok(m) => batch.push(m),
+                        Ok(m) => {
+                            bytes += m.message.size();
+                            batch.push(m);
+                        }
                         Err(_) => break,
                     }
                 }
