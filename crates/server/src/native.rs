@@ -314,18 +314,31 @@ impl Pushes {
                     continue;
                 }
                 let room = (max_pending - reader.pending()).min(256);
-                let push = match reader.poll(room, Duration::from_millis(50)) {
-                    Ok(messages) if messages.is_empty() => continue,
-                    Ok(messages) => {
-                        Push::Deliver { messages: messages.into_iter().map(convert::message_out).collect() }
+                let messages = match reader.poll(room, Duration::from_millis(50)) {
+                    Ok(messages) => messages,
+                    Err(e) => {
+                        let mut out = Vec::new();
+                        Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() }
+                            .encode(id, &mut out);
+                        let _ = tx.blocking_send(out);
+                        return;
                     }
-                    Err(e) => Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() },
                 };
-                let end = matches!(push, Push::SubscriptionEnd { .. });
-                let mut out = Vec::new();
-                push.encode(id, &mut out);
-                if tx.blocking_send(out).is_err() || end {
-                    return;
+                // Frames of at most 64 KiB of messages (or one bigger message).
+                let mut frame: Vec<petrel_proto::Message> = Vec::new();
+                let mut bytes = 0;
+                let last = messages.len();
+                for (i, m) in messages.into_iter().enumerate() {
+                    bytes += m.size();
+                    frame.push(convert::message_out(m));
+                    if bytes >= 64 * 1024 || i + 1 == last {
+                        let mut out = Vec::with_capacity(bytes as usize + 64 * frame.len());
+                        Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out);
+                        bytes = 0;
+                        if tx.blocking_send(out).is_err() {
+                            return;
+                        }
+                    }
                 }
             }
         });
