@@ -189,6 +189,21 @@ impl Client {
         self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
     }
 
+    /// Sends a request without waiting for (or keeping) its answer.
+    fn send_unanswered(&self, request: &Request) {
+        {
+            let mut pending = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if pending.closed {
+                return;
+            }
+            let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+            if request.encode(id, &mut pending.outbox).is_err() {
+                return;
+            }
+        }
+        self.inner.written.notify_one();
+    }
+
     /// Sends requests back to back and waits for all their responses. Requests from all the
     /// tasks using this client that gather while a write is under way go out in the next one.
     pub async fn pipeline(&self, requests: &[Request]) -> Vec<Result<Response, ClientError>> {
@@ -394,8 +409,9 @@ impl Client {
         }
     }
 
-    /// Serves calls of `function` with `handler` (each call in its own task), until `unserve`,
-    /// `close` or the end of the connection; serving keeps the connection open meanwhile.
+    /// Serves calls of `function` with `handler` until `unserve`,
+    /// `close` or the end of the connection; serving keeps the connection open meanwhile. Calls
+    /// run concurrently on one task: a handler with heavy work to do should spawn it.
     pub async fn serve<F, Fut>(&self, function: &str, handler: F) -> Result<(), ClientError>
     where
         F: Fn(Message) -> Fut + Send + Sync + 'static,
@@ -403,20 +419,34 @@ impl Client {
     {
         let (tx, mut rx) = mpsc::channel::<(u64, Message)>(SUBSCRIPTION_BUFFER);
         self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).functions.insert(function.to_owned(), tx);
-        let (client, handler) = (self.clone(), Arc::new(handler));
+        let client = self.clone();
         tokio::spawn(async move {
-            while let Some((call, message)) = rx.recv().await {
-                let (client, handler) = (client.clone(), Arc::clone(&handler));
-                tokio::spawn(async move {
-                    let request = match handler(message).await {
-                        Ok(reply) => Request::Return { call, status: Status::Ok, error: String::new(), message: reply },
-                        Err(error) => {
-                            Request::Return { call, status: Status::HandlerError, error, message: Message::default() }
-                        }
-                    };
-                    // A reply to a call that timed out is refused; nothing to do about it.
-                    let _ = client.call_op(request).await;
-                });
+            // Handlers run concurrently within this one task (no task per call), at most
+            // MAX_RUNNING at a time; past that, calls wait in the channel and then at the server.
+            let mut running = futures_util::stream::FuturesUnordered::new();
+            loop {
+                tokio::select! {
+                    next = rx.recv(), if running.len() < MAX_RUNNING => {
+                        let Some((call, message)) = next else { break };
+                        let reply = handler(message);
+                        running.push(async move {
+                            match reply.await {
+                                Ok(m) => Request::Return { call, status: Status::Ok, error: String::new(), message: m },
+                                Err(error) => {
+                                    Request::Return { call, status: Status::HandlerError, error, message: Message::default() }
+                                }
+                            }
+                        });
+                    }
+                    Some(ret) = futures_util::StreamExt::next(&mut running), if !running.is_empty() => {
+                        // Its answer is not waited for: a reply to a call that timed out is
+                        // refused, and there is nothing to do about it.
+                        client.send_unanswered(&ret);
+                    }
+                }
+            }
+            while let Some(ret) = futures_util::StreamExt::next(&mut running).await {
+                client.send_unanswered(&ret);
             }
         });
         self.call_op(Request::Serve { function: function.into() }).await.map(|_| ())
@@ -458,6 +488,8 @@ impl Client {
 
 /// Deliveries the client holds per subscription before it stops reading the connection.
 const SUBSCRIPTION_BUFFER: usize = 1024;
+/// Calls of one served function whose handlers run at once.
+const MAX_RUNNING: usize = 1024;
 
 /// A topic subscription: a `Stream` of messages, pushed by the server. Its last item is an error
 /// if the server ended it; dropping it unsubscribes.
