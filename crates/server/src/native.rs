@@ -38,18 +38,25 @@ where
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(ctx.config.max_queued_responses);
     let written = Arc::clone(&ctx);
     let writer = tokio::spawn(async move {
-        while let Some(mut buf) = rx.recv().await {
-            // Batch whatever else is ready into one write.
-            while buf.len() < 64 * 1024 {
+        let mut chunks: Vec<Vec<u8>> = Vec::new();
+        while let Some(first) = rx.recv().await {
+            // Whatever else is ready goes in the same (vectored) write, without copying it.
+            let mut total = first.len();
+            chunks.push(first);
+            while total < 256 * 1024 && chunks.len() < 64 {
                 match rx.try_recv() {
-                    Ok(more) => buf.extend_from_slice(&more),
+                    Ok(more) => {
+                        total += more.len();
+                        chunks.push(more);
+                    }
                     Err(_) => break,
                 }
             }
-            if wr.write_all(&buf).await.is_err() {
+            if write_all_vectored(&mut wr, &chunks).await.is_err() {
                 break;
             }
-            add(&written.stats.bytes_written, buf.len() as u64);
+            chunks.clear();
+            add(&written.stats.bytes_written, total as u64);
         }
         let _ = wr.shutdown().await;
     });
@@ -182,6 +189,20 @@ where
         writer.abort();
     }
     ctx.broker.disconnect(conn);
+}
+
+/// Writes every chunk, in order, with as few system calls as the socket allows.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(wr: &mut W, chunks: &[Vec<u8>]) -> std::io::Result<()> {
+    let mut slices: Vec<std::io::IoSlice<'_>> = chunks.iter().map(|c| std::io::IoSlice::new(c)).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = wr.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
 }
 
 /// The tasks that push to this connection: one per subscription, one for invocations.
