@@ -225,6 +225,12 @@ pub enum QueueCommand {
         ttl_ms: u64,
         #[arg(long, default_value = "")]
         dead_letter: String,
+        /// Refuse messages bigger than this (0: the server's limit only).
+        #[arg(long, default_value_t = 0)]
+        max_item_bytes: u64,
+        /// A durable queue's log: none, always, interval:MS (default: the server's policy).
+        #[arg(long, default_value = "")]
+        durability: String,
     },
     List {
         #[command(flatten)]
@@ -244,8 +250,29 @@ pub enum QueueCommand {
 
 pub fn queue(cmd: QueueCommand) -> Res {
     match cmd {
-        QueueCommand::Create { name, server, durable, max_items, max_bytes, circular, ttl_ms, dead_letter } => {
-            let config = QueueConfig { max_items, max_bytes, circular, durable, temporary: false, ttl_ms, dead_letter };
+        QueueCommand::Create {
+            name,
+            server,
+            durable,
+            max_items,
+            max_bytes,
+            circular,
+            ttl_ms,
+            dead_letter,
+            max_item_bytes,
+            durability,
+        } => {
+            let config = QueueConfig {
+                max_items,
+                max_bytes,
+                circular,
+                durable,
+                temporary: false,
+                ttl_ms,
+                dead_letter,
+                max_item_bytes,
+                durability,
+            };
             Client::connect(&server.server)?.create_queue(&name, config)?;
         }
         QueueCommand::List { server } => {

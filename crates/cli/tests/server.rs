@@ -274,3 +274,30 @@ async fn the_unix_socket_serves_the_same_queues() {
     assert!(child.wait().unwrap().success());
     assert!(!socket.exists(), "the socket file is removed on shutdown");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_carries_its_own_durability_and_item_limit_over_the_wire() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    let config = QueueConfig {
+        durable: true,
+        durability: "always".into(),
+        max_item_bytes: 8,
+        ..QueueConfig::default()
+    };
+    c.create_queue("audited", config.clone()).await.unwrap();
+    let status = c.queue_status("audited").await.unwrap();
+    assert_eq!((status.config.durability.as_str(), status.config.max_item_bytes), ("always", 8));
+    c.offer("audited", vec![msg("small")], None).await.unwrap();
+    let err = c.offer("audited", vec![msg("much too big")], None).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::TooLarge));
+    let bad = QueueConfig { durability: "sometimes".into(), ..config };
+    let err = c.create_queue("odd", bad).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::BadRequest));
+    server.kill9();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    assert_eq!(c.queue_status("audited").await.unwrap().config.durability, "always", "kept with the definition");
+    assert_eq!(texts(&c.poll("audited", TAKE).await.unwrap()), ["small"]);
+}

@@ -57,6 +57,11 @@ pub struct QueueConfig {
     pub ttl_ms: u64,
     /// Expired messages move to this queue instead of vanishing.
     pub dead_letter: String,
+    /// A bigger message is refused with TOO_LARGE (0: the server's limit only).
+    pub max_item_bytes: u64,
+    /// A durable queue's log durability: `""` (the server's), `"none"`, `"always"` or
+    /// `"interval:MS"`.
+    pub durability: String,
 }
 
 const FLAG_CIRCULAR: u8 = 1;
@@ -79,6 +84,8 @@ impl QueueConfig {
         w.u8(0);
         w.u64(self.ttl_ms);
         w.str(&self.dead_letter);
+        w.u64(self.max_item_bytes);
+        w.str(&self.durability);
     }
 
     fn decode(r: &mut Reader) -> Result<QueueConfig, DecodeError> {
@@ -96,6 +103,8 @@ impl QueueConfig {
             temporary: flags & FLAG_TEMPORARY != 0,
             ttl_ms: r.u64("ttl_ms")?,
             dead_letter: r.str("dead_letter")?,
+            max_item_bytes: r.u64("max_item_bytes")?,
+            durability: r.str("durability")?,
         })
     }
 }

@@ -116,7 +116,7 @@ fn cases() -> Vec<Vector> {
         response("pong", "status OK, nothing else", opcode::PING, 2, Response::Pong),
         request(
             "queue_create_bounded_durable",
-            "a durable queue of at most 1000 messages with a 60 s TTL and a dead-letter queue",
+            "a durable queue of at most 1000 messages of at most 64 KiB, with a 60 s TTL, a dead-letter queue, and an fsync per offer",
             3,
             Request::QueueCreate {
                 name: q("orders"),
@@ -128,6 +128,8 @@ fn cases() -> Vec<Vector> {
                     temporary: false,
                     ttl_ms: 60_000,
                     dead_letter: q("orders.dead"),
+                    max_item_bytes: 65_536,
+                    durability: q("always"),
                 },
             },
         ),

@@ -45,17 +45,23 @@ pub(crate) fn message_out(m: broker::Message) -> proto::Message {
     }
 }
 
-pub(crate) fn config_in(c: proto::QueueConfig) -> broker::QueueConfig {
-    broker::QueueConfig {
+/// A queue configuration from the wire; a durability policy that does not parse is an error.
+pub(crate) fn config_in(c: proto::QueueConfig) -> Result<broker::QueueConfig, String> {
+    let durability = match c.durability.as_str() {
+        "" => None,
+        policy => Some(policy.parse()?),
+    };
+    Ok(broker::QueueConfig {
         max_items: c.max_items,
         max_bytes: c.max_bytes,
+        max_item_bytes: c.max_item_bytes,
         circular: c.circular,
         durable: c.durable,
         temporary: c.temporary,
         ttl_ms: c.ttl_ms,
         dead_letter: c.dead_letter,
-        ..broker::QueueConfig::default()
-    }
+        durability,
+    })
 }
 
 pub(crate) fn config_out(c: &broker::QueueConfig) -> proto::QueueConfig {
@@ -67,6 +73,8 @@ pub(crate) fn config_out(c: &broker::QueueConfig) -> proto::QueueConfig {
         temporary: c.temporary,
         ttl_ms: c.ttl_ms,
         dead_letter: c.dead_letter.clone(),
+        max_item_bytes: c.max_item_bytes,
+        durability: c.durability.map(|d| d.to_string()).unwrap_or_default(),
     }
 }
 

@@ -518,9 +518,9 @@ fn handle(
         Request::Ping => Response::Pong,
         Request::QueueCreate { name, config } => {
             let owner = config.temporary.then_some(conn);
-            match broker.create_queue(&name, convert::config_in(config), owner) {
-                Ok(_) => Response::Done,
-                Err(e) => error(e),
+            match convert::config_in(config) {
+                Ok(config) => broker.create_queue(&name, config, owner).map_or_else(error, |_| Response::Done),
+                Err(e) => Response::error(Status::BadRequest, e),
             }
         }
         Request::QueueRemove { name } => match broker.remove_queue(&name) {
