@@ -280,12 +280,8 @@ async fn a_queue_carries_its_own_durability_and_item_limit_over_the_wire() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());
     let c = server.client().await;
-    let config = QueueConfig {
-        durable: true,
-        durability: "always".into(),
-        max_item_bytes: 8,
-        ..QueueConfig::default()
-    };
+    let config =
+        QueueConfig { durable: true, durability: "always".into(), max_item_bytes: 8, ..QueueConfig::default() };
     c.create_queue("audited", config.clone()).await.unwrap();
     let status = c.queue_status("audited").await.unwrap();
     assert_eq!((status.config.durability.as_str(), status.config.max_item_bytes), ("always", 8));
