@@ -285,13 +285,7 @@ impl Broker {
         queue.available.notify_waiters();
         if !queue.config.temporary {
             drop(queue);
-            // Renamed out of the way first, so a crash midway never leaves half a queue.
-            let dir = self.dir.join("queues").join(name);
-            let doomed = self.dir.join("queues").join(format!(".removed-{name}"));
-            let failed = |e: std::io::Error| BrokerError::Definitions(format!("remove {}: {e}", dir.display()));
-            let _ = std::fs::remove_dir_all(&doomed);
-            std::fs::rename(&dir, &doomed).map_err(failed)?;
-            std::fs::remove_dir_all(&doomed).map_err(failed)?;
+            remove_dir(&self.dir.join("queues"), name)?;
         }
         Ok(())
     }
@@ -449,8 +443,8 @@ impl Broker {
         for entry in entries {
             let name = entry.map_err(|e| BrokerError::Definitions(e.to_string()))?.file_name();
             let name = name.to_string_lossy();
-            if name.starts_with(".removed-") {
-                let _ = std::fs::remove_dir_all(dir.join(&*name));
+            if name.starts_with(REMOVED) {
+                std::fs::remove_dir_all(dir.join(&*name)).map_err(|e| BrokerError::Definitions(e.to_string()))?;
             } else if check_name(&name).is_ok() {
                 self.create_topic(&name, true)?;
             }
@@ -465,11 +459,7 @@ impl Broker {
         topic.remove(|_, _| true, Some(Ended::TopicRemoved(format!("topic {name} was removed"))));
         if topic.is_durable() {
             drop(topic);
-            let dir = self.dir.join("topics").join(name);
-            let doomed = self.dir.join("topics").join(format!(".removed-{name}"));
-            let failed = |e: std::io::Error| BrokerError::Definitions(format!("remove {}: {e}", dir.display()));
-            std::fs::rename(&dir, &doomed).map_err(failed)?;
-            std::fs::remove_dir_all(&doomed).map_err(failed)?;
+            remove_dir(&self.dir.join("topics"), name)?;
         }
         Ok(())
     }
@@ -625,7 +615,7 @@ impl Broker {
         let mut defs = Vec::new();
         for entry in std::fs::read_dir(&queues).map_err(|e| failed(&queues, &e))? {
             let dir = entry.map_err(|e| failed(&queues, &e))?.path();
-            if dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with(".removed-")) {
+            if dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with(REMOVED)) {
                 std::fs::remove_dir_all(&dir).map_err(|e| failed(&dir, &e))?;
                 continue;
             }
@@ -641,6 +631,21 @@ impl Broker {
         defs.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(defs)
     }
+}
+
+/// The prefix of a queue's or topic's directory being removed; found at open, it is finished.
+/// (Names cannot start with `.`.)
+const REMOVED: &str = ".removed-";
+
+/// Removes `parent/name`, renaming it out of the way first so that a crash midway never leaves
+/// half a queue or topic where the next open would find it.
+fn remove_dir(parent: &Path, name: &str) -> Result<(), BrokerError> {
+    let dir = parent.join(name);
+    let doomed = parent.join(format!("{REMOVED}{name}"));
+    let failed = |e: std::io::Error| BrokerError::Definitions(format!("remove {}: {e}", dir.display()));
+    let _ = std::fs::remove_dir_all(&doomed); // a leftover of an earlier removal
+    std::fs::rename(&dir, &doomed).map_err(failed)?;
+    std::fs::remove_dir_all(&doomed).map_err(failed)
 }
 
 /// Queue names: 1–200 characters of `A-Z a-z 0-9 . _ - +` (`+` separates a fanout child).

@@ -2,7 +2,7 @@
 //! onto it), and how a durable queue stores it as a `petrel-log` record.
 
 use bytes::Bytes;
-use petrel_log::{Input, Record};
+use petrel_log::{Input, Record, SharedLog};
 
 /// A message as the broker keeps it. Times are ns since the Unix epoch; 0 and "" mean unset.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -55,7 +55,7 @@ const CHARSET: &str = "c";
 const USER: &str = "h.";
 
 /// The record headers that store `m`'s fields (all but the payload, id and timestamp).
-pub(crate) fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
+fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
     let mut out = Vec::new();
     if m.kind != 0 {
         out.push((KIND.into(), Bytes::copy_from_slice(&[m.kind])));
@@ -84,9 +84,18 @@ pub(crate) fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
     out
 }
 
-/// The log input for `m`, given its record headers as borrowed pairs.
-pub(crate) fn input<'a>(m: &'a Message, headers: &'a [(&'a str, &'a [u8])]) -> Input<'a> {
-    Input { key: None, headers, payload: &m.payload, timestamp: None }
+/// Appends `messages` to `log` as records (the broker's one way of storing messages); returns
+/// their offsets.
+pub(crate) fn append(log: &SharedLog, messages: &[Message]) -> petrel_log::Result<std::ops::Range<u64>> {
+    let owned: Vec<Vec<(String, Bytes)>> = messages.iter().map(record_headers).collect();
+    let views: Vec<Vec<(&str, &[u8])>> =
+        owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
+    let inputs: Vec<Input<'_>> = messages
+        .iter()
+        .zip(&views)
+        .map(|(m, headers)| Input { key: None, headers, payload: &m.payload, timestamp: None })
+        .collect();
+    log.append_batch_with(&inputs)
 }
 
 /// The message stored in `r`; `id` is the queue's id for it.

@@ -231,11 +231,7 @@ impl Queue {
                 first
             }
             Store::Log { log, .. } => {
-                let owned: Vec<Vec<(String, bytes::Bytes)>> = messages.iter().map(message::record_headers).collect();
-                let views: Vec<Vec<(&str, &[u8])>> =
-                    owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
-                let inputs: Vec<_> = messages.iter().zip(&views).map(|(m, h)| message::input(m, h)).collect();
-                let first = log.append_batch_with(&inputs)?.start + 1;
+                let first = message::append(log, messages)?.start + 1;
                 messages.clear();
                 first
             }

@@ -98,11 +98,7 @@ impl Topic {
     pub(crate) fn publish(&self, mut messages: Vec<Message>) -> Result<u32, BrokerError> {
         let mut subscribers = self.lock();
         if let Some(log) = &self.log {
-            let owned: Vec<Vec<(String, bytes::Bytes)>> = messages.iter().map(message::record_headers).collect();
-            let views: Vec<Vec<(&str, &[u8])>> =
-                owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
-            let inputs: Vec<_> = messages.iter().zip(&views).map(|(m, h)| message::input(m, h)).collect();
-            let first = log.append_batch_with(&inputs)?.start;
+            let first = message::append(log, &messages)?.start;
             for (i, m) in messages.iter_mut().enumerate() {
                 m.id = first + i as u64 + 1;
             }

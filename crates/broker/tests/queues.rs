@@ -237,3 +237,27 @@ fn a_durable_queue_remembers_messages_taken_out_of_order_across_a_restart() {
     let all = b.poll("q", 10, None, 1, 0).unwrap();
     assert_eq!(payloads(&all), [b"open".to_vec(), b"left".to_vec()], "the taken one is not delivered again");
 }
+
+#[test]
+fn a_removal_cut_short_by_a_crash_is_finished_at_the_next_open() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("kept", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+        b.create_topic("kept-topic", true).unwrap();
+    }
+    // What a crash between the rename and the deletion leaves behind.
+    for leftover in ["queues/.removed-gone", "topics/.removed-gone-topic"] {
+        std::fs::create_dir_all(dir.path().join(leftover).join("groups")).unwrap();
+        std::fs::write(dir.path().join(leftover).join("queue.json"), b"{}").unwrap();
+    }
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.queue_names(), ["kept"]);
+    assert_eq!(b.topic_names(), ["kept-topic"]);
+    assert!(!dir.path().join("queues/.removed-gone").exists());
+    assert!(!dir.path().join("topics/.removed-gone-topic").exists());
+    // Removing again over a leftover of the same name works too.
+    std::fs::create_dir_all(dir.path().join("queues/.removed-kept")).unwrap();
+    b.remove_queue("kept").unwrap();
+    assert!(!dir.path().join("queues/kept").exists());
+}

@@ -233,3 +233,26 @@ fn shutdown_over_memcache_stops_the_server_only_when_allowed() {
     let mut c = Conn::open(&server);
     assert_eq!(c.ask(b"get kept\r\n", b"END\r\n"), "VALUE kept 0 1\r\nk\r\nEND\r\n");
 }
+
+#[test]
+fn a_get_whose_client_went_away_while_waiting_takes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut waiter = Conn::open(&server);
+    waiter.send(b"get later/t=5000\r\n");
+    let mut c = Conn::open(&server);
+    // The waiter is parked (counted in `waiters`) before it goes away.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !c.ask(b"stats\r\n", b"END\r\n").contains("STAT queue_later_waiters 1\r\n") {
+        assert!(Instant::now() < deadline, "the get never waited");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(waiter);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(c.ask(b"set later 0 0 4\r\nitem\r\n", b"\r\n"), "STORED\r\n");
+    assert_eq!(
+        c.ask(b"get later\r\n", b"END\r\n"),
+        "VALUE later 0 4\r\nitem\r\nEND\r\n",
+        "not taken by the gone client"
+    );
+}

@@ -297,3 +297,22 @@ async fn a_queue_carries_its_own_durability_and_item_limit_over_the_wire() {
     assert_eq!(c.queue_status("audited").await.unwrap().config.durability, "always", "kept with the definition");
     assert_eq!(texts(&c.poll("audited", TAKE).await.unwrap()), ["small"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_poll_counts_among_the_queue_s_waiters() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("w", QueueConfig::default()).await.unwrap();
+    let poller = server.client().await;
+    let wait = PollOptions { max: 1, timeout: Duration::from_secs(5), visibility: None };
+    let poll = tokio::spawn(async move { poller.poll("w", wait).await.unwrap() });
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while c.queue_status("w").await.unwrap().waiters != 1 {
+        assert!(std::time::Instant::now() < deadline, "the poll never counted as waiting");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    c.offer("w", vec![msg("x")], None).await.unwrap();
+    assert_eq!(texts(&poll.await.unwrap()), ["x"]);
+    assert_eq!(c.queue_status("w").await.unwrap().waiters, 0);
+}

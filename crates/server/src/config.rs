@@ -106,20 +106,22 @@ impl Config {
         humantime::parse_duration(&self.shutdown_grace).map_err(|e| format!("shutdown_grace: {e}"))
     }
 
-    /// The configuration of queues created by first use: Kestrel's defaults (durable) under the
-    /// file's `[queue_defaults]`.
-    pub fn queue_defaults(&self) -> Result<QueueConfig, String> {
+    /// The `[queue_defaults]` table over Kestrel's defaults (durable).
+    fn defaults_table(&self) -> toml::Table {
         let mut table = toml::Table::new();
         table.insert("durable".into(), toml::Value::Boolean(true));
         table.extend(self.queue_defaults.clone());
-        toml::Value::Table(table).try_into().map_err(|e| format!("queue_defaults: {e}"))
+        table
+    }
+
+    /// The configuration of queues created by first use.
+    pub fn queue_defaults(&self) -> Result<QueueConfig, String> {
+        toml::Value::Table(self.defaults_table()).try_into().map_err(|e| format!("queue_defaults: {e}"))
     }
 
     /// Every `[queues.NAME]` block over the defaults.
     pub fn queues(&self) -> Result<BTreeMap<String, QueueConfig>, String> {
-        let mut defaults = toml::Table::new();
-        defaults.insert("durable".into(), toml::Value::Boolean(true));
-        defaults.extend(self.queue_defaults.clone());
+        let defaults = self.defaults_table();
         let mut out = BTreeMap::new();
         for (name, block) in &self.queues {
             let mut table = defaults.clone();

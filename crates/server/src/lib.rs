@@ -161,6 +161,7 @@ async fn accept_unix(listener: Option<&UnixListener>) -> std::io::Result<tokio::
     }
 }
 
-fn now_ns() -> u64 {
+/// Now, in ns since the Unix epoch: the broker's clock for expiry, deadlines and timestamps.
+pub(crate) fn now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }

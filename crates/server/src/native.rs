@@ -24,7 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::stats::add;
-use crate::{Ctx, convert};
+use crate::{Ctx, convert, now_ns};
 
 /// Serves one connection until the client closes it, a protocol error makes it unsafe to go on,
 /// or the server shuts down (then requests in flight finish first).
@@ -418,10 +418,6 @@ async fn send(tx: &mpsc::Sender<Vec<u8>>, op: u16, request_id: u64, response: &R
     let _ = tx.send(out).await;
 }
 
-fn now_ns() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-}
-
 fn error(e: BrokerError) -> Response {
     let status = match &e {
         BrokerError::NotFound(_) => Status::QueueNotFound,
@@ -693,10 +689,11 @@ async fn poll_waiting(
         let notified = q.available.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        match ctx.broker.poll(queue, max, visibility, conn, now_ns()) {
+        match ctx.broker.poll_from(&q, max, visibility, conn, now_ns()) {
             Ok(d) if d.is_empty() => {}
             other => return other.map_or_else(error, polled),
         }
+        let _waiting = q.waiting();
         if tokio::time::timeout_at(deadline.into(), notified).await.is_err() {
             return Response::error(Status::QueueEmpty, "");
         }

@@ -17,8 +17,8 @@ use petrel_broker::{BrokerError, ConnId, Message, Queue};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use crate::Ctx;
 use crate::stats::add;
+use crate::{Ctx, now_ns};
 use codec::{Command, Decoder, GetOptions, Reject};
 
 /// The header that carries a memcache item's flags (when not 0), so they reach its reader.
@@ -449,10 +449,6 @@ fn expires_at(exptime: i64, now: u64) -> u64 {
         e if e < 1_000_000 => now.saturating_add(e as u64 * NS as u64),
         e => (e as u64).saturating_mul(NS as u64).max(1),
     }
-}
-
-fn now_ns() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 #[cfg(test)]
