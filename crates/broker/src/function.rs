@@ -103,7 +103,8 @@ impl Functions {
     }
 
     /// Hands the call to one of the function's servers. `reply` (with its deadline, ns) gets
-    /// the outcome of a call handed to a connection; it is dropped unused otherwise.
+    /// the outcome of a call handed to a connection; it is dropped unused otherwise. Also says
+    /// which connection took the call (none for a server in this process).
     pub(crate) fn call(
         &self,
         function: &str,
@@ -111,7 +112,7 @@ impl Functions {
         oneway: bool,
         call: u64,
         reply: (Replier, u64),
-    ) -> Result<Called, BrokerError> {
+    ) -> Result<(Called, Option<ConnId>), BrokerError> {
         let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
         let not_found = || BrokerError::FunctionNotFound(function.to_owned());
         let entry = servers.get_mut(function).ok_or_else(not_found)?;
@@ -126,7 +127,7 @@ impl Functions {
                     let handler = Arc::clone(handler);
                     drop(servers);
                     let answer = handler(message.take().expect("not yet sent")).map_err(BrokerError::Handler)?;
-                    return Ok(if oneway { Called::Sent } else { Called::Replied(Box::new(answer)) });
+                    return Ok((if oneway { Called::Sent } else { Called::Replied(Box::new(answer)) }, None));
                 }
                 Server::Remote { conn, invocations } => {
                     let invocation = Invocation {
@@ -141,7 +142,9 @@ impl Functions {
                         waiting.insert(call, Waiting { server: *conn, deadline, reply: r });
                     }
                     match invocations.try_send(invocation) {
-                        Ok(()) => return Ok(if oneway { Called::Sent } else { Called::Pending { call } }),
+                        Ok(()) => {
+                            return Ok((if oneway { Called::Sent } else { Called::Pending { call } }, Some(*conn)));
+                        }
                         Err(e) => {
                             if !oneway {
                                 let w = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&call);

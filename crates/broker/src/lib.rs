@@ -15,6 +15,7 @@ mod config;
 mod function;
 mod message;
 mod queue;
+pub mod security;
 mod topic;
 
 use std::collections::{BTreeMap, HashMap};
@@ -30,6 +31,8 @@ pub use petrel_log::SeekTo;
 pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
 pub use topic::{Delivered, Ended, GroupReader, Subscription, Topic, TopicStats};
 
+use security::{Action, Kind, Principal, Security};
+
 use petrel_log::{Durability, Log, Options};
 use serde::{Deserialize, Serialize};
 
@@ -38,11 +41,11 @@ pub type ConnId = u64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
-    #[error("no queue named {0:?}")]
+    #[error("no queue named {:?}", shown(.0))]
     NotFound(String),
-    #[error("queue {0:?} is full")]
+    #[error("queue {:?} is full", shown(.0))]
     Full(String),
-    #[error("queue {0:?} exists with another configuration")]
+    #[error("queue {:?} exists with another configuration", shown(.0))]
     Exists(String),
     #[error("{0}")]
     BadRequest(String),
@@ -52,15 +55,34 @@ pub enum BrokerError {
     Storage(#[from] petrel_log::Error),
     #[error("definitions file: {0}")]
     Definitions(String),
-    #[error("no topic named {0:?}")]
+    #[error("no topic named {:?}", shown(.0))]
     TopicNotFound(String),
-    #[error("no server for function {0:?}")]
+    #[error("no server for function {:?}", shown(.0))]
     FunctionNotFound(String),
     /// The function's handler failed, or its server went away.
     #[error("{0}")]
     Handler(String),
     #[error("{0}")]
     Timeout(String),
+    /// Not authenticated (or no longer a user).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// Authenticated, and not allowed to do this.
+    #[error("{0}")]
+    Forbidden(String),
+}
+
+/// A name as an error shows it: a client may send 64 KiB of one, and errors echo it back.
+pub fn shown(name: &str) -> std::borrow::Cow<'_, str> {
+    const MAX: usize = 64;
+    if name.len() <= MAX {
+        return name.into();
+    }
+    let mut end = MAX;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &name[..end]).into()
 }
 
 /// Server-wide settings of the broker.
@@ -82,6 +104,8 @@ pub struct BrokerOptions {
     /// read them skip them, counted).
     pub topic_max_bytes: u64,
     pub topic_max_age: Duration,
+    /// Users and ACLs; `None`: authentication is off and every connection may do everything.
+    pub security: Option<Security>,
 }
 
 impl Default for BrokerOptions {
@@ -94,6 +118,7 @@ impl Default for BrokerOptions {
             queues: BTreeMap::new(),
             topic_max_bytes: 1 << 30,
             topic_max_age: Duration::from_secs(7 * 24 * 3600),
+            security: None,
         }
     }
 }
@@ -118,6 +143,10 @@ pub struct Broker {
     /// Topics live in memory: at most once, gone with the server.
     topics: RwLock<HashMap<String, Arc<Topic>>>,
     functions: function::Functions,
+    /// Users and ACLs in force (replaced whole on reload); `None`: authentication is off.
+    security: RwLock<Option<Arc<Security>>>,
+    /// Requests refused by `authorize`.
+    denials: AtomicU64,
 }
 
 /// The queues, and for each fanout parent name the children that receive copies.
@@ -178,7 +207,10 @@ impl Broker {
             removed: AtomicU64::new(0),
             topics: RwLock::new(HashMap::new()),
             functions: function::Functions::default(),
+            security: RwLock::new(None),
+            denials: AtomicU64::new(0),
         };
+        *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         for def in broker.load_definitions()? {
             let config = match broker.options.queues.get(&def.name) {
                 Some(configured) if *configured != def.config => {
@@ -523,8 +555,10 @@ impl Broker {
     /// Calls `function` with `message`: one of its servers, round robin. A call handed to a
     /// connection ends in `reply`: the reply, a handler error, the server gone, or `Timeout`
     /// once `timeout` has passed (checked by `tick`).
+    #[allow(clippy::too_many_arguments)] // each is a separate fact of one call; a struct would only rename them
     pub fn call(
         &self,
+        caller: ConnId,
         function: &str,
         message: Message,
         oneway: bool,
@@ -535,7 +569,13 @@ impl Broker {
         let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let message = Message { timestamp: now, destination: function.to_owned(), kind: 1, ..message };
         let deadline = now.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
-        self.functions.call(function, message, oneway, call, (reply, deadline))
+        // The caller's own temporary reply queue becomes writable by the server that takes the call.
+        let reply_queue = self.queue(&message.reply_to).filter(|q| q.owner == Some(caller));
+        let (called, server) = self.functions.call(function, message, oneway, call, (reply, deadline))?;
+        if let (Some(q), Some(server)) = (reply_queue, server) {
+            q.grant_replier(server);
+        }
+        Ok(called)
     }
 
     /// A server's answer to `call`; `false` if nobody waits for it any more.
@@ -571,6 +611,86 @@ impl Broker {
                 Err(e) => tracing::error!(queue = %q.name, error = %e, "tick failed"),
             }
         }
+    }
+
+    /// Whether authentication is on: every connection must then say who it is.
+    pub fn auth_enabled(&self) -> bool {
+        self.security().is_some()
+    }
+
+    /// The users and ACLs in force.
+    pub fn security(&self) -> Option<Arc<Security>> {
+        self.security.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the users and ACLs (a reload): connections already open keep their identity,
+    /// and their next requests are decided by the new rules.
+    pub fn set_security(&self, security: Security) {
+        *self.security.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(security));
+    }
+
+    /// Requests refused by `authorize` since open.
+    pub fn denials(&self) -> u64 {
+        self.denials.load(Ordering::Relaxed)
+    }
+
+    /// May `who` (`None`: not authenticated) do one of `actions` to the destination
+    /// `kind`/`name`? The one place every protocol asks; the rules are in `security`'s
+    /// documentation. A refusal is counted.
+    pub fn authorize(
+        &self,
+        who: Option<&Principal>,
+        kind: Kind,
+        name: &str,
+        actions: &[Action],
+    ) -> Result<(), BrokerError> {
+        let decided = self.decide(who, kind, name, actions);
+        if decided.is_err() {
+            self.denials.fetch_add(1, Ordering::Relaxed);
+        }
+        decided
+    }
+
+    /// `authorize` without counting: for filtering what a user is shown (lists).
+    pub fn may(&self, who: Option<&Principal>, kind: Kind, name: &str, actions: &[Action]) -> bool {
+        self.decide(who, kind, name, actions).is_ok()
+    }
+
+    /// Whether `who` is a user at all (authentication off: everyone is).
+    pub fn authenticated(&self, who: Option<&Principal>) -> Result<(), BrokerError> {
+        match self.security() {
+            None => Ok(()),
+            Some(security) => self.user_of(&security, who).map(|_| ()),
+        }
+    }
+
+    fn user_of<'a>(&self, security: &'a Security, who: Option<&Principal>) -> Result<&'a security::User, BrokerError> {
+        let Some(who) = who else { return Err(BrokerError::Unauthorized("authenticate first".into())) };
+        security
+            .users
+            .get(&who.user)
+            .ok_or_else(|| BrokerError::Unauthorized(format!("user {:?} no longer exists", who.user)))
+    }
+
+    fn decide(&self, who: Option<&Principal>, kind: Kind, name: &str, actions: &[Action]) -> Result<(), BrokerError> {
+        let Some(security) = self.security() else { return Ok(()) };
+        let user = self.user_of(&security, who)?;
+        let who = who.expect("a user was found for it");
+        if user.role == security::Role::Admin {
+            return Ok(());
+        }
+        if kind == Kind::Queue
+            && let Some(q) = self.queue(name)
+            && q.owner.is_some()
+            && (q.owner == Some(who.conn) || (actions.contains(&Action::Offer) && q.is_replier(who.conn)))
+        {
+            return Ok(());
+        }
+        if actions.iter().any(|&a| a != Action::Manage && security.acl.allows(&who.user, kind, name, a)) {
+            return Ok(());
+        }
+        let action = actions.first().copied().unwrap_or(Action::Manage);
+        Err(BrokerError::Forbidden(format!("user {:?} may not {action} {kind} {:?}", who.user, shown(name))))
     }
 
     fn dead_letter(&self, from: &Queue, expired: Vec<Message>, now: u64) {
@@ -654,5 +774,5 @@ pub fn check_name(name: &str) -> Result<(), BrokerError> {
         && name.len() <= 200
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-+".contains(&b))
         && !name.starts_with(['.', '+']);
-    if ok { Ok(()) } else { Err(BrokerError::BadRequest(format!("invalid queue name {name:?}"))) }
+    if ok { Ok(()) } else { Err(BrokerError::BadRequest(format!("invalid queue name {:?}", shown(name)))) }
 }

@@ -50,11 +50,17 @@ pub struct Polled {
     pub expired: Vec<Message>,
 }
 
+/// Function servers remembered per temporary queue as allowed to reply to it.
+const MAX_REPLIERS: usize = 64;
+
 pub struct Queue {
     pub name: String,
     pub config: QueueConfig,
     /// For temporary queues: the connection that owns it.
     pub owner: Option<ConnId>,
+    /// For temporary queues: connections that served a call naming this queue as its `reply_to`,
+    /// and so may offer their replies to it (at most `MAX_REPLIERS`, the latest kept).
+    repliers: Mutex<Vec<ConnId>>,
     inner: Mutex<Inner>,
     /// Woken when messages may have become available.
     pub available: Notify,
@@ -143,12 +149,28 @@ impl Queue {
             name,
             config,
             owner,
+            repliers: Mutex::new(Vec::new()),
             inner: Mutex::new(Inner { store, in_flight: HashMap::new(), bytes, counters: QueueStats::default() }),
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
             due: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// Lets `conn` offer replies to this temporary queue.
+    pub(crate) fn grant_replier(&self, conn: ConnId) {
+        let mut repliers = self.repliers.lock().unwrap_or_else(|e| e.into_inner());
+        if !repliers.contains(&conn) {
+            if repliers.len() == MAX_REPLIERS {
+                repliers.remove(0);
+            }
+            repliers.push(conn);
+        }
+    }
+
+    pub(crate) fn is_replier(&self, conn: ConnId) -> bool {
+        self.repliers.lock().unwrap_or_else(|e| e.into_inner()).contains(&conn)
     }
 
     /// Marks a consumer as waiting until the guard is dropped.

@@ -26,7 +26,7 @@ fn call(
     oneway: bool,
 ) -> (Result<Called, BrokerError>, tokio::sync::oneshot::Receiver<Outcome>) {
     let (r, rx) = replier();
-    (b.call(f, Message::new(m.to_owned()), oneway, 0, LONG, r), rx)
+    (b.call(0, f, Message::new(m.to_owned()), oneway, 0, LONG, r), rx)
 }
 
 fn texts(sub: &mut petrel_broker::Subscription) -> Vec<String> {
@@ -97,13 +97,13 @@ async fn calls_go_round_robin_to_servers_and_replies_come_back() {
     b.serve("slow", 3, tx3);
     let (r, late) = replier();
     let Ok(Called::Pending { call: c }) =
-        b.call("slow", Message::new("x"), false, 0, std::time::Duration::from_millis(5), r)
+        b.call(0, "slow", Message::new("x"), false, 0, std::time::Duration::from_millis(5), r)
     else {
         panic!()
     };
     b.tick(1_000_000);
     let (r, mut early) = replier();
-    b.call("slow", Message::new("y"), false, 0, LONG, r).unwrap();
+    b.call(0, "slow", Message::new("y"), false, 0, LONG, r).unwrap();
     b.tick(10_000_000);
     assert!(matches!(late.await.unwrap(), Err(BrokerError::Timeout(_))));
     assert!(early.try_recv().is_err(), "not before its deadline");

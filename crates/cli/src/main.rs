@@ -9,6 +9,7 @@ mod log_cmd;
 mod progress;
 mod pubsub_cmd;
 mod server_cmd;
+mod user_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -47,6 +48,12 @@ enum Command {
     Topic(pubsub_cmd::TopicCommand),
     /// Call a function served by some client and print its reply.
     Call(pubsub_cmd::CallArgs),
+    /// Add, remove and list the users of a users file; change a password.
+    #[command(subcommand)]
+    User(user_cmd::UserCommand),
+    /// Certificates: `cert dev` writes a CA, a server and a client certificate for development.
+    #[command(subcommand)]
+    Cert(user_cmd::CertCommand),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +72,8 @@ fn main() -> ExitCode {
         Command::Queue(cmd) => server_cmd::queue(cmd),
         Command::Topic(cmd) => pubsub_cmd::topic(cmd),
         Command::Call(args) => pubsub_cmd::call(args),
+        Command::User(cmd) => user_cmd::user(cmd),
+        Command::Cert(cmd) => user_cmd::cert(cmd),
     };
     match result {
         Ok(code) => code,

@@ -5,7 +5,6 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Subcommand;
-use petrel_client::blocking::Client;
 use petrel_client::{Message, StartFrom};
 
 use crate::server_cmd::ServerArg;
@@ -67,17 +66,15 @@ pub enum TopicCommand {
 
 pub fn topic(cmd: TopicCommand) -> Res {
     match cmd {
-        TopicCommand::Create { name, server, durable } => {
-            Client::connect(&server.server)?.create_topic(&name, durable)?
-        }
+        TopicCommand::Create { name, server, durable } => server.connect()?.create_topic(&name, durable)?,
         TopicCommand::List { server } => {
-            for name in Client::connect(&server.server)?.list_topics()? {
+            for name in server.connect()?.list_topics()? {
                 println!("{name}");
             }
         }
-        TopicCommand::Remove { name, server } => Client::connect(&server.server)?.remove_topic(&name)?,
+        TopicCommand::Remove { name, server } => server.connect()?.remove_topic(&name)?,
         TopicCommand::Publish { name, server } => {
-            let client = Client::connect(&server.server)?;
+            let client = server.connect()?;
             let mut input = crate::lines::StdinLines::new(1024);
             let (mut lines, mut sent) = (Vec::new(), 0u64);
             loop {
@@ -91,7 +88,7 @@ pub fn topic(cmd: TopicCommand) -> Res {
             eprintln!("{sent} messages published to {name}");
         }
         TopicCommand::Subscribe { name, server, count, buffer, json, group, from } => {
-            let client = Client::connect(&server.server)?;
+            let client = server.connect()?;
             let mut left = count.unwrap_or(u64::MAX);
             let mut out = io::stdout().lock();
             let mut sub = match &group {
@@ -162,7 +159,7 @@ pub fn call(args: CallArgs) -> Res {
             buf
         }
     };
-    let client = Client::connect(&args.server.server)?;
+    let client = args.server.connect()?;
     if args.oneway {
         client.call_oneway(&args.function, Message::new(payload))?;
         return Ok(ExitCode::SUCCESS);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use petrel_client::blocking::Client;
-use petrel_client::{ClientError, Message, PollOptions, QueueConfig, Status};
+use petrel_client::{ClientError, ClientOptions, Message, PollOptions, QueueConfig, Status, TlsOptions};
 use petrel_server::{Config, DEFAULT_NATIVE_ADDR, Server};
 
 type Res = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -59,10 +59,12 @@ pub fn serve(args: ServeArgs) -> Res {
         config.durability = d;
     }
     raise_open_files_limit();
+    let config_file = args.config.clone();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let unix = config.unix_socket.clone();
         let server = Server::bind(config).await?;
+        tokio::spawn(reload_on_sighup(server.reloader(), config_file));
         let mut out = io::stdout().lock();
         writeln!(out, "native {}", server.native_addr())?;
         if let Some(addr) = server.memcache_addr() {
@@ -94,6 +96,24 @@ fn raise_open_files_limit() {
     }
 }
 
+/// On SIGHUP, reads the configuration file again and applies its users, ACLs and certificates.
+async fn reload_on_sighup(reloader: petrel_server::Reloader, config_file: Option<PathBuf>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+    while hup.recv().await.is_some() {
+        let Some(path) = &config_file else {
+            tracing::warn!("SIGHUP: no --config file to reload");
+            continue;
+        };
+        match Config::load(path).and_then(|config| reloader.reload(&config)) {
+            Ok(()) => tracing::info!(config = %path.display(), "reloaded users, ACLs and certificates"),
+            Err(e) => {
+                tracing::error!(config = %path.display(), error = %e, "reload failed; the previous settings stay")
+            }
+        }
+    }
+}
+
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
@@ -104,11 +124,49 @@ async fn shutdown_signal() {
     }
 }
 
+/// Where the server is and how to reach it. The password comes from the environment variable
+/// `PETREL_PASSWORD`, never from the command line (which other users can see).
 #[derive(Args)]
 pub struct ServerArg {
     /// Server address.
     #[arg(long, default_value = DEFAULT_NATIVE_ADDR)]
     pub server: String,
+    /// Authenticate as this user (password from $PETREL_PASSWORD).
+    #[arg(long)]
+    pub user: Option<String>,
+    /// Speak TLS, trusting the server's certificate if it chains to this CA (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM) for mutual TLS: it names the user. Needs --tls-key.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl ServerArg {
+    pub fn options(&self) -> Result<ClientOptions, String> {
+        let password =
+            match &self.user {
+                Some(user) => Some(std::env::var("PETREL_PASSWORD").map_err(|_| {
+                    format!("--user {user}: set the password in the environment variable PETREL_PASSWORD")
+                })?),
+                None => None,
+            };
+        let tls = self.tls_ca.as_ref().map(|ca| TlsOptions {
+            ca: ca.clone(),
+            cert: self.tls_cert.clone(),
+            key: self.tls_key.clone(),
+            server_name: None,
+        });
+        Ok(ClientOptions { user: self.user.clone(), password, tls, ..ClientOptions::default() })
+    }
+
+    /// A blocking client connected (and authenticated) as these flags say.
+    pub fn connect(&self) -> Result<Client, Box<dyn std::error::Error>> {
+        Ok(Client::connect_with(&self.server, &self.options()?)?)
+    }
 }
 
 #[derive(Args)]
@@ -123,7 +181,7 @@ pub struct ProduceArgs {
 
 /// Offers each stdin line as a message; lines already waiting go as one batch.
 pub fn produce(args: ProduceArgs) -> Res {
-    let client = Client::connect(&args.server.server)?;
+    let client = args.server.connect()?;
     let mut input = crate::lines::StdinLines::new(1024);
     let mut lines = Vec::new();
     let mut sent = 0u64;
@@ -170,7 +228,7 @@ pub struct ConsumeArgs {
 }
 
 pub fn consume(args: ConsumeArgs) -> Res {
-    let client = Client::connect(&args.server.server)?;
+    let client = args.server.connect()?;
     let mut left = args.count.unwrap_or(u64::MAX);
     let stdout = io::stdout();
     let mut out = stdout.lock();
@@ -273,16 +331,16 @@ pub fn queue(cmd: QueueCommand) -> Res {
                 max_item_bytes,
                 durability,
             };
-            Client::connect(&server.server)?.create_queue(&name, config)?;
+            server.connect()?.create_queue(&name, config)?;
         }
         QueueCommand::List { server } => {
-            for name in Client::connect(&server.server)?.list_queues()? {
+            for name in server.connect()?.list_queues()? {
                 println!("{name}");
             }
         }
-        QueueCommand::Remove { name, server } => Client::connect(&server.server)?.remove_queue(&name)?,
+        QueueCommand::Remove { name, server } => server.connect()?.remove_queue(&name)?,
         QueueCommand::Status { name, server } => {
-            let s = Client::connect(&server.server)?.queue_status(&name)?;
+            let s = server.connect()?.queue_status(&name)?;
             println!("{}", serde_json::to_string_pretty(&s)?);
         }
     }

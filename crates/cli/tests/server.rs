@@ -316,3 +316,36 @@ async fn a_waiting_poll_counts_among_the_queue_s_waiters() {
     assert_eq!(texts(&poll.await.unwrap()), ["x"]);
     assert_eq!(c.queue_status("w").await.unwrap().waiters, 0);
 }
+
+/// A name of 32,767 two-byte characters and one byte more: the server's error echoing it was
+/// once cut inside a character, which panicked the connection's task, closed the connection and
+/// skipped its cleanup. Now it is answered, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_multibyte_name_is_answered_and_the_connection_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    let other = server.client().await;
+    c.create_queue("reply.own", QueueConfig { temporary: true, ..QueueConfig::default() }).await.unwrap();
+    let name = "é".repeat(32_767) + "a";
+    assert_eq!(name.len(), u16::MAX as usize);
+    let answers = [c.queue_status(&name).await.map(|_| ()), c.poll(&name, TAKE).await.map(|_| ())];
+    for answer in answers {
+        let e = answer.unwrap_err();
+        assert_eq!(e.status(), Some(Status::QueueNotFound), "{e}");
+        assert!(e.to_string().len() < 200, "the name is not echoed whole: {e}");
+    }
+    c.ping().await.unwrap();
+    assert!(other.list_queues().await.unwrap().contains(&"reply.own".to_string()));
+    // Too long for the protocol: the client refuses to send it.
+    let e = c.queue_status(&"a".repeat(70_000)).await.unwrap_err();
+    assert!(matches!(e, ClientError::Protocol(_)), "{e}");
+    drop(c);
+    for _ in 0..500 {
+        if !other.list_queues().await.unwrap().contains(&"reply.own".to_string()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the temporary queue outlived its connection");
+}

@@ -38,6 +38,70 @@ pub enum ClientError {
     Protocol(String),
     #[error("connection closed")]
     Closed,
+    #[error("TLS: {0}")]
+    Tls(String),
+}
+
+/// How to reach a server: TLS, credentials, patience.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    /// Authenticate as this user (AUTH after HELLO).
+    pub user: Option<String>,
+    pub password: Option<String>,
+    /// Speak TLS 1.3 (required for a password unless the server allows plaintext on loopback).
+    pub tls: Option<TlsOptions>,
+    /// For the TCP connection, the TLS handshake and HELLO, each.
+    pub connect_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions { user: None, password: None, tls: None, connect_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// TLS settings: the CA that signed the server's certificate, and a client certificate for
+/// mutual TLS.
+#[derive(Clone, Debug, Default)]
+pub struct TlsOptions {
+    /// PEM file of the CA certificates the server's certificate must chain to.
+    pub ca: std::path::PathBuf,
+    /// PEM files of a client certificate and its key (mutual TLS: the certificate names the user).
+    pub cert: Option<std::path::PathBuf>,
+    pub key: Option<std::path::PathBuf>,
+    /// The name the server's certificate must carry (default: the host of the address).
+    pub server_name: Option<String>,
+}
+
+impl TlsOptions {
+    fn connector(&self) -> Result<tokio_rustls::TlsConnector, ClientError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let bad =
+            |path: &std::path::Path, e: &dyn std::fmt::Display| ClientError::Tls(format!("{}: {e}", path.display()));
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(&self.ca).map_err(|e| bad(&self.ca, &e))? {
+            roots.add(cert.map_err(|e| bad(&self.ca, &e))?).map_err(|e| bad(&self.ca, &e))?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(|e| ClientError::Tls(e.to_string()))?
+            .with_root_certificates(roots);
+        let config = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                let chain = CertificateDer::pem_file_iter(cert)
+                    .map_err(|e| bad(cert, &e))?
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| bad(cert, &e))?;
+                let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, &e))?;
+                builder.with_client_auth_cert(chain, key_der).map_err(|e| bad(cert, &e))?
+            }
+            (None, None) => builder.with_no_client_auth(),
+            _ => return Err(ClientError::Tls("a client certificate needs its key, and a key its certificate".into())),
+        };
+        Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+    }
 }
 
 impl ClientError {
@@ -52,6 +116,10 @@ impl ClientError {
 
 type Reply = oneshot::Sender<Result<Response, ClientError>>;
 type Writer = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// Largest frame the client reads from a server; a longer one ends the connection (a peer that
+/// is not a Petrel server, or a broken one). Generous: a poll may return many large messages.
+const MAX_INCOMING_FRAME: u32 = 1 << 30;
 
 /// Requests encoded and not yet written are held up to this many bytes; past it, callers wait.
 const MAX_OUTBOX: usize = 1 << 20;
@@ -154,12 +222,53 @@ pub struct Client {
     inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client").finish_non_exhaustive()
+    }
+}
+
 impl Client {
     /// Connects over TCP and says hello.
     pub async fn connect(addr: impl tokio::net::ToSocketAddrs) -> Result<Client, ClientError> {
         let stream = tokio::net::TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
         Client::over(stream).await
+    }
+
+    /// Connects to `addr` (`host:port`) with `options`: TLS if `options.tls` is set, then HELLO,
+    /// then AUTH if `options.user` is set. Errors name the address.
+    pub async fn connect_with(addr: &str, options: &ClientOptions) -> Result<Client, ClientError> {
+        let failed = |what: &str, e: std::io::Error| {
+            ClientError::Io(std::io::Error::new(e.kind(), format!("{what} {addr}: {e}")))
+        };
+        let connecting = tokio::net::TcpStream::connect(addr);
+        let stream = match tokio::time::timeout(options.connect_timeout, connecting).await {
+            Ok(connected) => connected.map_err(|e| failed("connect to", e))?,
+            Err(_) => return Err(failed("connect to", std::io::ErrorKind::TimedOut.into())),
+        };
+        stream.set_nodelay(true)?;
+        let client = match &options.tls {
+            Some(tls) => {
+                let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');
+                let connector = tls.connector()?;
+                let name = tls.server_name.as_deref().unwrap_or(host);
+                let name = rustls::pki_types::ServerName::try_from(name.to_owned())
+                    .map_err(|e| ClientError::Tls(format!("server name {name:?}: {e}")))?;
+                let handshake = tokio::time::timeout(options.connect_timeout, connector.connect(name, stream)).await;
+                let stream = match handshake {
+                    Ok(done) => done.map_err(|e| ClientError::Tls(format!("handshake with {addr}: {e}")))?,
+                    Err(_) => return Err(ClientError::Tls(format!("handshake with {addr}: timed out"))),
+                };
+                Client::start(stream, addr, options).await?
+            }
+            None => Client::start(stream, addr, options).await?,
+        };
+        if let Some(user) = &options.user {
+            let password = options.password.clone().unwrap_or_default();
+            client.call_op(Request::Auth { user: user.clone(), password }).await?;
+        }
+        Ok(client)
     }
 
     /// Connects over a Unix socket and says hello.
@@ -169,6 +278,16 @@ impl Client {
 
     /// Speaks the protocol over any byte stream.
     pub async fn over<S: AsyncRead + AsyncWrite + Send + 'static>(stream: S) -> Result<Client, ClientError> {
+        Client::start(stream, "the server", &ClientOptions::default()).await
+    }
+
+    /// Starts the reader and writer and says HELLO, within the connect timeout: a peer that does
+    /// not answer like a Petrel server gets an error that says so.
+    async fn start<S: AsyncRead + AsyncWrite + Send + 'static>(
+        stream: S,
+        addr: &str,
+        options: &ClientOptions,
+    ) -> Result<Client, ClientError> {
         let (rd, wr) = tokio::io::split(stream);
         let pending: Arc<Mutex<Pending>> = Arc::default();
         let (written, room) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
@@ -177,10 +296,20 @@ impl Client {
             tokio::spawn(write_requests(Box::new(wr), Arc::clone(&pending), Arc::clone(&written), Arc::clone(&room)));
         let inner = Inner { pending, written, room, next_id: AtomicU64::new(1), reader, writer };
         let client = Client { inner: Arc::new(inner) };
-        client.hello().await?;
-        Ok(client)
+        let not_petrel = |what: &str| {
+            ClientError::Protocol(format!(
+                "{addr} {what}: it does not speak the Petrel protocol (is it the memcache port, or another service?)"
+            ))
+        };
+        match tokio::time::timeout(options.connect_timeout, client.hello()).await {
+            Err(_) => Err(not_petrel("did not answer HELLO in time")),
+            Ok(Err(ClientError::Closed | ClientError::Protocol(_))) => {
+                Err(not_petrel("closed the connection at HELLO"))
+            }
+            Ok(Err(e)) => Err(e),
+            Ok(Ok(())) => Ok(client),
+        }
     }
-
     /// Closes the connection now: requests waiting fail with `Closed`, subscriptions end, and
     /// functions this client serves stop (their calls in progress fail at their callers).
     pub fn close(&self) {
@@ -265,7 +394,7 @@ impl Client {
     }
 
     async fn hello(&self) -> Result<(), ClientError> {
-        self.call_op(Request::Hello { client: format!("petrel-client/{}", env!("CARGO_PKG_VERSION")) })
+        self.call_op(Request::Hello { client: format!("petrel-client/{}", env!("CARGO_PKG_VERSION")), features: 0 })
             .await
             .map(|_| ())
     }
@@ -561,7 +690,7 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
     let mut buf = BytesMut::with_capacity(64 * 1024);
     'read: loop {
         loop {
-            match frame::decode(&mut buf, u32::MAX) {
+            match frame::decode(&mut buf, MAX_INCOMING_FRAME) {
                 Ok(Some(f)) if f.kind == FrameKind::Response => {
                     let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
                     if let Some((opcode, tx)) = p.waiting.remove(&f.request_id) {
@@ -676,8 +805,13 @@ pub mod blocking {
 
     impl Client {
         pub fn connect(addr: &str) -> Result<Client, ClientError> {
+            Client::connect_with(addr, &ClientOptions::default())
+        }
+
+        /// `connect` with TLS, credentials and timeouts (see the async `Client::connect_with`).
+        pub fn connect_with(addr: &str, options: &ClientOptions) -> Result<Client, ClientError> {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let inner = rt.block_on(super::Client::connect(addr.to_owned()))?;
+            let inner = rt.block_on(super::Client::connect_with(addr, options))?;
             Ok(Client { rt, inner })
         }
 

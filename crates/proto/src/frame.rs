@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 pub const PROTOCOL_VERSION: u8 = 1;
 /// Bytes of header after the length prefix.
 pub const HEADER_LEN: usize = 12;
+/// Most a decoder reserves at a time for a frame still arriving.
+const RESERVE_STEP: usize = 256 << 10;
 /// Default largest frame (length field) a peer accepts: 16 MiB of payload plus room for the rest.
 pub const DEFAULT_MAX_FRAME: u32 = (16 << 20) + (64 << 10);
 
@@ -68,7 +70,9 @@ pub fn decode(buf: &mut BytesMut, max: u32) -> Result<Option<Frame>, FrameError>
         return Err(FrameError::TooLarge { len, max, request_id, opcode });
     }
     if buf.len() < 4 + len as usize {
-        buf.reserve(4 + len as usize - buf.len());
+        // Room for the next part only: a peer that announces a large frame and sends little of
+        // it must not make this side allocate what it announced.
+        buf.reserve((4 + len as usize - buf.len()).min(RESERVE_STEP));
         return Ok(None);
     }
     let mut frame = buf.split_to(4 + len as usize);

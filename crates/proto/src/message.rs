@@ -183,11 +183,11 @@ impl Message {
         w.u64(self.timestamp);
         w.u64(self.expires_at);
         for s in [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset] {
-            w.str(s);
+            w.text(s); // within its prefix: `check` on the way out, the decoder on the way in
         }
         w.u16(self.headers.len() as u16);
         for (name, value) in &self.headers {
-            w.str(name);
+            w.text(name);
             w.bytes(value);
         }
         w.bytes(&self.payload);

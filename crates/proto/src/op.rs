@@ -9,10 +9,19 @@ use crate::message::{MESSAGE_MIN_LEN, Message, Status};
 use crate::wire::{Reader, Writer};
 use crate::{DecodeError, EncodeError};
 
+/// Bits of HELLO's `features`: what a client can do (request) and what the connection does
+/// (response).
+pub mod features {
+    /// Response: this server requires AUTH (or a client certificate) before other requests.
+    pub const AUTH_REQUIRED: u32 = 1;
+    /// Request: the client reads zstd-compressed payloads. Response: both sides may send them.
+    pub const ZSTD: u32 = 2;
+}
+
 pub mod opcode {
     pub const HELLO: u16 = 0x0001;
     pub const PING: u16 = 0x0002;
-    /// Reserved for authentication.
+    /// Authenticates the connection with a user name and password.
     pub const AUTH: u16 = 0x0003;
     pub const QUEUE_CREATE: u16 = 0x0100;
     pub const QUEUE_REMOVE: u16 = 0x0101;
@@ -69,7 +78,7 @@ const FLAG_DURABLE: u8 = 2;
 const FLAG_TEMPORARY: u8 = 4;
 
 impl QueueConfig {
-    fn encode(&self, w: &mut Writer<'_>) {
+    fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
         w.u64(self.max_items);
         w.u64(self.max_bytes);
         let mut flags = 0;
@@ -83,9 +92,9 @@ impl QueueConfig {
         w.u8(flags);
         w.u8(0);
         w.u64(self.ttl_ms);
-        w.str(&self.dead_letter);
+        w.str(&self.dead_letter)?;
         w.u64(self.max_item_bytes);
-        w.str(&self.durability);
+        w.str(&self.durability)
     }
 
     fn decode(r: &mut Reader) -> Result<QueueConfig, DecodeError> {
@@ -129,7 +138,7 @@ pub struct QueueStats {
 }
 
 impl QueueStats {
-    fn encode(&self, w: &mut Writer<'_>) {
+    fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
         for v in [
             self.items,
             self.bytes,
@@ -142,7 +151,7 @@ impl QueueStats {
         ] {
             w.u64(v);
         }
-        self.config.encode(w);
+        self.config.encode(w)
     }
 
     fn decode(r: &mut Reader) -> Result<QueueStats, DecodeError> {
@@ -213,10 +222,18 @@ impl StartFrom {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
+    /// The first request on a connection. `features`: `features::*` bits the client supports.
     Hello {
         client: String,
+        features: u32,
     },
     Ping,
+    /// Authenticates as `user`. Answered DONE, or UNAUTHORIZED (one answer for a wrong name or a
+    /// wrong password).
+    Auth {
+        user: String,
+        password: String,
+    },
     QueueCreate {
         name: String,
         config: QueueConfig,
@@ -317,6 +334,7 @@ impl Request {
         match self {
             Request::Hello { .. } => HELLO,
             Request::Ping => PING,
+            Request::Auth { .. } => AUTH,
             Request::QueueCreate { .. } => QUEUE_CREATE,
             Request::QueueRemove { .. } => QUEUE_REMOVE,
             Request::QueueList => QUEUE_LIST,
@@ -349,26 +367,41 @@ impl Request {
             _ => {}
         }
         let at = frame::start(out, FrameKind::Request, self.opcode(), request_id);
-        let w = &mut Writer { out };
+        if let Err(e) = self.encode_body(&mut Writer { out }) {
+            out.truncate(at); // no half frame left behind
+            return Err(e);
+        }
+        frame::finish(out, at);
+        Ok(())
+    }
+
+    fn encode_body(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
         match self {
-            Request::Hello { client } => w.str(client),
+            Request::Hello { client, features } => {
+                w.str(client)?;
+                w.u32(*features);
+            }
+            Request::Auth { user, password } => {
+                w.str(user)?;
+                w.str(password)?;
+            }
             Request::Ping | Request::QueueList | Request::TopicList => {}
             Request::TopicCreate { name, durable } => {
-                w.str(name);
+                w.str(name)?;
                 w.u8(u8::from(*durable));
             }
-            Request::TopicRemove { name } => w.str(name),
+            Request::TopicRemove { name } => w.str(name)?,
             Request::Publish { topic, messages } => {
-                w.str(topic);
+                w.str(topic)?;
                 w.u32(messages.len() as u32);
                 for m in messages {
                     m.encode(w);
                 }
             }
             Request::Subscribe { topic, buffer, group, from } => {
-                w.str(topic);
+                w.str(topic)?;
                 w.u32(*buffer);
-                w.str(group);
+                w.str(group)?;
                 from.encode(w);
             }
             Request::TopicAck { subscription, ids } => {
@@ -379,9 +412,9 @@ impl Request {
                 }
             }
             Request::Unsubscribe { subscription } => w.u64(*subscription),
-            Request::Serve { function } | Request::Unserve { function } => w.str(function),
+            Request::Serve { function } | Request::Unserve { function } => w.str(function)?,
             Request::Call { function, timeout_ms, oneway, message } => {
-                w.str(function);
+                w.str(function)?;
                 w.u32(*timeout_ms);
                 w.u8(u8::from(*oneway));
                 message.encode(w);
@@ -389,16 +422,16 @@ impl Request {
             Request::Return { call, status, error, message } => {
                 w.u64(*call);
                 w.u8(*status as u8);
-                w.str(error);
+                w.text(error);
                 message.encode(w);
             }
             Request::QueueCreate { name, config } => {
-                w.str(name);
-                config.encode(w);
+                w.str(name)?;
+                config.encode(w)?;
             }
-            Request::QueueRemove { name } | Request::QueueStatus { name } => w.str(name),
+            Request::QueueRemove { name } | Request::QueueStatus { name } => w.str(name)?,
             Request::Offer { queue, timeout_ms, messages } => {
-                w.str(queue);
+                w.str(queue)?;
                 w.u32(*timeout_ms);
                 w.u32(messages.len() as u32);
                 for m in messages {
@@ -406,20 +439,19 @@ impl Request {
                 }
             }
             Request::Poll { queue, max, timeout_ms, visibility_ms } => {
-                w.str(queue);
+                w.str(queue)?;
                 w.u32(*max);
                 w.u32(*timeout_ms);
                 w.u32(*visibility_ms);
             }
             Request::Ack { queue, handles } | Request::Abort { queue, handles } => {
-                w.str(queue);
+                w.str(queue)?;
                 w.u32(handles.len() as u32);
                 for h in handles {
                     w.u64(*h);
                 }
             }
         }
-        frame::finish(out, at);
         Ok(())
     }
 
@@ -428,7 +460,8 @@ impl Request {
         use opcode::*;
         let mut r = Reader::new(body);
         let request = match opcode {
-            HELLO => Request::Hello { client: r.str("client")? },
+            HELLO => Request::Hello { client: r.str("client")?, features: r.u32("features")? },
+            AUTH => Request::Auth { user: r.str("user")?, password: r.str("password")? },
             PING => Request::Ping,
             QUEUE_CREATE => Request::QueueCreate { name: r.str("name")?, config: QueueConfig::decode(&mut r)? },
             QUEUE_REMOVE => Request::QueueRemove { name: r.str("name")? },
@@ -514,9 +547,11 @@ pub enum Response {
         status: Status,
         message: String,
     },
+    /// `features`: `features::*` bits in force on this connection.
     Hello {
         server: String,
         max_frame: u32,
+        features: u32,
     },
     Pong,
     /// Success with nothing to say (create, remove).
@@ -590,10 +625,10 @@ impl Push {
             }
             Push::SubscriptionEnd { status, reason } => {
                 w.u8(*status as u8);
-                w.str(&reason[..reason.len().min(u16::MAX as usize)]);
+                w.text(reason);
             }
             Push::Invoke { function, message } => {
-                w.str(function);
+                w.text(function); // a name the server checked when it was served
                 message.encode(w);
             }
         }
@@ -637,34 +672,44 @@ impl Response {
         Response::Error { status, message: message.into() }
     }
 
-    /// Appends this response to the request `opcode`/`request_id` as a whole frame to `out`.
+    /// Appends this response to the request `opcode`/`request_id` as a whole frame to `out`. A
+    /// response with a field too long for the wire becomes a SERVER_ERROR, never a broken frame.
     pub fn encode(&self, opcode: u16, request_id: u64, out: &mut Vec<u8>) {
         let at = frame::start(out, FrameKind::Response, opcode, request_id);
-        let w = &mut Writer { out };
+        if self.encode_body(&mut Writer { out }).is_err() {
+            out.truncate(at);
+            let error = Response::error(Status::ServerError, "the answer has a field too long for the protocol");
+            return error.encode(opcode, request_id, out);
+        }
+        frame::finish(out, at);
+    }
+
+    fn encode_body(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
         match self {
             Response::Error { status, message } => {
                 w.u8(*status as u8);
-                w.str(&message[..message.len().min(u16::MAX as usize)]);
+                w.text(message);
             }
             ok => {
                 w.u8(Status::Ok as u8);
                 match ok {
                     Response::Error { .. } => unreachable!(),
-                    Response::Hello { server, max_frame } => {
-                        w.str(server);
+                    Response::Hello { server, max_frame, features } => {
+                        w.text(server);
                         w.u32(*max_frame);
+                        w.u32(*features);
                     }
                     Response::Pong | Response::Done => {}
                     Response::QueueList { names } | Response::TopicList { names } => {
                         w.u32(names.len() as u32);
                         for n in names {
-                            w.str(n);
+                            w.str(n)?;
                         }
                     }
                     Response::Published { subscribers } => w.u32(*subscribers),
                     Response::Subscribed { subscription } => w.u64(*subscription),
                     Response::Reply { message } => message.encode(w),
-                    Response::QueueStatus { stats } => stats.encode(w),
+                    Response::QueueStatus { stats } => stats.encode(w)?,
                     Response::Offered { first_id, count } => {
                         w.u64(*first_id);
                         w.u32(*count);
@@ -680,7 +725,7 @@ impl Response {
                 }
             }
         }
-        frame::finish(out, at);
+        Ok(())
     }
 
     /// Decodes the response to a request with `opcode`.
@@ -692,7 +737,11 @@ impl Response {
             Response::Error { status, message: r.str("error message")? }
         } else {
             match opcode {
-                HELLO => Response::Hello { server: r.str("server")?, max_frame: r.u32("max_frame")? },
+                HELLO => Response::Hello {
+                    server: r.str("server")?,
+                    max_frame: r.u32("max_frame")?,
+                    features: r.u32("features")?,
+                },
                 PING => Response::Pong,
                 QUEUE_CREATE | QUEUE_REMOVE => Response::Done,
                 QUEUE_LIST => {
@@ -709,7 +758,7 @@ impl Response {
                     Response::Polled { deliveries }
                 }
                 ACK | ABORT | TOPIC_ACK => Response::Acked { count: r.u32("count")? },
-                TOPIC_CREATE | TOPIC_REMOVE | UNSUBSCRIBE | SERVE | UNSERVE | RETURN => Response::Done,
+                TOPIC_CREATE | TOPIC_REMOVE | UNSUBSCRIBE | SERVE | UNSERVE | RETURN | AUTH => Response::Done,
                 TOPIC_LIST => {
                     let n = r.count(2, "name count")?;
                     Response::TopicList { names: (0..n).map(|_| r.str("name")).collect::<Result<_, _>>()? }

@@ -3,7 +3,7 @@
 
 use bytes::{Buf, BufMut, Bytes};
 
-use crate::DecodeError;
+use crate::{DecodeError, EncodeError};
 
 pub(crate) struct Writer<'a> {
     pub out: &'a mut Vec<u8>,
@@ -22,10 +22,21 @@ impl Writer<'_> {
     pub fn u64(&mut self, v: u64) {
         self.out.put_u64(v);
     }
-    /// A string: u16 length, UTF-8 bytes. Callers check the length (`Limits`) beforehand.
-    pub fn str(&mut self, s: &str) {
+    /// Free text (an error's reason, a server's name): u16 length, UTF-8 bytes. Text longer than
+    /// a length prefix allows is cut at the last character boundary that fits, never inside one.
+    pub fn text(&mut self, s: &str) {
+        let s = truncate_utf8(s, u16::MAX as usize);
         self.u16(s.len() as u16);
         self.out.put_slice(s.as_bytes());
+    }
+    /// A field that must arrive whole (a name, a message's string): too long is an error, not a
+    /// cut, so the peer never acts on a name other than the one the caller gave.
+    pub fn str(&mut self, s: &str) -> Result<(), EncodeError> {
+        if s.len() > u16::MAX as usize {
+            return Err(EncodeError::FieldTooLong);
+        }
+        self.text(s);
+        Ok(())
     }
     /// A byte string: u32 length, bytes.
     pub fn bytes(&mut self, b: &[u8]) {
@@ -92,5 +103,38 @@ impl Reader {
     }
     pub fn finish(self) -> Result<(), DecodeError> {
         if self.buf.is_empty() { Ok(()) } else { Err(DecodeError::TrailingBytes(self.buf.len())) }
+    }
+}
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
+pub fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_is_cut_on_a_character_boundary() {
+        // Two-byte characters up to one byte short of the limit, then one more: the cut must
+        // not fall inside the last `é`.
+        let long = "é".repeat(32_767) + "éa";
+        let mut out = Vec::new();
+        Writer { out: &mut out }.text(&long);
+        let len = u16::from_be_bytes([out[0], out[1]]) as usize;
+        assert_eq!(len, 65_534);
+        assert!(std::str::from_utf8(&out[2..]).is_ok());
+        assert_eq!(truncate_utf8("aé", 2), "a");
+        assert_eq!(truncate_utf8("ab", 5), "ab");
+        let mut out = Vec::new();
+        assert_eq!(Writer { out: &mut out }.str(&long), Err(EncodeError::FieldTooLong));
     }
 }

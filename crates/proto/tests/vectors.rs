@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use bytes::{Bytes, BytesMut};
 use petrel_proto::{
     Delivery, FrameKind, Message, MessageKind, Push, QueueConfig, QueueStats, Request, Response, StartFrom, Status,
-    frame, hex, opcode,
+    features, frame, hex, opcode,
 };
 use serde::{Deserialize, Serialize};
 
@@ -104,13 +104,31 @@ fn push(name: &str, description: &str, id: u64, p: Push) -> Vector {
 fn cases() -> Vec<Vector> {
     let q = |s: &str| s.to_string();
     vec![
-        request("hello", "first request on a connection", 1, Request::Hello { client: q("petrel-client/0.1") }),
+        request(
+            "hello",
+            "first request on a connection; the client reads zstd payloads",
+            1,
+            Request::Hello { client: q("petrel-client/0.1"), features: features::ZSTD },
+        ),
+        request("auth", "authenticate as a user", 2, Request::Auth { user: q("tom"), password: q("3-kio") }),
         response(
             "hello_ok",
-            "server name and its largest frame",
+            "server name, its largest frame, and the features in force: AUTH required, zstd payloads",
             opcode::HELLO,
             1,
-            Response::Hello { server: q("petrel/0.1.0"), max_frame: 16_842_752 },
+            Response::Hello {
+                server: q("petrel/0.1.0"),
+                max_frame: 16_842_752,
+                features: features::AUTH_REQUIRED | features::ZSTD,
+            },
+        ),
+        response("auth_ok", "authenticated", opcode::AUTH, 2, Response::Done),
+        response(
+            "auth_refused",
+            "a wrong user name or password: one answer for both",
+            opcode::AUTH,
+            2,
+            Response::error(Status::Unauthorized, "invalid user name or password"),
         ),
         request("ping", "an empty body", 2, Request::Ping),
         response("pong", "status OK, nothing else", opcode::PING, 2, Response::Pong),

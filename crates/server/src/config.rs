@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use petrel_broker::QueueConfig;
+use petrel_broker::security::{Acl, AclEntry, Kind, Security, Users};
 use petrel_log::Durability;
 use serde::{Deserialize, Deserializer};
 
@@ -47,6 +48,143 @@ pub struct Config {
     /// Queues by name: created at startup with these settings (the defaults fill in the rest;
     /// a fanout child `a+b` with no block of its own takes `a`'s).
     pub queues: BTreeMap<String, toml::Table>,
+    /// A connection with no request under way, no subscription and no served function is closed
+    /// after this long without a byte from its client, e.g. "10m"; "0" never.
+    pub idle_timeout: String,
+    /// Users, ACLs, TLS and the limits that go with them (`docs/security.md`).
+    pub security: SecurityConfig,
+}
+
+/// The `[security]` table. Authentication is on when `users_file` is set; TLS when `tls_cert`
+/// and `tls_key` are.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecurityConfig {
+    /// Users and their Argon2id hashes (`petrel user add`).
+    pub users_file: Option<PathBuf>,
+    /// The server's certificate chain and private key (PEM).
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// Client certificates that chain to these CAs (PEM) are verified, and name their user by
+    /// their subject's common name (mutual TLS). Without it, clients send no certificate.
+    pub tls_client_ca: Option<PathBuf>,
+    /// Refuse connections that do not start TLS.
+    pub require_tls: bool,
+    /// Accept a password outside TLS from a loopback address or the Unix socket (never from
+    /// elsewhere).
+    pub allow_plaintext_auth: bool,
+    /// Access of users without an ACL entry for a destination: `offer-poll`, `publish-subscribe`,
+    /// `exec` (seed 004's defaults), or any narrower mode, or `deny`.
+    pub default_queue: String,
+    pub default_topic: String,
+    pub default_function: String,
+    pub acl: Vec<AclConfig>,
+    /// Connections one user may hold at once (0: no limit).
+    pub max_connections_per_user: usize,
+    /// Authentication attempts (AUTH, a memcache login) one address may make per minute; past it
+    /// attempts are refused without checking the password.
+    pub auth_attempts_per_minute: u32,
+    /// A failed attempt is answered after this long, e.g. "250ms".
+    pub auth_failure_delay: String,
+    /// How long a client has to finish the TLS handshake and say HELLO, e.g. "10s".
+    pub handshake_timeout: String,
+}
+
+/// One `[[security.acl]]` entry.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AclConfig {
+    /// `queue`, `topic` or `function`.
+    pub kind: Kind,
+    /// A name, `prefix*`, or `*`.
+    pub name: String,
+    /// A user name, or `*` for every user.
+    pub user: String,
+    pub access: String,
+}
+
+impl Default for SecurityConfig {
+    fn default() -> Self {
+        let acl = Acl::default();
+        SecurityConfig {
+            users_file: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
+            require_tls: false,
+            allow_plaintext_auth: false,
+            default_queue: acl.default_queue.to_string(),
+            default_topic: acl.default_topic.to_string(),
+            default_function: acl.default_function.to_string(),
+            acl: Vec::new(),
+            max_connections_per_user: 0,
+            auth_attempts_per_minute: 60,
+            auth_failure_delay: "250ms".into(),
+            handshake_timeout: "10s".into(),
+        }
+    }
+}
+
+impl SecurityConfig {
+    /// The ACLs as configured.
+    pub fn acl(&self) -> Result<Acl, String> {
+        let acl = Acl {
+            default_queue: self.default_queue.parse().map_err(|e| format!("security.default_queue: {e}"))?,
+            default_topic: self.default_topic.parse().map_err(|e| format!("security.default_topic: {e}"))?,
+            default_function: self.default_function.parse().map_err(|e| format!("security.default_function: {e}"))?,
+            entries: self
+                .acl
+                .iter()
+                .enumerate()
+                .map(|(i, e)| {
+                    AclEntry::new(e.kind, &e.name, &e.user, &e.access)
+                        .map_err(|err| format!("security.acl[{i}]: {err}"))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        acl.check_defaults().map_err(|e| format!("security.{e}"))?;
+        Ok(acl)
+    }
+
+    /// The users and ACLs, read from their files now; `None` when authentication is off.
+    pub fn load(&self) -> Result<Option<Security>, String> {
+        let acl = self.acl()?;
+        let Some(path) = &self.users_file else {
+            if !self.acl.is_empty() {
+                return Err("security.acl needs security.users_file: ACLs decide for users".into());
+            }
+            return Ok(None);
+        };
+        let users = Users::load(path)?;
+        if users.is_empty() {
+            return Err(format!("{}: no users (add one with `petrel user add`)", path.display()));
+        }
+        Ok(Some(Security { users, acl }))
+    }
+
+    pub fn auth_failure_delay(&self) -> Result<std::time::Duration, String> {
+        humantime::parse_duration(&self.auth_failure_delay).map_err(|e| format!("security.auth_failure_delay: {e}"))
+    }
+
+    pub fn handshake_timeout(&self) -> Result<std::time::Duration, String> {
+        humantime::parse_duration(&self.handshake_timeout).map_err(|e| format!("security.handshake_timeout: {e}"))
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        self.acl()?;
+        self.auth_failure_delay()?;
+        self.handshake_timeout()?;
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err("security.tls_cert and security.tls_key go together".into());
+        }
+        if self.tls_cert.is_none() && (self.require_tls || self.tls_client_ca.is_some()) {
+            return Err("security.require_tls and security.tls_client_ca need tls_cert and tls_key".into());
+        }
+        if self.auth_attempts_per_minute == 0 {
+            return Err("security.auth_attempts_per_minute must be at least 1".into());
+        }
+        Ok(())
+    }
 }
 
 pub const DEFAULT_NATIVE_ADDR: &str = "127.0.0.1:22134";
@@ -84,6 +222,8 @@ impl Default for Config {
             topic_max_age: "7d".into(),
             queue_defaults: toml::Table::new(),
             queues: BTreeMap::new(),
+            idle_timeout: "10m".into(),
+            security: SecurityConfig::default(),
         }
     }
 }
@@ -100,6 +240,14 @@ impl Config {
 
     pub fn topic_max_age(&self) -> Result<std::time::Duration, String> {
         humantime::parse_duration(&self.topic_max_age).map_err(|e| format!("topic_max_age: {e}"))
+    }
+
+    /// `None`: connections are never closed for idleness.
+    pub fn idle_timeout(&self) -> Result<Option<std::time::Duration>, String> {
+        if self.idle_timeout.trim() == "0" {
+            return Ok(None);
+        }
+        humantime::parse_duration(&self.idle_timeout).map(Some).map_err(|e| format!("idle_timeout: {e}"))
     }
 
     pub fn shutdown_grace(&self) -> Result<std::time::Duration, String> {
@@ -143,6 +291,8 @@ impl Config {
         self.queue_defaults()?;
         self.queues()?;
         self.shutdown_grace()?;
+        self.idle_timeout()?;
+        self.security.validate()?;
         if (self.max_frame_bytes as usize) < 1024 {
             return Err("max_frame_bytes must be at least 1024".into());
         }

@@ -1,12 +1,15 @@
 //! Petrel's server: listeners speaking the native protocol (TCP, Unix socket) and the memcache
-//! protocol (TCP) over one broker. HTTP and TLS are to come, as more codecs over the same broker.
+//! protocol (TCP) over one broker, each TCP port in plaintext or TLS 1.3; users and ACLs
+//! (`auth`, and the broker's `authorize`) apply to every listener alike.
 
+mod auth;
 mod config;
 mod convert;
 #[doc(hidden)]
 pub mod memcache;
 mod native;
 mod stats;
+mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -14,9 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-pub use config::{Config, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, parse_listener};
+pub use config::{AclConfig, Config, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, SecurityConfig, parse_listener};
 use petrel_broker::{Broker, BrokerOptions};
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
 
@@ -27,6 +30,65 @@ pub(crate) struct Ctx {
     pub stats: stats::ServerStats,
     /// Notified when a client asks the server to stop (memcache `shutdown`, if allowed).
     pub shutdown: Notify,
+    /// TLS as configured (replaced on reload); `None`: plaintext only.
+    pub tls: std::sync::RwLock<Option<Arc<tls::Tls>>>,
+    pub auth_attempts: auth::AttemptLimiter,
+    /// Authenticated connections per user.
+    pub user_connections: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+impl Ctx {
+    fn tls(&self) -> Option<Arc<tls::Tls>> {
+        self.tls.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// The TLS settings of `config`, loaded from their files.
+fn load_tls(config: &Config) -> Result<Option<Arc<tls::Tls>>, String> {
+    let s = &config.security;
+    match (&s.tls_cert, &s.tls_key) {
+        (Some(cert), Some(key)) => Ok(Some(Arc::new(tls::load(cert, key, s.tls_client_ca.as_deref())?))),
+        _ => Ok(None),
+    }
+}
+
+/// Reloads what can change while the server runs (on SIGHUP): users, ACLs and certificates.
+/// Connections stay open; their next requests are decided by the new rules.
+#[derive(Clone)]
+pub struct Reloader {
+    ctx: Arc<Ctx>,
+}
+
+impl Reloader {
+    /// Takes users, ACLs and certificates from `config` (the server's file, read again). Listener
+    /// addresses, limits and turning authentication or TLS on or off need a restart.
+    pub fn reload(&self, config: &Config) -> Result<(), String> {
+        config.validate()?;
+        let security = config.security.load()?;
+        let tls = load_tls(config)?;
+        if security.is_some() != self.ctx.broker.auth_enabled() || tls.is_some() != self.ctx.tls().is_some() {
+            return Err("turning authentication or TLS on or off needs a restart".into());
+        }
+        if let Some(security) = security {
+            self.ctx.broker.set_security(security);
+        }
+        *self.ctx.tls.write().unwrap_or_else(|e| e.into_inner()) = tls;
+        Ok(())
+    }
+}
+
+/// Hands a connection's tentative reads, temporary queues, subscriptions and served functions
+/// back to the broker when dropped: at the end of the connection, and also when its task panics
+/// (the task's future is dropped while unwinding), so a bug in one request leaks nothing.
+pub(crate) struct Disconnect {
+    pub broker: Arc<Broker>,
+    pub conn: petrel_broker::ConnId,
+}
+
+impl Drop for Disconnect {
+    fn drop(&mut self) {
+        self.broker.disconnect(self.conn);
+    }
 }
 
 /// A server with its listeners bound, ready to `run`.
@@ -49,7 +111,17 @@ impl Server {
             queues: config.queues()?,
             topic_max_bytes: config.topic_max_bytes,
             topic_max_age: config.topic_max_age()?,
+            security: config.security.load()?,
         };
+        let tls = load_tls(&config)?;
+        for (name, addr) in [("native", Some(config.native_addr)), ("memcache", config.memcache_addr)] {
+            if let Some(addr) = addr
+                && !addr.ip().is_loopback()
+                && options.security.is_none()
+            {
+                tracing::warn!(listener = name, %addr, "listening beyond loopback with authentication off: anyone who can reach this port may read, write and remove every queue");
+            }
+        }
         let broker = Broker::open(&config.data, options).map_err(|e| format!("{}: {e}", config.data.display()))?;
         let tcp =
             TcpListener::bind(config.native_addr).await.map_err(|e| format!("bind {}: {e}", config.native_addr))?;
@@ -64,12 +136,25 @@ impl Server {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
             None => None,
         };
-        let ctx = Ctx { broker: Arc::new(broker), config, stats: stats::ServerStats::new(), shutdown: Notify::new() };
+        let ctx = Ctx {
+            broker: Arc::new(broker),
+            config,
+            stats: stats::ServerStats::new(),
+            shutdown: Notify::new(),
+            tls: std::sync::RwLock::new(tls),
+            auth_attempts: auth::AttemptLimiter::new(),
+            user_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
+        };
         Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache })
     }
 
     pub fn native_addr(&self) -> SocketAddr {
         self.tcp.local_addr().expect("a bound listener has an address")
+    }
+
+    /// What reloads users, ACLs and certificates while the server runs.
+    pub fn reloader(&self) -> Reloader {
+        Reloader { ctx: Arc::clone(&self.ctx) }
     }
 
     pub fn memcache_addr(&self) -> Option<SocketAddr> {
@@ -99,35 +184,36 @@ impl Server {
         tokio::pin!(shutdown);
         loop {
             // Reap finished connections so the set stays bounded by the live ones.
-            while connections.try_join_next().is_some() {}
+            while let Some(ended) = connections.try_join_next() {
+                log_panic(ended);
+            }
             let full = connections.len() >= ctx.config.max_connections;
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = ctx.shutdown.notified() => break,
                 accepted = accept_tcp(self.memcache.as_ref()), if !full => match accepted {
-                    Ok(stream) => {
+                    Ok((stream, peer)) => {
                         let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                        connections.spawn(memcache::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone()));
+                        connections.spawn(open(stream, peer, Protocol::Memcache, Arc::clone(&ctx), conn, stop_rx.clone()));
                     }
                     Err(e) => tracing::warn!(error = %e, "accept failed"),
                 },
-                accepted = self.tcp.accept(), if !full => match accepted {
+                accepted = accept_tcp(Some(&self.tcp)), if !full => match accepted {
                     Ok((stream, peer)) => {
-                        let _ = stream.set_nodelay(true);
                         let conn = next_conn.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(conn, %peer, "connected");
-                        connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone()));
+                        connections.spawn(open(stream, peer, Protocol::Native, Arc::clone(&ctx), conn, stop_rx.clone()));
                     }
                     Err(e) => tracing::warn!(error = %e, "accept failed"),
                 },
                 accepted = accept_unix(self.unix.as_ref()), if !full => match accepted {
                     Ok(stream) => {
                         let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                        connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone()));
+                        connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix()));
                     }
                     Err(e) => tracing::warn!(error = %e, "accept failed"),
                 },
-                Some(_) = connections.join_next(), if full => {}
+                Some(ended) = connections.join_next(), if full => log_panic(ended),
             }
         }
         tracing::info!(connections = connections.len(), "shutting down");
@@ -143,15 +229,106 @@ impl Server {
     }
 }
 
-async fn accept_tcp(listener: Option<&TcpListener>) -> std::io::Result<tokio::net::TcpStream> {
+/// A connection task that panicked has already been cleaned up (`Disconnect`); say so loudly.
+fn log_panic(ended: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = ended
+        && e.is_panic()
+    {
+        tracing::error!(error = %e, "a connection task panicked; its connection was closed and cleaned up");
+    }
+}
+
+async fn accept_tcp(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
     match listener {
         Some(l) => {
-            let (stream, _) = l.accept().await?;
+            let (stream, peer) = l.accept().await?;
             let _ = stream.set_nodelay(true);
-            Ok(stream)
+            Ok((stream, peer))
         }
         None => std::future::pending().await,
     }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Native,
+    Memcache,
+}
+
+/// Starts a TCP connection: TLS if it opens with a handshake (and TLS is configured), plaintext
+/// unless `require_tls`; then serves its protocol. Runs on the connection's own task, so a slow
+/// handshake holds up no one else, and is bounded by `handshake_timeout`.
+async fn open(
+    stream: TcpStream,
+    addr: SocketAddr,
+    protocol: Protocol,
+    ctx: Arc<Ctx>,
+    conn: petrel_broker::ConnId,
+    stop: watch::Receiver<bool>,
+) {
+    let handshake = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(handshake, stream.peek(&mut first)).await {
+        Ok(Ok(1)) => {}
+        _ => return, // closed, failed, or silent for too long
+    }
+    let tls = ctx.tls();
+    if let Some(tls) = tls.filter(|_| first[0] == tls::HANDSHAKE_RECORD) {
+        let stream = match tokio::time::timeout(handshake, tls.acceptor.accept(stream)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                stats::add(&ctx.stats.tls_refused, 1);
+                tracing::debug!(conn, %addr, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                stats::add(&ctx.stats.tls_refused, 1);
+                return;
+            }
+        };
+        stats::add(&ctx.stats.tls_connections, 1);
+        let peer =
+            auth::Peer { addr: Some(addr), tls: true, certificate_user: tls::certificate_user(stream.get_ref().1) };
+        return match protocol {
+            Protocol::Native => native::serve(stream, ctx, conn, stop, peer).await,
+            Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer).await,
+        };
+    }
+    if ctx.config.security.require_tls {
+        stats::add(&ctx.stats.tls_refused, 1);
+        return refuse_plaintext(stream, protocol).await;
+    }
+    let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
+    match protocol {
+        Protocol::Native => native::serve(stream, ctx, conn, stop, peer).await,
+        Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer).await,
+    }
+}
+
+/// Tells a plaintext client, in its own protocol, that this server speaks only TLS; then closes.
+async fn refuse_plaintext(mut stream: TcpStream, protocol: Protocol) {
+    use tokio::io::AsyncWriteExt;
+    const REASON: &str = "this server requires TLS";
+    let mut out = Vec::new();
+    match protocol {
+        // The answer to whatever came first (a HELLO, for any client that follows the protocol).
+        Protocol::Native => {
+            let mut head = [0u8; 16];
+            let n =
+                tokio::time::timeout(Duration::from_secs(1), stream.peek(&mut head)).await.ok().and_then(|r| r.ok());
+            let (opcode, request_id) = match n {
+                Some(16) => {
+                    (u16::from_be_bytes([head[6], head[7]]), u64::from_be_bytes(head[8..16].try_into().unwrap()))
+                }
+                _ => (petrel_proto::opcode::HELLO, 0),
+            };
+            petrel_proto::Response::error(petrel_proto::Status::Unauthorized, REASON)
+                .encode(opcode, request_id, &mut out);
+        }
+        Protocol::Memcache => out.extend_from_slice(format!("SERVER_ERROR {REASON}\r\n").as_bytes()),
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&out)).await;
+    let _ = stream.shutdown().await;
 }
 
 async fn accept_unix(listener: Option<&UnixListener>) -> std::io::Result<tokio::net::UnixStream> {

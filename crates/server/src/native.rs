@@ -13,27 +13,89 @@
 //! INVOKE frames. When the writer cannot keep up, their bounded channels fill: a subscriber is
 //! then ended by the broker (SUBSCRIPTION_END), a call goes to another server or fails.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use petrel_broker::security::{Action, Kind, Principal};
 use petrel_broker::{BrokerError, Called, ConnId, Ended, GroupReader, Invocation, SeekTo, Subscription};
-use petrel_proto::{Delivery, FrameError, FrameKind, Push, Request, Response, StartFrom, Status, frame};
+use petrel_proto::{Delivery, FrameError, FrameKind, Push, Request, Response, StartFrom, Status, features, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 
+use crate::auth::{self, Authenticated, Peer};
 use crate::stats::add;
 use crate::{Ctx, convert, now_ns};
 
+/// Who is on this connection, and what the server has said about it.
+struct Session {
+    conn: ConnId,
+    peer: Peer,
+    /// Said HELLO: the connection is past its handshake (and its shorter timeout).
+    greeted: bool,
+    authenticated: Option<Authenticated>,
+    /// Destinations whose denial was logged already: each once per connection (bounded).
+    logged_denials: HashSet<(Kind, String)>,
+}
+
+/// Denials logged per connection at most.
+const MAX_LOGGED_DENIALS: usize = 64;
+
+impl Session {
+    fn principal(&self) -> Option<&Principal> {
+        self.authenticated.as_ref().map(|a| &a.principal)
+    }
+
+    /// Asks the broker whether this connection may do one of `actions` to `kind`/`name`.
+    fn authorize(&mut self, ctx: &Ctx, kind: Kind, name: &str, actions: &[Action]) -> Result<(), BrokerError> {
+        let Err(e) = ctx.broker.authorize(self.principal(), kind, name, actions) else { return Ok(()) };
+        if self.logged_denials.len() < MAX_LOGGED_DENIALS && self.logged_denials.insert((kind, name.to_owned())) {
+            let user = self.principal().map(|p| p.user.clone());
+            tracing::warn!(conn = self.conn, user, %kind, name = %petrel_broker::shown(name), reason = %e, "request denied");
+        }
+        Err(e)
+    }
+}
+
+/// What a request touches, for the ACL check: the destination and the actions any of which
+/// allows it. `None`: nothing beyond an authenticated user (or this connection's own handles).
+fn needs(request: &Request) -> Option<(Kind, &str, &'static [Action])> {
+    use Action::*;
+    Some(match request {
+        Request::QueueCreate { config, .. } if config.temporary => return None,
+        Request::QueueCreate { name, .. } | Request::QueueRemove { name } => (Kind::Queue, name, &[Manage]),
+        Request::QueueStatus { name } => (Kind::Queue, name, &[Offer, Poll]),
+        Request::Offer { queue, .. } => (Kind::Queue, queue, &[Offer]),
+        Request::Poll { queue, .. } => (Kind::Queue, queue, &[Poll]),
+        Request::TopicCreate { name, .. } | Request::TopicRemove { name } => (Kind::Topic, name, &[Manage]),
+        Request::Publish { topic, .. } => (Kind::Topic, topic, &[Publish]),
+        Request::Subscribe { topic, .. } => (Kind::Topic, topic, &[Subscribe]),
+        Request::Serve { function } => (Kind::Function, function, &[Serve]),
+        Request::Call { function, .. } => (Kind::Function, function, &[Exec]),
+        Request::Hello { .. }
+        | Request::Ping
+        | Request::Auth { .. }
+        | Request::QueueList
+        | Request::TopicList
+        | Request::Ack { .. }
+        | Request::Abort { .. }
+        | Request::TopicAck { .. }
+        | Request::Unsubscribe { .. }
+        | Request::Unserve { .. }
+        | Request::Return { .. } => return None,
+    })
+}
+
 /// Serves one connection until the client closes it, a protocol error makes it unsafe to go on,
 /// or the server shuts down (then requests in flight finish first).
-pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, mut shutdown: watch::Receiver<bool>)
+pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, mut shutdown: watch::Receiver<bool>, peer: Peer)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let counted = Arc::clone(&ctx);
     let _connection = counted.stats.connection();
+    let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
     let (mut rd, mut wr) = tokio::io::split(stream);
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(ctx.config.max_queued_responses);
     let written = Arc::clone(&ctx);
@@ -67,6 +129,15 @@ where
     let mut out = Vec::with_capacity(16 * 1024);
     let mut skip: u64 = 0;
     let mut pushes = Pushes::default();
+    let mut session = Session { conn, peer, greeted: false, authenticated: None, logged_denials: HashSet::new() };
+    if let Some(certified) = auth::with_certificate(&ctx, &session.peer, conn) {
+        match certified {
+            Ok(a) => session.authenticated = Some(a),
+            Err(reason) => tracing::info!(conn, reason, "client certificate not accepted; a password may follow"),
+        }
+    }
+    let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
+    let idle_timeout = ctx.config.idle_timeout().ok().flatten();
     'read: loop {
         // Whole frames already buffered first.
         loop {
@@ -101,13 +172,29 @@ where
                             continue;
                         }
                     };
-                    match handle(&ctx, conn, &mut pushes, &tx, request) {
+                    if let Request::Auth { user, password } = request {
+                        // Answered before the requests pipelined behind it are read.
+                        let answer = if !ctx.broker.auth_enabled() {
+                            Response::Done
+                        } else {
+                            match auth::with_password(&ctx, &session.peer, conn, user, password).await {
+                                Ok(a) => {
+                                    session.authenticated = Some(a);
+                                    Response::Done
+                                }
+                                Err(reason) => Response::error(Status::Unauthorized, reason),
+                            }
+                        };
+                        answer.encode(f.opcode, f.request_id, &mut out);
+                        continue;
+                    }
+                    match handle(&ctx, &mut session, &mut pushes, &tx, request) {
                         Ok(response) => response.encode(f.opcode, f.request_id, &mut out),
                         Err(Waiting::Call { function, message, oneway, timeout }) => {
                             // A call in progress holds a permit, as a waiting poll does.
                             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
                             let reply = replier(tx.clone(), f.opcode, f.request_id, permit);
-                            match ctx.broker.call(&function, *message, oneway, now_ns(), timeout, reply) {
+                            match ctx.broker.call(conn, &function, *message, oneway, now_ns(), timeout, reply) {
                                 Ok(Called::Replied(m)) => Response::Reply { message: convert::message_out(*m) },
                                 Ok(Called::Sent) => Response::Done,
                                 Ok(Called::Pending { .. }) => continue,
@@ -120,7 +207,7 @@ where
                             let mut answer = None;
                             for _ in 0..20 {
                                 tokio::time::sleep(Duration::from_millis(10)).await;
-                                match handle(&ctx, conn, &mut pushes, &tx, (*request).clone()) {
+                                match handle(&ctx, &mut session, &mut pushes, &tx, (*request).clone()) {
                                     Err(Waiting::GroupBusy { .. }) => {}
                                     Ok(r) => {
                                         answer = Some(r);
@@ -167,12 +254,21 @@ where
         if !out.is_empty() && !pushes.flush(&tx, &mut out).await {
             break;
         }
+        // Silent too long, with nothing under way: closed (before HELLO, sooner).
+        let quiet_limit = if session.greeted { idle_timeout } else { Some(handshake_timeout) };
         tokio::select! {
             read = rd.read_buf(&mut buf) => match read {
                 Ok(0) | Err(_) => break,
                 Ok(n) => add(&ctx.stats.bytes_read, n as u64),
             },
             _ = shutdown.changed() => break,
+            _ = sleep_or_never(quiet_limit) => {
+                if in_flight.available_permits() == limit && pushes.is_empty() {
+                    add(&ctx.stats.idle_closed, 1);
+                    tracing::debug!(conn, "closing an idle connection");
+                    break;
+                }
+            }
         }
     }
     if !out.is_empty() {
@@ -188,7 +284,13 @@ where
     if tokio::time::timeout(grace, &mut writer).await.is_err() {
         writer.abort();
     }
-    ctx.broker.disconnect(conn);
+}
+
+async fn sleep_or_never(limit: Option<Duration>) {
+    match limit {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Writes every chunk, in order, with as few system calls as the socket allows.
@@ -229,6 +331,11 @@ impl Pushes {
             let _ = go.send(());
         }
         sent
+    }
+
+    /// Nothing pushes to this connection: it may be closed for idleness.
+    fn is_empty(&self) -> bool {
+        self.subscriptions.is_empty() && self.groups.is_empty() && self.invocations.is_none()
     }
 
     fn stop(&mut self) {
@@ -430,6 +537,8 @@ fn error(e: BrokerError) -> Response {
         BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
         BrokerError::Handler(_) => Status::HandlerError,
         BrokerError::Timeout(_) => Status::Timeout,
+        BrokerError::Unauthorized(_) => Status::Unauthorized,
+        BrokerError::Forbidden(_) => Status::Forbidden,
     };
     if status == Status::ServerError {
         tracing::error!(error = %e, "request failed");
@@ -500,18 +609,38 @@ impl Waiting {
 /// Answers one request at once, or says what it must wait for.
 fn handle(
     ctx: &Ctx,
-    conn: ConnId,
+    session: &mut Session,
     pushes: &mut Pushes,
     tx: &mpsc::Sender<Vec<u8>>,
     request: Request,
 ) -> Result<Response, Waiting> {
     let broker = &ctx.broker;
+    let conn = session.conn;
+    if !matches!(request, Request::Hello { .. } | Request::Ping)
+        && let Err(e) = broker.authenticated(session.principal())
+    {
+        return Ok(error(e));
+    }
+    if let Some((kind, name, actions)) = needs(&request)
+        && let Err(denied) = session.authorize(ctx, kind, name, actions)
+    {
+        return Ok(error(denied));
+    }
     Ok(match request {
-        Request::Hello { .. } => Response::Hello {
-            server: format!("petrel/{}", env!("CARGO_PKG_VERSION")),
-            max_frame: ctx.config.max_frame_bytes,
-        },
+        Request::Hello { .. } => {
+            session.greeted = true;
+            let mut features = 0;
+            if broker.auth_enabled() && session.authenticated.is_none() {
+                features |= features::AUTH_REQUIRED;
+            }
+            Response::Hello {
+                server: format!("petrel/{}", env!("CARGO_PKG_VERSION")),
+                max_frame: ctx.config.max_frame_bytes,
+                features,
+            }
+        }
         Request::Ping => Response::Pong,
+        Request::Auth { .. } => unreachable!("answered by the reader loop"),
         Request::QueueCreate { name, config } => {
             let owner = config.temporary.then_some(conn);
             match convert::config_in(config) {
@@ -523,7 +652,13 @@ fn handle(
             Ok(()) => Response::Done,
             Err(e) => error(e),
         },
-        Request::QueueList => Response::QueueList { names: broker.queue_names() },
+        Request::QueueList => Response::QueueList {
+            names: broker
+                .queue_names()
+                .into_iter()
+                .filter(|n| broker.may(session.principal(), Kind::Queue, n, &[Action::Offer, Action::Poll]))
+                .collect(),
+        },
         Request::QueueStatus { name } => match broker.queue(&name) {
             Some(q) => Response::QueueStatus { stats: convert::stats_out(q.stats(), &q.config) },
             None => error(BrokerError::NotFound(name)),
@@ -562,7 +697,13 @@ fn handle(
             broker.create_topic(&name, durable).map_or_else(error, |_| Response::Done)
         }
         Request::TopicRemove { name } => broker.remove_topic(&name).map_or_else(error, |()| Response::Done),
-        Request::TopicList => Response::TopicList { names: broker.topic_names() },
+        Request::TopicList => Response::TopicList {
+            names: broker
+                .topic_names()
+                .into_iter()
+                .filter(|n| broker.may(session.principal(), Kind::Topic, n, &[Action::Publish, Action::Subscribe]))
+                .collect(),
+        },
         Request::Publish { topic, messages } => {
             let messages = messages.into_iter().map(convert::message_in).collect();
             broker

@@ -15,6 +15,16 @@ pub(crate) struct ServerStats {
     pub get_misses: AtomicU64,
     pub bytes_read: AtomicU64,
     pub bytes_written: AtomicU64,
+    pub tls_connections: AtomicU64,
+    /// Plaintext connections refused by `require_tls`, TLS handshakes that failed or timed out.
+    pub tls_refused: AtomicU64,
+    pub auth_successes: AtomicU64,
+    pub auth_failures: AtomicU64,
+    /// Attempts refused by `auth_attempts_per_minute` without a password check.
+    pub auth_rate_limited: AtomicU64,
+    /// Connections refused or closed by a limit (`max_connections_per_user`, idle timeout).
+    pub connections_refused: AtomicU64,
+    pub idle_closed: AtomicU64,
 }
 
 impl ServerStats {
@@ -30,6 +40,13 @@ impl ServerStats {
             get_misses: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
+            tls_connections: AtomicU64::new(0),
+            tls_refused: AtomicU64::new(0),
+            auth_successes: AtomicU64::new(0),
+            auth_failures: AtomicU64::new(0),
+            auth_rate_limited: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
+            idle_closed: AtomicU64::new(0),
         }
     }
 

@@ -6,17 +6,19 @@
 
 pub mod codec;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use petrel_broker::security::{Action, Kind};
 use petrel_broker::{BrokerError, ConnId, Message, Queue};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
+use crate::auth::{self, Authenticated, Peer};
 use crate::stats::add;
 use crate::{Ctx, now_ns};
 use codec::{Command, Decoder, GetOptions, Reject};
@@ -45,16 +47,26 @@ struct Session<S> {
     /// This connection's open (tentatively read) item per queue: its broker handle.
     open: HashMap<String, u64>,
     shutdown: watch::Receiver<bool>,
+    peer: Peer,
+    /// When authentication is on: who logged in (with a first `set` of `user password`, or a
+    /// client certificate).
+    authenticated: Option<Authenticated>,
+    /// Destinations whose denial was logged already: each once per connection (bounded).
+    logged_denials: HashSet<(Kind, String)>,
 }
+
+/// Denials logged per connection at most.
+const MAX_LOGGED_DENIALS: usize = 64;
 
 /// Serves one connection until the client quits or goes away, a request makes the stream
 /// untrustworthy, or the server shuts down. Items it left open go back to their queues.
-pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, shutdown: watch::Receiver<bool>)
+pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, shutdown: watch::Receiver<bool>, peer: Peer)
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let counted = Arc::clone(&ctx);
     let _connection = counted.stats.connection();
+    let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
     let mut decoder = Decoder::new(ctx.config.max_message_bytes);
     let mut s = Session {
         ctx,
@@ -64,7 +76,16 @@ where
         out: Vec::with_capacity(16 * 1024),
         open: HashMap::new(),
         shutdown,
+        peer,
+        authenticated: None,
+        logged_denials: HashSet::new(),
     };
+    if let Some(certified) = auth::with_certificate(&s.ctx, &s.peer, conn) {
+        match certified {
+            Ok(a) => s.authenticated = Some(a),
+            Err(reason) => tracing::info!(conn, reason, "client certificate not accepted; a login may follow"),
+        }
+    }
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input) {
             let flow = match request {
@@ -91,7 +112,6 @@ where
     }
     s.flush().await;
     let _ = s.stream.shutdown().await;
-    s.ctx.broker.disconnect(conn);
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
@@ -111,7 +131,77 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         ok
     }
 
+    /// Asks the broker whether this connection may do one of `actions` to `kind`/`name`; a
+    /// refusal is answered (`CLIENT_ERROR`) here.
+    fn authorize(&mut self, kind: Kind, name: &str, actions: &[Action]) -> bool {
+        let principal = self.authenticated.as_ref().map(|a| &a.principal);
+        let Err(e) = self.ctx.broker.authorize(principal, kind, name, actions) else { return true };
+        if self.logged_denials.len() < MAX_LOGGED_DENIALS && self.logged_denials.insert((kind, name.to_owned())) {
+            let user = principal.map(|p| p.user.clone());
+            tracing::warn!(conn = self.conn, user, %kind, name = %petrel_broker::shown(name), reason = %e, "request denied");
+        }
+        self.line(&server_error(&e));
+        false
+    }
+
+    /// Whether this connection may see the queue `name` (in `stats`).
+    fn may_see(&self, name: &str) -> bool {
+        let principal = self.authenticated.as_ref().map(|a| &a.principal);
+        self.ctx.broker.may(principal, Kind::Queue, name, &[Action::Offer, Action::Poll])
+    }
+
+    /// Before a login, when authentication is on: memcached's text-protocol convention, a first
+    /// `set` (of any key) whose data is `user password`. Anything else ends the connection.
+    async fn login(&mut self, command: Command) -> Flow {
+        match command {
+            Command::Set { data, noreply, .. } => {
+                let text = String::from_utf8_lossy(&data);
+                let (user, password) = text.split_once(' ').unwrap_or((&text, ""));
+                match auth::with_password(&self.ctx, &self.peer, self.conn, user.to_owned(), password.to_owned()).await
+                {
+                    Ok(a) => {
+                        self.authenticated = Some(a);
+                        if !noreply {
+                            self.line("STORED");
+                        }
+                        Flow::Continue
+                    }
+                    Err(reason) => {
+                        self.line(&format!("CLIENT_ERROR authentication failed: {reason}"));
+                        Flow::Close
+                    }
+                }
+            }
+            Command::Version => {
+                self.line(&format!("VERSION petrel-{}", env!("CARGO_PKG_VERSION")));
+                Flow::Continue
+            }
+            Command::Quit => Flow::Close,
+            _ => {
+                self.line(
+                    "CLIENT_ERROR authentication required: first `set` any key with the data `<user> <password>`",
+                );
+                Flow::Close
+            }
+        }
+    }
+
     async fn execute(&mut self, command: Command) -> Flow {
+        if self.authenticated.is_none() && self.ctx.broker.auth_enabled() {
+            return self.login(command).await;
+        }
+        let needs = match &command {
+            Command::Get { queue, .. } | Command::FlushExpired { queue } => Some((queue.as_str(), Action::Poll)),
+            Command::Set { queue, .. } => Some((queue.as_str(), Action::Offer)),
+            Command::Delete { queue, .. } | Command::Flush { queue, .. } => Some((queue.as_str(), Action::Manage)),
+            Command::FlushAll { .. } | Command::FlushAllExpired | Command::Shutdown => Some(("*", Action::Manage)),
+            _ => None,
+        };
+        if let Some((name, action)) = needs
+            && !self.authorize(Kind::Queue, name, &[action])
+        {
+            return Flow::Continue;
+        }
         match command {
             Command::Get { key, queue, options, cas } => return self.get(key, &queue, options, cas).await,
             Command::Set { queue, flags, exptime, data, noreply } => {
@@ -335,7 +425,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     fn stats(&mut self) {
         let ctx = Arc::clone(&self.ctx);
         let broker = &ctx.broker;
-        let queues: Vec<Arc<Queue>> = broker.queue_names().iter().filter_map(|n| broker.queue(n)).collect();
+        let queues: Vec<Arc<Queue>> =
+            broker.queue_names().iter().filter(|n| self.may_see(n)).filter_map(|n| broker.queue(n)).collect();
         let per_queue: Vec<_> = queues.iter().map(|q| (q, q.stats())).collect();
         let s = &ctx.stats;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -361,6 +452,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("queue_creates", &broker.queues_created());
         put("queue_deletes", &broker.queues_removed());
         put("queue_expires", &0);
+        put("tls_connections", &get(&s.tls_connections));
+        put("tls_refused", &get(&s.tls_refused));
+        put("auth_successes", &get(&s.auth_successes));
+        put("auth_failures", &get(&s.auth_failures));
+        put("auth_rate_limited", &get(&s.auth_rate_limited));
+        put("acl_denials", &broker.denials());
+        put("connections_refused", &get(&s.connections_refused));
+        put("idle_closed", &get(&s.idle_closed));
+        let limits = &ctx.config;
+        put("limit_max_connections", &limits.max_connections);
+        put("limit_max_connections_per_user", &limits.security.max_connections_per_user);
+        put("limit_max_in_flight_per_connection", &limits.max_in_flight_per_connection);
+        put("limit_max_message_bytes", &limits.max_message_bytes);
+        put("limit_auth_attempts_per_minute", &limits.security.auth_attempts_per_minute);
+        put("limit_idle_timeout", &limits.idle_timeout);
         for (q, st) in &per_queue {
             for (stat, value) in queue_stats(broker, q, st) {
                 put(&format!("queue_{}_{stat}", q.name), &value);
@@ -372,6 +478,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     fn dump_stats(&mut self, names: &[String]) {
         let broker = Arc::clone(&self.ctx.broker);
         let names = if names.is_empty() { broker.queue_names() } else { names.to_vec() };
+        let names: Vec<String> = names.into_iter().filter(|n| self.may_see(n)).collect();
         for name in names {
             let Some(q) = broker.queue(&name) else { continue };
             let _ = write!(self.out, "queue '{name}' {{\r\n");
@@ -422,7 +529,9 @@ fn queue_stats(
 
 fn server_error(e: &BrokerError) -> String {
     match e {
-        BrokerError::BadRequest(reason) => format!("CLIENT_ERROR {reason}"),
+        BrokerError::BadRequest(reason) | BrokerError::Unauthorized(reason) | BrokerError::Forbidden(reason) => {
+            format!("CLIENT_ERROR {reason}")
+        }
         BrokerError::NotFound(_) | BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::Exists(_) => {
             format!("SERVER_ERROR {e}")
         }

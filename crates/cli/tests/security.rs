@@ -1,0 +1,450 @@
+//! Users, ACLs and TLS against the real `petrel serve`: seed 004's ACL examples translated (its
+//! `:queue/1` is `queue.1` here: names cannot hold `/`), default-deny, deny over a wildcard,
+//! admin-only management, reply queues, TLS and mutual TLS, the memcache port under
+//! authentication, and a SIGHUP reload that changes a decision on a connection already open.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use petrel_client::{Client, ClientError, ClientOptions, Message, PollOptions, QueueConfig, Status, TlsOptions};
+
+mod common;
+use common::Server;
+
+const PETREL: &str = env!("CARGO_BIN_EXE_petrel");
+
+/// Seed 004's users (max is the admin) and one more for certificates.
+const USERS: &[(&str, &str, bool)] = &[
+    ("jak", "io-96", false),
+    ("pax", "ph$54", false),
+    ("tom", "3-kio", false),
+    ("jon", "ph$54", false),
+    ("max", "zu*67", true),
+];
+
+fn add_user(file: &Path, name: &str, password: &str, admin: bool) {
+    let mut cmd = Command::new(PETREL);
+    cmd.args(["user", "add"]).arg(file).arg(name);
+    if admin {
+        cmd.arg("--admin");
+    }
+    let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(format!("{password}\n").as_bytes()).unwrap();
+    assert!(child.wait().unwrap().success(), "petrel user add {name}");
+}
+
+/// A data directory, a users file with seed 004's users, and a config with `security` (TOML
+/// lines for the `[security]` table, then whatever follows it).
+struct Setup {
+    dir: tempfile::TempDir,
+    config: PathBuf,
+}
+
+impl Setup {
+    fn new(security: &str) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        let users = dir.path().join("users.toml");
+        for (name, password, admin) in USERS {
+            add_user(&users, name, password, *admin);
+        }
+        let setup = Setup { config: dir.path().join("petrel.toml"), dir };
+        setup.write_config(security);
+        setup
+    }
+
+    fn write_config(&self, security: &str) {
+        let users = self.dir.path().join("users.toml");
+        let text = format!("[security]\nusers_file = {:?}\nallow_plaintext_auth = true\n{security}\n", users);
+        std::fs::write(&self.config, text).unwrap();
+    }
+
+    fn start(&self) -> Server {
+        Server::start_with(&self.dir.path().join("data"), &["--config", self.config.to_str().unwrap()])
+    }
+}
+
+async fn login(server: &Server, user: &str) -> Result<Client, ClientError> {
+    let password = USERS.iter().find(|u| u.0 == user).map_or("nope", |u| u.1);
+    login_with(server, user, password).await
+}
+
+async fn login_with(server: &Server, user: &str, password: &str) -> Result<Client, ClientError> {
+    let options =
+        ClientOptions { user: Some(user.into()), password: Some(password.into()), ..ClientOptions::default() };
+    Client::connect_with(&server.addr, &options).await
+}
+
+fn msg(s: &str) -> Message {
+    Message::new(s.as_bytes().to_vec())
+}
+
+fn status<T: std::fmt::Debug>(r: Result<T, ClientError>) -> Option<Status> {
+    r.expect_err("refused").status()
+}
+
+const TAKE: PollOptions = PollOptions { max: 10, timeout: Duration::ZERO, visibility: None };
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_queue_example_and_admin_only_management() {
+    let setup = Setup::new(
+        r#"
+[[security.acl]]
+kind = "queue"
+name = "queue.1"
+user = "jak"
+access = "poll"
+[[security.acl]]
+kind = "queue"
+name = "queue.1"
+user = "pax"
+access = "offer"
+[[security.acl]]
+kind = "queue"
+name = "queue.1"
+user = "jon"
+access = "deny"
+"#,
+    );
+    let server = setup.start();
+    let (max, pax, jak, jon, tom) = (
+        login(&server, "max").await.unwrap(),
+        login(&server, "pax").await.unwrap(),
+        login(&server, "jak").await.unwrap(),
+        login(&server, "jon").await.unwrap(),
+        login(&server, "tom").await.unwrap(),
+    );
+    assert_eq!(status(pax.create_queue("queue.1", QueueConfig::default()).await), Some(Status::Forbidden));
+    max.create_queue("queue.1", QueueConfig::default()).await.unwrap();
+    pax.offer("queue.1", vec![msg("hello")], None).await.unwrap();
+    assert_eq!(status(pax.poll("queue.1", TAKE).await), Some(Status::Forbidden));
+    let got = jak.poll("queue.1", TAKE).await.unwrap();
+    assert_eq!(got[0].message.payload, b"hello"[..]);
+    assert_eq!(status(jak.offer("queue.1", vec![msg("x")], None).await), Some(Status::Forbidden));
+    assert_eq!(status(jon.offer("queue.1", vec![msg("x")], None).await), Some(Status::Forbidden));
+    assert_eq!(status(jon.poll("queue.1", TAKE).await), Some(Status::Forbidden));
+    assert_eq!(status(jon.queue_status("queue.1").await), Some(Status::Forbidden));
+    assert!(!jon.list_queues().await.unwrap().contains(&"queue.1".to_string()), "a denied queue is not listed");
+    // No entry for tom: the default (offer-poll).
+    tom.offer("queue.1", vec![msg("t")], None).await.unwrap();
+    assert_eq!(tom.poll("queue.1", TAKE).await.unwrap().len(), 1);
+    assert_eq!(status(tom.remove_queue("queue.1").await), Some(Status::Forbidden));
+    assert_eq!(status(tom.create_topic("t", false).await), Some(Status::Forbidden));
+    max.remove_queue("queue.1").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_topic_and_function_examples() {
+    let setup = Setup::new(
+        r#"
+[[security.acl]]
+kind = "topic"
+name = "topic.1"
+user = "jak"
+access = "subscribe"
+[[security.acl]]
+kind = "topic"
+name = "topic.2"
+user = "jak"
+access = "subscribe"
+[[security.acl]]
+kind = "topic"
+name = "topic.1"
+user = "pax"
+access = "publish"
+[[security.acl]]
+kind = "topic"
+name = "topic.1"
+user = "tom"
+access = "publish-subscribe"
+[[security.acl]]
+kind = "topic"
+name = "topic.1"
+user = "jon"
+access = "deny"
+[[security.acl]]
+kind = "function"
+name = "echo"
+user = "jak"
+access = "exec"
+[[security.acl]]
+kind = "function"
+name = "order"
+user = "jak"
+access = "exec"
+[[security.acl]]
+kind = "function"
+name = "echo"
+user = "jon"
+access = "deny"
+"#,
+    );
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    let (jak, pax, tom, jon) = (
+        login(&server, "jak").await.unwrap(),
+        login(&server, "pax").await.unwrap(),
+        login(&server, "tom").await.unwrap(),
+        login(&server, "jon").await.unwrap(),
+    );
+    max.create_topic("topic.1", false).await.unwrap();
+    let mut sub = jak.subscribe("topic.1", 0).await.unwrap();
+    assert_eq!(pax.publish("topic.1", vec![msg("hello")]).await.unwrap(), 1);
+    let got = tokio::time::timeout(Duration::from_secs(5), sub.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!(got.payload, b"hello"[..]);
+    assert_eq!(status(jak.publish("topic.1", vec![msg("x")]).await), Some(Status::Forbidden));
+    assert_eq!(status(pax.subscribe("topic.1", 0).await), Some(Status::Forbidden));
+    assert_eq!(status(jon.subscribe("topic.1", 0).await), Some(Status::Forbidden));
+    assert_eq!(status(jon.publish("topic.1", vec![msg("x")]).await), Some(Status::Forbidden));
+    let _tom_sub = tom.subscribe("topic.1", 0).await.unwrap();
+    assert_eq!(tom.publish("topic.1", vec![msg("both")]).await.unwrap(), 2);
+
+    // Functions: the admin serves (an ordinary user may not, without `serve`).
+    assert_eq!(status(jak.serve("echo", |m| async move { Ok(m) }).await), Some(Status::Forbidden));
+    max.serve("echo", |m| async move { Ok(m) }).await.unwrap();
+    let reply = jak.call("echo", msg("ping"), Some(Duration::from_secs(5))).await.unwrap();
+    assert_eq!(reply.payload, b"ping"[..]);
+    assert_eq!(status(jon.call("echo", msg("ping"), None).await), Some(Status::Forbidden));
+    // pax has no entry: the default (exec) lets it call.
+    assert_eq!(pax.call("echo", msg("p"), Some(Duration::from_secs(5))).await.unwrap().payload, b"p"[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_default_deny_reply_queues_and_deny_over_a_wildcard() {
+    let setup = Setup::new(
+        r#"
+default_queue = "deny"
+default_topic = "deny"
+default_function = "deny"
+[[security.acl]]
+kind = "queue"
+name = "queue.1"
+user = "tom"
+access = "poll"
+[[security.acl]]
+kind = "queue"
+name = "queue.1"
+user = "max"
+access = "offer"
+[[security.acl]]
+kind = "queue"
+name = "shared.*"
+user = "*"
+access = "offer-poll"
+[[security.acl]]
+kind = "queue"
+name = "shared.secret"
+user = "jon"
+access = "deny"
+[[security.acl]]
+kind = "function"
+name = "barista"
+user = "tom"
+access = "exec"
+[[security.acl]]
+kind = "function"
+name = "barista"
+user = "pax"
+access = "serve"
+"#,
+    );
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    let (tom, pax, jon, jak) = (
+        login(&server, "tom").await.unwrap(),
+        login(&server, "pax").await.unwrap(),
+        login(&server, "jon").await.unwrap(),
+        login(&server, "jak").await.unwrap(),
+    );
+    for q in ["queue.1", "queue.2", "shared.a", "shared.secret"] {
+        max.create_queue(q, QueueConfig::default()).await.unwrap();
+    }
+    max.offer("queue.1", vec![msg("m")], None).await.unwrap();
+    assert_eq!(tom.poll("queue.1", TAKE).await.unwrap().len(), 1);
+    assert_eq!(status(tom.offer("queue.1", vec![msg("x")], None).await), Some(Status::Forbidden));
+    assert_eq!(status(tom.poll("queue.2", TAKE).await), Some(Status::Forbidden));
+    assert_eq!(status(jak.poll("queue.1", TAKE).await), Some(Status::Forbidden));
+    // A wildcard allows; a deny for one user on one name wins over it.
+    jon.offer("shared.a", vec![msg("a")], None).await.unwrap();
+    jak.offer("shared.secret", vec![msg("s")], None).await.unwrap();
+    assert_eq!(status(jon.offer("shared.secret", vec![msg("x")], None).await), Some(Status::Forbidden));
+    assert_eq!(status(jon.poll("shared.secret", TAKE).await), Some(Status::Forbidden));
+    assert_eq!(status(jak.create_topic("t", false).await), Some(Status::Forbidden));
+
+    // Reply queues: tom's own temporary queue, written to by the server of the call that named it.
+    tom.create_queue("reply.tom", QueueConfig { temporary: true, ..QueueConfig::default() }).await.unwrap();
+    let barista = pax.clone();
+    pax.serve("barista", move |order: Message| {
+        let barista = barista.clone();
+        async move {
+            let coffee = Message::new(format!("{} ready", String::from_utf8_lossy(&order.payload)).into_bytes());
+            barista.offer(&order.reply_to, vec![coffee], None).await.map_err(|e| e.to_string())?;
+            Ok(Message::default())
+        }
+    })
+    .await
+    .unwrap();
+    let order = Message { reply_to: "reply.tom".into(), ..msg("latte") };
+    tom.call("barista", order, Some(Duration::from_secs(5))).await.unwrap();
+    let poll = PollOptions { max: 1, timeout: Duration::from_secs(5), visibility: None };
+    assert_eq!(tom.poll("reply.tom", poll).await.unwrap()[0].message.payload, b"latte ready"[..]);
+    // Nobody else may use it.
+    assert_eq!(status(jak.offer("reply.tom", vec![msg("spam")], None).await), Some(Status::Forbidden));
+    assert_eq!(status(pax.poll("reply.tom", TAKE).await), Some(Status::Forbidden));
+    assert_eq!(status(jak.call("barista", msg("x"), None).await), Some(Status::Forbidden));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_wrong_passwords_rate_limits_and_plaintext() {
+    let setup = Setup::new("auth_attempts_per_minute = 4\nauth_failure_delay = \"50ms\"");
+    let server = setup.start();
+    let anonymous = Client::connect(server.addr.as_str()).await.unwrap();
+    for refused in [
+        anonymous.list_queues().await.map(|_| ()),
+        anonymous.create_queue("q", QueueConfig::default()).await,
+        anonymous.offer("q", vec![msg("x")], None).await.map(|_| ()),
+    ] {
+        assert_eq!(status(refused), Some(Status::Unauthorized));
+    }
+    anonymous.ping().await.unwrap();
+    let wrong = login_with(&server, "tom", "wrong").await.unwrap_err();
+    let unknown = login_with(&server, "nobody", "3-kio").await.unwrap_err();
+    assert_eq!(wrong.status(), Some(Status::Unauthorized));
+    assert_eq!(wrong.to_string(), unknown.to_string(), "one answer: no telling a wrong name from a wrong password");
+    login(&server, "tom").await.unwrap();
+    login(&server, "jak").await.unwrap();
+    // Four attempts a minute from this address: the fifth is refused without a check.
+    let limited = login(&server, "pax").await.unwrap_err();
+    assert!(limited.to_string().contains("too many"), "{limited}");
+
+    // Without allow_plaintext_auth, a password is refused outside TLS even on loopback.
+    let strict = Setup::new("");
+    std::fs::write(
+        &strict.config,
+        std::fs::read_to_string(&strict.config).unwrap().replace("allow_plaintext_auth = true", ""),
+    )
+    .unwrap();
+    let server = strict.start();
+    let refused = login(&server, "tom").await.unwrap_err();
+    assert_eq!(refused.status(), Some(Status::Unauthorized));
+    assert!(refused.to_string().contains("TLS"), "{refused}");
+}
+
+fn cert_dev(dir: &Path, client_name: &str) {
+    let out =
+        Command::new(PETREL).args(["cert", "dev"]).arg(dir).args(["--client-name", client_name]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_required_and_mutual_tls_names_the_user() {
+    let setup = Setup::new("");
+    let certs = setup.dir.path().join("certs");
+    cert_dev(&certs, "jak");
+    let p = |f: &str| certs.join(f).to_str().unwrap().to_owned();
+    setup.write_config(&format!(
+        "tls_cert = {:?}\ntls_key = {:?}\ntls_client_ca = {:?}\nrequire_tls = true\n",
+        p("server.pem"),
+        p("server.key"),
+        p("ca.pem")
+    ));
+    let server = setup.start();
+    // Plaintext: refused with a reason.
+    let plain = Client::connect(server.addr.as_str()).await;
+    assert!(plain.is_err(), "plaintext is refused");
+    let tls = TlsOptions { ca: certs.join("ca.pem"), server_name: Some("localhost".into()), ..TlsOptions::default() };
+    let options = |user: Option<&str>, tls: TlsOptions| ClientOptions {
+        user: user.map(str::to_owned),
+        password: user.map(|u| USERS.iter().find(|x| x.0 == u).unwrap().1.to_owned()),
+        tls: Some(tls),
+        ..ClientOptions::default()
+    };
+    let max = Client::connect_with(&server.addr, &options(Some("max"), tls.clone())).await.unwrap();
+    max.create_queue("q", QueueConfig::default()).await.unwrap();
+    // TLS without credentials: connected, not authenticated.
+    let nobody = Client::connect_with(&server.addr, &options(None, tls.clone())).await.unwrap();
+    assert_eq!(status(nobody.offer("q", vec![msg("x")], None).await), Some(Status::Unauthorized));
+    // A client certificate for "jak": authenticated as jak with no password.
+    let mtls = TlsOptions { cert: Some(certs.join("client.pem")), key: Some(certs.join("client.key")), ..tls.clone() };
+    let jak = Client::connect_with(&server.addr, &options(None, mtls)).await.unwrap();
+    jak.offer("q", vec![msg("by certificate")], None).await.unwrap();
+    assert_eq!(max.poll("q", TAKE).await.unwrap()[0].message.payload, b"by certificate"[..]);
+    // The wrong CA: the handshake fails.
+    let other = setup.dir.path().join("other");
+    cert_dev(&other, "x");
+    let wrong = TlsOptions { ca: other.join("ca.pem"), ..tls };
+    let e = Client::connect_with(&server.addr, &options(None, wrong)).await.unwrap_err();
+    assert!(matches!(e, ClientError::Tls(_)), "{e}");
+}
+
+/// One memcache exchange on a raw socket: sends `request`, returns the first line of the answer.
+fn exchange(stream: &mut std::net::TcpStream, request: &str) -> String {
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut line = String::new();
+    let _ = reader.read_line(&mut line);
+    line
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memcache_login_and_acls() {
+    let setup = Setup::new(
+        r#"
+[[security.acl]]
+kind = "queue"
+name = "jobs"
+user = "jak"
+access = "poll"
+"#,
+    );
+    let server = setup.start();
+    let connect = || {
+        let s = std::net::TcpStream::connect(&server.memcache).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s
+    };
+    // Before a login: refused, and the connection ends.
+    let mut anonymous = connect();
+    assert!(exchange(&mut anonymous, "get jobs\r\n").starts_with("CLIENT_ERROR authentication required"));
+    let mut rest = Vec::new();
+    assert_eq!(anonymous.read_to_end(&mut rest).unwrap(), 0, "closed");
+    // A wrong password: refused, closed.
+    let mut wrong = connect();
+    assert!(exchange(&mut wrong, "set login 0 0 9\r\ntom wrong\r\n").starts_with("CLIENT_ERROR authentication failed"));
+    // memcached's convention: a first `set` of "user password".
+    let mut tom = connect();
+    assert_eq!(exchange(&mut tom, "set login 0 0 9\r\ntom 3-kio\r\n"), "STORED\r\n");
+    assert_eq!(exchange(&mut tom, "set jobs 0 0 5\r\nhello\r\n"), "STORED\r\n");
+    assert!(exchange(&mut tom, "delete jobs\r\n").starts_with("CLIENT_ERROR"), "only admins remove queues");
+    let mut jak = connect();
+    assert_eq!(exchange(&mut jak, "set login 0 0 9\r\njak io-96\r\n"), "STORED\r\n");
+    assert!(exchange(&mut jak, "set jobs 0 0 1\r\nx\r\n").starts_with("CLIENT_ERROR"), "jak may only poll");
+    assert_eq!(exchange(&mut jak, "get jobs\r\n"), "VALUE jobs 0 5\r\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
+    let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"q\"\nuser = \"tom\"\naccess = \"offer\"\n";
+    let setup = Setup::new(allow);
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    max.create_queue("q", QueueConfig::default()).await.unwrap();
+    let tom = login(&server, "tom").await.unwrap();
+    tom.offer("q", vec![msg("before")], None).await.unwrap();
+    setup.write_config(&allow.replace("\"offer\"", "\"deny\""));
+    let hup = Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
+    assert!(hup.success());
+    let mut decided = None;
+    for _ in 0..500 {
+        match tom.offer("q", vec![msg("after")], None).await {
+            Ok(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(e) => {
+                decided = e.status();
+                break;
+            }
+        }
+    }
+    assert_eq!(decided, Some(Status::Forbidden), "the reload reached the open connection");
+    tom.ping().await.unwrap();
+}

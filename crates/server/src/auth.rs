@@ -1,0 +1,157 @@
+//! Who is on a connection: a password checked against the users file (off the async runtime:
+//! Argon2 is slow on purpose), or a verified client certificate. Both protocols authenticate
+//! here; what an authenticated user may do is the broker's to decide (`Broker::authorize`).
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use petrel_broker::ConnId;
+use petrel_broker::security::Principal;
+
+use crate::Ctx;
+use crate::stats::add;
+
+/// What the server knows of a connection's other end before it says anything.
+#[derive(Clone, Debug)]
+pub(crate) struct Peer {
+    /// `None` for the Unix socket.
+    pub addr: Option<SocketAddr>,
+    pub tls: bool,
+    /// The common name of a verified client certificate.
+    pub certificate_user: Option<String>,
+}
+
+impl Peer {
+    pub fn unix() -> Peer {
+        Peer { addr: None, tls: false, certificate_user: None }
+    }
+
+    /// On this machine: a loopback address or the Unix socket.
+    pub fn is_local(&self) -> bool {
+        self.addr.is_none_or(|a| a.ip().is_loopback())
+    }
+}
+
+/// One answer for every failure, so a client cannot tell a wrong name from a wrong password.
+pub(crate) const INVALID: &str = "invalid user name or password";
+
+/// Authentication attempts per address per minute (a fixed window each).
+pub(crate) struct AttemptLimiter {
+    windows: Mutex<HashMap<Option<IpAddr>, (Instant, u32)>>,
+}
+
+/// Addresses remembered at most; past it, windows that ended are dropped (and, if none has, all).
+const MAX_TRACKED_ADDRESSES: usize = 10_000;
+
+impl AttemptLimiter {
+    pub fn new() -> AttemptLimiter {
+        AttemptLimiter { windows: Mutex::new(HashMap::new()) }
+    }
+
+    /// Counts an attempt from `addr`; `false` if it is over `per_minute`.
+    fn admit(&self, addr: Option<IpAddr>, per_minute: u32) -> bool {
+        let now = Instant::now();
+        let minute = Duration::from_secs(60);
+        let mut windows = self.windows.lock().unwrap_or_else(|e| e.into_inner());
+        if windows.len() >= MAX_TRACKED_ADDRESSES && !windows.contains_key(&addr) {
+            windows.retain(|_, (start, _)| now.duration_since(*start) < minute);
+            if windows.len() >= MAX_TRACKED_ADDRESSES {
+                windows.clear();
+            }
+        }
+        let (start, count) = windows.entry(addr).or_insert((now, 0));
+        if now.duration_since(*start) >= minute {
+            (*start, *count) = (now, 0);
+        }
+        *count += 1;
+        *count <= per_minute
+    }
+}
+
+/// Holds one of a user's connections (for `max_connections_per_user`) while it lives.
+pub(crate) struct UserConnection {
+    ctx: Arc<Ctx>,
+    user: String,
+}
+
+impl Drop for UserConnection {
+    fn drop(&mut self) {
+        let mut counts = self.ctx.user_connections.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = counts.get_mut(&self.user) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.user);
+            }
+        }
+    }
+}
+
+/// A connection that proved who it is.
+pub(crate) struct Authenticated {
+    pub principal: Principal,
+    pub _held: UserConnection,
+}
+
+/// Checks `user`/`password` for the connection `conn` from `peer`. `Err` is the reason to give
+/// the client; failures are counted, rate-limited per address, and answered after a delay.
+pub(crate) async fn with_password(
+    ctx: &Arc<Ctx>,
+    peer: &Peer,
+    conn: ConnId,
+    user: String,
+    password: String,
+) -> Result<Authenticated, String> {
+    let Some(security) = ctx.broker.security() else { return Err("authentication is off on this server".into()) };
+    let settings = &ctx.config.security;
+    let plaintext_allowed = settings.allow_plaintext_auth && peer.is_local();
+    if !(peer.tls || plaintext_allowed) {
+        add(&ctx.stats.auth_failures, 1);
+        return Err("a password is accepted only over TLS (allow_plaintext_auth permits it on loopback)".into());
+    }
+    if !ctx.auth_attempts.admit(peer.addr.map(|a| a.ip()), settings.auth_attempts_per_minute) {
+        add(&ctx.stats.auth_rate_limited, 1);
+        return Err("too many authentication attempts from this address; try again in a minute".into());
+    }
+    let name = user.clone();
+    let verified = tokio::task::spawn_blocking(move || security.users.verify(&name, &password)).await;
+    if !matches!(verified, Ok(Some(_))) {
+        add(&ctx.stats.auth_failures, 1);
+        tracing::info!(conn, user = %petrel_broker::shown(&user), peer = ?peer.addr, "authentication failed");
+        tokio::time::sleep(settings.auth_failure_delay().unwrap_or(Duration::from_millis(250))).await;
+        return Err(INVALID.into());
+    }
+    admit(ctx, conn, user)
+}
+
+/// The user a verified client certificate names, if the users file knows it.
+pub(crate) fn with_certificate(ctx: &Arc<Ctx>, peer: &Peer, conn: ConnId) -> Option<Result<Authenticated, String>> {
+    let user = peer.certificate_user.clone()?;
+    let security = ctx.broker.security()?;
+    if security.users.get(&user).is_none() {
+        add(&ctx.stats.auth_failures, 1);
+        tracing::info!(conn, user = %petrel_broker::shown(&user), "client certificate names no known user");
+        return Some(Err(format!(
+            "the client certificate's user {:?} is not in the users file",
+            petrel_broker::shown(&user)
+        )));
+    }
+    Some(admit(ctx, conn, user))
+}
+
+fn admit(ctx: &Arc<Ctx>, conn: ConnId, user: String) -> Result<Authenticated, String> {
+    let max = ctx.config.security.max_connections_per_user;
+    let mut counts = ctx.user_connections.lock().unwrap_or_else(|e| e.into_inner());
+    let n = counts.entry(user.clone()).or_insert(0);
+    if max > 0 && *n >= max {
+        add(&ctx.stats.connections_refused, 1);
+        return Err(format!("user {user:?} has {max} connections already (max_connections_per_user)"));
+    }
+    *n += 1;
+    drop(counts);
+    add(&ctx.stats.auth_successes, 1);
+    tracing::debug!(conn, user = %user, "authenticated");
+    let held = UserConnection { ctx: Arc::clone(ctx), user: user.clone() };
+    Ok(Authenticated { principal: Principal { user, conn }, _held: held })
+}
