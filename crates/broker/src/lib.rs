@@ -106,6 +106,9 @@ pub struct BrokerOptions {
     pub topic_max_age: Duration,
     /// Users and ACLs; `None`: authentication is off and every connection may do everything.
     pub security: Option<Security>,
+    /// Queues an ordinary user may have created and not yet removed (temporary ones, and those
+    /// made by first use), counted since open; 0: no limit.
+    pub max_queues_per_user: usize,
 }
 
 impl Default for BrokerOptions {
@@ -119,6 +122,7 @@ impl Default for BrokerOptions {
             topic_max_bytes: 1 << 30,
             topic_max_age: Duration::from_secs(7 * 24 * 3600),
             security: None,
+            max_queues_per_user: 0,
         }
     }
 }
@@ -147,6 +151,15 @@ pub struct Broker {
     security: RwLock<Option<Arc<Security>>>,
     /// Requests refused by `authorize`.
     denials: AtomicU64,
+    /// Queues created by ordinary users, for `max_queues_per_user`.
+    created_by: Mutex<CreatedBy>,
+}
+
+/// Which user created which live queue, and how many each has.
+#[derive(Default)]
+struct CreatedBy {
+    creator: HashMap<String, String>,
+    count: HashMap<String, usize>,
 }
 
 /// The queues, and for each fanout parent name the children that receive copies.
@@ -209,6 +222,7 @@ impl Broker {
             functions: function::Functions::default(),
             security: RwLock::new(None),
             denials: AtomicU64::new(0),
+            created_by: Mutex::new(CreatedBy::default()),
         };
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         for def in broker.load_definitions()? {
@@ -309,8 +323,74 @@ impl Broker {
         Ok(queue)
     }
 
+    /// `create_queue` by `who`: an ordinary user's new queue counts against
+    /// `max_queues_per_user` until it is removed. (An existing queue is found, not counted.)
+    pub fn create_queue_by(
+        &self,
+        who: Option<&Principal>,
+        name: &str,
+        config: QueueConfig,
+        owner: Option<ConnId>,
+    ) -> Result<Arc<Queue>, BrokerError> {
+        self.counted(who, name, || self.create_queue(name, config, owner))
+    }
+
+    /// `queue_or_create` by `who`, counted as `create_queue_by` is.
+    pub fn queue_or_create_by(&self, who: Option<&Principal>, name: &str) -> Result<Arc<Queue>, BrokerError> {
+        if let Some(q) = self.queue(name) {
+            return Ok(q);
+        }
+        self.counted(who, name, || self.queue_or_create(name))
+    }
+
+    fn counted(
+        &self,
+        who: Option<&Principal>,
+        name: &str,
+        create: impl FnOnce() -> Result<Arc<Queue>, BrokerError>,
+    ) -> Result<Arc<Queue>, BrokerError> {
+        let ordinary = match (self.security(), who) {
+            (Some(security), Some(who)) => {
+                security.users.get(&who.user).is_some_and(|u| u.role != security::Role::Admin)
+            }
+            _ => false,
+        };
+        if !ordinary || self.queue(name).is_some() {
+            return create();
+        }
+        let user = &who.expect("ordinary users are principals").user;
+        // Held across the creation, so that one user's concurrent creations cannot pass the limit.
+        let mut created = self.created_by.lock().unwrap_or_else(|e| e.into_inner());
+        let limit = self.options.max_queues_per_user;
+        if limit > 0 && created.count.get(user).copied().unwrap_or(0) >= limit {
+            return Err(BrokerError::Forbidden(format!(
+                "user {user:?} has {limit} queues of its own already (max_queues_per_user)"
+            )));
+        }
+        let queue = create()?;
+        if !created.creator.contains_key(name) {
+            created.creator.insert(name.to_owned(), user.clone());
+            *created.count.entry(user.clone()).or_insert(0) += 1;
+        }
+        Ok(queue)
+    }
+
     /// Removes a queue and its contents.
     pub fn remove_queue(&self, name: &str) -> Result<(), BrokerError> {
+        self.remove_queue_locked(name)?;
+        let mut created = self.created_by.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(user) = created.creator.remove(name)
+            && let Some(n) = created.count.get_mut(&user)
+        {
+            *n -= 1;
+            if *n == 0 {
+                created.count.remove(&user);
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_queue_locked(&self, name: &str) -> Result<(), BrokerError> {
         let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
         let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
         self.removed.fetch_add(1, Ordering::Relaxed);

@@ -319,6 +319,7 @@ async fn unauthenticated_wrong_passwords_rate_limits_and_plaintext() {
     assert!(limited.to_string().contains("too many"), "{limited}");
 
     // Without allow_plaintext_auth, a password is refused outside TLS even on loopback.
+    drop(server);
     let strict = Setup::new("");
     std::fs::write(
         &strict.config,
@@ -447,4 +448,54 @@ async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
     }
     assert_eq!(decided, Some(Status::Forbidden), "the reload reached the open connection");
     tom.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_per_user_are_limited() {
+    let setup = Setup::new("max_connections_per_user = 2");
+    let server = setup.start();
+    let first = login(&server, "tom").await.unwrap();
+    let second = login(&server, "tom").await.unwrap();
+    let third = login(&server, "tom").await.unwrap_err();
+    assert_eq!(third.status(), Some(Status::Unauthorized));
+    assert!(third.to_string().contains("max_connections_per_user"), "{third}");
+    login(&server, "jak").await.unwrap();
+    drop(first);
+    let mut again = None;
+    for _ in 0..200 {
+        match login(&server, "tom").await {
+            Ok(c) => {
+                again = Some(c);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert!(again.is_some(), "a closed connection gives its place back");
+    second.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_per_user_are_limited() {
+    let setup = Setup::new("max_queues_per_user = 2");
+    let server = setup.start();
+    let tom = login(&server, "tom").await.unwrap();
+    let temporary = QueueConfig { temporary: true, ..QueueConfig::default() };
+    tom.create_queue("reply.1", temporary.clone()).await.unwrap();
+    tom.create_queue("reply.2", temporary.clone()).await.unwrap();
+    let third = tom.create_queue("reply.3", temporary.clone()).await.unwrap_err();
+    assert_eq!(third.status(), Some(Status::Forbidden));
+    assert!(third.to_string().contains("max_queues_per_user"), "{third}");
+    // Over memcache, a queue made by first use counts too.
+    let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(exchange(&mut mc, "set login 0 0 9\r\ntom 3-kio\r\n"), "STORED\r\n");
+    assert!(exchange(&mut mc, "set fresh 0 0 1\r\nx\r\n").starts_with("CLIENT_ERROR"), "over the limit");
+    tom.remove_queue("reply.1").await.unwrap();
+    assert_eq!(exchange(&mut mc, "set fresh 0 0 1\r\nx\r\n"), "STORED\r\n", "a removal frees a place");
+    // Admins are not counted.
+    let max = login(&server, "max").await.unwrap();
+    for i in 0..5 {
+        max.create_queue(&format!("admin.{i}"), QueueConfig::default()).await.unwrap();
+    }
 }

@@ -349,3 +349,32 @@ async fn a_long_multibyte_name_is_answered_and_the_connection_goes_on() {
     }
     panic!("the temporary queue outlived its connection");
 }
+
+/// A connection that says nothing is closed after the handshake timeout; one that said HELLO and
+/// then nothing, after the idle timeout; one with a poll waiting is not idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_idle_connections_are_closed_busy_ones_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "idle_timeout = \"400ms\"\n[security]\nhandshake_timeout = \"200ms\"\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let mut silent = std::net::TcpStream::connect(&server.addr).unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(silent.read(&mut [0u8; 16]).unwrap(), 0, "closed by the server");
+    assert!(started.elapsed() < Duration::from_secs(3));
+
+    let idle = server.client().await;
+    let busy = server.client().await;
+    busy.create_queue("q", QueueConfig::default()).await.unwrap();
+    let waiting = {
+        let busy = busy.clone();
+        tokio::spawn(async move {
+            busy.poll("q", PollOptions { max: 1, timeout: Duration::from_secs(2), visibility: None }).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(matches!(idle.ping().await, Err(ClientError::Closed)), "the idle connection was closed");
+    assert!(waiting.await.unwrap().unwrap().is_empty(), "the waiting poll was answered, not cut off");
+    busy.ping().await.unwrap();
+}

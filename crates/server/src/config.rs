@@ -81,6 +81,9 @@ pub struct SecurityConfig {
     pub acl: Vec<AclConfig>,
     /// Connections one user may hold at once (0: no limit).
     pub max_connections_per_user: usize,
+    /// Queues an ordinary user may have created and not removed: its temporary queues and those
+    /// made by first use over memcache (0: no limit). Admins are not counted.
+    pub max_queues_per_user: usize,
     /// Authentication attempts (AUTH, a memcache login) one address may make per minute; past it
     /// attempts are refused without checking the password.
     pub auth_attempts_per_minute: u32,
@@ -118,6 +121,7 @@ impl Default for SecurityConfig {
             default_function: acl.default_function.to_string(),
             acl: Vec::new(),
             max_connections_per_user: 0,
+            max_queues_per_user: 1000,
             auth_attempts_per_minute: 60,
             auth_failure_delay: "250ms".into(),
             handshake_timeout: "10s".into(),

@@ -644,7 +644,9 @@ fn handle(
         Request::QueueCreate { name, config } => {
             let owner = config.temporary.then_some(conn);
             match convert::config_in(config) {
-                Ok(config) => broker.create_queue(&name, config, owner).map_or_else(error, |_| Response::Done),
+                Ok(config) => broker
+                    .create_queue_by(session.principal(), &name, config, owner)
+                    .map_or_else(error, |_| Response::Done),
                 Err(e) => Response::error(Status::BadRequest, e),
             }
         }

@@ -289,7 +289,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             message.headers.push((FLAGS_HEADER.into(), Bytes::from(flags.to_string())));
         }
         let broker = &self.ctx.broker;
-        match broker.queue_or_create(queue).and_then(|q| broker.offer_to(&q, &mut vec![message], now)) {
+        let who = self.authenticated.as_ref().map(|a| &a.principal);
+        match broker.queue_or_create_by(who, queue).and_then(|q| broker.offer_to(&q, &mut vec![message], now)) {
             Ok(_) => "STORED".into(),
             Err(BrokerError::Full(_) | BrokerError::TooLarge { .. }) => "NOT_STORED".into(),
             Err(e) => server_error(&e),
@@ -331,7 +332,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let stats = &self.ctx.stats;
         add(if o.peek { &stats.cmd_peek } else { &stats.cmd_get }, 1);
         let deadline = Instant::now() + Duration::from_millis(u64::from(o.timeout_ms));
-        let mut created = match broker.queue_or_create(name) {
+        let who = self.authenticated.as_ref().map(|a| &a.principal);
+        let mut created = match broker.queue_or_create_by(who, name) {
             Ok(q) => Some(q),
             Err(e) => {
                 self.line(&server_error(&e));
@@ -463,6 +465,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let limits = &ctx.config;
         put("limit_max_connections", &limits.max_connections);
         put("limit_max_connections_per_user", &limits.security.max_connections_per_user);
+        put("limit_max_queues_per_user", &limits.security.max_queues_per_user);
         put("limit_max_in_flight_per_connection", &limits.max_in_flight_per_connection);
         put("limit_max_message_bytes", &limits.max_message_bytes);
         put("limit_auth_attempts_per_minute", &limits.security.auth_attempts_per_minute);
