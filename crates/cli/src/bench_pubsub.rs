@@ -11,7 +11,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
-use petrel_client::{Client, ClientError, Message, Request, Response};
+use petrel_client::{ClientError, Message, Request, Response};
 
 use crate::bench_queue::{Mode, Outcome, QueueBench};
 use crate::progress::{self, Unit};
@@ -28,14 +28,14 @@ pub(crate) async fn bench(args: &QueueBench, addr: &str) -> Res<Outcome> {
 
 async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
     let topic = &args.queue;
-    let publisher = Client::connect(addr).await?;
+    let publisher = args.connect(addr).await?;
     let _ = publisher.remove_topic(topic).await;
     publisher.create_topic(topic, false).await?;
     let delivered_all = args.count * args.subscribers as u64;
     let bar = progress::bar(delivered_all, "delivered", Unit::Items);
     let mut subscribers = Vec::new();
     for _ in 0..args.subscribers {
-        let client = Client::connect(addr).await?;
+        let client = args.connect(addr).await?;
         // Room for the whole run: this measures delivery, not the slow-subscriber policy.
         let mut sub = client.subscribe(topic, args.count.min(1 << 20) as u32).await?;
         let (count, bar) = (args.count, bar.clone());
@@ -80,7 +80,7 @@ async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
 }
 
 async fn call(args: &QueueBench, addr: &str) -> Res<Outcome> {
-    let server = Client::connect(addr).await?;
+    let server = args.connect(addr).await?;
     let function = args.queue.clone();
     server.serve(&function, |_request: Message| async { Ok(Message::new(&b"ok"[..])) }).await?;
     let bar = progress::bar(args.count, "calls", Unit::Items);
@@ -89,7 +89,7 @@ async fn call(args: &QueueBench, addr: &str) -> Res<Outcome> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..args.connections {
-        let client = Client::connect(addr).await?;
+        let client = args.connect(addr).await?;
         let share = args.count / args.connections as u64 + u64::from((i as u64) < args.count % args.connections as u64);
         let (function, payload, bar, done, pipeline) =
             (function.clone(), payload.clone(), bar.clone(), Arc::clone(&done), args.pipeline);

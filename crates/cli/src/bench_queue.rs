@@ -28,6 +28,9 @@ pub enum Mode {
     Publish,
     /// Call an echo function (named by --queue) served on its own connection; counts calls.
     Call,
+    /// Open `count` connections (TLS handshake with --tls-ca, HELLO, AUTH with --user), up to
+    /// --connections at once; counts handshakes.
+    Connect,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -75,14 +78,63 @@ pub struct QueueBench {
     pub(crate) batch: usize,
     #[arg(long)]
     pub(crate) json: bool,
+    /// With --server: authenticate as this user (password from $PETREL_PASSWORD).
+    #[arg(long)]
+    pub(crate) user: Option<String>,
+    /// With --server: speak TLS, trusting the server's certificate if it chains to this CA.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) tls_ca: Option<PathBuf>,
+}
+
+impl QueueBench {
+    fn client_options(&self) -> petrel_client::ClientOptions {
+        let password = self.user.as_ref().map(|_| std::env::var("PETREL_PASSWORD").unwrap_or_default());
+        let tls = self.tls_ca.as_ref().map(|ca| petrel_client::TlsOptions { ca: ca.clone(), ..Default::default() });
+        petrel_client::ClientOptions { user: self.user.clone(), password, tls, ..Default::default() }
+    }
+
+    /// A connection to `addr` with this run's TLS and credentials.
+    pub(crate) async fn connect(&self, addr: &str) -> Result<Client, petrel_client::ClientError> {
+        Client::connect_with(addr, &self.client_options()).await
+    }
+}
+
+/// Opens `count` connections, `connections` at a time; each a handshake (TLS, HELLO, AUTH).
+async fn connects(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::error::Error>> {
+    let options = args.client_options();
+    let next = Arc::new(AtomicU64::new(0));
+    let bar = progress::bar(args.count, "connect", Unit::Items);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..args.connections {
+        let (options, next, addr, count, bar) =
+            (options.clone(), Arc::clone(&next), addr.to_owned(), args.count, bar.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds");
+            while next.fetch_add(1, Ordering::Relaxed) < count {
+                let began = Instant::now();
+                let client = Client::connect_with(&addr, &options).await?;
+                client.close();
+                hist.record(began.elapsed().as_micros().max(1) as u64).expect("in bounds");
+                bar.inc(1);
+            }
+            Ok::<_, petrel_client::ClientError>(hist)
+        }));
+    }
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds");
+    for t in tasks {
+        hist.add(t.await??)?;
+    }
+    bar.finish_and_clear();
+    Ok(Outcome::new(args.count, args.count, args.count, started.elapsed().as_secs_f64(), 0, &hist))
 }
 
 pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if [args.connections, args.pipeline, args.batch, args.keys, args.subscribers].contains(&0) || args.count == 0 {
         return Err("--connections, --pipeline, --batch, --keys, --subscribers and --count must be at least 1".into());
     }
-    if args.protocol == Protocol::Memcache && matches!(args.mode, Mode::Publish | Mode::Call) {
-        return Err("--mode publish and call are native-protocol modes".into());
+    if args.protocol == Protocol::Memcache && matches!(args.mode, Mode::Publish | Mode::Call | Mode::Connect) {
+        return Err("--mode publish, call and connect are native-protocol modes".into());
     }
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
@@ -115,6 +167,7 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
             Protocol::Native if matches!(args.mode, Mode::Publish | Mode::Call) => {
                 crate::bench_pubsub::bench(&args, &addr).await
             }
+            Protocol::Native if args.mode == Mode::Connect => connects(&args, &addr).await,
             Protocol::Native => bench(&args, &addr).await,
             Protocol::Memcache => crate::bench_memcache::bench(&args, &addr).await,
         };
@@ -204,7 +257,7 @@ enum Role {
 }
 
 async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::error::Error>> {
-    let admin = Client::connect(addr).await?;
+    let admin = args.connect(addr).await?;
     let _ = admin.remove_queue(&args.queue).await;
     admin.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() }).await?;
     // Static, so the many copies of it in messages cost no shared reference count.
@@ -218,7 +271,7 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
             Mode::Poll => Role::Poll,
             Mode::OfferPoll if i % 2 == 0 || args.connections == 1 => Role::Offer,
             Mode::OfferPoll => Role::Poll,
-            Mode::Publish | Mode::Call => unreachable!("bench_pubsub's modes"),
+            Mode::Publish | Mode::Call | Mode::Connect => unreachable!("bench_pubsub's modes and connects"),
         })
         .collect();
     let offerers = roles.iter().filter(|r| **r == Role::Offer).count() as u64;
@@ -228,7 +281,7 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (i, role) in roles.iter().copied().enumerate() {
-        let client = Client::connect(addr).await?;
+        let client = args.connect(addr).await?;
         let (queue, payload, bar, polled) = (args.queue.clone(), payload.clone(), bar.clone(), Arc::clone(&polled));
         let (pipeline, batch, count, mode) = (args.pipeline, args.batch, args.count, args.mode);
         // Each offering connection sends its share; pollers together take `count`.

@@ -210,8 +210,8 @@ async fn durable_messages_survive_kill_9_and_sigterm_exits_cleanly() {
 fn bench_queue_runs_every_mode_and_prints_json() {
     let dir = tempfile::tempdir().unwrap();
     for protocol in ["native", "memcache"] {
-        for mode in ["offer", "poll", "offer-poll", "publish", "call"] {
-            if protocol == "memcache" && (mode == "publish" || mode == "call") {
+        for mode in ["offer", "poll", "offer-poll", "publish", "call", "connect"] {
+            if protocol == "memcache" && ["publish", "call", "connect"].contains(&mode) {
                 continue;
             }
             let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
