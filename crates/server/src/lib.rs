@@ -6,6 +6,8 @@ mod auth;
 mod config;
 mod convert;
 #[doc(hidden)]
+pub mod fuzzing;
+#[doc(hidden)]
 pub mod memcache;
 mod native;
 mod stats;

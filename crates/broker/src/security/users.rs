@@ -239,7 +239,8 @@ mod tests {
     use super::*;
 
     /// Users with cheap hashes (Argon2id, 256 KiB, one pass), for tests that are not about the
-    /// hashing: in a debug build a hash with the default parameters takes most of a second.
+    /// hashing: unoptimized (without the dev profile's opt-level for argon2), a hash with the
+    /// default parameters takes most of a second.
     fn cheap_users(entries: &[(&str, &str, Role)]) -> Users {
         let argon2 = Argon2::from(Params::new(256, 1, 1, None).unwrap());
         let mut users = Users::default();
