@@ -23,6 +23,27 @@ target/pyenv/bin/pip install -q --disable-pip-version-check -r tests/requirement
 cargo build -q --locked -p petrel
 PETREL_BIN="$PWD/target/debug/petrel" target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests
 
+echo "== fuzz targets"
+# Each decoder's target, and the request handler's: built always; run briefly where a nightly
+# toolchain is at hand (cargo-fuzz needs it), as the long runs by hand are (docs/benchmarks.md).
+fuzz_targets=(frame segment proto memcache handler)
+if cargo +nightly --version >/dev/null 2>&1; then
+  command -v cargo-fuzz >/dev/null || cargo install -q --locked cargo-fuzz@0.13.2
+  for target in "${fuzz_targets[@]}"; do
+    log="target/fuzz-$target.log"
+    if ! cargo +nightly fuzz run -s none "$target" -- -max_total_time="${PETREL_FUZZ_SECONDS:-15}" \
+      -rss_limit_mb=2048 > "$log" 2>&1; then
+      tail -n 40 "$log"
+      echo "fuzz target $target failed" >&2
+      exit 1
+    fi
+    echo "$target: $(grep -E '^Done' "$log" || tail -n 1 "$log")"
+  done
+else
+  echo "no nightly toolchain: building the fuzz targets without running them"
+  cargo check -q --manifest-path fuzz/Cargo.toml --bins
+fi
+
 echo "== examples"
 for example in queue consumer_groups message_store; do
   cargo run -q --locked -p petrel-log --example "$example" > /dev/null

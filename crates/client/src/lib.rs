@@ -83,8 +83,10 @@ impl TlsOptions {
         for cert in CertificateDer::pem_file_iter(&self.ca).map_err(|e| bad(&self.ca, &e))? {
             roots.add(cert.map_err(|e| bad(&self.ca, &e))?).map_err(|e| bad(&self.ca, &e))?;
         }
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let builder = rustls::ClientConfig::builder_with_provider(provider)
+        // AES-128-GCM first (as the server prefers it): a third cheaper per byte than AES-256.
+        let mut provider = rustls::crypto::ring::default_provider();
+        provider.cipher_suites.sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| ClientError::Tls(e.to_string()))?
             .with_root_certificates(roots);

@@ -30,7 +30,7 @@ pub(crate) fn load(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<
         return Err(format!("{}: no certificate", cert.display()));
     }
     let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let provider = Arc::new(provider());
     let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| format!("TLS: {e}"))?;
@@ -53,6 +53,14 @@ pub(crate) fn load(cert: &Path, key: &Path, client_ca: Option<&Path>) -> Result<
     };
     let config = builder.with_single_cert(chain, key).map_err(|e| format!("{}: {e}", cert.display()))?;
     Ok(Tls { acceptor: TlsAcceptor::from(Arc::new(config)) })
+}
+
+/// ring's TLS 1.3 suites, AES-128-GCM first: as safe as AES-256 for this use and about a third
+/// cheaper per byte, which shows at a few GB/s of messages.
+pub(crate) fn provider() -> rustls::crypto::CryptoProvider {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider.cipher_suites.sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    provider
 }
 
 /// The user a verified client certificate names: its subject's common name.
