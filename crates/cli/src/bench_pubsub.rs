@@ -51,7 +51,7 @@ async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
             Ok(())
         }));
     }
-    let payload = bytes::Bytes::from_static(Vec::leak(vec![0x5au8; args.payload_bytes]));
+    let payload = args.payload();
     let started = Instant::now();
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     let mut in_flight = FuturesUnordered::new();
@@ -84,7 +84,7 @@ async fn call(args: &QueueBench, addr: &str) -> Res<Outcome> {
     let function = args.queue.clone();
     server.serve(&function, |_request: Message| async { Ok(Message::new(&b"ok"[..])) }).await?;
     let bar = progress::bar(args.count, "calls", Unit::Items);
-    let payload = bytes::Bytes::from_static(Vec::leak(vec![0x5au8; args.payload_bytes]));
+    let payload = args.payload();
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();

@@ -78,6 +78,12 @@ pub struct QueueBench {
     pub(crate) batch: usize,
     #[arg(long)]
     pub(crate) json: bool,
+    /// Payloads of English-like text instead of one repeated byte (for --compress-min-bytes).
+    #[arg(long)]
+    pub(crate) text: bool,
+    /// Ask for zstd compression of payloads of at least this many bytes (both ways).
+    #[arg(long)]
+    pub(crate) compress_min_bytes: Option<usize>,
     /// With --server: authenticate as this user (password from $PETREL_PASSWORD).
     #[arg(long)]
     pub(crate) user: Option<String>,
@@ -90,13 +96,78 @@ impl QueueBench {
     fn client_options(&self) -> petrel_client::ClientOptions {
         let password = self.user.as_ref().map(|_| std::env::var("PETREL_PASSWORD").unwrap_or_default());
         let tls = self.tls_ca.as_ref().map(|ca| petrel_client::TlsOptions { ca: ca.clone(), ..Default::default() });
-        petrel_client::ClientOptions { user: self.user.clone(), password, tls, ..Default::default() }
+        petrel_client::ClientOptions {
+            user: self.user.clone(),
+            password,
+            tls,
+            compress_min_bytes: self.compress_min_bytes,
+            ..Default::default()
+        }
+    }
+
+    /// This run's payload, made once and shared by every message (static: the many copies of it
+    /// cost no shared reference count).
+    pub(crate) fn payload(&self) -> bytes::Bytes {
+        let bytes = if self.text { text(self.payload_bytes) } else { vec![0x5a; self.payload_bytes] };
+        bytes::Bytes::from_static(Vec::leak(bytes))
     }
 
     /// A connection to `addr` with this run's TLS and credentials.
     pub(crate) async fn connect(&self, addr: &str) -> Result<Client, petrel_client::ClientError> {
         Client::connect_with(addr, &self.client_options()).await
     }
+}
+
+/// `len` bytes of text that compresses about as English prose does (a fixed pseudo-random walk
+/// over a small vocabulary: not one repeated phrase).
+fn text(len: usize) -> Vec<u8> {
+    const WORDS: &[&str] = &[
+        "the",
+        "queue",
+        "message",
+        "order",
+        "of",
+        "and",
+        "to",
+        "a",
+        "server",
+        "client",
+        "durable",
+        "log",
+        "is",
+        "in",
+        "that",
+        "for",
+        "with",
+        "coffee",
+        "latte",
+        "ready",
+        "customer",
+        "barista",
+        "consumer",
+        "group",
+        "offset",
+        "segment",
+        "acknowledged",
+        "retry",
+        "delivery",
+        "at",
+        "least",
+        "once",
+        "every",
+        "record",
+    ];
+    let mut out = Vec::with_capacity(len + 16);
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(WORDS[(state % WORDS.len() as u64) as usize].as_bytes());
+        out.push(if state.is_multiple_of(11) { b'.' } else { b' ' });
+    }
+    out.truncate(len);
+    out
 }
 
 /// Opens `count` connections, `connections` at a time; each a handshake (TLS, HELLO, AUTH).
@@ -260,8 +331,7 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
     let admin = args.connect(addr).await?;
     let _ = admin.remove_queue(&args.queue).await;
     admin.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() }).await?;
-    // Static, so the many copies of it in messages cost no shared reference count.
-    let payload = bytes::Bytes::from_static(Vec::leak(vec![0x5au8; args.payload_bytes]));
+    let payload = args.payload();
     if args.mode == Mode::Poll {
         fill(&admin, &args.queue, &payload, args.count).await?;
     }

@@ -378,3 +378,56 @@ async fn silent_and_idle_connections_are_closed_busy_ones_are_not() {
     assert!(waiting.await.unwrap().unwrap().is_empty(), "the waiting poll was answered, not cut off");
     busy.ping().await.unwrap();
 }
+
+/// A memcache `stats` figure of the server's (bytes read and written count every protocol).
+fn stat(server: &Server, name: &str) -> u64 {
+    let mut s = std::net::TcpStream::connect(&server.memcache).unwrap();
+    s.write_all(b"stats\r\n").unwrap();
+    let mut text = String::new();
+    let mut reader = BufReader::new(s);
+    while !text.ends_with("END\r\n") {
+        reader.read_line(&mut text).unwrap();
+    }
+    let prefix = format!("STAT {name} ");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)).unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_travel_compressed_when_a_client_asks_and_arrive_as_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let options = petrel_client::ClientOptions { compress_min_bytes: Some(1024), ..Default::default() };
+    let zipped = Client::connect_with(&server.addr, &options).await.unwrap();
+    let plain = server.client().await;
+    let text = "every record is acknowledged at least once, in order; ".repeat(10_000).into_bytes();
+    zipped.create_queue("q", QueueConfig::default()).await.unwrap();
+
+    let read_before = stat(&server, "bytes_read");
+    zipped.offer("q", vec![Message::new(text.clone()), Message::new(text.clone())], None).await.unwrap();
+    let sent = stat(&server, "bytes_read") - read_before;
+    assert!(sent < text.len() as u64 / 4, "two {} B texts took {sent} B on the wire", text.len());
+    assert_eq!(zipped.queue_status("q").await.unwrap().bytes, 2 * text.len() as u64, "stored as sent");
+    // A client that did not ask gets the payload as it is; one that did, compressed and restored.
+    assert_eq!(plain.poll("q", PollOptions { max: 1, ..TAKE }).await.unwrap()[0].message.payload, text);
+    let written_before = stat(&server, "bytes_written");
+    let got = zipped.poll("q", PollOptions { max: 1, ..TAKE }).await.unwrap();
+    assert!(stat(&server, "bytes_written") - written_before < text.len() as u64 / 4);
+    assert_eq!((got[0].message.payload.as_ref(), got[0].message.compressed), (&text[..], false));
+
+    // Calls, both ways, and a topic's deliveries.
+    plain.serve("echo", |m| async move { Ok(m) }).await.unwrap();
+    let reply = zipped.call("echo", Message::new(text.clone()), Some(Duration::from_secs(5))).await.unwrap();
+    assert_eq!(reply.payload, text);
+    zipped.create_topic("t", false).await.unwrap();
+    let mut sub = zipped.subscribe("t", 0).await.unwrap();
+    plain.publish("t", vec![Message::new(text.clone())]).await.unwrap();
+    let delivered = tokio::time::timeout(Duration::from_secs(5), sub.next()).await.unwrap().unwrap().unwrap();
+    assert_eq!(delivered.payload, text);
+
+    // A compressed payload that unfolds past the limits is refused, and the connection goes on.
+    let mut bomb = Message::new(vec![0u8; 32 << 20]);
+    petrel_client::compression::compress(&mut bomb, 1);
+    let refused = plain.offer("q", vec![bomb], None).await.unwrap_err();
+    assert_eq!(refused.status(), Some(Status::BadRequest), "{refused}");
+    plain.ping().await.unwrap();
+}

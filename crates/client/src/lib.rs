@@ -22,7 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-pub use petrel_proto::{Delivery, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom, Status};
+pub use petrel_proto::{
+    Delivery, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom, Status, compression,
+};
 use petrel_proto::{FrameKind, Push, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
@@ -52,11 +54,20 @@ pub struct ClientOptions {
     pub tls: Option<TlsOptions>,
     /// For the TCP connection, the TLS handshake and HELLO, each.
     pub connect_timeout: Duration,
+    /// Ask for zstd-compressed payloads: if the server agrees, payloads of at least this many
+    /// bytes go compressed both ways (the server uses its own cutoff). `None`: never.
+    pub compress_min_bytes: Option<usize>,
 }
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        ClientOptions { user: None, password: None, tls: None, connect_timeout: Duration::from_secs(10) }
+        ClientOptions {
+            user: None,
+            password: None,
+            tls: None,
+            connect_timeout: Duration::from_secs(10),
+            compress_min_bytes: None,
+        }
     }
 }
 
@@ -192,6 +203,8 @@ struct Inner {
     /// Wakes callers waiting for room in the outbox.
     room: Arc<tokio::sync::Notify>,
     next_id: AtomicU64,
+    /// Payloads of at least this many bytes are sent compressed; 0: not negotiated.
+    compress_min_bytes: std::sync::atomic::AtomicUsize,
     reader: tokio::task::JoinHandle<()>,
     writer: tokio::task::JoinHandle<()>,
 }
@@ -296,14 +309,22 @@ impl Client {
         let reader = tokio::spawn(read_responses(rd, Arc::clone(&pending)));
         let writer =
             tokio::spawn(write_requests(Box::new(wr), Arc::clone(&pending), Arc::clone(&written), Arc::clone(&room)));
-        let inner = Inner { pending, written, room, next_id: AtomicU64::new(1), reader, writer };
+        let inner = Inner {
+            pending,
+            written,
+            room,
+            next_id: AtomicU64::new(1),
+            compress_min_bytes: std::sync::atomic::AtomicUsize::new(0),
+            reader,
+            writer,
+        };
         let client = Client { inner: Arc::new(inner) };
         let not_petrel = |what: &str| {
             ClientError::Protocol(format!(
                 "{addr} {what}: it does not speak the Petrel protocol (is it the memcache port, or another service?)"
             ))
         };
-        match tokio::time::timeout(options.connect_timeout, client.hello()).await {
+        match tokio::time::timeout(options.connect_timeout, client.hello(options.compress_min_bytes)).await {
             Err(_) => Err(not_petrel("did not answer HELLO in time")),
             Ok(Err(ClientError::Closed | ClientError::Protocol(_))) => {
                 Err(not_petrel("closed the connection at HELLO"))
@@ -328,7 +349,8 @@ impl Client {
                 return;
             }
             let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-            if request.encode(id, &mut pending.outbox).is_err() {
+            let compressed = compressed(request, self.inner.compress_min_bytes.load(Ordering::Relaxed));
+            if compressed.as_ref().unwrap_or(request).encode(id, &mut pending.outbox).is_err() {
                 return;
             }
         }
@@ -361,7 +383,8 @@ impl Client {
                             continue;
                         }
                         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-                        if let Err(e) = r.encode(id, &mut pending.outbox) {
+                        let compressed = compressed(r, self.inner.compress_min_bytes.load(Ordering::Relaxed));
+                        if let Err(e) = compressed.as_ref().unwrap_or(r).encode(id, &mut pending.outbox) {
                             waiting.push(Err(ClientError::Protocol(e.to_string())));
                             continue;
                         }
@@ -395,10 +418,17 @@ impl Client {
         }
     }
 
-    async fn hello(&self) -> Result<(), ClientError> {
-        self.call_op(Request::Hello { client: format!("petrel-client/{}", env!("CARGO_PKG_VERSION")), features: 0 })
-            .await
-            .map(|_| ())
+    /// Says HELLO, asking for compressed payloads if `compress_min_bytes` is set.
+    async fn hello(&self, compress_min_bytes: Option<usize>) -> Result<(), ClientError> {
+        let wanted = if compress_min_bytes.is_some() { petrel_proto::features::ZSTD } else { 0 };
+        let client = format!("petrel-client/{}", env!("CARGO_PKG_VERSION"));
+        let answer = self.call_op(Request::Hello { client, features: wanted }).await?;
+        if let (Response::Hello { features, .. }, Some(min)) = (answer, compress_min_bytes)
+            && features & petrel_proto::features::ZSTD != 0
+        {
+            self.inner.compress_min_bytes.store(min.max(1), Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     pub async fn ping(&self) -> Result<(), ClientError> {
@@ -682,6 +712,25 @@ impl Drop for Subscription {
     }
 }
 
+/// `r` with its large payloads compressed, if compression was negotiated (`min_bytes` > 0) and
+/// any payload is that large; `None` to send `r` as it is.
+fn compressed(r: &Request, min_bytes: usize) -> Option<Request> {
+    let large = |m: &Message| min_bytes > 0 && !m.compressed && m.payload.len() >= min_bytes;
+    let carries_large = match r {
+        Request::Offer { messages, .. } | Request::Publish { messages, .. } => messages.iter().any(large),
+        Request::Call { message, .. } | Request::Return { message, .. } => large(message),
+        _ => false,
+    };
+    if !carries_large {
+        return None;
+    }
+    let mut r = r.clone();
+    for m in petrel_proto::compression::request_messages(&mut r) {
+        petrel_proto::compression::compress(m, min_bytes);
+    }
+    Some(r)
+}
+
 fn unexpected(r: Response) -> ClientError {
     ClientError::Protocol(format!("unexpected response {r:?}"))
 }
@@ -698,6 +747,11 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
                     if let Some((opcode, tx)) = p.waiting.remove(&f.request_id) {
                         let response =
                             Response::decode(opcode, f.body).map_err(|e| ClientError::Protocol(e.to_string()));
+                        let response = response.and_then(|mut r| {
+                            petrel_proto::compression::decompress_response(&mut r, MAX_INCOMING_FRAME as usize)
+                                .map_err(|e| ClientError::Protocol(e.to_string()))?;
+                            Ok(r)
+                        });
                         if let Some(sub) = p.subscribing.remove(&f.request_id)
                             && let Ok(Response::Subscribed { subscription }) = &response
                         {
@@ -709,7 +763,9 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
                 }
                 Ok(Some(f)) if f.kind == FrameKind::Push => {
                     // A push this client cannot read (a newer server's) is skipped.
-                    if let Ok(push) = Push::decode(f.opcode, f.body) {
+                    if let Ok(mut push) = Push::decode(f.opcode, f.body)
+                        && petrel_proto::compression::decompress_push(&mut push, MAX_INCOMING_FRAME as usize).is_ok()
+                    {
                         route(&pending, f.request_id, push).await;
                     }
                 }

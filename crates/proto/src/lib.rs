@@ -2,6 +2,7 @@
 //! response bodies. Pure byte work: no I/O, no async runtime. `docs/protocol.md` specifies every
 //! byte; `tests/vectors/*.json` pin them for clients in other languages.
 
+pub mod compression;
 pub mod frame;
 pub mod hex;
 mod message;

@@ -120,6 +120,9 @@ pub struct Message {
     /// For replies: how the request went.
     pub status: Status,
     pub durable: bool,
+    /// The payload is zstd-compressed (flag bit 1). Connections compress and decompress
+    /// (`compression`), so applications never see it set.
+    pub compressed: bool,
     pub timestamp: u64,
     pub expires_at: u64,
     pub request_id: String,
@@ -138,6 +141,7 @@ pub struct Message {
 pub(crate) const MESSAGE_MIN_LEN: usize = 8 + 4 + 8 + 8 + 6 * 2 + 2 + 4;
 
 const FLAG_DURABLE: u8 = 1;
+const FLAG_ZSTD: u8 = 2;
 
 impl Message {
     pub fn new(payload: impl Into<Bytes>) -> Message {
@@ -178,7 +182,7 @@ impl Message {
         w.u64(self.id);
         w.u8(self.kind as u8);
         w.u8(self.status as u8);
-        w.u8(if self.durable { FLAG_DURABLE } else { 0 });
+        w.u8(if self.durable { FLAG_DURABLE } else { 0 } | if self.compressed { FLAG_ZSTD } else { 0 });
         w.u8(0);
         w.u64(self.timestamp);
         w.u64(self.expires_at);
@@ -198,7 +202,7 @@ impl Message {
         let kind = MessageKind::from_u8(r.u8("message kind")?)?;
         let status = Status::from_u8(r.u8("message status")?)?;
         let flags = r.u8("message flags")?;
-        if flags & !FLAG_DURABLE != 0 {
+        if flags & !(FLAG_DURABLE | FLAG_ZSTD) != 0 {
             return Err(DecodeError::BadValue("message flags"));
         }
         if r.u8("reserved")? != 0 {
@@ -223,6 +227,7 @@ impl Message {
             kind,
             status,
             durable: flags & FLAG_DURABLE != 0,
+            compressed: flags & FLAG_ZSTD != 0,
             timestamp,
             expires_at,
             request_id,

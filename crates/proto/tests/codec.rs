@@ -109,17 +109,18 @@ fn message() -> impl Strategy<Value = Message> {
     (
         any::<u64>(),
         0u8..4,
-        any::<bool>(),
+        any::<(bool, bool)>(),
         any::<(u64, u64)>(),
         prop::collection::vec(".{0,12}", 6),
         prop::collection::vec((".{0,8}", prop::collection::vec(any::<u8>(), 0..16)), 0..4),
         prop::collection::vec(any::<u8>(), 0..200),
     )
-        .prop_map(|(id, kind, durable, (timestamp, expires_at), s, headers, payload)| Message {
+        .prop_map(|(id, kind, (durable, compressed), (timestamp, expires_at), s, headers, payload)| Message {
             id,
             kind: [MessageKind::Message, MessageKind::Request, MessageKind::Reply, MessageKind::Oneway][kind as usize],
             status: Status::Ok,
             durable,
+            compressed,
             timestamp,
             expires_at,
             request_id: s[0].clone(),

@@ -39,6 +39,7 @@ fn full_message() -> Message {
         kind: MessageKind::Request,
         status: Status::Ok,
         durable: true,
+        compressed: false,
         timestamp: 0,
         expires_at: 1_700_000_060_000_000_000,
         request_id: "req-1".into(),

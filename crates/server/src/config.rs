@@ -28,6 +28,9 @@ pub struct Config {
     pub max_frame_bytes: u32,
     /// Largest message (payload + headers) accepted, bytes.
     pub max_message_bytes: usize,
+    /// Payloads of at least this many bytes go out zstd-compressed to clients that asked for it
+    /// in HELLO (0: never; compressed payloads from clients are always accepted).
+    pub compress_min_bytes: usize,
     /// Requests one connection may have in flight; past it, the server stops reading from it.
     pub max_in_flight_per_connection: usize,
     /// Responses buffered per connection before request handling waits for the client to read.
@@ -216,6 +219,7 @@ impl Default for Config {
             memcache_shutdown: false,
             max_frame_bytes: petrel_proto::DEFAULT_MAX_FRAME,
             max_message_bytes: 16 << 20,
+            compress_min_bytes: 4096,
             max_in_flight_per_connection: 256,
             max_queued_responses: 1024,
             max_connections: 10_000,

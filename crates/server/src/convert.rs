@@ -32,6 +32,7 @@ pub(crate) fn message_out(m: broker::Message) -> proto::Message {
         },
         status: proto::Status::from_u8(m.status).unwrap_or(proto::Status::Ok),
         durable: false,
+        compressed: false,
         timestamp: m.timestamp,
         expires_at: m.expires_at,
         request_id: m.request_id,
@@ -43,6 +44,15 @@ pub(crate) fn message_out(m: broker::Message) -> proto::Message {
         headers: m.headers,
         payload: m.payload,
     }
+}
+
+/// `message_out`, its payload compressed for a connection that negotiated it (`Some(cutoff)`).
+pub(crate) fn outgoing(m: broker::Message, compress: Option<usize>) -> proto::Message {
+    let mut m = message_out(m);
+    if let Some(min_bytes) = compress {
+        proto::compression::compress(&mut m, min_bytes);
+    }
+    m
 }
 
 /// A queue configuration from the wire; a durability policy that does not parse is an error.

@@ -37,6 +37,8 @@ struct Session {
     authenticated: Option<Authenticated>,
     /// Destinations whose denial was logged already: each once per connection (bounded).
     logged_denials: HashSet<(Kind, String)>,
+    /// Negotiated in HELLO: payloads of at least this many bytes go out zstd-compressed.
+    compress: Option<usize>,
 }
 
 /// Denials logged per connection at most.
@@ -129,7 +131,8 @@ where
     let mut out = Vec::with_capacity(16 * 1024);
     let mut skip: u64 = 0;
     let mut pushes = Pushes::default();
-    let mut session = Session { conn, peer, greeted: false, authenticated: None, logged_denials: HashSet::new() };
+    let mut session =
+        Session { conn, peer, greeted: false, authenticated: None, logged_denials: HashSet::new(), compress: None };
     if let Some(certified) = auth::with_certificate(&ctx, &session.peer, conn) {
         match certified {
             Ok(a) => session.authenticated = Some(a),
@@ -193,9 +196,11 @@ where
                         Err(Waiting::Call { function, message, oneway, timeout }) => {
                             // A call in progress holds a permit, as a waiting poll does.
                             let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
-                            let reply = replier(tx.clone(), f.opcode, f.request_id, permit);
+                            let reply = replier(tx.clone(), f.opcode, f.request_id, permit, session.compress);
                             match ctx.broker.call(conn, &function, *message, oneway, now_ns(), timeout, reply) {
-                                Ok(Called::Replied(m)) => Response::Reply { message: convert::message_out(*m) },
+                                Ok(Called::Replied(m)) => {
+                                    Response::Reply { message: convert::outgoing(*m, session.compress) }
+                                }
                                 Ok(Called::Sent) => Response::Done,
                                 Ok(Called::Pending { .. }) => continue,
                                 Err(e) => error(e),
@@ -349,7 +354,7 @@ impl Pushes {
     }
 
     /// Forwards a subscription's messages as DELIVER pushes, several per frame when they queue up.
-    fn subscribe(&mut self, mut sub: Subscription, tx: mpsc::Sender<Vec<u8>>) {
+    fn subscribe(&mut self, mut sub: Subscription, tx: mpsc::Sender<Vec<u8>>, compress: Option<usize>) {
         let id = sub.id;
         let (go, answered) = tokio::sync::oneshot::channel();
         self.answered.push(go);
@@ -372,15 +377,20 @@ impl Pushes {
                         Err(_) => break,
                     }
                 }
-                // Each message is encoded once, by whichever subscriber's task gets to it first.
-                let encoded: Vec<&bytes::Bytes> = batch
+                // Each message is encoded once, by whichever subscriber's task gets to it first
+                // (one that goes out compressed, for this connection alone).
+                let encoded: Vec<bytes::Bytes> = batch
                     .iter()
                     .map(|d| {
-                        d.encoded.get_or_init(|| {
+                        let encode = |compress| {
                             let mut out = Vec::with_capacity(d.message.payload.len() + 64);
-                            convert::message_out(d.message.clone()).encode_to(&mut out);
+                            convert::outgoing(d.message.clone(), compress).encode_to(&mut out);
                             bytes::Bytes::from(out)
-                        })
+                        };
+                        match compress {
+                            Some(min) if d.message.payload.len() >= min => encode(compress),
+                            _ => d.encoded.get_or_init(|| encode(None)).clone(),
+                        }
                     })
                     .collect();
                 let mut out = Vec::with_capacity(encoded.iter().map(|e| e.len()).sum::<usize>() + 32);
@@ -409,7 +419,14 @@ impl Pushes {
 
     /// Delivers a consumer group's messages as DELIVER pushes, from a blocking thread (the log's
     /// consumer groups block), at most `max_pending` unacknowledged.
-    fn subscribe_group(&mut self, id: u64, mut reader: GroupReader, max_pending: usize, tx: mpsc::Sender<Vec<u8>>) {
+    fn subscribe_group(
+        &mut self,
+        id: u64,
+        mut reader: GroupReader,
+        max_pending: usize,
+        tx: mpsc::Sender<Vec<u8>>,
+        compress: Option<usize>,
+    ) {
         let (acks_tx, acks) = std::sync::mpsc::sync_channel::<GroupAck>(1024);
         let (go, answered) = tokio::sync::oneshot::channel();
         self.answered.push(go);
@@ -458,7 +475,7 @@ impl Pushes {
                 let last = messages.len();
                 for (i, m) in messages.into_iter().enumerate() {
                     bytes += m.size();
-                    frame.push(convert::message_out(m));
+                    frame.push(convert::outgoing(m, compress));
                     if bytes >= 64 * 1024 || i + 1 == last {
                         let mut out = Vec::with_capacity(bytes as usize + 64 * frame.len());
                         Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out);
@@ -474,15 +491,22 @@ impl Pushes {
     }
 
     /// The channel the broker sends this connection's invocations on (made at the first SERVE).
-    fn invocations(&mut self, tx: &mpsc::Sender<Vec<u8>>, capacity: usize) -> mpsc::Sender<Invocation> {
+    fn invocations(
+        &mut self,
+        tx: &mpsc::Sender<Vec<u8>>,
+        capacity: usize,
+        compress: Option<usize>,
+    ) -> mpsc::Sender<Invocation> {
         let (sender, _) = self.invocations.get_or_insert_with(|| {
             let (sender, mut invocations) = mpsc::channel::<Invocation>(capacity);
             let tx = tx.clone();
             let task = tokio::spawn(async move {
                 while let Some(inv) = invocations.recv().await {
                     let mut out = Vec::with_capacity(inv.message.size() as usize + 256);
-                    let push =
-                        Push::Invoke { function: inv.function, message: Box::new(convert::message_out(inv.message)) };
+                    let push = Push::Invoke {
+                        function: inv.function,
+                        message: Box::new(convert::outgoing(inv.message, compress)),
+                    };
                     push.encode(inv.call, &mut out);
                     if tx.send(out).await.is_err() {
                         return;
@@ -502,10 +526,11 @@ fn replier(
     op: u16,
     request_id: u64,
     permit: tokio::sync::OwnedSemaphorePermit,
+    compress: Option<usize>,
 ) -> petrel_broker::Replier {
     Box::new(move |outcome| {
         let response = match outcome {
-            Ok(message) => Response::Reply { message: convert::message_out(message) },
+            Ok(message) => Response::Reply { message: convert::outgoing(message, compress) },
             Err(e) => error(e),
         };
         let mut out = Vec::with_capacity(64);
@@ -569,6 +594,7 @@ enum Waiting {
         max: usize,
         visibility: Option<Duration>,
         timeout_ms: u32,
+        compress: Option<usize>,
     },
     /// A call to a function served by a connection: made once the caller holds a permit, and
     /// answered by its replier (no task waits for it).
@@ -590,8 +616,8 @@ impl Waiting {
     async fn finish(self, ctx: &Ctx, conn: ConnId) -> Response {
         match self {
             Waiting::Offer { queue, messages, timeout_ms } => offer_waiting(ctx, &queue, messages, timeout_ms).await,
-            Waiting::Poll { queue, max, visibility, timeout_ms } => {
-                poll_waiting(ctx, conn, &queue, max, visibility, timeout_ms).await
+            Waiting::Poll { queue, max, visibility, timeout_ms, compress } => {
+                poll_waiting(ctx, conn, &queue, max, visibility, timeout_ms, compress).await
             }
             Waiting::GroupAck { counted } => match counted.await {
                 Ok(count) => Response::Acked { count },
@@ -626,10 +652,20 @@ fn handle(
     {
         return Ok(error(denied));
     }
+    // Compressed payloads are restored first: a request unfolds to at most a frame's worth.
+    let mut request = request;
+    let messages = petrel_proto::compression::request_messages(&mut request);
+    if let Err(e) = petrel_proto::compression::decompress_all(messages, ctx.config.max_frame_bytes as usize) {
+        return Ok(Response::error(Status::BadRequest, e.to_string()));
+    }
     Ok(match request {
-        Request::Hello { .. } => {
+        Request::Hello { features: wanted, .. } => {
             session.greeted = true;
             let mut features = 0;
+            if wanted & features::ZSTD != 0 && ctx.config.compress_min_bytes > 0 {
+                session.compress = Some(ctx.config.compress_min_bytes);
+                features |= features::ZSTD;
+            }
             if broker.auth_enabled() && session.authenticated.is_none() {
                 features |= features::AUTH_REQUIRED;
             }
@@ -681,9 +717,9 @@ fn handle(
             let max = (max as usize).clamp(1, 10_000);
             match broker.poll(&queue, max, visibility, conn, now_ns()) {
                 Ok(d) if d.is_empty() && timeout_ms > 0 => {
-                    return Err(Waiting::Poll { queue, max, visibility, timeout_ms });
+                    return Err(Waiting::Poll { queue, max, visibility, timeout_ms, compress: session.compress });
                 }
-                Ok(d) => polled(d),
+                Ok(d) => polled(d, session.compress),
                 Err(e) => error(e),
             }
         }
@@ -729,7 +765,7 @@ fn handle(
             match t.group(&group, from, max_pending) {
                 Ok(reader) => {
                     let subscription = broker.next_id();
-                    pushes.subscribe_group(subscription, reader, max_pending, tx.clone());
+                    pushes.subscribe_group(subscription, reader, max_pending, tx.clone(), session.compress);
                     Response::Subscribed { subscription }
                 }
                 Err(BrokerError::Storage(petrel_log::Error::GroupInUse { .. })) => {
@@ -748,7 +784,7 @@ fn handle(
             match broker.subscribe(&topic, conn, buffer) {
                 Ok(sub) => {
                     let subscription = sub.id;
-                    pushes.subscribe(sub, tx.clone());
+                    pushes.subscribe(sub, tx.clone(), session.compress);
                     Response::Subscribed { subscription }
                 }
                 Err(e) => error(e),
@@ -778,7 +814,7 @@ fn handle(
         }
         Request::Serve { function } => match petrel_broker::check_name(&function) {
             Ok(()) => {
-                let invocations = pushes.invocations(tx, ctx.config.max_in_flight_per_connection);
+                let invocations = pushes.invocations(tx, ctx.config.max_in_flight_per_connection, session.compress);
                 broker.serve(&function, conn, invocations);
                 Response::Done
             }
@@ -806,14 +842,14 @@ fn handle(
     })
 }
 
-fn polled(deliveries: Vec<petrel_broker::Delivery>) -> Response {
+fn polled(deliveries: Vec<petrel_broker::Delivery>, compress: Option<usize>) -> Response {
     if deliveries.is_empty() {
         return Response::error(Status::QueueEmpty, "");
     }
     Response::Polled {
         deliveries: deliveries
             .into_iter()
-            .map(|d| Delivery { handle: d.handle, message: convert::message_out(d.message) })
+            .map(|d| Delivery { handle: d.handle, message: convert::outgoing(d.message, compress) })
             .collect(),
     }
 }
@@ -825,6 +861,7 @@ async fn poll_waiting(
     max: usize,
     visibility: Option<Duration>,
     timeout_ms: u32,
+    compress: Option<usize>,
 ) -> Response {
     let deadline = Instant::now() + Duration::from_millis(timeout_ms as u64);
     loop {
@@ -834,7 +871,7 @@ async fn poll_waiting(
         notified.as_mut().enable();
         match ctx.broker.poll_from(&q, max, visibility, conn, now_ns()) {
             Ok(d) if d.is_empty() => {}
-            other => return other.map_or_else(error, polled),
+            other => return other.map_or_else(error, |d| polled(d, compress)),
         }
         let _waiting = q.waiting();
         if tokio::time::timeout_at(deadline.into(), notified).await.is_err() {
