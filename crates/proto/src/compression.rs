@@ -10,12 +10,22 @@ use crate::{DecodeError, Message, Push, Request, Response};
 /// zstd's level 1: a few hundred MB/s per core, most of the gain on text.
 const LEVEL: i32 = 1;
 
+thread_local! {
+    // A zstd context costs more to make than a small payload costs to compress: one per thread,
+    // kept. (`None` if zstd could not allocate one: then payloads go uncompressed.)
+    static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
+        std::cell::RefCell::new(zstd::bulk::Compressor::new(LEVEL).ok());
+    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        std::cell::RefCell::new(zstd::bulk::Decompressor::new().ok());
+}
+
 /// Compresses `m`'s payload if it is at least `min_bytes` and compressing makes it smaller.
 pub fn compress(m: &mut Message, min_bytes: usize) {
     if m.compressed || m.payload.len() < min_bytes || m.payload.is_empty() {
         return;
     }
-    if let Ok(packed) = zstd::bulk::compress(&m.payload, LEVEL)
+    let packed = COMPRESSOR.with_borrow_mut(|c| c.as_mut().and_then(|c| c.compress(&m.payload).ok()));
+    if let Some(packed) = packed
         && packed.len() < m.payload.len()
     {
         m.payload = Bytes::from(packed);
@@ -29,8 +39,10 @@ pub fn decompress(m: &mut Message, max_bytes: usize) -> Result<(), DecodeError> 
     if !m.compressed {
         return Ok(());
     }
-    let plain = zstd::bulk::decompress(&m.payload, max_bytes)
-        .map_err(|_| DecodeError::BadValue("compressed payload (not zstd, or larger than the limit)"))?;
+    // The frame's recorded size is checked against `max_bytes` before anything is allocated.
+    let plain = DECOMPRESSOR
+        .with_borrow_mut(|d| d.as_mut().and_then(|d| d.decompress(&m.payload, max_bytes).ok()))
+        .ok_or(DecodeError::BadValue("compressed payload (not zstd, or larger than the limit)"))?;
     m.payload = Bytes::from(plain);
     m.compressed = false;
     Ok(())
