@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use bytes::{Bytes, BytesMut};
 use petrel_proto::{
     Delivery, FrameKind, Message, MessageKind, Push, QueueConfig, QueueStats, Request, Response, StartFrom, Status,
-    features, frame, hex, opcode,
+    compression, features, frame, hex, opcode,
 };
 use serde::{Deserialize, Serialize};
 
@@ -194,6 +194,21 @@ fn cases() -> Vec<Vector> {
             "one message with only a payload",
             7,
             Request::Offer { queue: q("orders"), timeout_ms: 0, messages: vec![Message::new(&b"hello"[..])] },
+        ),
+        request(
+            "offer_compressed",
+            "one message whose payload, \"espresso \" nine times (81 bytes), travels as a zstd frame (flags bit 1)",
+            7,
+            Request::Offer {
+                queue: q("orders"),
+                timeout_ms: 0,
+                messages: vec![{
+                    let mut m = Message::new("espresso ".repeat(9).into_bytes());
+                    compression::compress(&mut m, 1);
+                    assert!(m.compressed, "it shrinks");
+                    m
+                }],
+            },
         ),
         request(
             "offer_batch_full_fields",
