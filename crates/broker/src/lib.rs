@@ -70,6 +70,8 @@ pub enum BrokerError {
     /// Authenticated, and not allowed to do this.
     #[error("{0}")]
     Forbidden(String),
+    #[error("data directory {} is in use by another petrel server (it is locked)", .0.display())]
+    DataDirLocked(PathBuf),
 }
 
 /// A name as an error shows it: a client may send 64 KiB of one, and errors echo it back.
@@ -137,6 +139,9 @@ struct Definition {
 
 pub struct Broker {
     dir: PathBuf,
+    /// An exclusive flock(2) on the data directory, held while the broker lives: two servers on
+    /// one directory would overwrite each other's definitions, whatever their queues are.
+    _lock: std::fs::File,
     options: BrokerOptions,
     registry: RwLock<Registry>,
     /// Serializes changes to the set of queues and their definitions file.
@@ -205,6 +210,15 @@ impl Broker {
     pub fn open(dir: impl AsRef<Path>, options: BrokerOptions) -> Result<Broker, BrokerError> {
         let dir = dir.as_ref().to_path_buf();
         std::fs::create_dir_all(dir.join("queues")).map_err(|e| BrokerError::Definitions(e.to_string()))?;
+        let lock =
+            std::fs::File::open(&dir).map_err(|e| BrokerError::Definitions(format!("{}: {e}", dir.display())))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => return Err(BrokerError::DataDirLocked(dir)),
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(BrokerError::Definitions(format!("lock {}: {e}", dir.display())));
+            }
+        }
         for (name, config) in &options.queues {
             check_name(name)?;
             config.validate().map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
@@ -212,6 +226,7 @@ impl Broker {
         options.queue_defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))?;
         let broker = Broker {
             dir,
+            _lock: lock,
             options,
             registry: RwLock::new(Registry::default()),
             definitions: Mutex::new(()),

@@ -431,3 +431,61 @@ async fn payloads_travel_compressed_when_a_client_asks_and_arrive_as_sent() {
     assert_eq!(refused.status(), Some(Status::BadRequest), "{refused}");
     plain.ping().await.unwrap();
 }
+
+/// Waits for `child` to exit, up to `limit`; kills it and says so if it did not.
+fn exited_within(mut child: std::process::Child, limit: Duration) -> Result<std::process::Output, String> {
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            child.kill().unwrap();
+            return Err(format!("still running after {limit:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(child.wait_with_output().unwrap())
+}
+
+/// Two servers on one data directory (even one holding no durable queue) would delete each
+/// other's queue definitions: the second is refused at startup.
+#[test]
+fn a_second_server_on_the_same_data_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let _first = Server::start(dir.path());
+    let second = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--data"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = exited_within(second, Duration::from_secs(10)).expect("the second server stops at once");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by another petrel server"), "{err}");
+}
+
+/// The CLI pointed at the memcache port, or at a closed one: an answer within seconds that names
+/// the address and says what is wrong, not a silent hang.
+#[test]
+fn the_cli_at_the_wrong_port_says_what_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    for (addr, expected) in [
+        (server.memcache.as_str(), "does not speak the Petrel protocol (is it the memcache port"),
+        (closed.as_str(), "refused"),
+    ] {
+        let child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["queue", "list", "--server", addr])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = exited_within(child, Duration::from_secs(20)).expect("an answer, not a hang");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(addr) && err.contains(expected), "{addr}: {err}");
+    }
+}

@@ -65,7 +65,7 @@ impl Default for ClientOptions {
             user: None,
             password: None,
             tls: None,
-            connect_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
             compress_min_bytes: None,
         }
     }

@@ -31,7 +31,7 @@ pub enum Error {
     #[error("{op} {}: {source}", path.display())]
     Io { op: &'static str, path: PathBuf, source: io::Error },
 
-    #[error("log {} is already open for writing by another process (lock file held)", path.display())]
+    #[error("log {} is already open for writing by another process (its directory is locked)", path.display())]
     Locked { path: PathBuf },
 
     #[error("cannot allocate segment {} ({size} bytes): {source} — is the disk full?", path.display())]

@@ -557,7 +557,7 @@ fn error(e: BrokerError) -> Response {
         BrokerError::Exists(_) => Status::Exists,
         BrokerError::BadRequest(_) => Status::BadRequest,
         BrokerError::TooLarge { .. } => Status::TooLarge,
-        BrokerError::Storage(_) | BrokerError::Definitions(_) => Status::ServerError,
+        BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => Status::ServerError,
         BrokerError::TopicNotFound(_) => Status::TopicNotFound,
         BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
         BrokerError::Handler(_) => Status::HandlerError,

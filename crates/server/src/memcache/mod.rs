@@ -544,7 +544,7 @@ fn server_error(e: &BrokerError) -> String {
         | BrokerError::Timeout(_) => {
             format!("SERVER_ERROR {e}")
         }
-        BrokerError::Storage(_) | BrokerError::Definitions(_) => {
+        BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
             tracing::error!(error = %e, "memcache request failed");
             format!("SERVER_ERROR {e}")
         }
