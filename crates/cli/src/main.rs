@@ -6,6 +6,7 @@ mod bench_pubsub;
 mod bench_queue;
 mod lines;
 mod log_cmd;
+mod output;
 mod progress;
 mod pubsub_cmd;
 mod server_cmd;
@@ -22,8 +23,17 @@ pub const DEFAULT_DATA_DIR: &str = "petrel-data";
 #[derive(Parser)]
 #[command(name = "petrel", version, about = "Petrel: a fast, durable message queue")]
 struct Cli {
+    /// Log lines on stderr as text (colours only on a terminal) or as one JSON object each.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -58,11 +68,13 @@ enum Command {
 
 fn main() -> ExitCode {
     exit_quietly_on_broken_pipe();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
-        .init();
     let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
+    match cli.log_format {
+        LogFormat::Text => logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init(),
+        LogFormat::Json => logs.json().init(),
+    }
     let result = match cli.command {
         Command::Log(cmd) => log_cmd::run(cmd),
         Command::Bench(cmd) => bench::run(cmd),

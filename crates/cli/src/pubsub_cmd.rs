@@ -58,7 +58,7 @@ pub enum TopicCommand {
         /// default: where the group stands.
         #[arg(long, value_parser = parse_from)]
         from: Option<StartFrom>,
-        /// One JSON object per message, with every field.
+        /// One JSON object per message, with every field (payload and headers in base64).
         #[arg(long)]
         json: bool,
     },
@@ -77,15 +77,25 @@ pub fn topic(cmd: TopicCommand) -> Res {
             let client = server.connect()?;
             let mut input = crate::lines::StdinLines::new(1024);
             let (mut lines, mut sent) = (Vec::new(), 0u64);
+            // How many subscribers the messages reached: the fewest and the most of any batch.
+            let mut reached: Option<(u32, u32)> = None;
             loop {
                 input.next_batch(&mut lines)?;
                 if lines.is_empty() {
                     break;
                 }
                 sent += lines.len() as u64;
-                client.publish(&name, lines.drain(..).map(Message::new).collect())?;
+                let n = client.publish(&name, lines.drain(..).map(Message::new).collect())?;
+                reached = Some(reached.map_or((n, n), |(lo, hi)| (lo.min(n), hi.max(n))));
             }
-            eprintln!("{sent} messages published to {name}");
+            let subscribers = match reached {
+                Some((lo, hi)) if lo == hi => {
+                    format!(", each to {}", crate::output::count(u64::from(hi), "subscriber"))
+                }
+                Some((lo, hi)) => format!(", each to {lo} to {hi} subscribers"),
+                None => String::new(),
+            };
+            eprintln!("{} published to {name}{subscribers}", crate::output::count(sent, "message"));
         }
         TopicCommand::Subscribe { name, server, count, buffer, json, group, from } => {
             let client = server.connect()?;
@@ -101,7 +111,7 @@ pub fn topic(cmd: TopicCommand) -> Res {
                 let m = m?;
                 let id = m.id;
                 if json {
-                    writeln!(out, "{}", serde_json::to_string(&m)?)?;
+                    writeln!(out, "{}", crate::output::message_json(&m))?;
                 } else {
                     out.write_all(&m.payload)?;
                     out.write_all(b"\n")?;

@@ -75,7 +75,10 @@ pub fn serve(args: ServeArgs) -> Res {
         }
         out.flush()?;
         drop(out);
-        tracing::info!(native = %server.native_addr(), memcache = ?server.memcache_addr(), "listening");
+        match server.memcache_addr() {
+            Some(memcache) => tracing::info!(native = %server.native_addr(), %memcache, "listening"),
+            None => tracing::info!(native = %server.native_addr(), "listening"),
+        }
         server.run(shutdown_signal()).await?;
         tracing::info!("stopped");
         Ok::<_, Box<dyn std::error::Error>>(())
@@ -203,7 +206,7 @@ pub fn produce(args: ProduceArgs) -> Res {
         }
         sent += batch.len() as u64;
     }
-    eprintln!("{sent} messages offered to {}", args.queue);
+    eprintln!("{} offered to {}", crate::output::count(sent, "message"), args.queue);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -222,7 +225,8 @@ pub struct ConsumeArgs {
     /// Keep waiting for messages instead of stopping when the queue is empty.
     #[arg(long)]
     follow: bool,
-    /// One JSON object per message, with every field.
+    /// One JSON object per message, with every field (payload and headers in base64, as
+    /// `petrel log dump --json` prints them).
     #[arg(long)]
     json: bool,
 }
@@ -247,7 +251,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
         }
         for d in &deliveries {
             if args.json {
-                writeln!(out, "{}", serde_json::to_string(&d.message)?)?;
+                writeln!(out, "{}", crate::output::message_json(&d.message))?;
             } else {
                 out.write_all(&d.message.payload)?;
                 out.write_all(b"\n")?;
@@ -290,15 +294,18 @@ pub enum QueueCommand {
         #[arg(long, default_value = "")]
         durability: String,
     },
+    /// List the queues (those this user may use).
     List {
         #[command(flatten)]
         server: ServerArg,
     },
+    /// Remove a queue and every message in it.
     Remove {
         name: String,
         #[command(flatten)]
         server: ServerArg,
     },
+    /// Show a queue's figures and configuration.
     Status {
         name: String,
         #[command(flatten)]

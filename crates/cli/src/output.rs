@@ -1,0 +1,46 @@
+//! What the commands print that more than one of them prints: counts in words, and messages as
+//! JSON. Bytes in JSON are base64 everywhere (`payload_base64`, header values), as in
+//! `petrel log dump --json`.
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD as B64;
+use petrel_client::Message;
+
+/// "1 message", "2 messages".
+pub fn count(n: u64, noun: &str) -> String {
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+}
+
+/// A message as one JSON object: every field; bytes in base64.
+pub fn message_json(m: &Message) -> serde_json::Value {
+    let headers: serde_json::Map<String, serde_json::Value> =
+        m.headers.iter().map(|(n, v)| (n.clone(), B64.encode(v).into())).collect();
+    serde_json::json!({
+        "id": m.id,
+        "kind": format!("{:?}", m.kind).to_lowercase(),
+        "timestamp": m.timestamp,
+        "expires_at": m.expires_at,
+        "request_id": m.request_id,
+        "subject": m.subject,
+        "destination": m.destination,
+        "reply_to": m.reply_to,
+        "mimetype": m.mimetype,
+        "charset": m.charset,
+        "headers": headers,
+        "payload_base64": B64.encode(&m.payload),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_json() {
+        assert_eq!(count(1, "message"), "1 message");
+        assert_eq!(count(0, "message"), "0 messages");
+        let m = Message { headers: vec![("h".into(), bytes::Bytes::from_static(b"v"))], ..Message::new(&b"hi"[..]) };
+        let j = message_json(&m);
+        assert_eq!((j["payload_base64"].as_str(), j["headers"]["h"].as_str()), (Some("aGk="), Some("dg==")));
+    }
+}

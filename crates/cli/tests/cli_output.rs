@@ -1,0 +1,111 @@
+//! What the commands print, as a new user reads it: counts in words, JSON with bytes in base64
+//! (the same for `consume --json` and `log dump --json`), how many subscribers a publish reached,
+//! and server logs without colour codes when stderr is not a terminal, or as JSON.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+mod common;
+use common::Server;
+
+const PETREL: &str = env!("CARGO_BIN_EXE_petrel");
+
+fn run(args: &[&str], stdin: &str) -> (bool, String, String) {
+    let mut child = Command::new(PETREL)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn counts_in_words_json_in_base64_and_subscribers_reached() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    let (ok, _, err) = run(&["produce", "jobs", "--server", s], "hello\n");
+    assert!(ok && err.contains("1 message offered to jobs"), "{err}");
+    let (ok, out, _) = run(&["consume", "jobs", "--json", "--server", s], "");
+    assert!(ok);
+    let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(json["payload_base64"], "aGVsbG8=", "{out}");
+
+    // The same field names and encoding as `log dump --json`.
+    let log = dir.path().join("log");
+    assert!(run(&["log", "append", log.to_str().unwrap()], "hello\n").0);
+    let (_, dumped, _) = run(&["log", "dump", log.to_str().unwrap(), "--json"], "");
+    let record: serde_json::Value = serde_json::from_str(dumped.trim()).unwrap();
+    assert_eq!(record["payload_base64"], json["payload_base64"]);
+
+    assert!(run(&["topic", "create", "news", "--server", s], "").0);
+    let mut subscriber = Command::new(PETREL)
+        .args(["topic", "subscribe", "news", "--count", "2", "--server", s])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (mut reached, mut err) = (false, String::new());
+    for _ in 0..100 {
+        // Until the subscription is in place, a publish reaches no one.
+        let (ok, _, e) = run(&["topic", "publish", "news", "--server", s], "a\n");
+        assert!(ok);
+        err = e;
+        if err.contains("each to 1 subscriber") {
+            reached = true;
+            break;
+        }
+        assert!(err.contains("1 message published to news, each to 0 subscribers"), "{err}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(reached, "{err}");
+    assert!(run(&["topic", "publish", "news", "--server", s], "b\n").0);
+    assert!(subscriber.wait().unwrap().success());
+}
+
+#[test]
+fn server_logs_have_no_colour_codes_off_a_terminal_and_can_be_json() {
+    let dir = tempfile::tempdir().unwrap();
+    for (format, check) in [("text", 0), ("json", 1)] {
+        let mut child = Command::new(PETREL)
+            .args(["serve", "--log-format", format, "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0"])
+            .arg("--data")
+            .arg(dir.path().join(format))
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut log = String::new();
+        while !log.contains("listening") {
+            assert!(stderr.read_line(&mut log).unwrap() > 0, "no listening line: {log}");
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let listening = log.lines().find(|l| l.contains("listening")).unwrap();
+        assert!(!listening.contains('\u{1b}'), "no ANSI escapes: {listening:?}");
+        assert!(!listening.contains("Some("), "addresses as addresses: {listening}");
+        if check == 1 {
+            let v: serde_json::Value = serde_json::from_str(listening).expect("one JSON object a line");
+            assert_eq!(v["fields"]["message"], "listening");
+        }
+    }
+}
+
+#[test]
+fn queue_subcommands_explain_themselves() {
+    for sub in ["list", "remove", "status"] {
+        let (ok, out, _) = run(&["queue", "--help"], "");
+        assert!(ok);
+        let line = out.lines().find(|l| l.trim_start().starts_with(sub)).unwrap();
+        assert!(line.split_whitespace().count() > 1, "{sub} has a help text: {line:?}");
+    }
+}
