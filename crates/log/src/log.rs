@@ -371,7 +371,7 @@ impl Log {
             let (seg, _) = Segment::open(&dir.join(segment::file_name(last)), last, true)?;
             segments.push(Arc::new(seg));
         } else {
-            let len = options.initial_segment_bytes.unwrap_or(options.segment_bytes);
+            let len = options.first_segment_bytes();
             segments.push(Arc::new(Segment::create(&dir, 0, len, now, durable)?));
         }
         report.segments = segments.len();

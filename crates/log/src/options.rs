@@ -52,8 +52,9 @@ impl fmt::Display for Durability {
 pub struct Options {
     /// Bytes preallocated per segment file.
     pub segment_bytes: u64,
-    /// If set, the first segment has this size and each next one twice the last, up to
-    /// `segment_bytes`: a log that stays small (one of thousands of queues) takes little disk.
+    /// If set, the first segment has this size (at most `segment_bytes`) and each next one twice
+    /// the last, up to `segment_bytes`: a log that stays small takes little disk. Default: 1 MiB
+    /// (a new log of two records takes 1 MiB, not 256). `None`: every segment `segment_bytes`.
     pub initial_segment_bytes: Option<u64>,
     /// Largest record (payload + key + headers) accepted by `append`.
     pub max_record_bytes: usize,
@@ -73,6 +74,7 @@ pub struct Options {
 pub const DEFAULT_MAX_RESIDENT_BYTES: u64 = 1 << 30;
 
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
+pub const DEFAULT_INITIAL_SEGMENT_BYTES: u64 = 1 << 20;
 pub const MIN_SEGMENT_BYTES: u64 = 64 << 10;
 /// Frame positions are stored in 32 bits (see `docs/format.md`).
 pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - 4096;
@@ -83,7 +85,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             segment_bytes: DEFAULT_SEGMENT_BYTES,
-            initial_segment_bytes: None,
+            initial_segment_bytes: Some(DEFAULT_INITIAL_SEGMENT_BYTES),
             max_record_bytes: DEFAULT_MAX_RECORD_BYTES,
             durability: Durability::None,
             create: true,
@@ -95,6 +97,11 @@ impl Default for Options {
 }
 
 impl Options {
+    /// The size of a new log's first segment.
+    pub fn first_segment_bytes(&self) -> u64 {
+        self.initial_segment_bytes.map_or(self.segment_bytes, |initial| initial.min(self.segment_bytes))
+    }
+
     pub fn validate(&self) -> Result<()> {
         if !(MIN_SEGMENT_BYTES..=MAX_SEGMENT_BYTES).contains(&self.segment_bytes)
             || !self.segment_bytes.is_multiple_of(4096)
@@ -105,10 +112,10 @@ impl Options {
             )));
         }
         if let Some(initial) = self.initial_segment_bytes
-            && (initial < MIN_SEGMENT_BYTES || initial > self.segment_bytes || !initial.is_multiple_of(4096))
+            && (initial < MIN_SEGMENT_BYTES || !initial.is_multiple_of(4096))
         {
             return Err(Error::Config(format!(
-                "initial_segment_bytes must be a multiple of 4096 between {MIN_SEGMENT_BYTES} and segment_bytes, not {initial}"
+                "initial_segment_bytes must be a multiple of 4096 of at least {MIN_SEGMENT_BYTES}, not {initial}"
             )));
         }
         if self.max_record_bytes == 0 || self.max_record_bytes > MAX_MAX_RECORD_BYTES {

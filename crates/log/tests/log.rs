@@ -444,6 +444,21 @@ fn segments_grow_from_the_initial_size_and_reopen_keeps_the_sizes() {
     assert!(got.iter().enumerate().all(|(i, r)| r.payload == payload(i as u64)));
     let bad = Options { initial_segment_bytes: Some(8 * MIN_SEGMENT_BYTES), ..Options::default() };
     assert!(bad.validate().is_ok(), "below segment_bytes is fine");
-    let bad = Options { segment_bytes: MIN_SEGMENT_BYTES, initial_segment_bytes: Some(2 * MIN_SEGMENT_BYTES), ..bad };
-    assert!(bad.validate().is_err(), "an initial size above segment_bytes is refused");
+    let capped =
+        Options { segment_bytes: MIN_SEGMENT_BYTES, initial_segment_bytes: Some(2 * MIN_SEGMENT_BYTES), ..bad };
+    assert_eq!(capped.first_segment_bytes(), MIN_SEGMENT_BYTES, "an initial size above segment_bytes is capped");
+    let odd = Options { initial_segment_bytes: Some(MIN_SEGMENT_BYTES + 1), ..Options::default() };
+    assert!(odd.validate().is_err());
+}
+
+/// A new log starts small and grows: two records take a megabyte, not a 256 MiB segment.
+#[test]
+fn a_new_log_of_two_records_takes_little_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    log.append(b"hello").unwrap();
+    log.append(b"world").unwrap();
+    drop(log);
+    let on_disk: u64 = segments(dir.path()).iter().map(|p| fs::metadata(p).unwrap().len()).sum();
+    assert!(on_disk <= 1 << 20, "{on_disk} bytes");
 }
