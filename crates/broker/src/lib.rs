@@ -70,6 +70,9 @@ pub enum BrokerError {
     /// Authenticated, and not allowed to do this.
     #[error("{0}")]
     Forbidden(String),
+    /// More than the queue can ever hold at once: waiting for room would not help.
+    #[error("{0}")]
+    NeverFits(String),
     #[error("data directory {} is in use by another petrel server (it is locked)", .0.display())]
     DataDirLocked(PathBuf),
 }

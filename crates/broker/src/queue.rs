@@ -197,22 +197,42 @@ impl Queue {
 
     /// Adds `messages` at the tail, all or none: on success `messages` is emptied, on refusal it
     /// is left as it was (for a retry). Returns the first id and how many; dropped oldest
-    /// messages of a circular queue are counted.
+    /// messages of a circular queue are counted. An offer larger than a bounded queue can ever
+    /// hold is `NeverFits`; a circular queue keeps its newest messages instead (the oldest of the
+    /// offer are dropped too, counted, and are gone even if the rest is then refused).
     pub fn offer(&self, messages: &mut Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
-        let n = messages.len() as u64;
-        let size: u64 = messages.iter().map(Message::size).sum();
         let max_item = self.config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
         }
-        let mut inner = self.lock();
         let (max_items, max_bytes) = (self.config.max_items, self.config.max_bytes);
+        let over = |n: u64, size: u64| (max_items != 0 && n > max_items) || (max_bytes != 0 && size > max_bytes);
+        let mut size: u64 = messages.iter().map(Message::size).sum();
+        if over(messages.len() as u64, size) {
+            if !self.config.circular {
+                // Waiting would not help: say so now, rather than QUEUE_FULL after a timeout.
+                return Err(BrokerError::NeverFits(format!(
+                    "an offer of {} messages ({size} bytes) can never fit queue {:?} (max_items {max_items}, max_bytes {max_bytes}): offer fewer at a time",
+                    messages.len(),
+                    crate::shown(&self.name)
+                )));
+            }
+            // A circular queue keeps the newest: the oldest of the offer itself go first.
+            let mut skip = 0;
+            while skip < messages.len() && over((messages.len() - skip) as u64, size) {
+                size -= messages[skip].size();
+                skip += 1;
+            }
+            messages.drain(..skip);
+            self.lock().counters.dropped += skip as u64;
+        }
+        let n = messages.len() as u64;
+        let mut inner = self.lock();
         let fits = |inner: &Inner| {
             (max_items == 0 || inner.items() + n <= max_items) && (max_bytes == 0 || inner.bytes + size <= max_bytes)
         };
         if !fits(&inner) {
-            let impossible = (max_items != 0 && n > max_items) || (max_bytes != 0 && size > max_bytes);
-            if !self.config.circular || impossible {
+            if !self.config.circular {
                 return Err(BrokerError::Full(self.name.clone()));
             }
             while !fits(&inner) && inner.drop_oldest()? {

@@ -94,7 +94,9 @@ fn bounded_queues_refuse_and_circular_ones_drop_the_oldest() {
             .unwrap();
         b.offer("bounded", msgs(&["1", "2"]), 0).unwrap();
         assert!(matches!(b.offer("bounded", msgs(&["3"]), 0), Err(BrokerError::Full(_))));
-        assert!(matches!(b.offer("bounded", msgs(&["3", "4", "5"]), 0), Err(BrokerError::Full(_))), "all or none");
+        assert!(matches!(b.offer("bounded", msgs(&["3", "4"]), 0), Err(BrokerError::Full(_))), "all or none");
+        // More than the queue can ever hold: refused at once as such, not as full.
+        assert!(matches!(b.offer("bounded", msgs(&["3", "4", "5"]), 0), Err(BrokerError::NeverFits(_))));
         b.offer("ring", msgs(&["1", "2"]), 0).unwrap();
         b.offer("ring", msgs(&["3"]), 0).unwrap();
         assert_eq!(b.queue("ring").unwrap().stats().dropped, 1);
@@ -103,6 +105,11 @@ fn bounded_queues_refuse_and_circular_ones_drop_the_oldest() {
             [b"2".to_vec(), b"3".to_vec()],
             "durable: {durable}"
         );
+        // A circular queue offered more than it holds keeps the newest, as its name promises.
+        b.offer("ring", msgs(&["4"]), 0).unwrap();
+        assert_eq!(b.offer("ring", msgs(&["5", "6", "7"]), 0).unwrap().1, 2);
+        assert_eq!(b.queue("ring").unwrap().stats().dropped, 3);
+        assert_eq!(payloads(&b.poll("ring", 5, None, 1, 0).unwrap()), [b"6".to_vec(), b"7".to_vec()]);
     }
 }
 

@@ -180,11 +180,24 @@ pub struct ProduceArgs {
     /// Create the queue as durable if it does not exist (otherwise in memory).
     #[arg(long)]
     durable: bool,
+    /// How long to wait for room in a full bounded queue, e.g. "10s" (said on stderr meanwhile).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    timeout: Duration,
 }
 
-/// Offers each stdin line as a message; lines already waiting go as one batch.
+/// Offers each stdin line as a message; lines already waiting go as one batch. A bounded queue
+/// takes what fits; the rest waits for room (up to --timeout) as consumers take messages.
 pub fn produce(args: ProduceArgs) -> Res {
     let client = args.server.connect()?;
+    if args.durable {
+        match client.queue_status(&args.queue) {
+            Ok(s) if !s.config.durable => {
+                return Err(format!("queue {} exists in memory: --durable cannot make it durable", args.queue).into());
+            }
+            Ok(_) | Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
     let mut input = crate::lines::StdinLines::new(1024);
     let mut lines = Vec::new();
     let mut sent = 0u64;
@@ -193,21 +206,45 @@ pub fn produce(args: ProduceArgs) -> Res {
         if lines.is_empty() {
             break;
         }
-        let batch: Vec<Message> =
-            lines.drain(..).map(|line| Message { durable: args.durable, ..Message::new(line) }).collect();
-        match client.offer(&args.queue, batch.clone(), Some(Duration::from_secs(30))) {
+        let batch: Vec<Message> = lines.drain(..).map(Message::new).collect();
+        let n = batch.len() as u64;
+        match offer_all(&client, &args, batch.clone()) {
             Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {
                 client.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() })?;
-                client.offer(&args.queue, batch.clone(), Some(Duration::from_secs(30)))?;
+                offer_all(&client, &args, batch)?;
             }
-            other => {
-                other?;
-            }
+            other => other?,
         }
-        sent += batch.len() as u64;
+        sent += n;
     }
     eprintln!("{} offered to {}", crate::output::count(sent, "message"), args.queue);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Offers `batch`: as one request, or, if the queue can never hold so many at once, one message
+/// at a time.
+fn offer_all(client: &Client, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
+    match offer_waiting(client, args, batch.clone()) {
+        Err(ClientError::Status { status: Status::TooLarge, .. }) if batch.len() > 1 => {
+            batch.into_iter().try_for_each(|m| offer_waiting(client, args, vec![m]))
+        }
+        other => other,
+    }
+}
+
+/// Offers `batch`; if the queue is full, says so on stderr and waits up to --timeout for room.
+fn offer_waiting(client: &Client, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
+    match client.offer(&args.queue, batch.clone(), None) {
+        Err(ClientError::Status { status: Status::QueueFull, .. }) => {
+            eprintln!(
+                "petrel: queue {} is full; waiting up to {} for a consumer to make room",
+                args.queue,
+                humantime::format_duration(args.timeout)
+            );
+            client.offer(&args.queue, batch, Some(args.timeout)).map(|_| ())
+        }
+        other => other.map(|_| ()),
+    }
 }
 
 #[derive(Args)]

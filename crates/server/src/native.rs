@@ -556,7 +556,7 @@ fn error(e: BrokerError) -> Response {
         BrokerError::Full(_) => Status::QueueFull,
         BrokerError::Exists(_) => Status::Exists,
         BrokerError::BadRequest(_) => Status::BadRequest,
-        BrokerError::TooLarge { .. } => Status::TooLarge,
+        BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
         BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => Status::ServerError,
         BrokerError::TopicNotFound(_) => Status::TopicNotFound,
         BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,

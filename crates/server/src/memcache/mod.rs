@@ -292,7 +292,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let who = self.authenticated.as_ref().map(|a| &a.principal);
         match broker.queue_or_create_by(who, queue).and_then(|q| broker.offer_to(&q, &mut vec![message], now)) {
             Ok(_) => "STORED".into(),
-            Err(BrokerError::Full(_) | BrokerError::TooLarge { .. }) => "NOT_STORED".into(),
+            Err(BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::NeverFits(_)) => "NOT_STORED".into(),
             Err(e) => server_error(&e),
         }
     }
@@ -535,7 +535,11 @@ fn server_error(e: &BrokerError) -> String {
         BrokerError::BadRequest(reason) | BrokerError::Unauthorized(reason) | BrokerError::Forbidden(reason) => {
             format!("CLIENT_ERROR {reason}")
         }
-        BrokerError::NotFound(_) | BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::Exists(_) => {
+        BrokerError::NotFound(_)
+        | BrokerError::Full(_)
+        | BrokerError::TooLarge { .. }
+        | BrokerError::NeverFits(_)
+        | BrokerError::Exists(_) => {
             format!("SERVER_ERROR {e}")
         }
         BrokerError::TopicNotFound(_)

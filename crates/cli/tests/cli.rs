@@ -1,6 +1,6 @@
-//! What the commands print, as a new user reads it: counts in words, JSON with bytes in base64
-//! (the same for `consume --json` and `log dump --json`), how many subscribers a publish reached,
-//! and server logs without colour codes when stderr is not a terminal, or as JSON.
+//! The command line as a new user meets it: counts in words, JSON with bytes in base64 (the same
+//! for `consume --json` and `log dump --json`), how many subscribers a publish reached, server
+//! logs without colour codes off a terminal (or as JSON), and `produce` into bounded queues.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -108,4 +108,41 @@ fn queue_subcommands_explain_themselves() {
         let line = out.lines().find(|l| l.trim_start().starts_with(sub)).unwrap();
         assert!(line.split_whitespace().count() > 1, "{sub} has a help text: {line:?}");
     }
+}
+
+/// Three lines into a queue of at most two: what fits goes at once, the rest waits for a consumer
+/// (said on stderr); with no consumer, the wait ends at --timeout with the reason. A conflicting
+/// --durable is an error, not a silent no-op.
+#[test]
+fn produce_into_a_bounded_queue_takes_what_fits_and_waits_for_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    assert!(run(&["queue", "create", "small", "--max-items", "2", "--server", s], "").0);
+    let started = std::time::Instant::now();
+    let (ok, _, err) = run(&["produce", "small", "--timeout", "1s", "--server", s], "a\nb\nc\n");
+    assert!(!ok, "nobody consumes: the third line cannot go");
+    assert!(err.contains("is full; waiting up to 1s"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(8), "bounded by --timeout, not 30 s");
+    let (_, out, _) = run(&["consume", "small", "--server", s], "");
+    assert_eq!(out, "a\nb\n");
+
+    // With a consumer, everything arrives.
+    let consumer = Command::new(PETREL)
+        .args(["consume", "small", "--follow", "--count", "3", "--server", s])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, _, err) = run(&["produce", "small", "--server", s], "x\ny\nz\n");
+    assert!(ok, "{err}");
+    let out = consumer.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "x\ny\nz\n");
+
+    // A circular queue offered more than it holds keeps the newest.
+    assert!(run(&["queue", "create", "ring", "--max-items", "2", "--circular", "--server", s], "").0);
+    assert!(run(&["produce", "ring", "--server", s], "1\n2\n3\n").0);
+    assert_eq!(run(&["consume", "ring", "--server", s], "").1, "2\n3\n");
+
+    let (ok, _, err) = run(&["produce", "small", "--durable", "--server", s], "d\n");
+    assert!(!ok && err.contains("exists in memory"), "{err}");
 }
