@@ -58,6 +58,8 @@ enum Command {
     Topic(pubsub_cmd::TopicCommand),
     /// Call a function served by some client and print its reply.
     Call(pubsub_cmd::CallArgs),
+    /// Serve a function from the command line: answer calls with a command's output.
+    Reply(pubsub_cmd::ReplyArgs),
     /// Add, remove and list the users of a users file; change a password.
     #[command(subcommand)]
     User(user_cmd::UserCommand),
@@ -84,6 +86,7 @@ fn main() -> ExitCode {
         Command::Queue(cmd) => server_cmd::queue(cmd),
         Command::Topic(cmd) => pubsub_cmd::topic(cmd),
         Command::Call(args) => pubsub_cmd::call(args),
+        Command::Reply(args) => pubsub_cmd::reply(args),
         Command::User(cmd) => user_cmd::user(cmd),
         Command::Cert(cmd) => user_cmd::cert(cmd),
     };

@@ -183,3 +183,85 @@ pub fn call(args: CallArgs) -> Res {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[derive(clap::Args)]
+pub struct ReplyArgs {
+    /// The function to serve.
+    function: String,
+    #[command(flatten)]
+    server: ServerArg,
+    /// Answer each call with this shell command's output: the request's payload on its stdin,
+    /// the reply its stdout; a non-zero exit is a HANDLER_ERROR with its stderr.
+    #[arg(long)]
+    exec: Option<String>,
+    /// Answer each call with this text (when there is no --exec); default: the request itself.
+    #[arg(long, conflicts_with = "exec")]
+    text: Option<String>,
+    /// Stop after this many calls (default: serve until interrupted).
+    #[arg(long)]
+    count: Option<u64>,
+}
+
+/// Serves a function from the command line (as `nats reply` does), until interrupted or
+/// `--count` calls: a way to try `petrel call` without writing a program.
+pub fn reply(args: ReplyArgs) -> Res {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let client = petrel_client::Client::connect_with(&args.server.server, &args.server.options()?).await?;
+        let answered = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+        let (exec, text, done) = (args.exec.clone(), args.text.clone(), std::sync::Arc::clone(&answered));
+        client
+            .serve(&args.function, move |request: Message| {
+                let (exec, text, done) = (exec.clone(), text.clone(), std::sync::Arc::clone(&done));
+                async move {
+                    let reply = match (exec, text) {
+                        (Some(command), _) => run_handler(&command, &request.payload).await,
+                        (None, Some(text)) => Ok(text.into_bytes()),
+                        (None, None) => Ok(request.payload.to_vec()),
+                    };
+                    done.add_permits(1);
+                    reply.map(Message::new)
+                }
+            })
+            .await?;
+        eprintln!("serving {} (Ctrl-C to stop)", args.function);
+        let served = async {
+            match args.count {
+                Some(n) => drop(answered.acquire_many(u32::try_from(n).unwrap_or(u32::MAX)).await),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = served => tokio::time::sleep(Duration::from_millis(100)).await, // the last reply goes out
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        client.close();
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `command` with `input` on its stdin: its stdout, or its stderr as the error.
+async fn run_handler(command: &str, input: &[u8]) -> Result<Vec<u8>, String> {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new("sh")
+        .args(["-c", command])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("{command}: {e}"))?;
+    let mut stdin = child.stdin.take().expect("piped");
+    let input = input.to_vec();
+    let feeding = tokio::spawn(async move {
+        let _ = stdin.write_all(&input).await; // a command may not read it all
+    });
+    let out = child.wait_with_output().await.map_err(|e| format!("{command}: {e}"))?;
+    let _ = feeding.await;
+    if out.status.success() {
+        Ok(out.stdout)
+    } else {
+        Err(format!("{command}: {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}

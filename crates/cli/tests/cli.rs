@@ -146,3 +146,45 @@ fn produce_into_a_bounded_queue_takes_what_fits_and_waits_for_room() {
     let (ok, _, err) = run(&["produce", "small", "--durable", "--server", s], "d\n");
     assert!(!ok && err.contains("exists in memory"), "{err}");
 }
+
+/// `petrel reply` serves a function with a shell command, so `petrel call` can be tried without
+/// writing a program.
+#[test]
+fn reply_serves_a_function_with_a_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    let serve = |function: &str, command: &str| {
+        let mut child = Command::new(PETREL)
+            .args(["reply", function, "--exec", command, "--count", "1", "--server", s])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        err.read_line(&mut line).unwrap();
+        assert!(line.starts_with("serving"), "{line}");
+        child
+    };
+    let shout = serve("shout", "tr a-z A-Z");
+    let (ok, out, err) = run(&["call", "shout", "--data", "hello", "--server", s], "");
+    assert!(ok, "{err}");
+    assert_eq!(out, "HELLO\n");
+    assert!(exited(shout), "--count 1: done after one call");
+
+    let failing = serve("fail", "echo oops >&2; exit 3");
+    let (ok, _, err) = run(&["call", "fail", "--data", "x", "--server", s], "");
+    assert!(!ok && err.contains("HANDLER_ERROR") && err.contains("oops"), "{err}");
+    assert!(exited(failing));
+}
+
+fn exited(mut child: std::process::Child) -> bool {
+    for _ in 0..250 {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status.success();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    false
+}
