@@ -141,7 +141,10 @@ impl Queue {
                 bytes += message::from_record(&r, 0).size();
             }
         }
-        Ok(Queue::with_store(name, config, None, Store::Log { log, group: Box::new(group) }, bytes))
+        let queue = Queue::with_store(name, config, None, Store::Log { log, group: Box::new(group) }, bytes);
+        // What it holds may expire: the first tick looks, and sets when to look again.
+        queue.due.store(0, Ordering::Relaxed);
+        Ok(queue)
     }
 
     fn with_store(name: String, config: QueueConfig, owner: Option<ConnId>, store: Store, bytes: u64) -> Queue {
@@ -394,15 +397,15 @@ impl Queue {
         let overdue: Vec<u64> = inner.in_flight.iter().filter(|(_, f)| f.deadline <= now).map(|(h, _)| *h).collect();
         let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen").item).collect();
         inner.put_back_all(returned)?;
+        // Expired messages at the head go (to the dead-letter queue), in memory and on disk
+        // alike; ones behind an unexpired head wait until they reach it, as in Kestrel.
         let mut expired = Vec::new();
-        if let Store::Memory { ready, .. } = &mut inner.store {
-            while ready.front().is_some_and(|m| m.is_expired(now)) {
-                expired.push(ready.pop_front().expect("just seen"));
-            }
-        }
-        for m in &expired {
-            inner.bytes -= m.size();
+        while let Some(head) = inner.head()?
+            && head.is_expired(now)
+        {
+            inner.drop_oldest()?;
             inner.counters.expired += 1;
+            expired.push(head);
         }
         self.due.store(inner.next_due(now), Ordering::Relaxed);
         drop(inner);
@@ -452,11 +455,7 @@ impl Queue {
         let mut expired = Vec::new();
         let mut inner = self.lock();
         let head = loop {
-            let head = match &mut inner.store {
-                Store::Memory { ready, .. } => ready.front().cloned(),
-                Store::Log { group, .. } => group.peek()?.map(|r| message::from_record(&r, r.offset + 1)),
-            };
-            match head {
+            match inner.head()? {
                 Some(m) if m.is_expired(now) => {
                     inner.drop_oldest()?;
                     inner.counters.expired += 1;
@@ -476,16 +475,26 @@ impl Queue {
 impl Inner {
     /// When `tick` next has work: the earliest visibility deadline, or expiry of a message in
     /// memory still to come (expired ones behind the head wait until they reach it).
-    fn next_due(&self, now: u64) -> u64 {
-        let deadlines = self.in_flight.values().map(|f| f.deadline);
-        let expiries = match &self.store {
+    fn next_due(&mut self, now: u64) -> u64 {
+        let expiry = match &mut self.store {
             Store::Memory { ready, .. } => {
                 let head = ready.front().map(|m| m.expires_at).filter(|&e| e != 0);
                 ready.iter().map(|m| m.expires_at).filter(|&e| e > now).chain(head).min()
             }
-            Store::Log { .. } => None,
+            // The head's expiry (later offers lower `due` with their own, see `offer`).
+            Store::Log { group, .. } => {
+                group.peek().ok().flatten().map(|r| message::from_record(&r, 0).expires_at).filter(|&e| e != 0)
+            }
         };
-        deadlines.chain(expiries).min().unwrap_or(u64::MAX)
+        self.in_flight.values().map(|f| f.deadline).chain(expiry).min().unwrap_or(u64::MAX)
+    }
+
+    /// The message at the head, left in place (its id set).
+    fn head(&mut self) -> Result<Option<Message>, BrokerError> {
+        Ok(match &mut self.store {
+            Store::Memory { ready, .. } => ready.front().cloned(),
+            Store::Log { group, .. } => group.peek()?.map(|r| message::from_record(&r, r.offset + 1)),
+        })
     }
 
     /// Messages waiting (not in flight).

@@ -138,6 +138,42 @@ fn expired_messages_go_to_the_dead_letter_queue() {
     }
 }
 
+/// Kestrel's delay queue: items expire into another queue without anyone reading the first. The
+/// broker's tick moves them, for durable queues as for those in memory, and after a reopen.
+#[test]
+fn the_tick_sweeps_expired_messages_without_a_reader_in_memory_and_on_disk() {
+    for config in both() {
+        let dir = tempfile::tempdir().unwrap();
+        let queue = QueueConfig { ttl_ms: 50, dead_letter: "ready".into(), ..config.clone() };
+        {
+            let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+            b.create_queue("ready", config.clone(), None).unwrap();
+            b.create_queue("delay", queue.clone(), None).unwrap();
+            b.offer("delay", msgs(&["a", "b"]), 0).unwrap();
+            b.tick(10 * MS);
+            assert_eq!(b.queue("delay").unwrap().stats().items, 2);
+            b.tick(60 * MS);
+            let delay = b.queue("delay").unwrap().stats();
+            assert_eq!((delay.items, delay.bytes, delay.expired), (0, 0, 2), "{config:?}");
+            assert_eq!(b.queue("ready").unwrap().stats().items, 2, "{config:?}: moved by the tick alone");
+            b.offer("delay", msgs(&["c"]), 100 * MS).unwrap();
+        }
+        if !config.durable {
+            continue;
+        }
+        // Reopened: what waits on disk is swept by the first tick once due.
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.tick(120 * MS);
+        assert_eq!(b.queue("delay").unwrap().stats().items, 1);
+        b.tick(200 * MS);
+        assert_eq!(b.queue("delay").unwrap().stats().items, 0);
+        assert_eq!(
+            payloads(&b.poll("ready", 5, None, 1, 200 * MS).unwrap()),
+            [b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]
+        );
+    }
+}
+
 #[test]
 fn fanout_children_get_copies() {
     let dir = tempfile::tempdir().unwrap();
