@@ -106,12 +106,12 @@ fn verify_cmd(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
     })?;
     bar.finish_and_clear();
     println!(
-        "{}: {} segments, records {}..{}, {} valid records in {} bytes of frames",
+        "{}: {}, records {}..{}, {} in {} bytes of frames",
         dir.display(),
-        report.segments,
+        crate::output::count(report.segments as u64, "segment"),
         report.first_offset,
         report.next_offset,
-        report.records,
+        crate::output::count(report.records as u64, "valid record"),
         report.frame_bytes
     );
     for p in &report.problems {

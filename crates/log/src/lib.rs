@@ -19,6 +19,11 @@
 //!
 //! The on-disk format and the recovery rules are in `docs/format.md`.
 
+/// The README's Rust snippet, compiled and run as a doc test so that it cannot go stale.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 mod cursor;
 mod error;
 mod frame;
