@@ -177,7 +177,11 @@ pub struct ProduceArgs {
     queue: String,
     #[command(flatten)]
     server: ServerArg,
-    /// Create the queue as durable if it does not exist (otherwise in memory).
+    /// Create the queue in memory if it does not exist (without it or --durable, a queue that
+    /// does not exist is an error: a typo creates nothing).
+    #[arg(long)]
+    create: bool,
+    /// Create the queue on disk if it does not exist; an existing in-memory queue is an error.
     #[arg(long)]
     durable: bool,
     /// How long to wait for room in a full bounded queue, e.g. "10s" (said on stderr meanwhile).
@@ -209,9 +213,16 @@ pub fn produce(args: ProduceArgs) -> Res {
         let batch: Vec<Message> = lines.drain(..).map(Message::new).collect();
         let n = batch.len() as u64;
         match offer_all(&client, &args, batch.clone()) {
-            Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {
+            Err(ClientError::Status { status: Status::QueueNotFound, .. }) if args.create || args.durable => {
                 client.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() })?;
                 offer_all(&client, &args, batch)?;
+            }
+            Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {
+                return Err(format!(
+                    "no queue named {:?}: create it (petrel queue create, or produce --create / --durable)",
+                    args.queue
+                )
+                .into());
             }
             other => other?,
         }

@@ -29,7 +29,9 @@ fn counts_in_words_json_in_base64_and_subscribers_reached() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());
     let s = server.addr.as_str();
-    let (ok, _, err) = run(&["produce", "jobs", "--server", s], "hello\n");
+    let (ok, _, err) = run(&["produce", "jobz", "--server", s], "hello\n");
+    assert!(!ok && err.contains("no queue named \"jobz\""), "a typo creates nothing: {err}");
+    let (ok, _, err) = run(&["produce", "jobs", "--create", "--server", s], "hello\n");
     assert!(ok && err.contains("1 message offered to jobs"), "{err}");
     let (ok, out, _) = run(&["consume", "jobs", "--json", "--server", s], "");
     assert!(ok);
