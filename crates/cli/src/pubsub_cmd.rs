@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Subcommand;
 use petrel_client::{Message, StartFrom};
 
-use crate::server_cmd::ServerArg;
+use crate::server_cmd::{ServerArg, is_lost_connection};
 
 type Res = Result<ExitCode, Box<dyn std::error::Error>>;
 
@@ -98,29 +98,54 @@ pub fn topic(cmd: TopicCommand) -> Res {
             eprintln!("{} published to {name}{subscribers}", crate::output::count(sent, "message"));
         }
         TopicCommand::Subscribe { name, server, count, buffer, json, group, from } => {
-            let client = server.connect()?;
+            if group.is_none() && from.is_some() {
+                return Err("--from needs --group".into());
+            }
             let mut left = count.unwrap_or(u64::MAX);
             let mut out = io::stdout().lock();
-            let mut sub = match &group {
-                Some(g) => client.subscribe_group(&name, g, from.unwrap_or_default(), buffer)?,
-                None if from.is_some() => return Err("--from needs --group".into()),
-                None => client.subscribe(&name, buffer)?,
-            };
+            let mut client = server.connect()?;
+            let mut from = from.unwrap_or_default();
             while left > 0 {
-                let Some(m) = sub.next() else { break };
-                let m = m?;
-                let id = m.id;
-                if json {
-                    writeln!(out, "{}", crate::output::message_json(&m))?;
-                } else {
-                    out.write_all(&m.payload)?;
-                    out.write_all(b"\n")?;
+                let mut sub = match &group {
+                    Some(g) => client.subscribe_group(&name, g, from, buffer)?,
+                    None => client.subscribe(&name, buffer)?,
+                };
+                let mut lost = None;
+                while left > 0 {
+                    let m = match sub.next() {
+                        None => break,
+                        // The server went away: subscribe again once it is back (a group resumes
+                        // where it stands; a live subscription misses what was published meanwhile).
+                        Some(Err(e)) if is_lost_connection(&e) => {
+                            lost = Some(e);
+                            break;
+                        }
+                        Some(m) => m?,
+                    };
+                    let id = m.id;
+                    if json {
+                        writeln!(out, "{}", crate::output::message_json(&m))?;
+                    } else {
+                        out.write_all(&m.payload)?;
+                        out.write_all(b"\n")?;
+                    }
+                    out.flush()?;
+                    left -= 1;
+                    if group.is_some() {
+                        match sub.ack(&[id]) {
+                            // Unacknowledged, it comes again after the reconnect: at least once.
+                            Err(e) if is_lost_connection(&e) => {
+                                lost = Some(e);
+                                break;
+                            }
+                            other => drop(other?),
+                        }
+                    }
                 }
-                out.flush()?;
-                if group.is_some() {
-                    sub.ack(&[id])?;
-                }
-                left -= 1;
+                drop(sub);
+                let Some(lost) = lost else { break };
+                client = server.reconnect(&lost)?;
+                from = StartFrom::Resume;
             }
         }
     }

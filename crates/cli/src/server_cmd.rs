@@ -170,6 +170,25 @@ impl ServerArg {
     pub fn connect(&self) -> Result<Client, Box<dyn std::error::Error>> {
         Ok(Client::connect_with(&self.server, &self.options()?)?)
     }
+
+    /// After `lost`: says so on stderr, then connects again, waiting 100 ms, 200 ms, … up to 5 s
+    /// between attempts, until the server answers (or refuses for another reason than absence).
+    pub fn reconnect(&self, lost: &ClientError) -> Result<Client, Box<dyn std::error::Error>> {
+        eprintln!("petrel: lost the connection to {} ({lost}); reconnecting", self.server);
+        let options = self.options()?;
+        let mut pause = Duration::from_millis(100);
+        loop {
+            std::thread::sleep(pause);
+            match Client::connect_with(&self.server, &options) {
+                Ok(client) => {
+                    eprintln!("petrel: connected to {} again", self.server);
+                    return Ok(client);
+                }
+                Err(e) if is_lost_connection(&e) => pause = (pause * 2).min(Duration::from_secs(5)),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
 }
 
 #[derive(Args)]
@@ -280,7 +299,7 @@ pub struct ConsumeArgs {
 }
 
 pub fn consume(args: ConsumeArgs) -> Res {
-    let client = args.server.connect()?;
+    let mut client = args.server.connect()?;
     let mut left = args.count.unwrap_or(u64::MAX);
     let stdout = io::stdout();
     let mut out = stdout.lock();
@@ -290,7 +309,15 @@ pub fn consume(args: ConsumeArgs) -> Res {
             timeout: if args.follow { Duration::from_secs(1) } else { Duration::ZERO },
             visibility: args.ack.then_some(Duration::from_secs(60)),
         };
-        let deliveries = client.poll(&args.queue, options)?;
+        let deliveries = match client.poll(&args.queue, options) {
+            // Following, a lost server is waited for: what this connection had taken tentatively
+            // went back to the queue, so nothing is lost by polling again elsewhere.
+            Err(e) if args.follow && is_lost_connection(&e) => {
+                client = args.server.reconnect(&e)?;
+                continue;
+            }
+            other => other?,
+        };
         if deliveries.is_empty() {
             if args.follow {
                 continue;
@@ -308,11 +335,20 @@ pub fn consume(args: ConsumeArgs) -> Res {
         out.flush()?;
         if args.ack {
             let handles: Vec<u64> = deliveries.iter().map(|d| d.handle).collect();
-            client.ack(&args.queue, &handles)?;
+            match client.ack(&args.queue, &handles) {
+                // Unacknowledged, they come again: at least once.
+                Err(e) if args.follow && is_lost_connection(&e) => client = args.server.reconnect(&e)?,
+                other => drop(other?),
+            }
         }
         left -= deliveries.len() as u64;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The connection went away (the server stopped or restarted), as opposed to a refusal.
+pub fn is_lost_connection(e: &ClientError) -> bool {
+    matches!(e, ClientError::Io(_) | ClientError::Closed)
 }
 
 #[derive(Subcommand)]

@@ -190,3 +190,66 @@ fn exited(mut child: std::process::Child) -> bool {
     child.kill().unwrap();
     false
 }
+
+/// `consume --follow` and `topic subscribe --group` outlive a server restart: they say so on
+/// stderr and reconnect with backoff, then go on where they were.
+#[test]
+fn followers_reconnect_when_the_server_comes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let start = || {
+        let mut child = Command::new(PETREL)
+            .args(["serve", "--native-addr", &addr, "--memcache-addr", "off", "--data"])
+            .arg(dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("native"), "{line}");
+        child
+    };
+    let mut server = start();
+    assert!(run(&["queue", "create", "jobs", "--durable", "--server", &addr], "").0);
+    assert!(run(&["topic", "create", "news", "--durable", "--server", &addr], "").0);
+    let follower = |args: &[&str]| {
+        Command::new(PETREL)
+            .args(args)
+            .args(["--server", &addr])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let consumer = follower(&["consume", "jobs", "--follow", "--ack", "--count", "2"]);
+    let subscriber = follower(&["topic", "subscribe", "news", "--group", "g", "--from", "oldest", "--count", "2"]);
+    assert!(run(&["produce", "jobs", "--server", &addr], "one\n").0);
+    assert!(run(&["topic", "publish", "news", "--server", &addr], "first\n").0);
+    std::thread::sleep(Duration::from_millis(500));
+    server.kill().unwrap();
+    server.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut server = start();
+    assert!(run(&["produce", "jobs", "--server", &addr], "two\n").0);
+    assert!(run(&["topic", "publish", "news", "--server", &addr], "second\n").0);
+    for (child, expected) in [(consumer, "one\ntwo\n"), (subscriber, "first\nsecond\n")] {
+        let started = std::time::Instant::now();
+        let mut child = child;
+        while child.try_wait().unwrap().is_none() {
+            assert!(started.elapsed() < Duration::from_secs(20), "still waiting for {expected:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
+        assert!(err.contains("reconnecting") && err.contains("connected to"), "{err}");
+    }
+    server.kill().unwrap();
+    server.wait().unwrap();
+}

@@ -187,7 +187,10 @@ impl Pending {
     fn close(&mut self, error: impl Fn() -> ClientError) {
         self.closed = true;
         self.outbox.clear();
-        self.subscriptions.clear();
+        // A subscription's last item says why it ended (unless its buffer is full).
+        for (_, tx) in self.subscriptions.drain() {
+            let _ = tx.try_send(Err(error()));
+        }
         self.subscribing.clear();
         self.functions.clear();
         for (_, (_, tx)) in self.waiting.drain() {
