@@ -51,3 +51,10 @@ done
 for example in offer_poll reliable_worker coffee topics_functions; do
   cargo run -q --locked -p petrel-client --example "$example" > /dev/null
 done
+# …and against a running server, as a user would run them.
+serve_dir="$(mktemp -d)"
+target/debug/petrel serve --data "$serve_dir" --native-addr 127.0.0.1:0 --memcache-addr off > "$serve_dir/out" 2>/dev/null &
+serve_pid=$!
+for _ in $(seq 100); do grep -q '^native' "$serve_dir/out" 2>/dev/null && break; sleep 0.1; done
+cargo run -q --locked -p petrel-client --example offer_poll -- --server "$(awk '/^native/{print $2}' "$serve_dir/out")" > /dev/null
+kill "$serve_pid"; wait "$serve_pid" || true; rm -rf "$serve_dir"

@@ -253,3 +253,22 @@ fn followers_reconnect_when_the_server_comes_back() {
     server.kill().unwrap();
     server.wait().unwrap();
 }
+
+/// A listener beyond loopback with authentication off is said loudly at startup.
+#[test]
+fn listening_beyond_loopback_without_users_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(PETREL)
+        .args(["serve", "--native-addr", "0.0.0.0:0", "--memcache-addr", "off", "--data"])
+        .arg(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    child.kill().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("WARN") && err.contains("authentication off"), "{err}");
+}

@@ -2,7 +2,7 @@
 //! naming its own temporary queue as `reply_to`; baristas take orders tentatively, make the
 //! coffee, answer on the customer's queue, then acknowledge. Two customers, two baristas.
 //!
-//! cargo run -p petrel-client --example coffee
+//! cargo run -p petrel-client --example coffee [-- --server ADDR]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -13,7 +13,7 @@ use petrel_client::{Client, Message, PollOptions, QueueConfig};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (addr, _data) = common::local_server().await;
+    let (addr, _data) = common::server().await;
     let shop = Client::connect(addr.as_str()).await?;
     shop.create_queue("orders", QueueConfig { durable: true, ..QueueConfig::default() }).await?;
 

@@ -1,6 +1,6 @@
 //! Offer and poll, with a bounded queue and a circular one (seed 004's queue quick start).
 //!
-//! cargo run -p petrel-client --example offer_poll
+//! cargo run -p petrel-client --example offer_poll [-- --server ADDR]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -11,7 +11,7 @@ use petrel_client::{Client, Message, PollOptions, QueueConfig, Status};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (addr, _data) = common::local_server().await;
+    let (addr, _data) = common::server().await;
     let client = Client::connect(addr.as_str()).await?;
 
     client.create_queue("orders", QueueConfig { max_items: 3, ..QueueConfig::default() }).await?;

@@ -2,7 +2,7 @@
 //! tentative reads): each job is taken tentatively and acknowledged only when done; a job that
 //! fails is aborted and comes back at the head for the next attempt.
 //!
-//! cargo run -p petrel-client --example reliable_worker
+//! cargo run -p petrel-client --example reliable_worker [-- --server ADDR]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -13,7 +13,7 @@ use petrel_client::{Client, Message, PollOptions, QueueConfig};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (addr, _data) = common::local_server().await;
+    let (addr, _data) = common::server().await;
     let producer = Client::connect(addr.as_str()).await?;
     producer.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }).await?;
     let jobs =

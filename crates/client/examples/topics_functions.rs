@@ -1,7 +1,7 @@
 //! Seed 004's other two modes: topics (every subscriber gets every message; a durable topic's
 //! consumer groups replay it) and functions (request/reply between clients).
 //!
-//! cargo run -p petrel-client --example topics_functions
+//! cargo run -p petrel-client --example topics_functions [-- --server ADDR]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -12,7 +12,7 @@ use petrel_client::{Client, Message, StartFrom};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (addr, _data) = common::local_server().await;
+    let (addr, _data) = common::server().await;
     let client = Client::connect(addr.as_str()).await?;
 
     // A live topic: two subscribers, each gets every message.
