@@ -100,6 +100,9 @@ pub struct BrokerOptions {
     pub segment_bytes: u64,
     /// Largest message payload (plus headers) accepted.
     pub max_message_bytes: usize,
+    /// A poll's answer holds at most this many bytes of messages (a protocol's frame must hold
+    /// it); the first message always goes, whatever its size.
+    pub max_poll_bytes: u64,
     /// Configuration of queues created by first use, when no block below names them.
     pub queue_defaults: QueueConfig,
     /// Queues named in the server's configuration: created at open, and their configuration
@@ -122,6 +125,7 @@ impl Default for BrokerOptions {
             durability: Durability::None,
             segment_bytes: 64 << 20,
             max_message_bytes: 16 << 20,
+            max_poll_bytes: 16 << 20,
             queue_defaults: QueueConfig::default(),
             queues: BTreeMap::new(),
             topic_max_bytes: 1 << 30,
@@ -506,7 +510,7 @@ impl Broker {
         now: u64,
     ) -> Result<Vec<Delivery>, BrokerError> {
         let mut next_handle = || self.next_handle.fetch_add(1, Ordering::Relaxed);
-        let polled = queue.poll(max, visibility, consumer, now, &mut next_handle)?;
+        let polled = queue.poll(max, self.options.max_poll_bytes, visibility, consumer, now, &mut next_handle)?;
         self.dead_letter(queue, polled.expired, now);
         Ok(polled.deliveries)
     }

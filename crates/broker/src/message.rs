@@ -35,6 +35,15 @@ impl Message {
         (self.payload.len() + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
     }
 
+    /// About the bytes this message takes in a protocol's answer: its size, its strings, and a
+    /// fixed part for the rest (the native protocol's 46 bytes, a delivery handle, header
+    /// prefixes). An upper bound, for fitting answers into frames.
+    pub fn encoded_len(&self) -> u64 {
+        let strings =
+            [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset];
+        self.size() + strings.iter().map(|s| s.len() as u64).sum::<u64>() + 6 * self.headers.len() as u64 + 64
+    }
+
     pub fn is_expired(&self, now: u64) -> bool {
         self.expires_at != 0 && self.expires_at <= now
     }

@@ -291,11 +291,13 @@ impl Queue {
         Ok((first, n as u32))
     }
 
-    /// Takes up to `max` messages from the head; with a visibility timeout they are taken
-    /// tentatively under handles from `next_handle`.
+    /// Takes up to `max` messages from the head, as many as fit `max_bytes` of answer (at least
+    /// one); with a visibility timeout they are taken tentatively under handles from
+    /// `next_handle`.
     pub fn poll(
         &self,
         max: usize,
+        max_bytes: u64,
         visibility: Option<Duration>,
         consumer: ConnId,
         now: u64,
@@ -304,6 +306,7 @@ impl Queue {
         let mut out = Polled::default();
         let mut guard = self.lock();
         let inner = &mut *guard;
+        let mut answer_bytes = 0u64;
         while out.deliveries.len() < max {
             let Some((message, taken)) = inner.next()? else { break };
             let size = message.size();
@@ -314,6 +317,13 @@ impl Queue {
                 out.expired.push(message);
                 continue;
             }
+            // What the message adds to an answer: its bytes, its fields, its handle.
+            let cost = message.encoded_len() + self.name.len() as u64;
+            if !out.deliveries.is_empty() && answer_bytes + cost > max_bytes {
+                inner.put_back(taken)?; // the head it was; the next poll takes it
+                break;
+            }
+            answer_bytes += cost;
             inner.counters.last_taken_offered_at = message.timestamp;
             let handle = match visibility {
                 Some(v) => {

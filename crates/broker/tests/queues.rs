@@ -304,3 +304,50 @@ fn a_removal_cut_short_by_a_crash_is_finished_at_the_next_open() {
     b.remove_queue("kept").unwrap();
     assert!(!dir.path().join("queues/kept").exists());
 }
+
+#[test]
+fn a_poll_answer_holds_what_fits_its_byte_limit_and_the_rest_stays_in_order() {
+    for config in both() {
+        for visibility in [None, VIS] {
+            let dir = tempfile::tempdir().unwrap();
+            let options = BrokerOptions { max_poll_bytes: 10_000, ..BrokerOptions::default() };
+            let b = Broker::open(dir.path(), options).unwrap();
+            b.create_queue("q", config.clone(), None).unwrap();
+            let big: Vec<Message> = (0..10u8).map(|i| Message::new(vec![i; 3_000])).collect();
+            b.offer("q", big, 1).unwrap();
+            let mut seen = Vec::new();
+            let mut now = 2;
+            loop {
+                let answer = b.poll("q", usize::MAX, visibility, 1, now).unwrap();
+                if answer.is_empty() {
+                    break;
+                }
+                let bytes: u64 = answer.iter().map(|d| d.message.encoded_len()).sum();
+                assert!(bytes <= 10_000, "{bytes} bytes in one answer, {config:?}");
+                assert_eq!(answer.len(), 3, "as many as fit");
+                seen.extend(answer.iter().map(|d| d.message.payload[0]));
+                if visibility.is_some() {
+                    let handles: Vec<u64> = answer.iter().map(|d| d.handle).collect();
+                    assert_eq!(b.ack("q", &handles, 1).unwrap(), handles.len() as u32);
+                }
+                now += 1;
+                if seen.len() == 9 {
+                    break;
+                }
+            }
+            assert_eq!(seen, (0..9).collect::<Vec<u8>>());
+            // One message larger than the limit still goes, alone: the limit never starves a queue.
+            b.offer("q", vec![Message::new(vec![9; 20_000])], now).unwrap();
+            let sizes = |answer: Vec<petrel_broker::Delivery>| {
+                answer.iter().map(|d| d.message.payload.len()).collect::<Vec<_>>()
+            };
+            assert_eq!(
+                sizes(b.poll("q", usize::MAX, None, 1, now).unwrap()),
+                [3_000],
+                "the tenth; the big one does not fit beside it"
+            );
+            assert_eq!(sizes(b.poll("q", usize::MAX, None, 1, now).unwrap()), [20_000]);
+            assert_eq!(b.queue("q").unwrap().stats().items, 0, "{config:?}");
+        }
+    }
+}

@@ -82,11 +82,13 @@ async fn temporary_bounded_circular_expiry_and_fanout() {
     waiting.await.unwrap().unwrap();
 
     c.create_queue("ring", QueueConfig { max_items: 2, circular: true, ..QueueConfig::default() }).await.unwrap();
-    c.offer("ring", vec![msg("a"), msg("b"), msg("c")], None).await.unwrap_err(); // more than fits at all
+    // More than the ring holds at once keeps the newest, as a circular queue does item by item.
+    c.offer("ring", vec![msg("a"), msg("b"), msg("c")], None).await.unwrap();
+    assert_eq!(texts(&c.poll("ring", TAKE).await.unwrap()), ["b", "c"]);
     c.offer("ring", vec![msg("a"), msg("b")], None).await.unwrap();
     c.offer("ring", vec![msg("c")], None).await.unwrap();
     assert_eq!(texts(&c.poll("ring", TAKE).await.unwrap()), ["b", "c"]);
-    assert_eq!(c.queue_status("ring").await.unwrap().dropped, 1);
+    assert_eq!(c.queue_status("ring").await.unwrap().dropped, 2);
 
     c.create_queue("dead", QueueConfig::default()).await.unwrap();
     c.create_queue("short", QueueConfig { ttl_ms: 50, dead_letter: "dead".into(), ..QueueConfig::default() })
@@ -104,6 +106,35 @@ async fn temporary_bounded_circular_expiry_and_fanout() {
     assert_eq!(texts(&c.poll("orders+audit", TAKE).await.unwrap()), ["o"]);
     let missing = c.poll("nope", TAKE).await.unwrap_err();
     assert_eq!(missing.status(), Some(Status::QueueNotFound));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_for_everything_answers_what_fits_the_advertised_frame() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "max_message_bytes = 65536\nmax_frame_bytes = 1048576\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let c = server.client().await;
+    for durable in [false, true] {
+        let q = if durable { "disk" } else { "memory" };
+        c.create_queue(q, QueueConfig { durable, ..QueueConfig::default() }).await.unwrap();
+        for i in 0..40u8 {
+            c.offer(q, vec![Message::new(vec![i; 60_000])], None).await.unwrap();
+        }
+        let mut seen = Vec::new();
+        loop {
+            let answer = c.poll(q, PollOptions { max: u32::MAX, ..TAKE }).await.unwrap();
+            if answer.is_empty() {
+                break;
+            }
+            let bytes: usize = answer.iter().map(|d| d.message.payload.len()).sum();
+            assert!(bytes < 1_048_576, "{bytes} bytes of payload in one answer");
+            let last = seen.len() + answer.len() == 40;
+            assert!(answer.len() >= 15 || last, "an answer is filled, not one by one: {}", answer.len());
+            seen.extend(answer.iter().map(|d| d.message.payload[0]));
+        }
+        assert_eq!(seen, (0..40).collect::<Vec<u8>>(), "all, in order, none twice");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

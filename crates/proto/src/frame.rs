@@ -113,8 +113,28 @@ pub fn start(out: &mut Vec<u8>, kind: FrameKind, opcode: u16, request_id: u64) -
     at
 }
 
-/// Sets the length of the frame started at `at` to what has been appended since.
-pub fn finish(out: &mut [u8], at: usize) {
-    let len = (out.len() - at - 4) as u32;
+/// Sets the length of the frame started at `at` to what has been appended since; a frame longer
+/// than the length field can say is refused (never wrapped into a shorter, wrong length).
+pub fn finish(out: &mut [u8], at: usize) -> Result<(), crate::EncodeError> {
+    let len = u32::try_from(out.len() - at - 4).map_err(|_| crate::EncodeError::FrameTooLong)?;
     out[at..at + 4].copy_from_slice(&len.to_be_bytes());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_longer_than_its_length_field_is_refused_not_wrapped() {
+        // calloc'd pages: the 4 GiB are never touched, so this costs no memory.
+        let mut out = vec![0u8; u32::MAX as usize + 5];
+        assert!(matches!(finish(&mut out, 0), Err(crate::EncodeError::FrameTooLong)));
+        assert_eq!(out[..4], [0, 0, 0, 0], "nothing written");
+        let mut small = Vec::new();
+        let at = start(&mut small, FrameKind::Response, 1, 7);
+        small.extend_from_slice(b"body");
+        finish(&mut small, at).unwrap();
+        assert_eq!(u32::from_be_bytes(small[..4].try_into().unwrap()) as usize, small.len() - 4);
+    }
 }

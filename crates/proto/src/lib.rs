@@ -33,4 +33,6 @@ pub enum DecodeError {
 pub enum EncodeError {
     #[error("a field is longer than its length prefix allows")]
     FieldTooLong,
+    #[error("a frame is longer than its length field allows (4 GiB)")]
+    FrameTooLong,
 }

@@ -367,11 +367,10 @@ impl Request {
             _ => {}
         }
         let at = frame::start(out, FrameKind::Request, self.opcode(), request_id);
-        if let Err(e) = self.encode_body(&mut Writer { out }) {
+        if let Err(e) = self.encode_body(&mut Writer { out }).and_then(|()| frame::finish(out, at)) {
             out.truncate(at); // no half frame left behind
             return Err(e);
         }
-        frame::finish(out, at);
         Ok(())
     }
 
@@ -612,8 +611,9 @@ impl Push {
         }
     }
 
-    /// Appends this push as a whole frame to `out`; `id` is the subscription or the call.
-    pub fn encode(&self, id: u64, out: &mut Vec<u8>) {
+    /// Appends this push as a whole frame to `out`; `id` is the subscription or the call. A push
+    /// too long for a frame leaves `out` as it was.
+    pub fn encode(&self, id: u64, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         let at = frame::start(out, FrameKind::Push, self.opcode(), id);
         let w = &mut Writer { out };
         match self {
@@ -632,19 +632,19 @@ impl Push {
                 message.encode(w);
             }
         }
-        frame::finish(out, at);
+        frame::finish(out, at).inspect_err(|_| out.truncate(at))
     }
 
     /// A DELIVER frame for subscription `id` from messages already encoded (`Message::encode_to`):
     /// the same bytes as `Push::Deliver`, for a server that encodes a message once for all the
     /// subscribers it goes to.
-    pub fn encode_deliver<M: AsRef<[u8]>>(id: u64, encoded: &[M], out: &mut Vec<u8>) {
+    pub fn encode_deliver<M: AsRef<[u8]>>(id: u64, encoded: &[M], out: &mut Vec<u8>) -> Result<(), EncodeError> {
         let at = frame::start(out, FrameKind::Push, opcode::DELIVER, id);
         out.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
         for m in encoded {
             out.extend_from_slice(m.as_ref());
         }
-        frame::finish(out, at);
+        frame::finish(out, at).inspect_err(|_| out.truncate(at))
     }
 
     pub fn decode(opcode: u16, body: Bytes) -> Result<Push, DecodeError> {
@@ -676,12 +676,11 @@ impl Response {
     /// response with a field too long for the wire becomes a SERVER_ERROR, never a broken frame.
     pub fn encode(&self, opcode: u16, request_id: u64, out: &mut Vec<u8>) {
         let at = frame::start(out, FrameKind::Response, opcode, request_id);
-        if self.encode_body(&mut Writer { out }).is_err() {
+        if self.encode_body(&mut Writer { out }).and_then(|()| frame::finish(out, at)).is_err() {
             out.truncate(at);
-            let error = Response::error(Status::ServerError, "the answer has a field too long for the protocol");
-            return error.encode(opcode, request_id, out);
+            let error = Response::error(Status::ServerError, "the answer is too long for the protocol");
+            error.encode(opcode, request_id, out);
         }
-        frame::finish(out, at);
     }
 
     fn encode_body(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {

@@ -162,7 +162,7 @@ proptest! {
 fn a_deliver_frame_from_encoded_messages_is_the_same_bytes() {
     let messages = vec![Message::new(&b"one"[..]), Message { subject: "s".into(), ..Message::new(&b"two"[..]) }];
     let mut whole = Vec::new();
-    petrel_proto::Push::Deliver { messages: messages.clone() }.encode(9, &mut whole);
+    petrel_proto::Push::Deliver { messages: messages.clone() }.encode(9, &mut whole).unwrap();
     let encoded: Vec<Vec<u8>> = messages
         .iter()
         .map(|m| {
@@ -172,6 +172,6 @@ fn a_deliver_frame_from_encoded_messages_is_the_same_bytes() {
         })
         .collect();
     let mut pieces = Vec::new();
-    petrel_proto::Push::encode_deliver(9, &encoded, &mut pieces);
+    petrel_proto::Push::encode_deliver(9, &encoded, &mut pieces).unwrap();
     assert_eq!(pieces, whole);
 }

@@ -87,7 +87,7 @@ fn response(name: &str, description: &str, op: u16, id: u64, r: Response) -> Vec
 
 fn push(name: &str, description: &str, id: u64, p: Push) -> Vector {
     let mut out = Vec::new();
-    p.encode(id, &mut out);
+    p.encode(id, &mut out).unwrap();
     Vector {
         name: name.into(),
         description: description.into(),
@@ -444,7 +444,7 @@ fn vectors_decode_to_their_meaning_and_back() {
             }
             (None, None, Some(p)) => {
                 assert_eq!(&Push::decode(f.opcode, f.body).unwrap(), p, "{}: decode", v.name);
-                p.encode(v.request_id, &mut again);
+                p.encode(v.request_id, &mut again).unwrap();
             }
             _ => panic!("{}: a vector holds a request, a response or a push", v.name),
         }

@@ -109,6 +109,8 @@ impl Server {
             durability: config.durability()?,
             segment_bytes: config.segment_bytes,
             max_message_bytes: config.max_message_bytes,
+            // A poll's answer fits a frame: the header and the count take less than 1 KiB.
+            max_poll_bytes: u64::from(config.max_frame_bytes) - 1024,
             queue_defaults: config.queue_defaults()?,
             queues: config.queues()?,
             topic_max_bytes: config.topic_max_bytes,

@@ -291,6 +291,15 @@ where
     }
 }
 
+/// Pushes hold at most 64 KiB of messages or one message (itself at most `max_message_bytes`,
+/// well under a frame's 4 GiB), so this does not happen; if it did, the push is left out (its
+/// buffer is empty) and said in the log, rather than sent with a wrong length.
+fn not_sent_if_too_long(encoded: Result<(), petrel_proto::EncodeError>) {
+    if let Err(e) = encoded {
+        tracing::error!(error = %e, "a push was not sent");
+    }
+}
+
 async fn sleep_or_never(limit: Option<Duration>) {
     match limit {
         Some(d) => tokio::time::sleep(d).await,
@@ -394,7 +403,7 @@ impl Pushes {
                     })
                     .collect();
                 let mut out = Vec::with_capacity(encoded.iter().map(|e| e.len()).sum::<usize>() + 32);
-                Push::encode_deliver(id, &encoded, &mut out);
+                not_sent_if_too_long(Push::encode_deliver(id, &encoded, &mut out));
                 drop(encoded);
                 batch.clear();
                 if tx.send(out).await.is_err() {
@@ -411,7 +420,7 @@ impl Pushes {
                 None => return,
             };
             let mut out = Vec::new();
-            end.encode(id, &mut out);
+            not_sent_if_too_long(end.encode(id, &mut out));
             let _ = tx.send(out).await;
         });
         self.subscriptions.insert(id, task);
@@ -463,8 +472,8 @@ impl Pushes {
                     Ok(messages) => messages,
                     Err(e) => {
                         let mut out = Vec::new();
-                        Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() }
-                            .encode(id, &mut out);
+                        let end = Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() };
+                        not_sent_if_too_long(end.encode(id, &mut out));
                         let _ = tx.blocking_send(out);
                         return;
                     }
@@ -478,7 +487,9 @@ impl Pushes {
                     frame.push(convert::outgoing(m, compress));
                     if bytes >= 64 * 1024 || i + 1 == last {
                         let mut out = Vec::with_capacity(bytes as usize + 64 * frame.len());
-                        Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out);
+                        not_sent_if_too_long(
+                            Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out),
+                        );
                         bytes = 0;
                         if tx.blocking_send(out).is_err() {
                             return;
@@ -507,7 +518,7 @@ impl Pushes {
                         function: inv.function,
                         message: Box::new(convert::outgoing(inv.message, compress)),
                     };
-                    push.encode(inv.call, &mut out);
+                    not_sent_if_too_long(push.encode(inv.call, &mut out));
                     if tx.send(out).await.is_err() {
                         return;
                     }
