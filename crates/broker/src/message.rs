@@ -107,6 +107,15 @@ pub(crate) fn append(log: &SharedLog, messages: &[Message]) -> petrel_log::Resul
     log.append_batch_with(&inputs)
 }
 
+/// When the message stored in `r` expires (0: never), without decoding the rest.
+pub(crate) fn expires_at(r: &Record<'_>) -> u64 {
+    r.headers
+        .iter()
+        .find(|(name, _)| *name == EXPIRES)
+        .and_then(|(_, v)| v.try_into().ok())
+        .map_or(0, u64::from_be_bytes)
+}
+
 /// The message stored in `r`; `id` is the queue's id for it.
 pub(crate) fn from_record(r: &Record<'_>, id: u64) -> Message {
     let mut m =

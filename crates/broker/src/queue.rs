@@ -84,6 +84,11 @@ impl Drop for Waiting<'_> {
 struct Inner {
     store: Store,
     in_flight: HashMap<u64, InFlight>,
+    /// Messages waiting to be taken (not in flight): one exact count for both stores, changed
+    /// where a message enters or leaves the ready set (`offer`, `next`, `put_back`,
+    /// `drop_oldest`) and checked against the store in debug builds.
+    waiting: u64,
+    /// Bytes of the messages waiting and in flight.
     bytes: u64,
     counters: QueueStats,
 }
@@ -105,30 +110,19 @@ enum Taken {
     Log(u64),
 }
 
-impl Taken {
-    /// Orders takings as their messages were offered.
-    fn id(&self) -> u64 {
-        match self {
-            Taken::Memory(m) => m.id,
-            Taken::Log(offset) => *offset,
-        }
-    }
-}
-
 const GROUP: &str = "broker";
 
 impl Queue {
     pub(crate) fn in_memory(name: String, config: QueueConfig, owner: Option<ConnId>) -> Queue {
-        Queue::with_store(name, config, owner, Store::Memory { ready: VecDeque::new(), next_id: 1 }, 0)
+        Queue::with_store(name, config, owner, Store::Memory { ready: VecDeque::new(), next_id: 1 }, 0, 0)
     }
 
     /// A durable queue on `log`. Records not yet acknowledged by its group are the queue's
-    /// contents, including those taken tentatively before a restart. (Records acknowledged out
-    /// of order before a restart stay acknowledged; their bytes are counted until the group
-    /// passes them, a small overcount.)
+    /// contents, including those taken tentatively before a restart (records acknowledged out
+    /// of order before it stay acknowledged).
     pub(crate) fn on_log(name: String, config: QueueConfig, log: SharedLog) -> Result<Queue, BrokerError> {
         let group = log.group(GROUP, GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
-        // Count what is waiting (bytes are not in the log's indexes).
+        // Count the bytes waiting (they are not in the log's indexes).
         let mut reader = log.reader();
         reader.seek(group.committed());
         let mut bytes = 0;
@@ -137,23 +131,38 @@ impl Queue {
             if batch.is_empty() {
                 break;
             }
-            for r in batch {
+            for r in batch.into_iter().filter(|r| !group.is_acknowledged(r.offset)) {
                 bytes += message::from_record(&r, 0).size();
             }
         }
-        let queue = Queue::with_store(name, config, None, Store::Log { log, group: Box::new(group) }, bytes);
+        let waiting = group.unacknowledged();
+        let store = Store::Log { log, group: Box::new(group) };
+        let queue = Queue::with_store(name, config, None, store, waiting, bytes);
         // What it holds may expire: the first tick looks, and sets when to look again.
         queue.due.store(0, Ordering::Relaxed);
         Ok(queue)
     }
 
-    fn with_store(name: String, config: QueueConfig, owner: Option<ConnId>, store: Store, bytes: u64) -> Queue {
+    fn with_store(
+        name: String,
+        config: QueueConfig,
+        owner: Option<ConnId>,
+        store: Store,
+        waiting: u64,
+        bytes: u64,
+    ) -> Queue {
         Queue {
             name,
             config,
             owner,
             repliers: Mutex::new(Vec::new()),
-            inner: Mutex::new(Inner { store, in_flight: HashMap::new(), bytes, counters: QueueStats::default() }),
+            inner: Mutex::new(Inner {
+                store,
+                in_flight: HashMap::new(),
+                waiting,
+                bytes,
+                counters: QueueStats::default(),
+            }),
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
@@ -281,6 +290,7 @@ impl Queue {
                 first
             }
         };
+        inner.waiting += n;
         inner.bytes += size;
         inner.counters.total_offered += n;
         if let Some(earliest) = earliest_expiry {
@@ -343,6 +353,12 @@ impl Queue {
             inner.counters.total_polled += 1;
             let message = Message { destination: self.name.clone(), ..message };
             out.deliveries.push(Delivery { handle, message });
+        }
+        if !out.deliveries.is_empty()
+            && let Some(expiry) = inner.head_expiry()?
+        {
+            // A new head, which the tick sweeps when it expires.
+            self.due.fetch_min(expiry, Ordering::Relaxed);
         }
         drop(guard);
         if !out.deliveries.is_empty() || !out.expired.is_empty() {
@@ -417,7 +433,7 @@ impl Queue {
             inner.counters.expired += 1;
             expired.push(head);
         }
-        self.due.store(inner.next_due(now), Ordering::Relaxed);
+        self.due.store(inner.next_due()?, Ordering::Relaxed);
         drop(inner);
         if !overdue.is_empty() {
             self.available.notify_waiters();
@@ -483,20 +499,20 @@ impl Queue {
 }
 
 impl Inner {
-    /// When `tick` next has work: the earliest visibility deadline, or expiry of a message in
-    /// memory still to come (expired ones behind the head wait until they reach it).
-    fn next_due(&mut self, now: u64) -> u64 {
-        let expiry = match &mut self.store {
-            Store::Memory { ready, .. } => {
-                let head = ready.front().map(|m| m.expires_at).filter(|&e| e != 0);
-                ready.iter().map(|m| m.expires_at).filter(|&e| e > now).chain(head).min()
-            }
-            // The head's expiry (later offers lower `due` with their own, see `offer`).
-            Store::Log { group, .. } => {
-                group.peek().ok().flatten().map(|r| message::from_record(&r, 0).expires_at).filter(|&e| e != 0)
-            }
+    /// When `tick` next has work: the earliest visibility deadline, or the head's expiry. (Only
+    /// the head's: an offer lowers `due` with its own expiry, and a poll with the new head's.)
+    fn next_due(&mut self) -> Result<u64, BrokerError> {
+        let expiry = self.head_expiry()?;
+        Ok(self.in_flight.values().map(|f| f.deadline).chain(expiry).min().unwrap_or(u64::MAX))
+    }
+
+    /// When the message at the head expires, if it does.
+    fn head_expiry(&mut self) -> Result<Option<u64>, BrokerError> {
+        let expires_at = match &mut self.store {
+            Store::Memory { ready, .. } => ready.front().map(|m| m.expires_at),
+            Store::Log { group, .. } => group.peek()?.map(|r| message::expires_at(&r)),
         };
-        self.in_flight.values().map(|f| f.deadline).chain(expiry).min().unwrap_or(u64::MAX)
+        Ok(expires_at.filter(|&e| e != 0))
     }
 
     /// The message at the head, left in place (its id set).
@@ -509,14 +525,27 @@ impl Inner {
 
     /// Messages waiting (not in flight).
     fn items(&self) -> u64 {
-        match &self.store {
-            Store::Memory { ready, .. } => ready.len() as u64,
-            Store::Log { group, .. } => group.lag() - group.pending() as u64,
-        }
+        debug_assert_eq!(
+            self.waiting,
+            match &self.store {
+                Store::Memory { ready, .. } => ready.len() as u64,
+                Store::Log { group, .. } => group.unacknowledged() - self.in_flight.len() as u64,
+            },
+            "a queue's count matches its store"
+        );
+        self.waiting
     }
 
     /// The next message at the head, taken out of the ready set (not yet settled).
     fn next(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
+        let next = self.next_from_store()?;
+        if next.is_some() {
+            self.waiting -= 1;
+        }
+        Ok(next)
+    }
+
+    fn next_from_store(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
         match &mut self.store {
             Store::Memory { ready, .. } => Ok(ready.pop_front().map(|m| (m.clone(), Taken::Memory(Box::new(m))))),
             Store::Log { group, .. } => match group.poll(1, Duration::ZERO) {
@@ -537,43 +566,42 @@ impl Inner {
         }
     }
 
-    /// Taken messages go back to the head, in the order they were offered (and counted).
-    fn put_back_all(&mut self, mut taken: Vec<Taken>) -> Result<(), BrokerError> {
+    /// Taken messages go back (and are counted as returned).
+    fn put_back_all(&mut self, taken: Vec<Taken>) -> Result<(), BrokerError> {
         self.counters.aborted += taken.len() as u64;
-        taken.sort_by_key(|t| std::cmp::Reverse(t.id()));
         taken.into_iter().try_for_each(|t| self.put_back(t))
     }
 
-    /// A taken message goes back to the head.
+    /// A taken message goes back to the head, among other returned ones in the order they were
+    /// offered: a queue is always in offer order, in memory as on disk (where the group
+    /// redelivers the lowest offset first).
     fn put_back(&mut self, taken: Taken) -> Result<(), BrokerError> {
         match (&mut self.store, taken) {
             (Store::Memory { ready, .. }, Taken::Memory(m)) => {
-                ready.push_front(*m);
-                Ok(())
+                // `ready` is sorted by id: offers append higher ids, and this keeps it so.
+                let at = ready.partition_point(|waiting| waiting.id < m.id);
+                ready.insert(at, *m);
             }
-            (Store::Log { group, .. }, Taken::Log(offset)) => Ok(group.nack(offset)?),
+            (Store::Log { group, .. }, Taken::Log(offset)) => group.nack(offset)?,
             _ => unreachable!("a queue's takings match its store"),
         }
+        self.waiting += 1;
+        Ok(())
     }
 
     /// Drops the oldest waiting message; `false` if there is none.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
         match &mut self.store {
-            Store::Memory { ready, .. } => Ok(match ready.pop_front() {
-                Some(m) => {
-                    self.bytes -= m.size();
-                    true
-                }
-                None => false,
-            }),
-            Store::Log { group, .. } => {
-                let size = match group.take(Duration::ZERO)? {
-                    Some(r) => message::from_record(&r, 0).size(),
-                    None => return Ok(false),
-                };
-                self.bytes -= size;
-                Ok(true)
-            }
+            Store::Memory { ready, .. } => match ready.pop_front() {
+                Some(m) => self.bytes -= m.size(),
+                None => return Ok(false),
+            },
+            Store::Log { group, .. } => match group.take(Duration::ZERO)? {
+                Some(r) => self.bytes -= message::from_record(&r, 0).size(),
+                None => return Ok(false),
+            },
         }
+        self.waiting -= 1;
+        Ok(true)
     }
 }

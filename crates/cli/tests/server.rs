@@ -109,6 +109,38 @@ async fn temporary_bounded_circular_expiry_and_fanout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_bounded_queue_counts_open_reads_and_returned_ones_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let (a, b) = (server.client().await, server.client().await);
+    let open = PollOptions { visibility: Some(Duration::from_secs(60)), ..TAKE };
+    for durable in [false, true] {
+        let q = format!("five-{durable}");
+        a.create_queue(&q, QueueConfig { durable, max_items: 5, ..QueueConfig::default() }).await.unwrap();
+        a.offer(&q, (0..5).map(|i| msg(&format!("m{i}"))).collect(), None).await.unwrap();
+        let kept = a.poll(&q, PollOptions { max: 1, ..open }).await.unwrap();
+        let taken = b.poll(&q, PollOptions { max: 4, ..open }).await.unwrap();
+        assert_eq!(b.ack(&q, &taken.iter().map(|d| d.handle).collect::<Vec<_>>()).await.unwrap(), 4);
+        let status = a.queue_status(&q).await.unwrap();
+        assert_eq!((status.items, status.in_flight), (0, 1), "durable {durable}");
+        for i in 0..5 {
+            a.offer(&q, vec![msg(&format!("n{i}"))], None).await.unwrap();
+        }
+        assert_eq!(a.ack(&q, &[kept[0].handle]).await.unwrap(), 1);
+
+        let q = format!("two-{durable}");
+        a.create_queue(&q, QueueConfig { durable, max_items: 2, ..QueueConfig::default() }).await.unwrap();
+        a.offer(&q, vec![msg("x"), msg("y")], None).await.unwrap();
+        let taken = a.poll(&q, PollOptions { max: 2, ..open }).await.unwrap();
+        assert_eq!(a.abort(&q, &taken.iter().map(|d| d.handle).collect::<Vec<_>>()).await.unwrap(), 2);
+        assert_eq!(a.queue_status(&q).await.unwrap().items, 2, "durable {durable}");
+        let full = a.offer(&q, vec![msg("z")], None).await.unwrap_err();
+        assert_eq!(full.status(), Some(Status::QueueFull));
+        assert_eq!(texts(&a.poll(&q, TAKE).await.unwrap()), ["x", "y"]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_for_everything_answers_what_fits_the_advertised_frame() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("petrel.toml");

@@ -309,9 +309,29 @@ impl ConsumerGroup {
         (self.next - self.committed) as usize - self.acked_above
     }
 
-    /// Records in the log that the group has not acknowledged.
+    /// Records in the log from the lowest unacknowledged one on (acknowledged ones among them
+    /// included: see `unacknowledged`).
     pub fn lag(&self) -> u64 {
         self.shared.next_offset.load(Ordering::Acquire).saturating_sub(self.committed)
+    }
+
+    /// Records in the log that the group has not acknowledged: exactly, whatever order the
+    /// acknowledgements came in, before a restart or after.
+    pub fn unacknowledged(&self) -> u64 {
+        // `skip` holds offsets at or above `next` (a poll never reads past one), `acked_above`
+        // those below it: the two never count one offset twice.
+        self.lag() - self.acked_above as u64 - self.skip.len() as u64
+    }
+
+    /// Whether the group has acknowledged `offset` (before a restart or since).
+    pub fn is_acknowledged(&self, offset: u64) -> bool {
+        if offset < self.committed {
+            return true;
+        }
+        if offset < self.next {
+            return self.acked[(offset - self.committed) as usize];
+        }
+        self.skip.contains(&offset)
     }
 
     /// Up to `max` records: first any `nack`ed ones (one at a time, lowest offset first), then

@@ -50,10 +50,14 @@ fn out_of_order_acks_are_not_delivered_again_after_a_restart() {
         g.ack(o).unwrap();
     }
     assert_eq!(g.committed(), 0);
+    assert_eq!((g.lag(), g.unacknowledged()), (20, 16), "lag counts acknowledged records; unacknowledged does not");
     drop(g);
     drop(log);
     let log = log_with(dir.path(), 20);
     let mut g = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(g.unacknowledged(), 16, "the same after a restart");
+    assert!([1, 3, 4, 9].iter().all(|&o| g.is_acknowledged(o)));
+    assert!([0, 2, 5, 10, 19].iter().all(|&o| !g.is_acknowledged(o)));
     let mut seen = Vec::new();
     loop {
         let batch = offsets(g.poll(100, NOW).unwrap());
@@ -66,7 +70,7 @@ fn out_of_order_acks_are_not_delivered_again_after_a_restart() {
         seen.extend(batch);
     }
     assert_eq!(seen, [0, 2, 5, 6, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]);
-    assert_eq!(g.committed(), 20);
+    assert_eq!((g.committed(), g.unacknowledged()), (20, 0));
 }
 
 #[test]

@@ -1,0 +1,243 @@
+//! A queue's figures against a model: random offer / take / ack / abort / expire / flush /
+//! restart sequences, in memory and on disk, bounded and circular. After every step the queue's
+//! items, in-flight count and bytes are the model's, and every message taken is the one the
+//! model says is at the head (no loss, no repeat, offer order).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use petrel_broker::{Broker, BrokerError, BrokerOptions, Message, QueueConfig};
+use proptest::prelude::*;
+
+const MS: u64 = 1_000_000;
+const CONSUMER: u64 = 1;
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// `n` messages of `size` bytes; some expire `ttl_ms` after the offer.
+    Offer {
+        n: usize,
+        size: usize,
+        ttl_ms: Option<u64>,
+    },
+    /// Up to `max`; tentatively (visible again after `visibility_ms`) or for good.
+    Take {
+        max: usize,
+        visibility_ms: Option<u64>,
+    },
+    /// The open read at this position (modulo how many are open).
+    Ack(usize),
+    Abort(usize),
+    /// Time passes and the broker ticks: visibility timeouts and expiry.
+    Wait {
+        ms: u64,
+    },
+    Flush,
+    /// Close and reopen the broker (durable queues keep their messages; open reads come back).
+    Restart,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (1..4usize, 0..40usize, prop::option::weighted(0.3, 1..50u64))
+            .prop_map(|(n, size, ttl_ms)| Step::Offer { n, size, ttl_ms }),
+        4 => (1..4usize, prop::option::weighted(0.6, 1..50u64))
+            .prop_map(|(max, visibility_ms)| Step::Take { max, visibility_ms }),
+        2 => any::<usize>().prop_map(Step::Ack),
+        2 => any::<usize>().prop_map(Step::Abort),
+        2 => (1..40u64).prop_map(|ms| Step::Wait { ms }),
+        1 => Just(Step::Flush),
+        1 => Just(Step::Restart),
+    ]
+}
+
+/// A message of the model: its number (also its payload's first bytes), size and expiry.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    size: u64,
+    expires_at: u64,
+}
+
+#[derive(Default)]
+struct Model {
+    /// Waiting messages by number: the queue's order is offer order.
+    waiting: BTreeMap<u64, Item>,
+    /// Open reads: handle, number, item, visibility deadline.
+    open: Vec<(u64, u64, Item, u64)>,
+    next_number: u64,
+}
+
+impl Model {
+    fn bytes(&self) -> u64 {
+        self.waiting.values().chain(self.open.iter().map(|(_, _, item, _)| item)).map(|i| i.size).sum()
+    }
+}
+
+fn payload(number: u64, size: usize) -> Vec<u8> {
+    let mut p = number.to_be_bytes().to_vec();
+    p.resize(8 + size, b'.');
+    p
+}
+
+fn number_of(m: &Message) -> u64 {
+    u64::from_be_bytes(m.payload[..8].try_into().unwrap())
+}
+
+fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().unwrap();
+    let open = || Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let mut broker = open();
+    broker.create_queue("q", config.clone(), None).unwrap();
+    let mut model = Model::default();
+    let mut now = 1_000 * MS;
+    for step in steps {
+        match step {
+            Step::Offer { n, size, ttl_ms } => {
+                let expires_at = ttl_ms.map_or(0, |t| now + t * MS);
+                let numbers: Vec<u64> = (model.next_number..model.next_number + n as u64).collect();
+                model.next_number += n as u64;
+                let messages = numbers
+                    .iter()
+                    .map(|&k| Message { expires_at, ..Message::new(payload(k, size)) })
+                    .collect::<Vec<_>>();
+                let item = Item { size: messages[0].size(), expires_at };
+                let result = broker.offer("q", messages, now);
+                let max = config.max_items as usize;
+                let fits = max == 0 || model.waiting.len() + n <= max;
+                if fits || config.circular {
+                    prop_assert!(result.is_ok(), "{result:?}");
+                    for k in numbers {
+                        model.waiting.insert(k, item);
+                    }
+                    while max != 0 && model.waiting.len() > max {
+                        model.waiting.pop_first();
+                    }
+                } else if n > max {
+                    prop_assert!(matches!(result, Err(BrokerError::NeverFits(_))), "{result:?}");
+                } else {
+                    prop_assert!(matches!(result, Err(BrokerError::Full(_))), "{result:?}");
+                }
+            }
+            Step::Take { max, visibility_ms } => {
+                let visibility = visibility_ms.map(Duration::from_millis);
+                let got = broker.poll("q", max, visibility, CONSUMER, now).unwrap();
+                let mut expected = Vec::new();
+                while expected.len() < max {
+                    let Some((number, item)) = model.waiting.pop_first() else { break };
+                    if item.expires_at != 0 && item.expires_at <= now {
+                        continue; // stepped over, expired
+                    }
+                    expected.push((number, item));
+                }
+                let numbers: Vec<u64> = got.iter().map(|d| number_of(&d.message)).collect();
+                prop_assert_eq!(&numbers, &expected.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+                if let Some(v) = visibility_ms {
+                    for (d, (number, item)) in got.iter().zip(expected) {
+                        model.open.push((d.handle, number, item, now + v * MS));
+                    }
+                }
+            }
+            Step::Ack(i) | Step::Abort(i) if model.open.is_empty() => {
+                let _ = i;
+            }
+            Step::Ack(i) => {
+                let (handle, ..) = model.open.remove(i % model.open.len());
+                prop_assert_eq!(broker.ack("q", &[handle], CONSUMER).unwrap(), 1);
+            }
+            Step::Abort(i) => {
+                let (handle, number, item, _) = model.open.remove(i % model.open.len());
+                prop_assert_eq!(broker.abort("q", &[handle], CONSUMER).unwrap(), 1);
+                model.waiting.insert(number, item);
+            }
+            Step::Wait { ms } => {
+                now += ms * MS;
+                broker.tick(now);
+                let (due, open): (Vec<_>, Vec<_>) = model.open.drain(..).partition(|o| o.3 <= now);
+                model.open = open;
+                for (_, number, item, _) in due {
+                    model.waiting.insert(number, item);
+                }
+                // Expired messages at the head go; ones behind an unexpired head wait for it.
+                while let Some((_, item)) = model.waiting.first_key_value()
+                    && item.expires_at != 0
+                    && item.expires_at <= now
+                {
+                    model.waiting.pop_first();
+                }
+            }
+            Step::Flush => {
+                broker.queue("q").unwrap().flush().unwrap();
+                model.waiting.clear();
+            }
+            Step::Restart => {
+                if !config.durable {
+                    continue; // a queue in memory does not outlive its server
+                }
+                drop(broker);
+                broker = open();
+                for (_, number, item, _) in model.open.drain(..) {
+                    model.waiting.insert(number, item);
+                }
+            }
+        }
+        let stats = broker.queue("q").unwrap().stats();
+        prop_assert_eq!(stats.items, model.waiting.len() as u64, "items");
+        prop_assert_eq!(stats.in_flight, model.open.len() as u64, "in flight");
+        prop_assert_eq!(stats.bytes, model.bytes(), "bytes");
+    }
+    Ok(())
+}
+
+fn configs() -> impl Strategy<Value = QueueConfig> {
+    (any::<bool>(), prop_oneof![Just(0u64), Just(3), Just(6)], any::<bool>()).prop_map(
+        |(durable, max_items, circular)| QueueConfig {
+            durable,
+            max_items,
+            circular: circular && max_items != 0,
+            ..QueueConfig::default()
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_queue_counts_exactly_what_it_holds(config in configs(), steps in prop::collection::vec(step(), 1..60)) {
+        run(config, steps)?;
+    }
+}
+
+/// The two cases the hostile-load review found, spelled out.
+#[test]
+fn out_of_order_acks_and_returned_reads_are_counted_on_disk_as_in_memory() {
+    for durable in [false, true] {
+        let config = QueueConfig { durable, max_items: 5, ..QueueConfig::default() };
+        let (a, b) = (1, 2);
+        let steps_a = |broker: &Broker| {
+            broker.offer("q", (0..5).map(|i| Message::new(payload(i, 0))).collect(), 1).unwrap();
+            let kept = broker.poll("q", 1, Some(Duration::from_secs(60)), a, 1).unwrap();
+            let taken = broker.poll("q", 4, Some(Duration::from_secs(60)), b, 1).unwrap();
+            let handles: Vec<u64> = taken.iter().map(|d| d.handle).collect();
+            assert_eq!(broker.ack("q", &handles, b).unwrap(), 4);
+            kept
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        broker.create_queue("q", config.clone(), None).unwrap();
+        let _kept = steps_a(&broker);
+        assert_eq!(broker.queue("q").unwrap().stats().items, 0, "durable {durable}");
+        let n = (0..5).filter(|i| broker.offer("q", vec![Message::new(payload(10 + i, 0))], 2).is_ok()).count();
+        assert_eq!(n, 5, "room for five, durable {durable}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        broker.create_queue("q", QueueConfig { max_items: 2, ..config }, None).unwrap();
+        broker.offer("q", vec![Message::new(payload(0, 0)), Message::new(payload(1, 0))], 1).unwrap();
+        let taken = broker.poll("q", 2, Some(Duration::from_secs(60)), a, 1).unwrap();
+        let handles: Vec<u64> = taken.iter().map(|d| d.handle).collect();
+        assert_eq!(broker.abort("q", &handles, a).unwrap(), 2);
+        assert_eq!(broker.queue("q").unwrap().stats().items, 2, "durable {durable}");
+        assert!(matches!(broker.offer("q", vec![Message::new(payload(2, 0))], 2), Err(BrokerError::Full(_))));
+    }
+}
