@@ -51,7 +51,9 @@ pub enum BrokerError {
     BadRequest(String),
     #[error("message of {size} bytes exceeds the limit of {max}")]
     TooLarge { size: usize, max: usize },
-    #[error("storage: {0}")]
+    /// Shown with file names inside the data directory only (clients see this text; the
+    /// server's absolute paths are not theirs to know). `Debug` has the whole error.
+    #[error("storage: {}", storage_text(.0))]
     Storage(#[from] petrel_log::Error),
     #[error("definitions file: {0}")]
     Definitions(String),
@@ -73,6 +75,9 @@ pub enum BrokerError {
     /// More than the queue can ever hold at once: waiting for room would not help.
     #[error("{0}")]
     NeverFits(String),
+    /// A server-wide or per-user limit (queues, memory); the text names the setting.
+    #[error("{0}")]
+    Limit(String),
     #[error("data directory {} is in use by another petrel server (it is locked)", .0.display())]
     DataDirLocked(PathBuf),
 }
@@ -117,6 +122,9 @@ pub struct BrokerOptions {
     /// Queues an ordinary user may have created and not yet removed (temporary ones, and those
     /// made by first use), counted since open; 0: no limit.
     pub max_queues_per_user: usize,
+    /// Queues of all kinds the server holds at most (0: no limit); a creation past it is refused.
+    /// Queues already on disk are opened at start whatever their number.
+    pub max_queues: usize,
 }
 
 impl Default for BrokerOptions {
@@ -132,6 +140,7 @@ impl Default for BrokerOptions {
             topic_max_age: Duration::from_secs(7 * 24 * 3600),
             security: None,
             max_queues_per_user: 0,
+            max_queues: 0,
         }
     }
 }
@@ -309,6 +318,8 @@ impl Broker {
                 initial_segment_bytes: Some(INITIAL_SEGMENT_BYTES.min(segment_bytes)),
                 max_record_bytes: self.options.max_message_bytes + 64 * 1024,
                 retention: petrel_log::Retention { delete_consumed: true, ..Default::default() },
+                // The data directory's lock (held by the broker) covers every log in it.
+                lock_directory: false,
                 ..Options::default()
             };
             let log = Log::open(self.dir.join("queues").join(&name), options)?.into_shared();
@@ -334,12 +345,27 @@ impl Broker {
         if let Some(q) = self.queue(name) {
             return if q.config == config { Ok(q) } else { Err(BrokerError::Exists(name.to_owned())) };
         }
+        let (count, limit) = (self.read().queues.len(), self.options.max_queues);
+        if limit != 0 && count >= limit {
+            return Err(BrokerError::Limit(format!("the server has {count} queues, its limit (max_queues)")));
+        }
         // The definition first: a crash right after it leaves an empty queue, never a log
         // nobody knows of.
         if !config.temporary {
             self.save_definition(name, &config)?;
         }
-        let queue = Arc::new(self.build(name.to_owned(), config, owner)?);
+        let queue = match self.build(name.to_owned(), config.clone(), owner) {
+            Ok(queue) => Arc::new(queue),
+            Err(e) => {
+                // A creation that failed (a full disk, no descriptors) leaves nothing behind.
+                if !config.temporary
+                    && let Err(cleanup) = remove_dir(&self.dir.join("queues"), name)
+                {
+                    tracing::warn!(queue = %shown(name), error = %cleanup, "could not remove a failed queue's directory");
+                }
+                return Err(e);
+            }
+        };
         self.write().insert(Arc::clone(&queue));
         self.created.fetch_add(1, Ordering::Relaxed);
         Ok(queue)
@@ -385,7 +411,7 @@ impl Broker {
         let mut created = self.created_by.lock().unwrap_or_else(|e| e.into_inner());
         let limit = self.options.max_queues_per_user;
         if limit > 0 && created.count.get(user).copied().unwrap_or(0) >= limit {
-            return Err(BrokerError::Forbidden(format!(
+            return Err(BrokerError::Limit(format!(
                 "user {user:?} has {limit} queues of its own already (max_queues_per_user)"
             )));
         }
@@ -561,6 +587,7 @@ impl Broker {
                 max_bytes: Some(self.options.topic_max_bytes),
                 max_age: Some(self.options.topic_max_age),
             },
+            lock_directory: false, // as for queues: the data directory's lock covers it
             ..Options::default()
         };
         Ok(Log::open(self.dir.join("topics").join(name), options)?.into_shared())
@@ -811,7 +838,7 @@ impl Broker {
     fn save_definition(&self, name: &str, config: &QueueConfig) -> Result<(), BrokerError> {
         let dir = self.dir.join("queues").join(name);
         let path = dir.join(DEFINITION);
-        let failed = |e: std::io::Error| BrokerError::Definitions(format!("{}: {e}", path.display()));
+        let failed = |e: std::io::Error| BrokerError::Definitions(format!("{}: {e}", in_data_dir(&path)));
         std::fs::create_dir_all(&dir).map_err(failed)?;
         let tmp = path.with_extension("json.tmp");
         let def = Definition { name: name.to_owned(), config: config.clone() };
@@ -864,10 +891,33 @@ const REMOVED: &str = ".removed-";
 fn remove_dir(parent: &Path, name: &str) -> Result<(), BrokerError> {
     let dir = parent.join(name);
     let doomed = parent.join(format!("{REMOVED}{name}"));
-    let failed = |e: std::io::Error| BrokerError::Definitions(format!("remove {}: {e}", dir.display()));
+    let failed = |e: std::io::Error| BrokerError::Definitions(format!("remove {}: {e}", in_data_dir(&dir)));
     let _ = std::fs::remove_dir_all(&doomed); // a leftover of an earlier removal
     std::fs::rename(&dir, &doomed).map_err(failed)?;
     std::fs::remove_dir_all(&doomed).map_err(failed)
+}
+
+/// A path as errors show it to clients: its last components (`queues/NAME/FILE`), not where the
+/// data directory is.
+fn in_data_dir(path: &Path) -> String {
+    let parts: Vec<_> = path.components().rev().take(3).collect();
+    parts.iter().rev().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/")
+}
+
+fn storage_text(e: &petrel_log::Error) -> String {
+    use petrel_log::Error::*;
+    match e {
+        Io { op, path, source } => format!("{op} {}: {source}", in_data_dir(path)),
+        SegmentAllocation { path, size, source } => {
+            format!("cannot allocate segment {} ({size} bytes): {source} — is the disk full?", in_data_dir(path))
+        }
+        Corrupt { file, position, reason, .. } => {
+            format!("corrupt log: {} at byte {position}: {reason}", in_data_dir(file))
+        }
+        Locked { path } => format!("log {} is open in another process", in_data_dir(path)),
+        NotALog { path, reason } => format!("{} is not a Petrel log: {reason}", in_data_dir(path)),
+        other => other.to_string(),
+    }
 }
 
 /// Queue names: 1–200 characters of `A-Z a-z 0-9 . _ - +` (`+` separates a fanout child).

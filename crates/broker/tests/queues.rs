@@ -351,3 +351,31 @@ fn a_poll_answer_holds_what_fits_its_byte_limit_and_the_rest_stays_in_order() {
         }
     }
 }
+
+#[test]
+fn a_queue_whose_log_cannot_be_made_leaves_nothing_behind_and_errors_name_no_absolute_path() {
+    let dir = tempfile::tempdir().unwrap();
+    // A segment size the log refuses: creating a durable queue fails after its definition.
+    let b = Broker::open(dir.path(), BrokerOptions { segment_bytes: 1000, ..BrokerOptions::default() }).unwrap();
+    let e = b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).err().unwrap();
+    assert!(!dir.path().join("queues").join("q").exists(), "{e}");
+    assert!(b.queue("q").is_none());
+
+    // A storage error as a client sees it: the file inside the data directory, not where that is.
+    let b = Broker::open(dir.path().join("other"), BrokerOptions::default()).unwrap();
+    b.create_queue("d", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    let segment = std::fs::read_dir(dir.path().join("other/queues/d"))
+        .unwrap()
+        .flatten()
+        .find(|e| e.path().extension().is_some_and(|x| x == "log"))
+        .unwrap()
+        .path();
+    let text = BrokerError::Storage(petrel_log::Error::Io {
+        op: "sync segment",
+        path: segment,
+        source: std::io::Error::from_raw_os_error(28),
+    })
+    .to_string();
+    assert!(!text.contains(dir.path().to_str().unwrap()), "{text}");
+    assert!(text.contains("queues/d/") && text.contains("No space left"), "{text}");
+}

@@ -484,13 +484,13 @@ async fn queues_per_user_are_limited() {
     tom.create_queue("reply.1", temporary.clone()).await.unwrap();
     tom.create_queue("reply.2", temporary.clone()).await.unwrap();
     let third = tom.create_queue("reply.3", temporary.clone()).await.unwrap_err();
-    assert_eq!(third.status(), Some(Status::Forbidden));
+    assert_eq!(third.status(), Some(Status::LimitReached));
     assert!(third.to_string().contains("max_queues_per_user"), "{third}");
     // Over memcache, a queue made by first use counts too.
     let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
     mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     assert_eq!(exchange(&mut mc, "set login 0 0 9\r\ntom 3-kio\r\n"), "STORED\r\n");
-    assert!(exchange(&mut mc, "set fresh 0 0 1\r\nx\r\n").starts_with("CLIENT_ERROR"), "over the limit");
+    assert!(exchange(&mut mc, "set fresh 0 0 1\r\nx\r\n").starts_with("SERVER_ERROR"), "over the limit");
     tom.remove_queue("reply.1").await.unwrap();
     assert_eq!(exchange(&mut mc, "set fresh 0 0 1\r\nx\r\n"), "STORED\r\n", "a removal frees a place");
     // Admins are not counted.

@@ -163,7 +163,6 @@ pub struct ConsumerGroup {
 /// The open cursor file of a group and what keeps it durable.
 struct CursorFile {
     path: PathBuf,
-    file: Arc<File>,
     map: memmap2::MmapMut,
     seq: u64,
     bitmap: Vec<u8>,
@@ -197,7 +196,8 @@ impl CursorFile {
         if let Some(e) = self.syncer.as_ref().and_then(CursorSyncer::error) {
             return Err(e);
         }
-        self.file.sync_data().map_err(io_err("sync cursor", &self.path))
+        // Through the mapping (msync): the file is not kept open.
+        self.map.flush().map_err(io_err("sync cursor", &self.path))
     }
 }
 
@@ -262,11 +262,11 @@ impl ConsumerGroup {
         let skip: BTreeSet<u64> = state.acked_above.into_iter().filter(|&o| o > committed).collect();
         entry.committed.store(committed, Ordering::Release);
         entry.acked_above.store(skip.len() as u64, Ordering::Relaxed);
-        let file = Arc::new(file);
         let syncer = match options.durability {
-            Durability::Interval(every) => Some(CursorSyncer::start(Arc::clone(&file), every)?),
+            Durability::Interval(every) => Some(CursorSyncer::start(&file, every)?),
             _ => None,
         };
+        drop(file); // the mappings hold it
         let mut reader = Reader::new(Arc::clone(&shared));
         reader.seek(committed);
         let redelivery = Reader::new(Arc::clone(&shared));
@@ -274,16 +274,7 @@ impl ConsumerGroup {
             shared,
             name: name.to_owned(),
             options,
-            cursor: CursorFile {
-                path,
-                file,
-                map,
-                seq,
-                bitmap: Vec::new(),
-                durability: options.durability,
-                syncer,
-                entry,
-            },
+            cursor: CursorFile { path, map, seq, bitmap: Vec::new(), durability: options.durability, syncer, entry },
             reader,
             redelivery,
             committed,
@@ -549,7 +540,10 @@ struct SyncerState {
 }
 
 impl CursorSyncer {
-    fn start(file: Arc<File>, every: Duration) -> Result<CursorSyncer> {
+    fn start(file: &File, every: Duration) -> Result<CursorSyncer> {
+        // Its own read-only mapping of the cursor file: an msync through it syncs the file,
+        // whichever mapping wrote the pages.
+        let map = memmap2::MmapOptions::new().map_raw_read_only(file).map_err(io_err("map cursor", PathBuf::new()))?;
         let state = Arc::new((Mutex::new(SyncerState::default()), Condvar::new()));
         let shared = Arc::clone(&state);
         let thread = std::thread::Builder::new()
@@ -562,7 +556,7 @@ impl CursorSyncer {
                     if s.dirty {
                         s.dirty = false;
                         drop(s);
-                        let result = file.sync_data();
+                        let result = map.flush();
                         s = lock.lock().unwrap_or_else(|e| e.into_inner());
                         if let Err(e) = result {
                             s.error.get_or_insert(e.to_string());

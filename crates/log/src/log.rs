@@ -340,8 +340,8 @@ pub struct Log {
     prefaulter: Prefaulter,
     report: RecoveryReport,
     interval_thread: Option<JoinHandle<()>>,
-    /// Held (flock) for as long as the writer lives.
-    _lock: File,
+    /// Held (flock) for as long as the writer lives, unless `Options::lock_directory` is off.
+    _lock: Option<File>,
 }
 
 impl Log {
@@ -352,7 +352,7 @@ impl Log {
         if options.create {
             fs::create_dir_all(&dir).map_err(io_err("create directory", &dir))?;
         }
-        let lock = lock_dir(&dir)?;
+        let lock = if options.lock_directory { Some(lock_dir(&dir)?) } else { None };
         let mut report = RecoveryReport::default();
         let (bases, leftovers) = list_segments(&dir, true)?;
         report.leftovers_removed = leftovers;

@@ -121,6 +121,13 @@ impl Mapping {
         unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.raw.as_mut_ptr(), HEADER_LEN) };
     }
 
+    /// Makes everything written to the file through any mapping durable: `msync(MS_SYNC)`, which
+    /// on Linux writes the dirty pages and syncs the file's data as `fdatasync` does, with no
+    /// descriptor needed (the mapping holds the file).
+    pub(crate) fn sync(&self) -> io::Result<()> {
+        self.raw.flush()
+    }
+
     /// Asks the kernel to fault in `[from, to)` of the data region writable ahead of the writer,
     /// so appends do not stop on page faults. Advice only: errors are ignored.
     pub(crate) fn prefault_write(&self, from: usize, to: usize) {

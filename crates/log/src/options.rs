@@ -69,6 +69,11 @@ pub struct Options {
     /// Resident memory allowed for sealed segments' pages; past it, the least recently used
     /// segments that no reader is in give their pages back. The active segment is extra.
     pub max_resident_bytes: u64,
+    /// Lock the log's directory (flock) while the writer lives, so a second writer in any
+    /// process is refused. `false` only where something else guarantees a single writer, such
+    /// as a server holding the lock of a directory that contains its logs: it saves the one
+    /// descriptor a log otherwise keeps open.
+    pub lock_directory: bool,
 }
 
 pub const DEFAULT_MAX_RESIDENT_BYTES: u64 = 1 << 30;
@@ -92,6 +97,7 @@ impl Default for Options {
             key_index: false,
             retention: crate::Retention::default(),
             max_resident_bytes: DEFAULT_MAX_RESIDENT_BYTES,
+            lock_directory: true,
         }
     }
 }

@@ -93,11 +93,12 @@ impl SegmentHeader {
     }
 }
 
-/// An open segment file and its mapping.
+/// A segment file's mapping. The file itself is not kept open: the mapping holds it, and syncs
+/// go through the mapping, so a log holds no descriptor per segment (a server with thousands of
+/// queues would otherwise run out).
 pub(crate) struct Segment {
     pub base: u64,
     pub path: PathBuf,
-    file: File,
     pub map: Arc<Mapping>,
     /// Position after the last published frame (high 32 bits) and records published (low 32
     /// bits), stored together so a sync can checkpoint a consistent pair.
@@ -144,7 +145,6 @@ impl Segment {
             Ok(map) => Ok(Segment {
                 base,
                 path,
-                file,
                 map,
                 tail: AtomicU64::new(pack(HEADER_LEN, 0)),
                 index: crate::index::SparseIndex::ready(Vec::new()),
@@ -205,13 +205,14 @@ impl Segment {
         let index = crate::index::SparseIndex::default();
         let positions = Default::default();
         let users = Default::default();
-        Ok((Segment { base, path: path.to_path_buf(), file, map, tail, index, positions, users }, header))
+        Ok((Segment { base, path: path.to_path_buf(), map, tail, index, positions, users }, header))
     }
 
     /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last
     /// segment opened by an offline tool, whose torn tail must stay hidden.
     pub(crate) fn read_only_until(self, end: usize, records: u64) -> Result<Segment> {
-        let map = Mapping::new_read_only(&self.file, self.map.len(), end).map_err(io_err("map segment", &self.path))?;
+        let file = File::open(&self.path).map_err(io_err("open segment", &self.path))?;
+        let map = Mapping::new_read_only(&file, self.map.len(), end).map_err(io_err("map segment", &self.path))?;
         let seg = Segment { map: Arc::new(map), positions: Default::default(), ..self };
         seg.set_tail(end, records);
         Ok(seg)
@@ -270,7 +271,7 @@ impl Segment {
 
     /// Makes everything written to the mapping so far durable.
     pub(crate) fn sync(&self) -> io::Result<()> {
-        rustix::fs::fdatasync(&self.file).map_err(Into::into)
+        self.map.sync()
     }
 
     pub(crate) fn header(&self) -> Result<SegmentHeader, String> {

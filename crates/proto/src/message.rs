@@ -29,6 +29,9 @@ pub enum Status {
     Exists = 14,
     /// A subscriber fell too far behind and the server ended its subscription.
     SlowConsumer = 15,
+    /// A server-wide or per-user limit was reached (the reason names it): queues, connections,
+    /// memory. Unlike QUEUE_FULL it is not about one queue's bound.
+    LimitReached = 16,
 }
 
 impl Status {
@@ -51,6 +54,7 @@ impl Status {
             13 => Unsupported,
             14 => Exists,
             15 => SlowConsumer,
+            16 => LimitReached,
             _ => return Err(DecodeError::BadValue("status")),
         };
         Result::Ok(status)
@@ -75,6 +79,7 @@ impl Status {
             Unsupported => "UNSUPPORTED",
             Exists => "EXISTS",
             SlowConsumer => "SLOW_CONSUMER",
+            LimitReached => "LIMIT_REACHED",
         }
     }
 }

@@ -36,6 +36,9 @@ pub struct Config {
     /// Responses buffered per connection before request handling waits for the client to read.
     pub max_queued_responses: usize,
     pub max_connections: usize,
+    /// Queues of all kinds (durable, in memory, temporary) the server holds at most; creating
+    /// one more is refused with LIMIT_REACHED (0: no limit). Queues already on disk always open.
+    pub max_queues: usize,
     /// Durability of durable queues: "none", "always" or "interval:MS".
     pub durability: String,
     pub segment_bytes: u64,
@@ -223,6 +226,7 @@ impl Default for Config {
             max_in_flight_per_connection: 256,
             max_queued_responses: 1024,
             max_connections: 10_000,
+            max_queues: 10_000,
             durability: "none".into(),
             segment_bytes: 64 << 20,
             shutdown_grace: "5s".into(),

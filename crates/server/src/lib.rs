@@ -117,6 +117,7 @@ impl Server {
             topic_max_age: config.topic_max_age()?,
             security: config.security.load()?,
             max_queues_per_user: config.security.max_queues_per_user,
+            max_queues: config.max_queues,
         };
         let tls = load_tls(&config)?;
         for (name, addr) in [("native", Some(config.native_addr)), ("memcache", config.memcache_addr)] {

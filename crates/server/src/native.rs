@@ -575,9 +575,10 @@ fn error(e: BrokerError) -> Response {
         BrokerError::Timeout(_) => Status::Timeout,
         BrokerError::Unauthorized(_) => Status::Unauthorized,
         BrokerError::Forbidden(_) => Status::Forbidden,
+        BrokerError::Limit(_) => Status::LimitReached,
     };
     if status == Status::ServerError {
-        tracing::error!(error = %e, "request failed");
+        tracing::error!(error = ?e, "request failed"); // with the paths the client is not shown
     }
     Response::error(status, e.to_string())
 }

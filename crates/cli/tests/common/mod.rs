@@ -20,7 +20,21 @@ impl Server {
 
     /// Starts with more flags; returns once the server printed its listeners.
     pub fn start_with(data: &Path, args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        Server::start_under(&[], data, args)
+    }
+
+    /// Starts as an argument of `wrapper` (e.g. `prlimit --nofile=64 --`), with more flags.
+    pub fn start_under(wrapper: &[&str], data: &Path, args: &[&str]) -> Server {
+        let petrel = env!("CARGO_BIN_EXE_petrel");
+        let mut command = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(petrel);
+                c
+            }
+            None => Command::new(petrel),
+        };
+        let mut child = command
             .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0", "--data"])
             .arg(data)
             .args(args)

@@ -539,6 +539,7 @@ fn server_error(e: &BrokerError) -> String {
         | BrokerError::Full(_)
         | BrokerError::TooLarge { .. }
         | BrokerError::NeverFits(_)
+        | BrokerError::Limit(_)
         | BrokerError::Exists(_) => {
             format!("SERVER_ERROR {e}")
         }
@@ -549,7 +550,7 @@ fn server_error(e: &BrokerError) -> String {
             format!("SERVER_ERROR {e}")
         }
         BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
-            tracing::error!(error = %e, "memcache request failed");
+            tracing::error!(error = ?e, "memcache request failed"); // with the paths the client is not shown
             format!("SERVER_ERROR {e}")
         }
     }
