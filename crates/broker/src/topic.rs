@@ -24,6 +24,8 @@ pub struct Topic {
     delivered: AtomicU64,
     /// Subscribers ended for falling behind.
     slow: AtomicU64,
+    /// Woken after each append to a durable topic's log: group readers wait on it.
+    appended: Arc<tokio::sync::Notify>,
 }
 
 struct Subscriber {
@@ -75,6 +77,7 @@ impl Topic {
             published: AtomicU64::new(0),
             delivered: AtomicU64::new(0),
             slow: AtomicU64::new(0),
+            appended: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -102,6 +105,7 @@ impl Topic {
             for (i, m) in messages.iter_mut().enumerate() {
                 m.id = first + i as u64 + 1;
             }
+            self.appended.notify_waiters();
         }
         let messages: Vec<Arc<Delivered>> =
             messages.into_iter().map(|message| Arc::new(Delivered { message, encoded: OnceLock::new() })).collect();
@@ -145,7 +149,7 @@ impl Topic {
         if let Some(to) = from {
             g.seek(to)?;
         }
-        Ok(GroupReader { group: g, topic: self.name.clone() })
+        Ok(GroupReader { group: g, topic: self.name.clone(), appended: Arc::clone(&self.appended) })
     }
 
     /// Removes subscriptions matching `which`; they end for `reason` if given.
@@ -174,9 +178,15 @@ impl Topic {
 pub struct GroupReader {
     group: ConsumerGroup,
     topic: String,
+    appended: Arc<tokio::sync::Notify>,
 }
 
 impl GroupReader {
+    /// Notified after each append to the topic: wait on it instead of a blocking `poll`.
+    pub fn appended(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.appended)
+    }
+
     /// Up to `max` messages, waiting up to `timeout` for the first; none while `max_pending`
     /// are unacknowledged.
     pub fn poll(&mut self, max: usize, timeout: std::time::Duration) -> Result<Vec<Message>, BrokerError> {

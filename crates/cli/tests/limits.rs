@@ -73,3 +73,93 @@ fn thousands_of_durable_queues_need_no_descriptor_each_and_max_queues_holds() {
         assert_eq!(ask(&mut mc, &format!("get q{i}\r\n")), format!("VALUE q{i} 0 5\r\nitem{}\r\nEND\r\n", i % 10));
     }
 }
+
+#[test]
+fn excess_connections_are_answered_at_once_per_address_and_in_total() {
+    for (limits, setting) in [
+        ("max_connections_per_address = 4\n", "max_connections_per_address"),
+        ("max_connections = 4\nmax_connections_per_address = 0\n", "max_connections"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = config(dir.path(), &format!("{limits}idle_timeout = \"1s\"\n"));
+        let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let mut held = Vec::new();
+            for _ in 0..4 {
+                held.push(server.client().await);
+            }
+            let started = std::time::Instant::now();
+            let Err(refused) = petrel_client::Client::connect(server.addr.as_str()).await else { panic!("a fifth") };
+            assert_eq!(refused.status(), Some(Status::LimitReached), "{refused}");
+            assert!(refused.to_string().contains(setting), "{refused}");
+            assert!(started.elapsed() < Duration::from_secs(2), "answered at once, not left in the backlog");
+            let mut mc = TcpStream::connect(&server.memcache).unwrap();
+            mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(&mut mc), &mut line).unwrap();
+            assert!(line.starts_with("SERVER_ERROR") && line.contains(setting), "{line:?}");
+            // A closed connection frees its place.
+            held.pop().unwrap().close();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            held.push(server.client().await);
+            // Idle connections (native and memcache) are closed after idle_timeout, and free theirs.
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            for _ in 0..4 {
+                held.push(server.client().await);
+            }
+        });
+    }
+}
+
+#[test]
+fn a_silent_memcache_connection_is_closed_after_the_idle_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "idle_timeout = \"1s\"\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(ask(&mut mc, "set q 0 0 1\r\nx\r\n"), "STORED\r\n");
+    assert_eq!(ask(&mut mc, "get q/open\r\n"), "VALUE q/open 0 1\r\nx\r\nEND\r\n"); // the key as sent
+    let started = std::time::Instant::now();
+    let mut rest = Vec::new();
+    mc.read_to_end(&mut rest).expect("closed by the server, not a read timeout");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    // The item it held open went back to the queue.
+    let mut again = TcpStream::connect(&server.memcache).unwrap();
+    again.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(ask(&mut again, "get q\r\n"), "VALUE q 0 1\r\nx\r\nEND\r\n");
+}
+
+#[test]
+fn six_hundred_group_subscribers_all_get_deliveries_without_a_thread_each() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let threads = |pid: u32| std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().count();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let publisher = server.client().await;
+        publisher.create_topic("events", true).await.unwrap();
+        let mut clients = Vec::new();
+        for _ in 0..6 {
+            clients.push(server.client().await);
+        }
+        // More than tokio's 512 blocking threads: with a thread per group subscription the last
+        // ones got their SUBSCRIBE answer and never a message.
+        let mut subscriptions = Vec::new();
+        for g in 0..600 {
+            let client = &clients[g % clients.len()];
+            let from = petrel_client::StartFrom::Oldest;
+            subscriptions.push(client.subscribe_group("events", &format!("g{g}"), from, 16).await.unwrap());
+        }
+        let before = threads(server.child.id());
+        assert!(before < 64, "{before} threads for 600 idle group subscriptions");
+        publisher.publish("events", vec![petrel_client::Message::new(b"hello".to_vec())]).await.unwrap();
+        for (g, sub) in subscriptions.iter_mut().enumerate() {
+            let m = tokio::time::timeout(Duration::from_secs(10), sub.next()).await;
+            let m = m.unwrap_or_else(|_| panic!("group {g} got nothing")).unwrap().unwrap();
+            assert_eq!(&m.payload[..], b"hello");
+            sub.ack(&[m.id]).await.unwrap();
+        }
+    });
+}

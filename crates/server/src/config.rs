@@ -36,6 +36,10 @@ pub struct Config {
     /// Responses buffered per connection before request handling waits for the client to read.
     pub max_queued_responses: usize,
     pub max_connections: usize,
+    /// TCP connections one client address may hold open at once (0: no limit); past it, and past
+    /// `max_connections`, a new connection is answered LIMIT_REACHED (memcache: SERVER_ERROR)
+    /// and closed at once.
+    pub max_connections_per_address: usize,
     /// Queues of all kinds (durable, in memory, temporary) the server holds at most; creating
     /// one more is refused with LIMIT_REACHED (0: no limit). Queues already on disk always open.
     pub max_queues: usize,
@@ -226,6 +230,7 @@ impl Default for Config {
             max_in_flight_per_connection: 256,
             max_queued_responses: 1024,
             max_connections: 10_000,
+            max_connections_per_address: 1_000,
             max_queues: 10_000,
             durability: "none".into(),
             segment_bytes: 64 << 20,

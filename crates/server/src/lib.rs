@@ -37,7 +37,45 @@ pub(crate) struct Ctx {
     pub auth_attempts: auth::AttemptLimiter,
     /// Authenticated connections per user.
     pub user_connections: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    /// Open TCP connections per client address, for `max_connections_per_address`.
+    pub address_connections: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
 }
+
+/// Holds one of an address's connections while it lives.
+struct AddressSlot {
+    ctx: Arc<Ctx>,
+    ip: std::net::IpAddr,
+}
+
+impl AddressSlot {
+    /// A slot for one more connection from `ip`, or why there is none.
+    fn take(ctx: &Arc<Ctx>, ip: std::net::IpAddr) -> Result<AddressSlot, String> {
+        let max = ctx.config.max_connections_per_address;
+        let mut counts = ctx.address_connections.lock().unwrap_or_else(|e| e.into_inner());
+        let n = counts.entry(ip).or_insert(0);
+        if max != 0 && *n >= max {
+            return Err(format!("{ip} has {max} connections open already (max_connections_per_address)"));
+        }
+        *n += 1;
+        Ok(AddressSlot { ctx: Arc::clone(ctx), ip })
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut counts = self.ctx.address_connections.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = counts.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Refusals answered at once, each on a short task of its own; past this many under way, an
+/// excess connection is closed without a word (a flood gets no more of the server's time).
+const MAX_REFUSALS_UNDER_WAY: usize = 64;
 
 impl Ctx {
     fn tls(&self) -> Option<Arc<tls::Tls>> {
@@ -150,6 +188,7 @@ impl Server {
             tls: std::sync::RwLock::new(tls),
             auth_attempts: auth::AttemptLimiter::new(),
             user_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
+            address_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
         };
         Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache })
     }
@@ -187,39 +226,76 @@ impl Server {
         };
         let next_conn = AtomicU64::new(1);
         let mut connections = JoinSet::new();
+        let mut refusals = JoinSet::new();
         tokio::pin!(shutdown);
         loop {
-            // Reap finished connections so the set stays bounded by the live ones.
+            // Reap finished connections so the sets stay bounded by the live ones.
             while let Some(ended) = connections.try_join_next() {
                 log_panic(ended);
             }
-            let full = connections.len() >= ctx.config.max_connections;
-            tokio::select! {
+            while refusals.try_join_next().is_some() {}
+            // Always accepting, also when full: an excess connection is told why and closed at
+            // once, instead of waiting unanswered in the listen backlog.
+            let (protocol, stream, peer) = tokio::select! {
                 _ = &mut shutdown => break,
                 _ = ctx.shutdown.notified() => break,
-                accepted = accept_tcp(self.memcache.as_ref()), if !full => match accepted {
-                    Ok((stream, peer)) => {
-                        let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                        connections.spawn(open(stream, peer, Protocol::Memcache, Arc::clone(&ctx), conn, stop_rx.clone()));
+                accepted = accept_tcp(self.memcache.as_ref()) => match accepted {
+                    Ok((stream, peer)) => (Protocol::Memcache, stream, peer),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
                     }
-                    Err(e) => tracing::warn!(error = %e, "accept failed"),
                 },
-                accepted = accept_tcp(Some(&self.tcp)), if !full => match accepted {
-                    Ok((stream, peer)) => {
-                        let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(conn, %peer, "connected");
-                        connections.spawn(open(stream, peer, Protocol::Native, Arc::clone(&ctx), conn, stop_rx.clone()));
+                accepted = accept_tcp(Some(&self.tcp)) => match accepted {
+                    Ok((stream, peer)) => (Protocol::Native, stream, peer),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
                     }
-                    Err(e) => tracing::warn!(error = %e, "accept failed"),
                 },
-                accepted = accept_unix(self.unix.as_ref()), if !full => match accepted {
-                    Ok(stream) => {
-                        let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                        connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix()));
+                accepted = accept_unix(self.unix.as_ref()) => {
+                    match accepted {
+                        // Local and trusted as the file's permissions say: only the total counts.
+                        Ok(stream) if connections.len() < ctx.config.max_connections => {
+                            let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                            connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix()));
+                        }
+                        Ok(stream) => {
+                            stats::add(&ctx.stats.connections_refused, 1);
+                            drop(stream);
+                        }
+                        Err(e) => tracing::warn!(error = %e, "accept failed"),
                     }
-                    Err(e) => tracing::warn!(error = %e, "accept failed"),
-                },
-                Some(ended) = connections.join_next(), if full => log_panic(ended),
+                    continue;
+                }
+                Some(ended) = connections.join_next() => {
+                    log_panic(ended);
+                    continue;
+                }
+            };
+            let slot = if connections.len() >= ctx.config.max_connections {
+                Err(format!("the server has {} connections (max_connections)", connections.len()))
+            } else {
+                AddressSlot::take(&ctx, peer.ip())
+            };
+            match slot {
+                Ok(slot) => {
+                    let conn = next_conn.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(conn, %peer, "connected");
+                    let ctx = Arc::clone(&ctx);
+                    let stop = stop_rx.clone();
+                    connections.spawn(async move {
+                        let _slot = slot;
+                        open(stream, peer, protocol, ctx, conn, stop).await;
+                    });
+                }
+                Err(reason) => {
+                    stats::add(&ctx.stats.connections_refused, 1);
+                    tracing::debug!(%peer, reason, "connection refused");
+                    if refusals.len() < MAX_REFUSALS_UNDER_WAY {
+                        refusals.spawn(refuse(stream, protocol, petrel_proto::Status::LimitReached, reason));
+                    }
+                }
             }
         }
         tracing::info!(connections = connections.len(), "shutting down");
@@ -232,6 +308,14 @@ impl Server {
         while connections.join_next().await.is_some() {}
         ticker.abort();
         Ok(())
+    }
+}
+
+/// Sleeps for `limit`, or forever without one (a timeout that may be off, in a `select!`).
+pub(crate) async fn sleep_or_never(limit: Option<Duration>) {
+    match limit {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -302,7 +386,8 @@ async fn open(
     }
     if ctx.config.security.require_tls {
         stats::add(&ctx.stats.tls_refused, 1);
-        return refuse_plaintext(stream, protocol).await;
+        let reason = "this server requires TLS".to_owned();
+        return refuse(stream, protocol, petrel_proto::Status::Unauthorized, reason).await;
     }
     let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
     match protocol {
@@ -311,10 +396,10 @@ async fn open(
     }
 }
 
-/// Tells a plaintext client, in its own protocol, that this server speaks only TLS; then closes.
-async fn refuse_plaintext(mut stream: TcpStream, protocol: Protocol) {
+/// Tells a plaintext client, in its own protocol, why it is not served; then closes. Takes a
+/// second at most.
+async fn refuse(mut stream: TcpStream, protocol: Protocol, status: petrel_proto::Status, reason: String) {
     use tokio::io::AsyncWriteExt;
-    const REASON: &str = "this server requires TLS";
     let mut out = Vec::new();
     match protocol {
         // The answer to whatever came first (a HELLO, for any client that follows the protocol).
@@ -328,10 +413,9 @@ async fn refuse_plaintext(mut stream: TcpStream, protocol: Protocol) {
                 }
                 _ => (petrel_proto::opcode::HELLO, 0),
             };
-            petrel_proto::Response::error(petrel_proto::Status::Unauthorized, REASON)
-                .encode(opcode, request_id, &mut out);
+            petrel_proto::Response::error(status, reason).encode(opcode, request_id, &mut out);
         }
-        Protocol::Memcache => out.extend_from_slice(format!("SERVER_ERROR {REASON}\r\n").as_bytes()),
+        Protocol::Memcache => out.extend_from_slice(format!("SERVER_ERROR {reason}\r\n").as_bytes()),
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&out)).await;
     let _ = stream.shutdown().await;

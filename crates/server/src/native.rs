@@ -267,7 +267,7 @@ where
                 Ok(n) => add(&ctx.stats.bytes_read, n as u64),
             },
             _ = shutdown.changed() => break,
-            _ = sleep_or_never(quiet_limit) => {
+            _ = crate::sleep_or_never(quiet_limit) => {
                 if in_flight.available_permits() == limit && pushes.is_empty() {
                     add(&ctx.stats.idle_closed, 1);
                     tracing::debug!(conn, "closing an idle connection");
@@ -300,13 +300,6 @@ fn not_sent_if_too_long(encoded: Result<(), petrel_proto::EncodeError>) {
     }
 }
 
-async fn sleep_or_never(limit: Option<Duration>) {
-    match limit {
-        Some(d) => tokio::time::sleep(d).await,
-        None => std::future::pending().await,
-    }
-}
-
 /// Writes every chunk, in order, with as few system calls as the socket allows.
 async fn write_all_vectored<W: AsyncWrite + Unpin>(wr: &mut W, chunks: &[Vec<u8>]) -> std::io::Result<()> {
     let mut slices: Vec<std::io::IoSlice<'_>> = chunks.iter().map(|c| std::io::IoSlice::new(c)).collect();
@@ -329,13 +322,21 @@ struct Pushes {
     /// New subscriptions wait for these before their first push, so that the client has the
     /// SUBSCRIBE answer (still in the reader's buffer) before any delivery.
     answered: Vec<tokio::sync::oneshot::Sender<()>>,
-    /// Group subscriptions of durable topics: each runs on a blocking thread of its own, which
-    /// takes acknowledgements on this channel and stops when it closes.
-    groups: HashMap<u64, (std::sync::mpsc::SyncSender<GroupAck>, tokio::task::JoinHandle<()>)>,
+    /// Group subscriptions of durable topics: each runs on a task of its own, which takes
+    /// acknowledgements on this channel and stops when it closes.
+    groups: HashMap<u64, (mpsc::Sender<GroupAck>, tokio::task::JoinHandle<()>)>,
 }
 
 /// Acknowledgements for a group subscription, and where to say how many counted.
 type GroupAck = (Vec<u64>, tokio::sync::oneshot::Sender<u32>);
+
+/// Applies a group subscription's acknowledgements; how many counted.
+fn acked(reader: &mut GroupReader, ids: &[u64]) -> u32 {
+    reader.ack(ids).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "group acknowledgement failed");
+        0
+    })
+}
 
 impl Pushes {
     /// Hands the answers in `out` to the writer, then lets new subscriptions push.
@@ -426,58 +427,104 @@ impl Pushes {
         self.subscriptions.insert(id, task);
     }
 
-    /// Delivers a consumer group's messages as DELIVER pushes, from a blocking thread (the log's
-    /// consumer groups block), at most `max_pending` unacknowledged.
+    /// Delivers a consumer group's messages as DELIVER pushes, at most `max_pending`
+    /// unacknowledged. An async task, not a thread: it waits for the topic's writer (an async
+    /// wake-up) or an acknowledgement, and each read or acknowledgement of the log runs as a
+    /// short blocking call, so thousands of idle group subscribers hold no thread.
     fn subscribe_group(
         &mut self,
         id: u64,
-        mut reader: GroupReader,
+        reader: GroupReader,
         max_pending: usize,
         tx: mpsc::Sender<Vec<u8>>,
         compress: Option<usize>,
     ) {
-        let (acks_tx, acks) = std::sync::mpsc::sync_channel::<GroupAck>(1024);
+        let (acks_tx, mut acks) = mpsc::channel::<GroupAck>(1024);
         let (go, answered) = tokio::sync::oneshot::channel();
         self.answered.push(go);
-        let task = tokio::task::spawn_blocking(move || {
-            if answered.blocking_recv().is_err() {
+        let appended = reader.appended();
+        let task = tokio::spawn(async move {
+            if answered.await.is_err() {
                 return;
             }
-            let apply = |reader: &mut GroupReader, (ids, done): GroupAck| {
-                let counted = reader.ack(&ids).unwrap_or_else(|e| {
-                    tracing::error!(error = %e, "group acknowledgement failed");
-                    0
-                });
-                let _ = done.send(counted);
+            // The reader travels into each blocking call and back.
+            let mut reader = Some(reader);
+            let run = |reader: &mut Option<GroupReader>, job: Box<dyn FnOnce(&mut GroupReader) -> Read + Send>| {
+                let mut r = reader.take().expect("the reader is back after each call");
+                async move {
+                    let (r, read) = tokio::task::spawn_blocking(move || {
+                        let read = job(&mut r);
+                        (r, read)
+                    })
+                    .await
+                    .expect("a group read does not panic");
+                    (r, read)
+                }
             };
+            enum Read {
+                Acked(u32),
+                Messages(Result<Vec<petrel_broker::Message>, petrel_broker::BrokerError>),
+            }
             loop {
-                loop {
-                    match acks.try_recv() {
-                        Ok(ack) => apply(&mut reader, ack),
-                        Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                        Err(std::sync::mpsc::TryRecvError::Disconnected) => return,
+                // Acknowledgements first: they make room.
+                while let Ok((ids, done)) = acks.try_recv() {
+                    let (r, read) = run(&mut reader, Box::new(move |r| Read::Acked(acked(r, &ids)))).await;
+                    reader = Some(r);
+                    if let Read::Acked(n) = read {
+                        let _ = done.send(n);
                     }
                 }
-                if reader.pending() >= max_pending {
+                let pending = reader.as_ref().expect("here").pending();
+                if pending >= max_pending {
                     // Nothing more until something is acknowledged.
-                    match acks.recv_timeout(Duration::from_millis(100)) {
-                        Ok(ack) => apply(&mut reader, ack),
-                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                    match acks.recv().await {
+                        Some((ids, done)) => {
+                            let (r, read) = run(&mut reader, Box::new(move |r| Read::Acked(acked(r, &ids)))).await;
+                            reader = Some(r);
+                            if let Read::Acked(n) = read {
+                                let _ = done.send(n);
+                            }
+                        }
+                        None => return,
                     }
                     continue;
                 }
-                let room = (max_pending - reader.pending()).min(256);
-                let messages = match reader.poll(room, Duration::from_millis(50)) {
+                // Registered before the read, so an append between the two still wakes us.
+                let woken = appended.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
+                let room = (max_pending - pending).min(256);
+                let (r, read) = run(&mut reader, Box::new(move |r| Read::Messages(r.poll(room, Duration::ZERO)))).await;
+                reader = Some(r);
+                let Read::Messages(messages) = read else { unreachable!("a poll answers messages") };
+                let messages = match messages {
                     Ok(messages) => messages,
                     Err(e) => {
                         let mut out = Vec::new();
                         let end = Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() };
                         not_sent_if_too_long(end.encode(id, &mut out));
-                        let _ = tx.blocking_send(out);
+                        let _ = tx.send(out).await;
                         return;
                     }
                 };
+                if messages.is_empty() {
+                    tokio::select! {
+                        _ = &mut woken => {}
+                        ack = acks.recv() => match ack {
+                            Some((ids, done)) => {
+                                let (r, read) = run(&mut reader, Box::new(move |r| Read::Acked(acked(r, &ids)))).await;
+                                reader = Some(r);
+                                if let Read::Acked(n) = read {
+                                    let _ = done.send(n);
+                                }
+                            }
+                            None => return,
+                        },
+                        // A retention pass or a seek elsewhere wakes no one: look again now and then.
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
+                    continue;
+                }
                 // Frames of at most 64 KiB of messages (or one bigger message).
                 let mut frame: Vec<petrel_proto::Message> = Vec::new();
                 let mut bytes = 0;
@@ -491,7 +538,7 @@ impl Pushes {
                             Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out),
                         );
                         bytes = 0;
-                        if tx.blocking_send(out).is_err() {
+                        if tx.send(out).await.is_err() {
                             return;
                         }
                     }

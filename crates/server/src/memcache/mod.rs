@@ -86,6 +86,7 @@ where
             Err(reason) => tracing::info!(conn, reason, "client certificate not accepted; a login may follow"),
         }
     }
+    let idle_timeout = s.ctx.config.idle_timeout().ok().flatten();
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input) {
             let flow = match request {
@@ -108,6 +109,12 @@ where
                 Ok(n) => add(&s.ctx.stats.bytes_read, n as u64),
             },
             _ = s.shutdown.changed() => break,
+            // Silent for too long (open items go back to their queues as on any close).
+            _ = crate::sleep_or_never(idle_timeout) => {
+                add(&s.ctx.stats.idle_closed, 1);
+                tracing::debug!(conn, "closing an idle memcache connection");
+                break;
+            }
         }
     }
     s.flush().await;
@@ -464,7 +471,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("idle_closed", &get(&s.idle_closed));
         let limits = &ctx.config;
         put("limit_max_connections", &limits.max_connections);
+        put("limit_max_connections_per_address", &limits.max_connections_per_address);
         put("limit_max_connections_per_user", &limits.security.max_connections_per_user);
+        put("limit_max_queues", &limits.max_queues);
         put("limit_max_queues_per_user", &limits.security.max_queues_per_user);
         put("limit_max_in_flight_per_connection", &limits.max_in_flight_per_connection);
         put("limit_max_message_bytes", &limits.max_message_bytes);
