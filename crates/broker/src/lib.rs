@@ -28,7 +28,7 @@ pub use config::QueueConfig;
 pub use function::{Called, Invocation, LocalHandler, Replier};
 pub use message::Message;
 pub use petrel_log::SeekTo;
-pub use queue::{Delivery, Polled, Queue, QueueStats, Waiting};
+pub use queue::{Delivery, MemoryBudget, Polled, Queue, QueueStats, Waiting};
 pub use topic::{Delivered, Ended, GroupReader, Subscription, Topic, TopicStats};
 
 use security::{Action, Kind, Principal, Security};
@@ -125,6 +125,15 @@ pub struct BrokerOptions {
     /// Queues of all kinds the server holds at most (0: no limit); a creation past it is refused.
     /// Queues already on disk are opened at start whatever their number.
     pub max_queues: usize,
+    /// Bytes all in-memory queues together may hold (0: no limit); past it their offers are
+    /// refused with `Limit`.
+    pub max_memory_bytes: u64,
+    /// Bytes an in-memory queue holds at most when its configuration sets no `max_bytes`
+    /// (0: no limit of its own; the budget above still holds).
+    pub memory_queue_max_bytes: u64,
+    /// Bytes of messages the broker holds for one topic subscriber that has not taken them;
+    /// past it the subscriber is ended as too slow, as past its buffer's message count.
+    pub max_subscriber_bytes: u64,
 }
 
 impl Default for BrokerOptions {
@@ -141,6 +150,9 @@ impl Default for BrokerOptions {
             security: None,
             max_queues_per_user: 0,
             max_queues: 0,
+            max_memory_bytes: 0,
+            memory_queue_max_bytes: 0,
+            max_subscriber_bytes: 64 << 20,
         }
     }
 }
@@ -160,6 +172,8 @@ pub struct Broker {
     _lock: std::fs::File,
     options: BrokerOptions,
     registry: RwLock<Registry>,
+    /// Bytes held by in-memory queues, against `max_memory_bytes`.
+    memory: Arc<MemoryBudget>,
     /// Serializes changes to the set of queues and their definitions file.
     definitions: Mutex<()>,
     next_handle: AtomicU64,
@@ -240,11 +254,13 @@ impl Broker {
             config.validate().map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
         }
         options.queue_defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))?;
+        let memory = Arc::new(MemoryBudget::new(options.max_memory_bytes));
         let broker = Broker {
             dir,
             _lock: lock,
             options,
             registry: RwLock::new(Registry::default()),
+            memory,
             definitions: Mutex::new(()),
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
@@ -325,7 +341,8 @@ impl Broker {
             let log = Log::open(self.dir.join("queues").join(&name), options)?.into_shared();
             Queue::on_log(name, config, log)
         } else {
-            Ok(Queue::in_memory(name, config, owner))
+            let memory = Arc::clone(&self.memory);
+            Ok(Queue::in_memory(name, config, owner, memory, self.options.memory_queue_max_bytes))
         }
     }
 
@@ -472,6 +489,11 @@ impl Broker {
     /// Queues removed since open.
     pub fn queues_removed(&self) -> u64 {
         self.removed.load(Ordering::Relaxed)
+    }
+
+    /// Bytes held by in-memory queues, and the budget for them (0: none).
+    pub fn memory(&self) -> (u64, u64) {
+        (self.memory.used(), self.memory.max())
     }
 
     /// The names of the queues that receive a copy of what is offered to `name`.
@@ -656,7 +678,12 @@ impl Broker {
     /// Subscribes `conn` to `topic`, the broker holding up to `buffer` messages for it.
     pub fn subscribe(&self, topic: &str, conn: ConnId, buffer: usize) -> Result<Subscription, BrokerError> {
         let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
-        Ok(t.subscribe(self.next_handle.fetch_add(1, Ordering::Relaxed), conn, buffer))
+        Ok(t.subscribe(
+            self.next_handle.fetch_add(1, Ordering::Relaxed),
+            conn,
+            buffer,
+            self.options.max_subscriber_bytes,
+        ))
     }
 
     /// Ends a subscription of `conn`'s.

@@ -53,9 +53,77 @@ pub struct Polled {
 /// Function servers remembered per temporary queue as allowed to reply to it.
 const MAX_REPLIERS: usize = 64;
 
+/// Bytes of messages the server holds in memory (in-memory and temporary queues), against
+/// `BrokerOptions::max_memory_bytes`. Shared by every in-memory queue; each queue's share is
+/// settled whenever its lock is let go (see `Locked`), so the sum is exact between operations.
+#[derive(Debug, Default)]
+pub struct MemoryBudget {
+    used: AtomicU64,
+    max: u64,
+}
+
+impl MemoryBudget {
+    pub fn new(max: u64) -> MemoryBudget {
+        MemoryBudget { used: AtomicU64::new(0), max }
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+
+    /// Whether `bytes` more fit. Concurrent offers to different queues may pass together and
+    /// overshoot by what they carry (each at most `max_message_bytes` × a batch).
+    fn fits(&self, bytes: u64) -> bool {
+        self.max == 0 || self.used().saturating_add(bytes) <= self.max
+    }
+
+    fn settle(&self, before: u64, after: u64) {
+        if after > before {
+            self.used.fetch_add(after - before, Ordering::Relaxed);
+        } else {
+            self.used.fetch_sub(before - after, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A queue's lock; letting it go settles the queue's bytes with the memory budget.
+struct Locked<'a> {
+    guard: std::sync::MutexGuard<'a, Inner>,
+    budget: Option<&'a MemoryBudget>,
+    bytes_before: u64,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        if let Some(budget) = self.budget {
+            budget.settle(self.bytes_before, self.guard.bytes);
+        }
+    }
+}
+
 pub struct Queue {
     pub name: String,
     pub config: QueueConfig,
+    /// In memory: the server's memory budget, and the bytes this queue holds at most when its
+    /// configuration sets no `max_bytes`.
+    memory: Option<(std::sync::Arc<MemoryBudget>, u64)>,
     /// For temporary queues: the connection that owns it.
     pub owner: Option<ConnId>,
     /// For temporary queues: connections that served a call naming this queue as its `reply_to`,
@@ -113,8 +181,19 @@ enum Taken {
 const GROUP: &str = "broker";
 
 impl Queue {
-    pub(crate) fn in_memory(name: String, config: QueueConfig, owner: Option<ConnId>) -> Queue {
-        Queue::with_store(name, config, owner, Store::Memory { ready: VecDeque::new(), next_id: 1 }, 0, 0)
+    /// A queue in memory, its bytes counted in `budget`, at most `default_max_bytes` of them
+    /// unless its configuration says otherwise.
+    pub(crate) fn in_memory(
+        name: String,
+        config: QueueConfig,
+        owner: Option<ConnId>,
+        budget: std::sync::Arc<MemoryBudget>,
+        default_max_bytes: u64,
+    ) -> Queue {
+        let store = Store::Memory { ready: VecDeque::new(), next_id: 1 };
+        let mut queue = Queue::with_store(name, config, owner, store, 0, 0);
+        queue.memory = Some((budget, default_max_bytes));
+        queue
     }
 
     /// A durable queue on `log`. Records not yet acknowledged by its group are the queue's
@@ -154,6 +233,7 @@ impl Queue {
         Queue {
             name,
             config,
+            memory: None,
             owner,
             repliers: Mutex::new(Vec::new()),
             inner: Mutex::new(Inner {
@@ -203,8 +283,10 @@ impl Queue {
         self.lock().counters.dropped += n;
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> Locked<'_> {
+        let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let bytes_before = guard.bytes;
+        Locked { guard, budget: self.memory.as_ref().map(|(budget, _)| &**budget), bytes_before }
     }
 
     /// Adds `messages` at the tail, all or none: on success `messages` is emptied, on refusal it
@@ -217,7 +299,11 @@ impl Queue {
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
         }
-        let (max_items, max_bytes) = (self.config.max_items, self.config.max_bytes);
+        let max_items = self.config.max_items;
+        let max_bytes = match (&self.memory, self.config.max_bytes) {
+            (Some((_, default)), 0) => *default,
+            (_, configured) => configured,
+        };
         let over = |n: u64, size: u64| (max_items != 0 && n > max_items) || (max_bytes != 0 && size > max_bytes);
         let mut size: u64 = messages.iter().map(Message::size).sum();
         if over(messages.len() as u64, size) {
@@ -239,6 +325,15 @@ impl Queue {
             self.lock().counters.dropped += skip as u64;
         }
         let n = messages.len() as u64;
+        if let Some((budget, _)) = &self.memory
+            && !budget.fits(size)
+        {
+            return Err(BrokerError::Limit(format!(
+                "the server holds {} bytes in memory queues, its budget (max_memory_bytes {}): take messages, or use durable queues",
+                budget.used(),
+                budget.max()
+            )));
+        }
         let mut inner = self.lock();
         let fits = |inner: &Inner| {
             (max_items == 0 || inner.items() + n <= max_items) && (max_bytes == 0 || inner.bytes + size <= max_bytes)
@@ -495,6 +590,16 @@ impl Queue {
             self.room.notify_waiters();
         }
         Ok((head, expired))
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        // A removed queue gives its bytes back.
+        if let Some((budget, _)) = &self.memory {
+            let bytes = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).bytes;
+            budget.settle(bytes, 0);
+        }
     }
 }
 

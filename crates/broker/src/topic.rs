@@ -33,6 +33,9 @@ struct Subscriber {
     conn: ConnId,
     tx: mpsc::Sender<Arc<Delivered>>,
     ended: Arc<OnceLock<Ended>>,
+    /// Bytes of messages sent on `tx` and not yet taken, at most `max_bytes`.
+    queued: Arc<AtomicU64>,
+    max_bytes: u64,
 }
 
 /// A published message as every subscriber gets it: shared, with room for a protocol's encoding
@@ -54,8 +57,25 @@ pub enum Ended {
 /// the broker ended it (unset: it was unsubscribed).
 pub struct Subscription {
     pub id: u64,
-    pub messages: mpsc::Receiver<Arc<Delivered>>,
+    messages: mpsc::Receiver<Arc<Delivered>>,
     pub ended: Arc<OnceLock<Ended>>,
+    queued: Arc<AtomicU64>,
+}
+
+impl Subscription {
+    /// The next message, waiting for one; `None` once the subscription ended.
+    pub async fn recv(&mut self) -> Option<Arc<Delivered>> {
+        let m = self.messages.recv().await?;
+        self.queued.fetch_sub(m.message.size(), Ordering::Relaxed);
+        Some(m)
+    }
+
+    /// The next message if one is waiting.
+    pub fn try_recv(&mut self) -> Option<Arc<Delivered>> {
+        let m = self.messages.try_recv().ok()?;
+        self.queued.fetch_sub(m.message.size(), Ordering::Relaxed);
+        Some(m)
+    }
 }
 
 /// A topic's figures.
@@ -85,11 +105,14 @@ impl Topic {
         self.subscribers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn subscribe(&self, id: u64, conn: ConnId, buffer: usize) -> Subscription {
+    /// A subscriber for whom the broker holds up to `buffer` messages and `max_bytes` bytes.
+    pub(crate) fn subscribe(&self, id: u64, conn: ConnId, buffer: usize, max_bytes: u64) -> Subscription {
         let (tx, messages) = mpsc::channel(buffer.max(1));
         let ended = Arc::new(OnceLock::new());
-        self.lock().push(Subscriber { id, conn, tx, ended: Arc::clone(&ended) });
-        Subscription { id, messages, ended }
+        let queued = Arc::new(AtomicU64::new(0));
+        let subscriber = Subscriber { id, conn, tx, ended: Arc::clone(&ended), queued: Arc::clone(&queued), max_bytes };
+        self.lock().push(subscriber);
+        Subscription { id, messages, ended, queued }
     }
 
     pub fn is_durable(&self) -> bool {
@@ -112,14 +135,30 @@ impl Topic {
         let mut delivered = 0;
         subscribers.retain(|s| {
             for m in &messages {
-                match s.tx.try_send(Arc::clone(m)) {
-                    Ok(()) => delivered += 1,
-                    Err(mpsc::error::TrySendError::Full(_)) => {
-                        let _ = s.ended.set(Ended::TooSlow(format!(
-                            "subscriber fell {} messages behind on topic {}",
-                            s.tx.max_capacity(),
-                            self.name
-                        )));
+                let size = m.message.size();
+                let over_bytes = s.max_bytes != 0 && s.queued.load(Ordering::Relaxed) + size > s.max_bytes;
+                let sent = if over_bytes {
+                    Err(mpsc::error::TrySendError::Full(()))
+                } else {
+                    s.tx.try_send(Arc::clone(m)).map_err(|e| match e {
+                        mpsc::error::TrySendError::Full(_) => mpsc::error::TrySendError::Full(()),
+                        mpsc::error::TrySendError::Closed(_) => mpsc::error::TrySendError::Closed(()),
+                    })
+                };
+                match sent {
+                    Ok(()) => {
+                        s.queued.fetch_add(size, Ordering::Relaxed);
+                        delivered += 1;
+                    }
+                    Err(mpsc::error::TrySendError::Full(())) => {
+                        let behind = if over_bytes {
+                            format!("{} bytes", s.max_bytes)
+                        } else {
+                            format!("{} messages", s.tx.max_capacity())
+                        };
+                        let _ = s
+                            .ended
+                            .set(Ended::TooSlow(format!("subscriber fell {behind} behind on topic {}", self.name)));
                         self.slow.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(topic = %self.name, subscription = s.id, "slow subscriber ended");
                         return false;

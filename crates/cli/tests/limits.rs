@@ -163,3 +163,55 @@ fn six_hundred_group_subscribers_all_get_deliveries_without_a_thread_each() {
         }
     });
 }
+
+#[test]
+fn memory_queues_and_stalled_subscribers_stay_within_their_budgets() {
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        config(dir.path(), "max_memory_bytes = 1048576\nmax_subscriber_bytes = 131072\nmax_queued_responses = 4\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("flood", QueueConfig::default()).await.unwrap();
+        let chunk = || vec![petrel_client::Message::new(vec![7u8; 16 * 1024])];
+        let mut stored = 0;
+        let refused = loop {
+            match c.offer("flood", chunk(), None).await {
+                Ok(_) => stored += 1,
+                Err(e) => break e,
+            }
+            assert!(stored <= 64, "1 MiB holds 64 of 16 KiB; more were taken");
+        };
+        assert_eq!(refused.status(), Some(Status::LimitReached), "{refused}");
+        assert!(refused.to_string().contains("max_memory_bytes"), "{refused}");
+        assert!(stored >= 60, "{stored}");
+        // Taking makes room again.
+        c.poll("flood", petrel_client::PollOptions { max: 8, ..Default::default() }).await.unwrap();
+        c.offer("flood", chunk(), None).await.unwrap();
+
+        // A subscriber that reads nothing (a raw socket with a small receive buffer) is ended
+        // once what waits for it passes the socket's buffers, the connection's few queued frames
+        // and 128 KiB: the publisher's count of subscribers drops to zero.
+        c.create_topic("news", false).await.unwrap();
+        let mut stalled = TcpStream::connect(&server.addr).unwrap();
+        rustix::net::sockopt::set_socket_recv_buffer_size(&stalled, 4096).unwrap();
+        let mut hello = Vec::new();
+        petrel_proto::Request::Hello { client: "stalled".into(), features: 0 }.encode(1, &mut hello).unwrap();
+        let subscribe = petrel_proto::Request::Subscribe {
+            topic: "news".into(),
+            buffer: 100_000,
+            group: String::new(),
+            from: petrel_proto::StartFrom::Resume,
+        };
+        subscribe.encode(2, &mut hello).unwrap();
+        stalled.write_all(&hello).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut published = 0;
+        while c.publish("news", vec![petrel_client::Message::new(vec![1u8; 16 * 1024])]).await.unwrap() > 0 {
+            published += 1;
+            assert!(published < 1000, "16 MB published and the stalled subscriber still held");
+        }
+        assert!(published > 8, "ended only after its buffers filled: {published}");
+    });
+}

@@ -43,6 +43,15 @@ pub struct Config {
     /// Queues of all kinds (durable, in memory, temporary) the server holds at most; creating
     /// one more is refused with LIMIT_REACHED (0: no limit). Queues already on disk always open.
     pub max_queues: usize,
+    /// Bytes all in-memory (and temporary) queues together may hold; past it their offers are
+    /// refused with LIMIT_REACHED (memcache: SERVER_ERROR). 0: no limit.
+    pub max_memory_bytes: u64,
+    /// Bytes an in-memory queue holds at most when its own configuration sets no `max_bytes`
+    /// (QUEUE_FULL past it, as any bound). 0: only the budget above.
+    pub memory_queue_max_bytes: u64,
+    /// Bytes of messages held for one topic subscriber that has not taken them; past it the
+    /// subscriber is ended with SLOW_CONSUMER (as past its buffer's message count).
+    pub max_subscriber_bytes: u64,
     /// Durability of durable queues: "none", "always" or "interval:MS".
     pub durability: String,
     pub segment_bytes: u64,
@@ -232,6 +241,9 @@ impl Default for Config {
             max_connections: 10_000,
             max_connections_per_address: 1_000,
             max_queues: 10_000,
+            max_memory_bytes: 1 << 30,
+            memory_queue_max_bytes: 256 << 20,
+            max_subscriber_bytes: 64 << 20,
             durability: "none".into(),
             segment_bytes: 64 << 20,
             shutdown_grace: "5s".into(),

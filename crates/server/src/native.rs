@@ -373,18 +373,18 @@ impl Pushes {
                 return;
             }
             let mut batch = Vec::new();
-            while let Some(first) = sub.messages.recv().await {
+            while let Some(first) = sub.recv().await {
                 batch.push(first);
                 // A frame of up to 256 messages or 64 KiB: the writer's queue is bounded in
                 // frames, so a frame's size bounds its memory too.
                 let mut bytes = batch[0].message.size();
                 while batch.len() < 256 && bytes < 64 * 1024 {
-                    match sub.messages.try_recv() {
-                        Ok(m) => {
+                    match sub.try_recv() {
+                        Some(m) => {
                             bytes += m.message.size();
                             batch.push(m);
                         }
-                        Err(_) => break,
+                        None => break,
                     }
                 }
                 // Each message is encoded once, by whichever subscriber's task gets to it first

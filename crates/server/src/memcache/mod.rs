@@ -474,6 +474,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_max_connections_per_address", &limits.max_connections_per_address);
         put("limit_max_connections_per_user", &limits.security.max_connections_per_user);
         put("limit_max_queues", &limits.max_queues);
+        put("limit_max_memory_bytes", &limits.max_memory_bytes);
+        put("memory_queued_bytes", &ctx.broker.memory().0);
         put("limit_max_queues_per_user", &limits.security.max_queues_per_user);
         put("limit_max_in_flight_per_connection", &limits.max_in_flight_per_connection);
         put("limit_max_message_bytes", &limits.max_message_bytes);
