@@ -215,3 +215,47 @@ fn memory_queues_and_stalled_subscribers_stay_within_their_budgets() {
         assert!(published > 8, "ended only after its buffers filled: {published}");
     });
 }
+
+#[test]
+fn a_queue_falls_back_to_smaller_segments_when_a_grown_one_does_not_fit() {
+    // Files of at most 300 KiB (RLIMIT_FSIZE): a queue's segments grow 128 KiB, 256 KiB, 512 KiB…
+    // and the third cannot be made; smaller ones still can, so offers go on.
+    let dir = tempfile::tempdir().unwrap();
+    let limit = ["bash", "-c", "ulimit -f 300; trap '' XFSZ; exec \"$0\" \"$@\""];
+    let server = Server::start_under(&limit, &dir.path().join("data"), &[]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("big", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+        for i in 0..2000u32 {
+            let m = petrel_client::Message::new(format!("{i:01000}").into_bytes());
+            c.offer("big", vec![m], None).await.unwrap_or_else(|e| panic!("offer {i}: {e}"));
+        }
+        let got = c.poll("big", petrel_client::PollOptions { max: 5000, ..Default::default() }).await.unwrap();
+        assert_eq!(got.len(), 2000);
+        assert!(got.iter().enumerate().all(|(i, d)| d.message.payload == format!("{i:01000}").as_bytes()));
+    });
+}
+
+#[test]
+fn stats_show_every_limit_the_memory_in_use_and_the_free_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    mc.write_all(b"stats\r\n").unwrap();
+    let mut text = String::new();
+    let mut reader = std::io::BufReader::new(&mut mc);
+    while !text.ends_with("END\r\n") {
+        std::io::BufRead::read_line(&mut reader, &mut text).unwrap();
+    }
+    let stat = |name: &str| -> u64 {
+        let line = text.lines().find(|l| l.starts_with(&format!("STAT {name} "))).unwrap_or_else(|| panic!("{name}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(stat("limit_max_queues"), 10_000);
+    assert_eq!(stat("limit_max_connections_per_address"), 1_000);
+    assert_eq!(stat("limit_max_memory_bytes"), 1 << 30);
+    assert_eq!(stat("memory_queued_bytes"), 0);
+    assert!(stat("disk_free_bytes") > 0 && stat("disk_free_bytes") <= stat("disk_total_bytes"));
+}

@@ -678,8 +678,19 @@ impl Log {
             Some(_) => (self.active.map.len() as u64 * 2).min(opts.segment_bytes),
             None => opts.segment_bytes,
         };
-        let len = grown.max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
-        let next = Segment::create(&self.shared.dir, self.next_offset, len, now_ns(), durable)?;
+        let smallest = (opts.first_segment_bytes()).max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
+        let mut len = grown.max(smallest);
+        // When the disk cannot hold the grown segment, halve it down to what this frame needs
+        // (and the log's first size): a nearly full disk still takes small appends.
+        let next = loop {
+            match Segment::create(&self.shared.dir, self.next_offset, len, now_ns(), durable) {
+                Ok(next) => break next,
+                Err(Error::SegmentAllocation { .. }) if len > smallest => {
+                    len = (len / 2).next_multiple_of(4096).max(smallest);
+                }
+                Err(e) => return Err(e),
+            }
+        };
         // Publish what is written, then seal: with a durability policy the sealed segment is
         // synced now, so later syncs need only cover the active segment.
         self.publish();

@@ -476,6 +476,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_max_queues", &limits.max_queues);
         put("limit_max_memory_bytes", &limits.max_memory_bytes);
         put("memory_queued_bytes", &ctx.broker.memory().0);
+        // The data directory's file system: what is left for segments (a full disk refuses
+        // offers to durable queues with SERVER_ERROR).
+        if let Ok(fs) = rustix::fs::statvfs(&ctx.config.data) {
+            put("disk_free_bytes", &(fs.f_bavail * fs.f_frsize));
+            put("disk_total_bytes", &(fs.f_blocks * fs.f_frsize));
+        }
         put("limit_max_queues_per_user", &limits.security.max_queues_per_user);
         put("limit_max_in_flight_per_connection", &limits.max_in_flight_per_connection);
         put("limit_max_message_bytes", &limits.max_message_bytes);
