@@ -330,12 +330,31 @@ struct Pushes {
 /// Acknowledgements for a group subscription, and where to say how many counted.
 type GroupAck = (Vec<u64>, tokio::sync::oneshot::Sender<u32>);
 
-/// Applies a group subscription's acknowledgements; how many counted.
-fn acked(reader: &mut GroupReader, ids: &[u64]) -> u32 {
-    reader.ack(ids).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "group acknowledgement failed");
-        0
+/// Runs `job` on a group reader as a short blocking call (the log's reads and acknowledgements
+/// may touch the disk); the reader travels there and back.
+async fn blocking<T: Send + 'static>(
+    mut reader: GroupReader,
+    job: impl FnOnce(&mut GroupReader) -> T + Send + 'static,
+) -> (GroupReader, T) {
+    tokio::task::spawn_blocking(move || {
+        let out = job(&mut reader);
+        (reader, out)
     })
+    .await
+    .expect("a group read or acknowledgement does not panic")
+}
+
+/// Applies a group subscription's acknowledgements and answers how many counted.
+async fn apply_acks(reader: GroupReader, (ids, done): GroupAck) -> GroupReader {
+    let (reader, counted) = blocking(reader, move |r| {
+        r.ack(&ids).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "group acknowledgement failed");
+            0
+        })
+    })
+    .await;
+    let _ = done.send(counted);
+    reader
 }
 
 impl Pushes {
@@ -443,48 +462,21 @@ impl Pushes {
         let (go, answered) = tokio::sync::oneshot::channel();
         self.answered.push(go);
         let appended = reader.appended();
+        let mut reader = reader;
         let task = tokio::spawn(async move {
             if answered.await.is_err() {
                 return;
             }
-            // The reader travels into each blocking call and back.
-            let mut reader = Some(reader);
-            let run = |reader: &mut Option<GroupReader>, job: Box<dyn FnOnce(&mut GroupReader) -> Read + Send>| {
-                let mut r = reader.take().expect("the reader is back after each call");
-                async move {
-                    let (r, read) = tokio::task::spawn_blocking(move || {
-                        let read = job(&mut r);
-                        (r, read)
-                    })
-                    .await
-                    .expect("a group read does not panic");
-                    (r, read)
-                }
-            };
-            enum Read {
-                Acked(u32),
-                Messages(Result<Vec<petrel_broker::Message>, petrel_broker::BrokerError>),
-            }
             loop {
                 // Acknowledgements first: they make room.
-                while let Ok((ids, done)) = acks.try_recv() {
-                    let (r, read) = run(&mut reader, Box::new(move |r| Read::Acked(acked(r, &ids)))).await;
-                    reader = Some(r);
-                    if let Read::Acked(n) = read {
-                        let _ = done.send(n);
-                    }
+                while let Ok(ack) = acks.try_recv() {
+                    reader = apply_acks(reader, ack).await;
                 }
-                let pending = reader.as_ref().expect("here").pending();
+                let pending = reader.pending();
                 if pending >= max_pending {
                     // Nothing more until something is acknowledged.
                     match acks.recv().await {
-                        Some((ids, done)) => {
-                            let (r, read) = run(&mut reader, Box::new(move |r| Read::Acked(acked(r, &ids)))).await;
-                            reader = Some(r);
-                            if let Read::Acked(n) = read {
-                                let _ = done.send(n);
-                            }
-                        }
+                        Some(ack) => reader = apply_acks(reader, ack).await,
                         None => return,
                     }
                     continue;
@@ -494,9 +486,8 @@ impl Pushes {
                 tokio::pin!(woken);
                 woken.as_mut().enable();
                 let room = (max_pending - pending).min(256);
-                let (r, read) = run(&mut reader, Box::new(move |r| Read::Messages(r.poll(room, Duration::ZERO)))).await;
-                reader = Some(r);
-                let Read::Messages(messages) = read else { unreachable!("a poll answers messages") };
+                let messages;
+                (reader, messages) = blocking(reader, move |r| r.poll(room, Duration::ZERO)).await;
                 let messages = match messages {
                     Ok(messages) => messages,
                     Err(e) => {
@@ -511,13 +502,7 @@ impl Pushes {
                     tokio::select! {
                         _ = &mut woken => {}
                         ack = acks.recv() => match ack {
-                            Some((ids, done)) => {
-                                let (r, read) = run(&mut reader, Box::new(move |r| Read::Acked(acked(r, &ids)))).await;
-                                reader = Some(r);
-                                if let Read::Acked(n) = read {
-                                    let _ = done.send(n);
-                                }
-                            }
+                            Some(ack) => reader = apply_acks(reader, ack).await,
                             None => return,
                         },
                         // A retention pass or a seek elsewhere wakes no one: look again now and then.
