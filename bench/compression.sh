@@ -6,15 +6,8 @@
 #
 #   bench/compression.sh
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
 rounds="${ROUNDS:-3}"
-work="$(mktemp -d)"
-pid=""
-cleanup() { [ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"; }
-trap cleanup EXIT
-
-(cd "$root" && cargo build --release --locked -q -p petrel)
-petrel="$root/target/release/petrel"
+source "$(dirname "$0")/common.sh"
 "$petrel" serve --data "$work/data" --native-addr 127.0.0.1:0 --memcache-addr 127.0.0.1:0 > "$work/serve.out" 2>/dev/null &
 pid=$!
 for _ in $(seq 100); do grep -q '^memcache' "$work/serve.out" 2>/dev/null && break; sleep 0.1; done

@@ -6,17 +6,10 @@
 #
 #   bench/security.sh          (COUNT offers, default 1000000; CALLS calls, default 20000)
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
 count="${COUNT:-1000000}"
 calls="${CALLS:-20000}"
 rounds="${ROUNDS:-3}"
-work="$(mktemp -d)"
-pid=""
-cleanup() { [ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$work"; }
-trap cleanup EXIT
-
-(cd "$root" && cargo build --release --locked -q -p petrel)
-petrel="$root/target/release/petrel"
+source "$(dirname "$0")/common.sh"
 "$petrel" cert dev "$work/certs" > /dev/null
 echo 'bench-secret' | "$petrel" user add "$work/users.toml" bench --admin > /dev/null
 cat > "$work/petrel.toml" <<EOF

@@ -90,11 +90,14 @@ impl MemoryBudget {
     }
 }
 
-/// A queue's lock; letting it go settles the queue's bytes with the memory budget.
+/// A queue's lock. Letting it go settles the queue's bytes with the memory budget and, when a
+/// message left the head (a poll, a circular drop, an expiry), lets the tick know when the new
+/// head expires: whatever changed the head, the tick learns it here.
 struct Locked<'a> {
     guard: std::sync::MutexGuard<'a, Inner>,
     budget: Option<&'a MemoryBudget>,
     bytes_before: u64,
+    due: &'a AtomicU64,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -114,6 +117,13 @@ impl Drop for Locked<'_> {
     fn drop(&mut self) {
         if let Some(budget) = self.budget {
             budget.settle(self.bytes_before, self.guard.bytes);
+        }
+        if std::mem::take(&mut self.guard.head_taken) {
+            // A head that cannot be read now (a storage error) is looked at by the next tick.
+            let expiry = self.guard.head_expiry().unwrap_or(Some(0));
+            if let Some(expiry) = expiry {
+                self.due.fetch_min(expiry, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -158,6 +168,8 @@ struct Inner {
     waiting: u64,
     /// Bytes of the messages waiting and in flight.
     bytes: u64,
+    /// A message left the head since the lock was taken (see `Locked`).
+    head_taken: bool,
     counters: QueueStats,
 }
 
@@ -241,6 +253,7 @@ impl Queue {
                 in_flight: HashMap::new(),
                 waiting,
                 bytes,
+                head_taken: false,
                 counters: QueueStats::default(),
             }),
             available: Notify::new(),
@@ -286,7 +299,8 @@ impl Queue {
     fn lock(&self) -> Locked<'_> {
         let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let bytes_before = guard.bytes;
-        Locked { guard, budget: self.memory.as_ref().map(|(budget, _)| &**budget), bytes_before }
+        let budget = self.memory.as_ref().map(|(budget, _)| &**budget);
+        Locked { guard, budget, bytes_before, due: &self.due }
     }
 
     /// Adds `messages` at the tail, all or none: on success `messages` is emptied, on refusal it
@@ -449,12 +463,6 @@ impl Queue {
             let message = Message { destination: self.name.clone(), ..message };
             out.deliveries.push(Delivery { handle, message });
         }
-        if !out.deliveries.is_empty()
-            && let Some(expiry) = inner.head_expiry()?
-        {
-            // A new head, which the tick sweeps when it expires.
-            self.due.fetch_min(expiry, Ordering::Relaxed);
-        }
         drop(guard);
         if !out.deliveries.is_empty() || !out.expired.is_empty() {
             self.room.notify_waiters();
@@ -605,7 +613,7 @@ impl Drop for Queue {
 
 impl Inner {
     /// When `tick` next has work: the earliest visibility deadline, or the head's expiry. (Only
-    /// the head's: an offer lowers `due` with its own expiry, and a poll with the new head's.)
+    /// the head's: an offer lowers `due` with its own expiry, and `Locked` with a new head's.)
     fn next_due(&mut self) -> Result<u64, BrokerError> {
         let expiry = self.head_expiry()?;
         Ok(self.in_flight.values().map(|f| f.deadline).chain(expiry).min().unwrap_or(u64::MAX))
@@ -646,6 +654,7 @@ impl Inner {
         let next = self.next_from_store()?;
         if next.is_some() {
             self.waiting -= 1;
+            self.head_taken = true;
         }
         Ok(next)
     }
@@ -707,6 +716,7 @@ impl Inner {
             },
         }
         self.waiting -= 1;
+        self.head_taken = true;
         Ok(true)
     }
 }

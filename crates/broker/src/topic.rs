@@ -136,35 +136,25 @@ impl Topic {
         subscribers.retain(|s| {
             for m in &messages {
                 let size = m.message.size();
-                let over_bytes = s.max_bytes != 0 && s.queued.load(Ordering::Relaxed) + size > s.max_bytes;
-                let sent = if over_bytes {
-                    Err(mpsc::error::TrySendError::Full(()))
+                // Too slow: a whole buffer of bytes waits for it, or of messages.
+                let behind = if s.max_bytes != 0 && s.queued.load(Ordering::Relaxed) + size > s.max_bytes {
+                    format!("{} bytes", s.max_bytes)
                 } else {
-                    s.tx.try_send(Arc::clone(m)).map_err(|e| match e {
-                        mpsc::error::TrySendError::Full(_) => mpsc::error::TrySendError::Full(()),
-                        mpsc::error::TrySendError::Closed(_) => mpsc::error::TrySendError::Closed(()),
-                    })
+                    // Counted before it is sent, so the receiver's subtraction never comes first.
+                    s.queued.fetch_add(size, Ordering::Relaxed);
+                    match s.tx.try_send(Arc::clone(m)) {
+                        Ok(()) => {
+                            delivered += 1;
+                            continue;
+                        }
+                        Err(mpsc::error::TrySendError::Full(_)) => format!("{} messages", s.tx.max_capacity()),
+                        Err(mpsc::error::TrySendError::Closed(_)) => return false,
+                    }
                 };
-                match sent {
-                    Ok(()) => {
-                        s.queued.fetch_add(size, Ordering::Relaxed);
-                        delivered += 1;
-                    }
-                    Err(mpsc::error::TrySendError::Full(())) => {
-                        let behind = if over_bytes {
-                            format!("{} bytes", s.max_bytes)
-                        } else {
-                            format!("{} messages", s.tx.max_capacity())
-                        };
-                        let _ = s
-                            .ended
-                            .set(Ended::TooSlow(format!("subscriber fell {behind} behind on topic {}", self.name)));
-                        self.slow.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(topic = %self.name, subscription = s.id, "slow subscriber ended");
-                        return false;
-                    }
-                    Err(mpsc::error::TrySendError::Closed(_)) => return false,
-                }
+                let _ = s.ended.set(Ended::TooSlow(format!("subscriber fell {behind} behind on topic {}", self.name)));
+                self.slow.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(topic = %self.name, subscription = s.id, "slow subscriber ended");
+                return false;
             }
             true
         });

@@ -2,7 +2,7 @@
 //! for `consume --json` and `log dump --json`), how many subscribers a publish reached, server
 //! logs without colour codes off a terminal (or as JSON), and `produce` into bounded queues.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -12,15 +12,7 @@ use common::Server;
 const PETREL: &str = env!("CARGO_BIN_EXE_petrel");
 
 fn run(args: &[&str], stdin: &str) -> (bool, String, String) {
-    let mut child = Command::new(PETREL)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = common::petrel(args, stdin.as_bytes());
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 

@@ -1,19 +1,9 @@
 //! `petrel log …` from the outside: the commands scripts rely on.
 
-use std::io::Write;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 
-fn petrel(args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(stdin).unwrap();
-    child.wait_with_output().unwrap()
-}
+mod common;
+use common::petrel;
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()

@@ -2,10 +2,8 @@
 //! refuse, and certificates that rustls accepts for a mutually authenticated handshake.
 
 use std::fs;
-use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
@@ -13,20 +11,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, ClientConnection, Connection, RootCertStore, ServerConfig, ServerConnection};
 
-const PETREL: &str = env!("CARGO_BIN_EXE_petrel");
-
-fn petrel(args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(PETREL)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // A command that refuses before reading stdin may be gone already: a broken pipe is fine.
-    let _ = child.stdin.take().unwrap().write_all(stdin);
-    child.wait_with_output().unwrap()
-}
+mod common;
+use common::petrel;
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()

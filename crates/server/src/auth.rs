@@ -8,10 +8,36 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use petrel_broker::ConnId;
-use petrel_broker::security::Principal;
+use petrel_broker::security::{Action, Kind, Principal};
 
 use crate::Ctx;
 use crate::stats::add;
+
+/// Destinations whose denial a connection logged already: each once per connection, at most
+/// `MAX_LOGGED_DENIALS` of them (a client probing names cannot flood the log).
+#[derive(Default)]
+pub(crate) struct Denials(std::collections::HashSet<(Kind, String)>);
+
+const MAX_LOGGED_DENIALS: usize = 64;
+
+/// Asks the broker whether `principal` on connection `conn` may do one of `actions` to
+/// `kind`/`name`: the one check both protocols make; a denial is logged once per destination.
+pub(crate) fn authorize(
+    ctx: &Ctx,
+    conn: ConnId,
+    principal: Option<&Principal>,
+    denials: &mut Denials,
+    kind: Kind,
+    name: &str,
+    actions: &[Action],
+) -> Result<(), petrel_broker::BrokerError> {
+    let Err(e) = ctx.broker.authorize(principal, kind, name, actions) else { return Ok(()) };
+    if denials.0.len() < MAX_LOGGED_DENIALS && denials.0.insert((kind, name.to_owned())) {
+        let user = principal.map(|p| p.user.clone());
+        tracing::warn!(conn, user, %kind, name = %petrel_broker::shown(name), reason = %e, "request denied");
+    }
+    Err(e)
+}
 
 /// What the server knows of a connection's other end before it says anything.
 #[derive(Clone, Debug)]

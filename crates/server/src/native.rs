@@ -13,7 +13,7 @@
 //! INVOKE frames. When the writer cannot keep up, their bounded channels fill: a subscriber is
 //! then ended by the broker (SUBSCRIPTION_END), a call goes to another server or fails.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,14 +35,10 @@ struct Session {
     /// Said HELLO: the connection is past its handshake (and its shorter timeout).
     greeted: bool,
     authenticated: Option<Authenticated>,
-    /// Destinations whose denial was logged already: each once per connection (bounded).
-    logged_denials: HashSet<(Kind, String)>,
+    denials: auth::Denials,
     /// Negotiated in HELLO: payloads of at least this many bytes go out zstd-compressed.
     compress: Option<usize>,
 }
-
-/// Denials logged per connection at most.
-const MAX_LOGGED_DENIALS: usize = 64;
 
 impl Session {
     fn principal(&self) -> Option<&Principal> {
@@ -51,12 +47,8 @@ impl Session {
 
     /// Asks the broker whether this connection may do one of `actions` to `kind`/`name`.
     fn authorize(&mut self, ctx: &Ctx, kind: Kind, name: &str, actions: &[Action]) -> Result<(), BrokerError> {
-        let Err(e) = ctx.broker.authorize(self.principal(), kind, name, actions) else { return Ok(()) };
-        if self.logged_denials.len() < MAX_LOGGED_DENIALS && self.logged_denials.insert((kind, name.to_owned())) {
-            let user = self.principal().map(|p| p.user.clone());
-            tracing::warn!(conn = self.conn, user, %kind, name = %petrel_broker::shown(name), reason = %e, "request denied");
-        }
-        Err(e)
+        let principal = self.authenticated.as_ref().map(|a| &a.principal);
+        auth::authorize(ctx, self.conn, principal, &mut self.denials, kind, name, actions)
     }
 }
 
@@ -132,7 +124,7 @@ where
     let mut skip: u64 = 0;
     let mut pushes = Pushes::default();
     let mut session =
-        Session { conn, peer, greeted: false, authenticated: None, logged_denials: HashSet::new(), compress: None };
+        Session { conn, peer, greeted: false, authenticated: None, denials: auth::Denials::default(), compress: None };
     if let Some(certified) = auth::with_certificate(&ctx, &session.peer, conn) {
         match certified {
             Ok(a) => session.authenticated = Some(a),

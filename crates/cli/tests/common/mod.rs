@@ -2,9 +2,23 @@
 
 #![allow(dead_code)] // each test file uses its part
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+
+/// Runs `petrel ARGS` with `stdin`, to its end. (A command that refuses before reading stdin
+/// may be gone already: a broken pipe there is fine.)
+pub fn petrel(args: &[&str], stdin: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _ = child.stdin.take().unwrap().write_all(stdin);
+    child.wait_with_output().unwrap()
+}
 
 pub struct Server {
     pub child: Child,

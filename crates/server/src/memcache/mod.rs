@@ -6,7 +6,7 @@
 
 pub mod codec;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -51,12 +51,8 @@ struct Session<S> {
     /// When authentication is on: who logged in (with a first `set` of `user password`, or a
     /// client certificate).
     authenticated: Option<Authenticated>,
-    /// Destinations whose denial was logged already: each once per connection (bounded).
-    logged_denials: HashSet<(Kind, String)>,
+    denials: auth::Denials,
 }
-
-/// Denials logged per connection at most.
-const MAX_LOGGED_DENIALS: usize = 64;
 
 /// Serves one connection until the client quits or goes away, a request makes the stream
 /// untrustworthy, or the server shuts down. Items it left open go back to their queues.
@@ -78,7 +74,7 @@ where
         shutdown,
         peer,
         authenticated: None,
-        logged_denials: HashSet::new(),
+        denials: auth::Denials::default(),
     };
     if let Some(certified) = auth::with_certificate(&s.ctx, &s.peer, conn) {
         match certified {
@@ -142,11 +138,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     /// refusal is answered (`CLIENT_ERROR`) here.
     fn authorize(&mut self, kind: Kind, name: &str, actions: &[Action]) -> bool {
         let principal = self.authenticated.as_ref().map(|a| &a.principal);
-        let Err(e) = self.ctx.broker.authorize(principal, kind, name, actions) else { return true };
-        if self.logged_denials.len() < MAX_LOGGED_DENIALS && self.logged_denials.insert((kind, name.to_owned())) {
-            let user = principal.map(|p| p.user.clone());
-            tracing::warn!(conn = self.conn, user, %kind, name = %petrel_broker::shown(name), reason = %e, "request denied");
-        }
+        let Err(e) = auth::authorize(&self.ctx, self.conn, principal, &mut self.denials, kind, name, actions) else {
+            return true;
+        };
         self.line(&server_error(&e));
         false
     }
