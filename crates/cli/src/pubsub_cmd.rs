@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Subcommand;
 use petrel_client::{Message, StartFrom};
 
-use crate::server_cmd::{ServerArg, is_lost_connection};
+use crate::server_cmd::ServerArg;
 
 type Res = Result<ExitCode, Box<dyn std::error::Error>>;
 
@@ -103,49 +103,28 @@ pub fn topic(cmd: TopicCommand) -> Res {
             }
             let mut left = count.unwrap_or(u64::MAX);
             let mut out = io::stdout().lock();
-            let mut client = server.connect()?;
-            let mut from = from.unwrap_or_default();
+            // A server that goes away is waited for: a group resumes where it stands (what was
+            // printed and not acknowledged comes again: at least once); a live subscription
+            // misses what was published meanwhile.
+            let follower = server.follower()?;
+            let mut subscription = match &group {
+                Some(g) => follower.subscribe_group(&name, g, from.unwrap_or_default(), buffer)?,
+                None => follower.subscribe(&name, buffer)?,
+            };
             while left > 0 {
-                let mut sub = match &group {
-                    Some(g) => client.subscribe_group(&name, g, from, buffer)?,
-                    None => client.subscribe(&name, buffer)?,
-                };
-                let mut lost = None;
-                while left > 0 {
-                    let m = match sub.next() {
-                        None => break,
-                        // The server went away: subscribe again once it is back (a group resumes
-                        // where it stands; a live subscription misses what was published meanwhile).
-                        Some(Err(e)) if is_lost_connection(&e) => {
-                            lost = Some(e);
-                            break;
-                        }
-                        Some(m) => m?,
-                    };
-                    let id = m.id;
-                    if json {
-                        writeln!(out, "{}", crate::output::message_json(&m))?;
-                    } else {
-                        out.write_all(&m.payload)?;
-                        out.write_all(b"\n")?;
-                    }
-                    out.flush()?;
-                    left -= 1;
-                    if group.is_some() {
-                        match sub.ack(&[id]) {
-                            // Unacknowledged, it comes again after the reconnect: at least once.
-                            Err(e) if is_lost_connection(&e) => {
-                                lost = Some(e);
-                                break;
-                            }
-                            other => drop(other?),
-                        }
-                    }
+                let Some(m) = subscription.next() else { break };
+                let m = m?;
+                if json {
+                    writeln!(out, "{}", crate::output::message_json(&m))?;
+                } else {
+                    out.write_all(&m.payload)?;
+                    out.write_all(b"\n")?;
                 }
-                drop(sub);
-                let Some(lost) = lost else { break };
-                client = server.reconnect(&lost)?;
-                from = StartFrom::Resume;
+                out.flush()?;
+                left -= 1;
+                if group.is_some() {
+                    subscription.ack(&[m.id])?;
+                }
             }
         }
     }

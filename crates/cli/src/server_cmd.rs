@@ -7,8 +7,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
-use petrel_client::blocking::Client;
-use petrel_client::{ClientError, ClientOptions, Message, PollOptions, QueueConfig, Status, TlsOptions};
+use petrel_client::blocking::{Client, Follower};
+use petrel_client::{
+    ClientError, ClientOptions, ConnectionEvent, Message, PollOptions, QueueConfig, Reconnect, Status, TlsOptions,
+};
 use petrel_server::{Config, DEFAULT_NATIVE_ADDR, Server};
 
 type Res = Result<ExitCode, Box<dyn std::error::Error>>;
@@ -171,23 +173,18 @@ impl ServerArg {
         Ok(Client::connect_with(&self.server, &self.options()?)?)
     }
 
-    /// After `lost`: says so on stderr, then connects again, waiting 100 ms, 200 ms, … up to 5 s
-    /// between attempts, until the server answers (or refuses for another reason than absence).
-    pub fn reconnect(&self, lost: &ClientError) -> Result<Client, Box<dyn std::error::Error>> {
-        eprintln!("petrel: lost the connection to {} ({lost}); reconnecting", self.server);
-        let options = self.options()?;
-        let mut pause = Duration::from_millis(100);
-        loop {
-            std::thread::sleep(pause);
-            match Client::connect_with(&self.server, &options) {
-                Ok(client) => {
-                    eprintln!("petrel: connected to {} again", self.server);
-                    return Ok(client);
-                }
-                Err(e) if is_lost_connection(&e) => pause = (pause * 2).min(Duration::from_secs(5)),
-                Err(e) => return Err(e.into()),
+    /// A connection for reading that comes back when the server does: each loss and return is
+    /// said on stderr; the pause between attempts doubles from 100 ms up to 5 s.
+    pub fn follower(&self) -> Result<Follower, Box<dyn std::error::Error>> {
+        let server = self.server.clone();
+        let on_event = move |event: ConnectionEvent<'_>| match event {
+            ConnectionEvent::Lost { error, .. } => {
+                eprintln!("petrel: lost the connection to {server} ({error}); reconnecting")
             }
-        }
+            ConnectionEvent::Connected { .. } => eprintln!("petrel: connected to {server} again"),
+        };
+        let reconnect = Reconnect { on_event: Some(std::sync::Arc::new(on_event)), ..Reconnect::default() };
+        Ok(Follower::connect(&self.server, self.options()?, reconnect)?)
     }
 }
 
@@ -299,7 +296,12 @@ pub struct ConsumeArgs {
 }
 
 pub fn consume(args: ConsumeArgs) -> Res {
-    let mut client = args.server.connect()?;
+    // Following, a lost server is waited for (what the lost connection had taken tentatively
+    // went back to the queue, so polling again elsewhere loses nothing); otherwise it ends.
+    let mut reader = match args.follow {
+        true => Reader::Following(Box::new(args.server.follower()?)),
+        false => Reader::Once(args.server.connect()?),
+    };
     let mut left = args.count.unwrap_or(u64::MAX);
     let stdout = io::stdout();
     let mut out = stdout.lock();
@@ -309,15 +311,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
             timeout: if args.follow { Duration::from_secs(1) } else { Duration::ZERO },
             visibility: args.ack.then_some(Duration::from_secs(60)),
         };
-        let deliveries = match client.poll(&args.queue, options) {
-            // Following, a lost server is waited for: what this connection had taken tentatively
-            // went back to the queue, so nothing is lost by polling again elsewhere.
-            Err(e) if args.follow && is_lost_connection(&e) => {
-                client = args.server.reconnect(&e)?;
-                continue;
-            }
-            other => other?,
-        };
+        let deliveries = reader.poll(&args.queue, options)?;
         if deliveries.is_empty() {
             if args.follow {
                 continue;
@@ -335,20 +329,33 @@ pub fn consume(args: ConsumeArgs) -> Res {
         out.flush()?;
         if args.ack {
             let handles: Vec<u64> = deliveries.iter().map(|d| d.handle).collect();
-            match client.ack(&args.queue, &handles) {
-                // Unacknowledged, they come again: at least once.
-                Err(e) if args.follow && is_lost_connection(&e) => client = args.server.reconnect(&e)?,
-                other => drop(other?),
-            }
+            reader.ack(&args.queue, &handles)?;
         }
         left -= deliveries.len() as u64;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// The connection went away (the server stopped or restarted), as opposed to a refusal.
-pub fn is_lost_connection(e: &ClientError) -> bool {
-    matches!(e, ClientError::Io(_) | ClientError::Closed)
+/// `consume`'s connection: one that ends with the server, or one that follows it.
+enum Reader {
+    Once(Client),
+    Following(Box<Follower>),
+}
+
+impl Reader {
+    fn poll(&mut self, queue: &str, options: PollOptions) -> Result<Vec<petrel_client::Delivery>, ClientError> {
+        match self {
+            Reader::Once(client) => client.poll(queue, options),
+            Reader::Following(follower) => follower.poll(queue, options),
+        }
+    }
+
+    fn ack(&mut self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
+        match self {
+            Reader::Once(client) => client.ack(queue, handles),
+            Reader::Following(follower) => follower.ack(queue, handles),
+        }
+    }
 }
 
 #[derive(Subcommand)]

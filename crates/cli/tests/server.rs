@@ -552,3 +552,74 @@ fn the_cli_at_the_wrong_port_says_what_answered() {
         assert!(err.contains(addr) && err.contains(expected), "{addr}: {err}");
     }
 }
+
+/// The library's `Follower` outlives a server restart: a poll waits for the server and is made
+/// again, an acknowledgement lost with the connection answers 0 and its message comes again, a
+/// group subscription resumes where the group stands; each loss and return is told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_reconnects_and_goes_on_where_it_was() {
+    use petrel_client::{ConnectionEvent, Follower, Reconnect, StartFrom};
+    let dir = tempfile::tempdir().unwrap();
+    let addr = Server::free_addr();
+    let server = Server::start_at(&addr, dir.path());
+    let admin = server.client().await;
+    admin.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+    admin.create_topic("news", true).await.unwrap();
+    admin.offer("jobs", vec![msg("one")], None).await.unwrap();
+    admin.publish("news", vec![msg("first")]).await.unwrap();
+
+    let events = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let reconnect = {
+        let events = std::sync::Arc::clone(&events);
+        let on_event = move |e: ConnectionEvent<'_>| {
+            events.lock().unwrap().push(match e {
+                ConnectionEvent::Lost { .. } => "lost",
+                ConnectionEvent::Connected { .. } => "connected",
+            })
+        };
+        Reconnect {
+            first_pause: Duration::from_millis(20),
+            on_event: Some(std::sync::Arc::new(on_event)),
+            ..Reconnect::default()
+        }
+    };
+    let options = petrel_client::ClientOptions::default();
+    let mut reader = Follower::connect(&addr, options.clone(), reconnect.clone()).await.unwrap();
+    let mut group = Follower::connect(&addr, options, reconnect)
+        .await
+        .unwrap()
+        .subscribe_group("news", "g", StartFrom::Oldest, 16)
+        .await
+        .unwrap();
+    let take = PollOptions { max: 10, timeout: Duration::from_secs(2), visibility: Some(Duration::from_secs(60)) };
+    let taken = reader.poll("jobs", take).await.unwrap();
+    assert_eq!(texts(&taken), ["one"]);
+    let first = group.next().await.unwrap().unwrap();
+    assert_eq!(first.payload, "first");
+    assert_eq!(group.ack(&[first.id]).await.unwrap(), 1);
+
+    drop(admin);
+    server.kill9();
+    // The lost connection is seen by the acknowledgement: 0, and "one" comes again.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(reader.ack("jobs", &[taken[0].handle]).await.unwrap(), 0);
+    let restart = {
+        let (addr, data) = (addr.clone(), dir.path().to_owned());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let server = Server::start_at(&addr, &data);
+            let client = server.client().await;
+            client.publish("news", vec![msg("second")]).await.unwrap();
+            server
+        })
+    };
+    let again = reader.poll("jobs", take).await.unwrap();
+    assert_eq!(texts(&again), ["one"]);
+    assert_eq!(reader.ack("jobs", &[again[0].handle]).await.unwrap(), 1);
+    let server = restart.await.unwrap();
+    let second = group.next().await.unwrap().unwrap();
+    assert_eq!(second.payload, "second", "the group resumed after its acknowledged message");
+    assert_eq!(group.ack(&[second.id]).await.unwrap(), 1);
+    assert_eq!(*events.lock().unwrap(), ["lost", "connected", "lost", "connected"]);
+    assert_eq!(server.client().await.queue_status("jobs").await.unwrap().items, 0);
+}

@@ -2,7 +2,8 @@
 //!
 //! [`Client`] is async (tokio), cheap to clone, and pipelines: calls from many tasks share one
 //! connection, each waiting only for its own response. [`blocking::Client`] wraps it for code
-//! without a runtime.
+//! without a runtime. [`Follower`] reads a queue or a topic across server restarts: it connects
+//! again with backoff and repeats what is safe to repeat (polls, group subscriptions).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), petrel_client::ClientError> {
@@ -28,6 +29,9 @@ pub use petrel_proto::{
 use petrel_proto::{FrameKind, Push, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
+
+mod follow;
+pub use follow::{ConnectionEvent, EventHandler, FollowedSubscription, Follower, Reconnect};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -342,6 +346,11 @@ impl Client {
         self.inner.reader.abort();
         self.inner.writer.abort();
         self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
+    }
+
+    /// The connection is gone (closed here, by the server, or lost).
+    pub fn is_closed(&self) -> bool {
+        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).closed
     }
 
     /// Sends a request without waiting for (or keeping) its answer.
@@ -966,6 +975,71 @@ pub mod blocking {
 
         fn next(&mut self) -> Option<Self::Item> {
             self.rt.block_on(self.inner.next())
+        }
+    }
+
+    /// A [`super::Follower`] on a private runtime: polls and subscriptions that outlive their
+    /// connection.
+    pub struct Follower {
+        rt: tokio::runtime::Runtime,
+        inner: super::Follower,
+    }
+
+    impl Follower {
+        pub fn connect(server: &str, options: ClientOptions, reconnect: Reconnect) -> Result<Follower, ClientError> {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let inner = rt.block_on(super::Follower::connect(server, options, reconnect))?;
+            Ok(Follower { rt, inner })
+        }
+        pub fn poll(&mut self, queue: &str, options: PollOptions) -> Result<Vec<Delivery>, ClientError> {
+            self.rt.block_on(self.inner.poll(queue, options))
+        }
+        pub fn ack(&mut self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.ack(queue, handles))
+        }
+        pub fn subscribe(self, topic: &str, buffer: u32) -> Result<FollowedSubscription, ClientError> {
+            let inner = self.rt.block_on(self.inner.subscribe(topic, buffer))?;
+            Ok(FollowedSubscription { rt: self.rt, inner })
+        }
+        pub fn subscribe_group(
+            self,
+            topic: &str,
+            group: &str,
+            from: StartFrom,
+            max_unacked: u32,
+        ) -> Result<FollowedSubscription, ClientError> {
+            let inner = self.rt.block_on(self.inner.subscribe_group(topic, group, from, max_unacked))?;
+            Ok(FollowedSubscription { rt: self.rt, inner })
+        }
+    }
+
+    /// A blocking [`super::FollowedSubscription`]: an iterator that subscribes again after a
+    /// reconnect.
+    pub struct FollowedSubscription {
+        rt: tokio::runtime::Runtime,
+        inner: super::FollowedSubscription,
+    }
+
+    impl FollowedSubscription {
+        /// Acknowledges group messages by id (0 after a lost connection: they come again).
+        pub fn ack(&mut self, ids: &[u64]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.ack(ids))
+        }
+    }
+
+    impl Iterator for FollowedSubscription {
+        type Item = Result<Message, ClientError>;
+
+        fn next(&mut self) -> Option<Self::Item> {
+            self.rt.block_on(self.inner.next())
+        }
+    }
+
+    impl Drop for FollowedSubscription {
+        fn drop(&mut self) {
+            if let Some(subscription) = self.inner.subscription.take() {
+                let _ = self.rt.block_on(subscription.unsubscribe());
+            }
         }
     }
 

@@ -39,6 +39,15 @@ impl Server {
 
     /// Starts as an argument of `wrapper` (e.g. `prlimit --nofile=64 --`), with more flags.
     pub fn start_under(wrapper: &[&str], data: &Path, args: &[&str]) -> Server {
+        Server::spawn(wrapper, "127.0.0.1:0", data, args)
+    }
+
+    /// Starts with its native listener on `addr` (to start again on the same address).
+    pub fn start_at(addr: &str, data: &Path) -> Server {
+        Server::spawn(&[], addr, data, &[])
+    }
+
+    fn spawn(wrapper: &[&str], native_addr: &str, data: &Path, args: &[&str]) -> Server {
         let petrel = env!("CARGO_BIN_EXE_petrel");
         let mut command = match wrapper.split_first() {
             Some((program, rest)) => {
@@ -49,7 +58,7 @@ impl Server {
             None => Command::new(petrel),
         };
         let mut child = command
-            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0", "--data"])
+            .args(["serve", "--native-addr", native_addr, "--memcache-addr", "127.0.0.1:0", "--data"])
             .arg(data)
             .args(args)
             .stdout(Stdio::piped())
@@ -68,6 +77,12 @@ impl Server {
 
     pub async fn client(&self) -> petrel_client::Client {
         petrel_client::Client::connect(self.addr.as_str()).await.unwrap()
+    }
+
+    /// A free loopback address for `start_at`.
+    pub fn free_addr() -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().to_string()
     }
 
     pub fn kill9(mut self) {
