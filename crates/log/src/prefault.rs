@@ -1,12 +1,16 @@
-//! A helper thread that faults in the pages of the active segment ahead of the writer, so the
-//! kernel's page-cache allocation and zeroing happen off the append path, on another core.
+//! One helper thread per process that faults in the pages of active segments ahead of their
+//! writers, so the kernel's page-cache allocation and zeroing happen off the append path, on
+//! another core.
 //!
-//! The writer reports its position every `STEP` bytes; the thread keeps the pages up to
-//! `WINDOW` bytes past it faulted in, a `CHUNK` per system call. The thread starts at the first
-//! report, so a log that never writes `STEP` bytes (a small queue among thousands) costs none.
+//! Each writer reports its position every `STEP` bytes (and at the start of each segment); the
+//! thread keeps the pages up to `WINDOW` bytes past it faulted in, a `CHUNK` per system call,
+//! taking the logs with work in turn. One thread serves every log: a server with thousands of
+//! queue logs has one prefault thread, not one each. It starts at the first report, so a process
+//! whose logs never report has none.
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use crate::segment::Segment;
 
@@ -15,73 +19,92 @@ pub(crate) const STEP: usize = 1 << 20;
 const WINDOW: usize = 32 << 20;
 const CHUNK: usize = 2 << 20;
 
-#[derive(Default)]
-struct State {
-    seg: Option<Arc<Segment>>,
+/// One log's prefaulting: its active segment and how far the pages are in.
+struct Work {
+    seg: Arc<Segment>,
     /// Pages of `seg` below this position are faulted in.
     done: usize,
     /// The thread works until `done` reaches this.
     want: usize,
-    stop: bool,
 }
 
-#[derive(Default)]
+/// Work of every open log that reported, by log; an entry is removed when its log closes, so
+/// this holds at most one entry per open log.
+struct Shared {
+    work: Mutex<BTreeMap<u64, Work>>,
+    wake: Condvar,
+}
+
+fn shared() -> &'static Shared {
+    static SHARED: OnceLock<Shared> = OnceLock::new();
+    SHARED.get_or_init(|| {
+        if let Err(e) = std::thread::Builder::new().name("petrel-log-prefault".into()).spawn(run) {
+            // Prefaulting only saves writers page faults; go on without it.
+            tracing::warn!(error = %e, "no prefault thread");
+        }
+        Shared { work: Mutex::new(BTreeMap::new()), wake: Condvar::new() }
+    })
+}
+
+/// A log's handle on the prefault thread.
 pub(crate) struct Prefaulter {
-    state: Arc<(Mutex<State>, Condvar)>,
-    thread: Option<JoinHandle<()>>,
+    id: u64,
+    /// It has work in the shared map (to remove when the log closes).
+    reported: bool,
+}
+
+impl Default for Prefaulter {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Prefaulter { id: NEXT.fetch_add(1, Ordering::Relaxed), reported: false }
+    }
 }
 
 impl Prefaulter {
     /// The writer is at `pos` in `seg`.
     pub(crate) fn advance(&mut self, seg: &Arc<Segment>, pos: usize) {
-        if self.thread.is_none() {
-            let shared = Arc::clone(&self.state);
-            match std::thread::Builder::new().name("petrel-log-prefault".into()).spawn(move || run(&shared)) {
-                Ok(thread) => self.thread = Some(thread),
-                // Prefaulting only saves the writer page faults; go on without it.
-                Err(e) => tracing::warn!(error = %e, "no prefault thread"),
+        let shared = shared();
+        self.reported = true;
+        let mut work = shared.work.lock().unwrap_or_else(|e| e.into_inner());
+        let want = (pos + WINDOW).min(seg.map.len());
+        match work.get_mut(&self.id) {
+            Some(w) if Arc::ptr_eq(&w.seg, seg) => {
+                w.done = w.done.max(pos);
+                w.want = want;
             }
+            _ => drop(work.insert(self.id, Work { seg: Arc::clone(seg), done: pos, want })),
         }
-        let (lock, wake) = &*self.state;
-        let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
-        if !state.seg.as_ref().is_some_and(|s| Arc::ptr_eq(s, seg)) {
-            state.seg = Some(Arc::clone(seg));
-            state.done = pos;
-        }
-        state.done = state.done.max(pos);
-        state.want = (pos + WINDOW).min(seg.map.len());
-        wake.notify_one();
-    }
-}
-
-fn run(state: &(Mutex<State>, Condvar)) {
-    let (lock, wake) = state;
-    let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        if guard.stop {
-            return;
-        }
-        let Some(seg) = guard.seg.clone().filter(|_| guard.done < guard.want) else {
-            guard = wake.wait(guard).unwrap_or_else(|e| e.into_inner());
-            continue;
-        };
-        let (from, to) = (guard.done, (guard.done + CHUNK).min(guard.want));
-        drop(guard);
-        seg.map.prefault_write(from, to);
-        guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.seg.as_ref().is_some_and(|s| Arc::ptr_eq(s, &seg)) {
-            guard.done = guard.done.max(to);
-        }
+        shared.wake.notify_one();
     }
 }
 
 impl Drop for Prefaulter {
     fn drop(&mut self) {
-        let (lock, wake) = &*self.state;
-        lock.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
-        wake.notify_one();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        if self.reported {
+            shared().work.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+        }
+    }
+}
+
+/// The thread: a chunk for one log with work, then the next log after it, round robin.
+fn run() {
+    let shared = shared();
+    let mut last = 0u64;
+    let mut work = shared.work.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let pending = |(_, w): &(&u64, &Work)| w.done < w.want;
+        let next = work.range(last + 1..).find(pending).or_else(|| work.range(..=last).find(pending));
+        let Some((&id, w)) = next else {
+            work = shared.wake.wait(work).unwrap_or_else(|e| e.into_inner());
+            continue;
+        };
+        let (seg, from, to) = (Arc::clone(&w.seg), w.done, (w.done + CHUNK).min(w.want));
+        drop(work);
+        seg.map.prefault_write(from, to);
+        last = id;
+        work = shared.work.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = work.get_mut(&id).filter(|w| Arc::ptr_eq(&w.seg, &seg)) {
+            w.done = w.done.max(to);
         }
     }
 }

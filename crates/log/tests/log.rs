@@ -462,3 +462,28 @@ fn a_new_log_of_two_records_takes_little_disk() {
     let on_disk: u64 = segments(dir.path()).iter().map(|p| fs::metadata(p).unwrap().len()).sum();
     assert!(on_disk <= 1 << 20, "{on_disk} bytes");
 }
+
+/// Many writing logs share one prefault thread: a process with a thousand queue logs must not
+/// hold a thousand threads (each used to start its own at its first segment roll).
+#[test]
+fn many_writing_logs_share_one_prefault_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options { segment_bytes: MIN_SEGMENT_BYTES, ..Options::default() };
+    let mut logs: Vec<Log> =
+        (0..64).map(|i| Log::open(&dir.path().join(format!("log-{i}")), opts.clone()).unwrap()).collect();
+    for log in &mut logs {
+        for i in 0..(2 * MIN_SEGMENT_BYTES / 256) {
+            log.append(&[i as u8; 240]).unwrap();
+        }
+        assert!(segments(log.dir()).len() >= 2, "each log rolled at least once");
+    }
+    let prefault_threads = fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter(|t| {
+            let comm = fs::read_to_string(t.as_ref().unwrap().path().join("comm")).unwrap_or_default();
+            comm.starts_with("petrel-log-pref")
+        })
+        .count();
+    assert!(prefault_threads <= 1, "{prefault_threads} prefault threads for 64 logs");
+    drop(logs);
+}
