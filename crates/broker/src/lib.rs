@@ -683,6 +683,7 @@ impl Broker {
             conn,
             buffer,
             self.options.max_subscriber_bytes,
+            Arc::clone(&self.memory),
         ))
     }
 

@@ -53,9 +53,10 @@ pub struct Polled {
 /// Function servers remembered per temporary queue as allowed to reply to it.
 const MAX_REPLIERS: usize = 64;
 
-/// Bytes of messages the server holds in memory (in-memory and temporary queues), against
-/// `BrokerOptions::max_memory_bytes`. Shared by every in-memory queue; each queue's share is
-/// settled whenever its lock is let go (see `Locked`), so the sum is exact between operations.
+/// Bytes of messages the server holds in memory (in-memory and temporary queues, messages
+/// waiting for topic subscribers), against `BrokerOptions::max_memory_bytes`. Each queue's share
+/// is settled whenever its lock is let go (see `Locked`), a subscriber's as messages are handed
+/// to it and taken, so the sum is exact between operations.
 #[derive(Debug, Default)]
 pub struct MemoryBudget {
     used: AtomicU64,
@@ -79,6 +80,20 @@ impl MemoryBudget {
     /// overshoot by what they carry (each at most `max_message_bytes` × a batch).
     fn fits(&self, bytes: u64) -> bool {
         self.max == 0 || self.used().saturating_add(bytes) <= self.max
+    }
+
+    /// Takes `bytes` from the budget if they fit, or whatever is left when `always`.
+    pub(crate) fn reserve(&self, bytes: u64, always: bool) -> bool {
+        let used = self.used.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        if self.max != 0 && used > self.max && !always {
+            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    pub(crate) fn release(&self, bytes: u64) {
+        self.used.fetch_sub(bytes, Ordering::Relaxed);
     }
 
     fn settle(&self, before: u64, after: u64) {

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use petrel_log::{ConsumerGroup, GroupOptions, SeekTo, SharedLog};
 use tokio::sync::mpsc;
 
-use crate::{BrokerError, ConnId, Message, message};
+use crate::{BrokerError, ConnId, MemoryBudget, Message, message};
 
 pub struct Topic {
     pub name: String,
@@ -34,8 +34,41 @@ struct Subscriber {
     tx: mpsc::Sender<Arc<Delivered>>,
     ended: Arc<OnceLock<Ended>>,
     /// Bytes of messages sent on `tx` and not yet taken, at most `max_bytes`.
-    queued: Arc<AtomicU64>,
+    queued: Arc<Queued>,
     max_bytes: u64,
+}
+
+/// A subscriber whose budget is full is ended only if it holds at least this much: one that
+/// keeps up still gets its messages (the budget may be overshot by this per subscriber).
+const SMALL_BACKLOG: u64 = 1 << 20;
+
+/// The bytes waiting for one subscriber, counted in the server's memory budget too. Every
+/// `add` is matched by one `take`: by the receiver, by the publisher when the receiver is gone,
+/// or by the subscription's end for what it never took.
+struct Queued {
+    bytes: AtomicU64,
+    budget: Arc<MemoryBudget>,
+}
+
+impl Queued {
+    /// Counts `size` bytes more, if the budget has room or this subscriber holds little.
+    fn add(&self, size: u64) -> bool {
+        let small = self.bytes.load(Ordering::Relaxed) < SMALL_BACKLOG;
+        if !self.budget.reserve(size, small) {
+            return false;
+        }
+        self.bytes.fetch_add(size, Ordering::Relaxed);
+        true
+    }
+
+    fn take(&self, size: u64) {
+        self.bytes.fetch_sub(size, Ordering::Relaxed);
+        self.budget.release(size);
+    }
+
+    fn load(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
 }
 
 /// A published message as every subscriber gets it: shared, with room for a protocol's encoding
@@ -59,22 +92,33 @@ pub struct Subscription {
     pub id: u64,
     messages: mpsc::Receiver<Arc<Delivered>>,
     pub ended: Arc<OnceLock<Ended>>,
-    queued: Arc<AtomicU64>,
+    queued: Arc<Queued>,
 }
 
 impl Subscription {
     /// The next message, waiting for one; `None` once the subscription ended.
     pub async fn recv(&mut self) -> Option<Arc<Delivered>> {
         let m = self.messages.recv().await?;
-        self.queued.fetch_sub(m.message.size(), Ordering::Relaxed);
+        self.queued.take(m.message.size());
         Some(m)
     }
 
     /// The next message if one is waiting.
     pub fn try_recv(&mut self) -> Option<Arc<Delivered>> {
         let m = self.messages.try_recv().ok()?;
-        self.queued.fetch_sub(m.message.size(), Ordering::Relaxed);
+        self.queued.take(m.message.size());
         Some(m)
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        // No more sends after this (the channel is closed), but one may be under way: drain
+        // what arrived and give its bytes back; a publisher whose send fails takes its own.
+        self.messages.close();
+        while let Ok(m) = self.messages.try_recv() {
+            self.queued.take(m.message.size());
+        }
     }
 }
 
@@ -106,10 +150,17 @@ impl Topic {
     }
 
     /// A subscriber for whom the broker holds up to `buffer` messages and `max_bytes` bytes.
-    pub(crate) fn subscribe(&self, id: u64, conn: ConnId, buffer: usize, max_bytes: u64) -> Subscription {
+    pub(crate) fn subscribe(
+        &self,
+        id: u64,
+        conn: ConnId,
+        buffer: usize,
+        max_bytes: u64,
+        budget: Arc<MemoryBudget>,
+    ) -> Subscription {
         let (tx, messages) = mpsc::channel(buffer.max(1));
         let ended = Arc::new(OnceLock::new());
-        let queued = Arc::new(AtomicU64::new(0));
+        let queued = Arc::new(Queued { bytes: AtomicU64::new(0), budget });
         let subscriber = Subscriber { id, conn, tx, ended: Arc::clone(&ended), queued: Arc::clone(&queued), max_bytes };
         self.lock().push(subscriber);
         Subscription { id, messages, ended, queued }
@@ -137,21 +188,36 @@ impl Topic {
             for m in &messages {
                 let size = m.message.size();
                 // Too slow: a whole buffer of bytes waits for it, or of messages.
-                let behind = if s.max_bytes != 0 && s.queued.load(Ordering::Relaxed) + size > s.max_bytes {
-                    format!("{} bytes", s.max_bytes)
+                let reason = if s.max_bytes != 0 && s.queued.load() + size > s.max_bytes {
+                    format!("subscriber fell {} bytes behind on topic {}", s.max_bytes, self.name)
+                } else if !s.queued.add(size) {
+                    // (Counted before it is sent, so the receiver's subtraction never comes first.)
+                    format!(
+                        "subscriber holds {} bytes of topic {} and the server's memory budget (max_memory_bytes {}) is full",
+                        s.queued.load(),
+                        self.name,
+                        s.queued.budget.max()
+                    )
                 } else {
-                    // Counted before it is sent, so the receiver's subtraction never comes first.
-                    s.queued.fetch_add(size, Ordering::Relaxed);
                     match s.tx.try_send(Arc::clone(m)) {
                         Ok(()) => {
                             delivered += 1;
                             continue;
                         }
-                        Err(mpsc::error::TrySendError::Full(_)) => format!("{} messages", s.tx.max_capacity()),
-                        Err(mpsc::error::TrySendError::Closed(_)) => return false,
+                        Err(e) => {
+                            s.queued.take(size);
+                            match e {
+                                mpsc::error::TrySendError::Full(_) => format!(
+                                    "subscriber fell {} messages behind on topic {}",
+                                    s.tx.max_capacity(),
+                                    self.name
+                                ),
+                                mpsc::error::TrySendError::Closed(_) => return false,
+                            }
+                        }
                     }
                 };
-                let _ = s.ended.set(Ended::TooSlow(format!("subscriber fell {behind} behind on topic {}", self.name)));
+                let _ = s.ended.set(Ended::TooSlow(reason));
                 self.slow.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(topic = %self.name, subscription = s.id, "slow subscriber ended");
                 return false;

@@ -64,6 +64,39 @@ fn every_subscriber_gets_every_message_and_a_slow_one_is_ended_alone() {
     assert!(matches!(other.ended.get(), Some(petrel_broker::Ended::TopicRemoved(_))));
 }
 
+/// Messages waiting for subscribers count in the server's memory budget: when it is full, a
+/// subscriber holding much is ended, one that keeps up goes on, and every byte comes back when
+/// messages are taken or a subscription ends.
+#[test]
+fn subscriber_backlogs_count_in_the_memory_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { max_memory_bytes: 4 << 20, max_subscriber_bytes: 0, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.create_topic("news", false).unwrap();
+    let mut keeping_up = b.subscribe("news", 1, 1 << 20).unwrap();
+    let stalled = b.subscribe("news", 2, 1 << 20).unwrap();
+    let chunk = || vec![Message::new(vec![7u8; 64 << 10])];
+    let mut reached = Vec::new();
+    for _ in 0..100 {
+        reached.push(b.publish("news", chunk(), 0).unwrap());
+        assert_eq!(keeping_up.try_recv().map(|m| m.message.payload.len()), Some(64 << 10));
+    }
+    assert!(b.memory().0 <= 4 << 20, "within the budget: {:?}", b.memory());
+    let ended_at = reached.iter().position(|&n| n == 1).expect("the stalled subscriber was ended");
+    assert!((55..=70).contains(&ended_at), "ended once it held the budget: after {ended_at} messages");
+    assert!(
+        matches!(stalled.ended.get(), Some(petrel_broker::Ended::TooSlow(r)) if r.contains("max_memory_bytes")),
+        "{:?}",
+        stalled.ended.get()
+    );
+    drop(stalled);
+    assert_eq!(b.memory().0, 0, "the ended subscriber's backlog was given back");
+    b.publish("news", chunk(), 0).unwrap();
+    assert!(b.memory().0 > 0);
+    drop(keeping_up);
+    assert_eq!(b.memory().0, 0, "an ended subscription gives back what it never took");
+}
+
 #[tokio::test]
 async fn calls_go_round_robin_to_servers_and_replies_come_back() {
     let (b, _dir) = broker();

@@ -16,6 +16,9 @@ pub enum BenchCommand {
     Log(LogBench),
     /// A queue on a server: offer, poll, or both at once, over many connections and pipelined.
     Queue(crate::bench_queue::QueueBench),
+    /// A server under hostile load for minutes (idle connections, queues, floods nobody reads, a
+    /// stalled subscriber): its memory, descriptors and a well-behaved client's rate.
+    Soak(crate::bench_soak::SoakBench),
 }
 
 #[derive(Args)]
@@ -56,6 +59,7 @@ pub fn run(cmd: BenchCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
     match cmd {
         BenchCommand::Log(args) => log_bench(args),
         BenchCommand::Queue(args) => crate::bench_queue::run(args),
+        BenchCommand::Soak(args) => crate::bench_soak::run(args),
     }
 }
 

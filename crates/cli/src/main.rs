@@ -4,6 +4,7 @@ mod bench;
 mod bench_memcache;
 mod bench_pubsub;
 mod bench_queue;
+mod bench_soak;
 mod lines;
 mod log_cmd;
 mod output;

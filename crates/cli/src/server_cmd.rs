@@ -90,7 +90,7 @@ pub fn serve(args: ServeArgs) -> Res {
 
 /// Every connection and every durable queue (its lock, segments and cursor) holds files open: take
 /// as many descriptors as the system allows this process, as memcached and NATS do.
-fn raise_open_files_limit() {
+pub(crate) fn raise_open_files_limit() {
     use rustix::process::{Resource, getrlimit, setrlimit};
     let mut limit = getrlimit(Resource::Nofile);
     if limit.current != limit.maximum {

@@ -259,3 +259,25 @@ fn stats_show_every_limit_the_memory_in_use_and_the_free_disk() {
     assert_eq!(stat("memory_queued_bytes"), 0);
     assert!(stat("disk_free_bytes") > 0 && stat("disk_free_bytes") <= stat("disk_total_bytes"));
 }
+
+/// The soak benchmark, briefly: its server meets every kind of hostile load it makes (the
+/// flooded in-memory queues reach the memory budget, the flooded durable ones their bound) and
+/// keeps a handful of threads and a descriptor per connection while the well-behaved client is
+/// served. (The full run, 10 minutes, is in docs/benchmarks.md.)
+#[test]
+fn the_soak_benchmark_runs_and_its_server_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap();
+    let args = ["bench", "soak", "--duration", "4s", "--baseline", "1s", "--queues", "100", "--connections", "300"];
+    let out = common::petrel(&[&args[..], &["--max-memory-bytes", "33554432", "--json", "--data", data]].concat(), b"");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let n = |k: &str| report[k].as_f64().unwrap_or_else(|| panic!("{k} in {report}"));
+    assert_eq!(n("connections"), 300.0);
+    assert!(n("flood_limit_reached") > 0.0 && n("flood_queue_full") > 0.0, "{report}");
+    assert!(n("load_min_pairs_per_sec") > 0.0, "the well-behaved client was served: {report}");
+    assert!(n("peak_threads") < 32.0, "{report}");
+    assert!(n("peak_fds") < 300.0 + 64.0, "a descriptor per connection, none per queue: {report}");
+    assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "its data directory was removed");
+}

@@ -470,7 +470,7 @@ fn many_writing_logs_share_one_prefault_thread() {
     let dir = tempfile::tempdir().unwrap();
     let opts = Options { segment_bytes: MIN_SEGMENT_BYTES, ..Options::default() };
     let mut logs: Vec<Log> =
-        (0..64).map(|i| Log::open(&dir.path().join(format!("log-{i}")), opts.clone()).unwrap()).collect();
+        (0..64).map(|i| Log::open(dir.path().join(format!("log-{i}")), opts.clone()).unwrap()).collect();
     for log in &mut logs {
         for i in 0..(2 * MIN_SEGMENT_BYTES / 256) {
             log.append(&[i as u8; 240]).unwrap();

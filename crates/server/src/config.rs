@@ -35,6 +35,8 @@ pub struct Config {
     pub max_in_flight_per_connection: usize,
     /// Responses buffered per connection before request handling waits for the client to read.
     pub max_queued_responses: usize,
+    /// Bytes of those at most (a client that stops reading holds no more of the server's memory).
+    pub max_queued_response_bytes: usize,
     pub max_connections: usize,
     /// TCP connections one client address may hold open at once (0: no limit); past it, and past
     /// `max_connections`, a new connection is answered LIMIT_REACHED (memcache: SERVER_ERROR)
@@ -238,6 +240,7 @@ impl Default for Config {
             compress_min_bytes: 4096,
             max_in_flight_per_connection: 256,
             max_queued_responses: 1024,
+            max_queued_response_bytes: 4 << 20,
             max_connections: 10_000,
             max_connections_per_address: 1_000,
             max_queues: 10_000,
@@ -328,7 +331,11 @@ impl Config {
         if self.max_message_bytes + 1024 > self.max_frame_bytes as usize {
             return Err("max_message_bytes must leave room for the rest of a frame (max_frame_bytes - 1024)".into());
         }
-        if self.max_in_flight_per_connection == 0 || self.max_queued_responses == 0 || self.max_connections == 0 {
+        if self.max_in_flight_per_connection == 0
+            || self.max_queued_responses == 0
+            || self.max_connections == 0
+            || !(1..=u32::MAX as usize).contains(&self.max_queued_response_bytes)
+        {
             return Err("connection limits must be at least 1".into());
         }
         Ok(())

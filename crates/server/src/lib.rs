@@ -10,6 +10,7 @@ pub mod fuzzing;
 #[doc(hidden)]
 pub mod memcache;
 mod native;
+mod outbox;
 mod stats;
 mod tls;
 

@@ -5,8 +5,8 @@
 //! for a message, or an offer that must wait for room, becomes a task of its own, so a
 //! connection can pipeline many requests. Every buffer is bounded: at most
 //! `max_in_flight_per_connection` waiting requests (the reader stops reading past that, and TCP
-//! pushes back on the client), at most `max_queued_responses` chunks of answers waiting to be
-//! written.
+//! pushes back on the client), at most `max_queued_responses` chunks and
+//! `max_queued_response_bytes` bytes of answers waiting to be written (`outbox.rs`).
 //!
 //! Pushes share the writer: each subscription has a task that turns the broker's deliveries into
 //! DELIVER frames, and a connection that serves functions has one that turns invocations into
@@ -25,6 +25,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::auth::{self, Authenticated, Peer};
+use crate::outbox::{Outbox, TrySendError, outbox};
 use crate::stats::add;
 use crate::{Ctx, convert, now_ns};
 
@@ -91,7 +92,7 @@ where
     let _connection = counted.stats.connection();
     let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
     let (mut rd, mut wr) = tokio::io::split(stream);
-    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(ctx.config.max_queued_responses);
+    let (tx, mut rx) = outbox(ctx.config.max_queued_responses, ctx.config.max_queued_response_bytes);
     let written = Arc::clone(&ctx);
     let writer = tokio::spawn(async move {
         let mut chunks: Vec<Vec<u8>> = Vec::new();
@@ -101,11 +102,11 @@ where
             chunks.push(first);
             while total < 256 * 1024 && chunks.len() < 64 {
                 match rx.try_recv() {
-                    Ok(more) => {
+                    Some(more) => {
                         total += more.len();
                         chunks.push(more);
                     }
-                    Err(_) => break,
+                    None => break,
                 }
             }
             if write_all_vectored(&mut wr, &chunks).await.is_err() {
@@ -351,7 +352,7 @@ async fn apply_acks(reader: GroupReader, (ids, done): GroupAck) -> GroupReader {
 
 impl Pushes {
     /// Hands the answers in `out` to the writer, then lets new subscriptions push.
-    async fn flush(&mut self, tx: &mpsc::Sender<Vec<u8>>, out: &mut Vec<u8>) -> bool {
+    async fn flush(&mut self, tx: &Outbox, out: &mut Vec<u8>) -> bool {
         let sent = tx.send(std::mem::take(out)).await.is_ok();
         for go in self.answered.drain(..) {
             let _ = go.send(());
@@ -375,7 +376,7 @@ impl Pushes {
     }
 
     /// Forwards a subscription's messages as DELIVER pushes, several per frame when they queue up.
-    fn subscribe(&mut self, mut sub: Subscription, tx: mpsc::Sender<Vec<u8>>, compress: Option<usize>) {
+    fn subscribe(&mut self, mut sub: Subscription, tx: Outbox, compress: Option<usize>) {
         let id = sub.id;
         let (go, answered) = tokio::sync::oneshot::channel();
         self.answered.push(go);
@@ -447,7 +448,7 @@ impl Pushes {
         id: u64,
         reader: GroupReader,
         max_pending: usize,
-        tx: mpsc::Sender<Vec<u8>>,
+        tx: Outbox,
         compress: Option<usize>,
     ) {
         let (acks_tx, mut acks) = mpsc::channel::<GroupAck>(1024);
@@ -526,12 +527,7 @@ impl Pushes {
     }
 
     /// The channel the broker sends this connection's invocations on (made at the first SERVE).
-    fn invocations(
-        &mut self,
-        tx: &mpsc::Sender<Vec<u8>>,
-        capacity: usize,
-        compress: Option<usize>,
-    ) -> mpsc::Sender<Invocation> {
+    fn invocations(&mut self, tx: &Outbox, capacity: usize, compress: Option<usize>) -> mpsc::Sender<Invocation> {
         let (sender, _) = self.invocations.get_or_insert_with(|| {
             let (sender, mut invocations) = mpsc::channel::<Invocation>(capacity);
             let tx = tx.clone();
@@ -557,7 +553,7 @@ impl Pushes {
 /// Where a call's outcome goes: straight to the caller's writer (a task only if its queue is
 /// full); the permit is the call's place among the connection's waiting requests.
 fn replier(
-    tx: mpsc::Sender<Vec<u8>>,
+    tx: Outbox,
     op: u16,
     request_id: u64,
     permit: tokio::sync::OwnedSemaphorePermit,
@@ -570,7 +566,7 @@ fn replier(
         };
         let mut out = Vec::with_capacity(64);
         response.encode(op, request_id, &mut out);
-        if let Err(mpsc::error::TrySendError::Full(out)) = tx.try_send(out) {
+        if let Err(TrySendError::Full(out)) = tx.try_send(out) {
             tokio::spawn(async move {
                 let _ = tx.send(out).await;
                 drop(permit);
@@ -579,7 +575,7 @@ fn replier(
     })
 }
 
-async fn send(tx: &mpsc::Sender<Vec<u8>>, op: u16, request_id: u64, response: &Response) {
+async fn send(tx: &Outbox, op: u16, request_id: u64, response: &Response) {
     let mut out = Vec::with_capacity(64);
     response.encode(op, request_id, &mut out);
     let _ = tx.send(out).await;
@@ -673,7 +669,7 @@ fn handle(
     ctx: &Ctx,
     session: &mut Session,
     pushes: &mut Pushes,
-    tx: &mpsc::Sender<Vec<u8>>,
+    tx: &Outbox,
     request: Request,
 ) -> Result<Response, Waiting> {
     let broker = &ctx.broker;

@@ -1,0 +1,107 @@
+//! A connection's answers and pushes waiting for its writer, bounded in chunks and in bytes: a
+//! client that stops reading holds at most `max_queued_responses` chunks and
+//! `max_queued_response_bytes` bytes of them (one chunk larger than that waits for an empty
+//! outbox and then goes alone), and whoever produces more waits.
+
+use std::sync::Arc;
+
+use tokio::sync::{Semaphore, mpsc};
+
+pub(crate) use mpsc::error::TrySendError;
+
+/// The producing side; cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Outbox {
+    tx: mpsc::Sender<Vec<u8>>,
+    /// Permits are bytes of room.
+    room: Arc<Semaphore>,
+    max_bytes: usize,
+}
+
+/// The writer's side.
+pub(crate) struct Outgoing {
+    rx: mpsc::Receiver<Vec<u8>>,
+    room: Arc<Semaphore>,
+    max_bytes: usize,
+}
+
+pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) {
+    assert!(max_chunks > 0 && max_bytes > 0 && max_bytes <= u32::MAX as usize);
+    let (tx, rx) = mpsc::channel(max_chunks);
+    let room = Arc::new(Semaphore::new(max_bytes));
+    (Outbox { tx, room: Arc::clone(&room), max_bytes }, Outgoing { rx, room, max_bytes })
+}
+
+/// The bytes of room a chunk takes: its length, at most the whole outbox.
+fn cost(chunk: &[u8], max_bytes: usize) -> u32 {
+    chunk.len().min(max_bytes) as u32
+}
+
+/// The writer is gone.
+#[derive(Debug)]
+pub(crate) struct Closed;
+
+impl Outbox {
+    /// Queues `chunk`, waiting for room.
+    pub(crate) async fn send(&self, chunk: Vec<u8>) -> Result<(), Closed> {
+        let permits = self.room.acquire_many(cost(&chunk, self.max_bytes)).await.map_err(|_| Closed)?;
+        permits.forget();
+        self.tx.send(chunk).await.map_err(|_| Closed)
+    }
+
+    /// Queues `chunk` if there is room now.
+    pub(crate) fn try_send(&self, chunk: Vec<u8>) -> Result<(), TrySendError<Vec<u8>>> {
+        let cost = cost(&chunk, self.max_bytes);
+        let Ok(permits) = self.room.try_acquire_many(cost) else {
+            return Err(if self.tx.is_closed() { TrySendError::Closed(chunk) } else { TrySendError::Full(chunk) });
+        };
+        permits.forget();
+        self.tx.try_send(chunk).inspect_err(|_| self.room.add_permits(cost as usize))
+    }
+}
+
+impl Outgoing {
+    /// The next chunk, waiting for one; its bytes are room again (it is being written).
+    pub(crate) async fn recv(&mut self) -> Option<Vec<u8>> {
+        let chunk = self.rx.recv().await?;
+        self.room.add_permits(cost(&chunk, self.max_bytes) as usize);
+        Some(chunk)
+    }
+
+    /// The next chunk if one is waiting.
+    pub(crate) fn try_recv(&mut self) -> Option<Vec<u8>> {
+        let chunk = self.rx.try_recv().ok()?;
+        self.room.add_permits(cost(&chunk, self.max_bytes) as usize);
+        Some(chunk)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn bounded_in_bytes_and_chunks() {
+        let (outbox, mut outgoing) = outbox(8, 100);
+        outbox.try_send(vec![0; 60]).unwrap();
+        assert!(matches!(outbox.try_send(vec![0; 60]), Err(TrySendError::Full(_))), "over the bytes");
+        outbox.try_send(vec![0; 40]).unwrap();
+        assert_eq!(outgoing.try_recv().map(|c| c.len()), Some(60));
+        // A chunk larger than the outbox waits for it to empty, then goes alone.
+        let big = tokio::spawn({
+            let outbox = outbox.clone();
+            async move { outbox.send(vec![0; 500]).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!big.is_finished());
+        assert_eq!(outgoing.recv().await.map(|c| c.len()), Some(40));
+        big.await.unwrap().unwrap();
+        assert_eq!(outgoing.recv().await.map(|c| c.len()), Some(500));
+        for _ in 0..8 {
+            outbox.try_send(vec![0; 1]).unwrap();
+        }
+        assert!(matches!(outbox.try_send(vec![0; 1]), Err(TrySendError::Full(_))), "over the chunks");
+        drop(outgoing);
+        assert!(outbox.send(vec![0; 1]).await.is_err());
+    }
+}
