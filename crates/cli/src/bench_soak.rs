@@ -37,6 +37,11 @@ pub struct SoakBench {
     /// queues × this, then meets QUEUE_FULL.
     #[arg(long, default_value_t = 256 << 10)]
     queue_max_bytes: u64,
+    /// Bytes per second the floods send in all (half to durable queues, a quarter each to
+    /// in-memory queues and the topic); 0: as fast as they can, which on a machine shared with
+    /// the server measures its CPU more than its limits.
+    #[arg(long, default_value_t = 64 << 20)]
+    flood_bytes_per_sec: u64,
     /// The server's data directory goes in a fresh subdirectory here, removed afterwards.
     #[arg(long, default_value_os_t = crate::default_data_dir())]
     data: PathBuf,
@@ -80,7 +85,13 @@ struct ServerProcess {
 impl ServerProcess {
     fn start(dir: &Path, args: &SoakBench) -> Res<ServerProcess> {
         let config = dir.join("soak.toml");
-        std::fs::write(&config, format!("max_memory_bytes = {}\ndurability = \"none\"\n", args.max_memory_bytes))?;
+        // Room for the flooded queues and the benchmark's own few beside them.
+        let text = format!(
+            "max_memory_bytes = {}\nmax_queues = {}\ndurability = \"none\"\n",
+            args.max_memory_bytes,
+            args.queues + 16
+        );
+        std::fs::write(&config, text)?;
         let mut child = Command::new(std::env::current_exe()?)
             .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--data"])
             .arg(dir.join("data"))
@@ -177,6 +188,8 @@ struct Report {
     /// The well-behaved client's rate in each window of the hostile phase.
     windows: Vec<f64>,
     idle: Footprint,
+    /// With the queues made and the idle connections open, before the floods.
+    set_up: Footprint,
     peak: Footprint,
     setup_secs: f64,
     connections_open: usize,
@@ -190,8 +203,15 @@ impl Report {
         let a = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         println!(
-            "soak: {} durable queues, {} idle connections (set up in {:.0} s), {:?} of flood + stalled subscribers",
-            args.queues, self.connections_open, self.setup_secs, args.duration
+            "soak: {} durable queues, {} idle connections (set up in {:.0} s), {:?} of floods at {} + stalled subscribers",
+            args.queues,
+            self.connections_open,
+            self.setup_secs,
+            args.duration,
+            match args.flood_bytes_per_sec {
+                0 => "full speed".to_owned(),
+                rate => format!("{:.0} MiB/s", mib(rate)),
+            }
         );
         println!(
             "well-behaved client: idle {:.0} pairs/s; under load mean {:.0} ({:.2}), worst {:?} window {:.0} ({:.2})",
@@ -201,6 +221,11 @@ impl Report {
             window(args.duration),
             min,
             min / self.baseline_pairs_per_sec
+        );
+        println!(
+            "server with the queues and idle connections, before the floods: anonymous RSS {:.0} MiB, {} descriptors",
+            mib(self.set_up.rss_anon),
+            self.set_up.fds
         );
         println!(
             "server peak: anonymous RSS {:.0} MiB (budget max_memory_bytes {:.0} MiB; idle {:.0} MiB), file-backed RSS {:.0} MiB, {} descriptors (idle {}), {} threads",
@@ -226,6 +251,7 @@ impl Report {
                     "queues": args.queues,
                     "connections": self.connections_open,
                     "duration_secs": args.duration.as_secs_f64(),
+                    "flood_bytes_per_sec": args.flood_bytes_per_sec,
                     "baseline_pairs_per_sec": self.baseline_pairs_per_sec,
                     "load_mean_pairs_per_sec": mean,
                     "load_min_pairs_per_sec": min,
@@ -235,6 +261,8 @@ impl Report {
                     "peak_rss_anon_bytes": self.peak.rss_anon,
                     "peak_rss_file_bytes": self.peak.rss_file,
                     "idle_rss_anon_bytes": self.idle.rss_anon,
+                    "set_up_rss_anon_bytes": self.set_up.rss_anon,
+                    "set_up_fds": self.set_up.fds,
                     "peak_fds": self.peak.fds,
                     "idle_fds": self.idle.fds,
                     "peak_threads": self.peak.threads,
@@ -253,9 +281,22 @@ async fn soak(args: &SoakBench, addr: &str, pid: u32) -> Res<Report> {
     good.create_queue("good", QueueConfig { durable: true, ..QueueConfig::default() }).await?;
     let pairs = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    for _ in 0..GOOD_TASKS {
-        tokio::spawn(well_behaved(good.clone(), Arc::clone(&pairs), Arc::clone(&stop)));
-    }
+    // Its own thread and runtime: the floods' tasks in this process must not be what slows it.
+    let good_thread = {
+        let (addr, pairs, stop) = (addr.to_owned(), Arc::clone(&pairs), Arc::clone(&stop));
+        std::thread::spawn(move || -> Result<(), String> {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+            rt.block_on(async move {
+                let client = Client::connect(addr.as_str()).await.map_err(|e| e.to_string())?;
+                let loops =
+                    (0..GOOD_TASKS).map(|_| well_behaved(client.clone(), Arc::clone(&pairs), Arc::clone(&stop)));
+                for done in futures::future::join_all(loops).await {
+                    done.map_err(|e| format!("the well-behaved client: {e}"))?;
+                }
+                Ok(())
+            })
+        })
+    };
     // Warm up, then the idle baseline.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = pairs.load(Ordering::Relaxed);
@@ -279,13 +320,15 @@ async fn soak(args: &SoakBench, addr: &str, pid: u32) -> Res<Report> {
     let idle_clients = open_idle_connections(addr, args.connections).await?;
     let connections_open = idle_clients.len();
     let setup_secs = setup.elapsed().as_secs_f64();
+    let set_up = Footprint::read(pid);
 
     let answers = Arc::new(Answers::default());
     let flooding = Arc::new(AtomicBool::new(true));
+    let rate = args.flood_bytes_per_sec;
     let hostile = vec![
-        tokio::spawn(flood_durable(addr.to_owned(), names, Arc::clone(&answers), Arc::clone(&flooding))),
-        tokio::spawn(flood_memory(addr.to_owned(), Arc::clone(&answers), Arc::clone(&flooding))),
-        tokio::spawn(flood_topic(addr.to_owned(), Arc::clone(&flooding))),
+        tokio::spawn(flood_durable(addr.to_owned(), names, rate / 2, Arc::clone(&answers), Arc::clone(&flooding))),
+        tokio::spawn(flood_memory(addr.to_owned(), rate / 4, Arc::clone(&answers), Arc::clone(&flooding))),
+        tokio::spawn(flood_topic(addr.to_owned(), rate / 4, Arc::clone(&flooding))),
         tokio::spawn(stalled_subscribers(addr.to_owned(), Arc::clone(&flooding))),
     ];
     let keepalive = tokio::spawn(keep_alive(idle_clients, Arc::clone(&flooding)));
@@ -306,13 +349,14 @@ async fn soak(args: &SoakBench, addr: &str, pid: u32) -> Res<Report> {
     }
     flooding.store(false, Ordering::Relaxed);
     stop.store(true, Ordering::Relaxed);
+    good_thread.join().map_err(|_| "the well-behaved client panicked")??;
     for task in hostile {
         task.await??;
     }
     drop(keepalive.await?);
     good.ping().await.map_err(|e| format!("the server did not answer after the soak: {e}"))?;
     let answers = Arc::try_unwrap(answers).unwrap_or_default();
-    Ok(Report { baseline_pairs_per_sec, windows, idle, peak, setup_secs, connections_open, answers })
+    Ok(Report { baseline_pairs_per_sec, windows, idle, set_up, peak, setup_secs, connections_open, answers })
 }
 
 /// The client whose service should not suffer: offers one message to its own durable queue and
@@ -366,15 +410,23 @@ async fn keep_alive(clients: Vec<Client>, running: Arc<AtomicBool>) -> Vec<Clien
 
 /// Offers batches of 1 KiB messages round robin over the flooded durable queues, 32 requests in
 /// flight, until told to stop; nobody takes them.
-async fn flood_durable(addr: String, names: Vec<String>, answers: Arc<Answers>, running: Arc<AtomicBool>) -> Res<()> {
+async fn flood_durable(
+    addr: String,
+    names: Vec<String>,
+    rate: u64,
+    answers: Arc<Answers>,
+    running: Arc<AtomicBool>,
+) -> Res<()> {
     let client = Client::connect(addr.as_str()).await?;
     let payload = bytes::Bytes::from(vec![0x66; 1024]);
     let next = Arc::new(AtomicU64::new(0));
     let workers = (0..32).map(|_| {
         let (client, names, answers, running, next, payload) =
             (client.clone(), &names, &answers, &running, Arc::clone(&next), payload.clone());
+        let mut pace = Pace::new(rate / 32, 16 << 10);
         async move {
             while running.load(Ordering::Relaxed) {
+                pace.wait().await;
                 let i = next.fetch_add(1, Ordering::Relaxed) as usize % names.len().max(1);
                 let Some(name) = names.get(i) else { break };
                 let result = client.offer(name, vec![Message::new(payload.clone()); 16], None).await;
@@ -391,14 +443,16 @@ async fn flood_durable(addr: String, names: Vec<String>, answers: Arc<Answers>, 
 
 /// Offers 64 KiB messages to in-memory queues with no consumer: they fill to their bound and the
 /// server's memory budget, and past it every offer is refused.
-async fn flood_memory(addr: String, answers: Arc<Answers>, running: Arc<AtomicBool>) -> Res<()> {
+async fn flood_memory(addr: String, rate: u64, answers: Arc<Answers>, running: Arc<AtomicBool>) -> Res<()> {
     let client = Client::connect(addr.as_str()).await?;
     let payload = bytes::Bytes::from(vec![0x6d; 64 << 10]);
     let workers = (0..8).map(|w| {
         let (client, answers, running, payload) = (client.clone(), &answers, &running, payload.clone());
+        let mut pace = Pace::new(rate / 8, 256 << 10);
         async move {
             let queue = format!("flood-memory-{}", w % 4);
             while running.load(Ordering::Relaxed) {
+                pace.wait().await;
                 let result = client.offer(&queue, vec![Message::new(payload.clone()); 4], None).await;
                 answers.count(&result, 4);
                 if matches!(&result, Err(e) if e.is_connection_lost()) {
@@ -412,10 +466,12 @@ async fn flood_memory(addr: String, answers: Arc<Answers>, running: Arc<AtomicBo
 }
 
 /// Publishes 16 KiB messages to the topic the stalled subscribers hold.
-async fn flood_topic(addr: String, running: Arc<AtomicBool>) -> Res<()> {
+async fn flood_topic(addr: String, rate: u64, running: Arc<AtomicBool>) -> Res<()> {
     let client = Client::connect(addr.as_str()).await?;
     let payload = bytes::Bytes::from(vec![0x74; 16 << 10]);
+    let mut pace = Pace::new(rate, 128 << 10);
     while running.load(Ordering::Relaxed) {
+        pace.wait().await;
         client.publish("news", vec![Message::new(payload.clone()); 8]).await?;
     }
     Ok(())
@@ -448,4 +504,24 @@ async fn stalled_subscribers(addr: String, running: Arc<AtomicBool>) -> Res<()> 
         }
     }
     Ok(())
+}
+
+/// Holds one flooder to `bytes_per_sec` in requests of `request_bytes` (0: no pause).
+struct Pace(Option<tokio::time::Interval>);
+
+impl Pace {
+    fn new(bytes_per_sec: u64, request_bytes: u64) -> Pace {
+        Pace((bytes_per_sec > 0).then(|| {
+            let period = Duration::from_secs_f64(request_bytes as f64 / bytes_per_sec as f64);
+            let mut interval = tokio::time::interval(period.max(Duration::from_micros(10)));
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            interval
+        }))
+    }
+
+    async fn wait(&mut self) {
+        if let Some(interval) = &mut self.0 {
+            interval.tick().await;
+        }
+    }
 }

@@ -182,8 +182,9 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
     sane.then_some(entries)
 }
 
-/// Records per chunk of a dense index.
-const CHUNK: usize = 1 << 16;
+/// Records per chunk of a dense index: 4 KiB of positions, so a log with few records (one of
+/// thousands of queue logs) holds a page for them, not a segment's worth.
+const CHUNK: usize = 1 << 10;
 
 /// The position of every record of a segment, for random access in one step. Filled by the
 /// writer as it appends (the active segment) or by one walk over the frames on first use (a
