@@ -354,7 +354,10 @@ async fn soak(args: &SoakBench, addr: &str, pid: u32) -> Res<Report> {
         task.await??;
     }
     drop(keepalive.await?);
-    good.ping().await.map_err(|e| format!("the server did not answer after the soak: {e}"))?;
+    // A new connection (the first ones may have been closed as idle meanwhile, as they should).
+    let after = Client::connect(addr).await.map_err(|e| format!("the server did not accept after the soak: {e}"))?;
+    after.ping().await.map_err(|e| format!("the server did not answer after the soak: {e}"))?;
+    drop(good);
     let answers = Arc::try_unwrap(answers).unwrap_or_default();
     Ok(Report { baseline_pairs_per_sec, windows, idle, set_up, peak, setup_secs, connections_open, answers })
 }
