@@ -188,25 +188,8 @@ fn exited(mut child: std::process::Child) -> bool {
 #[test]
 fn followers_reconnect_when_the_server_comes_back() {
     let dir = tempfile::tempdir().unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let addr = format!("127.0.0.1:{port}");
-    let start = || {
-        let mut child = Command::new(PETREL)
-            .args(["serve", "--native-addr", &addr, "--memcache-addr", "off", "--data"])
-            .arg(dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.starts_with("native"), "{line}");
-        child
-    };
-    let mut server = start();
+    let addr = Server::free_addr();
+    let server = Server::start_at(&addr, dir.path());
     assert!(run(&["queue", "create", "jobs", "--durable", "--server", &addr], "").0);
     assert!(run(&["topic", "create", "news", "--durable", "--server", &addr], "").0);
     let follower = |args: &[&str]| {
@@ -223,10 +206,9 @@ fn followers_reconnect_when_the_server_comes_back() {
     assert!(run(&["produce", "jobs", "--server", &addr], "one\n").0);
     assert!(run(&["topic", "publish", "news", "--server", &addr], "first\n").0);
     std::thread::sleep(Duration::from_millis(500));
-    server.kill().unwrap();
-    server.wait().unwrap();
+    server.kill9();
     std::thread::sleep(Duration::from_millis(300));
-    let mut server = start();
+    let server = Server::start_at(&addr, dir.path());
     assert!(run(&["produce", "jobs", "--server", &addr], "two\n").0);
     assert!(run(&["topic", "publish", "news", "--server", &addr], "second\n").0);
     for (child, expected) in [(consumer, "one\ntwo\n"), (subscriber, "first\nsecond\n")] {
@@ -242,8 +224,7 @@ fn followers_reconnect_when_the_server_comes_back() {
         assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
         assert!(err.contains("reconnecting") && err.contains("connected to"), "{err}");
     }
-    server.kill().unwrap();
-    server.wait().unwrap();
+    server.kill9();
 }
 
 /// A listener beyond loopback with authentication off is said loudly at startup.
