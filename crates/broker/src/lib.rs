@@ -28,7 +28,7 @@ pub use config::QueueConfig;
 pub use function::{Called, Invocation, LocalHandler, Replier};
 pub use message::Message;
 pub use petrel_log::SeekTo;
-pub use queue::{Delivery, MemoryBudget, Polled, Queue, QueueStats, Waiting};
+pub use queue::{Delivery, MemoryBudget, MemoryHold, Polled, Queue, QueueStats, Waiting};
 pub use topic::{Delivered, Ended, GroupReader, Subscription, Topic, TopicStats};
 
 use security::{Action, Kind, Principal, Security};
@@ -134,6 +134,10 @@ pub struct BrokerOptions {
     /// Bytes of messages the broker holds for one topic subscriber that has not taken them;
     /// past it the subscriber is ended as too slow, as past its buffer's message count.
     pub max_subscriber_bytes: u64,
+    /// Resident memory all durable queue and topic logs together may hold in their segments'
+    /// mapped pages (0: no limit); past it the least recently used segments give their pages
+    /// back (to the page cache: nothing is lost, a later read faults them in again).
+    pub max_resident_bytes: u64,
 }
 
 impl Default for BrokerOptions {
@@ -151,6 +155,7 @@ impl Default for BrokerOptions {
             max_queues_per_user: 0,
             max_queues: 0,
             max_memory_bytes: 0,
+            max_resident_bytes: petrel_log::DEFAULT_PAGE_BUDGET_BYTES,
             memory_queue_max_bytes: 0,
             max_subscriber_bytes: 64 << 20,
         }
@@ -174,6 +179,8 @@ pub struct Broker {
     registry: RwLock<Registry>,
     /// Bytes held by in-memory queues, against `max_memory_bytes`.
     memory: Arc<MemoryBudget>,
+    /// Pages of every durable log's segments, against `max_resident_bytes`.
+    pages: petrel_log::PageBudget,
     /// Serializes changes to the set of queues and their definitions file.
     definitions: Mutex<()>,
     next_handle: AtomicU64,
@@ -255,12 +262,14 @@ impl Broker {
         }
         options.queue_defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))?;
         let memory = Arc::new(MemoryBudget::new(options.max_memory_bytes));
+        let pages = petrel_log::PageBudget::new(options.max_resident_bytes);
         let broker = Broker {
             dir,
             _lock: lock,
             options,
             registry: RwLock::new(Registry::default()),
             memory,
+            pages,
             definitions: Mutex::new(()),
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
@@ -336,6 +345,7 @@ impl Broker {
                 retention: petrel_log::Retention { delete_consumed: true, ..Default::default() },
                 // The data directory's lock (held by the broker) covers every log in it.
                 lock_directory: false,
+                page_budget: self.pages.clone(),
                 ..Options::default()
             };
             let log = Log::open(self.dir.join("queues").join(&name), options)?.into_shared();
@@ -496,6 +506,18 @@ impl Broker {
         (self.memory.used(), self.memory.max())
     }
 
+    /// Takes `bytes` from the memory budget (`max_memory_bytes`) for a request read into memory,
+    /// until the hold is dropped; `None` when they do not fit.
+    pub fn hold_memory(&self, bytes: u64) -> Option<MemoryHold> {
+        MemoryHold::take(&self.memory, bytes)
+    }
+
+    /// Mapped segment bytes of durable logs counted against `max_resident_bytes` (an upper bound
+    /// on their resident pages), and segments that gave their pages back to stay within it.
+    pub fn resident_pages(&self) -> (u64, u64) {
+        (self.pages.counted_bytes(), self.pages.releases())
+    }
+
     /// The names of the queues that receive a copy of what is offered to `name`.
     pub fn fanout_children(&self, name: &str) -> Vec<String> {
         let mut names: Vec<String> =
@@ -610,6 +632,7 @@ impl Broker {
                 max_age: Some(self.options.topic_max_age),
             },
             lock_directory: false, // as for queues: the data directory's lock covers it
+            page_budget: self.pages.clone(),
             ..Options::default()
         };
         Ok(Log::open(self.dir.join("topics").join(name), options)?.into_shared())

@@ -2,8 +2,8 @@
 //! back unless acknowledged, and expiry.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use petrel_log::{ConsumerGroup, GroupOptions, MAX_PENDING, SharedLog};
@@ -102,6 +102,27 @@ impl MemoryBudget {
         } else {
             self.used.fetch_sub(before - after, Ordering::Relaxed);
         }
+    }
+}
+
+/// Bytes taken from the memory budget for something outside the queues (a request being read
+/// into memory); given back when dropped.
+#[derive(Debug)]
+pub struct MemoryHold {
+    budget: Arc<MemoryBudget>,
+    bytes: u64,
+}
+
+impl MemoryHold {
+    /// `bytes` from `budget`, if they fit.
+    pub(crate) fn take(budget: &Arc<MemoryBudget>, bytes: u64) -> Option<MemoryHold> {
+        budget.reserve(bytes, false).then(|| MemoryHold { budget: Arc::clone(budget), bytes })
+    }
+}
+
+impl Drop for MemoryHold {
+    fn drop(&mut self) {
+        self.budget.release(self.bytes);
     }
 }
 

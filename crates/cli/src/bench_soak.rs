@@ -33,6 +33,9 @@ pub struct SoakBench {
     /// The server's memory budget (`max_memory_bytes`).
     #[arg(long, default_value_t = 512 << 20)]
     max_memory_bytes: u64,
+    /// The server's budget for durable logs' resident pages (`max_resident_bytes`).
+    #[arg(long, default_value_t = 256 << 20)]
+    max_resident_bytes: u64,
     /// Each flooded durable queue's bound (`max_bytes`): the flood fills the disk to
     /// queues × this, then meets QUEUE_FULL.
     #[arg(long, default_value_t = 256 << 10)]
@@ -87,8 +90,9 @@ impl ServerProcess {
         let config = dir.join("soak.toml");
         // Room for the flooded queues and the benchmark's own few beside them.
         let text = format!(
-            "max_memory_bytes = {}\nmax_queues = {}\ndurability = \"none\"\n",
+            "max_memory_bytes = {}\nmax_resident_bytes = {}\nmax_queues = {}\ndurability = \"none\"\n",
             args.max_memory_bytes,
+            args.max_resident_bytes,
             args.queues + 16
         );
         std::fs::write(&config, text)?;
@@ -228,11 +232,12 @@ impl Report {
             self.set_up.fds
         );
         println!(
-            "server peak: anonymous RSS {:.0} MiB (budget max_memory_bytes {:.0} MiB; idle {:.0} MiB), file-backed RSS {:.0} MiB, {} descriptors (idle {}), {} threads",
+            "server peak: anonymous RSS {:.0} MiB (budget max_memory_bytes {:.0} MiB; idle {:.0} MiB), file-backed RSS {:.0} MiB (budget max_resident_bytes {:.0} MiB), {} descriptors (idle {}), {} threads",
             mib(self.peak.rss_anon),
             mib(args.max_memory_bytes),
             mib(self.idle.rss_anon),
             mib(self.peak.rss_file),
+            mib(args.max_resident_bytes),
             self.peak.fds,
             self.idle.fds,
             self.peak.threads
@@ -258,6 +263,7 @@ impl Report {
                     "load_mean_ratio": mean / self.baseline_pairs_per_sec,
                     "load_min_ratio": min / self.baseline_pairs_per_sec,
                     "max_memory_bytes": args.max_memory_bytes,
+                    "max_resident_bytes": args.max_resident_bytes,
                     "peak_rss_anon_bytes": self.peak.rss_anon,
                     "peak_rss_file_bytes": self.peak.rss_file,
                     "idle_rss_anon_bytes": self.idle.rss_anon,

@@ -216,6 +216,81 @@ fn memory_queues_and_stalled_subscribers_stay_within_their_budgets() {
     });
 }
 
+/// Writes one request frame; returns its bytes for a test that sends them in parts.
+fn request_frame(request: &petrel_proto::Request, id: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    request.encode(id, &mut out).unwrap();
+    out
+}
+
+/// Reads one response frame: its request id and what it says.
+fn read_response(conn: &mut TcpStream) -> (u64, petrel_proto::Response) {
+    let mut len = [0u8; 4];
+    conn.read_exact(&mut len).unwrap();
+    let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
+    conn.read_exact(&mut frame).unwrap();
+    let opcode = u16::from_be_bytes([frame[2], frame[3]]);
+    let id = u64::from_be_bytes(frame[4..12].try_into().unwrap());
+    let body = bytes::Bytes::copy_from_slice(&frame[12..]);
+    (id, petrel_proto::Response::decode(opcode, body).unwrap())
+}
+
+#[test]
+fn requests_being_read_count_in_the_memory_budget_on_both_ports() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_memory_bytes = 8388608\nmax_message_bytes = 8388608\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let connect = || {
+        let mut c = TcpStream::connect(&server.addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
+        assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
+        c
+    };
+    let offer = |bytes: usize| {
+        let message = Message { payload: vec![7u8; bytes].into(), ..Message::default() };
+        Request::Offer { queue: "big".into(), timeout_ms: 0, messages: vec![message] }
+    };
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(ask(&mut mc, "set big 0 0 1\r\nx\r\n"), "STORED\r\n");
+    // A 6 MiB offer, sent all but its last byte: the server holds 6 MiB of its 8 MiB budget.
+    let mut held = connect();
+    let six = request_frame(&offer(6 << 20), 2);
+    held.write_all(&six[..six.len() - 1]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // Another 6 MiB request does not fit beside it: refused when its header arrives, not held.
+    let mut refused = connect();
+    let other = request_frame(&offer(6 << 20), 3);
+    refused.write_all(&other[..64]).unwrap();
+    match read_response(&mut refused) {
+        (3, Response::Error { status, message }) => {
+            assert_eq!(status, Status::LimitReached);
+            assert!(message.contains("max_memory_bytes"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Its bytes are skipped as they come, and the connection goes on.
+    refused.write_all(&other[64..]).unwrap();
+    refused.write_all(&request_frame(&Request::Ping, 4)).unwrap();
+    assert!(matches!(read_response(&mut refused), (4, Response::Pong)));
+    // The memcache port: a data block that does not fit is refused once its bytes are through.
+    let block = vec![b'x'; 6 << 20];
+    mc.write_all(b"set big 0 0 6291456\r\n").unwrap();
+    mc.write_all(&block).unwrap();
+    let answer = ask(&mut mc, "\r\n");
+    assert!(answer.starts_with("SERVER_ERROR") && answer.contains("max_memory_bytes"), "{answer}");
+    assert_eq!(ask(&mut mc, "set small 0 0 2\r\nok\r\n"), "STORED\r\n");
+    // The held request completes and is accepted (into a durable queue: out of the budget),
+    // and its 6 MiB are given back: a 3 MiB item fits.
+    held.write_all(&six[six.len() - 1..]).unwrap();
+    let answer = read_response(&mut held);
+    assert!(matches!(answer, (2, Response::Offered { count: 1, .. })), "{answer:?}");
+    let one = format!("set small 0 0 {}\r\n{}\r\n", 3 << 20, "y".repeat(3 << 20));
+    assert_eq!(ask(&mut mc, &one), "STORED\r\n");
+}
+
 #[test]
 fn a_queue_falls_back_to_smaller_segments_when_a_grown_one_does_not_fit() {
     // Files of at most 300 KiB (RLIMIT_FSIZE): a queue's segments grow 128 KiB, 256 KiB, 512 KiB…
@@ -257,6 +332,9 @@ fn stats_show_every_limit_the_memory_in_use_and_the_free_disk() {
     assert_eq!(stat("limit_max_connections_per_address"), 1_000);
     assert_eq!(stat("limit_max_memory_bytes"), 1 << 30);
     assert_eq!(stat("memory_queued_bytes"), 0);
+    assert_eq!(stat("limit_max_resident_bytes"), 1 << 30);
+    assert_eq!(stat("resident_releases"), 0);
+    assert!(stat("resident_counted_bytes") <= 1 << 30);
     assert!(stat("disk_free_bytes") > 0 && stat("disk_free_bytes") <= stat("disk_total_bytes"));
 }
 

@@ -48,11 +48,12 @@ pub use frame::{FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LE
 pub use group::{ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
 pub use log::{Log, LogStats, RecoveryReport};
 pub use options::{
-    DEFAULT_MAX_RECORD_BYTES, DEFAULT_MAX_RESIDENT_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
+    DEFAULT_MAX_RECORD_BYTES, DEFAULT_PAGE_BUDGET_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
     MIN_SEGMENT_BYTES, Options,
 };
 pub use queue::{QUEUE_GROUP, Queue};
 pub use reader::{Batch, BatchIter, Reader};
+pub use resident::PageBudget;
 pub use retention::{Retention, RetentionReport};
 pub use shared::SharedLog;
 

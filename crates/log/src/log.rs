@@ -17,6 +17,7 @@ use crate::options::{Durability, Options};
 use crate::prefault::{self, Prefaulter};
 use crate::reader::Reader;
 use crate::recovery::{self, Stop};
+use crate::resident::Use;
 use crate::segment::{self, Segment};
 
 /// What opening a log found and did.
@@ -57,8 +58,6 @@ pub(crate) struct Shared {
     first_offset: AtomicU64,
     /// Consumer groups, open or not.
     pub groups: crate::group::Registry,
-    /// Sealed segments that may hold resident pages (bounded by `max_resident_bytes`).
-    pub resident: crate::resident::Resident,
     /// Key → offset of the last record with that key, if `Options::key_index`.
     pub keys: Option<RwLock<HashMap<Box<[u8]>, u64>>>,
     /// Readers waiting for a new record sleep here; the writer wakes them only if any wait.
@@ -117,7 +116,6 @@ impl Shared {
             next_offset: AtomicU64::new(next_offset),
             first_offset: AtomicU64::new(first),
             groups: Mutex::new(groups),
-            resident: Default::default(),
             append_waiters: AtomicUsize::new(0),
             append_lock: Mutex::new(()),
             appended: Condvar::new(),
@@ -402,6 +400,7 @@ impl Log {
             _ => None,
         };
         let next_index_pos = index_resume_pos(&active);
+        shared.options.page_budget.touch(&active, Use::Active);
         Ok(Log {
             shared,
             active,
@@ -631,6 +630,11 @@ impl Log {
         if self.pos + aligned > self.active.map.len() {
             self.roll(aligned)?;
         }
+        if self.active.lru_stamp.load(Ordering::Relaxed) == 0 {
+            // The page budget took this segment's pages back: it counts again before this
+            // write faults one in.
+            self.shared.options.page_budget.touch(&self.active, Use::Active);
+        }
         let start = self.writer.published_end();
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
@@ -645,6 +649,7 @@ impl Log {
         if self.pos > self.prefault_trigger {
             self.prefault_trigger = self.pos + prefault::STEP;
             self.prefaulter.advance(&self.active, self.pos);
+            self.shared.options.page_budget.touch(&self.active, Use::Active);
         }
         Ok(offset)
     }
@@ -703,7 +708,7 @@ impl Log {
             self.active.write_checkpoint(pos as u64, self.active.base + records);
         }
         crate::index::save(&self.shared.dir, self.active.base, &self.active.index.entries());
-        self.shared.resident.touch(&self.active, self.shared.options.max_resident_bytes);
+        self.shared.options.page_budget.touch(&self.active, Use::Sealed);
         let next = Arc::new(next);
         let writer = next.map.writer().expect("a new mapping has its writer");
         self.positions = next.positions();
@@ -713,6 +718,7 @@ impl Log {
         *self.shared.active.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&next);
         self.active = next;
         self.writer = writer;
+        self.shared.options.page_budget.touch(&self.active, Use::Active);
         if let Err(e) = crate::retention::apply(&self.shared) {
             tracing::warn!(error = %e, "retention failed; will try again at the next roll");
         }
@@ -720,6 +726,15 @@ impl Log {
         self.prefault_trigger = HEADER_LEN;
         self.next_index_pos = HEADER_LEN;
         Ok(())
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // The segments go with the last handle: they stop counting in a budget other logs share.
+        for seg in self.segments.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
+            self.options.page_budget.forget(seg);
+        }
     }
 }
 

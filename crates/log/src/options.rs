@@ -66,9 +66,11 @@ pub struct Options {
     pub key_index: bool,
     /// What may delete old records (nothing, by default).
     pub retention: crate::Retention,
-    /// Resident memory allowed for sealed segments' pages; past it, the least recently used
-    /// segments that no reader is in give their pages back. The active segment is extra.
-    pub max_resident_bytes: u64,
+    /// Resident memory allowed for mapped segments' pages; past it, the least recently used
+    /// segments give their pages back. Logs opened with clones of one `Options` share it (a
+    /// server gives all its queue logs one); `Options::default()` makes a new one of
+    /// `DEFAULT_PAGE_BUDGET_BYTES`.
+    pub page_budget: crate::PageBudget,
     /// Lock the log's directory (flock) while the writer lives, so a second writer in any
     /// process is refused. `false` only where something else guarantees a single writer, such
     /// as a server holding the lock of a directory that contains its logs: it saves the one
@@ -76,7 +78,7 @@ pub struct Options {
     pub lock_directory: bool,
 }
 
-pub const DEFAULT_MAX_RESIDENT_BYTES: u64 = 1 << 30;
+pub const DEFAULT_PAGE_BUDGET_BYTES: u64 = 1 << 30;
 
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 << 20;
 pub const DEFAULT_INITIAL_SEGMENT_BYTES: u64 = 1 << 20;
@@ -96,7 +98,7 @@ impl Default for Options {
             create: true,
             key_index: false,
             retention: crate::Retention::default(),
-            max_resident_bytes: DEFAULT_MAX_RESIDENT_BYTES,
+            page_budget: crate::PageBudget::new(DEFAULT_PAGE_BUDGET_BYTES),
             lock_directory: true,
         }
     }

@@ -100,11 +100,16 @@ fn run() {
         };
         let (seg, from, to) = (Arc::clone(&w.seg), w.done, (w.done + CHUNK).min(w.want));
         drop(work);
-        seg.map.prefault_write(from, to);
+        // A segment whose pages the page budget took back is not faulted in again ahead of its
+        // writer (it counts again at its next write, and faults in as it is written).
+        let given_back = seg.lru_stamp.load(Ordering::Relaxed) == 0;
+        if !given_back {
+            seg.map.prefault_write(from, to);
+        }
         last = id;
         work = shared.work.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = work.get_mut(&id).filter(|w| Arc::ptr_eq(&w.seg, &seg)) {
-            w.done = w.done.max(to);
+            w.done = if given_back { w.want } else { w.done.max(to) };
         }
     }
 }

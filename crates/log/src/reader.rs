@@ -70,7 +70,7 @@ impl Reader {
         seg.users.fetch_add(1, Ordering::AcqRel);
         // `seg_end` is set before entering: a segment with a successor is sealed.
         if self.seg_end != u64::MAX {
-            self.shared.resident.touch(&seg, self.shared.options.max_resident_bytes);
+            self.shared.options.page_budget.touch(&seg, crate::resident::Use::Sealed);
         }
         self.seg = Some(seg);
     }

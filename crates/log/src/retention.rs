@@ -72,6 +72,9 @@ pub(crate) fn apply(shared: &Shared) -> Result<RetentionReport> {
     let first = segments[0].base;
     shared.set_first_offset(first);
     drop(segments);
+    for seg in &removed {
+        shared.options.page_budget.forget(seg);
+    }
     // Groups behind the new start lose records: count them, and move closed groups' cursors
     // (open ones move themselves on their next poll).
     for (name, entry) in groups.iter() {

@@ -107,8 +107,10 @@ pub(crate) struct Segment {
     /// Dense position index; dropped with the pages when the segment is released, and rebuilt
     /// by the next random read.
     positions: std::sync::Mutex<Option<Arc<crate::index::DenseIndex>>>,
-    /// Readers currently positioned in this segment (their pages must not be released).
+    /// Readers currently positioned in this segment (its indexes stay while any is).
     pub users: std::sync::atomic::AtomicUsize,
+    /// Its place in the page budget's least-recently-used order; 0 while it is not counted.
+    pub lru_stamp: AtomicU64,
 }
 
 impl Segment {
@@ -149,6 +151,7 @@ impl Segment {
                 tail: AtomicU64::new(pack(HEADER_LEN, 0)),
                 index: crate::index::SparseIndex::ready(Vec::new()),
                 users: Default::default(),
+                lru_stamp: AtomicU64::new(0),
                 positions: {
                     let positions = crate::index::DenseIndex::new(len as usize);
                     positions.mark_built();
@@ -205,7 +208,8 @@ impl Segment {
         let index = crate::index::SparseIndex::default();
         let positions = Default::default();
         let users = Default::default();
-        Ok((Segment { base, path: path.to_path_buf(), map, tail, index, positions, users }, header))
+        let lru_stamp = AtomicU64::new(0);
+        Ok((Segment { base, path: path.to_path_buf(), map, tail, index, positions, users, lru_stamp }, header))
     }
 
     /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last

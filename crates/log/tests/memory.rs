@@ -1,8 +1,8 @@
 //! Bounded memory: reading a log ten times larger than the resident budget keeps the process's
 //! file-backed resident memory within the budget plus a small constant. Its own test binary, so
-//! no other test's mappings are counted.
+//! no other test's mappings are counted (and its tests run one at a time).
 
-use petrel_log::{Log, Options};
+use petrel_log::{Log, Options, PageBudget};
 
 /// A field of /proc/self/status, in bytes.
 fn status(field: &str) -> u64 {
@@ -15,6 +15,9 @@ fn status(field: &str) -> u64 {
     kb * 1024
 }
 
+/// The tests measure the whole process: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Resident pages of file mappings.
 fn rss_file() -> u64 {
     status("RssFile:")
@@ -22,10 +25,11 @@ fn rss_file() -> u64 {
 
 #[test]
 fn reading_a_log_ten_times_the_budget_stays_within_it() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     const SEGMENT: u64 = 1 << 20;
     const BUDGET: u64 = 4 << 20;
     let dir = tempfile::tempdir().unwrap();
-    let opts = Options { segment_bytes: SEGMENT, max_resident_bytes: BUDGET, ..Options::default() };
+    let opts = Options { segment_bytes: SEGMENT, page_budget: PageBudget::new(BUDGET), ..Options::default() };
     let baseline = rss_file();
     let mut log = Log::open(dir.path(), opts.clone()).unwrap();
     let payload = vec![7u8; 1000];
@@ -79,4 +83,60 @@ fn reading_a_log_ten_times_the_budget_stays_within_it() {
     eprintln!("random reads: file-backed peak {file_peak} B, anonymous growth {anon_growth} B");
     assert!(file_peak <= limit, "random reads kept {file_peak} B resident");
     assert!(anon_growth < 4 << 20, "indexes of released segments must go: grew {anon_growth} B");
+}
+
+#[test]
+fn logs_sharing_a_page_budget_stay_within_it_together() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    const SEGMENT: u64 = 1 << 20;
+    const BUDGET: u64 = 8 << 20;
+    const LOGS: usize = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let budget = PageBudget::new(BUDGET);
+    let opts = Options {
+        segment_bytes: SEGMENT,
+        initial_segment_bytes: None,
+        page_budget: budget.clone(),
+        lock_directory: false,
+        ..Options::default()
+    };
+    let baseline = rss_file();
+    // 40 logs of 3 segments each (120 MiB mapped) written in turns, all open at once.
+    let mut logs: Vec<Log> =
+        (0..LOGS).map(|i| Log::open(dir.path().join(format!("q{i}")), opts.clone()).unwrap()).collect();
+    let payload = vec![3u8; 4000];
+    let mut peak = 0;
+    for round in 0..600 {
+        for log in &mut logs {
+            log.append(&payload).unwrap();
+        }
+        if round % 20 == 0 {
+            peak = peak.max(rss_file().saturating_sub(baseline));
+            assert!(budget.counted_bytes() <= BUDGET + SEGMENT, "counted {} B", budget.counted_bytes());
+        }
+    }
+    let mapped: u64 = logs.iter().map(|l| l.stats().segment_bytes).sum();
+    assert!(mapped >= 10 * BUDGET, "the logs map {mapped} B, ten times the budget");
+    // The budget, plus the segment being used, plus what the prefault thread may fault in again
+    // right after a release.
+    let limit = BUDGET + 4 * SEGMENT;
+    eprintln!(
+        "{LOGS} logs, {mapped} B mapped: file-backed RSS peak {peak} B, limit {limit} B, {} releases",
+        budget.releases()
+    );
+    assert!(peak <= limit, "the logs kept {peak} B resident together");
+
+    // Every record reads back after its pages were given back.
+    for log in &logs {
+        let mut reader = log.reader();
+        let mut n = 0;
+        while let Some(r) = reader.read_next().unwrap() {
+            assert_eq!(r.payload, &payload[..]);
+            n += 1;
+        }
+        assert_eq!(n, 600);
+    }
+    // Closed logs stop counting.
+    drop(logs);
+    assert_eq!(budget.counted_bytes(), 0);
 }

@@ -54,6 +54,9 @@ pub struct Config {
     /// Bytes of messages held for one topic subscriber that has not taken them; past it the
     /// subscriber is ended with SLOW_CONSUMER (as past its buffer's message count).
     pub max_subscriber_bytes: u64,
+    /// Resident memory of durable queues' and topics' mapped segment pages, all together; past
+    /// it the least recently used give their pages back to the page cache (0: no limit).
+    pub max_resident_bytes: u64,
     /// Durability of durable queues: "none", "always" or "interval:MS".
     pub durability: String,
     pub segment_bytes: u64,
@@ -247,6 +250,7 @@ impl Default for Config {
             max_memory_bytes: 1 << 30,
             memory_queue_max_bytes: 256 << 20,
             max_subscriber_bytes: 64 << 20,
+            max_resident_bytes: 1 << 30,
             durability: "none".into(),
             segment_bytes: 64 << 20,
             shutdown_grace: "5s".into(),

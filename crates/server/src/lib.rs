@@ -7,6 +7,7 @@ mod config;
 mod convert;
 #[doc(hidden)]
 pub mod fuzzing;
+mod input;
 #[doc(hidden)]
 pub mod memcache;
 mod native;
@@ -160,6 +161,7 @@ impl Server {
             max_memory_bytes: config.max_memory_bytes,
             memory_queue_max_bytes: config.memory_queue_max_bytes,
             max_subscriber_bytes: config.max_subscriber_bytes,
+            max_resident_bytes: config.max_resident_bytes,
         };
         let tls = load_tls(&config)?;
         for (name, addr) in [("native", Some(config.native_addr)), ("memcache", config.memcache_addr)] {

@@ -17,7 +17,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use petrel_broker::security::{Action, Kind, Principal};
 use petrel_broker::{BrokerError, Called, ConnId, Ended, GroupReader, Invocation, SeekTo, Subscription};
 use petrel_proto::{Delivery, FrameError, FrameKind, Push, Request, Response, StartFrom, Status, features, frame};
@@ -25,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::auth::{self, Authenticated, Peer};
+use crate::input::Input;
 use crate::outbox::{Outbox, TrySendError, outbox};
 use crate::stats::add;
 use crate::{Ctx, convert, now_ns};
@@ -82,6 +82,24 @@ fn needs(request: &Request) -> Option<(Kind, &str, &'static [Action])> {
     })
 }
 
+/// A frame whose header has arrived and the rest not: its whole length, whom to answer.
+#[derive(Clone, Copy)]
+struct Incomplete {
+    len: usize,
+    opcode: u16,
+    request_id: u64,
+}
+
+fn incomplete_frame(buf: &[u8]) -> Option<Incomplete> {
+    if buf.len() < 4 + frame::HEADER_LEN {
+        return None;
+    }
+    let len = 4 + u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+    let opcode = u16::from_be_bytes([buf[6], buf[7]]);
+    let request_id = u64::from_be_bytes(buf[8..16].try_into().expect("8 bytes"));
+    (len > buf.len()).then_some(Incomplete { len, opcode, request_id })
+}
+
 /// Serves one connection until the client closes it, a protocol error makes it unsafe to go on,
 /// or the server shuts down (then requests in flight finish first).
 pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, mut shutdown: watch::Receiver<bool>, peer: Peer)
@@ -119,7 +137,7 @@ where
     });
     let limit = ctx.config.max_in_flight_per_connection;
     let in_flight = Arc::new(Semaphore::new(limit));
-    let mut buf = BytesMut::with_capacity(64 * 1024);
+    let mut input = Input::new();
     // Answers to the requests of one read, sent to the writer together.
     let mut out = Vec::with_capacity(16 * 1024);
     let mut skip: u64 = 0;
@@ -141,14 +159,14 @@ where
                 break 'read;
             }
             if skip > 0 {
-                let n = skip.min(buf.len() as u64) as usize;
-                let _ = buf.split_to(n);
+                let n = skip.min(input.buf.len() as u64) as usize;
+                let _ = input.buf.split_to(n);
                 skip -= n as u64;
                 if skip > 0 {
                     break;
                 }
             }
-            match frame::decode(&mut buf, ctx.config.max_frame_bytes) {
+            match frame::decode(&mut input.buf, ctx.config.max_frame_bytes) {
                 Ok(None) => break,
                 Ok(Some(f)) => {
                     if f.kind != FrameKind::Request {
@@ -230,7 +248,7 @@ where
                     }
                 }
                 Err(FrameError::TooLarge { len, max, request_id, opcode }) => {
-                    if request_id.is_none() && buf.len() < 4 + frame::HEADER_LEN {
+                    if request_id.is_none() && input.buf.len() < 4 + frame::HEADER_LEN {
                         break; // read the header first, to know whom to answer
                     }
                     skip = 4 + len as u64;
@@ -252,12 +270,26 @@ where
         if !out.is_empty() && !pushes.flush(&tx, &mut out).await {
             break;
         }
+        let incomplete = if skip > 0 { None } else { incomplete_frame(&input.buf) };
+        if input.prepare(incomplete.map(|f| f.len), &ctx.broker).is_err() {
+            let f = incomplete.expect("only a large request is refused");
+            skip = f.len as u64;
+            let reason = format!(
+                "a request of {} bytes does not fit in the server's memory budget (max_memory_bytes) now",
+                f.len
+            );
+            Response::error(Status::LimitReached, reason).encode(f.opcode, f.request_id, &mut out);
+            continue;
+        }
         // Silent too long, with nothing under way: closed (before HELLO, sooner).
         let quiet_limit = if session.greeted { idle_timeout } else { Some(handshake_timeout) };
         tokio::select! {
-            read = rd.read_buf(&mut buf) => match read {
+            read = rd.read_buf(&mut input.buf) => match read {
                 Ok(0) | Err(_) => break,
-                Ok(n) => add(&ctx.stats.bytes_read, n as u64),
+                Ok(n) => {
+                    input.filled(n);
+                    add(&ctx.stats.bytes_read, n as u64);
+                }
             },
             _ = shutdown.changed() => break,
             _ = crate::sleep_or_never(quiet_limit) => {

@@ -84,7 +84,7 @@ pub struct Reject {
 }
 
 impl Reject {
-    fn keep(reply: impl Into<String>) -> Reject {
+    pub(crate) fn keep(reply: impl Into<String>) -> Reject {
         Reject { reply: reply.into(), close: false }
     }
     fn close(reply: impl Into<String>) -> Reject {
@@ -153,13 +153,28 @@ impl Decoder {
         Some(result)
     }
 
+    /// The bytes the data block being waited for takes in all, when the `buffered` bytes do not
+    /// hold it yet.
+    pub fn incomplete(&self, buffered: usize) -> Option<usize> {
+        let (_, line) = self.pending.as_ref()?;
+        (line.len + 2 > buffered).then_some(line.len + 2)
+    }
+
+    /// Refuses the data block being waited for: its bytes are skipped as they come, then `reject`.
+    pub fn refuse_incomplete(&mut self, reject: Reject) {
+        if let Some((_, line)) = self.pending.take() {
+            self.skipping = line.len + 2;
+            self.after_skip = Some(reject);
+        }
+    }
+
     /// The data block of a storage command whose line (already consumed) said `line`; until it
     /// has all arrived, the line waits in `pending`.
     fn data_block(&mut self, buf: &mut BytesMut, verb: String, line: StorageLine) -> Option<Result<Command, Reject>> {
         let len = line.len;
         if buf.len() < len + 2 {
+            // The connection's input makes room for it (within the memory budget).
             self.pending = Some((verb, line));
-            buf.reserve(len + 2 - buf.len());
             return None;
         }
         if &buf[len..len + 2] != b"\r\n" {

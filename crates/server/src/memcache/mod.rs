@@ -12,13 +12,14 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use petrel_broker::security::{Action, Kind};
 use petrel_broker::{BrokerError, ConnId, Message, Queue};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::auth::{self, Authenticated, Peer};
+use crate::input::Input;
 use crate::stats::add;
 use crate::{Ctx, now_ns};
 use codec::{Command, Decoder, GetOptions, Reject};
@@ -42,7 +43,7 @@ struct Session<S> {
     ctx: Arc<Ctx>,
     conn: ConnId,
     stream: S,
-    input: BytesMut,
+    input: Input,
     out: Vec<u8>,
     /// This connection's open (tentatively read) item per queue: its broker handle.
     open: HashMap<String, u64>,
@@ -68,8 +69,8 @@ where
         ctx,
         conn,
         stream,
-        input: BytesMut::with_capacity(16 * 1024),
-        out: Vec::with_capacity(16 * 1024),
+        input: Input::new(),
+        out: Vec::with_capacity(crate::input::QUIET_BYTES),
         open: HashMap::new(),
         shutdown,
         peer,
@@ -84,7 +85,7 @@ where
     }
     let idle_timeout = s.ctx.config.idle_timeout().ok().flatten();
     'serve: loop {
-        while let Some(request) = decoder.decode(&mut s.input) {
+        while let Some(request) = decoder.decode(&mut s.input.buf) {
             let flow = match request {
                 Ok(command) => s.execute(command).await,
                 Err(Reject { reply, close }) => {
@@ -99,10 +100,19 @@ where
         if !s.flush().await || *s.shutdown.borrow() {
             break;
         }
+        if s.input.prepare(decoder.incomplete(s.input.buf.len()), &s.ctx.broker).is_err() {
+            decoder.refuse_incomplete(Reject::keep(
+                "SERVER_ERROR the item does not fit in the server's memory budget (max_memory_bytes) now",
+            ));
+            continue;
+        }
         tokio::select! {
-            read = s.stream.read_buf(&mut s.input) => match read {
+            read = s.stream.read_buf(&mut s.input.buf) => match read {
                 Ok(0) | Err(_) => break,
-                Ok(n) => add(&s.ctx.stats.bytes_read, n as u64),
+                Ok(n) => {
+                    s.input.filled(n);
+                    add(&s.ctx.stats.bytes_read, n as u64);
+                }
             },
             _ = s.shutdown.changed() => break,
             // Silent for too long (open items go back to their queues as on any close).
@@ -131,6 +141,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let ok = self.stream.write_all(&self.out).await.is_ok();
         add(&self.ctx.stats.bytes_written, self.out.len() as u64);
         self.out.clear();
+        if self.out.capacity() > crate::input::STREAMING_BYTES {
+            // After a large answer: a quiet connection keeps a small buffer.
+            self.out = Vec::with_capacity(crate::input::QUIET_BYTES);
+        }
         ok
     }
 
@@ -384,15 +398,22 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 return Flow::Close;
             }
             let _waiting = queue.waiting();
-            let reading = self.input.len() < READ_AHEAD;
+            let reading = self.input.buf.len() < READ_AHEAD;
+            if reading {
+                // Reading ahead only: what is read is decoded after this get.
+                let _ = self.input.prepare(None, &self.ctx.broker);
+            }
             tokio::select! {
                 _ = notified => {}
                 _ = tokio::time::sleep_until(deadline.into()) => {}
                 _ = self.shutdown.changed() => {}
-                read = self.stream.read_buf(&mut self.input), if reading => match read {
+                read = self.stream.read_buf(&mut self.input.buf), if reading => match read {
                     // The client went away: stop waiting, so no item is taken for nobody.
                     Ok(0) | Err(_) => return Flow::Close,
-                    Ok(n) => add(&self.ctx.stats.bytes_read, n as u64),
+                    Ok(n) => {
+                        self.input.filled(n);
+                        add(&self.ctx.stats.bytes_read, n as u64);
+                    }
                 },
             }
         }
@@ -470,6 +491,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_max_queues", &limits.max_queues);
         put("limit_max_memory_bytes", &limits.max_memory_bytes);
         put("memory_queued_bytes", &ctx.broker.memory().0);
+        let (resident, releases) = ctx.broker.resident_pages();
+        put("limit_max_resident_bytes", &limits.max_resident_bytes);
+        put("resident_counted_bytes", &resident);
+        put("resident_releases", &releases);
         // The data directory's file system: what is left for segments (a full disk refuses
         // offers to durable queues with SERVER_ERROR).
         if let Ok(fs) = rustix::fs::statvfs(&ctx.config.data) {
