@@ -334,7 +334,7 @@ async fn soak(args: &SoakBench, addr: &str, pid: u32) -> Res<Report> {
     let hostile = vec![
         tokio::spawn(flood_durable(addr.to_owned(), names, rate / 2, Arc::clone(&answers), Arc::clone(&flooding))),
         tokio::spawn(flood_memory(addr.to_owned(), rate / 4, Arc::clone(&answers), Arc::clone(&flooding))),
-        tokio::spawn(flood_topic(addr.to_owned(), rate / 4, Arc::clone(&flooding))),
+        tokio::spawn(flood_topic(addr.to_owned(), rate / 4, Arc::clone(&answers), Arc::clone(&flooding))),
         tokio::spawn(stalled_subscribers(addr.to_owned(), Arc::clone(&flooding))),
     ];
     let keepalive = tokio::spawn(keep_alive(idle_clients, Arc::clone(&flooding)));
@@ -473,14 +473,21 @@ async fn flood_memory(addr: String, rate: u64, answers: Arc<Answers>, running: A
     Ok(())
 }
 
-/// Publishes 16 KiB messages to the topic the stalled subscribers hold.
-async fn flood_topic(addr: String, rate: u64, running: Arc<AtomicBool>) -> Res<()> {
+/// Publishes 16 KiB messages to the topic the stalled subscribers hold (8 a request: a request
+/// larger than 64 KiB is held in the memory budget while it is read, so a full budget refuses it).
+async fn flood_topic(addr: String, rate: u64, answers: Arc<Answers>, running: Arc<AtomicBool>) -> Res<()> {
     let client = Client::connect(addr.as_str()).await?;
     let payload = bytes::Bytes::from(vec![0x74; 16 << 10]);
     let mut pace = Pace::new(rate, 128 << 10);
     while running.load(Ordering::Relaxed) {
         pace.wait().await;
-        client.publish("news", vec![Message::new(payload.clone()); 8]).await?;
+        let result = client.publish("news", vec![Message::new(payload.clone()); 8]).await;
+        answers.count(&result, 8);
+        if let Err(e) = result
+            && e.is_connection_lost()
+        {
+            return Err(e.into());
+        }
     }
     Ok(())
 }
