@@ -8,7 +8,7 @@
 set -euo pipefail
 rounds="${ROUNDS:-3}"
 source "$(dirname "$0")/common.sh"
-"$petrel" serve --data "$work/data" --native-addr 127.0.0.1:0 --memcache-addr 127.0.0.1:0 > "$work/serve.out" 2>/dev/null &
+"$petrel" serve --data "$work/data" --native-addr 127.0.0.1:0 --memcache-addr 127.0.0.1:0 --http-addr off > "$work/serve.out" 2>/dev/null &
 pid=$!
 for _ in $(seq 100); do grep -q '^memcache' "$work/serve.out" 2>/dev/null && break; sleep 0.1; done
 addr="$(awk '/^native/{print $2}' "$work/serve.out")"

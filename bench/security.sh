@@ -20,7 +20,7 @@ tls_key = "$work/certs/server.key"
 allow_plaintext_auth = true
 auth_attempts_per_minute = 1000000
 EOF
-"$petrel" serve --config "$work/petrel.toml" --data "$work/data" --native-addr 127.0.0.1:0 --memcache-addr off \
+"$petrel" serve --config "$work/petrel.toml" --data "$work/data" --native-addr 127.0.0.1:0 --memcache-addr off --http-addr off \
   > "$work/serve.out" 2>/dev/null &
 pid=$!
 for _ in $(seq 100); do grep -q '^native' "$work/serve.out" 2>/dev/null && break; sleep 0.1; done

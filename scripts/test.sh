@@ -8,6 +8,15 @@ echo "== toolchain"
 cargo --version
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
+echo "== system packages the tests use"
+# promtool (Debian's prometheus) checks the server's /metrics.
+if ! command -v promtool >/dev/null; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y -q --no-install-recommends prometheus >/dev/null \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+fi
+promtool --version | head -n 1
+
 echo "== format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
@@ -53,7 +62,7 @@ for example in offer_poll reliable_worker coffee topics_functions; do
 done
 # …and against a running server, as a user would run them.
 serve_dir="$(mktemp -d)"
-target/debug/petrel serve --data "$serve_dir" --native-addr 127.0.0.1:0 --memcache-addr off > "$serve_dir/out" 2>/dev/null &
+target/debug/petrel serve --data "$serve_dir" --native-addr 127.0.0.1:0 --memcache-addr off --http-addr off > "$serve_dir/out" 2>/dev/null &
 serve_pid=$!
 for _ in $(seq 100); do grep -q '^native' "$serve_dir/out" 2>/dev/null && break; sleep 0.1; done
 cargo run -q --locked -p petrel-client --example offer_poll -- --server "$(awk '/^native/{print $2}' "$serve_dir/out")" > /dev/null

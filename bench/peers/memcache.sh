@@ -27,7 +27,7 @@ petrel="$root/target/release/petrel"
 
 memcached -l 127.0.0.1 -p 11311 -U 0 -m 2048 -c 4096 -u "$(id -un)" > /dev/null 2>&1 &
 pids+=($!)
-"$petrel" serve --data "$work/petrel" --native-addr 127.0.0.1:0 --memcache-addr 127.0.0.1:0 > "$work/petrel.out" 2>/dev/null &
+"$petrel" serve --data "$work/petrel" --native-addr 127.0.0.1:0 --memcache-addr 127.0.0.1:0 --http-addr off > "$work/petrel.out" 2>/dev/null &
 pids+=($!)
 for _ in $(seq 100); do grep -q '^memcache' "$work/petrel.out" 2>/dev/null && break; sleep 0.1; done
 declare -A addr=([petrel]="$(awk '/^memcache/{print $2}' "$work/petrel.out")" [memcached]=127.0.0.1:11311)

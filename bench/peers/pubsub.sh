@@ -21,7 +21,7 @@ source "$root/bench/peers/nats.sh"
 (cd "$root" && cargo build --release --locked -q -p petrel)
 petrel="$root/target/release/petrel"
 
-"$petrel" serve --data "$work/petrel" --native-addr 127.0.0.1:0 --memcache-addr off > "$work/petrel.out" 2>/dev/null &
+"$petrel" serve --data "$work/petrel" --native-addr 127.0.0.1:0 --memcache-addr off --http-addr off > "$work/petrel.out" 2>/dev/null &
 pids+=($!)
 for _ in $(seq 100); do grep -q '^native' "$work/petrel.out" 2>/dev/null && break; sleep 0.1; done
 addr="$(awk '/^native/{print $2}' "$work/petrel.out")"

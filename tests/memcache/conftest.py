@@ -14,7 +14,7 @@ PETREL = os.environ.get("PETREL_BIN", os.path.join(os.path.dirname(__file__), ".
 class Server:
     def __init__(self, data, extra_args=(), config=None):
         self.data = data
-        self.args = [PETREL, "serve", "--data", str(data), "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0"]
+        self.args = [PETREL, "serve", "--data", str(data), "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0", "--http-addr", "off"]
         if config is not None:
             path = data.parent / (data.name + ".toml")
             path.write_text(config)

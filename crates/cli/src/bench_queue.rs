@@ -217,6 +217,7 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
                     data: dir.clone(),
                     native_addr: "127.0.0.1:0".parse()?,
                     memcache_addr: Some("127.0.0.1:0".parse()?),
+                    http_addr: None,
                     ..petrel_server::Config::default()
                 };
                 // Memcache queues come into being by first use, with the defaults.

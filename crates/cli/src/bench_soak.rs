@@ -97,7 +97,7 @@ impl ServerProcess {
         );
         std::fs::write(&config, text)?;
         let mut child = Command::new(std::env::current_exe()?)
-            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--data"])
+            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off", "--data"])
             .arg(dir.join("data"))
             .arg("--config")
             .arg(&config)

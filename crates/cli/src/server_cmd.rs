@@ -33,13 +33,17 @@ pub struct ServeArgs {
     /// "off" disables it).
     #[arg(long)]
     memcache_addr: Option<String>,
+    /// HTTP address for metrics and health checks (default 127.0.0.1:22135; port 0 picks a free
+    /// one; "off" disables it).
+    #[arg(long)]
+    http_addr: Option<String>,
     /// Durability of durable queues: none, always, interval:MS.
     #[arg(long)]
     durability: Option<String>,
 }
 
 /// Runs the server until SIGTERM or SIGINT; prints one line per listener on stdout once it
-/// listens (`native <ip:port>`, `memcache <ip:port>`, `unix <path>`).
+/// listens (`native <ip:port>`, `memcache <ip:port>`, `unix <path>`, `http <ip:port>`).
 pub fn serve(args: ServeArgs) -> Res {
     let mut config = match &args.config {
         Some(path) => Config::load(path)?,
@@ -56,6 +60,9 @@ pub fn serve(args: ServeArgs) -> Res {
     }
     if let Some(m) = args.memcache_addr {
         config.memcache_addr = petrel_server::parse_listener(&m).map_err(|e| format!("--memcache-addr {e}"))?;
+    }
+    if let Some(h) = args.http_addr {
+        config.http_addr = petrel_server::parse_listener(&h).map_err(|e| format!("--http-addr {e}"))?;
     }
     if let Some(d) = args.durability {
         config.durability = d;
@@ -74,6 +81,9 @@ pub fn serve(args: ServeArgs) -> Res {
         }
         if let Some(path) = unix {
             writeln!(out, "unix {}", path.display())?;
+        }
+        if let Some(addr) = server.http_addr() {
+            writeln!(out, "http {addr}")?;
         }
         out.flush()?;
         drop(out);

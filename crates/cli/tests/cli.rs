@@ -66,7 +66,17 @@ fn server_logs_have_no_colour_codes_off_a_terminal_and_can_be_json() {
     let dir = tempfile::tempdir().unwrap();
     for (format, check) in [("text", 0), ("json", 1)] {
         let mut child = Command::new(PETREL)
-            .args(["serve", "--log-format", format, "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0"])
+            .args([
+                "serve",
+                "--log-format",
+                format,
+                "--native-addr",
+                "127.0.0.1:0",
+                "--memcache-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "off",
+            ])
             .arg("--data")
             .arg(dir.path().join(format))
             .env("RUST_LOG", "info")
@@ -232,7 +242,7 @@ fn followers_reconnect_when_the_server_comes_back() {
 fn listening_beyond_loopback_without_users_is_warned_about() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(PETREL)
-        .args(["serve", "--native-addr", "0.0.0.0:0", "--memcache-addr", "off", "--data"])
+        .args(["serve", "--native-addr", "0.0.0.0:0", "--memcache-addr", "off", "--http-addr", "off", "--data"])
         .arg(dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

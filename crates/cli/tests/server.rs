@@ -312,7 +312,16 @@ async fn the_unix_socket_serves_the_same_queues() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("petrel.sock");
     let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "127.0.0.1:0", "--data"])
+        .args([
+            "serve",
+            "--native-addr",
+            "127.0.0.1:0",
+            "--memcache-addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "off",
+            "--data",
+        ])
         .arg(dir.path().join("data"))
         .arg("--unix-socket")
         .arg(&socket)
@@ -515,7 +524,7 @@ fn a_second_server_on_the_same_data_directory_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let _first = Server::start(dir.path());
     let second = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--data"])
+        .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off", "--data"])
         .arg(dir.path())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

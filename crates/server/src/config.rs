@@ -24,6 +24,14 @@ pub struct Config {
     pub memcache_addr: Option<SocketAddr>,
     /// Whether the memcache `shutdown` command stops the server (off: any client could).
     pub memcache_shutdown: bool,
+    /// HTTP: Prometheus metrics and health checks (docs/http.md); "off" disables it.
+    #[serde(deserialize_with = "listener")]
+    pub http_addr: Option<SocketAddr>,
+    /// `/metrics` answers without authentication even when authentication is on.
+    pub http_open_metrics: bool,
+    /// `/metrics` has series per queue (8 each); off, only server-wide ones (for servers with
+    /// very many queues).
+    pub metrics_per_queue: bool,
     /// Largest frame accepted (the length field), bytes.
     pub max_frame_bytes: u32,
     /// Largest message (payload + headers) accepted, bytes.
@@ -217,6 +225,7 @@ impl SecurityConfig {
 
 pub const DEFAULT_NATIVE_ADDR: &str = "127.0.0.1:22134";
 pub const DEFAULT_MEMCACHE_ADDR: &str = "127.0.0.1:22133";
+pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:22135";
 
 /// A listener address, or "off".
 pub fn parse_listener(text: &str) -> Result<Option<SocketAddr>, String> {
@@ -238,6 +247,9 @@ impl Default for Config {
             unix_socket: None,
             memcache_addr: Some(DEFAULT_MEMCACHE_ADDR.parse().expect("valid address")),
             memcache_shutdown: false,
+            http_addr: Some(DEFAULT_HTTP_ADDR.parse().expect("valid address")),
+            http_open_metrics: false,
+            metrics_per_queue: true,
             max_frame_bytes: petrel_proto::DEFAULT_MAX_FRAME,
             max_message_bytes: 16 << 20,
             compress_min_bytes: 4096,

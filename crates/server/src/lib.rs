@@ -7,6 +7,7 @@ mod config;
 mod convert;
 #[doc(hidden)]
 pub mod fuzzing;
+mod http;
 mod input;
 #[doc(hidden)]
 pub mod memcache;
@@ -21,7 +22,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-pub use config::{AclConfig, Config, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, SecurityConfig, parse_listener};
+pub use config::{
+    AclConfig, Config, DEFAULT_HTTP_ADDR, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, SecurityConfig, parse_listener,
+};
 use petrel_broker::{Broker, BrokerOptions};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{Notify, watch};
@@ -139,6 +142,7 @@ pub struct Server {
     tcp: TcpListener,
     unix: Option<UnixListener>,
     memcache: Option<TcpListener>,
+    http: Option<TcpListener>,
 }
 
 impl Server {
@@ -186,6 +190,10 @@ impl Server {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
             None => None,
         };
+        let http = match config.http_addr {
+            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
+            None => None,
+        };
         let ctx = Ctx {
             broker: Arc::new(broker),
             config,
@@ -196,7 +204,7 @@ impl Server {
             user_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
             address_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
         };
-        Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache })
+        Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache, http })
     }
 
     pub fn native_addr(&self) -> SocketAddr {
@@ -208,15 +216,20 @@ impl Server {
         Reloader { ctx: Arc::clone(&self.ctx) }
     }
 
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
+    }
+
     pub fn memcache_addr(&self) -> Option<SocketAddr> {
         self.memcache.as_ref().map(|l| l.local_addr().expect("a bound listener has an address"))
     }
 
     /// Serves until `shutdown` completes; then stops accepting, lets requests in flight finish
     /// (up to the configured grace), and closes the broker (syncing durable queues).
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), String> {
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<(), String> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let ctx = Arc::clone(&self.ctx);
+        let http = self.http.take().map(|l| tokio::spawn(http::serve(l, Arc::clone(&ctx), stop_rx.clone())));
         let ticker = {
             let broker = Arc::clone(&ctx.broker);
             let mut stop = stop_rx.clone();
@@ -312,6 +325,9 @@ impl Server {
         }
         let _ = stop_tx.send(true);
         while connections.join_next().await.is_some() {}
+        if let Some(http) = http {
+            let _ = http.await;
+        }
         ticker.abort();
         Ok(())
     }

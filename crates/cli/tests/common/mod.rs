@@ -25,6 +25,8 @@ pub struct Server {
     /// The native protocol's address.
     pub addr: String,
     pub memcache: String,
+    /// The HTTP listener's address (metrics, health checks).
+    pub http: String,
 }
 
 impl Server {
@@ -58,7 +60,16 @@ impl Server {
             None => Command::new(petrel),
         };
         let mut child = command
-            .args(["serve", "--native-addr", native_addr, "--memcache-addr", "127.0.0.1:0", "--data"])
+            .args([
+                "serve",
+                "--native-addr",
+                native_addr,
+                "--memcache-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "127.0.0.1:0",
+            ])
+            .arg("--data")
             .arg(data)
             .args(args)
             .stdout(Stdio::piped())
@@ -72,7 +83,8 @@ impl Server {
         };
         let addr = next("native ");
         let memcache = next("memcache ");
-        Server { child, addr, memcache }
+        let http = next("http ");
+        Server { child, addr, memcache, http }
     }
 
     pub async fn client(&self) -> petrel_client::Client {

@@ -13,6 +13,7 @@ pub async fn server() -> (String, Option<tempfile::TempDir>) {
         data: dir.path().to_path_buf(),
         native_addr: "127.0.0.1:0".parse().unwrap(),
         memcache_addr: None,
+        http_addr: None,
         ..petrel_server::Config::default()
     };
     let server = petrel_server::Server::bind(config).await.expect("server");

@@ -1,0 +1,133 @@
+//! The HTTP listener against the real `petrel serve`: `/metrics` checked by Prometheus's own
+//! `promtool` (Debian's `prometheus` package, installed by the test command) and against what the
+//! test offered and took, the health checks, and authentication.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use petrel_client::{Message, PollOptions, QueueConfig};
+
+mod common;
+use common::Server;
+
+/// One HTTP/1.1 GET: the status code, the headers and the body.
+fn get(addr: &str, path: &str, basic: Option<(&str, &str)>) -> (u16, String, String) {
+    use base64::Engine as _;
+    let mut conn = TcpStream::connect(addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = basic.map_or(String::new(), |(user, password)| {
+        let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        format!("Authorization: Basic {token}\r\n")
+    });
+    write!(conn, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n").unwrap();
+    let mut response = String::new();
+    conn.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("a whole response");
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head.to_owned(), body.to_owned())
+}
+
+/// The value of the sample `series` (name and labels as written) in a scrape.
+fn sample(scrape: &str, series: &str) -> f64 {
+    let line = scrape
+        .lines()
+        .find(|l| l.strip_prefix(series).is_some_and(|rest| rest.starts_with(' ')))
+        .unwrap_or_else(|| panic!("no {series} in\n{scrape}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn metrics_pass_promtool_and_count_what_a_client_did() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+        c.create_queue("scratch", QueueConfig::default()).await.unwrap();
+        c.offer("jobs", vec![Message::new(&b"a"[..]), Message::new(&b"bb"[..]), Message::new(&b"ccc"[..])], None)
+            .await
+            .unwrap();
+        let taken = c.poll("jobs", PollOptions { max: 1, ..PollOptions::default() }).await.unwrap();
+        assert_eq!(taken.len(), 1);
+        let open = c
+            .poll("jobs", PollOptions { max: 1, visibility: Some(Duration::from_secs(60)), ..PollOptions::default() })
+            .await;
+        assert_eq!(open.unwrap().len(), 1);
+
+        let (status, head, scrape) = get(&server.http, "/metrics", None);
+        assert_eq!(status, 200, "{head}");
+        assert_eq!(sample(&scrape, "petrel_queue_offered_total{queue=\"jobs\"}"), 3.0);
+        assert_eq!(sample(&scrape, "petrel_queue_delivered_total{queue=\"jobs\"}"), 2.0);
+        assert_eq!(sample(&scrape, "petrel_queue_messages{queue=\"jobs\"}"), 1.0);
+        assert_eq!(sample(&scrape, "petrel_queue_open_reads{queue=\"jobs\"}"), 1.0);
+        assert_eq!(sample(&scrape, "petrel_queue_offered_total{queue=\"scratch\"}"), 0.0);
+        assert_eq!(sample(&scrape, "petrel_queues"), 2.0);
+        assert!(sample(&scrape, "petrel_connections") >= 1.0);
+        assert!(sample(&scrape, "petrel_received_bytes_total") > 0.0);
+        assert!(sample(&scrape, "petrel_disk_free_bytes") > 0.0);
+
+        // Prometheus's own checker (format and naming conventions).
+        let mut promtool = Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("promtool (Debian package prometheus; scripts/test.sh installs it)");
+        promtool.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
+        let checked = promtool.wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&checked.stdout).into_owned() + &String::from_utf8_lossy(&checked.stderr);
+        assert!(checked.status.success() && said.trim().is_empty(), "promtool: {said}\n{scrape}");
+    });
+    let (status, _, body) = get(&server.http, "/healthz", None);
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+    let (status, _, body) = get(&server.http, "/readyz", None);
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
+    let (status, _, _) = get(&server.http, "/nowhere", None);
+    assert_eq!(status, 404);
+}
+
+#[test]
+fn with_users_metrics_ask_for_a_password_unless_left_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users.toml");
+    let mut add = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["user", "add"])
+        .arg(&users)
+        .arg("ops")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    add.stdin.take().unwrap().write_all(b"s3cret-words\n").unwrap();
+    assert!(add.wait().unwrap().success());
+    for open in [false, true] {
+        let config = dir.path().join("petrel.toml");
+        let text =
+            format!("http_open_metrics = {open}\n[security]\nusers_file = {users:?}\nallow_plaintext_auth = true\n");
+        std::fs::write(&config, text).unwrap();
+        let server =
+            Server::start_with(&dir.path().join(format!("data-{open}")), &["--config", config.to_str().unwrap()]);
+        let (status, head, body) = get(&server.http, "/metrics", None);
+        if open {
+            assert_eq!(status, 200, "{head}");
+        } else {
+            assert_eq!(status, 401, "{head}");
+            assert!(head.to_ascii_lowercase().contains("www-authenticate: basic"), "{head}");
+            assert!(body.contains("\"status\":401"), "{body}");
+            let (status, _, body) = get(&server.http, "/metrics", Some(("ops", "wrong")));
+            assert_eq!(status, 401);
+            assert!(body.contains("reason"), "{body}");
+        }
+        let (status, _, scrape) = get(&server.http, "/metrics", Some(("ops", "s3cret-words")));
+        assert_eq!(status, 200);
+        assert!(scrape.contains("petrel_queues"));
+        // Readiness tells the state of the data: only for users; liveness is for anyone.
+        assert_eq!(get(&server.http, "/readyz", None).0, 401);
+        assert_eq!(get(&server.http, "/readyz", Some(("ops", "s3cret-words"))).0, 200);
+        assert_eq!(get(&server.http, "/healthz", None).0, 200);
+    }
+}
