@@ -12,8 +12,8 @@ use petrel_client::{Message, PollOptions, QueueConfig};
 mod common;
 use common::Server;
 
-/// One HTTP/1.1 GET: the status code, the headers and the body.
-fn get(addr: &str, path: &str, basic: Option<(&str, &str)>) -> (u16, String, String) {
+/// One HTTP/1.1 request: the status code, the headers and the body.
+fn request(method: &str, addr: &str, path: &str, basic: Option<(&str, &str)>, body: &str) -> (u16, String, String) {
     use base64::Engine as _;
     let mut conn = TcpStream::connect(addr).unwrap();
     conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -21,12 +21,25 @@ fn get(addr: &str, path: &str, basic: Option<(&str, &str)>) -> (u16, String, Str
         let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
         format!("Authorization: Basic {token}\r\n")
     });
-    write!(conn, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n").unwrap();
+    let length = body.len();
+    write!(
+        conn,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Length: {length}\r\nConnection: close\r\n\r\n{body}"
+    )
+    .unwrap();
     let mut response = String::new();
     conn.read_to_string(&mut response).unwrap();
     let (head, body) = response.split_once("\r\n\r\n").expect("a whole response");
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     (status, head.to_owned(), body.to_owned())
+}
+
+fn get(addr: &str, path: &str, basic: Option<(&str, &str)>) -> (u16, String, String) {
+    request("GET", addr, path, basic, "")
+}
+
+fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
 
 /// The value of the sample `series` (name and labels as written) in a scrape.
@@ -130,4 +143,91 @@ fn with_users_metrics_ask_for_a_password_unless_left_open() {
         assert_eq!(get(&server.http, "/readyz", Some(("ops", "s3cret-words"))).0, 200);
         assert_eq!(get(&server.http, "/healthz", None).0, 200);
     }
+}
+
+#[test]
+fn the_admin_api_lists_creates_purges_and_removes_queues() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    let (status, _, body) =
+        request("PUT", http, "/api/v1/queues/orders", None, r#"{"durable": true, "max_items": 10}"#);
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(json(&body)["config"]["max_items"], 10);
+    // The same again is fine; another configuration is a conflict.
+    assert_eq!(request("PUT", http, "/api/v1/queues/orders", None, r#"{"durable": true, "max_items": 10}"#).0, 200);
+    let (status, _, body) = request("PUT", http, "/api/v1/queues/orders", None, r#"{"max_items": 3}"#);
+    assert_eq!((status, json(&body)["status"].as_u64()), (409, Some(409)), "{body}");
+    let (status, _, body) = request("PUT", http, "/api/v1/queues/bad", None, r#"{"max_itemz": 3}"#);
+    assert_eq!(status, 400, "{body}");
+    assert!(json(&body)["reason"].as_str().unwrap().contains("max_itemz"), "{body}");
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.offer("orders", vec![Message::new(&b"one"[..]), Message::new(&b"two"[..])], None).await.unwrap();
+    });
+    let (status, _, body) = get(http, "/api/v1/queues/orders", None);
+    assert_eq!(status, 200);
+    let q = json(&body);
+    assert_eq!(
+        (q["messages"].as_u64(), q["offered"].as_u64(), q["bytes"].as_u64()),
+        (Some(2), Some(2), Some(6)),
+        "{body}"
+    );
+    let listed = json(&get(http, "/api/v1/queues", None).2);
+    assert_eq!(listed["queues"].as_array().unwrap().len(), 1);
+    assert_eq!(json(&get(http, "/api/v1/server", None).2)["queues"], 1);
+
+    let (status, _, body) = request("POST", http, "/api/v1/queues/orders/purge", None, "");
+    assert_eq!((status, json(&body)["purged"].as_u64()), (200, Some(2)), "{body}");
+    assert_eq!(json(&get(http, "/api/v1/queues/orders", None).2)["messages"], 0);
+    assert_eq!(request("DELETE", http, "/api/v1/queues/orders", None, "").0, 200);
+    let (status, _, body) = get(http, "/api/v1/queues/orders", None);
+    assert_eq!((status, json(&body)["status"].as_u64()), (404, Some(404)), "{body}");
+    assert!(json(&body)["reason"].as_str().unwrap().contains("orders"), "{body}");
+    let (status, _, body) = get(http, "/api/v1/nothing", None);
+    assert_eq!((status, json(&body)["status"].as_u64()), (404, Some(404)));
+}
+
+#[test]
+fn the_admin_api_follows_each_users_acls() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users.toml");
+    for (name, password, admin) in [("root", "root-pass", true), ("worker", "worker-pass", false)] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_petrel"));
+        cmd.args(["user", "add"]).arg(&users).arg(name);
+        if admin {
+            cmd.arg("--admin");
+        }
+        let mut add = cmd.stdin(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+        add.stdin.take().unwrap().write_all(format!("{password}\n").as_bytes()).unwrap();
+        assert!(add.wait().unwrap().success());
+    }
+    let config = dir.path().join("petrel.toml");
+    let text = format!(
+        "[security]\nusers_file = {users:?}\nallow_plaintext_auth = true\n\
+         [[security.acl]]\nkind = \"queue\"\nname = \"secret\"\nuser = \"worker\"\naccess = \"deny\"\n"
+    );
+    std::fs::write(&config, text).unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let http = server.http.as_str();
+    let root = Some(("root", "root-pass"));
+    let worker = Some(("worker", "worker-pass"));
+    assert_eq!(request("PUT", http, "/api/v1/queues/jobs.a", None, "{}").0, 401);
+    let (status, _, body) = request("PUT", http, "/api/v1/queues/jobs.b", worker, "{}");
+    assert_eq!(status, 403, "an ordinary user may not create a queue: {body}");
+    assert_eq!(request("PUT", http, "/api/v1/queues/jobs.a", root, "{}").0, 201);
+    assert_eq!(request("PUT", http, "/api/v1/queues/secret", root, "{}").0, 201);
+    // Each user sees what its ACLs let it touch.
+    let names = |who| -> Vec<String> {
+        let listed = json(&get(http, "/api/v1/queues", who).2);
+        listed["queues"].as_array().unwrap().iter().map(|q| q["name"].as_str().unwrap().to_owned()).collect()
+    };
+    assert_eq!(names(root), ["jobs.a", "secret"]);
+    assert_eq!(names(worker), ["jobs.a"]);
+    assert_eq!(get(http, "/api/v1/queues/secret", worker).0, 403);
+    assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a", worker, "").0, 403);
+    assert_eq!(request("POST", http, "/api/v1/queues/jobs.a/purge", worker, "").0, 403);
+    assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a", root, "").0, 200);
 }

@@ -1,108 +1,19 @@
-//! The HTTP listener (axum, on the server's runtime): Prometheus metrics and health checks.
-//!
-//! With authentication on, every route but `/healthz` asks for HTTP basic authentication of a
-//! user in the users file (over TLS, or plaintext on loopback when `allow_plaintext_auth` says so,
-//! as the other listeners); `http_open_metrics = true` leaves `/metrics` open to scrapers.
-//! Metrics are read from the broker and the server's counters at each scrape into a fresh
-//! recorder (not a second set of counters to keep in step, and a removed queue's series go with
-//! it), rendered in the Prometheus text format by `metrics-exporter-prometheus`.
+//! `/metrics`: every figure read at the scrape into a fresh recorder (not a second set of
+//! counters to keep in step, and a removed queue's series go with it), rendered in the
+//! Prometheus text format by `metrics-exporter-prometheus`.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
-use axum::Router;
-use axum::extract::{ConnectInfo, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::extract::State;
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use base64::Engine as _;
 use metrics::{Key, KeyName, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
-use tokio::net::TcpListener;
-use tokio::sync::watch;
 
+use super::Ctxt;
 use crate::Ctx;
-use crate::auth::{self, Peer};
 use crate::stats::get as read;
 
-/// Serves HTTP on `listener` until `stop` turns true.
-pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
-    let app = Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .with_state(ctx);
-    let served = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        })
-        .await;
-    if let Err(e) = served {
-        tracing::error!(error = %e, "the HTTP listener stopped");
-    }
-}
-
-type Ctxt = State<Arc<Ctx>>;
-
-/// A JSON error with its status and reason.
-fn refusal(status: StatusCode, reason: impl Into<String>) -> Response {
-    let body = serde_json::json!({ "status": status.as_u16(), "reason": reason.into() });
-    (status, axum::Json(body)).into_response()
-}
-
-/// `Ok` if the request may go on: authentication off, or basic credentials of a known user.
-async fn authenticate(ctx: &Arc<Ctx>, peer: SocketAddr, headers: &HeaderMap) -> Result<(), Response> {
-    if !ctx.broker.auth_enabled() {
-        return Ok(());
-    }
-    let ask = || {
-        let mut r = refusal(StatusCode::UNAUTHORIZED, "authentication required (HTTP basic: a user of the server)");
-        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"petrel\""));
-        r
-    };
-    let credentials = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Basic "))
-        .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64.trim()).ok())
-        .and_then(|raw| String::from_utf8(raw).ok());
-    let Some((user, password)) = credentials.as_deref().and_then(|c| c.split_once(':')) else { return Err(ask()) };
-    let peer = Peer { addr: Some(peer), tls: false, certificate_user: None };
-    match auth::with_password(ctx, &peer, 0, user.to_owned(), password.to_owned()).await {
-        Ok(_) => Ok(()),
-        Err(reason) => {
-            let mut r = ask();
-            *r.body_mut() = axum::body::Body::from(serde_json::json!({ "status": 401, "reason": reason }).to_string());
-            Err(r)
-        }
-    }
-}
-
-async fn readyz(State(ctx): Ctxt, ConnectInfo(peer): ConnectInfo<SocketAddr>, headers: HeaderMap) -> Response {
-    if let Err(r) = authenticate(&ctx, peer, &headers).await {
-        return r;
-    }
-    // The data directory takes a new file: the disk is there, writable and not full.
-    let probe = ctx.config.data.join(".petrel-ready");
-    let written = tokio::task::spawn_blocking(move || {
-        let result = std::fs::write(&probe, b"ready");
-        let _ = std::fs::remove_file(&probe);
-        result
-    })
-    .await;
-    match written {
-        Ok(Ok(())) => "ready\n".into_response(),
-        Ok(Err(e)) => refusal(StatusCode::SERVICE_UNAVAILABLE, format!("the data directory does not take a file: {e}")),
-        Err(e) => refusal(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
-    }
-}
-
-async fn metrics(State(ctx): Ctxt, ConnectInfo(peer): ConnectInfo<SocketAddr>, headers: HeaderMap) -> Response {
-    if !ctx.config.http_open_metrics
-        && let Err(r) = authenticate(&ctx, peer, &headers).await
-    {
-        return r;
-    }
+/// `/metrics` (the router asks for a user first, unless `http_open_metrics`).
+pub(super) async fn scrape(State(ctx): Ctxt) -> Response {
     let scrape = Scrape::new();
     scrape.collect(&ctx);
     let kind = "text/plain; version=0.0.4; charset=utf-8";

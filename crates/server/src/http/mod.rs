@@ -1,0 +1,121 @@
+//! The HTTP listener (axum, on the server's runtime): Prometheus metrics (`metrics.rs`), the JSON
+//! admin API (`api.rs`) and health checks. Routes and examples: docs/http.md.
+//!
+//! With authentication on, every route but `/healthz` asks for HTTP basic authentication of a
+//! user in the users file (over TLS, or plaintext on loopback when `allow_plaintext_auth` says so,
+//! as the other listeners), and that user's ACLs decide what the API shows and changes;
+//! `http_open_metrics = true` leaves `/metrics` open to scrapers.
+
+mod api;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, FromRequestParts, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use base64::Engine as _;
+use petrel_broker::security::Principal;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::Ctx;
+use crate::auth::{self, Peer};
+
+/// Serves HTTP on `listener` until `stop` turns true.
+pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
+    let metrics = if ctx.config.http_open_metrics {
+        get(metrics::scrape)
+    } else {
+        get(|_: Caller, ctx: Ctxt| metrics::scrape(ctx))
+    };
+    let app = Router::new()
+        .route("/metrics", metrics)
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/api/v1/server", get(api::server))
+        .route("/api/v1/queues", get(api::queues))
+        .route("/api/v1/queues/{name}", get(api::queue).put(api::create_queue).delete(api::remove_queue))
+        .route("/api/v1/queues/{name}/purge", post(api::purge_queue))
+        .route("/api/v1/topics", get(api::topics))
+        .fallback(api::not_found)
+        .with_state(ctx);
+    let served = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+    if let Err(e) = served {
+        tracing::error!(error = %e, "the HTTP listener stopped");
+    }
+}
+
+type Ctxt = State<Arc<Ctx>>;
+
+/// A JSON error with its status and reason.
+fn refusal(status: StatusCode, reason: impl Into<String>) -> Response {
+    let body = serde_json::json!({ "status": status.as_u16(), "reason": reason.into() });
+    (status, axum::Json(body)).into_response()
+}
+
+/// Who makes a request: `None` with authentication off; a request without valid credentials is
+/// answered `401` before its handler runs.
+pub(crate) struct Caller(pub Option<Principal>);
+
+impl FromRequestParts<Arc<Ctx>> for Caller {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, ctx: &Arc<Ctx>) -> Result<Caller, Response> {
+        let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>().map(|c| c.0);
+        authenticate(ctx, peer, &parts.headers).await.map(Caller)
+    }
+}
+
+async fn authenticate(
+    ctx: &Arc<Ctx>,
+    peer: Option<SocketAddr>,
+    headers: &HeaderMap,
+) -> Result<Option<Principal>, Response> {
+    if !ctx.broker.auth_enabled() {
+        return Ok(None);
+    }
+    let ask = |reason: &str| {
+        let mut r = refusal(StatusCode::UNAUTHORIZED, reason);
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"petrel\""));
+        r
+    };
+    let credentials = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64.trim()).ok())
+        .and_then(|raw| String::from_utf8(raw).ok());
+    let Some((user, password)) = credentials.as_deref().and_then(|c| c.split_once(':')) else {
+        return Err(ask("authentication required (HTTP basic: a user of the server)"));
+    };
+    let peer = Peer { addr: peer, tls: false, certificate_user: None };
+    match auth::with_password(ctx, &peer, 0, user.to_owned(), password.to_owned()).await {
+        Ok(authenticated) => Ok(Some(authenticated.principal.clone())),
+        Err(reason) => Err(ask(&reason)),
+    }
+}
+
+async fn readyz(State(ctx): Ctxt, _: Caller) -> Response {
+    // The data directory takes a new file: the disk is there, writable and not full.
+    let probe = ctx.config.data.join(".petrel-ready");
+    let written = tokio::task::spawn_blocking(move || {
+        let result = std::fs::write(&probe, b"ready");
+        let _ = std::fs::remove_file(&probe);
+        result
+    })
+    .await;
+    match written {
+        Ok(Ok(())) => "ready\n".into_response(),
+        Ok(Err(e)) => refusal(StatusCode::SERVICE_UNAVAILABLE, format!("the data directory does not take a file: {e}")),
+        Err(e) => refusal(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
