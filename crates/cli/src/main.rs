@@ -11,6 +11,7 @@ mod output;
 mod progress;
 mod pubsub_cmd;
 mod server_cmd;
+mod stat_cmd;
 mod user_cmd;
 
 use std::path::PathBuf;
@@ -61,6 +62,8 @@ enum Command {
     Call(pubsub_cmd::CallArgs),
     /// Serve a function from the command line: answer calls with a command's output.
     Reply(pubsub_cmd::ReplyArgs),
+    /// A live view of the server's queues: depth, rates in and out, open reads.
+    Stat(stat_cmd::StatArgs),
     /// Add, remove and list the users of a users file; change a password.
     #[command(subcommand)]
     User(user_cmd::UserCommand),
@@ -88,6 +91,7 @@ fn main() -> ExitCode {
         Command::Topic(cmd) => pubsub_cmd::topic(cmd),
         Command::Call(args) => pubsub_cmd::call(args),
         Command::Reply(args) => pubsub_cmd::reply(args),
+        Command::Stat(args) => stat_cmd::stat(args),
         Command::User(cmd) => user_cmd::user(cmd),
         Command::Cert(cmd) => user_cmd::cert(cmd),
     };

@@ -231,3 +231,45 @@ fn the_admin_api_follows_each_users_acls() {
     assert_eq!(request("POST", http, "/api/v1/queues/jobs.a/purge", worker, "").0, 403);
     assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a", root, "").0, 200);
 }
+
+#[test]
+fn petrel_stat_once_json_matches_the_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    assert_eq!(request("PUT", http, "/api/v1/queues/a", None, r#"{"durable": true}"#).0, 201);
+    assert_eq!(request("PUT", http, "/api/v1/queues/b", None, "{}").0, 201);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.offer("a", vec![Message::new(&b"xyz"[..]); 5], None).await.unwrap();
+        c.offer("b", vec![Message::new(&b"q"[..]); 2], None).await.unwrap();
+        let open = PollOptions { max: 2, visibility: Some(Duration::from_secs(60)), ..PollOptions::default() };
+        assert_eq!(c.poll("a", open).await.unwrap().len(), 2);
+        // The open reads stay open while the connection lives: keep it through both reads.
+        let output = Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["stat", "--once", "--json", "--server", &server.addr])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let stat = json(&String::from_utf8(output.stdout).unwrap());
+        let api = json(&get(http, "/api/v1/queues", None).2);
+        let (stat, api) = (stat["queues"].as_array().unwrap(), api["queues"].as_array().unwrap());
+        assert_eq!(stat.len(), 2);
+        assert_eq!(stat.len(), api.len());
+        for (s, a) in stat.iter().zip(api) {
+            for field in
+                ["name", "messages", "bytes", "open_reads", "waiters", "offered", "delivered", "expired", "dropped"]
+            {
+                assert_eq!(s[field], a[field], "{field}: stat {s} api {a}");
+            }
+        }
+        assert_eq!((stat[0]["messages"].as_u64(), stat[0]["open_reads"].as_u64()), (Some(3), Some(2)));
+        drop(c);
+    });
+    // The table form names every queue.
+    let output =
+        Command::new(env!("CARGO_BIN_EXE_petrel")).args(["stat", "--once", "--server", &server.addr]).output().unwrap();
+    let table = String::from_utf8(output.stdout).unwrap();
+    assert!(table.starts_with("queue") && table.lines().count() == 3, "{table}");
+}
