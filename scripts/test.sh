@@ -9,13 +9,19 @@ cargo --version
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
 echo "== system packages the tests use"
-# promtool (Debian's prometheus) checks the server's /metrics.
-if ! command -v promtool >/dev/null; then
+# promtool (Debian's prometheus) checks the server's /metrics; a headless Chromium and its
+# driver load the dashboard (tests/dashboard).
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
+if [ "${#missing[@]}" -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get install -y -q --no-install-recommends prometheus >/dev/null \
-    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+  $sudo apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
 fi
 promtool --version | head -n 1
+chromium --version
 
 echo "== format and lints"
 cargo fmt --all -- --check
@@ -24,7 +30,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== tests"
 cargo test --workspace --locked
 
-echo "== memcache protocol with an off-the-shelf client (pymemcache)"
+echo "== Python tests: memcache with an off-the-shelf client (pymemcache), the dashboard in Chromium"
 if [ ! -x target/pyenv/bin/python ]; then
   python3.11 -m venv target/pyenv 2>/dev/null || python3 -m venv target/pyenv
 fi

@@ -135,10 +135,14 @@ def test_stats_name_what_kestrel_names(server):
     c.set("s", b"de")
     assert c.get("s") == b"abc"
     stats = c.stats()
-    for name in ("uptime", "time", "version", "curr_items", "total_items", "bytes", "curr_connections",
-                 "total_connections", "cmd_get", "cmd_set", "cmd_peek", "get_hits", "get_misses",
-                 "bytes_read", "bytes_written"):
+    for name in ("uptime", "time", "version", "curr_items", "total_items", "bytes", "reserved_memory_ratio",
+                 "curr_connections", "total_connections", "cmd_get", "cmd_set", "cmd_peek", "get_hits",
+                 "get_misses", "bytes_read", "bytes_written", "queue_creates", "queue_deletes", "queue_expires"):
         assert name.encode() in stats, name
+    for name in ("items", "bytes", "total_items", "logsize", "expired_items", "mem_items", "mem_bytes", "age",
+                 "discarded", "waiters", "open_transactions", "transactions", "canceled_transactions",
+                 "total_flushes", "journal_rewrites", "journal_rotations"):
+        assert b"queue_s_" + name.encode() in stats, name
     assert stats[b"queue_s_items"] == 1
     assert stats[b"queue_s_bytes"] == 2
     assert stats[b"queue_s_total_items"] == 2

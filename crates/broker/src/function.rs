@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
@@ -40,14 +41,65 @@ enum Server {
     Local(LocalHandler),
 }
 
+/// A function's figures, kept while anything serves it (counting again from zero if it is
+/// served again after none did).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FunctionStats {
+    /// Calls routed to a server.
+    pub calls: u64,
+    /// Calls answered with a handler error, failed by their server going away, or refused
+    /// because every server was busy.
+    pub errors: u64,
+    /// Calls that got no reply before their deadline.
+    pub timeouts: u64,
+}
+
+/// A served function: who serves it and its figures.
+#[derive(Clone, Debug)]
+pub struct FunctionStatus {
+    pub name: String,
+    /// The connections serving it; `None` for a server in this process.
+    pub servers: Vec<Option<ConnId>>,
+    /// Calls handed to a server and not yet answered.
+    pub waiting: u64,
+    pub stats: FunctionStats,
+}
+
+/// Told the function's name and how long each answered call took (a server's latency histogram).
+#[derive(Clone, Default)]
+pub struct CallObserver(Option<Arc<ObserveCall>>);
+
+type ObserveCall = dyn Fn(&str, Duration) + Send + Sync;
+
+impl CallObserver {
+    pub fn new(observe: impl Fn(&str, Duration) + Send + Sync + 'static) -> CallObserver {
+        CallObserver(Some(Arc::new(observe)))
+    }
+
+    fn observe(&self, function: &str, took: Duration) {
+        if let Some(observe) = &self.0 {
+            observe(function, took);
+        }
+    }
+}
+
+impl std::fmt::Debug for CallObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "CallObserver(set)" } else { "CallObserver(none)" })
+    }
+}
+
 #[derive(Default)]
 struct Servers {
     list: Vec<Server>,
     next: usize,
+    stats: FunctionStats,
 }
 
 struct Waiting {
+    function: String,
     server: ConnId,
+    started: Instant,
     deadline: u64,
     reply: Replier,
 }
@@ -56,9 +108,62 @@ struct Waiting {
 pub(crate) struct Functions {
     servers: Mutex<HashMap<String, Servers>>,
     waiting: Mutex<HashMap<u64, Waiting>>,
+    observer: CallObserver,
+}
+
+/// What became of a call, for the function's figures.
+#[derive(Clone, Copy)]
+enum Outcome {
+    Replied,
+    Failed,
+    TimedOut,
 }
 
 impl Functions {
+    pub(crate) fn new(observer: CallObserver) -> Functions {
+        Functions { observer, ..Functions::default() }
+    }
+
+    /// Every served function, by name.
+    pub(crate) fn list(&self) -> Vec<FunctionStatus> {
+        let servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
+        let waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let mut list: Vec<FunctionStatus> = servers
+            .iter()
+            .map(|(name, s)| FunctionStatus {
+                name: name.clone(),
+                servers: s
+                    .list
+                    .iter()
+                    .map(|server| match server {
+                        Server::Remote { conn, .. } => Some(*conn),
+                        Server::Local(_) => None,
+                    })
+                    .collect(),
+                waiting: waiting.values().filter(|w| &w.function == name).count() as u64,
+                stats: s.stats,
+            })
+            .collect();
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+        list
+    }
+
+    /// Counts a call's outcome in its function's figures (gone if nothing serves it any more).
+    fn settle(&self, function: &str, outcome: Outcome, took: Option<Duration>) {
+        let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = servers.get_mut(function) {
+            match outcome {
+                Outcome::Replied => {}
+                Outcome::Failed => s.stats.errors += 1,
+                Outcome::TimedOut => s.stats.timeouts += 1,
+            }
+        }
+        drop(servers);
+        if let Some(took) = took {
+            self.observer.observe(function, took);
+        }
+    }
+
     pub(crate) fn serve_remote(&self, function: &str, conn: ConnId, invocations: mpsc::Sender<Invocation>) {
         let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
         let entry = servers.entry(function.to_owned()).or_default();
@@ -84,6 +189,7 @@ impl Functions {
         drop(servers);
         if function.is_none() {
             for w in self.take_waiting(|w| w.server == conn) {
+                self.settle(&w.function, Outcome::Failed, None);
                 (w.reply)(Err(BrokerError::Handler("the function's server disconnected".into())));
             }
         }
@@ -92,6 +198,7 @@ impl Functions {
     /// Calls whose deadline passed are answered `Timeout`.
     pub(crate) fn expire(&self, now: u64) {
         for w in self.take_waiting(|w| w.deadline <= now) {
+            self.settle(&w.function, Outcome::TimedOut, None);
             (w.reply)(Err(BrokerError::Timeout("no reply before the call's deadline".into())));
         }
     }
@@ -116,6 +223,7 @@ impl Functions {
         let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
         let not_found = || BrokerError::FunctionNotFound(function.to_owned());
         let entry = servers.get_mut(function).ok_or_else(not_found)?;
+        entry.stats.calls += 1;
         let mut message = Some(message);
         let mut reply = Some(reply);
         // Round robin; a server whose channel is full or closed is skipped.
@@ -126,7 +234,11 @@ impl Functions {
                 Server::Local(handler) => {
                     let handler = Arc::clone(handler);
                     drop(servers);
-                    let answer = handler(message.take().expect("not yet sent")).map_err(BrokerError::Handler)?;
+                    let started = Instant::now();
+                    let answer = handler(message.take().expect("not yet sent"));
+                    let outcome = if answer.is_ok() { Outcome::Replied } else { Outcome::Failed };
+                    self.settle(function, outcome, Some(started.elapsed()));
+                    let answer = answer.map_err(BrokerError::Handler)?;
                     return Ok((if oneway { Called::Sent } else { Called::Replied(Box::new(answer)) }, None));
                 }
                 Server::Remote { conn, invocations } => {
@@ -139,7 +251,14 @@ impl Functions {
                     if !oneway {
                         let (r, deadline) = reply.take().expect("registered once");
                         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-                        waiting.insert(call, Waiting { server: *conn, deadline, reply: r });
+                        let w = Waiting {
+                            function: function.to_owned(),
+                            server: *conn,
+                            started: Instant::now(),
+                            deadline,
+                            reply: r,
+                        };
+                        waiting.insert(call, w);
                     }
                     match invocations.try_send(invocation) {
                         Ok(()) => {
@@ -156,6 +275,7 @@ impl Functions {
                 }
             }
         }
+        entry.stats.errors += 1;
         Err(BrokerError::Handler(format!("every server of {function} is busy or gone")))
     }
     /// A server answered `call`; `false` if no caller waits for it (timed out, or not its call).
@@ -165,6 +285,8 @@ impl Functions {
             Some(w) if w.server == conn => {
                 let w = waiting.remove(&call).expect("just seen");
                 drop(waiting);
+                let outcome = if result.is_ok() { Outcome::Replied } else { Outcome::Failed };
+                self.settle(&w.function, outcome, Some(w.started.elapsed()));
                 (w.reply)(result.map(|m| Message { kind: 2, ..m }).map_err(BrokerError::Handler));
                 true
             }

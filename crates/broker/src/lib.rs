@@ -25,11 +25,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 pub use config::QueueConfig;
-pub use function::{Called, Invocation, LocalHandler, Replier};
+pub use function::{CallObserver, Called, FunctionStats, FunctionStatus, Invocation, LocalHandler, Replier};
 pub use message::Message;
 pub use petrel_log::SeekTo;
 pub use queue::{Delivery, MemoryBudget, MemoryHold, Polled, Queue, QueueStats, Waiting};
-pub use topic::{Delivered, Ended, GroupReader, Subscription, Topic, TopicStats};
+pub use topic::{Delivered, Ended, GroupReader, GroupStatus, Subscription, Topic, TopicStats};
 
 use security::{Action, Kind, Principal, Security};
 
@@ -138,6 +138,10 @@ pub struct BrokerOptions {
     /// mapped pages (0: no limit); past it the least recently used segments give their pages
     /// back (to the page cache: nothing is lost, a later read faults them in again).
     pub max_resident_bytes: u64,
+    /// Told the duration of every data sync of a durable log (the server's fsync histogram).
+    pub on_sync: petrel_log::SyncObserver,
+    /// Told each answered function call's duration (the server's latency histogram).
+    pub on_call: CallObserver,
 }
 
 impl Default for BrokerOptions {
@@ -156,6 +160,8 @@ impl Default for BrokerOptions {
             max_queues: 0,
             max_memory_bytes: 0,
             max_resident_bytes: petrel_log::DEFAULT_PAGE_BUDGET_BYTES,
+            on_sync: petrel_log::SyncObserver::default(),
+            on_call: CallObserver::default(),
             memory_queue_max_bytes: 0,
             max_subscriber_bytes: 64 << 20,
         }
@@ -263,6 +269,7 @@ impl Broker {
         options.queue_defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))?;
         let memory = Arc::new(MemoryBudget::new(options.max_memory_bytes));
         let pages = petrel_log::PageBudget::new(options.max_resident_bytes);
+        let on_call = options.on_call.clone();
         let broker = Broker {
             dir,
             _lock: lock,
@@ -275,7 +282,7 @@ impl Broker {
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
             topics: RwLock::new(HashMap::new()),
-            functions: function::Functions::default(),
+            functions: function::Functions::new(on_call),
             security: RwLock::new(None),
             denials: AtomicU64::new(0),
             created_by: Mutex::new(CreatedBy::default()),
@@ -346,6 +353,7 @@ impl Broker {
                 // The data directory's lock (held by the broker) covers every log in it.
                 lock_directory: false,
                 page_budget: self.pages.clone(),
+                on_sync: self.options.on_sync.clone(),
                 ..Options::default()
             };
             let log = Log::open(self.dir.join("queues").join(&name), options)?.into_shared();
@@ -633,6 +641,7 @@ impl Broker {
             },
             lock_directory: false, // as for queues: the data directory's lock covers it
             page_budget: self.pages.clone(),
+            on_sync: self.options.on_sync.clone(),
             ..Options::default()
         };
         Ok(Log::open(self.dir.join("topics").join(name), options)?.into_shared())
@@ -724,6 +733,11 @@ impl Broker {
     }
 
     /// A closure in this process serves calls of `function` (the embedded use).
+    /// Every function served now: its servers and figures.
+    pub fn functions(&self) -> Vec<FunctionStatus> {
+        self.functions.list()
+    }
+
     pub fn serve_local(&self, function: &str, handler: LocalHandler) {
         self.functions.serve_local(function, handler);
     }

@@ -31,6 +31,8 @@ pub struct QueueStats {
     pub opened: u64,
     /// Tentative reads returned to the queue (abort, visibility timeout, disconnect).
     pub aborted: u64,
+    /// Tentative reads acknowledged (messages taken for good are not counted here).
+    pub acked: u64,
     pub flushes: u64,
     /// When the message most recently taken from the queue was offered, ns (0: none yet).
     pub last_taken_offered_at: u64,
@@ -328,6 +330,23 @@ impl Queue {
         }
     }
 
+    /// A durable queue's log figures (segments, their bytes, rolls, retention passes); `None`
+    /// in memory.
+    pub fn log_stats(&self) -> Option<petrel_log::LogStats> {
+        match &self.lock().store {
+            Store::Memory { .. } => None,
+            Store::Log { log, .. } => Some(log.stats()),
+        }
+    }
+
+    /// In memory: the bytes this queue may hold at most (its `max_bytes`, else the server's
+    /// default for memory queues; 0: no cap of its own, only the server's budget). `None` for a
+    /// durable queue, whose messages are in its log's mapped segments.
+    pub fn memory_cap(&self) -> Option<u64> {
+        let (_, default) = self.memory.as_ref()?;
+        Some(if self.config.max_bytes != 0 { self.config.max_bytes } else { *default })
+    }
+
     pub(crate) fn count_dropped(&self, n: u64) {
         self.lock().counters.dropped += n;
     }
@@ -515,6 +534,7 @@ impl Queue {
                 let f = inner.in_flight.remove(h).expect("just seen");
                 inner.settle(&f.item)?;
                 inner.bytes -= f.bytes;
+                inner.counters.acked += 1;
                 n += 1;
             }
         }

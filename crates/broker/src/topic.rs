@@ -122,6 +122,20 @@ impl Drop for Subscription {
     }
 }
 
+/// Where a durable topic's consumer group stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupStatus {
+    pub name: String,
+    /// The lowest offset not yet acknowledged (a message's id is its offset + 1).
+    pub committed: u64,
+    /// The offset the topic's next message will get.
+    pub next_offset: u64,
+    /// Messages from `committed` on: not yet acknowledged by the group, delivered or not.
+    pub lag: u64,
+    /// A subscriber reads through the group now.
+    pub open: bool,
+}
+
 /// A topic's figures.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TopicStats {
@@ -245,6 +259,59 @@ impl Topic {
             g.seek(to)?;
         }
         Ok(GroupReader { group: g, topic: self.name.clone(), appended: Arc::clone(&self.appended) })
+    }
+
+    /// A durable topic's consumer groups (none for a topic without a log).
+    pub fn groups(&self) -> Vec<GroupStatus> {
+        let Some(log) = &self.log else { return Vec::new() };
+        let next_offset = log.next_offset();
+        log.groups()
+            .into_iter()
+            .map(|g| GroupStatus {
+                lag: next_offset.saturating_sub(g.committed),
+                name: g.name,
+                committed: g.committed,
+                next_offset,
+                open: g.open,
+            })
+            .collect()
+    }
+
+    /// Moves an existing group (not subscribed now) to `to`: what comes before counts as
+    /// acknowledged, what comes after as never delivered. Returns the offset it now stands at.
+    pub fn reset_group(&self, group: &str, to: SeekTo) -> Result<u64, BrokerError> {
+        let log = self.log_of_groups()?;
+        match log.groups().iter().find(|g| g.name == group) {
+            None => return Err(BrokerError::NotFound(format!("topic {} has no consumer group {group}", self.name))),
+            Some(g) if g.open => return Err(self.group_in_use(group)),
+            Some(_) => {}
+        }
+        let options = GroupOptions { start: SeekTo::Newest, ..GroupOptions::default() };
+        let mut g = log.group(group, options).map_err(|e| match e {
+            petrel_log::Error::GroupInUse(_) => self.group_in_use(group),
+            e => e.into(),
+        })?;
+        Ok(g.seek(to)?)
+    }
+
+    /// Deletes a group (not while subscribed): its position is forgotten.
+    pub fn remove_group(&self, group: &str) -> Result<(), BrokerError> {
+        let log = self.log_of_groups()?;
+        match log.groups().iter().find(|g| g.name == group) {
+            None => Err(BrokerError::NotFound(format!("topic {} has no consumer group {group}", self.name))),
+            Some(g) if g.open => Err(self.group_in_use(group)),
+            Some(_) => Ok(log.delete_group(group)?),
+        }
+    }
+
+    fn log_of_groups(&self) -> Result<&SharedLog, BrokerError> {
+        self.log.as_ref().ok_or_else(|| {
+            BrokerError::BadRequest(format!("topic {} is not durable: it has no consumer groups", self.name))
+        })
+    }
+
+    fn group_in_use(&self, group: &str) -> BrokerError {
+        BrokerError::Exists(format!("consumer group {group} of topic {} is subscribed now", self.name))
     }
 
     /// Removes subscriptions matching `which`; they end for `reason` if given.

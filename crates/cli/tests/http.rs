@@ -51,10 +51,26 @@ fn sample(scrape: &str, series: &str) -> f64 {
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
+/// Prometheus's own checker (format and naming conventions) finds nothing to say.
+fn promtool_check(scrape: &str) {
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package prometheus; scripts/test.sh installs it)");
+    promtool.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
+    let checked = promtool.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&checked.stdout).into_owned() + &String::from_utf8_lossy(&checked.stderr);
+    assert!(checked.status.success() && said.trim().is_empty(), "promtool: {said}\n{scrape}");
+}
+
 #[test]
 fn metrics_pass_promtool_and_count_what_a_client_did() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("data"));
+    // Durable offers synced before they are answered: the fsync histogram has them.
+    let server = Server::start_with(&dir.path().join("data"), &["--durability", "always"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = server.client().await;
@@ -81,19 +97,10 @@ fn metrics_pass_promtool_and_count_what_a_client_did() {
         assert!(sample(&scrape, "petrel_connections") >= 1.0);
         assert!(sample(&scrape, "petrel_received_bytes_total") > 0.0);
         assert!(sample(&scrape, "petrel_disk_free_bytes") > 0.0);
+        assert!(sample(&scrape, "petrel_fsync_duration_seconds_count") >= 1.0, "{scrape}");
+        assert!(sample(&scrape, "petrel_fsync_duration_seconds_bucket{le=\"+Inf\"}") >= 1.0);
 
-        // Prometheus's own checker (format and naming conventions).
-        let mut promtool = Command::new("promtool")
-            .args(["check", "metrics"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("promtool (Debian package prometheus; scripts/test.sh installs it)");
-        promtool.stdin.take().unwrap().write_all(scrape.as_bytes()).unwrap();
-        let checked = promtool.wait_with_output().unwrap();
-        let said = String::from_utf8_lossy(&checked.stdout).into_owned() + &String::from_utf8_lossy(&checked.stderr);
-        assert!(checked.status.success() && said.trim().is_empty(), "promtool: {said}\n{scrape}");
+        promtool_check(&scrape);
     });
     let (status, _, body) = get(&server.http, "/healthz", None);
     assert_eq!((status, body.as_str()), (200, "ok\n"));
@@ -272,4 +279,160 @@ fn petrel_stat_once_json_matches_the_api() {
         Command::new(env!("CARGO_BIN_EXE_petrel")).args(["stat", "--once", "--server", &server.addr]).output().unwrap();
     let table = String::from_utf8(output.stdout).unwrap();
     assert!(table.starts_with("queue") && table.lines().count() == 3, "{table}");
+}
+
+/// Retries `check` for a few seconds: the server settles some figures just after it answers (a
+/// subscription's group is let go when its end is processed, samples come once a second).
+fn eventually(what: &str, mut check: impl FnMut() -> Result<(), String>) {
+    let mut last = String::new();
+    for _ in 0..100 {
+        match check() {
+            Ok(()) => return,
+            Err(e) => last = e,
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{what}: {last}");
+}
+
+#[test]
+fn the_admin_api_shows_and_moves_consumer_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    let (status, _, body) = request("PUT", http, "/api/v1/topics/events", None, r#"{"durable": true}"#);
+    assert_eq!(status, 201, "{body}");
+    assert_eq!(request("PUT", http, "/api/v1/topics/events", None, r#"{"durable": true}"#).0, 200);
+    assert_eq!(request("PUT", http, "/api/v1/topics/events", None, "{}").0, 409, "another kind of topic");
+    assert_eq!(request("PUT", http, "/api/v1/topics/news", None, r#"{"durabel": true}"#).0, 400);
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let c = rt.block_on(server.client());
+    rt.block_on(async {
+        let five = (1..=5).map(|i| Message::new(format!("event {i}").into_bytes())).collect();
+        c.publish("events", five).await.unwrap();
+        let mut sub = c.subscribe_group("events", "billing", petrel_client::StartFrom::Oldest, 10).await.unwrap();
+        let mut ids = Vec::new();
+        for _ in 0..5 {
+            ids.push(sub.next().await.unwrap().unwrap().id);
+        }
+        assert_eq!(sub.ack(&ids[..2]).await.unwrap(), 2);
+        // While subscribed, the group is not moved under its reader.
+        let (status, _, body) =
+            request("PUT", http, "/api/v1/topics/events/groups/billing/reset", None, r#"{"to": "oldest"}"#);
+        assert_eq!(status, 409, "{body}");
+        sub.unsubscribe().await.unwrap();
+    });
+    let group = |path: &str| -> serde_json::Value {
+        let topic = json(&get(http, path, None).2);
+        topic["groups"].as_array().unwrap().iter().find(|g| g["name"] == "billing").cloned().unwrap_or_default()
+    };
+    eventually("the group is let go, 2 of 5 acknowledged", || {
+        let g = group("/api/v1/topics/events");
+        let seen = (g["committed"].as_u64(), g["lag"].as_u64(), g["open"].as_bool());
+        if seen == (Some(2), Some(3), Some(false)) { Ok(()) } else { Err(g.to_string()) }
+    });
+    let scrape = get(http, "/metrics", None).2;
+    assert_eq!(sample(&scrape, "petrel_group_lag_messages{topic=\"events\",group=\"billing\"}"), 3.0);
+    let listed = json(&get(http, "/api/v1/topics", None).2);
+    assert_eq!(listed["topics"][0]["groups"][0]["lag"], 3, "{listed}");
+
+    let reset = |body: &str| request("PUT", http, "/api/v1/topics/events/groups/billing/reset", None, body);
+    assert_eq!(reset(r#"{"to": "oldest"}"#).0, 200);
+    assert_eq!(group("/api/v1/topics/events")["lag"], 5);
+    assert_eq!(reset(r#"{"offset": 4}"#).0, 200);
+    assert_eq!(group("/api/v1/topics/events")["lag"], 1);
+    assert_eq!(reset(r#"{"to": "newest"}"#).0, 200);
+    assert_eq!(group("/api/v1/topics/events")["lag"], 0);
+    assert_eq!(reset(r#"{"time_ms": 0}"#).0, 200, "before every message: the oldest");
+    assert_eq!(group("/api/v1/topics/events")["lag"], 5);
+    let (status, _, body) = reset(r#"{"to": "middle"}"#);
+    assert_eq!(status, 400, "{body}");
+    let (status, _, body) = reset(r#"{"to": "oldest", "offset": 1}"#);
+    assert_eq!(status, 400, "one position at a time: {body}");
+    let (status, _, body) =
+        request("PUT", http, "/api/v1/topics/events/groups/nobody/reset", None, r#"{"to": "oldest"}"#);
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(request("PUT", http, "/api/v1/topics/ghost/groups/billing/reset", None, r#"{"to": "oldest"}"#).0, 404);
+    // The group's new place is where a subscriber resuming it starts.
+    rt.block_on(async {
+        let mut sub = c.subscribe_group("events", "billing", petrel_client::StartFrom::Resume, 10).await.unwrap();
+        let first = sub.next().await.unwrap().unwrap();
+        assert_eq!(&first.payload[..], b"event 1");
+        sub.unsubscribe().await.unwrap();
+    });
+    eventually("the group is let go again", || {
+        let (status, _, body) = request("DELETE", http, "/api/v1/topics/events/groups/billing", None, "");
+        if status == 200 { Ok(()) } else { Err(body) }
+    });
+    assert!(group("/api/v1/topics/events").is_null(), "the group is gone");
+    assert_eq!(request("DELETE", http, "/api/v1/topics/events", None, "").0, 200);
+    assert_eq!(get(http, "/api/v1/topics/events", None).0, 404);
+}
+
+#[test]
+fn the_admin_api_shows_connections_functions_and_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    assert_eq!(request("PUT", http, "/api/v1/queues/jobs", None, "").0, 201);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let c = rt.block_on(server.client());
+    rt.block_on(async {
+        c.serve("double", |m: Message| async move {
+            if &m.payload[..] == b"fail" {
+                return Err("no".to_owned());
+            }
+            Ok(Message::new([m.payload.clone(), m.payload].concat()))
+        })
+        .await
+        .unwrap();
+        let caller = server.client().await;
+        for payload in ["ab", "cd", "fail"] {
+            let _ = caller.call("double", Message::new(payload.as_bytes().to_vec()), None).await;
+        }
+        caller.offer("jobs", vec![Message::new(&b"x"[..]); 3], None).await.unwrap();
+        drop(caller);
+    });
+    let functions = json(&get(http, "/api/v1/functions", None).2);
+    let f = &functions["functions"][0];
+    assert_eq!((f["name"].as_str(), f["calls"].as_u64(), f["errors"].as_u64()), (Some("double"), Some(3), Some(1)));
+    assert_eq!(f["servers"].as_array().unwrap().len(), 1, "{functions}");
+    let scrape = get(http, "/metrics", None).2;
+    assert_eq!(sample(&scrape, "petrel_function_calls_total{function=\"double\"}"), 3.0);
+    assert_eq!(sample(&scrape, "petrel_function_errors_total{function=\"double\"}"), 1.0);
+    assert_eq!(sample(&scrape, "petrel_function_duration_seconds_count{function=\"double\"}"), 3.0);
+    assert_eq!(sample(&scrape, "petrel_requests_total{protocol=\"native\",command=\"call\"}"), 3.0);
+    assert_eq!(sample(&scrape, "petrel_requests_total{protocol=\"native\",command=\"offer\"}"), 1.0);
+    promtool_check(&scrape);
+
+    // The serving connection is listed with what it did; the caller's is gone.
+    eventually("one native connection left", || {
+        let listed = json(&get(http, "/api/v1/connections", None).2);
+        let all = listed["connections"].as_array().unwrap().clone();
+        let native: Vec<_> = all.iter().filter(|c| c["protocol"] == "native").collect();
+        if native.len() != 1 {
+            return Err(listed.to_string());
+        }
+        let n = native[0];
+        assert!(n["requests"].as_u64().unwrap() >= 3, "HELLO, SERVE and the three RETURNs: {n}");
+        assert!(n["received_bytes"].as_u64().unwrap() > 0 && n["sent_bytes"].as_u64().unwrap() > 0, "{n}");
+        assert!(n["peer"].as_str().unwrap().starts_with("127.0.0.1:"), "{n}");
+        assert!(n["user"].is_null() && n["tls"] == false, "{n}");
+        Ok(())
+    });
+
+    // A sample a second: the offered total grows with the offers, and does not fall back
+    // when a queue (and its counters) goes.
+    eventually("a sample with the three offers", || {
+        let s = json(&get(http, "/api/v1/samples", None).2);
+        let last = s["samples"].as_array().unwrap().last().cloned().unwrap_or_default();
+        if last["offered"] == 3 && last["messages"] == 3 { Ok(()) } else { Err(s.to_string()) }
+    });
+    assert_eq!(request("DELETE", http, "/api/v1/queues/jobs", None, "").0, 200);
+    std::thread::sleep(Duration::from_millis(1200));
+    let s = json(&get(http, "/api/v1/samples", None).2);
+    assert_eq!(s["interval_ms"], 1000);
+    let last = s["samples"].as_array().unwrap().last().unwrap();
+    assert_eq!((last["offered"].as_u64(), last["messages"].as_u64()), (Some(3), Some(0)), "{s}");
 }

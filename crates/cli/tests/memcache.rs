@@ -256,3 +256,135 @@ fn a_get_whose_client_went_away_while_waiting_takes_nothing() {
         "not taken by the gone client"
     );
 }
+
+#[test]
+fn stats_has_every_name_kestrel_printed_with_figures_that_follow_the_traffic() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    // The smallest segments (64 KiB), so that a few hundred KiB of items roll the logs; and one
+    // queue in memory that may hold a quarter of the memory budget.
+    std::fs::write(
+        &config,
+        "segment_bytes = 65536\nmax_memory_bytes = 4194304\n[queues.scratch]\ndurable = false\nmax_bytes = 1048576\n",
+    )
+    .unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let mut c = Conn::open(&server);
+    assert_eq!(c.ask(b"get rolling+copy\r\n", b"END\r\n"), "END\r\n", "makes the fanout child (a miss)");
+    let item = "x".repeat(2000);
+    let sets = |n: usize| format!("set rolling 0 0 2000\r\n{item}\r\n").repeat(n).into_bytes();
+    c.send(&sets(100));
+    assert_eq!(c.until(&b"STORED\r\n".repeat(100)).len(), 100 * 8);
+    for _ in 0..100 {
+        assert!(c.ask(b"get rolling\r\n", b"END\r\n").starts_with("VALUE rolling 0 2000\r\n"));
+    }
+    // Everything before the active segment is consumed now: the next roll deletes it.
+    c.send(&sets(40));
+    assert_eq!(c.until(&b"STORED\r\n".repeat(40)).len(), 40 * 8);
+    assert!(c.ask(b"get rolling/open\r\n", b"END\r\n").starts_with("VALUE rolling/open 0 2000\r\n"));
+
+    let text = c.ask(b"stats\r\n", b"END\r\n");
+    let lines: Vec<(&str, &str)> = text.lines().filter_map(|l| l.strip_prefix("STAT ")?.split_once(' ')).collect();
+    let stats: std::collections::HashMap<&str, &str> = lines.iter().copied().collect();
+    let value = |name: &str| *stats.get(name).unwrap_or_else(|| panic!("no STAT {name} in:\n{text}"));
+    let num = |name: &str| value(name).parse::<u64>().unwrap_or_else(|e| panic!("STAT {name} {}: {e}", value(name)));
+
+    // Kestrel's server-wide names, in Kestrel's order (Petrel's own come after them).
+    let global = [
+        "uptime",
+        "time",
+        "version",
+        "curr_items",
+        "total_items",
+        "bytes",
+        "reserved_memory_ratio",
+        "curr_connections",
+        "total_connections",
+        "cmd_get",
+        "cmd_set",
+        "cmd_peek",
+        "get_hits",
+        "get_misses",
+        "bytes_read",
+        "bytes_written",
+        "queue_creates",
+        "queue_deletes",
+        "queue_expires",
+    ];
+    let at: Vec<usize> = global
+        .iter()
+        .map(|name| lines.iter().position(|(n, _)| n == name).unwrap_or_else(|| panic!("no STAT {name}")))
+        .collect();
+    assert!(at.is_sorted(), "in Kestrel's order: {at:?}");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(num("time").abs_diff(now) < 60 && num("uptime") < 600);
+    assert_eq!(value("version"), "petrel-0.1.0");
+    assert_eq!(num("curr_items"), 39 + 140, "open items are not counted");
+    assert_eq!(num("total_items"), 140 + 140, "fanout copies count in the child");
+    assert_eq!(num("bytes"), (39 + 140) * 2000);
+    // scratch's 1 MiB of the 4 MiB budget; durable queues reserve no memory.
+    assert_eq!(value("reserved_memory_ratio"), "0.250");
+    assert!(num("curr_connections") >= 1 && num("total_connections") >= 1);
+    assert_eq!((num("cmd_get"), num("cmd_set"), num("cmd_peek")), (102, 140, 0));
+    assert_eq!((num("get_hits"), num("get_misses")), (101, 1));
+    assert!(num("bytes_read") > 140 * 2000 && num("bytes_written") > 101 * 2000);
+    // rolling and rolling+copy by first use; scratch is configured, made at start.
+    assert_eq!((num("queue_creates"), num("queue_deletes"), num("queue_expires")), (2, 0, 0));
+
+    // Kestrel's per-queue names, in Kestrel's order, for durable and in-memory queues alike.
+    let per_queue = [
+        "items",
+        "bytes",
+        "total_items",
+        "logsize",
+        "expired_items",
+        "mem_items",
+        "mem_bytes",
+        "age",
+        "discarded",
+        "waiters",
+        "open_transactions",
+        "transactions",
+        "canceled_transactions",
+        "total_flushes",
+        "journal_rewrites",
+        "journal_rotations",
+    ];
+    for q in ["rolling", "rolling+copy", "scratch"] {
+        let at: Vec<usize> = per_queue
+            .iter()
+            .map(|s| format!("queue_{q}_{s}"))
+            .map(|name| lines.iter().position(|(n, _)| *n == name).unwrap_or_else(|| panic!("no STAT {name}")))
+            .collect();
+        assert!(at.is_sorted(), "{q}'s in Kestrel's order: {at:?}");
+        num(&format!("queue_{q}_age"));
+    }
+    let q = |queue: &str, stat: &str| num(&format!("queue_{queue}_{stat}"));
+    assert_eq!((q("rolling", "items"), q("rolling", "bytes")), (39, 39 * 2000));
+    assert_eq!((q("rolling", "mem_items"), q("rolling", "mem_bytes")), (39, 39 * 2000));
+    assert_eq!(q("rolling", "total_items"), 140);
+    assert_eq!((q("rolling", "open_transactions"), q("rolling", "transactions")), (1, 1));
+    assert_eq!((q("rolling", "canceled_transactions"), q("rolling", "expired_items")), (0, 0));
+    assert_eq!((q("rolling", "discarded"), q("rolling", "waiters"), q("rolling", "total_flushes")), (0, 0, 0));
+    assert!(q("rolling", "age") < 60_000, "ms since the open item was set");
+    // 140 items of 2000 bytes need at least five 64 KiB segments: four rolls, in both logs.
+    assert!(q("rolling", "journal_rotations") >= 4, "{text}");
+    assert!(q("rolling+copy", "journal_rotations") >= 4, "{text}");
+    // The parent's items were taken, so its consumed segments went; nobody read the child's.
+    assert!(q("rolling", "journal_rewrites") >= 1, "{text}");
+    assert_eq!(q("rolling+copy", "journal_rewrites"), 0);
+    assert!(q("rolling", "logsize") > 0 && q("rolling", "logsize") < q("rolling+copy", "logsize"));
+    assert_eq!((q("rolling+copy", "items"), q("rolling+copy", "open_transactions")), (140, 0));
+    assert_eq!(value("queue_rolling_children"), "rolling+copy");
+    assert!(!stats.contains_key("queue_rolling+copy_children") && !stats.contains_key("queue_scratch_children"));
+    // In memory: no log.
+    let scratch = ["logsize", "journal_rewrites", "journal_rotations", "items"].map(|s| q("scratch", s));
+    assert_eq!(scratch, [0, 0, 0, 0]);
+
+    // dump_stats: the same figures, grouped by queue.
+    let dump = c.ask(b"dump_stats rolling\r\n", b"END\r\n");
+    assert!(dump.starts_with("queue 'rolling' {\r\n") && dump.ends_with("}\r\nEND\r\n"), "{dump}");
+    for s in per_queue {
+        assert!(dump.contains(&format!("\r\n  {s}=")), "no {s} in {dump}");
+    }
+}

@@ -49,7 +49,7 @@ pub use group::{ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
 pub use log::{Log, LogStats, RecoveryReport};
 pub use options::{
     DEFAULT_MAX_RECORD_BYTES, DEFAULT_PAGE_BUDGET_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
-    MIN_SEGMENT_BYTES, Options,
+    MIN_SEGMENT_BYTES, Options, SyncObserver,
 };
 pub use queue::{QUEUE_GROUP, Queue};
 pub use reader::{Batch, BatchIter, Reader};

@@ -44,6 +44,10 @@ pub struct LogStats {
     pub segment_bytes: u64,
     /// Data syncs (fdatasync) done since open.
     pub syncs: u64,
+    /// Segments started since open because the active one was full (segment rolls).
+    pub rolls: u64,
+    /// Retention passes since open that deleted at least one segment.
+    pub retention_removals: u64,
 }
 
 /// State shared by the writer, its readers and its sync thread.
@@ -66,6 +70,10 @@ pub(crate) struct Shared {
     appended: Condvar,
     /// Syncs done (group commit makes this smaller than the appends that waited for one).
     pub syncs: AtomicU64,
+    /// Segment rolls since open (`LogStats::rolls`).
+    pub rolls: AtomicU64,
+    /// Retention passes since open that deleted segments (`LogStats::retention_removals`).
+    pub retention_removals: AtomicU64,
     poisoned: AtomicBool,
     poison_reason: Mutex<Option<String>>,
     sync: Mutex<SyncState>,
@@ -120,6 +128,8 @@ impl Shared {
             append_lock: Mutex::new(()),
             appended: Condvar::new(),
             syncs: AtomicU64::new(0),
+            rolls: AtomicU64::new(0),
+            retention_removals: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
             sync: Mutex::new(SyncState { durable: 0, syncing: false, stopping: false }),
@@ -191,7 +201,7 @@ impl Shared {
         if self.fail_next_sync.swap(false, Ordering::Relaxed) {
             return Err(self.poison(format!("fdatasync {}: injected failure", seg.path.display())));
         }
-        if let Err(e) = seg.sync() {
+        if let Err(e) = self.options.on_sync.time(|| seg.sync()) {
             return Err(self.poison(format!("fdatasync {}: {e}", seg.path.display())));
         }
         self.syncs.fetch_add(1, Ordering::Relaxed);
@@ -207,6 +217,8 @@ impl Shared {
             segments: segments.len(),
             segment_bytes: segments.iter().map(|s| s.map.len() as u64).sum(),
             syncs: self.syncs.load(Ordering::Relaxed),
+            rolls: self.rolls.load(Ordering::Relaxed),
+            retention_removals: self.retention_removals.load(Ordering::Relaxed),
         }
     }
 
@@ -700,7 +712,7 @@ impl Log {
         // synced now, so later syncs need only cover the active segment.
         self.publish();
         if durable {
-            if let Err(e) = self.active.sync() {
+            if let Err(e) = self.shared.options.on_sync.time(|| self.active.sync()) {
                 let _ = fs::remove_file(&next.path);
                 return Err(self.shared.poison(format!("fdatasync {}: {e}", self.active.path.display())));
             }
@@ -718,6 +730,7 @@ impl Log {
         *self.shared.active.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&next);
         self.active = next;
         self.writer = writer;
+        self.shared.rolls.fetch_add(1, Ordering::Relaxed);
         self.shared.options.page_budget.touch(&self.active, Use::Active);
         if let Err(e) = crate::retention::apply(&self.shared) {
             tracing::warn!(error = %e, "retention failed; will try again at the next roll");

@@ -1,5 +1,6 @@
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -76,6 +77,34 @@ pub struct Options {
     /// as a server holding the lock of a directory that contains its logs: it saves the one
     /// descriptor a log otherwise keeps open.
     pub lock_directory: bool,
+    /// Told how long each data sync (fdatasync) of a segment took.
+    pub on_sync: SyncObserver,
+}
+
+/// Told the duration of every data sync of the logs opened with it (clones share it): a server
+/// feeds its fsync latency histogram from it. None by default.
+#[derive(Clone, Default)]
+pub struct SyncObserver(Option<Arc<dyn Fn(Duration) + Send + Sync>>);
+
+impl SyncObserver {
+    pub fn new(observe: impl Fn(Duration) + Send + Sync + 'static) -> SyncObserver {
+        SyncObserver(Some(Arc::new(observe)))
+    }
+
+    /// Runs `sync`, telling the observer how long it took.
+    pub(crate) fn time<T>(&self, sync: impl FnOnce() -> T) -> T {
+        let Some(observe) = &self.0 else { return sync() };
+        let started = std::time::Instant::now();
+        let result = sync();
+        observe(started.elapsed());
+        result
+    }
+}
+
+impl fmt::Debug for SyncObserver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "SyncObserver(set)" } else { "SyncObserver(none)" })
+    }
 }
 
 pub const DEFAULT_PAGE_BUDGET_BYTES: u64 = 1 << 30;
@@ -100,6 +129,7 @@ impl Default for Options {
             retention: crate::Retention::default(),
             page_budget: crate::PageBudget::new(DEFAULT_PAGE_BUDGET_BYTES),
             lock_directory: true,
+            on_sync: SyncObserver::default(),
         }
     }
 }

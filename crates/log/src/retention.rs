@@ -69,6 +69,7 @@ pub(crate) fn apply(shared: &Shared) -> Result<RetentionReport> {
     if removed.is_empty() {
         return Ok(report);
     }
+    shared.retention_removals.fetch_add(1, Ordering::Relaxed);
     let first = segments[0].base;
     shared.set_first_offset(first);
     drop(segments);

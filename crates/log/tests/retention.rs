@@ -29,6 +29,9 @@ fn consumed_segments_are_deleted_once_every_group_is_past_them() {
         log.append(&[i as u8; 100]).unwrap();
     }
     assert_eq!(log.first_offset(), 0);
+    let stats = log.stats();
+    assert!(stats.rolls > 0 && stats.rolls == stats.segments as u64 - 1, "a roll per segment after the first");
+    assert_eq!(stats.retention_removals, 0, "retention ran at each roll and removed nothing");
     let mut fast = log.group("fast", GroupOptions { max_pending: 8192, ..Default::default() }).unwrap();
     let mut slow = log.group("slow", GroupOptions::default()).unwrap();
     while let Some(r) = fast.take(Duration::ZERO).unwrap() {
@@ -42,6 +45,7 @@ fn consumed_segments_are_deleted_once_every_group_is_past_them() {
     }
     let report = log.apply_retention().unwrap();
     assert!(report.segments_removed > 0 && report.records_skipped == 0, "{report:?}");
+    assert_eq!(log.stats().retention_removals, 1, "one pass removed segments (the one before removed none)");
     let first = log.first_offset();
     assert!(first > 0 && first <= 1500, "only what both groups passed: {first}");
     assert!(du(dir.path()) < before, "disk space is returned");

@@ -4,6 +4,7 @@
 
 mod auth;
 mod config;
+mod connections;
 mod convert;
 #[doc(hidden)]
 pub mod fuzzing;
@@ -44,6 +45,12 @@ pub(crate) struct Ctx {
     pub user_connections: std::sync::Mutex<std::collections::HashMap<String, usize>>,
     /// Open TCP connections per client address, for `max_connections_per_address`.
     pub address_connections: std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    /// Every open connection and what it has done.
+    pub connections: connections::Registry,
+    /// Latency histograms, recorded as syncs and calls happen.
+    pub events: Arc<http::Events>,
+    /// The last minutes, for the dashboard's charts.
+    pub samples: http::Samples,
 }
 
 /// Holds one of an address's connections while it lives.
@@ -149,6 +156,7 @@ impl Server {
     /// Opens the broker's data and binds the listeners.
     pub async fn bind(config: Config) -> Result<Server, String> {
         config.validate()?;
+        let events = Arc::new(http::Events::new());
         let options = BrokerOptions {
             durability: config.durability()?,
             segment_bytes: config.segment_bytes,
@@ -166,6 +174,10 @@ impl Server {
             memory_queue_max_bytes: config.memory_queue_max_bytes,
             max_subscriber_bytes: config.max_subscriber_bytes,
             max_resident_bytes: config.max_resident_bytes,
+            // Recorded only where a scrape can read them (the HTTP listener's sampler folds them
+            // into buckets every few seconds; without it they would pile up).
+            on_sync: if config.http_addr.is_some() { events.sync_observer() } else { Default::default() },
+            on_call: if config.http_addr.is_some() { events.call_observer() } else { Default::default() },
         };
         let tls = load_tls(&config)?;
         for (name, addr) in [("native", Some(config.native_addr)), ("memcache", config.memcache_addr)] {
@@ -203,6 +215,9 @@ impl Server {
             auth_attempts: auth::AttemptLimiter::new(),
             user_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
             address_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
+            connections: connections::Registry::default(),
+            events,
+            samples: http::Samples::default(),
         };
         Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache, http })
     }
@@ -229,7 +244,10 @@ impl Server {
     pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Result<(), String> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let ctx = Arc::clone(&self.ctx);
-        let http = self.http.take().map(|l| tokio::spawn(http::serve(l, Arc::clone(&ctx), stop_rx.clone())));
+        let http = self.http.take().map(|l| {
+            tokio::spawn(http::sample(Arc::clone(&ctx), stop_rx.clone()));
+            tokio::spawn(http::serve(l, Arc::clone(&ctx), stop_rx.clone()))
+        });
         let ticker = {
             let broker = Arc::clone(&ctx.broker);
             let mut stop = stop_rx.clone();

@@ -106,12 +106,12 @@ pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, mut shutdow
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
-    let counted = Arc::clone(&ctx);
-    let _connection = counted.stats.connection();
+    let connection = crate::connections::Registry::open(&ctx, conn, &peer, "native");
     let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
     let (mut rd, mut wr) = tokio::io::split(stream);
     let (tx, mut rx) = outbox(ctx.config.max_queued_responses, ctx.config.max_queued_response_bytes);
     let written = Arc::clone(&ctx);
+    let written_by = Arc::clone(connection.entry());
     let writer = tokio::spawn(async move {
         let mut chunks: Vec<Vec<u8>> = Vec::new();
         while let Some(first) = rx.recv().await {
@@ -132,6 +132,7 @@ where
             }
             chunks.clear();
             add(&written.stats.bytes_written, total as u64);
+            written_by.sent(total);
         }
         let _ = wr.shutdown().await;
     });
@@ -146,7 +147,10 @@ where
         Session { conn, peer, greeted: false, authenticated: None, denials: auth::Denials::default(), compress: None };
     if let Some(certified) = auth::with_certificate(&ctx, &session.peer, conn) {
         match certified {
-            Ok(a) => session.authenticated = Some(a),
+            Ok(a) => {
+                connection.set_user(&a.principal.user);
+                session.authenticated = Some(a);
+            }
             Err(reason) => tracing::info!(conn, reason, "client certificate not accepted; a password may follow"),
         }
     }
@@ -169,6 +173,8 @@ where
             match frame::decode(&mut input.buf, ctx.config.max_frame_bytes) {
                 Ok(None) => break,
                 Ok(Some(f)) => {
+                    connection.request();
+                    ctx.stats.native_request(f.opcode);
                     if f.kind != FrameKind::Request {
                         let r = Response::error(Status::BadRequest, "clients send requests only");
                         r.encode(f.opcode, f.request_id, &mut out);
@@ -193,6 +199,7 @@ where
                         } else {
                             match auth::with_password(&ctx, &session.peer, conn, user, password).await {
                                 Ok(a) => {
+                                    connection.set_user(&a.principal.user);
                                     session.authenticated = Some(a);
                                     Response::Done
                                 }
@@ -289,6 +296,7 @@ where
                 Ok(n) => {
                     input.filled(n);
                     add(&ctx.stats.bytes_read, n as u64);
+                    connection.received(n);
                 }
             },
             _ = shutdown.changed() => break,

@@ -25,7 +25,57 @@ pub(crate) struct ServerStats {
     /// Connections refused or closed by a limit (`max_connections_per_user`, idle timeout).
     pub connections_refused: AtomicU64,
     pub idle_closed: AtomicU64,
+    /// Native requests read, by `NATIVE_COMMANDS` (the last: unknown opcodes).
+    pub native_requests: [AtomicU64; NATIVE_COMMANDS.len() + 1],
+    /// Memcache commands read, by `MEMCACHE_COMMANDS`.
+    pub memcache_requests: [AtomicU64; MEMCACHE_COMMANDS.len()],
 }
+
+/// The native protocol's request opcodes and their names in `petrel_requests_total`.
+pub(crate) const NATIVE_COMMANDS: [(u16, &str); 22] = {
+    use petrel_proto::opcode::*;
+    [
+        (HELLO, "hello"),
+        (PING, "ping"),
+        (AUTH, "auth"),
+        (QUEUE_CREATE, "queue_create"),
+        (QUEUE_REMOVE, "queue_remove"),
+        (QUEUE_LIST, "queue_list"),
+        (QUEUE_STATUS, "queue_status"),
+        (OFFER, "offer"),
+        (POLL, "poll"),
+        (ACK, "ack"),
+        (ABORT, "abort"),
+        (TOPIC_CREATE, "topic_create"),
+        (TOPIC_REMOVE, "topic_remove"),
+        (TOPIC_LIST, "topic_list"),
+        (PUBLISH, "publish"),
+        (SUBSCRIBE, "subscribe"),
+        (UNSUBSCRIBE, "unsubscribe"),
+        (TOPIC_ACK, "topic_ack"),
+        (SERVE, "serve"),
+        (UNSERVE, "unserve"),
+        (CALL, "call"),
+        (RETURN, "return"),
+    ]
+};
+
+/// The memcache commands counted in `petrel_requests_total` ("other": anything else).
+pub(crate) const MEMCACHE_COMMANDS: [&str; 13] = [
+    "get",
+    "set",
+    "delete",
+    "flush",
+    "flush_all",
+    "flush_expired",
+    "flush_all_expired",
+    "stats",
+    "dump_stats",
+    "version",
+    "shutdown",
+    "quit",
+    "other",
+];
 
 impl ServerStats {
     pub fn new() -> ServerStats {
@@ -47,22 +97,22 @@ impl ServerStats {
             auth_rate_limited: AtomicU64::new(0),
             connections_refused: AtomicU64::new(0),
             idle_closed: AtomicU64::new(0),
+            native_requests: std::array::from_fn(|_| AtomicU64::new(0)),
+            memcache_requests: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 
-    /// Counts a connection while the guard lives.
-    pub fn connection(&self) -> Connection<'_> {
-        self.curr_connections.fetch_add(1, Ordering::Relaxed);
-        self.total_connections.fetch_add(1, Ordering::Relaxed);
-        Connection(self)
+    /// Counts a native request by its opcode.
+    pub fn native_request(&self, opcode: u16) {
+        let i = NATIVE_COMMANDS.iter().position(|(op, _)| *op == opcode).unwrap_or(NATIVE_COMMANDS.len());
+        self.native_requests[i].fetch_add(1, Ordering::Relaxed);
     }
-}
 
-pub(crate) struct Connection<'a>(&'a ServerStats);
-
-impl Drop for Connection<'_> {
-    fn drop(&mut self) {
-        self.0.curr_connections.fetch_sub(1, Ordering::Relaxed);
+    /// Counts a memcache command by its name in `MEMCACHE_COMMANDS`.
+    pub fn memcache_request(&self, command: &str) {
+        let last = MEMCACHE_COMMANDS.len() - 1;
+        let i = MEMCACHE_COMMANDS.iter().position(|c| *c == command).unwrap_or(last);
+        self.memcache_requests[i].fetch_add(1, Ordering::Relaxed);
     }
 }
 

@@ -1,9 +1,11 @@
-//! The JSON admin API under `/api/v1/`: the server, queues and topics, read and changed.
+//! The JSON admin API under `/api/v1/`: the server, queues, topics and their consumer groups,
+//! connections, functions and the last minutes' samples; read and changed.
 //!
 //! Every answer is JSON; an error is `{"status": CODE, "reason": "…"}`. With authentication
 //! on, a request carries basic credentials of a user (see `mod.rs`), and the user's ACLs decide
-//! as on the other listeners: reading a queue or topic needs any right on it, creating,
-//! removing or purging one needs `manage`.
+//! as on the other listeners: reading a queue, topic or function needs any right on it;
+//! creating, removing or purging one, or moving a consumer group, needs `manage`; the list of
+//! connections (peers and users) is an admin's.
 
 use std::sync::Arc;
 
@@ -12,7 +14,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use petrel_broker::security::{Action, Kind, Principal};
-use petrel_broker::{BrokerError, QueueConfig, QueueStats};
+use petrel_broker::{BrokerError, QueueConfig, QueueStats, SeekTo, Topic};
 use serde_json::{Value, json};
 
 use super::{Caller, refusal};
@@ -23,6 +25,7 @@ type Ctxt = State<Arc<Ctx>>;
 
 const ANY_QUEUE_RIGHT: &[Action] = &[Action::Offer, Action::Poll, Action::Manage];
 const ANY_TOPIC_RIGHT: &[Action] = &[Action::Publish, Action::Subscribe, Action::Manage];
+const ANY_FUNCTION_RIGHT: &[Action] = &[Action::Exec, Action::Serve, Action::Manage];
 
 /// The answer to a broker error: its HTTP status and its text.
 fn broker_error(e: BrokerError) -> Response {
@@ -62,8 +65,43 @@ fn queue_json(name: &str, config: &QueueConfig, st: &QueueStats) -> Value {
         "expired": st.expired,
         "dropped": st.dropped,
         "aborted": st.aborted,
+        "acked": st.acked,
         "flushes": st.flushes,
     })
+}
+
+fn topic_json(name: &str, t: &Topic) -> Value {
+    let st = t.stats();
+    let groups: Vec<Value> = t
+        .groups()
+        .into_iter()
+        .map(|g| {
+            json!({
+                "name": g.name,
+                "committed": g.committed,
+                "next_offset": g.next_offset,
+                "lag": g.lag,
+                "open": g.open,
+            })
+        })
+        .collect();
+    json!({
+        "name": name,
+        "durable": t.is_durable(),
+        "subscribers": st.subscribers,
+        "published": st.published,
+        "delivered": st.delivered,
+        "slow_subscribers_ended": st.slow_subscribers_ended,
+        "groups": groups,
+    })
+}
+
+/// A JSON body, or `{}` when empty; the error is the reason for a `400`.
+fn body_json<T: serde::de::DeserializeOwned + Default>(body: &[u8], what: &str) -> Result<T, String> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| format!("{what}: {e}"))
 }
 
 pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
@@ -175,20 +213,180 @@ pub(super) async fn topics(State(ctx): Ctxt, Caller(who): Caller) -> Response {
         .topic_names()
         .iter()
         .filter(|n| may(&ctx, who.as_ref(), Kind::Topic, n, ANY_TOPIC_RIGHT))
-        .filter_map(|n| Some((n.clone(), ctx.broker.topic(n)?)))
-        .map(|(name, t)| {
-            let st = t.stats();
+        .filter_map(|n| Some(topic_json(n, ctx.broker.topic(n)?.as_ref())))
+        .collect();
+    Json(json!({ "topics": list })).into_response()
+}
+
+pub(super) async fn topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Topic, &name, ANY_TOPIC_RIGHT) {
+        return forbidden("see this topic");
+    }
+    match ctx.broker.topic(&name) {
+        Some(t) => Json(topic_json(&name, &t)).into_response(),
+        None => broker_error(BrokerError::TopicNotFound(name)),
+    }
+}
+
+#[derive(Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct TopicConfig {
+    durable: bool,
+}
+
+/// `PUT /api/v1/topics/NAME` with `{"durable": true}` or `{}`: creates it (`201`); the same
+/// again is `200`; a topic of the other kind by that name `409`.
+pub(super) async fn create_topic(
+    State(ctx): Ctxt,
+    Caller(who): Caller,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+        return forbidden("create this topic");
+    }
+    let config: TopicConfig = match body_json(&body, "topic configuration") {
+        Ok(c) => c,
+        Err(reason) => return refusal(StatusCode::BAD_REQUEST, reason),
+    };
+    let existed = ctx.broker.topic(&name).is_some();
+    let broker = Arc::clone(&ctx.broker);
+    let created = {
+        let name = name.clone();
+        tokio::task::spawn_blocking(move || broker.create_topic(&name, config.durable)).await
+    };
+    match created {
+        Ok(Ok(t)) => {
+            let status = if existed { StatusCode::OK } else { StatusCode::CREATED };
+            (status, Json(topic_json(&name, &t))).into_response()
+        }
+        Ok(Err(e)) => broker_error(e),
+        Err(e) => refusal(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+pub(super) async fn remove_topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+        return forbidden("remove this topic");
+    }
+    match ctx.broker.remove_topic(&name) {
+        Ok(()) => Json(json!({ "removed": name })).into_response(),
+        Err(e) => broker_error(e),
+    }
+}
+
+/// Where a consumer group is moved: `{"to": "oldest"}`, `{"to": "newest"}`, `{"offset": N}`
+/// (a message's id is its offset + 1) or `{"time_ms": T}` (the first message at or after it).
+#[derive(Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct GroupReset {
+    to: Option<String>,
+    offset: Option<u64>,
+    time_ms: Option<u64>,
+}
+
+impl GroupReset {
+    fn seek_to(&self) -> Result<SeekTo, String> {
+        match (self.to.as_deref(), self.offset, self.time_ms) {
+            (Some("oldest"), None, None) => Ok(SeekTo::Oldest),
+            (Some("newest"), None, None) => Ok(SeekTo::Newest),
+            (None, Some(offset), None) => Ok(SeekTo::Offset(offset)),
+            (None, None, Some(ms)) => Ok(SeekTo::Time(ms.saturating_mul(1_000_000))),
+            _ => Err(r#"say one of {"to": "oldest"}, {"to": "newest"}, {"offset": N}, {"time_ms": T}"#.into()),
+        }
+    }
+}
+
+/// `PUT /api/v1/topics/NAME/groups/GROUP/reset`: moves a group that nobody reads through now.
+pub(super) async fn reset_group(
+    State(ctx): Ctxt,
+    Caller(who): Caller,
+    Path((name, group)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+        return forbidden("move this topic's consumer groups");
+    }
+    let to = match body_json::<GroupReset>(&body, "group reset").and_then(|r| r.seek_to()) {
+        Ok(to) => to,
+        Err(reason) => return refusal(StatusCode::BAD_REQUEST, reason),
+    };
+    let Some(t) = ctx.broker.topic(&name) else { return broker_error(BrokerError::TopicNotFound(name)) };
+    let moved = tokio::task::spawn_blocking(move || t.reset_group(&group, to).map(|_| t)).await;
+    match moved {
+        Ok(Ok(t)) => Json(topic_json(&name, &t)).into_response(),
+        Ok(Err(e)) => broker_error(e),
+        Err(e) => refusal(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+pub(super) async fn remove_group(
+    State(ctx): Ctxt,
+    Caller(who): Caller,
+    Path((name, group)): Path<(String, String)>,
+) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+        return forbidden("remove this topic's consumer groups");
+    }
+    let Some(t) = ctx.broker.topic(&name) else { return broker_error(BrokerError::TopicNotFound(name)) };
+    match t.remove_group(&group) {
+        Ok(()) => Json(json!({ "removed": group })).into_response(),
+        Err(e) => broker_error(e),
+    }
+}
+
+/// `GET /api/v1/connections`: every open connection (an admin's view: peers and users).
+pub(super) async fn connections(State(ctx): Ctxt, Caller(who): Caller) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Queue, "*", &[Action::Manage]) {
+        return forbidden("list connections (an admin's)");
+    }
+    let list: Vec<Value> = ctx
+        .connections
+        .list()
+        .iter()
+        .map(|c| {
             json!({
-                "name": name,
-                "durable": t.is_durable(),
-                "subscribers": st.subscribers,
-                "published": st.published,
-                "delivered": st.delivered,
-                "slow_subscribers_ended": st.slow_subscribers_ended,
+                "id": c.id,
+                "peer": c.peer,
+                "user": c.user(),
+                "protocol": c.protocol,
+                "tls": c.tls,
+                "requests": read(&c.requests),
+                "received_bytes": read(&c.received_bytes),
+                "sent_bytes": read(&c.sent_bytes),
+                "connected_secs": c.opened.elapsed().as_secs(),
             })
         })
         .collect();
-    Json(json!({ "topics": list })).into_response()
+    Json(json!({ "connections": list })).into_response()
+}
+
+/// `GET /api/v1/functions`: every function served now, its servers (connection ids; `null` for
+/// one in the server's process) and figures.
+pub(super) async fn functions(State(ctx): Ctxt, Caller(who): Caller) -> Response {
+    let list: Vec<Value> = ctx
+        .broker
+        .functions()
+        .into_iter()
+        .filter(|f| may(&ctx, who.as_ref(), Kind::Function, &f.name, ANY_FUNCTION_RIGHT))
+        .map(|f| {
+            json!({
+                "name": f.name,
+                "servers": f.servers,
+                "waiting": f.waiting,
+                "calls": f.stats.calls,
+                "errors": f.stats.errors,
+                "timeouts": f.stats.timeouts,
+            })
+        })
+        .collect();
+    Json(json!({ "functions": list })).into_response()
+}
+
+/// `GET /api/v1/samples`: the server once a second over the last ten minutes, oldest first.
+pub(super) async fn samples(State(ctx): Ctxt, _: Caller) -> Response {
+    let interval_ms = super::samples::SAMPLE_EVERY.as_millis() as u64;
+    Json(json!({ "interval_ms": interval_ms, "samples": ctx.samples.list() })).into_response()
 }
 
 pub(super) async fn not_found() -> Response {

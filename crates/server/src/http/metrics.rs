@@ -1,12 +1,19 @@
 //! `/metrics`: every figure read at the scrape into a fresh recorder (not a second set of
 //! counters to keep in step, and a removed queue's series go with it), rendered in the
-//! Prometheus text format by `metrics-exporter-prometheus`.
+//! Prometheus text format by `metrics-exporter-prometheus`. Latency histograms cannot be read
+//! back that way: they are recorded as things happen into `Events`, a recorder that lives as
+//! long as the server, and its text follows the scrape's.
 
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use std::time::Duration;
+
 use metrics::{Key, KeyName, Label, Metadata, Recorder};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
+use metrics_util::MetricKindMask;
+use petrel_broker::CallObserver;
+use petrel_log::SyncObserver;
 
 use super::Ctxt;
 use crate::Ctx;
@@ -18,12 +25,77 @@ pub(super) async fn scrape(State(ctx): Ctxt) -> Response {
     let rendered = tokio::task::spawn_blocking(move || {
         let scrape = Scrape::new();
         scrape.collect(&ctx);
-        scrape.recorder.handle().render()
+        let mut text = scrape.recorder.handle().render();
+        text.push_str(&ctx.events.render());
+        text
     })
     .await;
     match rendered {
         Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response(),
         Err(e) => super::refusal(axum::http::StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+const FSYNC_SECONDS: &str = "petrel_fsync_duration_seconds";
+const CALL_SECONDS: &str = "petrel_function_duration_seconds";
+
+/// Histograms recorded as things happen: data syncs of durable logs, answered function calls.
+/// A histogram's samples wait in the recorder until its upkeep folds them into the buckets
+/// (every few seconds, from the sampler), so they take bounded memory between scrapes; a
+/// function's series go after ten minutes without calls.
+pub(crate) struct Events {
+    recorder: PrometheusRecorder,
+}
+
+impl Events {
+    pub fn new() -> Events {
+        let buckets = |matcher: &str, values: &[f64], b: PrometheusBuilder| {
+            b.set_buckets_for_metric(Matcher::Full(matcher.to_owned()), values).expect("buckets are not empty")
+        };
+        let sync = [0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1, 1.0];
+        let call = [0.000_1, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+        let builder = buckets(FSYNC_SECONDS, &sync, PrometheusBuilder::new());
+        let builder = buckets(CALL_SECONDS, &call, builder)
+            .idle_timeout(MetricKindMask::HISTOGRAM, Some(Duration::from_secs(600)));
+        let recorder = builder.build_recorder();
+        recorder.describe_histogram(
+            KeyName::from_const_str(FSYNC_SECONDS),
+            Some(metrics::Unit::Seconds),
+            "Data syncs (fdatasync) of durable logs.".into(),
+        );
+        recorder.describe_histogram(
+            KeyName::from_const_str(CALL_SECONDS),
+            Some(metrics::Unit::Seconds),
+            "Function calls, from routing to the reply.".into(),
+        );
+        Events { recorder }
+    }
+
+    /// What the broker's logs tell each sync's duration.
+    pub fn sync_observer(self: &std::sync::Arc<Self>) -> SyncObserver {
+        let events = std::sync::Arc::clone(self);
+        SyncObserver::new(move |took| {
+            let key = Key::from_static_name(FSYNC_SECONDS);
+            events.recorder.register_histogram(&key, &METADATA).record(took.as_secs_f64());
+        })
+    }
+
+    /// What the broker tells each answered call's duration.
+    pub fn call_observer(self: &std::sync::Arc<Self>) -> CallObserver {
+        let events = std::sync::Arc::clone(self);
+        CallObserver::new(move |function, took| {
+            let key = Key::from_parts(CALL_SECONDS, vec![Label::new("function", function.to_owned())]);
+            events.recorder.register_histogram(&key, &METADATA).record(took.as_secs_f64());
+        })
+    }
+
+    /// Folds the samples recorded since into the histograms' buckets.
+    pub fn upkeep(&self) {
+        self.recorder.handle().run_upkeep();
+    }
+
+    fn render(&self) -> String {
+        self.recorder.handle().render()
     }
 }
 
@@ -79,10 +151,45 @@ impl Scrape {
             let total = fs.f_blocks * fs.f_frsize;
             self.gauge("petrel_disk_total_bytes", "Size of the data directory's file system.", none(), total);
         }
+        for (i, (_, command)) in crate::stats::NATIVE_COMMANDS.iter().enumerate() {
+            let labels = vec![Label::new("protocol", "native"), Label::new("command", *command)];
+            self.counter("petrel_requests_total", "Requests read, by command.", labels, read(&s.native_requests[i]));
+        }
+        let labels = vec![Label::new("protocol", "native"), Label::new("command", "unknown")];
+        let unknown = read(&s.native_requests[crate::stats::NATIVE_COMMANDS.len()]);
+        self.counter("petrel_requests_total", "Requests read, by command.", labels, unknown);
+        for (i, command) in crate::stats::MEMCACHE_COMMANDS.iter().enumerate() {
+            let labels = vec![Label::new("protocol", "memcache"), Label::new("command", *command)];
+            self.counter("petrel_requests_total", "Requests read, by command.", labels, read(&s.memcache_requests[i]));
+        }
+        for f in broker.functions() {
+            let labels = || vec![Label::new("function", f.name.clone())];
+            self.gauge(
+                "petrel_function_servers",
+                "Connections serving the function.",
+                labels(),
+                f.servers.len() as u64,
+            );
+            self.counter("petrel_function_calls_total", "Calls routed to a server.", labels(), f.stats.calls);
+            let help = "Calls answered with an error, failed by their server leaving, or refused as busy.";
+            self.counter("petrel_function_errors_total", help, labels(), f.stats.errors);
+            let help = "Calls without a reply before their deadline.";
+            self.counter("petrel_function_timeouts_total", help, labels(), f.stats.timeouts);
+        }
+        let topics = broker.topic_names();
+        self.gauge("petrel_topics", "Topics.", none(), topics.len() as u64);
         let names = broker.queue_names();
         self.gauge("petrel_queues", "Queues.", none(), names.len() as u64);
         if !ctx.config.metrics_per_queue {
             return;
+        }
+        for topic in &topics {
+            let Some(t) = broker.topic(topic) else { continue };
+            for g in t.groups() {
+                let labels = vec![Label::new("topic", topic.clone()), Label::new("group", g.name)];
+                let help = "Messages of the topic the consumer group has not acknowledged.";
+                self.gauge("petrel_group_lag_messages", help, labels, g.lag);
+            }
         }
         for name in &names {
             let Some(q) = broker.queue(name).map(|q| q.stats()) else { continue };
@@ -95,6 +202,7 @@ impl Scrape {
             self.counter("petrel_queue_offered_total", "Messages offered.", labels(), q.total_offered);
             self.counter("petrel_queue_delivered_total", "Messages taken by consumers.", labels(), q.total_polled);
             self.counter("petrel_queue_expired_total", "Messages that expired.", labels(), q.expired);
+            self.counter("petrel_queue_acked_total", "Tentative reads acknowledged.", labels(), q.acked);
         }
     }
 }

@@ -7,7 +7,12 @@
 //! `http_open_metrics = true` leaves `/metrics` open to scrapers.
 
 mod api;
+mod dashboard;
 mod metrics;
+mod samples;
+
+pub(crate) use metrics::Events;
+pub(crate) use samples::Samples;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,7 +22,7 @@ use axum::extract::{ConnectInfo, FromRequestParts, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use base64::Engine as _;
 use petrel_broker::security::Principal;
 use tokio::net::TcpListener;
@@ -42,6 +47,15 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         .route("/api/v1/queues/{name}", get(api::queue).put(api::create_queue).delete(api::remove_queue))
         .route("/api/v1/queues/{name}/purge", post(api::purge_queue))
         .route("/api/v1/topics", get(api::topics))
+        .route("/api/v1/topics/{name}", get(api::topic).put(api::create_topic).delete(api::remove_topic))
+        .route("/api/v1/topics/{name}/groups/{group}", axum::routing::delete(api::remove_group))
+        .route("/api/v1/topics/{name}/groups/{group}/reset", put(api::reset_group).post(api::reset_group))
+        .route("/api/v1/connections", get(api::connections))
+        .route("/api/v1/functions", get(api::functions))
+        .route("/api/v1/samples", get(api::samples))
+        .route("/", get(dashboard::page))
+        .route("/dashboard.js", get(dashboard::script))
+        .route("/dashboard.css", get(dashboard::style))
         .fallback(api::not_found)
         .with_state(ctx);
     let served = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
@@ -55,6 +69,27 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
 }
 
 type Ctxt = State<Arc<Ctx>>;
+
+/// Samples the server every second for the dashboard, and folds the latency histograms'
+/// samples into their buckets every few seconds, until `stop`.
+pub(crate) async fn sample(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
+    let mut every = tokio::time::interval(samples::SAMPLE_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    for tick in 0u64.. {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let ctx = Arc::clone(&ctx);
+        let _ = tokio::task::spawn_blocking(move || {
+            ctx.samples.take(&ctx);
+            if tick % 5 == 0 {
+                ctx.events.upkeep();
+            }
+        })
+        .await;
+    }
+}
 
 /// A JSON error with its status and reason.
 fn refusal(status: StatusCode, reason: impl Into<String>) -> Response {

@@ -65,6 +65,27 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// The command's name, as `petrel_requests_total` counts it (`other` for the unsupported).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Command::Get { .. } => "get",
+            Command::Set { .. } => "set",
+            Command::OtherStorage { .. } | Command::Unknown { .. } => "other",
+            Command::Delete { .. } => "delete",
+            Command::Flush { .. } => "flush",
+            Command::FlushAll { .. } => "flush_all",
+            Command::FlushExpired { .. } => "flush_expired",
+            Command::FlushAllExpired => "flush_all_expired",
+            Command::Version => "version",
+            Command::Shutdown => "shutdown",
+            Command::Quit => "quit",
+            Command::Stats => "stats",
+            Command::DumpStats { .. } => "dump_stats",
+        }
+    }
+}
+
 /// The options after a `get` key's queue name: `/t=MS`, `/open`, `/close`, `/abort`, `/peek`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GetOptions {

@@ -41,6 +41,8 @@ enum Flow {
 
 struct Session<S> {
     ctx: Arc<Ctx>,
+    /// This connection in the server's registry: what it has read, written and asked.
+    connection: crate::connections::Registered,
     conn: ConnId,
     stream: S,
     input: Input,
@@ -61,12 +63,12 @@ pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, shutdown: w
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let counted = Arc::clone(&ctx);
-    let _connection = counted.stats.connection();
+    let connection = crate::connections::Registry::open(&ctx, conn, &peer, "memcache");
     let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
     let mut decoder = Decoder::new(ctx.config.max_message_bytes);
     let mut s = Session {
         ctx,
+        connection,
         conn,
         stream,
         input: Input::new(),
@@ -79,7 +81,10 @@ where
     };
     if let Some(certified) = auth::with_certificate(&s.ctx, &s.peer, conn) {
         match certified {
-            Ok(a) => s.authenticated = Some(a),
+            Ok(a) => {
+                s.connection.set_user(&a.principal.user);
+                s.authenticated = Some(a);
+            }
             Err(reason) => tracing::info!(conn, reason, "client certificate not accepted; a login may follow"),
         }
     }
@@ -112,6 +117,7 @@ where
                 Ok(n) => {
                     s.input.filled(n);
                     add(&s.ctx.stats.bytes_read, n as u64);
+                    s.connection.received(n);
                 }
             },
             _ = s.shutdown.changed() => break,
@@ -140,6 +146,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         }
         let ok = self.stream.write_all(&self.out).await.is_ok();
         add(&self.ctx.stats.bytes_written, self.out.len() as u64);
+        self.connection.sent(self.out.len());
         self.out.clear();
         if self.out.capacity() > crate::input::STREAMING_BYTES {
             // After a large answer: a quiet connection keeps a small buffer.
@@ -175,6 +182,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 match auth::with_password(&self.ctx, &self.peer, self.conn, user.to_owned(), password.to_owned()).await
                 {
                     Ok(a) => {
+                        self.connection.set_user(&a.principal.user);
                         self.authenticated = Some(a);
                         if !noreply {
                             self.line("STORED");
@@ -202,6 +210,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     }
 
     async fn execute(&mut self, command: Command) -> Flow {
+        self.connection.request();
+        self.ctx.stats.memcache_request(command.name());
         if self.authenticated.is_none() && self.ctx.broker.auth_enabled() {
             return self.login(command).await;
         }
@@ -413,6 +423,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                     Ok(n) => {
                         self.input.filled(n);
                         add(&self.ctx.stats.bytes_read, n as u64);
+                        self.connection.received(n);
                     }
                 },
             }
@@ -464,6 +475,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("curr_items", &per_queue.iter().map(|(_, st)| st.items).sum::<u64>());
         put("total_items", &per_queue.iter().map(|(_, st)| st.total_offered).sum::<u64>());
         put("bytes", &per_queue.iter().map(|(_, st)| st.bytes - st.in_flight_bytes).sum::<u64>());
+        put("reserved_memory_ratio", &format!("{:.3}", reserved_memory_ratio(broker, &queues)));
         put("curr_connections", &get(&s.curr_connections));
         put("total_connections", &get(&s.total_connections));
         put("cmd_get", &get(&s.cmd_get));
@@ -543,11 +555,13 @@ fn queue_stats(
     };
     // Kestrel counts open items apart from the queue's items and bytes.
     let bytes = st.bytes - st.in_flight_bytes;
+    // In memory: no log, every log figure 0 (as Kestrel's for a queue without a journal).
+    let log = q.log_stats().unwrap_or_default();
     let mut out = vec![
         ("items", st.items.to_string()),
         ("bytes", bytes.to_string()),
         ("total_items", st.total_offered.to_string()),
-        ("logsize", q.log_bytes().to_string()),
+        ("logsize", log.segment_bytes.to_string()),
         ("expired_items", st.expired.to_string()),
         ("mem_items", st.items.to_string()),
         ("mem_bytes", bytes.to_string()),
@@ -558,12 +572,35 @@ fn queue_stats(
         ("transactions", st.opened.to_string()),
         ("canceled_transactions", st.aborted.to_string()),
         ("total_flushes", st.flushes.to_string()),
+        // Kestrel rewrote a journal down to its live items; a log gets the same effect when
+        // retention deletes segments every reader is past.
+        ("journal_rewrites", log.retention_removals.to_string()),
+        // Kestrel moved on to a new journal file; a log to a new segment.
+        ("journal_rotations", log.rolls.to_string()),
     ];
     let children = broker.fanout_children(&q.name);
     if !children.is_empty() {
         out.push(("children", children.join(",")));
     }
     out
+}
+
+/// Kestrel's `reserved_memory_ratio`: the memory its queues could hold (each queue's
+/// `max_memory_size`) over the JVM's heap. Here: what the in-memory queues among `queues` may
+/// hold (each one's byte cap, the whole budget for one without) over the server's memory budget
+/// for them (`max_memory_bytes`); 0 without a budget. Durable queues count nothing: their
+/// messages are in mapped segments, under `max_resident_bytes` instead.
+fn reserved_memory_ratio(broker: &petrel_broker::Broker, queues: &[Arc<Queue>]) -> f64 {
+    let budget = broker.memory().1;
+    if budget == 0 {
+        return 0.0;
+    }
+    let reserved: u64 = queues
+        .iter()
+        .filter_map(|q| q.memory_cap())
+        .map(|cap| if cap == 0 { budget } else { cap.min(budget) })
+        .fold(0u64, u64::saturating_add);
+    reserved as f64 / budget as f64
 }
 
 fn server_error(e: &BrokerError) -> String {
