@@ -510,6 +510,11 @@ impl Broker {
     }
 
     /// Bytes held by in-memory queues, and the budget for them (0: none).
+    /// Changes `max_memory_bytes` (a reload): new offers see it at once.
+    pub fn set_max_memory_bytes(&self, max: u64) {
+        self.memory.set_max(max);
+    }
+
     pub fn memory(&self) -> (u64, u64) {
         (self.memory.used(), self.memory.max())
     }

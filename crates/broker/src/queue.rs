@@ -62,12 +62,13 @@ const MAX_REPLIERS: usize = 64;
 #[derive(Debug, Default)]
 pub struct MemoryBudget {
     used: AtomicU64,
-    max: u64,
+    /// 0: no limit. Changed by a reload; holdings above a lowered limit stay until let go.
+    max: AtomicU64,
 }
 
 impl MemoryBudget {
     pub fn new(max: u64) -> MemoryBudget {
-        MemoryBudget { used: AtomicU64::new(0), max }
+        MemoryBudget { used: AtomicU64::new(0), max: AtomicU64::new(max) }
     }
 
     pub fn used(&self) -> u64 {
@@ -75,19 +76,25 @@ impl MemoryBudget {
     }
 
     pub fn max(&self) -> u64 {
-        self.max
+        self.max.load(Ordering::Relaxed)
+    }
+
+    pub fn set_max(&self, max: u64) {
+        self.max.store(max, Ordering::Relaxed);
     }
 
     /// Whether `bytes` more fit. Concurrent offers to different queues may pass together and
     /// overshoot by what they carry (each at most `max_message_bytes` × a batch).
     fn fits(&self, bytes: u64) -> bool {
-        self.max == 0 || self.used().saturating_add(bytes) <= self.max
+        let max = self.max();
+        max == 0 || self.used().saturating_add(bytes) <= max
     }
 
     /// Takes `bytes` from the budget if they fit, or whatever is left when `always`.
     pub(crate) fn reserve(&self, bytes: u64, always: bool) -> bool {
         let used = self.used.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        if self.max != 0 && used > self.max && !always {
+        let max = self.max();
+        if max != 0 && used > max && !always {
             self.used.fetch_sub(bytes, Ordering::Relaxed);
             return false;
         }

@@ -73,7 +73,7 @@ pub fn serve(args: ServeArgs) -> Res {
     rt.block_on(async move {
         let unix = config.unix_socket.clone();
         let server = Server::bind(config).await?;
-        tokio::spawn(reload_on_sighup(server.reloader(), config_file));
+        tokio::spawn(reload_on_sighup(server.reloader(config_file)));
         let mut out = io::stdout().lock();
         writeln!(out, "native {}", server.native_addr())?;
         if let Some(addr) = server.memcache_addr() {
@@ -111,20 +111,22 @@ pub(crate) fn raise_open_files_limit() {
     }
 }
 
-/// On SIGHUP, reads the configuration file again and applies its users, ACLs and certificates.
-async fn reload_on_sighup(reloader: petrel_server::Reloader, config_file: Option<PathBuf>) {
+/// On SIGHUP, reads the configuration file again: users, ACLs, certificates and the limits that
+/// can change live are applied; what needs a restart is said (also in `/api/v1/server`).
+async fn reload_on_sighup(reloader: petrel_server::Reloader) {
     use tokio::signal::unix::{SignalKind, signal};
     let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
     while hup.recv().await.is_some() {
-        let Some(path) = &config_file else {
-            tracing::warn!("SIGHUP: no --config file to reload");
-            continue;
-        };
-        match Config::load(path).and_then(|config| reloader.reload(&config)) {
-            Ok(()) => tracing::info!(config = %path.display(), "reloaded users, ACLs and certificates"),
-            Err(e) => {
-                tracing::error!(config = %path.display(), error = %e, "reload failed; the previous settings stay")
+        match reloader.reload() {
+            Ok(summary) => {
+                let applied = summary.applied.join(", ");
+                tracing::info!(%applied, "configuration reloaded (users, ACLs and certificates read again)");
+                if !summary.needs_restart.is_empty() {
+                    let keys = summary.needs_restart.join(", ");
+                    tracing::warn!(%keys, "changed in the configuration file, applied at the next start");
+                }
             }
+            Err(e) => tracing::error!(error = %e, "reload failed; the previous settings stay"),
         }
     }
 }

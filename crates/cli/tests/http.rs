@@ -436,3 +436,60 @@ fn the_admin_api_shows_connections_functions_and_samples() {
     let last = s["samples"].as_array().unwrap().last().unwrap();
     assert_eq!((last["offered"].as_u64(), last["messages"].as_u64()), (Some(3), Some(0)), "{s}");
 }
+
+#[test]
+fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "max_connections_per_address = 100\nmax_memory_bytes = 1000000\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let http = server.http.as_str();
+    let hup = || {
+        let sent = Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
+        assert!(sent.success());
+    };
+    let reload = || json(&get(http, "/api/v1/server", None).2);
+    assert_eq!(reload()["reload"]["count"], 0);
+
+    std::fs::write(
+        &config,
+        "max_connections_per_address = 2\nmax_memory_bytes = 2000000\nsegment_bytes = 1048576\n[queues.orders]\nmax_items = 5\n",
+    )
+    .unwrap();
+    hup();
+    eventually("the reload is reported", || {
+        let r = reload()["reload"].clone();
+        if r["count"] == 1 { Ok(()) } else { Err(r.to_string()) }
+    });
+    let server_now = reload();
+    let r = &server_now["reload"];
+    assert_eq!(r["outcome"], "ok", "{r}");
+    assert_eq!(r["applied"], serde_json::json!(["max_connections_per_address", "max_memory_bytes"]), "{r}");
+    assert_eq!(r["needs_restart"], serde_json::json!(["queues.orders", "segment_bytes"]), "{r}");
+    assert_eq!(server_now["limits"]["max_connections_per_address"], 2);
+    assert_eq!(server_now["memory"]["max_memory_bytes"], 2_000_000);
+    // The new limit holds for connections opened after it: two from this address, not three.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let first = server.client().await;
+        let second = server.client().await;
+        let third = petrel_client::Client::connect(server.addr.as_str()).await;
+        let refused = match third {
+            Ok(c) => c.ping().await.unwrap_err(),
+            Err(e) => e,
+        };
+        assert!(refused.to_string().contains("max_connections_per_address"), "{refused}");
+        drop((first, second));
+    });
+
+    // A file that does not parse changes nothing, and says why.
+    std::fs::write(&config, "max_connections_per_address = \"many\"\n").unwrap();
+    hup();
+    eventually("the failed reload is reported", || {
+        let r = reload()["reload"].clone();
+        if r["count"] == 2 { Ok(()) } else { Err(r.to_string()) }
+    });
+    let server_now = reload();
+    assert!(server_now["reload"]["outcome"].as_str().unwrap().contains("max_connections_per_address"));
+    assert_eq!(server_now["limits"]["max_connections_per_address"], 2);
+}

@@ -14,6 +14,7 @@ mod input;
 pub mod memcache;
 mod native;
 mod outbox;
+mod reload;
 mod stats;
 mod tls;
 
@@ -27,6 +28,7 @@ pub use config::{
     AclConfig, Config, DEFAULT_HTTP_ADDR, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, SecurityConfig, parse_listener,
 };
 use petrel_broker::{Broker, BrokerOptions};
+pub use reload::{ReloadSummary, Reloader};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
@@ -51,6 +53,9 @@ pub(crate) struct Ctx {
     pub events: Arc<http::Events>,
     /// The last minutes, for the dashboard's charts.
     pub samples: http::Samples,
+    /// The limits a reload changes (the rest of `config` stays as the server started).
+    pub limits: reload::LiveLimits,
+    pub reload: std::sync::Mutex<reload::ReloadState>,
 }
 
 /// Holds one of an address's connections while it lives.
@@ -62,7 +67,7 @@ struct AddressSlot {
 impl AddressSlot {
     /// A slot for one more connection from `ip`, or why there is none.
     fn take(ctx: &Arc<Ctx>, ip: std::net::IpAddr) -> Result<AddressSlot, String> {
-        let max = ctx.config.max_connections_per_address;
+        let max = reload::LiveLimits::get(&ctx.limits.max_connections_per_address);
         let mut counts = ctx.address_connections.lock().unwrap_or_else(|e| e.into_inner());
         let n = counts.entry(ip).or_insert(0);
         if max != 0 && *n >= max {
@@ -101,31 +106,6 @@ fn load_tls(config: &Config) -> Result<Option<Arc<tls::Tls>>, String> {
     match (&s.tls_cert, &s.tls_key) {
         (Some(cert), Some(key)) => Ok(Some(Arc::new(tls::load(cert, key, s.tls_client_ca.as_deref())?))),
         _ => Ok(None),
-    }
-}
-
-/// Reloads what can change while the server runs (on SIGHUP): users, ACLs and certificates.
-/// Connections stay open; their next requests are decided by the new rules.
-#[derive(Clone)]
-pub struct Reloader {
-    ctx: Arc<Ctx>,
-}
-
-impl Reloader {
-    /// Takes users, ACLs and certificates from `config` (the server's file, read again). Listener
-    /// addresses, limits and turning authentication or TLS on or off need a restart.
-    pub fn reload(&self, config: &Config) -> Result<(), String> {
-        config.validate()?;
-        let security = config.security.load()?;
-        let tls = load_tls(config)?;
-        if security.is_some() != self.ctx.broker.auth_enabled() || tls.is_some() != self.ctx.tls().is_some() {
-            return Err("turning authentication or TLS on or off needs a restart".into());
-        }
-        if let Some(security) = security {
-            self.ctx.broker.set_security(security);
-        }
-        *self.ctx.tls.write().unwrap_or_else(|e| e.into_inner()) = tls;
-        Ok(())
     }
 }
 
@@ -206,6 +186,7 @@ impl Server {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
             None => None,
         };
+        let limits = reload::LiveLimits::new(&config);
         let ctx = Ctx {
             broker: Arc::new(broker),
             config,
@@ -218,6 +199,8 @@ impl Server {
             connections: connections::Registry::default(),
             events,
             samples: http::Samples::default(),
+            limits,
+            reload: std::sync::Mutex::new(reload::ReloadState::default()),
         };
         Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache, http })
     }
@@ -226,9 +209,11 @@ impl Server {
         self.tcp.local_addr().expect("a bound listener has an address")
     }
 
-    /// What reloads users, ACLs and certificates while the server runs.
-    pub fn reloader(&self) -> Reloader {
-        Reloader { ctx: Arc::clone(&self.ctx) }
+    /// What reads `config_file` (the file the server started with) again while it runs.
+    pub fn reloader(&self, config_file: Option<std::path::PathBuf>) -> Reloader {
+        let reloader = Reloader { ctx: Arc::clone(&self.ctx), path: config_file };
+        reloader.remember_file();
+        reloader
     }
 
     pub fn http_addr(&self) -> Option<SocketAddr> {
@@ -293,7 +278,7 @@ impl Server {
                 accepted = accept_unix(self.unix.as_ref()) => {
                     match accepted {
                         // Local and trusted as the file's permissions say: only the total counts.
-                        Ok(stream) if connections.len() < ctx.config.max_connections => {
+                        Ok(stream) if connections.len() < reload::LiveLimits::get(&ctx.limits.max_connections) => {
                             let conn = next_conn.fetch_add(1, Ordering::Relaxed);
                             connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix()));
                         }
@@ -310,7 +295,7 @@ impl Server {
                     continue;
                 }
             };
-            let slot = if connections.len() >= ctx.config.max_connections {
+            let slot = if connections.len() >= reload::LiveLimits::get(&ctx.limits.max_connections) {
                 Err(format!("the server has {} connections (max_connections)", connections.len()))
             } else {
                 AddressSlot::take(&ctx, peer.ip())

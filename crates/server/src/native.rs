@@ -155,7 +155,7 @@ where
         }
     }
     let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
-    let idle_timeout = ctx.config.idle_timeout().ok().flatten();
+    let idle_timeout = ctx.limits.idle_timeout();
     'read: loop {
         // Whole frames already buffered first.
         loop {

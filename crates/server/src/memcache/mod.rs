@@ -88,7 +88,7 @@ where
             Err(reason) => tracing::info!(conn, reason, "client certificate not accepted; a login may follow"),
         }
     }
-    let idle_timeout = s.ctx.config.idle_timeout().ok().flatten();
+    let idle_timeout = s.ctx.limits.idle_timeout();
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input.buf) {
             let flow = match request {

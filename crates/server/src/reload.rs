@@ -1,0 +1,220 @@
+//! Configuration reload (SIGHUP): the configuration file read again, what may change while the
+//! server runs applied at once, the rest reported as waiting for a restart — in the log and in
+//! `/api/v1/server`.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::{Config, Ctx};
+
+/// The limits a reload may change, read where they apply (by connections opened after it).
+pub(crate) struct LiveLimits {
+    pub max_connections: AtomicUsize,
+    pub max_connections_per_address: AtomicUsize,
+    pub max_connections_per_user: AtomicUsize,
+    /// 0: none.
+    idle_timeout_ms: AtomicU64,
+}
+
+impl LiveLimits {
+    pub fn new(config: &Config) -> LiveLimits {
+        let limits = LiveLimits {
+            max_connections: AtomicUsize::new(0),
+            max_connections_per_address: AtomicUsize::new(0),
+            max_connections_per_user: AtomicUsize::new(0),
+            idle_timeout_ms: AtomicU64::new(0),
+        };
+        limits.set(config);
+        limits
+    }
+
+    fn set(&self, config: &Config) {
+        self.max_connections.store(config.max_connections, Ordering::Relaxed);
+        self.max_connections_per_address.store(config.max_connections_per_address, Ordering::Relaxed);
+        self.max_connections_per_user.store(config.security.max_connections_per_user, Ordering::Relaxed);
+        let idle = config.idle_timeout().ok().flatten().map_or(0, |d| d.as_millis() as u64);
+        self.idle_timeout_ms.store(idle, Ordering::Relaxed);
+    }
+
+    pub fn get(limit: &AtomicUsize) -> usize {
+        limit.load(Ordering::Relaxed)
+    }
+
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        match self.idle_timeout_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+}
+
+/// Keys of the configuration file a reload applies (with the users file, always read again).
+/// Any other key that changed waits for a restart.
+const LIVE_KEYS: &[&str] = &[
+    "max_connections",
+    "max_connections_per_address",
+    "idle_timeout",
+    "max_memory_bytes",
+    "security.users_file",
+    "security.acl",
+    "security.default_queue",
+    "security.default_topic",
+    "security.default_function",
+    "security.max_connections_per_user",
+    "security.tls_cert",
+    "security.tls_key",
+    "security.tls_client_ca",
+];
+
+/// What the last reload did, for `/api/v1/server`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(crate) struct ReloadStatus {
+    /// Reloads tried since start.
+    pub count: u64,
+    /// Unix time of the last one, ms (0: none yet).
+    pub at_ms: u64,
+    /// `ok`, or why nothing was applied.
+    pub outcome: String,
+    /// Keys changed and applied.
+    pub applied: Vec<String>,
+    /// Keys changed that take effect at the next start.
+    pub needs_restart: Vec<String>,
+}
+
+#[derive(Default)]
+pub(crate) struct ReloadState {
+    pub status: ReloadStatus,
+    /// The file as last read: what the next reload compares with.
+    file: Option<toml::Table>,
+}
+
+/// Reloads the configuration file while the server runs. Connections stay open; their next
+/// requests are decided by the new users and ACLs, connections opened later by the new limits.
+#[derive(Clone)]
+pub struct Reloader {
+    pub(crate) ctx: Arc<Ctx>,
+    pub(crate) path: Option<PathBuf>,
+}
+
+impl Reloader {
+    /// Reads the file again and applies it; the outcome is logged and kept for the API.
+    pub fn reload(&self) -> Result<ReloadSummary, String> {
+        let Some(path) = &self.path else {
+            return Err("the server was started without --config: there is no file to read again".into());
+        };
+        let result = self.apply(path);
+        let mut state = self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner());
+        state.status.count += 1;
+        state.status.at_ms = crate::now_ns() / 1_000_000;
+        match result {
+            Ok((table, summary)) => {
+                state.file = Some(table);
+                state.status.outcome = "ok".into();
+                state.status.applied = summary.applied.clone();
+                state.status.needs_restart = summary.needs_restart.clone();
+                Ok(summary)
+            }
+            Err(e) => {
+                state.status.outcome = e.clone();
+                state.status.applied.clear();
+                state.status.needs_restart.clear();
+                Err(e)
+            }
+        }
+    }
+
+    fn apply(&self, path: &Path) -> Result<(toml::Table, ReloadSummary), String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let table: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let config: Config = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        config.validate()?;
+        // Everything is checked before anything is applied: a bad file changes nothing.
+        let security = config.security.load()?;
+        let tls = crate::load_tls(&config)?;
+        let ctx = &self.ctx;
+        if security.is_some() != ctx.broker.auth_enabled() || tls.is_some() != ctx.tls().is_some() {
+            return Err("turning authentication or TLS on or off needs a restart".into());
+        }
+        if let Some(security) = security {
+            ctx.broker.set_security(security);
+        }
+        *ctx.tls.write().unwrap_or_else(|e| e.into_inner()) = tls;
+        ctx.limits.set(&config);
+        ctx.broker.set_max_memory_bytes(config.max_memory_bytes);
+        let before = ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).file.clone().unwrap_or_default();
+        let mut summary = ReloadSummary::default();
+        for key in changed_keys(&before, &table) {
+            if LIVE_KEYS.contains(&key.as_str()) {
+                summary.applied.push(key);
+            } else {
+                summary.needs_restart.push(key);
+            }
+        }
+        Ok((table, summary))
+    }
+
+    /// Remembers the file as the server was started with it: what the first reload compares with.
+    pub(crate) fn remember_file(&self) {
+        let Some(path) = &self.path else { return };
+        let table = std::fs::read_to_string(path).ok().and_then(|text| toml::from_str::<toml::Table>(&text).ok());
+        self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).file = table;
+    }
+}
+
+/// The keys a reload found changed.
+#[derive(Clone, Debug, Default)]
+pub struct ReloadSummary {
+    pub applied: Vec<String>,
+    pub needs_restart: Vec<String>,
+}
+
+/// Dotted keys whose values differ: top-level keys, and the keys of tables one level down
+/// (`security.acl`, `queues.orders`).
+fn changed_keys(before: &toml::Table, after: &toml::Table) -> Vec<String> {
+    let mut keys: Vec<&String> = before.keys().chain(after.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let mut changed = Vec::new();
+    for key in keys {
+        let empty = toml::Value::Table(toml::Table::new());
+        let (a, b) = match (before.get(key), after.get(key)) {
+            // A table added or removed: its entries changed, one by one.
+            (None, Some(b @ toml::Value::Table(_))) => (Some(&empty), Some(b)),
+            (Some(a @ toml::Value::Table(_)), None) => (Some(a), Some(&empty)),
+            other => other,
+        };
+        match (a, b) {
+            (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => {
+                let entries = changed_keys(a, b).into_iter().map(|k| k.split('.').next().unwrap_or(&k).to_owned());
+                changed.extend(entries.map(|k| format!("{key}.{k}")));
+            }
+            (a, b) if a != b => changed.push(key.clone()),
+            _ => {}
+        }
+    }
+    changed.dedup();
+    changed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changed_keys_name_what_differs_down_to_a_table_entry() {
+        let before: toml::Table = toml::from_str(
+            "max_connections = 10\nidle_timeout = \"5m\"\n[security]\nusers_file = \"u\"\n[queues.orders]\nmax_items = 5\n[queues.logs]\ndurable = true\n",
+        )
+        .unwrap();
+        let after: toml::Table = toml::from_str(
+            "max_connections = 20\nidle_timeout = \"5m\"\nsegment_bytes = 1048576\n[security]\nusers_file = \"u\"\n[queues.orders]\nmax_items = 6\n[queues.logs]\ndurable = true\n",
+        )
+        .unwrap();
+        assert_eq!(changed_keys(&before, &after), ["max_connections", "queues.orders", "segment_bytes"]);
+        assert!(changed_keys(&after, &after).is_empty());
+    }
+}
