@@ -499,3 +499,41 @@ async fn queues_per_user_are_limited() {
         max.create_queue(&format!("admin.{i}"), QueueConfig::default()).await.unwrap();
     }
 }
+
+/// `curl` against the HTTP listener: the status code and the body.
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl").args(["-s", "-w", "\n%{http_code}"]).args(args).output().expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_port_speaks_tls_and_takes_passwords_only_over_it() {
+    let setup = Setup::new("");
+    let certs = setup.dir.path().join("certs");
+    cert_dev(&certs, "jak");
+    let p = |f: &str| certs.join(f).to_str().unwrap().to_owned();
+    setup.write_config(&format!("tls_cert = {:?}\ntls_key = {:?}\n", p("server.pem"), p("server.key")));
+    let config = std::fs::read_to_string(&setup.config).unwrap().replace("allow_plaintext_auth = true", "");
+    std::fs::write(&setup.config, config).unwrap();
+    let server = setup.start();
+    let port = server.http.rsplit_once(':').unwrap().1.to_owned();
+    let resolve = format!("localhost:{port}:127.0.0.1");
+    let https = |path: &str, user: &str| {
+        let url = format!("https://localhost:{port}{path}");
+        curl(&["--cacert", &p("ca.pem"), "--resolve", &resolve, "-u", user, &url])
+    };
+    let (status, body) = https("/api/v1/server", "max:zu*67");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"authentication\":true"), "{body}");
+    assert_eq!(https("/api/v1/server", "max:wrong").0, 401);
+    // The same port in plaintext: a password is refused (it would cross the network in clear).
+    let plain = format!("http://{}/api/v1/server", server.http);
+    let (status, body) = curl(&["-u", "max:zu*67", &plain]);
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("TLS"), "{body}");
+    // Probes need no password, in plaintext or TLS.
+    assert_eq!(curl(&[&format!("http://{}/readyz", server.http)]).0, 200);
+    assert_eq!(curl(&[&format!("http://{}/healthz", server.http)]).0, 200);
+}

@@ -160,7 +160,9 @@ impl Server {
             on_call: if config.http_addr.is_some() { events.call_observer() } else { Default::default() },
         };
         let tls = load_tls(&config)?;
-        for (name, addr) in [("native", Some(config.native_addr)), ("memcache", config.memcache_addr)] {
+        let listeners =
+            [("native", Some(config.native_addr)), ("memcache", config.memcache_addr), ("http", config.http_addr)];
+        for (name, addr) in listeners {
             if let Some(addr) = addr
                 && !addr.ip().is_loopback()
                 && options.security.is_none()

@@ -8,13 +8,13 @@
 
 mod api;
 mod dashboard;
+mod listener;
 mod metrics;
 mod samples;
 
 pub(crate) use metrics::Events;
 pub(crate) use samples::Samples;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
@@ -31,8 +31,12 @@ use tokio::sync::watch;
 use crate::Ctx;
 use crate::auth::{self, Peer};
 
-/// Serves HTTP on `listener` until `stop` turns true.
+/// Serves HTTP (and HTTPS, as the other listeners) on `listener` until `stop` turns true.
 pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
+    let listener = match listener::HttpListener::start(listener, Arc::clone(&ctx), stop.clone()) {
+        Ok(l) => l,
+        Err(e) => return tracing::error!(error = %e, "the HTTP listener could not start"),
+    };
     let metrics = if ctx.config.http_open_metrics {
         get(metrics::scrape)
     } else {
@@ -58,7 +62,7 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         .route("/dashboard.css", get(dashboard::style))
         .fallback(api::not_found)
         .with_state(ctx);
-    let served = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+    let served = axum::serve(listener, app.into_make_service_with_connect_info::<listener::Remote>())
         .with_graceful_shutdown(async move {
             let _ = stop.wait_for(|s| *s).await;
         })
@@ -105,14 +109,14 @@ impl FromRequestParts<Arc<Ctx>> for Caller {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, ctx: &Arc<Ctx>) -> Result<Caller, Response> {
-        let peer = parts.extensions.get::<ConnectInfo<SocketAddr>>().map(|c| c.0);
-        authenticate(ctx, peer, &parts.headers).await.map(Caller)
+        let remote = parts.extensions.get::<ConnectInfo<listener::Remote>>().map(|c| c.0);
+        authenticate(ctx, remote, &parts.headers).await.map(Caller)
     }
 }
 
 async fn authenticate(
     ctx: &Arc<Ctx>,
-    peer: Option<SocketAddr>,
+    remote: Option<listener::Remote>,
     headers: &HeaderMap,
 ) -> Result<Option<Principal>, Response> {
     if !ctx.broker.auth_enabled() {
@@ -132,14 +136,16 @@ async fn authenticate(
     let Some((user, password)) = credentials.as_deref().and_then(|c| c.split_once(':')) else {
         return Err(ask("authentication required (HTTP basic: a user of the server)"));
     };
-    let peer = Peer { addr: peer, tls: false, certificate_user: None };
+    let peer = Peer { addr: remote.map(|r| r.addr), tls: remote.is_some_and(|r| r.tls), certificate_user: None };
     match auth::with_password(ctx, &peer, 0, user.to_owned(), password.to_owned()).await {
         Ok(authenticated) => Ok(Some(authenticated.principal.clone())),
         Err(reason) => Err(ask(&reason)),
     }
 }
 
-async fn readyz(State(ctx): Ctxt, _: Caller) -> Response {
+/// Open as `/healthz` is (an orchestrator's probe has no password): it tells only whether the
+/// data directory takes a file.
+async fn readyz(State(ctx): Ctxt) -> Response {
     // The data directory takes a new file: the disk is there, writable and not full.
     let probe = ctx.config.data.join(".petrel-ready");
     let written = tokio::task::spawn_blocking(move || {
