@@ -145,6 +145,11 @@ fn with_users_metrics_ask_for_a_password_unless_left_open() {
         let (status, _, scrape) = get(&server.http, "/metrics", Some(("ops", "s3cret-words")));
         assert_eq!(status, 200);
         assert!(scrape.contains("petrel_queues"));
+        // A dashboard's once-a-second requests stay under auth_attempts_per_minute (60): a
+        // verified password is remembered for a minute, not hashed again per request.
+        for _ in 0..80 {
+            assert_eq!(get(&server.http, "/api/v1/server", Some(("ops", "s3cret-words"))).0, 200);
+        }
         // Probes need no password (an orchestrator has none); the API does.
         assert_eq!(get(&server.http, "/readyz", None).0, 200);
         assert_eq!(get(&server.http, "/api/v1/server", None).0, 401);

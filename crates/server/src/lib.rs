@@ -56,6 +56,8 @@ pub(crate) struct Ctx {
     /// The limits a reload changes (the rest of `config` stays as the server started).
     pub limits: reload::LiveLimits,
     pub reload: std::sync::Mutex<reload::ReloadState>,
+    /// HTTP basic credentials verified lately.
+    pub http_logins: http::Logins,
 }
 
 /// Holds one of an address's connections while it lives.
@@ -203,6 +205,7 @@ impl Server {
             samples: http::Samples::default(),
             limits,
             reload: std::sync::Mutex::new(reload::ReloadState::default()),
+            http_logins: http::Logins::default(),
         };
         Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache, http })
     }

@@ -142,6 +142,7 @@ impl Reloader {
         if let Some(security) = security {
             ctx.broker.set_security(security);
         }
+        ctx.http_logins.clear();
         *ctx.tls.write().unwrap_or_else(|e| e.into_inner()) = tls;
         ctx.limits.set(&config);
         ctx.broker.set_max_memory_bytes(config.max_memory_bytes);

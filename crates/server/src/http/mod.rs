@@ -137,9 +137,48 @@ async fn authenticate(
         return Err(ask("authentication required (HTTP basic: a user of the server)"));
     };
     let peer = Peer { addr: remote.map(|r| r.addr), tls: remote.is_some_and(|r| r.tls), certificate_user: None };
+    let transport_allows = peer.tls || (ctx.config.security.allow_plaintext_auth && peer.is_local());
+    if transport_allows && let Some(user) = ctx.http_logins.get(credentials.as_deref().unwrap_or_default()) {
+        return Ok(Some(Principal { user, conn: 0 }));
+    }
     match auth::with_password(ctx, &peer, 0, user.to_owned(), password.to_owned()).await {
-        Ok(authenticated) => Ok(Some(authenticated.principal.clone())),
+        Ok(authenticated) => {
+            ctx.http_logins.insert(credentials.as_deref().unwrap_or_default(), &authenticated.principal.user);
+            Ok(Some(authenticated.principal.clone()))
+        }
         Err(reason) => Err(ask(&reason)),
+    }
+}
+
+/// Credentials verified in the last minute. HTTP has no session: without this, a dashboard
+/// reading the API every second would pay a password hash (tens of ms of a core) per request
+/// and run into `auth_attempts_per_minute`. Bounded, and emptied by a reload (users change).
+#[derive(Default)]
+pub(crate) struct Logins {
+    verified: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+}
+
+const LOGIN_KEPT: std::time::Duration = std::time::Duration::from_secs(60);
+const LOGINS_KEPT: usize = 1024;
+
+impl Logins {
+    fn get(&self, credentials: &str) -> Option<String> {
+        let verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        let (user, at) = verified.get(credentials)?;
+        (at.elapsed() < LOGIN_KEPT).then(|| user.clone())
+    }
+
+    fn insert(&self, credentials: &str, user: &str) {
+        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        verified.retain(|_, (_, at)| at.elapsed() < LOGIN_KEPT);
+        if verified.len() >= LOGINS_KEPT {
+            verified.clear();
+        }
+        verified.insert(credentials.to_owned(), (user.to_owned(), std::time::Instant::now()));
+    }
+
+    pub fn clear(&self) {
+        self.verified.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 }
 
