@@ -149,16 +149,18 @@ impl Functions {
     }
 
     /// Counts a call's outcome in its function's figures (gone if nothing serves it any more).
+    /// A reply takes no lock here: it only tells the observer.
     fn settle(&self, function: &str, outcome: Outcome, took: Option<Duration>) {
-        let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = servers.get_mut(function) {
-            match outcome {
-                Outcome::Replied => {}
-                Outcome::Failed => s.stats.errors += 1,
-                Outcome::TimedOut => s.stats.timeouts += 1,
+        if !matches!(outcome, Outcome::Replied) {
+            let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(s) = servers.get_mut(function) {
+                match outcome {
+                    Outcome::Failed => s.stats.errors += 1,
+                    Outcome::TimedOut => s.stats.timeouts += 1,
+                    Outcome::Replied => unreachable!("answered above"),
+                }
             }
         }
-        drop(servers);
         if let Some(took) = took {
             self.observer.observe(function, took);
         }

@@ -410,6 +410,23 @@ fn the_admin_api_shows_connections_functions_and_samples() {
     assert_eq!(sample(&scrape, "petrel_requests_total{protocol=\"native\",command=\"call\"}"), 3.0);
     assert_eq!(sample(&scrape, "petrel_requests_total{protocol=\"native\",command=\"offer\"}"), 1.0);
     promtool_check(&scrape);
+    // A call without a reply before its deadline counts as a timeout.
+    rt.block_on(async {
+        c.serve("sleepy", |m: Message| async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Ok(m)
+        })
+        .await
+        .unwrap();
+        let caller = server.client().await;
+        let late = caller.call("sleepy", Message::new(&b"z"[..]), Some(Duration::from_millis(100))).await;
+        assert!(late.is_err(), "no reply within 100 ms");
+    });
+    eventually("the timeout is counted", || {
+        let scrape = get(http, "/metrics", None).2;
+        let line = "petrel_function_timeouts_total{function=\"sleepy\"} 1";
+        if scrape.lines().any(|l| l == line) { Ok(()) } else { Err(scrape) }
+    });
 
     // The serving connection is listed with what it did; the caller's is gone.
     eventually("one native connection left", || {
@@ -473,6 +490,14 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     assert_eq!(r["needs_restart"], serde_json::json!(["queues.orders", "segment_bytes"]), "{r}");
     assert_eq!(server_now["limits"]["max_connections_per_address"], 2);
     assert_eq!(server_now["memory"]["max_memory_bytes"], 2_000_000);
+    // Memcache `stats` shows the limits in force too.
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    mc.write_all(b"stats\r\nquit\r\n").unwrap();
+    let mut stats = String::new();
+    mc.read_to_string(&mut stats).unwrap();
+    assert!(stats.contains("STAT limit_max_connections_per_address 2\r\n"), "{stats}");
+    assert!(stats.contains("STAT limit_max_memory_bytes 2000000\r\n"), "{stats}");
     // The new limit holds for connections opened after it: two from this address, not three.
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {

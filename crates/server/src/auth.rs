@@ -167,7 +167,7 @@ pub(crate) fn with_certificate(ctx: &Arc<Ctx>, peer: &Peer, conn: ConnId) -> Opt
 }
 
 fn admit(ctx: &Arc<Ctx>, conn: ConnId, user: String) -> Result<Authenticated, String> {
-    let max = crate::reload::LiveLimits::get(&ctx.limits.max_connections_per_user);
+    let max = ctx.limits.max_connections_per_user();
     let mut counts = ctx.user_connections.lock().unwrap_or_else(|e| e.into_inner());
     let n = counts.entry(user.clone()).or_insert(0);
     if max > 0 && *n >= max {

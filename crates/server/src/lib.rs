@@ -69,7 +69,7 @@ struct AddressSlot {
 impl AddressSlot {
     /// A slot for one more connection from `ip`, or why there is none.
     fn take(ctx: &Arc<Ctx>, ip: std::net::IpAddr) -> Result<AddressSlot, String> {
-        let max = reload::LiveLimits::get(&ctx.limits.max_connections_per_address);
+        let max = ctx.limits.max_connections_per_address();
         let mut counts = ctx.address_connections.lock().unwrap_or_else(|e| e.into_inner());
         let n = counts.entry(ip).or_insert(0);
         if max != 0 && *n >= max {
@@ -283,7 +283,7 @@ impl Server {
                 accepted = accept_unix(self.unix.as_ref()) => {
                     match accepted {
                         // Local and trusted as the file's permissions say: only the total counts.
-                        Ok(stream) if connections.len() < reload::LiveLimits::get(&ctx.limits.max_connections) => {
+                        Ok(stream) if connections.len() < ctx.limits.max_connections() => {
                             let conn = next_conn.fetch_add(1, Ordering::Relaxed);
                             connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix()));
                         }
@@ -300,7 +300,7 @@ impl Server {
                     continue;
                 }
             };
-            let slot = if connections.len() >= reload::LiveLimits::get(&ctx.limits.max_connections) {
+            let slot = if connections.len() >= ctx.limits.max_connections() {
                 Err(format!("the server has {} connections (max_connections)", connections.len()))
             } else {
                 AddressSlot::take(&ctx, peer.ip())

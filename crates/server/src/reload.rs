@@ -13,9 +13,9 @@ use crate::{Config, Ctx};
 
 /// The limits a reload may change, read where they apply (by connections opened after it).
 pub(crate) struct LiveLimits {
-    pub max_connections: AtomicUsize,
-    pub max_connections_per_address: AtomicUsize,
-    pub max_connections_per_user: AtomicUsize,
+    max_connections: AtomicUsize,
+    max_connections_per_address: AtomicUsize,
+    max_connections_per_user: AtomicUsize,
     /// 0: none.
     idle_timeout_ms: AtomicU64,
 }
@@ -40,8 +40,16 @@ impl LiveLimits {
         self.idle_timeout_ms.store(idle, Ordering::Relaxed);
     }
 
-    pub fn get(limit: &AtomicUsize) -> usize {
-        limit.load(Ordering::Relaxed)
+    pub fn max_connections(&self) -> usize {
+        self.max_connections.load(Ordering::Relaxed)
+    }
+
+    pub fn max_connections_per_address(&self) -> usize {
+        self.max_connections_per_address.load(Ordering::Relaxed)
+    }
+
+    pub fn max_connections_per_user(&self) -> usize {
+        self.max_connections_per_user.load(Ordering::Relaxed)
     }
 
     pub fn idle_timeout(&self) -> Option<Duration> {

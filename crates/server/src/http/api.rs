@@ -19,7 +19,6 @@ use serde_json::{Value, json};
 
 use super::{Caller, refusal};
 use crate::Ctx;
-use crate::reload::LiveLimits;
 use crate::stats::get as read;
 
 type Ctxt = State<Arc<Ctx>>;
@@ -121,9 +120,9 @@ pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
         "resident": { "counted_bytes": resident, "max_resident_bytes": c.max_resident_bytes },
         "reload": ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).status.clone(),
         "limits": {
-            "max_connections": LiveLimits::get(&ctx.limits.max_connections),
-            "max_connections_per_address": LiveLimits::get(&ctx.limits.max_connections_per_address),
-            "max_connections_per_user": LiveLimits::get(&ctx.limits.max_connections_per_user),
+            "max_connections": ctx.limits.max_connections(),
+            "max_connections_per_address": ctx.limits.max_connections_per_address(),
+            "max_connections_per_user": ctx.limits.max_connections_per_user(),
             "idle_timeout_ms": ctx.limits.idle_timeout().map_or(0, |d| d.as_millis() as u64),
             "max_queues": c.max_queues,
             "max_message_bytes": c.max_message_bytes,

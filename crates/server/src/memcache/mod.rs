@@ -496,13 +496,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("acl_denials", &broker.denials());
         put("connections_refused", &get(&s.connections_refused));
         put("idle_closed", &get(&s.idle_closed));
+        // The limits a reload changes as they are now; the rest as the server started.
         let limits = &ctx.config;
-        put("limit_max_connections", &limits.max_connections);
-        put("limit_max_connections_per_address", &limits.max_connections_per_address);
-        put("limit_max_connections_per_user", &limits.security.max_connections_per_user);
+        put("limit_max_connections", &ctx.limits.max_connections());
+        put("limit_max_connections_per_address", &ctx.limits.max_connections_per_address());
+        put("limit_max_connections_per_user", &ctx.limits.max_connections_per_user());
         put("limit_max_queues", &limits.max_queues);
-        put("limit_max_memory_bytes", &limits.max_memory_bytes);
-        put("memory_queued_bytes", &ctx.broker.memory().0);
+        let (memory_queued, memory_max) = ctx.broker.memory();
+        put("limit_max_memory_bytes", &memory_max);
+        put("memory_queued_bytes", &memory_queued);
         let (resident, releases) = ctx.broker.resident_pages();
         put("limit_max_resident_bytes", &limits.max_resident_bytes);
         put("resident_counted_bytes", &resident);
@@ -517,7 +519,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_max_in_flight_per_connection", &limits.max_in_flight_per_connection);
         put("limit_max_message_bytes", &limits.max_message_bytes);
         put("limit_auth_attempts_per_minute", &limits.security.auth_attempts_per_minute);
-        put("limit_idle_timeout", &limits.idle_timeout);
+        let idle =
+            ctx.limits.idle_timeout().map_or_else(|| "0".to_owned(), |d| humantime::format_duration(d).to_string());
+        put("limit_idle_timeout", &idle);
         for (q, st) in &per_queue {
             for (stat, value) in queue_stats(broker, q, st) {
                 put(&format!("queue_{}_{stat}", q.name), &value);
