@@ -37,6 +37,12 @@ pub struct QueueConfig {
 }
 
 impl QueueConfig {
+    /// Whether a queue configured as `self` may take `other` while it lives: the same kind of
+    /// queue (where its messages are kept and how durably), other limits, expiry or dead letters.
+    pub fn changes_live_to(&self, other: &QueueConfig) -> bool {
+        (self.durable, self.temporary, self.durability) == (other.durable, other.temporary, other.durability)
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.dead_letter.is_empty() {
             return Ok(());

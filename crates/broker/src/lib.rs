@@ -189,6 +189,8 @@ pub struct Broker {
     pages: petrel_log::PageBudget,
     /// Serializes changes to the set of queues and their definitions file.
     definitions: Mutex<()>,
+    /// The options' `queue_defaults` and `queues`, as a reload last set them.
+    configured: RwLock<Configured>,
     next_handle: AtomicU64,
     created: AtomicU64,
     removed: AtomicU64,
@@ -203,11 +205,42 @@ pub struct Broker {
     created_by: Mutex<CreatedBy>,
 }
 
+/// Configuration of queues named in the server's configuration, and of those made by first use.
+#[derive(Clone, Debug, Default)]
+struct Configured {
+    defaults: QueueConfig,
+    queues: BTreeMap<String, QueueConfig>,
+}
+
+/// What `Broker::reconfigure_queues` did, by queue name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QueueChanges {
+    /// Queues that took their new configuration at once.
+    pub applied: Vec<String>,
+    /// Queues named for the first time, created.
+    pub created: Vec<String>,
+    /// Queues whose new configuration changes their kind (durable, temporary, durability):
+    /// they take it at the next start.
+    pub needs_restart: Vec<String>,
+    /// Queues that could not be created, and why.
+    pub failed: Vec<(String, String)>,
+}
+
 /// Which user created which live queue, and how many each has.
 #[derive(Default)]
 struct CreatedBy {
     creator: HashMap<String, String>,
     count: HashMap<String, usize>,
+}
+
+impl Configured {
+    fn validate(&self) -> Result<(), BrokerError> {
+        for (name, config) in &self.queues {
+            check_name(name)?;
+            config.validate().map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
+        }
+        self.defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))
+    }
 }
 
 /// The queues, and for each fanout parent name the children that receive copies.
@@ -250,7 +283,7 @@ const DEFINITION: &str = "queue.json";
 
 impl Broker {
     /// Opens the broker's data in `dir`: queue definitions, and the logs of durable queues.
-    pub fn open(dir: impl AsRef<Path>, options: BrokerOptions) -> Result<Broker, BrokerError> {
+    pub fn open(dir: impl AsRef<Path>, mut options: BrokerOptions) -> Result<Broker, BrokerError> {
         let dir = dir.as_ref().to_path_buf();
         std::fs::create_dir_all(dir.join("queues")).map_err(|e| BrokerError::Definitions(e.to_string()))?;
         let lock =
@@ -262,11 +295,11 @@ impl Broker {
                 return Err(BrokerError::Definitions(format!("lock {}: {e}", dir.display())));
             }
         }
-        for (name, config) in &options.queues {
-            check_name(name)?;
-            config.validate().map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
-        }
-        options.queue_defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))?;
+        let configured = Configured {
+            defaults: std::mem::take(&mut options.queue_defaults),
+            queues: std::mem::take(&mut options.queues),
+        };
+        configured.validate()?;
         let memory = Arc::new(MemoryBudget::new(options.max_memory_bytes));
         let pages = petrel_log::PageBudget::new(options.max_resident_bytes);
         let on_call = options.on_call.clone();
@@ -278,6 +311,7 @@ impl Broker {
             memory,
             pages,
             definitions: Mutex::new(()),
+            configured: RwLock::new(configured.clone()),
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
@@ -289,7 +323,7 @@ impl Broker {
         };
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         for def in broker.load_definitions()? {
-            let config = match broker.options.queues.get(&def.name) {
+            let config = match configured.queues.get(&def.name) {
                 Some(configured) if *configured != def.config => {
                     tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
                     broker.save_definition(&def.name, configured)?;
@@ -300,7 +334,7 @@ impl Broker {
             let queue = broker.build(def.name, config, None)?;
             broker.write().insert(Arc::new(queue));
         }
-        for (name, config) in &broker.options.queues {
+        for (name, config) in &configured.queues {
             if broker.queue(name).is_none() {
                 broker.save_definition(name, config)?;
                 let queue = broker.build(name.clone(), config.clone(), None)?;
@@ -321,12 +355,59 @@ impl Broker {
 
     /// The configuration a queue named `name` gets when it is created by first use.
     pub fn config_for(&self, name: &str) -> QueueConfig {
-        let queues = &self.options.queues;
+        let configured = self.configured.read().unwrap_or_else(|e| e.into_inner());
+        let queues = &configured.queues;
         queues
             .get(name)
             .or_else(|| fanout_parent(name).and_then(|p| queues.get(p)))
-            .unwrap_or(&self.options.queue_defaults)
+            .unwrap_or(&configured.defaults)
             .clone()
+    }
+
+    /// Puts a reloaded server configuration's queue blocks and defaults in force. Each named
+    /// queue that exists takes its block at once if it stays the same kind of queue (limits,
+    /// expiry, dead letters change live; see `Queue::reconfigure`), else at the next start; a
+    /// named queue that does not exist is created. Queues made by first use from now on take
+    /// the new defaults; existing ones keep their configuration, as across a restart. A queue
+    /// whose block was removed keeps its configuration too. Nothing changes if any block is
+    /// invalid.
+    pub fn reconfigure_queues(
+        &self,
+        defaults: QueueConfig,
+        queues: BTreeMap<String, QueueConfig>,
+    ) -> Result<QueueChanges, BrokerError> {
+        let configured = Configured { defaults, queues };
+        configured.validate()?;
+        *self.configured.write().unwrap_or_else(|e| e.into_inner()) = configured.clone();
+        let mut changes = QueueChanges::default();
+        for (name, config) in configured.queues {
+            let Some(queue) = self.queue(&name) else {
+                match self.create_queue(&name, config, None) {
+                    Ok(_) => changes.created.push(name),
+                    Err(e) => changes.failed.push((name, e.to_string())),
+                }
+                continue;
+            };
+            let current = queue.config();
+            if *current == config {
+                continue;
+            }
+            if !current.changes_live_to(&config) {
+                changes.needs_restart.push(name);
+                continue;
+            }
+            let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
+            // The definition first, as at creation: a restart finds what is in force.
+            if !config.temporary
+                && let Err(e) = self.save_definition(&name, &config)
+            {
+                changes.failed.push((name, e.to_string()));
+                continue;
+            }
+            queue.reconfigure(config);
+            changes.applied.push(name);
+        }
+        Ok(changes)
     }
 
     /// The queue named `name`, created with `config_for(name)` if there is none (the memcache
@@ -378,7 +459,7 @@ impl Broker {
         }
         let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(q) = self.queue(name) {
-            return if q.config == config { Ok(q) } else { Err(BrokerError::Exists(name.to_owned())) };
+            return if *q.config() == config { Ok(q) } else { Err(BrokerError::Exists(name.to_owned())) };
         }
         let (count, limit) = (self.read().queues.len(), self.options.max_queues);
         if limit != 0 && count >= limit {
@@ -478,7 +559,7 @@ impl Broker {
         let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
         self.removed.fetch_add(1, Ordering::Relaxed);
         queue.available.notify_waiters();
-        if !queue.config.temporary {
+        if !queue.config().temporary {
             drop(queue);
             remove_dir(&self.dir.join("queues"), name)?;
         }
@@ -893,14 +974,15 @@ impl Broker {
     }
 
     fn dead_letter(&self, from: &Queue, expired: Vec<Message>, now: u64) {
-        if expired.is_empty() || from.config.dead_letter.is_empty() {
+        let dead_letter = &from.config().dead_letter;
+        if expired.is_empty() || dead_letter.is_empty() {
             return;
         }
         let mut expired = expired.into_iter().map(|m| Message { expires_at: 0, ..m }).collect();
         // Like Kestrel's expire_to_queue, the dead-letter queue is made by first use.
-        let to = self.queue_or_create(&from.config.dead_letter);
+        let to = self.queue_or_create(dead_letter);
         if let Err(e) = to.and_then(|to| self.offer_to(&to, &mut expired, now)) {
-            tracing::warn!(queue = %from.name, dead_letter = %from.config.dead_letter, error = %e, "expired messages lost");
+            tracing::warn!(queue = %from.name, %dead_letter, error = %e, "expired messages lost");
         }
     }
 

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use petrel_log::{ConsumerGroup, GroupOptions, MAX_PENDING, SharedLog};
@@ -175,7 +175,8 @@ impl Drop for Locked<'_> {
 
 pub struct Queue {
     pub name: String,
-    pub config: QueueConfig,
+    /// Replaced whole by a reload (`reconfigure`); what kind of queue it is never changes.
+    config: RwLock<Arc<QueueConfig>>,
     /// In memory: the server's memory budget, and the bytes this queue holds at most when its
     /// configuration sets no `max_bytes`.
     memory: Option<(std::sync::Arc<MemoryBudget>, u64)>,
@@ -289,7 +290,7 @@ impl Queue {
     ) -> Queue {
         Queue {
             name,
-            config,
+            config: RwLock::new(Arc::new(config)),
             memory: None,
             owner,
             repliers: Mutex::new(Vec::new()),
@@ -306,6 +307,23 @@ impl Queue {
             waiters: AtomicU64::new(0),
             due: AtomicU64::new(u64::MAX),
         }
+    }
+
+    /// The configuration in force (a reload may replace it between two calls).
+    pub fn config(&self) -> Arc<QueueConfig> {
+        Arc::clone(&self.config.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Puts `config` in force for what comes next: offers check the new limits and take the
+    /// new `ttl_ms`, expiries go to the new dead-letter queue. Messages already in the queue
+    /// stay, even above a lowered limit (offers are refused until it is under it again; a
+    /// circular queue drops its oldest at its next offer), and keep the expiry they were given.
+    /// Only a configuration of the same kind (`QueueConfig::changes_live_to`) may replace it.
+    pub(crate) fn reconfigure(&self, config: QueueConfig) {
+        assert!(self.config().changes_live_to(&config), "a queue's kind never changes while it lives");
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(config);
+        // A raised limit may let waiting offers in.
+        self.room.notify_waiters();
     }
 
     /// Lets `conn` offer replies to this temporary queue.
@@ -351,7 +369,8 @@ impl Queue {
     /// durable queue, whose messages are in its log's mapped segments.
     pub fn memory_cap(&self) -> Option<u64> {
         let (_, default) = self.memory.as_ref()?;
-        Some(if self.config.max_bytes != 0 { self.config.max_bytes } else { *default })
+        let max_bytes = self.config().max_bytes;
+        Some(if max_bytes != 0 { max_bytes } else { *default })
     }
 
     pub(crate) fn count_dropped(&self, n: u64) {
@@ -371,19 +390,20 @@ impl Queue {
     /// hold is `NeverFits`; a circular queue keeps its newest messages instead (the oldest of the
     /// offer are dropped too, counted, and are gone even if the rest is then refused).
     pub fn offer(&self, messages: &mut Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
-        let max_item = self.config.max_item_bytes;
+        let config = self.config();
+        let max_item = config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
         }
-        let max_items = self.config.max_items;
-        let max_bytes = match (&self.memory, self.config.max_bytes) {
+        let max_items = config.max_items;
+        let max_bytes = match (&self.memory, config.max_bytes) {
             (Some((_, default)), 0) => *default,
             (_, configured) => configured,
         };
         let over = |n: u64, size: u64| (max_items != 0 && n > max_items) || (max_bytes != 0 && size > max_bytes);
         let mut size: u64 = messages.iter().map(Message::size).sum();
         if over(messages.len() as u64, size) {
-            if !self.config.circular {
+            if !config.circular {
                 // Waiting would not help: say so now, rather than QUEUE_FULL after a timeout.
                 return Err(BrokerError::NeverFits(format!(
                     "an offer of {} messages ({size} bytes) can never fit queue {:?} (max_items {max_items}, max_bytes {max_bytes}): offer fewer at a time",
@@ -415,7 +435,7 @@ impl Queue {
             (max_items == 0 || inner.items() + n <= max_items) && (max_bytes == 0 || inner.bytes + size <= max_bytes)
         };
         if !fits(&inner) {
-            if !self.config.circular {
+            if !config.circular {
                 return Err(BrokerError::Full(self.name.clone()));
             }
             while !fits(&inner) && inner.drop_oldest()? {
@@ -425,7 +445,7 @@ impl Queue {
                 return Err(BrokerError::Full(self.name.clone()));
             }
         }
-        let ttl_deadline = match self.config.ttl_ms {
+        let ttl_deadline = match config.ttl_ms {
             0 => u64::MAX,
             ttl => now.saturating_add(ttl.saturating_mul(1_000_000)),
         };

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use petrel_broker::{Broker, BrokerError, BrokerOptions, Message, QueueConfig};
+use petrel_broker::{Broker, BrokerError, BrokerOptions, Message, QueueChanges, QueueConfig};
 
 const MS: u64 = 1_000_000;
 const VIS: Option<Duration> = Some(Duration::from_millis(100));
@@ -211,7 +211,7 @@ fn durable_queues_and_definitions_survive_a_restart_with_tentative_reads_back() 
     }
     let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
     assert_eq!(b.queue_names(), ["jobs", "mem"]);
-    assert_eq!(b.queue("jobs").unwrap().config.max_items, 100);
+    assert_eq!(b.queue("jobs").unwrap().config().max_items, 100);
     assert!(b.poll("mem", 5, None, 1, 0).unwrap().is_empty(), "in-memory contents do not survive");
     let left = b.poll("jobs", 5, None, 1, 0).unwrap();
     assert_eq!(payloads(&left), [b"job-2".to_vec(), b"job-3".to_vec()]);
@@ -247,8 +247,8 @@ fn queues_made_by_first_use_take_their_configuration_from_the_options() {
     };
     let b = Broker::open(dir.path(), options.clone()).unwrap();
     assert_eq!(b.queue_names(), ["jobs"], "a configured queue exists from the start");
-    assert_eq!(b.queue_or_create("other").unwrap().config.max_items, 5, "the defaults");
-    assert_eq!(b.queue_or_create("jobs+audit").unwrap().config, jobs, "a child takes its parent's block");
+    assert_eq!(b.queue_or_create("other").unwrap().config().max_items, 5, "the defaults");
+    assert_eq!(*b.queue_or_create("jobs+audit").unwrap().config(), jobs, "a child takes its parent's block");
     b.offer("jobs", msgs(&["a", "b"]), 0).unwrap();
     assert!(matches!(b.offer("jobs", msgs(&["c"]), 0), Err(BrokerError::Full(_))));
     let big = QueueConfig { max_item_bytes: 3, ..QueueConfig::default() };
@@ -260,9 +260,60 @@ fn queues_made_by_first_use_take_their_configuration_from_the_options() {
     let bigger = QueueConfig { max_items: 10, ..jobs };
     let options = BrokerOptions { queues: [("jobs".to_owned(), bigger.clone())].into(), ..options };
     let b = Broker::open(dir.path(), options).unwrap();
-    assert_eq!(b.queue("jobs").unwrap().config, bigger);
+    assert_eq!(*b.queue("jobs").unwrap().config(), bigger);
     b.offer("jobs", msgs(&["c"]), 0).unwrap();
     assert_eq!(payloads(&b.poll("jobs", 5, None, 1, 0).unwrap()), [b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+}
+
+#[test]
+fn a_reload_changes_queue_limits_live_and_waits_for_a_restart_to_change_their_kind() {
+    let dir = tempfile::tempdir().unwrap();
+    let jobs = QueueConfig { durable: true, max_items: 2, ..QueueConfig::default() };
+    let mem = QueueConfig { max_items: 1, ..QueueConfig::default() };
+    let options = BrokerOptions {
+        queues: [("jobs".to_owned(), jobs.clone()), ("mem".to_owned(), mem.clone())].into(),
+        ..BrokerOptions::default()
+    };
+    let b = Broker::open(dir.path(), options.clone()).unwrap();
+    b.offer("jobs", msgs(&["a", "b"]), 0).unwrap();
+    assert!(matches!(b.offer("jobs", msgs(&["c"]), 0), Err(BrokerError::Full(_))));
+    b.offer("mem", msgs(&["x"]), 0).unwrap();
+
+    // Bad blocks change nothing.
+    let bad = [("jobs".to_owned(), QueueConfig { dead_letter: "a/b".into(), ..jobs.clone() })].into();
+    assert!(matches!(b.reconfigure_queues(QueueConfig::default(), bad), Err(BrokerError::BadRequest(_))));
+    assert_eq!(*b.queue("jobs").unwrap().config(), jobs);
+
+    let bigger = QueueConfig { max_items: 3, ttl_ms: 1, ..jobs.clone() };
+    let on_disk = QueueConfig { durable: true, ..mem.clone() };
+    let fresh = QueueConfig { max_items: 7, ..QueueConfig::default() };
+    let defaults = QueueConfig { max_items: 9, ..QueueConfig::default() };
+    let queues = [("jobs".to_owned(), bigger.clone()), ("mem".to_owned(), on_disk.clone()), ("fresh".to_owned(), fresh)];
+    let changes = b.reconfigure_queues(defaults, queues.into()).unwrap();
+    assert_eq!(
+        changes,
+        QueueChanges {
+            applied: vec!["jobs".into()],
+            created: vec!["fresh".into()],
+            needs_restart: vec!["mem".into()],
+            failed: vec![]
+        }
+    );
+    // The raised limit lets a third in; the new ttl applies to offers from now on.
+    b.offer("jobs", msgs(&["c"]), 10).unwrap();
+    assert!(matches!(b.offer("jobs", msgs(&["d"]), 10), Err(BrokerError::Full(_))));
+    assert_eq!(b.queue("fresh").unwrap().config().max_items, 7, "a queue named for the first time exists");
+    assert_eq!(b.queue_or_create("other").unwrap().config().max_items, 9, "first use takes the new defaults");
+    assert_eq!(*b.queue("mem").unwrap().config(), mem, "a change of kind waits for a restart");
+    assert_eq!(payloads(&b.poll("jobs", 5, None, 1, 5_000_000).unwrap()), [b"a".to_vec(), b"b".to_vec()], "c expired");
+    drop(b);
+
+    // The next open finds the reloaded configuration stored with the queue, and applies the
+    // change of kind from the file.
+    let options = BrokerOptions { queues: [("mem".to_owned(), on_disk.clone())].into(), ..options };
+    let b = Broker::open(dir.path(), options).unwrap();
+    assert_eq!(*b.queue("jobs").unwrap().config(), bigger);
+    assert_eq!(*b.queue("mem").unwrap().config(), on_disk);
 }
 
 #[test]

@@ -120,10 +120,13 @@ async fn reload_on_sighup(reloader: petrel_server::Reloader) {
         match reloader.reload() {
             Ok(summary) => {
                 let applied = summary.applied.join(", ");
-                tracing::info!(%applied, "configuration reloaded (users, ACLs and certificates read again)");
+                tracing::info!(%applied, "configuration reloaded (users, ACLs, certificates and queue settings read again)");
                 if !summary.needs_restart.is_empty() {
                     let keys = summary.needs_restart.join(", ");
                     tracing::warn!(%keys, "changed in the configuration file, applied at the next start");
+                }
+                for failed in &summary.failed {
+                    tracing::error!(%failed, "not applied by the reload");
                 }
             }
             Err(e) => tracing::error!(error = %e, "reload failed; the previous settings stay"),

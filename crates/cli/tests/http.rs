@@ -463,7 +463,8 @@ fn the_admin_api_shows_connections_functions_and_samples() {
 fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("petrel.toml");
-    std::fs::write(&config, "max_connections_per_address = 100\nmax_memory_bytes = 1000000\n").unwrap();
+    let queues = "[queues.orders]\nmax_items = 2\n[queues.cache]\ndurable = false\n";
+    std::fs::write(&config, format!("max_connections_per_address = 100\nmax_memory_bytes = 1000000\n{queues}")).unwrap();
     let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
     let http = server.http.as_str();
     let hup = || {
@@ -472,10 +473,19 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     };
     let reload = || json(&get(http, "/api/v1/server", None).2);
     assert_eq!(reload()["reload"]["count"], 0);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // One connection throughout, opened before the per-address limit is lowered.
+    let orders = rt.block_on(server.client());
+    let offer_orders = |n: usize| rt.block_on(orders.offer("orders", vec![Message::new(&b"o"[..]); n], None));
+    offer_orders(2).unwrap();
+    assert!(offer_orders(1).unwrap_err().to_string().contains("full"));
 
+    // Queue limits change live; a queue named for the first time is created; a queue that
+    // would change kind (memory to disk) waits for a restart, as other keys do.
     std::fs::write(
         &config,
-        "max_connections_per_address = 2\nmax_memory_bytes = 2000000\nsegment_bytes = 1048576\n[queues.orders]\nmax_items = 5\n",
+        "max_connections_per_address = 2\nmax_memory_bytes = 2000000\nsegment_bytes = 1048576\n\
+         [queues.orders]\nmax_items = 3\n[queues.cache]\ndurable = true\n[queues.fresh]\nttl_ms = 60000\n",
     )
     .unwrap();
     hup();
@@ -486,8 +496,18 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     let server_now = reload();
     let r = &server_now["reload"];
     assert_eq!(r["outcome"], "ok", "{r}");
-    assert_eq!(r["applied"], serde_json::json!(["max_connections_per_address", "max_memory_bytes"]), "{r}");
-    assert_eq!(r["needs_restart"], serde_json::json!(["queues.orders", "segment_bytes"]), "{r}");
+    assert_eq!(
+        r["applied"],
+        serde_json::json!(["max_connections_per_address", "max_memory_bytes", "queues.fresh", "queues.orders"]),
+        "{r}"
+    );
+    assert_eq!(r["needs_restart"], serde_json::json!(["queues.cache", "segment_bytes"]), "{r}");
+    offer_orders(1).unwrap();
+    assert!(offer_orders(1).unwrap_err().to_string().contains("full"), "the new max_items is 3");
+    let fresh = json(&get(http, "/api/v1/queues/fresh", None).2);
+    assert_eq!(fresh["config"]["ttl_ms"], 60000, "{fresh}");
+    let cache = json(&get(http, "/api/v1/queues/cache", None).2);
+    assert_eq!(cache["config"]["durable"], false, "{cache}");
     assert_eq!(server_now["limits"]["max_connections_per_address"], 2);
     assert_eq!(server_now["memory"]["max_memory_bytes"], 2_000_000);
     // Memcache `stats` shows the limits in force too.
@@ -498,10 +518,9 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     mc.read_to_string(&mut stats).unwrap();
     assert!(stats.contains("STAT limit_max_connections_per_address 2\r\n"), "{stats}");
     assert!(stats.contains("STAT limit_max_memory_bytes 2000000\r\n"), "{stats}");
-    // The new limit holds for connections opened after it: two from this address, not three.
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    // The new limit holds for connections opened after it: two from this address (the one
+    // above and one more), not three.
     rt.block_on(async {
-        let first = server.client().await;
         let second = server.client().await;
         let third = petrel_client::Client::connect(server.addr.as_str()).await;
         let refused = match third {
@@ -509,7 +528,7 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
             Err(e) => e,
         };
         assert!(refused.to_string().contains("max_connections_per_address"), "{refused}");
-        drop((first, second));
+        drop(second);
     });
 
     // A file that does not parse changes nothing, and says why.

@@ -770,7 +770,7 @@ fn handle(
                 .collect(),
         },
         Request::QueueStatus { name } => match broker.queue(&name) {
-            Some(q) => Response::QueueStatus { stats: convert::stats_out(q.stats(), &q.config) },
+            Some(q) => Response::QueueStatus { stats: convert::stats_out(q.stats(), &q.config()) },
             None => error(BrokerError::NotFound(name)),
         },
         Request::Offer { queue, timeout_ms, messages } => {

@@ -60,8 +60,9 @@ impl LiveLimits {
     }
 }
 
-/// Keys of the configuration file a reload applies (with the users file, always read again).
-/// Any other key that changed waits for a restart.
+/// Keys of the configuration file a reload applies (with the users file, always read again, and
+/// the queue blocks, which the broker sorts into applied and waiting). Any other key that changed
+/// waits for a restart.
 const LIVE_KEYS: &[&str] = &[
     "max_connections",
     "max_connections_per_address",
@@ -78,6 +79,9 @@ const LIVE_KEYS: &[&str] = &[
     "security.tls_client_ca",
 ];
 
+/// Tables whose every entry a reload applies.
+const LIVE_TABLES: &[&str] = &["queue_defaults"];
+
 /// What the last reload did, for `/api/v1/server`.
 #[derive(Clone, Debug, Default, Serialize)]
 pub(crate) struct ReloadStatus {
@@ -91,6 +95,8 @@ pub(crate) struct ReloadStatus {
     pub applied: Vec<String>,
     /// Keys changed that take effect at the next start.
     pub needs_restart: Vec<String>,
+    /// Keys that could not be applied, with why (a queue that could not be created).
+    pub failed: Vec<String>,
 }
 
 #[derive(Default)]
@@ -124,12 +130,14 @@ impl Reloader {
                 state.status.outcome = "ok".into();
                 state.status.applied = summary.applied.clone();
                 state.status.needs_restart = summary.needs_restart.clone();
+                state.status.failed = summary.failed.clone();
                 Ok(summary)
             }
             Err(e) => {
                 state.status.outcome = e.clone();
                 state.status.applied.clear();
                 state.status.needs_restart.clear();
+                state.status.failed.clear();
                 Err(e)
             }
         }
@@ -147,6 +155,8 @@ impl Reloader {
         if security.is_some() != ctx.broker.auth_enabled() || tls.is_some() != ctx.tls().is_some() {
             return Err("turning authentication or TLS on or off needs a restart".into());
         }
+        // The broker checks every queue block before it changes any; all that follows cannot fail.
+        let queues = ctx.broker.reconfigure_queues(config.queue_defaults()?, config.queues()?).map_err(|e| e.to_string())?;
         if let Some(security) = security {
             ctx.broker.set_security(security);
         }
@@ -156,13 +166,27 @@ impl Reloader {
         ctx.broker.set_max_memory_bytes(config.max_memory_bytes);
         let before = ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).file.clone().unwrap_or_default();
         let mut summary = ReloadSummary::default();
+        let queue_key = |name: &String| format!("queues.{name}");
+        // Queues waiting for a restart are listed until it comes, changed by this file or an earlier one.
+        summary.needs_restart.extend(queues.needs_restart.iter().map(queue_key));
+        summary.failed.extend(queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}")));
         for key in changed_keys(&before, &table) {
-            if LIVE_KEYS.contains(&key.as_str()) {
+            let (table_name, entry) = key.split_once('.').unwrap_or((&key, ""));
+            let live = LIVE_KEYS.contains(&key.as_str()) || LIVE_TABLES.contains(&table_name);
+            if table_name == "queues" {
+                let name = entry.to_owned();
+                let waits = queues.needs_restart.contains(&name) || queues.failed.iter().any(|(n, _)| *n == name);
+                if !waits {
+                    summary.applied.push(key);
+                }
+            } else if live {
                 summary.applied.push(key);
             } else {
                 summary.needs_restart.push(key);
             }
         }
+        summary.needs_restart.sort();
+        summary.needs_restart.dedup();
         Ok((table, summary))
     }
 
@@ -179,34 +203,36 @@ impl Reloader {
 pub struct ReloadSummary {
     pub applied: Vec<String>,
     pub needs_restart: Vec<String>,
+    pub failed: Vec<String>,
 }
 
-/// Dotted keys whose values differ: top-level keys, and the keys of tables one level down
-/// (`security.acl`, `queues.orders`).
+/// Dotted keys whose values differ: top-level keys, and the entries of top-level tables
+/// (`security.acl`, `queues.orders`, `queues.jobs.high` for a queue named "jobs.high"), whatever
+/// changed inside them.
 fn changed_keys(before: &toml::Table, after: &toml::Table) -> Vec<String> {
-    let mut keys: Vec<&String> = before.keys().chain(after.keys()).collect();
-    keys.sort();
-    keys.dedup();
+    let empty = toml::Table::new();
     let mut changed = Vec::new();
-    for key in keys {
-        let empty = toml::Value::Table(toml::Table::new());
-        let (a, b) = match (before.get(key), after.get(key)) {
-            // A table added or removed: its entries changed, one by one.
-            (None, Some(b @ toml::Value::Table(_))) => (Some(&empty), Some(b)),
-            (Some(a @ toml::Value::Table(_)), None) => (Some(a), Some(&empty)),
-            other => other,
-        };
-        match (a, b) {
-            (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) => {
-                let entries = changed_keys(a, b).into_iter().map(|k| k.split('.').next().unwrap_or(&k).to_owned());
+    for key in sorted_keys(before, after) {
+        match (before.get(key), after.get(key)) {
+            (a @ (None | Some(toml::Value::Table(_))), b @ (None | Some(toml::Value::Table(_)))) => {
+                // A table added or removed: its entries changed, one by one.
+                let a = a.and_then(toml::Value::as_table).unwrap_or(&empty);
+                let b = b.and_then(toml::Value::as_table).unwrap_or(&empty);
+                let entries = sorted_keys(a, b).into_iter().filter(|k| a.get(*k) != b.get(*k));
                 changed.extend(entries.map(|k| format!("{key}.{k}")));
             }
             (a, b) if a != b => changed.push(key.clone()),
             _ => {}
         }
     }
-    changed.dedup();
     changed
+}
+
+fn sorted_keys<'a>(a: &'a toml::Table, b: &'a toml::Table) -> Vec<&'a String> {
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys
 }
 
 #[cfg(test)]
@@ -225,5 +251,7 @@ mod tests {
         .unwrap();
         assert_eq!(changed_keys(&before, &after), ["max_connections", "queues.orders", "segment_bytes"]);
         assert!(changed_keys(&after, &after).is_empty());
+        let dotted: toml::Table = toml::from_str("[queues.\"jobs.high\"]\nmax_items = 1\n").unwrap();
+        assert_eq!(changed_keys(&after, &dotted), ["max_connections", "queues.jobs.high", "queues.logs", "queues.orders", "security.users_file", "segment_bytes"]);
     }
 }

@@ -139,7 +139,7 @@ pub(super) async fn queues(State(ctx): Ctxt, Caller(who): Caller) -> Response {
         .iter()
         .filter(|n| may(&ctx, who.as_ref(), Kind::Queue, n, ANY_QUEUE_RIGHT))
         .filter_map(|n| ctx.broker.queue(n))
-        .map(|q| queue_json(&q.name, &q.config, &q.stats()))
+        .map(|q| queue_json(&q.name, &q.config(), &q.stats()))
         .collect();
     Json(json!({ "queues": list })).into_response()
 }
@@ -149,7 +149,7 @@ pub(super) async fn queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Pat
         return forbidden("see this queue");
     }
     match ctx.broker.queue(&name) {
-        Some(q) => Json(queue_json(&q.name, &q.config, &q.stats())).into_response(),
+        Some(q) => Json(queue_json(&q.name, &q.config(), &q.stats())).into_response(),
         None => broker_error(BrokerError::NotFound(name)),
     }
 }
@@ -180,7 +180,7 @@ pub(super) async fn create_queue(
     match ctx.broker.create_queue_by(who.as_ref(), &name, config, None) {
         Ok(q) => {
             let status = if existed { StatusCode::OK } else { StatusCode::CREATED };
-            (status, Json(queue_json(&q.name, &q.config, &q.stats()))).into_response()
+            (status, Json(queue_json(&q.name, &q.config(), &q.stats()))).into_response()
         }
         Err(e) => broker_error(e),
     }
