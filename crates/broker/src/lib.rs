@@ -28,7 +28,7 @@ pub use config::QueueConfig;
 pub use function::{CallObserver, Called, FunctionStats, FunctionStatus, Invocation, LocalHandler, Replier};
 pub use message::Message;
 pub use petrel_log::SeekTo;
-pub use queue::{Delivery, MemoryBudget, MemoryHold, Polled, Queue, QueueStats, Waiting};
+pub use queue::{Delivery, MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueStats, Waiting};
 pub use topic::{Delivered, Ended, GroupReader, GroupStatus, Subscription, Topic, TopicStats};
 
 use security::{Action, Kind, Principal, Security};

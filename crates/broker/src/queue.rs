@@ -45,6 +45,21 @@ pub struct Delivery {
     pub message: Message,
 }
 
+/// A message taken tentatively and not yet acknowledged or returned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OpenRead {
+    /// What its consumer acknowledges or aborts it with.
+    pub handle: u64,
+    /// The message's id in the queue.
+    pub message_id: u64,
+    pub consumer: ConnId,
+    /// When it was taken, ns since the epoch.
+    pub taken_at: u64,
+    /// When it goes back to the queue unless acknowledged, ns since the epoch.
+    pub deadline: u64,
+    pub bytes: u64,
+}
+
 /// What a poll gave, and the expired messages it stepped over (for the dead-letter queue).
 #[derive(Debug, Default)]
 pub struct Polled {
@@ -226,6 +241,8 @@ enum Store {
 
 struct InFlight {
     consumer: ConnId,
+    message_id: u64,
+    taken_at: u64,
     deadline: u64,
     bytes: u64,
     item: Taken,
@@ -531,7 +548,8 @@ impl Queue {
                     let handle = next_handle();
                     let deadline = now.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
                     inner.counters.opened += 1;
-                    inner.in_flight.insert(handle, InFlight { consumer, deadline, bytes: size, item: taken });
+                    let read = InFlight { consumer, message_id: message.id, taken_at: now, deadline, bytes: size, item: taken };
+                    inner.in_flight.insert(handle, read);
                     self.due.fetch_min(deadline, Ordering::Relaxed);
                     handle
                 }
@@ -572,10 +590,44 @@ impl Queue {
 
     /// Puts tentative deliveries of `consumer` back at the head of the queue.
     pub fn abort(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
+        self.put_back_reads(handles, Some(consumer))
+    }
+
+    /// The open reads, oldest first: `limit` of them, and how many there are.
+    pub fn open_reads(&self, limit: usize) -> (u64, Vec<OpenRead>) {
+        let inner = self.lock();
+        let mut reads: Vec<OpenRead> = inner
+            .in_flight
+            .iter()
+            .map(|(&handle, f)| OpenRead {
+                handle,
+                message_id: f.message_id,
+                consumer: f.consumer,
+                taken_at: f.taken_at,
+                deadline: f.deadline,
+                bytes: f.bytes,
+            })
+            .collect();
+        let total = reads.len() as u64;
+        drop(inner);
+        reads.sort_unstable_by_key(|r| (r.taken_at, r.handle));
+        reads.truncate(limit);
+        (total, reads)
+    }
+
+    /// Puts an open read back at the head of the queue whoever took it (an operator's hand on
+    /// a stuck consumer); its consumer's acknowledgement then finds nothing, as after a
+    /// visibility timeout. Returns whether it was open.
+    pub fn return_read(&self, handle: u64) -> Result<bool, BrokerError> {
+        Ok(self.put_back_reads(&[handle], None)? == 1)
+    }
+
+    /// Puts open reads back at the head: those of `consumer` among `handles`, or any of them.
+    fn put_back_reads(&self, handles: &[u64], consumer: Option<ConnId>) -> Result<u32, BrokerError> {
         let mut inner = self.lock();
         let mut returned = Vec::new();
         for h in handles {
-            if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
+            if inner.in_flight.get(h).is_some_and(|f| consumer.is_none_or(|c| f.consumer == c)) {
                 returned.push(inner.in_flight.remove(h).expect("just seen").item);
             }
         }

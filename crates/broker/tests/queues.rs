@@ -317,6 +317,36 @@ fn a_reload_changes_queue_limits_live_and_waits_for_a_restart_to_change_their_ki
 }
 
 #[test]
+fn open_reads_are_listed_oldest_first_and_an_operator_can_return_one() {
+    for config in both() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", config, None).unwrap();
+        b.offer("q", msgs(&["a", "bb", "ccc"]), 0).unwrap();
+        let first = b.poll("q", 1, VIS, 7, 10 * MS).unwrap();
+        let second = b.poll("q", 1, VIS, 8, 20 * MS).unwrap();
+        let q = b.queue("q").unwrap();
+        let (total, reads) = q.open_reads(10);
+        assert_eq!(total, 2);
+        let seen: Vec<_> = reads.iter().map(|r| (r.handle, r.message_id, r.consumer, r.taken_at, r.deadline)).collect();
+        let expected = [
+            (first[0].handle, first[0].message.id, 7, 10 * MS, 110 * MS),
+            (second[0].handle, second[0].message.id, 8, 20 * MS, 120 * MS),
+        ];
+        assert_eq!(seen, expected);
+        assert_eq!(q.open_reads(1), (2, vec![reads[0].clone()]), "the oldest first, within the limit");
+
+        // The operator returns the stuck one: it is first again, and its consumer's ack finds nothing.
+        assert!(q.return_read(first[0].handle).unwrap());
+        assert!(!q.return_read(first[0].handle).unwrap(), "returned once");
+        assert_eq!(b.ack("q", &[first[0].handle], 7).unwrap(), 0);
+        assert_eq!(payloads(&b.poll("q", 1, None, 9, 30 * MS).unwrap()), [b"a".to_vec()]);
+        assert_eq!(q.open_reads(10).0, 1);
+        assert_eq!(q.stats().aborted, 1);
+    }
+}
+
+#[test]
 fn a_durable_queue_remembers_messages_taken_out_of_order_across_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let config = QueueConfig { durable: true, ..QueueConfig::default() };

@@ -203,6 +203,56 @@ fn the_admin_api_lists_creates_purges_and_removes_queues() {
 }
 
 #[test]
+fn open_reads_are_listed_with_who_holds_them_and_an_operator_can_return_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    assert_eq!(request("PUT", http, "/api/v1/queues/jobs", None, r#"{"durable": true}"#).0, 201);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let consumer = rt.block_on(server.client());
+    let taken = rt.block_on(async {
+        consumer.offer("jobs", vec![Message::new(&b"one"[..]), Message::new(&b"two"[..])], None).await.unwrap();
+        consumer.offer("jobs", vec![Message::new(&b"three"[..])], None).await.unwrap();
+        let open = PollOptions { max: 2, visibility: Some(Duration::from_secs(60)), ..PollOptions::default() };
+        consumer.poll("jobs", open).await.unwrap()
+    });
+    assert_eq!(taken.len(), 2);
+
+    let (status, _, body) = get(http, "/api/v1/queues/jobs/reads", None);
+    assert_eq!(status, 200, "{body}");
+    let reads = json(&body);
+    assert_eq!(reads["total"], 2, "{body}");
+    let first = &reads["reads"][0];
+    assert_eq!(first["handle"], taken[0].handle, "{body}");
+    assert_eq!(first["message_id"], taken[0].message.id, "{body}");
+    assert_eq!(first["bytes"], 3, "{body}");
+    assert_eq!(first["protocol"], "native", "{body}");
+    assert!(first["peer"].as_str().unwrap().starts_with("127.0.0.1:"), "{body}");
+    let returns_in = first["returns_in_ms"].as_u64().unwrap();
+    assert!((50_000..=60_000).contains(&returns_in), "{body}");
+    let one = json(&get(http, "/api/v1/queues/jobs/reads?limit=1", None).2);
+    assert_eq!((one["total"].as_u64(), one["reads"].as_array().unwrap().len()), (Some(2), 1), "{one}");
+    let (status, _, body) = get(http, "/api/v1/queues/jobs/reads?limit=many", None);
+    assert_eq!((status, json(&body)["status"].as_u64()), (400, Some(400)), "{body}");
+    assert_eq!(get(http, "/api/v1/queues/nothing/reads", None).0, 404);
+
+    // The operator returns the first: it waits at the head again, and its consumer's ack finds nothing.
+    let path = format!("/api/v1/queues/jobs/reads/{}", taken[0].handle);
+    let (status, _, body) = request("DELETE", http, &path, None, "");
+    assert_eq!((status, json(&body)["returned"].as_u64()), (200, Some(taken[0].handle)), "{body}");
+    let (status, _, body) = request("DELETE", http, &path, None, "");
+    assert_eq!((status, json(&body)["status"].as_u64()), (404, Some(404)), "{body}");
+    assert_eq!(request("DELETE", http, "/api/v1/queues/jobs/reads/first", None, "").0, 400);
+    let q = json(&get(http, "/api/v1/queues/jobs", None).2);
+    assert_eq!((q["messages"].as_u64(), q["open_reads"].as_u64()), (Some(2), Some(1)), "{q}");
+    rt.block_on(async {
+        assert_eq!(consumer.ack("jobs", &[taken[0].handle]).await.unwrap(), 0);
+        let again = consumer.poll("jobs", PollOptions { max: 1, ..PollOptions::default() }).await.unwrap();
+        assert_eq!(again[0].message.payload, &b"one"[..]);
+    });
+}
+
+#[test]
 fn the_admin_api_follows_each_users_acls() {
     let dir = tempfile::tempdir().unwrap();
     let users = dir.path().join("users.toml");
@@ -241,6 +291,12 @@ fn the_admin_api_follows_each_users_acls() {
     assert_eq!(get(http, "/api/v1/queues/secret", worker).0, 403);
     assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a", worker, "").0, 403);
     assert_eq!(request("POST", http, "/api/v1/queues/jobs.a/purge", worker, "").0, 403);
+    // Open reads: listed to whoever may see the queue (who holds them only to admins),
+    // returned only by who may manage it.
+    assert_eq!(get(http, "/api/v1/queues/secret/reads", worker).0, 403);
+    assert_eq!(json(&get(http, "/api/v1/queues/jobs.a/reads", worker).2)["total"], 0);
+    assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a/reads/1", worker, "").0, 403);
+    assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a/reads/1", root, "").0, 404);
     assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a", root, "").0, 200);
 }
 
@@ -519,7 +575,12 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     assert!(stats.contains("STAT limit_max_connections_per_address 2\r\n"), "{stats}");
     assert!(stats.contains("STAT limit_max_memory_bytes 2000000\r\n"), "{stats}");
     // The new limit holds for connections opened after it: two from this address (the one
-    // above and one more), not three.
+    // above and one more), not three. (The memcache connection is counted until the server
+    // has seen it go, just after it closed the socket.)
+    eventually("the memcache connection is gone", || {
+        let open = reload()["connections"].clone();
+        if open == 1 { Ok(()) } else { Err(open.to_string()) }
+    });
     rt.block_on(async {
         let second = server.client().await;
         let third = petrel_client::Client::connect(server.addr.as_str()).await;

@@ -77,6 +77,11 @@ impl Registry {
         Registered { ctx: Arc::clone(ctx), entry }
     }
 
+    /// The open connection `id`, if it is open.
+    pub fn get(&self, id: ConnId) -> Option<Arc<Connection>> {
+        self.lock().get(&id).cloned()
+    }
+
     /// Every open connection, oldest first.
     pub fn list(&self) -> Vec<Arc<Connection>> {
         let mut all: Vec<Arc<Connection>> = self.lock().values().cloned().collect();

@@ -210,6 +210,79 @@ pub(super) async fn purge_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name
     }
 }
 
+/// Open reads listed at most (`?limit=` asks for fewer or more, up to this).
+const MAX_LISTED_READS: usize = 10_000;
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ReadsQuery {
+    limit: Option<usize>,
+}
+
+/// `GET /api/v1/queues/NAME/reads?limit=N`: the queue's open reliable reads, oldest first (100
+/// unless `limit` says otherwise), with how many there are. Who holds each (peer and user) is
+/// shown to admins, as in `/api/v1/connections`; others see the connection's id.
+pub(super) async fn open_reads(
+    State(ctx): Ctxt,
+    Caller(who): Caller,
+    Path(name): Path<String>,
+    query: Result<axum::extract::Query<ReadsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Queue, &name, ANY_QUEUE_RIGHT) {
+        return forbidden("see this queue");
+    }
+    let limit = match query {
+        Ok(q) => q.limit.unwrap_or(100).min(MAX_LISTED_READS),
+        Err(e) => return refusal(StatusCode::BAD_REQUEST, e.body_text()),
+    };
+    let Some(q) = ctx.broker.queue(&name) else { return broker_error(BrokerError::NotFound(name)) };
+    let admin = may(&ctx, who.as_ref(), Kind::Queue, "*", &[Action::Manage]);
+    let now = crate::now_ns();
+    let (total, reads) = q.open_reads(limit);
+    let list: Vec<Value> = reads
+        .iter()
+        .map(|r| {
+            let mut read = json!({
+                "handle": r.handle,
+                "message_id": r.message_id,
+                "bytes": r.bytes,
+                "connection": r.consumer,
+                "taken_at_ms": r.taken_at / 1_000_000,
+                "open_ms": now.saturating_sub(r.taken_at) / 1_000_000,
+                "returns_in_ms": r.deadline.saturating_sub(now) / 1_000_000,
+            });
+            if admin && let Some(c) = ctx.connections.get(r.consumer) {
+                read["peer"] = json!(c.peer);
+                read["user"] = json!(c.user());
+                read["protocol"] = json!(c.protocol);
+            }
+            read
+        })
+        .collect();
+    Json(json!({ "queue": name, "total": total, "reads": list })).into_response()
+}
+
+/// `DELETE /api/v1/queues/NAME/reads/HANDLE`: puts an open read back at the head of the queue,
+/// whoever holds it (its consumer's acknowledgement then finds nothing).
+pub(super) async fn return_read(
+    State(ctx): Ctxt,
+    Caller(who): Caller,
+    Path((name, handle)): Path<(String, String)>,
+) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
+        return forbidden("return this queue's open reads");
+    }
+    let Ok(handle) = handle.parse::<u64>() else {
+        return refusal(StatusCode::BAD_REQUEST, format!("{handle:?} is not a read's handle (a number)"));
+    };
+    let Some(q) = ctx.broker.queue(&name) else { return broker_error(BrokerError::NotFound(name)) };
+    match q.return_read(handle) {
+        Ok(true) => Json(json!({ "returned": handle })).into_response(),
+        Ok(false) => refusal(StatusCode::NOT_FOUND, format!("queue {name:?} has no open read {handle}")),
+        Err(e) => broker_error(e),
+    }
+}
+
 pub(super) async fn topics(State(ctx): Ctxt, Caller(who): Caller) -> Response {
     let list: Vec<Value> = ctx
         .broker
