@@ -548,7 +548,14 @@ impl Queue {
                     let handle = next_handle();
                     let deadline = now.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
                     inner.counters.opened += 1;
-                    let read = InFlight { consumer, message_id: message.id, taken_at: now, deadline, bytes: size, item: taken };
+                    let read = InFlight {
+                        consumer,
+                        message_id: message.id,
+                        taken_at: now,
+                        deadline,
+                        bytes: size,
+                        item: taken,
+                    };
                     inner.in_flight.insert(handle, read);
                     self.due.fetch_min(deadline, Ordering::Relaxed);
                     handle

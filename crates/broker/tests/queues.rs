@@ -288,7 +288,8 @@ fn a_reload_changes_queue_limits_live_and_waits_for_a_restart_to_change_their_ki
     let on_disk = QueueConfig { durable: true, ..mem.clone() };
     let fresh = QueueConfig { max_items: 7, ..QueueConfig::default() };
     let defaults = QueueConfig { max_items: 9, ..QueueConfig::default() };
-    let queues = [("jobs".to_owned(), bigger.clone()), ("mem".to_owned(), on_disk.clone()), ("fresh".to_owned(), fresh)];
+    let queues =
+        [("jobs".to_owned(), bigger.clone()), ("mem".to_owned(), on_disk.clone()), ("fresh".to_owned(), fresh)];
     let changes = b.reconfigure_queues(defaults, queues.into()).unwrap();
     assert_eq!(
         changes,

@@ -1,6 +1,7 @@
-//! `petrel stat`: a live view of a server's queues (depth, rates in and out, open reads), over the
-//! native protocol, like `nats top`; `--once --json` for scripts (the fields of the HTTP API's
-//! `/api/v1/queues`, docs/http.md).
+//! `petrel stat`: a live view of a server's queues (depth, rates in and out, open reads) and topics
+//! (publish rate, subscribers, each consumer group's lag), over the native protocol, like `nats
+//! top` and `kafka-consumer-groups`; `--once --json` for scripts (the fields of the HTTP API's
+//! `/api/v1/queues` and `/api/v1/topics`, docs/http.md).
 
 use std::collections::HashMap;
 use std::io::{self, IsTerminal, Write};
@@ -8,7 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use petrel_client::QueueStats;
+use petrel_client::{QueueStats, TopicStats};
 use serde_json::{Value, json};
 
 use crate::server_cmd::ServerArg;
@@ -22,14 +23,15 @@ pub struct StatArgs {
     /// One sample, then stop.
     #[arg(long)]
     once: bool,
-    /// One JSON object per sample: `{"queues": [...]}`, each with the fields of /api/v1/queues
-    /// (and `offered_per_sec`, `delivered_per_sec` from the second sample on).
+    /// One JSON object per sample: `{"queues": [...], "topics": [...]}`, with the fields of
+    /// /api/v1/queues and /api/v1/topics (and `offered_per_sec`, `delivered_per_sec`,
+    /// `published_per_sec` from the second sample on).
     #[arg(long)]
     json: bool,
     /// Time between samples.
     #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
     interval: Duration,
-    /// Only queues whose names start with this.
+    /// Only queues and topics whose names start with this.
     #[arg(long, default_value = "")]
     prefix: String,
 }
@@ -40,9 +42,16 @@ struct Sample {
     stats: QueueStats,
 }
 
+/// One topic at one moment.
+struct TopicSample {
+    name: String,
+    stats: TopicStats,
+}
+
 pub fn stat(args: StatArgs) -> Res {
     let client = args.server.connect()?;
     let mut previous: HashMap<String, (u64, u64)> = HashMap::new();
+    let mut previous_published: HashMap<String, u64> = HashMap::new();
     let mut previous_at = Instant::now();
     let live = io::stdout().is_terminal() && !args.json && !args.once;
     loop {
@@ -56,6 +65,15 @@ pub fn stat(args: StatArgs) -> Res {
             }
         }
         samples.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut topics = Vec::new();
+        for name in client.list_topics()?.into_iter().filter(|n| n.starts_with(&args.prefix)) {
+            match client.topic_status(&name) {
+                Ok(stats) => topics.push(TopicSample { name, stats }),
+                Err(e) if e.status() == Some(petrel_client::Status::TopicNotFound) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        topics.sort_by(|a, b| a.name.cmp(&b.name));
         let now = Instant::now();
         let secs = now.duration_since(previous_at).as_secs_f64();
         let rates = |s: &Sample| {
@@ -63,10 +81,15 @@ pub fn stat(args: StatArgs) -> Res {
             let per_sec = |now: u64, before: u64| now.saturating_sub(before) as f64 / secs;
             Some((per_sec(s.stats.total_offered, *offered), per_sec(s.stats.total_polled, *delivered)))
         };
+        let published_rate = |t: &TopicSample| {
+            let before = previous_published.get(&t.name)?;
+            Some(t.stats.published.saturating_sub(*before) as f64 / secs)
+        };
         let mut out = io::stdout().lock();
         if args.json {
             let queues: Vec<Value> = samples.iter().map(|s| queue_json(s, rates(s))).collect();
-            writeln!(out, "{}", json!({ "queues": queues }))?;
+            let topics: Vec<Value> = topics.iter().map(|t| topic_json(t, published_rate(t))).collect();
+            writeln!(out, "{}", json!({ "queues": queues, "topics": topics }))?;
         } else {
             if live {
                 write!(out, "\x1b[2J\x1b[H")?; // clear the terminal, as top does
@@ -88,6 +111,27 @@ pub fn stat(args: StatArgs) -> Res {
                     s.name, st.items, st.bytes, st.in_flight, st.waiters, rate_in, rate_out
                 )?;
             }
+            if !topics.is_empty() {
+                writeln!(out)?;
+                writeln!(
+                    out,
+                    "{:<32} {:<20} {:>12} {:>11} {:>10} {:>10}",
+                    "topic", "group", "published", "subscribers", "lag", "in/s"
+                )?;
+            }
+            for t in &topics {
+                let st = &t.stats;
+                let rate = published_rate(t).map_or_else(|| "-".to_owned(), |r| format!("{r:.0}"));
+                writeln!(
+                    out,
+                    "{:<32} {:<20} {:>12} {:>11} {:>10} {:>10}",
+                    t.name, "-", st.published, st.subscribers, "-", rate
+                )?;
+                for g in &st.groups {
+                    let reader = if g.open { "1" } else { "0" };
+                    writeln!(out, "{:<32} {:<20} {:>12} {:>11} {:>10} {:>10}", "", g.name, "", reader, g.lag, "")?;
+                }
+            }
             if !live && !args.once {
                 writeln!(out)?;
             }
@@ -98,6 +142,7 @@ pub fn stat(args: StatArgs) -> Res {
             return Ok(ExitCode::SUCCESS);
         }
         previous = samples.iter().map(|s| (s.name.clone(), (s.stats.total_offered, s.stats.total_polled))).collect();
+        previous_published = topics.iter().map(|t| (t.name.clone(), t.stats.published)).collect();
         previous_at = now;
         std::thread::sleep(args.interval);
     }
@@ -121,4 +166,34 @@ fn queue_json(s: &Sample, rates: Option<(f64, f64)>) -> Value {
         q["delivered_per_sec"] = json!(delivered);
     }
     q
+}
+
+fn topic_json(t: &TopicSample, published_per_sec: Option<f64>) -> Value {
+    let st = &t.stats;
+    let groups: Vec<Value> = st
+        .groups
+        .iter()
+        .map(|g| {
+            json!({
+                "name": g.name,
+                "committed": g.committed,
+                "next_offset": g.next_offset,
+                "lag": g.lag,
+                "open": g.open,
+            })
+        })
+        .collect();
+    let mut topic = json!({
+        "name": t.name,
+        "durable": st.durable,
+        "subscribers": st.subscribers,
+        "published": st.published,
+        "delivered": st.delivered,
+        "slow_subscribers_ended": st.slow_subscribers_ended,
+        "groups": groups,
+    });
+    if let Some(rate) = published_per_sec {
+        topic["published_per_sec"] = json!(rate);
+    }
+    topic
 }

@@ -307,6 +307,8 @@ fn petrel_stat_once_json_matches_the_api() {
     let http = server.http.as_str();
     assert_eq!(request("PUT", http, "/api/v1/queues/a", None, r#"{"durable": true}"#).0, 201);
     assert_eq!(request("PUT", http, "/api/v1/queues/b", None, "{}").0, 201);
+    assert_eq!(request("PUT", http, "/api/v1/topics/events", None, r#"{"durable": true}"#).0, 201);
+    assert_eq!(request("PUT", http, "/api/v1/topics/prices", None, "{}").0, 201);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = server.client().await;
@@ -314,15 +316,23 @@ fn petrel_stat_once_json_matches_the_api() {
         c.offer("b", vec![Message::new(&b"q"[..]); 2], None).await.unwrap();
         let open = PollOptions { max: 2, visibility: Some(Duration::from_secs(60)), ..PollOptions::default() };
         assert_eq!(c.poll("a", open).await.unwrap().len(), 2);
+        // A consumer group 3 behind, reading now.
+        c.publish("events", vec![Message::new(&b"e"[..]); 5]).await.unwrap();
+        let mut billing = c.subscribe_group("events", "billing", petrel_client::StartFrom::Oldest, 10).await.unwrap();
+        let mut ids = Vec::new();
+        for _ in 0..5 {
+            ids.push(billing.next().await.unwrap().unwrap().id);
+        }
+        assert_eq!(billing.ack(&ids[..2]).await.unwrap(), 2);
         // The open reads stay open while the connection lives: keep it through both reads.
         let output = Command::new(env!("CARGO_BIN_EXE_petrel"))
             .args(["stat", "--once", "--json", "--server", &server.addr])
             .output()
             .unwrap();
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        let stat = json(&String::from_utf8(output.stdout).unwrap());
+        let stat_json = json(&String::from_utf8(output.stdout).unwrap());
         let api = json(&get(http, "/api/v1/queues", None).2);
-        let (stat, api) = (stat["queues"].as_array().unwrap(), api["queues"].as_array().unwrap());
+        let (stat, api) = (stat_json["queues"].as_array().unwrap(), api["queues"].as_array().unwrap());
         assert_eq!(stat.len(), 2);
         assert_eq!(stat.len(), api.len());
         for (s, a) in stat.iter().zip(api) {
@@ -333,13 +343,27 @@ fn petrel_stat_once_json_matches_the_api() {
             }
         }
         assert_eq!((stat[0]["messages"].as_u64(), stat[0]["open_reads"].as_u64()), (Some(3), Some(2)));
+        // Topics as /api/v1/topics shows them, consumer groups' lag included.
+        let (stat_topics, api_topics) = (&stat_json["topics"], &json(&get(http, "/api/v1/topics", None).2)["topics"]);
+        assert_eq!(stat_topics, api_topics);
+        let group = &stat_topics[0]["groups"][0];
+        let seen = (group["name"].as_str(), group["lag"].as_u64(), group["open"].as_bool());
+        assert_eq!(seen, (Some("billing"), Some(3), Some(true)), "{stat_topics}");
+
+        // The table form names every queue, topic and group.
+        let output = Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["stat", "--once", "--server", &server.addr])
+            .output()
+            .unwrap();
+        let table = String::from_utf8(output.stdout).unwrap();
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("queue") && lines[4].starts_with("topic"), "{table}");
+        let billing_line: Vec<&str> = lines[6].split_whitespace().collect();
+        assert_eq!(billing_line, ["billing", "1", "3"], "{table}");
+        assert_eq!(lines.len(), 8, "{table}");
+        drop(billing);
         drop(c);
     });
-    // The table form names every queue.
-    let output =
-        Command::new(env!("CARGO_BIN_EXE_petrel")).args(["stat", "--once", "--server", &server.addr]).output().unwrap();
-    let table = String::from_utf8(output.stdout).unwrap();
-    assert!(table.starts_with("queue") && table.lines().count() == 3, "{table}");
 }
 
 /// Retries `check` for a few seconds: the server settles some figures just after it answers (a
@@ -520,7 +544,8 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("petrel.toml");
     let queues = "[queues.orders]\nmax_items = 2\n[queues.cache]\ndurable = false\n";
-    std::fs::write(&config, format!("max_connections_per_address = 100\nmax_memory_bytes = 1000000\n{queues}")).unwrap();
+    std::fs::write(&config, format!("max_connections_per_address = 100\nmax_memory_bytes = 1000000\n{queues}"))
+        .unwrap();
     let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
     let http = server.http.as_str();
     let hup = || {

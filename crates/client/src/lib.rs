@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 pub use petrel_proto::{
-    Delivery, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom, Status, compression,
+    Delivery, GroupStats, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom, Status,
+    TopicStats, compression,
 };
 use petrel_proto::{FrameKind, Push, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -534,6 +535,14 @@ impl Client {
         }
     }
 
+    /// A topic's figures and, for a durable topic, where each consumer group stands (its lag).
+    pub async fn topic_status(&self, name: &str) -> Result<TopicStats, ClientError> {
+        match self.call_op(Request::TopicStatus { name: name.into() }).await? {
+            Response::TopicStatus { stats } => Ok(stats),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Publishes to every current subscriber of `topic`; returns how many it reached.
     pub async fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
         match self.call_op(Request::Publish { topic: topic.into(), messages }).await? {
@@ -925,6 +934,9 @@ pub mod blocking {
         }
         pub fn list_topics(&self) -> Result<Vec<String>, ClientError> {
             self.rt.block_on(self.inner.list_topics())
+        }
+        pub fn topic_status(&self, name: &str) -> Result<TopicStats, ClientError> {
+            self.rt.block_on(self.inner.topic_status(name))
         }
         pub fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
             self.rt.block_on(self.inner.publish(topic, messages))

@@ -11,7 +11,9 @@ mod wire;
 
 pub use frame::{DEFAULT_MAX_FRAME, Frame, FrameError, FrameKind, PROTOCOL_VERSION};
 pub use message::{Message, MessageKind, Status};
-pub use op::{Delivery, Push, QueueConfig, QueueStats, Request, Response, StartFrom, features, opcode};
+pub use op::{
+    Delivery, GroupStats, Push, QueueConfig, QueueStats, Request, Response, StartFrom, TopicStats, features, opcode,
+};
 
 /// Why a frame body could not be decoded. The frame itself was whole: the peer answers
 /// BAD_REQUEST (or UNSUPPORTED for an unknown opcode) and the connection goes on.

@@ -34,6 +34,7 @@ pub mod opcode {
     pub const TOPIC_CREATE: u16 = 0x0200;
     pub const TOPIC_REMOVE: u16 = 0x0201;
     pub const TOPIC_LIST: u16 = 0x0202;
+    pub const TOPIC_STATUS: u16 = 0x0203;
     pub const PUBLISH: u16 = 0x0210;
     pub const SUBSCRIBE: u16 = 0x0211;
     pub const UNSUBSCRIBE: u16 = 0x0212;
@@ -169,6 +170,79 @@ impl QueueStats {
     }
 }
 
+/// A topic's figures, and its consumer groups (a durable topic's).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TopicStats {
+    pub durable: bool,
+    /// Subscriptions without a group, now.
+    pub subscribers: u64,
+    pub published: u64,
+    /// Messages handed to subscribers without a group (one per subscriber per message).
+    pub delivered: u64,
+    /// Subscribers ended as too slow.
+    pub slow_subscribers_ended: u64,
+    pub groups: Vec<GroupStats>,
+}
+
+/// Where a consumer group of a durable topic stands.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GroupStats {
+    pub name: String,
+    /// The lowest offset the group has not acknowledged (a message's id is its offset + 1).
+    pub committed: u64,
+    /// The offset the topic's next message will get.
+    pub next_offset: u64,
+    /// Messages from `committed` on, delivered or not: not yet acknowledged by the group.
+    pub lag: u64,
+    /// A subscriber reads through the group now.
+    pub open: bool,
+}
+
+impl TopicStats {
+    fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
+        w.u8(u8::from(self.durable));
+        for v in [self.subscribers, self.published, self.delivered, self.slow_subscribers_ended] {
+            w.u64(v);
+        }
+        w.u32(self.groups.len() as u32);
+        for g in &self.groups {
+            w.str(&g.name)?;
+            w.u64(g.committed);
+            w.u64(g.next_offset);
+            w.u64(g.lag);
+            w.u8(u8::from(g.open));
+        }
+        Ok(())
+    }
+
+    fn decode(r: &mut Reader) -> Result<TopicStats, DecodeError> {
+        let bool = |r: &mut Reader, what| match r.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(DecodeError::BadValue(what)),
+        };
+        let durable = bool(r, "durable")?;
+        let (subscribers, published) = (r.u64("subscribers")?, r.u64("published")?);
+        let (delivered, slow_subscribers_ended) = (r.u64("delivered")?, r.u64("slow_subscribers_ended")?);
+        // A group takes at least its name's length and 25 bytes.
+        let n = r.count(2 + 25, "group count")?;
+        let groups = (0..n)
+            .map(|_| {
+                Ok(GroupStats {
+                    name: r.str("group")?,
+                    committed: r.u64("committed")?,
+                    next_offset: r.u64("next_offset")?,
+                    lag: r.u64("lag")?,
+                    open: bool(r, "open")?,
+                })
+            })
+            .collect::<Result<_, DecodeError>>()?;
+        Ok(TopicStats { durable, subscribers, published, delivered, slow_subscribers_ended, groups })
+    }
+}
+
 /// A message delivered by `Poll`, with the handle that acknowledges or aborts it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Delivery {
@@ -279,6 +353,9 @@ pub enum Request {
         name: String,
     },
     TopicList,
+    TopicStatus {
+        name: String,
+    },
     /// Delivers the messages to every current subscriber of the topic.
     Publish {
         topic: String,
@@ -346,6 +423,7 @@ impl Request {
             Request::TopicCreate { .. } => TOPIC_CREATE,
             Request::TopicRemove { .. } => TOPIC_REMOVE,
             Request::TopicList => TOPIC_LIST,
+            Request::TopicStatus { .. } => TOPIC_STATUS,
             Request::Publish { .. } => PUBLISH,
             Request::Subscribe { .. } => SUBSCRIBE,
             Request::Unsubscribe { .. } => UNSUBSCRIBE,
@@ -389,7 +467,7 @@ impl Request {
                 w.str(name)?;
                 w.u8(u8::from(*durable));
             }
-            Request::TopicRemove { name } => w.str(name)?,
+            Request::TopicRemove { name } | Request::TopicStatus { name } => w.str(name)?,
             Request::Publish { topic, messages } => {
                 w.str(topic)?;
                 w.u32(messages.len() as u32);
@@ -495,6 +573,7 @@ impl Request {
             },
             TOPIC_REMOVE => Request::TopicRemove { name: r.str("name")? },
             TOPIC_LIST => Request::TopicList,
+            TOPIC_STATUS => Request::TopicStatus { name: r.str("name")? },
             PUBLISH => {
                 let topic = r.str("topic")?;
                 let n = r.count(MESSAGE_MIN_LEN, "message count")?;
@@ -574,6 +653,9 @@ pub enum Response {
     },
     TopicList {
         names: Vec<String>,
+    },
+    TopicStatus {
+        stats: TopicStats,
     },
     /// How many subscribers each message reached.
     Published {
@@ -709,6 +791,7 @@ impl Response {
                     Response::Subscribed { subscription } => w.u64(*subscription),
                     Response::Reply { message } => message.encode(w),
                     Response::QueueStatus { stats } => stats.encode(w)?,
+                    Response::TopicStatus { stats } => stats.encode(w)?,
                     Response::Offered { first_id, count } => {
                         w.u64(*first_id);
                         w.u32(*count);
@@ -762,6 +845,7 @@ impl Response {
                     let n = r.count(2, "name count")?;
                     Response::TopicList { names: (0..n).map(|_| r.str("name")).collect::<Result<_, _>>()? }
                 }
+                TOPIC_STATUS => Response::TopicStatus { stats: TopicStats::decode(&mut r)? },
                 PUBLISH => Response::Published { subscribers: r.u32("subscribers")? },
                 SUBSCRIBE => Response::Subscribed { subscription: r.u64("subscription")? },
                 // A oneway call is answered with nothing after the status.

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 
 use bytes::{Bytes, BytesMut};
 use petrel_proto::{
-    Delivery, FrameKind, Message, MessageKind, Push, QueueConfig, QueueStats, Request, Response, StartFrom, Status,
-    compression, features, frame, hex, opcode,
+    Delivery, FrameKind, GroupStats, Message, MessageKind, Push, QueueConfig, QueueStats, Request, Response, StartFrom,
+    Status, TopicStats, compression, features, frame, hex, opcode,
 };
 use serde::{Deserialize, Serialize};
 
@@ -325,6 +325,23 @@ fn cases() -> Vec<Vector> {
             opcode::TOPIC_LIST,
             21,
             Response::TopicList { names: vec![q("prices")] },
+        ),
+        request("topic_status", "by name", 22, Request::TopicStatus { name: q("prices") }),
+        response(
+            "topic_status_ok",
+            "durable, four counters, then each consumer group: name, committed, next_offset, lag, open",
+            opcode::TOPIC_STATUS,
+            22,
+            Response::TopicStatus {
+                stats: TopicStats {
+                    durable: true,
+                    subscribers: 1,
+                    published: 10,
+                    delivered: 10,
+                    slow_subscribers_ended: 0,
+                    groups: vec![GroupStats { name: q("billing"), committed: 7, next_offset: 10, lag: 3, open: true }],
+                },
+            },
         ),
         request(
             "subscribe",

@@ -101,3 +101,26 @@ pub(crate) fn stats_out(s: broker::QueueStats, c: &broker::QueueConfig) -> proto
         config: config_out(c),
     }
 }
+
+pub(crate) fn topic_stats_out(t: &broker::Topic) -> proto::TopicStats {
+    let s = t.stats();
+    let groups = t
+        .groups()
+        .into_iter()
+        .map(|g| proto::GroupStats {
+            name: g.name,
+            committed: g.committed,
+            next_offset: g.next_offset,
+            lag: g.lag,
+            open: g.open,
+        })
+        .collect();
+    proto::TopicStats {
+        durable: t.is_durable(),
+        subscribers: s.subscribers,
+        published: s.published,
+        delivered: s.delivered,
+        slow_subscribers_ended: s.slow_subscribers_ended,
+        groups,
+    }
+}

@@ -66,6 +66,7 @@ fn needs(request: &Request) -> Option<(Kind, &str, &'static [Action])> {
         Request::TopicCreate { name, .. } | Request::TopicRemove { name } => (Kind::Topic, name, &[Manage]),
         Request::Publish { topic, .. } => (Kind::Topic, topic, &[Publish]),
         Request::Subscribe { topic, .. } => (Kind::Topic, topic, &[Subscribe]),
+        Request::TopicStatus { name } => (Kind::Topic, name, &[Publish, Subscribe]),
         Request::Serve { function } => (Kind::Function, function, &[Serve]),
         Request::Call { function, .. } => (Kind::Function, function, &[Exec]),
         Request::Hello { .. }
@@ -813,6 +814,10 @@ fn handle(
                 .into_iter()
                 .filter(|n| broker.may(session.principal(), Kind::Topic, n, &[Action::Publish, Action::Subscribe]))
                 .collect(),
+        },
+        Request::TopicStatus { name } => match broker.topic(&name) {
+            Some(t) => Response::TopicStatus { stats: convert::topic_stats_out(&t) },
+            None => error(BrokerError::TopicNotFound(name)),
         },
         Request::Publish { topic, messages } => {
             let messages = messages.into_iter().map(convert::message_in).collect();

@@ -156,7 +156,8 @@ impl Reloader {
             return Err("turning authentication or TLS on or off needs a restart".into());
         }
         // The broker checks every queue block before it changes any; all that follows cannot fail.
-        let queues = ctx.broker.reconfigure_queues(config.queue_defaults()?, config.queues()?).map_err(|e| e.to_string())?;
+        let queues =
+            ctx.broker.reconfigure_queues(config.queue_defaults()?, config.queues()?).map_err(|e| e.to_string())?;
         if let Some(security) = security {
             ctx.broker.set_security(security);
         }
@@ -252,6 +253,16 @@ mod tests {
         assert_eq!(changed_keys(&before, &after), ["max_connections", "queues.orders", "segment_bytes"]);
         assert!(changed_keys(&after, &after).is_empty());
         let dotted: toml::Table = toml::from_str("[queues.\"jobs.high\"]\nmax_items = 1\n").unwrap();
-        assert_eq!(changed_keys(&after, &dotted), ["max_connections", "queues.jobs.high", "queues.logs", "queues.orders", "security.users_file", "segment_bytes"]);
+        assert_eq!(
+            changed_keys(&after, &dotted),
+            [
+                "max_connections",
+                "queues.jobs.high",
+                "queues.logs",
+                "queues.orders",
+                "security.users_file",
+                "segment_bytes"
+            ]
+        );
     }
 }

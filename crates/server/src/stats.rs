@@ -32,7 +32,7 @@ pub(crate) struct ServerStats {
 }
 
 /// The native protocol's request opcodes and their names in `petrel_requests_total`.
-pub(crate) const NATIVE_COMMANDS: [(u16, &str); 22] = {
+pub(crate) const NATIVE_COMMANDS: [(u16, &str); 23] = {
     use petrel_proto::opcode::*;
     [
         (HELLO, "hello"),
@@ -49,6 +49,7 @@ pub(crate) const NATIVE_COMMANDS: [(u16, &str); 22] = {
         (TOPIC_CREATE, "topic_create"),
         (TOPIC_REMOVE, "topic_remove"),
         (TOPIC_LIST, "topic_list"),
+        (TOPIC_STATUS, "topic_status"),
         (PUBLISH, "publish"),
         (SUBSCRIBE, "subscribe"),
         (UNSUBSCRIBE, "unsubscribe"),
