@@ -256,6 +256,7 @@ mod tests {
         assert_eq!(
             changed_keys(&after, &dotted),
             [
+                "idle_timeout",
                 "max_connections",
                 "queues.jobs.high",
                 "queues.logs",
