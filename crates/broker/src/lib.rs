@@ -205,6 +205,37 @@ pub struct Broker {
     created_by: Mutex<CreatedBy>,
 }
 
+/// An offer stored and not yet known to be on disk (`Broker::offer_unsynced`).
+#[must_use = "an offer is answered only after its wait"]
+pub struct UnsyncedOffer {
+    /// The queue offered to and its last record, if its log syncs every offer.
+    queue: Option<(Arc<Queue>, u64)>,
+    /// The same for the fanout copies.
+    children: Vec<(Arc<Queue>, u64)>,
+}
+
+impl UnsyncedOffer {
+    /// Whether `wait` has nothing to wait for (no queue of the offer syncs each offer).
+    pub fn is_durable(&self) -> bool {
+        self.queue.is_none() && self.children.is_empty()
+    }
+
+    /// Blocks until the offer is on disk (one sync covers the offers of every producer that
+    /// appended before it started), then hands its messages to consumers. A fanout copy that
+    /// could not be synced is dropped, as one that could not be stored.
+    pub fn wait(self) -> Result<(), BrokerError> {
+        for (child, last) in self.children {
+            if let Err(e) = child.wait_durable(last) {
+                tracing::warn!(queue = %child.name, error = %e, "fanout copy not synced");
+            }
+        }
+        match self.queue {
+            Some((queue, last)) => queue.wait_durable(last),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Configuration of queues named in the server's configuration, and of those made by first use.
 #[derive(Clone, Debug, Default)]
 struct Configured {
@@ -628,26 +659,53 @@ impl Broker {
     }
 
     /// `offer` to a queue already looked up. On success `messages` is emptied; on refusal it is
-    /// left as it was, for a retry.
-    pub fn offer_to(&self, queue: &Queue, messages: &mut Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+    /// left as it was, for a retry. Blocks until the messages are as durable as their queues
+    /// promise (see `offer_unsynced` for a caller that must not block).
+    pub fn offer_to(
+        &self,
+        queue: &Arc<Queue>,
+        messages: &mut Vec<Message>,
+        now: u64,
+    ) -> Result<(u64, u32), BrokerError> {
+        let (first, count, unsynced) = self.offer_unsynced(queue, messages, now)?;
+        unsynced.wait()?;
+        Ok((first, count))
+    }
+
+    /// `offer_to` without waiting for the disk: the answer to the offer waits for
+    /// `UnsyncedOffer::wait` (which blocks; run it where blocking is allowed), and consumers
+    /// get the messages only then. Offers appended one after the other keep their order
+    /// whenever their waits end.
+    pub fn offer_unsynced(
+        &self,
+        queue: &Arc<Queue>,
+        messages: &mut Vec<Message>,
+        now: u64,
+    ) -> Result<(u64, u32, UnsyncedOffer), BrokerError> {
         for m in messages.iter() {
             if m.size() as usize > self.options.max_message_bytes {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
         }
         let children = self.read().children.get(&queue.name).cloned();
-        let Some(children) = children else { return queue.offer(messages, now) };
-        // Copies only of what the parent accepted: an offer retried while the parent is full
+        // Copies only of what the parent accepts: an offer retried while the parent is full
         // must not fill the children with duplicates.
-        let copies = messages.clone();
-        let accepted = queue.offer(messages, now)?;
-        for child in children {
-            if let Err(e) = child.offer(&mut copies.clone(), now) {
-                child.count_dropped(copies.len() as u64);
-                tracing::debug!(queue = %child.name, error = %e, "fanout copy dropped");
+        let copies = children.as_ref().map(|_| messages.clone());
+        let (first, count, last) = queue.offer_unsynced(messages, now)?;
+        let mut unsynced = UnsyncedOffer { queue: last.map(|last| (Arc::clone(queue), last)), children: Vec::new() };
+        if let (Some(children), Some(copies)) = (children, copies) {
+            for child in children {
+                match child.offer_unsynced(&mut copies.clone(), now) {
+                    Ok((_, _, Some(last))) => unsynced.children.push((child, last)),
+                    Ok(_) => {}
+                    Err(e) => {
+                        child.count_dropped(copies.len() as u64);
+                        tracing::debug!(queue = %child.name, error = %e, "fanout copy dropped");
+                    }
+                }
             }
         }
-        Ok(accepted)
+        Ok((first, count, unsynced))
     }
 
     /// Takes up to `max` messages (tentatively, with a visibility timeout). Expired messages it

@@ -95,7 +95,17 @@ fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
 
 /// Appends `messages` to `log` as records (the broker's one way of storing messages); returns
 /// their offsets.
+/// Appends `messages` to `log`, durable as its policy says when this returns.
 pub(crate) fn append(log: &SharedLog, messages: &[Message]) -> petrel_log::Result<std::ops::Range<u64>> {
+    let range = append_unsynced(log, messages)?;
+    if !range.is_empty() {
+        log.wait_durable(range.end - 1)?;
+    }
+    Ok(range)
+}
+
+/// Appends `messages` to `log` without waiting for the disk (see `SharedLog::wait_durable`).
+pub(crate) fn append_unsynced(log: &SharedLog, messages: &[Message]) -> petrel_log::Result<std::ops::Range<u64>> {
     let owned: Vec<Vec<(String, Bytes)>> = messages.iter().map(record_headers).collect();
     let views: Vec<Vec<(&str, &[u8])>> =
         owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
@@ -104,7 +114,7 @@ pub(crate) fn append(log: &SharedLog, messages: &[Message]) -> petrel_log::Resul
         .zip(&views)
         .map(|(m, headers)| Input { key: None, headers, payload: &m.payload, timestamp: None })
         .collect();
-    log.append_batch_with(&inputs)
+    log.append_batch_unsynced(&inputs)
 }
 
 /// When the message stored in `r` expires (0: never), without decoding the rest.

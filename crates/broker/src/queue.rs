@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use petrel_log::{ConsumerGroup, GroupOptions, MAX_PENDING, SharedLog};
+use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog};
 use tokio::sync::Notify;
 
 use crate::message::{self, Message};
@@ -209,6 +209,9 @@ pub struct Queue {
     /// The earliest time `tick` may have work (a visibility deadline, an expiry); changed only
     /// under the lock. The server ticks every queue every few milliseconds: most return at once.
     due: AtomicU64,
+    /// A durable queue whose log syncs every offer (durability `always`): the log, to wait for
+    /// the disk without the queue's lock.
+    synced_log: Option<SharedLog>,
 }
 
 /// Counts a consumer waiting on a queue while it lives (the queue's `waiters` figure).
@@ -231,6 +234,10 @@ struct Inner {
     bytes: u64,
     /// A message left the head since the lock was taken (see `Locked`).
     head_taken: bool,
+    /// Records of the log at or past this offset are not handed out yet: an offer appended them
+    /// and waits for the disk (durability `always`), so a consumer never gets a message that a
+    /// crash could still take back. `u64::MAX` for a queue that does not wait.
+    visible_end: u64,
     counters: QueueStats,
 }
 
@@ -290,8 +297,13 @@ impl Queue {
             }
         }
         let waiting = group.unacknowledged();
+        // What recovery kept is durable (opening a log under `always` syncs it).
+        let synced_log = (log.durability() == Durability::Always).then(|| log.clone());
+        let visible_end = if synced_log.is_some() { log.next_offset() } else { u64::MAX };
         let store = Store::Log { log, group: Box::new(group) };
-        let queue = Queue::with_store(name, config, None, store, waiting, bytes);
+        let mut queue = Queue::with_store(name, config, None, store, waiting, bytes);
+        queue.synced_log = synced_log;
+        queue.inner.get_mut().unwrap_or_else(|e| e.into_inner()).visible_end = visible_end;
         // What it holds may expire: the first tick looks, and sets when to look again.
         queue.due.store(0, Ordering::Relaxed);
         Ok(queue)
@@ -317,12 +329,14 @@ impl Queue {
                 waiting,
                 bytes,
                 head_taken: false,
+                visible_end: u64::MAX,
                 counters: QueueStats::default(),
             }),
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
             due: AtomicU64::new(u64::MAX),
+            synced_log: None,
         }
     }
 
@@ -407,6 +421,23 @@ impl Queue {
     /// hold is `NeverFits`; a circular queue keeps its newest messages instead (the oldest of the
     /// offer are dropped too, counted, and are gone even if the rest is then refused).
     pub fn offer(&self, messages: &mut Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+        let (first, count, unsynced) = self.offer_unsynced(messages, now)?;
+        if let Some(last) = unsynced {
+            self.wait_durable(last)?;
+        }
+        Ok((first, count))
+    }
+
+    /// `offer` without waiting for the disk. The messages are stored and counted at once, but
+    /// when the log syncs every offer (durability `always`) they are handed to consumers only
+    /// once `wait_durable` of the returned offset has returned, and the offer may be answered
+    /// only then. Appending under the queue's lock and waiting after it lets the offers of many
+    /// producers share one sync.
+    pub(crate) fn offer_unsynced(
+        &self,
+        messages: &mut Vec<Message>,
+        now: u64,
+    ) -> Result<(u64, u32, Option<u64>), BrokerError> {
         let config = self.config();
         let max_item = config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
@@ -493,7 +524,7 @@ impl Queue {
                 first
             }
             Store::Log { log, .. } => {
-                let first = message::append(log, messages)?.start + 1;
+                let first = message::append_unsynced(log, messages)?.start + 1;
                 messages.clear();
                 first
             }
@@ -505,8 +536,26 @@ impl Queue {
             self.due.fetch_min(earliest, Ordering::Relaxed);
         }
         drop(inner);
+        // The last record's offset is its id − 1.
+        let unsynced = (self.synced_log.is_some() && n > 0).then(|| first + n - 2);
+        if unsynced.is_none() {
+            self.available.notify_waiters();
+        }
+        Ok((first, n as u32, unsynced))
+    }
+
+    /// Returns once the log's record `offset` (an `offer_unsynced`'s) is on disk, and hands it
+    /// and every record before it to consumers. Blocks on the disk: not for an async runtime's
+    /// own threads.
+    pub(crate) fn wait_durable(&self, offset: u64) -> Result<(), BrokerError> {
+        let Some(log) = &self.synced_log else { return Ok(()) };
+        log.wait_durable(offset)?;
+        let mut inner = self.lock();
+        // Syncs cover a prefix of the log: everything up to `offset` is durable now.
+        inner.visible_end = inner.visible_end.max(offset + 1);
+        drop(inner);
         self.available.notify_waiters();
-        Ok((first, n as u32))
+        Ok(())
     }
 
     /// Takes up to `max` messages from the head, as many as fit `max_bytes` of answer (at least
@@ -763,18 +812,24 @@ impl Inner {
 
     /// When the message at the head expires, if it does.
     fn head_expiry(&mut self) -> Result<Option<u64>, BrokerError> {
+        let visible_end = self.visible_end;
         let expires_at = match &mut self.store {
             Store::Memory { ready, .. } => ready.front().map(|m| m.expires_at),
-            Store::Log { group, .. } => group.peek()?.map(|r| message::expires_at(&r)),
+            Store::Log { group, .. } => {
+                group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::expires_at(&r))
+            }
         };
         Ok(expires_at.filter(|&e| e != 0))
     }
 
     /// The message at the head, left in place (its id set).
     fn head(&mut self) -> Result<Option<Message>, BrokerError> {
+        let visible_end = self.visible_end;
         Ok(match &mut self.store {
             Store::Memory { ready, .. } => ready.front().cloned(),
-            Store::Log { group, .. } => group.peek()?.map(|r| message::from_record(&r, r.offset + 1)),
+            Store::Log { group, .. } => {
+                group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::from_record(&r, r.offset + 1))
+            }
         })
     }
 
@@ -802,15 +857,24 @@ impl Inner {
     }
 
     fn next_from_store(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
+        let visible_end = self.visible_end;
         match &mut self.store {
             Store::Memory { ready, .. } => Ok(ready.pop_front().map(|m| (m.clone(), Taken::Memory(Box::new(m))))),
-            Store::Log { group, .. } => match group.poll(1, Duration::ZERO) {
-                Ok(batch) => {
-                    Ok(batch.into_iter().next().map(|r| (message::from_record(&r, r.offset + 1), Taken::Log(r.offset))))
+            Store::Log { group, .. } => {
+                // A record an offer still waits to sync for stays where it is (peek and poll
+                // pick the same record: a returned one first, else the next in the log).
+                if visible_end != u64::MAX && group.peek()?.is_none_or(|r| r.offset >= visible_end) {
+                    return Ok(None);
                 }
-                Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
-                Err(e) => Err(e.into()),
-            },
+                match group.poll(1, Duration::ZERO) {
+                    Ok(batch) => Ok(batch
+                        .into_iter()
+                        .next()
+                        .map(|r| (message::from_record(&r, r.offset + 1), Taken::Log(r.offset)))),
+                    Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
+                    Err(e) => Err(e.into()),
+                }
+            }
         }
     }
 

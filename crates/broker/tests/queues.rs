@@ -493,3 +493,47 @@ fn in_memory_queues_share_a_memory_budget_and_give_it_back() {
     b.remove_queue("a").unwrap();
     assert_eq!(b.memory().0, 0, "a removed queue gives its bytes back");
 }
+
+#[test]
+fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_once_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { durability: petrel_log::Durability::Always, ..BrokerOptions::default() };
+    let b = std::sync::Arc::new(Broker::open(dir.path(), options).unwrap());
+    let q = b.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+
+    // Stored and counted, but not handed out before the wait.
+    let (first, count, unsynced) = b.offer_unsynced(&q, &mut msgs(&["a", "b"]), 0).unwrap();
+    assert_eq!((first, count, unsynced.is_durable()), (1, 2, false));
+    assert_eq!(q.stats().items, 2);
+    assert!(b.poll("jobs", 5, None, 1, 0).unwrap().is_empty(), "not yet on disk");
+    assert!(q.peek(0).unwrap().0.is_none());
+    unsynced.wait().unwrap();
+    assert_eq!(payloads(&b.poll("jobs", 5, None, 1, 0).unwrap()), [b"a".to_vec(), b"b".to_vec()]);
+
+    // Many producers: the queue's lock is not held across a sync, so syncs cover several offers.
+    let syncs_before = q.log_stats().unwrap().syncs;
+    let (producers, each) = (16, 50);
+    std::thread::scope(|s| {
+        for p in 0..producers {
+            let b = &b;
+            s.spawn(move || {
+                let q = b.queue("jobs").unwrap();
+                for i in 0..each {
+                    b.offer_to(&q, &mut msgs(&[&format!("{p}-{i}")]), 0).unwrap();
+                }
+            });
+        }
+    });
+    let syncs = q.log_stats().unwrap().syncs - syncs_before;
+    let offers = (producers * each) as u64;
+    assert!(syncs <= offers / 2, "{syncs} syncs for {offers} offers");
+    let taken = b.poll("jobs", 10_000, None, 1, 0).unwrap();
+    assert_eq!(taken.len() as u64, offers, "every offer, once");
+    // Each producer's offers in its order.
+    for p in 0..producers {
+        let mine: Vec<Vec<u8>> =
+            payloads(&taken).into_iter().filter(|m| m.starts_with(format!("{p}-").as_bytes())).collect();
+        let expected: Vec<Vec<u8>> = (0..each).map(|i| format!("{p}-{i}").into_bytes()).collect();
+        assert_eq!(mine, expected);
+    }
+}

@@ -628,3 +628,51 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     assert!(server_now["reload"]["outcome"].as_str().unwrap().contains("max_connections_per_address"));
     assert_eq!(server_now["limits"]["max_connections_per_address"], 2);
 }
+
+#[test]
+fn durable_offers_from_many_connections_share_syncs_and_keep_each_connections_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--durability", "always"]);
+    let http = server.http.as_str();
+    assert_eq!(request("PUT", http, "/api/v1/queues/jobs", None, r#"{"durable": true}"#).0, 201);
+    let fsyncs = || -> u64 {
+        let metrics = get(http, "/metrics", None).2;
+        let line = metrics.lines().find(|l| l.starts_with("petrel_fsync_duration_seconds_count")).unwrap_or("x 0");
+        line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap() as u64
+    };
+    let before = fsyncs();
+    let (connections, each) = (32, 20);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut producers = Vec::new();
+        for c in 0..connections {
+            let client = server.client().await;
+            producers.push(tokio::spawn(async move {
+                for i in 0..each {
+                    // One at a time on this connection: answered once on disk.
+                    client.offer("jobs", vec![Message::new(format!("{c}-{i}").into_bytes())], None).await.unwrap();
+                }
+            }));
+        }
+        for p in producers {
+            p.await.unwrap();
+        }
+    });
+    let offers = (connections * each) as u64;
+    let syncs = fsyncs() - before;
+    assert!(syncs > 0 && syncs <= offers / 2, "{syncs} syncs for {offers} offers");
+    let taken = rt.block_on(async {
+        let c = server.client().await;
+        c.poll("jobs", PollOptions { max: 10_000, ..PollOptions::default() }).await.unwrap()
+    });
+    assert_eq!(taken.len() as u64, offers);
+    for c in 0..connections {
+        let mine: Vec<String> = taken
+            .iter()
+            .map(|d| String::from_utf8(d.message.payload.to_vec()).unwrap())
+            .filter(|p| p.starts_with(&format!("{c}-")))
+            .collect();
+        let expected: Vec<String> = (0..each).map(|i| format!("{c}-{i}")).collect();
+        assert_eq!(mine, expected, "connection {c}'s offers in its order");
+    }
+}

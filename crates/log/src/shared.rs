@@ -54,11 +54,31 @@ impl SharedLog {
     }
 
     pub fn append_batch_with(&self, inputs: &[Input<'_>]) -> Result<Range<u64>> {
-        let range = self.lock().batch_unsynced(inputs.len(), |i| inputs[i])?;
+        let range = self.append_batch_unsynced(inputs)?;
         if !range.is_empty() {
             self.durable(range.end - 1)?;
         }
         Ok(range)
+    }
+
+    /// Appends without waiting for the disk, whatever the durability: the records are readable
+    /// at once, and under [`Durability::Always`] durable only once [`SharedLog::wait_durable`]
+    /// for the last of them returns. For a caller that appends under a lock of its own and waits
+    /// after letting it go, so that appends of other threads join the same sync.
+    pub fn append_batch_unsynced(&self, inputs: &[Input<'_>]) -> Result<Range<u64>> {
+        self.lock().batch_unsynced(inputs.len(), |i| inputs[i])
+    }
+
+    /// Under [`Durability::Always`], returns once record `offset` is durable (one sync covers
+    /// every record appended before it starts: the group commit); under another durability at
+    /// once, as the background sync or the page cache has it.
+    pub fn wait_durable(&self, offset: u64) -> Result<()> {
+        self.durable(offset)
+    }
+
+    /// The log's durability policy.
+    pub fn durability(&self) -> Durability {
+        self.shared.options.durability
     }
 
     /// Makes every record appended so far durable.

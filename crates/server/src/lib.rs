@@ -462,3 +462,16 @@ async fn accept_unix(listener: Option<&UnixListener>) -> std::io::Result<tokio::
 pub(crate) fn now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
+
+/// Waits for an offer to reach the disk on a blocking thread, so that the runtime's threads go on
+/// serving other connections meanwhile (and offers waiting together share one sync).
+pub(crate) async fn wait_durable(unsynced: petrel_broker::UnsyncedOffer) -> Result<(), petrel_broker::BrokerError> {
+    if unsynced.is_durable() {
+        return Ok(());
+    }
+    match tokio::task::spawn_blocking(move || unsynced.wait()).await {
+        Ok(synced) => synced,
+        // A blocking task is never cancelled: this is its panic, carried on.
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}

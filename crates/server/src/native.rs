@@ -662,6 +662,12 @@ enum Waiting {
         messages: Vec<petrel_broker::Message>,
         timeout_ms: u32,
     },
+    /// An offer stored and answered once on disk (a queue whose log syncs every offer).
+    Sync {
+        unsynced: petrel_broker::UnsyncedOffer,
+        first_id: u64,
+        count: u32,
+    },
     Poll {
         queue: String,
         max: usize,
@@ -689,6 +695,10 @@ impl Waiting {
     async fn finish(self, ctx: &Ctx, conn: ConnId) -> Response {
         match self {
             Waiting::Offer { queue, messages, timeout_ms } => offer_waiting(ctx, &queue, messages, timeout_ms).await,
+            Waiting::Sync { unsynced, first_id, count } => match crate::wait_durable(unsynced).await {
+                Ok(()) => Response::Offered { first_id, count },
+                Err(e) => error(e),
+            },
             Waiting::Poll { queue, max, visibility, timeout_ms, compress } => {
                 poll_waiting(ctx, conn, &queue, max, visibility, timeout_ms, compress).await
             }
@@ -777,11 +787,14 @@ fn handle(
         Request::Offer { queue, timeout_ms, messages } => {
             let mut messages: Vec<_> = messages.into_iter().map(convert::message_in).collect();
             let offered = broker.queue(&queue).ok_or_else(|| BrokerError::NotFound(queue.clone()));
-            match offered.and_then(|q| broker.offer_to(&q, &mut messages, now_ns())) {
+            match offered.and_then(|q| broker.offer_unsynced(&q, &mut messages, now_ns())) {
                 Err(BrokerError::Full(_)) if timeout_ms > 0 => {
                     return Err(Waiting::Offer { queue, messages, timeout_ms });
                 }
-                Ok((first_id, count)) => Response::Offered { first_id, count },
+                Ok((first_id, count, unsynced)) if !unsynced.is_durable() => {
+                    return Err(Waiting::Sync { unsynced, first_id, count });
+                }
+                Ok((first_id, count, _)) => Response::Offered { first_id, count },
                 Err(e) => error(e),
             }
         }
@@ -964,9 +977,14 @@ async fn offer_waiting(ctx: &Ctx, queue: &str, mut messages: Vec<petrel_broker::
         let notified = q.room.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        match ctx.broker.offer_to(&q, &mut messages, now_ns()) {
+        match ctx.broker.offer_unsynced(&q, &mut messages, now_ns()) {
             Err(BrokerError::Full(_)) => {}
-            Ok((first_id, count)) => return Response::Offered { first_id, count },
+            Ok((first_id, count, unsynced)) => {
+                return match crate::wait_durable(unsynced).await {
+                    Ok(()) => Response::Offered { first_id, count },
+                    Err(e) => error(e),
+                };
+            }
             Err(e) => return error(e),
         }
         if tokio::time::timeout_at(deadline.into(), notified).await.is_err() {

@@ -230,7 +230,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         match command {
             Command::Get { key, queue, options, cas } => return self.get(key, &queue, options, cas).await,
             Command::Set { queue, flags, exptime, data, noreply } => {
-                let reply = self.set(&queue, flags, exptime, data);
+                let reply = self.set(&queue, flags, exptime, data).await;
                 if !noreply {
                     self.line(&reply);
                 }
@@ -302,7 +302,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         Flow::Continue
     }
 
-    fn set(&mut self, queue: &str, flags: u32, exptime: i64, data: Bytes) -> String {
+    async fn set(&mut self, queue: &str, flags: u32, exptime: i64, data: Bytes) -> String {
         add(&self.ctx.stats.cmd_set, 1);
         if petrel_broker::check_name(queue).is_err() {
             return "CLIENT_ERROR bad queue name".into();
@@ -315,8 +315,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         }
         let broker = &self.ctx.broker;
         let who = self.authenticated.as_ref().map(|a| &a.principal);
-        match broker.queue_or_create_by(who, queue).and_then(|q| broker.offer_to(&q, &mut vec![message], now)) {
-            Ok(_) => "STORED".into(),
+        let offered =
+            broker.queue_or_create_by(who, queue).and_then(|q| broker.offer_unsynced(&q, &mut vec![message], now));
+        let synced = match offered {
+            // A queue that syncs each offer: STORED once on disk, waited for off the runtime.
+            Ok((_, _, unsynced)) if !unsynced.is_durable() => crate::wait_durable(unsynced).await,
+            other => other.map(|_| ()),
+        };
+        match synced {
+            Ok(()) => "STORED".into(),
             Err(BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::NeverFits(_)) => "NOT_STORED".into(),
             Err(e) => server_error(&e),
         }
