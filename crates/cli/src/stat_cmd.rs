@@ -170,19 +170,6 @@ fn queue_json(s: &Sample, rates: Option<(f64, f64)>) -> Value {
 
 fn topic_json(t: &TopicSample, published_per_sec: Option<f64>) -> Value {
     let st = &t.stats;
-    let groups: Vec<Value> = st
-        .groups
-        .iter()
-        .map(|g| {
-            json!({
-                "name": g.name,
-                "committed": g.committed,
-                "next_offset": g.next_offset,
-                "lag": g.lag,
-                "open": g.open,
-            })
-        })
-        .collect();
     let mut topic = json!({
         "name": t.name,
         "durable": st.durable,
@@ -190,7 +177,8 @@ fn topic_json(t: &TopicSample, published_per_sec: Option<f64>) -> Value {
         "published": st.published,
         "delivered": st.delivered,
         "slow_subscribers_ended": st.slow_subscribers_ended,
-        "groups": groups,
+        // The wire's group fields are the API's: name, committed, next_offset, lag, open.
+        "groups": st.groups,
     });
     if let Some(rate) = published_per_sec {
         topic["published_per_sec"] = json!(rate);
