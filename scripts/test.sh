@@ -38,6 +38,12 @@ target/pyenv/bin/pip install -q --disable-pip-version-check -r tests/requirement
 cargo build -q --locked -p petrel
 PETREL_BIN="$PWD/target/debug/petrel" target/pyenv/bin/python -m pytest -q -p no:cacheprovider tests
 
+echo "== the Python package (python/): built and installed with pip, then its tests"
+cargo fmt --manifest-path python/Cargo.toml -- --check
+cargo clippy -q --manifest-path python/Cargo.toml --all-targets -- -D warnings
+target/pyenv/bin/pip install -q --disable-pip-version-check ./python
+PETREL_BIN="$PWD/target/debug/petrel" target/pyenv/bin/python -m pytest -q -p no:cacheprovider python/tests
+
 echo "== fuzz targets"
 # Each decoder's target, and the request handler's: built always; run briefly where a nightly
 # toolchain is at hand (cargo-fuzz needs it), as the long runs by hand are (docs/benchmarks.md).

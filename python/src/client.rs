@@ -1,0 +1,453 @@
+//! The client for `petrel serve` over the native protocol: `Client` (blocking; the GIL is
+//! released while it waits) and `AsyncCore` (the asyncio side: each call returns an awaitable
+//! resolved by a task on one shared tokio runtime; `petrel.AsyncClient` in Python wraps it).
+//! Both pipeline: calls from many threads or coroutines share one connection, their requests in
+//! flight together.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use petrel_client::{ClientOptions, PollOptions, QueueConfig, TlsOptions};
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::PyBytes;
+
+use crate::{ClosedError, ConnectionError, ServerError};
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Message>()?;
+    m.add_class::<Client>()?;
+    m.add_class::<AsyncCore>()?;
+    m.add_class::<AsyncSubscription>()?;
+    Ok(())
+}
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    pyo3_async_runtimes::tokio::get_runtime()
+}
+
+fn client_error(e: petrel_client::ClientError) -> PyErr {
+    match &e {
+        petrel_client::ClientError::Status { .. } => ServerError::new_err(e.to_string()),
+        petrel_client::ClientError::Closed => ClosedError::new_err(e.to_string()),
+        _ => ConnectionError::new_err(e.to_string()),
+    }
+}
+
+fn options(user: Option<String>, password: Option<String>, tls_ca: Option<std::path::PathBuf>) -> ClientOptions {
+    let tls = tls_ca.map(|ca| TlsOptions { ca, cert: None, key: None, server_name: None });
+    ClientOptions { user, password, tls, ..ClientOptions::default() }
+}
+
+/// A message from the server: its id in the queue, payload, subject and headers; `handle` is
+/// what acknowledges or aborts a tentative take (0 when taken for good).
+#[pyclass(module = "petrel", frozen, get_all)]
+pub struct Message {
+    id: u64,
+    handle: u64,
+    queue: String,
+    payload: Py<PyBytes>,
+    subject: String,
+    timestamp: u64,
+    headers: Vec<(String, Py<PyBytes>)>,
+}
+
+impl Message {
+    fn new(py: Python<'_>, handle: u64, m: petrel_client::Message) -> Message {
+        Message {
+            id: m.id,
+            handle,
+            queue: m.destination,
+            payload: PyBytes::new(py, &m.payload).unbind(),
+            subject: m.subject,
+            timestamp: m.timestamp,
+            headers: m.headers.into_iter().map(|(n, v)| (n, PyBytes::new(py, &v).unbind())).collect(),
+        }
+    }
+}
+
+#[pymethods]
+impl Message {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let len = self.payload.bind(py).as_bytes().len();
+        format!("Message(id={}, queue={:?}, payload=<{len} bytes>)", self.id, self.queue)
+    }
+}
+
+/// Server-side waits are at most this long at a time, so that a wait for ever still looks at
+/// Python's signals between them.
+const LONG_POLL: Duration = Duration::from_secs(1);
+
+fn poll_options(max: u32, wait: Duration, visibility: Option<f64>) -> PollOptions {
+    let visibility = crate::timeout_from(visibility).filter(|v| !v.is_zero());
+    PollOptions { max: max.max(1), timeout: wait, visibility }
+}
+
+/// A connection to `petrel serve` (the native protocol, default port 22134). Thread-safe: calls
+/// from many threads share the connection, their requests in flight together.
+#[pyclass(module = "petrel", frozen)]
+pub struct Client {
+    inner: petrel_client::Client,
+}
+
+impl Client {
+    fn wait<T: Send>(
+        &self,
+        py: Python<'_>,
+        call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| runtime().block_on(call)).map_err(client_error)
+    }
+
+    /// Polls until messages come, the timeout passes (`None`: never) or a signal is due.
+    fn poll_messages(
+        &self,
+        py: Python<'_>,
+        queue: &str,
+        max: u32,
+        timeout: Option<f64>,
+        visibility: Option<f64>,
+    ) -> PyResult<Vec<Message>> {
+        let deadline = crate::timeout_from(timeout).map(|t| std::time::Instant::now() + t);
+        loop {
+            let wait = match deadline {
+                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(LONG_POLL),
+                None => LONG_POLL,
+            };
+            let delivered = self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))?;
+            if !delivered.is_empty() || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Ok(delivered.into_iter().map(|d| Message::new(py, d.handle, d.message)).collect());
+            }
+            py.check_signals()?;
+        }
+    }
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (address = "127.0.0.1:22134", user = None, password = None, tls_ca = None))]
+    fn new(
+        py: Python<'_>,
+        address: &str,
+        user: Option<String>,
+        password: Option<String>,
+        tls_ca: Option<std::path::PathBuf>,
+    ) -> PyResult<Client> {
+        let options = options(user, password, tls_ca);
+        let inner = py
+            .detach(|| runtime().block_on(petrel_client::Client::connect_with(address, &options)))
+            .map_err(client_error)?;
+        Ok(Client { inner })
+    }
+
+    /// Creates a queue (nothing if it exists with this configuration): on disk unless
+    /// `durable=False`, bounded by `max_items` and `max_bytes` if given.
+    #[pyo3(signature = (name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
+    fn create_queue(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        durable: bool,
+        max_items: u64,
+        max_bytes: u64,
+        ttl: Option<f64>,
+    ) -> PyResult<()> {
+        let ttl_ms = crate::timeout_from(ttl).map_or(0, |t| t.as_millis() as u64);
+        let config = QueueConfig { durable, max_items, max_bytes, ttl_ms, ..QueueConfig::default() };
+        self.wait(py, self.inner.create_queue(name, config))
+    }
+
+    fn remove_queue(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        self.wait(py, self.inner.remove_queue(name))
+    }
+
+    fn list_queues(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        self.wait(py, self.inner.list_queues())
+    }
+
+    /// Adds a message at the queue's tail; returns its id. Waits up to `timeout` seconds for
+    /// room in a full bounded queue (default: refused at once).
+    #[pyo3(signature = (queue, payload, timeout = None))]
+    fn offer(&self, py: Python<'_>, queue: &str, payload: PyBackedBytes, timeout: Option<f64>) -> PyResult<u64> {
+        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
+        self.wait(py, self.inner.offer(queue, vec![message], crate::timeout_from(timeout)))
+    }
+
+    /// Adds messages at the tail together, all or none; returns the first id.
+    #[pyo3(signature = (queue, payloads, timeout = None))]
+    fn offer_many(
+        &self,
+        py: Python<'_>,
+        queue: &str,
+        payloads: Vec<PyBackedBytes>,
+        timeout: Option<f64>,
+    ) -> PyResult<u64> {
+        let messages = payloads.into_iter().map(|p| petrel_client::Message::new(bytes::Bytes::from_owner(p))).collect();
+        self.wait(py, self.inner.offer(queue, messages, crate::timeout_from(timeout)))
+    }
+
+    /// Takes the message at the head for good, waiting up to `timeout` seconds (`None`: until one
+    /// comes); `None` if none came.
+    #[pyo3(signature = (queue, timeout = 0.0))]
+    fn poll(&self, py: Python<'_>, queue: &str, timeout: Option<f64>) -> PyResult<Option<Message>> {
+        Ok(self.poll_messages(py, queue, 1, timeout, None)?.into_iter().next())
+    }
+
+    /// Takes up to `max` messages; with `visibility` (seconds) tentatively: each comes back to
+    /// the queue unless acknowledged (`ack`) within it.
+    #[pyo3(signature = (queue, max = 100, timeout = 0.0, visibility = None))]
+    fn poll_many(
+        &self,
+        py: Python<'_>,
+        queue: &str,
+        max: u32,
+        timeout: Option<f64>,
+        visibility: Option<f64>,
+    ) -> PyResult<Vec<Message>> {
+        self.poll_messages(py, queue, max, timeout, visibility)
+    }
+
+    /// Takes the message at the head tentatively: gone once acknowledged, back at the head after
+    /// `visibility` seconds, an `abort`, or this connection's end.
+    #[pyo3(signature = (queue, visibility = 30.0, timeout = 0.0))]
+    fn take(&self, py: Python<'_>, queue: &str, visibility: f64, timeout: Option<f64>) -> PyResult<Option<Message>> {
+        Ok(self.poll_messages(py, queue, 1, timeout, Some(visibility))?.into_iter().next())
+    }
+
+    /// Acknowledges tentative takes by handle; returns how many were still open.
+    fn ack(&self, py: Python<'_>, queue: &str, handles: Vec<u64>) -> PyResult<u32> {
+        self.wait(py, self.inner.ack(queue, &handles))
+    }
+
+    /// Puts tentative takes back at the head; returns how many were still open.
+    fn abort(&self, py: Python<'_>, queue: &str, handles: Vec<u64>) -> PyResult<u32> {
+        self.wait(py, self.inner.abort(queue, &handles))
+    }
+
+    #[pyo3(signature = (name, durable = false))]
+    fn create_topic(&self, py: Python<'_>, name: &str, durable: bool) -> PyResult<()> {
+        self.wait(py, self.inner.create_topic(name, durable))
+    }
+
+    /// Publishes to every current subscriber; returns how many it reached.
+    fn publish(&self, py: Python<'_>, topic: &str, payload: PyBackedBytes) -> PyResult<u32> {
+        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
+        self.wait(py, self.inner.publish(topic, vec![message]))
+    }
+
+    fn ping(&self, py: Python<'_>) -> PyResult<()> {
+        self.wait(py, self.inner.ping())
+    }
+
+    /// Ends the connection; tentative takes not acknowledged go back to their queues.
+    fn close(&self) {
+        self.inner.close();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close();
+        false
+    }
+}
+
+/// The asyncio client's native half: every method returns an awaitable. Use
+/// `petrel.AsyncClient`, which connects on first use and adds `async with`/`async for`.
+#[pyclass(module = "petrel", frozen)]
+pub struct AsyncCore {
+    inner: petrel_client::Client,
+}
+
+/// Polls once on the server (it waits up to `wait`); messages as Python objects.
+async fn poll_once(
+    client: petrel_client::Client,
+    queue: String,
+    options: PollOptions,
+) -> PyResult<Vec<(u64, petrel_client::Message)>> {
+    let delivered = client.poll(&queue, options).await.map_err(client_error)?;
+    Ok(delivered.into_iter().map(|d| (d.handle, d.message)).collect())
+}
+
+fn into_messages(py: Python<'_>, delivered: Vec<(u64, petrel_client::Message)>) -> Vec<Message> {
+    delivered.into_iter().map(|(handle, m)| Message::new(py, handle, m)).collect()
+}
+
+#[pymethods]
+impl AsyncCore {
+    /// Connects; resolves to an `AsyncCore`.
+    #[staticmethod]
+    #[pyo3(signature = (address, user = None, password = None, tls_ca = None))]
+    fn connect(
+        py: Python<'_>,
+        address: String,
+        user: Option<String>,
+        password: Option<String>,
+        tls_ca: Option<std::path::PathBuf>,
+    ) -> PyResult<Bound<'_, PyAny>> {
+        let options = options(user, password, tls_ca);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let inner = petrel_client::Client::connect_with(&address, &options).await.map_err(client_error)?;
+            Ok(AsyncCore { inner })
+        })
+    }
+
+    #[pyo3(signature = (name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
+    fn create_queue<'py>(
+        &self,
+        py: Python<'py>,
+        name: String,
+        durable: bool,
+        max_items: u64,
+        max_bytes: u64,
+        ttl: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ttl_ms = crate::timeout_from(ttl).map_or(0, |t| t.as_millis() as u64);
+        let config = QueueConfig { durable, max_items, max_bytes, ttl_ms, ..QueueConfig::default() };
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.create_queue(&name, config).await.map_err(client_error)
+        })
+    }
+
+    fn remove_queue<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(
+            py,
+            async move { client.remove_queue(&name).await.map_err(client_error) },
+        )
+    }
+
+    #[pyo3(signature = (queue, payload, timeout = None))]
+    fn offer<'py>(
+        &self,
+        py: Python<'py>,
+        queue: String,
+        payload: PyBackedBytes,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
+        let timeout = crate::timeout_from(timeout);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.offer(&queue, vec![message], timeout).await.map_err(client_error)
+        })
+    }
+
+    #[pyo3(signature = (queue, payloads, timeout = None))]
+    fn offer_many<'py>(
+        &self,
+        py: Python<'py>,
+        queue: String,
+        payloads: Vec<PyBackedBytes>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let messages: Vec<_> =
+            payloads.into_iter().map(|p| petrel_client::Message::new(bytes::Bytes::from_owner(p))).collect();
+        let timeout = crate::timeout_from(timeout);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.offer(&queue, messages, timeout).await.map_err(client_error)
+        })
+    }
+
+    /// One server-side poll waiting up to `wait` seconds (at most about a second: the Python
+    /// side loops for longer waits); resolves to a list of `Message`.
+    #[pyo3(signature = (queue, max = 1, wait = 0.0, visibility = None))]
+    fn poll_once<'py>(
+        &self,
+        py: Python<'py>,
+        queue: String,
+        max: u32,
+        wait: f64,
+        visibility: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let wait = crate::timeout_from(Some(wait)).unwrap_or_default().min(LONG_POLL);
+        let options = poll_options(max, wait, visibility);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let delivered = poll_once(client, queue, options).await?;
+            Python::attach(|py| Ok(into_messages(py, delivered)))
+        })
+    }
+
+    fn ack<'py>(&self, py: Python<'py>, queue: String, handles: Vec<u64>) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.ack(&queue, &handles).await.map_err(client_error)
+        })
+    }
+
+    fn abort<'py>(&self, py: Python<'py>, queue: String, handles: Vec<u64>) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.abort(&queue, &handles).await.map_err(client_error)
+        })
+    }
+
+    #[pyo3(signature = (name, durable = false))]
+    fn create_topic<'py>(&self, py: Python<'py>, name: String, durable: bool) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.create_topic(&name, durable).await.map_err(client_error)
+        })
+    }
+
+    fn publish<'py>(&self, py: Python<'py>, topic: String, payload: PyBackedBytes) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.publish(&topic, vec![message]).await.map_err(client_error)
+        })
+    }
+
+    /// Subscribes to a topic's live messages; resolves to an `AsyncSubscription`.
+    #[pyo3(signature = (topic, buffer = 0))]
+    fn subscribe<'py>(&self, py: Python<'py>, topic: String, buffer: u32) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let sub = client.subscribe(&topic, buffer).await.map_err(client_error)?;
+            Ok(AsyncSubscription { sub: Arc::new(tokio::sync::Mutex::new(Some(sub))) })
+        })
+    }
+
+    fn close(&self) {
+        self.inner.close();
+    }
+}
+
+/// A topic subscription: `next()` resolves to the next `Message`, or `None` once it ended.
+#[pyclass(module = "petrel", frozen)]
+pub struct AsyncSubscription {
+    sub: Arc<tokio::sync::Mutex<Option<petrel_client::Subscription>>>,
+}
+
+#[pymethods]
+impl AsyncSubscription {
+    fn next<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let sub = Arc::clone(&self.sub);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let mut guard = sub.lock().await;
+            let Some(sub) = guard.as_mut() else { return Ok(None) };
+            match sub.next().await {
+                Some(Ok(m)) => Python::attach(|py| Ok(Some(Message::new(py, 0, m)))),
+                Some(Err(e)) => Err(client_error(e)),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Ends the subscription.
+    fn unsubscribe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let sub = Arc::clone(&self.sub);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            match sub.lock().await.take() {
+                Some(sub) => sub.unsubscribe().await.map_err(client_error),
+                None => Ok(()),
+            }
+        })
+    }
+}

@@ -1,0 +1,516 @@
+//! The embedded API: `Log` (append, read by offset, time or key, iterate), `Group` (a named
+//! consumer group: poll, ack, nack, seek) and `Queue` (put/get, shaped like `queue.Queue`), over
+//! `petrel-log` in this process.
+//!
+//! Each object keeps its Rust value behind a mutex, taken out by `close()`; a closed object
+//! raises `ClosedError`. Records cross into Python as copies (`bytes`): the log's mapping may be
+//! unmapped when its segment is retired, so no view into it outlives the call.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use petrel_log::{ConsumerGroup, Durability, GroupOptions, Input, Options, OwnedRecord, SeekTo, SharedLog};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::PyBytes;
+
+use crate::{ClosedError, CorruptLogError, LockedError, PetrelError, PoisonedError, TooLargeError};
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Log>()?;
+    m.add_class::<Record>()?;
+    m.add_class::<Group>()?;
+    m.add_class::<LogIterator>()?;
+    m.add_class::<Queue>()?;
+    Ok(())
+}
+
+/// The Python exception for a storage error, with the Rust error's message.
+pub(crate) fn log_error(e: petrel_log::Error) -> PyErr {
+    use petrel_log::Error as E;
+    let text = e.to_string();
+    match e {
+        E::Corrupt { .. } => CorruptLogError::new_err(text),
+        E::Locked { .. } => LockedError::new_err(text),
+        E::Poisoned(_) => PoisonedError::new_err(text),
+        E::RecordTooLarge { .. } => TooLargeError::new_err(text),
+        _ => PetrelError::new_err(text),
+    }
+}
+
+fn durability_from(text: &str) -> PyResult<Durability> {
+    text.parse::<Durability>().map_err(|e| {
+        PyValueError::new_err(format!("durability {text:?}: {e} (\"none\", \"always\" or \"interval:MS\")"))
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs `step` (which waits at most the slice it is given) until it returns something, the
+/// timeout passes (`None`: never), or Python has a signal to raise; the GIL is released while
+/// `step` runs.
+fn wait_for<T: Send>(
+    py: Python<'_>,
+    timeout: Option<Duration>,
+    mut step: impl FnMut(Duration) -> PyResult<Option<T>> + Send,
+) -> PyResult<Option<T>> {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let slice = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()).min(crate::SIGNAL_CHECK),
+            None => crate::SIGNAL_CHECK,
+        };
+        if let Some(found) = py.detach(|| step(slice))? {
+            return Ok(Some(found));
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+        py.check_signals()?;
+    }
+}
+
+/// One record of a log: its offset, time (ns since the Unix epoch), key, headers and payload.
+#[pyclass(module = "petrel", frozen, get_all)]
+pub struct Record {
+    offset: u64,
+    timestamp: u64,
+    key: Option<Py<PyBytes>>,
+    payload: Py<PyBytes>,
+    headers: Vec<(String, Py<PyBytes>)>,
+}
+
+impl Record {
+    fn from_owned(py: Python<'_>, r: OwnedRecord) -> Record {
+        Record {
+            offset: r.offset,
+            timestamp: r.timestamp,
+            key: r.key.map(|k| PyBytes::new(py, &k).unbind()),
+            payload: PyBytes::new(py, &r.payload).unbind(),
+            headers: r.headers.into_iter().map(|(n, v)| (n, PyBytes::new(py, &v).unbind())).collect(),
+        }
+    }
+}
+
+#[pymethods]
+impl Record {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let len = self.payload.bind(py).as_bytes().len();
+        format!("Record(offset={}, timestamp={}, payload=<{len} bytes>)", self.offset, self.timestamp)
+    }
+}
+
+fn records(py: Python<'_>, owned: Vec<OwnedRecord>) -> Vec<Record> {
+    owned.into_iter().map(|r| Record::from_owned(py, r)).collect()
+}
+
+/// An append-only log in a directory: records with dense offsets from 0, crash-safe.
+#[pyclass(module = "petrel", frozen)]
+pub struct Log {
+    log: Mutex<Option<SharedLog>>,
+    path: PathBuf,
+}
+
+impl Log {
+    fn shared(&self) -> PyResult<SharedLog> {
+        lock(&self.log)
+            .clone()
+            .ok_or_else(|| ClosedError::new_err(format!("the log at {} is closed", self.path.display())))
+    }
+}
+
+#[pymethods]
+impl Log {
+    #[new]
+    #[pyo3(signature = (path, durability = "none", segment_bytes = None, key_index = false))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        durability: &str,
+        segment_bytes: Option<u64>,
+        key_index: bool,
+    ) -> PyResult<Log> {
+        let mut options = Options { durability: durability_from(durability)?, key_index, ..Options::default() };
+        if let Some(bytes) = segment_bytes {
+            options.segment_bytes = bytes;
+        }
+        let log = py.detach(|| petrel_log::Log::open(&path, options)).map_err(log_error)?;
+        Ok(Log { log: Mutex::new(Some(log.into_shared())), path })
+    }
+
+    /// Appends a record; returns its offset. Durable as the log's durability says when this
+    /// returns (`"always"`: on disk).
+    #[pyo3(signature = (payload, key = None))]
+    fn append(&self, py: Python<'_>, payload: &[u8], key: Option<&[u8]>) -> PyResult<u64> {
+        let log = self.shared()?;
+        let input = Input { key, headers: &[], payload, timestamp: None };
+        py.detach(|| log.append_with(&input)).map_err(log_error)
+    }
+
+    /// Appends records together (one sync under `"always"`); returns their offsets.
+    fn append_batch(&self, py: Python<'_>, payloads: Vec<PyBackedBytes>) -> PyResult<Vec<u64>> {
+        let log = self.shared()?;
+        let range = py.detach(|| log.append_batch(&payloads)).map_err(log_error)?;
+        Ok(range.collect())
+    }
+
+    /// Makes every record appended so far durable.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let log = self.shared()?;
+        py.detach(|| log.sync()).map_err(log_error)
+    }
+
+    /// The record at `offset`, or `None` if there is none (not yet appended, or removed).
+    fn get(&self, py: Python<'_>, offset: u64) -> PyResult<Option<Record>> {
+        let log = self.shared()?;
+        let found = py.detach(|| log.reader().get(offset).map(|r| r.map(|r| r.to_owned()))).map_err(log_error)?;
+        Ok(found.map(|r| Record::from_owned(py, r)))
+    }
+
+    /// The first record written at or after `timestamp` (ns since the Unix epoch).
+    fn get_by_time(&self, py: Python<'_>, timestamp: u64) -> PyResult<Option<Record>> {
+        let log = self.shared()?;
+        let found =
+            py.detach(|| log.reader().get_by_time(timestamp).map(|r| r.map(|r| r.to_owned()))).map_err(log_error)?;
+        Ok(found.map(|r| Record::from_owned(py, r)))
+    }
+
+    /// The last record with `key` (the log must be opened with `key_index=True`).
+    fn get_by_key(&self, py: Python<'_>, key: &[u8]) -> PyResult<Option<Record>> {
+        let log = self.shared()?;
+        let found = py.detach(|| log.reader().get_by_key(key).map(|r| r.map(|r| r.to_owned()))).map_err(log_error)?;
+        Ok(found.map(|r| Record::from_owned(py, r)))
+    }
+
+    /// Iterates over the records from `offset` (default: the oldest) to the end as it is now.
+    #[pyo3(signature = (offset = None))]
+    fn read(&self, offset: Option<u64>) -> PyResult<LogIterator> {
+        let log = self.shared()?;
+        let mut reader = log.reader();
+        let start = offset.unwrap_or_else(|| reader.first_offset());
+        reader.seek(start);
+        Ok(LogIterator { reader: Mutex::new(reader), end: log.next_offset(), batch: Mutex::new(VecDeque::new()) })
+    }
+
+    fn __iter__(&self) -> PyResult<LogIterator> {
+        self.read(None)
+    }
+
+    /// The offset the next record will get.
+    #[getter]
+    fn next_offset(&self) -> PyResult<u64> {
+        Ok(self.shared()?.next_offset())
+    }
+
+    /// The oldest offset still in the log.
+    #[getter]
+    fn first_offset(&self) -> PyResult<u64> {
+        Ok(self.shared()?.reader().first_offset())
+    }
+
+    /// Opens (creating at the log's newest record if new) the consumer group `name`. Its
+    /// position is as durable as `durability` (default: the log's).
+    #[pyo3(signature = (name, durability = None))]
+    fn group(&self, py: Python<'_>, name: &str, durability: Option<&str>) -> PyResult<Group> {
+        let log = self.shared()?;
+        let durability = match durability {
+            Some(d) => durability_from(d)?,
+            None => log.durability(),
+        };
+        let options = GroupOptions { durability, ..GroupOptions::default() };
+        let group = py.detach(|| log.group(name, options)).map_err(log_error)?;
+        Ok(Group { group: Mutex::new(Some(group)), name: name.to_owned() })
+    }
+
+    /// Closes the log (what was appended stays, as durable as its durability says). Groups and
+    /// iterators opened from it keep it open until they go.
+    fn close(&self) {
+        lock(&self.log).take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Log({:?})", self.path.display().to_string())
+    }
+}
+
+/// Records of a log from an offset to the end it had when the iteration began.
+#[pyclass(module = "petrel", frozen)]
+pub struct LogIterator {
+    reader: Mutex<petrel_log::Reader>,
+    end: u64,
+    batch: Mutex<VecDeque<OwnedRecord>>,
+}
+
+#[pymethods]
+impl LogIterator {
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Record>> {
+        if let Some(r) = lock(&self.batch).pop_front() {
+            return Ok(Some(Record::from_owned(py, r)));
+        }
+        let end = self.end;
+        let next: Vec<OwnedRecord> = py
+            .detach(|| {
+                let mut reader = lock(&self.reader);
+                let room = end.saturating_sub(reader.position()).min(1024) as usize;
+                if room == 0 {
+                    return Ok(Vec::new());
+                }
+                reader.read_batch(room).map(|b| b.into_iter().map(|r| r.to_owned()).collect())
+            })
+            .map_err(log_error)?;
+        let mut batch = lock(&self.batch);
+        batch.extend(next);
+        Ok(batch.pop_front().map(|r| Record::from_owned(py, r)))
+    }
+}
+
+/// A named consumer group of a log: its own position, persisted; at-least-once delivery.
+#[pyclass(module = "petrel", frozen)]
+pub struct Group {
+    group: Mutex<Option<ConsumerGroup>>,
+    name: String,
+}
+
+impl Group {
+    fn with<T>(&self, f: impl FnOnce(&mut ConsumerGroup) -> petrel_log::Result<T>) -> PyResult<T> {
+        let mut group = lock(&self.group);
+        let group = group.as_mut().ok_or_else(|| ClosedError::new_err(format!("group {:?} is closed", self.name)))?;
+        f(group).map_err(log_error)
+    }
+}
+
+#[pymethods]
+impl Group {
+    /// Up to `max` records not yet delivered to the group (returned ones first), waiting up to
+    /// `timeout` seconds for the first (`None`: until one comes). Each is delivered again unless
+    /// acknowledged with `ack` (after a restart too).
+    #[pyo3(signature = (max = 1, timeout = None))]
+    fn poll(&self, py: Python<'_>, max: usize, timeout: Option<f64>) -> PyResult<Vec<Record>> {
+        let max = max.max(1);
+        let found = wait_for(py, crate::timeout_from(timeout), |slice| {
+            let batch =
+                self.with(|g| g.poll(max, slice).map(|b| b.into_iter().map(|r| r.to_owned()).collect::<Vec<_>>()))?;
+            Ok((!batch.is_empty()).then_some(batch))
+        })?;
+        Ok(records(py, found.unwrap_or_default()))
+    }
+
+    /// Acknowledges a delivered record: the group never delivers it again.
+    fn ack(&self, py: Python<'_>, offset: u64) -> PyResult<()> {
+        py.detach(|| self.with(|g| g.ack(offset)))
+    }
+
+    /// Returns a delivered record, to be delivered again before newer ones.
+    fn nack(&self, py: Python<'_>, offset: u64) -> PyResult<()> {
+        py.detach(|| self.with(|g| g.nack(offset)))
+    }
+
+    /// Moves the group to `"oldest"`, `"newest"` or an offset (or, with `time=NS`, to the first
+    /// record at or after that time); returns where it stands now.
+    #[pyo3(signature = (to = None, *, time = None))]
+    fn seek(&self, py: Python<'_>, to: Option<Bound<'_, PyAny>>, time: Option<u64>) -> PyResult<u64> {
+        let target = match (to, time) {
+            (None, Some(t)) => SeekTo::Time(t),
+            (Some(to), None) => {
+                if let Ok(offset) = to.extract::<u64>() {
+                    SeekTo::Offset(offset)
+                } else {
+                    match to.extract::<String>()?.as_str() {
+                        "oldest" => SeekTo::Oldest,
+                        "newest" => SeekTo::Newest,
+                        other => {
+                            return Err(PyValueError::new_err(format!(
+                                "seek to {other:?}: \"oldest\", \"newest\" or an offset"
+                            )));
+                        }
+                    }
+                }
+            }
+            _ => return Err(PyValueError::new_err("seek takes a position or time=NS, not both")),
+        };
+        py.detach(|| self.with(|g| g.seek(target)))
+    }
+
+    /// The lowest offset the group has not acknowledged.
+    #[getter]
+    fn committed(&self) -> PyResult<u64> {
+        self.with(|g| Ok(g.committed()))
+    }
+
+    /// Records from `committed` on, not yet acknowledged (delivered or not).
+    #[getter]
+    fn lag(&self) -> PyResult<u64> {
+        self.with(|g| Ok(g.lag()))
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Lets the group go (its position is kept; another process may open it).
+    fn close(&self) {
+        lock(&self.group).take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close();
+        false
+    }
+}
+
+/// A persistent FIFO queue in a directory, shaped like `queue.Queue`: `put` at the tail, `get`
+/// from the head. With `auto_ack=False`, a `get` is acknowledged by `task_done()` (the oldest
+/// item got and not yet done), and items got but not done come back after a crash or restart.
+#[pyclass(module = "petrel", frozen)]
+pub struct Queue {
+    log: Mutex<Option<SharedLog>>,
+    head: Mutex<Option<ConsumerGroup>>,
+    auto_ack: bool,
+    /// Offsets got and not yet `task_done` (auto_ack off).
+    taken: Mutex<VecDeque<u64>>,
+    path: PathBuf,
+}
+
+impl Queue {
+    fn closed(&self) -> PyErr {
+        ClosedError::new_err(format!("the queue at {} is closed", self.path.display()))
+    }
+
+    fn log(&self) -> PyResult<SharedLog> {
+        lock(&self.log).clone().ok_or_else(|| self.closed())
+    }
+
+    fn with_head<T>(&self, f: impl FnOnce(&mut ConsumerGroup) -> petrel_log::Result<T>) -> PyResult<T> {
+        let mut head = lock(&self.head);
+        f(head.as_mut().ok_or_else(|| self.closed())?).map_err(log_error)
+    }
+}
+
+#[pymethods]
+impl Queue {
+    #[new]
+    #[pyo3(signature = (path, durability = "none", auto_ack = true))]
+    fn new(py: Python<'_>, path: PathBuf, durability: &str, auto_ack: bool) -> PyResult<Queue> {
+        let durability = durability_from(durability)?;
+        let options = Options { durability, ..Options::default() };
+        let (log, head) = py
+            .detach(|| {
+                let log = petrel_log::Log::open(&path, options)?.into_shared();
+                let head =
+                    log.group(petrel_log::QUEUE_GROUP, GroupOptions { durability, ..GroupOptions::default() })?;
+                Ok::<_, petrel_log::Error>((log, head))
+            })
+            .map_err(log_error)?;
+        Ok(Queue {
+            log: Mutex::new(Some(log)),
+            head: Mutex::new(Some(head)),
+            auto_ack,
+            taken: Mutex::new(VecDeque::new()),
+            path,
+        })
+    }
+
+    /// Adds an item at the tail; returns its offset.
+    fn put(&self, py: Python<'_>, item: &[u8]) -> PyResult<u64> {
+        let log = self.log()?;
+        py.detach(|| log.append(item)).map_err(log_error)
+    }
+
+    /// Adds items at the tail together (one sync under `"always"`).
+    fn put_many(&self, py: Python<'_>, items: Vec<PyBackedBytes>) -> PyResult<()> {
+        let log = self.log()?;
+        py.detach(|| log.append_batch(&items)).map_err(log_error)?;
+        Ok(())
+    }
+
+    /// The item at the head, waiting up to `timeout` seconds for one (`None`: until one comes);
+    /// `None` if none came.
+    #[pyo3(signature = (timeout = None))]
+    fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyBytes>>> {
+        let auto_ack = self.auto_ack;
+        let found = wait_for(py, crate::timeout_from(timeout), |slice| {
+            self.with_head(|head| {
+                if auto_ack {
+                    return Ok(head.take(slice)?.map(|r| (r.offset, r.payload.to_vec())));
+                }
+                Ok(head.poll(1, slice)?.into_iter().next().map(|r| (r.offset, r.payload.to_vec())))
+            })
+        })?;
+        Ok(found.map(|(offset, payload)| {
+            if !auto_ack {
+                lock(&self.taken).push_back(offset);
+            }
+            PyBytes::new(py, &payload).unbind()
+        }))
+    }
+
+    /// Acknowledges the oldest item got and not yet done (with `auto_ack=False`; a no-op with
+    /// `auto_ack=True`, where `get` acknowledges).
+    fn task_done(&self, py: Python<'_>) -> PyResult<()> {
+        if self.auto_ack {
+            return Ok(());
+        }
+        let offset = lock(&self.taken)
+            .pop_front()
+            .ok_or_else(|| PyValueError::new_err("task_done() called more times than get()"))?;
+        py.detach(|| self.with_head(|head| head.ack(offset)))
+    }
+
+    /// Items waiting to be got.
+    fn qsize(&self) -> PyResult<u64> {
+        let unacknowledged = self.with_head(|head| Ok(head.unacknowledged()))?;
+        Ok(unacknowledged.saturating_sub(lock(&self.taken).len() as u64))
+    }
+
+    fn empty(&self) -> PyResult<bool> {
+        Ok(self.qsize()? == 0)
+    }
+
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self.qsize()? as usize)
+    }
+
+    /// Makes every item put so far durable.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let log = self.log()?;
+        py.detach(|| log.sync()).map_err(log_error)
+    }
+
+    /// Closes the queue; items got and not done come back at the next open.
+    fn close(&self) {
+        lock(&self.head).take();
+        lock(&self.log).take();
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close();
+        false
+    }
+}

@@ -1,0 +1,48 @@
+//! The native half of the `petrel` Python package (`petrel._petrel`): the embedded log, its
+//! consumer groups and a queue over `petrel-log` (`embedded.rs`), and a client for the server
+//! over `petrel-client`, blocking and asyncio (`client.rs`). The GIL is released around every
+//! call that touches the disk or the network or waits; waits wake every 100 ms to let Python
+//! handle signals (Ctrl-C).
+
+mod client;
+mod embedded;
+
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+create_exception!(petrel, PetrelError, PyException, "Base class of Petrel's errors.");
+create_exception!(petrel, CorruptLogError, PetrelError, "A log's files failed their checks.");
+create_exception!(petrel, LockedError, PetrelError, "Another process has the log open.");
+create_exception!(petrel, PoisonedError, PetrelError, "A sync to disk failed; the log takes no more writes.");
+create_exception!(petrel, TooLargeError, PetrelError, "A record or message is larger than allowed.");
+create_exception!(petrel, ClosedError, PetrelError, "The log, group, queue or client was closed.");
+create_exception!(petrel, ServerError, PetrelError, "The server answered with an error status.");
+create_exception!(petrel, ConnectionError, PetrelError, "The server could not be reached or went away.");
+
+/// How long a blocking wait sleeps between looks at Python's signals.
+pub(crate) const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// A timeout from Python: `None` waits for ever, a number is seconds (negative is zero).
+pub(crate) fn timeout_from(seconds: Option<f64>) -> Option<Duration> {
+    seconds.map(|s| Duration::from_secs_f64(if s.is_finite() && s > 0.0 { s } else { 0.0 }))
+}
+
+#[pymodule]
+fn _petrel(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("PetrelError", py.get_type::<PetrelError>())?;
+    m.add("CorruptLogError", py.get_type::<CorruptLogError>())?;
+    m.add("LockedError", py.get_type::<LockedError>())?;
+    m.add("PoisonedError", py.get_type::<PoisonedError>())?;
+    m.add("TooLargeError", py.get_type::<TooLargeError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("ServerError", py.get_type::<ServerError>())?;
+    m.add("ConnectionError", py.get_type::<ConnectionError>())?;
+    embedded::register(m)?;
+    client::register(m)?;
+    Ok(())
+}

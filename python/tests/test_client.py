@@ -1,0 +1,96 @@
+"""The client against a real `petrel serve`: blocking, from threads, and asyncio."""
+
+import asyncio
+import threading
+
+import pytest
+
+import petrel
+
+
+def test_queue_offer_poll_and_reliable_reads(server):
+    with petrel.Client(server) as c:
+        c.create_queue("jobs", durable=True)
+        assert c.offer("jobs", b"one") == 1
+        assert c.offer_many("jobs", [b"two", b"three"]) == 2
+        assert "jobs" in c.list_queues()
+        message = c.poll("jobs", timeout=1)
+        assert (message.id, message.payload, message.queue) == (1, b"one", "jobs")
+        taken = c.take("jobs", visibility=30)
+        assert taken.payload == b"two" and taken.handle != 0
+        assert c.abort("jobs", [taken.handle]) == 1
+        again = c.take("jobs", visibility=30)
+        assert again.payload == b"two", "an aborted take is first again"
+        assert c.ack("jobs", [again.handle]) == 1
+        assert [m.payload for m in c.poll_many("jobs", max=10)] == [b"three"]
+        assert c.poll("jobs", timeout=0) is None
+
+
+def test_errors_name_what_went_wrong(server):
+    with petrel.Client(server) as c:
+        with pytest.raises(petrel.ServerError, match="QUEUE_NOT_FOUND"):
+            c.offer("nowhere", b"x")
+    with pytest.raises(petrel.ConnectionError):
+        petrel.Client("127.0.0.1:1")
+
+
+def test_a_poll_waits_for_an_offer_from_another_thread(server):
+    with petrel.Client(server) as c:
+        c.create_queue("later", durable=False)
+        threading.Timer(0.2, lambda: c.offer("later", b"late")).start()
+        assert c.poll("later", timeout=5).payload == b"late"
+
+
+def test_threads_share_one_client(server):
+    with petrel.Client(server) as c:
+        c.create_queue("shared")
+        threads = [threading.Thread(target=lambda t=t: [c.offer("shared", b"%d-%d" % (t, i)) for i in range(200)]) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        got = c.poll_many("shared", max=10_000)
+        assert len(got) == 1600
+        for t in range(8):
+            mine = [m.payload for m in got if m.payload.startswith(b"%d-" % t)]
+            assert mine == [b"%d-%d" % (t, i) for i in range(200)]
+
+
+def test_asyncio_client_pipelines_offers_and_subscribes(server):
+    async def main():
+        async with petrel.AsyncClient(server) as c:
+            await c.create_queue("async-jobs", durable=True)
+            # 500 offers in flight together: each answered with the id its message got.
+            payloads = [b"m%d" % i for i in range(500)]
+            ids = await asyncio.gather(*(c.offer("async-jobs", p) for p in payloads))
+            assert sorted(ids) == list(range(1, 501))
+            id_of = dict(zip(payloads, ids))
+            first = await c.poll("async-jobs", timeout=1)
+            assert first.id == 1 and id_of[first.payload] == 1
+            rest = await c.poll_many("async-jobs", max=1000)
+            assert [m.id for m in rest] == list(range(2, 501))
+            assert all(id_of[m.payload] == m.id for m in rest)
+            # Waiting for a message that comes later.
+            waiter = asyncio.ensure_future(c.poll("async-jobs", timeout=5))
+            await asyncio.sleep(0.1)
+            await c.offer("async-jobs", b"late")
+            assert (await waiter).payload == b"late"
+
+            await c.create_topic("news")
+            received = []
+
+            async def listen():
+                async for message in c.subscribe("news"):
+                    received.append(message.payload)
+                    if len(received) == 3:
+                        return
+
+            listener = asyncio.ensure_future(listen())
+            while await c.publish("news", b"ping") == 0:  # until the subscription is in place
+                await asyncio.sleep(0.01)
+            for payload in (b"a", b"b"):
+                await c.publish("news", payload)
+            await asyncio.wait_for(listener, 5)
+            assert received == [b"ping", b"a", b"b"]
+
+    asyncio.run(main())

@@ -1,0 +1,165 @@
+"""The embedded API: Log, Group, Queue, in this process and across a kill -9."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import petrel
+
+
+def test_append_get_iterate_and_lookups(tmp_path):
+    with petrel.Log(tmp_path / "log", key_index=True) as log:
+        assert log.append(b"first") == 0
+        assert log.append(b"second", key=b"k") == 1
+        assert log.append_batch([b"a", b"b", b"c"]) == [2, 3, 4]
+        record = log.get(1)
+        assert (record.offset, record.payload, record.key) == (1, b"second", b"k")
+        assert record.timestamp > 0
+        assert log.get(5) is None
+        assert [r.payload for r in log] == [b"first", b"second", b"a", b"b", b"c"]
+        assert [r.offset for r in log.read(3)] == [3, 4]
+        assert log.get_by_key(b"k").offset == 1
+        assert log.get_by_time(record.timestamp).offset <= 1
+        assert (log.first_offset, log.next_offset) == (0, 5)
+    with pytest.raises(petrel.ClosedError):
+        log.append(b"after close")
+
+
+def test_records_survive_a_reopen_and_a_second_opener_is_refused(tmp_path):
+    path = tmp_path / "log"
+    log = petrel.Log(path, durability="always")
+    log.append(b"kept")
+    with pytest.raises(petrel.LockedError):
+        petrel.Log(path)
+    log.close()
+    with petrel.Log(path) as again:
+        assert again.get(0).payload == b"kept"
+
+
+def test_bad_durability_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="durability"):
+        petrel.Log(tmp_path / "log", durability="sometimes")
+
+
+def test_a_corrupt_record_before_valid_ones_is_reported_not_skipped(tmp_path):
+    path = tmp_path / "log"
+    with petrel.Log(path) as log:
+        for i in range(100):
+            log.append(b"record-%03d" % i)
+    segment = sorted(path.glob("*.log"))[0]
+    data = bytearray(segment.read_bytes())
+    at = data.index(b"record-010")
+    data[at] ^= 0xFF  # one flipped byte, its frame's checksum no longer matches
+    segment.write_bytes(bytes(data))
+    with pytest.raises(petrel.CorruptLogError, match="checksum|CRC|corrupt"):
+        petrel.Log(path)
+
+
+def test_a_group_delivers_at_least_once_and_remembers_its_position(tmp_path):
+    path = tmp_path / "log"
+    with petrel.Log(path, durability="always") as log:
+        log.append_batch([b"one", b"two", b"three"])
+        group = log.group("workers")
+        group.seek("oldest")
+        first = group.poll(2, timeout=1)
+        assert [r.payload for r in first] == [b"one", b"two"]
+        group.ack(first[0].offset)
+        group.nack(first[1].offset)
+        again = group.poll(1, timeout=1)
+        assert again[0].payload == b"two", "a returned record comes first"
+        group.ack(again[0].offset)
+        assert group.committed == 2
+        assert group.poll(5, timeout=0) and group.lag == 1
+        group.close()
+    with petrel.Log(path) as log:
+        group = log.group("workers")
+        assert [r.payload for r in group.poll(5, timeout=0)] == [b"three"], "unacknowledged comes again"
+        assert group.poll(5, timeout=0.05) == []
+
+
+def test_poll_waits_for_an_append_from_another_thread(tmp_path):
+    with petrel.Log(tmp_path / "log") as log:
+        group = log.group("g")
+        threading.Timer(0.2, lambda: log.append(b"late")).start()
+        started = time.monotonic()
+        records = group.poll(1, timeout=5)
+        assert [r.payload for r in records] == [b"late"]
+        assert time.monotonic() - started < 4
+
+
+def test_queue_put_get_in_order_across_threads(tmp_path):
+    with petrel.Queue(tmp_path / "q") as q:
+        producers = [threading.Thread(target=lambda p=p: [q.put(f"{p}-{i}".encode()) for i in range(500)]) for p in range(4)]
+        for t in producers:
+            t.start()
+        got = []
+        while len(got) < 2000:
+            item = q.get(timeout=5)
+            assert item is not None
+            got.append(item.decode())
+        for t in producers:
+            t.join()
+        assert q.get(timeout=0) is None and q.qsize() == 0 and q.empty()
+        for p in range(4):
+            mine = [g for g in got if g.startswith(f"{p}-")]
+            assert mine == [f"{p}-{i}" for i in range(500)]
+
+
+def test_queue_without_auto_ack_gives_back_what_was_not_done(tmp_path):
+    path = tmp_path / "q"
+    with petrel.Queue(path, durability="always", auto_ack=False) as q:
+        with pytest.raises(ValueError):
+            q.task_done()  # nothing got yet
+        q.put_many([b"a", b"b"])
+        assert q.get(timeout=0) == b"a"
+        q.task_done()
+        assert q.get(timeout=0) == b"b"  # not done
+        assert q.qsize() == 0
+    with petrel.Queue(path) as q:
+        assert q.qsize() == 1
+        assert q.get(timeout=0) == b"b"
+
+
+WRITER = """
+import sys, petrel
+log = petrel.Log(sys.argv[1], durability="always")
+i = 0
+while True:
+    offset = log.append(b"record-%d" % i)
+    print(offset, flush=True)
+    i += 1
+"""
+
+
+def test_kill_9_while_appending_with_durability_always_loses_nothing_acknowledged(tmp_path):
+    path = tmp_path / "log"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+    acknowledged = []
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline or len(acknowledged) < 50:
+        line = writer.stdout.readline()
+        if not line:
+            break
+        acknowledged.append(int(line))
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait()
+    assert len(acknowledged) >= 50
+    with petrel.Log(path) as log:
+        for offset in acknowledged:
+            record = log.get(offset)
+            assert record is not None and record.payload == b"record-%d" % offset
+        assert log.next_offset >= acknowledged[-1] + 1
+
+
+def test_python_m_petrel(tmp_path):
+    with petrel.Log(tmp_path / "log") as log:
+        log.append(b"hello")
+    out = subprocess.run([sys.executable, "-m", "petrel", "dump", str(tmp_path / "log")], capture_output=True, text=True)
+    assert out.returncode == 0 and "b'hello'" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "petrel", "--version"], capture_output=True, text=True)
+    assert out.stdout.startswith("petrel ")
