@@ -93,12 +93,19 @@ class AsyncClient:
             return self._core
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(_AsyncCore.connect(*self._args))
+        connecting = self._connecting
         try:
-            self._core = await asyncio.shield(self._connecting)
-        except BaseException:
-            self._connecting = None
+            # Shielded: a caller cancelled while connecting leaves the connection to the others.
+            core = await asyncio.shield(connecting)
+        except asyncio.CancelledError:
             raise
-        return self._core
+        except BaseException:
+            # The connection failed: the next call tries again.
+            if self._connecting is connecting:
+                self._connecting = None
+            raise
+        self._core = core
+        return core
 
     async def create_queue(
         self, name: str, durable: bool = True, max_items: int = 0, max_bytes: int = 0, ttl: Optional[float] = None
@@ -156,7 +163,10 @@ class AsyncClient:
         return await (await self._client()).publish(topic, payload)
 
     async def subscribe(self, topic: str, buffer: int = 0) -> AsyncIterator[Message]:
-        """The topic's messages from now on: ``async for message in client.subscribe(t)``."""
+        """The topic's messages from now on: ``async for message in client.subscribe(t)``.
+
+        Leaving the loop early ends the subscription when the generator is closed; wrap it in
+        ``contextlib.aclosing`` to end it at once."""
         subscription: _AsyncSubscription = await (await self._client()).subscribe(topic, buffer)
         try:
             while True:
@@ -165,7 +175,10 @@ class AsyncClient:
                     return
                 yield message
         finally:
-            await subscription.unsubscribe()
+            try:
+                await subscription.unsubscribe()
+            except PetrelError:
+                pass  # the connection ended: so did the subscription
 
     async def close(self) -> None:
         """Ends the connection; tentative takes not acknowledged go back to their queues."""

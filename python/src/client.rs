@@ -78,10 +78,16 @@ impl Message {
 /// Python's signals between them.
 const LONG_POLL: Duration = Duration::from_secs(1);
 
+/// `visibility` `None` takes for good; a number is seconds, at least a millisecond (0 would
+/// otherwise mean "for good" on the wire).
 fn poll_options(max: u32, wait: Duration, visibility: Option<f64>) -> PollOptions {
-    let visibility = crate::timeout_from(visibility).filter(|v| !v.is_zero());
+    let visibility = crate::timeout_from(visibility).map(|v| v.max(Duration::from_millis(1)));
     PollOptions { max: max.max(1), timeout: wait, visibility }
 }
+
+/// How long an asyncio poll that takes for good holds its messages tentatively before it
+/// acknowledges them (they come back after it if the acknowledgement never comes).
+const ASYNC_TAKE_VISIBILITY: Duration = Duration::from_secs(30);
 
 /// A connection to `petrel serve` (the native protocol, default port 22134). Thread-safe: calls
 /// from many threads share the connection, their requests in flight together.
@@ -262,13 +268,38 @@ pub struct AsyncCore {
     inner: petrel_client::Client,
 }
 
-/// Polls once on the server (it waits up to `wait`); messages as Python objects.
+/// Polls once on the server (it waits up to `wait`), on a task of its own: if the awaiting
+/// coroutine is cancelled (a `wait_for` timeout) while the poll is on the server, the task still
+/// gets the answer and gives its messages back to the queue at once (`abort`), so nothing is
+/// lost or held. A take for good is made tentatively for that reason, and acknowledged once its
+/// answer has reached the awaiting side.
 async fn poll_once(
     client: petrel_client::Client,
     queue: String,
-    options: PollOptions,
+    mut options: PollOptions,
 ) -> PyResult<Vec<(u64, petrel_client::Message)>> {
-    let delivered = client.poll(&queue, options).await.map_err(client_error)?;
+    let for_good = options.visibility.is_none();
+    if for_good {
+        options.visibility = Some(ASYNC_TAKE_VISIBILITY);
+    }
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    let polling = client.clone();
+    let polled_queue = queue.clone();
+    tokio::spawn(async move {
+        let result = polling.poll(&polled_queue, options).await;
+        if let Err(Ok(orphaned)) = answer.send(result) {
+            let handles: Vec<u64> = orphaned.iter().map(|d| d.handle).collect();
+            if !handles.is_empty() {
+                let _ = polling.abort(&polled_queue, &handles).await;
+            }
+        }
+    });
+    let delivered = answered.await.map_err(|_| ClosedError::new_err("the poll's task ended"))?.map_err(client_error)?;
+    if for_good && !delivered.is_empty() {
+        let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
+        client.ack(&queue, &handles).await.map_err(client_error)?;
+        return Ok(delivered.into_iter().map(|d| (0, d.message)).collect());
+    }
     Ok(delivered.into_iter().map(|d| (d.handle, d.message)).collect())
 }
 

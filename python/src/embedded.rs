@@ -351,14 +351,14 @@ impl Group {
 
     /// The lowest offset the group has not acknowledged.
     #[getter]
-    fn committed(&self) -> PyResult<u64> {
-        self.with(|g| Ok(g.committed()))
+    fn committed(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| self.with(|g| Ok(g.committed())))
     }
 
     /// Records from `committed` on, not yet acknowledged (delivered or not).
     #[getter]
-    fn lag(&self) -> PyResult<u64> {
-        self.with(|g| Ok(g.lag()))
+    fn lag(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| self.with(|g| Ok(g.lag())))
     }
 
     #[getter]
@@ -367,16 +367,16 @@ impl Group {
     }
 
     /// Lets the group go (its position is kept; another process may open it).
-    fn close(&self) {
-        lock(&self.group).take();
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| drop(lock(&self.group).take()));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
 
-    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
-        self.close();
+    fn __exit__(&self, py: Python<'_>, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close(py);
         false
     }
 }
@@ -454,17 +454,15 @@ impl Queue {
         let found = wait_for(py, crate::timeout_from(timeout), |slice| {
             self.with_head(|head| {
                 if auto_ack {
-                    return Ok(head.take(slice)?.map(|r| (r.offset, r.payload.to_vec())));
+                    return Ok(head.take(slice)?.map(|r| r.payload.to_vec()));
                 }
-                Ok(head.poll(1, slice)?.into_iter().next().map(|r| (r.offset, r.payload.to_vec())))
+                let Some(record) = head.poll(1, slice)?.into_iter().next() else { return Ok(None) };
+                // Remembered under the head's lock: `task_done` acknowledges in delivery order.
+                lock(&self.taken).push_back(record.offset);
+                Ok(Some(record.payload.to_vec()))
             })
         })?;
-        Ok(found.map(|(offset, payload)| {
-            if !auto_ack {
-                lock(&self.taken).push_back(offset);
-            }
-            PyBytes::new(py, &payload).unbind()
-        }))
+        Ok(found.map(|payload| PyBytes::new(py, &payload).unbind()))
     }
 
     /// Acknowledges the oldest item got and not yet done (with `auto_ack=False`; a no-op with
@@ -473,24 +471,30 @@ impl Queue {
         if self.auto_ack {
             return Ok(());
         }
-        let offset = lock(&self.taken)
-            .pop_front()
-            .ok_or_else(|| PyValueError::new_err("task_done() called more times than get()"))?;
-        py.detach(|| self.with_head(|head| head.ack(offset)))
+        let done = py.detach(|| {
+            self.with_head(|head| {
+                // The head's lock, then the list's, as in `get`.
+                let mut taken = lock(&self.taken);
+                let Some(&offset) = taken.front() else { return Ok(false) };
+                head.ack(offset)?;
+                taken.pop_front();
+                Ok(true)
+            })
+        })?;
+        if done { Ok(()) } else { Err(PyValueError::new_err("task_done() called more times than get()")) }
     }
 
     /// Items waiting to be got.
-    fn qsize(&self) -> PyResult<u64> {
-        let unacknowledged = self.with_head(|head| Ok(head.unacknowledged()))?;
-        Ok(unacknowledged.saturating_sub(lock(&self.taken).len() as u64))
+    fn qsize(&self, py: Python<'_>) -> PyResult<u64> {
+        py.detach(|| self.with_head(|head| Ok(head.unacknowledged().saturating_sub(lock(&self.taken).len() as u64))))
     }
 
-    fn empty(&self) -> PyResult<bool> {
-        Ok(self.qsize()? == 0)
+    fn empty(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.qsize(py)? == 0)
     }
 
-    fn __len__(&self) -> PyResult<usize> {
-        Ok(self.qsize()? as usize)
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.qsize(py)? as usize)
     }
 
     /// Makes every item put so far durable.
@@ -500,17 +504,19 @@ impl Queue {
     }
 
     /// Closes the queue; items got and not done come back at the next open.
-    fn close(&self) {
-        lock(&self.head).take();
-        lock(&self.log).take();
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            lock(&self.head).take();
+            lock(&self.log).take();
+        });
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
 
-    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
-        self.close();
+    fn __exit__(&self, py: Python<'_>, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close(py);
         false
     }
 }

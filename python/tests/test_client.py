@@ -94,3 +94,19 @@ def test_asyncio_client_pipelines_offers_and_subscribes(server):
             assert received == [b"ping", b"a", b"b"]
 
     asyncio.run(main())
+
+
+def test_a_cancelled_asyncio_poll_loses_nothing(server):
+    async def main():
+        async with petrel.AsyncClient(server) as c:
+            await c.create_queue("cancelled", durable=False)
+            for _ in range(3):
+                # Cancelled while its poll waits on the server…
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.poll("cancelled", timeout=5), 0.1)
+            # …then the message comes: the orphaned polls give it back at once.
+            await c.offer("cancelled", b"kept")
+            got = await c.poll("cancelled", timeout=5)
+            assert got is not None and got.payload == b"kept"
+
+    asyncio.run(main())

@@ -412,7 +412,10 @@ impl Broker {
         *self.configured.write().unwrap_or_else(|e| e.into_inner()) = configured.clone();
         let mut changes = QueueChanges::default();
         for (name, config) in configured.queues {
+            // Held while the queue is looked at and changed, so that a removal cannot come between.
+            let guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
             let Some(queue) = self.queue(&name) else {
+                drop(guard);
                 match self.create_queue(&name, config, None) {
                     Ok(_) => changes.created.push(name),
                     Err(e) => changes.failed.push((name, e.to_string())),
@@ -427,7 +430,6 @@ impl Broker {
                 changes.needs_restart.push(name);
                 continue;
             }
-            let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
             // The definition first, as at creation: a restart finds what is in force.
             if !config.temporary
                 && let Err(e) = self.save_definition(&name, &config)

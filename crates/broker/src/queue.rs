@@ -553,6 +553,9 @@ impl Queue {
         let mut inner = self.lock();
         // Syncs cover a prefix of the log: everything up to `offset` is durable now.
         inner.visible_end = inner.visible_end.max(offset + 1);
+        // The head may have just become visible: let the tick learn when it expires (a tick in
+        // between saw no head and may have set no time to look).
+        inner.head_taken = true;
         drop(inner);
         self.available.notify_waiters();
         Ok(())

@@ -537,3 +537,17 @@ fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_o
         assert_eq!(mine, expected);
     }
 }
+
+#[test]
+fn a_message_that_becomes_visible_after_a_tick_still_expires_on_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { durability: petrel_log::Durability::Always, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options).unwrap();
+    let config = QueueConfig { durable: true, ttl_ms: 10, dead_letter: "dead".into(), ..QueueConfig::default() };
+    let q = b.create_queue("q", config, None).unwrap();
+    let (_, _, unsynced) = b.offer_unsynced(&q, &mut msgs(&["soon stale"]), 0).unwrap();
+    b.tick(MS); // sees no head yet: the message waits for the disk
+    unsynced.wait().unwrap();
+    b.tick(20 * MS);
+    assert_eq!(payloads(&b.poll("dead", 5, None, 1, 20 * MS).unwrap()), [b"soon stale".to_vec()]);
+}

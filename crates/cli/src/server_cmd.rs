@@ -117,7 +117,11 @@ async fn reload_on_sighup(reloader: petrel_server::Reloader) {
     use tokio::signal::unix::{SignalKind, signal};
     let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
     while hup.recv().await.is_some() {
-        match reloader.reload() {
+        // The reload reads files and may create queues: off the runtime's threads.
+        let reloading = reloader.clone();
+        let reloaded = tokio::task::spawn_blocking(move || reloading.reload()).await;
+        let Ok(reloaded) = reloaded else { continue };
+        match reloaded {
             Ok(summary) => {
                 let applied = summary.applied.join(", ");
                 tracing::info!(%applied, "configuration reloaded (users, ACLs, certificates and queue settings read again)");

@@ -676,3 +676,27 @@ fn durable_offers_from_many_connections_share_syncs_and_keep_each_connections_or
         assert_eq!(mine, expected, "connection {c}'s offers in its order");
     }
 }
+
+#[test]
+fn an_offer_waiting_for_the_disk_is_not_held_up_by_its_connections_waiting_polls() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "durability = \"always\"\nmax_in_flight_per_connection = 2\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    assert_eq!(request("PUT", &server.http, "/api/v1/queues/jobs", None, r#"{"durable": true}"#).0, 201);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        let wait = PollOptions { max: 1, timeout: Duration::from_secs(20), ..PollOptions::default() };
+        // Both of the connection's waiting-request permits go to polls; the offer comes after.
+        let started = std::time::Instant::now();
+        let (first, second, offered) = tokio::join!(c.poll("jobs", wait), c.poll("jobs", wait), async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            c.offer("jobs", vec![Message::new(&b"a"[..]), Message::new(&b"b"[..])], None).await
+        });
+        offered.unwrap();
+        let got = first.unwrap().len() + second.unwrap().len();
+        assert_eq!(got, 2);
+        assert!(started.elapsed() < Duration::from_secs(10), "answered after {:?}", started.elapsed());
+    });
+}

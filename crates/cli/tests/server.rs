@@ -481,7 +481,18 @@ async fn payloads_travel_compressed_when_a_client_asks_and_arrive_as_sent() {
     assert_eq!(zipped.queue_status("q").await.unwrap().bytes, 2 * text.len() as u64, "stored as sent");
     // A client that did not ask gets the payload as it is; one that did, compressed and restored.
     assert_eq!(plain.poll("q", PollOptions { max: 1, ..TAKE }).await.unwrap()[0].message.payload, text);
-    let written_before = stat(&server, "bytes_written");
+    // An answer is counted once its write returns, which may be just after the client read it:
+    // wait until the count grows only by the `stats` answers themselves (a few KiB).
+    let mut written_before = stat(&server, "bytes_written");
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = stat(&server, "bytes_written");
+        let settled = now - written_before < 16 << 10;
+        written_before = now;
+        if settled {
+            break;
+        }
+    }
     let got = zipped.poll("q", PollOptions { max: 1, ..TAKE }).await.unwrap();
     assert!(stat(&server, "bytes_written") - written_before < text.len() as u64 / 4);
     assert_eq!((got[0].message.payload.as_ref(), got[0].message.compressed), (&text[..], false));

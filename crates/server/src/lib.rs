@@ -471,7 +471,10 @@ pub(crate) async fn wait_durable(unsynced: petrel_broker::UnsyncedOffer) -> Resu
     }
     match tokio::task::spawn_blocking(move || unsynced.wait()).await {
         Ok(synced) => synced,
-        // A blocking task is never cancelled: this is its panic, carried on.
-        Err(e) => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            // Not started before the runtime shut down: nobody will read the answer.
+            Err(_) => Err(petrel_broker::BrokerError::Timeout("the server is shutting down".into())),
+        },
     }
 }

@@ -139,6 +139,9 @@ where
     });
     let limit = ctx.config.max_in_flight_per_connection;
     let in_flight = Arc::new(Semaphore::new(limit));
+    // Offers waiting for the disk count apart: polls waiting for messages must not hold every
+    // permit while the offers that would make messages visible wait for one.
+    let syncing = Arc::new(Semaphore::new(limit));
     let mut input = Input::new();
     // Answers to the requests of one read, sent to the writer together.
     let mut out = Vec::with_capacity(16 * 1024);
@@ -245,7 +248,8 @@ where
                         }
                         Err(waiting) => {
                             // Past the limit of waiting requests, stop reading: TCP pushes back.
-                            let Ok(permit) = Arc::clone(&in_flight).acquire_owned().await else { break 'read };
+                            let permits = if matches!(waiting, Waiting::Sync { .. }) { &syncing } else { &in_flight };
+                            let Ok(permit) = Arc::clone(permits).acquire_owned().await else { break 'read };
                             let (ctx, tx, (op, id)) = (Arc::clone(&ctx), tx.clone(), (f.opcode, f.request_id));
                             tokio::spawn(async move {
                                 let r = waiting.finish(&ctx, conn).await;
@@ -302,7 +306,7 @@ where
             },
             _ = shutdown.changed() => break,
             _ = crate::sleep_or_never(quiet_limit) => {
-                if in_flight.available_permits() == limit && pushes.is_empty() {
+                if in_flight.available_permits() == limit && syncing.available_permits() == limit && pushes.is_empty() {
                     add(&ctx.stats.idle_closed, 1);
                     tracing::debug!(conn, "closing an idle connection");
                     break;
@@ -316,7 +320,11 @@ where
     pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
     let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
-    let _ = tokio::time::timeout(grace, in_flight.acquire_many(limit as u32)).await;
+    let _ = tokio::time::timeout(grace, async {
+        let _ = in_flight.acquire_many(limit as u32).await;
+        let _ = syncing.acquire_many(limit as u32).await;
+    })
+    .await;
     drop(tx);
     // Requests still waiting (a long call) hold the writer's channel: do not wait for them.
     let mut writer = writer;

@@ -177,7 +177,10 @@ impl Reloader {
             if table_name == "queues" {
                 let name = entry.to_owned();
                 let waits = queues.needs_restart.contains(&name) || queues.failed.iter().any(|(n, _)| *n == name);
-                if !waits {
+                if table.get("queues").and_then(|q| q.get(entry)).is_none() {
+                    // A block removed: its queue keeps its configuration; nothing was applied.
+                    tracing::info!(queue = %name, "no longer named in the configuration file; it keeps its settings");
+                } else if !waits {
                     summary.applied.push(key);
                 }
             } else if live {
