@@ -104,29 +104,6 @@ impl Client {
     ) -> PyResult<T> {
         py.detach(|| runtime().block_on(call)).map_err(client_error)
     }
-
-    /// Polls until messages come, the timeout passes (`None`: never) or a signal is due.
-    fn poll_messages(
-        &self,
-        py: Python<'_>,
-        queue: &str,
-        max: u32,
-        timeout: Option<f64>,
-        visibility: Option<f64>,
-    ) -> PyResult<Vec<Message>> {
-        let deadline = crate::timeout_from(timeout).map(|t| std::time::Instant::now() + t);
-        loop {
-            let wait = match deadline {
-                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(LONG_POLL),
-                None => LONG_POLL,
-            };
-            let delivered = self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))?;
-            if !delivered.is_empty() || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-                return Ok(delivered.into_iter().map(|d| Message::new(py, d.handle, d.message)).collect());
-            }
-            py.check_signals()?;
-        }
-    }
 }
 
 #[pymethods]
@@ -197,7 +174,7 @@ impl Client {
     /// comes); `None` if none came.
     #[pyo3(signature = (queue, timeout = 0.0))]
     fn poll(&self, py: Python<'_>, queue: &str, timeout: Option<f64>) -> PyResult<Option<Message>> {
-        Ok(self.poll_messages(py, queue, 1, timeout, None)?.into_iter().next())
+        Ok(self.poll_many(py, queue, 1, timeout, None)?.into_iter().next())
     }
 
     /// Takes up to `max` messages; with `visibility` (seconds) tentatively: each comes back to
@@ -211,14 +188,26 @@ impl Client {
         timeout: Option<f64>,
         visibility: Option<f64>,
     ) -> PyResult<Vec<Message>> {
-        self.poll_messages(py, queue, max, timeout, visibility)
+        // Server-side waits of at most LONG_POLL, Python's signals looked at between them.
+        let deadline = crate::timeout_from(timeout).map(|t| std::time::Instant::now() + t);
+        loop {
+            let wait = match deadline {
+                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(LONG_POLL),
+                None => LONG_POLL,
+            };
+            let delivered = self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))?;
+            if !delivered.is_empty() || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Ok(delivered.into_iter().map(|d| Message::new(py, d.handle, d.message)).collect());
+            }
+            py.check_signals()?;
+        }
     }
 
     /// Takes the message at the head tentatively: gone once acknowledged, back at the head after
     /// `visibility` seconds, an `abort`, or this connection's end.
     #[pyo3(signature = (queue, visibility = 30.0, timeout = 0.0))]
     fn take(&self, py: Python<'_>, queue: &str, visibility: f64, timeout: Option<f64>) -> PyResult<Option<Message>> {
-        Ok(self.poll_messages(py, queue, 1, timeout, Some(visibility))?.into_iter().next())
+        Ok(self.poll_many(py, queue, 1, timeout, Some(visibility))?.into_iter().next())
     }
 
     /// Acknowledges tentative takes by handle; returns how many were still open.
