@@ -43,6 +43,9 @@ cargo fmt --manifest-path python/Cargo.toml -- --check
 cargo clippy -q --manifest-path python/Cargo.toml --all-targets -- -D warnings
 target/pyenv/bin/pip install -q --disable-pip-version-check ./python
 PETREL_BIN="$PWD/target/debug/petrel" target/pyenv/bin/python -m pytest -q -p no:cacheprovider python/tests
+for example in queue consumer_groups message_store; do
+  target/pyenv/bin/python "python/examples/$example.py" > /dev/null
+done
 
 echo "== fuzz targets"
 # Each decoder's target, and the request handler's: built always; run briefly where a nightly
@@ -78,4 +81,5 @@ target/debug/petrel serve --data "$serve_dir" --native-addr 127.0.0.1:0 --memcac
 serve_pid=$!
 for _ in $(seq 100); do grep -q '^native' "$serve_dir/out" 2>/dev/null && break; sleep 0.1; done
 cargo run -q --locked -p petrel-client --example offer_poll -- --server "$(awk '/^native/{print $2}' "$serve_dir/out")" > /dev/null
+target/pyenv/bin/python python/examples/reliable_worker.py --server "$(awk '/^native/{print $2}' "$serve_dir/out")" > /dev/null
 kill "$serve_pid"; wait "$serve_pid" || true; rm -rf "$serve_dir"
