@@ -16,7 +16,9 @@ Every call that touches the disk or the network, or waits, releases the GIL.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import builtins
+import time
 from typing import AsyncIterator, List, Optional
 
 from ._petrel import (
@@ -64,6 +66,16 @@ __all__ = [
 _LONG_POLL = 1.0
 
 
+def _let_completions_finish() -> None:
+    # AsyncClient's awaitables are completed from threads of the native runtime, which hold the
+    # GIL for a moment after the coroutine already has its result. At exit, let such a thread
+    # finish before the interpreter finalizes: one still inside would abort the process.
+    time.sleep(0.05)
+
+
+_completions_guarded = False
+
+
 class AsyncClient:
     """An asyncio connection to ``petrel serve`` (the native protocol, default port 22134).
 
@@ -91,6 +103,10 @@ class AsyncClient:
     async def _client(self) -> _AsyncCore:
         if self._core is not None:
             return self._core
+        global _completions_guarded
+        if not _completions_guarded:
+            atexit.register(_let_completions_finish)
+            _completions_guarded = True
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(_AsyncCore.connect(*self._args))
         connecting = self._connecting

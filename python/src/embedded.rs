@@ -434,9 +434,9 @@ impl Queue {
     }
 
     /// Adds an item at the tail; returns its offset.
-    fn put(&self, py: Python<'_>, item: &[u8]) -> PyResult<u64> {
+    fn put(&self, py: Python<'_>, payload: &[u8]) -> PyResult<u64> {
         let log = self.log()?;
-        py.detach(|| log.append(item)).map_err(log_error)
+        py.detach(|| log.append(payload)).map_err(log_error)
     }
 
     /// Adds items at the tail together (one sync under `"always"`).

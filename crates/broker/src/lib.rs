@@ -623,12 +623,12 @@ impl Broker {
         self.removed.load(Ordering::Relaxed)
     }
 
-    /// Bytes held by in-memory queues, and the budget for them (0: none).
     /// Changes `max_memory_bytes` (a reload): new offers see it at once.
     pub fn set_max_memory_bytes(&self, max: u64) {
         self.memory.set_max(max);
     }
 
+    /// Bytes held by in-memory queues, and the budget for them (0: none).
     pub fn memory(&self) -> (u64, u64) {
         (self.memory.used(), self.memory.max())
     }
@@ -878,12 +878,12 @@ impl Broker {
         self.functions.serve_remote(function, conn, invocations);
     }
 
-    /// A closure in this process serves calls of `function` (the embedded use).
     /// Every function served now: its servers and figures.
     pub fn functions(&self) -> Vec<FunctionStatus> {
         self.functions.list()
     }
 
+    /// A closure in this process serves calls of `function` (the embedded use).
     pub fn serve_local(&self, function: &str, handler: LocalHandler) {
         self.functions.serve_local(function, handler);
     }

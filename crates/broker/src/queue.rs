@@ -248,7 +248,6 @@ enum Store {
 
 struct InFlight {
     consumer: ConnId,
-    message_id: u64,
     taken_at: u64,
     deadline: u64,
     bytes: u64,
@@ -258,6 +257,16 @@ struct InFlight {
 enum Taken {
     Memory(Box<Message>),
     Log(u64),
+}
+
+impl Taken {
+    /// The taken message's id in the queue (a record's is its offset + 1).
+    fn message_id(&self) -> u64 {
+        match self {
+            Taken::Memory(m) => m.id,
+            Taken::Log(offset) => offset + 1,
+        }
+    }
 }
 
 const GROUP: &str = "broker";
@@ -600,14 +609,7 @@ impl Queue {
                     let handle = next_handle();
                     let deadline = now.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
                     inner.counters.opened += 1;
-                    let read = InFlight {
-                        consumer,
-                        message_id: message.id,
-                        taken_at: now,
-                        deadline,
-                        bytes: size,
-                        item: taken,
-                    };
+                    let read = InFlight { consumer, taken_at: now, deadline, bytes: size, item: taken };
                     inner.in_flight.insert(handle, read);
                     self.due.fetch_min(deadline, Ordering::Relaxed);
                     handle
@@ -660,7 +662,7 @@ impl Queue {
             .iter()
             .map(|(&handle, f)| OpenRead {
                 handle,
-                message_id: f.message_id,
+                message_id: f.item.message_id(),
                 consumer: f.consumer,
                 taken_at: f.taken_at,
                 deadline: f.deadline,

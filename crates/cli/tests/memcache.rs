@@ -218,6 +218,35 @@ fn items_set_and_items_left_open_survive_kill_9_and_fanout_goes_on() {
 }
 
 #[test]
+fn sets_to_queues_that_sync_each_offer_are_got_at_once_and_survive_kill_9_fanout_copies_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = Server::start_with(&data, &["--durability", "always"]);
+    let mut c = Conn::open(&server);
+    assert_eq!(c.ask(b"get jobs+copy\r\n", b"END\r\n"), "END\r\n", "creates the fanout child");
+    let n = 50;
+    let mut pipeline = Vec::new();
+    for i in 0..n {
+        pipeline.extend_from_slice(format!("set jobs 0 0 9\r\nitem-{i:04}\r\n").as_bytes());
+    }
+    c.send(&pipeline);
+    assert_eq!(c.until(&b"STORED\r\n".repeat(n)).len(), n * 8);
+    // STORED means on disk and visible: a get right after it finds the item.
+    assert_eq!(c.ask(b"get jobs\r\n", b"END\r\n"), "VALUE jobs 0 9\r\nitem-0000\r\nEND\r\n");
+    server.kill9();
+
+    let server = Server::start_with(&data, &["--durability", "always"]);
+    let mut c = Conn::open(&server);
+    for (queue, first) in [("jobs", 1), ("jobs+copy", 0)] {
+        for i in first..n {
+            let want = format!("VALUE {queue} 0 9\r\nitem-{i:04}\r\nEND\r\n");
+            assert_eq!(c.ask(format!("get {queue}\r\n").as_bytes(), b"END\r\n"), want);
+        }
+        assert_eq!(c.ask(format!("get {queue}\r\n").as_bytes(), b"END\r\n"), "END\r\n");
+    }
+}
+
+#[test]
 fn shutdown_over_memcache_stops_the_server_only_when_allowed() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("petrel.toml");

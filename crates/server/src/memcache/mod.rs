@@ -317,10 +317,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let who = self.authenticated.as_ref().map(|a| &a.principal);
         let offered =
             broker.queue_or_create_by(who, queue).and_then(|q| broker.offer_unsynced(&q, &mut vec![message], now));
+        // A queue that syncs each offer: STORED once on disk, waited for off the runtime.
         let synced = match offered {
-            // A queue that syncs each offer: STORED once on disk, waited for off the runtime.
-            Ok((_, _, unsynced)) if !unsynced.is_durable() => crate::wait_durable(unsynced).await,
-            other => other.map(|_| ()),
+            Ok((_, _, unsynced)) => crate::wait_durable(unsynced).await,
+            Err(e) => Err(e),
         };
         match synced {
             Ok(()) => "STORED".into(),
