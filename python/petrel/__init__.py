@@ -7,7 +7,9 @@ Two ways to use it:
   groups with at-least-once delivery, lookups by offset, time and key) and :class:`Queue`
   (a persistent FIFO shaped like :class:`queue.Queue`).
 * **Client** — a connection to ``petrel serve``: :class:`Client` (blocking, thread-safe)
-  and :class:`AsyncClient` (asyncio) for queues, topics and reliable reads.
+  and :class:`AsyncClient` (asyncio) for queues and reliable reads, topics (live
+  subscriptions and durable consumer groups) and functions (call, and serve with a Python
+  callable or coroutine), with authentication and TLS.
 
 Errors are :class:`PetrelError` and its subclasses, carrying the Rust error's message.
 Every call that touches the disk or the network, or waits, releases the GIL.
@@ -18,13 +20,16 @@ from __future__ import annotations
 import asyncio
 import atexit
 import builtins
+import inspect
 import time
-from typing import AsyncIterator, List, Optional
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from ._petrel import (
+    AsyncCalls as _AsyncCalls,
     AsyncCore as _AsyncCore,
-    AsyncSubscription as _AsyncSubscription,
+    AsyncSubscriptionCore as _AsyncSubscriptionCore,
     Client,
+    IncomingCall as _IncomingCall,
     ClosedError,
     ConnectionError,
     CorruptLogError,
@@ -38,12 +43,15 @@ from ._petrel import (
     Queue,
     Record,
     ServerError,
+    Subscription,
     TooLargeError,
     __version__,
+    _stop_serving,
 )
 
 __all__ = [
     "AsyncClient",
+    "AsyncSubscription",
     "Client",
     "ClosedError",
     "ConnectionError",
@@ -58,6 +66,7 @@ __all__ = [
     "Queue",
     "Record",
     "ServerError",
+    "Subscription",
     "TooLargeError",
     "__version__",
 ]
@@ -66,14 +75,78 @@ __all__ = [
 _LONG_POLL = 1.0
 
 
-def _let_completions_finish() -> None:
-    # AsyncClient's awaitables are completed from threads of the native runtime, which hold the
-    # GIL for a moment after the coroutine already has its result. At exit, let such a thread
-    # finish before the interpreter finalizes: one still inside would abort the process.
-    time.sleep(0.05)
+_native_threads_used = False
 
 
-_completions_guarded = False
+@atexit.register
+def _let_native_threads_finish() -> None:
+    # AsyncClient's awaitables are completed, and Client.serve's handlers run, on threads of the
+    # native runtime, which hold the GIL for a moment after the coroutine already has its result.
+    # At exit, stop new calls of served functions and let such a thread finish before the
+    # interpreter finalizes: one still inside would abort the process.
+    if _stop_serving() or _native_threads_used:
+        time.sleep(0.05)
+
+
+class AsyncSubscription:
+    """A topic subscription for asyncio: ``async for message in subscription``.
+
+    Made by :meth:`AsyncClient.subscribe` (live messages from now on) or
+    :meth:`AsyncClient.subscribe_group` (a durable topic's consumer group: acknowledge with
+    :meth:`ack`). It subscribes on first use; ``async with`` ends it on leaving, and so does
+    dropping it. Ends with an error (``ServerError`` naming ``SLOW_CONSUMER``) if the server
+    dropped a live subscriber too slow to keep up.
+    """
+
+    def __init__(self, subscribing: Callable[[], Awaitable[_AsyncSubscriptionCore]]) -> None:
+        self._subscribing = subscribing
+        self._core: Optional[_AsyncSubscriptionCore] = None
+
+    async def _subscription(self) -> _AsyncSubscriptionCore:
+        if self._core is None:
+            self._core = await self._subscribing()
+        return self._core
+
+    @property
+    def id(self) -> Optional[int]:
+        """The server's number for it, once subscribed."""
+        return None if self._core is None else self._core.id
+
+    def __aiter__(self) -> "AsyncSubscription":
+        return self
+
+    async def __anext__(self) -> Message:
+        message = await (await self._subscription()).next()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    async def get(self, timeout: Optional[float] = None) -> Optional[Message]:
+        """The next message, waiting up to ``timeout`` seconds (``None``: until one comes);
+        ``None`` if none came in time or the subscription is over."""
+        # The wait is timed on the native side: a message that arrives as it ends is kept.
+        return await (await self._subscription()).next(timeout)
+
+    async def ack(self, ids: List[int]) -> int:
+        """Acknowledges messages of a group subscription by ``Message.id``; returns how many
+        counted."""
+        return await (await self._subscription()).ack(ids)
+
+    async def unsubscribe(self) -> None:
+        """Ends the subscription; unacknowledged messages of a group come again to its next
+        subscriber."""
+        if self._core is not None:
+            await self._core.unsubscribe()
+
+    async def __aenter__(self) -> "AsyncSubscription":
+        await self._subscription()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.unsubscribe()
+
+
+Handler = Callable[[Message], Union[Optional[bytes], Awaitable[Optional[bytes]]]]
 
 
 class AsyncClient:
@@ -90,10 +163,14 @@ class AsyncClient:
         user: Optional[str] = None,
         password: Optional[str] = None,
         tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
     ) -> None:
-        self._args = (address, user, password, tls_ca)
+        self._args = (address, user, password, tls_ca, tls_cert, tls_key)
         self._core: Optional[_AsyncCore] = None
         self._connecting: Optional[asyncio.Future] = None
+        # Served functions: each one's stream of calls and the task answering them.
+        self._serving: Dict[str, Tuple[_AsyncCalls, "asyncio.Task[None]"]] = {}
 
     async def connect(self) -> "AsyncClient":
         """Connects now (once); returns the client."""
@@ -103,10 +180,8 @@ class AsyncClient:
     async def _client(self) -> _AsyncCore:
         if self._core is not None:
             return self._core
-        global _completions_guarded
-        if not _completions_guarded:
-            atexit.register(_let_completions_finish)
-            _completions_guarded = True
+        global _native_threads_used
+        _native_threads_used = True
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(_AsyncCore.connect(*self._args))
         connecting = self._connecting
@@ -174,30 +249,109 @@ class AsyncClient:
     async def create_topic(self, name: str, durable: bool = False) -> None:
         await (await self._client()).create_topic(name, durable)
 
-    async def publish(self, topic: str, payload: bytes) -> int:
-        """Publishes to every current subscriber; returns how many it reached."""
-        return await (await self._client()).publish(topic, payload)
+    async def remove_topic(self, name: str) -> None:
+        await (await self._client()).remove_topic(name)
 
-    async def subscribe(self, topic: str, buffer: int = 0) -> AsyncIterator[Message]:
+    async def publish(self, topic: str, payload: bytes, subject: str = "") -> int:
+        """Publishes to every current subscriber (and a durable topic's log); returns how many
+        subscribers it reached."""
+        return await (await self._client()).publish(topic, payload, subject)
+
+    def subscribe(self, topic: str, buffer: int = 0) -> AsyncSubscription:
         """The topic's messages from now on: ``async for message in client.subscribe(t)``.
+        ``buffer``: how many the server holds for this subscriber before it ends the
+        subscription as too slow (0: the server's default)."""
 
-        Leaving the loop early ends the subscription when the generator is closed; wrap it in
-        ``contextlib.aclosing`` to end it at once."""
-        subscription: _AsyncSubscription = await (await self._client()).subscribe(topic, buffer)
+        async def subscribing() -> _AsyncSubscriptionCore:
+            return await (await self._client()).subscribe(topic, buffer)
+
+        return AsyncSubscription(subscribing)
+
+    def subscribe_group(
+        self,
+        topic: str,
+        group: str,
+        start: Union[int, str, None] = None,
+        *,
+        time: Optional[int] = None,
+        max_unacked: int = 0,
+    ) -> AsyncSubscription:
+        """Reads a durable topic as consumer group ``group``: from where the group stands
+        (``start=None``), ``"oldest"``, ``"newest"``, an offset, or ``time=NS``. At most
+        ``max_unacked`` messages are out unacknowledged (0: the server's default)."""
+
+        async def subscribing() -> _AsyncSubscriptionCore:
+            core = await self._client()
+            return await core.subscribe_group(topic, group, start, time=time, max_unacked=max_unacked)
+
+        return AsyncSubscription(subscribing)
+
+    async def call(self, function: str, payload: bytes, timeout: Optional[float] = None, subject: str = "") -> Message:
+        """Calls ``function`` and returns its reply, waiting up to ``timeout`` seconds
+        (``None``: the server's default). Many calls may be in flight at once."""
+        return await (await self._client()).call(function, payload, timeout, subject)
+
+    async def call_oneway(self, function: str, payload: bytes, subject: str = "") -> None:
+        """Calls ``function`` without waiting for a reply."""
+        await (await self._client()).call_oneway(function, payload, subject)
+
+    async def serve(self, function: str, handler: Handler) -> None:
+        """Serves ``function`` with ``handler``: a callable or coroutine function taking the
+        request :class:`Message` and returning the reply's payload (bytes or ``None``). An
+        exception it raises is the caller's ``HANDLER_ERROR``. Calls are handled concurrently
+        on this event loop until :meth:`unserve` or :meth:`close`."""
+        if not callable(handler):
+            raise TypeError("the handler must be callable")
+        if function in self._serving:
+            raise ValueError(f"{function!r} is already served by this client")
+        calls: _AsyncCalls = await (await self._client()).serve(function)
+        self._serving[function] = (calls, asyncio.ensure_future(self._answer_calls(calls, handler)))
+
+    @staticmethod
+    async def _answer_calls(calls: _AsyncCalls, handler: Handler) -> None:
+        running: Set["asyncio.Task[None]"] = set()
+
+        async def answer(call: _IncomingCall) -> None:
+            try:
+                reply: Any = handler(call.message)
+                if inspect.isawaitable(reply):
+                    reply = await reply
+                call.reply(reply)
+            except asyncio.CancelledError:
+                call.fail("the server's handler was cancelled")
+                raise
+            except Exception as e:  # the caller gets it, as the handler's error
+                call.fail(f"{type(e).__name__}: {e}")
+
         try:
             while True:
-                message = await subscription.next()
-                if message is None:
-                    return
-                yield message
+                call = await calls.next()
+                if call is None:
+                    break
+                task = asyncio.ensure_future(answer(call))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            # Unserved: the calls already taken still get their replies.
+            await asyncio.gather(*running, return_exceptions=True)
         finally:
-            try:
-                await subscription.unsubscribe()
-            except PetrelError:
-                pass  # the connection ended: so did the subscription
+            for task in list(running):
+                task.cancel()
+
+    async def unserve(self, function: str) -> None:
+        """Stops serving ``function``; calls already taken still get their replies."""
+        calls, answering = self._serving.pop(function)
+        try:
+            await (await self._client()).unserve(function)
+        finally:
+            calls.close()
+        await answering
 
     async def close(self) -> None:
         """Ends the connection; tentative takes not acknowledged go back to their queues."""
+        for calls, answering in self._serving.values():
+            calls.close()
+            answering.cancel()
+        self._serving.clear()
         if self._core is not None:
             self._core.close()
 

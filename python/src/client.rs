@@ -2,31 +2,53 @@
 //! released while it waits) and `AsyncCore` (the asyncio side: each call returns an awaitable
 //! resolved by a task on one shared tokio runtime; `petrel.AsyncClient` in Python wraps it).
 //! Both pipeline: calls from many threads or coroutines share one connection, their requests in
-//! flight together.
+//! flight together. Subscriptions are in `subscription.rs`, serving functions in `functions.rs`.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use petrel_client::{ClientOptions, PollOptions, QueueConfig, TlsOptions};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 
+use crate::functions::{AsyncCalls, IncomingCall};
+use crate::subscription::{AsyncSubscriptionCore, Subscription, start_from};
 use crate::{ClosedError, ConnectionError, ServerError};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Message>()?;
     m.add_class::<Client>()?;
+    m.add_class::<Subscription>()?;
     m.add_class::<AsyncCore>()?;
-    m.add_class::<AsyncSubscription>()?;
+    m.add_class::<AsyncSubscriptionCore>()?;
+    m.add_class::<AsyncCalls>()?;
+    m.add_class::<IncomingCall>()?;
+    m.add_function(wrap_pyfunction!(stop_serving, m)?)?;
     Ok(())
 }
 
-fn runtime() -> &'static tokio::runtime::Runtime {
+pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     pyo3_async_runtimes::tokio::get_runtime()
 }
 
-fn client_error(e: petrel_client::ClientError) -> PyErr {
+/// Blocking clients that serve a function: their handlers run on native threads, which must not
+/// start Python code while the interpreter finalizes.
+static SERVING: std::sync::Mutex<Vec<petrel_client::Client>> = std::sync::Mutex::new(Vec::new());
+
+/// Ends the connections of blocking clients that serve functions, so that no call starts a
+/// handler after this (`petrel` calls it at exit); returns whether there were any.
+#[pyfunction]
+#[pyo3(name = "_stop_serving")]
+fn stop_serving() -> bool {
+    let serving = std::mem::take(&mut *SERVING.lock().unwrap_or_else(|e| e.into_inner()));
+    serving.iter().for_each(petrel_client::Client::close);
+    !serving.is_empty()
+}
+
+pub(crate) fn client_error(e: petrel_client::ClientError) -> PyErr {
     match &e {
         petrel_client::ClientError::Status { .. } => ServerError::new_err(e.to_string()),
         petrel_client::ClientError::Closed => ClosedError::new_err(e.to_string()),
@@ -34,9 +56,42 @@ fn client_error(e: petrel_client::ClientError) -> PyErr {
     }
 }
 
-fn options(user: Option<String>, password: Option<String>, tls_ca: Option<std::path::PathBuf>) -> ClientOptions {
-    let tls = tls_ca.map(|ca| TlsOptions { ca, cert: None, key: None, server_name: None });
-    ClientOptions { user, password, tls, ..ClientOptions::default() }
+/// How to connect: credentials (a password travels only inside TLS unless the server allows
+/// plaintext on loopback), the CA that signed the server's certificate, and a client
+/// certificate and key for mutual TLS (the certificate names the user).
+struct Connect {
+    address: String,
+    options: ClientOptions,
+}
+
+fn connect_options(
+    address: &str,
+    user: Option<String>,
+    password: Option<String>,
+    tls_ca: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+) -> PyResult<Connect> {
+    let tls = match (tls_ca, tls_cert, tls_key) {
+        (Some(ca), cert, key) => Some(TlsOptions { ca, cert, key, server_name: None }),
+        (None, None, None) => None,
+        (None, ..) => return Err(PyValueError::new_err("a client certificate needs tls_ca, the server's CA")),
+    };
+    Ok(Connect {
+        address: address.to_owned(),
+        options: ClientOptions { user, password, tls, ..ClientOptions::default() },
+    })
+}
+
+impl Connect {
+    async fn connect(self) -> PyResult<petrel_client::Client> {
+        petrel_client::Client::connect_with(&self.address, &self.options).await.map_err(client_error)
+    }
+}
+
+/// An outgoing message: `payload` (kept, not copied, until written) and an optional subject.
+fn outgoing(payload: PyBackedBytes, subject: String) -> petrel_client::Message {
+    petrel_client::Message { subject, ..petrel_client::Message::new(bytes::Bytes::from_owner(payload)) }
 }
 
 /// A message from the server: its id in the queue, payload, subject and headers; `handle` is
@@ -53,7 +108,7 @@ pub struct Message {
 }
 
 impl Message {
-    fn new(py: Python<'_>, handle: u64, m: petrel_client::Message) -> Message {
+    pub(crate) fn new(py: Python<'_>, handle: u64, m: petrel_client::Message) -> Message {
         Message {
             id: m.id,
             handle,
@@ -76,7 +131,7 @@ impl Message {
 
 /// Server-side waits are at most this long at a time, so that a wait for ever still looks at
 /// Python's signals between them.
-const LONG_POLL: Duration = Duration::from_secs(1);
+pub(crate) const LONG_POLL: Duration = Duration::from_secs(1);
 
 /// `visibility` `None` takes for good; a number is seconds, at least a millisecond (0 would
 /// otherwise mean "for good" on the wire).
@@ -109,18 +164,18 @@ impl Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (address = "127.0.0.1:22134", user = None, password = None, tls_ca = None))]
+    #[pyo3(signature = (address = "127.0.0.1:22134", user = None, password = None, tls_ca = None, tls_cert = None, tls_key = None))]
     fn new(
         py: Python<'_>,
         address: &str,
         user: Option<String>,
         password: Option<String>,
-        tls_ca: Option<std::path::PathBuf>,
+        tls_ca: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
     ) -> PyResult<Client> {
-        let options = options(user, password, tls_ca);
-        let inner = py
-            .detach(|| runtime().block_on(petrel_client::Client::connect_with(address, &options)))
-            .map_err(client_error)?;
+        let connect = connect_options(address, user, password, tls_ca, tls_cert, tls_key)?;
+        let inner = py.detach(|| runtime().block_on(connect.connect()))?;
         Ok(Client { inner })
     }
 
@@ -225,10 +280,87 @@ impl Client {
         self.wait(py, self.inner.create_topic(name, durable))
     }
 
-    /// Publishes to every current subscriber; returns how many it reached.
-    fn publish(&self, py: Python<'_>, topic: &str, payload: PyBackedBytes) -> PyResult<u32> {
-        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
-        self.wait(py, self.inner.publish(topic, vec![message]))
+    fn remove_topic(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        self.wait(py, self.inner.remove_topic(name))
+    }
+
+    /// Publishes to every current subscriber (and, for a durable topic, to its log); returns how
+    /// many subscribers it reached.
+    #[pyo3(signature = (topic, payload, subject = String::new()))]
+    fn publish(&self, py: Python<'_>, topic: &str, payload: PyBackedBytes, subject: String) -> PyResult<u32> {
+        self.wait(py, self.inner.publish(topic, vec![outgoing(payload, subject)]))
+    }
+
+    /// Subscribes to the topic's messages from now on: iterate the returned `Subscription`.
+    /// `buffer`: how many the server holds for this subscriber before it ends the subscription
+    /// as too slow (0: the server's default).
+    #[pyo3(signature = (topic, buffer = 0))]
+    fn subscribe(&self, py: Python<'_>, topic: &str, buffer: u32) -> PyResult<Subscription> {
+        let sub = self.wait(py, self.inner.subscribe(topic, buffer))?;
+        Ok(Subscription::new(self.inner.clone(), sub))
+    }
+
+    /// Reads a durable topic as consumer group `group`: from where the group stands (`start`
+    /// `None`), `"oldest"`, `"newest"`, an offset, or `time=NS`. At most `max_unacked` messages
+    /// (0: the server's default) are delivered and not yet acknowledged (`Subscription.ack`);
+    /// those unacknowledged come again to the group's next subscriber.
+    #[pyo3(signature = (topic, group, start = None, *, time = None, max_unacked = 0))]
+    fn subscribe_group(
+        &self,
+        py: Python<'_>,
+        topic: &str,
+        group: &str,
+        start: Option<Bound<'_, PyAny>>,
+        time: Option<u64>,
+        max_unacked: u32,
+    ) -> PyResult<Subscription> {
+        let from = start_from(start.as_ref(), time)?;
+        let sub = self.wait(py, self.inner.subscribe_group(topic, group, from, max_unacked))?;
+        Ok(Subscription::new(self.inner.clone(), sub))
+    }
+
+    /// Calls `function` with `payload` and returns the reply, waiting up to `timeout` seconds
+    /// (`None`: the server's default). `ServerError` names `TIMEOUT`, `FUNCTION_NOT_FOUND` or
+    /// `HANDLER_ERROR` (with the handler's message).
+    #[pyo3(signature = (function, payload, timeout = None, subject = String::new()))]
+    fn call(
+        &self,
+        py: Python<'_>,
+        function: &str,
+        payload: PyBackedBytes,
+        timeout: Option<f64>,
+        subject: String,
+    ) -> PyResult<Message> {
+        let reply =
+            self.wait(py, self.inner.call(function, outgoing(payload, subject), crate::timeout_from(timeout)))?;
+        Ok(Message::new(py, 0, reply))
+    }
+
+    /// Calls `function` without waiting for a reply: done once the server has the call.
+    #[pyo3(signature = (function, payload, subject = String::new()))]
+    fn call_oneway(&self, py: Python<'_>, function: &str, payload: PyBackedBytes, subject: String) -> PyResult<()> {
+        self.wait(py, self.inner.call_oneway(function, outgoing(payload, subject)))
+    }
+
+    /// Serves `function` with `handler`, a callable taking the request `Message` and returning
+    /// the reply's payload (bytes-like or `None`); an exception it raises is the caller's
+    /// `HANDLER_ERROR`. Handlers run on native threads, several at once. Serving lasts until
+    /// `unserve`, `close` or the connection's end.
+    fn serve(&self, py: Python<'_>, function: &str, handler: Py<PyAny>) -> PyResult<()> {
+        if !handler.bind(py).is_callable() {
+            return Err(pyo3::exceptions::PyTypeError::new_err("the handler must be callable"));
+        }
+        let handler = Arc::new(handler);
+        let serving =
+            self.inner.serve(function, move |request| crate::functions::run_handler(Arc::clone(&handler), request));
+        self.wait(py, serving)?;
+        SERVING.lock().unwrap_or_else(|e| e.into_inner()).push(self.inner.clone());
+        Ok(())
+    }
+
+    /// Stops serving `function`; calls already running still reply.
+    fn unserve(&self, py: Python<'_>, function: &str) -> PyResult<()> {
+        self.wait(py, self.inner.unserve(function))
     }
 
     fn ping(&self, py: Python<'_>) -> PyResult<()> {
@@ -300,19 +432,18 @@ fn into_messages(py: Python<'_>, delivered: Vec<(u64, petrel_client::Message)>) 
 impl AsyncCore {
     /// Connects; resolves to an `AsyncCore`.
     #[staticmethod]
-    #[pyo3(signature = (address, user = None, password = None, tls_ca = None))]
+    #[pyo3(signature = (address, user = None, password = None, tls_ca = None, tls_cert = None, tls_key = None))]
     fn connect(
         py: Python<'_>,
         address: String,
         user: Option<String>,
         password: Option<String>,
-        tls_ca: Option<std::path::PathBuf>,
+        tls_ca: Option<PathBuf>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
     ) -> PyResult<Bound<'_, PyAny>> {
-        let options = options(user, password, tls_ca);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let inner = petrel_client::Client::connect_with(&address, &options).await.map_err(client_error)?;
-            Ok(AsyncCore { inner })
-        })
+        let connect = connect_options(&address, user, password, tls_ca, tls_cert, tls_key)?;
+        pyo3_async_runtimes::tokio::future_into_py(py, async move { Ok(AsyncCore { inner: connect.connect().await? }) })
     }
 
     #[pyo3(signature = (name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
@@ -416,58 +547,111 @@ impl AsyncCore {
         })
     }
 
-    fn publish<'py>(&self, py: Python<'py>, topic: String, payload: PyBackedBytes) -> PyResult<Bound<'py, PyAny>> {
+    fn remove_topic<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyAny>> {
         let client = self.inner.clone();
-        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
+        pyo3_async_runtimes::tokio::future_into_py(
+            py,
+            async move { client.remove_topic(&name).await.map_err(client_error) },
+        )
+    }
+
+    #[pyo3(signature = (topic, payload, subject = String::new()))]
+    fn publish<'py>(
+        &self,
+        py: Python<'py>,
+        topic: String,
+        payload: PyBackedBytes,
+        subject: String,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let message = outgoing(payload, subject);
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
             client.publish(&topic, vec![message]).await.map_err(client_error)
         })
     }
 
-    /// Subscribes to a topic's live messages; resolves to an `AsyncSubscription`.
+    /// Subscribes to a topic's live messages; resolves to an `AsyncSubscriptionCore`.
     #[pyo3(signature = (topic, buffer = 0))]
     fn subscribe<'py>(&self, py: Python<'py>, topic: String, buffer: u32) -> PyResult<Bound<'py, PyAny>> {
         let client = self.inner.clone();
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
             let sub = client.subscribe(&topic, buffer).await.map_err(client_error)?;
-            Ok(AsyncSubscription { sub: Arc::new(tokio::sync::Mutex::new(Some(sub))) })
+            Ok(AsyncSubscriptionCore::new(client, sub))
         })
+    }
+
+    /// Reads a durable topic as a consumer group (see `Client.subscribe_group`); resolves to an
+    /// `AsyncSubscriptionCore`.
+    #[pyo3(signature = (topic, group, start = None, *, time = None, max_unacked = 0))]
+    fn subscribe_group<'py>(
+        &self,
+        py: Python<'py>,
+        topic: String,
+        group: String,
+        start: Option<Bound<'py, PyAny>>,
+        time: Option<u64>,
+        max_unacked: u32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let from = start_from(start.as_ref(), time)?;
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let sub = client.subscribe_group(&topic, &group, from, max_unacked).await.map_err(client_error)?;
+            Ok(AsyncSubscriptionCore::new(client, sub))
+        })
+    }
+
+    /// Calls a function; resolves to the reply `Message`.
+    #[pyo3(signature = (function, payload, timeout = None, subject = String::new()))]
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        function: String,
+        payload: PyBackedBytes,
+        timeout: Option<f64>,
+        subject: String,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let (message, timeout) = (outgoing(payload, subject), crate::timeout_from(timeout));
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let reply = client.call(&function, message, timeout).await.map_err(client_error)?;
+            Python::attach(|py| Ok(Message::new(py, 0, reply)))
+        })
+    }
+
+    #[pyo3(signature = (function, payload, subject = String::new()))]
+    fn call_oneway<'py>(
+        &self,
+        py: Python<'py>,
+        function: String,
+        payload: PyBackedBytes,
+        subject: String,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        let message = outgoing(payload, subject);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.call_oneway(&function, message).await.map_err(client_error)
+        })
+    }
+
+    /// Serves `function`; resolves to the `AsyncCalls` stream of its calls.
+    fn serve<'py>(&self, py: Python<'py>, function: String) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let (handler, calls) = crate::functions::async_calls();
+            client.serve(&function, handler).await.map_err(client_error)?;
+            Ok(calls)
+        })
+    }
+
+    fn unserve<'py>(&self, py: Python<'py>, function: String) -> PyResult<Bound<'py, PyAny>> {
+        let client = self.inner.clone();
+        pyo3_async_runtimes::tokio::future_into_py(
+            py,
+            async move { client.unserve(&function).await.map_err(client_error) },
+        )
     }
 
     fn close(&self) {
         self.inner.close();
-    }
-}
-
-/// A topic subscription: `next()` resolves to the next `Message`, or `None` once it ended.
-#[pyclass(module = "petrel", frozen)]
-pub struct AsyncSubscription {
-    sub: Arc<tokio::sync::Mutex<Option<petrel_client::Subscription>>>,
-}
-
-#[pymethods]
-impl AsyncSubscription {
-    fn next<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let sub = Arc::clone(&self.sub);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let mut guard = sub.lock().await;
-            let Some(sub) = guard.as_mut() else { return Ok(None) };
-            match sub.next().await {
-                Some(Ok(m)) => Python::attach(|py| Ok(Some(Message::new(py, 0, m)))),
-                Some(Err(e)) => Err(client_error(e)),
-                None => Ok(None),
-            }
-        })
-    }
-
-    /// Ends the subscription.
-    fn unsubscribe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let sub = Arc::clone(&self.sub);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            match sub.lock().await.take() {
-                Some(sub) => sub.unsubscribe().await.map_err(client_error),
-                None => Ok(()),
-            }
-        })
     }
 }

@@ -1,12 +1,15 @@
 //! The native half of the `petrel` Python package (`petrel._petrel`): the embedded log, its
 //! consumer groups and a queue over `petrel-log` (`embedded.rs`), and a client for the server
-//! over `petrel-client`, blocking and asyncio (`client.rs`). The GIL is released around every
+//! over `petrel-client`, blocking and asyncio (`client.rs`), with its topic subscriptions
+//! (`subscription.rs`) and functions served by Python code (`functions.rs`). The GIL is released around every
 //! call that touches the disk or the network or waits. Waits for records wake every 100 ms and
 //! the blocking client's polls every second to let Python handle signals (Ctrl-C); an offer
 //! waiting for room in a full queue does not, for at most the timeout it was given.
 
 mod client;
 mod embedded;
+mod functions;
+mod subscription;
 
 use std::time::Duration;
 

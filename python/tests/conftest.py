@@ -1,5 +1,7 @@
 """A real `petrel serve` for the client tests: the binary from $PETREL_BIN (scripts/test.sh sets
-it) or target/debug/petrel, on loopback ports it picks, in a temporary data directory."""
+it) or target/debug/petrel, on loopback ports it picks, in a temporary data directory.
+`secure_server` turns on authentication and TLS (a dev CA, an admin, an ordinary user and a
+client certificate's user)."""
 
 import os
 import pathlib
@@ -9,14 +11,17 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+BINARY = os.environ.get("PETREL_BIN", str(ROOT / "target" / "debug" / "petrel"))
+
+# The users `secure_server` knows, with their passwords ("client" logs in by certificate).
+USERS = {"max": ("S3cret-admin", True), "tom": ("S3cret-tom", False), "client": ("unused-Pw-1", False)}
 
 
-@pytest.fixture
-def server(tmp_path):
-    binary = os.environ.get("PETREL_BIN", str(ROOT / "target" / "debug" / "petrel"))
+def serve(tmp_path, *extra):
+    """Starts `petrel serve`; yields its native address once it listens, stops it after."""
     out = tmp_path / "out"
-    args = [binary, "serve", "--data", str(tmp_path / "data"), "--native-addr", "127.0.0.1:0",
-            "--memcache-addr", "off", "--http-addr", "off"]
+    args = [BINARY, "serve", "--data", str(tmp_path / "data"), "--native-addr", "127.0.0.1:0",
+            "--memcache-addr", "off", "--http-addr", "off", *extra]
     with open(out, "w") as stdout:
         process = subprocess.Popen(args, stdout=stdout, stderr=subprocess.DEVNULL)
     try:
@@ -34,3 +39,30 @@ def server(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+@pytest.fixture
+def server(tmp_path):
+    yield from serve(tmp_path)
+
+
+@pytest.fixture
+def secure_server(tmp_path):
+    """Yields (address, certificates directory) of a server that requires TLS and a login."""
+    certs = tmp_path / "certs"
+    subprocess.run([BINARY, "cert", "dev", str(certs)], check=True, capture_output=True)
+    users = tmp_path / "users.toml"
+    for name, (password, admin) in USERS.items():
+        subprocess.run([BINARY, "user", "add", str(users), name, *(["--admin"] if admin else [])],
+                       input=password + "\n", text=True, check=True, capture_output=True)
+    config = tmp_path / "petrel.toml"
+    config.write_text(
+        "[security]\n"
+        f'users_file = "{users}"\n'
+        f'tls_cert = "{certs / "server.pem"}"\n'
+        f'tls_key = "{certs / "server.key"}"\n'
+        f'tls_client_ca = "{certs / "ca.pem"}"\n'
+        "require_tls = true\n"
+    )
+    for address in serve(tmp_path, "--config", str(config)):
+        yield address, certs

@@ -662,9 +662,21 @@ impl Client {
             .map(|_| ())
     }
 
-    async fn unsubscribe(&self, subscription: u64) -> Result<(), ClientError> {
+    /// Ends subscription `subscription` (a [`Subscription::id`]): its stream ends at once, and
+    /// the server confirms. For code that reads a subscription in one place and ends it in
+    /// another; otherwise [`Subscription::unsubscribe`].
+    pub async fn unsubscribe(&self, subscription: u64) -> Result<(), ClientError> {
         self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&subscription);
         self.call_op(Request::Unsubscribe { subscription }).await.map(|_| ())
+    }
+
+    /// Acknowledges messages of group subscription `subscription` by id, while another task may
+    /// be reading it; otherwise [`Subscription::ack`]. Returns how many counted.
+    pub async fn ack_subscription(&self, subscription: u64, ids: &[u64]) -> Result<u32, ClientError> {
+        match self.call_op(Request::TopicAck { subscription, ids: ids.to_vec() }).await? {
+            Response::Acked { count } => Ok(count),
+            other => Err(unexpected(other)),
+        }
     }
 }
 
@@ -696,10 +708,7 @@ impl Subscription {
 
     /// Acknowledges messages of a group subscription by id; returns how many counted.
     pub async fn ack(&self, ids: &[u64]) -> Result<u32, ClientError> {
-        match self.client.call_op(Request::TopicAck { subscription: self.id, ids: ids.to_vec() }).await? {
-            Response::Acked { count } => Ok(count),
-            other => Err(unexpected(other)),
-        }
+        self.client.ack_subscription(self.id, ids).await
     }
 
     /// Ends the subscription, waiting for the server to confirm.

@@ -1,0 +1,132 @@
+//! Serving a function (request/reply) with Python code. The blocking client runs the handler, a
+//! plain callable, on the runtime's blocking threads (a slow handler holds one thread, not the
+//! connection). The asyncio client gets the calls as a stream of `IncomingCall`s
+//! (`AsyncCalls.next()`), which `petrel.AsyncClient.serve` hands to the handler on the event loop
+//! and answers with `reply`/`fail`; so a handler may be a coroutine function there.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::client::{Message, runtime};
+
+/// What a handler's answer becomes: its bytes as the reply's payload (`None`: an empty reply),
+/// or the handler error the caller gets.
+pub(crate) type Reply = Result<petrel_client::Message, String>;
+
+/// A handler's return value as a reply: bytes-like or `None`.
+fn reply_from(value: &Bound<'_, PyAny>) -> Reply {
+    if value.is_none() {
+        return Ok(petrel_client::Message::default());
+    }
+    match value.extract::<PyBackedBytes>() {
+        Ok(payload) => Ok(petrel_client::Message::new(bytes::Bytes::from_owner(payload))),
+        Err(_) => Err(format!(
+            "the handler returned {}, not bytes",
+            value.get_type().name().map_or_else(|_| "an object".to_owned(), |n| n.to_string())
+        )),
+    }
+}
+
+/// Runs the blocking client's `handler` for one call on a blocking thread: its return value is
+/// the reply, an exception it raised is the caller's `HANDLER_ERROR` ("ValueError: ...").
+pub(crate) async fn run_handler(handler: Arc<Py<PyAny>>, request: petrel_client::Message) -> Reply {
+    let ran = tokio::task::spawn_blocking(move || {
+        Python::attach(|py| {
+            let message = Message::new(py, 0, request);
+            match handler.call1(py, (message,)) {
+                Ok(value) => reply_from(value.bind(py)),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    })
+    .await;
+    ran.unwrap_or_else(|e| Err(format!("the handler did not finish: {e}")))
+}
+
+/// Calls of a function served from asyncio wait here until the event loop takes them; the Rust
+/// client lets at most its own bound of calls wait for their replies at once.
+pub(crate) const ASYNC_CALLS_BUFFER: usize = 1024;
+
+/// A call waiting for its reply; `None` once the reply is sent.
+type Replier = std::sync::Mutex<Option<oneshot::Sender<Reply>>>;
+
+/// A call as it waits for the event loop: the request, and where its reply goes.
+type QueuedCall = (petrel_client::Message, oneshot::Sender<Reply>);
+
+/// A call of a function served from asyncio: `message` is the request; answer it once with
+/// `reply(payload)` or `fail(error)`. One dropped unanswered fails the call.
+#[pyclass(module = "petrel", frozen)]
+pub struct IncomingCall {
+    #[pyo3(get)]
+    message: Py<Message>,
+    replier: Replier,
+}
+
+impl IncomingCall {
+    fn answer(&self, reply: Reply) -> bool {
+        let sender = self.replier.lock().unwrap_or_else(|e| e.into_inner()).take();
+        sender.is_some_and(|s| s.send(reply).is_ok())
+    }
+}
+
+#[pymethods]
+impl IncomingCall {
+    /// Replies with `payload` (bytes-like or `None`); returns False if it was answered before
+    /// or the caller no longer waits.
+    fn reply(&self, payload: &Bound<'_, PyAny>) -> bool {
+        self.answer(reply_from(payload))
+    }
+
+    /// Fails the call: the caller gets `HANDLER_ERROR` with `error`.
+    fn fail(&self, error: String) -> bool {
+        self.answer(Err(error))
+    }
+}
+
+/// The stream of calls of one function served from asyncio.
+#[pyclass(module = "petrel", frozen)]
+pub struct AsyncCalls {
+    calls: Arc<tokio::sync::Mutex<mpsc::Receiver<QueuedCall>>>,
+}
+
+/// A handler for `petrel_client::Client::serve` that queues each call for the event loop, and the
+/// stream the loop takes them from.
+pub(crate) fn async_calls() -> (
+    impl Fn(petrel_client::Message) -> std::pin::Pin<Box<dyn Future<Output = Reply> + Send>> + Send + Sync + 'static,
+    AsyncCalls,
+) {
+    let (tx, rx) = mpsc::channel(ASYNC_CALLS_BUFFER);
+    let handler = move |request: petrel_client::Message| {
+        let tx = tx.clone();
+        Box::pin(async move {
+            let (replier, reply) = oneshot::channel();
+            tx.send((request, replier)).await.map_err(|_| "the function is no longer served".to_owned())?;
+            reply.await.unwrap_or_else(|_| Err("the handler gave no reply".to_owned()))
+        }) as std::pin::Pin<Box<dyn Future<Output = Reply> + Send>>
+    };
+    (handler, AsyncCalls { calls: Arc::new(tokio::sync::Mutex::new(rx)) })
+}
+
+#[pymethods]
+impl AsyncCalls {
+    /// Resolves to the next `IncomingCall`, or `None` once the function is no longer served.
+    fn next<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let calls = Arc::clone(&self.calls);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let Some((request, replier)) = calls.lock().await.recv().await else { return Ok(None) };
+            Python::attach(|py| {
+                let message = Py::new(py, Message::new(py, 0, request))?;
+                Ok(Some(IncomingCall { message, replier: std::sync::Mutex::new(Some(replier)) }))
+            })
+        })
+    }
+
+    /// Stops taking calls: `next()` resolves to `None` once those already queued are taken.
+    fn close(&self) {
+        let calls = Arc::clone(&self.calls);
+        runtime().spawn(async move { calls.lock().await.close() });
+    }
+}

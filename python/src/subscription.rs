@@ -1,0 +1,236 @@
+//! Topic subscriptions, live or as a durable topic's consumer group: `Subscription` for blocking
+//! code (an iterator; `get(timeout)`) and `AsyncSubscriptionCore` for asyncio (wrapped by
+//! `petrel.AsyncSubscription`). Acknowledgements and unsubscribing go by the subscription's id
+//! through the client, so one thread may ack or end a subscription another is reading.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use petrel_client::StartFrom;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::client::{LONG_POLL, Message, client_error, runtime};
+
+/// Where a group subscription starts: `None` (where the group stands), `"oldest"`, `"newest"`,
+/// an offset (a message's id is its offset + 1), or `time=NS` (the first message published at
+/// or after it).
+pub(crate) fn start_from(start: Option<&Bound<'_, PyAny>>, time: Option<u64>) -> PyResult<StartFrom> {
+    Ok(match (start, time) {
+        (None, None) => StartFrom::Resume,
+        (None, Some(t)) => StartFrom::Time(t),
+        (Some(start), None) => {
+            if let Ok(offset) = start.extract::<u64>() {
+                StartFrom::Offset(offset)
+            } else {
+                match start.extract::<String>()?.as_str() {
+                    "resume" => StartFrom::Resume,
+                    "oldest" => StartFrom::Oldest,
+                    "newest" => StartFrom::Newest,
+                    other => {
+                        return Err(PyValueError::new_err(format!(
+                            "start at {other:?}: \"resume\", \"oldest\", \"newest\" or an offset"
+                        )));
+                    }
+                }
+            }
+        }
+        (Some(_), Some(_)) => return Err(PyValueError::new_err("start takes a position or time=NS, not both")),
+    })
+}
+
+/// Drops a subscription inside the runtime, so that its `Drop` can send the unsubscribe (a
+/// subscription dropped by Python's garbage collector is on a thread without one).
+fn drop_in_runtime(sub: petrel_client::Subscription) {
+    let _entered = runtime().enter();
+    drop(sub);
+}
+
+/// A topic subscription for blocking code: `for message in subscription`, or `get(timeout)`.
+/// Messages are pushed by the server and wait in a bounded buffer until read. Ends with
+/// `unsubscribe()` (or `with`), the connection's end, or the server ending it (a consumer too
+/// slow for a live topic: iteration then raises `ServerError` naming `SLOW_CONSUMER`).
+#[pyclass(module = "petrel", frozen)]
+pub struct Subscription {
+    /// The server's number for it.
+    #[pyo3(get)]
+    id: u64,
+    client: petrel_client::Client,
+    /// `None` once it ended. Locked by the reader for the whole of a wait.
+    stream: std::sync::Mutex<Option<petrel_client::Subscription>>,
+}
+
+enum Next {
+    Message(petrel_client::Message),
+    TimedOut,
+    Ended,
+    Failed(petrel_client::ClientError),
+}
+
+impl Subscription {
+    pub(crate) fn new(client: petrel_client::Client, sub: petrel_client::Subscription) -> Subscription {
+        Subscription { id: sub.id, client, stream: std::sync::Mutex::new(Some(sub)) }
+    }
+
+    /// The next message, waiting at most `wait` (with the GIL released).
+    fn next_within(&self, py: Python<'_>, wait: Duration) -> Next {
+        py.detach(|| {
+            let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(sub) = stream.as_mut() else { return Next::Ended };
+            let next = match runtime().block_on(async { tokio::time::timeout(wait, sub.next()).await }) {
+                Err(_elapsed) => return Next::TimedOut,
+                Ok(Some(Ok(m))) => return Next::Message(m),
+                Ok(Some(Err(e))) => Next::Failed(e),
+                Ok(None) => Next::Ended,
+            };
+            if let Some(sub) = stream.take() {
+                drop_in_runtime(sub);
+            }
+            next
+        })
+    }
+}
+
+#[pymethods]
+impl Subscription {
+    /// The next message, waiting up to `timeout` seconds (`None`: until one comes); `None` if
+    /// none came in time or the subscription is over (see `active`).
+    #[pyo3(signature = (timeout = None))]
+    fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Message>> {
+        let deadline = crate::timeout_from(timeout).map(|t| Instant::now() + t);
+        loop {
+            let wait = deadline.map_or(LONG_POLL, |d| d.saturating_duration_since(Instant::now()).min(LONG_POLL));
+            match self.next_within(py, wait) {
+                Next::Message(m) => return Ok(Some(Message::new(py, 0, m))),
+                Next::Failed(e) => return Err(client_error(e)),
+                Next::Ended => return Ok(None),
+                Next::TimedOut if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(None),
+                Next::TimedOut => py.check_signals()?,
+            }
+        }
+    }
+
+    /// Whether messages may still come.
+    #[getter]
+    fn active(&self) -> bool {
+        self.stream.try_lock().map_or(true, |s| s.is_some())
+    }
+
+    /// Acknowledges messages of a group subscription by id (`Message.id`); returns how many
+    /// counted. The group's position moves past them once everything before is acknowledged.
+    fn ack(&self, py: Python<'_>, ids: Vec<u64>) -> PyResult<u32> {
+        py.detach(|| runtime().block_on(self.client.ack_subscription(self.id, &ids))).map_err(client_error)
+    }
+
+    /// Ends the subscription; a reader waiting in another thread gets `None` (or the end of its
+    /// loop). Unacknowledged messages of a group come again to its next subscriber.
+    fn unsubscribe(&self, py: Python<'_>) -> PyResult<()> {
+        match py.detach(|| runtime().block_on(self.client.unsubscribe(self.id))) {
+            Ok(()) | Err(petrel_client::ClientError::Closed) => Ok(()),
+            Err(e) => Err(client_error(e)),
+        }
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Message>> {
+        self.get(py, None)
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> PyResult<bool> {
+        self.unsubscribe(py)?;
+        Ok(false)
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        if let Some(sub) = self.stream.get_mut().unwrap_or_else(|e| e.into_inner()).take() {
+            drop_in_runtime(sub);
+        }
+    }
+}
+
+/// The asyncio side of a subscription: `next()` resolves to the next `Message`, or `None` once
+/// it ended. Use `petrel.AsyncSubscription`, which wraps it.
+#[pyclass(module = "petrel", frozen)]
+pub struct AsyncSubscriptionCore {
+    #[pyo3(get)]
+    id: u64,
+    client: petrel_client::Client,
+    stream: Arc<tokio::sync::Mutex<Option<petrel_client::Subscription>>>,
+}
+
+impl AsyncSubscriptionCore {
+    pub(crate) fn new(client: petrel_client::Client, sub: petrel_client::Subscription) -> AsyncSubscriptionCore {
+        AsyncSubscriptionCore { id: sub.id, client, stream: Arc::new(tokio::sync::Mutex::new(Some(sub))) }
+    }
+}
+
+#[pymethods]
+impl AsyncSubscriptionCore {
+    /// Resolves to the next message, or `None` after `timeout` seconds (`None`: no limit) or
+    /// once the subscription ended. Timed here rather than by cancelling from Python, so that a
+    /// message arriving as the time runs out is never dropped.
+    #[pyo3(signature = (timeout = None))]
+    fn next<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
+        let stream = Arc::clone(&self.stream);
+        let timeout = crate::timeout_from(timeout);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let mut stream = stream.lock().await;
+            let Some(sub) = stream.as_mut() else { return Ok(None) };
+            let next = match timeout {
+                Some(t) => match tokio::time::timeout(t, sub.next()).await {
+                    Ok(next) => next,
+                    Err(_elapsed) => return Ok(None),
+                },
+                None => sub.next().await,
+            };
+            match next {
+                Some(Ok(m)) => Python::attach(|py| Ok(Some(Message::new(py, 0, m)))),
+                Some(Err(e)) => {
+                    stream.take();
+                    Err(client_error(e))
+                }
+                None => {
+                    stream.take();
+                    Ok(None)
+                }
+            }
+        })
+    }
+
+    fn ack<'py>(&self, py: Python<'py>, ids: Vec<u64>) -> PyResult<Bound<'py, PyAny>> {
+        let (client, id) = (self.client.clone(), self.id);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            client.ack_subscription(id, &ids).await.map_err(client_error)
+        })
+    }
+
+    fn unsubscribe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let (client, id) = (self.client.clone(), self.id);
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            match client.unsubscribe(id).await {
+                Ok(()) | Err(petrel_client::ClientError::Closed) => Ok(()),
+                Err(e) => Err(client_error(e)),
+            }
+        })
+    }
+}
+
+impl Drop for AsyncSubscriptionCore {
+    fn drop(&mut self) {
+        // A `next` still pending holds the stream and drops it on the runtime when it ends.
+        if let Ok(mut stream) = self.stream.try_lock()
+            && let Some(sub) = stream.take()
+        {
+            drop_in_runtime(sub);
+        }
+    }
+}
