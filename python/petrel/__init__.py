@@ -205,6 +205,7 @@ class AsyncClient:
         await (await self._client()).create_queue(name, durable, max_items, max_bytes, ttl)
 
     async def remove_queue(self, name: str) -> None:
+        """Removes a queue and the messages in it."""
         await (await self._client()).remove_queue(name)
 
     async def offer(self, queue: str, payload: bytes, timeout: Optional[float] = None) -> int:
@@ -241,15 +242,19 @@ class AsyncClient:
         return messages[0] if messages else None
 
     async def ack(self, queue: str, handles: List[int]) -> int:
+        """Acknowledges tentative takes by handle; returns how many were still open."""
         return await (await self._client()).ack(queue, handles)
 
     async def abort(self, queue: str, handles: List[int]) -> int:
+        """Puts tentative takes back at the head; returns how many were still open."""
         return await (await self._client()).abort(queue, handles)
 
     async def create_topic(self, name: str, durable: bool = False) -> None:
+        """Creates a topic (nothing if it exists); a durable one keeps a log for groups."""
         await (await self._client()).create_topic(name, durable)
 
     async def remove_topic(self, name: str) -> None:
+        """Removes a topic; its subscriptions end."""
         await (await self._client()).remove_topic(name)
 
     async def publish(self, topic: str, payload: bytes, subject: str = "") -> int:

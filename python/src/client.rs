@@ -98,12 +98,19 @@ fn outgoing(payload: PyBackedBytes, subject: String) -> petrel_client::Message {
 /// what acknowledges or aborts a tentative take (0 when taken for good).
 #[pyclass(module = "petrel", frozen, get_all)]
 pub struct Message {
+    /// Its id in its queue (1, 2, …), or in a durable topic (its offset + 1).
     id: u64,
+    /// What acknowledges or aborts a tentative take; 0 when taken for good.
     handle: u64,
+    /// The queue or topic it came from.
     queue: String,
+    /// Its bytes.
     payload: Py<PyBytes>,
+    /// The subject it was sent with ("" if none).
     subject: String,
+    /// When the server took it: nanoseconds since the Unix epoch.
     timestamp: u64,
+    /// Its headers: (name, value) pairs.
     headers: Vec<(String, Py<PyBytes>)>,
 }
 
@@ -196,10 +203,12 @@ impl Client {
         self.wait(py, self.inner.create_queue(name, config))
     }
 
+    /// Removes a queue and the messages in it.
     fn remove_queue(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         self.wait(py, self.inner.remove_queue(name))
     }
 
+    /// The names of the queues this user may see.
     fn list_queues(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         self.wait(py, self.inner.list_queues())
     }
@@ -275,11 +284,14 @@ impl Client {
         self.wait(py, self.inner.abort(queue, &handles))
     }
 
+    /// Creates a topic (nothing if it exists); a durable one keeps a log that consumer groups
+    /// read and replay (`subscribe_group`).
     #[pyo3(signature = (name, durable = false))]
     fn create_topic(&self, py: Python<'_>, name: &str, durable: bool) -> PyResult<()> {
         self.wait(py, self.inner.create_topic(name, durable))
     }
 
+    /// Removes a topic; its subscriptions end.
     fn remove_topic(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         self.wait(py, self.inner.remove_topic(name))
     }
@@ -363,6 +375,7 @@ impl Client {
         self.wait(py, self.inner.unserve(function))
     }
 
+    /// A round trip to the server.
     fn ping(&self, py: Python<'_>) -> PyResult<()> {
         self.wait(py, self.inner.ping())
     }

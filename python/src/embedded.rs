@@ -78,10 +78,15 @@ fn wait_for<T: Send>(
 /// One record of a log: its offset, time (ns since the Unix epoch), key, headers and payload.
 #[pyclass(module = "petrel", frozen, get_all)]
 pub struct Record {
+    /// Its place in the log: 0, 1, 2, … with no gaps.
     offset: u64,
+    /// When it was appended: nanoseconds since the Unix epoch.
     timestamp: u64,
+    /// The key it was appended with, if any.
     key: Option<Py<PyBytes>>,
+    /// Its bytes, copied out of the log's mapping.
     payload: Py<PyBytes>,
+    /// Its headers: (name, value) pairs.
     headers: Vec<(String, Py<PyBytes>)>,
 }
 
@@ -361,6 +366,7 @@ impl Group {
         py.detach(|| self.with(|g| Ok(g.lag())))
     }
 
+    /// The group's name.
     #[getter]
     fn name(&self) -> &str {
         &self.name
@@ -489,6 +495,7 @@ impl Queue {
         py.detach(|| self.with_head(|head| Ok(head.unacknowledged().saturating_sub(lock(&self.taken).len() as u64))))
     }
 
+    /// Whether `qsize()` is 0.
     fn empty(&self, py: Python<'_>) -> PyResult<bool> {
         Ok(self.qsize(py)? == 0)
     }
