@@ -27,7 +27,7 @@ def main(argv: "list[str] | None" = None) -> int:
             if args.command == "info":
                 print(f"first_offset {log.first_offset}\nnext_offset {log.next_offset}")
                 return 0
-            for n, record in enumerate(log.read(args.start)):
+            for n, record in enumerate(log.reader(args.start)):
                 if args.count is not None and n >= args.count:
                     break
                 print(f"{record.offset}\t{record.timestamp}\t{record.payload!r}")

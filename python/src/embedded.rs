@@ -194,7 +194,7 @@ impl Log {
 
     /// Iterates over the records from `offset` (default: the oldest) to the end as it is now.
     #[pyo3(signature = (offset = None))]
-    fn read(&self, offset: Option<u64>) -> PyResult<LogIterator> {
+    fn reader(&self, offset: Option<u64>) -> PyResult<LogIterator> {
         let log = self.shared()?;
         let mut reader = log.reader();
         let start = offset.unwrap_or_else(|| reader.first_offset());
@@ -203,7 +203,7 @@ impl Log {
     }
 
     fn __iter__(&self) -> PyResult<LogIterator> {
-        self.read(None)
+        self.reader(None)
     }
 
     /// The offset the next record will get.

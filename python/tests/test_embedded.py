@@ -22,7 +22,7 @@ def test_append_get_iterate_and_lookups(tmp_path):
         assert record.timestamp > 0
         assert log.get(5) is None
         assert [r.payload for r in log] == [b"first", b"second", b"a", b"b", b"c"]
-        assert [r.offset for r in log.read(3)] == [3, 4]
+        assert [r.offset for r in log.reader(3)] == [3, 4]
         assert log.get_by_key(b"k").offset == 1
         assert log.get_by_time(record.timestamp).offset <= 1
         assert (log.first_offset, log.next_offset) == (0, 5)
