@@ -98,3 +98,8 @@ pub(crate) fn io_err(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(
     let path = path.into();
     move |source| Error::Io { op, path, source }
 }
+
+/// Corruption found in `file` at byte `position` (record `offset`, if known).
+pub(crate) fn corrupt(file: &std::path::Path, position: u64, offset: Option<u64>, reason: Reason) -> Error {
+    Error::Corrupt { file: file.to_path_buf(), position, offset, reason, before_tail: true }
+}

@@ -5,16 +5,16 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::cursor::{self, CURSOR_FILE_LEN, CursorState, MAX_PENDING};
-use crate::error::{Error, Reason, Result, io_err};
+use crate::error::{Error, Reason, Result, corrupt, io_err};
 use crate::frame::Record;
-use crate::log::{Shared, corrupt};
 use crate::options::Durability;
 use crate::reader::{Batch, Reader};
+use crate::state::LogState;
+use crate::syncer::{self, IntervalSync, Registration};
 
 pub(crate) const GROUPS_DIR: &str = "groups";
 const CURSOR_SUFFIX: &str = ".cursor";
@@ -72,6 +72,70 @@ pub(crate) struct GroupEntry {
 }
 
 pub(crate) type Registry = Mutex<BTreeMap<String, Arc<GroupEntry>>>;
+
+impl GroupEntry {
+    fn closed(state: &CursorState) -> Arc<GroupEntry> {
+        Arc::new(GroupEntry {
+            committed: AtomicU64::new(state.committed),
+            open: AtomicBool::new(false),
+            skipped: AtomicU64::new(0),
+            acked_above: AtomicU64::new(state.acked_above.len() as u64),
+        })
+    }
+}
+
+/// The registry of a log's groups, from the cursors found at open.
+pub(crate) fn registry(cursors: BTreeMap<String, CursorState>) -> Registry {
+    Mutex::new(cursors.into_iter().map(|(name, state)| (name, GroupEntry::closed(&state))).collect())
+}
+
+/// Every group of the log, open or not.
+pub(crate) fn infos(log: &LogState) -> Vec<GroupInfo> {
+    log.groups()
+        .iter()
+        .map(|(name, e)| GroupInfo {
+            name: name.clone(),
+            committed: e.committed.load(Ordering::Acquire),
+            acked_above: e.acked_above.load(Ordering::Relaxed) as usize,
+            open: e.open.load(Ordering::Acquire),
+            skipped: e.skipped.load(Ordering::Relaxed),
+        })
+        .collect()
+}
+
+/// Creates group `to` at the position of group `from` (its last written cursor).
+pub(crate) fn copy(log: &LogState, from: &str, to: &str) -> Result<()> {
+    check_name(to)?;
+    let path = cursor_path(log.dir(), from);
+    let bytes = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Error::NoSuchGroup(from.to_owned())),
+        Err(e) => return Err(io_err("read cursor", &path)(e)),
+    };
+    let (_, state) =
+        cursor::read(&bytes).ok_or_else(|| corrupt(&path, 0, None, Reason::Other("no valid cursor slot".into())))?;
+    let mut groups = log.groups();
+    if groups.contains_key(to) {
+        return Err(Error::Config(format!("consumer group {to:?} already exists")));
+    }
+    create_cursor(log.dir(), to, &state, log.options().durability != Durability::None)?;
+    groups.insert(to.to_owned(), GroupEntry::closed(&state));
+    Ok(())
+}
+
+/// Deletes a group that is not open.
+pub(crate) fn delete(log: &LogState, name: &str) -> Result<()> {
+    let mut groups = log.groups();
+    match groups.get(name) {
+        None => return Err(Error::NoSuchGroup(name.to_owned())),
+        Some(e) if e.open.load(Ordering::Acquire) => return Err(Error::GroupInUse(name.to_owned())),
+        Some(_) => {}
+    }
+    let path = cursor_path(log.dir(), name);
+    fs::remove_file(&path).map_err(io_err("remove cursor", &path))?;
+    groups.remove(name);
+    Ok(())
+}
 
 pub(crate) fn check_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
@@ -139,7 +203,7 @@ pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable
 /// A named consumer group, open for reading. One handle per group at a time; use it from one
 /// thread (it is `Send`). Dropping it syncs its cursor (unless durability is `None`).
 pub struct ConsumerGroup {
-    shared: Arc<Shared>,
+    shared: Arc<LogState>,
     name: String,
     options: GroupOptions,
     cursor: CursorFile,
@@ -202,21 +266,17 @@ impl CursorFile {
 }
 
 impl ConsumerGroup {
-    pub(crate) fn open(shared: Arc<Shared>, name: &str, options: GroupOptions) -> Result<ConsumerGroup> {
+    pub(crate) fn open(shared: Arc<LogState>, name: &str, options: GroupOptions) -> Result<ConsumerGroup> {
         check_name(name)?;
         if options.max_pending == 0 || options.max_pending > MAX_PENDING {
             return Err(Error::Config(format!("max_pending must be between 1 and {MAX_PENDING}")));
         }
         let entry = {
-            let mut groups = shared.groups.lock().unwrap_or_else(|e| e.into_inner());
-            let entry = groups.entry(name.to_owned()).or_insert_with(|| {
-                Arc::new(GroupEntry {
-                    committed: AtomicU64::new(u64::MAX),
-                    open: AtomicBool::new(false),
-                    skipped: AtomicU64::new(0),
-                    acked_above: AtomicU64::new(0),
-                })
-            });
+            let mut groups = shared.groups();
+            // Its position is not known until its cursor file is read: nothing counts it yet.
+            let entry = groups
+                .entry(name.to_owned())
+                .or_insert_with(|| GroupEntry::closed(&CursorState { committed: u64::MAX, acked_above: vec![] }));
             if entry.open.swap(true, Ordering::AcqRel) {
                 return Err(Error::GroupInUse(name.to_owned()));
             }
@@ -231,12 +291,12 @@ impl ConsumerGroup {
         }
     }
 
-    fn open_file(shared: Arc<Shared>, name: &str, options: GroupOptions, entry: Arc<GroupEntry>) -> Result<Self> {
-        let path = cursor_path(&shared.dir, name);
+    fn open_file(shared: Arc<LogState>, name: &str, options: GroupOptions, entry: Arc<GroupEntry>) -> Result<Self> {
+        let path = cursor_path(shared.dir(), name);
         let durable = options.durability != Durability::None;
         if !path.exists() {
             let start = resolve(&shared, options.start)?;
-            create_cursor(&shared.dir, name, &CursorState { committed: start, acked_above: vec![] }, durable)?;
+            create_cursor(shared.dir(), name, &CursorState { committed: start, acked_above: vec![] }, durable)?;
         }
         let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err("open cursor", &path))?;
         let len = file.metadata().map_err(io_err("stat cursor", &path))?.len();
@@ -303,7 +363,7 @@ impl ConsumerGroup {
     /// Records in the log from the lowest unacknowledged one on (acknowledged ones among them
     /// included: see `unacknowledged`).
     pub fn lag(&self) -> u64 {
-        self.shared.next_offset.load(Ordering::Acquire).saturating_sub(self.committed)
+        self.shared.next_offset().saturating_sub(self.committed)
     }
 
     /// Records in the log that the group has not acknowledged: exactly, whatever order the
@@ -351,7 +411,7 @@ impl ConsumerGroup {
             if self.reader.position() != self.next {
                 self.reader.seek(self.next);
             }
-            if self.shared.next_offset.load(Ordering::Acquire) > self.next {
+            if self.shared.next_offset() > self.next {
                 let batch = self.reader.read_batch(allowed as usize)?;
                 self.acked.extend(std::iter::repeat_n(false, batch.len()));
                 self.next += batch.len() as u64;
@@ -379,7 +439,7 @@ impl ConsumerGroup {
             return Ok(self.redelivery.read_batch(1)?.into_iter().next());
         }
         let deadline = Instant::now() + timeout;
-        while self.shared.next_offset.load(Ordering::Acquire) <= self.next {
+        while self.shared.next_offset() <= self.next {
             if !self.shared.wait_for_append(self.next, deadline) {
                 return Ok(None);
             }
@@ -515,9 +575,9 @@ impl Drop for ConsumerGroup {
 }
 
 /// The offset `to` stands for in the log now.
-pub(crate) fn resolve(shared: &Arc<Shared>, to: SeekTo) -> Result<u64> {
+pub(crate) fn resolve(shared: &Arc<LogState>, to: SeekTo) -> Result<u64> {
     let first = shared.first_offset();
-    let end = shared.next_offset.load(Ordering::Acquire);
+    let end = shared.next_offset();
     Ok(match to {
         SeekTo::Oldest => first,
         SeekTo::Newest => end,
@@ -526,72 +586,50 @@ pub(crate) fn resolve(shared: &Arc<Shared>, to: SeekTo) -> Result<u64> {
     })
 }
 
-/// Syncs one cursor file in the background for `Durability::Interval`.
+/// A cursor file's background sync under `Durability::Interval`, by the process's sync thread
+/// (`syncer.rs`).
 struct CursorSyncer {
-    state: Arc<(Mutex<SyncerState>, Condvar)>,
-    thread: Option<JoinHandle<()>>,
+    target: Arc<CursorSync>,
+    _registration: Registration,
 }
 
-#[derive(Default)]
-struct SyncerState {
-    dirty: bool,
-    stop: bool,
-    error: Option<String>,
+/// What the sync thread holds of a cursor: its own read-only mapping of the file (an msync
+/// through it syncs the file, whichever mapping wrote the pages), whether it was written since
+/// the last sync, and the first failure, which every later write reports.
+struct CursorSync {
+    map: memmap2::MmapRaw,
+    dirty: AtomicBool,
+    error: Mutex<Option<String>>,
+}
+
+impl IntervalSync for CursorSync {
+    fn sync_now(&self) {
+        if self.dirty.swap(false, Ordering::AcqRel)
+            && let Err(e) = self.map.flush()
+        {
+            self.error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
+        }
+    }
 }
 
 impl CursorSyncer {
     fn start(file: &File, every: Duration) -> Result<CursorSyncer> {
-        // Its own read-only mapping of the cursor file: an msync through it syncs the file,
-        // whichever mapping wrote the pages.
         let map = memmap2::MmapOptions::new().map_raw_read_only(file).map_err(io_err("map cursor", PathBuf::new()))?;
-        let state = Arc::new((Mutex::new(SyncerState::default()), Condvar::new()));
-        let shared = Arc::clone(&state);
-        let thread = std::thread::Builder::new()
-            .name("petrel-cursor-sync".into())
-            .spawn(move || {
-                let (lock, wake) = &*shared;
-                let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
-                loop {
-                    s = wake.wait_timeout_while(s, every, |s| !s.stop).unwrap_or_else(|e| e.into_inner()).0;
-                    if s.dirty {
-                        s.dirty = false;
-                        drop(s);
-                        let result = map.flush();
-                        s = lock.lock().unwrap_or_else(|e| e.into_inner());
-                        if let Err(e) = result {
-                            s.error.get_or_insert(e.to_string());
-                        }
-                    }
-                    if s.stop {
-                        return;
-                    }
-                }
-            })
-            .map_err(io_err("spawn cursor sync thread", PathBuf::new()))?;
-        Ok(CursorSyncer { state, thread: Some(thread) })
+        let target = Arc::new(CursorSync { map, dirty: AtomicBool::new(false), error: Mutex::new(None) });
+        let weak: Weak<dyn IntervalSync> = Arc::downgrade(&target) as Weak<CursorSync>;
+        Ok(CursorSyncer { _registration: syncer::register(weak, every)?, target })
     }
 
     fn mark_dirty(&self) -> Result<()> {
-        let mut s = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(e) = &s.error {
-            return Err(Error::Poisoned(format!("cursor sync failed: {e}")));
+        if let Some(e) = self.error() {
+            return Err(e);
         }
-        s.dirty = true;
+        self.target.dirty.store(true, Ordering::Release);
         Ok(())
     }
 
     fn error(&self) -> Option<Error> {
-        let s = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
-        s.error.as_ref().map(|e| Error::Poisoned(format!("cursor sync failed: {e}")))
-    }
-}
-
-impl Drop for CursorSyncer {
-    fn drop(&mut self) {
-        self.state.0.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
-        self.state.1.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        let error = self.target.error.lock().unwrap_or_else(|e| e.into_inner());
+        error.as_ref().map(|e| Error::Poisoned(format!("cursor sync failed: {e}")))
     }
 }

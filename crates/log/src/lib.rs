@@ -18,17 +18,41 @@
 //! ```
 //!
 //! The on-disk format and the recovery rules are in `docs/format.md`.
+//!
+//! # Map of the crate
+//!
+//! | file | owns |
+//! | --- | --- |
+//! | `log.rs` | [`Log`]: the single writer — open (with recovery), append, batch, roll |
+//! | `shared.rs` | [`SharedLog`]: many producer threads through one writer |
+//! | `state.rs` | what the writer, readers and groups share: segments, published end, wake-ups |
+//! | `commit.rs` | durability: the group commit, poisoning on a failed sync |
+//! | `syncer.rs` | the one background thread for `Durability::Interval` (logs and cursors) |
+//! | `recovery.rs` | where a segment's valid records end; torn tail vs corruption (also for `verify`) |
+//! | `segment.rs`, `directory.rs` | a segment file (header, preallocation, sync); the directory's lock and listing |
+//! | `frame.rs` | the record frame's bytes: encode, decode, CRC32C |
+//! | `mmap.rs` | the only `unsafe`: the shared writable mapping of a segment |
+//! | `reader.rs`, `index.rs`, `keys.rs` | reading by position, offset and time; the key index |
+//! | `group.rs`, `cursor.rs` | consumer groups and their crash-safe cursor files |
+//! | `queue.rs` | [`Queue`]: a FIFO with one default group |
+//! | `retention.rs`, `resident.rs`, `prefault.rs` | deleting old segments; the page budget; faulting pages in ahead |
+//! | `verify.rs` | offline check, dump and repair |
+//! | `options.rs`, `error.rs`, `clock.rs` | settings, errors, record timestamps |
 
 /// The README's Rust snippet, compiled and run as a doc test so that it cannot go stale.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
+mod clock;
+mod commit;
 mod cursor;
+mod directory;
 mod error;
 mod frame;
 mod group;
 mod index;
+mod keys;
 mod log;
 mod mmap;
 mod options;
@@ -40,22 +64,26 @@ mod resident;
 mod retention;
 mod segment;
 mod shared;
+mod state;
+mod syncer;
 pub mod verify;
 
 pub use cursor::MAX_PENDING;
 pub use error::{Error, FrameError, Reason, Result};
 pub use frame::{FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LEN, OwnedRecord, Record};
 pub use group::{ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
-pub use log::{Log, LogStats, RecoveryReport};
+pub use log::Log;
 pub use options::{
     DEFAULT_MAX_RECORD_BYTES, DEFAULT_PAGE_BUDGET_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
     MIN_SEGMENT_BYTES, Options, SyncObserver,
 };
 pub use queue::{QUEUE_GROUP, Queue};
 pub use reader::{Batch, BatchIter, Reader};
+pub use recovery::RecoveryReport;
 pub use resident::PageBudget;
 pub use retention::{Retention, RetentionReport};
 pub use shared::SharedLog;
+pub use state::LogStats;
 
 /// Entry points for fuzzers and property tests of the decoders. Not a stable API.
 #[doc(hidden)]

@@ -3,16 +3,17 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use crate::error::corrupt;
 use crate::error::{Reason, Result};
 use crate::frame::{self, Decoded, Record};
-use crate::log::{Shared, corrupt};
 use crate::mmap::HEADER_LEN;
 use crate::segment::Segment;
+use crate::state::LogState;
 
 /// A cursor over the log that sees only complete, published records. Independent of the writer
 /// and of other readers; move it to any thread.
 pub struct Reader {
-    shared: Arc<Shared>,
+    shared: Arc<LogState>,
     /// Segment holding `next`, once located.
     seg: Option<Arc<Segment>>,
     /// The dense position index of `seg`, once a seek needed it.
@@ -25,7 +26,7 @@ pub struct Reader {
 }
 
 impl Reader {
-    pub(crate) fn new(shared: Arc<Shared>) -> Reader {
+    pub(crate) fn new(shared: Arc<LogState>) -> Reader {
         let next = shared.first_offset();
         Reader { shared, seg: None, positions: None, seg_end: u64::MAX, pos: 0, next }
     }
@@ -42,7 +43,7 @@ impl Reader {
 
     /// One past the newest published record.
     pub fn end_offset(&self) -> u64 {
-        self.shared.next_offset.load(Ordering::Acquire)
+        self.shared.next_offset()
     }
 
     /// Moves to `offset` (to the oldest record if it is older, to the end if it is newer).
@@ -70,7 +71,7 @@ impl Reader {
         seg.users.fetch_add(1, Ordering::AcqRel);
         // `seg_end` is set before entering: a segment with a successor is sealed.
         if self.seg_end != u64::MAX {
-            self.shared.options.page_budget.touch(&seg, crate::resident::Use::Sealed);
+            self.shared.options().page_budget.touch(&seg, crate::resident::Use::Sealed);
         }
         self.seg = Some(seg);
     }
@@ -99,11 +100,10 @@ impl Reader {
     /// The last record with `key`, with the key index (`Options::key_index`); `None` if no
     /// record has that key.
     pub fn get_by_key(&mut self, key: &[u8]) -> Result<Option<Record<'_>>> {
-        let Some(keys) = &self.shared.keys else {
+        let Some(keys) = self.shared.keys() else {
             return Err(crate::Error::Config("the key index is off: open the log with Options::key_index".into()));
         };
-        let offset = keys.read().unwrap_or_else(|e| e.into_inner()).get(key).copied();
-        match offset {
+        match keys.get(key) {
             Some(offset) => self.get(offset),
             None => Ok(None),
         }
@@ -154,7 +154,7 @@ impl Reader {
     /// the end of the log if there is none. Timestamps never decrease along the log, so this is
     /// a binary search over segments, then a walk over frame headers within one.
     pub fn offset_at_time(&mut self, t: u64) -> Result<u64> {
-        let segments: Vec<Arc<Segment>> = self.shared.segments.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let segments: Vec<Arc<Segment>> = self.shared.segments().clone();
         let first_ts = |seg: &Segment| frame::peek_timestamp(seg.map.published().from(HEADER_LEN));
         // Segments whose first record is older than `t`; the answer is in the last of them, or is
         // the first record of the segment after.
@@ -164,7 +164,7 @@ impl Reader {
             return Ok(self.first_offset());
         };
         let limit = segments.get(older).map_or(end, |next| next.base);
-        seg.ensure_index(&self.shared.dir);
+        seg.ensure_index(self.shared.dir());
         let published = seg.map.published();
         let (mut pos, mut offset) = match seg.index.before_time(t) {
             Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset),
@@ -191,7 +191,7 @@ impl Reader {
                 let Some(seg) = self.shared.segment_for(self.next) else {
                     return Ok(false);
                 };
-                self.pos = locate(&self.shared.dir, &seg, self.next)?;
+                self.pos = locate(self.shared.dir(), &seg, self.next)?;
                 self.seg_end = self.shared.segment_after(seg.base).map_or(u64::MAX, |s| s.base);
                 self.enter(seg);
                 continue;

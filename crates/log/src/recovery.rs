@@ -13,8 +13,24 @@
 //!   with an error naming the file and byte position, and `petrel log repair` is the explicit way
 //!   out.
 
-use crate::error::FrameError;
+use crate::error::{Error, FrameError, Reason, Result};
 use crate::frame::{self, Decoded, FRAME_ALIGN, FRAME_MAGIC};
+use crate::mmap::{DataWriter, HEADER_LEN};
+use crate::segment::{self, Segment};
+
+/// What opening a log found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    pub segments: usize,
+    /// Records checked from the last durable checkpoint to the end.
+    pub records_scanned: u64,
+    /// Bytes of an incomplete last append that were cut, if any.
+    pub torn_bytes_cut: u64,
+    /// Position of the cut in the last segment.
+    pub torn_at: Option<u64>,
+    /// Leftover temporary files of an interrupted segment creation that were removed.
+    pub leftovers_removed: usize,
+}
 
 /// How a scan ended.
 #[derive(Debug, PartialEq, Eq)]
@@ -120,6 +136,78 @@ pub(crate) fn nonzero_extent(data: &[u8], pos: usize) -> usize {
         at = chunk_end;
     }
     last_nonzero.map_or(pos, |i| i + 1)
+}
+
+/// Finds the end of the valid records of the active segment, cutting a torn tail.
+/// Returns the position after the last valid frame and the next offset.
+pub(crate) fn recover_active(
+    seg: &Segment,
+    writer: &mut DataWriter,
+    report: &mut RecoveryReport,
+) -> Result<(usize, u64)> {
+    let header = seg.header();
+    let (start, start_offset) = scan_start(seg, &header);
+    let data = writer.unpublished_mut();
+    let scan = scan(data, start - HEADER_LEN, start_offset);
+    report.records_scanned = scan.records;
+    let end = HEADER_LEN + scan.end;
+    match scan.stop {
+        Stop::Clean => {}
+        Stop::Torn { error, garbage_end } => {
+            let cut = garbage_end - scan.end;
+            tracing::warn!(file = %seg.path.display(), position = end, bytes = cut, %error,
+                "cut the torn tail left by an interrupted append");
+            data[scan.end..garbage_end].fill(0);
+            report.torn_bytes_cut = cut as u64;
+            report.torn_at = Some(end as u64);
+        }
+        Stop::Corrupt { error, later_pos, later_offset } => {
+            return Err(corrupt_before_valid(seg, end, scan.next_offset, error, later_pos, later_offset));
+        }
+    }
+    if header.is_err() {
+        seg.write_checkpoint(0, seg.base);
+    }
+    Ok((end, scan.next_offset))
+}
+
+pub(crate) fn corrupt_before_valid(
+    seg: &Segment,
+    end: usize,
+    next_offset: u64,
+    error: FrameError,
+    later_pos: usize,
+    later_offset: u64,
+) -> Error {
+    Error::Corrupt {
+        file: seg.path.clone(),
+        position: end as u64,
+        offset: Some(next_offset),
+        reason: Reason::Other(format!(
+            "{error}, yet a valid record {later_offset} follows at byte {}",
+            HEADER_LEN + later_pos
+        )),
+        before_tail: true,
+    }
+}
+
+/// Where recovery of the last segment starts: its durable checkpoint when the header has a
+/// sane one, else the start of the segment.
+pub(crate) fn scan_start(seg: &Segment, header: &Result<segment::SegmentHeader, String>) -> (usize, u64) {
+    match header {
+        Ok(h)
+            if h.checkpoint_pos as usize >= HEADER_LEN
+                && (h.checkpoint_pos as usize) <= seg.map.len()
+                && h.checkpoint_pos % frame::FRAME_ALIGN as u64 == 0 =>
+        {
+            (h.checkpoint_pos as usize, h.checkpoint_offset)
+        }
+        Ok(_) => (HEADER_LEN, seg.base),
+        Err(reason) => {
+            tracing::warn!(file = %seg.path.display(), %reason, "segment header unreadable; rescanning the segment");
+            (HEADER_LEN, seg.base)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -5,11 +5,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use crate::clock::now_ns;
 use crate::cursor::CursorState;
 use crate::error::{Result, io_err};
 use crate::frame;
-use crate::log::{Shared, now_ns};
 use crate::options::Durability;
+use crate::state::LogState;
 
 /// What may remove old records. All off by default: a log keeps everything.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -35,15 +36,15 @@ pub struct RetentionReport {
 
 /// Deletes what the policy allows, oldest segment first, stopping at the first segment that
 /// must stay (so the log stays contiguous).
-pub(crate) fn apply(shared: &Shared) -> Result<RetentionReport> {
-    let policy = shared.options.retention;
+pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
+    let policy = shared.options().retention;
     let mut report = RetentionReport::default();
     if policy == Retention::default() {
         return Ok(report);
     }
-    let groups = shared.groups.lock().unwrap_or_else(|e| e.into_inner());
+    let groups = shared.groups();
     let min_committed = groups.values().map(|g| g.committed.load(Ordering::Acquire)).min();
-    let mut segments = shared.segments.write().unwrap_or_else(|e| e.into_inner());
+    let mut segments = shared.segments_mut();
     let old_first = segments[0].base;
     let mut total: u64 = segments.iter().map(|s| s.map.len() as u64).sum();
     let now = now_ns();
@@ -69,12 +70,12 @@ pub(crate) fn apply(shared: &Shared) -> Result<RetentionReport> {
     if removed.is_empty() {
         return Ok(report);
     }
-    shared.retention_removals.fetch_add(1, Ordering::Relaxed);
+    shared.count_retention_removal();
     let first = segments[0].base;
     shared.set_first_offset(first);
     drop(segments);
     for seg in &removed {
-        shared.options.page_budget.forget(seg);
+        shared.options().page_budget.forget(seg);
     }
     // Groups behind the new start lose records: count them, and move closed groups' cursors
     // (open ones move themselves on their next poll).
@@ -90,7 +91,7 @@ pub(crate) fn apply(shared: &Shared) -> Result<RetentionReport> {
         tracing::warn!(group = %name, skipped = lost, "retention removed records the group had not read");
         if !entry.open.load(Ordering::Acquire) {
             let state = CursorState { committed: first, acked_above: vec![] };
-            crate::group::create_cursor(&shared.dir, name, &state, shared.options.durability != Durability::None)?;
+            crate::group::create_cursor(shared.dir(), name, &state, shared.options().durability != Durability::None)?;
             entry.committed.store(first, Ordering::Release);
         }
     }
@@ -98,7 +99,7 @@ pub(crate) fn apply(shared: &Shared) -> Result<RetentionReport> {
     for seg in removed {
         // Readers still holding the segment keep its mapping; the space returns when they let go.
         std::fs::remove_file(&seg.path).map_err(io_err("remove segment", &seg.path))?;
-        crate::index::remove(&shared.dir, seg.base);
+        crate::index::remove(shared.dir(), seg.base);
         drop(Arc::clone(&seg));
     }
     tracing::info!(

@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::Result;
 use crate::frame::Input;
-use crate::log::{Log, Shared};
+use crate::log::Log;
 use crate::options::Durability;
 use crate::reader::Reader;
+use crate::state::LogState;
 
 /// A [`Log`] that many threads append to. Appends are serialized by a short lock (the frame
 /// copy); under [`Durability::Always`] the wait for the disk happens outside that lock, and all
@@ -15,7 +16,7 @@ use crate::reader::Reader;
 #[derive(Clone)]
 pub struct SharedLog {
     log: Arc<Mutex<Log>>,
-    shared: Arc<Shared>,
+    shared: Arc<LogState>,
 }
 
 impl SharedLog {
@@ -29,7 +30,7 @@ impl SharedLog {
     }
 
     fn durable(&self, last: u64) -> Result<()> {
-        if self.shared.options.durability == Durability::Always {
+        if self.shared.options().durability == Durability::Always {
             self.shared.make_durable(last)?;
         }
         Ok(())
@@ -78,7 +79,7 @@ impl SharedLog {
 
     /// The log's durability policy.
     pub fn durability(&self) -> Durability {
-        self.shared.options.durability
+        self.shared.options().durability
     }
 
     /// Makes every record appended so far durable.
@@ -91,7 +92,7 @@ impl SharedLog {
     }
 
     pub fn next_offset(&self) -> u64 {
-        self.shared.next_offset.load(std::sync::atomic::Ordering::Acquire)
+        self.shared.next_offset()
     }
 
     pub fn stats(&self) -> crate::LogStats {
@@ -109,15 +110,15 @@ impl SharedLog {
     }
 
     pub fn groups(&self) -> Vec<crate::GroupInfo> {
-        self.shared.group_infos()
+        crate::group::infos(&self.shared)
     }
 
     pub fn copy_group(&self, from: &str, to: &str) -> Result<()> {
-        self.shared.copy_group(from, to)
+        crate::group::copy(&self.shared, from, to)
     }
 
     pub fn delete_group(&self, name: &str) -> Result<()> {
-        self.shared.delete_group(name)
+        crate::group::delete(&self.shared, name)
     }
 
     pub fn reader(&self) -> Reader {

@@ -5,13 +5,16 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::directory::{list_segments, lock_dir};
+use crate::error::corrupt;
 use crate::error::{Error, Reason, Result, io_err};
-use crate::log::{Shared, corrupt_before_valid, list_segments, lock_dir, scan_start};
 use crate::mmap::HEADER_LEN;
 use crate::options::Options;
 use crate::reader::Reader;
 use crate::recovery::{self, Stop};
+use crate::recovery::{corrupt_before_valid, scan_start};
 use crate::segment::{self, Segment, SegmentHeader};
+use crate::state::LogState;
 
 /// Opens `dir` for reading only: no lock is taken and nothing is written, so it works beside a
 /// running writer (which may append while this reads) and on a log that needs repair. A torn
@@ -26,7 +29,7 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     for &base in sealed {
         let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
         if let Err(reason) = header {
-            return Err(crate::log::corrupt(&seg.path, 0, None, Reason::Other(reason)));
+            return Err(corrupt(&seg.path, 0, None, Reason::Other(reason)));
         }
         segments.push(Arc::new(seg));
     }
@@ -48,7 +51,7 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     segments.push(Arc::new(seg));
     let options = Options { create: false, ..Options::default() };
     let cursors = crate::group::load_all(dir)?;
-    Ok(Reader::new(Shared::new(dir.to_path_buf(), options, segments, scan.next_offset, cursors)))
+    Ok(Reader::new(LogState::new(dir.to_path_buf(), options, segments, scan.next_offset, cursors)))
 }
 
 /// The consumer groups of the log in `dir`, read from their cursor files (no lock taken).

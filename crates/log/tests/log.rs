@@ -353,6 +353,40 @@ fn interval_durability_stops_cleanly_and_keeps_everything() {
     assert_eq!(read_all(&mut log.reader()).len(), 5000);
 }
 
+/// Threads of this process with `name` (Linux: /proc/self/task/*/comm).
+fn threads_named(name: &str) -> usize {
+    fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter(|t| {
+            let comm = fs::read_to_string(t.as_ref().unwrap().path().join("comm")).unwrap_or_default();
+            comm.trim_end() == name
+        })
+        .count()
+}
+
+#[test]
+fn interval_durability_syncs_many_logs_and_cursors_from_one_thread() {
+    let dirs: Vec<_> = (0..40).map(|_| tempfile::tempdir().unwrap()).collect();
+    let every = std::time::Duration::from_millis(5);
+    let mut logs: Vec<Log> =
+        dirs.iter().map(|d| Log::open(d.path(), small(Durability::Interval(every))).unwrap()).collect();
+    let group_options = petrel_log::GroupOptions { durability: Durability::Interval(every), ..Default::default() };
+    let mut groups: Vec<_> = logs.iter().map(|l| l.group("g", group_options).unwrap()).collect();
+    for (log, group) in logs.iter_mut().zip(&mut groups) {
+        log.append(b"one").unwrap();
+        let offset = group.poll(1, std::time::Duration::ZERO).unwrap().first_offset();
+        group.ack(offset).unwrap();
+    }
+    // Nobody calls sync: the background thread makes every log durable.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while logs.iter().any(|l| l.stats().syncs == 0) {
+        assert!(std::time::Instant::now() < deadline, "a log was never synced in the background");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(threads_named("petrel-log-sync"), 1, "one sync thread for 40 logs and 40 cursors");
+    assert_eq!(threads_named("petrel-cursor-s"), 0);
+}
+
 #[test]
 fn a_leftover_segment_from_an_interrupted_roll_is_removed() {
     let dir = tempfile::tempdir().unwrap();
