@@ -21,6 +21,7 @@ import asyncio
 import atexit
 import builtins
 import inspect
+import itertools
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -29,6 +30,7 @@ from ._petrel import (
     AsyncCore as _AsyncCore,
     AsyncSubscriptionCore as _AsyncSubscriptionCore,
     Client,
+    Completions as _Completions,
     IncomingCall as _IncomingCall,
     ClosedError,
     ConnectionError,
@@ -75,17 +77,72 @@ __all__ = [
 _LONG_POLL = 1.0
 
 
-_native_threads_used = False
-
-
 @atexit.register
-def _let_native_threads_finish() -> None:
-    # AsyncClient's awaitables are completed, and Client.serve's handlers run, on threads of the
-    # native runtime, which hold the GIL for a moment after the coroutine already has its result.
-    # At exit, stop new calls of served functions and let such a thread finish before the
-    # interpreter finalizes: one still inside would abort the process.
-    if _stop_serving() or _native_threads_used:
+def _let_handlers_finish() -> None:
+    # Client.serve's handlers run on threads of the native runtime. At exit, stop new calls of
+    # served functions and let a running handler finish before the interpreter finalizes: a
+    # native thread inside Python then would abort the process.
+    if _stop_serving():
         time.sleep(0.05)
+
+
+class _Requests:
+    """The asyncio client's requests in flight on one event loop.
+
+    A request runs natively and leaves its outcome with :class:`Completions`, which makes a
+    descriptor readable; the loop then resolves the request's future here, on its own thread.
+    No native thread ever waits for the GIL to deliver a result.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.completions = _Completions()
+        self.waiting: Dict[int, "asyncio.Future[Any]"] = {}
+        self.tokens = itertools.count(1)
+        self.closing = False
+        self.watching = True
+        loop.add_reader(self.completions.fileno(), self._drain)
+
+    def _drain(self) -> None:
+        for token, succeeded, value in self.completions.drain():
+            future = self.waiting.pop(token, None)
+            if future is None or future.done():
+                continue
+            if succeeded:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+        if self.closing and not self.waiting:
+            self._unwatch()
+
+    def _unwatch(self) -> None:
+        if self.watching and not self.loop.is_closed():
+            self.loop.remove_reader(self.completions.fileno())
+        self.watching = False
+
+    async def run(self, start: Callable[..., None], *args: Any, **kwargs: Any) -> Any:
+        """Starts a native request (``start(token, *args)``) and waits for its outcome; a
+        cancelled wait aborts the request (a poll gives its messages back)."""
+        token = next(self.tokens)
+        future = self.loop.create_future()
+        self.waiting[token] = future
+        try:
+            start(token, *args, **kwargs)
+        except BaseException:
+            del self.waiting[token]
+            raise
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.waiting.pop(token, None)
+            self.completions.cancel(token)
+            raise
+
+    def close(self) -> None:
+        """Stops watching once the requests in flight have their outcomes."""
+        self.closing = True
+        if not self.waiting:
+            self._unwatch()
 
 
 class AsyncSubscription:
@@ -98,14 +155,16 @@ class AsyncSubscription:
     dropped a live subscriber too slow to keep up.
     """
 
-    def __init__(self, subscribing: Callable[[], Awaitable[_AsyncSubscriptionCore]]) -> None:
+    def __init__(self, subscribing: Callable[[], Awaitable[Tuple[_Requests, _AsyncSubscriptionCore]]]) -> None:
         self._subscribing = subscribing
         self._core: Optional[_AsyncSubscriptionCore] = None
+        self._requests: Optional[_Requests] = None
 
-    async def _subscription(self) -> _AsyncSubscriptionCore:
+    async def _subscription(self) -> Tuple[_Requests, _AsyncSubscriptionCore]:
         if self._core is None:
-            self._core = await self._subscribing()
-        return self._core
+            self._requests, self._core = await self._subscribing()
+        assert self._requests is not None
+        return self._requests, self._core
 
     @property
     def id(self) -> Optional[int]:
@@ -116,7 +175,8 @@ class AsyncSubscription:
         return self
 
     async def __anext__(self) -> Message:
-        message = await (await self._subscription()).next()
+        requests, core = await self._subscription()
+        message = await requests.run(core.next, None)
         if message is None:
             raise StopAsyncIteration
         return message
@@ -125,18 +185,20 @@ class AsyncSubscription:
         """The next message, waiting up to ``timeout`` seconds (``None``: until one comes);
         ``None`` if none came in time or the subscription is over."""
         # The wait is timed on the native side: a message that arrives as it ends is kept.
-        return await (await self._subscription()).next(timeout)
+        requests, core = await self._subscription()
+        return await requests.run(core.next, timeout)
 
     async def ack(self, ids: List[int]) -> int:
         """Acknowledges messages of a group subscription by ``Message.id``; returns how many
         counted."""
-        return await (await self._subscription()).ack(ids)
+        requests, core = await self._subscription()
+        return await requests.run(core.ack, ids)
 
     async def unsubscribe(self) -> None:
         """Ends the subscription; unacknowledged messages of a group come again to its next
         subscriber."""
-        if self._core is not None:
-            await self._core.unsubscribe()
+        if self._core is not None and self._requests is not None:
+            await self._requests.run(self._core.unsubscribe)
 
     async def __aenter__(self) -> "AsyncSubscription":
         await self._subscription()
@@ -168,7 +230,9 @@ class AsyncClient:
     ) -> None:
         self._args = (address, user, password, tls_ca, tls_cert, tls_key)
         self._core: Optional[_AsyncCore] = None
+        self._requests: Optional[_Requests] = None
         self._connecting: Optional[asyncio.Future] = None
+        self._closed = False
         # Served functions: each one's stream of calls and the task answering them.
         self._serving: Dict[str, Tuple[_AsyncCalls, "asyncio.Task[None]"]] = {}
 
@@ -180,10 +244,15 @@ class AsyncClient:
     async def _client(self) -> _AsyncCore:
         if self._core is not None:
             return self._core
-        global _native_threads_used
-        _native_threads_used = True
+        if self._closed:
+            raise ClosedError("the client was closed")
+        if self._requests is None:
+            self._requests = _Requests(asyncio.get_running_loop())
+        requests = self._requests
         if self._connecting is None:
-            self._connecting = asyncio.ensure_future(_AsyncCore.connect(*self._args))
+            self._connecting = asyncio.ensure_future(
+                requests.run(_AsyncCore.connect, requests.completions, *self._args)
+            )
         connecting = self._connecting
         try:
             # Shielded: a caller cancelled while connecting leaves the connection to the others.
@@ -198,35 +267,40 @@ class AsyncClient:
         self._core = core
         return core
 
+    async def _run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Runs request ``method`` of the native client and waits for its outcome."""
+        core = await self._client()
+        assert self._requests is not None
+        return await self._requests.run(getattr(core, method), *args, **kwargs)
+
     async def create_queue(
         self, name: str, durable: bool = True, max_items: int = 0, max_bytes: int = 0, ttl: Optional[float] = None
     ) -> None:
         """Creates a queue (nothing if it exists with this configuration)."""
-        await (await self._client()).create_queue(name, durable, max_items, max_bytes, ttl)
+        await self._run("create_queue", name, durable, max_items, max_bytes, ttl)
 
     async def remove_queue(self, name: str) -> None:
         """Removes a queue and the messages in it."""
-        await (await self._client()).remove_queue(name)
+        await self._run("remove_queue", name)
 
     async def offer(self, queue: str, payload: bytes, timeout: Optional[float] = None) -> int:
         """Adds a message at the queue's tail; returns its id."""
-        return await (await self._client()).offer(queue, payload, timeout)
+        return await self._run("offer", queue, payload, timeout)
 
     async def offer_many(self, queue: str, payloads: List[bytes], timeout: Optional[float] = None) -> int:
         """Adds messages together, all or none; returns the first id."""
-        return await (await self._client()).offer_many(queue, payloads, timeout)
+        return await self._run("offer_many", queue, payloads, timeout)
 
     async def poll_many(
         self, queue: str, max: int = 100, timeout: Optional[float] = 0.0, visibility: Optional[float] = None
     ) -> List[Message]:
         """Takes up to ``max`` messages, waiting up to ``timeout`` seconds for the first
         (``None``: until one comes); with ``visibility`` tentatively (see :meth:`ack`)."""
-        core = await self._client()
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + builtins.max(timeout, 0.0)
         while True:
             wait = _LONG_POLL if deadline is None else builtins.max(min(deadline - loop.time(), _LONG_POLL), 0.0)
-            messages = await core.poll_once(queue, max, wait, visibility)
+            messages = await self._run("poll_once", queue, max, wait, visibility)
             if messages or (deadline is not None and loop.time() >= deadline):
                 return messages
 
@@ -243,32 +317,34 @@ class AsyncClient:
 
     async def ack(self, queue: str, handles: List[int]) -> int:
         """Acknowledges tentative takes by handle; returns how many were still open."""
-        return await (await self._client()).ack(queue, handles)
+        return await self._run("ack", queue, handles)
 
     async def abort(self, queue: str, handles: List[int]) -> int:
         """Puts tentative takes back at the head; returns how many were still open."""
-        return await (await self._client()).abort(queue, handles)
+        return await self._run("abort", queue, handles)
 
     async def create_topic(self, name: str, durable: bool = False) -> None:
         """Creates a topic (nothing if it exists); a durable one keeps a log for groups."""
-        await (await self._client()).create_topic(name, durable)
+        await self._run("create_topic", name, durable)
 
     async def remove_topic(self, name: str) -> None:
         """Removes a topic; its subscriptions end."""
-        await (await self._client()).remove_topic(name)
+        await self._run("remove_topic", name)
 
     async def publish(self, topic: str, payload: bytes, subject: str = "") -> int:
         """Publishes to every current subscriber (and a durable topic's log); returns how many
         subscribers it reached."""
-        return await (await self._client()).publish(topic, payload, subject)
+        return await self._run("publish", topic, payload, subject)
 
     def subscribe(self, topic: str, buffer: int = 0) -> AsyncSubscription:
         """The topic's messages from now on: ``async for message in client.subscribe(t)``.
         ``buffer``: how many the server holds for this subscriber before it ends the
         subscription as too slow (0: the server's default)."""
 
-        async def subscribing() -> _AsyncSubscriptionCore:
-            return await (await self._client()).subscribe(topic, buffer)
+        async def subscribing() -> Tuple[_Requests, _AsyncSubscriptionCore]:
+            core = await self._run("subscribe", topic, buffer)
+            assert self._requests is not None
+            return self._requests, core
 
         return AsyncSubscription(subscribing)
 
@@ -285,20 +361,21 @@ class AsyncClient:
         (``start=None``), ``"oldest"``, ``"newest"``, an offset, or ``time=NS``. At most
         ``max_unacked`` messages are out unacknowledged (0: the server's default)."""
 
-        async def subscribing() -> _AsyncSubscriptionCore:
-            core = await self._client()
-            return await core.subscribe_group(topic, group, start, time=time, max_unacked=max_unacked)
+        async def subscribing() -> Tuple[_Requests, _AsyncSubscriptionCore]:
+            core = await self._run("subscribe_group", topic, group, start, time=time, max_unacked=max_unacked)
+            assert self._requests is not None
+            return self._requests, core
 
         return AsyncSubscription(subscribing)
 
     async def call(self, function: str, payload: bytes, timeout: Optional[float] = None, subject: str = "") -> Message:
         """Calls ``function`` and returns its reply, waiting up to ``timeout`` seconds
         (``None``: the server's default). Many calls may be in flight at once."""
-        return await (await self._client()).call(function, payload, timeout, subject)
+        return await self._run("call", function, payload, timeout, subject)
 
     async def call_oneway(self, function: str, payload: bytes, subject: str = "") -> None:
         """Calls ``function`` without waiting for a reply."""
-        await (await self._client()).call_oneway(function, payload, subject)
+        await self._run("call_oneway", function, payload, subject)
 
     async def serve(self, function: str, handler: Handler) -> None:
         """Serves ``function`` with ``handler``: a callable or coroutine function taking the
@@ -309,11 +386,13 @@ class AsyncClient:
             raise TypeError("the handler must be callable")
         if function in self._serving:
             raise ValueError(f"{function!r} is already served by this client")
-        calls: _AsyncCalls = await (await self._client()).serve(function)
-        self._serving[function] = (calls, asyncio.ensure_future(self._answer_calls(calls, handler)))
+        calls: _AsyncCalls = await self._run("serve", function)
+        assert self._requests is not None
+        answering = asyncio.ensure_future(self._answer_calls(self._requests, calls, handler))
+        self._serving[function] = (calls, answering)
 
     @staticmethod
-    async def _answer_calls(calls: _AsyncCalls, handler: Handler) -> None:
+    async def _answer_calls(requests: _Requests, calls: _AsyncCalls, handler: Handler) -> None:
         running: Set["asyncio.Task[None]"] = set()
 
         async def answer(call: _IncomingCall) -> None:
@@ -330,7 +409,7 @@ class AsyncClient:
 
         try:
             while True:
-                call = await calls.next()
+                call = await requests.run(calls.next)
                 if call is None:
                     break
                 task = asyncio.ensure_future(answer(call))
@@ -346,7 +425,7 @@ class AsyncClient:
         """Stops serving ``function``; calls already taken still get their replies."""
         calls, answering = self._serving.pop(function)
         try:
-            await (await self._client()).unserve(function)
+            await self._run("unserve", function)
         finally:
             calls.close()
         await answering
@@ -357,8 +436,11 @@ class AsyncClient:
             calls.close()
             answering.cancel()
         self._serving.clear()
+        self._closed = True
         if self._core is not None:
             self._core.close()
+        if self._requests is not None:
+            self._requests.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()

@@ -9,11 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use petrel_client::{ClientOptions, PollOptions, QueueConfig, TlsOptions};
+use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 
+use crate::completions::{Completions, Inner, outcome, outcome_with};
 use crate::functions::{AsyncCalls, IncomingCall};
 use crate::subscription::{AsyncSubscriptionCore, Subscription, start_from};
 use crate::{ClosedError, ConnectionError, ServerError};
@@ -23,6 +25,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_class::<Subscription>()?;
     m.add_class::<AsyncCore>()?;
+    m.add_class::<Completions>()?;
     m.add_class::<AsyncSubscriptionCore>()?;
     m.add_class::<AsyncCalls>()?;
     m.add_class::<IncomingCall>()?;
@@ -395,11 +398,13 @@ impl Client {
     }
 }
 
-/// The asyncio client's native half: every method returns an awaitable. Use
-/// `petrel.AsyncClient`, which connects on first use and adds `async with`/`async for`.
+/// The asyncio client's native half. Each request method takes a token and returns at once;
+/// the request runs on the runtime and its outcome reaches `petrel.AsyncClient` through its
+/// `Completions` under that token (`completions.rs`).
 #[pyclass(module = "petrel", frozen)]
 pub struct AsyncCore {
     inner: petrel_client::Client,
+    completions: Arc<Inner>,
 }
 
 /// Polls once on the server (it waits up to `wait`), on a task of its own: if the awaiting
@@ -443,225 +448,177 @@ fn into_messages(py: Python<'_>, delivered: Vec<(u64, petrel_client::Message)>) 
 
 #[pymethods]
 impl AsyncCore {
-    /// Connects; resolves to an `AsyncCore`.
+    /// Connects; the outcome is an `AsyncCore` whose requests complete through `completions`.
     #[staticmethod]
-    #[pyo3(signature = (address, user = None, password = None, tls_ca = None, tls_cert = None, tls_key = None))]
+    #[pyo3(signature = (token, completions, address, user = None, password = None, tls_ca = None, tls_cert = None, tls_key = None))]
+    #[allow(clippy::too_many_arguments)]
     fn connect(
-        py: Python<'_>,
+        token: u64,
+        completions: &Completions,
         address: String,
         user: Option<String>,
         password: Option<String>,
         tls_ca: Option<PathBuf>,
         tls_cert: Option<PathBuf>,
         tls_key: Option<PathBuf>,
-    ) -> PyResult<Bound<'_, PyAny>> {
+    ) -> PyResult<()> {
         let connect = connect_options(&address, user, password, tls_ca, tls_cert, tls_key)?;
-        pyo3_async_runtimes::tokio::future_into_py(py, async move { Ok(AsyncCore { inner: connect.connect().await? }) })
+        let done = Arc::clone(&completions.inner);
+        completions.inner.spawn(token, async move {
+            outcome(connect.connect().await.map(|inner| AsyncCore { inner, completions: done }))
+        });
+        Ok(())
     }
 
-    #[pyo3(signature = (name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
-    fn create_queue<'py>(
-        &self,
-        py: Python<'py>,
-        name: String,
-        durable: bool,
-        max_items: u64,
-        max_bytes: u64,
-        ttl: Option<f64>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (token, name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn create_queue(&self, token: u64, name: String, durable: bool, max_items: u64, max_bytes: u64, ttl: Option<f64>) {
         let ttl_ms = crate::timeout_from(ttl).map_or(0, |t| t.as_millis() as u64);
         let config = QueueConfig { durable, max_items, max_bytes, ttl_ms, ..QueueConfig::default() };
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.create_queue(&name, config).await.map_err(client_error)
-        })
+        self.completions
+            .spawn(token, async move { outcome(client.create_queue(&name, config).await.map_err(client_error)) });
     }
 
-    fn remove_queue<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyAny>> {
+    fn remove_queue(&self, token: u64, name: String) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(
-            py,
-            async move { client.remove_queue(&name).await.map_err(client_error) },
-        )
+        self.completions.spawn(token, async move { outcome(client.remove_queue(&name).await.map_err(client_error)) });
     }
 
-    #[pyo3(signature = (queue, payload, timeout = None))]
-    fn offer<'py>(
-        &self,
-        py: Python<'py>,
-        queue: String,
-        payload: PyBackedBytes,
-        timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (token, queue, payload, timeout = None))]
+    fn offer(&self, token: u64, queue: String, payload: PyBackedBytes, timeout: Option<f64>) {
         let client = self.inner.clone();
         let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
         let timeout = crate::timeout_from(timeout);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.offer(&queue, vec![message], timeout).await.map_err(client_error)
-        })
+        self.completions.spawn(token, async move {
+            outcome(client.offer(&queue, vec![message], timeout).await.map_err(client_error))
+        });
     }
 
-    #[pyo3(signature = (queue, payloads, timeout = None))]
-    fn offer_many<'py>(
-        &self,
-        py: Python<'py>,
-        queue: String,
-        payloads: Vec<PyBackedBytes>,
-        timeout: Option<f64>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (token, queue, payloads, timeout = None))]
+    fn offer_many(&self, token: u64, queue: String, payloads: Vec<PyBackedBytes>, timeout: Option<f64>) {
         let client = self.inner.clone();
         let messages: Vec<_> =
             payloads.into_iter().map(|p| petrel_client::Message::new(bytes::Bytes::from_owner(p))).collect();
         let timeout = crate::timeout_from(timeout);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.offer(&queue, messages, timeout).await.map_err(client_error)
-        })
+        self.completions
+            .spawn(token, async move { outcome(client.offer(&queue, messages, timeout).await.map_err(client_error)) });
     }
 
     /// One server-side poll waiting up to `wait` seconds (at most about a second: the Python
-    /// side loops for longer waits); resolves to a list of `Message`.
-    #[pyo3(signature = (queue, max = 1, wait = 0.0, visibility = None))]
-    fn poll_once<'py>(
-        &self,
-        py: Python<'py>,
-        queue: String,
-        max: u32,
-        wait: f64,
-        visibility: Option<f64>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    /// side loops for longer waits); the outcome is a list of `Message`.
+    #[pyo3(signature = (token, queue, max = 1, wait = 0.0, visibility = None))]
+    fn poll_once(&self, token: u64, queue: String, max: u32, wait: f64, visibility: Option<f64>) {
         let client = self.inner.clone();
         let wait = crate::timeout_from(Some(wait)).unwrap_or_default().min(LONG_POLL);
         let options = poll_options(max, wait, visibility);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let delivered = poll_once(client, queue, options).await?;
-            Python::attach(|py| Ok(into_messages(py, delivered)))
-        })
+        self.completions.spawn(token, async move {
+            match poll_once(client, queue, options).await {
+                Ok(delivered) => outcome_with(move |py| into_messages(py, delivered).into_py_any(py)),
+                Err(e) => outcome::<()>(Err(e)),
+            }
+        });
     }
 
-    fn ack<'py>(&self, py: Python<'py>, queue: String, handles: Vec<u64>) -> PyResult<Bound<'py, PyAny>> {
+    fn ack(&self, token: u64, queue: String, handles: Vec<u64>) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.ack(&queue, &handles).await.map_err(client_error)
-        })
+        self.completions.spawn(token, async move { outcome(client.ack(&queue, &handles).await.map_err(client_error)) });
     }
 
-    fn abort<'py>(&self, py: Python<'py>, queue: String, handles: Vec<u64>) -> PyResult<Bound<'py, PyAny>> {
+    fn abort(&self, token: u64, queue: String, handles: Vec<u64>) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.abort(&queue, &handles).await.map_err(client_error)
-        })
+        self.completions
+            .spawn(token, async move { outcome(client.abort(&queue, &handles).await.map_err(client_error)) });
     }
 
-    #[pyo3(signature = (name, durable = false))]
-    fn create_topic<'py>(&self, py: Python<'py>, name: String, durable: bool) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (token, name, durable = false))]
+    fn create_topic(&self, token: u64, name: String, durable: bool) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.create_topic(&name, durable).await.map_err(client_error)
-        })
+        self.completions
+            .spawn(token, async move { outcome(client.create_topic(&name, durable).await.map_err(client_error)) });
     }
 
-    fn remove_topic<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyAny>> {
+    fn remove_topic(&self, token: u64, name: String) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(
-            py,
-            async move { client.remove_topic(&name).await.map_err(client_error) },
-        )
+        self.completions.spawn(token, async move { outcome(client.remove_topic(&name).await.map_err(client_error)) });
     }
 
-    #[pyo3(signature = (topic, payload, subject = String::new()))]
-    fn publish<'py>(
-        &self,
-        py: Python<'py>,
-        topic: String,
-        payload: PyBackedBytes,
-        subject: String,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (token, topic, payload, subject = String::new()))]
+    fn publish(&self, token: u64, topic: String, payload: PyBackedBytes, subject: String) {
         let client = self.inner.clone();
         let message = outgoing(payload, subject);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.publish(&topic, vec![message]).await.map_err(client_error)
-        })
+        self.completions
+            .spawn(token, async move { outcome(client.publish(&topic, vec![message]).await.map_err(client_error)) });
     }
 
-    /// Subscribes to a topic's live messages; resolves to an `AsyncSubscriptionCore`.
-    #[pyo3(signature = (topic, buffer = 0))]
-    fn subscribe<'py>(&self, py: Python<'py>, topic: String, buffer: u32) -> PyResult<Bound<'py, PyAny>> {
+    /// Subscribes to a topic's live messages; the outcome is an `AsyncSubscriptionCore`.
+    #[pyo3(signature = (token, topic, buffer = 0))]
+    fn subscribe(&self, token: u64, topic: String, buffer: u32) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let sub = client.subscribe(&topic, buffer).await.map_err(client_error)?;
-            Ok(AsyncSubscriptionCore::new(client, sub))
-        })
+        let done = Arc::clone(&self.completions);
+        self.completions.spawn(token, async move {
+            let sub = client.subscribe(&topic, buffer).await.map_err(client_error);
+            outcome(sub.map(|sub| AsyncSubscriptionCore::new(client, sub, done)))
+        });
     }
 
-    /// Reads a durable topic as a consumer group (see `Client.subscribe_group`); resolves to an
-    /// `AsyncSubscriptionCore`.
-    #[pyo3(signature = (topic, group, start = None, *, time = None, max_unacked = 0))]
-    fn subscribe_group<'py>(
+    /// Reads a durable topic as a consumer group (see `Client.subscribe_group`); the outcome is
+    /// an `AsyncSubscriptionCore`.
+    #[pyo3(signature = (token, topic, group, start = None, *, time = None, max_unacked = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn subscribe_group(
         &self,
-        py: Python<'py>,
+        token: u64,
         topic: String,
         group: String,
-        start: Option<Bound<'py, PyAny>>,
+        start: Option<Bound<'_, PyAny>>,
         time: Option<u64>,
         max_unacked: u32,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<()> {
         let from = start_from(start.as_ref(), time)?;
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let sub = client.subscribe_group(&topic, &group, from, max_unacked).await.map_err(client_error)?;
-            Ok(AsyncSubscriptionCore::new(client, sub))
-        })
+        let done = Arc::clone(&self.completions);
+        self.completions.spawn(token, async move {
+            let sub = client.subscribe_group(&topic, &group, from, max_unacked).await.map_err(client_error);
+            outcome(sub.map(|sub| AsyncSubscriptionCore::new(client, sub, done)))
+        });
+        Ok(())
     }
 
-    /// Calls a function; resolves to the reply `Message`.
-    #[pyo3(signature = (function, payload, timeout = None, subject = String::new()))]
-    fn call<'py>(
-        &self,
-        py: Python<'py>,
-        function: String,
-        payload: PyBackedBytes,
-        timeout: Option<f64>,
-        subject: String,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    /// Calls a function; the outcome is the reply `Message`.
+    #[pyo3(signature = (token, function, payload, timeout = None, subject = String::new()))]
+    fn call(&self, token: u64, function: String, payload: PyBackedBytes, timeout: Option<f64>, subject: String) {
         let client = self.inner.clone();
         let (message, timeout) = (outgoing(payload, subject), crate::timeout_from(timeout));
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let reply = client.call(&function, message, timeout).await.map_err(client_error)?;
-            Python::attach(|py| Ok(Message::new(py, 0, reply)))
-        })
+        self.completions.spawn(token, async move {
+            match client.call(&function, message, timeout).await {
+                Ok(reply) => outcome_with(move |py| Message::new(py, 0, reply).into_py_any(py)),
+                Err(e) => outcome::<()>(Err(client_error(e))),
+            }
+        });
     }
 
-    #[pyo3(signature = (function, payload, subject = String::new()))]
-    fn call_oneway<'py>(
-        &self,
-        py: Python<'py>,
-        function: String,
-        payload: PyBackedBytes,
-        subject: String,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    #[pyo3(signature = (token, function, payload, subject = String::new()))]
+    fn call_oneway(&self, token: u64, function: String, payload: PyBackedBytes, subject: String) {
         let client = self.inner.clone();
         let message = outgoing(payload, subject);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.call_oneway(&function, message).await.map_err(client_error)
-        })
+        self.completions
+            .spawn(token, async move { outcome(client.call_oneway(&function, message).await.map_err(client_error)) });
     }
 
-    /// Serves `function`; resolves to the `AsyncCalls` stream of its calls.
-    fn serve<'py>(&self, py: Python<'py>, function: String) -> PyResult<Bound<'py, PyAny>> {
+    /// Serves `function`; the outcome is the `AsyncCalls` stream of its calls.
+    fn serve(&self, token: u64, function: String) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let (handler, calls) = crate::functions::async_calls();
-            client.serve(&function, handler).await.map_err(client_error)?;
-            Ok(calls)
-        })
+        let done = Arc::clone(&self.completions);
+        self.completions.spawn(token, async move {
+            let (handler, calls) = crate::functions::async_calls(done);
+            outcome(client.serve(&function, handler).await.map_err(client_error).map(|()| calls))
+        });
     }
 
-    fn unserve<'py>(&self, py: Python<'py>, function: String) -> PyResult<Bound<'py, PyAny>> {
+    fn unserve(&self, token: u64, function: String) {
         let client = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(
-            py,
-            async move { client.unserve(&function).await.map_err(client_error) },
-        )
+        self.completions.spawn(token, async move { outcome(client.unserve(&function).await.map_err(client_error)) });
     }
 
     fn close(&self) {

@@ -1,16 +1,19 @@
 //! Serving a function (request/reply) with Python code. The blocking client runs the handler, a
 //! plain callable, on the runtime's blocking threads (a slow handler holds one thread, not the
 //! connection). The asyncio client gets the calls as a stream of `IncomingCall`s
-//! (`AsyncCalls.next()`), which `petrel.AsyncClient.serve` hands to the handler on the event loop
-//! and answers with `reply`/`fail`; so a handler may be a coroutine function there.
+//! (`AsyncCalls.next`, completing through `Completions`), which `petrel.AsyncClient.serve` hands
+//! to the handler on the event loop and answers with `reply`/`fail`; so a handler may be a
+//! coroutine function there.
 
 use std::sync::Arc;
 
+use pyo3::IntoPyObjectExt;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::client::{Message, runtime};
+use crate::completions::{Inner, outcome, outcome_with};
 
 /// What a handler's answer becomes: its bytes as the reply's payload (`None`: an empty reply),
 /// or the handler error the caller gets.
@@ -90,14 +93,17 @@ impl IncomingCall {
 #[pyclass(module = "petrel", frozen)]
 pub struct AsyncCalls {
     calls: Arc<tokio::sync::Mutex<mpsc::Receiver<QueuedCall>>>,
+    completions: Arc<Inner>,
 }
+
+/// A boxed handler future, as `petrel_client::Client::serve` takes it.
+type HandlerFuture = std::pin::Pin<Box<dyn Future<Output = Reply> + Send>>;
 
 /// A handler for `petrel_client::Client::serve` that queues each call for the event loop, and the
 /// stream the loop takes them from.
-pub(crate) fn async_calls() -> (
-    impl Fn(petrel_client::Message) -> std::pin::Pin<Box<dyn Future<Output = Reply> + Send>> + Send + Sync + 'static,
-    AsyncCalls,
-) {
+pub(crate) fn async_calls(
+    completions: Arc<Inner>,
+) -> (impl Fn(petrel_client::Message) -> HandlerFuture + Send + Sync + 'static, AsyncCalls) {
     let (tx, rx) = mpsc::channel(ASYNC_CALLS_BUFFER);
     let handler = move |request: petrel_client::Message| {
         let tx = tx.clone();
@@ -105,26 +111,26 @@ pub(crate) fn async_calls() -> (
             let (replier, reply) = oneshot::channel();
             tx.send((request, replier)).await.map_err(|_| "the function is no longer served".to_owned())?;
             reply.await.unwrap_or_else(|_| Err("the handler gave no reply".to_owned()))
-        }) as std::pin::Pin<Box<dyn Future<Output = Reply> + Send>>
+        }) as HandlerFuture
     };
-    (handler, AsyncCalls { calls: Arc::new(tokio::sync::Mutex::new(rx)) })
+    (handler, AsyncCalls { calls: Arc::new(tokio::sync::Mutex::new(rx)), completions })
 }
 
 #[pymethods]
 impl AsyncCalls {
-    /// Resolves to the next `IncomingCall`, or `None` once the function is no longer served.
-    fn next<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    /// The outcome is the next `IncomingCall`, or `None` once the function is no longer served.
+    fn next(&self, token: u64) {
         let calls = Arc::clone(&self.calls);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let Some((request, replier)) = calls.lock().await.recv().await else { return Ok(None) };
-            Python::attach(|py| {
+        self.completions.spawn(token, async move {
+            let Some((request, replier)) = calls.lock().await.recv().await else { return outcome(Ok(None::<()>)) };
+            outcome_with(move |py| {
                 let message = Py::new(py, Message::new(py, 0, request))?;
-                Ok(Some(IncomingCall { message, replier: std::sync::Mutex::new(Some(replier)) }))
+                IncomingCall { message, replier: std::sync::Mutex::new(Some(replier)) }.into_py_any(py)
             })
-        })
+        });
     }
 
-    /// Stops taking calls: `next()` resolves to `None` once those already queued are taken.
+    /// Stops taking calls: `next()` gives `None` once those already queued are taken.
     fn close(&self) {
         let calls = Arc::clone(&self.calls);
         runtime().spawn(async move { calls.lock().await.close() });

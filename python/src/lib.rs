@@ -7,6 +7,7 @@
 //! waiting for room in a full queue does not, for at most the timeout it was given.
 
 mod client;
+mod completions;
 mod embedded;
 mod functions;
 mod subscription;

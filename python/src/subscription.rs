@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use petrel_client::StartFrom;
+use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::client::{LONG_POLL, Message, client_error, runtime};
+use crate::completions::{Inner, outcome, outcome_with};
 
 /// Where a group subscription starts: `None` (where the group stands), `"oldest"`, `"newest"`,
 /// an offset (a message's id is its offset + 1), or `time=NS` (the first message published at
@@ -157,70 +159,74 @@ impl Drop for Subscription {
     }
 }
 
-/// The asyncio side of a subscription: `next()` resolves to the next `Message`, or `None` once
-/// it ended. Use `petrel.AsyncSubscription`, which wraps it.
+/// The asyncio side of a subscription; its requests complete through the client's
+/// `Completions`. Use `petrel.AsyncSubscription`, which wraps it.
 #[pyclass(module = "petrel", frozen)]
 pub struct AsyncSubscriptionCore {
     #[pyo3(get)]
     id: u64,
     client: petrel_client::Client,
     stream: Arc<tokio::sync::Mutex<Option<petrel_client::Subscription>>>,
+    completions: Arc<Inner>,
 }
 
 impl AsyncSubscriptionCore {
-    pub(crate) fn new(client: petrel_client::Client, sub: petrel_client::Subscription) -> AsyncSubscriptionCore {
-        AsyncSubscriptionCore { id: sub.id, client, stream: Arc::new(tokio::sync::Mutex::new(Some(sub))) }
+    pub(crate) fn new(
+        client: petrel_client::Client,
+        sub: petrel_client::Subscription,
+        completions: Arc<Inner>,
+    ) -> AsyncSubscriptionCore {
+        AsyncSubscriptionCore { id: sub.id, client, stream: Arc::new(tokio::sync::Mutex::new(Some(sub))), completions }
     }
 }
 
 #[pymethods]
 impl AsyncSubscriptionCore {
-    /// Resolves to the next message, or `None` after `timeout` seconds (`None`: no limit) or
-    /// once the subscription ended. Timed here rather than by cancelling from Python, so that a
-    /// message arriving as the time runs out is never dropped.
-    #[pyo3(signature = (timeout = None))]
-    fn next<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
+    /// The outcome is the next message, or `None` after `timeout` seconds (`None`: no limit) or
+    /// once the subscription ended. Timed here rather than by cancelling, so that a message
+    /// arriving as the time runs out is never dropped.
+    #[pyo3(signature = (token, timeout = None))]
+    fn next(&self, token: u64, timeout: Option<f64>) {
         let stream = Arc::clone(&self.stream);
         let timeout = crate::timeout_from(timeout);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+        self.completions.spawn(token, async move {
             let mut stream = stream.lock().await;
-            let Some(sub) = stream.as_mut() else { return Ok(None) };
+            let Some(sub) = stream.as_mut() else { return outcome(Ok(None::<()>)) };
             let next = match timeout {
                 Some(t) => match tokio::time::timeout(t, sub.next()).await {
                     Ok(next) => next,
-                    Err(_elapsed) => return Ok(None),
+                    Err(_elapsed) => return outcome(Ok(None::<()>)),
                 },
                 None => sub.next().await,
             };
             match next {
-                Some(Ok(m)) => Python::attach(|py| Ok(Some(Message::new(py, 0, m)))),
+                Some(Ok(m)) => outcome_with(move |py| Message::new(py, 0, m).into_py_any(py)),
                 Some(Err(e)) => {
                     stream.take();
-                    Err(client_error(e))
+                    outcome::<()>(Err(client_error(e)))
                 }
                 None => {
                     stream.take();
-                    Ok(None)
+                    outcome(Ok(None::<()>))
                 }
             }
-        })
+        });
     }
 
-    fn ack<'py>(&self, py: Python<'py>, ids: Vec<u64>) -> PyResult<Bound<'py, PyAny>> {
+    fn ack(&self, token: u64, ids: Vec<u64>) {
         let (client, id) = (self.client.clone(), self.id);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            client.ack_subscription(id, &ids).await.map_err(client_error)
-        })
+        self.completions
+            .spawn(token, async move { outcome(client.ack_subscription(id, &ids).await.map_err(client_error)) });
     }
 
-    fn unsubscribe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    fn unsubscribe(&self, token: u64) {
         let (client, id) = (self.client.clone(), self.id);
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            match client.unsubscribe(id).await {
+        self.completions.spawn(token, async move {
+            outcome(match client.unsubscribe(id).await {
                 Ok(()) | Err(petrel_client::ClientError::Closed) => Ok(()),
                 Err(e) => Err(client_error(e)),
-            }
-        })
+            })
+        });
     }
 }
 
