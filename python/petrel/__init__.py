@@ -409,12 +409,13 @@ class AsyncClient:
 
         try:
             while True:
-                call = await requests.run(calls.next)
-                if call is None:
+                taken = await requests.run(calls.next)
+                if taken is None:
                     break
-                task = asyncio.ensure_future(answer(call))
-                running.add(task)
-                task.add_done_callback(running.discard)
+                for call in taken:
+                    task = asyncio.ensure_future(answer(call))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
             # Unserved: the calls already taken still get their replies.
             await asyncio.gather(*running, return_exceptions=True)
         finally:

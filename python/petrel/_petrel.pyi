@@ -132,7 +132,8 @@ class IncomingCall:
     def fail(self, error: str) -> bool: ...
 
 class AsyncCalls:
-    def next(self, token: int) -> None: ...
+    def next(self, token: int) -> None:
+        """Outcome: a list of waiting calls, or None once unserved."""
     def close(self) -> None: ...
 
 class AsyncCore:

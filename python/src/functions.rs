@@ -53,6 +53,9 @@ pub(crate) async fn run_handler(handler: Arc<Py<PyAny>>, request: petrel_client:
 /// client lets at most its own bound of calls wait for their replies at once.
 pub(crate) const ASYNC_CALLS_BUFFER: usize = 1024;
 
+/// Most calls one `AsyncCalls.next` takes.
+const CALLS_PER_TAKE: usize = 256;
+
 /// A call waiting for its reply; `None` once the reply is sent.
 type Replier = std::sync::Mutex<Option<oneshot::Sender<Reply>>>;
 
@@ -118,14 +121,29 @@ pub(crate) fn async_calls(
 
 #[pymethods]
 impl AsyncCalls {
-    /// The outcome is the next `IncomingCall`, or `None` once the function is no longer served.
+    /// The outcome is a list of the calls waiting (at least one, at most `CALLS_PER_TAKE`), or
+    /// `None` once the function is no longer served. Taken together: one wake-up of the event
+    /// loop for every call that arrived meanwhile.
     fn next(&self, token: u64) {
         let calls = Arc::clone(&self.calls);
         self.completions.spawn(token, async move {
-            let Some((request, replier)) = calls.lock().await.recv().await else { return outcome(Ok(None::<()>)) };
+            let mut calls = calls.lock().await;
+            let Some(first) = calls.recv().await else { return outcome(Ok(None::<()>)) };
+            let mut taken = vec![first];
+            while taken.len() < CALLS_PER_TAKE
+                && let Ok(call) = calls.try_recv()
+            {
+                taken.push(call);
+            }
             outcome_with(move |py| {
-                let message = Py::new(py, Message::new(py, 0, request))?;
-                IncomingCall { message, replier: std::sync::Mutex::new(Some(replier)) }.into_py_any(py)
+                let incoming = taken
+                    .into_iter()
+                    .map(|(request, replier)| {
+                        let message = Py::new(py, Message::new(py, 0, request))?;
+                        Ok(IncomingCall { message, replier: std::sync::Mutex::new(Some(replier)) })
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                incoming.into_py_any(py)
             })
         });
     }
