@@ -563,15 +563,20 @@ def redis_client(port: int, system: str, n: int, slow: int, round_no: int, rows:
     r.close()
 
 
+def start_petrel(stack: contextlib.ExitStack, args, ports: dict) -> None:
+    """A `petrel serve` in a temporary data directory, stopped and removed with `stack`."""
+    petrel_dir = tempfile.mkdtemp(dir=args.dir)
+    stack.callback(shutil.rmtree, petrel_dir, True)
+    stack.enter_context(server("petrel", [args.petrel_bin, "serve", "--data", petrel_dir,
+                                          "--native-addr", f"127.0.0.1:{ports['petrel']}",
+                                          "--memcache-addr", "off", "--http-addr", "off"], ports["petrel"]))
+
+
 def client(args, ports: dict) -> List[Row]:
     rows = client_rows()
     n, slow = args.client_count, min(args.latency_count, args.client_count)
     with contextlib.ExitStack() as stack:
-        petrel_dir = tempfile.mkdtemp(dir=args.dir)
-        stack.callback(shutil.rmtree, petrel_dir, True)
-        stack.enter_context(server("petrel", [args.petrel_bin, "serve", "--data", petrel_dir,
-                                              "--native-addr", f"127.0.0.1:{ports['petrel']}",
-                                              "--memcache-addr", "off", "--http-addr", "off"], ports["petrel"]))
+        start_petrel(stack, args, ports)
         redis_servers = []
         if args.redis_server:
             for system, aof in (("redis_aof", ["--appendonly", "yes", "--appendfsync", "everysec"]),
@@ -705,11 +710,7 @@ def request_reply(args, ports: dict) -> List[Row]:
     has_call = hasattr(petrel.Client, "call")
     n, one = args.rr_count, min(args.latency_count, args.rr_count)
     with contextlib.ExitStack() as stack:
-        petrel_dir = tempfile.mkdtemp(dir=args.dir)
-        stack.callback(shutil.rmtree, petrel_dir, True)
-        stack.enter_context(server("petrel", [args.petrel_bin, "serve", "--data", petrel_dir,
-                                              "--native-addr", f"127.0.0.1:{ports['petrel']}",
-                                              "--memcache-addr", "off", "--http-addr", "off"], ports["petrel"]))
+        start_petrel(stack, args, ports)
         if args.nats_server:
             stack.enter_context(server("nats", [args.nats_server, "-a", "127.0.0.1", "-p", str(ports["nats"])], ports["nats"]))
         else:
