@@ -160,32 +160,8 @@ struct Pending {
     closed: bool,
 }
 
-/// Request ids are a counter: a multiply spreads them well enough, far cheaper than SipHash.
-#[derive(Default, Clone, Copy)]
-struct BuildIdHasher;
-
-struct IdHasher(u64);
-
-impl std::hash::BuildHasher for BuildIdHasher {
-    type Hasher = IdHasher;
-    fn build_hasher(&self) -> IdHasher {
-        IdHasher(0)
-    }
-}
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u64(&mut self, id: u64) {
-        self.0 = id.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
+/// Request ids are a counter: a multiplicative hash spreads them well, far cheaper than SipHash.
+type BuildIdHasher = rustc_hash::FxBuildHasher;
 
 impl Pending {
     /// The connection is gone: every request waiting fails with `error()`, and so will new ones.

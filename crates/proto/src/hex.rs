@@ -1,14 +1,11 @@
 //! Hex strings for byte fields in JSON (test vectors are JSON, bytes are hex).
 
 fn to_hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    ::hex::encode(b)
 }
 
 fn from_hex<E: serde::de::Error>(s: &str) -> Result<Vec<u8>, E> {
-    if !s.len().is_multiple_of(2) {
-        return Err(E::custom("odd-length hex"));
-    }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(E::custom)).collect()
+    ::hex::decode(s).map_err(E::custom)
 }
 
 pub(crate) mod bytes {
