@@ -92,9 +92,20 @@ impl Connect {
     }
 }
 
-/// An outgoing message: `payload` (kept, not copied, until written) and an optional subject.
+/// A message of `payload`, kept (not copied) until written.
+pub(crate) fn message_of(payload: PyBackedBytes) -> petrel_client::Message {
+    petrel_client::Message::new(bytes::Bytes::from_owner(payload))
+}
+
+/// An outgoing message with an optional subject.
 fn outgoing(payload: PyBackedBytes, subject: String) -> petrel_client::Message {
-    petrel_client::Message { subject, ..petrel_client::Message::new(bytes::Bytes::from_owner(payload)) }
+    petrel_client::Message { subject, ..message_of(payload) }
+}
+
+/// A queue's configuration from `create_queue`'s arguments (`ttl` in seconds).
+fn queue_config(durable: bool, max_items: u64, max_bytes: u64, ttl: Option<f64>) -> QueueConfig {
+    let ttl_ms = crate::timeout_from(ttl).map_or(0, |t| t.as_millis() as u64);
+    QueueConfig { durable, max_items, max_bytes, ttl_ms, ..QueueConfig::default() }
 }
 
 /// A message from the server: its id in the queue, payload, subject and headers; `handle` is
@@ -201,9 +212,7 @@ impl Client {
         max_bytes: u64,
         ttl: Option<f64>,
     ) -> PyResult<()> {
-        let ttl_ms = crate::timeout_from(ttl).map_or(0, |t| t.as_millis() as u64);
-        let config = QueueConfig { durable, max_items, max_bytes, ttl_ms, ..QueueConfig::default() };
-        self.wait(py, self.inner.create_queue(name, config))
+        self.wait(py, self.inner.create_queue(name, queue_config(durable, max_items, max_bytes, ttl)))
     }
 
     /// Removes a queue and the messages in it.
@@ -220,8 +229,7 @@ impl Client {
     /// room in a full bounded queue (default: refused at once).
     #[pyo3(signature = (queue, payload, timeout = None))]
     fn offer(&self, py: Python<'_>, queue: &str, payload: PyBackedBytes, timeout: Option<f64>) -> PyResult<u64> {
-        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
-        self.wait(py, self.inner.offer(queue, vec![message], crate::timeout_from(timeout)))
+        self.wait(py, self.inner.offer(queue, vec![message_of(payload)], crate::timeout_from(timeout)))
     }
 
     /// Adds messages at the tail together, all or none; returns the first id.
@@ -233,7 +241,7 @@ impl Client {
         payloads: Vec<PyBackedBytes>,
         timeout: Option<f64>,
     ) -> PyResult<u64> {
-        let messages = payloads.into_iter().map(|p| petrel_client::Message::new(bytes::Bytes::from_owner(p))).collect();
+        let messages = payloads.into_iter().map(message_of).collect();
         self.wait(py, self.inner.offer(queue, messages, crate::timeout_from(timeout)))
     }
 
@@ -369,7 +377,10 @@ impl Client {
         let serving =
             self.inner.serve(function, move |request| crate::functions::run_handler(Arc::clone(&handler), request));
         self.wait(py, serving)?;
-        SERVING.lock().unwrap_or_else(|e| e.into_inner()).push(self.inner.clone());
+        let mut serving = SERVING.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded by the clients alive and the functions they serve: closed ones are dropped.
+        serving.retain(|c| !c.is_closed());
+        serving.push(self.inner.clone());
         Ok(())
     }
 
@@ -446,6 +457,19 @@ fn into_messages(py: Python<'_>, delivered: Vec<(u64, petrel_client::Message)>) 
     delivered.into_iter().map(|(handle, m)| Message::new(py, handle, m)).collect()
 }
 
+impl AsyncCore {
+    /// Runs one request with a clone of the connection; its value, converted as it is, is the
+    /// outcome for `token`.
+    fn run<T, F>(&self, token: u64, request: impl FnOnce(petrel_client::Client) -> F)
+    where
+        F: Future<Output = Result<T, petrel_client::ClientError>> + Send + 'static,
+        T: for<'py> IntoPyObject<'py> + Send + 'static,
+    {
+        let request = request(self.inner.clone());
+        self.completions.spawn(token, async move { outcome(request.await.map_err(client_error)) });
+    }
+}
+
 #[pymethods]
 impl AsyncCore {
     /// Connects; the outcome is an `AsyncCore` whose requests complete through `completions`.
@@ -473,36 +497,25 @@ impl AsyncCore {
     #[pyo3(signature = (token, name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
     #[allow(clippy::too_many_arguments)]
     fn create_queue(&self, token: u64, name: String, durable: bool, max_items: u64, max_bytes: u64, ttl: Option<f64>) {
-        let ttl_ms = crate::timeout_from(ttl).map_or(0, |t| t.as_millis() as u64);
-        let config = QueueConfig { durable, max_items, max_bytes, ttl_ms, ..QueueConfig::default() };
-        let client = self.inner.clone();
-        self.completions
-            .spawn(token, async move { outcome(client.create_queue(&name, config).await.map_err(client_error)) });
+        let config = queue_config(durable, max_items, max_bytes, ttl);
+        self.run(token, |c| async move { c.create_queue(&name, config).await });
     }
 
     fn remove_queue(&self, token: u64, name: String) {
-        let client = self.inner.clone();
-        self.completions.spawn(token, async move { outcome(client.remove_queue(&name).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.remove_queue(&name).await });
     }
 
     #[pyo3(signature = (token, queue, payload, timeout = None))]
     fn offer(&self, token: u64, queue: String, payload: PyBackedBytes, timeout: Option<f64>) {
-        let client = self.inner.clone();
-        let message = petrel_client::Message::new(bytes::Bytes::from_owner(payload));
-        let timeout = crate::timeout_from(timeout);
-        self.completions.spawn(token, async move {
-            outcome(client.offer(&queue, vec![message], timeout).await.map_err(client_error))
-        });
+        let (message, timeout) = (message_of(payload), crate::timeout_from(timeout));
+        self.run(token, |c| async move { c.offer(&queue, vec![message], timeout).await });
     }
 
     #[pyo3(signature = (token, queue, payloads, timeout = None))]
     fn offer_many(&self, token: u64, queue: String, payloads: Vec<PyBackedBytes>, timeout: Option<f64>) {
-        let client = self.inner.clone();
-        let messages: Vec<_> =
-            payloads.into_iter().map(|p| petrel_client::Message::new(bytes::Bytes::from_owner(p))).collect();
+        let messages: Vec<_> = payloads.into_iter().map(message_of).collect();
         let timeout = crate::timeout_from(timeout);
-        self.completions
-            .spawn(token, async move { outcome(client.offer(&queue, messages, timeout).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.offer(&queue, messages, timeout).await });
     }
 
     /// One server-side poll waiting up to `wait` seconds (at most about a second: the Python
@@ -521,34 +534,26 @@ impl AsyncCore {
     }
 
     fn ack(&self, token: u64, queue: String, handles: Vec<u64>) {
-        let client = self.inner.clone();
-        self.completions.spawn(token, async move { outcome(client.ack(&queue, &handles).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.ack(&queue, &handles).await });
     }
 
     fn abort(&self, token: u64, queue: String, handles: Vec<u64>) {
-        let client = self.inner.clone();
-        self.completions
-            .spawn(token, async move { outcome(client.abort(&queue, &handles).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.abort(&queue, &handles).await });
     }
 
     #[pyo3(signature = (token, name, durable = false))]
     fn create_topic(&self, token: u64, name: String, durable: bool) {
-        let client = self.inner.clone();
-        self.completions
-            .spawn(token, async move { outcome(client.create_topic(&name, durable).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.create_topic(&name, durable).await });
     }
 
     fn remove_topic(&self, token: u64, name: String) {
-        let client = self.inner.clone();
-        self.completions.spawn(token, async move { outcome(client.remove_topic(&name).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.remove_topic(&name).await });
     }
 
     #[pyo3(signature = (token, topic, payload, subject = String::new()))]
     fn publish(&self, token: u64, topic: String, payload: PyBackedBytes, subject: String) {
-        let client = self.inner.clone();
         let message = outgoing(payload, subject);
-        self.completions
-            .spawn(token, async move { outcome(client.publish(&topic, vec![message]).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.publish(&topic, vec![message]).await });
     }
 
     /// Subscribes to a topic's live messages; the outcome is an `AsyncSubscriptionCore`.
@@ -600,10 +605,8 @@ impl AsyncCore {
 
     #[pyo3(signature = (token, function, payload, subject = String::new()))]
     fn call_oneway(&self, token: u64, function: String, payload: PyBackedBytes, subject: String) {
-        let client = self.inner.clone();
         let message = outgoing(payload, subject);
-        self.completions
-            .spawn(token, async move { outcome(client.call_oneway(&function, message).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.call_oneway(&function, message).await });
     }
 
     /// Serves `function`; the outcome is the `AsyncCalls` stream of its calls.
@@ -617,8 +620,7 @@ impl AsyncCore {
     }
 
     fn unserve(&self, token: u64, function: String) {
-        let client = self.inner.clone();
-        self.completions.spawn(token, async move { outcome(client.unserve(&function).await.map_err(client_error)) });
+        self.run(token, |c| async move { c.unserve(&function).await });
     }
 
     fn close(&self) {

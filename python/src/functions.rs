@@ -25,7 +25,7 @@ fn reply_from(value: &Bound<'_, PyAny>) -> Reply {
         return Ok(petrel_client::Message::default());
     }
     match value.extract::<PyBackedBytes>() {
-        Ok(payload) => Ok(petrel_client::Message::new(bytes::Bytes::from_owner(payload))),
+        Ok(payload) => Ok(crate::client::message_of(payload)),
         Err(_) => Err(format!(
             "the handler returned {}, not bytes",
             value.get_type().name().map_or_else(|_| "an object".to_owned(), |n| n.to_string())
