@@ -13,10 +13,12 @@
 
 mod config;
 mod function;
+mod group_feed;
 mod message;
 mod queue;
 pub mod security;
 mod topic;
+mod waiting;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -26,10 +28,12 @@ use std::time::Duration;
 
 pub use config::QueueConfig;
 pub use function::{CallObserver, Called, FunctionStats, FunctionStatus, Invocation, LocalHandler, Replier};
-pub use message::Message;
+pub use group_feed::{GroupAcks, GroupFeed, GroupReader};
+pub use message::{Message, id_of, offset_of};
 pub use petrel_log::SeekTo;
-pub use queue::{Delivery, MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueStats, Waiting};
-pub use topic::{Delivered, Ended, GroupReader, GroupStatus, Subscription, Topic, TopicStats};
+pub use queue::{Delivery, MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueStats};
+pub use topic::{Delivered, Ended, GroupStatus, Subscription, Topic, TopicStats};
+pub use waiting::{WaitFor, Waited};
 
 use security::{Action, Kind, Principal, Security};
 

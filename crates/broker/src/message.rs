@@ -93,8 +93,6 @@ fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
     out
 }
 
-/// Appends `messages` to `log` as records (the broker's one way of storing messages); returns
-/// their offsets.
 /// Appends `messages` to `log`, durable as its policy says when this returns.
 pub(crate) fn append(log: &SharedLog, messages: &[Message]) -> petrel_log::Result<std::ops::Range<u64>> {
     let range = append_unsynced(log, messages)?;
@@ -126,10 +124,25 @@ pub(crate) fn expires_at(r: &Record<'_>) -> u64 {
         .map_or(0, u64::from_be_bytes)
 }
 
-/// The message stored in `r`; `id` is the queue's id for it.
-pub(crate) fn from_record(r: &Record<'_>, id: u64) -> Message {
-    let mut m =
-        Message { id, timestamp: r.timestamp, payload: Bytes::copy_from_slice(r.payload), ..Message::default() };
+/// The id of the message stored at log offset `offset`: ids start at 1, so that 0 can mean
+/// "none" on the wire. The one place this mapping is written (see `offset_of`).
+pub fn id_of(offset: u64) -> u64 {
+    offset + 1
+}
+
+/// The log offset of the message with id `id` (`None` for 0, which no message has).
+pub fn offset_of(id: u64) -> Option<u64> {
+    id.checked_sub(1)
+}
+
+/// The message stored in `r`, with its id.
+pub(crate) fn from_record(r: &Record<'_>) -> Message {
+    let mut m = Message {
+        id: id_of(r.offset),
+        timestamp: r.timestamp,
+        payload: Bytes::copy_from_slice(r.payload),
+        ..Message::default()
+    };
     let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
     for (name, value) in r.headers.iter() {
         match name {

@@ -215,9 +215,9 @@ pub struct Queue {
 }
 
 /// Counts a consumer waiting on a queue while it lives (the queue's `waiters` figure).
-pub struct Waiting<'a>(&'a AtomicU64);
+pub(crate) struct CountedWaiter<'a>(&'a AtomicU64);
 
-impl Drop for Waiting<'_> {
+impl Drop for CountedWaiter<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
@@ -264,7 +264,7 @@ impl Taken {
     fn message_id(&self) -> u64 {
         match self {
             Taken::Memory(m) => m.id,
-            Taken::Log(offset) => offset + 1,
+            Taken::Log(offset) => message::id_of(*offset),
         }
     }
 }
@@ -302,7 +302,7 @@ impl Queue {
                 break;
             }
             for r in batch.into_iter().filter(|r| !group.is_acknowledged(r.offset)) {
-                bytes += message::from_record(&r, 0).size();
+                bytes += message::from_record(&r).size();
             }
         }
         let waiting = group.unacknowledged();
@@ -382,9 +382,9 @@ impl Queue {
     }
 
     /// Marks a consumer as waiting until the guard is dropped.
-    pub fn waiting(&self) -> Waiting<'_> {
+    pub(crate) fn waiting(&self) -> CountedWaiter<'_> {
         self.waiters.fetch_add(1, Ordering::Relaxed);
-        Waiting(&self.waiters)
+        CountedWaiter(&self.waiters)
     }
 
     /// Bytes of a durable queue's log files (0 in memory).
@@ -833,7 +833,7 @@ impl Inner {
         Ok(match &mut self.store {
             Store::Memory { ready, .. } => ready.front().cloned(),
             Store::Log { group, .. } => {
-                group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::from_record(&r, r.offset + 1))
+                group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::from_record(&r))
             }
         })
     }
@@ -872,10 +872,7 @@ impl Inner {
                     return Ok(None);
                 }
                 match group.poll(1, Duration::ZERO) {
-                    Ok(batch) => Ok(batch
-                        .into_iter()
-                        .next()
-                        .map(|r| (message::from_record(&r, r.offset + 1), Taken::Log(r.offset)))),
+                    Ok(batch) => Ok(batch.into_iter().next().map(|r| (message::from_record(&r), Taken::Log(r.offset)))),
                     Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
                     Err(e) => Err(e.into()),
                 }
@@ -922,7 +919,7 @@ impl Inner {
                 None => return Ok(false),
             },
             Store::Log { group, .. } => match group.take(Duration::ZERO)? {
-                Some(r) => self.bytes -= message::from_record(&r, 0).size(),
+                Some(r) => self.bytes -= message::from_record(&r).size(),
                 None => return Ok(false),
             },
         }

@@ -7,12 +7,16 @@
 //! read it from any offset or time, at their own pace, acknowledge, and resume where they left
 //! off after a disconnect or a restart (at least once).
 
+use std::future::Future;
+use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::Poll;
 
-use petrel_log::{ConsumerGroup, GroupOptions, SeekTo, SharedLog};
-use tokio::sync::mpsc;
+use petrel_log::{GroupOptions, SeekTo, SharedLog};
+use tokio::sync::{Notify, mpsc};
 
+use crate::group_feed::{Appends, GroupReader};
 use crate::{BrokerError, ConnId, MemoryBudget, Message, message};
 
 pub struct Topic {
@@ -24,8 +28,10 @@ pub struct Topic {
     delivered: AtomicU64,
     /// Subscribers ended for falling behind.
     slow: AtomicU64,
-    /// Woken after each append to a durable topic's log: group readers wait on it.
-    appended: Arc<tokio::sync::Notify>,
+    /// Counted and woken after each append to a durable topic's log: group readers wait on it.
+    appends: Arc<Appends>,
+    /// Woken when a group reader is let go: a subscriber may be waiting for its group.
+    released: Arc<Notify>,
 }
 
 struct Subscriber {
@@ -155,7 +161,8 @@ impl Topic {
             published: AtomicU64::new(0),
             delivered: AtomicU64::new(0),
             slow: AtomicU64::new(0),
-            appended: Arc::new(tokio::sync::Notify::new()),
+            appends: Arc::default(),
+            released: Arc::default(),
         }
     }
 
@@ -191,9 +198,9 @@ impl Topic {
         if let Some(log) = &self.log {
             let first = message::append(log, &messages)?.start;
             for (i, m) in messages.iter_mut().enumerate() {
-                m.id = first + i as u64 + 1;
+                m.id = message::id_of(first + i as u64);
             }
-            self.appended.notify_waiters();
+            self.appends.happened();
         }
         let messages: Vec<Arc<Delivered>> =
             messages.into_iter().map(|message| Arc::new(Delivered { message, encoded: OnceLock::new() })).collect();
@@ -258,7 +265,39 @@ impl Topic {
         if let Some(to) = from {
             g.seek(to)?;
         }
-        Ok(GroupReader { group: g, topic: self.name.clone(), appended: Arc::clone(&self.appended) })
+        Ok(GroupReader::new(g, self.name.clone(), Arc::clone(&self.appends), Arc::clone(&self.released)))
+    }
+
+    /// `group`, waiting while a subscription that is ending still holds it, until `stop`
+    /// finishes (then the group-in-use error). For a client that reconnects and subscribes again
+    /// before its old connection's subscription has let the group go.
+    pub async fn group_when_free(
+        &self,
+        group: &str,
+        from: Option<SeekTo>,
+        max_pending: usize,
+        stop: impl Future<Output = ()>,
+    ) -> Result<GroupReader, BrokerError> {
+        let mut stop = pin!(stop);
+        loop {
+            let mut released = pin!(self.released.notified());
+            // Registered before the attempt: a reader let go after it still wakes us.
+            released.as_mut().enable();
+            match self.group(group, from, max_pending) {
+                Err(BrokerError::Storage(petrel_log::Error::GroupInUse(_))) => {}
+                other => return other,
+            }
+            let stopped = std::future::poll_fn(|cx| {
+                if stop.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(true);
+                }
+                released.as_mut().poll(cx).map(|()| false)
+            })
+            .await;
+            if stopped {
+                return Err(self.group_in_use(group));
+            }
+        }
     }
 
     /// A durable topic's consumer groups (none for a topic without a log).
@@ -332,50 +371,5 @@ impl Topic {
             delivered: self.delivered.load(Ordering::Relaxed),
             slow_subscribers_ended: self.slow.load(Ordering::Relaxed),
         }
-    }
-}
-
-/// A consumer group of a durable topic: polls the topic's log and acknowledges by message id
-/// (offset + 1). Blocking: use it from a thread of its own.
-pub struct GroupReader {
-    group: ConsumerGroup,
-    topic: String,
-    appended: Arc<tokio::sync::Notify>,
-}
-
-impl GroupReader {
-    /// Notified after each append to the topic: wait on it instead of a blocking `poll`.
-    pub fn appended(&self) -> Arc<tokio::sync::Notify> {
-        Arc::clone(&self.appended)
-    }
-
-    /// Up to `max` messages, waiting up to `timeout` for the first; none while `max_pending`
-    /// are unacknowledged.
-    pub fn poll(&mut self, max: usize, timeout: std::time::Duration) -> Result<Vec<Message>, BrokerError> {
-        match self.group.poll(max, timeout) {
-            Ok(batch) => Ok(batch
-                .into_iter()
-                .map(|r| Message { destination: self.topic.clone(), ..message::from_record(&r, r.offset + 1) })
-                .collect()),
-            Err(petrel_log::Error::TooManyPending { .. }) => Ok(Vec::new()),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Acknowledges messages by id; ids never delivered are ignored. Returns how many counted.
-    pub fn ack(&mut self, ids: &[u64]) -> Result<u32, BrokerError> {
-        let mut n = 0;
-        for &id in ids {
-            match self.group.ack(id.wrapping_sub(1)) {
-                Ok(()) => n += 1,
-                Err(petrel_log::Error::NotDelivered { .. }) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(n)
-    }
-
-    pub fn pending(&self) -> usize {
-        self.group.pending()
     }
 }

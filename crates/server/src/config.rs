@@ -85,6 +85,35 @@ pub struct Config {
     pub idle_timeout: String,
     /// Users, ACLs, TLS and the limits that go with them (`docs/security.md`).
     pub security: SecurityConfig,
+    /// How often the broker looks for expired messages, reads past their visibility timeout
+    /// and calls past their deadline, ms: the precision of all three.
+    pub tick_ms: u64,
+    /// Messages one POLL takes at most, whatever it asks (bytes: at most a frame's worth).
+    pub max_poll_messages: usize,
+    /// How long a CALL waits for its reply when it names no timeout, ms.
+    pub default_call_timeout_ms: u64,
+    /// Messages held for a topic subscriber that names no buffer (a group subscriber's
+    /// unacknowledged messages too, at most the log's limit of 8192).
+    pub default_subscriber_buffer_messages: usize,
+    /// The largest buffer a live subscriber may ask for, messages.
+    pub max_subscriber_buffer_messages: usize,
+    /// Batches of TOPIC_ACK a group subscription holds before its task applies them; past it a
+    /// TOPIC_ACK is answered LIMIT_REACHED (retry).
+    pub max_group_acks_waiting: usize,
+    /// How long a SUBSCRIBE waits for its consumer group to be let go by a subscription that is
+    /// ending (a client that reconnected at once), ms; then EXISTS.
+    pub group_release_wait_ms: u64,
+    /// A DELIVER push holds at most this many messages…
+    pub max_push_messages: usize,
+    /// …and is sent once it holds this many bytes (or one message of more).
+    pub max_push_bytes: u64,
+    /// One write to a native connection's socket gathers at most this many bytes…
+    pub max_write_batch_bytes: usize,
+    /// …in at most this many answers and pushes.
+    pub max_write_batch_chunks: usize,
+    /// While a memcache `get` waits, the requests pipelined behind it are read up to this many
+    /// bytes (to notice a client that went away); past it, TCP holds the rest.
+    pub memcache_read_ahead_bytes: usize,
 }
 
 /// The `[security]` table. Authentication is on when `users_file` is set; TLS when `tls_cert`
@@ -272,6 +301,18 @@ impl Default for Config {
             queues: BTreeMap::new(),
             idle_timeout: "10m".into(),
             security: SecurityConfig::default(),
+            tick_ms: 20,
+            max_poll_messages: 10_000,
+            default_call_timeout_ms: 30_000,
+            default_subscriber_buffer_messages: 1024,
+            max_subscriber_buffer_messages: 1 << 20,
+            max_group_acks_waiting: 1024,
+            group_release_wait_ms: 200,
+            max_push_messages: 256,
+            max_push_bytes: 64 << 10,
+            max_write_batch_bytes: 256 << 10,
+            max_write_batch_chunks: 64,
+            memcache_read_ahead_bytes: 1 << 20,
         }
     }
 }
@@ -353,6 +394,31 @@ impl Config {
             || !(1..=u32::MAX as usize).contains(&self.max_queued_response_bytes)
         {
             return Err("connection limits must be at least 1".into());
+        }
+        for (name, value) in [
+            ("tick_ms", self.tick_ms as usize),
+            ("max_poll_messages", self.max_poll_messages),
+            ("default_call_timeout_ms", self.default_call_timeout_ms as usize),
+            ("default_subscriber_buffer_messages", self.default_subscriber_buffer_messages),
+            ("max_subscriber_buffer_messages", self.max_subscriber_buffer_messages),
+            ("max_group_acks_waiting", self.max_group_acks_waiting),
+            ("max_push_messages", self.max_push_messages),
+            ("max_push_bytes", self.max_push_bytes as usize),
+            ("max_write_batch_bytes", self.max_write_batch_bytes),
+            ("max_write_batch_chunks", self.max_write_batch_chunks),
+        ] {
+            if value == 0 {
+                return Err(format!("{name} must be at least 1"));
+            }
+        }
+        if self.tick_ms > 10_000 {
+            return Err("tick_ms must be at most 10000 (expiry and timeouts fire no finer than it)".into());
+        }
+        if self.default_subscriber_buffer_messages > self.max_subscriber_buffer_messages {
+            return Err("default_subscriber_buffer_messages must not exceed max_subscriber_buffer_messages".into());
+        }
+        if self.default_call_timeout_ms > u64::from(u32::MAX) {
+            return Err("default_call_timeout_ms must fit a CALL's timeout field (u32 ms)".into());
         }
         Ok(())
     }

@@ -241,8 +241,9 @@ impl Server {
         let ticker = {
             let broker = Arc::clone(&ctx.broker);
             let mut stop = stop_rx.clone();
+            let tick = Duration::from_millis(ctx.config.tick_ms);
             tokio::spawn(async move {
-                let mut every = tokio::time::interval(Duration::from_millis(20));
+                let mut every = tokio::time::interval(tick);
                 loop {
                     tokio::select! {
                         _ = every.tick() => broker.tick(now_ns()),

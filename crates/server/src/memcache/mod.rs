@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use petrel_broker::security::{Action, Kind};
-use petrel_broker::{BrokerError, ConnId, Message, Queue};
+use petrel_broker::{BrokerError, ConnId, Message, Queue, WaitFor, Waited};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
@@ -28,9 +28,14 @@ use codec::{Command, Decoder, GetOptions, Reject};
 pub const FLAGS_HEADER: &str = "memcache-flags";
 /// Answers are written once this many bytes are waiting, even mid-pipeline.
 const FLUSH_AT: usize = 64 * 1024;
-/// While a `get` waits, requests pipelined behind it are read up to this many bytes (to notice
-/// a client that went away); past it, TCP holds the rest.
-const READ_AHEAD: usize = 1 << 20;
+
+/// Why a waiting `get` stopped before it had an item.
+enum GetEnd {
+    /// Its time ran out, or the server is shutting down: answered as a miss.
+    Miss,
+    /// The client went away.
+    Closed,
+}
 
 /// Whether the connection goes on after a request.
 #[derive(PartialEq, Eq)]
@@ -365,76 +370,68 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         add(if o.peek { &stats.cmd_peek } else { &stats.cmd_get }, 1);
         let deadline = Instant::now() + Duration::from_millis(u64::from(o.timeout_ms));
         let who = self.authenticated.as_ref().map(|a| &a.principal);
-        let mut created = match broker.queue_or_create_by(who, name) {
-            Ok(q) => Some(q),
-            Err(e) => {
-                self.line(&server_error(&e));
-                return Flow::Continue;
-            }
-        };
-        loop {
-            // After a wait, look the queue up again: it may have been deleted (or made anew).
-            let Some(queue) = created.take().or_else(|| broker.queue(name)) else {
-                add(&self.ctx.stats.get_misses, 1);
-                self.line("END");
-                return Flow::Continue;
-            };
-            let notified = queue.available.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+        if let Err(e) = broker.queue_or_create_by(who, name) {
+            self.line(&server_error(&e));
+            return Flow::Continue;
+        }
+        let conn = self.conn;
+        let take = |queue: &Arc<Queue>| {
             let now = now_ns();
-            let item = if o.peek {
-                broker.peek(&queue, now).map(|m| m.map(|m| (0, m)))
+            if o.peek {
+                broker.peek(queue, now).map(|m| m.map(|m| (0, m)))
             } else {
                 let visibility = o.open.then_some(Duration::MAX);
                 broker
-                    .poll_from(&queue, 1, visibility, self.conn, now)
+                    .poll_from(queue, 1, visibility, conn, now)
                     .map(|d| d.into_iter().next().map(|d| (d.handle, d.message)))
-            };
-            match item {
-                Ok(Some((handle, message))) => {
-                    if o.open {
-                        self.open.insert(name.to_owned(), handle);
-                    }
-                    add(&self.ctx.stats.get_hits, 1);
-                    self.value(&key, &message, cas);
-                    return Flow::Continue;
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    self.line(&server_error(&e));
-                    return Flow::Continue;
-                }
             }
+        };
+        // While waiting: answers so far go out, and requests pipelined behind this one are read
+        // ahead (what is read is decoded after this get), to notice a client that went away.
+        let gave_up = async {
             if Instant::now() >= deadline || *self.shutdown.borrow() {
-                add(&self.ctx.stats.get_misses, 1);
-                self.line("END");
-                return Flow::Continue;
+                return GetEnd::Miss;
             }
             if !self.flush().await {
-                return Flow::Close;
+                return GetEnd::Closed;
             }
-            let _waiting = queue.waiting();
-            let reading = self.input.buf.len() < READ_AHEAD;
-            if reading {
-                // Reading ahead only: what is read is decoded after this get.
-                let _ = self.input.prepare(None, &self.ctx.broker);
+            loop {
+                let reading = self.input.buf.len() < self.ctx.config.memcache_read_ahead_bytes;
+                if reading {
+                    let _ = self.input.prepare(None, &self.ctx.broker);
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep_until(deadline.into()) => return GetEnd::Miss,
+                    _ = self.shutdown.changed() => return GetEnd::Miss,
+                    read = self.stream.read_buf(&mut self.input.buf), if reading => match read {
+                        // The client went away: stop waiting, so no item is taken for nobody.
+                        Ok(0) | Err(_) => return GetEnd::Closed,
+                        Ok(n) => {
+                            self.input.filled(n);
+                            add(&self.ctx.stats.bytes_read, n as u64);
+                            self.connection.received(n);
+                        }
+                    },
+                }
             }
-            tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep_until(deadline.into()) => {}
-                _ = self.shutdown.changed() => {}
-                read = self.stream.read_buf(&mut self.input.buf), if reading => match read {
-                    // The client went away: stop waiting, so no item is taken for nobody.
-                    Ok(0) | Err(_) => return Flow::Close,
-                    Ok(n) => {
-                        self.input.filled(n);
-                        add(&self.ctx.stats.bytes_read, n as u64);
-                        self.connection.received(n);
-                    }
-                },
+        };
+        match broker.wait_on_queue(name, WaitFor::Messages, take, gave_up).await {
+            Ok(Waited::Ready((handle, message))) => {
+                if o.open {
+                    self.open.insert(name.to_owned(), handle);
+                }
+                add(&self.ctx.stats.get_hits, 1);
+                self.value(&key, &message, cas);
             }
+            Ok(Waited::Stopped(GetEnd::Closed)) => return Flow::Close,
+            // A queue removed while the get waited is a miss, as an empty one is.
+            Ok(Waited::Stopped(GetEnd::Miss)) | Err(BrokerError::NotFound(_)) => {
+                add(&self.ctx.stats.get_misses, 1);
+                self.line("END");
+            }
+            Err(e) => self.line(&server_error(&e)),
         }
+        Flow::Continue
     }
 
     fn value(&mut self, key: &[u8], m: &Message, cas: bool) {

@@ -1,0 +1,279 @@
+//! A durable topic's consumer group as a subscriber reads it.
+//!
+//! `GroupReader` polls and acknowledges through the group's cursor. `GroupFeed` is the flow
+//! control of a subscription over one: acknowledgements first (they make room), never more
+//! than `max_pending` messages unacknowledged, and, when there is nothing to hand out, a wait
+//! for the one thing that can change that — an acknowledgement, or an append to the topic.
+//!
+//! The feed's `step` reads the log and writes the cursor, so it blocks: a protocol runs it where
+//! blocking is allowed. Its `wait` only awaits in-memory signals, so it may run anywhere.
+
+use std::pin::pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
+use std::time::Duration;
+
+use petrel_log::ConsumerGroup;
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use crate::{BrokerError, Message, message};
+
+/// Counts a durable topic's appends and wakes the readers waiting for one.
+#[derive(Default)]
+pub(crate) struct Appends {
+    count: AtomicU64,
+    notify: Notify,
+}
+
+impl Appends {
+    pub(crate) fn happened(&self) {
+        self.count.fetch_add(1, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    fn seen(&self) -> u64 {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Returns once an append has happened since the count was `seen`.
+    async fn since(&self, seen: u64) {
+        loop {
+            let mut appended = pin!(self.notify.notified());
+            appended.as_mut().enable();
+            if self.seen() != seen {
+                return;
+            }
+            appended.await;
+        }
+    }
+}
+
+/// Wakes whoever waits for a topic's groups to be let go (see `Topic::group_when_free`).
+pub(crate) struct Released(pub(crate) Arc<Notify>);
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        self.0.notify_waiters();
+    }
+}
+
+/// A consumer group of a durable topic: polls the topic's log and acknowledges by message id
+/// (offset + 1). Blocking: its calls read the log and write the group's cursor.
+pub struct GroupReader {
+    // Declared before `released`: fields drop in order, so the group is let go in the log
+    // before anyone waiting for it is woken.
+    group: ConsumerGroup,
+    topic: String,
+    appends: Arc<Appends>,
+    _released: Released,
+}
+
+impl GroupReader {
+    pub(crate) fn new(group: ConsumerGroup, topic: String, appends: Arc<Appends>, released: Arc<Notify>) -> Self {
+        GroupReader { group, topic, appends, _released: Released(released) }
+    }
+
+    /// Up to `max` messages, waiting up to `timeout` for the first; none while `max_pending`
+    /// are unacknowledged.
+    pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Vec<Message>, BrokerError> {
+        match self.group.poll(max, timeout) {
+            Ok(batch) => Ok(batch
+                .into_iter()
+                .map(|r| Message { destination: self.topic.clone(), ..message::from_record(&r) })
+                .collect()),
+            Err(petrel_log::Error::TooManyPending { .. }) => Ok(Vec::new()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Acknowledges messages by id; ids never delivered are ignored. Returns how many counted.
+    pub fn ack(&mut self, ids: &[u64]) -> Result<u32, BrokerError> {
+        let mut counted = 0;
+        for &id in ids {
+            let Some(offset) = message::offset_of(id) else { continue };
+            match self.group.ack(offset) {
+                Ok(()) => counted += 1,
+                Err(petrel_log::Error::NotDelivered { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(counted)
+    }
+
+    /// Messages delivered and not yet acknowledged.
+    pub fn pending(&self) -> usize {
+        self.group.pending()
+    }
+}
+
+/// Acknowledgements sent to a feed, and where to say how many counted.
+struct GroupAck {
+    ids: Vec<u64>,
+    counted: oneshot::Sender<u32>,
+}
+
+/// A subscription through a consumer group: hands out what the group may deliver now.
+pub struct GroupFeed {
+    reader: GroupReader,
+    max_pending: usize,
+    acks: mpsc::Receiver<GroupAck>,
+    /// Acknowledgements taken while waiting, applied by the next step.
+    received: Vec<GroupAck>,
+    /// The topic's append count before the last read: an append since then is worth a look.
+    appends_seen: u64,
+    /// The last step found `max_pending` unacknowledged: only an acknowledgement helps.
+    at_limit: bool,
+}
+
+/// The subscriber's side of a feed: sends acknowledgements. Dropping it ends the feed.
+#[derive(Clone)]
+pub struct GroupAcks(mpsc::Sender<GroupAck>);
+
+impl GroupAcks {
+    /// Hands `ids` to the feed; the receiver says how many counted once they are applied (it
+    /// fails if the feed ended first). At most `max_acks_waiting` batches wait: past that,
+    /// `Limit`.
+    pub fn send(&self, ids: Vec<u64>) -> Result<oneshot::Receiver<u32>, BrokerError> {
+        let (counted, answer) = oneshot::channel();
+        self.0.try_send(GroupAck { ids, counted }).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => {
+                BrokerError::Limit("too many acknowledgements waiting for this subscription; retry".into())
+            }
+            mpsc::error::TrySendError::Closed(_) => BrokerError::BadRequest("the subscription ended".into()),
+        })?;
+        Ok(answer)
+    }
+}
+
+impl GroupFeed {
+    /// A feed over `reader` with at most `max_pending` messages unacknowledged and at most
+    /// `max_acks_waiting` batches of acknowledgements queued for it.
+    pub fn new(reader: GroupReader, max_pending: usize, max_acks_waiting: usize) -> (GroupFeed, GroupAcks) {
+        assert!(max_pending > 0 && max_acks_waiting > 0);
+        let (tx, acks) = mpsc::channel(max_acks_waiting);
+        let feed = GroupFeed { reader, max_pending, acks, received: Vec::new(), appends_seen: 0, at_limit: false };
+        (feed, GroupAcks(tx))
+    }
+
+    /// Applies the acknowledgements received, then reads up to `max_batch` messages that may go
+    /// out now (`None`: nothing may; `wait`, then step again). Blocking.
+    pub fn step(&mut self, max_batch: usize) -> Result<Option<Vec<Message>>, BrokerError> {
+        // Read before the poll, so that an append during it is seen by `wait`.
+        self.appends_seen = self.reader.appends.seen();
+        while let Ok(ack) = self.acks.try_recv() {
+            self.received.push(ack);
+        }
+        for GroupAck { ids, counted } in std::mem::take(&mut self.received) {
+            let n = self.reader.ack(&ids)?;
+            let _ = counted.send(n);
+        }
+        let pending = self.reader.pending();
+        assert!(pending <= self.max_pending, "the group delivered past its limit");
+        self.at_limit = pending == self.max_pending;
+        if self.at_limit {
+            return Ok(None);
+        }
+        let messages = self.reader.poll((self.max_pending - pending).min(max_batch), Duration::ZERO)?;
+        Ok((!messages.is_empty()).then_some(messages))
+    }
+
+    /// Waits until a step may hand out more: an acknowledgement arrived, or the topic was
+    /// appended to (unless the group is at its limit). `false`: the subscriber dropped its
+    /// `GroupAcks`, so the subscription is over.
+    pub async fn wait(&mut self) -> bool {
+        let at_limit = self.at_limit;
+        let appends = Arc::clone(&self.reader.appends);
+        let mut appended = pin!(appends.since(self.appends_seen));
+        let acks = &mut self.acks;
+        let ack = std::future::poll_fn(|cx| {
+            if let Poll::Ready(ack) = acks.poll_recv(cx) {
+                return Poll::Ready(Some(ack));
+            }
+            if !at_limit && appended.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(None);
+            }
+            Poll::Pending
+        })
+        .await;
+        match ack {
+            Some(Some(ack)) => {
+                self.received.push(ack);
+                true
+            }
+            Some(None) => false,
+            None => true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Broker, BrokerOptions, SeekTo};
+
+    fn topic_with(messages: usize) -> (tempfile::TempDir, Arc<Broker>) {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
+        broker.create_topic("t", true).unwrap();
+        for i in 0..messages {
+            broker.publish("t", vec![Message::new(format!("m{i}").into_bytes())], 0).unwrap();
+        }
+        (dir, broker)
+    }
+
+    fn payloads(messages: &[Message]) -> Vec<String> {
+        messages.iter().map(|m| String::from_utf8(m.payload.to_vec()).unwrap()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_feed_hands_out_at_most_max_pending_until_acknowledged() {
+        let (_dir, broker) = topic_with(5);
+        let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 2).unwrap();
+        let (mut feed, acks) = GroupFeed::new(reader, 2, 4);
+        let first = feed.step(256).unwrap().expect("two messages may go out");
+        assert_eq!(payloads(&first), ["m0", "m1"]);
+        assert!(feed.step(256).unwrap().is_none(), "two unacknowledged: nothing more");
+        // At the limit, an append does not end the wait; an acknowledgement does.
+        broker.publish("t", vec![Message::new(&b"m5"[..])], 0).unwrap();
+        let waiting = tokio::time::timeout(Duration::from_millis(50), feed.wait()).await;
+        assert!(waiting.is_err(), "an append does not help a group at its limit");
+        let counted = acks.send(vec![first[0].id, 999]).unwrap();
+        assert!(feed.wait().await, "an acknowledgement ends the wait");
+        let next = feed.step(256).unwrap().expect("room for one");
+        assert_eq!(counted.await.unwrap(), 1, "the id never delivered does not count");
+        assert_eq!(payloads(&next), ["m2"]);
+        drop(acks);
+        assert!(!feed.wait().await, "the subscriber's end dropped: the feed is over");
+    }
+
+    #[tokio::test]
+    async fn a_caught_up_feed_wakes_for_an_append_made_after_its_last_step() {
+        let (_dir, broker) = topic_with(0);
+        let reader = broker.topic("t").unwrap().group("g", None, 16).unwrap();
+        let (mut feed, _acks) = GroupFeed::new(reader, 16, 4);
+        assert!(feed.step(256).unwrap().is_none(), "nothing published yet");
+        // Published between the step and the wait: the wait must not miss it.
+        broker.publish("t", vec![Message::new(&b"late"[..])], 0).unwrap();
+        assert!(feed.wait().await);
+        assert_eq!(payloads(&feed.step(256).unwrap().unwrap()), ["late"]);
+    }
+
+    #[tokio::test]
+    async fn a_group_held_by_an_ending_subscription_is_taken_once_let_go() {
+        let (_dir, broker) = topic_with(1);
+        let topic = broker.topic("t").unwrap();
+        let held = topic.group("g", Some(SeekTo::Oldest), 8).unwrap();
+        let gave_up = topic.group_when_free("g", None, 8, tokio::time::sleep(Duration::from_millis(20))).await;
+        assert!(matches!(gave_up, Err(BrokerError::Exists(_))), "still held when the wait ran out");
+        let letting_go = tokio::spawn(async move {
+            tokio::task::yield_now().await;
+            drop(held);
+        });
+        let taken = topic.group_when_free("g", None, 8, std::future::pending()).await;
+        assert!(taken.is_ok(), "taken once the other reader dropped it: {:?}", taken.err());
+        letting_go.await.unwrap();
+    }
+}

@@ -1,0 +1,137 @@
+//! Waiting on a queue: for a message to take, or for room to offer into. Every protocol that
+//! blocks (a native POLL or OFFER with a timeout, a memcache `get` with `/t=`) waits here, so the
+//! one subtle part — registering for the wake-up *before* looking, so that a change between the
+//! look and the wait is never missed — is written once.
+//!
+//! The broker runs no timers: the caller says when to give up with a future of its own (a
+//! deadline, a shutdown, a closed socket), and learns which of its reasons ended the wait.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::Poll;
+
+use crate::{Broker, BrokerError, Queue};
+
+/// What a wait is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitFor {
+    /// Messages to take (the waiter counts in the queue's `waiters` figure meanwhile).
+    Messages,
+    /// Room to offer into.
+    Room,
+}
+
+/// How a wait ended.
+#[derive(Debug)]
+pub enum Waited<T, Why> {
+    /// The attempt succeeded.
+    Ready(T),
+    /// The caller's stop future finished first, with its reason.
+    Stopped(Why),
+}
+
+impl Broker {
+    /// Calls `attempt` on queue `name` until it returns something, waking only when the queue
+    /// may have changed in the way `what` names, or until `stop` finishes.
+    ///
+    /// The queue is looked up afresh before each attempt: it may have been removed (then
+    /// `NotFound`) or made anew while the caller waited. An error from `attempt` ends the wait.
+    pub async fn wait_on_queue<T, Why>(
+        &self,
+        name: &str,
+        what: WaitFor,
+        mut attempt: impl FnMut(&Arc<Queue>) -> Result<Option<T>, BrokerError>,
+        stop: impl Future<Output = Why>,
+    ) -> Result<Waited<T, Why>, BrokerError> {
+        let mut stop = pin!(stop);
+        loop {
+            let queue = self.get(name)?;
+            let notify = match what {
+                WaitFor::Messages => &queue.available,
+                WaitFor::Room => &queue.room,
+            };
+            let mut changed = pin!(notify.notified());
+            // Registered before the attempt: a notification sent after it still wakes us.
+            changed.as_mut().enable();
+            if let Some(ready) = attempt(&queue)? {
+                return Ok(Waited::Ready(ready));
+            }
+            let _counted = (what == WaitFor::Messages).then(|| queue.waiting());
+            let stopped = std::future::poll_fn(|cx| {
+                if let Poll::Ready(why) = stop.as_mut().poll(cx) {
+                    return Poll::Ready(Some(why));
+                }
+                changed.as_mut().poll(cx).map(|()| None)
+            })
+            .await;
+            if let Some(why) = stopped {
+                return Ok(Waited::Stopped(why));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{BrokerOptions, Message, QueueConfig};
+
+    fn broker() -> (tempfile::TempDir, Arc<Broker>) {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        broker.create_queue("q", QueueConfig::default(), None).unwrap();
+        (dir, Arc::new(broker))
+    }
+
+    fn take_one(broker: &Broker) -> impl FnMut(&Arc<Queue>) -> Result<Option<Message>, BrokerError> + '_ {
+        move |q| Ok(broker.poll_from(q, 1, None, 1, 0)?.pop().map(|d| d.message))
+    }
+
+    #[tokio::test]
+    async fn a_message_offered_while_waiting_ends_the_wait_and_the_waiter_was_counted() {
+        let (_dir, broker) = broker();
+        let offerer = Arc::clone(&broker);
+        let offering = tokio::spawn(async move {
+            let q = offerer.queue("q").unwrap();
+            while q.stats().waiters == 0 {
+                tokio::task::yield_now().await;
+            }
+            offerer.offer("q", vec![Message::new(&b"late"[..])], 0).unwrap();
+        });
+        let waited = broker.wait_on_queue("q", WaitFor::Messages, take_one(&broker), std::future::pending::<()>());
+        match waited.await.unwrap() {
+            Waited::Ready(m) => assert_eq!(&m.payload[..], b"late"),
+            Waited::Stopped(()) => panic!("stopped without a reason to"),
+        }
+        offering.await.unwrap();
+        assert_eq!(broker.queue("q").unwrap().stats().waiters, 0, "the waiter is no longer counted");
+    }
+
+    #[tokio::test]
+    async fn the_stop_future_says_why_the_wait_ended() {
+        let (_dir, broker) = broker();
+        let waited = broker.wait_on_queue("q", WaitFor::Messages, take_one(&broker), async {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            "deadline"
+        });
+        assert!(matches!(waited.await.unwrap(), Waited::Stopped("deadline")));
+    }
+
+    #[tokio::test]
+    async fn a_queue_removed_while_waiting_ends_the_wait_with_not_found() {
+        let (_dir, broker) = broker();
+        let remover = Arc::clone(&broker);
+        let removing = tokio::spawn(async move {
+            while remover.queue("q").unwrap().stats().waiters == 0 {
+                tokio::task::yield_now().await;
+            }
+            remover.remove_queue("q").unwrap();
+        });
+        let waited = broker.wait_on_queue("q", WaitFor::Messages, take_one(&broker), std::future::pending::<()>());
+        assert!(matches!(waited.await, Err(BrokerError::NotFound(_))));
+        removing.await.unwrap();
+    }
+}

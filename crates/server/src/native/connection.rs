@@ -1,0 +1,224 @@
+//! Frames in, bytes out: the native protocol's connection, and nothing about what requests mean.
+//!
+//! Reading: whole frames are decoded from a buffer that grows only as far as the server's
+//! memory budget allows (`input.rs`); a frame that is not a request, too large, of an unknown
+//! version or opcode is answered here, and a malformed one ends the connection.
+//!
+//! Writing: answers to the requests of one read collect in `out` and go to the writer task
+//! together (a pipelined burst costs one write back); pushes and answers that waited go to the
+//! same writer through the bounded `Outbox`, which writes whatever is ready in one vectored write.
+
+use std::sync::Arc;
+
+use petrel_proto::{DecodeError, FrameError, FrameKind, Request, Response, Status, frame};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf};
+use tokio::task::JoinHandle;
+
+use crate::Ctx;
+use crate::connections::Registered;
+use crate::input::Input;
+use crate::outbox::{Outbox, outbox};
+use crate::stats::add;
+
+/// Answers of one read are handed to the writer once this many bytes wait, mid-read.
+const FLUSH_ANSWERS_AT_BYTES: usize = 64 * 1024;
+
+/// A request, and the frame fields its answer must carry.
+pub(super) struct Incoming {
+    pub opcode: u16,
+    pub request_id: u64,
+    pub request: Request,
+}
+
+/// The connection cannot go on: the client closed it, or sent bytes that are not frames.
+pub(super) struct Closed;
+
+pub(super) struct Connection<S> {
+    rd: ReadHalf<S>,
+    input: Input,
+    /// Bytes of a frame too large to take, still to be read past.
+    skip: u64,
+    /// Answers to the requests of the current read, handed to the writer together.
+    pub out: Vec<u8>,
+    outbox: Outbox,
+    writer: JoinHandle<()>,
+}
+
+/// A frame whose header has arrived and the rest not: its whole length, whom to answer.
+#[derive(Clone, Copy)]
+struct Incomplete {
+    len: usize,
+    opcode: u16,
+    request_id: u64,
+}
+
+fn incomplete_frame(buf: &[u8]) -> Option<Incomplete> {
+    if buf.len() < 4 + frame::HEADER_LEN {
+        return None;
+    }
+    let len = 4 + u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+    let opcode = u16::from_be_bytes([buf[6], buf[7]]);
+    let request_id = u64::from_be_bytes(buf[8..16].try_into().expect("8 bytes"));
+    (len > buf.len()).then_some(Incomplete { len, opcode, request_id })
+}
+
+impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
+    /// Splits `stream` and starts its writer task.
+    pub fn new(stream: S, ctx: &Arc<Ctx>, registered: &Registered) -> Connection<S> {
+        let (rd, wr) = tokio::io::split(stream);
+        let (outbox, rx) = outbox(ctx.config.max_queued_responses, ctx.config.max_queued_response_bytes);
+        let writer = tokio::spawn(write_until_closed(wr, rx, Arc::clone(ctx), Arc::clone(registered.entry())));
+        Connection { rd, input: Input::new(), skip: 0, out: Vec::with_capacity(16 * 1024), outbox, writer }
+    }
+
+    /// The answers of this read are worth sending before the rest of it is handled.
+    pub fn answers_are_many(&self) -> bool {
+        self.out.len() >= FLUSH_ANSWERS_AT_BYTES
+    }
+
+    /// Where answers that wait, and pushes, are sent.
+    pub fn outbox(&self) -> &Outbox {
+        &self.outbox
+    }
+
+    /// The next whole request already buffered (`None`: none is), answering on the way the
+    /// frames that are not requests the server can take.
+    pub fn next_request(&mut self, ctx: &Ctx, registered: &Registered) -> Result<Option<Incoming>, Closed> {
+        loop {
+            if self.skip > 0 {
+                let n = self.skip.min(self.input.buf.len() as u64) as usize;
+                let _ = self.input.buf.split_to(n);
+                self.skip -= n as u64;
+                if self.skip > 0 {
+                    return Ok(None);
+                }
+            }
+            let f = match frame::decode(&mut self.input.buf, ctx.config.max_frame_bytes) {
+                Ok(None) => return Ok(None),
+                Ok(Some(f)) => f,
+                Err(FrameError::TooLarge { len, max, request_id, opcode }) => {
+                    if request_id.is_none() && self.input.buf.len() < 4 + frame::HEADER_LEN {
+                        return Ok(None); // read the header first, to know whom to answer
+                    }
+                    self.skip = 4 + len as u64;
+                    let r =
+                        Response::error(Status::TooLarge, format!("frame of {len} bytes exceeds the limit of {max}"));
+                    r.encode(opcode.unwrap_or(0), request_id.unwrap_or(0), &mut self.out);
+                    continue;
+                }
+                Err(FrameError::Unsupported { version, kind, request_id, opcode }) => {
+                    let r =
+                        Response::error(Status::Unsupported, format!("protocol version {version}, frame kind {kind}"));
+                    r.encode(opcode, request_id, &mut self.out);
+                    continue;
+                }
+                Err(e @ FrameError::Malformed(_)) => {
+                    tracing::debug!(error = %e, "closing connection");
+                    return Err(Closed);
+                }
+            };
+            registered.request();
+            ctx.stats.native_request(f.opcode);
+            let refused = match f.kind {
+                FrameKind::Request => match Request::decode(f.opcode, f.body) {
+                    Ok(request) => return Ok(Some(Incoming { opcode: f.opcode, request_id: f.request_id, request })),
+                    Err(DecodeError::UnknownOpcode(op)) => {
+                        Response::error(Status::Unsupported, format!("unknown opcode {op:#06x}"))
+                    }
+                    Err(e) => Response::error(Status::BadRequest, e.to_string()),
+                },
+                _ => Response::error(Status::BadRequest, "clients send requests only"),
+            };
+            refused.encode(f.opcode, f.request_id, &mut self.out);
+        }
+    }
+
+    /// Hands the answers in `out` to the writer. `Err`: the writer has stopped.
+    pub async fn flush(&mut self) -> Result<(), Closed> {
+        if self.out.is_empty() {
+            return Ok(());
+        }
+        self.outbox.send(std::mem::take(&mut self.out)).await.map_err(|_| Closed)
+    }
+
+    /// Reads more bytes. A frame too large for the server's memory budget now is refused
+    /// (answered in `out`, and skipped) instead; `Err`: the client closed the connection.
+    pub async fn read(&mut self, ctx: &Ctx, registered: &Registered) -> Result<(), Closed> {
+        let incomplete = if self.skip > 0 { None } else { incomplete_frame(&self.input.buf) };
+        if self.input.prepare(incomplete.map(|f| f.len), &ctx.broker).is_err() {
+            let f = incomplete.expect("only a large request is refused");
+            self.skip = f.len as u64;
+            let reason = format!(
+                "a request of {} bytes does not fit in the server's memory budget (max_memory_bytes) now",
+                f.len
+            );
+            Response::error(Status::LimitReached, reason).encode(f.opcode, f.request_id, &mut self.out);
+            return Ok(());
+        }
+        match self.rd.read_buf(&mut self.input.buf).await {
+            Ok(0) | Err(_) => Err(Closed),
+            Ok(n) => {
+                self.input.filled(n);
+                add(&ctx.stats.bytes_read, n as u64);
+                registered.received(n);
+                Ok(())
+            }
+        }
+    }
+
+    /// Stops taking answers; the writer sends what it holds (for up to `grace`), then closes.
+    pub async fn close(self, grace: std::time::Duration) {
+        let Connection { outbox, mut writer, .. } = self;
+        drop(outbox);
+        if tokio::time::timeout(grace, &mut writer).await.is_err() {
+            // Requests still waiting (a long call) hold the writer's channel: do not wait for them.
+            writer.abort();
+        }
+    }
+}
+
+/// The writer task: whatever is ready goes out in one vectored write, without copying it.
+async fn write_until_closed<W: AsyncWrite>(
+    mut wr: tokio::io::WriteHalf<W>,
+    mut rx: crate::outbox::Outgoing,
+    ctx: Arc<Ctx>,
+    entry: Arc<crate::connections::Connection>,
+) {
+    let max_bytes = ctx.config.max_write_batch_bytes;
+    let max_chunks = ctx.config.max_write_batch_chunks;
+    let mut chunks: Vec<Vec<u8>> = Vec::new();
+    while let Some(first) = rx.recv().await {
+        let mut total = first.len();
+        chunks.push(first);
+        while total < max_bytes && chunks.len() < max_chunks {
+            match rx.try_recv() {
+                Some(more) => {
+                    total += more.len();
+                    chunks.push(more);
+                }
+                None => break,
+            }
+        }
+        if write_all_vectored(&mut wr, &chunks).await.is_err() {
+            break;
+        }
+        chunks.clear();
+        add(&ctx.stats.bytes_written, total as u64);
+        entry.sent(total);
+    }
+    let _ = wr.shutdown().await;
+}
+
+/// Writes every chunk, in order, with as few system calls as the socket allows.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(wr: &mut W, chunks: &[Vec<u8>]) -> std::io::Result<()> {
+    let mut slices: Vec<std::io::IoSlice<'_>> = chunks.iter().map(|c| std::io::IoSlice::new(c)).collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = wr.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}

@@ -1,0 +1,143 @@
+//! Function requests: serve and unserve a name, call one (answered by the reply, however long
+//! it takes, without a task waiting for it), and return a reply to a call this connection was
+//! handed (an INVOKE push).
+
+use std::time::Duration;
+
+use petrel_broker::{Called, Invocation};
+use petrel_proto::{Push, Response, Status};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+
+use super::pushes::{Pushes, not_sent_if_too_long};
+use super::session::Session;
+use super::{Answer, error};
+use crate::outbox::{Outbox, TrySendError};
+use crate::{Ctx, convert, now_ns};
+
+/// A call, ready to be made once the caller holds a permit.
+pub(super) struct Call {
+    function: String,
+    message: Box<petrel_broker::Message>,
+    oneway: bool,
+    timeout: Duration,
+}
+
+/// Where a call's answer goes.
+pub(super) struct ReplyTo {
+    pub outbox: Outbox,
+    pub opcode: u16,
+    pub request_id: u64,
+}
+
+pub(super) fn prepare_call(
+    ctx: &Ctx,
+    function: String,
+    timeout_ms: u32,
+    oneway: bool,
+    message: petrel_proto::Message,
+) -> Answer {
+    let timeout = match timeout_ms {
+        0 => Duration::from_millis(ctx.config.default_call_timeout_ms),
+        ms => Duration::from_millis(u64::from(ms)),
+    };
+    Answer::Call(Call { function, message: Box::new(convert::message_in(message)), oneway, timeout })
+}
+
+/// Makes the call. `Some`: answered now (a local handler's reply, a oneway call sent, an
+/// error); `None`: the replier answers when the reply comes or the call times out. The permit is
+/// the call's place among the connection's waiting requests, given back with the answer.
+pub(super) fn call(
+    ctx: &Ctx,
+    session: &Session,
+    call: Call,
+    reply_to: ReplyTo,
+    permit: OwnedSemaphorePermit,
+) -> Option<Response> {
+    let Call { function, message, oneway, timeout } = call;
+    let replier = replier(reply_to, permit, session.compress);
+    match ctx.broker.call(session.conn, &function, *message, oneway, now_ns(), timeout, replier) {
+        Ok(Called::Replied(m)) => Some(Response::Reply { message: convert::outgoing(*m, session.compress) }),
+        Ok(Called::Sent) => Some(Response::Done),
+        Ok(Called::Pending { .. }) => None,
+        Err(e) => Some(error(e)),
+    }
+}
+
+/// Where a call's outcome goes: straight to the caller's outbox (through a task only if it is
+/// full).
+fn replier(to: ReplyTo, permit: OwnedSemaphorePermit, compress: Option<usize>) -> petrel_broker::Replier {
+    Box::new(move |outcome| {
+        let response = match outcome {
+            Ok(message) => Response::Reply { message: convert::outgoing(message, compress) },
+            Err(e) => error(e),
+        };
+        let mut out = Vec::with_capacity(64);
+        response.encode(to.opcode, to.request_id, &mut out);
+        if let Err(TrySendError::Full(out)) = to.outbox.try_send(out) {
+            tokio::spawn(async move {
+                let _ = to.outbox.send(out).await;
+                drop(permit);
+            });
+        }
+    })
+}
+
+pub(super) fn serve(ctx: &Ctx, session: &Session, pushes: &mut Pushes, outbox: &Outbox, function: &str) -> Response {
+    if let Err(e) = petrel_broker::check_name(function) {
+        return error(e);
+    }
+    let invocations = invocations(pushes, outbox, ctx.config.max_in_flight_per_connection, session.compress);
+    ctx.broker.serve(function, session.conn, invocations);
+    Response::Done
+}
+
+pub(super) fn unserve(ctx: &Ctx, session: &Session, function: &str) -> Response {
+    ctx.broker.unserve(function, session.conn);
+    Response::Done
+}
+
+/// A reply (or a handler's error) to call `call`, handed to this connection earlier.
+pub(super) fn give_back(
+    ctx: &Ctx,
+    session: &Session,
+    call: u64,
+    status: Status,
+    reason: String,
+    message: petrel_proto::Message,
+) -> Response {
+    let result = if status == Status::Ok { Ok(convert::message_in(message)) } else { Err(reason) };
+    if ctx.broker.reply(call, session.conn, result) {
+        Response::Done
+    } else {
+        Response::error(Status::Timeout, format!("call {call} is no longer waiting for a reply"))
+    }
+}
+
+/// The channel the broker sends this connection's invocations on, and the task that turns
+/// them into INVOKE pushes (made at the first SERVE).
+fn invocations(
+    pushes: &mut Pushes,
+    outbox: &Outbox,
+    capacity: usize,
+    compress: Option<usize>,
+) -> mpsc::Sender<Invocation> {
+    let (sender, _) = pushes.invocations.get_or_insert_with(|| {
+        let (sender, mut invocations) = mpsc::channel::<Invocation>(capacity);
+        let outbox = outbox.clone();
+        let task = tokio::spawn(async move {
+            while let Some(inv) = invocations.recv().await {
+                let mut out = Vec::with_capacity(inv.message.size() as usize + 256);
+                let push = Push::Invoke {
+                    function: inv.function,
+                    message: Box::new(convert::outgoing(inv.message, compress)),
+                };
+                not_sent_if_too_long(push.encode(inv.call, &mut out));
+                if outbox.send(out).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (sender, task)
+    });
+    sender.clone()
+}

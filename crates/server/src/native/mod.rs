@@ -1,0 +1,250 @@
+//! The native protocol on one connection.
+//!
+//! - `connection.rs`: frames in, bytes out (the read buffer, the writer task, its bounded outbox);
+//! - `session.rs`: who the client is (HELLO, AUTH) and the checks every request passes;
+//! - `queues.rs`, `topics.rs`, `functions.rs`: one module per family of requests, each handler
+//!   answering now or with a future (`Answer`);
+//! - `pushes.rs`: the tasks that push to the client (subscriptions, invocations).
+//!
+//! This file is the loop that ties them: it answers what needs no waiting at once, in order,
+//! into one buffer per read; a request that must wait (a poll for a message, an offer for room
+//! or for the disk, a call for its reply) runs as a task of its own, so a connection can
+//! pipeline many. Every buffer is bounded: at most `max_in_flight_per_connection` requests wait
+//! (past that the loop stops reading, and TCP pushes back on the client), and the outbox holds
+//! at most `max_queued_responses` chunks and `max_queued_response_bytes` bytes.
+
+mod connection;
+mod functions;
+mod pushes;
+mod queues;
+mod session;
+mod topics;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use petrel_broker::{BrokerError, ConnId};
+use petrel_proto::{Request, Response, Status};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{Semaphore, watch};
+
+use crate::Ctx;
+use crate::auth::Peer;
+use crate::outbox::Outbox;
+use connection::{Closed, Connection, Incoming};
+use pushes::Pushes;
+use session::Session;
+
+/// What a handler says to a request.
+enum Answer {
+    /// The answer, now.
+    Now(Response),
+    /// The answer once something happens: run as a task of its own, holding one of the
+    /// connection's permits for waiting requests.
+    Later { waits_for: WaitsFor, answer: Pin<Box<dyn Future<Output = Response> + Send>> },
+    /// A call to a function: made once the caller holds a permit, answered by its replier.
+    Call(functions::Call),
+}
+
+/// Which of the connection's permits a waiting request holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WaitsFor {
+    /// The disk (an offer to a queue that syncs each one). Counted apart: polls waiting for
+    /// messages must not hold every permit while the offers that would make messages visible
+    /// wait for one.
+    Disk,
+    /// Anything else: a message, room in a queue, a group subscription's task.
+    Other,
+}
+
+impl Answer {
+    fn later(waits_for: WaitsFor, answer: impl Future<Output = Response> + Send + 'static) -> Answer {
+        Answer::Later { waits_for, answer: Box::pin(answer) }
+    }
+}
+
+/// The permits of one connection's waiting requests.
+struct Permits {
+    limit: usize,
+    other: Arc<Semaphore>,
+    disk: Arc<Semaphore>,
+}
+
+impl Permits {
+    fn new(limit: usize) -> Permits {
+        Permits { limit, other: Arc::new(Semaphore::new(limit)), disk: Arc::new(Semaphore::new(limit)) }
+    }
+
+    /// Waits for a permit (the reader stops reading meanwhile: TCP pushes back).
+    async fn acquire(&self, waits_for: WaitsFor) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let semaphore = if waits_for == WaitsFor::Disk { &self.disk } else { &self.other };
+        Arc::clone(semaphore).acquire_owned().await.ok()
+    }
+
+    fn none_taken(&self) -> bool {
+        self.other.available_permits() == self.limit && self.disk.available_permits() == self.limit
+    }
+
+    /// Waits until every waiting request has finished.
+    async fn all_returned(&self) {
+        let _ = self.other.acquire_many(self.limit as u32).await;
+        let _ = self.disk.acquire_many(self.limit as u32).await;
+    }
+}
+
+/// Serves one connection until the client closes it, a protocol error makes it unsafe to go on,
+/// or the server shuts down (then requests in flight finish first).
+pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, mut shutdown: watch::Receiver<bool>, peer: Peer)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let registered = crate::connections::Registry::open(&ctx, conn, &peer, "native");
+    let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
+    let mut connection = Connection::new(stream, &ctx, &registered);
+    let mut session = Session::new(&ctx, conn, peer, &registered);
+    let mut pushes = Pushes::default();
+    let permits = Permits::new(ctx.config.max_in_flight_per_connection);
+    let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
+    let idle_timeout = ctx.limits.idle_timeout();
+    'read: loop {
+        // Whole frames already buffered first.
+        loop {
+            if connection.answers_are_many() && pushes.flush(&mut connection).await.is_err() {
+                break 'read;
+            }
+            let Incoming { opcode, request_id, request } = match connection.next_request(&ctx, &registered) {
+                Ok(Some(incoming)) => incoming,
+                Ok(None) => break,
+                Err(Closed) => break 'read,
+            };
+            let answer = match request {
+                Request::Auth { user, password } => Answer::Now(session.auth(&ctx, &registered, user, password).await),
+                request => dispatch(&ctx, &mut session, &mut pushes, connection.outbox(), request).await,
+            };
+            match answer {
+                Answer::Now(response) => response.encode(opcode, request_id, &mut connection.out),
+                Answer::Later { waits_for, answer } => {
+                    let Some(permit) = permits.acquire(waits_for).await else { break 'read };
+                    let outbox = connection.outbox().clone();
+                    tokio::spawn(async move {
+                        let response = answer.await;
+                        let mut out = Vec::with_capacity(64);
+                        response.encode(opcode, request_id, &mut out);
+                        let _ = outbox.send(out).await;
+                        drop(permit);
+                    });
+                }
+                Answer::Call(call) => {
+                    let Some(permit) = permits.acquire(WaitsFor::Other).await else { break 'read };
+                    let reply_to = functions::ReplyTo { outbox: connection.outbox().clone(), opcode, request_id };
+                    if let Some(response) = functions::call(&ctx, &session, call, reply_to, permit) {
+                        response.encode(opcode, request_id, &mut connection.out);
+                    }
+                }
+            }
+        }
+        if pushes.flush(&mut connection).await.is_err() {
+            break;
+        }
+        // Silent too long, with nothing under way: closed (before HELLO, sooner).
+        let quiet_limit = if session.greeted { idle_timeout } else { Some(handshake_timeout) };
+        tokio::select! {
+            read = connection.read(&ctx, &registered) => if read.is_err() { break },
+            _ = shutdown.changed() => break,
+            _ = crate::sleep_or_never(quiet_limit) => {
+                if permits.none_taken() && pushes.is_empty() {
+                    crate::stats::add(&ctx.stats.idle_closed, 1);
+                    tracing::debug!(conn, "closing an idle connection");
+                    break;
+                }
+            }
+        }
+    }
+    let _ = pushes.flush(&mut connection).await;
+    pushes.stop();
+    // Let requests in flight finish (bounded by the server's shutdown grace), then close.
+    let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
+    let _ = tokio::time::timeout(grace, permits.all_returned()).await;
+    connection.close(grace).await;
+}
+
+/// Answers one request (AUTH aside): at once, or with what it waits for.
+async fn dispatch(
+    ctx: &Arc<Ctx>,
+    session: &mut Session,
+    pushes: &mut Pushes,
+    outbox: &Outbox,
+    request: Request,
+) -> Answer {
+    if let Err(refused) = session.admit(ctx, &request) {
+        return Answer::Now(error(refused));
+    }
+    // Compressed payloads are restored first: a request unfolds to at most a frame's worth.
+    let mut request = request;
+    let messages = petrel_proto::compression::request_messages(&mut request);
+    if let Err(e) = petrel_proto::compression::decompress_all(messages, ctx.config.max_frame_bytes as usize) {
+        return Answer::Now(Response::error(Status::BadRequest, e.to_string()));
+    }
+    let now = Answer::Now;
+    match request {
+        Request::Hello { features, .. } => now(session.hello(ctx, features)),
+        Request::Ping => now(Response::Pong),
+        Request::Auth { .. } => unreachable!("answered by the connection's loop"),
+        Request::QueueCreate { name, config } => now(queues::create(ctx, session, &name, config)),
+        Request::QueueRemove { name } => now(queues::remove(ctx, &name)),
+        Request::QueueList => now(queues::list(ctx, session)),
+        Request::QueueStatus { name } => now(queues::status(ctx, name)),
+        Request::Offer { queue, timeout_ms, messages } => queues::offer(ctx, queue, timeout_ms, messages),
+        Request::Poll { queue, max, timeout_ms, visibility_ms } => {
+            queues::poll(ctx, session, queue, max, timeout_ms, visibility_ms)
+        }
+        Request::Ack { queue, handles } => now(queues::ack(ctx, session, &queue, &handles)),
+        Request::Abort { queue, handles } => now(queues::abort(ctx, session, &queue, &handles)),
+        Request::TopicCreate { name, durable } => now(topics::create(ctx, &name, durable)),
+        Request::TopicRemove { name } => now(topics::remove(ctx, &name)),
+        Request::TopicList => now(topics::list(ctx, session)),
+        Request::TopicStatus { name } => now(topics::status(ctx, name)),
+        Request::Publish { topic, messages } => now(topics::publish(ctx, &topic, messages)),
+        Request::Subscribe { topic, buffer, group, from } if !group.is_empty() => {
+            now(topics::subscribe_group(ctx, session, pushes, outbox, topic, group, buffer, from).await)
+        }
+        Request::Subscribe { topic, buffer, .. } => {
+            now(topics::subscribe(ctx, session, pushes, outbox, &topic, buffer))
+        }
+        Request::TopicAck { subscription, ids } => topics::ack(pushes, subscription, ids),
+        Request::Unsubscribe { subscription } => topics::unsubscribe(ctx, session, pushes, subscription),
+        Request::Serve { function } => now(functions::serve(ctx, session, pushes, outbox, &function)),
+        Request::Unserve { function } => now(functions::unserve(ctx, session, &function)),
+        Request::Call { function, timeout_ms, oneway, message } => {
+            functions::prepare_call(ctx, function, timeout_ms, oneway, message)
+        }
+        Request::Return { call, status, error, message } => {
+            now(functions::give_back(ctx, session, call, status, error, message))
+        }
+    }
+}
+
+/// A broker error as the protocol's answer.
+fn error(e: BrokerError) -> Response {
+    let status = match &e {
+        BrokerError::NotFound(_) => Status::QueueNotFound,
+        BrokerError::Full(_) => Status::QueueFull,
+        BrokerError::Exists(_) => Status::Exists,
+        BrokerError::BadRequest(_) => Status::BadRequest,
+        BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
+        BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => Status::ServerError,
+        BrokerError::TopicNotFound(_) => Status::TopicNotFound,
+        BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
+        BrokerError::Handler(_) => Status::HandlerError,
+        BrokerError::Timeout(_) => Status::Timeout,
+        BrokerError::Unauthorized(_) => Status::Unauthorized,
+        BrokerError::Forbidden(_) => Status::Forbidden,
+        BrokerError::Limit(_) => Status::LimitReached,
+    };
+    if status == Status::ServerError {
+        tracing::error!(error = ?e, "request failed"); // with the paths the client is not shown
+    }
+    Response::error(status, e.to_string())
+}

@@ -1,0 +1,72 @@
+//! The tasks that push to one connection: one per topic subscription (live or through a
+//! consumer group), one for the invocations of the functions it serves. They share the
+//! connection's writer through its bounded outbox; when the writer cannot keep up, a push task
+//! waits, and its own bounded channel from the broker fills (a live subscriber is then ended by
+//! the broker with SLOW_CONSUMER, a call goes to another server or fails).
+
+use std::collections::HashMap;
+
+use petrel_broker::{GroupAcks, Invocation};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use super::connection::{Closed, Connection};
+
+#[derive(Default)]
+pub(super) struct Pushes {
+    pub subscriptions: HashMap<u64, JoinHandle<()>>,
+    /// Group subscriptions: the feed's acknowledgements (dropping them ends the task), its task.
+    pub groups: HashMap<u64, (GroupAcks, JoinHandle<()>)>,
+    pub invocations: Option<(mpsc::Sender<Invocation>, JoinHandle<()>)>,
+    /// New subscriptions wait for these before their first push, so that the client has the
+    /// SUBSCRIBE answer (still in the connection's answers) before any delivery.
+    answered: Vec<oneshot::Sender<()>>,
+}
+
+impl Pushes {
+    /// A gate for a new subscription's task: opened once the answers before it have gone to the
+    /// writer.
+    pub fn after_answers(&mut self) -> oneshot::Receiver<()> {
+        let (go, answered) = oneshot::channel();
+        self.answered.push(go);
+        answered
+    }
+
+    /// Hands the connection's answers to its writer, then lets new subscriptions push.
+    pub async fn flush<S: AsyncRead + AsyncWrite + Send + 'static>(
+        &mut self,
+        connection: &mut Connection<S>,
+    ) -> Result<(), Closed> {
+        let sent = connection.flush().await;
+        for go in self.answered.drain(..) {
+            let _ = go.send(());
+        }
+        sent
+    }
+
+    /// Nothing pushes to this connection: it may be closed for idleness.
+    pub fn is_empty(&self) -> bool {
+        self.subscriptions.is_empty() && self.groups.is_empty() && self.invocations.is_none()
+    }
+
+    pub fn stop(&mut self) {
+        for (_, task) in self.subscriptions.drain() {
+            task.abort();
+        }
+        self.groups.clear();
+        if let Some((_, task)) = self.invocations.take() {
+            task.abort();
+        }
+    }
+}
+
+/// Pushes hold at most a frame's worth of messages or one message (itself at most
+/// `max_message_bytes`, well under a frame's 4 GiB), so this does not happen; if it did, the
+/// push is left out (its buffer is empty) and said in the log, rather than sent with a wrong
+/// length.
+pub(super) fn not_sent_if_too_long(encoded: Result<(), petrel_proto::EncodeError>) {
+    if let Err(e) = encoded {
+        tracing::error!(error = %e, "a push was not sent");
+    }
+}

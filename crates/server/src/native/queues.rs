@@ -1,0 +1,139 @@
+//! Queue requests: create, remove, list, status, offer, poll, ack, abort.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use petrel_broker::security::{Action, Kind};
+use petrel_broker::{BrokerError, Queue, WaitFor, Waited};
+use petrel_proto::{Delivery, Response, Status};
+
+use super::session::Session;
+use super::{Answer, WaitsFor, error};
+use crate::{Ctx, convert, now_ns, wait_durable};
+
+pub(super) fn create(ctx: &Ctx, session: &Session, name: &str, config: petrel_proto::QueueConfig) -> Response {
+    let owner = config.temporary.then_some(session.conn);
+    match convert::config_in(config) {
+        Ok(config) => {
+            ctx.broker.create_queue_by(session.principal(), name, config, owner).map_or_else(error, |_| Response::Done)
+        }
+        Err(e) => Response::error(Status::BadRequest, e),
+    }
+}
+
+pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
+    ctx.broker.remove_queue(name).map_or_else(error, |()| Response::Done)
+}
+
+/// The queues this connection may offer to or poll.
+pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
+    let broker = &ctx.broker;
+    let may = |name: &String| broker.may(session.principal(), Kind::Queue, name, &[Action::Offer, Action::Poll]);
+    Response::QueueList { names: broker.queue_names().into_iter().filter(may).collect() }
+}
+
+pub(super) fn status(ctx: &Ctx, name: String) -> Response {
+    match ctx.broker.queue(&name) {
+        Some(q) => Response::QueueStatus { stats: convert::stats_out(q.stats(), &q.config()) },
+        None => error(BrokerError::NotFound(name)),
+    }
+}
+
+/// Offers now; a full queue is waited on for up to `timeout_ms`, and an offer to a queue that
+/// syncs each one is answered once it is on disk.
+pub(super) fn offer(ctx: &Arc<Ctx>, queue: String, timeout_ms: u32, messages: Vec<petrel_proto::Message>) -> Answer {
+    let mut messages: Vec<_> = messages.into_iter().map(convert::message_in).collect();
+    let broker = &ctx.broker;
+    let offered = broker.queue(&queue).ok_or_else(|| BrokerError::NotFound(queue.clone()));
+    match offered.and_then(|q| broker.offer_unsynced(&q, &mut messages, now_ns())) {
+        Err(BrokerError::Full(_)) if timeout_ms > 0 => {
+            Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, timeout_ms))
+        }
+        Ok((first_id, count, unsynced)) if !unsynced.is_durable() => Answer::later(WaitsFor::Disk, async move {
+            match wait_durable(unsynced).await {
+                Ok(()) => Response::Offered { first_id, count },
+                Err(e) => error(e),
+            }
+        }),
+        Ok((first_id, count, _)) => Answer::Now(Response::Offered { first_id, count }),
+        Err(e) => Answer::Now(error(e)),
+    }
+}
+
+async fn offer_when_room(
+    ctx: Arc<Ctx>,
+    queue: String,
+    mut messages: Vec<petrel_broker::Message>,
+    timeout_ms: u32,
+) -> Response {
+    let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+    let broker = &ctx.broker;
+    let attempt = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut messages, now_ns()) {
+        Err(BrokerError::Full(_)) => Ok(None),
+        other => other.map(Some),
+    };
+    let gave_up = tokio::time::sleep_until(deadline.into());
+    match broker.wait_on_queue(&queue, WaitFor::Room, attempt, gave_up).await {
+        Ok(Waited::Ready((first_id, count, unsynced))) => match wait_durable(unsynced).await {
+            Ok(()) => Response::Offered { first_id, count },
+            Err(e) => error(e),
+        },
+        Ok(Waited::Stopped(())) => error(BrokerError::Full(queue)),
+        Err(e) => error(e),
+    }
+}
+
+/// Takes up to `max` messages now, or waits up to `timeout_ms` for the first.
+pub(super) fn poll(
+    ctx: &Arc<Ctx>,
+    session: &Session,
+    queue: String,
+    max: u32,
+    timeout_ms: u32,
+    visibility_ms: u32,
+) -> Answer {
+    let visibility = (visibility_ms > 0).then(|| Duration::from_millis(u64::from(visibility_ms)));
+    let max = (max as usize).clamp(1, ctx.config.max_poll_messages);
+    let (conn, compress) = (session.conn, session.compress);
+    match ctx.broker.poll(&queue, max, visibility, conn, now_ns()) {
+        Ok(d) if d.is_empty() && timeout_ms > 0 => {
+            let ctx = Arc::clone(ctx);
+            Answer::later(WaitsFor::Other, async move {
+                let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+                let broker = &ctx.broker;
+                let attempt = |q: &Arc<Queue>| {
+                    let taken = broker.poll_from(q, max, visibility, conn, now_ns())?;
+                    Ok((!taken.is_empty()).then_some(taken))
+                };
+                let gave_up = tokio::time::sleep_until(deadline.into());
+                match broker.wait_on_queue(&queue, WaitFor::Messages, attempt, gave_up).await {
+                    Ok(Waited::Ready(taken)) => polled(taken, compress),
+                    Ok(Waited::Stopped(())) => polled(Vec::new(), compress),
+                    Err(e) => error(e),
+                }
+            })
+        }
+        Ok(d) => Answer::Now(polled(d, compress)),
+        Err(e) => Answer::Now(error(e)),
+    }
+}
+
+fn polled(deliveries: Vec<petrel_broker::Delivery>, compress: Option<usize>) -> Response {
+    if deliveries.is_empty() {
+        return Response::error(Status::QueueEmpty, "");
+    }
+    Response::Polled {
+        deliveries: deliveries
+            .into_iter()
+            .map(|d| Delivery { handle: d.handle, message: convert::outgoing(d.message, compress) })
+            .collect(),
+    }
+}
+
+pub(super) fn ack(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64]) -> Response {
+    ctx.broker.ack(queue, handles, session.conn).map_or_else(error, |count| Response::Acked { count })
+}
+
+pub(super) fn abort(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64]) -> Response {
+    ctx.broker.abort(queue, handles, session.conn).map_or_else(error, |count| Response::Acked { count })
+}

@@ -1,0 +1,127 @@
+//! Who is on a native connection, and the requests about that: HELLO, PING, AUTH; and the
+//! checks every other request passes first (logged in, allowed by the ACLs).
+
+use std::sync::Arc;
+
+use petrel_broker::security::{Action, Kind, Principal};
+use petrel_broker::{BrokerError, ConnId};
+use petrel_proto::{Request, Response, Status, features};
+
+use crate::Ctx;
+use crate::auth::{self, Authenticated, Peer};
+use crate::connections::Registered;
+
+pub(super) struct Session {
+    pub conn: ConnId,
+    pub peer: Peer,
+    /// Said HELLO: the connection is past its handshake (and its shorter timeout).
+    pub greeted: bool,
+    authenticated: Option<Authenticated>,
+    denials: auth::Denials,
+    /// Negotiated in HELLO: payloads of at least this many bytes go out zstd-compressed.
+    pub compress: Option<usize>,
+}
+
+impl Session {
+    /// A new connection's session, logged in already if its client certificate names a user.
+    pub fn new(ctx: &Arc<Ctx>, conn: ConnId, peer: Peer, registered: &Registered) -> Session {
+        let mut session = Session {
+            conn,
+            peer,
+            greeted: false,
+            authenticated: None,
+            denials: auth::Denials::default(),
+            compress: None,
+        };
+        if let Some(certified) = auth::with_certificate(ctx, &session.peer, conn) {
+            match certified {
+                Ok(a) => {
+                    registered.set_user(&a.principal.user);
+                    session.authenticated = Some(a);
+                }
+                Err(reason) => tracing::info!(conn, reason, "client certificate not accepted; a password may follow"),
+            }
+        }
+        session
+    }
+
+    pub fn principal(&self) -> Option<&Principal> {
+        self.authenticated.as_ref().map(|a| &a.principal)
+    }
+
+    /// `Err`: why this connection may not make `request` (not logged in, or not allowed by the
+    /// ACLs).
+    pub fn admit(&mut self, ctx: &Ctx, request: &Request) -> Result<(), BrokerError> {
+        if !matches!(request, Request::Hello { .. } | Request::Ping | Request::Auth { .. }) {
+            ctx.broker.authenticated(self.principal())?;
+        }
+        if let Some((kind, name, actions)) = needs(request) {
+            let principal = self.authenticated.as_ref().map(|a| &a.principal);
+            auth::authorize(ctx, self.conn, principal, &mut self.denials, kind, name, actions)?;
+        }
+        Ok(())
+    }
+
+    pub fn hello(&mut self, ctx: &Ctx, wanted: u32) -> Response {
+        self.greeted = true;
+        let mut features = 0;
+        if wanted & features::ZSTD != 0 && ctx.config.compress_min_bytes > 0 {
+            self.compress = Some(ctx.config.compress_min_bytes);
+            features |= features::ZSTD;
+        }
+        if ctx.broker.auth_enabled() && self.authenticated.is_none() {
+            features |= features::AUTH_REQUIRED;
+        }
+        Response::Hello {
+            server: format!("petrel/{}", env!("CARGO_PKG_VERSION")),
+            max_frame: ctx.config.max_frame_bytes,
+            features,
+        }
+    }
+
+    /// Checks a password (slowly, and rate-limited per address); answered before the requests
+    /// pipelined behind it are read.
+    pub async fn auth(&mut self, ctx: &Arc<Ctx>, registered: &Registered, user: String, password: String) -> Response {
+        if !ctx.broker.auth_enabled() {
+            return Response::Done;
+        }
+        match auth::with_password(ctx, &self.peer, self.conn, user, password).await {
+            Ok(a) => {
+                registered.set_user(&a.principal.user);
+                self.authenticated = Some(a);
+                Response::Done
+            }
+            Err(reason) => Response::error(Status::Unauthorized, reason),
+        }
+    }
+}
+
+/// What a request touches, for the ACL check: the destination and the actions any of which
+/// allows it. `None`: nothing beyond an authenticated user (or this connection's own handles).
+fn needs(request: &Request) -> Option<(Kind, &str, &'static [Action])> {
+    use Action::*;
+    Some(match request {
+        Request::QueueCreate { config, .. } if config.temporary => return None,
+        Request::QueueCreate { name, .. } | Request::QueueRemove { name } => (Kind::Queue, name, &[Manage]),
+        Request::QueueStatus { name } => (Kind::Queue, name, &[Offer, Poll]),
+        Request::Offer { queue, .. } => (Kind::Queue, queue, &[Offer]),
+        Request::Poll { queue, .. } => (Kind::Queue, queue, &[Poll]),
+        Request::TopicCreate { name, .. } | Request::TopicRemove { name } => (Kind::Topic, name, &[Manage]),
+        Request::Publish { topic, .. } => (Kind::Topic, topic, &[Publish]),
+        Request::Subscribe { topic, .. } => (Kind::Topic, topic, &[Subscribe]),
+        Request::TopicStatus { name } => (Kind::Topic, name, &[Publish, Subscribe]),
+        Request::Serve { function } => (Kind::Function, function, &[Serve]),
+        Request::Call { function, .. } => (Kind::Function, function, &[Exec]),
+        Request::Hello { .. }
+        | Request::Ping
+        | Request::Auth { .. }
+        | Request::QueueList
+        | Request::TopicList
+        | Request::Ack { .. }
+        | Request::Abort { .. }
+        | Request::TopicAck { .. }
+        | Request::Unsubscribe { .. }
+        | Request::Unserve { .. }
+        | Request::Return { .. } => return None,
+    })
+}

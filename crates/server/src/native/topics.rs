@@ -1,0 +1,294 @@
+//! Topic requests: create, remove, list, status, publish; subscribe (live, or through a durable
+//! topic's consumer group), acknowledge a group's messages, unsubscribe. A subscription is a
+//! task that turns what the broker hands it into DELIVER pushes.
+
+use std::time::Duration;
+
+use petrel_broker::security::{Action, Kind};
+use petrel_broker::{BrokerError, Ended, GroupFeed, SeekTo, Subscription};
+use petrel_proto::{Push, Response, StartFrom, Status};
+use tokio::sync::oneshot;
+
+use super::pushes::{Pushes, not_sent_if_too_long};
+use super::session::Session;
+use super::{Answer, WaitsFor, error};
+use crate::outbox::Outbox;
+use crate::{Ctx, convert, now_ns};
+
+pub(super) fn create(ctx: &Ctx, name: &str, durable: bool) -> Response {
+    ctx.broker.create_topic(name, durable).map_or_else(error, |_| Response::Done)
+}
+
+pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
+    ctx.broker.remove_topic(name).map_or_else(error, |()| Response::Done)
+}
+
+/// The topics this connection may publish or subscribe to.
+pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
+    let broker = &ctx.broker;
+    let may = |name: &String| broker.may(session.principal(), Kind::Topic, name, &[Action::Publish, Action::Subscribe]);
+    Response::TopicList { names: broker.topic_names().into_iter().filter(may).collect() }
+}
+
+pub(super) fn status(ctx: &Ctx, name: String) -> Response {
+    match ctx.broker.topic(&name) {
+        Some(t) => Response::TopicStatus { stats: convert::topic_stats_out(&t) },
+        None => error(BrokerError::TopicNotFound(name)),
+    }
+}
+
+pub(super) fn publish(ctx: &Ctx, topic: &str, messages: Vec<petrel_proto::Message>) -> Response {
+    let messages = messages.into_iter().map(convert::message_in).collect();
+    ctx.broker.publish(topic, messages, now_ns()).map_or_else(error, |subscribers| Response::Published { subscribers })
+}
+
+/// A live subscription: what is published from now on, while this connection keeps up.
+pub(super) fn subscribe(
+    ctx: &Ctx,
+    session: &Session,
+    pushes: &mut Pushes,
+    outbox: &Outbox,
+    topic: &str,
+    buffer: u32,
+) -> Response {
+    let buffer = match buffer {
+        0 => ctx.config.default_subscriber_buffer_messages,
+        n => (n as usize).min(ctx.config.max_subscriber_buffer_messages),
+    };
+    match ctx.broker.subscribe(topic, session.conn, buffer) {
+        Ok(sub) => {
+            let subscription = sub.id;
+            let answered = pushes.after_answers();
+            let push = PushFrame::of(ctx);
+            let task = tokio::spawn(deliver_live(sub, answered, outbox.clone(), session.compress, push));
+            pushes.subscriptions.insert(subscription, task);
+            Response::Subscribed { subscription }
+        }
+        Err(e) => error(e),
+    }
+}
+
+/// A subscription through consumer group `group` of a durable topic, at most `buffer` messages
+/// unacknowledged. If the group is still held by a subscription that is ending (a client that
+/// reconnected at once), waits a moment for it to be let go.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn subscribe_group(
+    ctx: &Ctx,
+    session: &Session,
+    pushes: &mut Pushes,
+    outbox: &Outbox,
+    topic: String,
+    group: String,
+    buffer: u32,
+    from: StartFrom,
+) -> Response {
+    let Some(t) = ctx.broker.topic(&topic) else { return error(BrokerError::TopicNotFound(topic)) };
+    let max_pending = match buffer {
+        0 => ctx.config.default_subscriber_buffer_messages.min(petrel_log::MAX_PENDING),
+        n => (n as usize).min(petrel_log::MAX_PENDING),
+    };
+    let from = match from {
+        StartFrom::Resume => None,
+        StartFrom::Oldest => Some(SeekTo::Oldest),
+        StartFrom::Newest => Some(SeekTo::Newest),
+        StartFrom::Offset(o) => Some(SeekTo::Offset(o)),
+        StartFrom::Time(ns) => Some(SeekTo::Time(ns)),
+    };
+    let released_within = tokio::time::sleep(Duration::from_millis(ctx.config.group_release_wait_ms));
+    let reader = match t.group_when_free(&group, from, max_pending, released_within).await {
+        Ok(reader) => reader,
+        Err(e) => return error(e),
+    };
+    let (feed, acks) = GroupFeed::new(reader, max_pending, ctx.config.max_group_acks_waiting);
+    let subscription = ctx.broker.next_id();
+    let answered = pushes.after_answers();
+    let push = PushFrame::of(ctx);
+    let task = tokio::spawn(deliver_group(subscription, feed, answered, outbox.clone(), session.compress, push));
+    pushes.groups.insert(subscription, (acks, task));
+    Response::Subscribed { subscription }
+}
+
+/// Acknowledges messages of a group subscription: answered once its task has applied them.
+pub(super) fn ack(pushes: &Pushes, subscription: u64, ids: Vec<u64>) -> Answer {
+    let Some((acks, _)) = pushes.groups.get(&subscription) else {
+        return Answer::Now(Response::error(Status::BadRequest, format!("no group subscription {subscription}")));
+    };
+    match acks.send(ids) {
+        Ok(counted) => Answer::later(WaitsFor::Other, async move {
+            match counted.await {
+                Ok(count) => Response::Acked { count },
+                Err(_) => Response::error(Status::ServerError, "the subscription ended"),
+            }
+        }),
+        Err(e) => Answer::Now(error(e)),
+    }
+}
+
+/// Ends a subscription; a group subscription is answered once its group is free for the next.
+pub(super) fn unsubscribe(ctx: &Ctx, session: &Session, pushes: &mut Pushes, subscription: u64) -> Answer {
+    ctx.broker.unsubscribe(subscription, session.conn);
+    if let Some(task) = pushes.subscriptions.remove(&subscription) {
+        task.abort();
+    }
+    if let Some((acks, task)) = pushes.groups.remove(&subscription) {
+        drop(acks); // ends the feed: its task returns, and lets the group go
+        return Answer::later(WaitsFor::Other, async move {
+            let _ = task.await;
+            Response::Done
+        });
+    }
+    Answer::Now(Response::Done)
+}
+
+/// How big a DELIVER push grows before it is sent: the writer's queue is bounded in frames, so
+/// a frame's size bounds its memory too.
+#[derive(Clone, Copy)]
+struct PushFrame {
+    max_messages: usize,
+    max_bytes: u64,
+}
+
+impl PushFrame {
+    fn of(ctx: &Ctx) -> PushFrame {
+        PushFrame { max_messages: ctx.config.max_push_messages, max_bytes: ctx.config.max_push_bytes }
+    }
+}
+
+/// Forwards a live subscription's messages as DELIVER pushes, several per frame when they
+/// queue up, once the SUBSCRIBE answer has gone out; ends with SUBSCRIPTION_END if the broker
+/// ended it.
+async fn deliver_live(
+    mut sub: Subscription,
+    answered: oneshot::Receiver<()>,
+    outbox: Outbox,
+    compress: Option<usize>,
+    push: PushFrame,
+) {
+    if answered.await.is_err() {
+        return;
+    }
+    let id = sub.id;
+    let mut batch = Vec::new();
+    while let Some(first) = sub.recv().await {
+        let mut bytes = first.message.size();
+        batch.push(first);
+        while batch.len() < push.max_messages && bytes < push.max_bytes {
+            match sub.try_recv() {
+                Some(m) => {
+                    bytes += m.message.size();
+                    batch.push(m);
+                }
+                None => break,
+            }
+        }
+        // Each message is encoded once, by whichever subscriber's task gets to it first (one
+        // that goes out compressed, for this connection alone).
+        let encoded: Vec<bytes::Bytes> = batch
+            .iter()
+            .map(|d| {
+                let encode = |compress| {
+                    let mut out = Vec::with_capacity(d.message.payload.len() + 64);
+                    convert::outgoing(d.message.clone(), compress).encode_to(&mut out);
+                    bytes::Bytes::from(out)
+                };
+                match compress {
+                    Some(min) if d.message.payload.len() >= min => encode(compress),
+                    _ => d.encoded.get_or_init(|| encode(None)).clone(),
+                }
+            })
+            .collect();
+        let mut out = Vec::with_capacity(encoded.iter().map(|e| e.len()).sum::<usize>() + 32);
+        not_sent_if_too_long(Push::encode_deliver(id, &encoded, &mut out));
+        drop(encoded);
+        batch.clear();
+        if outbox.send(out).await.is_err() {
+            return;
+        }
+    }
+    let end = match sub.ended.get() {
+        Some(Ended::TooSlow(reason)) => Push::SubscriptionEnd { status: Status::SlowConsumer, reason: reason.clone() },
+        Some(Ended::TopicRemoved(reason)) => {
+            Push::SubscriptionEnd { status: Status::TopicNotFound, reason: reason.clone() }
+        }
+        None => return,
+    };
+    let mut out = Vec::new();
+    not_sent_if_too_long(end.encode(id, &mut out));
+    let _ = outbox.send(out).await;
+}
+
+/// Delivers what a group feed hands out as DELIVER pushes. An async task, not a thread: the
+/// feed's waits are in memory, and each step (a read of the log, acknowledgements written to
+/// the group's cursor) runs as a short blocking call, so idle group subscribers hold no thread.
+async fn deliver_group(
+    id: u64,
+    mut feed: GroupFeed,
+    answered: oneshot::Receiver<()>,
+    outbox: Outbox,
+    compress: Option<usize>,
+    push: PushFrame,
+) {
+    if answered.await.is_err() {
+        return;
+    }
+    loop {
+        let max_batch = push.max_messages;
+        let stepped = tokio::task::spawn_blocking(move || {
+            let step = feed.step(max_batch);
+            (feed, step)
+        })
+        .await;
+        let step;
+        (feed, step) = match stepped {
+            Ok(stepped) => stepped,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => return, // the runtime is shutting down
+        };
+        match step {
+            Ok(Some(messages)) => {
+                if !send_group_messages(id, messages, &outbox, compress, push).await {
+                    return;
+                }
+            }
+            Ok(None) => {
+                if !feed.wait().await {
+                    return;
+                }
+            }
+            Err(e) => {
+                let mut out = Vec::new();
+                let end = Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() };
+                not_sent_if_too_long(end.encode(id, &mut out));
+                let _ = outbox.send(out).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Sends `messages` in frames of at most `push.max_bytes` (or one bigger message). `false`:
+/// the connection's writer has stopped.
+async fn send_group_messages(
+    id: u64,
+    messages: Vec<petrel_broker::Message>,
+    outbox: &Outbox,
+    compress: Option<usize>,
+    push: PushFrame,
+) -> bool {
+    let mut frame: Vec<petrel_proto::Message> = Vec::new();
+    let mut bytes = 0;
+    let last = messages.len();
+    for (i, m) in messages.into_iter().enumerate() {
+        bytes += m.size();
+        frame.push(convert::outgoing(m, compress));
+        if bytes >= push.max_bytes || i + 1 == last {
+            let mut out = Vec::with_capacity(bytes as usize + 64 * frame.len());
+            not_sent_if_too_long(Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out));
+            bytes = 0;
+            if outbox.send(out).await.is_err() {
+                return false;
+            }
+        }
+    }
+    true
+}
