@@ -6,6 +6,8 @@
 //! the blocking client's polls every second to let Python handle signals (Ctrl-C); an offer
 //! waiting for room in a full queue does not, for at most the timeout it was given.
 
+#![forbid(unsafe_code)]
+
 mod client;
 mod completions;
 mod embedded;

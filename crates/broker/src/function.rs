@@ -100,7 +100,7 @@ struct Waiting {
     function: String,
     server: ConnId,
     started: Instant,
-    deadline: u64,
+    deadline_ns: u64,
     reply: Replier,
 }
 
@@ -198,8 +198,8 @@ impl Functions {
     }
 
     /// Calls whose deadline passed are answered `Timeout`.
-    pub(crate) fn expire(&self, now: u64) {
-        for w in self.take_waiting(|w| w.deadline <= now) {
+    pub(crate) fn expire(&self, now_ns: u64) {
+        for w in self.take_waiting(|w| w.deadline_ns <= now_ns) {
             self.settle(&w.function, Outcome::TimedOut, None);
             (w.reply)(Err(BrokerError::Timeout("no reply before the call's deadline".into())));
         }
@@ -251,13 +251,13 @@ impl Functions {
                     };
                     // Registered before it is sent: the reply may come back at once.
                     if !oneway {
-                        let (r, deadline) = reply.take().expect("registered once");
+                        let (r, deadline_ns) = reply.take().expect("registered once");
                         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
                         let w = Waiting {
                             function: function.to_owned(),
                             server: *conn,
                             started: Instant::now(),
-                            deadline,
+                            deadline_ns,
                             reply: r,
                         };
                         waiting.insert(call, w);
@@ -269,7 +269,7 @@ impl Functions {
                         Err(e) => {
                             if !oneway {
                                 let w = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&call);
-                                reply = w.map(|w| (w.reply, w.deadline));
+                                reply = w.map(|w| (w.reply, w.deadline_ns));
                             }
                             message = Some(e.into_inner().message);
                         }

@@ -10,8 +10,24 @@
 //! Queue configuration comes from the queue's creator, or, for queues created by first use (the
 //! memcache protocol) and for queues named in the server's configuration, from the broker's
 //! options: a block per name, a fanout child inheriting its parent's, else the defaults.
+//!
+//! The map of the crate (each concept in the file that owns it):
+//! - `lib.rs`: the `Broker` — the registry of queues and topics, their definitions file,
+//!   offers, polls, calls and the tick; `BrokerError`, `BrokerOptions`;
+//! - `config.rs`: a queue's configuration (`QueueConfig`) and its validation;
+//! - `queue.rs`: one queue — in memory or over a log, tentative reads, expiry, the memory budget;
+//! - `waiting.rs`: waiting on a queue for messages or room (`Broker::wait_on_queue`);
+//! - `message.rs`: the broker's `Message`, how it is stored as a log record, id ↔ offset;
+//! - `topic.rs`: topics — live subscribers, a durable topic's log and its consumer groups;
+//! - `group_feed.rs`: a consumer group as a subscriber reads it, with its flow control;
+//! - `function.rs`: functions — who serves a name, calls waiting for replies, timeouts;
+//! - `security/`: users (Argon2id hashes), ACLs, who may do what;
+//! - `counting.rs`: counters that go down as well as up, asserted never below zero.
+
+#![forbid(unsafe_code)]
 
 mod config;
+mod counting;
 mod function;
 mod group_feed;
 mod message;
@@ -659,9 +675,9 @@ impl Broker {
 
     /// Offers to `name` (all or none), then a copy to each fanout child (`name+…`). A child that
     /// refuses its copy (full, or the message too big for it) is skipped, counted in its `dropped`.
-    pub fn offer(&self, name: &str, mut messages: Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
+    pub fn offer(&self, name: &str, mut messages: Vec<Message>, now_ns: u64) -> Result<(u64, u32), BrokerError> {
         let queue = self.get(name)?;
-        self.offer_to(&queue, &mut messages, now)
+        self.offer_to(&queue, &mut messages, now_ns)
     }
 
     /// `offer` to a queue already looked up. On success `messages` is emptied; on refusal it is
@@ -671,9 +687,9 @@ impl Broker {
         &self,
         queue: &Arc<Queue>,
         messages: &mut Vec<Message>,
-        now: u64,
+        now_ns: u64,
     ) -> Result<(u64, u32), BrokerError> {
-        let (first, count, unsynced) = self.offer_unsynced(queue, messages, now)?;
+        let (first, count, unsynced) = self.offer_unsynced(queue, messages, now_ns)?;
         unsynced.wait()?;
         Ok((first, count))
     }
@@ -686,7 +702,7 @@ impl Broker {
         &self,
         queue: &Arc<Queue>,
         messages: &mut Vec<Message>,
-        now: u64,
+        now_ns: u64,
     ) -> Result<(u64, u32, UnsyncedOffer), BrokerError> {
         for m in messages.iter() {
             if m.size() as usize > self.options.max_message_bytes {
@@ -697,11 +713,11 @@ impl Broker {
         // Copies only of what the parent accepts: an offer retried while the parent is full
         // must not fill the children with duplicates.
         let copies = children.as_ref().map(|_| messages.clone());
-        let (first, count, last) = queue.offer_unsynced(messages, now)?;
+        let (first, count, last) = queue.offer_unsynced(messages, now_ns)?;
         let mut unsynced = UnsyncedOffer { queue: last.map(|last| (Arc::clone(queue), last)), children: Vec::new() };
         if let (Some(children), Some(copies)) = (children, copies) {
             for child in children {
-                match child.offer_unsynced(&mut copies.clone(), now) {
+                match child.offer_unsynced(&mut copies.clone(), now_ns) {
                     Ok((_, _, Some(last))) => unsynced.children.push((child, last)),
                     Ok(_) => {}
                     Err(e) => {
@@ -722,10 +738,10 @@ impl Broker {
         max: usize,
         visibility: Option<Duration>,
         consumer: ConnId,
-        now: u64,
+        now_ns: u64,
     ) -> Result<Vec<Delivery>, BrokerError> {
         let queue = self.get(name)?;
-        self.poll_from(&queue, max, visibility, consumer, now)
+        self.poll_from(&queue, max, visibility, consumer, now_ns)
     }
 
     /// `poll` from a queue already looked up.
@@ -735,19 +751,19 @@ impl Broker {
         max: usize,
         visibility: Option<Duration>,
         consumer: ConnId,
-        now: u64,
+        now_ns: u64,
     ) -> Result<Vec<Delivery>, BrokerError> {
         let mut next_handle = || self.next_handle.fetch_add(1, Ordering::Relaxed);
-        let polled = queue.poll(max, self.options.max_poll_bytes, visibility, consumer, now, &mut next_handle)?;
-        self.dead_letter(queue, polled.expired, now);
+        let polled = queue.poll(max, self.options.max_poll_bytes, visibility, consumer, now_ns, &mut next_handle)?;
+        self.dead_letter(queue, polled.expired, now_ns);
         Ok(polled.deliveries)
     }
 
     /// The message at the head of `queue`, left there. Expired messages met on the way are
     /// removed (to the dead-letter queue).
-    pub fn peek(&self, queue: &Queue, now: u64) -> Result<Option<Message>, BrokerError> {
-        let (head, expired) = queue.peek(now)?;
-        self.dead_letter(queue, expired, now);
+    pub fn peek(&self, queue: &Queue, now_ns: u64) -> Result<Option<Message>, BrokerError> {
+        let (head, expired) = queue.peek(now_ns)?;
+        self.dead_letter(queue, expired, now_ns);
         Ok(head)
     }
 
@@ -840,14 +856,14 @@ impl Broker {
     }
 
     /// Hands the messages to every current subscriber of `topic`; returns how many got them.
-    pub fn publish(&self, topic: &str, messages: Vec<Message>, now: u64) -> Result<u32, BrokerError> {
+    pub fn publish(&self, topic: &str, messages: Vec<Message>, now_ns: u64) -> Result<u32, BrokerError> {
         let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
         let mut stamped = Vec::with_capacity(messages.len());
         for m in messages {
             if m.size() as usize > self.options.max_message_bytes {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
-            stamped.push(Message { timestamp: now, destination: topic.to_owned(), ..m });
+            stamped.push(Message { timestamp: now_ns, destination: topic.to_owned(), ..m });
         }
         t.publish(stamped)
     }
@@ -906,16 +922,16 @@ impl Broker {
         function: &str,
         message: Message,
         oneway: bool,
-        now: u64,
+        now_ns: u64,
         timeout: Duration,
         reply: Replier,
     ) -> Result<Called, BrokerError> {
         let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
-        let message = Message { timestamp: now, destination: function.to_owned(), kind: 1, ..message };
-        let deadline = now.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
+        let message = Message { timestamp: now_ns, destination: function.to_owned(), kind: 1, ..message };
+        let deadline_ns = now_ns.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
         // The caller's own temporary reply queue becomes writable by the server that takes the call.
         let reply_queue = self.queue(&message.reply_to).filter(|q| q.owner == Some(caller));
-        let (called, server) = self.functions.call(function, message, oneway, call, (reply, deadline))?;
+        let (called, server) = self.functions.call(function, message, oneway, call, (reply, deadline_ns))?;
         if let (Some(q), Some(server)) = (reply_queue, server) {
             q.grant_replier(server);
         }
@@ -946,12 +962,12 @@ impl Broker {
     }
 
     /// Periodic work: visibility timeouts and expiry. Call it every few tens of milliseconds.
-    pub fn tick(&self, now: u64) {
-        self.functions.expire(now);
-        let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now)).cloned().collect();
+    pub fn tick(&self, now_ns: u64) {
+        self.functions.expire(now_ns);
+        let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now_ns)).cloned().collect();
         for q in queues {
-            match q.tick(now) {
-                Ok(expired) => self.dead_letter(&q, expired, now),
+            match q.tick(now_ns) {
+                Ok(expired) => self.dead_letter(&q, expired, now_ns),
                 Err(e) => tracing::error!(queue = %q.name, error = %e, "tick failed"),
             }
         }
@@ -1037,7 +1053,7 @@ impl Broker {
         Err(BrokerError::Forbidden(format!("user {:?} may not {action} {kind} {:?}", who.user, shown(name))))
     }
 
-    fn dead_letter(&self, from: &Queue, expired: Vec<Message>, now: u64) {
+    fn dead_letter(&self, from: &Queue, expired: Vec<Message>, now_ns: u64) {
         let dead_letter = &from.config().dead_letter;
         if expired.is_empty() || dead_letter.is_empty() {
             return;
@@ -1045,7 +1061,7 @@ impl Broker {
         let mut expired = expired.into_iter().map(|m| Message { expires_at: 0, ..m }).collect();
         // Like Kestrel's expire_to_queue, the dead-letter queue is made by first use.
         let to = self.queue_or_create(dead_letter);
-        if let Err(e) = to.and_then(|to| self.offer_to(&to, &mut expired, now)) {
+        if let Err(e) = to.and_then(|to| self.offer_to(&to, &mut expired, now_ns)) {
             tracing::warn!(queue = %from.name, %dead_letter, error = %e, "expired messages lost");
         }
     }

@@ -44,8 +44,8 @@ impl Message {
         self.size() + strings.iter().map(|s| s.len() as u64).sum::<u64>() + 6 * self.headers.len() as u64 + 64
     }
 
-    pub fn is_expired(&self, now: u64) -> bool {
-        self.expires_at != 0 && self.expires_at <= now
+    pub fn is_expired(&self, now_ns: u64) -> bool {
+        self.expires_at != 0 && self.expires_at <= now_ns
     }
 }
 

@@ -10,7 +10,7 @@ use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog
 use tokio::sync::Notify;
 
 use crate::message::{self, Message};
-use crate::{BrokerError, ConnId, QueueConfig};
+use crate::{BrokerError, ConnId, QueueConfig, counting};
 
 /// A queue's figures.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -54,9 +54,9 @@ pub struct OpenRead {
     pub message_id: u64,
     pub consumer: ConnId,
     /// When it was taken, ns since the epoch.
-    pub taken_at: u64,
+    pub taken_at_ns: u64,
     /// When it goes back to the queue unless acknowledged, ns since the epoch.
-    pub deadline: u64,
+    pub deadline_ns: u64,
     pub bytes: u64,
 }
 
@@ -110,21 +110,21 @@ impl MemoryBudget {
         let used = self.used.fetch_add(bytes, Ordering::Relaxed) + bytes;
         let max = self.max();
         if max != 0 && used > max && !always {
-            self.used.fetch_sub(bytes, Ordering::Relaxed);
+            counting::subtract_shared(&self.used, bytes, "the memory budget");
             return false;
         }
         true
     }
 
     pub(crate) fn release(&self, bytes: u64) {
-        self.used.fetch_sub(bytes, Ordering::Relaxed);
+        counting::subtract_shared(&self.used, bytes, "the memory budget");
     }
 
     fn settle(&self, before: u64, after: u64) {
         if after > before {
             self.used.fetch_add(after - before, Ordering::Relaxed);
         } else {
-            self.used.fetch_sub(before - after, Ordering::Relaxed);
+            counting::subtract_shared(&self.used, before - after, "the memory budget");
         }
     }
 }
@@ -157,7 +157,7 @@ struct Locked<'a> {
     guard: std::sync::MutexGuard<'a, Inner>,
     budget: Option<&'a MemoryBudget>,
     bytes_before: u64,
-    due: &'a AtomicU64,
+    due_ns: &'a AtomicU64,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -182,7 +182,7 @@ impl Drop for Locked<'_> {
             // A head that cannot be read now (a storage error) is looked at by the next tick.
             let expiry = self.guard.head_expiry().unwrap_or(Some(0));
             if let Some(expiry) = expiry {
-                self.due.fetch_min(expiry, Ordering::Relaxed);
+                self.due_ns.fetch_min(expiry, Ordering::Relaxed);
             }
         }
     }
@@ -208,7 +208,7 @@ pub struct Queue {
     waiters: AtomicU64,
     /// The earliest time `tick` may have work (a visibility deadline, an expiry); changed only
     /// under the lock. The server ticks every queue every few milliseconds: most return at once.
-    due: AtomicU64,
+    due_ns: AtomicU64,
     /// A durable queue whose log syncs every offer (durability `always`): the log, to wait for
     /// the disk without the queue's lock.
     synced_log: Option<SharedLog>,
@@ -219,7 +219,7 @@ pub(crate) struct CountedWaiter<'a>(&'a AtomicU64);
 
 impl Drop for CountedWaiter<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        counting::subtract_shared(self.0, 1, "a queue's waiting consumers");
     }
 }
 
@@ -248,8 +248,8 @@ enum Store {
 
 struct InFlight {
     consumer: ConnId,
-    taken_at: u64,
-    deadline: u64,
+    taken_at_ns: u64,
+    deadline_ns: u64,
     bytes: u64,
     item: Taken,
 }
@@ -314,7 +314,7 @@ impl Queue {
         queue.synced_log = synced_log;
         queue.inner.get_mut().unwrap_or_else(|e| e.into_inner()).visible_end = visible_end;
         // What it holds may expire: the first tick looks, and sets when to look again.
-        queue.due.store(0, Ordering::Relaxed);
+        queue.due_ns.store(0, Ordering::Relaxed);
         Ok(queue)
     }
 
@@ -344,7 +344,7 @@ impl Queue {
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
-            due: AtomicU64::new(u64::MAX),
+            due_ns: AtomicU64::new(u64::MAX),
             synced_log: None,
         }
     }
@@ -421,7 +421,7 @@ impl Queue {
         let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let bytes_before = guard.bytes;
         let budget = self.memory.as_ref().map(|(budget, _)| &**budget);
-        Locked { guard, budget, bytes_before, due: &self.due }
+        Locked { guard, budget, bytes_before, due_ns: &self.due_ns }
     }
 
     /// Adds `messages` at the tail, all or none: on success `messages` is emptied, on refusal it
@@ -429,8 +429,8 @@ impl Queue {
     /// messages of a circular queue are counted. An offer larger than a bounded queue can ever
     /// hold is `NeverFits`; a circular queue keeps its newest messages instead (the oldest of the
     /// offer are dropped too, counted, and are gone even if the rest is then refused).
-    pub fn offer(&self, messages: &mut Vec<Message>, now: u64) -> Result<(u64, u32), BrokerError> {
-        let (first, count, unsynced) = self.offer_unsynced(messages, now)?;
+    pub fn offer(&self, messages: &mut Vec<Message>, now_ns: u64) -> Result<(u64, u32), BrokerError> {
+        let (first, count, unsynced) = self.offer_unsynced(messages, now_ns)?;
         if let Some(last) = unsynced {
             self.wait_durable(last)?;
         }
@@ -445,7 +445,7 @@ impl Queue {
     pub(crate) fn offer_unsynced(
         &self,
         messages: &mut Vec<Message>,
-        now: u64,
+        now_ns: u64,
     ) -> Result<(u64, u32, Option<u64>), BrokerError> {
         let config = self.config();
         let max_item = config.max_item_bytes;
@@ -504,10 +504,10 @@ impl Queue {
         }
         let ttl_deadline = match config.ttl_ms {
             0 => u64::MAX,
-            ttl => now.saturating_add(ttl.saturating_mul(1_000_000)),
+            ttl => now_ns.saturating_add(ttl.saturating_mul(1_000_000)),
         };
         for m in messages.iter_mut() {
-            m.timestamp = now;
+            m.timestamp = now_ns;
             // The queue's name is set on delivery; not stored with each message.
             m.destination.clear();
             // The earlier of the message's own expiry and the queue's.
@@ -542,7 +542,7 @@ impl Queue {
         inner.bytes += size;
         inner.counters.total_offered += n;
         if let Some(earliest) = earliest_expiry {
-            self.due.fetch_min(earliest, Ordering::Relaxed);
+            self.due_ns.fetch_min(earliest, Ordering::Relaxed);
         }
         drop(inner);
         // The last record's offset is its id − 1.
@@ -579,7 +579,7 @@ impl Queue {
         max_bytes: u64,
         visibility: Option<Duration>,
         consumer: ConnId,
-        now: u64,
+        now_ns: u64,
         next_handle: &mut dyn FnMut() -> u64,
     ) -> Result<Polled, BrokerError> {
         let mut out = Polled::default();
@@ -589,9 +589,9 @@ impl Queue {
         while out.deliveries.len() < max {
             let Some((message, taken)) = inner.next()? else { break };
             let size = message.size();
-            if message.is_expired(now) {
+            if message.is_expired(now_ns) {
                 inner.settle(&taken)?;
-                inner.bytes -= size;
+                counting::subtract(&mut inner.bytes, size, "a queue's bytes");
                 inner.counters.expired += 1;
                 out.expired.push(message);
                 continue;
@@ -607,16 +607,16 @@ impl Queue {
             let handle = match visibility {
                 Some(v) => {
                     let handle = next_handle();
-                    let deadline = now.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
+                    let deadline_ns = now_ns.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
                     inner.counters.opened += 1;
-                    let read = InFlight { consumer, taken_at: now, deadline, bytes: size, item: taken };
+                    let read = InFlight { consumer, taken_at_ns: now_ns, deadline_ns, bytes: size, item: taken };
                     inner.in_flight.insert(handle, read);
-                    self.due.fetch_min(deadline, Ordering::Relaxed);
+                    self.due_ns.fetch_min(deadline_ns, Ordering::Relaxed);
                     handle
                 }
                 None => {
                     inner.settle(&taken)?;
-                    inner.bytes -= size;
+                    counting::subtract(&mut inner.bytes, size, "a queue's bytes");
                     0
                 }
             };
@@ -639,7 +639,7 @@ impl Queue {
             if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
                 let f = inner.in_flight.remove(h).expect("just seen");
                 inner.settle(&f.item)?;
-                inner.bytes -= f.bytes;
+                counting::subtract(&mut inner.bytes, f.bytes, "a queue's bytes");
                 inner.counters.acked += 1;
                 n += 1;
             }
@@ -664,14 +664,14 @@ impl Queue {
                 handle,
                 message_id: f.item.message_id(),
                 consumer: f.consumer,
-                taken_at: f.taken_at,
-                deadline: f.deadline,
+                taken_at_ns: f.taken_at_ns,
+                deadline_ns: f.deadline_ns,
                 bytes: f.bytes,
             })
             .collect();
         let total = reads.len() as u64;
         drop(inner);
-        reads.sort_unstable_by_key(|r| (r.taken_at, r.handle));
+        reads.sort_unstable_by_key(|r| (r.taken_at_ns, r.handle));
         reads.truncate(limit);
         (total, reads)
     }
@@ -696,7 +696,7 @@ impl Queue {
         inner.put_back_all(returned)?;
         if n > 0 {
             // A returned message may carry an expiry: let the next tick look.
-            self.due.store(0, Ordering::Relaxed);
+            self.due_ns.store(0, Ordering::Relaxed);
         }
         drop(inner);
         if n > 0 {
@@ -714,25 +714,26 @@ impl Queue {
 
     /// Visibility timeouts that passed put their messages back; expired messages at the head
     /// are removed and returned (for the dead-letter queue).
-    pub fn tick(&self, now: u64) -> Result<Vec<Message>, BrokerError> {
-        if !self.is_due(now) {
+    pub fn tick(&self, now_ns: u64) -> Result<Vec<Message>, BrokerError> {
+        if !self.is_due(now_ns) {
             return Ok(Vec::new());
         }
         let mut inner = self.lock();
-        let overdue: Vec<u64> = inner.in_flight.iter().filter(|(_, f)| f.deadline <= now).map(|(h, _)| *h).collect();
+        let overdue: Vec<u64> =
+            inner.in_flight.iter().filter(|(_, f)| f.deadline_ns <= now_ns).map(|(h, _)| *h).collect();
         let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen").item).collect();
         inner.put_back_all(returned)?;
         // Expired messages at the head go (to the dead-letter queue), in memory and on disk
         // alike; ones behind an unexpired head wait until they reach it, as in Kestrel.
         let mut expired = Vec::new();
         while let Some(head) = inner.head()?
-            && head.is_expired(now)
+            && head.is_expired(now_ns)
         {
             inner.drop_oldest()?;
             inner.counters.expired += 1;
             expired.push(head);
         }
-        self.due.store(inner.next_due()?, Ordering::Relaxed);
+        self.due_ns.store(inner.next_due()?, Ordering::Relaxed);
         drop(inner);
         if !overdue.is_empty() {
             self.available.notify_waiters();
@@ -744,8 +745,8 @@ impl Queue {
     }
 
     /// Whether `tick` may have work at `now`.
-    pub(crate) fn is_due(&self, now: u64) -> bool {
-        now >= self.due.load(Ordering::Relaxed)
+    pub(crate) fn is_due(&self, now_ns: u64) -> bool {
+        now_ns >= self.due_ns.load(Ordering::Relaxed)
     }
 
     /// Removes every waiting message (not those in flight).
@@ -776,12 +777,12 @@ impl Queue {
 
     /// The message at the head, left in place; expired messages before it are removed and
     /// returned (for the dead-letter queue).
-    pub fn peek(&self, now: u64) -> Result<(Option<Message>, Vec<Message>), BrokerError> {
+    pub fn peek(&self, now_ns: u64) -> Result<(Option<Message>, Vec<Message>), BrokerError> {
         let mut expired = Vec::new();
         let mut inner = self.lock();
         let head = loop {
             match inner.head()? {
-                Some(m) if m.is_expired(now) => {
+                Some(m) if m.is_expired(now_ns) => {
                     inner.drop_oldest()?;
                     inner.counters.expired += 1;
                     expired.push(m);
@@ -812,7 +813,7 @@ impl Inner {
     /// the head's: an offer lowers `due` with its own expiry, and `Locked` with a new head's.)
     fn next_due(&mut self) -> Result<u64, BrokerError> {
         let expiry = self.head_expiry()?;
-        Ok(self.in_flight.values().map(|f| f.deadline).chain(expiry).min().unwrap_or(u64::MAX))
+        Ok(self.in_flight.values().map(|f| f.deadline_ns).chain(expiry).min().unwrap_or(u64::MAX))
     }
 
     /// When the message at the head expires, if it does.
@@ -855,7 +856,7 @@ impl Inner {
     fn next(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
         let next = self.next_from_store()?;
         if next.is_some() {
-            self.waiting -= 1;
+            counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
             self.head_taken = true;
         }
         Ok(next)
@@ -915,15 +916,15 @@ impl Inner {
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
         match &mut self.store {
             Store::Memory { ready, .. } => match ready.pop_front() {
-                Some(m) => self.bytes -= m.size(),
+                Some(m) => counting::subtract(&mut self.bytes, m.size(), "a queue's bytes"),
                 None => return Ok(false),
             },
             Store::Log { group, .. } => match group.take(Duration::ZERO)? {
-                Some(r) => self.bytes -= message::from_record(&r).size(),
+                Some(r) => counting::subtract(&mut self.bytes, message::from_record(&r).size(), "a queue's bytes"),
                 None => return Ok(false),
             },
         }
-        self.waiting -= 1;
+        counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
         self.head_taken = true;
         Ok(true)
     }

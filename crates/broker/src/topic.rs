@@ -68,7 +68,7 @@ impl Queued {
     }
 
     fn take(&self, size: u64) {
-        self.bytes.fetch_sub(size, Ordering::Relaxed);
+        crate::counting::subtract_shared(&self.bytes, size, "a subscriber's queued bytes");
         self.budget.release(size);
     }
 

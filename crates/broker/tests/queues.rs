@@ -329,7 +329,8 @@ fn open_reads_are_listed_oldest_first_and_an_operator_can_return_one() {
         let q = b.queue("q").unwrap();
         let (total, reads) = q.open_reads(10);
         assert_eq!(total, 2);
-        let seen: Vec<_> = reads.iter().map(|r| (r.handle, r.message_id, r.consumer, r.taken_at, r.deadline)).collect();
+        let seen: Vec<_> =
+            reads.iter().map(|r| (r.handle, r.message_id, r.consumer, r.taken_at_ns, r.deadline_ns)).collect();
         let expected = [
             (first[0].handle, first[0].message.id, 7, 10 * MS, 110 * MS),
             (second[0].handle, second[0].message.id, 8, 20 * MS, 120 * MS),

@@ -1,4 +1,12 @@
 //! The `petrel` command.
+//!
+//! The map of the crate: `main.rs` parses the command line; `server_cmd.rs` runs `serve` and
+//! the client commands (`produce`, `consume`, `queue`, …); `pubsub_cmd.rs` topics and functions;
+//! `log_cmd.rs` `log verify/dump` and the embedded commands; `user_cmd.rs` users and ACLs;
+//! `stat_cmd.rs` `stat`; `bench*.rs` the benchmarks; `output.rs`, `lines.rs` and `progress.rs`
+//! what the commands print.
+
+#![forbid(unsafe_code)]
 
 mod bench;
 mod bench_memcache;

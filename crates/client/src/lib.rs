@@ -16,6 +16,11 @@
 //! }
 //! # Ok(()) }
 //! ```
+//!
+//! The map of the crate: `lib.rs` holds the connection (a writer and a reader task, requests
+//! matched to answers by id), the async `Client` and `blocking`; `follow.rs` the `Follower`.
+
+#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

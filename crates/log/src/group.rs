@@ -547,7 +547,7 @@ impl ConsumerGroup {
     fn advance_committed(&mut self) {
         while self.acked.front() == Some(&true) {
             self.acked.pop_front();
-            self.acked_above -= 1;
+            self.acked_above = self.acked_above.checked_sub(1).expect("an acknowledgement above committed was counted");
             self.committed += 1;
         }
     }

@@ -54,6 +54,7 @@ mod group;
 mod index;
 mod keys;
 mod log;
+#[allow(unsafe_code)] // the one module that maps files; each block says why it is sound
 mod mmap;
 mod options;
 mod prefault;

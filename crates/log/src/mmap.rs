@@ -41,6 +41,8 @@ pub(crate) struct Mapping {
 // SAFETY: all shared access to the mapped bytes follows the invariants in the module comment;
 // the raw pointer itself is valid for the whole life of `raw`.
 unsafe impl Send for Mapping {}
+// SAFETY: shared references only read published bytes (invariants 1–3) or touch the header
+// under `header_lock`; the one writer of unpublished bytes holds the `DataWriter`.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {

@@ -99,7 +99,7 @@ impl PageBudget {
                 break;
             }
             let entry = state.lru.remove(&oldest).expect("first key is present");
-            state.bytes -= entry.len;
+            state.bytes = state.bytes.checked_sub(entry.len).expect("resident bytes count every entry they lose");
             let Some(other) = entry.segment.upgrade() else { continue };
             other.lru_stamp.store(0, Ordering::Relaxed);
             state.releases += 1;
@@ -119,7 +119,7 @@ impl PageBudget {
         if stamp != 0 {
             let mut state = self.lock();
             if let Some(entry) = state.lru.remove(&stamp) {
-                state.bytes -= entry.len;
+                state.bytes = state.bytes.checked_sub(entry.len).expect("resident bytes count every entry they lose");
             }
         }
     }

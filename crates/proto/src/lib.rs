@@ -1,6 +1,16 @@
 //! Petrel's native wire protocol: the message model, the frame codec, and the request and
 //! response bodies. Pure byte work: no I/O, no async runtime. `docs/protocol.md` specifies every
 //! byte; `tests/vectors/*.json` pin them for clients in other languages.
+//!
+//! The map of the crate:
+//! - `frame.rs`: the frame header and the length-prefixed framing (`frame::decode`);
+//! - `op.rs`: requests, responses and pushes, their opcodes and bodies;
+//! - `message.rs`: the wire's `Message`, queue configuration and statistics;
+//! - `wire.rs`: the primitive encodings (integers, length-prefixed strings cut at characters);
+//! - `compression.rs`: zstd payloads, and unfolding a request within a bound;
+//! - `hex.rs`: hex text for the test vectors.
+
+#![forbid(unsafe_code)]
 
 pub mod compression;
 pub mod frame;

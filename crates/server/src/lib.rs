@@ -1,6 +1,22 @@
 //! Petrel's server: listeners speaking the native protocol (TCP, Unix socket) and the memcache
 //! protocol (TCP) over one broker, each TCP port in plaintext or TLS 1.3; users and ACLs
 //! (`auth`, and the broker's `authorize`) apply to every listener alike.
+//!
+//! The map of the crate:
+//! - `lib.rs`: `Server` — binding the listeners, accepting connections (with the limits on how
+//!   many), the broker's tick, shutdown; `Ctx`, what every connection shares;
+//! - `config.rs`: `Config`, every limit with its unit and default, validated at startup;
+//! - `reload.rs`: what a reload (SIGHUP) changes, and the limits that live with it;
+//! - `native/`: the native protocol — `connection.rs` frames, `session.rs` who the client is,
+//!   `queues.rs`/`topics.rs`/`functions.rs` the requests, `pushes.rs` the push tasks;
+//! - `memcache/`: the memcache (Kestrel) protocol — `codec.rs` its commands, `mod.rs` a connection;
+//! - `http/`: metrics, the admin API, the dashboard and their listener;
+//! - `auth.rs`: logins (passwords, certificates), their rate limit, ACL checks and refusals;
+//! - `tls.rs`: rustls configuration; `input.rs`: read buffers within the memory budget;
+//! - `outbox.rs`: a connection's bounded queue of bytes to write; `connections.rs`: the registry
+//!   of open connections; `stats.rs`: server-wide counters; `convert.rs`: wire ↔ broker types.
+
+#![forbid(unsafe_code)]
 
 mod auth;
 mod config;

@@ -247,9 +247,9 @@ pub(super) async fn open_reads(
                 "message_id": r.message_id,
                 "bytes": r.bytes,
                 "connection": r.consumer,
-                "taken_at_ms": r.taken_at / 1_000_000,
-                "open_ms": now.saturating_sub(r.taken_at) / 1_000_000,
-                "returns_in_ms": r.deadline.saturating_sub(now) / 1_000_000,
+                "taken_at_ms": r.taken_at_ns / 1_000_000,
+                "open_ms": now.saturating_sub(r.taken_at_ns) / 1_000_000,
+                "returns_in_ms": r.deadline_ns.saturating_sub(now) / 1_000_000,
             });
             if admin && let Some(c) = ctx.connections.get(r.consumer) {
                 read["peer"] = json!(c.peer);
