@@ -72,6 +72,11 @@ impl Commit {
         Error::Poisoned(reason)
     }
 
+    /// Told of every data sync of this log and its cursors.
+    pub(crate) fn on_sync(&self) -> &SyncObserver {
+        &self.on_sync
+    }
+
     pub(crate) fn syncs(&self) -> u64 {
         self.syncs.load(Ordering::Relaxed)
     }

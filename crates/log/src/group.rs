@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use crate::cursor::{self, CURSOR_FILE_LEN, CursorState, MAX_PENDING};
 use crate::error::{Error, Reason, Result, corrupt, io_err};
 use crate::frame::Record;
-use crate::options::Durability;
+use crate::options::{Durability, SyncObserver};
 use crate::reader::{Batch, Reader};
 use crate::state::LogState;
 use crate::syncer::{self, IntervalSync, Registration};
@@ -234,6 +234,8 @@ struct CursorFile {
     syncer: Option<CursorSyncer>,
     /// The group's entry in the log's registry, kept current.
     entry: Arc<GroupEntry>,
+    /// The log's observer of syncs: told of this cursor's too.
+    on_sync: SyncObserver,
 }
 
 impl CursorFile {
@@ -261,7 +263,7 @@ impl CursorFile {
             return Err(e);
         }
         // Through the mapping (msync): the file is not kept open.
-        self.map.flush().map_err(io_err("sync cursor", &self.path))
+        self.on_sync.time(|| self.map.flush()).map_err(io_err("sync cursor", &self.path))
     }
 }
 
@@ -322,8 +324,9 @@ impl ConsumerGroup {
         let skip: BTreeSet<u64> = state.acked_above.into_iter().filter(|&o| o > committed).collect();
         entry.committed.store(committed, Ordering::Release);
         entry.acked_above.store(skip.len() as u64, Ordering::Relaxed);
+        let on_sync = shared.commit().on_sync().clone();
         let syncer = match options.durability {
-            Durability::Interval(every) => Some(CursorSyncer::start(&file, every)?),
+            Durability::Interval(every) => Some(CursorSyncer::start(&file, every, on_sync.clone())?),
             _ => None,
         };
         drop(file); // the mappings hold it
@@ -334,7 +337,16 @@ impl ConsumerGroup {
             shared,
             name: name.to_owned(),
             options,
-            cursor: CursorFile { path, map, seq, bitmap: Vec::new(), durability: options.durability, syncer, entry },
+            cursor: CursorFile {
+                path,
+                map,
+                seq,
+                bitmap: Vec::new(),
+                durability: options.durability,
+                syncer,
+                entry,
+                on_sync,
+            },
             reader,
             redelivery,
             committed,
@@ -598,6 +610,7 @@ struct CursorSyncer {
 /// the last sync, and the first failure, which every later write reports.
 struct CursorSync {
     map: memmap2::MmapRaw,
+    on_sync: SyncObserver,
     dirty: AtomicBool,
     error: Mutex<Option<String>>,
 }
@@ -605,7 +618,7 @@ struct CursorSync {
 impl IntervalSync for CursorSync {
     fn sync_now(&self) {
         if self.dirty.swap(false, Ordering::AcqRel)
-            && let Err(e) = self.map.flush()
+            && let Err(e) = self.on_sync.time(|| self.map.flush())
         {
             self.error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e.to_string());
         }
@@ -613,9 +626,9 @@ impl IntervalSync for CursorSync {
 }
 
 impl CursorSyncer {
-    fn start(file: &File, every: Duration) -> Result<CursorSyncer> {
+    fn start(file: &File, every: Duration, on_sync: SyncObserver) -> Result<CursorSyncer> {
         let map = memmap2::MmapOptions::new().map_raw_read_only(file).map_err(io_err("map cursor", PathBuf::new()))?;
-        let target = Arc::new(CursorSync { map, dirty: AtomicBool::new(false), error: Mutex::new(None) });
+        let target = Arc::new(CursorSync { map, on_sync, dirty: AtomicBool::new(false), error: Mutex::new(None) });
         let weak: Weak<dyn IntervalSync> = Arc::downgrade(&target) as Weak<CursorSync>;
         Ok(CursorSyncer { _registration: syncer::register(weak, every)?, target })
     }

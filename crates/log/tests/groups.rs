@@ -1,6 +1,8 @@
 //! Consumer groups: positions that survive restarts, acknowledgements in any order, redelivery,
 //! seeking, copying, and readers woken by the writer.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use petrel_log::{Durability, Error, GroupOptions, Input, Log, MIN_SEGMENT_BYTES, Options, SeekTo};
@@ -218,21 +220,47 @@ fn one_writer_and_several_readers_each_see_every_record_in_order() {
     assert!(log.groups().iter().all(|g| g.committed == N));
 }
 
+/// Opens a log of `n` records whose syncs (its own and its cursors') are counted.
+fn counted_log(dir: &std::path::Path, n: u64) -> (Log, Arc<AtomicU64>) {
+    let syncs = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&syncs);
+    let on_sync = petrel_log::SyncObserver::new(move |_| {
+        counter.fetch_add(1, Ordering::Relaxed);
+    });
+    let options = Options { segment_bytes: MIN_SEGMENT_BYTES, on_sync, ..Options::default() };
+    let mut log = Log::open(dir, options).unwrap();
+    for i in 0..n {
+        log.append(format!("r{i}").as_bytes()).unwrap();
+    }
+    (log, syncs)
+}
+
 #[test]
-fn cursor_durability_always_syncs_each_ack() {
+fn cursor_durability_always_syncs_each_ack_and_none_never_does() {
     let dir = tempfile::tempdir().unwrap();
-    let log = log_with(dir.path(), 10);
+    let (log, syncs) = counted_log(dir.path(), 10);
+    assert_eq!(syncs.load(Ordering::Relaxed), 0, "the log itself syncs nothing under `none`");
     let opts = GroupOptions { durability: Durability::Always, ..GroupOptions::default() };
     let mut g = log.group("g", opts).unwrap();
     g.poll(10, NOW).unwrap();
-    g.ack(0).unwrap();
-    let opts = GroupOptions { durability: Durability::Interval(Duration::from_millis(1)), ..GroupOptions::default() };
+    let before = syncs.load(Ordering::Relaxed);
+    for offset in 0..3 {
+        g.ack(offset).unwrap();
+        assert_eq!(syncs.load(Ordering::Relaxed), before + offset + 1, "one sync per acknowledgement");
+    }
+    drop(g);
+    // The same acknowledgements under `none`: not one sync, not even when the group closes.
+    let opts = GroupOptions { durability: Durability::None, ..GroupOptions::default() };
     let mut h = log.group("h", opts).unwrap();
     h.poll(10, NOW).unwrap();
-    h.ack(0).unwrap();
-    drop((g, h));
+    let before = syncs.load(Ordering::Relaxed);
+    for offset in 0..3 {
+        h.ack(offset).unwrap();
+    }
+    drop(h);
+    assert_eq!(syncs.load(Ordering::Relaxed), before, "`none` leaves the cursor to the page cache");
     let listed = petrel_log::verify::list_groups(dir.path()).unwrap();
-    assert!(listed.iter().all(|g| g.committed == 1));
+    assert!(listed.iter().all(|g| g.committed == 3), "both cursors hold their acknowledgements: {listed:?}");
 }
 
 #[test]

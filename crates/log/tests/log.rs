@@ -3,7 +3,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use petrel_log::verify::{self, ProblemKind};
 use petrel_log::{Durability, Error, Input, Log, MIN_SEGMENT_BYTES, Options, OwnedRecord};
@@ -337,6 +337,53 @@ fn shared_log_appends_from_many_threads_with_group_commit() {
             .collect();
         assert_eq!(mine, (0..100).collect::<Vec<_>>(), "each thread's records in its order");
     }
+}
+
+#[test]
+fn group_commit_covers_everyone_who_arrived_during_a_sync_with_one_more_sync() {
+    const PRODUCERS: u64 = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let armed = Arc::new(AtomicBool::new(false));
+    let appended = Arc::new(AtomicU64::new(0));
+    let held = Arc::new(AtomicBool::new(false));
+    let (armed_in, appended_in, held_in) = (Arc::clone(&armed), Arc::clone(&appended), Arc::clone(&held));
+    // The first sync after opening is held until every producer has appended: all of them wait
+    // for a sync while it runs.
+    let on_sync = petrel_log::SyncObserver::new(move |_| {
+        if armed_in.load(Ordering::SeqCst) && !held_in.swap(true, Ordering::SeqCst) {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while appended_in.load(Ordering::SeqCst) < PRODUCERS {
+                assert!(std::time::Instant::now() < deadline, "the producers never appended");
+                std::thread::yield_now();
+            }
+        }
+    });
+    let log = Log::open(dir.path(), Options { on_sync, ..small(Durability::Always) }).unwrap().into_shared();
+    let before = log.stats().syncs;
+    armed.store(true, Ordering::SeqCst);
+    let producers: Vec<_> = (0..PRODUCERS)
+        .map(|p| {
+            let (log, appended) = (log.clone(), Arc::clone(&appended));
+            std::thread::spawn(move || {
+                let payload = p.to_le_bytes();
+                let input = Input { key: None, headers: &[], payload: &payload, timestamp: None };
+                let offset = log.append_batch_unsynced(&[input]).unwrap().start;
+                appended.fetch_add(1, Ordering::SeqCst);
+                log.wait_durable(offset).unwrap();
+            })
+        })
+        .collect();
+    for p in producers {
+        p.join().unwrap();
+    }
+    let syncs = log.stats().syncs - before;
+    // The held sync covers whoever had appended when it started; everyone else appended before
+    // it ended, so the next sync covers them all. Without group commit: one sync each.
+    assert!(
+        (1..=2).contains(&syncs),
+        "{PRODUCERS} producers took {syncs} syncs; the sync under way and one more cover them all"
+    );
+    assert!(held.load(Ordering::SeqCst), "a sync was held");
 }
 
 #[test]
