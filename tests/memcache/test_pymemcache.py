@@ -9,6 +9,14 @@ import pytest
 from pymemcache.exceptions import MemcacheClientError
 
 
+def wait_until(what, done, timeout=10.0):
+    """Waits until `done()` holds, checking every few milliseconds; fails saying `what`."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.005)
+
+
 def test_set_then_get_is_fifo_and_an_empty_queue_gives_none(server):
     c = server.client()
     for i in range(5):
@@ -35,8 +43,10 @@ def test_a_blocking_get_waits_for_its_timeout_or_an_item(server):
     assert 0.25 <= waited < 3, waited
 
     def later():
-        time.sleep(0.3)
-        server.client().set("slow", b"arrived")
+        # Once the get is parked on the queue (counted as a waiter), an item arrives.
+        other = server.client()
+        wait_until("the get to wait", lambda: other.stats()[b"queue_slow_waiters"] == 1)
+        other.set("slow", b"arrived")
 
     threading.Thread(target=later).start()
     start = time.monotonic()
@@ -92,7 +102,9 @@ def test_expired_items_are_not_served_and_go_to_the_dead_letter_queue(make_serve
     c.set("expiring", b"short", expire=1)
     c.set("expiring", b"long", expire=60)
     c.set("expiring", b"gone", expire=-1)
-    time.sleep(1.2)
+    # The broker's tick moves an expired item at the head to the dead-letter queue ("short",
+    # after its second); "gone", behind an unexpired item, goes when a get reaches it (Kestrel's way).
+    wait_until("the head item to expire", lambda: c.stats()[b"queue_expiring_expired_items"] == 1)
     assert c.get("expiring") == b"long"
     assert c.get("expiring") is None
     assert sorted([c.get("late"), c.get("late")]) == [b"gone", b"short"]

@@ -155,9 +155,12 @@ async fn items_cross_between_the_memcache_and_native_protocols() {
 
     native.offer("shared", vec![Message::new(b"from binary".to_vec())], None).await.unwrap();
     assert_eq!(mc.ask(b"get shared\r\n", b"END\r\n"), "VALUE shared 0 11\r\nfrom binary\r\nEND\r\n");
-    // A waiting memcache get is woken by a native offer.
+    // A waiting memcache get is woken by a native offer (made once the get is parked).
     let offer = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        common::wait_until_async("the memcache get to wait", || async {
+            native.queue_status("shared").await.unwrap().waiters == 1
+        })
+        .await;
         native.offer("shared", vec![Message::new(b"late".to_vec())], None).await.unwrap();
     });
     let started = Instant::now();
@@ -277,7 +280,9 @@ fn a_get_whose_client_went_away_while_waiting_takes_nothing() {
         std::thread::sleep(Duration::from_millis(10));
     }
     drop(waiter);
-    std::thread::sleep(Duration::from_millis(100));
+    common::wait_until("the gone client's get to stop waiting", || {
+        c.ask(b"stats\r\n", b"END\r\n").contains("STAT queue_later_waiters 0\r\n")
+    });
     assert_eq!(c.ask(b"set later 0 0 4\r\nitem\r\n", b"\r\n"), "STORED\r\n");
     assert_eq!(
         c.ask(b"get later\r\n", b"END\r\n"),

@@ -38,12 +38,8 @@ async fn fifo_competing_consumers_and_tentative_reads() {
     let taken = b.poll("q", vis).await.unwrap();
     assert_eq!(texts(&taken), ["m4"]);
     drop(b);
-    for _ in 0..500 {
-        if a.queue_status("q").await.unwrap().in_flight == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    common::wait_until_async("the read to come back", || async { a.queue_status("q").await.unwrap().in_flight == 0 })
+        .await;
     let again = a.poll("q", PollOptions { timeout: Duration::from_secs(5), ..vis }).await.unwrap();
     assert_eq!(texts(&again), ["m4"], "returned to the head when its consumer left");
     // ...and when its visibility timeout passes.
@@ -65,21 +61,24 @@ async fn temporary_bounded_circular_expiry_and_fanout() {
     owner.create_queue("reply.7", QueueConfig { temporary: true, ..QueueConfig::default() }).await.unwrap();
     assert!(c.list_queues().await.unwrap().contains(&"reply.7".to_string()));
     drop(owner);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert!(!c.list_queues().await.unwrap().contains(&"reply.7".to_string()), "gone with its connection");
+    common::wait_until_async("the temporary queue to go with its connection", || async {
+        !c.list_queues().await.unwrap().contains(&"reply.7".to_string())
+    })
+    .await;
 
     c.create_queue("small", QueueConfig { max_items: 2, ..QueueConfig::default() }).await.unwrap();
     c.offer("small", vec![msg("1"), msg("2")], None).await.unwrap();
     let full = c.offer("small", vec![msg("3")], Some(Duration::from_millis(50))).await.unwrap_err();
     assert_eq!(full.status(), Some(Status::QueueFull));
-    // An offer that waits gets in once a poll makes room.
-    let waiting = {
-        let c = c.clone();
-        tokio::spawn(async move { c.offer("small", vec![msg("3")], Some(Duration::from_secs(10))).await })
-    };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // An offer that waits gets in once a poll makes room. Its first poll puts it on the wire;
+    // the server takes a connection's requests in order, so once the PING behind it is
+    // answered, the offer has found the queue full and is waiting.
+    let offerer = server.client().await;
+    let mut waiting = Box::pin(offerer.offer("small", vec![msg("3")], Some(Duration::from_secs(10))));
+    assert!(futures::poll!(waiting.as_mut()).is_pending());
+    offerer.ping().await.unwrap();
     c.poll("small", PollOptions { max: 1, ..TAKE }).await.unwrap();
-    waiting.await.unwrap().unwrap();
+    waiting.await.unwrap();
 
     c.create_queue("ring", QueueConfig { max_items: 2, circular: true, ..QueueConfig::default() }).await.unwrap();
     // More than the ring holds at once keeps the newest, as a circular queue does item by item.
@@ -95,9 +94,10 @@ async fn temporary_bounded_circular_expiry_and_fanout() {
         .await
         .unwrap();
     c.offer("short", vec![msg("stale")], None).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The broker's tick moves it to the dead letters once its 50 ms are up.
+    let dead = c.poll("dead", PollOptions { max: 1, timeout: Duration::from_secs(5), visibility: None }).await;
+    assert_eq!(texts(&dead.unwrap()), ["stale"]);
     assert!(c.poll("short", TAKE).await.unwrap().is_empty());
-    assert_eq!(texts(&c.poll("dead", TAKE).await.unwrap()), ["stale"]);
 
     for q in ["orders", "orders+audit"] {
         c.create_queue(q, QueueConfig::default()).await.unwrap();
@@ -445,15 +445,24 @@ async fn silent_and_idle_connections_are_closed_busy_ones_are_not() {
             busy.poll("q", PollOptions { max: 1, timeout: Duration::from_secs(2), visibility: None }).await
         })
     };
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Closed for silence: the silent connection before HELLO, then the idle one.
+    let memcache = server.memcache.clone();
+    let closed = move || common::wait_until("the idle connection's close", || stat_at(&memcache, "idle_closed") == 2);
+    tokio::task::spawn_blocking(closed).await.unwrap();
     assert!(matches!(idle.ping().await, Err(ClientError::Closed)), "the idle connection was closed");
+    // Answered at its timeout, 2 s: five idle timeouts later, on a connection kept open for it.
+    // (Once answered, the connection is idle again: the next idle check may close it.)
     assert!(waiting.await.unwrap().unwrap().is_empty(), "the waiting poll was answered, not cut off");
-    busy.ping().await.unwrap();
 }
 
 /// A memcache `stats` figure of the server's (bytes read and written count every protocol).
 fn stat(server: &Server, name: &str) -> u64 {
-    let mut s = std::net::TcpStream::connect(&server.memcache).unwrap();
+    stat_at(&server.memcache, name)
+}
+
+/// `stat`, from the server whose memcache listener is at `memcache`.
+fn stat_at(memcache: &str, name: &str) -> u64 {
+    let mut s = std::net::TcpStream::connect(memcache).unwrap();
     s.write_all(b"stats\r\n").unwrap();
     let mut text = String::new();
     let mut reader = BufReader::new(s);
@@ -621,12 +630,17 @@ async fn a_follower_reconnects_and_goes_on_where_it_was() {
     drop(admin);
     server.kill9();
     // The lost connection is seen by the acknowledgement: 0, and "one" comes again.
-    tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(reader.ack("jobs", &[taken[0].handle]).await.unwrap(), 0);
     let restart = {
         let (addr, data) = (addr.clone(), dir.path().to_owned());
+        let events = std::sync::Arc::clone(&events);
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // Back once the reader has seen the server gone.
+            common::wait_until_async("the reader to see the server gone", || {
+                let lost = events.lock().unwrap().contains(&"lost");
+                async move { lost }
+            })
+            .await;
             let server = Server::start_at(&addr, &data);
             let client = server.client().await;
             client.publish("news", vec![msg("second")]).await.unwrap();

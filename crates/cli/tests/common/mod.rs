@@ -114,3 +114,24 @@ impl Drop for Server {
         let _ = self.child.wait();
     }
 }
+
+/// Waits until `done` holds, checking every few milliseconds; fails the test, saying `what`,
+/// after 10 s. For a test that must wait on something it can observe instead of sleeping.
+#[allow(dead_code)]
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "waited 10 s for {what}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// `wait_until` for async conditions.
+#[allow(dead_code)]
+pub async fn wait_until_async<F: std::future::Future<Output = bool>>(what: &str, mut done: impl FnMut() -> F) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done().await {
+        assert!(std::time::Instant::now() < deadline, "waited 10 s for {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
