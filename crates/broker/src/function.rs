@@ -96,7 +96,8 @@ struct Servers {
     stats: FunctionStats,
 }
 
-struct Waiting {
+/// A call made and not yet answered: its reply goes through `reply`, or a timeout does.
+struct PendingCall {
     function: String,
     server: ConnId,
     started: Instant,
@@ -107,7 +108,7 @@ struct Waiting {
 #[derive(Default)]
 pub(crate) struct Functions {
     servers: Mutex<HashMap<String, Servers>>,
-    waiting: Mutex<HashMap<u64, Waiting>>,
+    waiting: Mutex<HashMap<u64, PendingCall>>,
     observer: CallObserver,
 }
 
@@ -205,7 +206,7 @@ impl Functions {
         }
     }
 
-    fn take_waiting(&self, which: impl Fn(&Waiting) -> bool) -> Vec<Waiting> {
+    fn take_waiting(&self, which: impl Fn(&PendingCall) -> bool) -> Vec<PendingCall> {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         let calls: Vec<u64> = waiting.iter().filter(|(_, w)| which(w)).map(|(c, _)| *c).collect();
         calls.into_iter().filter_map(|c| waiting.remove(&c)).collect()
@@ -253,7 +254,7 @@ impl Functions {
                     if !oneway {
                         let (r, deadline_ns) = reply.take().expect("registered once");
                         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
-                        let w = Waiting {
+                        let w = PendingCall {
                             function: function.to_owned(),
                             server: *conn,
                             started: Instant::now(),

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
 use crate::frame;
-use crate::mmap::HEADER_LEN;
+use crate::mmap::SEGMENT_HEADER_LEN;
 
 /// Bytes of frames between index entries.
 pub(crate) const INDEX_STEP: usize = 4096;
@@ -95,7 +95,7 @@ impl SparseIndex {
     }
 }
 
-/// Builds the entries for the frames in `data` (a segment's published bytes from `HEADER_LEN`),
+/// Builds the entries for the frames in `data` (a segment's published bytes from `SEGMENT_HEADER_LEN`),
 /// starting at record `base`, walking frame headers only.
 pub(crate) fn build(data: &[u8], base: u64) -> Vec<Entry> {
     let mut entries = Vec::with_capacity(data.len() / INDEX_STEP + 1);
@@ -104,7 +104,7 @@ pub(crate) fn build(data: &[u8], base: u64) -> Vec<Entry> {
     let mut next_entry = 0;
     while let (Some(len), Some(timestamp)) = (frame::peek_len(&data[at..]), frame::peek_timestamp(&data[at..])) {
         if at >= next_entry {
-            entries.push(Entry { offset, pos: (HEADER_LEN + at) as u32, timestamp });
+            entries.push(Entry { offset, pos: (SEGMENT_HEADER_LEN + at) as u32, timestamp });
             next_entry = at + INDEX_STEP;
         }
         at += len;
@@ -174,11 +174,12 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
             timestamp: u64::from_le_bytes(c[16..24].try_into().unwrap()),
         })
         .collect();
-    let sane =
-        entries.iter().all(|e| e.offset >= base && (e.pos as usize) >= HEADER_LEN && (e.pos as usize) < segment_len)
-            && entries
-                .windows(2)
-                .all(|w| w[0].offset < w[1].offset && w[0].pos < w[1].pos && w[0].timestamp <= w[1].timestamp);
+    let sane = entries
+        .iter()
+        .all(|e| e.offset >= base && (e.pos as usize) >= SEGMENT_HEADER_LEN && (e.pos as usize) < segment_len)
+        && entries
+            .windows(2)
+            .all(|w| w[0].offset < w[1].offset && w[0].pos < w[1].pos && w[0].timestamp <= w[1].timestamp);
     sane.then_some(entries)
 }
 
@@ -221,13 +222,13 @@ impl DenseIndex {
     }
 
     /// Fills the index from the frames in `data` (a segment's published bytes from
-    /// `HEADER_LEN`), once.
+    /// `SEGMENT_HEADER_LEN`), once.
     pub(crate) fn build_once(&self, data: &[u8]) {
         self.built.get_or_init(|| {
             let mut at = 0;
             let mut i = 0;
             while let Some(len) = frame::peek_len(&data[at..]) {
-                self.set(i, HEADER_LEN + at);
+                self.set(i, SEGMENT_HEADER_LEN + at);
                 at += len;
                 i += 1;
             }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 use crate::frame;
-use crate::mmap::HEADER_LEN;
+use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::segment::Segment;
 
 pub(crate) struct KeyIndex(RwLock<HashMap<Box<[u8]>, u64>>);
@@ -15,7 +15,7 @@ impl KeyIndex {
     pub(crate) fn build(segments: &[Arc<Segment>]) -> KeyIndex {
         let mut keys = HashMap::new();
         for seg in segments {
-            let data = seg.map.published().from(HEADER_LEN);
+            let data = seg.map.published().from(SEGMENT_HEADER_LEN);
             let mut at = 0;
             let mut offset = seg.base;
             while let Some(len) = frame::peek_len(&data[at..]) {

@@ -12,7 +12,7 @@ use crate::clock::{Clock, now_ns};
 use crate::directory::{list_segments, lock_dir};
 use crate::error::{Error, Reason, Result, corrupt, io_err};
 use crate::frame::{self, Input};
-use crate::mmap::{DataWriter, HEADER_LEN};
+use crate::mmap::{DataWriter, SEGMENT_HEADER_LEN};
 use crate::options::{Durability, Options};
 use crate::prefault::{self, Prefaulter};
 use crate::reader::Reader;
@@ -83,7 +83,7 @@ impl Log {
         let (pos, next_offset) = recover_active(&active, &mut writer, &mut report)?;
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
-        active.index.set(crate::index::build(active.map.published().from(HEADER_LEN), active.base));
+        active.index.set(crate::index::build(active.map.published().from(SEGMENT_HEADER_LEN), active.base));
         let positions = active.positions();
 
         let mut cursors = crate::group::load_all(&dir)?;
@@ -382,7 +382,7 @@ impl Log {
             Some(_) => (self.active.map.len() as u64 * 2).min(opts.segment_bytes),
             None => opts.segment_bytes,
         };
-        let smallest = (opts.first_segment_bytes()).max(((HEADER_LEN + needed) as u64).next_multiple_of(4096));
+        let smallest = (opts.first_segment_bytes()).max(((SEGMENT_HEADER_LEN + needed) as u64).next_multiple_of(4096));
         let mut len = grown.max(smallest);
         // When the disk cannot hold the grown segment, halve it down to what this frame needs
         // (and the log's first size): a nearly full disk still takes small appends.
@@ -422,9 +422,9 @@ impl Log {
         if let Err(e) = crate::retention::apply(&self.shared) {
             tracing::warn!(error = %e, "retention failed; will try again at the next roll");
         }
-        self.pos = HEADER_LEN;
-        self.prefault_trigger = HEADER_LEN;
-        self.next_index_pos = HEADER_LEN;
+        self.pos = SEGMENT_HEADER_LEN;
+        self.prefault_trigger = SEGMENT_HEADER_LEN;
+        self.next_index_pos = SEGMENT_HEADER_LEN;
         Ok(())
     }
 }
@@ -439,7 +439,7 @@ impl Drop for Log {
 
 /// Where the writer's next index entry may start, given the entries the active segment has.
 fn index_resume_pos(seg: &Segment) -> usize {
-    seg.index.entries().last().map_or(HEADER_LEN, |e| e.pos as usize + crate::index::INDEX_STEP)
+    seg.index.entries().last().map_or(SEGMENT_HEADER_LEN, |e| e.pos as usize + crate::index::INDEX_STEP)
 }
 
 #[cfg(test)]

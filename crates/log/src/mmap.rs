@@ -2,15 +2,15 @@
 //!
 //! The mapping is split in two regions with different rules:
 //!
-//! * the **header** `[0, HEADER_LEN)`: read and written only while holding `header_lock`, by copy;
-//! * the **data** `[HEADER_LEN, len)`: a prefix `[HEADER_LEN, published)` that readers on any thread
+//! * the **header** `[0, SEGMENT_HEADER_LEN)`: read and written only while holding `header_lock`, by copy;
+//! * the **data** `[SEGMENT_HEADER_LEN, len)`: a prefix `[SEGMENT_HEADER_LEN, published)` that readers on any thread
 //!   may borrow, and a suffix `[published, len)` that only the one [`DataWriter`] may touch.
 //!
 //! Soundness rests on three invariants, each kept by this module alone:
 //!
 //! 1. **Disjointness.** At most one `DataWriter` exists per mapping (`writer_taken`), and it only
 //!    hands out `&mut` slices of `[published, len)`. Readers only get `&` slices of
-//!    `[HEADER_LEN, published)`. The two never overlap, so no byte is read and written at once.
+//!    `[SEGMENT_HEADER_LEN, published)`. The two never overlap, so no byte is read and written at once.
 //! 2. **Immutability after publication.** `published` only grows (`DataWriter::publish` asserts
 //!    it), so a byte a reader may see never changes again for the life of the mapping.
 //! 3. **Happens-before.** The writer stores `published` with `Release` after writing the bytes;
@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use memmap2::{MmapOptions, MmapRaw};
 
 /// Bytes at the start of every segment reserved for its header.
-pub(crate) const HEADER_LEN: usize = 64;
+pub(crate) const SEGMENT_HEADER_LEN: usize = 64;
 
 pub(crate) struct Mapping {
     raw: MmapRaw,
@@ -46,27 +46,27 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps the whole of `file`, which must be at least `HEADER_LEN` bytes and already allocated
+    /// Maps the whole of `file`, which must be at least `SEGMENT_HEADER_LEN` bytes and already allocated
     /// on disk. Nothing is published yet; the data region is reachable only through `writer()`
     /// until `DataWriter::publish`.
     pub(crate) fn new(file: &File, len: usize) -> io::Result<Mapping> {
-        assert!(len >= HEADER_LEN, "segment shorter than its header");
+        assert!(len >= SEGMENT_HEADER_LEN, "segment shorter than its header");
         let raw = MmapOptions::new().len(len).map_raw(file)?;
         Ok(Mapping {
             raw,
             len,
-            published: AtomicUsize::new(HEADER_LEN),
+            published: AtomicUsize::new(SEGMENT_HEADER_LEN),
             writer_taken: AtomicBool::new(false),
             writable: true,
             header_lock: Mutex::new(()),
         })
     }
 
-    /// Maps `file` read-only with `[HEADER_LEN, published)` published: for sealed segments and
+    /// Maps `file` read-only with `[SEGMENT_HEADER_LEN, published)` published: for sealed segments and
     /// offline tools. There is no writer and the header cannot be written.
     pub(crate) fn new_read_only(file: &File, len: usize, published: usize) -> io::Result<Mapping> {
-        assert!(len >= HEADER_LEN, "segment shorter than its header");
-        assert!((HEADER_LEN..=len).contains(&published), "published end out of range");
+        assert!(len >= SEGMENT_HEADER_LEN, "segment shorter than its header");
+        assert!((SEGMENT_HEADER_LEN..=len).contains(&published), "published end out of range");
         let raw = MmapOptions::new().len(len).map_raw_read_only(file)?;
         Ok(Mapping {
             raw,
@@ -86,7 +86,7 @@ impl Mapping {
         self.writable
     }
 
-    /// End of the published data region (`HEADER_LEN` when nothing is published).
+    /// End of the published data region (`SEGMENT_HEADER_LEN` when nothing is published).
     pub(crate) fn published_end(&self) -> usize {
         self.published.load(Ordering::Acquire)
     }
@@ -94,9 +94,10 @@ impl Mapping {
     /// The published data region, addressed by file position.
     pub(crate) fn published(&self) -> Published<'_> {
         let end = self.published.load(Ordering::Acquire);
-        // SAFETY: [HEADER_LEN, end) is published: by invariants 1–3 no one writes it any more
+        // SAFETY: [SEGMENT_HEADER_LEN, end) is published: by invariants 1–3 no one writes it any more
         // and its contents are visible to this thread. `end <= len` (asserted in `publish`).
-        let data = unsafe { std::slice::from_raw_parts(self.raw.as_ptr().add(HEADER_LEN), end - HEADER_LEN) };
+        let data =
+            unsafe { std::slice::from_raw_parts(self.raw.as_ptr().add(SEGMENT_HEADER_LEN), end - SEGMENT_HEADER_LEN) };
         Published { data }
     }
 
@@ -108,19 +109,19 @@ impl Mapping {
         Some(DataWriter { map: Arc::clone(self) })
     }
 
-    pub(crate) fn read_header(&self) -> [u8; HEADER_LEN] {
+    pub(crate) fn read_header(&self) -> [u8; SEGMENT_HEADER_LEN] {
         let _guard = self.header_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let mut out = [0u8; HEADER_LEN];
+        let mut out = [0u8; SEGMENT_HEADER_LEN];
         // SAFETY: the header is only touched under `header_lock`, which we hold.
-        unsafe { std::ptr::copy_nonoverlapping(self.raw.as_ptr(), out.as_mut_ptr(), HEADER_LEN) };
+        unsafe { std::ptr::copy_nonoverlapping(self.raw.as_ptr(), out.as_mut_ptr(), SEGMENT_HEADER_LEN) };
         out
     }
 
-    pub(crate) fn write_header(&self, header: &[u8; HEADER_LEN]) {
+    pub(crate) fn write_header(&self, header: &[u8; SEGMENT_HEADER_LEN]) {
         assert!(self.writable, "header write to a read-only mapping");
         let _guard = self.header_lock.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the header is only touched under `header_lock`, which we hold.
-        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.raw.as_mut_ptr(), HEADER_LEN) };
+        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), self.raw.as_mut_ptr(), SEGMENT_HEADER_LEN) };
     }
 
     /// Makes everything written to the file through any mapping durable: `msync(MS_SYNC)`, which
@@ -161,12 +162,12 @@ pub(crate) struct Published<'a> {
 impl<'a> Published<'a> {
     /// File position one past the last published byte.
     pub(crate) fn end(&self) -> usize {
-        HEADER_LEN + self.data.len()
+        SEGMENT_HEADER_LEN + self.data.len()
     }
 
-    /// The published bytes from file position `pos` (must be `>= HEADER_LEN`) to the end.
+    /// The published bytes from file position `pos` (must be `>= SEGMENT_HEADER_LEN`) to the end.
     pub(crate) fn from(&self, pos: usize) -> &'a [u8] {
-        &self.data[pos - HEADER_LEN..]
+        &self.data[pos - SEGMENT_HEADER_LEN..]
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use crate::error::corrupt;
 use crate::error::{Reason, Result};
 use crate::frame::{self, Decoded, Record};
-use crate::mmap::HEADER_LEN;
+use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::segment::Segment;
 use crate::state::LogState;
 
@@ -155,7 +155,7 @@ impl Reader {
     /// a binary search over segments, then a walk over frame headers within one.
     pub fn offset_at_time(&mut self, t: u64) -> Result<u64> {
         let segments: Vec<Arc<Segment>> = self.shared.segments().clone();
-        let first_ts = |seg: &Segment| frame::peek_timestamp(seg.map.published().from(HEADER_LEN));
+        let first_ts = |seg: &Segment| frame::peek_timestamp(seg.map.published().from(SEGMENT_HEADER_LEN));
         // Segments whose first record is older than `t`; the answer is in the last of them, or is
         // the first record of the segment after.
         let older = segments.partition_point(|s| first_ts(s).is_some_and(|ts| ts < t));
@@ -168,7 +168,7 @@ impl Reader {
         let published = seg.map.published();
         let (mut pos, mut offset) = match seg.index.before_time(t) {
             Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset),
-            _ => (HEADER_LEN, seg.base),
+            _ => (SEGMENT_HEADER_LEN, seg.base),
         };
         while offset < limit {
             let bytes = published.from(pos);
@@ -219,7 +219,7 @@ impl Reader {
             }
             self.seg_end = self.shared.segment_after(after.base).map_or(u64::MAX, |s| s.base);
             self.enter(after);
-            self.pos = HEADER_LEN;
+            self.pos = SEGMENT_HEADER_LEN;
         }
     }
 }
@@ -244,7 +244,7 @@ fn locate(dir: &std::path::Path, seg: &Segment, offset: u64) -> Result<usize> {
     let published = seg.map.published();
     let (mut pos, mut at) = match seg.index.at_or_before(offset) {
         Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset),
-        _ => (HEADER_LEN, seg.base),
+        _ => (SEGMENT_HEADER_LEN, seg.base),
     };
     while at < offset {
         let bytes = published.from(pos);

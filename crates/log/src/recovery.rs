@@ -15,7 +15,7 @@
 
 use crate::error::{Error, FrameError, Reason, Result};
 use crate::frame::{self, Decoded, FRAME_ALIGN, FRAME_MAGIC};
-use crate::mmap::{DataWriter, HEADER_LEN};
+use crate::mmap::{DataWriter, SEGMENT_HEADER_LEN};
 use crate::segment::{self, Segment};
 
 /// What opening a log found and did.
@@ -148,9 +148,9 @@ pub(crate) fn recover_active(
     let header = seg.header();
     let (start, start_offset) = scan_start(seg, &header);
     let data = writer.unpublished_mut();
-    let scan = scan(data, start - HEADER_LEN, start_offset);
+    let scan = scan(data, start - SEGMENT_HEADER_LEN, start_offset);
     report.records_scanned = scan.records;
-    let end = HEADER_LEN + scan.end;
+    let end = SEGMENT_HEADER_LEN + scan.end;
     match scan.stop {
         Stop::Clean => {}
         Stop::Torn { error, garbage_end } => {
@@ -185,7 +185,7 @@ pub(crate) fn corrupt_before_valid(
         offset: Some(next_offset),
         reason: Reason::Other(format!(
             "{error}, yet a valid record {later_offset} follows at byte {}",
-            HEADER_LEN + later_pos
+            SEGMENT_HEADER_LEN + later_pos
         )),
         before_tail: true,
     }
@@ -196,16 +196,16 @@ pub(crate) fn corrupt_before_valid(
 pub(crate) fn scan_start(seg: &Segment, header: &Result<segment::SegmentHeader, String>) -> (usize, u64) {
     match header {
         Ok(h)
-            if h.checkpoint_pos as usize >= HEADER_LEN
+            if h.checkpoint_pos as usize >= SEGMENT_HEADER_LEN
                 && (h.checkpoint_pos as usize) <= seg.map.len()
                 && h.checkpoint_pos % frame::FRAME_ALIGN as u64 == 0 =>
         {
             (h.checkpoint_pos as usize, h.checkpoint_offset)
         }
-        Ok(_) => (HEADER_LEN, seg.base),
+        Ok(_) => (SEGMENT_HEADER_LEN, seg.base),
         Err(reason) => {
             tracing::warn!(file = %seg.path.display(), %reason, "segment header unreadable; rescanning the segment");
-            (HEADER_LEN, seg.base)
+            (SEGMENT_HEADER_LEN, seg.base)
         }
     }
 }

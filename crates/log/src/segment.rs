@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result, io_err};
-use crate::mmap::{HEADER_LEN, Mapping};
+use crate::mmap::{Mapping, SEGMENT_HEADER_LEN};
 
 pub(crate) const SEGMENT_MAGIC: [u8; 8] = *b"PETRELSG";
 pub(crate) const FORMAT_VERSION: u32 = 1;
@@ -53,11 +53,11 @@ pub(crate) struct SegmentHeader {
 }
 
 impl SegmentHeader {
-    pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
-        let mut b = [0u8; HEADER_LEN];
+    pub(crate) fn encode(&self) -> [u8; SEGMENT_HEADER_LEN] {
+        let mut b = [0u8; SEGMENT_HEADER_LEN];
         b[0..8].copy_from_slice(&SEGMENT_MAGIC);
         b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&(HEADER_LEN as u32).to_le_bytes());
+        b[12..16].copy_from_slice(&(SEGMENT_HEADER_LEN as u32).to_le_bytes());
         b[16..24].copy_from_slice(&self.base_offset.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..40].copy_from_slice(&self.created.to_le_bytes());
@@ -68,7 +68,7 @@ impl SegmentHeader {
         b
     }
 
-    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Result<SegmentHeader, String> {
+    pub(crate) fn decode(b: &[u8; SEGMENT_HEADER_LEN]) -> Result<SegmentHeader, String> {
         if b[0..8] != SEGMENT_MAGIC {
             return Err("bad segment magic".into());
         }
@@ -80,7 +80,7 @@ impl SegmentHeader {
         if u32_at(8) != FORMAT_VERSION {
             return Err(format!("unsupported format version {}", u32_at(8)));
         }
-        if u32_at(12) as usize != HEADER_LEN {
+        if u32_at(12) as usize != SEGMENT_HEADER_LEN {
             return Err(format!("unsupported header length {}", u32_at(12)));
         }
         Ok(SegmentHeader {
@@ -148,7 +148,7 @@ impl Segment {
                 base,
                 path,
                 map,
-                tail: AtomicU64::new(pack(HEADER_LEN, 0)),
+                tail: AtomicU64::new(pack(SEGMENT_HEADER_LEN, 0)),
                 index: crate::index::SparseIndex::ready(Vec::new()),
                 users: Default::default(),
                 lru_stamp: AtomicU64::new(0),
@@ -170,7 +170,7 @@ impl Segment {
     pub(crate) fn open(path: &Path, base: u64, writable: bool) -> Result<(Segment, Result<SegmentHeader, String>)> {
         let file = OpenOptions::new().read(true).write(writable).open(path).map_err(io_err("open segment", path))?;
         let file_len = file.metadata().map_err(io_err("stat segment", path))?.len();
-        if file_len < HEADER_LEN as u64 {
+        if file_len < SEGMENT_HEADER_LEN as u64 {
             return Err(Error::Corrupt {
                 file: path.to_path_buf(),
                 position: 0,
@@ -179,7 +179,7 @@ impl Segment {
                 before_tail: false,
             });
         }
-        let mut header_bytes = [0u8; HEADER_LEN];
+        let mut header_bytes = [0u8; SEGMENT_HEADER_LEN];
         read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
         let header = SegmentHeader::decode(&header_bytes).and_then(|h| {
             if h.base_offset == base {
@@ -204,7 +204,7 @@ impl Segment {
             Mapping::new_read_only(&file, len as usize, len as usize)
         };
         let map = Arc::new(map.map_err(io_err("map segment", path))?);
-        let tail = AtomicU64::new(pack(HEADER_LEN, 0));
+        let tail = AtomicU64::new(pack(SEGMENT_HEADER_LEN, 0));
         let index = crate::index::SparseIndex::default();
         let positions = Default::default();
         let users = Default::default();
@@ -212,7 +212,7 @@ impl Segment {
         Ok((Segment { base, path: path.to_path_buf(), map, tail, index, positions, users, lru_stamp }, header))
     }
 
-    /// This read-only segment with only `[HEADER_LEN, end)` visible to readers: for a last
+    /// This read-only segment with only `[SEGMENT_HEADER_LEN, end)` visible to readers: for a last
     /// segment opened by an offline tool, whose torn tail must stay hidden.
     pub(crate) fn read_only_until(self, end: usize, records: u64) -> Result<Segment> {
         let file = File::open(&self.path).map_err(io_err("open segment", &self.path))?;
@@ -233,7 +233,7 @@ impl Segment {
             self.index.set(entries);
             return;
         }
-        let entries = crate::index::build(self.map.published().from(HEADER_LEN), self.base);
+        let entries = crate::index::build(self.map.published().from(SEGMENT_HEADER_LEN), self.base);
         if self.map.is_writable() || fs::metadata(dir.join(crate::index::INDEX_DIR)).is_ok() {
             crate::index::save(dir, self.base, &entries);
         }
@@ -246,7 +246,7 @@ impl Segment {
             let mut slot = self.positions.lock().unwrap_or_else(|e| e.into_inner());
             Arc::clone(slot.get_or_insert_with(|| Arc::new(crate::index::DenseIndex::new(self.map.len()))))
         };
-        positions.build_once(self.map.published().from(HEADER_LEN));
+        positions.build_once(self.map.published().from(SEGMENT_HEADER_LEN));
         positions
     }
 
@@ -335,7 +335,7 @@ mod tests {
         let h = SegmentHeader { base_offset: 7, len: 65536, created: 1, checkpoint_pos: 128, checkpoint_offset: 9 };
         let b = h.encode();
         assert_eq!(SegmentHeader::decode(&b), Ok(h));
-        for i in 0..HEADER_LEN {
+        for i in 0..SEGMENT_HEADER_LEN {
             let mut bad = b;
             bad[i] ^= 0x10;
             assert!(SegmentHeader::decode(&bad).is_err(), "byte {i}");

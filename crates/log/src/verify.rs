@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::directory::{list_segments, lock_dir};
 use crate::error::corrupt;
 use crate::error::{Error, Reason, Result, io_err};
-use crate::mmap::HEADER_LEN;
+use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::options::Options;
 use crate::reader::Reader;
 use crate::recovery::{self, Stop};
@@ -35,18 +35,18 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     }
     let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, false)?;
     let (start, start_offset) = scan_start(&seg, &header);
-    let scan = recovery::scan(seg.map.published().from(HEADER_LEN), start - HEADER_LEN, start_offset);
+    let scan = recovery::scan(seg.map.published().from(SEGMENT_HEADER_LEN), start - SEGMENT_HEADER_LEN, start_offset);
     if let Stop::Corrupt { error, later_pos, later_offset } = scan.stop {
         return Err(corrupt_before_valid(
             &seg,
-            HEADER_LEN + scan.end,
+            SEGMENT_HEADER_LEN + scan.end,
             scan.next_offset,
             error,
             later_pos,
             later_offset,
         ));
     }
-    let end = HEADER_LEN + scan.end;
+    let end = SEGMENT_HEADER_LEN + scan.end;
     let seg = seg.read_only_until(end, scan.next_offset - last)?;
     segments.push(Arc::new(seg));
     let options = Options { create: false, ..Options::default() };
@@ -142,10 +142,10 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
             } else {
                 format!("segment starts at record {base}, but the previous one ends at {expected}")
             };
-            report.problems.push(problem(HEADER_LEN, Some(expected), ProblemKind::Corrupt, detail));
+            report.problems.push(problem(SEGMENT_HEADER_LEN, Some(expected), ProblemKind::Corrupt, detail));
         }
         expected = base;
-        let data = seg.map.published().from(HEADER_LEN);
+        let data = seg.map.published().from(SEGMENT_HEADER_LEN);
         let mut pos = 0;
         loop {
             let scan = recovery::scan(data, pos, expected);
@@ -161,15 +161,20 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
                     } else {
                         format!("{error}: the rest of this sealed segment is unreadable")
                     };
-                    report.problems.push(problem(HEADER_LEN + scan.end, Some(expected), kind, detail));
+                    report.problems.push(problem(SEGMENT_HEADER_LEN + scan.end, Some(expected), kind, detail));
                     break;
                 }
                 Stop::Corrupt { error, later_pos, later_offset } => {
                     let detail = format!(
                         "{error}; records {expected}..{later_offset} lost, reading resumes at byte {}",
-                        HEADER_LEN + later_pos
+                        SEGMENT_HEADER_LEN + later_pos
                     );
-                    report.problems.push(problem(HEADER_LEN + scan.end, Some(expected), ProblemKind::Corrupt, detail));
+                    report.problems.push(problem(
+                        SEGMENT_HEADER_LEN + scan.end,
+                        Some(expected),
+                        ProblemKind::Corrupt,
+                        detail,
+                    ));
                     pos = later_pos;
                     expected = later_offset;
                 }
@@ -262,7 +267,7 @@ fn zero_from(path: &Path, position: u64) -> Result<()> {
             }
         }
     }
-    let mut raw = [0u8; HEADER_LEN];
+    let mut raw = [0u8; SEGMENT_HEADER_LEN];
     file.read_exact_at(&mut raw, 0).map_err(io_err("read segment header", path))?;
     if let Ok(mut header) = SegmentHeader::decode(&raw) {
         header.checkpoint_pos = 0;
