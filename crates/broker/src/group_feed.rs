@@ -249,6 +249,23 @@ mod tests {
         assert!(!feed.wait().await, "the subscriber's end dropped: the feed is over");
     }
 
+    #[test]
+    fn acknowledgements_past_the_feed_s_limit_are_refused_until_it_takes_them() {
+        let (_dir, broker) = topic_with(2);
+        let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 8).unwrap();
+        let (mut feed, acks) = GroupFeed::new(reader, 8, 1);
+        let delivered = feed.step(256).unwrap().unwrap();
+        let first = acks.send(vec![delivered[0].id]).unwrap();
+        assert!(matches!(acks.send(vec![delivered[1].id]), Err(BrokerError::Limit(_))), "one batch waits at most");
+        assert!(feed.step(256).unwrap().is_none(), "nothing new; the acknowledgement is applied");
+        assert_eq!(first.blocking_recv().unwrap(), 1);
+        let second = acks.send(vec![delivered[1].id]).unwrap();
+        feed.step(256).unwrap();
+        assert_eq!(second.blocking_recv().unwrap(), 1, "room again once the feed took the first");
+        drop(feed);
+        assert!(matches!(acks.send(vec![1]), Err(BrokerError::BadRequest(_))), "the feed has ended");
+    }
+
     #[tokio::test]
     async fn a_caught_up_feed_wakes_for_an_append_made_after_its_last_step() {
         let (_dir, broker) = topic_with(0);

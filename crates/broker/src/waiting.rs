@@ -32,42 +32,45 @@ pub enum Waited<T, Why> {
 }
 
 impl Broker {
-    /// Calls `attempt` on queue `name` until it returns something, waking only when the queue
-    /// may have changed in the way `what` names, or until `stop` finishes.
+    /// Calls `attempt` on `queue` until it returns something, waking only when the queue may
+    /// have changed in the way `what` names, or until `stop` finishes.
     ///
-    /// The queue is looked up afresh before each attempt: it may have been removed (then
+    /// After each wake-up the queue is looked up afresh by name: it may have been removed (then
     /// `NotFound`) or made anew while the caller waited. An error from `attempt` ends the wait.
     pub async fn wait_on_queue<T, Why>(
         &self,
-        name: &str,
+        queue: Arc<Queue>,
         what: WaitFor,
         mut attempt: impl FnMut(&Arc<Queue>) -> Result<Option<T>, BrokerError>,
         stop: impl Future<Output = Why>,
     ) -> Result<Waited<T, Why>, BrokerError> {
         let mut stop = pin!(stop);
+        let mut queue = queue;
         loop {
-            let queue = self.get(name)?;
-            let notify = match what {
-                WaitFor::Messages => &queue.available,
-                WaitFor::Room => &queue.room,
-            };
-            let mut changed = pin!(notify.notified());
-            // Registered before the attempt: a notification sent after it still wakes us.
-            changed.as_mut().enable();
-            if let Some(ready) = attempt(&queue)? {
-                return Ok(Waited::Ready(ready));
-            }
-            let _counted = (what == WaitFor::Messages).then(|| queue.waiting());
-            let stopped = std::future::poll_fn(|cx| {
-                if let Poll::Ready(why) = stop.as_mut().poll(cx) {
-                    return Poll::Ready(Some(why));
+            {
+                let notify = match what {
+                    WaitFor::Messages => &queue.available,
+                    WaitFor::Room => &queue.room,
+                };
+                let mut changed = pin!(notify.notified());
+                // Registered before the attempt: a notification sent after it still wakes us.
+                changed.as_mut().enable();
+                if let Some(ready) = attempt(&queue)? {
+                    return Ok(Waited::Ready(ready));
                 }
-                changed.as_mut().poll(cx).map(|()| None)
-            })
-            .await;
-            if let Some(why) = stopped {
-                return Ok(Waited::Stopped(why));
+                let _counted = (what == WaitFor::Messages).then(|| queue.waiting());
+                let stopped = std::future::poll_fn(|cx| {
+                    if let Poll::Ready(why) = stop.as_mut().poll(cx) {
+                        return Poll::Ready(Some(why));
+                    }
+                    changed.as_mut().poll(cx).map(|()| None)
+                })
+                .await;
+                if let Some(why) = stopped {
+                    return Ok(Waited::Stopped(why));
+                }
             }
+            queue = self.get(&queue.name)?;
         }
     }
 }
@@ -101,7 +104,12 @@ mod tests {
             }
             offerer.offer("q", vec![Message::new(&b"late"[..])], 0).unwrap();
         });
-        let waited = broker.wait_on_queue("q", WaitFor::Messages, take_one(&broker), std::future::pending::<()>());
+        let waited = broker.wait_on_queue(
+            broker.queue("q").unwrap(),
+            WaitFor::Messages,
+            take_one(&broker),
+            std::future::pending::<()>(),
+        );
         match waited.await.unwrap() {
             Waited::Ready(m) => assert_eq!(&m.payload[..], b"late"),
             Waited::Stopped(()) => panic!("stopped without a reason to"),
@@ -113,7 +121,7 @@ mod tests {
     #[tokio::test]
     async fn the_stop_future_says_why_the_wait_ended() {
         let (_dir, broker) = broker();
-        let waited = broker.wait_on_queue("q", WaitFor::Messages, take_one(&broker), async {
+        let waited = broker.wait_on_queue(broker.queue("q").unwrap(), WaitFor::Messages, take_one(&broker), async {
             tokio::time::sleep(Duration::from_millis(5)).await;
             "deadline"
         });
@@ -130,7 +138,12 @@ mod tests {
             }
             remover.remove_queue("q").unwrap();
         });
-        let waited = broker.wait_on_queue("q", WaitFor::Messages, take_one(&broker), std::future::pending::<()>());
+        let waited = broker.wait_on_queue(
+            broker.queue("q").unwrap(),
+            WaitFor::Messages,
+            take_one(&broker),
+            std::future::pending::<()>(),
+        );
         assert!(matches!(waited.await, Err(BrokerError::NotFound(_))));
         removing.await.unwrap();
     }

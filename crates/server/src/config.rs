@@ -451,6 +451,22 @@ mod tests {
     }
 
     #[test]
+    fn limits_with_units_are_checked_at_startup() {
+        Config::default().validate().unwrap();
+        let error = |config: &str| toml::from_str::<Config>(config).unwrap().validate().unwrap_err();
+        assert!(error("tick_ms = 0").contains("tick_ms must be at least 1"));
+        assert!(error("tick_ms = 10001").contains("tick_ms must be at most 10000"));
+        assert!(error("max_poll_messages = 0").contains("max_poll_messages"));
+        assert!(error("max_push_bytes = 0").contains("max_push_bytes"));
+        let over = "default_subscriber_buffer_messages = 10\nmax_subscriber_buffer_messages = 5";
+        assert!(error(over).contains("must not exceed max_subscriber_buffer_messages"));
+        assert!(error("default_call_timeout_ms = 4294967296").contains("u32 ms"));
+        let c: Config = toml::from_str("tick_ms = 5\nmax_poll_messages = 100").unwrap();
+        c.validate().unwrap();
+        assert_eq!((c.tick_ms, c.max_poll_messages), (5, 100));
+    }
+
+    #[test]
     fn queue_blocks_fill_in_from_the_defaults_and_children_from_their_parent() {
         let c: Config = toml::from_str(
             r#"

@@ -370,10 +370,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         add(if o.peek { &stats.cmd_peek } else { &stats.cmd_get }, 1);
         let deadline = Instant::now() + Duration::from_millis(u64::from(o.timeout_ms));
         let who = self.authenticated.as_ref().map(|a| &a.principal);
-        if let Err(e) = broker.queue_or_create_by(who, name) {
-            self.line(&server_error(&e));
-            return Flow::Continue;
-        }
+        let queue = match broker.queue_or_create_by(who, name) {
+            Ok(queue) => queue,
+            Err(e) => {
+                self.line(&server_error(&e));
+                return Flow::Continue;
+            }
+        };
         let conn = self.conn;
         let take = |queue: &Arc<Queue>| {
             let now = now_ns();
@@ -415,7 +418,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 }
             }
         };
-        match broker.wait_on_queue(name, WaitFor::Messages, take, gave_up).await {
+        match broker.wait_on_queue(queue, WaitFor::Messages, take, gave_up).await {
             Ok(Waited::Ready((handle, message))) => {
                 if o.open {
                     self.open.insert(name.to_owned(), handle);

@@ -44,8 +44,8 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
 pub(super) fn offer(ctx: &Arc<Ctx>, queue: String, timeout_ms: u32, messages: Vec<petrel_proto::Message>) -> Answer {
     let mut messages: Vec<_> = messages.into_iter().map(convert::message_in).collect();
     let broker = &ctx.broker;
-    let offered = broker.queue(&queue).ok_or_else(|| BrokerError::NotFound(queue.clone()));
-    match offered.and_then(|q| broker.offer_unsynced(&q, &mut messages, now_ns())) {
+    let Some(queue) = broker.queue(&queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
+    match broker.offer_unsynced(&queue, &mut messages, now_ns()) {
         Err(BrokerError::Full(_)) if timeout_ms > 0 => {
             Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, timeout_ms))
         }
@@ -62,7 +62,7 @@ pub(super) fn offer(ctx: &Arc<Ctx>, queue: String, timeout_ms: u32, messages: Ve
 
 async fn offer_when_room(
     ctx: Arc<Ctx>,
-    queue: String,
+    queue: Arc<Queue>,
     mut messages: Vec<petrel_broker::Message>,
     timeout_ms: u32,
 ) -> Response {
@@ -73,12 +73,13 @@ async fn offer_when_room(
         other => other.map(Some),
     };
     let gave_up = tokio::time::sleep_until(deadline.into());
-    match broker.wait_on_queue(&queue, WaitFor::Room, attempt, gave_up).await {
+    let name = queue.name.clone();
+    match broker.wait_on_queue(queue, WaitFor::Room, attempt, gave_up).await {
         Ok(Waited::Ready((first_id, count, unsynced))) => match wait_durable(unsynced).await {
             Ok(()) => Response::Offered { first_id, count },
             Err(e) => error(e),
         },
-        Ok(Waited::Stopped(())) => error(BrokerError::Full(queue)),
+        Ok(Waited::Stopped(())) => error(BrokerError::Full(name)),
         Err(e) => error(e),
     }
 }
@@ -95,7 +96,8 @@ pub(super) fn poll(
     let visibility = (visibility_ms > 0).then(|| Duration::from_millis(u64::from(visibility_ms)));
     let max = (max as usize).clamp(1, ctx.config.max_poll_messages);
     let (conn, compress) = (session.conn, session.compress);
-    match ctx.broker.poll(&queue, max, visibility, conn, now_ns()) {
+    let Some(queue) = ctx.broker.queue(&queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
+    match ctx.broker.poll_from(&queue, max, visibility, conn, now_ns()) {
         Ok(d) if d.is_empty() && timeout_ms > 0 => {
             let ctx = Arc::clone(ctx);
             Answer::later(WaitsFor::Other, async move {
@@ -106,7 +108,7 @@ pub(super) fn poll(
                     Ok((!taken.is_empty()).then_some(taken))
                 };
                 let gave_up = tokio::time::sleep_until(deadline.into());
-                match broker.wait_on_queue(&queue, WaitFor::Messages, attempt, gave_up).await {
+                match broker.wait_on_queue(queue, WaitFor::Messages, attempt, gave_up).await {
                     Ok(Waited::Ready(taken)) => polled(taken, compress),
                     Ok(Waited::Stopped(())) => polled(Vec::new(), compress),
                     Err(e) => error(e),

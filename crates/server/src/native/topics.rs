@@ -205,15 +205,18 @@ async fn deliver_live(
             return;
         }
     }
-    let end = match sub.ended.get() {
-        Some(Ended::TooSlow(reason)) => Push::SubscriptionEnd { status: Status::SlowConsumer, reason: reason.clone() },
-        Some(Ended::TopicRemoved(reason)) => {
-            Push::SubscriptionEnd { status: Status::TopicNotFound, reason: reason.clone() }
-        }
+    let (status, reason) = match sub.ended.get() {
+        Some(Ended::TooSlow(reason)) => (Status::SlowConsumer, reason.clone()),
+        Some(Ended::TopicRemoved(reason)) => (Status::TopicNotFound, reason.clone()),
         None => return,
     };
+    send_end(id, status, reason, &outbox).await;
+}
+
+/// Tells the client that subscription `id` has ended, and why (SUBSCRIPTION_END).
+async fn send_end(id: u64, status: Status, reason: String, outbox: &Outbox) {
     let mut out = Vec::new();
-    not_sent_if_too_long(end.encode(id, &mut out));
+    not_sent_if_too_long(Push::SubscriptionEnd { status, reason }.encode(id, &mut out));
     let _ = outbox.send(out).await;
 }
 
@@ -255,13 +258,7 @@ async fn deliver_group(
                     return;
                 }
             }
-            Err(e) => {
-                let mut out = Vec::new();
-                let end = Push::SubscriptionEnd { status: Status::ServerError, reason: e.to_string() };
-                not_sent_if_too_long(end.encode(id, &mut out));
-                let _ = outbox.send(out).await;
-                return;
-            }
+            Err(e) => return send_end(id, Status::ServerError, e.to_string(), &outbox).await,
         }
     }
 }
