@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use crate::{BrokerError, ConnId, Message};
+use crate::{BrokerError, ConnId, Message, MessageKind};
 
 /// A function served in this process: the request in, the reply (or a handler error) out.
 pub type LocalHandler = Arc<dyn Fn(Message) -> Result<Message, String> + Send + Sync>;
@@ -290,7 +290,7 @@ impl Functions {
                 drop(waiting);
                 let outcome = if result.is_ok() { Outcome::Replied } else { Outcome::Failed };
                 self.settle(&w.function, outcome, Some(w.started.elapsed()));
-                (w.reply)(result.map(|m| Message { kind: 2, ..m }).map_err(BrokerError::Handler));
+                (w.reply)(result.map(|m| Message { kind: MessageKind::Reply, ..m }).map_err(BrokerError::Handler));
                 true
             }
             _ => false,

@@ -14,10 +14,11 @@
 //! The map of the crate (each concept in the file that owns it):
 //! - `lib.rs`: the `Broker` — the registry of queues and topics, their definitions file,
 //!   offers, polls, calls and the tick; `BrokerError`, `BrokerOptions`;
-//! - `config.rs`: a queue's configuration (`QueueConfig`) and its validation;
+//! - `config.rs`: what the broker makes of a queue's configuration (`petrel_proto::QueueConfig`):
+//!   validation, its durability policy, which changes a live queue takes;
 //! - `queue.rs`: one queue — in memory or over a log, tentative reads, expiry, the memory budget;
 //! - `waiting.rs`: waiting on a queue for messages or room (`Broker::wait_on_queue`);
-//! - `message.rs`: the broker's `Message`, how it is stored as a log record, id ↔ offset;
+//! - `message.rs`: how a `petrel_proto::Message` is stored as a log record, id ↔ offset;
 //! - `topic.rs`: topics — live subscribers, a durable topic's log and its consumer groups;
 //! - `group_feed.rs`: a consumer group as a subscriber reads it, with its flow control;
 //! - `function.rs`: functions — who serves a name, calls waiting for replies, timeouts;
@@ -45,10 +46,11 @@ use std::time::Duration;
 pub use config::QueueConfig;
 pub use function::{CallObserver, Called, FunctionStats, FunctionStatus, Invocation, LocalHandler, Replier};
 pub use group_feed::{GroupAcks, GroupFeed, GroupReader};
-pub use message::{Message, id_of, offset_of};
+pub use message::{Message, MessageKind, Status, answer_len_bound, id_of, offset_of};
 pub use petrel_log::SeekTo;
-pub use queue::{Delivery, MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueStats};
-pub use topic::{Delivered, Ended, GroupStatus, Subscription, Topic, TopicStats};
+pub use petrel_proto::{Delivery, GroupStats, QueueStats, TopicStats};
+pub use queue::{MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters};
+pub use topic::{Delivered, Ended, Subscription, Topic};
 pub use waiting::{WaitFor, Waited};
 
 use security::{Action, Kind, Principal, Security};
@@ -100,6 +102,29 @@ pub enum BrokerError {
     Limit(String),
     #[error("data directory {} is in use by another petrel server (it is locked)", .0.display())]
     DataDirLocked(PathBuf),
+}
+
+impl BrokerError {
+    /// The response status that reports this error.
+    pub fn status(&self) -> Status {
+        match self {
+            BrokerError::NotFound(_) => Status::QueueNotFound,
+            BrokerError::Full(_) => Status::QueueFull,
+            BrokerError::Exists(_) => Status::Exists,
+            BrokerError::BadRequest(_) => Status::BadRequest,
+            BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
+            BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
+                Status::ServerError
+            }
+            BrokerError::TopicNotFound(_) => Status::TopicNotFound,
+            BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
+            BrokerError::Handler(_) => Status::HandlerError,
+            BrokerError::Timeout(_) => Status::Timeout,
+            BrokerError::Unauthorized(_) => Status::Unauthorized,
+            BrokerError::Forbidden(_) => Status::Forbidden,
+            BrokerError::Limit(_) => Status::LimitReached,
+        }
+    }
 }
 
 /// A name as an error shows it: a client may send 64 KiB of one, and errors echo it back.
@@ -285,12 +310,18 @@ struct CreatedBy {
 }
 
 impl Configured {
-    fn validate(&self) -> Result<(), BrokerError> {
-        for (name, config) in &self.queues {
-            check_name(name)?;
-            config.validate().map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
+    /// Every block checked (see `config::checked`).
+    fn checked(self) -> Result<Configured, BrokerError> {
+        let mut queues = BTreeMap::new();
+        for (name, config) in self.queues {
+            check_name(&name)?;
+            let config =
+                config::checked(config).map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
+            queues.insert(name, config);
         }
-        self.defaults.validate().map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))
+        let defaults =
+            config::checked(self.defaults).map_err(|e| BrokerError::BadRequest(format!("queue defaults: {e}")))?;
+        Ok(Configured { defaults, queues })
     }
 }
 
@@ -349,8 +380,8 @@ impl Broker {
         let configured = Configured {
             defaults: std::mem::take(&mut options.queue_defaults),
             queues: std::mem::take(&mut options.queues),
-        };
-        configured.validate()?;
+        }
+        .checked()?;
         let memory = Arc::new(MemoryBudget::new(options.max_memory_bytes));
         let pages = petrel_log::PageBudget::new(options.max_resident_bytes);
         let on_call = options.on_call.clone();
@@ -427,8 +458,7 @@ impl Broker {
         defaults: QueueConfig,
         queues: BTreeMap<String, QueueConfig>,
     ) -> Result<QueueChanges, BrokerError> {
-        let configured = Configured { defaults, queues };
-        configured.validate()?;
+        let configured = Configured { defaults, queues }.checked()?;
         *self.configured.write().unwrap_or_else(|e| e.into_inner()) = configured.clone();
         let mut changes = QueueChanges::default();
         for (name, config) in configured.queues {
@@ -446,7 +476,7 @@ impl Broker {
             if *current == config {
                 continue;
             }
-            if !current.changes_live_to(&config) {
+            if !config::changes_live(&current, &config) {
                 changes.needs_restart.push(name);
                 continue;
             }
@@ -479,7 +509,7 @@ impl Broker {
         if config.durable && !config.temporary {
             let segment_bytes = self.options.segment_bytes;
             let options = Options {
-                durability: config.durability.unwrap_or(self.options.durability),
+                durability: self.durability_of(&config)?,
                 segment_bytes,
                 initial_segment_bytes: Some(INITIAL_SEGMENT_BYTES.min(segment_bytes)),
                 max_record_bytes: self.options.max_message_bytes + 64 * 1024,
@@ -506,7 +536,7 @@ impl Broker {
         owner: Option<ConnId>,
     ) -> Result<Arc<Queue>, BrokerError> {
         check_name(name)?;
-        config.validate().map_err(BrokerError::BadRequest)?;
+        let config = config::checked(config).map_err(BrokerError::BadRequest)?;
         if config.temporary && owner.is_none() {
             return Err(BrokerError::BadRequest("a temporary queue needs an owning connection".into()));
         }
@@ -717,7 +747,13 @@ impl Broker {
         let mut unsynced = UnsyncedOffer { queue: last.map(|last| (Arc::clone(queue), last)), children: Vec::new() };
         if let (Some(children), Some(copies)) = (children, copies) {
             for child in children {
-                match child.offer_unsynced(&mut copies.clone(), now_ns) {
+                let mut copies = copies.clone();
+                if !child.on_disk() {
+                    // Durable before the answer is the parent's promise; a child in memory keeps
+                    // its copy as it keeps every message.
+                    copies.iter_mut().for_each(|m| m.durable = false);
+                }
+                match child.offer_unsynced(&mut copies, now_ns) {
                     Ok((_, _, Some(last))) => unsynced.children.push((child, last)),
                     Ok(_) => {}
                     Err(e) => {
@@ -926,8 +962,14 @@ impl Broker {
         timeout: Duration,
         reply: Replier,
     ) -> Result<Called, BrokerError> {
+        if message.durable {
+            return Err(BrokerError::BadRequest(
+                "a call is handed to its server, never stored: it cannot be marked durable".into(),
+            ));
+        }
         let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
-        let message = Message { timestamp: now_ns, destination: function.to_owned(), kind: 1, ..message };
+        let message =
+            Message { timestamp: now_ns, destination: function.to_owned(), kind: MessageKind::Request, ..message };
         let deadline_ns = now_ns.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
         // The caller's own temporary reply queue becomes writable by the server that takes the call.
         let reply_queue = self.queue(&message.reply_to).filter(|q| q.owner == Some(caller));
@@ -1066,6 +1108,12 @@ impl Broker {
         }
     }
 
+    /// The durability of the log of a queue configured as `config` (checked: see `config::checked`).
+    fn durability_of(&self, config: &QueueConfig) -> Result<Durability, BrokerError> {
+        let named = config::durability_of(config).map_err(BrokerError::BadRequest)?;
+        Ok(named.unwrap_or(self.options.durability))
+    }
+
     /// Writes a queue's definition (file, then rename); synced unless its durability is none.
     fn save_definition(&self, name: &str, config: &QueueConfig) -> Result<(), BrokerError> {
         let dir = self.dir.join("queues").join(name);
@@ -1075,7 +1123,7 @@ impl Broker {
         let tmp = path.with_extension("json.tmp");
         let def = Definition { name: name.to_owned(), config: config.clone() };
         std::fs::write(&tmp, serde_json::to_vec_pretty(&def).expect("definitions serialize")).map_err(failed)?;
-        let sync = config.durability.unwrap_or(self.options.durability) != Durability::None;
+        let sync = self.durability_of(config)? != Durability::None;
         if sync {
             std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(failed)?;
         }

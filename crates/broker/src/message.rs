@@ -1,52 +1,16 @@
-//! The broker's message: protocol-neutral (the native protocol and the memcache protocol both map
-//! onto it), and how a durable queue stores it as a `petrel-log` record.
+//! How a durable queue or topic stores a message as a `petrel-log` record, and the id ↔ offset
+//! mapping. The message itself is `petrel_proto::Message`: one model from the wire to the log
+//! (the memcache protocol maps onto it too).
 
 use bytes::Bytes;
 use petrel_log::{Input, Record, SharedLog};
+pub use petrel_proto::{Message, MessageKind, Status};
 
-/// A message as the broker keeps it. Times are ns since the Unix epoch; 0 and "" mean unset.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Message {
-    /// Assigned when a queue accepts the message.
-    pub id: u64,
-    /// 0 message, 1 request, 2 reply, 3 oneway (the protocol's numbering).
-    pub kind: u8,
-    /// For replies.
-    pub status: u8,
-    pub timestamp: u64,
-    pub expires_at: u64,
-    pub request_id: String,
-    pub subject: String,
-    pub destination: String,
-    pub reply_to: String,
-    pub mimetype: String,
-    pub charset: String,
-    pub headers: Vec<(String, Bytes)>,
-    pub payload: Bytes,
-}
-
-impl Message {
-    pub fn new(payload: impl Into<Bytes>) -> Message {
-        Message { payload: payload.into(), ..Message::default() }
-    }
-
-    /// Bytes counted against a queue's `max_bytes`: the payload and header values.
-    pub fn size(&self) -> u64 {
-        (self.payload.len() + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
-    }
-
-    /// About the bytes this message takes in a protocol's answer: its size, its strings, and a
-    /// fixed part for the rest (the native protocol's 46 bytes, a delivery handle, header
-    /// prefixes). An upper bound, for fitting answers into frames.
-    pub fn encoded_len(&self) -> u64 {
-        let strings =
-            [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset];
-        self.size() + strings.iter().map(|s| s.len() as u64).sum::<u64>() + 6 * self.headers.len() as u64 + 64
-    }
-
-    pub fn is_expired(&self, now_ns: u64) -> bool {
-        self.expires_at != 0 && self.expires_at <= now_ns
-    }
+/// The bytes a message takes in a protocol's answer, at most: its native encoding and a fixed
+/// part for what an answer adds around it (a delivery handle, a memcache `VALUE` line). For
+/// fitting answers into frames.
+pub fn answer_len_bound(m: &Message) -> u64 {
+    m.encoded_len() as u64 + 64
 }
 
 // A stored message is a log record: the payload is the payload, the timestamp is the log's, the
@@ -66,11 +30,11 @@ const USER: &str = "h.";
 /// The record headers that store `m`'s fields (all but the payload, id and timestamp).
 fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
     let mut out = Vec::new();
-    if m.kind != 0 {
-        out.push((KIND.into(), Bytes::copy_from_slice(&[m.kind])));
+    if m.kind != MessageKind::Message {
+        out.push((KIND.into(), Bytes::copy_from_slice(&[m.kind as u8])));
     }
-    if m.status != 0 {
-        out.push((STATUS.into(), Bytes::copy_from_slice(&[m.status])));
+    if m.status != Status::Ok {
+        out.push((STATUS.into(), Bytes::copy_from_slice(&[m.status as u8])));
     }
     if m.expires_at != 0 {
         out.push((EXPIRES.into(), Bytes::copy_from_slice(&m.expires_at.to_be_bytes())));
@@ -135,7 +99,9 @@ pub fn offset_of(id: u64) -> Option<u64> {
     id.checked_sub(1)
 }
 
-/// The message stored in `r`, with its id.
+/// The message stored in `r`, with its id. `durable` is not stored: it asks, on the way in, for
+/// the disk before the answer, and a delivery does not carry it. A kind or status byte this
+/// version does not know (a newer one wrote it) reads as the default.
 pub(crate) fn from_record(r: &Record<'_>) -> Message {
     let mut m = Message {
         id: id_of(r.offset),
@@ -146,8 +112,8 @@ pub(crate) fn from_record(r: &Record<'_>) -> Message {
     let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
     for (name, value) in r.headers.iter() {
         match name {
-            KIND => m.kind = value.first().copied().unwrap_or(0),
-            STATUS => m.status = value.first().copied().unwrap_or(0),
+            KIND => m.kind = value.first().and_then(|&k| MessageKind::from_u8(k).ok()).unwrap_or_default(),
+            STATUS => m.status = value.first().and_then(|&s| Status::from_u8(s).ok()).unwrap_or_default(),
             EXPIRES => m.expires_at = value.try_into().map(u64::from_be_bytes).unwrap_or(0),
             REQUEST_ID => m.request_id = text(value),
             SUBJECT => m.subject = text(value),

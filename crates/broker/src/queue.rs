@@ -10,11 +10,12 @@ use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog
 use tokio::sync::Notify;
 
 use crate::message::{self, Message};
-use crate::{BrokerError, ConnId, QueueConfig, counting};
+use crate::{BrokerError, ConnId, Delivery, QueueConfig, QueueStats, config, counting};
 
-/// A queue's figures.
+/// What the broker counts for a queue: more than QUEUE_STATUS carries (`Queue::status`), all of
+/// it on the server's metrics.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct QueueStats {
+pub struct QueueCounters {
     pub items: u64,
     /// Bytes of the messages waiting and in flight.
     pub bytes: u64,
@@ -36,13 +37,6 @@ pub struct QueueStats {
     pub flushes: u64,
     /// When the message most recently taken from the queue was offered, ns (0: none yet).
     pub last_taken_offered_at: u64,
-}
-
-/// A delivered message; `handle` is 0 when it was taken for good.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Delivery {
-    pub handle: u64,
-    pub message: Message,
 }
 
 /// A message taken tentatively and not yet acknowledged or returned.
@@ -209,9 +203,12 @@ pub struct Queue {
     /// The earliest time `tick` may have work (a visibility deadline, an expiry); changed only
     /// under the lock. The server ticks every queue every few milliseconds: most return at once.
     due_ns: AtomicU64,
-    /// A durable queue whose log syncs every offer (durability `always`): the log, to wait for
-    /// the disk without the queue's lock.
-    synced_log: Option<SharedLog>,
+    /// A durable queue's log, to wait for the disk without the queue's lock: after every offer
+    /// when the log syncs each one (durability `always`), else after an offer of a message that
+    /// asks to be durable before its answer (`Message::durable`).
+    log: Option<SharedLog>,
+    /// The log syncs every offer, and its records are handed out only once synced.
+    syncs_every_offer: bool,
 }
 
 /// Counts a consumer waiting on a queue while it lives (the queue's `waiters` figure).
@@ -238,7 +235,7 @@ struct Inner {
     /// and waits for the disk (durability `always`), so a consumer never gets a message that a
     /// crash could still take back. `u64::MAX` for a queue that does not wait.
     visible_end: u64,
-    counters: QueueStats,
+    counters: QueueCounters,
 }
 
 enum Store {
@@ -307,11 +304,13 @@ impl Queue {
         }
         let waiting = group.unacknowledged();
         // What recovery kept is durable (opening a log under `always` syncs it).
-        let synced_log = (log.durability() == Durability::Always).then(|| log.clone());
-        let visible_end = if synced_log.is_some() { log.next_offset() } else { u64::MAX };
+        let syncs_every_offer = log.durability() == Durability::Always;
+        let visible_end = if syncs_every_offer { log.next_offset() } else { u64::MAX };
+        let handle = log.clone();
         let store = Store::Log { log, group: Box::new(group) };
         let mut queue = Queue::with_store(name, config, None, store, waiting, bytes);
-        queue.synced_log = synced_log;
+        queue.log = Some(handle);
+        queue.syncs_every_offer = syncs_every_offer;
         queue.inner.get_mut().unwrap_or_else(|e| e.into_inner()).visible_end = visible_end;
         // What it holds may expire: the first tick looks, and sets when to look again.
         queue.due_ns.store(0, Ordering::Relaxed);
@@ -339,13 +338,14 @@ impl Queue {
                 bytes,
                 head_taken: false,
                 visible_end: u64::MAX,
-                counters: QueueStats::default(),
+                counters: QueueCounters::default(),
             }),
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
             due_ns: AtomicU64::new(u64::MAX),
-            synced_log: None,
+            log: None,
+            syncs_every_offer: false,
         }
     }
 
@@ -358,10 +358,10 @@ impl Queue {
     /// new `ttl_ms`, expiries go to the new dead-letter queue. Messages already in the queue
     /// stay, even above a lowered limit (offers are refused until it is under it again; a
     /// circular queue drops its oldest at its next offer), and keep the expiry they were given.
-    /// Only a configuration of the same kind (`QueueConfig::changes_live_to`) may replace it.
-    pub(crate) fn reconfigure(&self, config: QueueConfig) {
-        assert!(self.config().changes_live_to(&config), "a queue's kind never changes while it lives");
-        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(config);
+    /// Only a configuration of the same kind (`config::changes_live`) may replace it.
+    pub(crate) fn reconfigure(&self, new: QueueConfig) {
+        assert!(config::changes_live(&self.config(), &new), "a queue's kind never changes while it lives");
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
         // A raised limit may let waiting offers in.
         self.room.notify_waiters();
     }
@@ -385,6 +385,11 @@ impl Queue {
     pub(crate) fn waiting(&self) -> CountedWaiter<'_> {
         self.waiters.fetch_add(1, Ordering::Relaxed);
         CountedWaiter(&self.waiters)
+    }
+
+    /// Whether the queue keeps its messages in a log (a durable queue).
+    pub fn on_disk(&self) -> bool {
+        self.log.is_some()
     }
 
     /// Bytes of a durable queue's log files (0 in memory).
@@ -448,6 +453,13 @@ impl Queue {
         now_ns: u64,
     ) -> Result<(u64, u32, Option<u64>), BrokerError> {
         let config = self.config();
+        let durable_asked = messages.iter().any(|m| m.durable);
+        if durable_asked && self.log.is_none() {
+            return Err(BrokerError::BadRequest(format!(
+                "queue {:?} keeps its messages in memory: a message marked durable needs a durable queue",
+                crate::shown(&self.name)
+            )));
+        }
         let max_item = config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
@@ -546,8 +558,8 @@ impl Queue {
         }
         drop(inner);
         // The last record's offset is its id − 1.
-        let unsynced = (self.synced_log.is_some() && n > 0).then(|| first + n - 2);
-        if unsynced.is_none() {
+        let unsynced = ((self.syncs_every_offer || durable_asked) && n > 0).then(|| first + n - 2);
+        if !self.syncs_every_offer {
             self.available.notify_waiters();
         }
         Ok((first, n as u32, unsynced))
@@ -557,7 +569,11 @@ impl Queue {
     /// and every record before it to consumers. Blocks on the disk: not for an async runtime's
     /// own threads.
     pub(crate) fn wait_durable(&self, offset: u64) -> Result<(), BrokerError> {
-        let Some(log) = &self.synced_log else { return Ok(()) };
+        let Some(log) = &self.log else { return Ok(()) };
+        if !self.syncs_every_offer {
+            // A message that asked to be durable; consumers have it already (the policy allows).
+            return Ok(log.make_durable(offset)?);
+        }
         log.wait_durable(offset)?;
         let mut inner = self.lock();
         // Syncs cover a prefix of the log: everything up to `offset` is durable now.
@@ -597,7 +613,7 @@ impl Queue {
                 continue;
             }
             // What the message adds to an answer: its bytes, its fields, its handle.
-            let cost = message.encoded_len() + self.name.len() as u64;
+            let cost = message::answer_len_bound(&message) + self.name.len() as u64;
             if !out.deliveries.is_empty() && answer_bytes + cost > max_bytes {
                 inner.put_back(taken)?; // the head it was; the next poll takes it
                 break;
@@ -763,9 +779,25 @@ impl Queue {
         Ok(n)
     }
 
-    pub fn stats(&self) -> QueueStats {
-        let inner = self.lock();
+    /// The queue's figures and configuration as QUEUE_STATUS answers them.
+    pub fn status(&self) -> QueueStats {
+        let c = self.counters();
         QueueStats {
+            items: c.items,
+            bytes: c.bytes,
+            in_flight: c.in_flight,
+            total_offered: c.total_offered,
+            total_polled: c.total_polled,
+            expired: c.expired,
+            dropped: c.dropped,
+            waiters: c.waiters,
+            config: (*self.config()).clone(),
+        }
+    }
+
+    pub fn counters(&self) -> QueueCounters {
+        let inner = self.lock();
+        QueueCounters {
             items: inner.items(),
             bytes: inner.bytes,
             in_flight: inner.in_flight.len() as u64,

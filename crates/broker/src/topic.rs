@@ -18,6 +18,7 @@ use tokio::sync::{Notify, mpsc};
 
 use crate::group_feed::{Appends, GroupReader};
 use crate::{BrokerError, ConnId, MemoryBudget, Message, message};
+use petrel_proto::{GroupStats, TopicStats};
 
 pub struct Topic {
     pub name: String,
@@ -128,30 +129,6 @@ impl Drop for Subscription {
     }
 }
 
-/// Where a durable topic's consumer group stands.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GroupStatus {
-    pub name: String,
-    /// The lowest offset not yet acknowledged (a message's id is its offset + 1).
-    pub committed: u64,
-    /// The offset the topic's next message will get.
-    pub next_offset: u64,
-    /// Messages from `committed` on: not yet acknowledged by the group, delivered or not.
-    pub lag: u64,
-    /// A subscriber reads through the group now.
-    pub open: bool,
-}
-
-/// A topic's figures.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TopicStats {
-    pub subscribers: u64,
-    pub published: u64,
-    /// Messages handed to subscribers (one per subscriber per message).
-    pub delivered: u64,
-    pub slow_subscribers_ended: u64,
-}
-
 impl Topic {
     pub(crate) fn new(name: String, log: Option<SharedLog>) -> Topic {
         Topic {
@@ -193,12 +170,26 @@ impl Topic {
 
     /// Appends the messages to a durable topic's log (each gets its offset + 1 as id), then
     /// hands each to every live subscriber; returns how many subscribers got them all.
+    /// A message marked `durable` is on disk before this returns, whatever the log's policy; a
+    /// live topic refuses it. Blocks on the disk when the topic is durable.
     pub(crate) fn publish(&self, mut messages: Vec<Message>) -> Result<u32, BrokerError> {
+        let durable_asked = messages.iter().any(|m| m.durable);
+        if durable_asked && self.log.is_none() {
+            return Err(BrokerError::BadRequest(format!(
+                "topic {:?} is live (nothing is kept): a message marked durable needs a durable topic",
+                crate::shown(&self.name)
+            )));
+        }
         let mut subscribers = self.lock();
         if let Some(log) = &self.log {
-            let first = message::append(log, &messages)?.start;
+            let range = message::append(log, &messages)?;
+            if durable_asked && !range.is_empty() {
+                log.make_durable(range.end - 1)?;
+            }
+            let first = range.start;
             for (i, m) in messages.iter_mut().enumerate() {
                 m.id = message::id_of(first + i as u64);
+                m.durable = false; // asked on the way in; not carried by deliveries
             }
             self.appends.happened();
         }
@@ -301,12 +292,13 @@ impl Topic {
     }
 
     /// A durable topic's consumer groups (none for a topic without a log).
-    pub fn groups(&self) -> Vec<GroupStatus> {
+    /// Where each consumer group of a durable topic stands (none for a live topic).
+    pub fn groups(&self) -> Vec<GroupStats> {
         let Some(log) = &self.log else { return Vec::new() };
         let next_offset = log.next_offset();
         log.groups()
             .into_iter()
-            .map(|g| GroupStatus {
+            .map(|g| GroupStats {
                 lag: next_offset.saturating_sub(g.committed),
                 name: g.name,
                 committed: g.committed,
@@ -364,12 +356,15 @@ impl Topic {
         });
     }
 
-    pub fn stats(&self) -> TopicStats {
+    /// The topic's figures and groups, as TOPIC_STATUS answers them.
+    pub fn status(&self) -> TopicStats {
         TopicStats {
+            durable: self.is_durable(),
             subscribers: self.lock().len() as u64,
             published: self.published.load(Ordering::Relaxed),
             delivered: self.delivered.load(Ordering::Relaxed),
             slow_subscribers_ended: self.slow.load(Ordering::Relaxed),
+            groups: self.groups(),
         }
     }
 }

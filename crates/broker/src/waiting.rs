@@ -99,7 +99,7 @@ mod tests {
         let offerer = Arc::clone(&broker);
         let offering = tokio::spawn(async move {
             let q = offerer.queue("q").unwrap();
-            while q.stats().waiters == 0 {
+            while q.counters().waiters == 0 {
                 tokio::task::yield_now().await;
             }
             offerer.offer("q", vec![Message::new(&b"late"[..])], 0).unwrap();
@@ -115,7 +115,7 @@ mod tests {
             Waited::Stopped(()) => panic!("stopped without a reason to"),
         }
         offering.await.unwrap();
-        assert_eq!(broker.queue("q").unwrap().stats().waiters, 0, "the waiter is no longer counted");
+        assert_eq!(broker.queue("q").unwrap().counters().waiters, 0, "the waiter is no longer counted");
     }
 
     #[tokio::test]
@@ -133,7 +133,7 @@ mod tests {
         let (_dir, broker) = broker();
         let remover = Arc::clone(&broker);
         let removing = tokio::spawn(async move {
-            while remover.queue("q").unwrap().stats().waiters == 0 {
+            while remover.queue("q").unwrap().counters().waiters == 0 {
                 tokio::task::yield_now().await;
             }
             remover.remove_queue("q").unwrap();

@@ -180,7 +180,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 }
             }
         }
-        let stats = broker.queue("q").unwrap().stats();
+        let stats = broker.queue("q").unwrap().counters();
         prop_assert_eq!(stats.items, model.waiting.len() as u64, "items");
         prop_assert_eq!(stats.in_flight, model.open.len() as u64, "in flight");
         prop_assert_eq!(stats.bytes, model.bytes(), "bytes");
@@ -226,7 +226,7 @@ fn out_of_order_acks_and_returned_reads_are_counted_on_disk_as_in_memory() {
         let broker = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
         broker.create_queue("q", config.clone(), None).unwrap();
         let _kept = steps_a(&broker);
-        assert_eq!(broker.queue("q").unwrap().stats().items, 0, "durable {durable}");
+        assert_eq!(broker.queue("q").unwrap().counters().items, 0, "durable {durable}");
         let n = (0..5).filter(|i| broker.offer("q", vec![Message::new(payload(10 + i, 0))], 2).is_ok()).count();
         assert_eq!(n, 5, "room for five, durable {durable}");
 
@@ -237,7 +237,7 @@ fn out_of_order_acks_and_returned_reads_are_counted_on_disk_as_in_memory() {
         let taken = broker.poll("q", 2, Some(Duration::from_secs(60)), a, 1).unwrap();
         let handles: Vec<u64> = taken.iter().map(|d| d.handle).collect();
         assert_eq!(broker.abort("q", &handles, a).unwrap(), 2);
-        assert_eq!(broker.queue("q").unwrap().stats().items, 2, "durable {durable}");
+        assert_eq!(broker.queue("q").unwrap().counters().items, 2, "durable {durable}");
         assert!(matches!(broker.offer("q", vec![Message::new(payload(2, 0))], 2), Err(BrokerError::Full(_))));
     }
 }

@@ -33,7 +33,7 @@ fn fifo_and_competing_consumers_in_memory_and_on_disk() {
         assert_eq!(first[0].message.id, 1);
         assert_eq!(first[0].message.destination, "q");
         assert!(b.poll("q", 1, None, 1, 3).unwrap().is_empty());
-        assert_eq!(b.queue("q").unwrap().stats().total_polled, 4, "{config:?}");
+        assert_eq!(b.queue("q").unwrap().counters().total_polled, 4, "{config:?}");
     }
 }
 
@@ -62,7 +62,7 @@ fn tentative_reads_come_back_on_abort_timeout_and_disconnect() {
         assert_eq!(b.ack("q", &[d[0].handle], 10).unwrap(), 1);
         assert_eq!(b.ack("q", &[d[0].handle], 10).unwrap(), 0, "acked once");
         assert_eq!(payloads(&b.poll("q", 5, None, 10, 0).unwrap()), [b"b".to_vec(), b"c".to_vec()], "{config:?}");
-        let stats = b.queue("q").unwrap().stats();
+        let stats = b.queue("q").unwrap().counters();
         assert_eq!((stats.items, stats.in_flight), (0, 0));
     }
 }
@@ -99,7 +99,7 @@ fn bounded_queues_refuse_and_circular_ones_drop_the_oldest() {
         assert!(matches!(b.offer("bounded", msgs(&["3", "4", "5"]), 0), Err(BrokerError::NeverFits(_))));
         b.offer("ring", msgs(&["1", "2"]), 0).unwrap();
         b.offer("ring", msgs(&["3"]), 0).unwrap();
-        assert_eq!(b.queue("ring").unwrap().stats().dropped, 1);
+        assert_eq!(b.queue("ring").unwrap().counters().dropped, 1);
         assert_eq!(
             payloads(&b.poll("ring", 5, None, 1, 0).unwrap()),
             [b"2".to_vec(), b"3".to_vec()],
@@ -108,7 +108,7 @@ fn bounded_queues_refuse_and_circular_ones_drop_the_oldest() {
         // A circular queue offered more than it holds keeps the newest, as its name promises.
         b.offer("ring", msgs(&["4"]), 0).unwrap();
         assert_eq!(b.offer("ring", msgs(&["5", "6", "7"]), 0).unwrap().1, 2);
-        assert_eq!(b.queue("ring").unwrap().stats().dropped, 3);
+        assert_eq!(b.queue("ring").unwrap().counters().dropped, 3);
         assert_eq!(payloads(&b.poll("ring", 5, None, 1, 0).unwrap()), [b"6".to_vec(), b"7".to_vec()]);
     }
 }
@@ -126,7 +126,7 @@ fn expired_messages_go_to_the_dead_letter_queue() {
         late.expires_at = 1_000 * MS;
         b.offer("q", vec![Message::new(&b"ttl"[..]), early, late], 0).unwrap();
         b.tick(10 * MS);
-        assert_eq!(b.queue("q").unwrap().stats().items, 3, "nothing expired yet");
+        assert_eq!(b.queue("q").unwrap().counters().items, 3, "nothing expired yet");
         let live = b.poll("q", 5, VIS, 1, 40 * MS).unwrap();
         assert_eq!(payloads(&live), [b"ttl".to_vec(), b"own-late".to_vec()], "{config:?}: the early one expired");
         b.abort("q", &live.iter().map(|d| d.handle).collect::<Vec<_>>(), 1).unwrap();
@@ -134,7 +134,7 @@ fn expired_messages_go_to_the_dead_letter_queue() {
         assert!(live.is_empty(), "{config:?}: the queue's TTL caps a later expiry of the message's own");
         let dead = b.poll("dead", 5, None, 1, 60 * MS).unwrap();
         assert_eq!(payloads(&dead), [b"own-early".to_vec(), b"ttl".to_vec(), b"own-late".to_vec()]);
-        assert_eq!(b.queue("q").unwrap().stats().expired, 3);
+        assert_eq!(b.queue("q").unwrap().counters().expired, 3);
     }
 }
 
@@ -151,11 +151,11 @@ fn the_tick_sweeps_expired_messages_without_a_reader_in_memory_and_on_disk() {
             b.create_queue("delay", queue.clone(), None).unwrap();
             b.offer("delay", msgs(&["a", "b"]), 0).unwrap();
             b.tick(10 * MS);
-            assert_eq!(b.queue("delay").unwrap().stats().items, 2);
+            assert_eq!(b.queue("delay").unwrap().counters().items, 2);
             b.tick(60 * MS);
-            let delay = b.queue("delay").unwrap().stats();
+            let delay = b.queue("delay").unwrap().counters();
             assert_eq!((delay.items, delay.bytes, delay.expired), (0, 0, 2), "{config:?}");
-            assert_eq!(b.queue("ready").unwrap().stats().items, 2, "{config:?}: moved by the tick alone");
+            assert_eq!(b.queue("ready").unwrap().counters().items, 2, "{config:?}: moved by the tick alone");
             b.offer("delay", msgs(&["c"]), 100 * MS).unwrap();
         }
         if !config.durable {
@@ -164,9 +164,9 @@ fn the_tick_sweeps_expired_messages_without_a_reader_in_memory_and_on_disk() {
         // Reopened: what waits on disk is swept by the first tick once due.
         let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
         b.tick(120 * MS);
-        assert_eq!(b.queue("delay").unwrap().stats().items, 1);
+        assert_eq!(b.queue("delay").unwrap().counters().items, 1);
         b.tick(200 * MS);
-        assert_eq!(b.queue("delay").unwrap().stats().items, 0);
+        assert_eq!(b.queue("delay").unwrap().counters().items, 0);
         assert_eq!(
             payloads(&b.poll("ready", 5, None, 1, 200 * MS).unwrap()),
             [b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]
@@ -344,7 +344,7 @@ fn open_reads_are_listed_oldest_first_and_an_operator_can_return_one() {
         assert_eq!(b.ack("q", &[first[0].handle], 7).unwrap(), 0);
         assert_eq!(payloads(&b.poll("q", 1, None, 9, 30 * MS).unwrap()), [b"a".to_vec()]);
         assert_eq!(q.open_reads(10).0, 1);
-        assert_eq!(q.stats().aborted, 1);
+        assert_eq!(q.counters().aborted, 1);
     }
 }
 
@@ -405,7 +405,7 @@ fn a_poll_answer_holds_what_fits_its_byte_limit_and_the_rest_stays_in_order() {
                 if answer.is_empty() {
                     break;
                 }
-                let bytes: u64 = answer.iter().map(|d| d.message.encoded_len()).sum();
+                let bytes: u64 = answer.iter().map(|d| petrel_broker::answer_len_bound(&d.message)).sum();
                 assert!(bytes <= 10_000, "{bytes} bytes in one answer, {config:?}");
                 assert_eq!(answer.len(), 3, "as many as fit");
                 seen.extend(answer.iter().map(|d| d.message.payload[0]));
@@ -430,7 +430,7 @@ fn a_poll_answer_holds_what_fits_its_byte_limit_and_the_rest_stays_in_order() {
                 "the tenth; the big one does not fit beside it"
             );
             assert_eq!(sizes(b.poll("q", usize::MAX, None, 1, now).unwrap()), [20_000]);
-            assert_eq!(b.queue("q").unwrap().stats().items, 0, "{config:?}");
+            assert_eq!(b.queue("q").unwrap().counters().items, 0, "{config:?}");
         }
     }
 }
@@ -505,7 +505,7 @@ fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_o
     // Stored and counted, but not handed out before the wait.
     let (first, count, unsynced) = b.offer_unsynced(&q, &mut msgs(&["a", "b"]), 0).unwrap();
     assert_eq!((first, count, unsynced.is_durable()), (1, 2, false));
-    assert_eq!(q.stats().items, 2);
+    assert_eq!(q.counters().items, 2);
     assert!(b.poll("jobs", 5, None, 1, 0).unwrap().is_empty(), "not yet on disk");
     assert!(q.peek(0).unwrap().0.is_none());
     unsynced.wait().unwrap();
@@ -551,4 +551,52 @@ fn a_message_that_becomes_visible_after_a_tick_still_expires_on_time() {
     unsynced.wait().unwrap();
     b.tick(20 * MS);
     assert_eq!(payloads(&b.poll("dead", 5, None, 1, 20 * MS).unwrap()), [b"soon stale".to_vec()]);
+}
+
+/// `Message::durable` asks for the disk before the answer, whatever the log's policy: one sync
+/// for an offer that asks, none for one that does not (policy `none`); a queue or topic that
+/// keeps nothing on disk refuses it, as does a call; deliveries do not carry it.
+#[test]
+fn a_message_marked_durable_is_synced_before_its_offer_returns_and_refused_where_nothing_is_kept() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let syncs = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&syncs);
+    let options = BrokerOptions {
+        durability: petrel_log::Durability::None,
+        on_sync: petrel_log::SyncObserver::new(move |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }),
+        ..BrokerOptions::default()
+    };
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.create_queue("disk", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    b.create_queue("memory", QueueConfig::default(), None).unwrap();
+    let durable = |payload: &str| Message { durable: true, ..Message::new(payload.as_bytes().to_vec()) };
+
+    let before = syncs.load(Ordering::SeqCst);
+    b.offer("disk", msgs(&["plain"]), 1).unwrap();
+    assert_eq!(syncs.load(Ordering::SeqCst), before, "policy none: an ordinary offer is not synced");
+    b.offer("disk", vec![durable("kept")], 1).unwrap();
+    assert_eq!(syncs.load(Ordering::SeqCst), before + 1, "one sync for the offer that asked");
+
+    let refused = b.offer("memory", vec![durable("x")], 1).unwrap_err();
+    assert!(matches!(refused, BrokerError::BadRequest(ref why) if why.contains("durable queue")), "{refused}");
+    assert_eq!(b.queue("memory").unwrap().counters().items, 0, "nothing stored");
+
+    let polled = b.poll("disk", 10, None, 1, 2).unwrap();
+    assert_eq!(payloads(&polled), [b"plain".to_vec(), b"kept".to_vec()]);
+    assert!(polled.iter().all(|d| !d.message.durable), "deliveries do not carry the flag");
+
+    b.create_topic("live", false).unwrap();
+    assert!(matches!(b.publish("live", vec![durable("x")], 1), Err(BrokerError::BadRequest(_))));
+    b.create_topic("kept", true).unwrap();
+    let before = syncs.load(Ordering::SeqCst);
+    b.publish("kept", vec![durable("t")], 1).unwrap();
+    assert_eq!(syncs.load(Ordering::SeqCst), before + 1, "a durable topic syncs a message that asks");
+
+    let replier: petrel_broker::Replier = Box::new(|_| {});
+    let call = b.call(1, "f", durable("req"), false, 1, Duration::from_secs(1), replier);
+    assert!(matches!(call, Err(BrokerError::BadRequest(_))), "a call is never stored");
 }

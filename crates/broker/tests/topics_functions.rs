@@ -53,7 +53,7 @@ fn every_subscriber_gets_every_message_and_a_slow_one_is_ended_alone() {
     assert_eq!(texts(&mut slow), ["p0", "p1", "p2"], "what it had room for, then the end");
     assert!(slow.try_recv().is_none());
     assert!(matches!(slow.ended.get(), Some(petrel_broker::Ended::TooSlow(r)) if r.contains("behind")));
-    let stats = b.topic("prices").unwrap().stats();
+    let stats = b.topic("prices").unwrap().status();
     assert_eq!((stats.subscribers, stats.published, stats.slow_subscribers_ended), (1, 6, 1));
 
     b.unsubscribe(fast.id, 1);

@@ -52,6 +52,31 @@ async fn fifo_competing_consumers_and_tentative_reads() {
     assert!(a.poll("q", TAKE).await.unwrap().is_empty());
 }
 
+/// The message flag `durable` over the wire: kept (and synced) by a durable queue and a durable
+/// topic, refused with BAD_REQUEST by an in-memory queue and a live topic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_durable_flag_is_honoured_by_durable_destinations_and_refused_by_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("disk", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+    c.create_queue("memory", QueueConfig::default()).await.unwrap();
+    c.create_topic("live", false).await.unwrap();
+    c.create_topic("kept", true).await.unwrap();
+    let durable = || Message { durable: true, ..msg("d") };
+    c.offer("disk", vec![durable()], None).await.unwrap();
+    let refused = c.offer("memory", vec![durable()], None).await.unwrap_err();
+    assert_eq!(refused.status(), Some(Status::BadRequest), "{refused}");
+    assert!(refused.to_string().contains("durable queue"), "{refused}");
+    c.publish("kept", vec![durable()]).await.unwrap();
+    let refused = c.publish("live", vec![durable()]).await.unwrap_err();
+    assert_eq!(refused.status(), Some(Status::BadRequest), "{refused}");
+    let got = c.poll("disk", TAKE).await.unwrap();
+    assert_eq!(texts(&got), ["d"]);
+    assert!(!got[0].message.durable, "deliveries do not carry the flag");
+    assert_eq!(c.queue_status("memory").await.unwrap().items, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn temporary_bounded_circular_expiry_and_fanout() {
     let dir = tempfile::tempdir().unwrap();

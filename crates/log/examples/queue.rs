@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
-use petrel_log::{GroupOptions, Options, Queue};
+use petrel_log::{GroupOptions, Options, SimpleQueue};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
-    let mut queue = Queue::open(dir.path(), Options::default())?;
+    let mut queue = SimpleQueue::open(dir.path(), Options::default())?;
     for word in ["alpha", "beta", "gamma", "delta"] {
         queue.enqueue(word.as_bytes())?;
     }
@@ -37,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Close and reopen: the queue remembers its head.
     drop(queue);
-    let mut queue = Queue::open(dir.path(), Options::default())?;
+    let mut queue = SimpleQueue::open(dir.path(), Options::default())?;
     let len = queue.len();
     let next = queue.dequeue()?.map(|r| String::from_utf8_lossy(r.payload).into_owned());
     println!("after reopening: {len} items, next {next:?}");

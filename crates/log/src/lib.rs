@@ -34,7 +34,7 @@
 //! | `mmap.rs` | the only `unsafe`: the shared writable mapping of a segment |
 //! | `reader.rs`, `index.rs`, `keys.rs` | reading by position, offset and time; the key index |
 //! | `group.rs`, `cursor.rs` | consumer groups and their crash-safe cursor files |
-//! | `queue.rs` | [`Queue`]: a FIFO with one default group |
+//! | `simple_queue.rs` | [`SimpleQueue`]: a FIFO with one default group (the broker's queues are its own) |
 //! | `retention.rs`, `resident.rs`, `prefault.rs` | deleting old segments; the page budget; faulting pages in ahead |
 //! | `verify.rs` | offline check, dump and repair |
 //! | `options.rs`, `error.rs`, `clock.rs` | settings, errors, record timestamps |
@@ -58,13 +58,13 @@ mod log;
 mod mmap;
 mod options;
 mod prefault;
-mod queue;
 mod reader;
 mod recovery;
 mod resident;
 mod retention;
 mod segment;
 mod shared;
+mod simple_queue;
 mod state;
 mod syncer;
 pub mod verify;
@@ -78,12 +78,12 @@ pub use options::{
     DEFAULT_MAX_RECORD_BYTES, DEFAULT_PAGE_BUDGET_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
     MIN_SEGMENT_BYTES, Options, SyncObserver,
 };
-pub use queue::{QUEUE_GROUP, Queue};
 pub use reader::{Batch, BatchIter, Reader};
 pub use recovery::RecoveryReport;
 pub use resident::PageBudget;
 pub use retention::{Retention, RetentionReport};
 pub use shared::SharedLog;
+pub use simple_queue::{QUEUE_GROUP, SimpleQueue};
 pub use state::LogStats;
 
 /// Entry points for fuzzers and property tests of the decoders. Not a stable API.

@@ -77,6 +77,13 @@ impl SharedLog {
         self.durable(offset)
     }
 
+    /// Returns once record `offset` is durable, whatever the policy: under `none` or
+    /// `interval` a sync now (joining one in progress), for a record that must be on disk
+    /// before its producer is answered.
+    pub fn make_durable(&self, offset: u64) -> Result<()> {
+        self.shared.make_durable(offset)
+    }
+
     /// The log's durability policy.
     pub fn durability(&self) -> Durability {
         self.shared.options().durability

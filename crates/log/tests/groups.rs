@@ -265,9 +265,9 @@ fn cursor_durability_always_syncs_each_ack_and_none_never_does() {
 
 #[test]
 fn the_queue_api_dequeues_in_order_and_remembers_across_reopens() {
-    use petrel_log::Queue;
+    use petrel_log::SimpleQueue;
     let dir = tempfile::tempdir().unwrap();
-    let mut q = Queue::open(dir.path(), Options::default()).unwrap();
+    let mut q = SimpleQueue::open(dir.path(), Options::default()).unwrap();
     assert!(q.is_empty());
     assert!(q.dequeue().unwrap().is_none());
     for i in 0..10u8 {
@@ -283,7 +283,7 @@ fn the_queue_api_dequeues_in_order_and_remembers_across_reopens() {
     drop(other);
     q.copy_group("audit", "audit-copy").unwrap();
     drop(q);
-    let mut q = Queue::open(dir.path(), Options::default()).unwrap();
+    let mut q = SimpleQueue::open(dir.path(), Options::default()).unwrap();
     assert_eq!(q.len(), 8);
     assert_eq!(q.dequeue().unwrap().unwrap().payload, [2]);
     assert_eq!(q.group("audit-copy", GroupOptions::default()).unwrap().committed(), 1);

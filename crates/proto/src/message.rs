@@ -103,7 +103,7 @@ pub enum MessageKind {
 }
 
 impl MessageKind {
-    fn from_u8(v: u8) -> Result<MessageKind, DecodeError> {
+    pub fn from_u8(v: u8) -> Result<MessageKind, DecodeError> {
         Ok(match v {
             0 => MessageKind::Message,
             1 => MessageKind::Request,
@@ -151,6 +151,17 @@ const FLAG_ZSTD: u8 = 2;
 impl Message {
     pub fn new(payload: impl Into<Bytes>) -> Message {
         Message { payload: payload.into(), ..Message::default() }
+    }
+
+    /// Bytes counted against a queue's limits (`max_bytes`, `max_item_bytes`): the payload and
+    /// the headers' names and values.
+    pub fn size(&self) -> u64 {
+        (self.payload.len() + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
+    }
+
+    /// Whether the message's own expiry (`expires_at`, 0: none) has passed at `now_ns`.
+    pub fn is_expired(&self, now_ns: u64) -> bool {
+        self.expires_at != 0 && self.expires_at <= now_ns
     }
 
     /// Bytes this message takes on the wire.

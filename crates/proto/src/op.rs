@@ -51,23 +51,33 @@ pub mod opcode {
     pub const INVOKE: u16 = 0x0380;
 }
 
-/// How a queue behaves. Zero means "no limit" / "none" throughout.
+/// How a queue behaves. Zero means "no limit" / "none" throughout. The same type is a queue's
+/// definition on disk and in the server's configuration file, which also takes Kestrel's names
+/// for these settings (the aliases); a name that is neither is an error, not ignored.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct QueueConfig {
+    /// The queue is full at this many messages.
     pub max_items: u64,
+    /// The queue is full at this many bytes of payload and headers.
+    #[serde(alias = "max_size")]
     pub max_bytes: u64,
     /// When full, drop the oldest message instead of refusing the new one.
+    #[serde(alias = "discard_old_when_full")]
     pub circular: bool,
     /// Kept on disk (a `petrel-log`), surviving restarts.
+    #[serde(alias = "keep_journal")]
     pub durable: bool,
     /// Owned by the connection that created it and removed when it closes.
     pub temporary: bool,
     /// Messages expire this long after they are offered (unless they carry their own expiry).
+    #[serde(alias = "max_age_ms")]
     pub ttl_ms: u64,
     /// Expired messages move to this queue instead of vanishing.
+    #[serde(alias = "expire_to_queue")]
     pub dead_letter: String,
     /// A bigger message is refused with TOO_LARGE (0: the server's limit only).
+    #[serde(alias = "max_item_size")]
     pub max_item_bytes: u64,
     /// A durable queue's log durability: `""` (the server's), `"none"`, `"always"` or
     /// `"interval:MS"`.

@@ -486,7 +486,7 @@ mod tests {
         assert_eq!(c.memcache_addr, None);
         let defaults = c.queue_defaults().unwrap();
         assert!(defaults.durable, "Kestrel's default: queues are journaled");
-        assert_eq!((defaults.max_items, defaults.durability), (100, Some(Durability::Always)));
+        assert_eq!((defaults.max_items, defaults.durability), (100, "always".to_string()));
         let queues = c.queues().unwrap();
         let jobs = &queues["jobs"];
         assert_eq!((jobs.max_items, jobs.max_item_bytes, jobs.circular, jobs.durable), (100, 512, true, true));

@@ -14,14 +14,13 @@
 //! - `auth.rs`: logins (passwords, certificates), their rate limit, ACL checks and refusals;
 //! - `tls.rs`: rustls configuration; `input.rs`: read buffers within the memory budget;
 //! - `outbox.rs`: a connection's bounded queue of bytes to write; `connections.rs`: the registry
-//!   of open connections; `stats.rs`: server-wide counters; `convert.rs`: wire ↔ broker types.
+//!   of open connections; `stats.rs`: server-wide counters.
 
 #![forbid(unsafe_code)]
 
 mod auth;
 mod config;
 mod connections;
-mod convert;
 #[doc(hidden)]
 pub mod fuzzing;
 mod http;
@@ -486,8 +485,16 @@ pub(crate) async fn wait_durable(unsynced: petrel_broker::UnsyncedOffer) -> Resu
     if unsynced.is_durable() {
         return Ok(());
     }
-    match tokio::task::spawn_blocking(move || unsynced.wait()).await {
-        Ok(synced) => synced,
+    blocking(move || unsynced.wait()).await
+}
+
+/// Runs storage work that may wait for the disk on a blocking thread (the runtime's threads go
+/// on serving other connections meanwhile).
+pub(crate) async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, petrel_broker::BrokerError> + Send + 'static,
+) -> Result<T, petrel_broker::BrokerError> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(done) => done,
         Err(e) => match e.try_into_panic() {
             Ok(panic) => std::panic::resume_unwind(panic),
             // Not started before the runtime shut down: nobody will read the answer.

@@ -14,7 +14,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use petrel_broker::security::{Action, Kind, Principal};
-use petrel_broker::{BrokerError, QueueConfig, QueueStats, SeekTo, Topic};
+use petrel_broker::{BrokerError, QueueConfig, QueueCounters, SeekTo, Topic};
 use serde_json::{Value, json};
 
 use super::{Caller, refusal};
@@ -51,7 +51,7 @@ fn forbidden(what: &str) -> Response {
     refusal(StatusCode::FORBIDDEN, format!("this user may not {what}"))
 }
 
-fn queue_json(name: &str, config: &QueueConfig, st: &QueueStats) -> Value {
+fn queue_json(name: &str, config: &QueueConfig, st: &QueueCounters) -> Value {
     json!({
         "name": name,
         "config": config,
@@ -71,10 +71,10 @@ fn queue_json(name: &str, config: &QueueConfig, st: &QueueStats) -> Value {
 }
 
 fn topic_json(name: &str, t: &Topic) -> Value {
-    let st = t.stats();
-    let groups: Vec<Value> = t
-        .groups()
-        .into_iter()
+    let st = t.status();
+    let groups: Vec<Value> = st
+        .groups
+        .iter()
         .map(|g| {
             json!({
                 "name": g.name,
@@ -139,7 +139,7 @@ pub(super) async fn queues(State(ctx): Ctxt, Caller(who): Caller) -> Response {
         .iter()
         .filter(|n| may(&ctx, who.as_ref(), Kind::Queue, n, ANY_QUEUE_RIGHT))
         .filter_map(|n| ctx.broker.queue(n))
-        .map(|q| queue_json(&q.name, &q.config(), &q.stats()))
+        .map(|q| queue_json(&q.name, &q.config(), &q.counters()))
         .collect();
     Json(json!({ "queues": list })).into_response()
 }
@@ -149,7 +149,7 @@ pub(super) async fn queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Pat
         return forbidden("see this queue");
     }
     match ctx.broker.queue(&name) {
-        Some(q) => Json(queue_json(&q.name, &q.config(), &q.stats())).into_response(),
+        Some(q) => Json(queue_json(&q.name, &q.config(), &q.counters())).into_response(),
         None => broker_error(BrokerError::NotFound(name)),
     }
 }
@@ -180,7 +180,7 @@ pub(super) async fn create_queue(
     match ctx.broker.create_queue_by(who.as_ref(), &name, config, None) {
         Ok(q) => {
             let status = if existed { StatusCode::OK } else { StatusCode::CREATED };
-            (status, Json(queue_json(&q.name, &q.config(), &q.stats()))).into_response()
+            (status, Json(queue_json(&q.name, &q.config(), &q.counters()))).into_response()
         }
         Err(e) => broker_error(e),
     }

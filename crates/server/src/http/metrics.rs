@@ -192,7 +192,7 @@ impl Scrape {
             }
         }
         for name in &names {
-            let Some(q) = broker.queue(name).map(|q| q.stats()) else { continue };
+            let Some(q) = broker.queue(name).map(|q| q.counters()) else { continue };
             let labels = || vec![Label::new("queue", name.clone())];
             self.gauge("petrel_queue_messages", "Messages waiting (not taken).", labels(), q.items);
             self.gauge("petrel_queue_bytes", "Bytes of messages waiting and in flight.", labels(), q.bytes);

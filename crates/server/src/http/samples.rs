@@ -50,7 +50,7 @@ impl Samples {
         let (mut messages, mut bytes, mut offered, mut delivered) = (0, 0, 0, 0);
         for name in ctx.broker.queue_names() {
             if let Some(q) = ctx.broker.queue(&name) {
-                let st = q.stats();
+                let st = q.counters();
                 messages += st.items;
                 bytes += st.bytes;
                 offered += st.total_offered;

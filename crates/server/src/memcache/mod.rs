@@ -457,11 +457,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
 
     fn flush_expired(&self, name: &str) -> u64 {
         let Some(q) = self.ctx.broker.queue(name) else { return 0 };
-        let before = q.stats().expired;
+        let before = q.counters().expired;
         if let Err(e) = self.ctx.broker.peek(&q, now_ns()) {
             tracing::error!(queue = name, error = %e, "flush_expired failed");
         }
-        q.stats().expired - before
+        q.counters().expired - before
     }
 
     fn stats(&mut self) {
@@ -469,7 +469,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let broker = &ctx.broker;
         let queues: Vec<Arc<Queue>> =
             broker.queue_names().iter().filter(|n| self.may_see(n)).filter_map(|n| broker.queue(n)).collect();
-        let per_queue: Vec<_> = queues.iter().map(|q| (q, q.stats())).collect();
+        let per_queue: Vec<_> = queues.iter().map(|q| (q, q.counters())).collect();
         let s = &ctx.stats;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
@@ -544,7 +544,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         for name in names {
             let Some(q) = broker.queue(&name) else { continue };
             let _ = write!(self.out, "queue '{name}' {{\r\n");
-            for (stat, value) in queue_stats(&broker, &q, &q.stats()) {
+            for (stat, value) in queue_stats(&broker, &q, &q.counters()) {
                 let _ = write!(self.out, "  {stat}={value}\r\n");
             }
             self.line("}");
@@ -557,7 +557,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
 fn queue_stats(
     broker: &petrel_broker::Broker,
     q: &Queue,
-    st: &petrel_broker::QueueStats,
+    st: &petrel_broker::QueueCounters,
 ) -> Vec<(&'static str, String)> {
     let age_ms = if st.items == 0 || st.last_taken_offered_at == 0 {
         0

@@ -10,14 +10,14 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use super::pushes::{Pushes, not_sent_if_too_long};
 use super::session::Session;
-use super::{Answer, error};
+use super::{Answer, error, outgoing};
 use crate::outbox::{Outbox, TrySendError};
-use crate::{Ctx, convert, now_ns};
+use crate::{Ctx, now_ns};
 
 /// A call, ready to be made once the caller holds a permit.
 pub(super) struct Call {
     function: String,
-    message: Box<petrel_broker::Message>,
+    message: Box<petrel_proto::Message>,
     oneway: bool,
     timeout: Duration,
 }
@@ -40,7 +40,7 @@ pub(super) fn prepare_call(
         0 => Duration::from_millis(ctx.config.default_call_timeout_ms),
         ms => Duration::from_millis(u64::from(ms)),
     };
-    Answer::Call(Call { function, message: Box::new(convert::message_in(message)), oneway, timeout })
+    Answer::Call(Call { function, message: Box::new(message), oneway, timeout })
 }
 
 /// Makes the call. `Some`: answered now (a local handler's reply, a oneway call sent, an
@@ -56,7 +56,7 @@ pub(super) fn call(
     let Call { function, message, oneway, timeout } = call;
     let replier = replier(reply_to, permit, session.compress);
     match ctx.broker.call(session.conn, &function, *message, oneway, now_ns(), timeout, replier) {
-        Ok(Called::Replied(m)) => Some(Response::Reply { message: convert::outgoing(*m, session.compress) }),
+        Ok(Called::Replied(m)) => Some(Response::Reply { message: outgoing(*m, session.compress) }),
         Ok(Called::Sent) => Some(Response::Done),
         Ok(Called::Pending { .. }) => None,
         Err(e) => Some(error(e)),
@@ -68,7 +68,7 @@ pub(super) fn call(
 fn replier(to: ReplyTo, permit: OwnedSemaphorePermit, compress: Option<usize>) -> petrel_broker::Replier {
     Box::new(move |outcome| {
         let response = match outcome {
-            Ok(message) => Response::Reply { message: convert::outgoing(message, compress) },
+            Ok(message) => Response::Reply { message: outgoing(message, compress) },
             Err(e) => error(e),
         };
         let mut out = Vec::with_capacity(64);
@@ -105,7 +105,13 @@ pub(super) fn give_back(
     reason: String,
     message: petrel_proto::Message,
 ) -> Response {
-    let result = if status == Status::Ok { Ok(convert::message_in(message)) } else { Err(reason) };
+    if message.durable {
+        return Response::error(
+            Status::BadRequest,
+            "a reply is handed to its caller, never stored: it cannot be marked durable",
+        );
+    }
+    let result = if status == Status::Ok { Ok(message) } else { Err(reason) };
     if ctx.broker.reply(call, session.conn, result) {
         Response::Done
     } else {
@@ -127,10 +133,7 @@ fn invocations(
         let task = tokio::spawn(async move {
             while let Some(inv) = invocations.recv().await {
                 let mut out = Vec::with_capacity(inv.message.size() as usize + 256);
-                let push = Push::Invoke {
-                    function: inv.function,
-                    message: Box::new(convert::outgoing(inv.message, compress)),
-                };
+                let push = Push::Invoke { function: inv.function, message: Box::new(outgoing(inv.message, compress)) };
                 not_sent_if_too_long(push.encode(inv.call, &mut out));
                 if outbox.send(out).await.is_err() {
                     return;

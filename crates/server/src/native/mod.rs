@@ -206,7 +206,7 @@ async fn dispatch(
         Request::TopicRemove { name } => now(topics::remove(ctx, &name)),
         Request::TopicList => now(topics::list(ctx, session)),
         Request::TopicStatus { name } => now(topics::status(ctx, name)),
-        Request::Publish { topic, messages } => now(topics::publish(ctx, &topic, messages)),
+        Request::Publish { topic, messages } => topics::publish(ctx, topic, messages),
         Request::Subscribe { topic, buffer, group, from } if !group.is_empty() => {
             now(topics::subscribe_group(ctx, session, pushes, outbox, topic, group, buffer, from).await)
         }
@@ -226,23 +226,18 @@ async fn dispatch(
     }
 }
 
+/// A message on its way to this connection, its payload compressed if the connection negotiated
+/// it (`Some(cutoff)`, see HELLO) and it is at least that big.
+fn outgoing(mut m: petrel_proto::Message, compress: Option<usize>) -> petrel_proto::Message {
+    if let Some(min_bytes) = compress {
+        petrel_proto::compression::compress(&mut m, min_bytes);
+    }
+    m
+}
+
 /// A broker error as the protocol's answer.
 fn error(e: BrokerError) -> Response {
-    let status = match &e {
-        BrokerError::NotFound(_) => Status::QueueNotFound,
-        BrokerError::Full(_) => Status::QueueFull,
-        BrokerError::Exists(_) => Status::Exists,
-        BrokerError::BadRequest(_) => Status::BadRequest,
-        BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
-        BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => Status::ServerError,
-        BrokerError::TopicNotFound(_) => Status::TopicNotFound,
-        BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
-        BrokerError::Handler(_) => Status::HandlerError,
-        BrokerError::Timeout(_) => Status::Timeout,
-        BrokerError::Unauthorized(_) => Status::Unauthorized,
-        BrokerError::Forbidden(_) => Status::Forbidden,
-        BrokerError::Limit(_) => Status::LimitReached,
-    };
+    let status = e.status();
     if status == Status::ServerError {
         tracing::error!(error = ?e, "request failed"); // with the paths the client is not shown
     }

@@ -5,20 +5,15 @@ use std::time::{Duration, Instant};
 
 use petrel_broker::security::{Action, Kind};
 use petrel_broker::{BrokerError, Queue, WaitFor, Waited};
-use petrel_proto::{Delivery, Response, Status};
+use petrel_proto::{Delivery, Message, Response, Status};
 
 use super::session::Session;
-use super::{Answer, WaitsFor, error};
-use crate::{Ctx, convert, now_ns, wait_durable};
+use super::{Answer, WaitsFor, error, outgoing};
+use crate::{Ctx, now_ns, wait_durable};
 
 pub(super) fn create(ctx: &Ctx, session: &Session, name: &str, config: petrel_proto::QueueConfig) -> Response {
     let owner = config.temporary.then_some(session.conn);
-    match convert::config_in(config) {
-        Ok(config) => {
-            ctx.broker.create_queue_by(session.principal(), name, config, owner).map_or_else(error, |_| Response::Done)
-        }
-        Err(e) => Response::error(Status::BadRequest, e),
-    }
+    ctx.broker.create_queue_by(session.principal(), name, config, owner).map_or_else(error, |_| Response::Done)
 }
 
 pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
@@ -34,15 +29,14 @@ pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
 
 pub(super) fn status(ctx: &Ctx, name: String) -> Response {
     match ctx.broker.queue(&name) {
-        Some(q) => Response::QueueStatus { stats: convert::stats_out(q.stats(), &q.config()) },
+        Some(q) => Response::QueueStatus { stats: q.status() },
         None => error(BrokerError::NotFound(name)),
     }
 }
 
 /// Offers now; a full queue is waited on for up to `timeout_ms`, and an offer to a queue that
 /// syncs each one is answered once it is on disk.
-pub(super) fn offer(ctx: &Arc<Ctx>, queue: String, timeout_ms: u32, messages: Vec<petrel_proto::Message>) -> Answer {
-    let mut messages: Vec<_> = messages.into_iter().map(convert::message_in).collect();
+pub(super) fn offer(ctx: &Arc<Ctx>, queue: String, timeout_ms: u32, mut messages: Vec<Message>) -> Answer {
     let broker = &ctx.broker;
     let Some(queue) = broker.queue(&queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
     match broker.offer_unsynced(&queue, &mut messages, now_ns()) {
@@ -60,12 +54,7 @@ pub(super) fn offer(ctx: &Arc<Ctx>, queue: String, timeout_ms: u32, messages: Ve
     }
 }
 
-async fn offer_when_room(
-    ctx: Arc<Ctx>,
-    queue: Arc<Queue>,
-    mut messages: Vec<petrel_broker::Message>,
-    timeout_ms: u32,
-) -> Response {
+async fn offer_when_room(ctx: Arc<Ctx>, queue: Arc<Queue>, mut messages: Vec<Message>, timeout_ms: u32) -> Response {
     let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
     let broker = &ctx.broker;
     let attempt = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut messages, now_ns()) {
@@ -120,14 +109,14 @@ pub(super) fn poll(
     }
 }
 
-fn polled(deliveries: Vec<petrel_broker::Delivery>, compress: Option<usize>) -> Response {
+fn polled(deliveries: Vec<Delivery>, compress: Option<usize>) -> Response {
     if deliveries.is_empty() {
         return Response::error(Status::QueueEmpty, "");
     }
     Response::Polled {
         deliveries: deliveries
             .into_iter()
-            .map(|d| Delivery { handle: d.handle, message: convert::outgoing(d.message, compress) })
+            .map(|d| Delivery { handle: d.handle, message: outgoing(d.message, compress) })
             .collect(),
     }
 }

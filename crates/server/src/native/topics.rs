@@ -2,6 +2,7 @@
 //! topic's consumer group), acknowledge a group's messages, unsubscribe. A subscription is a
 //! task that turns what the broker hands it into DELIVER pushes.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use petrel_broker::security::{Action, Kind};
@@ -11,9 +12,9 @@ use tokio::sync::oneshot;
 
 use super::pushes::{Pushes, not_sent_if_too_long};
 use super::session::Session;
-use super::{Answer, WaitsFor, error};
+use super::{Answer, WaitsFor, error, outgoing};
 use crate::outbox::Outbox;
-use crate::{Ctx, convert, now_ns};
+use crate::{Ctx, now_ns};
 
 pub(super) fn create(ctx: &Ctx, name: &str, durable: bool) -> Response {
     ctx.broker.create_topic(name, durable).map_or_else(error, |_| Response::Done)
@@ -32,14 +33,25 @@ pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
 
 pub(super) fn status(ctx: &Ctx, name: String) -> Response {
     match ctx.broker.topic(&name) {
-        Some(t) => Response::TopicStatus { stats: convert::topic_stats_out(&t) },
+        Some(t) => Response::TopicStatus { stats: t.status() },
         None => error(BrokerError::TopicNotFound(name)),
     }
 }
 
-pub(super) fn publish(ctx: &Ctx, topic: &str, messages: Vec<petrel_proto::Message>) -> Response {
-    let messages = messages.into_iter().map(convert::message_in).collect();
-    ctx.broker.publish(topic, messages, now_ns()).map_or_else(error, |subscribers| Response::Published { subscribers })
+/// Publishes now to a live topic; to a durable one on a blocking thread, as its log may wait for
+/// the disk.
+pub(super) fn publish(ctx: &Arc<Ctx>, topic: String, messages: Vec<petrel_proto::Message>) -> Answer {
+    let published = |subscribers| Response::Published { subscribers };
+    match ctx.broker.topic(&topic) {
+        Some(t) if t.is_durable() => {
+            let ctx = Arc::clone(ctx);
+            Answer::later(WaitsFor::Disk, async move {
+                let publish = move || ctx.broker.publish(&topic, messages, now_ns());
+                crate::blocking(publish).await.map_or_else(error, published)
+            })
+        }
+        _ => Answer::Now(ctx.broker.publish(&topic, messages, now_ns()).map_or_else(error, published)),
+    }
 }
 
 /// A live subscription: what is published from now on, while this connection keeps up.
@@ -188,7 +200,7 @@ async fn deliver_live(
             .map(|d| {
                 let encode = |compress| {
                     let mut out = Vec::with_capacity(d.message.payload.len() + 64);
-                    convert::outgoing(d.message.clone(), compress).encode_to(&mut out);
+                    outgoing(d.message.clone(), compress).encode_to(&mut out);
                     bytes::Bytes::from(out)
                 };
                 match compress {
@@ -267,7 +279,7 @@ async fn deliver_group(
 /// the connection's writer has stopped.
 async fn send_group_messages(
     id: u64,
-    messages: Vec<petrel_broker::Message>,
+    messages: Vec<petrel_proto::Message>,
     outbox: &Outbox,
     compress: Option<usize>,
     push: PushFrame,
@@ -277,7 +289,7 @@ async fn send_group_messages(
     let last = messages.len();
     for (i, m) in messages.into_iter().enumerate() {
         bytes += m.size();
-        frame.push(convert::outgoing(m, compress));
+        frame.push(outgoing(m, compress));
         if bytes >= push.max_bytes || i + 1 == last {
             let mut out = Vec::with_capacity(bytes as usize + 64 * frame.len());
             not_sent_if_too_long(Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out));

@@ -10,16 +10,16 @@ use crate::group::{ConsumerGroup, GroupInfo, GroupOptions};
 use crate::log::Log;
 use crate::options::Options;
 
-/// Name of the consumer group a [`Queue`] dequeues through.
+/// Name of the consumer group a [`SimpleQueue`] dequeues through.
 pub const QUEUE_GROUP: &str = "queue";
 
 /// A persistent queue: `enqueue` at the tail, `dequeue` from the head, surviving crashes.
 /// A dequeued record is acknowledged before it is returned (at-most-once); for at-least-once,
-/// open a [`ConsumerGroup`] with [`Queue::group`] and `poll`/`ack`.
+/// open a [`ConsumerGroup`] with [`SimpleQueue::group`] and `poll`/`ack`.
 ///
 /// ```
 /// let dir = tempfile::tempdir()?;
-/// let mut q = petrel_log::Queue::open(dir.path(), petrel_log::Options::default())?;
+/// let mut q = petrel_log::SimpleQueue::open(dir.path(), petrel_log::Options::default())?;
 /// q.enqueue(b"first")?;
 /// q.enqueue(b"second")?;
 /// assert_eq!(q.len(), 2);
@@ -28,19 +28,19 @@ pub const QUEUE_GROUP: &str = "queue";
 /// assert_eq!(q.len(), 1);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub struct Queue {
+pub struct SimpleQueue {
     // Dropped before the log: its cursor is synced first.
     head: ConsumerGroup,
     log: Log,
 }
 
-impl Queue {
+impl SimpleQueue {
     /// Opens the queue in `dir`; its dequeue position is as durable as `options.durability`.
-    pub fn open(dir: impl AsRef<Path>, options: Options) -> Result<Queue> {
+    pub fn open(dir: impl AsRef<Path>, options: Options) -> Result<SimpleQueue> {
         let durability = options.durability;
         let log = Log::open(dir, options)?;
         let head = log.group(QUEUE_GROUP, GroupOptions { durability, ..GroupOptions::default() })?;
-        Ok(Queue { head, log })
+        Ok(SimpleQueue { head, log })
     }
 
     /// Adds a record at the tail; returns its offset.
