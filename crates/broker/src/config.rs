@@ -15,6 +15,10 @@ pub fn checked(mut config: QueueConfig) -> Result<QueueConfig, String> {
     if !config.dead_letter.is_empty() {
         crate::check_name(&config.dead_letter).map_err(|e| format!("dead_letter: {e}"))?;
     }
+    if config.max_deliveries != 0 && config.dead_letter.is_empty() {
+        // A message at its limit would otherwise be dropped: say where it goes.
+        return Err("max_deliveries needs a dead_letter queue for the messages that reach it".into());
+    }
     Ok(config)
 }
 

@@ -127,6 +127,32 @@ impl BrokerError {
     }
 }
 
+/// The header a dead letter carries: why it was moved (`expired` or `max_deliveries`).
+pub const DEAD_LETTER_REASON: &str = "petrel-dead-letter-reason";
+/// The header a message moved at its delivery limit carries: how many times it was handed out.
+pub const DEAD_LETTER_DELIVERIES: &str = "petrel-deliveries";
+
+/// Why a message went to its queue's dead-letter queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DeadReason {
+    Expired,
+    MaxDeliveries,
+}
+
+impl DeadReason {
+    fn as_str(self) -> &'static str {
+        match self {
+            DeadReason::Expired => "expired",
+            DeadReason::MaxDeliveries => "max_deliveries",
+        }
+    }
+}
+
+/// Now, in ns since the Unix epoch (for work the broker does on its own, as at a disconnect).
+fn now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// A name as an error shows it: a client may send 64 KiB of one, and errors echo it back.
 pub fn shown(name: &str) -> std::borrow::Cow<'_, str> {
     const MAX: usize = 64;
@@ -791,7 +817,7 @@ impl Broker {
     ) -> Result<Vec<Delivery>, BrokerError> {
         let mut next_handle = || self.next_handle.fetch_add(1, Ordering::Relaxed);
         let polled = queue.poll(max, self.options.max_poll_bytes, visibility, consumer, now_ns, &mut next_handle)?;
-        self.dead_letter(queue, polled.expired, now_ns);
+        self.dead_letter(queue, polled.expired, DeadReason::Expired, now_ns);
         Ok(polled.deliveries)
     }
 
@@ -799,7 +825,7 @@ impl Broker {
     /// removed (to the dead-letter queue).
     pub fn peek(&self, queue: &Queue, now_ns: u64) -> Result<Option<Message>, BrokerError> {
         let (head, expired) = queue.peek(now_ns)?;
-        self.dead_letter(queue, expired, now_ns);
+        self.dead_letter(queue, expired, DeadReason::Expired, now_ns);
         Ok(head)
     }
 
@@ -807,8 +833,21 @@ impl Broker {
         self.get(name)?.ack(handles, consumer)
     }
 
-    pub fn abort(&self, name: &str, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
-        self.get(name)?.abort(handles, consumer)
+    /// Puts tentative deliveries of `consumer` back at the head; those handed out
+    /// `max_deliveries` times go to the dead-letter queue instead. Returns how many were known.
+    pub fn abort(&self, name: &str, handles: &[u64], consumer: ConnId, now_ns: u64) -> Result<u32, BrokerError> {
+        let queue = self.get(name)?;
+        let returned = queue.abort(handles, consumer)?;
+        self.dead_letter(&queue, returned.over_limit, DeadReason::MaxDeliveries, now_ns);
+        Ok(returned.count)
+    }
+
+    /// Puts an open read of `queue` back whoever took it (an operator's hand on a stuck
+    /// consumer; at the delivery limit, to the dead-letter queue). Returns whether it was open.
+    pub fn return_read(&self, queue: &Arc<Queue>, handle: u64, now_ns: u64) -> Result<bool, BrokerError> {
+        let returned = queue.return_read(handle)?;
+        self.dead_letter(queue, returned.over_limit, DeadReason::MaxDeliveries, now_ns);
+        Ok(returned.count == 1)
     }
 
     /// Creates a topic, or finds the one of that name (`Exists` if it differs in durability).
@@ -997,8 +1036,11 @@ impl Broker {
         for q in queues {
             if q.owner == Some(consumer) {
                 let _ = self.remove_queue(&q.name);
-            } else if let Err(e) = q.release(consumer) {
-                tracing::error!(queue = %q.name, error = %e, "could not return tentative reads");
+            } else {
+                match q.release(consumer) {
+                    Ok(returned) => self.dead_letter(&q, returned.over_limit, DeadReason::MaxDeliveries, now_ns()),
+                    Err(e) => tracing::error!(queue = %q.name, error = %e, "could not return tentative reads"),
+                }
             }
         }
     }
@@ -1009,7 +1051,10 @@ impl Broker {
         let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now_ns)).cloned().collect();
         for q in queues {
             match q.tick(now_ns) {
-                Ok(expired) => self.dead_letter(&q, expired, now_ns),
+                Ok(dead) => {
+                    self.dead_letter(&q, dead.over_limit, DeadReason::MaxDeliveries, now_ns);
+                    self.dead_letter(&q, dead.expired, DeadReason::Expired, now_ns);
+                }
                 Err(e) => tracing::error!(queue = %q.name, error = %e, "tick failed"),
             }
         }
@@ -1095,16 +1140,28 @@ impl Broker {
         Err(BrokerError::Forbidden(format!("user {:?} may not {action} {kind} {:?}", who.user, shown(name))))
     }
 
-    fn dead_letter(&self, from: &Queue, expired: Vec<Message>, now_ns: u64) {
+    /// Moves messages taken out of `from` (expired, or at its delivery limit) to its
+    /// dead-letter queue, made by first use like Kestrel's `expire_to_queue`. Each carries why
+    /// in the header `petrel-dead-letter-reason` and, at the delivery limit, its count in
+    /// `petrel-deliveries`; without a dead-letter queue, expired messages just go.
+    fn dead_letter(&self, from: &Queue, messages: Vec<Message>, why: DeadReason, now_ns: u64) {
         let dead_letter = &from.config().dead_letter;
-        if expired.is_empty() || dead_letter.is_empty() {
+        if messages.is_empty() || dead_letter.is_empty() {
             return;
         }
-        let mut expired = expired.into_iter().map(|m| Message { expires_at: 0, ..m }).collect();
-        // Like Kestrel's expire_to_queue, the dead-letter queue is made by first use.
+        let mut moved = messages
+            .into_iter()
+            .map(|mut m| {
+                m.headers.push((DEAD_LETTER_REASON.into(), why.as_str().into()));
+                if why == DeadReason::MaxDeliveries {
+                    m.headers.push((DEAD_LETTER_DELIVERIES.into(), m.deliveries.to_string().into()));
+                }
+                Message { expires_at: 0, ..m }
+            })
+            .collect();
         let to = self.queue_or_create(dead_letter);
-        if let Err(e) = to.and_then(|to| self.offer_to(&to, &mut expired, now_ns)) {
-            tracing::warn!(queue = %from.name, %dead_letter, error = %e, "expired messages lost");
+        if let Err(e) = to.and_then(|to| self.offer_to(&to, &mut moved, now_ns)) {
+            tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
         }
     }
 

@@ -27,6 +27,38 @@ const MIMETYPE: &str = "m";
 const CHARSET: &str = "c";
 const USER: &str = "h.";
 
+// A durable queue's log also holds control records, which are not messages: a "returned" marker
+// says that the message at the offset it names came back from a delivery (aborted, timed out,
+// its consumer gone), so that a message's delivery count survives a restart. The count is read
+// back by scanning the unacknowledged part of the log on open (markers always follow the
+// message they name). A control record has no payload and one header.
+const RETURNED: &str = "ctl.returned";
+
+/// Appends a marker: the message at log offset `of` came back from a delivery. Not synced:
+/// like the queue's cursor it survives a process crash, and the next sync covers it.
+pub(crate) fn append_returned(log: &SharedLog, of: u64) -> petrel_log::Result<u64> {
+    let value = of.to_be_bytes();
+    let headers = [(RETURNED, &value[..])];
+    let input = Input { key: None, headers: &headers, payload: &[], timestamp: None };
+    Ok(log.append_batch_unsynced(&[input])?.start)
+}
+
+/// For a control record, what it says; `None` for a message.
+pub(crate) fn control(r: &Record<'_>) -> Option<Control> {
+    let (name, value) = r.headers.iter().next()?;
+    match name {
+        RETURNED if r.payload.is_empty() => Some(Control::Returned(u64::from_be_bytes(value.try_into().ok()?))),
+        _ => None,
+    }
+}
+
+/// A control record of a durable queue's log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Control {
+    /// The message at this offset came back from a delivery.
+    Returned(u64),
+}
+
 /// The record headers that store `m`'s fields (all but the payload, id and timestamp).
 fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
     let mut out = Vec::new();

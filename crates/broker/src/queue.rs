@@ -35,6 +35,8 @@ pub struct QueueCounters {
     /// Tentative reads acknowledged (messages taken for good are not counted here).
     pub acked: u64,
     pub flushes: u64,
+    /// Moved to the dead-letter queue after `max_deliveries` deliveries.
+    pub dead_lettered: u64,
     /// When the message most recently taken from the queue was offered, ns (0: none yet).
     pub last_taken_offered_at: u64,
 }
@@ -59,6 +61,21 @@ pub struct OpenRead {
 pub struct Polled {
     pub deliveries: Vec<Delivery>,
     pub expired: Vec<Message>,
+}
+
+/// Tentative reads put back: how many, and those that reached the queue's `max_deliveries` and
+/// go to its dead-letter queue instead (with their delivery count).
+#[derive(Debug, Default)]
+pub(crate) struct Returned {
+    pub count: u32,
+    pub over_limit: Vec<Message>,
+}
+
+/// What a tick takes out of a queue for its dead-letter queue.
+#[derive(Debug, Default)]
+pub(crate) struct DeadLetters {
+    pub expired: Vec<Message>,
+    pub over_limit: Vec<Message>,
 }
 
 /// Function servers remembered per temporary queue as allowed to reply to it.
@@ -239,8 +256,18 @@ struct Inner {
 }
 
 enum Store {
+    /// A message's `deliveries` counts its deliveries so far, here as in flight.
     Memory { ready: VecDeque<Message>, next_id: u64 },
-    Log { log: SharedLog, group: Box<ConsumerGroup> },
+    Log {
+        log: SharedLog,
+        group: Box<ConsumerGroup>,
+        /// How many deliveries of each waiting or in-flight record ended with the message coming
+        /// back (only those that did); rebuilt on open from the log's return markers.
+        returns: HashMap<u64, u32>,
+        /// Return markers not yet read past by the group: unacknowledged records that are not
+        /// messages.
+        markers_unread: u64,
+    },
 }
 
 struct InFlight {
@@ -290,24 +317,34 @@ impl Queue {
     pub(crate) fn on_log(name: String, config: QueueConfig, log: SharedLog) -> Result<Queue, BrokerError> {
         let group = log.group(GROUP, GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
         // Count the bytes waiting (they are not in the log's indexes).
+        // Count the bytes waiting (they are not in the log's indexes) and read the return
+        // markers back into delivery counts.
         let mut reader = log.reader();
         reader.seek(group.committed());
-        let mut bytes = 0;
+        let (mut bytes, mut returns, mut markers_unread) = (0, HashMap::<u64, u32>::new(), 0);
         loop {
             let batch = reader.read_batch(4096)?;
             if batch.is_empty() {
                 break;
             }
             for r in batch.into_iter().filter(|r| !group.is_acknowledged(r.offset)) {
-                bytes += message::from_record(&r).size();
+                match message::control(&r) {
+                    Some(message::Control::Returned(of)) => {
+                        markers_unread += 1;
+                        if !group.is_acknowledged(of) {
+                            *returns.entry(of).or_default() += 1;
+                        }
+                    }
+                    None => bytes += message::from_record(&r).size(),
+                }
             }
         }
-        let waiting = group.unacknowledged();
+        let waiting = group.unacknowledged() - markers_unread;
         // What recovery kept is durable (opening a log under `always` syncs it).
         let syncs_every_offer = log.durability() == Durability::Always;
         let visible_end = if syncs_every_offer { log.next_offset() } else { u64::MAX };
         let handle = log.clone();
-        let store = Store::Log { log, group: Box::new(group) };
+        let store = Store::Log { log, group: Box::new(group), returns, markers_unread };
         let mut queue = Queue::with_store(name, config, None, store, waiting, bytes);
         queue.log = Some(handle);
         queue.syncs_every_offer = syncs_every_offer;
@@ -533,6 +570,7 @@ impl Queue {
                 let first = *next_id;
                 for (i, mut m) in messages.drain(..).enumerate() {
                     m.id = first + i as u64;
+                    m.deliveries = 0; // counted by this queue from now on
                     // A protocol's message may be a slice of a whole read buffer: a copy of its
                     // own keeps a small waiting message from holding the buffer in memory.
                     m.payload = bytes::Bytes::copy_from_slice(&m.payload);
@@ -615,7 +653,7 @@ impl Queue {
             // What the message adds to an answer: its bytes, its fields, its handle.
             let cost = message::answer_len_bound(&message) + self.name.len() as u64;
             if !out.deliveries.is_empty() && answer_bytes + cost > max_bytes {
-                inner.put_back(taken)?; // the head it was; the next poll takes it
+                inner.put_back(taken, false)?; // the head it was, not delivered; the next poll takes it
                 break;
             }
             answer_bytes += cost;
@@ -665,8 +703,9 @@ impl Queue {
         Ok(n)
     }
 
-    /// Puts tentative deliveries of `consumer` back at the head of the queue.
-    pub fn abort(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
+    /// Puts tentative deliveries of `consumer` back at the head of the queue (those at the
+    /// delivery limit go to the dead-letter queue: `Broker::abort`).
+    pub(crate) fn abort(&self, handles: &[u64], consumer: ConnId) -> Result<Returned, BrokerError> {
         self.put_back_reads(handles, Some(consumer))
     }
 
@@ -694,22 +733,23 @@ impl Queue {
 
     /// Puts an open read back at the head of the queue whoever took it (an operator's hand on
     /// a stuck consumer); its consumer's acknowledgement then finds nothing, as after a
-    /// visibility timeout. Returns whether it was open.
-    pub fn return_read(&self, handle: u64) -> Result<bool, BrokerError> {
-        Ok(self.put_back_reads(&[handle], None)? == 1)
+    /// visibility timeout (see `Broker::return_read`).
+    pub(crate) fn return_read(&self, handle: u64) -> Result<Returned, BrokerError> {
+        self.put_back_reads(&[handle], None)
     }
 
     /// Puts open reads back at the head: those of `consumer` among `handles`, or any of them.
-    fn put_back_reads(&self, handles: &[u64], consumer: Option<ConnId>) -> Result<u32, BrokerError> {
+    fn put_back_reads(&self, handles: &[u64], consumer: Option<ConnId>) -> Result<Returned, BrokerError> {
+        let max_deliveries = self.config().max_deliveries;
         let mut inner = self.lock();
         let mut returned = Vec::new();
         for h in handles {
             if inner.in_flight.get(h).is_some_and(|f| consumer.is_none_or(|c| f.consumer == c)) {
-                returned.push(inner.in_flight.remove(h).expect("just seen").item);
+                returned.push(inner.in_flight.remove(h).expect("just seen"));
             }
         }
         let n = returned.len() as u32;
-        inner.put_back_all(returned)?;
+        let over_limit = inner.return_reads(returned, max_deliveries)?;
         if n > 0 {
             // A returned message may carry an expiry: let the next tick look.
             self.due_ns.store(0, Ordering::Relaxed);
@@ -717,28 +757,33 @@ impl Queue {
         drop(inner);
         if n > 0 {
             self.available.notify_waiters();
+            if !over_limit.is_empty() {
+                self.room.notify_waiters();
+            }
         }
-        Ok(n)
+        Ok(Returned { count: n, over_limit })
     }
 
     /// Returns every tentative delivery of `consumer` (its connection closed).
-    pub fn release(&self, consumer: ConnId) -> Result<(), BrokerError> {
+    pub(crate) fn release(&self, consumer: ConnId) -> Result<Returned, BrokerError> {
         let handles: Vec<u64> =
             self.lock().in_flight.iter().filter(|(_, f)| f.consumer == consumer).map(|(h, _)| *h).collect();
-        self.abort(&handles, consumer).map(|_| ())
+        self.abort(&handles, consumer)
     }
 
-    /// Visibility timeouts that passed put their messages back; expired messages at the head
-    /// are removed and returned (for the dead-letter queue).
-    pub fn tick(&self, now_ns: u64) -> Result<Vec<Message>, BrokerError> {
+    /// Visibility timeouts that passed put their messages back (those at the delivery limit
+    /// are given back, for the dead-letter queue); expired messages at the head are removed and
+    /// given back too.
+    pub(crate) fn tick(&self, now_ns: u64) -> Result<DeadLetters, BrokerError> {
         if !self.is_due(now_ns) {
-            return Ok(Vec::new());
+            return Ok(DeadLetters::default());
         }
+        let max_deliveries = self.config().max_deliveries;
         let mut inner = self.lock();
         let overdue: Vec<u64> =
             inner.in_flight.iter().filter(|(_, f)| f.deadline_ns <= now_ns).map(|(h, _)| *h).collect();
-        let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen").item).collect();
-        inner.put_back_all(returned)?;
+        let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen")).collect();
+        let over_limit = inner.return_reads(returned, max_deliveries)?;
         // Expired messages at the head go (to the dead-letter queue), in memory and on disk
         // alike; ones behind an unexpired head wait until they reach it, as in Kestrel.
         let mut expired = Vec::new();
@@ -754,10 +799,10 @@ impl Queue {
         if !overdue.is_empty() {
             self.available.notify_waiters();
         }
-        if !expired.is_empty() {
+        if !expired.is_empty() || !over_limit.is_empty() {
             self.room.notify_waiters();
         }
-        Ok(expired)
+        Ok(DeadLetters { expired, over_limit })
     }
 
     /// Whether `tick` may have work at `now`.
@@ -853,7 +898,8 @@ impl Inner {
         let visible_end = self.visible_end;
         let expires_at = match &mut self.store {
             Store::Memory { ready, .. } => ready.front().map(|m| m.expires_at),
-            Store::Log { group, .. } => {
+            Store::Log { group, markers_unread, .. } => {
+                skip_markers(group, markers_unread)?;
                 group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::expires_at(&r))
             }
         };
@@ -865,7 +911,8 @@ impl Inner {
         let visible_end = self.visible_end;
         Ok(match &mut self.store {
             Store::Memory { ready, .. } => ready.front().cloned(),
-            Store::Log { group, .. } => {
+            Store::Log { group, markers_unread, .. } => {
+                skip_markers(group, markers_unread)?;
                 group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::from_record(&r))
             }
         })
@@ -877,14 +924,17 @@ impl Inner {
             self.waiting,
             match &self.store {
                 Store::Memory { ready, .. } => ready.len() as u64,
-                Store::Log { group, .. } => group.unacknowledged() - self.in_flight.len() as u64,
+                Store::Log { group, markers_unread, .. } => {
+                    group.unacknowledged() - self.in_flight.len() as u64 - *markers_unread
+                }
             },
             "a queue's count matches its store"
         );
         self.waiting
     }
 
-    /// The next message at the head, taken out of the ready set (not yet settled).
+    /// The next message at the head, taken out of the ready set (not yet settled), its
+    /// `deliveries` counting this one.
     fn next(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
         let next = self.next_from_store()?;
         if next.is_some() {
@@ -897,15 +947,22 @@ impl Inner {
     fn next_from_store(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
         let visible_end = self.visible_end;
         match &mut self.store {
-            Store::Memory { ready, .. } => Ok(ready.pop_front().map(|m| (m.clone(), Taken::Memory(Box::new(m))))),
-            Store::Log { group, .. } => {
+            Store::Memory { ready, .. } => Ok(ready.pop_front().map(|mut m| {
+                m.deliveries += 1;
+                (m.clone(), Taken::Memory(Box::new(m)))
+            })),
+            Store::Log { group, returns, markers_unread, .. } => {
+                skip_markers(group, markers_unread)?;
                 // A record an offer still waits to sync for stays where it is (peek and poll
                 // pick the same record: a returned one first, else the next in the log).
                 if visible_end != u64::MAX && group.peek()?.is_none_or(|r| r.offset >= visible_end) {
                     return Ok(None);
                 }
                 match group.poll(1, Duration::ZERO) {
-                    Ok(batch) => Ok(batch.into_iter().next().map(|r| (message::from_record(&r), Taken::Log(r.offset)))),
+                    Ok(batch) => Ok(batch.into_iter().next().map(|r| {
+                        let deliveries = returns.get(&r.offset).map_or(1, |n| n + 1);
+                        (Message { deliveries, ..message::from_record(&r) }, Taken::Log(r.offset))
+                    })),
                     Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
                     Err(e) => Err(e.into()),
                 }
@@ -916,28 +973,77 @@ impl Inner {
     /// A taken message is gone for good.
     fn settle(&mut self, taken: &Taken) -> Result<(), BrokerError> {
         match (&mut self.store, taken) {
-            (Store::Log { group, .. }, Taken::Log(offset)) => Ok(group.ack(*offset)?),
+            (Store::Log { group, returns, .. }, Taken::Log(offset)) => {
+                returns.remove(offset);
+                Ok(group.ack(*offset)?)
+            }
             _ => Ok(()),
         }
     }
 
-    /// Taken messages go back (and are counted as returned).
-    fn put_back_all(&mut self, taken: Vec<Taken>) -> Result<(), BrokerError> {
-        self.counters.aborted += taken.len() as u64;
-        taken.into_iter().try_for_each(|t| self.put_back(t))
+    /// Tentative reads come back from their consumers: each goes back to the head (counted as
+    /// returned), or, once handed out `max_deliveries` times (0: no limit), is settled and given
+    /// back for the dead-letter queue with its count.
+    fn return_reads(&mut self, reads: Vec<InFlight>, max_deliveries: u32) -> Result<Vec<Message>, BrokerError> {
+        let mut over_limit = Vec::new();
+        for read in reads {
+            let deliveries = match (&self.store, &read.item) {
+                (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
+                (Store::Log { returns, .. }, Taken::Log(offset)) => returns.get(offset).map_or(1, |n| n + 1),
+                _ => unreachable!("a queue's takings match its store"),
+            };
+            if max_deliveries == 0 || deliveries < max_deliveries {
+                self.counters.aborted += 1;
+                self.put_back(read.item, true)?;
+                continue;
+            }
+            let message = match &read.item {
+                Taken::Memory(m) => (**m).clone(),
+                Taken::Log(offset) => Message { deliveries, ..self.read_stored(*offset)? },
+            };
+            self.settle(&read.item)?;
+            counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
+            self.counters.dead_lettered += 1;
+            over_limit.push(message);
+        }
+        Ok(over_limit)
+    }
+
+    /// The message stored at `offset` of a durable queue's log.
+    fn read_stored(&self, offset: u64) -> Result<Message, BrokerError> {
+        let Store::Log { log, .. } = &self.store else { unreachable!("only a log stores by offset") };
+        let mut reader = log.reader();
+        reader.seek(offset);
+        let batch = reader.read_batch(1)?;
+        let record = batch.into_iter().next().filter(|r| r.offset == offset);
+        let record = record.expect("an unacknowledged record is in the log");
+        Ok(message::from_record(&record))
     }
 
     /// A taken message goes back to the head, among other returned ones in the order they were
     /// offered: a queue is always in offer order, in memory as on disk (where the group
-    /// redelivers the lowest offset first).
-    fn put_back(&mut self, taken: Taken) -> Result<(), BrokerError> {
+    /// redelivers the lowest offset first). `delivered`: it was handed out and came back (the
+    /// delivery counts); else it never left (a poll's answer was full), and does not.
+    fn put_back(&mut self, taken: Taken, delivered: bool) -> Result<(), BrokerError> {
         match (&mut self.store, taken) {
-            (Store::Memory { ready, .. }, Taken::Memory(m)) => {
+            (Store::Memory { ready, .. }, Taken::Memory(mut m)) => {
+                if !delivered {
+                    m.deliveries -= 1;
+                }
                 // `ready` is sorted by id: offers append higher ids, and this keeps it so.
                 let at = ready.partition_point(|waiting| waiting.id < m.id);
                 ready.insert(at, *m);
             }
-            (Store::Log { group, .. }, Taken::Log(offset)) => group.nack(offset)?,
+            (Store::Log { log, group, returns, markers_unread }, Taken::Log(offset)) => {
+                if delivered {
+                    // The marker first: a crash after it counts the delivery, one before it
+                    // redelivers anyway (nothing in flight survives a restart).
+                    message::append_returned(log, offset)?;
+                    *markers_unread += 1;
+                    *returns.entry(offset).or_default() += 1;
+                }
+                group.nack(offset)?;
+            }
             _ => unreachable!("a queue's takings match its store"),
         }
         self.waiting += 1;
@@ -951,13 +1057,40 @@ impl Inner {
                 Some(m) => counting::subtract(&mut self.bytes, m.size(), "a queue's bytes"),
                 None => return Ok(false),
             },
-            Store::Log { group, .. } => match group.take(Duration::ZERO)? {
-                Some(r) => counting::subtract(&mut self.bytes, message::from_record(&r).size(), "a queue's bytes"),
-                None => return Ok(false),
-            },
+            Store::Log { group, returns, markers_unread, .. } => {
+                skip_markers(group, markers_unread)?;
+                match group.take(Duration::ZERO)? {
+                    Some(r) => {
+                        returns.remove(&r.offset);
+                        counting::subtract(&mut self.bytes, message::from_record(&r).size(), "a queue's bytes");
+                    }
+                    None => return Ok(false),
+                }
+            }
         }
         counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
         self.head_taken = true;
         Ok(true)
+    }
+}
+
+/// Reads past the return markers at the head of a durable queue's group: they are not messages
+/// (their counts were taken when they were written, or when the log was opened).
+fn skip_markers(group: &mut ConsumerGroup, markers_unread: &mut u64) -> Result<(), BrokerError> {
+    loop {
+        let Some(head) = group.peek()? else { return Ok(()) };
+        if message::control(&head).is_none() {
+            return Ok(());
+        }
+        let offset = head.offset;
+        let taken = match group.poll(1, Duration::ZERO) {
+            Ok(batch) => batch.into_iter().next().map(|r| r.offset),
+            // As many records out as the group allows: the marker waits for an acknowledgement.
+            Err(petrel_log::Error::TooManyPending { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        assert_eq!(taken, Some(offset), "poll takes the record peek showed");
+        group.ack(offset)?;
+        counting::subtract(markers_unread, 1, "a queue's unread return markers");
     }
 }

@@ -146,7 +146,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
             }
             Step::Abort(i) => {
                 let (handle, number, item, _) = model.open.remove(i % model.open.len());
-                prop_assert_eq!(broker.abort("q", &[handle], CONSUMER).unwrap(), 1);
+                prop_assert_eq!(broker.abort("q", &[handle], CONSUMER, 1).unwrap(), 1);
                 model.waiting.insert(number, item);
             }
             Step::Wait { ms } => {
@@ -236,7 +236,7 @@ fn out_of_order_acks_and_returned_reads_are_counted_on_disk_as_in_memory() {
         broker.offer("q", vec![Message::new(payload(0, 0)), Message::new(payload(1, 0))], 1).unwrap();
         let taken = broker.poll("q", 2, Some(Duration::from_secs(60)), a, 1).unwrap();
         let handles: Vec<u64> = taken.iter().map(|d| d.handle).collect();
-        assert_eq!(broker.abort("q", &handles, a).unwrap(), 2);
+        assert_eq!(broker.abort("q", &handles, a, 1).unwrap(), 2);
         assert_eq!(broker.queue("q").unwrap().counters().items, 2, "durable {durable}");
         assert!(matches!(broker.offer("q", vec![Message::new(payload(2, 0))], 2), Err(BrokerError::Full(_))));
     }

@@ -46,8 +46,8 @@ fn tentative_reads_come_back_on_abort_timeout_and_disconnect() {
         b.offer("q", msgs(&["a", "b", "c"]), 0).unwrap();
         let d = b.poll("q", 1, VIS, 7, 0).unwrap();
         assert_eq!(payloads(&d), [b"a".to_vec()]);
-        assert_eq!(b.abort("q", &[d[0].handle], 8).unwrap(), 0, "only the taker can abort");
-        assert_eq!(b.abort("q", &[d[0].handle], 7).unwrap(), 1);
+        assert_eq!(b.abort("q", &[d[0].handle], 8, 2).unwrap(), 0, "only the taker can abort");
+        assert_eq!(b.abort("q", &[d[0].handle], 7, 2).unwrap(), 1);
         // Back at the head.
         let d = b.poll("q", 1, VIS, 7, 0).unwrap();
         assert_eq!(payloads(&d), [b"a".to_vec()]);
@@ -129,7 +129,7 @@ fn expired_messages_go_to_the_dead_letter_queue() {
         assert_eq!(b.queue("q").unwrap().counters().items, 3, "nothing expired yet");
         let live = b.poll("q", 5, VIS, 1, 40 * MS).unwrap();
         assert_eq!(payloads(&live), [b"ttl".to_vec(), b"own-late".to_vec()], "{config:?}: the early one expired");
-        b.abort("q", &live.iter().map(|d| d.handle).collect::<Vec<_>>(), 1).unwrap();
+        b.abort("q", &live.iter().map(|d| d.handle).collect::<Vec<_>>(), 1, 2).unwrap();
         let live = b.poll("q", 5, VIS, 1, 60 * MS).unwrap();
         assert!(live.is_empty(), "{config:?}: the queue's TTL caps a later expiry of the message's own");
         let dead = b.poll("dead", 5, None, 1, 60 * MS).unwrap();
@@ -339,8 +339,8 @@ fn open_reads_are_listed_oldest_first_and_an_operator_can_return_one() {
         assert_eq!(q.open_reads(1), (2, vec![reads[0].clone()]), "the oldest first, within the limit");
 
         // The operator returns the stuck one: it is first again, and its consumer's ack finds nothing.
-        assert!(q.return_read(first[0].handle).unwrap());
-        assert!(!q.return_read(first[0].handle).unwrap(), "returned once");
+        assert!(b.return_read(&q, first[0].handle, 2).unwrap());
+        assert!(!b.return_read(&q, first[0].handle, 2).unwrap(), "returned once");
         assert_eq!(b.ack("q", &[first[0].handle], 7).unwrap(), 0);
         assert_eq!(payloads(&b.poll("q", 1, None, 9, 30 * MS).unwrap()), [b"a".to_vec()]);
         assert_eq!(q.open_reads(10).0, 1);
@@ -599,4 +599,70 @@ fn a_message_marked_durable_is_synced_before_its_offer_returns_and_refused_where
     let replier: petrel_broker::Replier = Box::new(|_| {});
     let call = b.call(1, "f", durable("req"), false, 1, Duration::from_secs(1), replier);
     assert!(matches!(call, Err(BrokerError::BadRequest(_))), "a call is never stored");
+}
+
+/// `max_deliveries`: each delivery is counted on the message; the delivery that reaches the
+/// limit and comes back (abort, visibility timeout, disconnect) moves the message to the
+/// dead-letter queue with the reason and count in headers; other messages are untouched. On
+/// disk, the count survives reopening the broker.
+#[test]
+fn a_message_returned_max_deliveries_times_goes_to_the_dead_letter_queue_with_its_count() {
+    let dead = |b: &Broker| b.queue("jobs.dead").map_or(0, |q| q.counters().items);
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let config =
+            QueueConfig { durable, max_deliveries: 3, dead_letter: "jobs.dead".into(), ..QueueConfig::default() };
+        let mut b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("jobs", config.clone(), None).unwrap();
+        b.offer("jobs", msgs(&["poison", "fine"]), 1).unwrap();
+        // Delivery 1, aborted; delivery 2, its visibility timeout passes.
+        let d = b.poll("jobs", 1, VIS, 7, 2).unwrap();
+        assert_eq!((payloads(&d), d[0].message.deliveries), (vec![b"poison".to_vec()], 1), "durable {durable}");
+        assert_eq!(b.abort("jobs", &[d[0].handle], 7, 3).unwrap(), 1);
+        let d = b.poll("jobs", 1, VIS, 7, 4).unwrap();
+        assert_eq!(d[0].message.deliveries, 2, "durable {durable}");
+        b.tick(4 + 200 * MS);
+        if durable {
+            // The count survives a restart (in-flight reads do not: delivery 3 starts afresh).
+            drop(b);
+            b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        }
+        // Delivery 3, its consumer goes away: the limit.
+        let d = b.poll("jobs", 1, VIS, 8, 5).unwrap();
+        assert_eq!((payloads(&d), d[0].message.deliveries), (vec![b"poison".to_vec()], 3), "durable {durable}");
+        assert_eq!(dead(&b), 0);
+        b.disconnect(8);
+        assert_eq!(dead(&b), 1, "durable {durable}: moved at the third return");
+        let moved = b.poll("jobs.dead", 1, None, 9, 6).unwrap();
+        let header = |name: &str| {
+            moved[0]
+                .message
+                .headers
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+        };
+        assert_eq!(payloads(&moved), [b"poison".to_vec()]);
+        assert_eq!(header(petrel_broker::DEAD_LETTER_REASON).as_deref(), Some("max_deliveries"));
+        assert_eq!(header(petrel_broker::DEAD_LETTER_DELIVERIES).as_deref(), Some("3"));
+        assert_eq!(moved[0].message.deliveries, 1, "a fresh count in the dead-letter queue");
+        let q = b.queue("jobs").unwrap();
+        assert_eq!((q.counters().dead_lettered, q.counters().items), (1, 1), "durable {durable}");
+        // The other message was never returned: its first delivery, then acknowledged.
+        let d = b.poll("jobs", 1, VIS, 7, 7).unwrap();
+        assert_eq!((payloads(&d), d[0].message.deliveries), (vec![b"fine".to_vec()], 1));
+        b.ack("jobs", &[d[0].handle], 7).unwrap();
+        assert_eq!(q.counters().items, 0, "durable {durable}: the return markers are not messages");
+        assert!(b.poll("jobs", 1, None, 7, 8).unwrap().is_empty());
+        if durable {
+            drop((q, b));
+            let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+            assert_eq!(b.queue("jobs").unwrap().counters().items, 0, "nothing comes back after a reopen");
+            assert_eq!(dead(&b), 0);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let nowhere = QueueConfig { max_deliveries: 2, ..QueueConfig::default() };
+    assert!(matches!(b.create_queue("q", nowhere, None), Err(BrokerError::BadRequest(e)) if e.contains("dead_letter")));
 }

@@ -20,6 +20,7 @@ pub fn message_json(m: &Message) -> serde_json::Value {
         "kind": format!("{:?}", m.kind).to_lowercase(),
         "timestamp": m.timestamp,
         "expires_at": m.expires_at,
+        "deliveries": m.deliveries,
         "request_id": m.request_id,
         "subject": m.subject,
         "destination": m.destination,

@@ -403,6 +403,10 @@ pub enum QueueCommand {
         /// A durable queue's log: none, always, interval:MS (default: the server's policy).
         #[arg(long, default_value = "")]
         durability: String,
+        /// A message handed out this many times that comes back again goes to --dead-letter
+        /// (0: no limit).
+        #[arg(long, default_value_t = 0)]
+        max_deliveries: u32,
     },
     /// List the queues (those this user may use).
     List {
@@ -436,6 +440,7 @@ pub fn queue(cmd: QueueCommand) -> Res {
             dead_letter,
             max_item_bytes,
             durability,
+            max_deliveries,
         } => {
             let config = QueueConfig {
                 max_items,
@@ -447,6 +452,7 @@ pub fn queue(cmd: QueueCommand) -> Res {
                 dead_letter,
                 max_item_bytes,
                 durability,
+                max_deliveries,
             };
             server.connect()?.create_queue(&name, config)?;
         }

@@ -130,6 +130,9 @@ pub struct Message {
     pub compressed: bool,
     pub timestamp: u64,
     pub expires_at: u64,
+    /// On a delivery from a queue: how many times the message has been handed out, this time
+    /// included (1 the first time). 0 elsewhere; the server ignores it on offers.
+    pub deliveries: u32,
     pub request_id: String,
     pub subject: String,
     pub destination: String,
@@ -147,6 +150,11 @@ pub(crate) const MESSAGE_MIN_LEN: usize = 8 + 4 + 8 + 8 + 6 * 2 + 2 + 4;
 
 const FLAG_DURABLE: u8 = 1;
 const FLAG_ZSTD: u8 = 2;
+
+/// The extensions byte: which optional fields follow `expires_at`, in bit order. A field is
+/// present exactly when it is not zero (so an encoder that knows none writes 0, the byte's old
+/// "reserved").
+const EXT_DELIVERIES: u8 = 1;
 
 impl Message {
     pub fn new(payload: impl Into<Bytes>) -> Message {
@@ -167,6 +175,7 @@ impl Message {
     /// Bytes this message takes on the wire.
     pub fn encoded_len(&self) -> usize {
         MESSAGE_MIN_LEN
+            + if self.deliveries != 0 { 4 } else { 0 }
             + [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset]
                 .iter()
                 .map(|s| s.len())
@@ -199,9 +208,12 @@ impl Message {
         w.u8(self.kind as u8);
         w.u8(self.status as u8);
         w.u8(if self.durable { FLAG_DURABLE } else { 0 } | if self.compressed { FLAG_ZSTD } else { 0 });
-        w.u8(0);
+        w.u8(if self.deliveries != 0 { EXT_DELIVERIES } else { 0 });
         w.u64(self.timestamp);
         w.u64(self.expires_at);
+        if self.deliveries != 0 {
+            w.u32(self.deliveries);
+        }
         for s in [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset] {
             w.text(s); // within its prefix: `check` on the way out, the decoder on the way in
         }
@@ -221,11 +233,20 @@ impl Message {
         if flags & !(FLAG_DURABLE | FLAG_ZSTD) != 0 {
             return Err(DecodeError::BadValue("message flags"));
         }
-        if r.u8("reserved")? != 0 {
-            return Err(DecodeError::BadValue("reserved byte"));
+        let extensions = r.u8("message extensions")?;
+        if extensions & !EXT_DELIVERIES != 0 {
+            return Err(DecodeError::BadValue("message extensions"));
         }
         let timestamp = r.u64("timestamp")?;
         let expires_at = r.u64("expires_at")?;
+        let deliveries = if extensions & EXT_DELIVERIES != 0 {
+            match r.u32("deliveries")? {
+                0 => return Err(DecodeError::BadValue("deliveries (present, so not 0)")),
+                n => n,
+            }
+        } else {
+            0
+        };
         let request_id = r.str("request_id")?;
         let subject = r.str("subject")?;
         let destination = r.str("destination")?;
@@ -246,6 +267,7 @@ impl Message {
             compressed: flags & FLAG_ZSTD != 0,
             timestamp,
             expires_at,
+            deliveries,
             request_id,
             subject,
             destination,

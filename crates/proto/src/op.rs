@@ -82,11 +82,19 @@ pub struct QueueConfig {
     /// A durable queue's log durability: `""` (the server's), `"none"`, `"always"` or
     /// `"interval:MS"`.
     pub durability: String,
+    /// A message handed out this many times and then returned (aborted, its visibility timeout
+    /// passed, its consumer gone) goes to `dead_letter` instead of back to the head (0: no
+    /// limit).
+    pub max_deliveries: u32,
 }
 
 const FLAG_CIRCULAR: u8 = 1;
 const FLAG_DURABLE: u8 = 2;
 const FLAG_TEMPORARY: u8 = 4;
+
+/// The extensions byte of a queue configuration: which optional fields follow `durability`, in
+/// bit order; a field is present exactly when it is not zero.
+const QUEUE_EXT_MAX_DELIVERIES: u8 = 1;
 
 impl QueueConfig {
     fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
@@ -101,21 +109,29 @@ impl QueueConfig {
             }
         }
         w.u8(flags);
-        w.u8(0);
+        w.u8(if self.max_deliveries != 0 { QUEUE_EXT_MAX_DELIVERIES } else { 0 });
         w.u64(self.ttl_ms);
         w.str(&self.dead_letter)?;
         w.u64(self.max_item_bytes);
-        w.str(&self.durability)
+        w.str(&self.durability)?;
+        if self.max_deliveries != 0 {
+            w.u32(self.max_deliveries);
+        }
+        Ok(())
     }
 
     fn decode(r: &mut Reader) -> Result<QueueConfig, DecodeError> {
         let max_items = r.u64("max_items")?;
         let max_bytes = r.u64("max_bytes")?;
         let flags = r.u8("queue flags")?;
-        if flags & !(FLAG_CIRCULAR | FLAG_DURABLE | FLAG_TEMPORARY) != 0 || r.u8("reserved")? != 0 {
+        if flags & !(FLAG_CIRCULAR | FLAG_DURABLE | FLAG_TEMPORARY) != 0 {
             return Err(DecodeError::BadValue("queue flags"));
         }
-        Ok(QueueConfig {
+        let extensions = r.u8("queue extensions")?;
+        if extensions & !QUEUE_EXT_MAX_DELIVERIES != 0 {
+            return Err(DecodeError::BadValue("queue extensions"));
+        }
+        let mut config = QueueConfig {
             max_items,
             max_bytes,
             circular: flags & FLAG_CIRCULAR != 0,
@@ -125,7 +141,15 @@ impl QueueConfig {
             dead_letter: r.str("dead_letter")?,
             max_item_bytes: r.u64("max_item_bytes")?,
             durability: r.str("durability")?,
-        })
+            max_deliveries: 0,
+        };
+        if extensions & QUEUE_EXT_MAX_DELIVERIES != 0 {
+            config.max_deliveries = match r.u32("max_deliveries")? {
+                0 => return Err(DecodeError::BadValue("max_deliveries (present, so not 0)")),
+                n => n,
+            };
+        }
+        Ok(config)
     }
 }
 

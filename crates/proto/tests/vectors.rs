@@ -42,6 +42,7 @@ fn full_message() -> Message {
         compressed: false,
         timestamp: 0,
         expires_at: 1_700_000_060_000_000_000,
+        deliveries: 0,
         request_id: "req-1".into(),
         subject: "coffee".into(),
         destination: "orders".into(),
@@ -149,6 +150,21 @@ fn cases() -> Vec<Vector> {
                     dead_letter: q("orders.dead"),
                     max_item_bytes: 65_536,
                     durability: q("always"),
+                    max_deliveries: 0,
+                },
+            },
+        ),
+        request(
+            "queue_create_delivery_limit",
+            "a durable queue whose messages go to a dead-letter queue after 5 deliveries: the extensions byte (1) and max_deliveries after durability",
+            3,
+            Request::QueueCreate {
+                name: q("jobs"),
+                config: QueueConfig {
+                    durable: true,
+                    dead_letter: q("jobs.poison"),
+                    max_deliveries: 5,
+                    ..QueueConfig::default()
                 },
             },
         ),
@@ -258,6 +274,25 @@ fn cases() -> Vec<Vector> {
                     message: Message {
                         id: 41,
                         timestamp: 1_700_000_000_000_000_000,
+                        destination: q("orders"),
+                        payload: Bytes::from_static(b"hello"),
+                        ..Message::default()
+                    },
+                }],
+            },
+        ),
+        response(
+            "polled_redelivered",
+            "a message handed out for the third time: the extensions byte (1) and deliveries after expires_at",
+            opcode::POLL,
+            10,
+            Response::Polled {
+                deliveries: vec![Delivery {
+                    handle: 9,
+                    message: Message {
+                        id: 41,
+                        timestamp: 1_700_000_000_000_000_000,
+                        deliveries: 3,
                         destination: q("orders"),
                         payload: Bytes::from_static(b"hello"),
                         ..Message::default()

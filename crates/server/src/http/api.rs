@@ -276,7 +276,7 @@ pub(super) async fn return_read(
         return refusal(StatusCode::BAD_REQUEST, format!("{handle:?} is not a read's handle (a number)"));
     };
     let Some(q) = ctx.broker.queue(&name) else { return broker_error(BrokerError::NotFound(name)) };
-    match q.return_read(handle) {
+    match ctx.broker.return_read(&q, handle, crate::now_ns()) {
         Ok(true) => Json(json!({ "returned": handle })).into_response(),
         Ok(false) => refusal(StatusCode::NOT_FOUND, format!("queue {name:?} has no open read {handle}")),
         Err(e) => broker_error(e),

@@ -342,7 +342,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let broker = Arc::clone(&self.ctx.broker);
         if o.abort {
             if let Some(handle) = self.open.remove(name) {
-                let _ = broker.abort(name, &[handle], self.conn);
+                let _ = broker.abort(name, &[handle], self.conn, now_ns());
             }
             self.line("END");
             return Flow::Continue;

@@ -126,5 +126,5 @@ pub(super) fn ack(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64]) ->
 }
 
 pub(super) fn abort(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64]) -> Response {
-    ctx.broker.abort(queue, handles, session.conn).map_or_else(error, |count| Response::Acked { count })
+    ctx.broker.abort(queue, handles, session.conn, now_ns()).map_or_else(error, |count| Response::Acked { count })
 }
