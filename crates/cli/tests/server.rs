@@ -294,6 +294,52 @@ async fn durable_messages_survive_kill_9_and_sigterm_exits_cleanly() {
     let _ = ClientError::Closed;
 }
 
+/// A poison message on a durable queue with `max_deliveries` 4: its consumers take it and go
+/// away (each a return), the server is killed with `kill -9` between returns, and the message
+/// reaches the dead-letter queue after exactly four deliveries, its count carried across the
+/// restart; the message behind it is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_dead_lettered_after_exactly_max_deliveries_across_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    let c = server.client().await;
+    let config =
+        QueueConfig { durable: true, max_deliveries: 4, dead_letter: "jobs.poison".into(), ..QueueConfig::default() };
+    c.create_queue("jobs", config).await.unwrap();
+    c.offer("jobs", vec![msg("poison"), msg("fine")], None).await.unwrap();
+    drop(c);
+    let tentative = PollOptions { max: 1, timeout: Duration::from_secs(5), visibility: Some(Duration::from_secs(600)) };
+    let mut seen = Vec::new();
+    for delivery in 1..=4u32 {
+        let consumer = server.client().await;
+        let d = consumer.poll("jobs", tentative).await.unwrap();
+        assert_eq!(texts(&d), ["poison"], "delivery {delivery}");
+        seen.push(d[0].message.deliveries);
+        drop(consumer); // a consumer that dies on it: the read comes back
+        let watcher = server.client().await;
+        common::wait_until_async("the read to come back", || async {
+            watcher.queue_status("jobs").await.unwrap().in_flight == 0
+        })
+        .await;
+        drop(watcher);
+        if delivery == 2 {
+            server.kill9();
+            server = Server::start(dir.path());
+        }
+    }
+    assert_eq!(seen, [1, 2, 3, 4], "the count survives kill -9");
+    let c = server.client().await;
+    let moved = c.poll("jobs.poison", PollOptions { max: 10, ..TAKE }).await.unwrap();
+    assert_eq!(texts(&moved), ["poison"], "in the dead-letter queue after exactly four deliveries");
+    let header = |name: &str| moved[0].message.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.to_vec());
+    assert_eq!(header("petrel-dead-letter-reason"), Some(b"max_deliveries".to_vec()));
+    assert_eq!(header("petrel-deliveries"), Some(b"4".to_vec()));
+    let rest = c.poll("jobs", PollOptions { max: 10, ..TAKE }).await.unwrap();
+    assert_eq!((texts(&rest), rest[0].message.deliveries), (vec!["fine".to_string()], 1));
+    let status = c.queue_status("jobs").await.unwrap();
+    assert_eq!((status.items, status.in_flight, status.config.max_deliveries), (0, 0, 4));
+}
+
 #[test]
 fn bench_queue_runs_every_mode_and_prints_json() {
     let dir = tempfile::tempdir().unwrap();

@@ -65,6 +65,7 @@ fn queue_json(name: &str, config: &QueueConfig, st: &QueueCounters) -> Value {
         "expired": st.expired,
         "dropped": st.dropped,
         "aborted": st.aborted,
+        "dead_lettered": st.dead_lettered,
         "acked": st.acked,
         "flushes": st.flushes,
     })

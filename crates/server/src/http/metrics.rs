@@ -203,6 +203,10 @@ impl Scrape {
             self.counter("petrel_queue_delivered_total", "Messages taken by consumers.", labels(), q.total_polled);
             self.counter("petrel_queue_expired_total", "Messages that expired.", labels(), q.expired);
             self.counter("petrel_queue_acked_total", "Tentative reads acknowledged.", labels(), q.acked);
+            let help = "Tentative reads returned to the queue (abort, visibility timeout, disconnect).";
+            self.counter("petrel_queue_returned_total", help, labels(), q.aborted);
+            let help = "Messages moved to the dead-letter queue at max_deliveries.";
+            self.counter("petrel_queue_dead_lettered_total", help, labels(), q.dead_lettered);
         }
     }
 }
