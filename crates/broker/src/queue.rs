@@ -316,7 +316,6 @@ impl Queue {
     /// of order before it stay acknowledged).
     pub(crate) fn on_log(name: String, config: QueueConfig, log: SharedLog) -> Result<Queue, BrokerError> {
         let group = log.group(GROUP, GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
-        // Count the bytes waiting (they are not in the log's indexes).
         // Count the bytes waiting (they are not in the log's indexes) and read the return
         // markers back into delivery counts.
         let mut reader = log.reader();
@@ -327,14 +326,20 @@ impl Queue {
             if batch.is_empty() {
                 break;
             }
-            for r in batch.into_iter().filter(|r| !group.is_acknowledged(r.offset)) {
+            // Every marker counts, read past or not: one naming a message not yet acknowledged
+            // follows it, so it is at or after the committed offset too.
+            for r in batch.into_iter() {
+                let acknowledged = group.is_acknowledged(r.offset);
                 match message::control(&r) {
                     Some(message::Control::Returned(of)) => {
-                        markers_unread += 1;
+                        if !acknowledged {
+                            markers_unread += 1;
+                        }
                         if !group.is_acknowledged(of) {
                             *returns.entry(of).or_default() += 1;
                         }
                     }
+                    None if acknowledged => {}
                     None => bytes += message::from_record(&r).size(),
                 }
             }

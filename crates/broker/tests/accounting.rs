@@ -1,7 +1,9 @@
 //! A queue's figures against a model: random offer / take / ack / abort / expire / flush /
 //! restart sequences, in memory and on disk, bounded and circular. After every step the queue's
 //! items, in-flight count and bytes are the model's, and every message taken is the one the
-//! model says is at the head (no loss, no repeat, offer order).
+//! model says is at the head (no loss, no repeat, offer order), with the delivery count the
+//! model says; with `max_deliveries`, a message returned that many times is in the dead-letter
+//! queue (as are expired ones), across restarts too.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -51,11 +53,13 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-/// A message of the model: its number (also its payload's first bytes), size and expiry.
+/// A message of the model: its number (also its payload's first bytes), size and expiry, and
+/// how many of its deliveries came back.
 #[derive(Clone, Copy, Debug)]
 struct Item {
     size: u64,
     expires_at: u64,
+    returns: u32,
 }
 
 #[derive(Default)]
@@ -65,9 +69,32 @@ struct Model {
     /// Open reads: handle, number, item, visibility deadline.
     open: Vec<(u64, u64, Item, u64)>,
     next_number: u64,
+    /// Numbers in the dead-letter queue (expired, or at the delivery limit), in any order.
+    dead: Vec<u64>,
+    /// The queue's `max_deliveries` (0: none).
+    max_deliveries: u32,
+    /// Expired messages go to the dead-letter queue (there is one).
+    expired_to_dead: bool,
 }
 
 impl Model {
+    /// An open read comes back from its consumer: to the head, or at the limit to the
+    /// dead-letter queue.
+    fn returned(&mut self, number: u64, mut item: Item) {
+        item.returns += 1;
+        if self.max_deliveries != 0 && item.returns >= self.max_deliveries {
+            self.dead.push(number);
+        } else {
+            self.waiting.insert(number, item);
+        }
+    }
+
+    fn expired(&mut self, number: u64) {
+        if self.expired_to_dead {
+            self.dead.push(number);
+        }
+    }
+
     fn bytes(&self) -> u64 {
         self.waiting.values().chain(self.open.iter().map(|(_, _, item, _)| item)).map(|i| i.size).sum()
     }
@@ -87,8 +114,14 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
     let dir = tempfile::tempdir().unwrap();
     let open = || Broker::open(dir.path(), BrokerOptions::default()).unwrap();
     let mut broker = open();
+    // The dead-letter queue is on disk: it outlives a restart, as the model's does.
+    broker.create_queue("dead", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
     broker.create_queue("q", config.clone(), None).unwrap();
-    let mut model = Model::default();
+    let mut model = Model {
+        max_deliveries: config.max_deliveries,
+        expired_to_dead: !config.dead_letter.is_empty(),
+        ..Model::default()
+    };
     let mut now = 1_000 * MS;
     for step in steps {
         match step {
@@ -100,7 +133,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     .iter()
                     .map(|&k| Message { expires_at, ..Message::new(payload(k, size)) })
                     .collect::<Vec<_>>();
-                let item = Item { size: messages[0].size(), expires_at };
+                let item = Item { size: messages[0].size(), expires_at, returns: 0 };
                 let result = broker.offer("q", messages, now);
                 let max = config.max_items as usize;
                 let fits = max == 0 || model.waiting.len() + n <= max;
@@ -125,12 +158,15 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 while expected.len() < max {
                     let Some((number, item)) = model.waiting.pop_first() else { break };
                     if item.expires_at != 0 && item.expires_at <= now {
-                        continue; // stepped over, expired
+                        model.expired(number); // stepped over
+                        continue;
                     }
                     expected.push((number, item));
                 }
                 let numbers: Vec<u64> = got.iter().map(|d| number_of(&d.message)).collect();
                 prop_assert_eq!(&numbers, &expected.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+                let counts: Vec<u32> = got.iter().map(|d| d.message.deliveries).collect();
+                prop_assert_eq!(counts, expected.iter().map(|(_, i)| i.returns + 1).collect::<Vec<_>>(), "deliveries");
                 if let Some(v) = visibility_ms {
                     for (d, (number, item)) in got.iter().zip(expected) {
                         model.open.push((d.handle, number, item, now + v * MS));
@@ -146,8 +182,8 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
             }
             Step::Abort(i) => {
                 let (handle, number, item, _) = model.open.remove(i % model.open.len());
-                prop_assert_eq!(broker.abort("q", &[handle], CONSUMER, 1).unwrap(), 1);
-                model.waiting.insert(number, item);
+                prop_assert_eq!(broker.abort("q", &[handle], CONSUMER, now).unwrap(), 1);
+                model.returned(number, item);
             }
             Step::Wait { ms } => {
                 now += ms * MS;
@@ -155,14 +191,15 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 let (due, open): (Vec<_>, Vec<_>) = model.open.drain(..).partition(|o| o.3 <= now);
                 model.open = open;
                 for (_, number, item, _) in due {
-                    model.waiting.insert(number, item);
+                    model.returned(number, item);
                 }
                 // Expired messages at the head go; ones behind an unexpired head wait for it.
                 while let Some((_, item)) = model.waiting.first_key_value()
                     && item.expires_at != 0
                     && item.expires_at <= now
                 {
-                    model.waiting.pop_first();
+                    let (number, _) = model.waiting.pop_first().expect("just seen");
+                    model.expired(number);
                 }
             }
             Step::Flush => {
@@ -175,6 +212,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 }
                 drop(broker);
                 broker = open();
+                // A delivery cut short by the restart is not counted.
                 for (_, number, item, _) in model.open.drain(..) {
                     model.waiting.insert(number, item);
                 }
@@ -184,19 +222,27 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
         prop_assert_eq!(stats.items, model.waiting.len() as u64, "items");
         prop_assert_eq!(stats.in_flight, model.open.len() as u64, "in flight");
         prop_assert_eq!(stats.bytes, model.bytes(), "bytes");
+        let dead = broker.queue("dead").unwrap().counters();
+        prop_assert_eq!(dead.items, model.dead.len() as u64, "dead letters");
     }
+    let mut dead: Vec<u64> =
+        broker.poll("dead", 1 << 20, None, CONSUMER, now).unwrap().iter().map(|d| number_of(&d.message)).collect();
+    dead.sort_unstable();
+    model.dead.sort_unstable();
+    prop_assert_eq!(dead, model.dead, "the dead-letter queue holds the model's");
     Ok(())
 }
 
 fn configs() -> impl Strategy<Value = QueueConfig> {
-    (any::<bool>(), prop_oneof![Just(0u64), Just(3), Just(6)], any::<bool>()).prop_map(
-        |(durable, max_items, circular)| QueueConfig {
+    (any::<bool>(), prop_oneof![Just(0u64), Just(3), Just(6)], any::<bool>(), prop_oneof![Just(0u32), Just(1), Just(3)])
+        .prop_map(|(durable, max_items, circular, max_deliveries)| QueueConfig {
             durable,
             max_items,
             circular: circular && max_items != 0,
+            max_deliveries,
+            dead_letter: if max_deliveries != 0 { "dead".into() } else { String::new() },
             ..QueueConfig::default()
-        },
-    )
+        })
 }
 
 proptest! {
