@@ -95,6 +95,8 @@ class Message:
     payload: bytes
     subject: str
     timestamp: int
+    deliveries: int
+    """From a queue: the times it has been handed out, this one included (0 from a topic)."""
     headers: List[Tuple[str, bytes]]
 
 class Subscription(Iterator[Message]):

@@ -124,6 +124,9 @@ pub struct Message {
     subject: String,
     /// When the server took it: nanoseconds since the Unix epoch.
     timestamp: u64,
+    /// From a queue: how many times it has been handed out, this time included (1 the first
+    /// time; see the queue's `max_deliveries`). 0 from a topic.
+    deliveries: u32,
     /// Its headers: (name, value) pairs.
     headers: Vec<(String, Py<PyBytes>)>,
 }
@@ -137,6 +140,7 @@ impl Message {
             payload: PyBytes::new(py, &m.payload).unbind(),
             subject: m.subject,
             timestamp: m.timestamp,
+            deliveries: m.deliveries,
             headers: m.headers.into_iter().map(|(n, v)| (n, PyBytes::new(py, &v).unbind())).collect(),
         }
     }

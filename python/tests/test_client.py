@@ -17,10 +17,11 @@ def test_queue_offer_poll_and_reliable_reads(server):
         message = c.poll("jobs", timeout=1)
         assert (message.id, message.payload, message.queue) == (1, b"one", "jobs")
         taken = c.take("jobs", visibility=30)
-        assert taken.payload == b"two" and taken.handle != 0
+        assert taken.payload == b"two" and taken.handle != 0 and taken.deliveries == 1
         assert c.abort("jobs", [taken.handle]) == 1
         again = c.take("jobs", visibility=30)
         assert again.payload == b"two", "an aborted take is first again"
+        assert again.deliveries == 2, "its second delivery"
         assert c.ack("jobs", [again.handle]) == 1
         assert [m.payload for m in c.poll_many("jobs", max=10)] == [b"three"]
         assert c.poll("jobs", timeout=0) is None
