@@ -148,11 +148,6 @@ impl DeadReason {
     }
 }
 
-/// Now, in ns since the Unix epoch (for work the broker does on its own, as at a disconnect).
-fn now_ns() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-}
-
 /// A name as an error shows it: a client may send 64 KiB of one, and errors echo it back.
 pub fn shown(name: &str) -> std::borrow::Cow<'_, str> {
     const MAX: usize = 64;
@@ -933,14 +928,19 @@ impl Broker {
     /// Hands the messages to every current subscriber of `topic`; returns how many got them.
     pub fn publish(&self, topic: &str, messages: Vec<Message>, now_ns: u64) -> Result<u32, BrokerError> {
         let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
+        self.publish_to(&t, messages, now_ns)
+    }
+
+    /// `publish` to a topic already looked up. Blocks on the disk when the topic is durable.
+    pub fn publish_to(&self, topic: &Topic, messages: Vec<Message>, now_ns: u64) -> Result<u32, BrokerError> {
         let mut stamped = Vec::with_capacity(messages.len());
         for m in messages {
             if m.size() as usize > self.options.max_message_bytes {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
-            stamped.push(Message { timestamp: now_ns, destination: topic.to_owned(), ..m });
+            stamped.push(Message { timestamp: now_ns, destination: topic.name.clone(), ..m });
         }
-        t.publish(stamped)
+        topic.publish(stamped)
     }
 
     /// A fresh id (subscriptions, calls, tentative reads share one counter).
@@ -1026,7 +1026,8 @@ impl Broker {
 
     /// A connection closed: its tentative reads go back, its temporary queues go away, its
     /// subscriptions end, its functions stop being served and calls waiting on it fail.
-    pub fn disconnect(&self, consumer: ConnId) {
+    /// `now_ns` dates what its returned reads bring to a dead-letter queue.
+    pub fn disconnect(&self, consumer: ConnId, now_ns: u64) {
         let topics: Vec<Arc<Topic>> = self.topics.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
         for t in topics {
             t.remove(|_, c| c == consumer, None);
@@ -1038,7 +1039,7 @@ impl Broker {
                 let _ = self.remove_queue(&q.name);
             } else {
                 match q.release(consumer) {
-                    Ok(returned) => self.dead_letter(&q, returned.over_limit, DeadReason::MaxDeliveries, now_ns()),
+                    Ok(returned) => self.dead_letter(&q, returned.over_limit, DeadReason::MaxDeliveries, now_ns),
                     Err(e) => tracing::error!(queue = %q.name, error = %e, "could not return tentative reads"),
                 }
             }

@@ -965,7 +965,7 @@ impl Inner {
                 }
                 match group.poll(1, Duration::ZERO) {
                     Ok(batch) => Ok(batch.into_iter().next().map(|r| {
-                        let deliveries = returns.get(&r.offset).map_or(1, |n| n + 1);
+                        let deliveries = deliveries_of(returns, r.offset);
                         (Message { deliveries, ..message::from_record(&r) }, Taken::Log(r.offset))
                     })),
                     Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
@@ -994,7 +994,7 @@ impl Inner {
         for read in reads {
             let deliveries = match (&self.store, &read.item) {
                 (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
-                (Store::Log { returns, .. }, Taken::Log(offset)) => returns.get(offset).map_or(1, |n| n + 1),
+                (Store::Log { returns, .. }, Taken::Log(offset)) => deliveries_of(returns, *offset),
                 _ => unreachable!("a queue's takings match its store"),
             };
             if max_deliveries == 0 || deliveries < max_deliveries {
@@ -1077,6 +1077,11 @@ impl Inner {
         self.head_taken = true;
         Ok(true)
     }
+}
+
+/// A durable queue's record `offset` handed out now or last: its deliveries, this one included.
+fn deliveries_of(returns: &HashMap<u64, u32>, offset: u64) -> u32 {
+    returns.get(&offset).map_or(1, |n| n + 1)
 }
 
 /// Reads past the return markers at the head of a durable queue's group: they are not messages

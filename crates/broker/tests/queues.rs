@@ -56,7 +56,7 @@ fn tentative_reads_come_back_on_abort_timeout_and_disconnect() {
         let d = b.poll("q", 1, VIS, 9, 200 * MS).unwrap();
         assert_eq!(payloads(&d), [b"a".to_vec()]);
         // The consumer disconnects: back again.
-        b.disconnect(9);
+        b.disconnect(9, 1);
         let d = b.poll("q", 1, VIS, 10, 300 * MS).unwrap();
         assert_eq!(payloads(&d), [b"a".to_vec()]);
         assert_eq!(b.ack("q", &[d[0].handle], 10).unwrap(), 1);
@@ -75,9 +75,9 @@ fn temporary_queues_vanish_with_their_connection() {
     assert!(matches!(b.create_queue("reply.1", temp.clone(), None), Err(BrokerError::BadRequest(_))));
     b.create_queue("reply.1", temp, Some(42)).unwrap();
     b.offer("reply.1", msgs(&["x"]), 0).unwrap();
-    b.disconnect(41);
+    b.disconnect(41, 1);
     assert!(b.queue("reply.1").is_some());
-    b.disconnect(42);
+    b.disconnect(42, 1);
     assert!(b.queue("reply.1").is_none());
     drop(b);
     let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
@@ -572,6 +572,7 @@ fn a_message_marked_durable_is_synced_before_its_offer_returns_and_refused_where
     };
     let b = Broker::open(dir.path(), options).unwrap();
     b.create_queue("disk", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    b.create_queue("disk+copy", QueueConfig::default(), None).unwrap(); // a fanout child in memory
     b.create_queue("memory", QueueConfig::default(), None).unwrap();
     let durable = |payload: &str| Message { durable: true, ..Message::new(payload.as_bytes().to_vec()) };
 
@@ -580,6 +581,8 @@ fn a_message_marked_durable_is_synced_before_its_offer_returns_and_refused_where
     assert_eq!(syncs.load(Ordering::SeqCst), before, "policy none: an ordinary offer is not synced");
     b.offer("disk", vec![durable("kept")], 1).unwrap();
     assert_eq!(syncs.load(Ordering::SeqCst), before + 1, "one sync for the offer that asked");
+    let copies = b.queue("disk+copy").unwrap().counters();
+    assert_eq!((copies.items, copies.dropped), (2, 0), "the child in memory takes its copy without the flag");
 
     let refused = b.offer("memory", vec![durable("x")], 1).unwrap_err();
     assert!(matches!(refused, BrokerError::BadRequest(ref why) if why.contains("durable queue")), "{refused}");
@@ -631,7 +634,7 @@ fn a_message_returned_max_deliveries_times_goes_to_the_dead_letter_queue_with_it
         let d = b.poll("jobs", 1, VIS, 8, 5).unwrap();
         assert_eq!((payloads(&d), d[0].message.deliveries), (vec![b"poison".to_vec()], 3), "durable {durable}");
         assert_eq!(dead(&b), 0);
-        b.disconnect(8);
+        b.disconnect(8, 1);
         assert_eq!(dead(&b), 1, "durable {durable}: moved at the third return");
         let moved = b.poll("jobs.dead", 1, None, 9, 6).unwrap();
         let header = |name: &str| {
@@ -661,8 +664,15 @@ fn a_message_returned_max_deliveries_times_goes_to_the_dead_letter_queue_with_it
             assert_eq!(dead(&b), 0);
         }
     }
+    // An operator's return of a stuck read counts as a delivery that came back.
     let dir = tempfile::tempdir().unwrap();
     let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let once = QueueConfig { max_deliveries: 1, dead_letter: "jobs.dead".into(), ..QueueConfig::default() };
+    let q = b.create_queue("jobs", once, None).unwrap();
+    b.offer("jobs", msgs(&["stuck"]), 1).unwrap();
+    let d = b.poll("jobs", 1, VIS, 7, 2).unwrap();
+    assert!(b.return_read(&q, d[0].handle, 3).unwrap());
+    assert_eq!((q.counters().items, dead(&b)), (0, 1), "returned at its limit: dead-lettered");
     let nowhere = QueueConfig { max_deliveries: 2, ..QueueConfig::default() };
     assert!(matches!(b.create_queue("q", nowhere, None), Err(BrokerError::BadRequest(e)) if e.contains("dead_letter")));
 }

@@ -119,8 +119,8 @@ async fn calls_go_round_robin_to_servers_and_replies_come_back() {
     // A server that disconnects fails its calls.
     let (Ok(Called::Pending { .. }), reply) = call(&b, "coffee", "mocha", false) else { panic!() };
     let (Ok(Called::Pending { .. }), other) = call(&b, "coffee", "flat white", false) else { panic!() };
-    b.disconnect(1);
-    b.disconnect(2);
+    b.disconnect(1, 1);
+    b.disconnect(2, 1);
     assert!(matches!(reply.await.unwrap(), Err(BrokerError::Handler(_))));
     assert!(matches!(other.await.unwrap(), Err(BrokerError::Handler(_))));
     assert!(matches!(call(&b, "coffee", "x", false).0, Err(BrokerError::FunctionNotFound(_))));

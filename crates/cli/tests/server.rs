@@ -75,6 +75,17 @@ async fn the_durable_flag_is_honoured_by_durable_destinations_and_refused_by_oth
     assert_eq!(texts(&got), ["d"]);
     assert!(!got[0].message.durable, "deliveries do not carry the flag");
     assert_eq!(c.queue_status("memory").await.unwrap().items, 0);
+    // Calls and replies are never stored: a durable call is refused, and a durable reply is
+    // refused with its caller told at once.
+    let refused = c.call("f", durable(), Some(Duration::from_secs(5))).await.unwrap_err();
+    assert_eq!(refused.status(), Some(Status::BadRequest), "{refused}");
+    let server_side = server.client().await;
+    server_side.serve("f", |_m: Message| async { Ok(Message { durable: true, ..msg("reply") }) }).await.unwrap();
+    let started = std::time::Instant::now();
+    let failed = c.call("f", msg("q"), Some(Duration::from_secs(30))).await.unwrap_err();
+    assert_eq!(failed.status(), Some(Status::HandlerError), "{failed}");
+    assert!(failed.to_string().contains("durable"), "{failed}");
+    assert!(started.elapsed() < Duration::from_secs(10), "not left to its timeout");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

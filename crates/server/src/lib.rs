@@ -136,7 +136,7 @@ pub(crate) struct Disconnect {
 
 impl Drop for Disconnect {
     fn drop(&mut self) {
-        self.broker.disconnect(self.conn);
+        self.broker.disconnect(self.conn, now_ns());
     }
 }
 

@@ -106,10 +106,10 @@ pub(super) fn give_back(
     message: petrel_proto::Message,
 ) -> Response {
     if message.durable {
-        return Response::error(
-            Status::BadRequest,
-            "a reply is handed to its caller, never stored: it cannot be marked durable",
-        );
+        // Refused, and the caller told at once (not left to its timeout).
+        let why = "a reply is handed to its caller, never stored: it cannot be marked durable";
+        ctx.broker.reply(call, session.conn, Err(why.into()));
+        return Response::error(Status::BadRequest, why);
     }
     let result = if status == Status::Ok { Ok(message) } else { Err(reason) };
     if ctx.broker.reply(call, session.conn, result) {

@@ -42,16 +42,15 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
 /// the disk.
 pub(super) fn publish(ctx: &Arc<Ctx>, topic: String, messages: Vec<petrel_proto::Message>) -> Answer {
     let published = |subscribers| Response::Published { subscribers };
-    match ctx.broker.topic(&topic) {
-        Some(t) if t.is_durable() => {
-            let ctx = Arc::clone(ctx);
-            Answer::later(WaitsFor::Disk, async move {
-                let publish = move || ctx.broker.publish(&topic, messages, now_ns());
-                crate::blocking(publish).await.map_or_else(error, published)
-            })
-        }
-        _ => Answer::Now(ctx.broker.publish(&topic, messages, now_ns()).map_or_else(error, published)),
+    let Some(t) = ctx.broker.topic(&topic) else { return Answer::Now(error(BrokerError::TopicNotFound(topic))) };
+    if !t.is_durable() {
+        return Answer::Now(ctx.broker.publish_to(&t, messages, now_ns()).map_or_else(error, published));
     }
+    let ctx = Arc::clone(ctx);
+    Answer::later(WaitsFor::Disk, async move {
+        let publish = move || ctx.broker.publish_to(&t, messages, now_ns());
+        crate::blocking(publish).await.map_or_else(error, published)
+    })
 }
 
 /// A live subscription: what is published from now on, while this connection keeps up.
