@@ -6,6 +6,20 @@
 use petrel_log::Durability;
 pub use petrel_proto::QueueConfig;
 
+/// Most priority levels a queue may have.
+pub const MAX_PRIORITIES: u8 = 10;
+/// The share of takes that go to lower priority levels when a queue does not say (percent).
+pub const DEFAULT_PRIORITY_SHARE: u8 = 10;
+const MAX_PRIORITY_SHARE: u8 = 50;
+/// Idempotency keys a queue remembers when its configuration does not say.
+pub const DEFAULT_DEDUP_WINDOW: u32 = 100_000;
+const MAX_DEDUP_WINDOW: u32 = 10_000_000;
+/// How long a queue remembers an idempotency key when its configuration does not say, ms.
+pub const DEFAULT_DEDUP_WINDOW_MS: u64 = 120_000;
+const MAX_DEDUP_WINDOW_MS: u64 = 7 * 24 * 3600 * 1000;
+/// The longest idempotency key a queue takes, bytes.
+pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
+
 /// `config` checked, with its durability policy spelled the one way `Durability` prints it (so
 /// that two spellings of one policy are the same configuration).
 pub fn checked(mut config: QueueConfig) -> Result<QueueConfig, String> {
@@ -19,7 +33,52 @@ pub fn checked(mut config: QueueConfig) -> Result<QueueConfig, String> {
         // A message at its limit would otherwise be dropped: say where it goes.
         return Err("max_deliveries needs a dead_letter queue for the messages that reach it".into());
     }
+    if config.priorities == 1 {
+        config.priorities = 0; // one level is no levels: one spelling
+    }
+    if config.priorities > MAX_PRIORITIES {
+        return Err(format!("priorities: at most {MAX_PRIORITIES} levels"));
+    }
+    if config.priority_share != 0 && config.priorities == 0 {
+        return Err("priority_share needs priorities (2 or more levels)".into());
+    }
+    if config.priority_share > MAX_PRIORITY_SHARE {
+        return Err(format!("priority_share: at most {MAX_PRIORITY_SHARE} (percent of takes)"));
+    }
+    if config.dedup_window > MAX_DEDUP_WINDOW {
+        return Err(format!("dedup_window: at most {MAX_DEDUP_WINDOW} keys"));
+    }
+    if config.dedup_window_ms > MAX_DEDUP_WINDOW_MS {
+        return Err(format!("dedup_window_ms: at most {MAX_DEDUP_WINDOW_MS} (7 days)"));
+    }
     Ok(config)
+}
+
+/// The priority levels of a queue configured so (1: no levels).
+pub fn levels_of(config: &QueueConfig) -> usize {
+    config.priorities.max(1) as usize
+}
+
+/// One take in this many goes to the lower priority levels while they have messages.
+pub fn lower_level_period(config: &QueueConfig) -> u32 {
+    let share = match config.priority_share {
+        0 => DEFAULT_PRIORITY_SHARE,
+        share => share,
+    };
+    100 / share as u32
+}
+
+/// The keys a queue remembers at most, and for how long (ns).
+pub fn dedup_window_of(config: &QueueConfig) -> (usize, u64) {
+    let keys = match config.dedup_window {
+        0 => DEFAULT_DEDUP_WINDOW,
+        n => n,
+    };
+    let ms = match config.dedup_window_ms {
+        0 => DEFAULT_DEDUP_WINDOW_MS,
+        ms => ms,
+    };
+    (keys as usize, ms * 1_000_000)
 }
 
 /// The durability policy `config` names for its log (`None`: the server's).
@@ -31,9 +90,11 @@ pub fn durability_of(config: &QueueConfig) -> Result<Option<Durability>, String>
 }
 
 /// Whether a queue configured as `from` may take `to` while it lives: the same kind of queue
-/// (where its messages are kept and how durably), other limits, expiry or dead letters.
+/// (where its messages are kept, how durably, in how many priority levels), other limits,
+/// expiry, dead letters, priority share or dedup window.
 pub fn changes_live(from: &QueueConfig, to: &QueueConfig) -> bool {
-    (from.durable, from.temporary, &from.durability) == (to.durable, to.temporary, &to.durability)
+    (from.durable, from.temporary, &from.durability, from.priorities)
+        == (to.durable, to.temporary, &to.durability, to.priorities)
 }
 
 #[cfg(test)]
@@ -58,5 +119,19 @@ mod tests {
         assert!(checked(QueueConfig { durability: "sometimes".into(), ..QueueConfig::default() }).is_err());
         assert!(serde_json::from_str::<QueueConfig>(r#"{"max_itms": 1}"#).is_err());
         assert!(checked(QueueConfig { dead_letter: "a/b".into(), ..QueueConfig::default() }).is_err());
+        assert_eq!(checked(QueueConfig { priorities: 1, ..QueueConfig::default() }).unwrap(), QueueConfig::default());
+        for bad in [
+            QueueConfig { priorities: 11, ..QueueConfig::default() },
+            QueueConfig { priority_share: 10, ..QueueConfig::default() },
+            QueueConfig { priorities: 3, priority_share: 51, ..QueueConfig::default() },
+            QueueConfig { dedup_window: 10_000_001, ..QueueConfig::default() },
+        ] {
+            assert!(checked(bad).is_err());
+        }
+        let levels = QueueConfig { priorities: 3, priority_share: 25, ..QueueConfig::default() };
+        assert_eq!((levels_of(&levels), lower_level_period(&levels)), (3, 4));
+        assert_eq!(lower_level_period(&QueueConfig { priorities: 3, ..QueueConfig::default() }), 10);
+        assert_eq!(dedup_window_of(&QueueConfig::default()), (100_000, 120_000_000_000));
+        assert!(!changes_live(&QueueConfig::default(), &levels));
     }
 }

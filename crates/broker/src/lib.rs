@@ -29,6 +29,7 @@
 
 mod config;
 mod counting;
+mod dedup;
 mod function;
 mod group_feed;
 mod message;
@@ -275,9 +276,9 @@ pub struct Broker {
 #[must_use = "an offer is answered only after its wait"]
 pub struct UnsyncedOffer {
     /// The queue offered to and its last record, if its log syncs every offer.
-    queue: Option<(Arc<Queue>, u64)>,
+    queue: Option<(Arc<Queue>, queue::Unsynced)>,
     /// The same for the fanout copies.
-    children: Vec<(Arc<Queue>, u64)>,
+    children: Vec<(Arc<Queue>, queue::Unsynced)>,
 }
 
 impl UnsyncedOffer {
@@ -300,6 +301,12 @@ impl UnsyncedOffer {
             None => Ok(()),
         }
     }
+}
+
+/// Where a durable queue keeps priority `level`'s log, under its own directory (level 0's is the
+/// queue's directory itself, as for a queue without levels).
+fn level_dir(level: usize) -> String {
+    format!("priority-{level}")
 }
 
 /// Configuration of queues named in the server's configuration, and of those made by first use.
@@ -541,8 +548,22 @@ impl Broker {
                 on_sync: self.options.on_sync.clone(),
                 ..Options::default()
             };
-            let log = Log::open(self.dir.join("queues").join(&name), options)?.into_shared();
-            Queue::on_log(name, config, log)
+            let dir = self.dir.join("queues").join(&name);
+            let levels = config::levels_of(&config);
+            // A level's log the configuration no longer has would hide its messages: refuse.
+            if let Some(extra) = (levels..=config::MAX_PRIORITIES as usize).find(|l| dir.join(level_dir(*l)).exists()) {
+                return Err(BrokerError::BadRequest(format!(
+                    "queue {:?} holds messages at priority {extra} on disk, but is configured with {levels} level(s): configure at least {} priorities",
+                    shown(&name),
+                    extra + 1
+                )));
+            }
+            let mut logs = Vec::with_capacity(levels);
+            for level in 0..levels {
+                let dir = if level == 0 { dir.clone() } else { dir.join(level_dir(level)) };
+                logs.push(Log::open(dir, options.clone())?.into_shared());
+            }
+            Queue::on_log(name, config, logs)
         } else {
             let memory = Arc::clone(&self.memory);
             Ok(Queue::in_memory(name, config, owner, memory, self.options.memory_queue_max_bytes))

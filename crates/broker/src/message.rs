@@ -25,6 +25,7 @@ const DESTINATION: &str = "d";
 const REPLY_TO: &str = "rt";
 const MIMETYPE: &str = "m";
 const CHARSET: &str = "c";
+const IDEMPOTENCY_KEY: &str = "ik";
 const USER: &str = "h.";
 
 // A durable queue's log also holds control records, which are not messages: a "returned" marker
@@ -72,6 +73,7 @@ fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
         out.push((EXPIRES.into(), Bytes::copy_from_slice(&m.expires_at.to_be_bytes())));
     }
     for (name, value) in [
+        (IDEMPOTENCY_KEY, &m.idempotency_key),
         (REQUEST_ID, &m.request_id),
         (SUBJECT, &m.subject),
         (DESTINATION, &m.destination),
@@ -126,6 +128,28 @@ pub fn id_of(offset: u64) -> u64 {
     offset + 1
 }
 
+/// Bits of a durable queue's message id below its priority level.
+const LEVEL_SHIFT: u32 = 56;
+
+/// The id of the message stored at `offset` of a durable queue's log for priority `level`: the
+/// level in the top byte, so that ids are unique across a queue's logs (and level 0's are
+/// `id_of`'s, as in a queue without levels).
+pub(crate) fn queue_id(level: usize, offset: u64) -> u64 {
+    debug_assert!(offset < 1 << LEVEL_SHIFT, "a queue's log holds fewer than 2^56 records");
+    ((level as u64) << LEVEL_SHIFT) | id_of(offset)
+}
+
+/// The priority level and log offset of a durable queue's message `id` (`None` for 0).
+pub(crate) fn queue_position(id: u64) -> Option<(usize, u64)> {
+    let level = (id >> LEVEL_SHIFT) as usize;
+    offset_of(id & ((1 << LEVEL_SHIFT) - 1)).map(|offset| (level, offset))
+}
+
+/// The idempotency key stored in `r`, without decoding the rest.
+pub(crate) fn idempotency_key<'a>(r: &Record<'a>) -> Option<&'a [u8]> {
+    r.headers.get(IDEMPOTENCY_KEY)
+}
+
 /// The log offset of the message with id `id` (`None` for 0, which no message has).
 pub fn offset_of(id: u64) -> Option<u64> {
     id.checked_sub(1)
@@ -153,6 +177,7 @@ pub(crate) fn from_record(r: &Record<'_>) -> Message {
             REPLY_TO => m.reply_to = text(value),
             MIMETYPE => m.mimetype = text(value),
             CHARSET => m.charset = text(value),
+            IDEMPOTENCY_KEY => m.idempotency_key = text(value),
             other => {
                 if let Some(user) = other.strip_prefix(USER) {
                     m.headers.push((user.to_owned(), Bytes::copy_from_slice(value)));

@@ -9,6 +9,7 @@ use std::time::Duration;
 use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog};
 use tokio::sync::Notify;
 
+use crate::dedup::DedupWindow;
 use crate::message::{self, Message};
 use crate::{BrokerError, ConnId, Delivery, QueueConfig, QueueStats, config, counting};
 
@@ -37,6 +38,10 @@ pub struct QueueCounters {
     pub flushes: u64,
     /// Moved to the dead-letter queue after `max_deliveries` deliveries.
     pub dead_lettered: u64,
+    /// Offered messages not stored because their idempotency key was remembered (repeats).
+    pub deduplicated: u64,
+    /// Idempotency keys remembered now.
+    pub dedup_keys: u64,
     /// When the message most recently taken from the queue was offered, ns (0: none yet).
     pub last_taken_offered_at: u64,
 }
@@ -220,10 +225,11 @@ pub struct Queue {
     /// The earliest time `tick` may have work (a visibility deadline, an expiry); changed only
     /// under the lock. The server ticks every queue every few milliseconds: most return at once.
     due_ns: AtomicU64,
-    /// A durable queue's log, to wait for the disk without the queue's lock: after every offer
-    /// when the log syncs each one (durability `always`), else after an offer of a message that
-    /// asks to be durable before its answer (`Message::durable`).
-    log: Option<SharedLog>,
+    /// A durable queue's logs (one per priority level; none in memory), to wait for the disk
+    /// without the queue's lock: after every offer when the logs sync each one (durability
+    /// `always`), else after an offer of a message that asks to be durable before its answer
+    /// (`Message::durable`).
+    logs: Vec<SharedLog>,
     /// The log syncs every offer, and its records are handed out only once synced.
     syncs_every_offer: bool,
 }
@@ -246,28 +252,58 @@ struct Inner {
     waiting: u64,
     /// Bytes of the messages waiting and in flight.
     bytes: u64,
+    /// `waiting` per priority level (one entry without levels).
+    waiting_at: Vec<u64>,
+    /// Takes from the highest level in a row while a lower level had messages: one in every
+    /// `config::lower_level_period` goes to the lower levels instead.
+    takes_from_top: u32,
     /// A message left the head since the lock was taken (see `Locked`).
     head_taken: bool,
-    /// Records of the log at or past this offset are not handed out yet: an offer appended them
-    /// and waits for the disk (durability `always`), so a consumer never gets a message that a
-    /// crash could still take back. `u64::MAX` for a queue that does not wait.
-    visible_end: u64,
+    dedup: DedupWindow,
     counters: QueueCounters,
 }
 
+/// An offer's last record, not yet known to be on disk: `Queue::wait_durable` waits for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unsynced {
+    level: usize,
+    offset: u64,
+}
+
 enum Store {
-    /// A message's `deliveries` counts its deliveries so far, here as in flight.
-    Memory { ready: VecDeque<Message>, next_id: u64 },
-    Log {
-        log: SharedLog,
-        group: Box<ConsumerGroup>,
-        /// How many deliveries of each waiting or in-flight record ended with the message coming
-        /// back (only those that did); rebuilt on open from the log's return markers.
-        returns: HashMap<u64, u32>,
-        /// Return markers not yet read past by the group: unacknowledged records that are not
-        /// messages.
-        markers_unread: u64,
-    },
+    /// The messages waiting at each priority level, in offer order. A message's `deliveries`
+    /// counts its deliveries so far, here as in flight, and its `priority` is its level.
+    Memory { levels: Vec<VecDeque<Message>>, next_id: u64 },
+    /// One log per priority level.
+    Log { lanes: Vec<Lane> },
+}
+
+/// One priority level of a durable queue: a log of its own, read in order by the queue's group.
+struct Lane {
+    log: SharedLog,
+    group: Box<ConsumerGroup>,
+    /// Trails the oldest idempotency key the queue remembers from this log, so that retention
+    /// keeps the records that hold the keys (`dedup.rs`).
+    dedup: Box<ConsumerGroup>,
+    /// How many deliveries of each waiting or in-flight record ended with the message coming
+    /// back (only those that did); rebuilt on open from the log's return markers.
+    returns: HashMap<u64, u32>,
+    /// Return markers not yet read past by the group: unacknowledged records that are not
+    /// messages.
+    markers_unread: u64,
+    /// Records at or past this offset are not handed out yet: an offer appended them and waits
+    /// for the disk (durability `always`), so a consumer never gets a message that a crash
+    /// could still take back. `u64::MAX` for a queue that does not wait.
+    visible_end: u64,
+}
+
+impl Lane {
+    /// The record at the head, if it may be handed out (markers read past first).
+    fn head(&mut self) -> Result<Option<petrel_log::Record<'_>>, BrokerError> {
+        skip_markers(&mut self.group, &mut self.markers_unread)?;
+        let visible_end = self.visible_end;
+        Ok(self.group.peek()?.filter(|r| r.offset < visible_end))
+    }
 }
 
 struct InFlight {
@@ -280,20 +316,30 @@ struct InFlight {
 
 enum Taken {
     Memory(Box<Message>),
-    Log(u64),
+    Log { level: usize, offset: u64 },
 }
 
 impl Taken {
-    /// The taken message's id in the queue (a record's is its offset + 1).
+    /// The taken message's id in the queue.
     fn message_id(&self) -> u64 {
         match self {
             Taken::Memory(m) => m.id,
-            Taken::Log(offset) => message::id_of(*offset),
+            Taken::Log { level, offset } => message::queue_id(*level, *offset),
+        }
+    }
+
+    fn level(&self) -> usize {
+        match self {
+            Taken::Memory(m) => m.priority as usize,
+            Taken::Log { level, .. } => *level,
         }
     }
 }
 
+/// The group that reads a durable queue's messages.
 const GROUP: &str = "broker";
+/// The group that trails the idempotency keys a durable queue remembers.
+const DEDUP_GROUP: &str = "dedup";
 
 impl Queue {
     /// A queue in memory, its bytes counted in `budget`, at most `default_max_bytes` of them
@@ -305,55 +351,85 @@ impl Queue {
         budget: std::sync::Arc<MemoryBudget>,
         default_max_bytes: u64,
     ) -> Queue {
-        let store = Store::Memory { ready: VecDeque::new(), next_id: 1 };
-        let mut queue = Queue::with_store(name, config, owner, store, 0, 0);
+        let levels = (0..config::levels_of(&config)).map(|_| VecDeque::new()).collect();
+        let store = Store::Memory { levels, next_id: 1 };
+        let dedup = DedupWindow::new(config::levels_of(&config));
+        let mut queue = Queue::with_store(name, config, owner, store, dedup, 0);
         queue.memory = Some((budget, default_max_bytes));
         queue
     }
 
-    /// A durable queue on `log`. Records not yet acknowledged by its group are the queue's
-    /// contents, including those taken tentatively before a restart (records acknowledged out
-    /// of order before it stay acknowledged).
-    pub(crate) fn on_log(name: String, config: QueueConfig, log: SharedLog) -> Result<Queue, BrokerError> {
-        let group = log.group(GROUP, GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
-        // Count the bytes waiting (they are not in the log's indexes) and read the return
-        // markers back into delivery counts.
-        let mut reader = log.reader();
-        reader.seek(group.committed());
-        let (mut bytes, mut returns, mut markers_unread) = (0, HashMap::<u64, u32>::new(), 0);
-        loop {
-            let batch = reader.read_batch(4096)?;
-            if batch.is_empty() {
-                break;
-            }
-            // Every marker counts, read past or not: one naming a message not yet acknowledged
-            // follows it, so it is at or after the committed offset too.
-            for r in batch.into_iter() {
-                let acknowledged = group.is_acknowledged(r.offset);
-                match message::control(&r) {
-                    Some(message::Control::Returned(of)) => {
-                        if !acknowledged {
-                            markers_unread += 1;
+    /// A durable queue on `logs`, one per priority level (`config::levels_of`). Records not yet
+    /// acknowledged by its group are the queue's contents, including those taken tentatively
+    /// before a restart (records acknowledged out of order before it stay acknowledged).
+    pub(crate) fn on_log(name: String, config: QueueConfig, logs: Vec<SharedLog>) -> Result<Queue, BrokerError> {
+        assert_eq!(logs.len(), config::levels_of(&config), "one log per priority level");
+        // What recovery kept is durable (opening a log under `always` syncs it).
+        let syncs_every_offer = logs[0].durability() == Durability::Always;
+        let (max_keys, _) = config::dedup_window_of(&config);
+        let mut lanes = Vec::with_capacity(logs.len());
+        let (mut keys, mut bytes, mut waiting_at) = (Vec::new(), 0, Vec::with_capacity(logs.len()));
+        for (level, log) in logs.iter().enumerate() {
+            let options = GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() };
+            let group = log.group(GROUP, options)?;
+            let dedup = log.group(DEDUP_GROUP, GroupOptions::default())?;
+            // Count the bytes waiting (they are not in the log's indexes), read the return
+            // markers back into delivery counts, and the idempotency keys back into the window
+            // (from where the `dedup` group stands, which may be before the queue's group).
+            let mut reader = log.reader();
+            reader.seek(group.committed().min(dedup.committed()));
+            let (mut returns, mut markers_unread) = (HashMap::<u64, u32>::new(), 0);
+            loop {
+                let batch = reader.read_batch(4096)?;
+                if batch.is_empty() {
+                    break;
+                }
+                // Every marker counts, read past or not: one naming a message not yet
+                // acknowledged follows it, so it is at or after the committed offset too.
+                for r in batch.into_iter() {
+                    let acknowledged = group.is_acknowledged(r.offset);
+                    match message::control(&r) {
+                        Some(message::Control::Returned(of)) => {
+                            if !acknowledged {
+                                markers_unread += 1;
+                            }
+                            if !group.is_acknowledged(of) {
+                                *returns.entry(of).or_default() += 1;
+                            }
                         }
-                        if !group.is_acknowledged(of) {
-                            *returns.entry(of).or_default() += 1;
+                        None => {
+                            if let Some(key) = message::idempotency_key(&r) {
+                                let key = String::from_utf8_lossy(key).into_owned();
+                                keys.push((r.timestamp, message::queue_id(level, r.offset), level, key));
+                            }
+                            if !acknowledged {
+                                bytes += message::from_record(&r).size();
+                            }
                         }
                     }
-                    None if acknowledged => {}
-                    None => bytes += message::from_record(&r).size(),
                 }
             }
+            waiting_at.push(group.unacknowledged() - markers_unread);
+            let visible_end = if syncs_every_offer { log.next_offset() } else { u64::MAX };
+            let (group, dedup) = (Box::new(group), Box::new(dedup));
+            lanes.push(Lane { log: log.clone(), group, dedup, returns, markers_unread, visible_end });
         }
-        let waiting = group.unacknowledged() - markers_unread;
-        // What recovery kept is durable (opening a log under `always` syncs it).
-        let syncs_every_offer = log.durability() == Durability::Always;
-        let visible_end = if syncs_every_offer { log.next_offset() } else { u64::MAX };
-        let handle = log.clone();
-        let store = Store::Log { log, group: Box::new(group), returns, markers_unread };
-        let mut queue = Queue::with_store(name, config, None, store, waiting, bytes);
-        queue.log = Some(handle);
+        // The keys in the order they were stored; those beyond the count forgotten now, those
+        // past their time by the first tick.
+        keys.sort_by_key(|(at, id, ..)| (*at, *id));
+        let mut dedup = DedupWindow::new(lanes.len());
+        for (at, id, level, key) in keys.iter().skip(keys.len().saturating_sub(max_keys)) {
+            if dedup.get(key).is_none() {
+                dedup.remember(key, *id, *level, *at);
+            }
+        }
+        let mut queue = Queue::with_store(name, config, None, Store::Log { lanes }, dedup, bytes);
+        queue.logs = logs;
         queue.syncs_every_offer = syncs_every_offer;
-        queue.inner.get_mut().unwrap_or_else(|e| e.into_inner()).visible_end = visible_end;
+        let inner = queue.inner.get_mut().unwrap_or_else(|e| e.into_inner());
+        inner.waiting = waiting_at.iter().sum();
+        inner.waiting_at = waiting_at;
+        inner.move_dedup_cursors()?;
         // What it holds may expire: the first tick looks, and sets when to look again.
         queue.due_ns.store(0, Ordering::Relaxed);
         Ok(queue)
@@ -364,9 +440,10 @@ impl Queue {
         config: QueueConfig,
         owner: Option<ConnId>,
         store: Store,
-        waiting: u64,
+        dedup: DedupWindow,
         bytes: u64,
     ) -> Queue {
+        let levels = config::levels_of(&config);
         Queue {
             name,
             config: RwLock::new(Arc::new(config)),
@@ -376,17 +453,19 @@ impl Queue {
             inner: Mutex::new(Inner {
                 store,
                 in_flight: HashMap::new(),
-                waiting,
+                waiting: 0,
                 bytes,
+                waiting_at: vec![0; levels],
+                takes_from_top: 0,
                 head_taken: false,
-                visible_end: u64::MAX,
+                dedup,
                 counters: QueueCounters::default(),
             }),
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
             due_ns: AtomicU64::new(u64::MAX),
-            log: None,
+            logs: Vec::new(),
             syncs_every_offer: false,
         }
     }
@@ -429,26 +508,30 @@ impl Queue {
         CountedWaiter(&self.waiters)
     }
 
-    /// Whether the queue keeps its messages in a log (a durable queue).
+    /// Whether the queue keeps its messages in logs (a durable queue).
     pub fn on_disk(&self) -> bool {
-        self.log.is_some()
+        !self.logs.is_empty()
     }
 
     /// Bytes of a durable queue's log files (0 in memory).
     pub fn log_bytes(&self) -> u64 {
-        match &self.lock().store {
-            Store::Memory { .. } => 0,
-            Store::Log { log, .. } => log.stats().segment_bytes,
-        }
+        self.log_stats().map_or(0, |s| s.segment_bytes)
     }
 
-    /// A durable queue's log figures (segments, their bytes, rolls, retention passes); `None`
-    /// in memory.
+    /// A durable queue's log figures (segments, their bytes, syncs, rolls, retention passes),
+    /// summed over its priority levels' logs (offsets: the first level's); `None` in memory.
     pub fn log_stats(&self) -> Option<petrel_log::LogStats> {
-        match &self.lock().store {
-            Store::Memory { .. } => None,
-            Store::Log { log, .. } => Some(log.stats()),
+        let (first, rest) = self.logs.split_first()?;
+        let mut total = first.stats();
+        for log in rest {
+            let s = log.stats();
+            total.segments += s.segments;
+            total.segment_bytes += s.segment_bytes;
+            total.syncs += s.syncs;
+            total.rolls += s.rolls;
+            total.retention_removals += s.retention_removals;
         }
+        Some(total)
     }
 
     /// In memory: the bytes this queue may hold at most (its `max_bytes`, else the server's
@@ -472,10 +555,18 @@ impl Queue {
     }
 
     /// Adds `messages` at the tail, all or none: on success `messages` is emptied, on refusal it
-    /// is left as it was (for a retry). Returns the first id and how many; dropped oldest
-    /// messages of a circular queue are counted. An offer larger than a bounded queue can ever
-    /// hold is `NeverFits`; a circular queue keeps its newest messages instead (the oldest of the
-    /// offer are dropped too, counted, and are gone even if the rest is then refused).
+    /// is left as it was (for a retry), but for repeats (below). Returns the first id and how
+    /// many; dropped oldest messages of a circular queue are counted. An offer larger than a
+    /// bounded queue can ever hold is `NeverFits`; a circular queue keeps its newest messages
+    /// instead (the oldest of the offer are dropped too, counted, and are gone even if the rest
+    /// is then refused).
+    ///
+    /// A message whose idempotency key the queue remembers is a repeat, and is not stored again
+    /// (nor one whose key an earlier message of the same offer carries). An offer of repeats
+    /// only is answered with the originals: the first one's id and the offer's count (a batch
+    /// offered again gets the answer it got the first time). An offer mixing repeats and new
+    /// messages stores the new ones and answers for them; if it is then refused, the repeats are
+    /// gone from `messages`, which changes nothing for a retry.
     pub fn offer(&self, messages: &mut Vec<Message>, now_ns: u64) -> Result<(u64, u32), BrokerError> {
         let (first, count, unsynced) = self.offer_unsynced(messages, now_ns)?;
         if let Some(last) = unsynced {
@@ -486,22 +577,43 @@ impl Queue {
 
     /// `offer` without waiting for the disk. The messages are stored and counted at once, but
     /// when the log syncs every offer (durability `always`) they are handed to consumers only
-    /// once `wait_durable` of the returned offset has returned, and the offer may be answered
+    /// once `wait_durable` of the returned record has returned, and the offer may be answered
     /// only then. Appending under the queue's lock and waiting after it lets the offers of many
     /// producers share one sync.
     pub(crate) fn offer_unsynced(
         &self,
         messages: &mut Vec<Message>,
         now_ns: u64,
-    ) -> Result<(u64, u32, Option<u64>), BrokerError> {
+    ) -> Result<(u64, u32, Option<Unsynced>), BrokerError> {
         let config = self.config();
         let durable_asked = messages.iter().any(|m| m.durable);
-        if durable_asked && self.log.is_none() {
+        if durable_asked && !self.on_disk() {
             return Err(BrokerError::BadRequest(format!(
                 "queue {:?} keeps its messages in memory: a message marked durable needs a durable queue",
                 crate::shown(&self.name)
             )));
         }
+        if let Some(m) = messages.iter().find(|m| m.idempotency_key.len() > config::MAX_IDEMPOTENCY_KEY_BYTES) {
+            return Err(BrokerError::BadRequest(format!(
+                "an idempotency key of {} bytes: at most {}",
+                m.idempotency_key.len(),
+                config::MAX_IDEMPOTENCY_KEY_BYTES
+            )));
+        }
+        let levels = config::levels_of(&config);
+        // The priority level the offer goes to: one per offer, so that its ids are consecutive.
+        let level = match messages.first() {
+            Some(m) if levels > 1 => {
+                if messages.iter().any(|other| other.priority != m.priority) {
+                    return Err(BrokerError::BadRequest(format!(
+                        "queue {:?} has priority levels: the messages of one offer share one priority",
+                        crate::shown(&self.name)
+                    )));
+                }
+                (m.priority as usize).min(levels - 1)
+            }
+            _ => 0,
+        };
         let max_item = config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
@@ -531,7 +643,6 @@ impl Queue {
             messages.drain(..skip);
             self.lock().counters.dropped += skip as u64;
         }
-        let n = messages.len() as u64;
         if let Some((budget, _)) = &self.memory
             && !budget.fits(size)
         {
@@ -542,6 +653,34 @@ impl Queue {
             )));
         }
         let mut inner = self.lock();
+        let keyed = messages.iter().any(|m| !m.idempotency_key.is_empty());
+        if keyed {
+            let (max_keys, window_ns) = config::dedup_window_of(&config);
+            inner.dedup.evict(max_keys, window_ns, now_ns);
+            match inner.repeats(messages) {
+                Repeats::None => {}
+                Repeats::All(originals) => {
+                    let n = messages.len() as u32;
+                    inner.counters.deduplicated += u64::from(n);
+                    messages.clear();
+                    drop(inner);
+                    // Answered only once the originals are as durable as a new offer would be.
+                    let last = *originals.iter().max().expect("an offer of repeats has some");
+                    let unsynced = (self.syncs_every_offer || durable_asked)
+                        .then(|| message::queue_position(last))
+                        .flatten()
+                        .map(|(level, offset)| Unsynced { level, offset });
+                    return Ok((originals[0], n, unsynced));
+                }
+                Repeats::Some(repeated) => {
+                    inner.counters.deduplicated += repeated.iter().filter(|r| **r).count() as u64;
+                    let mut it = repeated.iter();
+                    messages.retain(|_| !*it.next().expect("one flag per message"));
+                    size = messages.iter().map(Message::size).sum();
+                }
+            }
+        }
+        let n = messages.len() as u64;
         let fits = |inner: &Inner| {
             (max_items == 0 || inner.items() + n <= max_items) && (max_bytes == 0 || inner.bytes + size <= max_bytes)
         };
@@ -568,10 +707,20 @@ impl Queue {
             if ttl_deadline != u64::MAX && (m.expires_at == 0 || m.expires_at > ttl_deadline) {
                 m.expires_at = ttl_deadline;
             }
+            m.priority = level as u8;
         }
         let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
-        let first = match &mut inner.store {
-            Store::Memory { ready, next_id } => {
+        let keys: Vec<(usize, String)> = match keyed {
+            true => messages
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| !m.idempotency_key.is_empty())
+                .map(|(i, m)| (i, m.idempotency_key.clone()))
+                .collect(),
+            false => Vec::new(),
+        };
+        let (first, last) = match &mut inner.store {
+            Store::Memory { levels, next_id } => {
                 let first = *next_id;
                 for (i, mut m) in messages.drain(..).enumerate() {
                     m.id = first + i as u64;
@@ -582,45 +731,55 @@ impl Queue {
                     for (_, value) in &mut m.headers {
                         *value = bytes::Bytes::copy_from_slice(value);
                     }
-                    ready.push_back(m);
+                    levels[level].push_back(m);
                 }
                 *next_id += n;
-                first
+                (first, None)
             }
-            Store::Log { log, .. } => {
-                let first = message::append_unsynced(log, messages)?.start + 1;
+            Store::Log { lanes } => {
+                let range = message::append_unsynced(&lanes[level].log, messages)?;
                 messages.clear();
-                first
+                let last = range.end.checked_sub(1).map(|offset| Unsynced { level, offset });
+                (message::queue_id(level, range.start), last)
             }
         };
+        for (i, key) in keys {
+            inner.dedup.remember(&key, first + i as u64, level, now_ns);
+        }
+        if let Some(expiry) = inner.dedup_expiry(&config) {
+            self.due_ns.fetch_min(expiry, Ordering::Relaxed);
+        }
         inner.waiting += n;
+        inner.waiting_at[level] += n;
         inner.bytes += size;
         inner.counters.total_offered += n;
         if let Some(earliest) = earliest_expiry {
             self.due_ns.fetch_min(earliest, Ordering::Relaxed);
         }
         drop(inner);
-        // The last record's offset is its id − 1.
-        let unsynced = ((self.syncs_every_offer || durable_asked) && n > 0).then(|| first + n - 2);
+        let unsynced = if self.syncs_every_offer || durable_asked { last } else { None };
         if !self.syncs_every_offer {
             self.available.notify_waiters();
         }
         Ok((first, n as u32, unsynced))
     }
 
-    /// Returns once the log's record `offset` (an `offer_unsynced`'s) is on disk, and hands it
-    /// and every record before it to consumers. Blocks on the disk: not for an async runtime's
-    /// own threads.
-    pub(crate) fn wait_durable(&self, offset: u64) -> Result<(), BrokerError> {
-        let Some(log) = &self.log else { return Ok(()) };
+    /// Returns once the log's record `last` (an `offer_unsynced`'s) is on disk, and hands it
+    /// and every record before it in its log to consumers. Blocks on the disk: not for an async
+    /// runtime's own threads.
+    pub(crate) fn wait_durable(&self, last: Unsynced) -> Result<(), BrokerError> {
+        let Some(log) = self.logs.get(last.level) else { return Ok(()) };
         if !self.syncs_every_offer {
             // A message that asked to be durable; consumers have it already (the policy allows).
-            return Ok(log.make_durable(offset)?);
+            return Ok(log.make_durable(last.offset)?);
         }
-        log.wait_durable(offset)?;
+        log.wait_durable(last.offset)?;
         let mut inner = self.lock();
-        // Syncs cover a prefix of the log: everything up to `offset` is durable now.
-        inner.visible_end = inner.visible_end.max(offset + 1);
+        if let Store::Log { lanes } = &mut inner.store {
+            // Syncs cover a prefix of the log: everything up to `offset` is durable now.
+            let lane = &mut lanes[last.level];
+            lane.visible_end = lane.visible_end.max(last.offset + 1);
+        }
         // The head may have just become visible: let the tick learn when it expires (a tick in
         // between saw no head and may have set no time to look).
         inner.head_taken = true;
@@ -642,11 +801,12 @@ impl Queue {
         next_handle: &mut dyn FnMut() -> u64,
     ) -> Result<Polled, BrokerError> {
         let mut out = Polled::default();
+        let period = config::lower_level_period(&self.config());
         let mut guard = self.lock();
         let inner = &mut *guard;
         let mut answer_bytes = 0u64;
         while out.deliveries.len() < max {
-            let Some((message, taken)) = inner.next()? else { break };
+            let Some((message, taken)) = inner.next(period)? else { break };
             let size = message.size();
             if message.is_expired(now_ns) {
                 inner.settle(&taken)?;
@@ -789,17 +949,27 @@ impl Queue {
             inner.in_flight.iter().filter(|(_, f)| f.deadline_ns <= now_ns).map(|(h, _)| *h).collect();
         let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen")).collect();
         let over_limit = inner.return_reads(returned, max_deliveries)?;
-        // Expired messages at the head go (to the dead-letter queue), in memory and on disk
-        // alike; ones behind an unexpired head wait until they reach it, as in Kestrel.
+        // Expired messages at the head of each level go (to the dead-letter queue), in memory
+        // and on disk alike; ones behind an unexpired head wait until they reach it, as in
+        // Kestrel.
         let mut expired = Vec::new();
-        while let Some(head) = inner.head()?
-            && head.is_expired(now_ns)
-        {
-            inner.drop_oldest()?;
-            inner.counters.expired += 1;
-            expired.push(head);
+        for level in 0..inner.waiting_at.len() {
+            while let Some(head) = inner.head_at(level)?
+                && head.is_expired(now_ns)
+            {
+                inner.drop_head(level)?;
+                inner.counters.expired += 1;
+                expired.push(head);
+            }
         }
-        self.due_ns.store(inner.next_due()?, Ordering::Relaxed);
+        let config = self.config();
+        let (max_keys, window_ns) = config::dedup_window_of(&config);
+        inner.dedup.evict(max_keys, window_ns, now_ns);
+        if inner.dedup.take_forgotten() {
+            inner.move_dedup_cursors()?;
+        }
+        let due = inner.next_due()?.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX));
+        self.due_ns.store(due, Ordering::Relaxed);
         drop(inner);
         if !overdue.is_empty() {
             self.available.notify_waiters();
@@ -853,19 +1023,21 @@ impl Queue {
             in_flight: inner.in_flight.len() as u64,
             in_flight_bytes: inner.in_flight.values().map(|f| f.bytes).sum(),
             waiters: self.waiters.load(Ordering::Relaxed),
+            dedup_keys: inner.dedup.len() as u64,
             ..inner.counters.clone()
         }
     }
 
-    /// The message at the head, left in place; expired messages before it are removed and
-    /// returned (for the dead-letter queue).
+    /// The message at the head of the highest level that has one, left in place; expired
+    /// messages before it are removed and returned (for the dead-letter queue).
     pub fn peek(&self, now_ns: u64) -> Result<(Option<Message>, Vec<Message>), BrokerError> {
         let mut expired = Vec::new();
         let mut inner = self.lock();
         let head = loop {
-            match inner.head()? {
+            let Some(level) = inner.highest_level()? else { break None };
+            match inner.head_at(level)? {
                 Some(m) if m.is_expired(now_ns) => {
-                    inner.drop_oldest()?;
+                    inner.drop_head(level)?;
                     inner.counters.expired += 1;
                     expired.push(m);
                 }
@@ -890,47 +1062,150 @@ impl Drop for Queue {
     }
 }
 
+/// What an offer's idempotency keys found (`Inner::repeats`).
+enum Repeats {
+    None,
+    /// Every message is a repeat: the originals' ids, in the offer's order.
+    All(Vec<u64>),
+    /// Some are: which.
+    Some(Vec<bool>),
+}
+
 impl Inner {
-    /// When `tick` next has work: the earliest visibility deadline, or the head's expiry. (Only
-    /// the head's: an offer lowers `due` with its own expiry, and `Locked` with a new head's.)
+    /// Which of `messages` are repeats: their key is remembered, or an earlier message of the
+    /// same offer carries it.
+    fn repeats(&self, messages: &[Message]) -> Repeats {
+        let mut originals = Vec::with_capacity(messages.len());
+        let mut repeated = Vec::with_capacity(messages.len());
+        let mut seen = std::collections::HashSet::new();
+        for m in messages {
+            let key = m.idempotency_key.as_str();
+            let original = if key.is_empty() { None } else { self.dedup.get(key) };
+            originals.extend(original);
+            repeated.push(original.is_some() || (!key.is_empty() && !seen.insert(key)));
+        }
+        if originals.len() == messages.len() {
+            Repeats::All(originals)
+        } else if repeated.iter().any(|r| *r) {
+            Repeats::Some(repeated)
+        } else {
+            Repeats::None
+        }
+    }
+
+    /// When the tick must next forget idempotency keys by time, if any are remembered.
+    fn dedup_expiry(&self, config: &QueueConfig) -> Option<u64> {
+        let (_, window_ns) = config::dedup_window_of(config);
+        Some(self.dedup.next_expiry(window_ns)).filter(|&t| t != u64::MAX)
+    }
+
+    /// Moves each log's `dedup` group up to the oldest record holding a key the queue still
+    /// remembers (the log's end if none), so that retention may take what is before it.
+    fn move_dedup_cursors(&mut self) -> Result<(), BrokerError> {
+        let Store::Log { lanes } = &mut self.store else { return Ok(()) };
+        for (level, lane) in lanes.iter_mut().enumerate() {
+            let oldest = self.dedup.oldest_id_at(level).and_then(message::queue_position).map(|(_, offset)| offset);
+            let to = oldest.unwrap_or_else(|| lane.log.next_offset());
+            if to > lane.dedup.committed() {
+                lane.dedup.seek(petrel_log::SeekTo::Offset(to))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// When `tick` next has work: the earliest visibility deadline, or a head's expiry. (Only
+    /// the heads': an offer lowers `due` with its own expiry, and `Locked` with a new head's.)
     fn next_due(&mut self) -> Result<u64, BrokerError> {
         let expiry = self.head_expiry()?;
         Ok(self.in_flight.values().map(|f| f.deadline_ns).chain(expiry).min().unwrap_or(u64::MAX))
     }
 
-    /// When the message at the head expires, if it does.
+    /// When the earliest-expiring message at the head of a level expires, if one does.
     fn head_expiry(&mut self) -> Result<Option<u64>, BrokerError> {
-        let visible_end = self.visible_end;
-        let expires_at = match &mut self.store {
-            Store::Memory { ready, .. } => ready.front().map(|m| m.expires_at),
-            Store::Log { group, markers_unread, .. } => {
-                skip_markers(group, markers_unread)?;
-                group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::expires_at(&r))
-            }
-        };
-        Ok(expires_at.filter(|&e| e != 0))
+        let mut earliest = None;
+        for level in 0..self.waiting_at.len() {
+            let expires_at = match &mut self.store {
+                Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
+                Store::Log { lanes } => lanes[level].head()?.map(|r| message::expires_at(&r)),
+            };
+            earliest = earliest.into_iter().chain(expires_at.filter(|&e| e != 0)).min();
+        }
+        Ok(earliest)
     }
 
-    /// The message at the head, left in place (its id set).
-    fn head(&mut self) -> Result<Option<Message>, BrokerError> {
-        let visible_end = self.visible_end;
+    /// The message at the head of `level`, left in place (its id and priority set).
+    fn head_at(&mut self, level: usize) -> Result<Option<Message>, BrokerError> {
         Ok(match &mut self.store {
-            Store::Memory { ready, .. } => ready.front().cloned(),
-            Store::Log { group, markers_unread, .. } => {
-                skip_markers(group, markers_unread)?;
-                group.peek()?.filter(|r| r.offset < visible_end).map(|r| message::from_record(&r))
-            }
+            Store::Memory { levels, .. } => levels[level].front().cloned(),
+            Store::Log { lanes } => lanes[level].head()?.map(|r| stored(level, &r)),
         })
+    }
+
+    /// The highest level with a message to hand out now.
+    fn highest_level(&mut self) -> Result<Option<usize>, BrokerError> {
+        for level in (0..self.waiting_at.len()).rev() {
+            if self.waiting_at[level] > 0 && self.has_head(level)? {
+                return Ok(Some(level));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `level` has a message to hand out now (on disk: one its offer is not still
+    /// waiting to sync).
+    fn has_head(&mut self, level: usize) -> Result<bool, BrokerError> {
+        Ok(match &mut self.store {
+            Store::Memory { levels, .. } => !levels[level].is_empty(),
+            Store::Log { lanes } => lanes[level].head()?.is_some(),
+        })
+    }
+
+    /// When the message at the head of `level` was offered (`u64::MAX`: none to hand out).
+    fn head_offered_at(&mut self, level: usize) -> Result<u64, BrokerError> {
+        if self.waiting_at[level] == 0 {
+            return Ok(u64::MAX);
+        }
+        Ok(match &mut self.store {
+            Store::Memory { levels, .. } => levels[level].front().map_or(u64::MAX, |m| m.timestamp),
+            Store::Log { lanes } => lanes[level].head()?.map_or(u64::MAX, |r| r.timestamp),
+        })
+    }
+
+    /// The level the next take comes from: the highest with a message, but for one take in
+    /// every `period` while lower levels have messages, which goes to the lower level whose
+    /// head has waited longest (so that no level starves).
+    fn choose_level(&mut self, period: u32) -> Result<Option<usize>, BrokerError> {
+        let Some(top) = self.highest_level()? else { return Ok(None) };
+        if !self.waiting_at[..top].iter().any(|&n| n > 0) {
+            return Ok(Some(top));
+        }
+        self.takes_from_top += 1;
+        if self.takes_from_top < period {
+            return Ok(Some(top));
+        }
+        let mut oldest = (u64::MAX, top);
+        for level in 0..top {
+            let at = self.head_offered_at(level)?;
+            if at < oldest.0 {
+                oldest = (at, level);
+            }
+        }
+        if oldest.1 != top {
+            self.takes_from_top = 0;
+        }
+        Ok(Some(oldest.1))
     }
 
     /// Messages waiting (not in flight).
     fn items(&self) -> u64 {
+        debug_assert_eq!(self.waiting, self.waiting_at.iter().sum::<u64>(), "a queue's count is its levels'");
         debug_assert_eq!(
             self.waiting,
             match &self.store {
-                Store::Memory { ready, .. } => ready.len() as u64,
-                Store::Log { group, markers_unread, .. } => {
-                    group.unacknowledged() - self.in_flight.len() as u64 - *markers_unread
+                Store::Memory { levels, .. } => levels.iter().map(|l| l.len() as u64).sum(),
+                Store::Log { lanes } => {
+                    lanes.iter().map(|l| l.group.unacknowledged() - l.markers_unread).sum::<u64>()
+                        - self.in_flight.len() as u64
                 }
             },
             "a queue's count matches its store"
@@ -938,35 +1213,44 @@ impl Inner {
         self.waiting
     }
 
-    /// The next message at the head, taken out of the ready set (not yet settled), its
-    /// `deliveries` counting this one.
-    fn next(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
-        let next = self.next_from_store()?;
+    /// The next message, from the level `choose_level` picks, taken out of the ready set (not
+    /// yet settled), its `deliveries` counting this one.
+    fn next(&mut self, period: u32) -> Result<Option<(Message, Taken)>, BrokerError> {
+        let level = match self.waiting_at.len() {
+            1 => 0,
+            _ => match self.choose_level(period)? {
+                Some(level) => level,
+                None => return Ok(None),
+            },
+        };
+        let next = self.next_at(level)?;
         if next.is_some() {
             counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
+            counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
             self.head_taken = true;
         }
         Ok(next)
     }
 
-    fn next_from_store(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
-        let visible_end = self.visible_end;
+    fn next_at(&mut self, level: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
         match &mut self.store {
-            Store::Memory { ready, .. } => Ok(ready.pop_front().map(|mut m| {
+            Store::Memory { levels, .. } => Ok(levels[level].pop_front().map(|mut m| {
                 m.deliveries += 1;
                 (m.clone(), Taken::Memory(Box::new(m)))
             })),
-            Store::Log { group, returns, markers_unread, .. } => {
-                skip_markers(group, markers_unread)?;
+            Store::Log { lanes } => {
+                let lane = &mut lanes[level];
                 // A record an offer still waits to sync for stays where it is (peek and poll
                 // pick the same record: a returned one first, else the next in the log).
-                if visible_end != u64::MAX && group.peek()?.is_none_or(|r| r.offset >= visible_end) {
+                if lane.visible_end != u64::MAX && lane.head()?.is_none() {
                     return Ok(None);
                 }
-                match group.poll(1, Duration::ZERO) {
+                skip_markers(&mut lane.group, &mut lane.markers_unread)?;
+                match lane.group.poll(1, Duration::ZERO) {
                     Ok(batch) => Ok(batch.into_iter().next().map(|r| {
-                        let deliveries = deliveries_of(returns, r.offset);
-                        (Message { deliveries, ..message::from_record(&r) }, Taken::Log(r.offset))
+                        let deliveries = deliveries_of(&lane.returns, r.offset);
+                        let taken = Taken::Log { level, offset: r.offset };
+                        (Message { deliveries, ..stored(level, &r) }, taken)
                     })),
                     Err(petrel_log::Error::TooManyPending { .. }) => Ok(None),
                     Err(e) => Err(e.into()),
@@ -978,9 +1262,10 @@ impl Inner {
     /// A taken message is gone for good.
     fn settle(&mut self, taken: &Taken) -> Result<(), BrokerError> {
         match (&mut self.store, taken) {
-            (Store::Log { group, returns, .. }, Taken::Log(offset)) => {
-                returns.remove(offset);
-                Ok(group.ack(*offset)?)
+            (Store::Log { lanes }, Taken::Log { level, offset }) => {
+                let lane = &mut lanes[*level];
+                lane.returns.remove(offset);
+                Ok(lane.group.ack(*offset)?)
             }
             _ => Ok(()),
         }
@@ -994,7 +1279,7 @@ impl Inner {
         for read in reads {
             let deliveries = match (&self.store, &read.item) {
                 (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
-                (Store::Log { returns, .. }, Taken::Log(offset)) => deliveries_of(returns, *offset),
+                (Store::Log { lanes }, Taken::Log { level, offset }) => deliveries_of(&lanes[*level].returns, *offset),
                 _ => unreachable!("a queue's takings match its store"),
             };
             if max_deliveries == 0 || deliveries < max_deliveries {
@@ -1004,7 +1289,7 @@ impl Inner {
             }
             let message = match &read.item {
                 Taken::Memory(m) => (**m).clone(),
-                Taken::Log(offset) => Message { deliveries, ..self.read_stored(*offset)? },
+                Taken::Log { level, offset } => Message { deliveries, ..self.read_stored(*level, *offset)? },
             };
             self.settle(&read.item)?;
             counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
@@ -1014,59 +1299,73 @@ impl Inner {
         Ok(over_limit)
     }
 
-    /// The message stored at `offset` of a durable queue's log.
-    fn read_stored(&self, offset: u64) -> Result<Message, BrokerError> {
-        let Store::Log { log, .. } = &self.store else { unreachable!("only a log stores by offset") };
-        let mut reader = log.reader();
+    /// The message stored at `offset` of a durable queue's log for `level`.
+    fn read_stored(&self, level: usize, offset: u64) -> Result<Message, BrokerError> {
+        let Store::Log { lanes } = &self.store else { unreachable!("only a log stores by offset") };
+        let mut reader = lanes[level].log.reader();
         reader.seek(offset);
         let batch = reader.read_batch(1)?;
         let record = batch.into_iter().next().filter(|r| r.offset == offset);
         let record = record.expect("an unacknowledged record is in the log");
-        Ok(message::from_record(&record))
+        Ok(stored(level, &record))
     }
 
-    /// A taken message goes back to the head, among other returned ones in the order they were
-    /// offered: a queue is always in offer order, in memory as on disk (where the group
-    /// redelivers the lowest offset first). `delivered`: it was handed out and came back (the
-    /// delivery counts); else it never left (a poll's answer was full), and does not.
+    /// A taken message goes back to the head of its level, among other returned ones in the
+    /// order they were offered: a level is always in offer order, in memory as on disk (where
+    /// the group redelivers the lowest offset first). `delivered`: it was handed out and came
+    /// back (the delivery counts); else it never left (a poll's answer was full), and does not.
     fn put_back(&mut self, taken: Taken, delivered: bool) -> Result<(), BrokerError> {
+        let level = taken.level();
         match (&mut self.store, taken) {
-            (Store::Memory { ready, .. }, Taken::Memory(mut m)) => {
+            (Store::Memory { levels, .. }, Taken::Memory(mut m)) => {
                 if !delivered {
                     m.deliveries -= 1;
                 }
-                // `ready` is sorted by id: offers append higher ids, and this keeps it so.
+                // A level is sorted by id: offers append higher ids, and this keeps it so.
+                let ready = &mut levels[level];
                 let at = ready.partition_point(|waiting| waiting.id < m.id);
                 ready.insert(at, *m);
             }
-            (Store::Log { log, group, returns, markers_unread }, Taken::Log(offset)) => {
+            (Store::Log { lanes }, Taken::Log { offset, .. }) => {
+                let lane = &mut lanes[level];
                 if delivered {
                     // The marker first: a crash after it counts the delivery, one before it
                     // redelivers anyway (nothing in flight survives a restart).
-                    message::append_returned(log, offset)?;
-                    *markers_unread += 1;
-                    *returns.entry(offset).or_default() += 1;
+                    message::append_returned(&lane.log, offset)?;
+                    lane.markers_unread += 1;
+                    *lane.returns.entry(offset).or_default() += 1;
                 }
-                group.nack(offset)?;
+                lane.group.nack(offset)?;
             }
             _ => unreachable!("a queue's takings match its store"),
         }
         self.waiting += 1;
+        self.waiting_at[level] += 1;
         Ok(())
     }
 
-    /// Drops the oldest waiting message; `false` if there is none.
+    /// Drops the oldest waiting message of the lowest level that has one (a full circular
+    /// queue gives up its least urgent first); `false` if there is none.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
+        match self.waiting_at.iter().position(|&n| n > 0) {
+            Some(level) => self.drop_head(level),
+            None => Ok(false),
+        }
+    }
+
+    /// Drops the message at the head of `level`; `false` if there is none.
+    fn drop_head(&mut self, level: usize) -> Result<bool, BrokerError> {
         match &mut self.store {
-            Store::Memory { ready, .. } => match ready.pop_front() {
+            Store::Memory { levels, .. } => match levels[level].pop_front() {
                 Some(m) => counting::subtract(&mut self.bytes, m.size(), "a queue's bytes"),
                 None => return Ok(false),
             },
-            Store::Log { group, returns, markers_unread, .. } => {
-                skip_markers(group, markers_unread)?;
-                match group.take(Duration::ZERO)? {
+            Store::Log { lanes } => {
+                let lane = &mut lanes[level];
+                skip_markers(&mut lane.group, &mut lane.markers_unread)?;
+                match lane.group.take(Duration::ZERO)? {
                     Some(r) => {
-                        returns.remove(&r.offset);
+                        lane.returns.remove(&r.offset);
                         counting::subtract(&mut self.bytes, message::from_record(&r).size(), "a queue's bytes");
                     }
                     None => return Ok(false),
@@ -1074,9 +1373,15 @@ impl Inner {
             }
         }
         counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
+        counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
         self.head_taken = true;
         Ok(true)
     }
+}
+
+/// The message a durable queue's log for `level` holds in `r`, with its queue id and priority.
+fn stored(level: usize, r: &petrel_log::Record<'_>) -> Message {
+    Message { id: message::queue_id(level, r.offset), priority: level as u8, ..message::from_record(r) }
 }
 
 /// A durable queue's record `offset` handed out now or last: its deliveries, this one included.

@@ -407,6 +407,19 @@ pub enum QueueCommand {
         /// (0: no limit).
         #[arg(long, default_value_t = 0)]
         max_deliveries: u32,
+        /// Priority levels, 2–10 (0: none): polls take the highest level first.
+        #[arg(long, default_value_t = 0)]
+        priorities: u8,
+        /// With --priorities: the percentage of takes (1–50) that go to lower levels while they
+        /// wait (0: 10).
+        #[arg(long, default_value_t = 0)]
+        priority_share: u8,
+        /// Idempotency keys remembered at most (0: 100,000).
+        #[arg(long, default_value_t = 0)]
+        dedup_window: u32,
+        /// How long an idempotency key is remembered, ms (0: 120,000).
+        #[arg(long, default_value_t = 0)]
+        dedup_window_ms: u64,
     },
     /// List the queues (those this user may use).
     List {
@@ -441,6 +454,10 @@ pub fn queue(cmd: QueueCommand) -> Res {
             max_item_bytes,
             durability,
             max_deliveries,
+            priorities,
+            priority_share,
+            dedup_window,
+            dedup_window_ms,
         } => {
             let config = QueueConfig {
                 max_items,
@@ -453,6 +470,10 @@ pub fn queue(cmd: QueueCommand) -> Res {
                 max_item_bytes,
                 durability,
                 max_deliveries,
+                priorities,
+                priority_share,
+                dedup_window,
+                dedup_window_ms,
             };
             server.connect()?.create_queue(&name, config)?;
         }

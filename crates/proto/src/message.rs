@@ -133,6 +133,12 @@ pub struct Message {
     /// On a delivery from a queue: how many times the message has been handed out, this time
     /// included (1 the first time). 0 elsewhere; the server ignores it on offers.
     pub deliveries: u32,
+    /// Its priority level in a queue with `priorities` (higher is more urgent; clamped to the
+    /// queue's highest level, 0 in a queue without levels). Delivered as stored.
+    pub priority: u8,
+    /// A producer's key for this offer: a queue stores a message with a key it has seen within
+    /// its dedup window once, and answers a repeat with the original's id. Delivered as stored.
+    pub idempotency_key: String,
     pub request_id: String,
     pub subject: String,
     pub destination: String,
@@ -155,6 +161,9 @@ const FLAG_ZSTD: u8 = 2;
 /// present exactly when it is not zero (so an encoder that knows none writes 0, the byte's old
 /// "reserved").
 const EXT_DELIVERIES: u8 = 1;
+const EXT_PRIORITY: u8 = 2;
+const EXT_IDEMPOTENCY_KEY: u8 = 4;
+const EXT_KNOWN: u8 = EXT_DELIVERIES | EXT_PRIORITY | EXT_IDEMPOTENCY_KEY;
 
 impl Message {
     pub fn new(payload: impl Into<Bytes>) -> Message {
@@ -176,6 +185,8 @@ impl Message {
     pub fn encoded_len(&self) -> usize {
         MESSAGE_MIN_LEN
             + if self.deliveries != 0 { 4 } else { 0 }
+            + if self.priority != 0 { 1 } else { 0 }
+            + if self.idempotency_key.is_empty() { 0 } else { 2 + self.idempotency_key.len() }
             + [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset]
                 .iter()
                 .map(|s| s.len())
@@ -186,8 +197,15 @@ impl Message {
 
     /// Whether every field fits its length prefix.
     pub(crate) fn check(&self) -> Result<(), crate::EncodeError> {
-        let strings =
-            [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset];
+        let strings = [
+            &self.idempotency_key,
+            &self.request_id,
+            &self.subject,
+            &self.destination,
+            &self.reply_to,
+            &self.mimetype,
+            &self.charset,
+        ];
         if strings.iter().any(|s| s.len() > u16::MAX as usize)
             || self.headers.len() > u16::MAX as usize
             || self.headers.iter().any(|(n, v)| n.len() > u16::MAX as usize || v.len() > u32::MAX as usize)
@@ -203,16 +221,37 @@ impl Message {
         self.encode(&mut Writer { out });
     }
 
+    /// Which optional fields follow `expires_at` (each present exactly when not zero).
+    fn extensions(&self) -> u8 {
+        let mut bits = 0;
+        for (present, bit) in [
+            (self.deliveries != 0, EXT_DELIVERIES),
+            (self.priority != 0, EXT_PRIORITY),
+            (!self.idempotency_key.is_empty(), EXT_IDEMPOTENCY_KEY),
+        ] {
+            if present {
+                bits |= bit;
+            }
+        }
+        bits
+    }
+
     pub(crate) fn encode(&self, w: &mut Writer<'_>) {
         w.u64(self.id);
         w.u8(self.kind as u8);
         w.u8(self.status as u8);
         w.u8(if self.durable { FLAG_DURABLE } else { 0 } | if self.compressed { FLAG_ZSTD } else { 0 });
-        w.u8(if self.deliveries != 0 { EXT_DELIVERIES } else { 0 });
+        w.u8(self.extensions());
         w.u64(self.timestamp);
         w.u64(self.expires_at);
         if self.deliveries != 0 {
             w.u32(self.deliveries);
+        }
+        if self.priority != 0 {
+            w.u8(self.priority);
+        }
+        if !self.idempotency_key.is_empty() {
+            w.text(&self.idempotency_key);
         }
         for s in [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset] {
             w.text(s); // within its prefix: `check` on the way out, the decoder on the way in
@@ -234,7 +273,7 @@ impl Message {
             return Err(DecodeError::BadValue("message flags"));
         }
         let extensions = r.u8("message extensions")?;
-        if extensions & !EXT_DELIVERIES != 0 {
+        if extensions & !EXT_KNOWN != 0 {
             return Err(DecodeError::BadValue("message extensions"));
         }
         let timestamp = r.u64("timestamp")?;
@@ -246,6 +285,22 @@ impl Message {
             }
         } else {
             0
+        };
+        let priority = if extensions & EXT_PRIORITY != 0 {
+            match r.u8("priority")? {
+                0 => return Err(DecodeError::BadValue("priority (present, so not 0)")),
+                n => n,
+            }
+        } else {
+            0
+        };
+        let idempotency_key = if extensions & EXT_IDEMPOTENCY_KEY != 0 {
+            match r.str("idempotency_key")? {
+                k if k.is_empty() => return Err(DecodeError::BadValue("idempotency_key (present, so not empty)")),
+                k => k,
+            }
+        } else {
+            String::new()
         };
         let request_id = r.str("request_id")?;
         let subject = r.str("subject")?;
@@ -268,6 +323,8 @@ impl Message {
             timestamp,
             expires_at,
             deliveries,
+            priority,
+            idempotency_key,
             request_id,
             subject,
             destination,

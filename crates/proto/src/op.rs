@@ -86,6 +86,17 @@ pub struct QueueConfig {
     /// passed, its consumer gone) goes to `dead_letter` instead of back to the head (0: no
     /// limit).
     pub max_deliveries: u32,
+    /// Priority levels (2–10; 0: none): polls take the highest level that has a message, in
+    /// offer order within a level.
+    pub priorities: u8,
+    /// With `priorities`: the percentage of takes (1–50; 0: 10) that go to the lower levels'
+    /// longest-waiting message while they have one, so that no level starves.
+    pub priority_share: u8,
+    /// Idempotency keys remembered at most (0: 100,000): a message offered with a key the queue
+    /// remembers is stored once.
+    pub dedup_window: u32,
+    /// How long an idempotency key is remembered, ms (0: 120,000).
+    pub dedup_window_ms: u64,
 }
 
 const FLAG_CIRCULAR: u8 = 1;
@@ -95,6 +106,15 @@ const FLAG_TEMPORARY: u8 = 4;
 /// The extensions byte of a queue configuration: which optional fields follow `durability`, in
 /// bit order; a field is present exactly when it is not zero.
 const QUEUE_EXT_MAX_DELIVERIES: u8 = 1;
+const QUEUE_EXT_PRIORITIES: u8 = 2;
+const QUEUE_EXT_PRIORITY_SHARE: u8 = 4;
+const QUEUE_EXT_DEDUP_WINDOW: u8 = 8;
+const QUEUE_EXT_DEDUP_WINDOW_MS: u8 = 16;
+const QUEUE_EXT_KNOWN: u8 = QUEUE_EXT_MAX_DELIVERIES
+    | QUEUE_EXT_PRIORITIES
+    | QUEUE_EXT_PRIORITY_SHARE
+    | QUEUE_EXT_DEDUP_WINDOW
+    | QUEUE_EXT_DEDUP_WINDOW_MS;
 
 impl QueueConfig {
     fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
@@ -109,13 +129,37 @@ impl QueueConfig {
             }
         }
         w.u8(flags);
-        w.u8(if self.max_deliveries != 0 { QUEUE_EXT_MAX_DELIVERIES } else { 0 });
+        let mut extensions = 0;
+        for (present, bit) in [
+            (self.max_deliveries != 0, QUEUE_EXT_MAX_DELIVERIES),
+            (self.priorities != 0, QUEUE_EXT_PRIORITIES),
+            (self.priority_share != 0, QUEUE_EXT_PRIORITY_SHARE),
+            (self.dedup_window != 0, QUEUE_EXT_DEDUP_WINDOW),
+            (self.dedup_window_ms != 0, QUEUE_EXT_DEDUP_WINDOW_MS),
+        ] {
+            if present {
+                extensions |= bit;
+            }
+        }
+        w.u8(extensions);
         w.u64(self.ttl_ms);
         w.str(&self.dead_letter)?;
         w.u64(self.max_item_bytes);
         w.str(&self.durability)?;
         if self.max_deliveries != 0 {
             w.u32(self.max_deliveries);
+        }
+        if self.priorities != 0 {
+            w.u8(self.priorities);
+        }
+        if self.priority_share != 0 {
+            w.u8(self.priority_share);
+        }
+        if self.dedup_window != 0 {
+            w.u32(self.dedup_window);
+        }
+        if self.dedup_window_ms != 0 {
+            w.u64(self.dedup_window_ms);
         }
         Ok(())
     }
@@ -128,7 +172,7 @@ impl QueueConfig {
             return Err(DecodeError::BadValue("queue flags"));
         }
         let extensions = r.u8("queue extensions")?;
-        if extensions & !QUEUE_EXT_MAX_DELIVERIES != 0 {
+        if extensions & !QUEUE_EXT_KNOWN != 0 {
             return Err(DecodeError::BadValue("queue extensions"));
         }
         let mut config = QueueConfig {
@@ -141,11 +185,35 @@ impl QueueConfig {
             dead_letter: r.str("dead_letter")?,
             max_item_bytes: r.u64("max_item_bytes")?,
             durability: r.str("durability")?,
-            max_deliveries: 0,
+            ..QueueConfig::default()
         };
         if extensions & QUEUE_EXT_MAX_DELIVERIES != 0 {
             config.max_deliveries = match r.u32("max_deliveries")? {
                 0 => return Err(DecodeError::BadValue("max_deliveries (present, so not 0)")),
+                n => n,
+            };
+        }
+        if extensions & QUEUE_EXT_PRIORITIES != 0 {
+            config.priorities = match r.u8("priorities")? {
+                0 => return Err(DecodeError::BadValue("priorities (present, so not 0)")),
+                n => n,
+            };
+        }
+        if extensions & QUEUE_EXT_PRIORITY_SHARE != 0 {
+            config.priority_share = match r.u8("priority_share")? {
+                0 => return Err(DecodeError::BadValue("priority_share (present, so not 0)")),
+                n => n,
+            };
+        }
+        if extensions & QUEUE_EXT_DEDUP_WINDOW != 0 {
+            config.dedup_window = match r.u32("dedup_window")? {
+                0 => return Err(DecodeError::BadValue("dedup_window (present, so not 0)")),
+                n => n,
+            };
+        }
+        if extensions & QUEUE_EXT_DEDUP_WINDOW_MS != 0 {
+            config.dedup_window_ms = match r.u64("dedup_window_ms")? {
+                0 => return Err(DecodeError::BadValue("dedup_window_ms (present, so not 0)")),
                 n => n,
             };
         }

@@ -110,32 +110,44 @@ fn message() -> impl Strategy<Value = Message> {
         any::<u64>(),
         0u8..4,
         any::<(bool, bool)>(),
-        any::<(u64, u64, u32)>(),
+        (any::<(u64, u64, u32)>(), any::<u8>(), ".{0,12}"),
         prop::collection::vec(".{0,12}", 6),
         prop::collection::vec((".{0,8}", prop::collection::vec(any::<u8>(), 0..16)), 0..4),
         prop::collection::vec(any::<u8>(), 0..200),
     )
-        .prop_map(|(id, kind, (durable, compressed), (timestamp, expires_at, deliveries), s, headers, payload)| {
-            Message {
+        .prop_map(
+            |(
                 id,
-                kind: [MessageKind::Message, MessageKind::Request, MessageKind::Reply, MessageKind::Oneway]
-                    [kind as usize],
-                status: Status::Ok,
-                durable,
-                compressed,
-                timestamp,
-                expires_at,
-                deliveries,
-                request_id: s[0].clone(),
-                subject: s[1].clone(),
-                destination: s[2].clone(),
-                reply_to: s[3].clone(),
-                mimetype: s[4].clone(),
-                charset: s[5].clone(),
-                headers: headers.into_iter().map(|(n, v)| (n, v.into())).collect(),
-                payload: payload.into(),
-            }
-        })
+                kind,
+                (durable, compressed),
+                ((timestamp, expires_at, deliveries), priority, key),
+                s,
+                headers,
+                payload,
+            )| {
+                Message {
+                    id,
+                    kind: [MessageKind::Message, MessageKind::Request, MessageKind::Reply, MessageKind::Oneway]
+                        [kind as usize],
+                    status: Status::Ok,
+                    durable,
+                    compressed,
+                    timestamp,
+                    expires_at,
+                    deliveries,
+                    priority,
+                    idempotency_key: key,
+                    request_id: s[0].clone(),
+                    subject: s[1].clone(),
+                    destination: s[2].clone(),
+                    reply_to: s[3].clone(),
+                    mimetype: s[4].clone(),
+                    charset: s[5].clone(),
+                    headers: headers.into_iter().map(|(n, v)| (n, v.into())).collect(),
+                    payload: payload.into(),
+                }
+            },
+        )
 }
 
 proptest! {

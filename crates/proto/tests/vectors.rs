@@ -43,6 +43,8 @@ fn full_message() -> Message {
         timestamp: 0,
         expires_at: 1_700_000_060_000_000_000,
         deliveries: 0,
+        priority: 0,
+        idempotency_key: String::new(),
         request_id: "req-1".into(),
         subject: "coffee".into(),
         destination: "orders".into(),
@@ -151,6 +153,10 @@ fn cases() -> Vec<Vector> {
                     max_item_bytes: 65_536,
                     durability: q("always"),
                     max_deliveries: 0,
+                    priorities: 0,
+                    priority_share: 0,
+                    dedup_window: 0,
+                    dedup_window_ms: 0,
                 },
             },
         ),
@@ -164,6 +170,22 @@ fn cases() -> Vec<Vector> {
                     durable: true,
                     dead_letter: q("jobs.poison"),
                     max_deliveries: 5,
+                    ..QueueConfig::default()
+                },
+            },
+        ),
+        request(
+            "queue_create_priorities_dedup",
+            "a durable queue with 3 priority levels (a 20% share for the lower ones) that remembers 50,000 idempotency keys for 60 s: extensions 2|4|8|16 = 30, then priorities, priority_share, dedup_window and dedup_window_ms after durability",
+            3,
+            Request::QueueCreate {
+                name: q("work"),
+                config: QueueConfig {
+                    durable: true,
+                    priorities: 3,
+                    priority_share: 20,
+                    dedup_window: 50_000,
+                    dedup_window_ms: 60_000,
                     ..QueueConfig::default()
                 },
             },
@@ -210,6 +232,16 @@ fn cases() -> Vec<Vector> {
             "one message with only a payload",
             7,
             Request::Offer { queue: q("orders"), timeout_ms: 0, messages: vec![Message::new(&b"hello"[..])] },
+        ),
+        request(
+            "offer_priority_key",
+            "one urgent message (priority 2) with an idempotency key, so that a retry of this offer is stored once: extensions 2|4 = 6, then the priority and the key after expires_at",
+            7,
+            Request::Offer {
+                queue: q("work"),
+                timeout_ms: 0,
+                messages: vec![Message { priority: 2, idempotency_key: q("order-1234"), ..Message::new(&b"rush"[..]) }],
+            },
         ),
         request(
             "offer_compressed",

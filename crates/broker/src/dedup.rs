@@ -1,0 +1,114 @@
+//! A queue's memory of idempotency keys: which keys it stored a message for, within a window
+//! bounded by count and by time, so that a repeated offer (a producer's retry after a lost
+//! answer) is answered with the original's id instead of being stored twice.
+//!
+//! Nothing here is written anywhere: a durable queue keeps each key in its message's own record
+//! (durable with the message, by the same sync) and rebuilds this window from its log on open;
+//! the queue's `dedup` consumer group trails the oldest remembered key so that retention keeps
+//! those records after their messages are consumed (`Queue::on_log`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+/// The keys a queue remembers, oldest first.
+#[derive(Debug, Default)]
+pub(crate) struct DedupWindow {
+    ids: HashMap<Arc<str>, u64>,
+    order: VecDeque<Remembered>,
+    /// Keys remembered per priority level (for the oldest key of a level, without a full scan).
+    per_level: Vec<u64>,
+    /// Keys forgotten since `take_forgotten` last looked.
+    forgotten: bool,
+}
+
+#[derive(Debug)]
+struct Remembered {
+    key: Arc<str>,
+    /// The id of the message stored with it.
+    id: u64,
+    level: usize,
+    /// When it was stored, ns.
+    at_ns: u64,
+}
+
+impl DedupWindow {
+    pub fn new(levels: usize) -> DedupWindow {
+        DedupWindow { per_level: vec![0; levels], ..DedupWindow::default() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// The id of the message stored with `key`, if remembered.
+    pub fn get(&self, key: &str) -> Option<u64> {
+        self.ids.get(key).copied()
+    }
+
+    /// Remembers `key` for the message `id` (at priority `level`), stored at `at_ns`: later
+    /// than every key remembered before (the queue's lock orders offers).
+    pub fn remember(&mut self, key: &str, id: u64, level: usize, at_ns: u64) {
+        let key: Arc<str> = Arc::from(key);
+        let earlier = self.ids.insert(Arc::clone(&key), id);
+        debug_assert!(earlier.is_none(), "a remembered key is a repeat, never stored again");
+        self.per_level[level] += 1;
+        self.order.push_back(Remembered { key, id, level, at_ns });
+    }
+
+    /// Forgets the oldest keys until at most `max_keys` remain, and those stored `window_ns` or
+    /// more before `now_ns`.
+    pub fn evict(&mut self, max_keys: usize, window_ns: u64, now_ns: u64) {
+        while let Some(oldest) = self.order.front() {
+            if self.order.len() <= max_keys && oldest.at_ns.saturating_add(window_ns) > now_ns {
+                break;
+            }
+            let oldest = self.order.pop_front().expect("just seen");
+            if self.ids.get(&oldest.key) == Some(&oldest.id) {
+                self.ids.remove(&oldest.key);
+            }
+            self.per_level[oldest.level] -= 1;
+            self.forgotten = true;
+        }
+    }
+
+    /// When the oldest key is forgotten by time (`u64::MAX`: no key).
+    pub fn next_expiry(&self, window_ns: u64) -> u64 {
+        self.order.front().map_or(u64::MAX, |k| k.at_ns.saturating_add(window_ns))
+    }
+
+    /// Whether keys were forgotten since the last call (the `dedup` cursors may move on).
+    pub fn take_forgotten(&mut self) -> bool {
+        std::mem::take(&mut self.forgotten)
+    }
+
+    /// The id of the oldest key remembered at `level`, if any. Walks from the oldest key until
+    /// it finds one of the level: short unless the level's keys are few among many.
+    pub fn oldest_id_at(&self, level: usize) -> Option<u64> {
+        if self.per_level[level] == 0 {
+            return None;
+        }
+        self.order.iter().find(|k| k.level == level).map(|k| k.id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_forgotten_by_count_and_by_time() {
+        let mut w = DedupWindow::new(2);
+        for i in 0..5u64 {
+            w.remember(&format!("k{i}"), 100 + i, (i % 2) as usize, i * 1_000);
+        }
+        assert_eq!(w.get("k3"), Some(103));
+        assert_eq!(w.oldest_id_at(1), Some(101));
+        w.evict(3, u64::MAX, 10_000);
+        assert_eq!((w.len(), w.get("k1"), w.get("k2")), (3, None, Some(102)));
+        assert!(w.take_forgotten() && !w.take_forgotten());
+        assert_eq!(w.next_expiry(5_000), 7_000);
+        w.evict(3, 5_000, 8_000); // k2 (at 2,000) and k3 (at 3,000) are 5 µs old by 8,000
+        assert_eq!((w.len(), w.get("k3"), w.get("k4")), (1, None, Some(104)));
+        assert_eq!((w.oldest_id_at(0), w.oldest_id_at(1)), (Some(104), None));
+    }
+}
