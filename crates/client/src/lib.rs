@@ -631,7 +631,7 @@ impl Client {
     ) -> Result<Message, ClientError> {
         let timeout_ms = timeout.map_or(0, |t| t.as_millis().clamp(1, u32::MAX as u128) as u32);
         match self.call_op(Request::Call { function: function.into(), timeout_ms, oneway: false, message }).await? {
-            Response::Reply { message } => Ok(message),
+            Response::Reply { message } => Ok(*message),
             other => Err(unexpected(other)),
         }
     }

@@ -768,7 +768,7 @@ pub enum Response {
     },
     /// A function's reply.
     Reply {
-        message: Message,
+        message: Box<Message>,
     },
 }
 
@@ -952,7 +952,7 @@ impl Response {
                 SUBSCRIBE => Response::Subscribed { subscription: r.u64("subscription")? },
                 // A oneway call is answered with nothing after the status.
                 CALL if r.is_empty() => Response::Done,
-                CALL => Response::Reply { message: Message::decode(&mut r)? },
+                CALL => Response::Reply { message: Box::new(Message::decode(&mut r)?) },
                 other => return Err(DecodeError::UnknownOpcode(other)),
             }
         };

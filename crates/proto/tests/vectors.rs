@@ -485,7 +485,7 @@ fn cases() -> Vec<Vector> {
             "the caller gets the reply",
             opcode::CALL,
             26,
-            Response::Reply { message: Message::new(&b"ready"[..]) },
+            Response::Reply { message: Box::new(Message::new(&b"ready"[..])) },
         ),
         response(
             "call_not_found",

@@ -56,7 +56,7 @@ pub(super) fn call(
     let Call { function, message, oneway, timeout } = call;
     let replier = replier(reply_to, permit, session.compress);
     match ctx.broker.call(session.conn, &function, *message, oneway, now_ns(), timeout, replier) {
-        Ok(Called::Replied(m)) => Some(Response::Reply { message: outgoing(*m, session.compress) }),
+        Ok(Called::Replied(m)) => Some(Response::Reply { message: Box::new(outgoing(*m, session.compress)) }),
         Ok(Called::Sent) => Some(Response::Done),
         Ok(Called::Pending { .. }) => None,
         Err(e) => Some(error(e)),
@@ -68,7 +68,7 @@ pub(super) fn call(
 fn replier(to: ReplyTo, permit: OwnedSemaphorePermit, compress: Option<usize>) -> petrel_broker::Replier {
     Box::new(move |outcome| {
         let response = match outcome {
-            Ok(message) => Response::Reply { message: outgoing(message, compress) },
+            Ok(message) => Response::Reply { message: Box::new(outgoing(message, compress)) },
             Err(e) => error(e),
         };
         let mut out = Vec::with_capacity(64);
