@@ -27,7 +27,7 @@
 
 #![forbid(unsafe_code)]
 
-mod config;
+pub mod config;
 mod counting;
 mod dedup;
 mod function;

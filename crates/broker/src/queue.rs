@@ -981,7 +981,7 @@ impl Queue {
     }
 
     /// Whether `tick` may have work at `now`.
-    pub(crate) fn is_due(&self, now_ns: u64) -> bool {
+    pub fn is_due(&self, now_ns: u64) -> bool {
         now_ns >= self.due_ns.load(Ordering::Relaxed)
     }
 

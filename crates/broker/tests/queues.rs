@@ -676,3 +676,163 @@ fn a_message_returned_max_deliveries_times_goes_to_the_dead_letter_queue_with_it
     let nowhere = QueueConfig { max_deliveries: 2, ..QueueConfig::default() };
     assert!(matches!(b.create_queue("q", nowhere, None), Err(BrokerError::BadRequest(e)) if e.contains("dead_letter")));
 }
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+fn at(priority: u8, items: &[&str]) -> Vec<Message> {
+    msgs(items).into_iter().map(|m| Message { priority, ..m }).collect()
+}
+
+fn keyed(pairs: &[(&str, &str)]) -> Vec<Message> {
+    pairs
+        .iter()
+        .map(|(key, p)| Message { idempotency_key: (*key).into(), ..Message::new(p.as_bytes().to_vec()) })
+        .collect()
+}
+
+#[test]
+fn polls_take_the_highest_priority_first_in_offer_order_within_a_level_across_a_restart() {
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        // A share of 25 %: one take in four goes to a lower level while one waits.
+        let config = QueueConfig { durable, priorities: 3, priority_share: 25, ..QueueConfig::default() };
+        let mut b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("work", config.clone(), None).unwrap();
+        let (low_first, _) = b.offer("work", at(0, &["low-1", "low-2"]), 1).unwrap();
+        b.offer("work", at(9, &["urgent-1"]), 2).unwrap(); // above the highest level: clamped to it
+        b.offer("work", at(1, &["mid-1"]), 3).unwrap();
+        b.offer("work", at(2, &["urgent-2", "urgent-3", "urgent-4", "urgent-5"]), 4).unwrap();
+        let mixed = vec![Message { priority: 2, ..Message::new(&b"x"[..]) }, Message::new(&b"y"[..])];
+        assert!(matches!(b.offer("work", mixed, 5), Err(BrokerError::BadRequest(e)) if e.contains("one priority")));
+        if durable {
+            drop(b);
+            b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+            assert!(dir.path().join("queues/work/priority-2").is_dir());
+        }
+        let q = b.queue("work").unwrap();
+        assert_eq!(q.counters().items, 8, "durable {durable}");
+        let d = b.poll("work", 8, VIS, 1, 6).unwrap();
+        // Three from the top, then the lower levels' longest waiting (low-1, offered first),
+        // then the top again (two left), then the next highest level, then the lowest.
+        let got: Vec<String> = d.iter().map(|d| String::from_utf8_lossy(&d.message.payload).into_owned()).collect();
+        assert_eq!(
+            got,
+            ["urgent-1", "urgent-2", "urgent-3", "low-1", "urgent-4", "urgent-5", "mid-1", "low-2"],
+            "durable {durable}"
+        );
+        assert_eq!(d[0].message.priority, 2);
+        assert_eq!((d[3].message.priority, d[3].message.id), (0, low_first));
+        let ids: std::collections::HashSet<u64> = d.iter().map(|d| d.message.id).collect();
+        assert_eq!(ids.len(), 8, "ids are unique across levels");
+        // An aborted message goes back to the head of its own level.
+        let urgent = d.iter().find(|d| d.message.payload == "urgent-3").unwrap();
+        let low = d.iter().find(|d| d.message.payload == "low-2").unwrap();
+        b.abort("work", &[low.handle, urgent.handle], 1, 7).unwrap();
+        // (The share's turn comes first: three takes from the top since low-1.)
+        let again = b.poll("work", 2, None, 1, 8).unwrap();
+        assert_eq!(payloads(&again), [b"low-2".to_vec(), b"urgent-3".to_vec()], "durable {durable}");
+        assert_eq!((again[0].message.deliveries, again[1].message.deliveries), (2, 2));
+        let rest: Vec<u64> =
+            d.iter().filter(|x| x.handle != low.handle && x.handle != urgent.handle).map(|d| d.handle).collect();
+        assert_eq!(b.ack("work", &rest, 1).unwrap(), 6);
+        assert_eq!(q.counters().items, 0);
+        // The number of levels is the queue's kind: a reload cannot change it.
+        let fewer = QueueConfig { priorities: 2, ..config.clone() };
+        assert!(!petrel_broker::config::changes_live(&config, &fewer));
+    }
+}
+
+#[test]
+fn a_durable_queue_reopened_with_fewer_levels_than_its_logs_is_refused_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        let config = QueueConfig { durable: true, priorities: 3, ..QueueConfig::default() };
+        b.create_queue("work", config, None).unwrap();
+        b.offer("work", at(2, &["urgent"]), 1).unwrap();
+    }
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.remove_queue("work").unwrap();
+    std::fs::create_dir_all(dir.path().join("queues/work/priority-2")).unwrap();
+    let plain = QueueConfig { durable: true, ..QueueConfig::default() };
+    let Err(refused) = b.create_queue("work", plain, None) else { panic!("opened with fewer levels") };
+    assert!(refused.to_string().contains("priority 2"), "{refused}");
+}
+
+#[test]
+fn a_repeated_idempotency_key_is_stored_once_and_answered_with_the_original_id_across_a_restart() {
+    // Real time: a durable queue's records carry the log's clock, and keys rebuilt from them too.
+    let t0 = now_ns();
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = QueueConfig { durable, dedup_window: 3, dedup_window_ms: 1_000, ..QueueConfig::default() };
+        let mut b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("orders", config, None).unwrap();
+        let first = b.offer("orders", keyed(&[("a", "A"), ("b", "B")]), t0 + MS).unwrap();
+        assert_eq!(first, (1, 2));
+        // The same batch again: the same answer, nothing stored.
+        assert_eq!(b.offer("orders", keyed(&[("a", "A"), ("b", "B")]), t0 + 2 * MS).unwrap(), first);
+        // A repeat alone; a message without a key is never a repeat.
+        assert_eq!(b.offer("orders", keyed(&[("b", "B")]), t0 + 3 * MS).unwrap(), (2, 1));
+        assert_eq!(b.offer("orders", msgs(&["plain"]), t0 + 3 * MS).unwrap(), (3, 1));
+        // A batch mixing a repeat and new messages (one key twice): only the new one is stored.
+        assert_eq!(b.offer("orders", keyed(&[("a", "A"), ("c", "C"), ("c", "C2")]), t0 + 4 * MS).unwrap(), (4, 1));
+        let q = b.queue("orders").unwrap();
+        assert_eq!((q.counters().items, q.counters().deduplicated), (4, 5), "durable {durable}");
+        // Consumed messages' keys are still remembered.
+        let d = b.poll("orders", 10, None, 1, t0 + 5 * MS).unwrap();
+        assert_eq!(payloads(&d), [b"A".to_vec(), b"B".to_vec(), b"plain".to_vec(), b"C".to_vec()]);
+        assert_eq!(d[0].message.idempotency_key, "a", "a delivery carries its key");
+        if durable {
+            drop((q, b));
+            b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        }
+        let q = b.queue("orders").unwrap();
+        assert_eq!(q.counters().dedup_keys, 3, "durable {durable}: a, b, c rebuilt from the log");
+        assert_eq!(b.offer("orders", keyed(&[("c", "C")]), t0 + 6 * MS).unwrap(), (4, 1), "durable {durable}");
+        // The window holds three keys: a fourth forgets the oldest (a).
+        b.offer("orders", keyed(&[("d", "D")]), t0 + 7 * MS).unwrap();
+        let again = b.offer("orders", keyed(&[("a", "A")]), t0 + 8 * MS).unwrap();
+        assert_eq!(again, (6, 1), "durable {durable}: a is new again");
+        // And after the window's time (1 s) every key is forgotten, by the tick.
+        b.tick(t0 + 2_000 * MS);
+        assert_eq!(q.counters().dedup_keys, 0);
+        assert_eq!(b.offer("orders", keyed(&[("d", "D")]), t0 + 2_001 * MS).unwrap(), (7, 1));
+        let too_long = keyed(&[(&"k".repeat(257), "x")]);
+        assert!(matches!(b.offer("orders", too_long, t0 + 2_002 * MS), Err(BrokerError::BadRequest(_))));
+    }
+}
+
+#[test]
+fn a_durable_queue_keeps_the_records_of_remembered_keys_on_disk_after_they_are_consumed() {
+    let t0 = now_ns();
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { segment_bytes: 64 * 1024, ..BrokerOptions::default() };
+    let config = QueueConfig { durable: true, dedup_window: 1_000_000, ..QueueConfig::default() };
+    let payload = "p".repeat(1000);
+    {
+        let b = Broker::open(dir.path(), options.clone()).unwrap();
+        b.create_queue("orders", config.clone(), None).unwrap();
+        b.offer("orders", keyed(&[("first", &payload)]), t0 + MS).unwrap();
+        // Enough to roll many segments, all consumed: retention could take the first one.
+        for i in 0..300 {
+            b.offer("orders", msgs(&[&payload]), t0 + MS + i).unwrap();
+            b.poll("orders", 10, None, 1, t0 + MS + i).unwrap();
+        }
+        b.poll("orders", 10, None, 1, t0 + 2 * MS).unwrap();
+    }
+    let b = Broker::open(dir.path(), options.clone()).unwrap();
+    assert_eq!(b.offer("orders", keyed(&[("first", &payload)]), t0 + 3 * MS).unwrap(), (1, 1), "still remembered");
+    // Once the key is forgotten, the dedup group moves on and retention takes the old segments.
+    let q = b.queue("orders").unwrap();
+    let before = q.log_stats().unwrap().segments;
+    b.tick(t0 + 3 * MS + 121_000 * MS);
+    assert_eq!(q.counters().dedup_keys, 0);
+    for i in 0..100 {
+        b.offer("orders", msgs(&[&payload]), t0 + 200_000 * MS + i).unwrap();
+        b.poll("orders", 10, None, 1, t0 + 200_000 * MS + i).unwrap();
+    }
+    assert!(q.log_stats().unwrap().segments < before, "{} segments, {before} before", q.log_stats().unwrap().segments);
+}
