@@ -55,6 +55,36 @@ impl DedupWindow {
         self.order.push_back(Remembered { key, id, level, at_ns });
     }
 
+    /// Remembers a key read back from a log on open, in the order the keys were stored, keeping
+    /// at most `max_keys`: as `remember`, but a key seen again was stored again after it was
+    /// forgotten, and so was every key before it (keys are forgotten oldest first).
+    pub fn restore(&mut self, key: &str, id: u64, level: usize, at_ns: u64, max_keys: usize) {
+        if self.ids.contains_key(key) {
+            while let Some(oldest) = self.order.front()
+                && self.ids.contains_key(key)
+            {
+                let oldest_is_key = &*oldest.key == key;
+                self.forget_oldest();
+                if oldest_is_key {
+                    break;
+                }
+            }
+        }
+        self.remember(key, id, level, at_ns);
+        while self.order.len() > max_keys {
+            self.forget_oldest();
+        }
+    }
+
+    fn forget_oldest(&mut self) {
+        let Some(oldest) = self.order.pop_front() else { return };
+        if self.ids.get(&oldest.key) == Some(&oldest.id) {
+            self.ids.remove(&oldest.key);
+        }
+        self.per_level[oldest.level] -= 1;
+        self.forgotten = true;
+    }
+
     /// Forgets the oldest keys until at most `max_keys` remain, and those stored `window_ns` or
     /// more before `now_ns`.
     pub fn evict(&mut self, max_keys: usize, window_ns: u64, now_ns: u64) {
@@ -62,12 +92,7 @@ impl DedupWindow {
             if self.order.len() <= max_keys && oldest.at_ns.saturating_add(window_ns) > now_ns {
                 break;
             }
-            let oldest = self.order.pop_front().expect("just seen");
-            if self.ids.get(&oldest.key) == Some(&oldest.id) {
-                self.ids.remove(&oldest.key);
-            }
-            self.per_level[oldest.level] -= 1;
-            self.forgotten = true;
+            self.forget_oldest();
         }
     }
 
@@ -110,5 +135,20 @@ mod tests {
         w.evict(3, 5_000, 8_000); // k2 (at 2,000) and k3 (at 3,000) are 5 µs old by 8,000
         assert_eq!((w.len(), w.get("k3"), w.get("k4")), (1, None, Some(104)));
         assert_eq!((w.oldest_id_at(0), w.oldest_id_at(1)), (Some(104), None));
+    }
+
+    #[test]
+    fn keys_read_back_in_order_end_as_they_were_remembered() {
+        // Stored: a, b, c; a forgotten; a stored again; then d. Remembered then: b, c, a', d.
+        let mut w = DedupWindow::new(1);
+        for (i, key) in ["a", "b", "c", "a", "d"].iter().enumerate() {
+            w.restore(key, i as u64, 0, i as u64, 10);
+        }
+        assert_eq!((w.len(), w.get("a"), w.get("b")), (4, Some(3), Some(1)));
+        let mut w = DedupWindow::new(1);
+        for (i, key) in ["x", "b", "c", "x"].iter().enumerate() {
+            w.restore(key, i as u64, 0, i as u64, 2);
+        }
+        assert_eq!((w.len(), w.get("x"), w.get("b"), w.get("c")), (2, Some(3), None, Some(2)));
     }
 }

@@ -1178,12 +1178,25 @@ impl Broker {
                 if why == DeadReason::MaxDeliveries {
                     m.headers.push((DEAD_LETTER_DELIVERIES.into(), m.deliveries.to_string().into()));
                 }
-                Message { expires_at: 0, ..m }
+                // Not a producer's offer: a key the dead-letter queue has seen (another message
+                // moved there with it) must not make it drop this one.
+                Message { expires_at: 0, idempotency_key: String::new(), ..m }
             })
-            .collect();
-        let to = self.queue_or_create(dead_letter);
-        if let Err(e) = to.and_then(|to| self.offer_to(&to, &mut moved, now_ns)) {
-            tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
+            .collect::<Vec<_>>();
+        let to = match self.queue_or_create(dead_letter) {
+            Ok(to) => to,
+            Err(e) => {
+                tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
+                return;
+            }
+        };
+        // One offer per run of one priority (a queue with levels takes one priority per offer).
+        while !moved.is_empty() {
+            let run = moved.iter().take_while(|m| m.priority == moved[0].priority).count();
+            let mut batch: Vec<Message> = moved.drain(..run).collect();
+            if let Err(e) = self.offer_to(&to, &mut batch, now_ns) {
+                tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
+            }
         }
     }
 

@@ -40,7 +40,9 @@ const RETURNED: &str = "ctl.returned";
 pub(crate) fn append_returned(log: &SharedLog, of: u64) -> petrel_log::Result<u64> {
     let value = of.to_be_bytes();
     let headers = [(RETURNED, &value[..])];
-    let input = Input { key: None, headers: &headers, payload: &[], timestamp: None };
+    // No time of its own (the log gives it its previous record's): the records' times stay the
+    // times their messages were offered.
+    let input = Input { key: None, headers: &headers, payload: &[], timestamp: Some(0) };
     Ok(log.append_batch_unsynced(&[input])?.start)
 }
 
@@ -108,7 +110,14 @@ pub(crate) fn append_unsynced(log: &SharedLog, messages: &[Message]) -> petrel_l
     let inputs: Vec<Input<'_>> = messages
         .iter()
         .zip(&views)
-        .map(|(m, headers)| Input { key: None, headers, payload: &m.payload, timestamp: None })
+        // The record's time is the message's (when it was offered), as in a queue in memory; the
+        // log keeps its records' times in order whatever it is given.
+        .map(|(m, headers)| Input {
+            key: None,
+            headers,
+            payload: &m.payload,
+            timestamp: (m.timestamp != 0).then_some(m.timestamp),
+        })
         .collect();
     log.append_batch_unsynced(&inputs)
 }

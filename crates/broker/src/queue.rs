@@ -260,6 +260,9 @@ struct Inner {
     /// A message left the head since the lock was taken (see `Locked`).
     head_taken: bool,
     dedup: DedupWindow,
+    /// The time the last offer was stamped with: each offer's is later than the one before, so
+    /// that offers on different levels (and the keys they stored) are in one order by time.
+    last_stamp: u64,
     counters: QueueCounters,
 }
 
@@ -369,6 +372,7 @@ impl Queue {
         let (max_keys, _) = config::dedup_window_of(&config);
         let mut lanes = Vec::with_capacity(logs.len());
         let (mut keys, mut bytes, mut waiting_at) = (Vec::new(), 0, Vec::with_capacity(logs.len()));
+        let mut last_stamp = 0;
         for (level, log) in logs.iter().enumerate() {
             let options = GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() };
             let group = log.group(GROUP, options)?;
@@ -410,18 +414,22 @@ impl Queue {
                 }
             }
             waiting_at.push(group.unacknowledged() - markers_unread);
+            if let Some(last) = log.next_offset().checked_sub(1) {
+                // (A record retention took reads as nothing: no offer to order after.)
+                reader.seek(last);
+                let batch = reader.read_batch(1)?;
+                last_stamp = batch.into_iter().map(|r| r.timestamp).fold(last_stamp, u64::max);
+            }
             let visible_end = if syncs_every_offer { log.next_offset() } else { u64::MAX };
             let (group, dedup) = (Box::new(group), Box::new(dedup));
             lanes.push(Lane { log: log.clone(), group, dedup, returns, markers_unread, visible_end });
         }
-        // The keys in the order they were stored; those beyond the count forgotten now, those
-        // past their time by the first tick.
+        // The keys in the order they were stored (by time; across levels at one time, by id);
+        // those beyond the count forgotten now, those past their time by the first tick.
         keys.sort_by_key(|(at, id, ..)| (*at, *id));
         let mut dedup = DedupWindow::new(lanes.len());
-        for (at, id, level, key) in keys.iter().skip(keys.len().saturating_sub(max_keys)) {
-            if dedup.get(key).is_none() {
-                dedup.remember(key, *id, *level, *at);
-            }
+        for (at, id, level, key) in &keys {
+            dedup.restore(key, *id, *level, *at, max_keys);
         }
         let mut queue = Queue::with_store(name, config, None, Store::Log { lanes }, dedup, bytes);
         queue.logs = logs;
@@ -429,6 +437,7 @@ impl Queue {
         let inner = queue.inner.get_mut().unwrap_or_else(|e| e.into_inner());
         inner.waiting = waiting_at.iter().sum();
         inner.waiting_at = waiting_at;
+        inner.last_stamp = last_stamp;
         inner.move_dedup_cursors()?;
         // What it holds may expire: the first tick looks, and sets when to look again.
         queue.due_ns.store(0, Ordering::Relaxed);
@@ -459,6 +468,7 @@ impl Queue {
                 takes_from_top: 0,
                 head_taken: false,
                 dedup,
+                last_stamp: 0,
                 counters: QueueCounters::default(),
             }),
             available: Notify::new(),
@@ -699,8 +709,10 @@ impl Queue {
             0 => u64::MAX,
             ttl => now_ns.saturating_add(ttl.saturating_mul(1_000_000)),
         };
+        let stamp = now_ns.max(inner.last_stamp + 1);
+        inner.last_stamp = stamp;
         for m in messages.iter_mut() {
-            m.timestamp = now_ns;
+            m.timestamp = stamp;
             // The queue's name is set on delivery; not stored with each message.
             m.destination.clear();
             // The earlier of the message's own expiry and the queue's.
@@ -744,7 +756,7 @@ impl Queue {
             }
         };
         for (i, key) in keys {
-            inner.dedup.remember(&key, first + i as u64, level, now_ns);
+            inner.dedup.remember(&key, first + i as u64, level, stamp);
         }
         if let Some(expiry) = inner.dedup_expiry(&config) {
             self.due_ns.fetch_min(expiry, Ordering::Relaxed);

@@ -3,9 +3,12 @@
 //! items, in-flight count and bytes are the model's, and every message taken is the one the
 //! model says is at the head (no loss, no repeat, offer order), with the delivery count the
 //! model says; with `max_deliveries`, a message returned that many times is in the dead-letter
-//! queue (as are expired ones), across restarts too.
+//! queue (as are expired ones), across restarts too. With priority levels, each take comes from
+//! the level the model picks (the highest, or the lower levels' longest waiting on the share's
+//! turn); with idempotency keys, a repeat within the window (count and time) is answered with
+//! the original's id and not stored, across restarts too.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
 
 use petrel_broker::{Broker, BrokerError, BrokerOptions, Message, QueueConfig};
@@ -17,10 +20,13 @@ const CONSUMER: u64 = 1;
 #[derive(Clone, Debug)]
 enum Step {
     /// `n` messages of `size` bytes; some expire `ttl_ms` after the offer.
+    /// At `priority`; with keys `k{key}`, `k{key + 1}`, … if `key`.
     Offer {
         n: usize,
         size: usize,
         ttl_ms: Option<u64>,
+        priority: u8,
+        key: Option<u8>,
     },
     /// Up to `max`; tentatively (visible again after `visibility_ms`) or for good.
     Take {
@@ -41,8 +47,8 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        4 => (1..4usize, 0..40usize, prop::option::weighted(0.3, 1..50u64))
-            .prop_map(|(n, size, ttl_ms)| Step::Offer { n, size, ttl_ms }),
+        4 => (1..4usize, 0..40usize, prop::option::weighted(0.3, 1..50u64), 0..4u8, prop::option::weighted(0.5, 0..6u8))
+            .prop_map(|(n, size, ttl_ms, priority, key)| Step::Offer { n, size, ttl_ms, priority, key }),
         4 => (1..4usize, prop::option::weighted(0.6, 1..50u64))
             .prop_map(|(max, visibility_ms)| Step::Take { max, visibility_ms }),
         2 => any::<usize>().prop_map(Step::Ack),
@@ -60,12 +66,14 @@ struct Item {
     size: u64,
     expires_at: u64,
     returns: u32,
+    level: usize,
+    offered_at: u64,
 }
 
 #[derive(Default)]
 struct Model {
-    /// Waiting messages by number: the queue's order is offer order.
-    waiting: BTreeMap<u64, Item>,
+    /// Waiting messages of each priority level by number: a level's order is offer order.
+    waiting: Vec<BTreeMap<u64, Item>>,
     /// Open reads: handle, number, item, visibility deadline.
     open: Vec<(u64, u64, Item, u64)>,
     next_number: u64,
@@ -75,6 +83,17 @@ struct Model {
     max_deliveries: u32,
     /// Expired messages go to the dead-letter queue (there is one).
     expired_to_dead: bool,
+    /// One take in `period` goes to the lower levels while they have messages.
+    period: u32,
+    takes_from_top: u32,
+    /// Remembered keys, oldest first: key, the message's id, when it was stored.
+    keys: VecDeque<(String, u64, u64)>,
+    /// Keys remembered at most, and for how long (ns).
+    window: (usize, u64),
+    /// The id each stored message got.
+    ids: HashMap<u64, u64>,
+    /// The last stored offer's time: each is later than the one before (`Inner::last_stamp`).
+    last_stamp: u64,
 }
 
 impl Model {
@@ -85,8 +104,40 @@ impl Model {
         if self.max_deliveries != 0 && item.returns >= self.max_deliveries {
             self.dead.push(number);
         } else {
-            self.waiting.insert(number, item);
+            self.waiting[item.level].insert(number, item);
         }
+    }
+
+    fn items(&self) -> u64 {
+        self.waiting.iter().map(|l| l.len() as u64).sum()
+    }
+
+    /// The level the next take comes from (the broker's rule: `Inner::choose_level`).
+    fn choose(&mut self) -> Option<usize> {
+        let top = (0..self.waiting.len()).rev().find(|&l| !self.waiting[l].is_empty())?;
+        if self.waiting.len() == 1 || self.waiting[..top].iter().all(|l| l.is_empty()) {
+            return Some(top);
+        }
+        self.takes_from_top += 1;
+        if self.takes_from_top < self.period {
+            return Some(top);
+        }
+        self.takes_from_top = 0;
+        // The lower level whose head has waited longest; at one time, the lowest level.
+        (0..top).filter_map(|l| Some((self.waiting[l].first_key_value()?.1.offered_at, l))).min().map(|(_, l)| l)
+    }
+
+    fn forget_keys(&mut self, now: u64) {
+        let (max, window) = self.window;
+        while let Some((_, _, at)) = self.keys.front()
+            && (self.keys.len() > max || at + window <= now)
+        {
+            self.keys.pop_front();
+        }
+    }
+
+    fn remembered(&self, key: &str) -> Option<u64> {
+        self.keys.iter().find(|(k, ..)| k == key).map(|(_, id, _)| *id)
     }
 
     fn expired(&mut self, number: u64) {
@@ -96,7 +147,12 @@ impl Model {
     }
 
     fn bytes(&self) -> u64 {
-        self.waiting.values().chain(self.open.iter().map(|(_, _, item, _)| item)).map(|i| i.size).sum()
+        self.waiting
+            .iter()
+            .flat_map(|l| l.values())
+            .chain(self.open.iter().map(|(_, _, item, _)| item))
+            .map(|i| i.size)
+            .sum()
     }
 }
 
@@ -117,36 +173,90 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
     // The dead-letter queue is on disk: it outlives a restart, as the model's does.
     broker.create_queue("dead", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
     broker.create_queue("q", config.clone(), None).unwrap();
+    let levels = petrel_broker::config::levels_of(&config);
     let mut model = Model {
+        waiting: vec![BTreeMap::new(); levels],
         max_deliveries: config.max_deliveries,
         expired_to_dead: !config.dead_letter.is_empty(),
+        period: petrel_broker::config::lower_level_period(&config),
+        window: petrel_broker::config::dedup_window_of(&config),
         ..Model::default()
     };
     let mut now = 1_000 * MS;
     for step in steps {
         match step {
-            Step::Offer { n, size, ttl_ms } => {
+            Step::Offer { n, size, ttl_ms, priority, key } => {
                 let expires_at = ttl_ms.map_or(0, |t| now + t * MS);
-                let numbers: Vec<u64> = (model.next_number..model.next_number + n as u64).collect();
+                let mut numbers: Vec<u64> = (model.next_number..model.next_number + n as u64).collect();
                 model.next_number += n as u64;
+                let key_of = |i: usize| key.map(|k| format!("k{}", k as usize + i)).unwrap_or_default();
                 let messages = numbers
                     .iter()
-                    .map(|&k| Message { expires_at, ..Message::new(payload(k, size)) })
+                    .enumerate()
+                    .map(|(i, &k)| Message {
+                        expires_at,
+                        priority,
+                        idempotency_key: key_of(i),
+                        ..Message::new(payload(k, size))
+                    })
                     .collect::<Vec<_>>();
-                let item = Item { size: messages[0].size(), expires_at, returns: 0 };
+                let level = (priority as usize).min(levels - 1);
+                let mut item = Item { size: messages[0].size(), expires_at, returns: 0, level, offered_at: 0 };
                 let result = broker.offer("q", messages, now);
                 let max = config.max_items as usize;
-                let fits = max == 0 || model.waiting.len() + n <= max;
+                if max != 0 && n > max && !config.circular {
+                    prop_assert!(matches!(result, Err(BrokerError::NeverFits(_))), "{result:?}");
+                    continue;
+                }
+                // A circular queue drops the oldest of an offer too big for it, before anything.
+                let mut keys: Vec<String> = (0..n).map(key_of).collect();
+                if max != 0 && n > max {
+                    numbers.drain(..n - max);
+                    keys.drain(..n - max);
+                }
+                let mut repeat = Vec::new();
+                if key.is_some() {
+                    model.forget_keys(now);
+                    let originals: Vec<Option<u64>> = keys.iter().map(|k| model.remembered(k)).collect();
+                    if originals.iter().all(Option::is_some) {
+                        let first = originals[0].unwrap();
+                        prop_assert_eq!(
+                            result.unwrap(),
+                            (first, numbers.len() as u32),
+                            "repeats answered with the originals"
+                        );
+                        continue;
+                    }
+                    for (i, k) in keys.iter().enumerate() {
+                        repeat.push(originals[i].is_some() || keys[..i].contains(k));
+                    }
+                }
+                let fresh: Vec<(u64, String)> = numbers
+                    .iter()
+                    .zip(keys)
+                    .enumerate()
+                    .filter(|(i, _)| !repeat.get(*i).copied().unwrap_or(false))
+                    .map(|(_, (k, key))| (*k, key))
+                    .collect();
+                let fits = max == 0 || model.items() as usize + fresh.len() <= max;
                 if fits || config.circular {
                     prop_assert!(result.is_ok(), "{result:?}");
-                    for k in numbers {
-                        model.waiting.insert(k, item);
+                    let (first, count) = result.unwrap();
+                    prop_assert_eq!(count as usize, fresh.len());
+                    item.offered_at = now.max(model.last_stamp + 1);
+                    model.last_stamp = item.offered_at;
+                    // Room first: the oldest of the lowest level that has messages go.
+                    while max != 0 && model.items() as usize + fresh.len() > max {
+                        let lowest = model.waiting.iter_mut().find(|l| !l.is_empty()).expect("over, so not empty");
+                        lowest.pop_first();
                     }
-                    while max != 0 && model.waiting.len() > max {
-                        model.waiting.pop_first();
+                    for (i, (k, key)) in fresh.into_iter().enumerate() {
+                        model.waiting[level].insert(k, item);
+                        model.ids.insert(k, first + i as u64);
+                        if !key.is_empty() {
+                            model.keys.push_back((key, first + i as u64, item.offered_at));
+                        }
                     }
-                } else if n > max {
-                    prop_assert!(matches!(result, Err(BrokerError::NeverFits(_))), "{result:?}");
                 } else {
                     prop_assert!(matches!(result, Err(BrokerError::Full(_))), "{result:?}");
                 }
@@ -156,7 +266,8 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 let got = broker.poll("q", max, visibility, CONSUMER, now).unwrap();
                 let mut expected = Vec::new();
                 while expected.len() < max {
-                    let Some((number, item)) = model.waiting.pop_first() else { break };
+                    let Some(level) = model.choose() else { break };
+                    let (number, item) = model.waiting[level].pop_first().expect("a level with messages");
                     if item.expires_at != 0 && item.expires_at <= now {
                         model.expired(number); // stepped over
                         continue;
@@ -165,6 +276,10 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 }
                 let numbers: Vec<u64> = got.iter().map(|d| number_of(&d.message)).collect();
                 prop_assert_eq!(&numbers, &expected.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+                for (d, (number, item)) in got.iter().zip(&expected) {
+                    prop_assert_eq!(d.message.id, model.ids[number], "id");
+                    prop_assert_eq!(d.message.priority as usize, item.level, "priority");
+                }
                 let counts: Vec<u32> = got.iter().map(|d| d.message.deliveries).collect();
                 prop_assert_eq!(counts, expected.iter().map(|(_, i)| i.returns + 1).collect::<Vec<_>>(), "deliveries");
                 if let Some(v) = visibility_ms {
@@ -193,18 +308,21 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 for (_, number, item, _) in due {
                     model.returned(number, item);
                 }
-                // Expired messages at the head go; ones behind an unexpired head wait for it.
-                while let Some((_, item)) = model.waiting.first_key_value()
-                    && item.expires_at != 0
-                    && item.expires_at <= now
-                {
-                    let (number, _) = model.waiting.pop_first().expect("just seen");
-                    model.expired(number);
+                // Expired messages at a level's head go; ones behind an unexpired head wait.
+                for level in 0..levels {
+                    while let Some((_, item)) = model.waiting[level].first_key_value()
+                        && item.expires_at != 0
+                        && item.expires_at <= now
+                    {
+                        let (number, _) = model.waiting[level].pop_first().expect("just seen");
+                        model.expired(number);
+                    }
                 }
+                model.forget_keys(now);
             }
             Step::Flush => {
                 broker.queue("q").unwrap().flush().unwrap();
-                model.waiting.clear();
+                model.waiting.iter_mut().for_each(BTreeMap::clear);
             }
             Step::Restart => {
                 if !config.durable {
@@ -214,12 +332,16 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 broker = open();
                 // A delivery cut short by the restart is not counted.
                 for (_, number, item, _) in model.open.drain(..) {
-                    model.waiting.insert(number, item);
+                    model.waiting[item.level].insert(number, item);
                 }
+                // The queue starts its share's count afresh, and reads its keys back in the
+                // order they were stored (by time, then id).
+                model.takes_from_top = 0;
+                model.keys.make_contiguous().sort_by_key(|(_, id, at)| (*at, *id));
             }
         }
         let stats = broker.queue("q").unwrap().counters();
-        prop_assert_eq!(stats.items, model.waiting.len() as u64, "items");
+        prop_assert_eq!(stats.items, model.items(), "items");
         prop_assert_eq!(stats.in_flight, model.open.len() as u64, "in flight");
         prop_assert_eq!(stats.bytes, model.bytes(), "bytes");
         let dead = broker.queue("dead").unwrap().counters();
@@ -234,15 +356,32 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
 }
 
 fn configs() -> impl Strategy<Value = QueueConfig> {
-    (any::<bool>(), prop_oneof![Just(0u64), Just(3), Just(6)], any::<bool>(), prop_oneof![Just(0u32), Just(1), Just(3)])
-        .prop_map(|(durable, max_items, circular, max_deliveries)| QueueConfig {
-            durable,
-            max_items,
-            circular: circular && max_items != 0,
-            max_deliveries,
-            dead_letter: if max_deliveries != 0 { "dead".into() } else { String::new() },
-            ..QueueConfig::default()
-        })
+    (
+        (
+            any::<bool>(),
+            prop_oneof![Just(0u64), Just(3), Just(6)],
+            any::<bool>(),
+            prop_oneof![Just(0u32), Just(1), Just(3)],
+        ),
+        (prop_oneof![Just(0u8), Just(3)], prop_oneof![Just(0u8), Just(25), Just(50)]),
+        (prop_oneof![Just(0u32), Just(2)], prop_oneof![Just(0u64), Just(30)]),
+    )
+        .prop_map(
+            |((durable, max_items, circular, max_deliveries), (priorities, share), (dedup_window, dedup_window_ms))| {
+                QueueConfig {
+                    durable,
+                    max_items,
+                    circular: circular && max_items != 0,
+                    max_deliveries,
+                    dead_letter: if max_deliveries != 0 { "dead".into() } else { String::new() },
+                    priorities,
+                    priority_share: if priorities != 0 { share } else { 0 },
+                    dedup_window,
+                    dedup_window_ms,
+                    ..QueueConfig::default()
+                }
+            },
+        )
 }
 
 proptest! {

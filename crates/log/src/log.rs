@@ -283,13 +283,16 @@ impl Log {
             self.check(&input(i))?;
         }
         let first = self.next_offset;
-        let timestamp = self.timestamp(None);
+        // The clock is read once per batch, and only for records that bring no time of their
+        // own (a record's own time is not raised to the clock's).
+        let mut clock = None;
         for i in 0..n {
             let input = input(i);
-            let timestamp = match input.timestamp {
-                Some(_) => self.timestamp(input.timestamp),
-                None => timestamp,
+            let requested = match input.timestamp {
+                Some(t) => t,
+                None => *clock.get_or_insert_with(|| self.clock.now()),
             };
+            let timestamp = self.timestamp(Some(requested));
             if let Err(e) = self.write(&input, frame::frame_len(&input), timestamp) {
                 self.discard_unpublished();
                 return Err(e);
