@@ -21,6 +21,8 @@ pub fn message_json(m: &Message) -> serde_json::Value {
         "timestamp": m.timestamp,
         "expires_at": m.expires_at,
         "deliveries": m.deliveries,
+        "priority": m.priority,
+        "idempotency_key": m.idempotency_key,
         "request_id": m.request_id,
         "subject": m.subject,
         "destination": m.destination,

@@ -222,6 +222,13 @@ pub struct ProduceArgs {
     /// How long to wait for room in a full bounded queue, e.g. "10s" (said on stderr meanwhile).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     timeout: Duration,
+    /// The messages' priority (in a queue with priority levels; higher is more urgent).
+    #[arg(long, default_value_t = 0)]
+    priority: u8,
+    /// Idempotency keys: line N gets the key KEY:N, so that running the same command on the same
+    /// input again stores no line twice (within the queue's dedup window).
+    #[arg(long)]
+    key: Option<String>,
 }
 
 /// Offers each stdin line as a message; lines already waiting go as one batch. A bounded queue
@@ -245,7 +252,15 @@ pub fn produce(args: ProduceArgs) -> Res {
         if lines.is_empty() {
             break;
         }
-        let batch: Vec<Message> = lines.drain(..).map(Message::new).collect();
+        let batch: Vec<Message> = lines
+            .drain(..)
+            .enumerate()
+            .map(|(i, line)| Message {
+                priority: args.priority,
+                idempotency_key: args.key.as_ref().map(|k| format!("{k}:{}", sent + i as u64 + 1)).unwrap_or_default(),
+                ..Message::new(line)
+            })
+            .collect();
         let n = batch.len() as u64;
         match offer_all(&client, &args, batch.clone()) {
             Err(ClientError::Status { status: Status::QueueNotFound, .. }) if args.create || args.durable => {

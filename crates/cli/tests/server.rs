@@ -351,6 +351,93 @@ async fn a_poison_message_is_dead_lettered_after_exactly_max_deliveries_across_k
     assert_eq!((status.items, status.in_flight, status.config.max_deliveries), (0, 0, 4));
 }
 
+/// Priorities against the real binary: a backlog of low-priority work, then two producers at
+/// once (one low, one urgent), then `kill -9` and a restart; one consumer then takes everything.
+/// Each level comes out in its producer's order, the urgent work ahead of the backlog, and the
+/// backlog still gets its share (10 % of takes while urgent work waits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priorities_with_two_producers_and_a_backlog_survive_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("work", QueueConfig { durable: true, priorities: 3, ..QueueConfig::default() }).await.unwrap();
+    let at = |priority: u8, text: String| Message { priority, ..msg(&text) };
+    for chunk in 0..10 {
+        let backlog = (0..100).map(|i| at(0, format!("low-{}", chunk * 100 + i))).collect();
+        c.offer("work", backlog, None).await.unwrap();
+    }
+    let (low, urgent) = (server.client().await, server.client().await);
+    let producer = |client: Client, priority: u8, name: &'static str, from: usize| async move {
+        for i in from..from + 200 {
+            client.offer("work", vec![at(priority, format!("{name}-{i}"))], None).await.unwrap();
+        }
+    };
+    tokio::join!(producer(low, 0, "low", 1000), producer(urgent, 2, "urgent", 0));
+    drop(c);
+    server.kill9();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    let mut order = Vec::new();
+    loop {
+        let d = c.poll("work", PollOptions { max: 64, ..TAKE }).await.unwrap();
+        if d.is_empty() {
+            break;
+        }
+        order.extend(d.iter().map(|d| (d.message.priority, String::from_utf8_lossy(&d.message.payload).into_owned())));
+    }
+    assert_eq!(order.len(), 1400, "every message once");
+    for (level, name, n) in [(0, "low", 1200), (2, "urgent", 200)] {
+        let got: Vec<&String> = order.iter().filter(|(p, _)| *p == level).map(|(_, t)| t).collect();
+        let expected: Vec<String> = (0..n).map(|i| format!("{name}-{i}")).collect();
+        assert_eq!(got, expected.iter().collect::<Vec<_>>(), "level {level} in its producer's order");
+    }
+    let last_urgent = order.iter().rposition(|(p, _)| *p == 2).unwrap();
+    let low_before = order[..last_urgent].iter().filter(|(p, _)| *p == 0).count();
+    // The 200 urgent messages take 222 takes: 22 of them (one in ten) went to the backlog.
+    assert_eq!((last_urgent + 1, low_before), (222, 22), "urgent first, the backlog's share kept");
+}
+
+/// Idempotent offers against the real binary: a producer's retries (the same keys) are stored
+/// once and answered with the original ids, also after the messages were consumed and the server
+/// was killed with `kill -9`; `petrel produce --key` run twice on the same lines stores each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_offers_with_one_key_are_stored_once_across_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("orders", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+    let keyed = |i: usize| Message { idempotency_key: format!("order-{i}"), ..msg(&format!("order {i}")) };
+    let mut ids = Vec::new();
+    for i in 0..100 {
+        ids.push(c.offer("orders", vec![keyed(i)], None).await.unwrap());
+    }
+    let taken = c.poll("orders", PollOptions { max: 50, ..TAKE }).await.unwrap();
+    assert_eq!(taken.len(), 50);
+    assert_eq!(taken[0].message.idempotency_key, "order-0", "a delivery carries its key");
+    drop(c);
+    server.kill9();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(c.offer("orders", vec![keyed(i)], None).await.unwrap(), *id, "retry of order {i}");
+    }
+    let status = c.queue_status("orders").await.unwrap();
+    assert_eq!((status.items, status.total_offered), (50, 0), "nothing stored twice");
+    assert!(c.offer("orders", vec![keyed(100)], None).await.unwrap() > ids[99], "a new key is stored");
+    let rest = c.poll("orders", PollOptions { max: 100, ..TAKE }).await.unwrap();
+    let expected: Vec<String> = (50..=100).map(|i| format!("order {i}")).collect();
+    assert_eq!(texts(&rest), expected);
+
+    let produce = |addr: &str| {
+        common::petrel(&["produce", "lines", "--server", addr, "--durable", "--key", "import-7"], b"a\nb\nc\n")
+    };
+    for _ in 0..2 {
+        let out = produce(&server.addr);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert_eq!(c.queue_status("lines").await.unwrap().items, 3, "the second run stored nothing");
+}
+
 #[test]
 fn bench_queue_runs_every_mode_and_prints_json() {
     let dir = tempfile::tempdir().unwrap();

@@ -66,6 +66,8 @@ fn queue_json(name: &str, config: &QueueConfig, st: &QueueCounters) -> Value {
         "dropped": st.dropped,
         "aborted": st.aborted,
         "dead_lettered": st.dead_lettered,
+        "deduplicated": st.deduplicated,
+        "dedup_keys": st.dedup_keys,
         "acked": st.acked,
         "flushes": st.flushes,
     })

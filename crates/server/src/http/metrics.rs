@@ -207,6 +207,10 @@ impl Scrape {
             self.counter("petrel_queue_returned_total", help, labels(), q.aborted);
             let help = "Messages moved to the dead-letter queue at max_deliveries.";
             self.counter("petrel_queue_dead_lettered_total", help, labels(), q.dead_lettered);
+            let help = "Offered messages not stored: their idempotency key was remembered (repeats).";
+            self.counter("petrel_queue_deduplicated_total", help, labels(), q.deduplicated);
+            let help = "Idempotency keys the queue remembers now (its dedup window).";
+            self.gauge("petrel_queue_dedup_keys", help, labels(), q.dedup_keys);
         }
     }
 }
