@@ -283,9 +283,12 @@ class AsyncClient:
         """Removes a queue and the messages in it."""
         await self._run("remove_queue", name)
 
-    async def offer(self, queue: str, payload: bytes, timeout: Optional[float] = None) -> int:
-        """Adds a message at the queue's tail; returns its id."""
-        return await self._run("offer", queue, payload, timeout)
+    async def offer(
+        self, queue: str, payload: bytes, timeout: Optional[float] = None, *, priority: int = 0, key: Optional[str] = None
+    ) -> int:
+        """Adds a message at the queue's tail; returns its id (with a `key` offered before: the
+        original's, and nothing is stored twice)."""
+        return await self._run("offer", queue, payload, timeout, priority, key)
 
     async def offer_many(self, queue: str, payloads: List[bytes], timeout: Optional[float] = None) -> int:
         """Adds messages together, all or none; returns the first id."""

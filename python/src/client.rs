@@ -97,6 +97,11 @@ pub(crate) fn message_of(payload: PyBackedBytes) -> petrel_client::Message {
     petrel_client::Message::new(bytes::Bytes::from_owner(payload))
 }
 
+/// An offered message with a priority and an idempotency key (`None`: none).
+fn offered(payload: PyBackedBytes, priority: u8, key: Option<String>) -> petrel_client::Message {
+    petrel_client::Message { priority, idempotency_key: key.unwrap_or_default(), ..message_of(payload) }
+}
+
 /// An outgoing message with an optional subject.
 fn outgoing(payload: PyBackedBytes, subject: String) -> petrel_client::Message {
     petrel_client::Message { subject, ..message_of(payload) }
@@ -127,6 +132,10 @@ pub struct Message {
     /// From a queue: how many times it has been handed out, this time included (1 the first
     /// time; see the queue's `max_deliveries`). 0 from a topic.
     deliveries: u32,
+    /// Its priority level in a queue with priorities (0 otherwise).
+    priority: u8,
+    /// The idempotency key it was offered with ("" if none).
+    idempotency_key: String,
     /// Its headers: (name, value) pairs.
     headers: Vec<(String, Py<PyBytes>)>,
 }
@@ -141,6 +150,8 @@ impl Message {
             subject: m.subject,
             timestamp: m.timestamp,
             deliveries: m.deliveries,
+            priority: m.priority,
+            idempotency_key: m.idempotency_key,
             headers: m.headers.into_iter().map(|(n, v)| (n, PyBytes::new(py, &v).unbind())).collect(),
         }
     }
@@ -230,10 +241,21 @@ impl Client {
     }
 
     /// Adds a message at the queue's tail; returns its id. Waits up to `timeout` seconds for
-    /// room in a full bounded queue (default: refused at once).
-    #[pyo3(signature = (queue, payload, timeout = None))]
-    fn offer(&self, py: Python<'_>, queue: &str, payload: PyBackedBytes, timeout: Option<f64>) -> PyResult<u64> {
-        self.wait(py, self.inner.offer(queue, vec![message_of(payload)], crate::timeout_from(timeout)))
+    /// room in a full bounded queue (default: refused at once). `priority`: its level in a queue
+    /// with priorities; `key`: an idempotency key — offered again with the same key (a retry),
+    /// the message is not stored twice, and the original's id is returned.
+    #[pyo3(signature = (queue, payload, timeout = None, *, priority = 0, key = None))]
+    fn offer(
+        &self,
+        py: Python<'_>,
+        queue: &str,
+        payload: PyBackedBytes,
+        timeout: Option<f64>,
+        priority: u8,
+        key: Option<String>,
+    ) -> PyResult<u64> {
+        let message = offered(payload, priority, key);
+        self.wait(py, self.inner.offer(queue, vec![message], crate::timeout_from(timeout)))
     }
 
     /// Adds messages at the tail together, all or none; returns the first id.
@@ -509,9 +531,18 @@ impl AsyncCore {
         self.run(token, |c| async move { c.remove_queue(&name).await });
     }
 
-    #[pyo3(signature = (token, queue, payload, timeout = None))]
-    fn offer(&self, token: u64, queue: String, payload: PyBackedBytes, timeout: Option<f64>) {
-        let (message, timeout) = (message_of(payload), crate::timeout_from(timeout));
+    #[pyo3(signature = (token, queue, payload, timeout = None, priority = 0, key = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn offer(
+        &self,
+        token: u64,
+        queue: String,
+        payload: PyBackedBytes,
+        timeout: Option<f64>,
+        priority: u8,
+        key: Option<String>,
+    ) {
+        let (message, timeout) = (offered(payload, priority, key), crate::timeout_from(timeout));
         self.run(token, |c| async move { c.offer(&queue, vec![message], timeout).await });
     }
 

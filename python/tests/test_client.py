@@ -27,6 +27,23 @@ def test_queue_offer_poll_and_reliable_reads(server):
         assert c.poll("jobs", timeout=0) is None
 
 
+def test_a_retried_offer_with_a_key_is_stored_once(server):
+    with petrel.Client(server) as c:
+        c.create_queue("orders", durable=True)
+        first = c.offer("orders", b"order 7", key="order-7")
+        assert c.offer("orders", b"order 7", key="order-7") == first, "the retry gets the original id"
+        assert c.offer("orders", b"order 8", key="order-8") == first + 1
+        taken = c.poll_many("orders", max=10)
+        assert [m.payload for m in taken] == [b"order 7", b"order 8"], "stored once"
+        assert (taken[0].idempotency_key, taken[0].priority) == ("order-7", 0)
+
+    async def retry():
+        async with petrel.AsyncClient(server) as a:
+            return await a.offer("orders", b"order 8", key="order-8"), await a.offer("orders", b"new", key="order-9")
+
+    assert asyncio.run(retry()) == (first + 1, first + 2)
+
+
 def test_errors_name_what_went_wrong(server):
     with petrel.Client(server) as c:
         with pytest.raises(petrel.ServerError, match="QUEUE_NOT_FOUND"):
