@@ -63,7 +63,7 @@ pub struct Subscription {
 }
 
 enum Next {
-    Message(petrel_client::Message),
+    Message(Box<petrel_client::Message>),
     TimedOut,
     Ended,
     Failed(petrel_client::ClientError),
@@ -81,7 +81,7 @@ impl Subscription {
             let Some(sub) = stream.as_mut() else { return Next::Ended };
             let next = match runtime().block_on(async { tokio::time::timeout(wait, sub.next()).await }) {
                 Err(_elapsed) => return Next::TimedOut,
-                Ok(Some(Ok(m))) => return Next::Message(m),
+                Ok(Some(Ok(m))) => return Next::Message(Box::new(m)),
                 Ok(Some(Err(e))) => Next::Failed(e),
                 Ok(None) => Next::Ended,
             };
@@ -103,7 +103,7 @@ impl Subscription {
         loop {
             let wait = deadline.map_or(LONG_POLL, |d| d.saturating_duration_since(Instant::now()).min(LONG_POLL));
             match self.next_within(py, wait) {
-                Next::Message(m) => return Ok(Some(Message::new(py, 0, m))),
+                Next::Message(m) => return Ok(Some(Message::new(py, 0, *m))),
                 Next::Failed(e) => return Err(client_error(e)),
                 Next::Ended => return Ok(None),
                 Next::TimedOut if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(None),
