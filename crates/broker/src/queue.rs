@@ -286,8 +286,9 @@ struct Lane {
     log: SharedLog,
     group: Box<ConsumerGroup>,
     /// Trails the oldest idempotency key the queue remembers from this log, so that retention
-    /// keeps the records that hold the keys (`dedup.rs`).
-    dedup: Box<ConsumerGroup>,
+    /// keeps the records that hold the keys (`dedup.rs`). Only while it remembers one: a group
+    /// that stood still would keep every segment.
+    dedup: Option<Box<ConsumerGroup>>,
     /// How many deliveries of each waiting or in-flight record ended with the message coming
     /// back (only those that did); rebuilt on open from the log's return markers.
     returns: HashMap<u64, u32>,
@@ -376,12 +377,13 @@ impl Queue {
         for (level, log) in logs.iter().enumerate() {
             let options = GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() };
             let group = log.group(GROUP, options)?;
-            let dedup = log.group(DEDUP_GROUP, GroupOptions::default())?;
+            let has_dedup = log.groups().iter().any(|g| g.name == DEDUP_GROUP);
+            let dedup = if has_dedup { Some(Box::new(log.group(DEDUP_GROUP, GroupOptions::default())?)) } else { None };
             // Count the bytes waiting (they are not in the log's indexes), read the return
             // markers back into delivery counts, and the idempotency keys back into the window
             // (from where the `dedup` group stands, which may be before the queue's group).
             let mut reader = log.reader();
-            reader.seek(group.committed().min(dedup.committed()));
+            reader.seek(dedup.as_ref().map_or(group.committed(), |d| d.committed().min(group.committed())));
             let (mut returns, mut markers_unread) = (HashMap::<u64, u32>::new(), 0);
             loop {
                 let batch = reader.read_batch(4096)?;
@@ -421,7 +423,7 @@ impl Queue {
                 last_stamp = batch.into_iter().map(|r| r.timestamp).fold(last_stamp, u64::max);
             }
             let visible_end = if syncs_every_offer { log.next_offset() } else { u64::MAX };
-            let (group, dedup) = (Box::new(group), Box::new(dedup));
+            let group = Box::new(group);
             lanes.push(Lane { log: log.clone(), group, dedup, returns, markers_unread, visible_end });
         }
         // The keys in the order they were stored (by time; across levels at one time, by id);
@@ -749,8 +751,15 @@ impl Queue {
                 (first, None)
             }
             Store::Log { lanes } => {
-                let range = message::append_unsynced(&lanes[level].log, messages)?;
+                let lane = &mut lanes[level];
+                let range = message::append_unsynced(&lane.log, messages)?;
                 messages.clear();
+                if !keys.is_empty() && lane.dedup.is_none() {
+                    // The first key this log holds (since it last held none): keep it on disk.
+                    let options =
+                        GroupOptions { start: petrel_log::SeekTo::Offset(range.start), ..GroupOptions::default() };
+                    lane.dedup = Some(Box::new(lane.log.group(DEDUP_GROUP, options)?));
+                }
                 let last = range.end.checked_sub(1).map(|offset| Unsynced { level, offset });
                 (message::queue_id(level, range.start), last)
             }
@@ -1112,14 +1121,21 @@ impl Inner {
     }
 
     /// Moves each log's `dedup` group up to the oldest record holding a key the queue still
-    /// remembers (the log's end if none), so that retention may take what is before it.
+    /// remembers, so that retention may take what is before it; a log that holds no such key
+    /// any more has its group removed.
     fn move_dedup_cursors(&mut self) -> Result<(), BrokerError> {
         let Store::Log { lanes } = &mut self.store else { return Ok(()) };
         for (level, lane) in lanes.iter_mut().enumerate() {
             let oldest = self.dedup.oldest_id_at(level).and_then(message::queue_position).map(|(_, offset)| offset);
-            let to = oldest.unwrap_or_else(|| lane.log.next_offset());
-            if to > lane.dedup.committed() {
-                lane.dedup.seek(petrel_log::SeekTo::Offset(to))?;
+            match (oldest, &mut lane.dedup) {
+                (Some(to), Some(group)) if to > group.committed() => {
+                    group.seek(petrel_log::SeekTo::Offset(to))?;
+                }
+                (None, Some(_)) => {
+                    lane.dedup = None; // closed first: only a closed group can be deleted
+                    lane.log.delete_group(DEDUP_GROUP)?;
+                }
+                _ => {}
             }
         }
         Ok(())

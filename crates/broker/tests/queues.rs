@@ -824,12 +824,15 @@ fn a_durable_queue_keeps_the_records_of_remembered_keys_on_disk_after_they_are_c
         b.poll("orders", 10, None, 1, t0 + 2 * MS).unwrap();
     }
     let b = Broker::open(dir.path(), options.clone()).unwrap();
+    let dedup_group = dir.path().join("queues/orders/groups/dedup.cursor");
+    assert!(dedup_group.exists(), "a group keeps the records of remembered keys");
     assert_eq!(b.offer("orders", keyed(&[("first", &payload)]), t0 + 3 * MS).unwrap(), (1, 1), "still remembered");
     // Once the key is forgotten, the dedup group moves on and retention takes the old segments.
     let q = b.queue("orders").unwrap();
     let before = q.log_stats().unwrap().segments;
     b.tick(t0 + 3 * MS + 121_000 * MS);
     assert_eq!(q.counters().dedup_keys, 0);
+    assert!(!dedup_group.exists(), "no key left: no group (one standing still would keep every segment)");
     for i in 0..100 {
         b.offer("orders", msgs(&[&payload]), t0 + 200_000 * MS + i).unwrap();
         b.poll("orders", 10, None, 1, t0 + 200_000 * MS + i).unwrap();

@@ -188,37 +188,27 @@ impl QueueConfig {
             ..QueueConfig::default()
         };
         if extensions & QUEUE_EXT_MAX_DELIVERIES != 0 {
-            config.max_deliveries = match r.u32("max_deliveries")? {
-                0 => return Err(DecodeError::BadValue("max_deliveries (present, so not 0)")),
-                n => n,
-            };
+            config.max_deliveries = present(r.u32("max_deliveries")?, "max_deliveries (present, so not 0)")?;
         }
         if extensions & QUEUE_EXT_PRIORITIES != 0 {
-            config.priorities = match r.u8("priorities")? {
-                0 => return Err(DecodeError::BadValue("priorities (present, so not 0)")),
-                n => n,
-            };
+            config.priorities = present(r.u8("priorities")?, "priorities (present, so not 0)")?;
         }
         if extensions & QUEUE_EXT_PRIORITY_SHARE != 0 {
-            config.priority_share = match r.u8("priority_share")? {
-                0 => return Err(DecodeError::BadValue("priority_share (present, so not 0)")),
-                n => n,
-            };
+            config.priority_share = present(r.u8("priority_share")?, "priority_share (present, so not 0)")?;
         }
         if extensions & QUEUE_EXT_DEDUP_WINDOW != 0 {
-            config.dedup_window = match r.u32("dedup_window")? {
-                0 => return Err(DecodeError::BadValue("dedup_window (present, so not 0)")),
-                n => n,
-            };
+            config.dedup_window = present(r.u32("dedup_window")?, "dedup_window (present, so not 0)")?;
         }
         if extensions & QUEUE_EXT_DEDUP_WINDOW_MS != 0 {
-            config.dedup_window_ms = match r.u64("dedup_window_ms")? {
-                0 => return Err(DecodeError::BadValue("dedup_window_ms (present, so not 0)")),
-                n => n,
-            };
+            config.dedup_window_ms = present(r.u64("dedup_window_ms")?, "dedup_window_ms (present, so not 0)")?;
         }
         Ok(config)
     }
+}
+
+/// An optional field that is present: never its zero (see the extensions bytes).
+fn present<T: Default + PartialEq>(value: T, what: &'static str) -> Result<T, DecodeError> {
+    if value == T::default() { Err(DecodeError::BadValue(what)) } else { Ok(value) }
 }
 
 /// A queue's figures.
