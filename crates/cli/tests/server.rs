@@ -340,6 +340,11 @@ async fn a_poison_message_is_dead_lettered_after_exactly_max_deliveries_across_k
     }
     assert_eq!(seen, [1, 2, 3, 4], "the count survives kill -9");
     let c = server.client().await;
+    // The read is back (in_flight 0) a moment before its move to the dead-letter queue is done.
+    common::wait_until_async("the dead letter", || async {
+        c.queue_status("jobs.poison").await.is_ok_and(|s| s.items == 1)
+    })
+    .await;
     let moved = c.poll("jobs.poison", PollOptions { max: 10, ..TAKE }).await.unwrap();
     assert_eq!(texts(&moved), ["poison"], "in the dead-letter queue after exactly four deliveries");
     let header = |name: &str| moved[0].message.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.to_vec());
