@@ -47,8 +47,7 @@ impl DedupWindow {
 
     /// Remembers `key` for the message `id` (at priority `level`), stored at `at_ns`: later
     /// than every key remembered before (the queue's lock orders offers).
-    pub fn remember(&mut self, key: &str, id: u64, level: usize, at_ns: u64) {
-        let key: Arc<str> = Arc::from(key);
+    pub fn remember(&mut self, key: Arc<str>, id: u64, level: usize, at_ns: u64) {
         let earlier = self.ids.insert(Arc::clone(&key), id);
         debug_assert!(earlier.is_none(), "a remembered key is a repeat, never stored again");
         self.per_level[level] += 1;
@@ -70,7 +69,7 @@ impl DedupWindow {
                 }
             }
         }
-        self.remember(key, id, level, at_ns);
+        self.remember(Arc::from(key), id, level, at_ns);
         while self.order.len() > max_keys {
             self.forget_oldest();
         }
@@ -124,7 +123,7 @@ mod tests {
     fn keys_are_forgotten_by_count_and_by_time() {
         let mut w = DedupWindow::new(2);
         for i in 0..5u64 {
-            w.remember(&format!("k{i}"), 100 + i, (i % 2) as usize, i * 1_000);
+            w.remember(Arc::from(format!("k{i}")), 100 + i, (i % 2) as usize, i * 1_000);
         }
         assert_eq!(w.get("k3"), Some(103));
         assert_eq!(w.oldest_id_at(1), Some(101));

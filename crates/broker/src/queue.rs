@@ -724,12 +724,12 @@ impl Queue {
             m.priority = level as u8;
         }
         let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
-        let keys: Vec<(usize, String)> = match keyed {
+        let keys: Vec<(usize, Arc<str>)> = match keyed {
             true => messages
                 .iter()
                 .enumerate()
                 .filter(|(_, m)| !m.idempotency_key.is_empty())
-                .map(|(i, m)| (i, m.idempotency_key.clone()))
+                .map(|(i, m)| (i, Arc::from(m.idempotency_key.as_str())))
                 .collect(),
             false => Vec::new(),
         };
@@ -765,7 +765,7 @@ impl Queue {
             }
         };
         for (i, key) in keys {
-            inner.dedup.remember(&key, first + i as u64, level, stamp);
+            inner.dedup.remember(key, first + i as u64, level, stamp);
         }
         if let Some(expiry) = inner.dedup_expiry(&config) {
             self.due_ns.fetch_min(expiry, Ordering::Relaxed);
@@ -964,12 +964,12 @@ impl Queue {
         if !self.is_due(now_ns) {
             return Ok(DeadLetters::default());
         }
-        let max_deliveries = self.config().max_deliveries;
+        let config = self.config();
         let mut inner = self.lock();
         let overdue: Vec<u64> =
             inner.in_flight.iter().filter(|(_, f)| f.deadline_ns <= now_ns).map(|(h, _)| *h).collect();
         let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen")).collect();
-        let over_limit = inner.return_reads(returned, max_deliveries)?;
+        let over_limit = inner.return_reads(returned, config.max_deliveries)?;
         // Expired messages at the head of each level go (to the dead-letter queue), in memory
         // and on disk alike; ones behind an unexpired head wait until they reach it, as in
         // Kestrel.
@@ -983,7 +983,6 @@ impl Queue {
                 expired.push(head);
             }
         }
-        let config = self.config();
         let (max_keys, window_ns) = config::dedup_window_of(&config);
         inner.dedup.evict(max_keys, window_ns, now_ns);
         if inner.dedup.take_forgotten() {
@@ -1152,6 +1151,9 @@ impl Inner {
     fn head_expiry(&mut self) -> Result<Option<u64>, BrokerError> {
         let mut earliest = None;
         for level in 0..self.waiting_at.len() {
+            if self.waiting_at[level] == 0 {
+                continue; // nothing to read at that level's head
+            }
             let expires_at = match &mut self.store {
                 Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
                 Store::Log { lanes } => lanes[level].head()?.map(|r| message::expires_at(&r)),

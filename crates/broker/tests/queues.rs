@@ -839,3 +839,44 @@ fn a_durable_queue_keeps_the_records_of_remembered_keys_on_disk_after_they_are_c
     }
     assert!(q.log_stats().unwrap().segments < before, "{} segments, {before} before", q.log_stats().unwrap().segments);
 }
+
+#[test]
+fn a_repeat_is_answered_only_once_its_original_is_as_durable_as_the_repeat_asks() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let syncs = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&syncs);
+    let options = BrokerOptions {
+        durability: petrel_log::Durability::None,
+        on_sync: petrel_log::SyncObserver::new(move |_| {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }),
+        ..BrokerOptions::default()
+    };
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.create_queue("orders", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    let before = syncs.load(Ordering::SeqCst);
+    assert_eq!(b.offer("orders", keyed(&[("a", "A")]), 1).unwrap(), (1, 1));
+    assert_eq!(syncs.load(Ordering::SeqCst), before, "policy none: the original is not synced");
+    let retry = vec![Message { durable: true, ..keyed(&[("a", "A")]).remove(0) }];
+    assert_eq!(b.offer("orders", retry, 2).unwrap(), (1, 1), "the original's id");
+    assert_eq!(syncs.load(Ordering::SeqCst), before + 1, "the repeat that asks for the disk syncs the original");
+    assert_eq!(b.queue("orders").unwrap().counters().items, 1);
+}
+
+#[test]
+fn dead_letters_of_several_priorities_reach_a_dead_letter_queue_with_levels() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let levels = QueueConfig { priorities: 3, ..QueueConfig::default() };
+    b.create_queue("late", levels.clone(), None).unwrap();
+    b.create_queue("work", QueueConfig { dead_letter: "late".into(), ..levels }, None).unwrap();
+    let expiring =
+        |priority: u8, text: &str| Message { priority, expires_at: 5 * MS, ..Message::new(text.as_bytes().to_vec()) };
+    b.offer("work", vec![expiring(0, "low")], MS).unwrap();
+    b.offer("work", vec![expiring(2, "urgent")], MS).unwrap();
+    b.tick(10 * MS); // both expire in one tick: one move, two priorities
+    let moved = b.poll("late", 10, None, 1, 11 * MS).unwrap();
+    assert_eq!(payloads(&moved), [b"urgent".to_vec(), b"low".to_vec()], "both moved, each at its level");
+}
