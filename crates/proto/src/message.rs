@@ -139,6 +139,13 @@ pub struct Message {
     /// A producer's key for this offer: a queue stores a message with a key it has seen within
     /// its dedup window once, and answers a repeat with the original's id. Delivered as stored.
     pub idempotency_key: String,
+    /// Handed out no earlier than this, ns since the epoch (0: at once). On a delivery: when a
+    /// delayed message became due (0 for one that was never delayed).
+    pub deliver_at: u64,
+    /// On an offer: handed out no earlier than this many ms after the server accepts it (the
+    /// later of this and `deliver_at`; the server's clock, so a producer's skew does not matter).
+    /// 0 on deliveries.
+    pub delay_ms: u32,
     pub request_id: String,
     pub subject: String,
     pub destination: String,
@@ -163,7 +170,9 @@ const FLAG_ZSTD: u8 = 2;
 const EXT_DELIVERIES: u8 = 1;
 const EXT_PRIORITY: u8 = 2;
 const EXT_IDEMPOTENCY_KEY: u8 = 4;
-const EXT_KNOWN: u8 = EXT_DELIVERIES | EXT_PRIORITY | EXT_IDEMPOTENCY_KEY;
+const EXT_DELIVER_AT: u8 = 8;
+const EXT_DELAY_MS: u8 = 16;
+const EXT_KNOWN: u8 = EXT_DELIVERIES | EXT_PRIORITY | EXT_IDEMPOTENCY_KEY | EXT_DELIVER_AT | EXT_DELAY_MS;
 
 impl Message {
     pub fn new(payload: impl Into<Bytes>) -> Message {
@@ -187,6 +196,8 @@ impl Message {
             + if self.deliveries != 0 { 4 } else { 0 }
             + if self.priority != 0 { 1 } else { 0 }
             + if self.idempotency_key.is_empty() { 0 } else { 2 + self.idempotency_key.len() }
+            + if self.deliver_at != 0 { 8 } else { 0 }
+            + if self.delay_ms != 0 { 4 } else { 0 }
             + [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset]
                 .iter()
                 .map(|s| s.len())
@@ -228,6 +239,8 @@ impl Message {
             (self.deliveries != 0, EXT_DELIVERIES),
             (self.priority != 0, EXT_PRIORITY),
             (!self.idempotency_key.is_empty(), EXT_IDEMPOTENCY_KEY),
+            (self.deliver_at != 0, EXT_DELIVER_AT),
+            (self.delay_ms != 0, EXT_DELAY_MS),
         ] {
             if present {
                 bits |= bit;
@@ -252,6 +265,12 @@ impl Message {
         }
         if !self.idempotency_key.is_empty() {
             w.text(&self.idempotency_key);
+        }
+        if self.deliver_at != 0 {
+            w.u64(self.deliver_at);
+        }
+        if self.delay_ms != 0 {
+            w.u32(self.delay_ms);
         }
         for s in [&self.request_id, &self.subject, &self.destination, &self.reply_to, &self.mimetype, &self.charset] {
             w.text(s); // within its prefix: `check` on the way out, the decoder on the way in
@@ -302,6 +321,22 @@ impl Message {
         } else {
             String::new()
         };
+        let deliver_at = if extensions & EXT_DELIVER_AT != 0 {
+            match r.u64("deliver_at")? {
+                0 => return Err(DecodeError::BadValue("deliver_at (present, so not 0)")),
+                t => t,
+            }
+        } else {
+            0
+        };
+        let delay_ms = if extensions & EXT_DELAY_MS != 0 {
+            match r.u32("delay_ms")? {
+                0 => return Err(DecodeError::BadValue("delay_ms (present, so not 0)")),
+                ms => ms,
+            }
+        } else {
+            0
+        };
         let request_id = r.str("request_id")?;
         let subject = r.str("subject")?;
         let destination = r.str("destination")?;
@@ -325,6 +360,8 @@ impl Message {
             deliveries,
             priority,
             idempotency_key,
+            deliver_at,
+            delay_ms,
             request_id,
             subject,
             destination,

@@ -97,6 +97,13 @@ pub struct QueueConfig {
     pub dedup_window: u32,
     /// How long an idempotency key is remembered, ms (0: 120,000).
     pub dedup_window_ms: u64,
+    /// A message that comes back (aborted without a delay of its own, its visibility timeout
+    /// passed, its consumer gone) is handed out again no earlier than this many ms later (0: at
+    /// once).
+    pub redelivery_delay_ms: u32,
+    /// With `redelivery_delay_ms`: each further return doubles the delay, up to this many ms (0:
+    /// the delay does not grow).
+    pub redelivery_delay_max_ms: u32,
 }
 
 const FLAG_CIRCULAR: u8 = 1;
@@ -110,11 +117,15 @@ const QUEUE_EXT_PRIORITIES: u8 = 2;
 const QUEUE_EXT_PRIORITY_SHARE: u8 = 4;
 const QUEUE_EXT_DEDUP_WINDOW: u8 = 8;
 const QUEUE_EXT_DEDUP_WINDOW_MS: u8 = 16;
+const QUEUE_EXT_REDELIVERY_DELAY_MS: u8 = 32;
+const QUEUE_EXT_REDELIVERY_DELAY_MAX_MS: u8 = 64;
 const QUEUE_EXT_KNOWN: u8 = QUEUE_EXT_MAX_DELIVERIES
     | QUEUE_EXT_PRIORITIES
     | QUEUE_EXT_PRIORITY_SHARE
     | QUEUE_EXT_DEDUP_WINDOW
-    | QUEUE_EXT_DEDUP_WINDOW_MS;
+    | QUEUE_EXT_DEDUP_WINDOW_MS
+    | QUEUE_EXT_REDELIVERY_DELAY_MS
+    | QUEUE_EXT_REDELIVERY_DELAY_MAX_MS;
 
 impl QueueConfig {
     fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
@@ -136,6 +147,8 @@ impl QueueConfig {
             (self.priority_share != 0, QUEUE_EXT_PRIORITY_SHARE),
             (self.dedup_window != 0, QUEUE_EXT_DEDUP_WINDOW),
             (self.dedup_window_ms != 0, QUEUE_EXT_DEDUP_WINDOW_MS),
+            (self.redelivery_delay_ms != 0, QUEUE_EXT_REDELIVERY_DELAY_MS),
+            (self.redelivery_delay_max_ms != 0, QUEUE_EXT_REDELIVERY_DELAY_MAX_MS),
         ] {
             if present {
                 extensions |= bit;
@@ -160,6 +173,12 @@ impl QueueConfig {
         }
         if self.dedup_window_ms != 0 {
             w.u64(self.dedup_window_ms);
+        }
+        if self.redelivery_delay_ms != 0 {
+            w.u32(self.redelivery_delay_ms);
+        }
+        if self.redelivery_delay_max_ms != 0 {
+            w.u32(self.redelivery_delay_max_ms);
         }
         Ok(())
     }
@@ -202,6 +221,14 @@ impl QueueConfig {
         if extensions & QUEUE_EXT_DEDUP_WINDOW_MS != 0 {
             config.dedup_window_ms = present(r.u64("dedup_window_ms")?, "dedup_window_ms (present, so not 0)")?;
         }
+        if extensions & QUEUE_EXT_REDELIVERY_DELAY_MS != 0 {
+            config.redelivery_delay_ms =
+                present(r.u32("redelivery_delay_ms")?, "redelivery_delay_ms (present, so not 0)")?;
+        }
+        if extensions & QUEUE_EXT_REDELIVERY_DELAY_MAX_MS != 0 {
+            config.redelivery_delay_max_ms =
+                present(r.u32("redelivery_delay_max_ms")?, "redelivery_delay_max_ms (present, so not 0)")?;
+        }
         Ok(config)
     }
 }
@@ -228,7 +255,14 @@ pub struct QueueStats {
     /// Pollers waiting for a message right now.
     pub waiters: u64,
     pub config: QueueConfig,
+    /// Messages stored but not yet due (delayed offers, delayed redeliveries): not in `items`.
+    pub delayed: u64,
 }
+
+/// The extensions byte after a queue's figures and configuration: which optional figures
+/// follow, each present exactly when not zero; the byte itself only when one is (so that a
+/// queue's figures without any encode as they did before it).
+const STATS_EXT_DELAYED: u8 = 1;
 
 impl QueueStats {
     fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
@@ -244,7 +278,12 @@ impl QueueStats {
         ] {
             w.u64(v);
         }
-        self.config.encode(w)
+        self.config.encode(w)?;
+        if self.delayed != 0 {
+            w.u8(STATS_EXT_DELAYED);
+            w.u64(self.delayed);
+        }
+        Ok(())
     }
 
     fn decode(r: &mut Reader) -> Result<QueueStats, DecodeError> {
@@ -258,6 +297,13 @@ impl QueueStats {
             dropped: r.u64("dropped")?,
             waiters: r.u64("waiters")?,
             config: QueueConfig::decode(r)?,
+            delayed: match r.is_empty() {
+                true => 0,
+                false => match r.u8("queue figures extensions")? {
+                    STATS_EXT_DELAYED => present(r.u64("delayed")?, "delayed (present, so not 0)")?,
+                    _ => return Err(DecodeError::BadValue("queue figures extensions")),
+                },
+            },
         })
     }
 }
@@ -431,10 +477,13 @@ pub enum Request {
         queue: String,
         handles: Vec<u64>,
     },
-    /// Returns tentatively taken messages to the head of the queue.
+    /// Returns tentatively taken messages to the head of the queue, or, with `delay_ms`, hands
+    /// them out again no earlier than that many ms from now (0: the queue's
+    /// `redelivery_delay_ms`).
     Abort {
         queue: String,
         handles: Vec<u64>,
+        delay_ms: u32,
     },
     /// A durable topic keeps a log that consumer groups read and replay.
     TopicCreate {
@@ -613,11 +662,21 @@ impl Request {
                 w.u32(*timeout_ms);
                 w.u32(*visibility_ms);
             }
-            Request::Ack { queue, handles } | Request::Abort { queue, handles } => {
+            Request::Ack { queue, handles } => {
                 w.str(queue)?;
                 w.u32(handles.len() as u32);
                 for h in handles {
                     w.u64(*h);
+                }
+            }
+            Request::Abort { queue, handles, delay_ms } => {
+                w.str(queue)?;
+                w.u32(handles.len() as u32);
+                for h in handles {
+                    w.u64(*h);
+                }
+                if *delay_ms != 0 {
+                    w.u32(*delay_ms); // an optional last field: present only when not 0
                 }
             }
         }
@@ -653,7 +712,15 @@ impl Request {
                 let queue = r.str("queue")?;
                 let n = r.count(8, "handle count")?;
                 let handles = (0..n).map(|_| r.u64("handle")).collect::<Result<_, _>>()?;
-                if opcode == ACK { Request::Ack { queue, handles } } else { Request::Abort { queue, handles } }
+                if opcode == ACK {
+                    Request::Ack { queue, handles }
+                } else {
+                    let delay_ms = match r.is_empty() {
+                        true => 0,
+                        false => present(r.u32("delay_ms")?, "delay_ms (present, so not 0)")?,
+                    };
+                    Request::Abort { queue, handles, delay_ms }
+                }
             }
             TOPIC_CREATE => Request::TopicCreate {
                 name: r.str("name")?,

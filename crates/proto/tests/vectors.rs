@@ -45,6 +45,8 @@ fn full_message() -> Message {
         deliveries: 0,
         priority: 0,
         idempotency_key: String::new(),
+        deliver_at: 0,
+        delay_ms: 0,
         request_id: "req-1".into(),
         subject: "coffee".into(),
         destination: "orders".into(),
@@ -157,6 +159,8 @@ fn cases() -> Vec<Vector> {
                     priority_share: 0,
                     dedup_window: 0,
                     dedup_window_ms: 0,
+                    redelivery_delay_ms: 0,
+                    redelivery_delay_max_ms: 0,
                 },
             },
         ),
@@ -186,6 +190,20 @@ fn cases() -> Vec<Vector> {
                     priority_share: 20,
                     dedup_window: 50_000,
                     dedup_window_ms: 60_000,
+                    ..QueueConfig::default()
+                },
+            },
+        ),
+        request(
+            "queue_create_redelivery_backoff",
+            "a durable queue whose returned messages come back after 500 ms, then 1 s, 2 s… at most 60 s: extensions 32|64 = 96, then redelivery_delay_ms and redelivery_delay_max_ms after durability",
+            3,
+            Request::QueueCreate {
+                name: q("retries"),
+                config: QueueConfig {
+                    durable: true,
+                    redelivery_delay_ms: 500,
+                    redelivery_delay_max_ms: 60_000,
                     ..QueueConfig::default()
                 },
             },
@@ -224,6 +242,23 @@ fn cases() -> Vec<Vector> {
                     dropped: 0,
                     waiters: 2,
                     config: QueueConfig { max_items: 1000, ..QueueConfig::default() },
+                    delayed: 0,
+                },
+            },
+        ),
+        response(
+            "queue_status_delayed",
+            "a queue holding 40 delayed messages: after the configuration, an extensions byte (1) and the delayed count",
+            opcode::QUEUE_STATUS,
+            6,
+            Response::QueueStatus {
+                stats: QueueStats {
+                    items: 3,
+                    bytes: 344,
+                    total_offered: 43,
+                    config: QueueConfig { durable: true, ..QueueConfig::default() },
+                    delayed: 40,
+                    ..QueueStats::default()
                 },
             },
         ),
@@ -241,6 +276,19 @@ fn cases() -> Vec<Vector> {
                 queue: q("work"),
                 timeout_ms: 0,
                 messages: vec![Message { priority: 2, idempotency_key: q("order-1234"), ..Message::new(&b"rush"[..]) }],
+            },
+        ),
+        request(
+            "offer_delayed",
+            "two messages handed out no earlier than a time (2026-11-24T12:00:00Z) and 1.5 s after the server accepts the offer: extensions 8 (deliver_at u64) and 16 (delay_ms u32) after expires_at",
+            7,
+            Request::Offer {
+                queue: q("reminders"),
+                timeout_ms: 0,
+                messages: vec![
+                    Message { deliver_at: 1_795_521_600_000_000_000, ..Message::new(&b"at noon"[..]) },
+                    Message { delay_ms: 1_500, ..Message::new(&b"soon"[..]) },
+                ],
             },
         ),
         request(
@@ -357,7 +405,13 @@ fn cases() -> Vec<Vector> {
             "abort",
             "return a tentative delivery to the head",
             12,
-            Request::Abort { queue: q("orders"), handles: vec![8] },
+            Request::Abort { queue: q("orders"), handles: vec![8], delay_ms: 0 },
+        ),
+        request(
+            "abort_delayed",
+            "return a tentative delivery to be handed out again no earlier than 30 s from now: delay_ms after the handles",
+            12,
+            Request::Abort { queue: q("orders"), handles: vec![8], delay_ms: 30_000 },
         ),
         response(
             "unsupported_opcode",
