@@ -19,6 +19,8 @@ pub const DEFAULT_DEDUP_WINDOW_MS: u64 = 120_000;
 const MAX_DEDUP_WINDOW_MS: u64 = 7 * 24 * 3600 * 1000;
 /// The longest idempotency key a queue takes, bytes.
 pub const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
+/// The longest a message may be delayed, ns (a year).
+pub const MAX_DELAY_NS: u64 = 365 * 24 * 3600 * 1_000_000_000;
 
 /// `config` checked, with its durability policy spelled the one way `Durability` prints it (so
 /// that two spellings of one policy are the same configuration).
@@ -51,6 +53,13 @@ pub fn checked(mut config: QueueConfig) -> Result<QueueConfig, String> {
     if config.dedup_window_ms > MAX_DEDUP_WINDOW_MS {
         return Err(format!("dedup_window_ms: at most {MAX_DEDUP_WINDOW_MS} (7 days)"));
     }
+    let (first, cap) = (config.redelivery_delay_ms, config.redelivery_delay_max_ms);
+    if cap != 0 && (first == 0 || cap < first) {
+        // (Also when there is no first delay: a cap on nothing is a mistake to point out.)
+        return Err(
+            "redelivery_delay_max_ms caps redelivery_delay_ms as it doubles: set both, the cap the larger".into()
+        );
+    }
     Ok(config)
 }
 
@@ -79,6 +88,30 @@ pub fn dedup_window_of(config: &QueueConfig) -> (usize, u64) {
         ms => ms,
     };
     (keys as usize, ms * 1_000_000)
+}
+
+/// When a message offered at `now_ns` is due: the later of its `deliver_at` and `delay_ms`
+/// after now (now or before: at once).
+pub fn due_at(m: &petrel_proto::Message, now_ns: u64) -> u64 {
+    let after_delay = match m.delay_ms {
+        0 => 0,
+        ms => now_ns.saturating_add(u64::from(ms) * 1_000_000),
+    };
+    m.deliver_at.max(after_delay)
+}
+
+/// How long a message that came back after its `deliveries`-th delivery waits before it is
+/// handed out again, ms: `redelivery_delay_ms`, doubled for each delivery after the first up to
+/// `redelivery_delay_max_ms` (without one, not doubled).
+pub fn redelivery_delay_ms(config: &QueueConfig, deliveries: u32) -> u64 {
+    let first = u64::from(config.redelivery_delay_ms);
+    match config.redelivery_delay_max_ms {
+        0 => first,
+        max => {
+            let doublings = deliveries.saturating_sub(1).min(63);
+            first.saturating_mul(1u64 << doublings).min(u64::from(max))
+        }
+    }
 }
 
 /// The durability policy `config` names for its log (`None`: the server's).
@@ -133,5 +166,18 @@ mod tests {
         assert_eq!(lower_level_period(&QueueConfig { priorities: 3, ..QueueConfig::default() }), 10);
         assert_eq!(dedup_window_of(&QueueConfig::default()), (100_000, 120_000_000_000));
         assert!(!changes_live(&QueueConfig::default(), &levels));
+        let backoff = QueueConfig { redelivery_delay_ms: 100, redelivery_delay_max_ms: 1000, ..QueueConfig::default() };
+        let delays: Vec<u64> = (1..=6).map(|n| redelivery_delay_ms(&backoff, n)).collect();
+        assert_eq!(delays, [100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(redelivery_delay_ms(&backoff, u32::MAX), 1000, "no overflow");
+        let fixed = QueueConfig { redelivery_delay_ms: 100, ..QueueConfig::default() };
+        assert_eq!((redelivery_delay_ms(&fixed, 1), redelivery_delay_ms(&fixed, 9)), (100, 100));
+        assert_eq!(redelivery_delay_ms(&QueueConfig::default(), 3), 0);
+        assert!(checked(QueueConfig { redelivery_delay_max_ms: 10, ..QueueConfig::default() }).is_err());
+        assert!(
+            checked(QueueConfig { redelivery_delay_ms: 20, redelivery_delay_max_ms: 10, ..QueueConfig::default() })
+                .is_err()
+        );
+        assert!(changes_live(&QueueConfig::default(), &backoff));
     }
 }

@@ -30,6 +30,7 @@
 pub mod config;
 mod counting;
 mod dedup;
+mod delay;
 mod function;
 mod group_feed;
 mod message;
@@ -309,6 +310,9 @@ fn level_dir(level: usize) -> String {
     format!("priority-{level}")
 }
 
+/// Where a durable queue keeps its delayed messages' log, under its own directory.
+const DELAYED_DIR: &str = "delayed";
+
 /// Configuration of queues named in the server's configuration, and of those made by first use.
 #[derive(Clone, Debug, Default)]
 struct Configured {
@@ -563,7 +567,14 @@ impl Broker {
                 let dir = if level == 0 { dir.clone() } else { dir.join(level_dir(level)) };
                 logs.push(Log::open(dir, options.clone())?.into_shared());
             }
-            Queue::on_log(name, config, logs)
+            // The delayed messages' log: opened if the queue has one, else made at its first.
+            let delayed_dir = dir.join(DELAYED_DIR);
+            let delayed = match delayed_dir.exists() {
+                true => Some(Log::open(&delayed_dir, options.clone())?.into_shared()),
+                false => None,
+            };
+            let open_delayed = Box::new(move || Ok(Log::open(&delayed_dir, options.clone())?.into_shared()));
+            Queue::on_log(name, config, logs, delayed, open_delayed)
         } else {
             let memory = Arc::clone(&self.memory);
             Ok(Queue::in_memory(name, config, owner, memory, self.options.memory_queue_max_bytes))
@@ -849,11 +860,20 @@ impl Broker {
         self.get(name)?.ack(handles, consumer)
     }
 
-    /// Puts tentative deliveries of `consumer` back at the head; those handed out
-    /// `max_deliveries` times go to the dead-letter queue instead. Returns how many were known.
-    pub fn abort(&self, name: &str, handles: &[u64], consumer: ConnId, now_ns: u64) -> Result<u32, BrokerError> {
+    /// Puts tentative deliveries of `consumer` back at the head, or to be handed out again no
+    /// earlier than `delay_ms` from now (0: the queue's redelivery delay, if it has one); those
+    /// handed out `max_deliveries` times go to the dead-letter queue instead. Returns how many
+    /// were known.
+    pub fn abort(
+        &self,
+        name: &str,
+        handles: &[u64],
+        consumer: ConnId,
+        delay_ms: u32,
+        now_ns: u64,
+    ) -> Result<u32, BrokerError> {
         let queue = self.get(name)?;
-        let returned = queue.abort(handles, consumer)?;
+        let returned = queue.abort(handles, consumer, delay_ms, now_ns)?;
         self.dead_letter(&queue, returned.over_limit, DeadReason::MaxDeliveries, now_ns);
         Ok(returned.count)
     }
@@ -861,7 +881,7 @@ impl Broker {
     /// Puts an open read of `queue` back whoever took it (an operator's hand on a stuck
     /// consumer; at the delivery limit, to the dead-letter queue). Returns whether it was open.
     pub fn return_read(&self, queue: &Arc<Queue>, handle: u64, now_ns: u64) -> Result<bool, BrokerError> {
-        let returned = queue.return_read(handle)?;
+        let returned = queue.return_read(handle, now_ns)?;
         self.dead_letter(queue, returned.over_limit, DeadReason::MaxDeliveries, now_ns);
         Ok(returned.count == 1)
     }
@@ -1059,7 +1079,7 @@ impl Broker {
             if q.owner == Some(consumer) {
                 let _ = self.remove_queue(&q.name);
             } else {
-                match q.release(consumer) {
+                match q.release(consumer, now_ns) {
                     Ok(returned) => self.dead_letter(&q, returned.over_limit, DeadReason::MaxDeliveries, now_ns),
                     Err(e) => tracing::error!(queue = %q.name, error = %e, "could not return tentative reads"),
                 }

@@ -26,7 +26,20 @@ const REPLY_TO: &str = "rt";
 const MIMETYPE: &str = "m";
 const CHARSET: &str = "c";
 const IDEMPOTENCY_KEY: &str = "ik";
+const DELIVER_AT: &str = "da";
 const USER: &str = "h.";
+
+// Where a durable queue's message moves between its logs (a delayed one to its level's log when
+// due, a returned one to the delayed log), the new record is a copy, and says so: its key is
+// stored as "ikm" (only the record an offer stored holds "ik", the key the queue remembers), and
+// it names the record it was copied from, so that a crash between the copy and the mark that
+// the original moved never hands a message out twice. A delayed record keeps its priority level
+// and the deliveries it had so far.
+const MOVED_KEY: &str = "ikm";
+const PRIORITY: &str = "p";
+const DELIVERIES: &str = "dv";
+const MOVED_FROM: &str = "dm";
+const RETURNED_FROM: &str = "rf";
 
 // A durable queue's log also holds control records, which are not messages: a "returned" marker
 // says that the message at the offset it names came back from a delivery (aborted, timed out,
@@ -34,6 +47,9 @@ const USER: &str = "h.";
 // back by scanning the unacknowledged part of the log on open (markers always follow the
 // message they name). A control record has no payload and one header.
 const RETURNED: &str = "ctl.returned";
+// In a durable queue's delayed log, a "moved" marker lists the offsets of delayed messages that
+// were copied to their level's log (or dropped by a flush): they are done here.
+const MOVED: &str = "ctl.moved";
 
 /// Appends a marker: the message at log offset `of` came back from a delivery. Not synced:
 /// like the queue's cursor it survives a process crash, and the next sync covers it.
@@ -46,20 +62,75 @@ pub(crate) fn append_returned(log: &SharedLog, of: u64) -> petrel_log::Result<u6
     Ok(log.append_batch_unsynced(&[input])?.start)
 }
 
+/// Appends a marker to a durable queue's delayed log: the delayed messages at `offsets` are
+/// done there. Not synced (see `append_returned`).
+pub(crate) fn append_moved(log: &SharedLog, offsets: &[u64]) -> petrel_log::Result<u64> {
+    let value: Vec<u8> = offsets.iter().flat_map(|o| o.to_be_bytes()).collect();
+    let headers = [(MOVED, &value[..])];
+    let input = Input { key: None, headers: &headers, payload: &[], timestamp: Some(0) };
+    Ok(log.append_batch_unsynced(&[input])?.start)
+}
+
 /// For a control record, what it says; `None` for a message.
 pub(crate) fn control(r: &Record<'_>) -> Option<Control> {
     let (name, value) = r.headers.iter().next()?;
+    if !r.payload.is_empty() {
+        return None;
+    }
     match name {
-        RETURNED if r.payload.is_empty() => Some(Control::Returned(u64::from_be_bytes(value.try_into().ok()?))),
+        RETURNED => Some(Control::Returned(u64::from_be_bytes(value.try_into().ok()?))),
+        MOVED if value.len() % 8 == 0 => Some(Control::Moved(
+            value.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes"))).collect(),
+        )),
         _ => None,
     }
 }
 
 /// A control record of a durable queue's log.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Control {
     /// The message at this offset came back from a delivery.
     Returned(u64),
+    /// The delayed messages at these offsets are done (moved, or flushed).
+    Moved(Vec<u64>),
+}
+
+/// What a record of a durable queue says beyond its message: where a delayed message goes, and
+/// what a copy was copied from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Placement {
+    /// The priority level a delayed message goes to when due.
+    pub priority: u8,
+    /// Deliveries the message had before it was copied (a returned one).
+    pub deliveries: u32,
+    /// A copy: its key is not one the queue remembers from this record.
+    pub copy: bool,
+    /// In a level's log: the delayed log's offset it was moved from.
+    pub moved_from: Option<u64>,
+    /// In the delayed log: the queue id of the level's record it was returned from.
+    pub returned_from: Option<u64>,
+}
+
+/// The placement `r` records.
+pub(crate) fn placement(r: &Record<'_>) -> Placement {
+    let mut p = Placement::default();
+    for (name, value) in r.headers.iter() {
+        let number = || value.try_into().map(u64::from_be_bytes).ok();
+        match name {
+            PRIORITY => p.priority = value.first().copied().unwrap_or(0),
+            DELIVERIES => p.deliveries = value.try_into().map(u32::from_be_bytes).unwrap_or(0),
+            MOVED_KEY => p.copy = true,
+            MOVED_FROM => p.moved_from = number(),
+            RETURNED_FROM => p.returned_from = number(),
+            _ => {}
+        }
+    }
+    p
+}
+
+/// When the message stored in `r` is due (0: not delayed), without decoding the rest.
+pub(crate) fn deliver_at(r: &Record<'_>) -> u64 {
+    r.headers.get(DELIVER_AT).and_then(|v| v.try_into().ok()).map_or(0, u64::from_be_bytes)
 }
 
 /// The record headers that store `m`'s fields (all but the payload, id and timestamp).
@@ -73,6 +144,9 @@ fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
     }
     if m.expires_at != 0 {
         out.push((EXPIRES.into(), Bytes::copy_from_slice(&m.expires_at.to_be_bytes())));
+    }
+    if m.deliver_at != 0 {
+        out.push((DELIVER_AT.into(), Bytes::copy_from_slice(&m.deliver_at.to_be_bytes())));
     }
     for (name, value) in [
         (IDEMPOTENCY_KEY, &m.idempotency_key),
@@ -104,7 +178,35 @@ pub(crate) fn append(log: &SharedLog, messages: &[Message]) -> petrel_log::Resul
 
 /// Appends `messages` to `log` without waiting for the disk (see `SharedLog::wait_durable`).
 pub(crate) fn append_unsynced(log: &SharedLog, messages: &[Message]) -> petrel_log::Result<std::ops::Range<u64>> {
-    let owned: Vec<Vec<(String, Bytes)>> = messages.iter().map(record_headers).collect();
+    append_placed(log, messages, &[])
+}
+
+/// `append_unsynced`, each message with its placement (none: as `append_unsynced`).
+pub(crate) fn append_placed(
+    log: &SharedLog,
+    messages: &[Message],
+    placements: &[Placement],
+) -> petrel_log::Result<std::ops::Range<u64>> {
+    debug_assert!(placements.is_empty() || placements.len() == messages.len(), "one placement per message");
+    let mut owned: Vec<Vec<(String, Bytes)>> = messages.iter().map(record_headers).collect();
+    for (headers, p) in owned.iter_mut().zip(placements) {
+        if p.copy {
+            for (name, _) in headers.iter_mut().filter(|(name, _)| name == IDEMPOTENCY_KEY) {
+                *name = MOVED_KEY.into();
+            }
+        }
+        if p.priority != 0 {
+            headers.push((PRIORITY.into(), Bytes::copy_from_slice(&[p.priority])));
+        }
+        if p.deliveries != 0 {
+            headers.push((DELIVERIES.into(), Bytes::copy_from_slice(&p.deliveries.to_be_bytes())));
+        }
+        for (name, value) in [(MOVED_FROM, p.moved_from), (RETURNED_FROM, p.returned_from)] {
+            if let Some(v) = value {
+                headers.push((name.into(), Bytes::copy_from_slice(&v.to_be_bytes())));
+            }
+        }
+    }
     let views: Vec<Vec<(&str, &[u8])>> =
         owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
     let inputs: Vec<Input<'_>> = messages
@@ -148,6 +250,9 @@ pub(crate) fn queue_id(level: usize, offset: u64) -> u64 {
     ((level as u64) << LEVEL_SHIFT) | id_of(offset)
 }
 
+/// The top byte of the ids of a durable queue's delayed messages (in its delayed log).
+pub(crate) const DELAYED_TAG: usize = 0xFF;
+
 /// The priority level and log offset of a durable queue's message `id` (`None` for 0).
 pub(crate) fn queue_position(id: u64) -> Option<(usize, u64)> {
     let level = (id >> LEVEL_SHIFT) as usize;
@@ -186,7 +291,8 @@ pub(crate) fn from_record(r: &Record<'_>) -> Message {
             REPLY_TO => m.reply_to = text(value),
             MIMETYPE => m.mimetype = text(value),
             CHARSET => m.charset = text(value),
-            IDEMPOTENCY_KEY => m.idempotency_key = text(value),
+            IDEMPOTENCY_KEY | MOVED_KEY => m.idempotency_key = text(value),
+            DELIVER_AT => m.deliver_at = value.try_into().map(u64::from_be_bytes).unwrap_or(0),
             other => {
                 if let Some(user) = other.strip_prefix(USER) {
                     m.headers.push((user.to_owned(), Bytes::copy_from_slice(value)));

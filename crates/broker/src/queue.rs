@@ -1,16 +1,17 @@
 //! One queue: in memory or on a `petrel-log`, bounded or circular, with tentative reads that come
 //! back unless acknowledged, and expiry.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog};
 use tokio::sync::Notify;
 
 use crate::dedup::DedupWindow;
-use crate::message::{self, Message};
+use crate::delay::{self, DelayLog};
+use crate::message::{self, Message, Placement};
 use crate::{BrokerError, ConnId, Delivery, QueueConfig, QueueStats, config, counting};
 
 /// What the broker counts for a queue: more than QUEUE_STATUS carries (`Queue::status`), all of
@@ -42,6 +43,9 @@ pub struct QueueCounters {
     pub deduplicated: u64,
     /// Idempotency keys remembered now.
     pub dedup_keys: u64,
+    /// Messages stored but not yet due: delayed offers and delayed redeliveries (not in
+    /// `items`).
+    pub delayed: u64,
     /// When the message most recently taken from the queue was offered, ns (0: none yet).
     pub last_taken_offered_at: u64,
 }
@@ -232,7 +236,13 @@ pub struct Queue {
     logs: Vec<SharedLog>,
     /// The log syncs every offer, and its records are handed out only once synced.
     syncs_every_offer: bool,
+    /// A durable queue's delayed log once it has one (also in its `Store`), to wait for the disk
+    /// without the queue's lock.
+    delayed_log: Arc<OnceLock<SharedLog>>,
 }
+
+/// Opens (creating it if need be) a durable queue's delayed log.
+pub(crate) type OpenDelayedLog = Box<dyn Fn() -> Result<SharedLog, BrokerError> + Send + Sync>;
 
 /// Counts a consumer waiting on a queue while it lives (the queue's `waiters` figure).
 pub(crate) struct CountedWaiter<'a>(&'a AtomicU64);
@@ -263,22 +273,26 @@ struct Inner {
     /// The time the last offer was stamped with: each offer's is later than the one before, so
     /// that offers on different levels (and the keys they stored) are in one order by time.
     last_stamp: u64,
+    /// Messages stored but not yet due (neither waiting nor in flight).
+    delayed: u64,
     counters: QueueCounters,
 }
 
 /// An offer's last record, not yet known to be on disk: `Queue::wait_durable` waits for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Unsynced {
+    /// A priority level's log, or (one past the highest level) the delayed log.
     level: usize,
     offset: u64,
 }
 
 enum Store {
-    /// The messages waiting at each priority level, in offer order. A message's `deliveries`
-    /// counts its deliveries so far, here as in flight, and its `priority` is its level.
-    Memory { levels: Vec<VecDeque<Message>>, next_id: u64 },
-    /// One log per priority level.
-    Log { lanes: Vec<Lane> },
+    /// The messages waiting at each priority level, in offer order, and the delayed ones by
+    /// when they are due (and id). A message's `deliveries` counts its deliveries so far, here
+    /// as in flight, and its `priority` is its level.
+    Memory { levels: Vec<VecDeque<Message>>, next_id: u64, delayed: BTreeMap<(u64, u64), Message> },
+    /// One log per priority level, and the delayed messages' log once one was delayed.
+    Log { lanes: Vec<Lane>, delayed: Option<Box<DelayLog>>, open_delayed: OpenDelayedLog },
 }
 
 /// One priority level of a durable queue: a log of its own, read in order by the queue's group.
@@ -356,17 +370,24 @@ impl Queue {
         default_max_bytes: u64,
     ) -> Queue {
         let levels = (0..config::levels_of(&config)).map(|_| VecDeque::new()).collect();
-        let store = Store::Memory { levels, next_id: 1 };
+        let store = Store::Memory { levels, next_id: 1, delayed: BTreeMap::new() };
         let dedup = DedupWindow::new(config::levels_of(&config));
         let mut queue = Queue::with_store(name, config, owner, store, dedup, 0);
         queue.memory = Some((budget, default_max_bytes));
         queue
     }
 
-    /// A durable queue on `logs`, one per priority level (`config::levels_of`). Records not yet
-    /// acknowledged by its group are the queue's contents, including those taken tentatively
+    /// A durable queue on `logs`, one per priority level (`config::levels_of`), and its delayed
+    /// log if it has one (`open_delayed` makes one when a first message is delayed). Records not
+    /// yet acknowledged by its group are the queue's contents, including those taken tentatively
     /// before a restart (records acknowledged out of order before it stay acknowledged).
-    pub(crate) fn on_log(name: String, config: QueueConfig, logs: Vec<SharedLog>) -> Result<Queue, BrokerError> {
+    pub(crate) fn on_log(
+        name: String,
+        config: QueueConfig,
+        logs: Vec<SharedLog>,
+        delayed_log: Option<SharedLog>,
+        open_delayed: OpenDelayedLog,
+    ) -> Result<Queue, BrokerError> {
         assert_eq!(logs.len(), config::levels_of(&config), "one log per priority level");
         // What recovery kept is durable (opening a log under `always` syncs it).
         let syncs_every_offer = logs[0].durability() == Durability::Always;
@@ -374,6 +395,8 @@ impl Queue {
         let mut lanes = Vec::with_capacity(logs.len());
         let (mut keys, mut bytes, mut waiting_at) = (Vec::new(), 0, Vec::with_capacity(logs.len()));
         let mut last_stamp = 0;
+        // Delayed-log offsets the levels' logs hold copies of.
+        let mut moved = HashSet::new();
         for (level, log) in logs.iter().enumerate() {
             let options = GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() };
             let group = log.group(GROUP, options)?;
@@ -403,13 +426,20 @@ impl Queue {
                                 *returns.entry(of).or_default() += 1;
                             }
                         }
+                        Some(message::Control::Moved(_)) => {}
                         None => {
                             if let Some(key) = message::idempotency_key(&r) {
                                 let key = String::from_utf8_lossy(key).into_owned();
                                 keys.push((r.timestamp, message::queue_id(level, r.offset), level, key));
                             }
+                            let placement = message::placement(&r);
+                            moved.extend(placement.moved_from);
                             if !acknowledged {
                                 bytes += message::from_record(&r).size();
+                                if placement.deliveries != 0 {
+                                    // Deliveries it had before it was delayed.
+                                    *returns.entry(r.offset).or_default() += placement.deliveries;
+                                }
                             }
                         }
                     }
@@ -426,20 +456,48 @@ impl Queue {
             let group = Box::new(group);
             lanes.push(Lane { log: log.clone(), group, dedup, returns, markers_unread, visible_end });
         }
+        let delayed_slot = lanes.len();
+        let (mut delayed, mut delayed_count) = (None, 0);
+        let delayed_log_handle = Arc::new(OnceLock::new());
+        if let Some(log) = delayed_log {
+            // A returned message's copy counts only if its original was acknowledged.
+            let original_waits = |id: u64| {
+                message::queue_position(id)
+                    .is_some_and(|(level, offset)| lanes.get(level).is_some_and(|l| !l.group.is_acknowledged(offset)))
+            };
+            let (delay, reopened) = DelayLog::open(log.clone(), delay::MAX_TIMERS, &moved, original_waits)?;
+            for (at, offset, key) in reopened.keys {
+                keys.push((at, message::queue_id(message::DELAYED_TAG, offset), delayed_slot, key));
+            }
+            bytes += reopened.bytes;
+            delayed_count = reopened.pending;
+            last_stamp = last_stamp.max(reopened.last_stamp);
+            let _ = delayed_log_handle.set(log);
+            delayed = Some(Box::new(delay));
+        }
         // The keys in the order they were stored (by time; across levels at one time, by id);
         // those beyond the count forgotten now, those past their time by the first tick.
         keys.sort_by_key(|(at, id, ..)| (*at, *id));
-        let mut dedup = DedupWindow::new(lanes.len());
+        let mut dedup = DedupWindow::new(lanes.len() + 1);
         for (at, id, level, key) in &keys {
             dedup.restore(key, *id, *level, *at, max_keys);
         }
-        let mut queue = Queue::with_store(name, config, None, Store::Log { lanes }, dedup, bytes);
+        let made = Arc::clone(&delayed_log_handle);
+        let open_delayed: OpenDelayedLog = Box::new(move || {
+            let log = open_delayed()?;
+            let _ = made.set(log.clone()); // for `wait_durable`, without the queue's lock
+            Ok(log)
+        });
+        let store = Store::Log { lanes, delayed, open_delayed };
+        let mut queue = Queue::with_store(name, config, None, store, dedup, bytes);
         queue.logs = logs;
         queue.syncs_every_offer = syncs_every_offer;
+        queue.delayed_log = delayed_log_handle;
         let inner = queue.inner.get_mut().unwrap_or_else(|e| e.into_inner());
         inner.waiting = waiting_at.iter().sum();
         inner.waiting_at = waiting_at;
         inner.last_stamp = last_stamp;
+        inner.delayed = delayed_count;
         inner.move_dedup_cursors()?;
         // What it holds may expire: the first tick looks, and sets when to look again.
         queue.due_ns.store(0, Ordering::Relaxed);
@@ -471,6 +529,7 @@ impl Queue {
                 head_taken: false,
                 dedup,
                 last_stamp: 0,
+                delayed: 0,
                 counters: QueueCounters::default(),
             }),
             available: Notify::new(),
@@ -479,6 +538,7 @@ impl Queue {
             due_ns: AtomicU64::new(u64::MAX),
             logs: Vec::new(),
             syncs_every_offer: false,
+            delayed_log: Arc::new(OnceLock::new()),
         }
     }
 
@@ -626,6 +686,20 @@ impl Queue {
             }
             _ => 0,
         };
+        // Either all of an offer's messages are due now, or all later: its ids are consecutive,
+        // among the waiting messages' or the delayed ones'.
+        let delayed = messages.first().is_some_and(|m| config::due_at(m, now_ns) > now_ns);
+        if messages.iter().any(|m| (config::due_at(m, now_ns) > now_ns) != delayed) {
+            return Err(BrokerError::BadRequest(
+                "the messages of one offer are all delayed (deliver_at, delay_ms) or none is".into(),
+            ));
+        }
+        if messages.iter().any(|m| config::due_at(m, now_ns).saturating_sub(now_ns) > config::MAX_DELAY_NS) {
+            return Err(BrokerError::BadRequest(format!(
+                "a message delayed by more than {} days: deliver_at is in ns since the epoch, delay_ms in ms",
+                config::MAX_DELAY_NS / (24 * 3600 * 1_000_000_000)
+            )));
+        }
         let max_item = config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
@@ -681,7 +755,11 @@ impl Queue {
                     let unsynced = (self.syncs_every_offer || durable_asked)
                         .then(|| message::queue_position(last))
                         .flatten()
-                        .map(|(level, offset)| Unsynced { level, offset });
+                        .filter(|_| self.on_disk())
+                        .map(|(level, offset)| match level {
+                            message::DELAYED_TAG => Unsynced { level: levels, offset },
+                            level => Unsynced { level, offset },
+                        });
                     return Ok((originals[0], n, unsynced));
                 }
                 Repeats::Some(repeated) => {
@@ -694,7 +772,8 @@ impl Queue {
         }
         let n = messages.len() as u64;
         let fits = |inner: &Inner| {
-            (max_items == 0 || inner.items() + n <= max_items) && (max_bytes == 0 || inner.bytes + size <= max_bytes)
+            (max_items == 0 || inner.items() + inner.delayed + n <= max_items)
+                && (max_bytes == 0 || inner.bytes + size <= max_bytes)
         };
         if !fits(&inner) {
             if !config.circular {
@@ -722,7 +801,10 @@ impl Queue {
                 m.expires_at = ttl_deadline;
             }
             m.priority = level as u8;
+            m.deliver_at = if delayed { config::due_at(m, now_ns) } else { 0 };
+            m.delay_ms = 0;
         }
+        let earliest_due = messages.iter().map(|m| m.deliver_at).min().filter(|_| delayed);
         let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
         let keys: Vec<(usize, Arc<str>)> = match keyed {
             true => messages
@@ -733,8 +815,12 @@ impl Queue {
                 .collect(),
             false => Vec::new(),
         };
-        let (first, last) = match &mut inner.store {
-            Store::Memory { levels, next_id } => {
+        let delayed_slot = levels;
+        if delayed && self.on_disk() {
+            inner.delay_log()?;
+        }
+        let (first, last) = match (&mut inner.store, delayed) {
+            (Store::Memory { levels, next_id, delayed: later }, delayed) => {
                 let first = *next_id;
                 for (i, mut m) in messages.drain(..).enumerate() {
                     m.id = first + i as u64;
@@ -745,12 +831,23 @@ impl Queue {
                     for (_, value) in &mut m.headers {
                         *value = bytes::Bytes::copy_from_slice(value);
                     }
-                    levels[level].push_back(m);
+                    match delayed {
+                        true => drop(later.insert((m.deliver_at, m.id), m)),
+                        false => levels[level].push_back(m),
+                    }
                 }
                 *next_id += n;
                 (first, None)
             }
-            Store::Log { lanes } => {
+            (Store::Log { delayed: None, .. }, true) => unreachable!("made above"),
+            (Store::Log { delayed: Some(delay), .. }, true) => {
+                let placements = vec![Placement { priority: level as u8, ..Placement::default() }; messages.len()];
+                let range = delay.append(messages, &placements)?;
+                messages.clear();
+                let last = range.end.checked_sub(1).map(|offset| Unsynced { level: delayed_slot, offset });
+                (message::queue_id(message::DELAYED_TAG, range.start), last)
+            }
+            (Store::Log { lanes, .. }, false) => {
                 let lane = &mut lanes[level];
                 let range = message::append_unsynced(&lane.log, messages)?;
                 messages.clear();
@@ -764,14 +861,22 @@ impl Queue {
                 (message::queue_id(level, range.start), last)
             }
         };
+        // A durable queue's delayed messages keep their keys in the delayed log (the slot after
+        // the levels').
+        let slot = if delayed && self.on_disk() { delayed_slot } else { level };
         for (i, key) in keys {
-            inner.dedup.remember(key, first + i as u64, level, stamp);
+            inner.dedup.remember(key, first + i as u64, slot, stamp);
         }
         if let Some(expiry) = inner.dedup_expiry(&config) {
             self.due_ns.fetch_min(expiry, Ordering::Relaxed);
         }
-        inner.waiting += n;
-        inner.waiting_at[level] += n;
+        if let Some(due) = earliest_due {
+            inner.delayed += n;
+            self.due_ns.fetch_min(due, Ordering::Relaxed);
+        } else {
+            inner.waiting += n;
+            inner.waiting_at[level] += n;
+        }
         inner.bytes += size;
         inner.counters.total_offered += n;
         if let Some(earliest) = earliest_expiry {
@@ -779,7 +884,7 @@ impl Queue {
         }
         drop(inner);
         let unsynced = if self.syncs_every_offer || durable_asked { last } else { None };
-        if !self.syncs_every_offer {
+        if !self.syncs_every_offer && !delayed {
             self.available.notify_waiters();
         }
         Ok((first, n as u32, unsynced))
@@ -789,6 +894,11 @@ impl Queue {
     /// and every record before it in its log to consumers. Blocks on the disk: not for an async
     /// runtime's own threads.
     pub(crate) fn wait_durable(&self, last: Unsynced) -> Result<(), BrokerError> {
+        if last.level == self.logs.len() {
+            // Delayed messages: nothing to hand out until they are due (and moved, synced).
+            let Some(log) = self.delayed_log.get() else { return Ok(()) };
+            return Ok(log.make_durable(last.offset)?);
+        }
         let Some(log) = self.logs.get(last.level) else { return Ok(()) };
         if !self.syncs_every_offer {
             // A message that asked to be durable; consumers have it already (the policy allows).
@@ -796,7 +906,7 @@ impl Queue {
         }
         log.wait_durable(last.offset)?;
         let mut inner = self.lock();
-        if let Store::Log { lanes } = &mut inner.store {
+        if let Store::Log { lanes, .. } = &mut inner.store {
             // Syncs cover a prefix of the log: everything up to `offset` is durable now.
             let lane = &mut lanes[last.level];
             lane.visible_end = lane.visible_end.max(last.offset + 1);
@@ -889,10 +999,17 @@ impl Queue {
         Ok(n)
     }
 
-    /// Puts tentative deliveries of `consumer` back at the head of the queue (those at the
+    /// Puts tentative deliveries of `consumer` back at the head of the queue, or, with a delay
+    /// (`delay_ms`, else the queue's redelivery delay), among the delayed messages (those at the
     /// delivery limit go to the dead-letter queue: `Broker::abort`).
-    pub(crate) fn abort(&self, handles: &[u64], consumer: ConnId) -> Result<Returned, BrokerError> {
-        self.put_back_reads(handles, Some(consumer))
+    pub(crate) fn abort(
+        &self,
+        handles: &[u64],
+        consumer: ConnId,
+        delay_ms: u32,
+        now_ns: u64,
+    ) -> Result<Returned, BrokerError> {
+        self.put_back_reads(handles, Some(consumer), delay_ms, now_ns)
     }
 
     /// The open reads, oldest first: `limit` of them, and how many there are.
@@ -920,13 +1037,19 @@ impl Queue {
     /// Puts an open read back at the head of the queue whoever took it (an operator's hand on
     /// a stuck consumer); its consumer's acknowledgement then finds nothing, as after a
     /// visibility timeout (see `Broker::return_read`).
-    pub(crate) fn return_read(&self, handle: u64) -> Result<Returned, BrokerError> {
-        self.put_back_reads(&[handle], None)
+    pub(crate) fn return_read(&self, handle: u64, now_ns: u64) -> Result<Returned, BrokerError> {
+        self.put_back_reads(&[handle], None, 0, now_ns)
     }
 
-    /// Puts open reads back at the head: those of `consumer` among `handles`, or any of them.
-    fn put_back_reads(&self, handles: &[u64], consumer: Option<ConnId>) -> Result<Returned, BrokerError> {
-        let max_deliveries = self.config().max_deliveries;
+    /// Puts open reads back: those of `consumer` among `handles`, or any of them.
+    fn put_back_reads(
+        &self,
+        handles: &[u64],
+        consumer: Option<ConnId>,
+        delay_ms: u32,
+        now_ns: u64,
+    ) -> Result<Returned, BrokerError> {
+        let config = self.config();
         let mut inner = self.lock();
         let mut returned = Vec::new();
         for h in handles {
@@ -935,7 +1058,7 @@ impl Queue {
             }
         }
         let n = returned.len() as u32;
-        let over_limit = inner.return_reads(returned, max_deliveries)?;
+        let over_limit = inner.return_reads(returned, &config, delay_ms, now_ns)?;
         if n > 0 {
             // A returned message may carry an expiry: let the next tick look.
             self.due_ns.store(0, Ordering::Relaxed);
@@ -951,10 +1074,10 @@ impl Queue {
     }
 
     /// Returns every tentative delivery of `consumer` (its connection closed).
-    pub(crate) fn release(&self, consumer: ConnId) -> Result<Returned, BrokerError> {
+    pub(crate) fn release(&self, consumer: ConnId, now_ns: u64) -> Result<Returned, BrokerError> {
         let handles: Vec<u64> =
             self.lock().in_flight.iter().filter(|(_, f)| f.consumer == consumer).map(|(h, _)| *h).collect();
-        self.abort(&handles, consumer)
+        self.abort(&handles, consumer, 0, now_ns)
     }
 
     /// Visibility timeouts that passed put their messages back (those at the delivery limit
@@ -966,10 +1089,11 @@ impl Queue {
         }
         let config = self.config();
         let mut inner = self.lock();
+        let moved = inner.move_due(now_ns)?;
         let overdue: Vec<u64> =
             inner.in_flight.iter().filter(|(_, f)| f.deadline_ns <= now_ns).map(|(h, _)| *h).collect();
         let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen")).collect();
-        let over_limit = inner.return_reads(returned, config.max_deliveries)?;
+        let over_limit = inner.return_reads(returned, &config, 0, now_ns)?;
         // Expired messages at the head of each level go (to the dead-letter queue), in memory
         // and on disk alike; ones behind an unexpired head wait until they reach it, as in
         // Kestrel.
@@ -991,7 +1115,7 @@ impl Queue {
         let due = inner.next_due()?.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX));
         self.due_ns.store(due, Ordering::Relaxed);
         drop(inner);
-        if !overdue.is_empty() {
+        if !overdue.is_empty() || moved > 0 {
             self.available.notify_waiters();
         }
         if !expired.is_empty() || !over_limit.is_empty() {
@@ -1008,7 +1132,7 @@ impl Queue {
     /// Removes every waiting message (not those in flight).
     pub fn flush(&self) -> Result<u64, BrokerError> {
         let mut inner = self.lock();
-        let mut n = 0;
+        let mut n = inner.drop_delayed()?;
         while inner.drop_oldest()? {
             n += 1;
         }
@@ -1032,6 +1156,7 @@ impl Queue {
             dropped: c.dropped,
             waiters: c.waiters,
             config: (*self.config()).clone(),
+            delayed: c.delayed,
         }
     }
 
@@ -1044,6 +1169,7 @@ impl Queue {
             in_flight_bytes: inner.in_flight.values().map(|f| f.bytes).sum(),
             waiters: self.waiters.load(Ordering::Relaxed),
             dedup_keys: inner.dedup.len() as u64,
+            delayed: inner.delayed,
             ..inner.counters.clone()
         }
     }
@@ -1123,7 +1249,11 @@ impl Inner {
     /// remembers, so that retention may take what is before it; a log that holds no such key
     /// any more has its group removed.
     fn move_dedup_cursors(&mut self) -> Result<(), BrokerError> {
-        let Store::Log { lanes } = &mut self.store else { return Ok(()) };
+        let Store::Log { lanes, delayed, .. } = &mut self.store else { return Ok(()) };
+        if let Some(delay) = delayed {
+            let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
+            delay.repin(oldest_key.map(|(_, offset)| offset))?;
+        }
         for (level, lane) in lanes.iter_mut().enumerate() {
             let oldest = self.dedup.oldest_id_at(level).and_then(message::queue_position).map(|(_, offset)| offset);
             match (oldest, &mut lane.dedup) {
@@ -1144,7 +1274,11 @@ impl Inner {
     /// the heads': an offer lowers `due` with its own expiry, and `Locked` with a new head's.)
     fn next_due(&mut self) -> Result<u64, BrokerError> {
         let expiry = self.head_expiry()?;
-        Ok(self.in_flight.values().map(|f| f.deadline_ns).chain(expiry).min().unwrap_or(u64::MAX))
+        let delayed = match &self.store {
+            Store::Memory { delayed, .. } => delayed.first_key_value().map(|((due, _), _)| *due),
+            Store::Log { delayed, .. } => delayed.as_ref().and_then(|d| d.next_due()),
+        };
+        Ok(self.in_flight.values().map(|f| f.deadline_ns).chain(expiry).chain(delayed).min().unwrap_or(u64::MAX))
     }
 
     /// When the earliest-expiring message at the head of a level expires, if one does.
@@ -1156,7 +1290,7 @@ impl Inner {
             }
             let expires_at = match &mut self.store {
                 Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
-                Store::Log { lanes } => lanes[level].head()?.map(|r| message::expires_at(&r)),
+                Store::Log { lanes, .. } => lanes[level].head()?.map(|r| message::expires_at(&r)),
             };
             earliest = earliest.into_iter().chain(expires_at.filter(|&e| e != 0)).min();
         }
@@ -1167,7 +1301,7 @@ impl Inner {
     fn head_at(&mut self, level: usize) -> Result<Option<Message>, BrokerError> {
         Ok(match &mut self.store {
             Store::Memory { levels, .. } => levels[level].front().cloned(),
-            Store::Log { lanes } => lanes[level].head()?.map(|r| stored(level, &r)),
+            Store::Log { lanes, .. } => lanes[level].head()?.map(|r| stored(level, &r)),
         })
     }
 
@@ -1186,7 +1320,7 @@ impl Inner {
     fn has_head(&mut self, level: usize) -> Result<bool, BrokerError> {
         Ok(match &mut self.store {
             Store::Memory { levels, .. } => !levels[level].is_empty(),
-            Store::Log { lanes } => lanes[level].head()?.is_some(),
+            Store::Log { lanes, .. } => lanes[level].head()?.is_some(),
         })
     }
 
@@ -1197,7 +1331,7 @@ impl Inner {
         }
         Ok(match &mut self.store {
             Store::Memory { levels, .. } => levels[level].front().map_or(u64::MAX, |m| m.timestamp),
-            Store::Log { lanes } => lanes[level].head()?.map_or(u64::MAX, |r| r.timestamp),
+            Store::Log { lanes, .. } => lanes[level].head()?.map_or(u64::MAX, |r| r.timestamp),
         })
     }
 
@@ -1233,12 +1367,20 @@ impl Inner {
             self.waiting,
             match &self.store {
                 Store::Memory { levels, .. } => levels.iter().map(|l| l.len() as u64).sum(),
-                Store::Log { lanes } => {
+                Store::Log { lanes, .. } => {
                     lanes.iter().map(|l| l.group.unacknowledged() - l.markers_unread).sum::<u64>()
                         - self.in_flight.len() as u64
                 }
             },
             "a queue's count matches its store"
+        );
+        debug_assert_eq!(
+            self.delayed,
+            match &self.store {
+                Store::Memory { delayed, .. } => delayed.len() as u64,
+                Store::Log { delayed, .. } => delayed.as_ref().map_or(0, |d| d.pending()),
+            },
+            "a queue's delayed count matches its store"
         );
         self.waiting
     }
@@ -1268,7 +1410,7 @@ impl Inner {
                 m.deliveries += 1;
                 (m.clone(), Taken::Memory(Box::new(m)))
             })),
-            Store::Log { lanes } => {
+            Store::Log { lanes, .. } => {
                 let lane = &mut lanes[level];
                 // A record an offer still waits to sync for stays where it is (peek and poll
                 // pick the same record: a returned one first, else the next in the log).
@@ -1292,7 +1434,7 @@ impl Inner {
     /// A taken message is gone for good.
     fn settle(&mut self, taken: &Taken) -> Result<(), BrokerError> {
         match (&mut self.store, taken) {
-            (Store::Log { lanes }, Taken::Log { level, offset }) => {
+            (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
                 let lane = &mut lanes[*level];
                 lane.returns.remove(offset);
                 Ok(lane.group.ack(*offset)?)
@@ -1302,19 +1444,37 @@ impl Inner {
     }
 
     /// Tentative reads come back from their consumers: each goes back to the head (counted as
-    /// returned), or, once handed out `max_deliveries` times (0: no limit), is settled and given
-    /// back for the dead-letter queue with its count.
-    fn return_reads(&mut self, reads: Vec<InFlight>, max_deliveries: u32) -> Result<Vec<Message>, BrokerError> {
+    /// returned), or among the delayed messages when it is to wait (`delay_ms`, else the
+    /// queue's redelivery delay for its count), or, once handed out `max_deliveries` times (0:
+    /// no limit), is settled and given back for the dead-letter queue with its count.
+    fn return_reads(
+        &mut self,
+        reads: Vec<InFlight>,
+        config: &QueueConfig,
+        delay_ms: u32,
+        now_ns: u64,
+    ) -> Result<Vec<Message>, BrokerError> {
+        let max_deliveries = config.max_deliveries;
         let mut over_limit = Vec::new();
+        let mut later = Vec::new();
         for read in reads {
             let deliveries = match (&self.store, &read.item) {
                 (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
-                (Store::Log { lanes }, Taken::Log { level, offset }) => deliveries_of(&lanes[*level].returns, *offset),
+                (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
+                    deliveries_of(&lanes[*level].returns, *offset)
+                }
                 _ => unreachable!("a queue's takings match its store"),
             };
             if max_deliveries == 0 || deliveries < max_deliveries {
                 self.counters.aborted += 1;
-                self.put_back(read.item, true)?;
+                let delay_ms = match delay_ms {
+                    0 => config::redelivery_delay_ms(config, deliveries),
+                    ms => u64::from(ms),
+                };
+                match delay_ms {
+                    0 => self.put_back(read.item, true)?,
+                    ms => later.push((read.item, now_ns.saturating_add(ms.saturating_mul(1_000_000)))),
+                }
                 continue;
             }
             let message = match &read.item {
@@ -1326,12 +1486,186 @@ impl Inner {
             self.counters.dead_lettered += 1;
             over_limit.push(message);
         }
+        self.delay_returned(later)?;
         Ok(over_limit)
+    }
+
+    /// Returned messages wait among the delayed ones until they are due, each with the
+    /// deliveries it had. On disk: copied to the delayed log (synced unless the policy is
+    /// `none`), then acknowledged in their level's.
+    fn delay_returned(&mut self, mut later: Vec<(Taken, u64)>) -> Result<(), BrokerError> {
+        if later.is_empty() {
+            return Ok(());
+        }
+        // Those returned together are delayed in their levels' order (as they were waiting), so
+        // that those due at one time come back in it: not in the order a map lists them.
+        later.sort_by_key(|(taken, _)| (taken.level(), taken.message_id()));
+        let n = later.len() as u64;
+        match &mut self.store {
+            Store::Memory { delayed, next_id, .. } => {
+                for (taken, due) in later {
+                    let Taken::Memory(mut m) = taken else { unreachable!("a queue's takings match its store") };
+                    m.deliver_at = due;
+                    // Among those due at one time, in the order they were delayed (as on disk).
+                    delayed.insert((due, *next_id), *m);
+                    *next_id += 1;
+                }
+            }
+            Store::Log { .. } => {
+                let mut copies = Vec::with_capacity(later.len());
+                let mut placements = Vec::with_capacity(later.len());
+                for (taken, due) in &later {
+                    let Taken::Log { level, offset } = *taken else {
+                        unreachable!("a queue's takings match its store")
+                    };
+                    let Store::Log { lanes, .. } = &self.store else { unreachable!() };
+                    let deliveries = deliveries_of(&lanes[level].returns, offset);
+                    copies.push(Message { deliver_at: *due, ..self.read_stored(level, offset)? });
+                    placements.push(Placement {
+                        priority: level as u8,
+                        deliveries,
+                        copy: true,
+                        returned_from: Some(message::queue_id(level, offset)),
+                        ..Placement::default()
+                    });
+                }
+                let delay = self.delay_log()?;
+                delay.append(&copies, &placements)?;
+                if delay.log.durability() != Durability::None {
+                    // On disk before the originals are acknowledged: a crash keeps one or the other.
+                    delay.log.sync()?;
+                }
+                for (taken, _) in &later {
+                    self.settle(taken)?;
+                }
+            }
+        }
+        self.delayed += n;
+        Ok(())
+    }
+
+    /// A durable queue's delayed log, made at its first delayed message.
+    fn delay_log(&mut self) -> Result<&mut DelayLog, BrokerError> {
+        let Store::Log { delayed, open_delayed, .. } = &mut self.store else { unreachable!("only a log has one") };
+        Ok(match delayed {
+            Some(delay) => delay,
+            None => delayed.insert(Box::new(DelayLog::create(open_delayed()?, delay::MAX_TIMERS)?)),
+        })
+    }
+
+    /// Hands the delayed messages due at `now_ns` to the tail of their levels (on disk, at most
+    /// `delay::MAX_MOVES_PER_TICK` at a time: copied to their levels' logs, synced unless the
+    /// policy is `none`, then marked done in the delayed log). Returns how many.
+    fn move_due(&mut self, now_ns: u64) -> Result<u64, BrokerError> {
+        let mut moved_at = vec![0u64; self.waiting_at.len()];
+        // A moved message joins its level now: stamped as an offer would be, so that its level
+        // stays in time order (the share's turn picks the head that waited longest).
+        let stamp = now_ns.max(self.last_stamp + 1);
+        match &mut self.store {
+            Store::Memory { levels, next_id, delayed } => {
+                while let Some(entry) = delayed.first_entry()
+                    && entry.key().0 <= now_ns
+                {
+                    let mut m = entry.remove();
+                    // Among the waiting ones from now on: the next id keeps a level in id order.
+                    m.timestamp = stamp;
+                    m.id = *next_id;
+                    *next_id += 1;
+                    let level = m.priority as usize;
+                    moved_at[level] += 1;
+                    levels[level].push_back(m);
+                }
+            }
+            Store::Log { lanes, delayed: Some(delay), .. } => {
+                let due = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK);
+                let mut copies: Vec<(Vec<Message>, Vec<Placement>)> = vec![Default::default(); lanes.len()];
+                for &offset in &due {
+                    let (m, p) = delay.read(offset)?;
+                    let m = Message { timestamp: stamp, ..m };
+                    let level = (p.priority as usize).min(lanes.len() - 1);
+                    copies[level].0.push(m);
+                    let placement = Placement {
+                        deliveries: p.deliveries,
+                        copy: true,
+                        moved_from: Some(offset),
+                        ..Placement::default()
+                    };
+                    copies[level].1.push(placement);
+                }
+                for (level, (messages, placements)) in copies.iter().enumerate() {
+                    if messages.is_empty() {
+                        continue;
+                    }
+                    let lane = &mut lanes[level];
+                    let range = message::append_placed(&lane.log, messages, placements)?;
+                    for (offset, p) in range.clone().zip(placements) {
+                        if p.deliveries != 0 {
+                            lane.returns.insert(offset, p.deliveries);
+                        }
+                    }
+                    if lane.log.durability() != Durability::None {
+                        // On disk before the originals are marked done: a crash keeps one or the
+                        // other (and open tells which from the copy's `moved_from`).
+                        lane.log.sync()?;
+                    }
+                    if lane.visible_end != u64::MAX {
+                        lane.visible_end = lane.visible_end.max(range.end);
+                    }
+                    moved_at[level] = messages.len() as u64;
+                }
+                delay.mark_done(&due)?;
+                if delay.log.durability() == Durability::Always && !due.is_empty() {
+                    delay.log.sync()?;
+                }
+                delay.refill()?;
+                let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
+                delay.repin(oldest_key.map(|(_, offset)| offset))?;
+            }
+            Store::Log { delayed: None, .. } => {}
+        }
+        let moved: u64 = moved_at.iter().sum();
+        if moved > 0 {
+            self.last_stamp = stamp;
+        }
+        counting::subtract(&mut self.delayed, moved, "a queue's delayed messages");
+        for (level, n) in moved_at.into_iter().enumerate() {
+            self.waiting_at[level] += n;
+        }
+        self.waiting += moved;
+        Ok(moved)
+    }
+
+    /// Drops every delayed message (a flush); returns how many.
+    fn drop_delayed(&mut self) -> Result<u64, BrokerError> {
+        let n = self.delayed;
+        match &mut self.store {
+            Store::Memory { delayed, .. } => {
+                let bytes = delayed.values().map(Message::size).sum();
+                delayed.clear();
+                counting::subtract(&mut self.bytes, bytes, "a queue's bytes");
+            }
+            Store::Log { lanes, delayed: Some(delay), .. } => {
+                let offsets = delay.drain();
+                let mut bytes = 0;
+                for &offset in &offsets {
+                    bytes += delay.read(offset)?.0.size();
+                }
+                for chunk in offsets.chunks(8192) {
+                    delay.mark_done(chunk)?;
+                }
+                counting::subtract(&mut self.bytes, bytes, "a queue's bytes");
+                let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
+                delay.repin(oldest_key.map(|(_, offset)| offset))?;
+            }
+            Store::Log { delayed: None, .. } => {}
+        }
+        self.delayed = 0;
+        Ok(n)
     }
 
     /// The message stored at `offset` of a durable queue's log for `level`.
     fn read_stored(&self, level: usize, offset: u64) -> Result<Message, BrokerError> {
-        let Store::Log { lanes } = &self.store else { unreachable!("only a log stores by offset") };
+        let Store::Log { lanes, .. } = &self.store else { unreachable!("only a log stores by offset") };
         let mut reader = lanes[level].log.reader();
         reader.seek(offset);
         let batch = reader.read_batch(1)?;
@@ -1356,7 +1690,7 @@ impl Inner {
                 let at = ready.partition_point(|waiting| waiting.id < m.id);
                 ready.insert(at, *m);
             }
-            (Store::Log { lanes }, Taken::Log { offset, .. }) => {
+            (Store::Log { lanes, .. }, Taken::Log { offset, .. }) => {
                 let lane = &mut lanes[level];
                 if delivered {
                     // The marker first: a crash after it counts the delivery, one before it
@@ -1390,7 +1724,7 @@ impl Inner {
                 Some(m) => counting::subtract(&mut self.bytes, m.size(), "a queue's bytes"),
                 None => return Ok(false),
             },
-            Store::Log { lanes } => {
+            Store::Log { lanes, .. } => {
                 let lane = &mut lanes[level];
                 skip_markers(&mut lane.group, &mut lane.markers_unread)?;
                 match lane.group.take(Duration::ZERO)? {

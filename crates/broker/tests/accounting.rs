@@ -6,7 +6,10 @@
 //! queue (as are expired ones), across restarts too. With priority levels, each take comes from
 //! the level the model picks (the highest, or the lower levels' longest waiting on the share's
 //! turn); with idempotency keys, a repeat within the window (count and time) is answered with
-//! the original's id and not stored, across restarts too.
+//! the original's id and not stored, across restarts too. Delayed offers, aborts with a delay
+//! and a queue's redelivery delay (doubling to a cap) keep messages out of reach until the tick
+//! after they are due, which hands them to the tail of their level, in the order they are due
+//! (and, at one time, in the order they were delayed).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::Duration;
@@ -27,6 +30,7 @@ enum Step {
         ttl_ms: Option<u64>,
         priority: u8,
         key: Option<u8>,
+        delay_ms: Option<u32>,
     },
     /// Up to `max`; tentatively (visible again after `visibility_ms`) or for good.
     Take {
@@ -35,7 +39,8 @@ enum Step {
     },
     /// The open read at this position (modulo how many are open).
     Ack(usize),
-    Abort(usize),
+    /// With a delay of its own, or the queue's.
+    Abort(usize, Option<u32>),
     /// Time passes and the broker ticks: visibility timeouts and expiry.
     Wait {
         ms: u64,
@@ -47,12 +52,15 @@ enum Step {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        4 => (1..4usize, 0..40usize, prop::option::weighted(0.3, 1..50u64), 0..4u8, prop::option::weighted(0.5, 0..6u8))
-            .prop_map(|(n, size, ttl_ms, priority, key)| Step::Offer { n, size, ttl_ms, priority, key }),
+        4 => (
+            (1..4usize, 0..40usize, prop::option::weighted(0.3, 1..50u64)),
+            (0..4u8, prop::option::weighted(0.5, 0..6u8), prop::option::weighted(0.25, 1..60u32)),
+        )
+            .prop_map(|((n, size, ttl_ms), (priority, key, delay_ms))| Step::Offer { n, size, ttl_ms, priority, key, delay_ms }),
         4 => (1..4usize, prop::option::weighted(0.6, 1..50u64))
             .prop_map(|(max, visibility_ms)| Step::Take { max, visibility_ms }),
         2 => any::<usize>().prop_map(Step::Ack),
-        2 => any::<usize>().prop_map(Step::Abort),
+        2 => (any::<usize>(), prop::option::weighted(0.3, 1..60u32)).prop_map(|(i, delay)| Step::Abort(i, delay)),
         2 => (1..40u64).prop_map(|ms| Step::Wait { ms }),
         1 => Just(Step::Flush),
         1 => Just(Step::Restart),
@@ -67,13 +75,22 @@ struct Item {
     expires_at: u64,
     returns: u32,
     level: usize,
+    /// When it joined its level: offered, or moved there when due.
     offered_at: u64,
+    /// Its place in its level (offers and moves take the next).
+    position: u64,
 }
 
 #[derive(Default)]
 struct Model {
-    /// Waiting messages of each priority level by number: a level's order is offer order.
-    waiting: Vec<BTreeMap<u64, Item>>,
+    /// Waiting messages of each priority level by position: number and item.
+    waiting: Vec<BTreeMap<u64, (u64, Item)>>,
+    next_position: u64,
+    /// Delayed messages by when they are due, then in the order they were delayed.
+    delayed: BTreeMap<(u64, u64), (u64, Item)>,
+    next_delayed: u64,
+    /// The queue's redelivery delay and its cap, ms.
+    backoff: (u64, u64),
     /// Open reads: handle, number, item, visibility deadline.
     open: Vec<(u64, u64, Item, u64)>,
     next_number: u64,
@@ -90,7 +107,7 @@ struct Model {
     keys: VecDeque<(String, u64, u64)>,
     /// Keys remembered at most, and for how long (ns).
     window: (usize, u64),
-    /// The id each stored message got.
+    /// The id each stored message got (until it moves from the delayed ones to its level).
     ids: HashMap<u64, u64>,
     /// The last stored offer's time: each is later than the one before (`Inner::last_stamp`).
     last_stamp: u64,
@@ -98,13 +115,44 @@ struct Model {
 
 impl Model {
     /// An open read comes back from its consumer: to the head, or at the limit to the
-    /// dead-letter queue.
-    fn returned(&mut self, number: u64, mut item: Item) {
+    /// dead-letter queue, or with a delay (its own, else the queue's for its count) among the
+    /// delayed.
+    fn returned(&mut self, number: u64, mut item: Item, delay_ms: u32, now: u64) {
         item.returns += 1;
+        let delay = match (delay_ms, self.backoff) {
+            (0, (first, 0)) => first,
+            (0, (first, cap)) => (first << (item.returns - 1).min(20)).min(cap),
+            (ms, _) => u64::from(ms),
+        };
         if self.max_deliveries != 0 && item.returns >= self.max_deliveries {
             self.dead.push(number);
+        } else if delay > 0 {
+            self.delay(number, item, now + delay * MS);
         } else {
-            self.waiting[item.level].insert(number, item);
+            self.waiting[item.level].insert(item.position, (number, item));
+        }
+    }
+
+    fn delay(&mut self, number: u64, item: Item, due: u64) {
+        self.delayed.insert((due, self.next_delayed), (number, item));
+        self.next_delayed += 1;
+    }
+
+    /// The tick hands what is due to the tail of its level, stamped as one offer.
+    fn move_due(&mut self, now: u64) {
+        let later = self.delayed.split_off(&(now + 1, 0));
+        let due = std::mem::replace(&mut self.delayed, later);
+        if due.is_empty() {
+            return;
+        }
+        let stamp = now.max(self.last_stamp + 1);
+        self.last_stamp = stamp;
+        for (_, (number, mut item)) in due {
+            item.offered_at = stamp;
+            item.position = self.next_position;
+            self.next_position += 1;
+            self.ids.remove(&number);
+            self.waiting[item.level].insert(item.position, (number, item));
         }
     }
 
@@ -124,7 +172,7 @@ impl Model {
         }
         self.takes_from_top = 0;
         // The lower level whose head has waited longest; at one time, the lowest level.
-        (0..top).filter_map(|l| Some((self.waiting[l].first_key_value()?.1.offered_at, l))).min().map(|(_, l)| l)
+        (0..top).filter_map(|l| Some((self.waiting[l].first_key_value()?.1.1.offered_at, l))).min().map(|(_, l)| l)
     }
 
     fn forget_keys(&mut self, now: u64) {
@@ -149,7 +197,8 @@ impl Model {
     fn bytes(&self) -> u64 {
         self.waiting
             .iter()
-            .flat_map(|l| l.values())
+            .flat_map(|l| l.values().map(|(_, item)| item))
+            .chain(self.delayed.values().map(|(_, item)| item))
             .chain(self.open.iter().map(|(_, _, item, _)| item))
             .map(|i| i.size)
             .sum()
@@ -180,12 +229,13 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
         expired_to_dead: !config.dead_letter.is_empty(),
         period: petrel_broker::config::lower_level_period(&config),
         window: petrel_broker::config::dedup_window_of(&config),
+        backoff: (u64::from(config.redelivery_delay_ms), u64::from(config.redelivery_delay_max_ms)),
         ..Model::default()
     };
     let mut now = 1_000 * MS;
     for step in steps {
         match step {
-            Step::Offer { n, size, ttl_ms, priority, key } => {
+            Step::Offer { n, size, ttl_ms, priority, key, delay_ms } => {
                 let expires_at = ttl_ms.map_or(0, |t| now + t * MS);
                 let mut numbers: Vec<u64> = (model.next_number..model.next_number + n as u64).collect();
                 model.next_number += n as u64;
@@ -196,12 +246,14 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     .map(|(i, &k)| Message {
                         expires_at,
                         priority,
+                        delay_ms: delay_ms.unwrap_or(0),
                         idempotency_key: key_of(i),
                         ..Message::new(payload(k, size))
                     })
                     .collect::<Vec<_>>();
                 let level = (priority as usize).min(levels - 1);
-                let mut item = Item { size: messages[0].size(), expires_at, returns: 0, level, offered_at: 0 };
+                let mut item =
+                    Item { size: messages[0].size(), expires_at, returns: 0, level, offered_at: 0, position: 0 };
                 let result = broker.offer("q", messages, now);
                 let max = config.max_items as usize;
                 if max != 0 && n > max && !config.circular {
@@ -238,20 +290,29 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     .filter(|(i, _)| !repeat.get(*i).copied().unwrap_or(false))
                     .map(|(_, (k, key))| (*k, key))
                     .collect();
-                let fits = max == 0 || model.items() as usize + fresh.len() <= max;
-                if fits || config.circular {
+                // Delayed messages count against a bound: they are stored.
+                let over = |model: &Model| max != 0 && model.items() as usize + model.delayed.len() + fresh.len() > max;
+                if over(&model) && config.circular {
+                    // Room first: the oldest of the lowest level that has messages go.
+                    while over(&model)
+                        && let Some(lowest) = model.waiting.iter_mut().find(|l| !l.is_empty())
+                    {
+                        lowest.pop_first();
+                    }
+                }
+                if !over(&model) {
                     prop_assert!(result.is_ok(), "{result:?}");
                     let (first, count) = result.unwrap();
                     prop_assert_eq!(count as usize, fresh.len());
                     item.offered_at = now.max(model.last_stamp + 1);
                     model.last_stamp = item.offered_at;
-                    // Room first: the oldest of the lowest level that has messages go.
-                    while max != 0 && model.items() as usize + fresh.len() > max {
-                        let lowest = model.waiting.iter_mut().find(|l| !l.is_empty()).expect("over, so not empty");
-                        lowest.pop_first();
-                    }
                     for (i, (k, key)) in fresh.into_iter().enumerate() {
-                        model.waiting[level].insert(k, item);
+                        item.position = model.next_position;
+                        model.next_position += 1;
+                        match delay_ms {
+                            Some(ms) => model.delay(k, item, now + u64::from(ms) * MS),
+                            None => drop(model.waiting[level].insert(item.position, (k, item))),
+                        }
                         model.ids.insert(k, first + i as u64);
                         if !key.is_empty() {
                             model.keys.push_back((key, first + i as u64, item.offered_at));
@@ -267,7 +328,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 let mut expected = Vec::new();
                 while expected.len() < max {
                     let Some(level) = model.choose() else { break };
-                    let (number, item) = model.waiting[level].pop_first().expect("a level with messages");
+                    let (_, (number, item)) = model.waiting[level].pop_first().expect("a level with messages");
                     if item.expires_at != 0 && item.expires_at <= now {
                         model.expired(number); // stepped over
                         continue;
@@ -277,7 +338,9 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 let numbers: Vec<u64> = got.iter().map(|d| number_of(&d.message)).collect();
                 prop_assert_eq!(&numbers, &expected.iter().map(|(k, _)| *k).collect::<Vec<_>>());
                 for (d, (number, item)) in got.iter().zip(&expected) {
-                    prop_assert_eq!(d.message.id, model.ids[number], "id");
+                    if let Some(id) = model.ids.get(number) {
+                        prop_assert_eq!(d.message.id, *id, "id");
+                    }
                     prop_assert_eq!(d.message.priority as usize, item.level, "priority");
                 }
                 let counts: Vec<u32> = got.iter().map(|d| d.message.deliveries).collect();
@@ -288,33 +351,37 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     }
                 }
             }
-            Step::Ack(i) | Step::Abort(i) if model.open.is_empty() => {
+            Step::Ack(i) | Step::Abort(i, _) if model.open.is_empty() => {
                 let _ = i;
             }
             Step::Ack(i) => {
                 let (handle, ..) = model.open.remove(i % model.open.len());
                 prop_assert_eq!(broker.ack("q", &[handle], CONSUMER).unwrap(), 1);
             }
-            Step::Abort(i) => {
+            Step::Abort(i, delay_ms) => {
                 let (handle, number, item, _) = model.open.remove(i % model.open.len());
-                prop_assert_eq!(broker.abort("q", &[handle], CONSUMER, now).unwrap(), 1);
-                model.returned(number, item);
+                let delay_ms = delay_ms.unwrap_or(0);
+                prop_assert_eq!(broker.abort("q", &[handle], CONSUMER, delay_ms, now).unwrap(), 1);
+                model.returned(number, item, delay_ms, now);
             }
             Step::Wait { ms } => {
                 now += ms * MS;
                 broker.tick(now);
-                let (due, open): (Vec<_>, Vec<_>) = model.open.drain(..).partition(|o| o.3 <= now);
+                // The tick's order: what is due moves first, then timed-out reads come back.
+                model.move_due(now);
+                let (mut due, open): (Vec<_>, Vec<_>) = model.open.drain(..).partition(|o| o.3 <= now);
                 model.open = open;
+                due.sort_by_key(|(_, _, item, _)| (item.level, item.position));
                 for (_, number, item, _) in due {
-                    model.returned(number, item);
+                    model.returned(number, item, 0, now);
                 }
                 // Expired messages at a level's head go; ones behind an unexpired head wait.
                 for level in 0..levels {
-                    while let Some((_, item)) = model.waiting[level].first_key_value()
+                    while let Some((_, (_, item))) = model.waiting[level].first_key_value()
                         && item.expires_at != 0
                         && item.expires_at <= now
                     {
-                        let (number, _) = model.waiting[level].pop_first().expect("just seen");
+                        let (_, (number, _)) = model.waiting[level].pop_first().expect("just seen");
                         model.expired(number);
                     }
                 }
@@ -323,6 +390,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
             Step::Flush => {
                 broker.queue("q").unwrap().flush().unwrap();
                 model.waiting.iter_mut().for_each(BTreeMap::clear);
+                model.delayed.clear();
             }
             Step::Restart => {
                 if !config.durable {
@@ -332,7 +400,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 broker = open();
                 // A delivery cut short by the restart is not counted.
                 for (_, number, item, _) in model.open.drain(..) {
-                    model.waiting[item.level].insert(number, item);
+                    model.waiting[item.level].insert(item.position, (number, item));
                 }
                 // The queue starts its share's count afresh, and reads its keys back in the
                 // order they were stored (by time, then id).
@@ -344,6 +412,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
         prop_assert_eq!(stats.items, model.items(), "items");
         prop_assert_eq!(stats.in_flight, model.open.len() as u64, "in flight");
         prop_assert_eq!(stats.bytes, model.bytes(), "bytes");
+        prop_assert_eq!(stats.delayed, model.delayed.len() as u64, "delayed");
         let dead = broker.queue("dead").unwrap().counters();
         prop_assert_eq!(dead.items, model.dead.len() as u64, "dead letters");
     }
@@ -365,9 +434,15 @@ fn configs() -> impl Strategy<Value = QueueConfig> {
         ),
         (prop_oneof![Just(0u8), Just(3)], prop_oneof![Just(0u8), Just(25), Just(50)]),
         (prop_oneof![Just(0u32), Just(2)], prop_oneof![Just(0u64), Just(30)]),
+        (prop_oneof![Just(0u32), Just(20)], prop_oneof![Just(0u32), Just(60)]),
     )
         .prop_map(
-            |((durable, max_items, circular, max_deliveries), (priorities, share), (dedup_window, dedup_window_ms))| {
+            |(
+                (durable, max_items, circular, max_deliveries),
+                (priorities, share),
+                (dedup_window, dedup_window_ms),
+                (redelivery_delay_ms, cap),
+            )| {
                 QueueConfig {
                     durable,
                     max_items,
@@ -378,6 +453,8 @@ fn configs() -> impl Strategy<Value = QueueConfig> {
                     priority_share: if priorities != 0 { share } else { 0 },
                     dedup_window,
                     dedup_window_ms,
+                    redelivery_delay_ms,
+                    redelivery_delay_max_ms: if redelivery_delay_ms != 0 { cap } else { 0 },
                     ..QueueConfig::default()
                 }
             },
@@ -421,7 +498,7 @@ fn out_of_order_acks_and_returned_reads_are_counted_on_disk_as_in_memory() {
         broker.offer("q", vec![Message::new(payload(0, 0)), Message::new(payload(1, 0))], 1).unwrap();
         let taken = broker.poll("q", 2, Some(Duration::from_secs(60)), a, 1).unwrap();
         let handles: Vec<u64> = taken.iter().map(|d| d.handle).collect();
-        assert_eq!(broker.abort("q", &handles, a, 1).unwrap(), 2);
+        assert_eq!(broker.abort("q", &handles, a, 0, 1).unwrap(), 2);
         assert_eq!(broker.queue("q").unwrap().counters().items, 2, "durable {durable}");
         assert!(matches!(broker.offer("q", vec![Message::new(payload(2, 0))], 2), Err(BrokerError::Full(_))));
     }

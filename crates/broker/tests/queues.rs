@@ -46,8 +46,8 @@ fn tentative_reads_come_back_on_abort_timeout_and_disconnect() {
         b.offer("q", msgs(&["a", "b", "c"]), 0).unwrap();
         let d = b.poll("q", 1, VIS, 7, 0).unwrap();
         assert_eq!(payloads(&d), [b"a".to_vec()]);
-        assert_eq!(b.abort("q", &[d[0].handle], 8, 2).unwrap(), 0, "only the taker can abort");
-        assert_eq!(b.abort("q", &[d[0].handle], 7, 2).unwrap(), 1);
+        assert_eq!(b.abort("q", &[d[0].handle], 8, 0, 2).unwrap(), 0, "only the taker can abort");
+        assert_eq!(b.abort("q", &[d[0].handle], 7, 0, 2).unwrap(), 1);
         // Back at the head.
         let d = b.poll("q", 1, VIS, 7, 0).unwrap();
         assert_eq!(payloads(&d), [b"a".to_vec()]);
@@ -129,7 +129,7 @@ fn expired_messages_go_to_the_dead_letter_queue() {
         assert_eq!(b.queue("q").unwrap().counters().items, 3, "nothing expired yet");
         let live = b.poll("q", 5, VIS, 1, 40 * MS).unwrap();
         assert_eq!(payloads(&live), [b"ttl".to_vec(), b"own-late".to_vec()], "{config:?}: the early one expired");
-        b.abort("q", &live.iter().map(|d| d.handle).collect::<Vec<_>>(), 1, 2).unwrap();
+        b.abort("q", &live.iter().map(|d| d.handle).collect::<Vec<_>>(), 1, 0, 2).unwrap();
         let live = b.poll("q", 5, VIS, 1, 60 * MS).unwrap();
         assert!(live.is_empty(), "{config:?}: the queue's TTL caps a later expiry of the message's own");
         let dead = b.poll("dead", 5, None, 1, 60 * MS).unwrap();
@@ -621,7 +621,7 @@ fn a_message_returned_max_deliveries_times_goes_to_the_dead_letter_queue_with_it
         // Delivery 1, aborted; delivery 2, its visibility timeout passes.
         let d = b.poll("jobs", 1, VIS, 7, 2).unwrap();
         assert_eq!((payloads(&d), d[0].message.deliveries), (vec![b"poison".to_vec()], 1), "durable {durable}");
-        assert_eq!(b.abort("jobs", &[d[0].handle], 7, 3).unwrap(), 1);
+        assert_eq!(b.abort("jobs", &[d[0].handle], 7, 0, 3).unwrap(), 1);
         let d = b.poll("jobs", 1, VIS, 7, 4).unwrap();
         assert_eq!(d[0].message.deliveries, 2, "durable {durable}");
         b.tick(4 + 200 * MS);
@@ -729,7 +729,7 @@ fn polls_take_the_highest_priority_first_in_offer_order_within_a_level_across_a_
         // An aborted message goes back to the head of its own level.
         let urgent = d.iter().find(|d| d.message.payload == "urgent-3").unwrap();
         let low = d.iter().find(|d| d.message.payload == "low-2").unwrap();
-        b.abort("work", &[low.handle, urgent.handle], 1, 7).unwrap();
+        b.abort("work", &[low.handle, urgent.handle], 1, 0, 7).unwrap();
         // (The share's turn comes first: three takes from the top since low-1.)
         let again = b.poll("work", 2, None, 1, 8).unwrap();
         assert_eq!(payloads(&again), [b"low-2".to_vec(), b"urgent-3".to_vec()], "durable {durable}");
@@ -879,4 +879,227 @@ fn dead_letters_of_several_priorities_reach_a_dead_letter_queue_with_levels() {
     b.tick(10 * MS); // both expire in one tick: one move, two priorities
     let moved = b.poll("late", 10, None, 1, 11 * MS).unwrap();
     assert_eq!(payloads(&moved), [b"urgent".to_vec(), b"low".to_vec()], "both moved, each at its level");
+}
+
+fn delayed(ms: u32, items: &[&str]) -> Vec<Message> {
+    msgs(items).into_iter().map(|m| Message { delay_ms: ms, ..m }).collect()
+}
+
+fn texts(ds: &[petrel_broker::Delivery]) -> Vec<String> {
+    ds.iter().map(|d| String::from_utf8_lossy(&d.message.payload).into_owned()).collect()
+}
+
+#[test]
+fn delayed_messages_are_invisible_until_due_then_join_the_tail_across_a_restart() {
+    let t0 = now_ns();
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = QueueConfig { durable, priorities: 2, ..QueueConfig::default() };
+        let mut b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", config, None).unwrap();
+        b.offer("q", msgs(&["now-1"]), t0).unwrap();
+        let (later_id, n) = b.offer("q", delayed(100, &["later-1", "later-2"]), t0).unwrap();
+        assert_eq!(n, 2);
+        let at = vec![Message { deliver_at: t0 + 50 * MS, priority: 1, ..Message::new(&b"sooner"[..]) }];
+        b.offer("q", at, t0).unwrap();
+        // A deliver_at already past is no delay.
+        b.offer("q", vec![Message { deliver_at: t0 - MS, ..Message::new(&b"now-2"[..]) }], t0).unwrap();
+        let mixed = vec![Message::new(&b"x"[..]), Message { delay_ms: 5, ..Message::new(&b"y"[..]) }];
+        assert!(matches!(b.offer("q", mixed, t0), Err(BrokerError::BadRequest(e)) if e.contains("delayed")));
+        let too_late = vec![Message { deliver_at: t0 + 400 * 24 * 3600 * 1000 * MS, ..Message::new(&b"z"[..]) }];
+        assert!(matches!(b.offer("q", too_late, t0), Err(BrokerError::BadRequest(_))));
+        let st = b.queue("q").unwrap().status();
+        assert_eq!((st.items, st.delayed, st.bytes), (2, 3, 30), "durable {durable}");
+        assert_eq!(texts(&b.poll("q", 10, None, 1, t0 + MS).unwrap()), ["now-1", "now-2"]);
+        b.tick(t0 + 49 * MS);
+        assert!(b.poll("q", 10, None, 1, t0 + 49 * MS).unwrap().is_empty(), "durable {durable}: not due yet");
+        if durable {
+            drop(b);
+            b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+            assert!(dir.path().join("queues/q/delayed").is_dir());
+            let st = b.queue("q").unwrap().status();
+            assert_eq!((st.items, st.delayed, st.bytes), (0, 3, 20), "delayed messages survive a restart");
+        }
+        b.tick(t0 + 50 * MS);
+        let d = b.poll("q", 10, None, 1, t0 + 50 * MS).unwrap();
+        assert_eq!(texts(&d), ["sooner"], "durable {durable}");
+        assert_eq!((d[0].message.deliver_at, d[0].message.priority, d[0].message.deliveries), (t0 + 50 * MS, 1, 1));
+        b.tick(t0 + 100 * MS);
+        let d = b.poll("q", 10, None, 1, t0 + 100 * MS).unwrap();
+        assert_eq!(texts(&d), ["later-1", "later-2"], "durable {durable}");
+        assert_eq!(d[0].message.deliver_at, t0 + 100 * MS);
+        assert_ne!(d[0].message.id, later_id, "a delayed message joins its level with an id there");
+        let st = b.queue("q").unwrap().status();
+        assert_eq!((st.items, st.delayed, st.bytes, st.total_offered), (0, 0, 0, if durable { 0 } else { 5 }));
+    }
+}
+
+#[test]
+fn a_returned_message_waits_its_delay_doubling_to_a_cap_counted_to_its_dead_letter_across_a_restart() {
+    let t0 = now_ns();
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = QueueConfig {
+            durable,
+            redelivery_delay_ms: 100,
+            redelivery_delay_max_ms: 300,
+            max_deliveries: 5,
+            dead_letter: "dlq".into(),
+            ..QueueConfig::default()
+        };
+        let mut b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", config, None).unwrap();
+        b.create_queue("dlq", QueueConfig::default(), None).unwrap();
+        b.offer("q", keyed(&[("k", "job")]), t0).unwrap();
+        b.offer("q", msgs(&["other"]), t0).unwrap();
+        let vis = Some(Duration::from_secs(3600));
+        // Take it, give it back: 100 ms (the first delay), while "other" goes on.
+        let mut now = t0;
+        let take = |b: &Broker, now: u64| {
+            let d = b.poll("q", 1, vis, 1, now).unwrap();
+            assert_eq!(texts(&d), ["job"], "durable {durable} at {}", (now - t0) / MS);
+            (d[0].handle, d[0].message.deliveries)
+        };
+        let (mut h, deliveries) = take(&b, now);
+        assert_eq!(deliveries, 1);
+        let mut expected = vec![];
+        // Due 100 ms after the first return, 200 after the second, an abort's own delay wins,
+        // then 800 capped at 300.
+        for (explicit, wait) in [(0, 100), (0, 200), (1_000, 1_000), (0, 300)] {
+            b.abort("q", &[h], 1, explicit, now).unwrap();
+            if expected.is_empty() {
+                let st = b.queue("q").unwrap().status();
+                assert_eq!((st.items, st.delayed, st.in_flight), (1, 1, 0));
+                assert_eq!(texts(&b.poll("q", 5, None, 2, now).unwrap()), ["other"]);
+            }
+            b.tick(now + (wait - 1) * MS);
+            let early = b.poll("q", 1, vis, 1, now + (wait - 1) * MS).unwrap();
+            assert!(early.is_empty(), "durable {durable}: early after {wait}: {:?}", texts(&early));
+            now += wait * MS;
+            if durable && explicit != 0 {
+                drop(b);
+                b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+                b.create_queue("dlq", QueueConfig::default(), None).unwrap();
+            }
+            b.tick(now);
+            let (next, deliveries) = take(&b, now);
+            (h, _) = (next, expected.push(deliveries));
+        }
+        // The fifth delivery comes back: to the dead-letter queue, at once.
+        b.abort("q", &[h], 1, 0, now).unwrap();
+        assert_eq!(expected, [2, 3, 4, 5], "durable {durable}: the count crosses the delays and the restart");
+        let dead = b.poll("dlq", 5, None, 3, now).unwrap();
+        assert_eq!(texts(&dead), ["job"], "durable {durable}");
+        let count = dead[0].message.headers.iter().find(|(n, _)| n == petrel_broker::DEAD_LETTER_DELIVERIES);
+        assert_eq!(count.map(|(_, v)| v.to_vec()), Some(b"5".to_vec()));
+        let st = b.queue("q").unwrap().status();
+        assert_eq!((st.items, st.delayed, st.in_flight, st.bytes), (0, 0, 0, 0), "durable {durable}");
+        // Its key went with none of the copies: still the original's.
+        assert_eq!(b.offer("q", keyed(&[("k", "job")]), now).unwrap(), (1, 1), "durable {durable}");
+    }
+}
+
+#[test]
+fn a_flush_drops_delayed_messages_too_and_full_counts_them() {
+    let t0 = now_ns();
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", QueueConfig { durable, max_items: 3, ..QueueConfig::default() }, None).unwrap();
+        b.offer("q", delayed(1_000, &["a", "b"]), t0).unwrap();
+        b.offer("q", msgs(&["c"]), t0).unwrap();
+        assert!(matches!(b.offer("q", msgs(&["d"]), t0), Err(BrokerError::Full(_))), "durable {durable}");
+        assert_eq!(b.queue("q").unwrap().flush().unwrap(), 3);
+        let st = b.queue("q").unwrap().status();
+        assert_eq!((st.items, st.delayed, st.bytes), (0, 0, 0), "durable {durable}");
+        b.tick(t0 + 2_000 * MS);
+        assert!(b.poll("q", 5, None, 1, t0 + 2_000 * MS).unwrap().is_empty(), "durable {durable}: flushed for good");
+        drop(b);
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        if durable {
+            assert_eq!(b.queue("q").unwrap().status().delayed, 0, "flushed for good, across a restart");
+        }
+    }
+}
+
+/// The record a crash can leave behind: a copy in a level's log of a delayed message whose
+/// `moved` marker was not written, or a delayed copy of a returned message whose original was
+/// not acknowledged. Open repairs each so that the message is handed out once.
+#[test]
+fn open_repairs_a_copy_left_by_a_crash_between_the_copy_and_its_mark() {
+    use petrel_log::{Input, Log, Options};
+    let t0 = now_ns();
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+        b.offer("q", delayed(60_000, &["moved"]), t0).unwrap(); // delayed log offset 0
+        b.offer("q", msgs(&["taken"]), t0).unwrap(); // level 0 offset 0, id 1
+        b.poll("q", 1, Some(Duration::from_secs(60)), 1, t0).unwrap(); // in flight at the "crash"
+    }
+    let options = || Options { lock_directory: false, ..Options::default() };
+    let number = |v: u64| v.to_be_bytes();
+    {
+        // The copy of delayed offset 0 made it to level 0's log; its marker did not.
+        let level = Log::open(dir.path().join("queues/q"), options()).unwrap().into_shared();
+        let (from, due) = (number(0), number(t0));
+        let headers = [("da", &due[..]), ("dm", &from[..])];
+        level.append_with(&Input { key: None, headers: &headers, payload: b"moved", timestamp: None }).unwrap();
+        // A delayed copy of "taken" made it to the delayed log; its original was not acknowledged.
+        let delayed = Log::open(dir.path().join("queues/q/delayed"), options()).unwrap().into_shared();
+        let (of, due, deliveries) = (number(1), number(t0 + 60_000 * MS), 1u32.to_be_bytes());
+        let headers = [("da", &due[..]), ("dv", &deliveries[..]), ("rf", &of[..])];
+        delayed.append_with(&Input { key: None, headers: &headers, payload: b"taken", timestamp: None }).unwrap();
+    }
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let st = b.queue("q").unwrap().status();
+    assert_eq!((st.items, st.delayed), (2, 0), "each message once, where it can be handed out");
+    assert_eq!(texts(&b.poll("q", 5, None, 1, t0).unwrap()), ["taken", "moved"]);
+    b.tick(t0 + 120_000 * MS);
+    assert!(b.poll("q", 5, None, 1, t0 + 120_000 * MS).unwrap().is_empty(), "and never again");
+    drop(b);
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let st = b.queue("q").unwrap().status();
+    assert_eq!((st.items, st.delayed), (0, 0), "the repairs were written down");
+}
+
+#[test]
+fn many_delayed_messages_come_out_in_due_order_past_the_timers_memory() {
+    // More than the timers hold (65,536), due in an order unlike their offers'.
+    let t0 = now_ns();
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_queue("q", QueueConfig { durable: true, durability: "none".into(), ..QueueConfig::default() }, None)
+        .unwrap();
+    let n: u64 = 100_000;
+    let due = |i: u64| t0 + (1 + (i * 7_919) % n) * MS / 10; // a permutation over 10 s, 0.1 ms apart
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1000) {
+        let batch =
+            chunk.iter().map(|&i| Message { deliver_at: due(i), ..Message::new(i.to_be_bytes().to_vec()) }).collect();
+        b.offer("q", batch, t0).unwrap();
+    }
+    assert_eq!(b.queue("q").unwrap().status().delayed, n);
+    let mut last_due = 0;
+    let mut seen = 0;
+    let mut now = t0;
+    while seen < n {
+        now += 50 * MS;
+        b.tick(now);
+        loop {
+            let d = b.poll("q", 1000, None, 1, now).unwrap();
+            if d.is_empty() {
+                break;
+            }
+            for x in &d {
+                let i = u64::from_be_bytes(x.message.payload[..].try_into().unwrap());
+                assert_eq!(x.message.deliver_at, due(i));
+                assert!(due(i) <= now, "never early");
+                assert!(due(i) + 50 * MS > now, "moved by the first tick after it was due");
+                assert!(due(i) >= last_due, "in due order");
+                last_due = due(i);
+                seen += 1;
+            }
+        }
+    }
+    assert_eq!(b.queue("q").unwrap().status().delayed, 0);
 }

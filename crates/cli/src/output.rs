@@ -23,6 +23,7 @@ pub fn message_json(m: &Message) -> serde_json::Value {
         "deliveries": m.deliveries,
         "priority": m.priority,
         "idempotency_key": m.idempotency_key,
+        "deliver_at": m.deliver_at,
         "request_id": m.request_id,
         "subject": m.subject,
         "destination": m.destination,

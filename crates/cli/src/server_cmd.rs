@@ -229,6 +229,10 @@ pub struct ProduceArgs {
     /// input again stores no line twice (within the queue's dedup window).
     #[arg(long)]
     key: Option<String>,
+    /// Hand the messages out no earlier than this long after the server takes them, e.g.
+    /// "30s", "250ms" (whole ms, at most 49 days).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    delay: Option<Duration>,
 }
 
 /// Offers each stdin line as a message; lines already waiting go as one batch. A bounded queue
@@ -244,6 +248,11 @@ pub fn produce(args: ProduceArgs) -> Res {
             Err(e) => return Err(e.into()),
         }
     }
+    let delay_ms = match args.delay {
+        Some(d) if d.as_millis() > u128::from(u32::MAX) => return Err("--delay: at most 49 days".into()),
+        Some(d) => d.as_millis() as u32,
+        None => 0,
+    };
     let mut input = crate::lines::StdinLines::new(1024);
     let mut lines = Vec::new();
     let mut sent = 0u64;
@@ -257,6 +266,7 @@ pub fn produce(args: ProduceArgs) -> Res {
             .enumerate()
             .map(|(i, line)| Message {
                 priority: args.priority,
+                delay_ms,
                 idempotency_key: args.key.as_ref().map(|k| format!("{k}:{}", sent + i as u64 + 1)).unwrap_or_default(),
                 ..Message::new(line)
             })
@@ -435,6 +445,14 @@ pub enum QueueCommand {
         /// How long an idempotency key is remembered, ms (0: 120,000).
         #[arg(long, default_value_t = 0)]
         dedup_window_ms: u64,
+        /// A message that comes back (aborted, timed out, its consumer gone) is handed out again
+        /// no earlier than this many ms later (0: at once).
+        #[arg(long, default_value_t = 0)]
+        redelivery_delay_ms: u32,
+        /// With --redelivery-delay-ms: double the delay at each further return, up to this many
+        /// ms (0: the delay does not grow).
+        #[arg(long, default_value_t = 0)]
+        redelivery_delay_max_ms: u32,
     },
     /// List the queues (those this user may use).
     List {
@@ -473,6 +491,8 @@ pub fn queue(cmd: QueueCommand) -> Res {
             priority_share,
             dedup_window,
             dedup_window_ms,
+            redelivery_delay_ms,
+            redelivery_delay_max_ms,
         } => {
             let config = QueueConfig {
                 max_items,
@@ -489,6 +509,8 @@ pub fn queue(cmd: QueueCommand) -> Res {
                 priority_share,
                 dedup_window,
                 dedup_window_ms,
+                redelivery_delay_ms,
+                redelivery_delay_max_ms,
             };
             server.connect()?.create_queue(&name, config)?;
         }

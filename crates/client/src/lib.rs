@@ -490,9 +490,17 @@ impl Client {
         }
     }
 
-    /// Returns tentative deliveries to the head of the queue.
+    /// Returns tentative deliveries to the head of the queue (after the queue's redelivery
+    /// delay, if it has one).
     pub async fn abort(&self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
-        match self.call_op(Request::Abort { queue: queue.into(), handles: handles.to_vec() }).await? {
+        self.abort_delayed(queue, handles, Duration::ZERO).await
+    }
+
+    /// Returns tentative deliveries to be handed out again no earlier than `delay` from now (a
+    /// retry that should wait); rounded down to ms, at most `u32::MAX` ms.
+    pub async fn abort_delayed(&self, queue: &str, handles: &[u64], delay: Duration) -> Result<u32, ClientError> {
+        let delay_ms = delay.as_millis().min(u32::MAX as u128) as u32;
+        match self.call_op(Request::Abort { queue: queue.into(), handles: handles.to_vec(), delay_ms }).await? {
             Response::Acked { count } => Ok(count),
             other => Err(unexpected(other)),
         }
@@ -912,6 +920,9 @@ pub mod blocking {
         }
         pub fn abort(&self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
             self.rt.block_on(self.inner.abort(queue, handles))
+        }
+        pub fn abort_delayed(&self, queue: &str, handles: &[u64], delay: Duration) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.abort_delayed(queue, handles, delay))
         }
         pub fn ping(&self) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.ping())

@@ -261,7 +261,12 @@ impl Server {
                 let mut every = tokio::time::interval(tick);
                 loop {
                     tokio::select! {
-                        _ = every.tick() => broker.tick(now_ns()),
+                        _ = every.tick() => {
+                            // A tick may wait for the disk (delayed messages moved to their
+                            // levels are synced): off the runtime's threads.
+                            let broker = Arc::clone(&broker);
+                            let _ = tokio::task::spawn_blocking(move || broker.tick(now_ns())).await;
+                        }
                         _ = stop.changed() => return,
                     }
                 }

@@ -68,6 +68,7 @@ fn queue_json(name: &str, config: &QueueConfig, st: &QueueCounters) -> Value {
         "dead_lettered": st.dead_lettered,
         "deduplicated": st.deduplicated,
         "dedup_keys": st.dedup_keys,
+        "delayed": st.delayed,
         "acked": st.acked,
         "flushes": st.flushes,
     })

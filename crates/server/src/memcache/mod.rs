@@ -342,7 +342,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let broker = Arc::clone(&self.ctx.broker);
         if o.abort {
             if let Some(handle) = self.open.remove(name) {
-                let _ = broker.abort(name, &[handle], self.conn, now_ns());
+                let _ = broker.abort(name, &[handle], self.conn, 0, now_ns());
             }
             self.line("END");
             return Flow::Continue;
@@ -580,6 +580,8 @@ fn queue_stats(
         ("discarded", st.dropped.to_string()),
         ("waiters", st.waiters.to_string()),
         ("open_transactions", st.in_flight.to_string()),
+        // Not Kestrel's: stored, not yet due (a native offer's delay, a redelivery delay).
+        ("delayed_items", st.delayed.to_string()),
         ("transactions", st.opened.to_string()),
         ("canceled_transactions", st.aborted.to_string()),
         ("total_flushes", st.flushes.to_string()),

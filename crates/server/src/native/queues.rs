@@ -125,6 +125,7 @@ pub(super) fn ack(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64]) ->
     ctx.broker.ack(queue, handles, session.conn).map_or_else(error, |count| Response::Acked { count })
 }
 
-pub(super) fn abort(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64]) -> Response {
-    ctx.broker.abort(queue, handles, session.conn, now_ns()).map_or_else(error, |count| Response::Acked { count })
+pub(super) fn abort(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64], delay_ms: u32) -> Response {
+    let aborted = ctx.broker.abort(queue, handles, session.conn, delay_ms, now_ns());
+    aborted.map_or_else(error, |count| Response::Acked { count })
 }

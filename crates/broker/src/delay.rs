@@ -1,0 +1,457 @@
+//! A durable queue's delayed messages: a log of their own (`delayed/` under the queue's
+//! directory), in the order they were offered or returned, and what the queue keeps in memory to
+//! hand each one to its level's log when it is due.
+//!
+//! Memory is bounded whatever the number of delayed messages: the timers hold the earliest-due
+//! `cap` of them (16 bytes each, in a B-tree); the rest are "spilled", known only to be due later
+//! than every one held, and found again by reading the log when the timers run low. Beside that,
+//! one bit per record of the log from the oldest one not yet done ("done": moved to its level's
+//! log, or dropped by a flush; markers are done too). Retention takes what is before the oldest
+//! record still needed (`repin`).
+//!
+//! A due message is copied to its level's log and then marked done here by a `moved` marker; the
+//! copy names the record it came from, so a crash between the two is repaired on open (the copy
+//! counts, the original is marked done). A message returned with a delay is copied here from its
+//! level's log, then acknowledged there; the copy names its original, and on open a copy whose
+//! original is still unacknowledged is dropped (the original is handed out again, only without
+//! its delay).
+
+use std::collections::{BTreeSet, BinaryHeap, HashSet, VecDeque};
+
+use petrel_log::{ConsumerGroup, GroupOptions, SeekTo, SharedLog};
+
+use crate::BrokerError;
+use crate::message::{self, Message, Placement};
+
+/// Delayed messages a queue's timers hold at most; later ones are found again in its log.
+pub(crate) const MAX_TIMERS: usize = 65_536;
+/// Due messages one tick moves from a queue's delayed log at most (the rest on the next tick, at
+/// once): one tick's work under the queue's lock stays bounded.
+pub(crate) const MAX_MOVES_PER_TICK: usize = 16_384;
+/// The group that marks where a delayed log is still needed.
+const PIN_GROUP: &str = "broker";
+
+/// The earliest-due delayed messages, at most `cap` of them, as (due, offset).
+#[derive(Debug)]
+pub(crate) struct Timers {
+    held: BTreeSet<(u64, u64)>,
+    /// Delayed messages not held: each due later than every one held (or, when none is held,
+    /// unknown).
+    spilled: u64,
+    cap: usize,
+}
+
+impl Timers {
+    pub fn new(cap: usize) -> Timers {
+        assert!(cap >= 4, "room for a few timers");
+        Timers { held: BTreeSet::new(), spilled: 0, cap }
+    }
+
+    pub fn len(&self) -> u64 {
+        self.held.len() as u64 + self.spilled
+    }
+
+    pub fn insert(&mut self, due: u64, offset: u64) {
+        let key = (due, offset);
+        if self.spilled == 0 && self.held.len() < self.cap {
+            self.held.insert(key);
+            return;
+        }
+        // Only one due before the latest held may be held: a spilled one may be due before it.
+        match self.held.last() {
+            Some(&latest) if key < latest => {
+                self.held.insert(key);
+                if self.held.len() > self.cap {
+                    self.held.pop_last();
+                    self.spilled += 1;
+                }
+            }
+            _ => self.spilled += 1,
+        }
+    }
+
+    /// When the earliest held message is due (`None`: none held).
+    pub fn next_due(&self) -> Option<u64> {
+        self.held.first().map(|(due, _)| *due)
+    }
+
+    /// The earliest held message's offset, if it is due at `now_ns`.
+    pub fn pop_due(&mut self, now_ns: u64) -> Option<u64> {
+        match self.held.first() {
+            Some(&(due, offset)) if due <= now_ns => {
+                self.held.pop_first();
+                Some(offset)
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether the held timers ran low while some are spilled.
+    pub fn wants_refill(&self) -> bool {
+        self.spilled > 0 && self.held.len() <= self.cap / 4
+    }
+
+    /// Holds the earliest of the spilled ones again, from `pending`: every delayed message not
+    /// done, held or not, as (due, offset).
+    #[cfg(test)]
+    pub fn refill(&mut self, pending: impl Iterator<Item = (u64, u64)>) {
+        let mut refill = self.start_refill();
+        pending.for_each(|key| refill.consider(key));
+        self.finish_refill(refill);
+    }
+
+    fn start_refill(&self) -> Refill {
+        let room = self.cap - self.held.len();
+        Refill { latest_held: self.held.last().copied(), room, best: BinaryHeap::with_capacity(room + 1), spilled: 0 }
+    }
+
+    fn finish_refill(&mut self, refill: Refill) {
+        debug_assert_eq!(refill.spilled, self.spilled, "every spilled timer is pending in the log");
+        self.spilled = refill.spilled - refill.best.len() as u64;
+        self.held.extend(refill.best);
+    }
+
+    pub fn clear(&mut self) {
+        self.held.clear();
+        self.spilled = 0;
+    }
+}
+
+/// A refill in progress: the earliest `room` of the spilled timers seen so far (a max-heap).
+struct Refill {
+    latest_held: Option<(u64, u64)>,
+    room: usize,
+    best: BinaryHeap<(u64, u64)>,
+    spilled: u64,
+}
+
+impl Refill {
+    /// A pending delayed message; the held ones are passed over.
+    fn consider(&mut self, key: (u64, u64)) {
+        if self.latest_held.is_some_and(|latest| key <= latest) {
+            return;
+        }
+        self.spilled += 1;
+        self.best.push(key);
+        if self.best.len() > self.room {
+            self.best.pop();
+        }
+    }
+}
+
+/// Which records of a delayed log are done, from `base` on (all before it are).
+#[derive(Debug, Default)]
+pub(crate) struct Done {
+    base: u64,
+    words: VecDeque<u64>,
+    /// Records covered from `base` on.
+    len: u64,
+}
+
+impl Done {
+    fn starting_at(base: u64) -> Done {
+        Done { base, ..Done::default() }
+    }
+
+    fn end(&self) -> u64 {
+        self.base + self.len
+    }
+
+    /// The next record of the log, done or not.
+    fn push(&mut self, done: bool) {
+        if self.len.is_multiple_of(64) {
+            self.words.push_back(0);
+        }
+        self.len += 1;
+        if done {
+            self.set(self.end() - 1);
+        }
+    }
+
+    fn set(&mut self, offset: u64) {
+        if offset < self.base {
+            return;
+        }
+        assert!(offset < self.end(), "a delayed log's record is covered before it is marked done");
+        let i = offset - self.base;
+        self.words[(i / 64) as usize] |= 1 << (i % 64);
+    }
+
+    fn is_done(&self, offset: u64) -> bool {
+        if offset < self.base {
+            return true;
+        }
+        let i = offset - self.base;
+        i < self.len && self.words[(i / 64) as usize] & (1 << (i % 64)) != 0
+    }
+
+    /// The oldest record not done (`end` if all are), dropping the words before it.
+    fn first_pending(&mut self) -> u64 {
+        while self.words.len() > 1 && self.words[0] == u64::MAX {
+            self.words.pop_front();
+            self.base += 64;
+            self.len -= 64;
+        }
+        let first = self.base + u64::from(self.words.front().map_or(0, |w| w.trailing_ones()));
+        first.min(self.end())
+    }
+
+    /// The records not done, oldest first.
+    fn pending(&self) -> impl Iterator<Item = u64> + '_ {
+        (self.base..self.end()).filter(|o| !self.is_done(*o))
+    }
+}
+
+/// A durable queue's delayed log and its timers.
+pub(crate) struct DelayLog {
+    pub log: SharedLog,
+    /// Stands at the oldest record still needed: retention takes what is before it.
+    pin: ConsumerGroup,
+    timers: Timers,
+    done: Done,
+}
+
+/// What opening a delayed log found.
+#[derive(Debug, Default)]
+pub(crate) struct Reopened {
+    /// Delayed messages not done.
+    pub pending: u64,
+    /// Their bytes (`Message::size`).
+    pub bytes: u64,
+    /// Idempotency keys its records hold: (when stored, offset, key).
+    pub keys: Vec<(u64, u64, String)>,
+    /// The time of its last record (0: none).
+    pub last_stamp: u64,
+}
+
+impl DelayLog {
+    /// A new, empty delayed log.
+    pub fn create(log: SharedLog, cap: usize) -> Result<DelayLog, BrokerError> {
+        let pin = log.group(PIN_GROUP, GroupOptions::default())?;
+        let done = Done::starting_at(log.next_offset());
+        Ok(DelayLog { log, pin, timers: Timers::new(cap), done })
+    }
+
+    /// Opens a delayed log that may hold messages. `moved`: offsets its levels' logs hold copies
+    /// of; `original_waits(id)`: whether the level's record with queue id `id` (a returned
+    /// message's original) is still unacknowledged.
+    pub fn open(
+        log: SharedLog,
+        cap: usize,
+        moved: &HashSet<u64>,
+        original_waits: impl Fn(u64) -> bool,
+    ) -> Result<(DelayLog, Reopened), BrokerError> {
+        let pin = log.group(PIN_GROUP, GroupOptions::default())?;
+        let start = pin.committed();
+        let mut done = Done::starting_at(start);
+        // First the markers (each follows the records it names), then the messages.
+        let mut reader = log.reader();
+        reader.seek(start);
+        loop {
+            let batch = reader.read_batch(4096)?;
+            if batch.is_empty() {
+                break;
+            }
+            for r in batch.into_iter() {
+                assert_eq!(r.offset, done.end(), "a log's offsets are dense");
+                match message::control(&r) {
+                    Some(message::Control::Moved(offsets)) => {
+                        done.push(true);
+                        offsets.into_iter().for_each(|o| done.set(o));
+                    }
+                    Some(message::Control::Returned(_)) => done.push(true),
+                    None => done.push(moved.contains(&r.offset)),
+                }
+            }
+        }
+        let mut reopened = Reopened::default();
+        let mut timers = Timers::new(cap);
+        let mut repaired = Vec::new();
+        reader.seek(start);
+        loop {
+            let batch = reader.read_batch(4096)?;
+            if batch.is_empty() {
+                break;
+            }
+            for r in batch.into_iter() {
+                if message::control(&r).is_some() {
+                    continue;
+                }
+                if let Some(key) = message::idempotency_key(&r) {
+                    reopened.keys.push((r.timestamp, r.offset, String::from_utf8_lossy(key).into_owned()));
+                }
+                if done.is_done(r.offset) {
+                    continue;
+                }
+                let placement = message::placement(&r);
+                if moved.contains(&r.offset) || placement.returned_from.is_some_and(&original_waits) {
+                    repaired.push(r.offset);
+                    continue;
+                }
+                timers.insert(message::deliver_at(&r), r.offset);
+                reopened.pending += 1;
+                reopened.bytes += message::from_record(&r).size();
+            }
+        }
+        if let Some(last) = log.next_offset().checked_sub(1) {
+            reader.seek(last);
+            reopened.last_stamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
+        }
+        let mut delay = DelayLog { log, pin, timers, done };
+        // Copies the levels' logs hold, and returned copies whose original stayed: done now.
+        delay.mark_done(&repaired)?;
+        Ok((delay, reopened))
+    }
+
+    /// Delayed messages not done.
+    pub fn pending(&self) -> u64 {
+        self.timers.len()
+    }
+
+    /// When the earliest delayed message is due (`None`: none is held; see `refill`).
+    pub fn next_due(&self) -> Option<u64> {
+        self.timers.next_due()
+    }
+
+    /// Appends `messages` (each with its `deliver_at` set) with their placements.
+    pub fn append(
+        &mut self,
+        messages: &[Message],
+        placements: &[Placement],
+    ) -> Result<std::ops::Range<u64>, BrokerError> {
+        let range = message::append_placed(&self.log, messages, placements)?;
+        assert_eq!(range.start, self.done.end(), "only the queue appends to its delayed log");
+        for (m, offset) in messages.iter().zip(range.clone()) {
+            debug_assert!(m.deliver_at != 0, "a delayed message says when it is due");
+            self.done.push(false);
+            self.timers.insert(m.deliver_at, offset);
+        }
+        Ok(range)
+    }
+
+    /// The offsets of up to `max` messages due at `now_ns`, earliest first (still pending until
+    /// `mark_done`).
+    pub fn take_due(&mut self, now_ns: u64, max: usize) -> Vec<u64> {
+        std::iter::from_fn(|| self.timers.pop_due(now_ns)).take(max).collect()
+    }
+
+    /// The delayed message at `offset`, with its placement.
+    pub fn read(&self, offset: u64) -> Result<(Message, Placement), BrokerError> {
+        let mut reader = self.log.reader();
+        reader.seek(offset);
+        let batch = reader.read_batch(1)?;
+        let r = batch.into_iter().next().filter(|r| r.offset == offset);
+        let r = r.expect("a pending delayed record is in the log");
+        Ok((message::from_record(&r), message::placement(&r)))
+    }
+
+    /// Marks the delayed messages at `offsets` done (taken out of the timers before), in one
+    /// marker.
+    pub fn mark_done(&mut self, offsets: &[u64]) -> Result<(), BrokerError> {
+        if offsets.is_empty() {
+            return Ok(());
+        }
+        let marker = message::append_moved(&self.log, offsets)?;
+        assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
+        self.done.push(true);
+        offsets.iter().for_each(|&o| self.done.set(o));
+        Ok(())
+    }
+
+    /// Holds the earliest spilled timers again, when the held ones ran low: reads every pending
+    /// record of the log (the price of bounded memory, paid once per `cap`·¾ due messages).
+    pub fn refill(&mut self) -> Result<(), BrokerError> {
+        if !self.timers.wants_refill() {
+            return Ok(());
+        }
+        let mut refill = self.timers.start_refill();
+        let mut reader = self.log.reader();
+        reader.seek(self.done.first_pending());
+        loop {
+            let batch = reader.read_batch(4096)?;
+            if batch.is_empty() {
+                break;
+            }
+            for r in batch.into_iter() {
+                if !self.done.is_done(r.offset) && message::control(&r).is_none() {
+                    refill.consider((message::deliver_at(&r), r.offset));
+                }
+            }
+        }
+        self.timers.finish_refill(refill);
+        Ok(())
+    }
+
+    /// Every pending delayed message's offset, the timers cleared (a flush drops them all; the
+    /// caller marks them done).
+    pub fn drain(&mut self) -> Vec<u64> {
+        self.timers.clear();
+        self.done.pending().collect()
+    }
+
+    /// Lets retention take what is before the oldest record still needed: the oldest pending,
+    /// or `oldest_key` (the oldest offset holding a remembered idempotency key), the earlier.
+    pub fn repin(&mut self, oldest_key: Option<u64>) -> Result<(), BrokerError> {
+        let needed = self.done.first_pending().min(oldest_key.unwrap_or(u64::MAX));
+        if needed > self.pin.committed() {
+            self.pin.seek(SeekTo::Offset(needed))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timers_hold_the_earliest_and_find_the_spilled_again() {
+        let mut timers = Timers::new(8);
+        let mut all: Vec<(u64, u64)> = (0..100u64).map(|o| ((o * 7919) % 101, o)).collect();
+        for &(due, offset) in &all {
+            timers.insert(due, offset);
+        }
+        assert_eq!(timers.len(), 100);
+        all.sort_unstable();
+        let mut out = Vec::new();
+        let mut pending: BTreeSet<(u64, u64)> = all.iter().copied().collect();
+        while let Some(offset) = timers.pop_due(u64::MAX) {
+            let key = *pending.iter().find(|k| k.1 == offset).unwrap();
+            pending.remove(&key);
+            out.push(key);
+            if timers.wants_refill() {
+                timers.refill(pending.iter().copied());
+            }
+            // New ones keep arriving, some due before the spilled ones.
+            if out.len() == 20 {
+                timers.insert(50, 1000);
+                timers.insert(1000, 1001);
+                pending.extend([(50, 1000), (1000, 1001)]);
+                all.extend([(50, 1000), (1000, 1001)]);
+            }
+        }
+        assert_eq!(timers.len(), 0);
+        let mut sorted = out.clone();
+        sorted.sort_unstable();
+        assert_eq!(out.len(), 102);
+        // In due order, except for the late arrival: it is held as soon as it comes (due 50 <
+        // the latest held), so it comes out in its place among those not yet handed out.
+        assert_eq!(out, sorted);
+    }
+
+    #[test]
+    fn done_bits_trim_from_the_front() {
+        let mut done = Done::starting_at(10);
+        for i in 0..200 {
+            done.push(i % 3 == 0);
+        }
+        assert_eq!(done.first_pending(), 11);
+        for o in 10..150 {
+            done.set(o);
+        }
+        assert_eq!(done.first_pending(), 150);
+        assert!(done.words.len() <= 2, "words before the first pending are dropped");
+        assert!(done.is_done(5) && done.is_done(151) && !done.is_done(150) && !done.is_done(152));
+        assert_eq!(done.pending().count(), (150..210).filter(|o| (o - 10) % 3 != 0).count());
+    }
+}
