@@ -4,7 +4,9 @@
 //!
 //! Memory is bounded whatever the number of delayed messages: the timers hold the earliest-due
 //! `cap` of them (16 bytes each, in a B-tree); the rest are "spilled", known only to be due later
-//! than every one held, and found again by reading the log when the timers run low. Beside that,
+//! than every one held, and found again by reading the log when the timers run low — a slice of
+//! the log per tick (`REFILL_SLICE`), so that a refill never holds the queue for long, while the
+//! held timers go on coming due. Beside that,
 //! one bit per record of the log from the oldest one not yet done ("done": moved to its level's
 //! log, or dropped by a flush; markers are done too). Retention takes what is before the oldest
 //! record still needed (`repin`).
@@ -28,6 +30,10 @@ pub(crate) const MAX_TIMERS: usize = 65_536;
 /// Due messages one tick moves from a queue's delayed log at most (the rest on the next tick, at
 /// once): one tick's work under the queue's lock stays bounded.
 pub(crate) const MAX_MOVES_PER_TICK: usize = 16_384;
+/// How long a tick reads the log for a refill at most (and then at least 256 records, so that
+/// it ends): the queue's lock is held that long, and ticks come every millisecond while a
+/// refill goes on.
+pub(crate) const REFILL_SLICE: std::time::Duration = std::time::Duration::from_micros(500);
 /// The group that marks where a delayed log is still needed.
 const PIN_GROUP: &str = "broker";
 
@@ -39,12 +45,22 @@ pub(crate) struct Timers {
     /// unknown).
     spilled: u64,
     cap: usize,
+    /// A refill under way: what is spilled meanwhile goes to it too (the log is read only up to
+    /// where it ended when the refill began).
+    refilling: Option<Refill>,
 }
 
 impl Timers {
     pub fn new(cap: usize) -> Timers {
         assert!(cap >= 4, "room for a few timers");
-        Timers { held: BTreeSet::new(), spilled: 0, cap }
+        Timers { held: BTreeSet::new(), spilled: 0, cap, refilling: None }
+    }
+
+    fn spill(&mut self, key: (u64, u64)) {
+        self.spilled += 1;
+        if let Some(refill) = &mut self.refilling {
+            refill.add_spilled(key);
+        }
     }
 
     pub fn len(&self) -> u64 {
@@ -62,11 +78,11 @@ impl Timers {
             Some(&latest) if key < latest => {
                 self.held.insert(key);
                 if self.held.len() > self.cap {
-                    self.held.pop_last();
-                    self.spilled += 1;
+                    let latest = self.held.pop_last().expect("over the cap, so not empty");
+                    self.spill(latest);
                 }
             }
-            _ => self.spilled += 1,
+            _ => self.spill(key),
         }
     }
 
@@ -86,38 +102,57 @@ impl Timers {
         }
     }
 
-    /// Whether the held timers ran low while some are spilled.
+    /// Whether the held timers ran low while some are spilled, and no refill is under way
+    /// (half the cap: the held half lasts while the refill reads the log).
     pub fn wants_refill(&self) -> bool {
-        self.spilled > 0 && self.held.len() <= self.cap / 4
+        self.spilled > 0 && self.held.len() <= self.cap / 2 && self.refilling.is_none()
     }
 
     /// Holds the earliest of the spilled ones again, from `pending`: every delayed message not
     /// done, held or not, as (due, offset).
     #[cfg(test)]
     pub fn refill(&mut self, pending: impl Iterator<Item = (u64, u64)>) {
-        let mut refill = self.start_refill();
-        pending.for_each(|key| refill.consider(key));
-        self.finish_refill(refill);
+        self.start_refill();
+        pending.for_each(|key| self.consider(key));
+        self.finish_refill();
     }
 
-    fn start_refill(&self) -> Refill {
+    fn start_refill(&mut self) {
         let room = self.cap - self.held.len();
-        Refill { latest_held: self.held.last().copied(), room, best: BinaryHeap::with_capacity(room + 1), spilled: 0 }
+        let best = BinaryHeap::with_capacity(room + 1);
+        self.refilling = Some(Refill { latest_held: self.held.last().copied(), room, best, spilled: 0 });
     }
 
-    fn finish_refill(&mut self, refill: Refill) {
+    /// A pending delayed message read from the log during a refill.
+    fn consider(&mut self, key: (u64, u64)) {
+        let refill = self.refilling.as_mut().expect("a refill under way");
+        if refill.latest_held.is_none_or(|latest| key > latest) {
+            refill.add_spilled(key);
+        }
+    }
+
+    fn finish_refill(&mut self) {
+        let refill = self.refilling.take().expect("a refill under way");
         debug_assert_eq!(refill.spilled, self.spilled, "every spilled timer is pending in the log");
         self.spilled = refill.spilled - refill.best.len() as u64;
         self.held.extend(refill.best);
+        // Those delayed meanwhile may have filled the held ones: the latest are spilled again
+        // (later than every one left held, and than those still spilled).
+        while self.held.len() > self.cap {
+            self.held.pop_last();
+            self.spilled += 1;
+        }
     }
 
     pub fn clear(&mut self) {
         self.held.clear();
         self.spilled = 0;
+        self.refilling = None;
     }
 }
 
 /// A refill in progress: the earliest `room` of the spilled timers seen so far (a max-heap).
+#[derive(Debug)]
 struct Refill {
     latest_held: Option<(u64, u64)>,
     room: usize,
@@ -126,11 +161,8 @@ struct Refill {
 }
 
 impl Refill {
-    /// A pending delayed message; the held ones are passed over.
-    fn consider(&mut self, key: (u64, u64)) {
-        if self.latest_held.is_some_and(|latest| key <= latest) {
-            return;
-        }
+    /// A spilled delayed message: from the log, or spilled since the refill began.
+    fn add_spilled(&mut self, key: (u64, u64)) {
         self.spilled += 1;
         self.best.push(key);
         if self.best.len() > self.room {
@@ -209,6 +241,8 @@ pub(crate) struct DelayLog {
     pin: ConsumerGroup,
     timers: Timers,
     done: Done,
+    /// A refill's reading of the log: the next offset, and where the log ended when it began.
+    scan: Option<(u64, u64)>,
 }
 
 /// What opening a delayed log found.
@@ -229,7 +263,7 @@ impl DelayLog {
     pub fn create(log: SharedLog, cap: usize) -> Result<DelayLog, BrokerError> {
         let pin = log.group(PIN_GROUP, GroupOptions::default())?;
         let done = Done::starting_at(log.next_offset());
-        Ok(DelayLog { log, pin, timers: Timers::new(cap), done })
+        Ok(DelayLog { log, pin, timers: Timers::new(cap), done, scan: None })
     }
 
     /// Opens a delayed log that may hold messages. `moved`: offsets its levels' logs hold copies
@@ -297,10 +331,15 @@ impl DelayLog {
             reader.seek(last);
             reopened.last_stamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
         }
-        let mut delay = DelayLog { log, pin, timers, done };
+        let mut delay = DelayLog { log, pin, timers, done, scan: None };
         // Copies the levels' logs hold, and returned copies whose original stayed: done now.
         delay.mark_done(&repaired)?;
         Ok((delay, reopened))
+    }
+
+    /// Whether a refill is under way (`refill_step` goes on with it).
+    pub fn refilling(&self) -> bool {
+        self.scan.is_some()
     }
 
     /// Delayed messages not done.
@@ -358,34 +397,51 @@ impl DelayLog {
         Ok(())
     }
 
-    /// Holds the earliest spilled timers again, when the held ones ran low: reads every pending
-    /// record of the log (the price of bounded memory, paid once per `cap`·¾ due messages).
-    pub fn refill(&mut self) -> Result<(), BrokerError> {
-        if !self.timers.wants_refill() {
-            return Ok(());
+    /// Holds the earliest spilled timers again once the held ones ran low, reading the log's
+    /// pending records for at most `slice` (and at least 256 of them) at a time: a refill reads
+    /// every one, the price of bounded memory, paid once per cap/2 due messages. Returns whether
+    /// a refill is under way.
+    pub fn refill_step(&mut self, slice: std::time::Duration) -> Result<bool, BrokerError> {
+        if self.scan.is_none() {
+            if !self.timers.wants_refill() {
+                return Ok(false);
+            }
+            self.timers.start_refill();
+            self.scan = Some((self.done.first_pending(), self.log.next_offset()));
         }
-        let mut refill = self.timers.start_refill();
+        let (mut next, end) = self.scan.expect("a refill under way");
         let mut reader = self.log.reader();
-        reader.seek(self.done.first_pending());
-        loop {
-            let batch = reader.read_batch(4096)?;
-            if batch.is_empty() {
-                break;
+        reader.seek(next);
+        let started = std::time::Instant::now();
+        while next < end {
+            if next != self.scan.expect("a refill under way").0 && started.elapsed() >= slice {
+                break; // (a batch at least per step)
             }
-            for r in batch.into_iter() {
+            let batch = reader.read_batch(256)?;
+            if batch.is_empty() {
+                break; // (retention cannot take pending records: the pin stands before them)
+            }
+            for r in batch.into_iter().take_while(|r| r.offset < end) {
                 if !self.done.is_done(r.offset) && message::control(&r).is_none() {
-                    refill.consider((message::deliver_at(&r), r.offset));
+                    self.timers.consider((message::deliver_at(&r), r.offset));
                 }
+                next = r.offset + 1;
             }
         }
-        self.timers.finish_refill(refill);
-        Ok(())
+        if next < end {
+            self.scan = Some((next, end));
+            return Ok(true);
+        }
+        self.scan = None;
+        self.timers.finish_refill();
+        Ok(false)
     }
 
     /// Every pending delayed message's offset, the timers cleared (a flush drops them all; the
     /// caller marks them done).
     pub fn drain(&mut self) -> Vec<u64> {
         self.timers.clear();
+        self.scan = None;
         self.done.pending().collect()
     }
 
@@ -437,6 +493,48 @@ mod tests {
         // In due order, except for the late arrival: it is held as soon as it comes (due 50 <
         // the latest held), so it comes out in its place among those not yet handed out.
         assert_eq!(out, sorted);
+    }
+
+    /// A refill read a few records per step while messages come due and new ones are delayed
+    /// (some due before the spilled ones, some after): each comes out once, in due order.
+    #[test]
+    fn a_refill_read_in_slices_misses_nothing_delayed_meanwhile() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(log, 8).unwrap();
+        let message = |due: u64| Message { deliver_at: due, ..Message::new(due.to_be_bytes().to_vec()) };
+        let offer = |delay: &mut DelayLog, dues: &[u64]| {
+            let messages: Vec<Message> = dues.iter().map(|&d| message(d)).collect();
+            delay.append(&messages, &vec![Placement::default(); messages.len()]).unwrap();
+        };
+        let dues: Vec<u64> = (0..600u64).map(|i| 1_000 + (i * 37) % 600 * 10).collect();
+        offer(&mut delay, &dues);
+        let mut expected: Vec<u64> = dues.clone();
+        let (mut out, mut now, mut refills) = (Vec::new(), 1_000, 0);
+        while out.len() < expected.len() {
+            let due = delay.take_due(now, 4);
+            for &offset in &due {
+                out.push(delay.read(offset).unwrap().0.deliver_at);
+            }
+            delay.mark_done(&due).unwrap();
+            if delay.refilling() {
+                refills += 1;
+            }
+            delay.refill_step(std::time::Duration::ZERO).unwrap(); // one batch a step
+            if out.len() == 10 {
+                // Delayed during a refill: one due soon, one among the spilled, one last.
+                let more = [now + 5, 3_005, 50_000];
+                offer(&mut delay, &more);
+                expected.extend(more);
+            }
+            if due.is_empty() && !delay.refilling() {
+                now += 5;
+            }
+        }
+        assert!(refills > 3, "refills went on over several steps");
+        assert_eq!(delay.pending(), 0);
+        expected.sort_unstable();
+        assert_eq!(out, expected, "each once, in due order");
     }
 
     #[test]

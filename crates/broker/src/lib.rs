@@ -51,7 +51,7 @@ pub use group_feed::{GroupAcks, GroupFeed, GroupReader};
 pub use message::{Message, MessageKind, Status, answer_len_bound, id_of, offset_of};
 pub use petrel_log::SeekTo;
 pub use petrel_proto::{Delivery, GroupStats, QueueStats, TopicStats};
-pub use queue::{MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters};
+pub use queue::{MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters, TickAlarm};
 pub use topic::{Delivered, Ended, Subscription, Topic};
 pub use waiting::{WaitFor, Waited};
 
@@ -271,6 +271,8 @@ pub struct Broker {
     denials: AtomicU64,
     /// Queues created by ordinary users, for `max_queues_per_user`.
     created_by: Mutex<CreatedBy>,
+    /// Rung by a queue whose work comes due before the next tick (`tick`'s caller waits on it).
+    alarm: Arc<TickAlarm>,
 }
 
 /// An offer stored and not yet known to be on disk (`Broker::offer_unsynced`).
@@ -434,6 +436,7 @@ impl Broker {
             security: RwLock::new(None),
             denials: AtomicU64::new(0),
             created_by: Mutex::new(CreatedBy::default()),
+            alarm: Arc::new(TickAlarm::default()),
         };
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         for def in broker.load_definitions()? {
@@ -574,10 +577,14 @@ impl Broker {
                 false => None,
             };
             let open_delayed = Box::new(move || Ok(Log::open(&delayed_dir, options.clone())?.into_shared()));
-            Queue::on_log(name, config, logs, delayed, open_delayed)
+            let mut queue = Queue::on_log(name, config, logs, delayed, open_delayed)?;
+            queue.use_alarm(Arc::clone(&self.alarm));
+            Ok(queue)
         } else {
             let memory = Arc::clone(&self.memory);
-            Ok(Queue::in_memory(name, config, owner, memory, self.options.memory_queue_max_bytes))
+            let mut queue = Queue::in_memory(name, config, owner, memory, self.options.memory_queue_max_bytes);
+            queue.use_alarm(Arc::clone(&self.alarm));
+            Ok(queue)
         }
     }
 
@@ -1088,18 +1095,27 @@ impl Broker {
     }
 
     /// Periodic work: visibility timeouts and expiry. Call it every few tens of milliseconds.
-    pub fn tick(&self, now_ns: u64) {
+    ///
+    /// Returns when a queue next has work (`u64::MAX`: none known); a queue whose work comes due
+    /// sooner rings `alarm`. Call it then, or at the next regular beat, whichever is first.
+    pub fn tick(&self, now_ns: u64) -> u64 {
         self.functions.expire(now_ns);
         let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now_ns)).cloned().collect();
-        for q in queues {
+        for q in &queues {
             match q.tick(now_ns) {
                 Ok(dead) => {
-                    self.dead_letter(&q, dead.over_limit, DeadReason::MaxDeliveries, now_ns);
-                    self.dead_letter(&q, dead.expired, DeadReason::Expired, now_ns);
+                    self.dead_letter(q, dead.over_limit, DeadReason::MaxDeliveries, now_ns);
+                    self.dead_letter(q, dead.expired, DeadReason::Expired, now_ns);
                 }
                 Err(e) => tracing::error!(queue = %q.name, error = %e, "tick failed"),
             }
         }
+        self.read().queues.values().map(|q| q.next_due()).min().unwrap_or(u64::MAX)
+    }
+
+    /// Rung when a queue's work comes due before the time `tick`'s caller last set on it.
+    pub fn alarm(&self) -> Arc<TickAlarm> {
+        Arc::clone(&self.alarm)
     }
 
     /// Whether authentication is on: every connection must then say who it is.

@@ -170,6 +170,70 @@ impl Drop for MemoryHold {
     }
 }
 
+/// When the broker's tick next runs, and how to bring it forward: a queue whose work comes due
+/// sooner (a delayed message, a visibility deadline, an expiry) rings it, so that the tick runs
+/// at that time rather than at its next regular beat (`BrokerOptions`' caller keeps the beat).
+#[derive(Debug)]
+pub struct TickAlarm {
+    /// When the ticker means to tick next, ns (`u64::MAX`: no ticker).
+    at: AtomicU64,
+    notify: Notify,
+}
+
+impl Default for TickAlarm {
+    fn default() -> Self {
+        TickAlarm { at: AtomicU64::new(u64::MAX), notify: Notify::new() }
+    }
+}
+
+impl TickAlarm {
+    /// The ticker will tick at `at_ns` unless rung sooner.
+    pub fn set(&self, at_ns: u64) {
+        self.at.store(at_ns, Ordering::Relaxed);
+    }
+
+    /// Returns when something comes due before the time last `set`.
+    pub async fn rung(&self) {
+        self.notify.notified().await;
+    }
+
+    fn ring_for(&self, due_ns: u64) {
+        if due_ns < self.at.load(Ordering::Relaxed) {
+            self.at.store(due_ns, Ordering::Relaxed);
+            self.notify.notify_one();
+        }
+    }
+}
+
+/// When a queue's tick next has work, ns: lowered by whatever adds work, set by the tick.
+#[derive(Debug)]
+struct Due {
+    at: AtomicU64,
+    alarm: Arc<TickAlarm>,
+}
+
+impl Due {
+    fn lower(&self, due_ns: u64) {
+        self.at.fetch_min(due_ns, Ordering::Relaxed);
+        self.alarm.ring_for(due_ns);
+    }
+
+    fn set(&self, due_ns: u64) {
+        self.at.store(due_ns, Ordering::Relaxed);
+        self.alarm.ring_for(due_ns);
+    }
+
+    /// `set` by the tick itself, which need not be rung: its caller asks every queue when it
+    /// is next due.
+    fn planned(&self, due_ns: u64) {
+        self.at.store(due_ns, Ordering::Relaxed);
+    }
+
+    fn load(&self) -> u64 {
+        self.at.load(Ordering::Relaxed)
+    }
+}
+
 /// A queue's lock. Letting it go settles the queue's bytes with the memory budget and, when a
 /// message left the head (a poll, a circular drop, an expiry), lets the tick know when the new
 /// head expires: whatever changed the head, the tick learns it here.
@@ -177,7 +241,7 @@ struct Locked<'a> {
     guard: std::sync::MutexGuard<'a, Inner>,
     budget: Option<&'a MemoryBudget>,
     bytes_before: u64,
-    due_ns: &'a AtomicU64,
+    due_ns: &'a Due,
 }
 
 impl std::ops::Deref for Locked<'_> {
@@ -202,7 +266,7 @@ impl Drop for Locked<'_> {
             // A head that cannot be read now (a storage error) is looked at by the next tick.
             let expiry = self.guard.head_expiry().unwrap_or(Some(0));
             if let Some(expiry) = expiry {
-                self.due_ns.fetch_min(expiry, Ordering::Relaxed);
+                self.due_ns.lower(expiry);
             }
         }
     }
@@ -228,7 +292,7 @@ pub struct Queue {
     waiters: AtomicU64,
     /// The earliest time `tick` may have work (a visibility deadline, an expiry); changed only
     /// under the lock. The server ticks every queue every few milliseconds: most return at once.
-    due_ns: AtomicU64,
+    due_ns: Due,
     /// A durable queue's logs (one per priority level; none in memory), to wait for the disk
     /// without the queue's lock: after every offer when the logs sync each one (durability
     /// `always`), else after an offer of a message that asks to be durable before its answer
@@ -500,7 +564,7 @@ impl Queue {
         inner.delayed = delayed_count;
         inner.move_dedup_cursors()?;
         // What it holds may expire: the first tick looks, and sets when to look again.
-        queue.due_ns.store(0, Ordering::Relaxed);
+        queue.due_ns.set(0);
         Ok(queue)
     }
 
@@ -535,7 +599,7 @@ impl Queue {
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
-            due_ns: AtomicU64::new(u64::MAX),
+            due_ns: Due { at: AtomicU64::new(u64::MAX), alarm: Arc::new(TickAlarm::default()) },
             logs: Vec::new(),
             syncs_every_offer: false,
             delayed_log: Arc::new(OnceLock::new()),
@@ -868,11 +932,11 @@ impl Queue {
             inner.dedup.remember(key, first + i as u64, slot, stamp);
         }
         if let Some(expiry) = inner.dedup_expiry(&config) {
-            self.due_ns.fetch_min(expiry, Ordering::Relaxed);
+            self.due_ns.lower(expiry);
         }
         if let Some(due) = earliest_due {
             inner.delayed += n;
-            self.due_ns.fetch_min(due, Ordering::Relaxed);
+            self.due_ns.lower(due);
         } else {
             inner.waiting += n;
             inner.waiting_at[level] += n;
@@ -880,7 +944,7 @@ impl Queue {
         inner.bytes += size;
         inner.counters.total_offered += n;
         if let Some(earliest) = earliest_expiry {
-            self.due_ns.fetch_min(earliest, Ordering::Relaxed);
+            self.due_ns.lower(earliest);
         }
         drop(inner);
         let unsynced = if self.syncs_every_offer || durable_asked { last } else { None };
@@ -961,7 +1025,7 @@ impl Queue {
                     inner.counters.opened += 1;
                     let read = InFlight { consumer, taken_at_ns: now_ns, deadline_ns, bytes: size, item: taken };
                     inner.in_flight.insert(handle, read);
-                    self.due_ns.fetch_min(deadline_ns, Ordering::Relaxed);
+                    self.due_ns.lower(deadline_ns);
                     handle
                 }
                 None => {
@@ -1061,7 +1125,7 @@ impl Queue {
         let over_limit = inner.return_reads(returned, &config, delay_ms, now_ns)?;
         if n > 0 {
             // A returned message may carry an expiry: let the next tick look.
-            self.due_ns.store(0, Ordering::Relaxed);
+            self.due_ns.set(0);
         }
         drop(inner);
         if n > 0 {
@@ -1113,7 +1177,7 @@ impl Queue {
             inner.move_dedup_cursors()?;
         }
         let due = inner.next_due()?.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX));
-        self.due_ns.store(due, Ordering::Relaxed);
+        self.due_ns.planned(due);
         drop(inner);
         if !overdue.is_empty() || moved > 0 {
             self.available.notify_waiters();
@@ -1124,9 +1188,19 @@ impl Queue {
         Ok(DeadLetters { expired, over_limit })
     }
 
+    /// When `tick` next has work (`u64::MAX`: none known).
+    pub fn next_due(&self) -> u64 {
+        self.due_ns.load()
+    }
+
+    /// The broker's alarm, rung when this queue's work comes due sooner than the tick planned.
+    pub(crate) fn use_alarm(&mut self, alarm: Arc<TickAlarm>) {
+        self.due_ns.alarm = alarm;
+    }
+
     /// Whether `tick` may have work at `now`.
     pub fn is_due(&self, now_ns: u64) -> bool {
-        now_ns >= self.due_ns.load(Ordering::Relaxed)
+        now_ns >= self.due_ns.load()
     }
 
     /// Removes every waiting message (not those in flight).
@@ -1276,6 +1350,8 @@ impl Inner {
         let expiry = self.head_expiry()?;
         let delayed = match &self.store {
             Store::Memory { delayed, .. } => delayed.first_key_value().map(|((due, _), _)| *due),
+            // A refill under way goes on at the next tick, at once.
+            Store::Log { delayed: Some(d), .. } if d.refilling() => Some(0),
             Store::Log { delayed, .. } => delayed.as_ref().and_then(|d| d.next_due()),
         };
         Ok(self.in_flight.values().map(|f| f.deadline_ns).chain(expiry).chain(delayed).min().unwrap_or(u64::MAX))
@@ -1617,7 +1693,7 @@ impl Inner {
                 if delay.log.durability() == Durability::Always && !due.is_empty() {
                     delay.log.sync()?;
                 }
-                delay.refill()?;
+                delay.refill_step(delay::REFILL_SLICE)?;
                 let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
                 delay.repin(oldest_key.map(|(_, offset)| offset))?;
             }

@@ -256,17 +256,25 @@ impl Server {
         let ticker = {
             let broker = Arc::clone(&ctx.broker);
             let mut stop = stop_rx.clone();
-            let tick = Duration::from_millis(ctx.config.tick_ms);
+            let beat = Duration::from_millis(ctx.config.tick_ms);
             tokio::spawn(async move {
-                let mut every = tokio::time::interval(tick);
+                let alarm = broker.alarm();
                 loop {
+                    // From here on, work coming due rings the alarm (a tick at once after this
+                    // one if it rang meanwhile).
+                    alarm.set(u64::MAX);
+                    let now = now_ns();
+                    // A tick may wait for the disk (delayed messages moved to their levels are
+                    // synced): off the runtime's threads.
+                    let ticking = Arc::clone(&broker);
+                    let next = tokio::task::spawn_blocking(move || ticking.tick(now)).await.unwrap_or(u64::MAX);
+                    // Next: when a queue's work is due, else at the next beat; at least 1 ms on.
+                    let now = now_ns();
+                    let wait = Duration::from_nanos(next.saturating_sub(now)).clamp(Duration::from_millis(1), beat);
+                    alarm.set(now + wait.as_nanos() as u64);
                     tokio::select! {
-                        _ = every.tick() => {
-                            // A tick may wait for the disk (delayed messages moved to their
-                            // levels are synced): off the runtime's threads.
-                            let broker = Arc::clone(&broker);
-                            let _ = tokio::task::spawn_blocking(move || broker.tick(now_ns())).await;
-                        }
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = alarm.rung() => {}
                         _ = stop.changed() => return,
                     }
                 }

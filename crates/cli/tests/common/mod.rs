@@ -50,7 +50,9 @@ impl Server {
     }
 
     fn spawn(wrapper: &[&str], native_addr: &str, data: &Path, args: &[&str]) -> Server {
-        let petrel = env!("CARGO_BIN_EXE_petrel");
+        // PETREL_BIN: another build of the server (a release one, to measure it).
+        let petrel = std::env::var("PETREL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_petrel").to_owned());
+        let petrel = petrel.as_str();
         let mut command = match wrapper.split_first() {
             Some((program, rest)) => {
                 let mut c = Command::new(program);
