@@ -274,21 +274,37 @@ class AsyncClient:
         return await self._requests.run(getattr(core, method), *args, **kwargs)
 
     async def create_queue(
-        self, name: str, durable: bool = True, max_items: int = 0, max_bytes: int = 0, ttl: Optional[float] = None
+        self,
+        name: str,
+        durable: bool = True,
+        max_items: int = 0,
+        max_bytes: int = 0,
+        ttl: Optional[float] = None,
+        **settings: Any,
     ) -> None:
-        """Creates a queue (nothing if it exists with this configuration)."""
-        await self._run("create_queue", name, durable, max_items, max_bytes, ttl)
+        """Creates a queue (nothing if it exists with this configuration); ``settings`` as
+        :meth:`Client.create_queue`'s (times in seconds)."""
+        await self._run("create_queue", name, durable, max_items, max_bytes, ttl, **settings)
 
     async def remove_queue(self, name: str) -> None:
         """Removes a queue and the messages in it."""
         await self._run("remove_queue", name)
 
     async def offer(
-        self, queue: str, payload: bytes, timeout: Optional[float] = None, *, priority: int = 0, key: Optional[str] = None
+        self,
+        queue: str,
+        payload: bytes,
+        timeout: Optional[float] = None,
+        *,
+        priority: int = 0,
+        key: Optional[str] = None,
+        delay: Optional[float] = None,
+        deliver_at: Optional[float] = None,
     ) -> int:
         """Adds a message at the queue's tail; returns its id (with a `key` offered before: the
-        original's, and nothing is stored twice)."""
-        return await self._run("offer", queue, payload, timeout, priority, key)
+        original's, and nothing is stored twice). With ``delay`` (seconds) or ``deliver_at``
+        (seconds since the epoch) it is handed out no earlier."""
+        return await self._run("offer", queue, payload, timeout, priority, key, delay, deliver_at)
 
     async def offer_many(self, queue: str, payloads: List[bytes], timeout: Optional[float] = None) -> int:
         """Adds messages together, all or none; returns the first id."""
@@ -322,9 +338,10 @@ class AsyncClient:
         """Acknowledges tentative takes by handle; returns how many were still open."""
         return await self._run("ack", queue, handles)
 
-    async def abort(self, queue: str, handles: List[int]) -> int:
-        """Puts tentative takes back at the head; returns how many were still open."""
-        return await self._run("abort", queue, handles)
+    async def abort(self, queue: str, handles: List[int], delay: Optional[float] = None) -> int:
+        """Puts tentative takes back at the head, or with ``delay`` (seconds) to be handed out
+        again no earlier; returns how many were still open."""
+        return await self._run("abort", queue, handles, delay)
 
     async def create_topic(self, name: str, durable: bool = False) -> None:
         """Creates a topic (nothing if it exists); a durable one keeps a log for groups."""

@@ -101,6 +101,8 @@ class Message:
     """Its level in a queue with priorities (0 otherwise)."""
     idempotency_key: str
     """The idempotency key it was offered with ("" if none)."""
+    deliver_at: int
+    """A delayed message: when it was due, ns since the epoch (0 if never delayed)."""
     headers: List[Tuple[str, bytes]]
 
 class Subscription(Iterator[Message]):
@@ -173,12 +175,34 @@ class Client:
         tls_key: Optional[Union[str, PathLike[str]]] = None,
     ) -> None: ...
     def create_queue(
-        self, name: str, durable: bool = True, max_items: int = 0, max_bytes: int = 0, ttl: Optional[float] = None
+        self,
+        name: str,
+        durable: bool = True,
+        max_items: int = 0,
+        max_bytes: int = 0,
+        ttl: Optional[float] = None,
+        *,
+        dead_letter: Optional[str] = None,
+        max_deliveries: int = 0,
+        priorities: int = 0,
+        priority_share: int = 0,
+        dedup_window: int = 0,
+        dedup_window_time: Optional[float] = None,
+        redelivery_delay: Optional[float] = None,
+        redelivery_delay_max: Optional[float] = None,
     ) -> None: ...
     def remove_queue(self, name: str) -> None: ...
     def list_queues(self) -> List[str]: ...
     def offer(
-        self, queue: str, payload: bytes, timeout: Optional[float] = None, *, priority: int = 0, key: Optional[str] = None
+        self,
+        queue: str,
+        payload: bytes,
+        timeout: Optional[float] = None,
+        *,
+        priority: int = 0,
+        key: Optional[str] = None,
+        delay: Optional[float] = None,
+        deliver_at: Optional[float] = None,
     ) -> int: ...
     def offer_many(self, queue: str, payloads: List[bytes], timeout: Optional[float] = None) -> int: ...
     def poll(self, queue: str, timeout: Optional[float] = 0.0) -> Optional[Message]: ...
@@ -187,7 +211,7 @@ class Client:
     ) -> List[Message]: ...
     def take(self, queue: str, visibility: float = 30.0, timeout: Optional[float] = 0.0) -> Optional[Message]: ...
     def ack(self, queue: str, handles: List[int]) -> int: ...
-    def abort(self, queue: str, handles: List[int]) -> int: ...
+    def abort(self, queue: str, handles: List[int], delay: Optional[float] = None) -> int: ...
     def create_topic(self, name: str, durable: bool = False) -> None: ...
     def remove_topic(self, name: str) -> None: ...
     def publish(self, topic: str, payload: bytes, subject: str = "") -> int: ...

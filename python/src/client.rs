@@ -13,7 +13,7 @@ use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::completions::{Completions, Inner, outcome, outcome_with};
 use crate::functions::{AsyncCalls, IncomingCall};
@@ -97,9 +97,39 @@ pub(crate) fn message_of(payload: PyBackedBytes) -> petrel_client::Message {
     petrel_client::Message::new(bytes::Bytes::from_owner(payload))
 }
 
-/// An offered message with a priority and an idempotency key (`None`: none).
-fn offered(payload: PyBackedBytes, priority: u8, key: Option<String>) -> petrel_client::Message {
-    petrel_client::Message { priority, idempotency_key: key.unwrap_or_default(), ..message_of(payload) }
+/// An offered message with a priority, an idempotency key (`None`: none), and a delay
+/// (seconds) or a time to be handed out at (seconds since the epoch, as `time.time()`).
+fn offered(
+    payload: PyBackedBytes,
+    priority: u8,
+    key: Option<String>,
+    delay: Option<f64>,
+    deliver_at: Option<f64>,
+) -> PyResult<petrel_client::Message> {
+    let delay_ms = millis(delay, "delay")?;
+    let delay_ms = u32::try_from(delay_ms).map_err(|_| PyValueError::new_err("delay: at most 49 days"))?;
+    let deliver_at = match deliver_at {
+        Some(t) if t.is_finite() && t > 0.0 => (t * 1e9) as u64,
+        Some(_) => return Err(PyValueError::new_err("deliver_at: seconds since the epoch, as time.time()")),
+        None => 0,
+    };
+    Ok(petrel_client::Message {
+        priority,
+        idempotency_key: key.unwrap_or_default(),
+        delay_ms,
+        deliver_at,
+        ..message_of(payload)
+    })
+}
+
+/// Whole milliseconds of `seconds` (`None`: 0), rounded up so that a delay is never shorter than
+/// asked.
+fn millis(seconds: Option<f64>, what: &str) -> PyResult<u64> {
+    match seconds {
+        None => Ok(0),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok((s * 1000.0).ceil() as u64),
+        Some(_) => Err(PyValueError::new_err(format!("{what}: seconds, at least 0"))),
+    }
 }
 
 /// An outgoing message with an optional subject.
@@ -107,10 +137,66 @@ fn outgoing(payload: PyBackedBytes, subject: String) -> petrel_client::Message {
     petrel_client::Message { subject, ..message_of(payload) }
 }
 
-/// A queue's configuration from `create_queue`'s arguments (`ttl` in seconds).
-fn queue_config(durable: bool, max_items: u64, max_bytes: u64, ttl: Option<f64>) -> QueueConfig {
-    let ttl_ms = crate::timeout_from(ttl).map_or(0, |t| t.as_millis() as u64);
-    QueueConfig { durable, max_items, max_bytes, ttl_ms, ..QueueConfig::default() }
+/// `create_queue`'s keyword settings (times in seconds; see the server's `QueueConfig` for each).
+#[derive(Default)]
+pub(crate) struct QueueOptions {
+    dead_letter: Option<String>,
+    max_deliveries: u32,
+    priorities: u8,
+    priority_share: u8,
+    dedup_window: u32,
+    dedup_window_time: Option<f64>,
+    redelivery_delay: Option<f64>,
+    redelivery_delay_max: Option<f64>,
+}
+
+impl QueueOptions {
+    /// From keyword arguments; a name it does not know is an error (a typo configures nothing).
+    fn from_kwargs(settings: Option<&Bound<'_, PyDict>>) -> PyResult<QueueOptions> {
+        let mut o = QueueOptions::default();
+        for (name, value) in settings.into_iter().flat_map(|d| d.iter()) {
+            let name: String = name.extract()?;
+            match name.as_str() {
+                "dead_letter" => o.dead_letter = value.extract()?,
+                "max_deliveries" => o.max_deliveries = value.extract()?,
+                "priorities" => o.priorities = value.extract()?,
+                "priority_share" => o.priority_share = value.extract()?,
+                "dedup_window" => o.dedup_window = value.extract()?,
+                "dedup_window_time" => o.dedup_window_time = value.extract()?,
+                "redelivery_delay" => o.redelivery_delay = value.extract()?,
+                "redelivery_delay_max" => o.redelivery_delay_max = value.extract()?,
+                other => return Err(PyValueError::new_err(format!("create_queue: no setting named {other:?}"))),
+            }
+        }
+        Ok(o)
+    }
+}
+
+fn queue_config(
+    durable: bool,
+    max_items: u64,
+    max_bytes: u64,
+    ttl: Option<f64>,
+    options: QueueOptions,
+) -> PyResult<QueueConfig> {
+    let ms32 = |seconds, what: &str| {
+        u32::try_from(millis(seconds, what)?).map_err(|_| PyValueError::new_err(format!("{what}: at most 49 days")))
+    };
+    Ok(QueueConfig {
+        durable,
+        max_items,
+        max_bytes,
+        ttl_ms: millis(ttl, "ttl")?,
+        dead_letter: options.dead_letter.unwrap_or_default(),
+        max_deliveries: options.max_deliveries,
+        priorities: options.priorities,
+        priority_share: options.priority_share,
+        dedup_window: options.dedup_window,
+        dedup_window_ms: millis(options.dedup_window_time, "dedup_window_time")?,
+        redelivery_delay_ms: ms32(options.redelivery_delay, "redelivery_delay")?,
+        redelivery_delay_max_ms: ms32(options.redelivery_delay_max, "redelivery_delay_max")?,
+        ..QueueConfig::default()
+    })
 }
 
 /// A message from the server: its id in the queue, payload, subject and headers; `handle` is
@@ -136,6 +222,9 @@ pub struct Message {
     priority: u8,
     /// The idempotency key it was offered with ("" if none).
     idempotency_key: String,
+    /// A delayed message: when it was due, nanoseconds since the Unix epoch (0 if it was never
+    /// delayed).
+    deliver_at: u64,
     /// Its headers: (name, value) pairs.
     headers: Vec<(String, Py<PyBytes>)>,
 }
@@ -152,6 +241,7 @@ impl Message {
             deliveries: m.deliveries,
             priority: m.priority,
             idempotency_key: m.idempotency_key,
+            deliver_at: m.deliver_at,
             headers: m.headers.into_iter().map(|(n, v)| (n, PyBytes::new(py, &v).unbind())).collect(),
         }
     }
@@ -216,8 +306,11 @@ impl Client {
     }
 
     /// Creates a queue (nothing if it exists with this configuration): on disk unless
-    /// `durable=False`, bounded by `max_items` and `max_bytes` if given.
-    #[pyo3(signature = (name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
+    /// `durable=False`, bounded by `max_items` and `max_bytes` if given; keyword settings (times
+    /// in seconds): `dead_letter`, `max_deliveries`, `priorities`, `priority_share`,
+    /// `dedup_window`, `dedup_window_time`, `redelivery_delay`, `redelivery_delay_max`.
+    #[pyo3(signature = (name, durable = true, max_items = 0, max_bytes = 0, ttl = None, **settings))]
+    #[allow(clippy::too_many_arguments)] // Python's signature, keyword arguments and all
     fn create_queue(
         &self,
         py: Python<'_>,
@@ -226,8 +319,10 @@ impl Client {
         max_items: u64,
         max_bytes: u64,
         ttl: Option<f64>,
+        settings: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
-        self.wait(py, self.inner.create_queue(name, queue_config(durable, max_items, max_bytes, ttl)))
+        let config = queue_config(durable, max_items, max_bytes, ttl, QueueOptions::from_kwargs(settings)?)?;
+        self.wait(py, self.inner.create_queue(name, config))
     }
 
     /// Removes a queue and the messages in it.
@@ -243,8 +338,10 @@ impl Client {
     /// Adds a message at the queue's tail; returns its id. Waits up to `timeout` seconds for
     /// room in a full bounded queue (default: refused at once). `priority`: its level in a queue
     /// with priorities; `key`: an idempotency key — offered again with the same key (a retry),
-    /// the message is not stored twice, and the original's id is returned.
-    #[pyo3(signature = (queue, payload, timeout = None, *, priority = 0, key = None))]
+    /// the message is not stored twice, and the original's id is returned; `delay` (seconds) or
+    /// `deliver_at` (seconds since the epoch): handed out no earlier.
+    #[pyo3(signature = (queue, payload, timeout = None, *, priority = 0, key = None, delay = None, deliver_at = None))]
+    #[allow(clippy::too_many_arguments)]
     fn offer(
         &self,
         py: Python<'_>,
@@ -253,8 +350,10 @@ impl Client {
         timeout: Option<f64>,
         priority: u8,
         key: Option<String>,
+        delay: Option<f64>,
+        deliver_at: Option<f64>,
     ) -> PyResult<u64> {
-        let message = offered(payload, priority, key);
+        let message = offered(payload, priority, key, delay, deliver_at)?;
         self.wait(py, self.inner.offer(queue, vec![message], crate::timeout_from(timeout)))
     }
 
@@ -316,9 +415,13 @@ impl Client {
         self.wait(py, self.inner.ack(queue, &handles))
     }
 
-    /// Puts tentative takes back at the head; returns how many were still open.
-    fn abort(&self, py: Python<'_>, queue: &str, handles: Vec<u64>) -> PyResult<u32> {
-        self.wait(py, self.inner.abort(queue, &handles))
+    /// Puts tentative takes back at the head, or, with `delay` (seconds), to be handed out again
+    /// no earlier than that (else after the queue's redelivery delay); returns how many were
+    /// still open.
+    #[pyo3(signature = (queue, handles, delay = None))]
+    fn abort(&self, py: Python<'_>, queue: &str, handles: Vec<u64>, delay: Option<f64>) -> PyResult<u32> {
+        let delay = Duration::from_millis(millis(delay, "delay")?);
+        self.wait(py, self.inner.abort_delayed(queue, &handles, delay))
     }
 
     /// Creates a topic (nothing if it exists); a durable one keeps a log that consumer groups
@@ -520,18 +623,28 @@ impl AsyncCore {
         Ok(())
     }
 
-    #[pyo3(signature = (token, name, durable = true, max_items = 0, max_bytes = 0, ttl = None))]
+    #[pyo3(signature = (token, name, durable = true, max_items = 0, max_bytes = 0, ttl = None, **settings))]
     #[allow(clippy::too_many_arguments)]
-    fn create_queue(&self, token: u64, name: String, durable: bool, max_items: u64, max_bytes: u64, ttl: Option<f64>) {
-        let config = queue_config(durable, max_items, max_bytes, ttl);
+    fn create_queue(
+        &self,
+        token: u64,
+        name: String,
+        durable: bool,
+        max_items: u64,
+        max_bytes: u64,
+        ttl: Option<f64>,
+        settings: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        let config = queue_config(durable, max_items, max_bytes, ttl, QueueOptions::from_kwargs(settings)?)?;
         self.run(token, |c| async move { c.create_queue(&name, config).await });
+        Ok(())
     }
 
     fn remove_queue(&self, token: u64, name: String) {
         self.run(token, |c| async move { c.remove_queue(&name).await });
     }
 
-    #[pyo3(signature = (token, queue, payload, timeout = None, priority = 0, key = None))]
+    #[pyo3(signature = (token, queue, payload, timeout = None, priority = 0, key = None, delay = None, deliver_at = None))]
     #[allow(clippy::too_many_arguments)]
     fn offer(
         &self,
@@ -541,9 +654,12 @@ impl AsyncCore {
         timeout: Option<f64>,
         priority: u8,
         key: Option<String>,
-    ) {
-        let (message, timeout) = (offered(payload, priority, key), crate::timeout_from(timeout));
+        delay: Option<f64>,
+        deliver_at: Option<f64>,
+    ) -> PyResult<()> {
+        let (message, timeout) = (offered(payload, priority, key, delay, deliver_at)?, crate::timeout_from(timeout));
         self.run(token, |c| async move { c.offer(&queue, vec![message], timeout).await });
+        Ok(())
     }
 
     #[pyo3(signature = (token, queue, payloads, timeout = None))]
@@ -572,8 +688,11 @@ impl AsyncCore {
         self.run(token, |c| async move { c.ack(&queue, &handles).await });
     }
 
-    fn abort(&self, token: u64, queue: String, handles: Vec<u64>) {
-        self.run(token, |c| async move { c.abort(&queue, &handles).await });
+    #[pyo3(signature = (token, queue, handles, delay = None))]
+    fn abort(&self, token: u64, queue: String, handles: Vec<u64>, delay: Option<f64>) -> PyResult<()> {
+        let delay = Duration::from_millis(millis(delay, "delay")?);
+        self.run(token, |c| async move { c.abort_delayed(&queue, &handles, delay).await });
+        Ok(())
     }
 
     #[pyo3(signature = (token, name, durable = false))]

@@ -44,6 +44,41 @@ def test_a_retried_offer_with_a_key_is_stored_once(server):
     assert asyncio.run(retry()) == (first + 1, first + 2)
 
 
+def test_delays_priorities_and_a_redelivery_delay_from_python(server):
+    import time
+
+    with petrel.Client(server) as c:
+        c.create_queue("retry", durable=True, priorities=3, redelivery_delay=0.2, dead_letter="retry.dead", max_deliveries=5)
+        with pytest.raises(ValueError, match="no setting named"):
+            c.create_queue("typo", redelivry_delay=1)
+        start = time.time()
+        c.offer("retry", b"later", delay=0.3)
+        c.offer("retry", b"at", deliver_at=start + 0.1, priority=2)
+        assert c.poll("retry", timeout=0) is None, "nothing due yet"
+        first = c.take("retry", timeout=2)
+        assert first.payload == b"at" and first.priority == 2
+        assert abs(first.deliver_at / 1e9 - (start + 0.1)) < 1e-6, "it says when it was due"
+        assert time.time() >= start + 0.1, "not before it was due"
+        assert c.abort("retry", [first.handle]) == 1  # the queue's 0.2 s redelivery delay
+        second = c.take("retry", timeout=2)
+        assert second.payload == b"later" and time.time() >= start + 0.3
+        c.ack("retry", [second.handle])
+        again = c.take("retry", timeout=2)
+        assert again.payload == b"at" and again.deliveries == 2
+        assert c.abort("retry", [again.handle], delay=0.05) == 1  # its own delay wins
+        assert c.take("retry", timeout=2).deliveries == 3
+
+    async def later():
+        async with petrel.AsyncClient(server) as a:
+            await a.create_queue("async.later", durable=False, redelivery_delay=0.05)
+            await a.offer("async.later", b"x", delay=0.05)
+            taken = await a.take("async.later", timeout=2)
+            await a.abort("async.later", [taken.handle], delay=0.05)
+            return (await a.take("async.later", timeout=2)).deliveries
+
+    assert asyncio.run(later()) == 2
+
+
 def test_errors_name_what_went_wrong(server):
     with petrel.Client(server) as c:
         with pytest.raises(petrel.ServerError, match="QUEUE_NOT_FOUND"):
