@@ -63,6 +63,19 @@ pub struct QueueBench {
     /// A durable queue (on disk) rather than one in memory.
     #[arg(long)]
     pub(crate) durable: bool,
+    /// A queue with this many priority levels; each offer goes to the next level in turn.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) priorities: u8,
+    /// Each message with an idempotency key of its own (the queue remembers them: its dedup
+    /// window).
+    #[arg(long)]
+    pub(crate) idempotency_keys: bool,
+    /// Each message delayed this many ms (handed out no earlier).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) delay_ms: u32,
+    /// Leave the queue and what it holds when done (to look at the server's memory).
+    #[arg(long)]
+    pub(crate) keep: bool,
     #[arg(long, default_value_t = 32)]
     pub(crate) payload_bytes: usize,
     /// Messages in all.
@@ -331,10 +344,11 @@ enum Role {
 async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::error::Error>> {
     let admin = args.connect(addr).await?;
     let _ = admin.remove_queue(&args.queue).await;
-    admin.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() }).await?;
+    let config = QueueConfig { durable: args.durable, priorities: args.priorities, ..QueueConfig::default() };
+    admin.create_queue(&args.queue, config).await?;
     let payload = args.payload();
     if args.mode == Mode::Poll {
-        fill(&admin, &args.queue, &payload, args.count).await?;
+        fill(args, &admin, &payload).await?;
     }
     let roles: Vec<Role> = (0..args.connections)
         .map(|i| match args.mode {
@@ -355,6 +369,8 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
         let client = args.connect(addr).await?;
         let (queue, payload, bar, polled) = (args.queue.clone(), payload.clone(), bar.clone(), Arc::clone(&polled));
         let (pipeline, batch, count, mode) = (args.pipeline, args.batch, args.count, args.mode);
+        let (levels, keys, delay_ms) = (u64::from(args.priorities.max(1)), args.idempotency_keys, args.delay_ms);
+        let mut offers = 0u64;
         // Each offering connection sends its share; pollers together take `count`.
         let share =
             if role == Role::Offer { count / offerers + u64::from((i as u64) < count % offerers) } else { count };
@@ -376,8 +392,17 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
                         .take_while(|_| role == Role::Offer)
                         .map_while(|_| {
                             let n = (share - sent).min(batch as u64) as usize;
+                            let priority = (offers % levels) as u8;
+                            offers += 1;
+                            let messages = (sent..sent + n as u64)
+                                .map(|seq| Message {
+                                    priority,
+                                    delay_ms,
+                                    idempotency_key: if keys { format!("{i}.{seq}") } else { String::new() },
+                                    ..Message::new(payload.clone())
+                                })
+                                .collect();
                             sent += n as u64;
-                            let messages = vec![Message::new(payload.clone()); n];
                             (n > 0).then(|| Request::Offer { queue: queue.clone(), timeout_ms: 60_000, messages })
                         })
                         .collect();
@@ -440,22 +465,30 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
     let secs = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let messages = if pollers > 0 { polled.load(Ordering::Relaxed).min(args.count) } else { args.count };
-    let _ = admin.remove_queue(&args.queue).await;
+    if !args.keep {
+        let _ = admin.remove_queue(&args.queue).await;
+    }
     Ok(Outcome::new(messages, hist.len(), messages, secs, args.payload_bytes, &hist))
 }
 
-/// Offers `count` messages in large pipelined batches, untimed.
-async fn fill(
-    client: &Client,
-    queue: &str,
-    payload: &bytes::Bytes,
-    count: u64,
-) -> Result<(), Box<dyn std::error::Error>> {
-    let mut left = count;
-    while left > 0 {
-        let n = left.min(1000);
-        client.offer(queue, vec![Message::new(payload.clone()); n as usize], None).await?;
-        left -= n;
+/// Offers `count` messages in batches of 1000, untimed: with the run's priorities (a level per
+/// batch in turn), keys and delay.
+async fn fill(args: &QueueBench, client: &Client, payload: &bytes::Bytes) -> Result<(), Box<dyn std::error::Error>> {
+    let levels = u64::from(args.priorities.max(1));
+    let mut sent = 0;
+    while sent < args.count {
+        let n = (args.count - sent).min(1000);
+        let priority = (sent / 1000 % levels) as u8;
+        let messages = (sent..sent + n)
+            .map(|seq| Message {
+                priority,
+                delay_ms: args.delay_ms,
+                idempotency_key: if args.idempotency_keys { format!("fill.{seq}") } else { String::new() },
+                ..Message::new(payload.clone())
+            })
+            .collect();
+        client.offer(&args.queue, messages, None).await?;
+        sent += n;
     }
     Ok(())
 }

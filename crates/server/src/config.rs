@@ -29,7 +29,7 @@ pub struct Config {
     pub http_addr: Option<SocketAddr>,
     /// `/metrics` answers without authentication even when authentication is on.
     pub http_open_metrics: bool,
-    /// `/metrics` has series per queue (8 each); off, only server-wide ones (for servers with
+    /// `/metrics` has series per queue (13 each); off, only server-wide ones (for servers with
     /// very many queues).
     pub metrics_per_queue: bool,
     /// Largest frame accepted (the length field), bytes.
