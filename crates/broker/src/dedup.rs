@@ -13,7 +13,9 @@ use std::sync::Arc;
 /// The keys a queue remembers, oldest first.
 #[derive(Debug, Default)]
 pub(crate) struct DedupWindow {
-    ids: HashMap<Arc<str>, u64>,
+    /// foldhash, seeded per process: keys come from producers, and SipHash cost a tenth of a
+    /// keyed offer.
+    ids: HashMap<Arc<str>, u64, foldhash::fast::RandomState>,
     order: VecDeque<Remembered>,
     /// Keys remembered per priority level (for the oldest key of a level, without a full scan).
     per_level: Vec<u64>,
@@ -77,8 +79,11 @@ impl DedupWindow {
 
     fn forget_oldest(&mut self) {
         let Some(oldest) = self.order.pop_front() else { return };
-        if self.ids.get(&oldest.key) == Some(&oldest.id) {
-            self.ids.remove(&oldest.key);
+        // (One lookup: a key stored again since, under a later id, is put back.)
+        if let Some(id) = self.ids.remove(&oldest.key)
+            && id != oldest.id
+        {
+            self.ids.insert(oldest.key, id);
         }
         self.per_level[oldest.level] -= 1;
         self.forgotten = true;

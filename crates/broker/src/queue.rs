@@ -1297,7 +1297,7 @@ impl Inner {
     fn repeats(&self, messages: &[Message]) -> Repeats {
         let mut originals = Vec::with_capacity(messages.len());
         let mut repeated = Vec::with_capacity(messages.len());
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = std::collections::HashSet::with_hasher(foldhash::fast::RandomState::default());
         for m in messages {
             let key = m.idempotency_key.as_str();
             let original = if key.is_empty() { None } else { self.dedup.get(key) };
