@@ -279,55 +279,41 @@ impl DelayLog {
         let start = pin.committed();
         let mut done = Done::starting_at(start);
         // First the markers (each follows the records it names), then the messages.
-        let mut reader = log.reader();
-        reader.seek(start);
-        loop {
-            let batch = reader.read_batch(4096)?;
-            if batch.is_empty() {
-                break;
-            }
-            for r in batch.into_iter() {
-                assert_eq!(r.offset, done.end(), "a log's offsets are dense");
-                match message::control(&r) {
-                    Some(message::Control::Moved(offsets)) => {
-                        done.push(true);
-                        offsets.into_iter().for_each(|o| done.set(o));
-                    }
-                    Some(message::Control::Returned(_)) => done.push(true),
-                    None => done.push(moved.contains(&r.offset)),
+        for_each_record(&log, start, |r| {
+            assert_eq!(r.offset, done.end(), "a log's offsets are dense");
+            match message::control(r) {
+                Some(message::Control::Moved(offsets)) => {
+                    done.push(true);
+                    offsets.into_iter().for_each(|o| done.set(o));
                 }
+                Some(message::Control::Returned(_)) => done.push(true),
+                None => done.push(moved.contains(&r.offset)),
             }
-        }
+        })?;
         let mut reopened = Reopened::default();
         let mut timers = Timers::new(cap);
         let mut repaired = Vec::new();
-        reader.seek(start);
-        loop {
-            let batch = reader.read_batch(4096)?;
-            if batch.is_empty() {
-                break;
+        for_each_record(&log, start, |r| {
+            if message::control(r).is_some() {
+                return;
             }
-            for r in batch.into_iter() {
-                if message::control(&r).is_some() {
-                    continue;
-                }
-                if let Some(key) = message::idempotency_key(&r) {
-                    reopened.keys.push((r.timestamp, r.offset, String::from_utf8_lossy(key).into_owned()));
-                }
-                if done.is_done(r.offset) {
-                    continue;
-                }
-                let placement = message::placement(&r);
-                if moved.contains(&r.offset) || placement.returned_from.is_some_and(&original_waits) {
-                    repaired.push(r.offset);
-                    continue;
-                }
-                timers.insert(message::deliver_at(&r), r.offset);
-                reopened.pending += 1;
-                reopened.bytes += message::from_record(&r).size();
+            if let Some(key) = message::idempotency_key(r) {
+                reopened.keys.push((r.timestamp, r.offset, String::from_utf8_lossy(key).into_owned()));
             }
-        }
+            if done.is_done(r.offset) {
+                return;
+            }
+            let placement = message::placement(r);
+            if moved.contains(&r.offset) || placement.returned_from.is_some_and(&original_waits) {
+                repaired.push(r.offset);
+                return;
+            }
+            timers.insert(message::deliver_at(r), r.offset);
+            reopened.pending += 1;
+            reopened.bytes += message::from_record(r).size();
+        })?;
         if let Some(last) = log.next_offset().checked_sub(1) {
+            let mut reader = log.reader();
             reader.seek(last);
             reopened.last_stamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
         }
@@ -453,6 +439,19 @@ impl DelayLog {
             self.pin.seek(SeekTo::Offset(needed))?;
         }
         Ok(())
+    }
+}
+
+/// Calls `f` with each record of `log` from `start` to its end.
+fn for_each_record(log: &SharedLog, start: u64, mut f: impl FnMut(&petrel_log::Record<'_>)) -> Result<(), BrokerError> {
+    let mut reader = log.reader();
+    reader.seek(start);
+    loop {
+        let batch = reader.read_batch(4096)?;
+        if batch.is_empty() {
+            return Ok(());
+        }
+        batch.into_iter().for_each(|r| f(&r));
     }
 }
 

@@ -211,7 +211,8 @@ impl Scrape {
             self.counter("petrel_queue_deduplicated_total", help, labels(), q.deduplicated);
             let help = "Idempotency keys the queue remembers now (its dedup window).";
             self.gauge("petrel_queue_dedup_keys", help, labels(), q.dedup_keys);
-            let help = "Messages stored but not yet due (delayed offers and redeliveries), not in petrel_queue_messages.";
+            let help =
+                "Messages stored but not yet due (delayed offers and redeliveries), not in petrel_queue_messages.";
             self.gauge("petrel_queue_delayed", help, labels(), q.delayed);
         }
     }
