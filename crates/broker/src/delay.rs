@@ -360,14 +360,20 @@ impl DelayLog {
         std::iter::from_fn(|| self.timers.pop_due(now_ns)).take(max).collect()
     }
 
-    /// The delayed message at `offset`, with its placement.
-    pub fn read(&self, offset: u64) -> Result<(Message, Placement), BrokerError> {
+    /// The delayed messages at `offsets`, with their placements (one reader for them all).
+    pub fn read(&self, offsets: &[u64]) -> Result<Vec<(Message, Placement)>, BrokerError> {
         let mut reader = self.log.reader();
-        reader.seek(offset);
-        let batch = reader.read_batch(1)?;
-        let r = batch.into_iter().next().filter(|r| r.offset == offset);
-        let r = r.expect("a pending delayed record is in the log");
-        Ok((message::from_record(&r), message::placement(&r)))
+        let mut out = Vec::with_capacity(offsets.len());
+        for &offset in offsets {
+            if reader.position() != offset {
+                reader.seek(offset);
+            }
+            let batch = reader.read_batch(1)?;
+            let r = batch.into_iter().next().filter(|r| r.offset == offset);
+            let r = r.expect("a pending delayed record is in the log");
+            out.push((message::from_record(&r), message::placement(&r)));
+        }
+        Ok(out)
     }
 
     /// Marks the delayed messages at `offsets` done (taken out of the timers before), in one
@@ -512,8 +518,8 @@ mod tests {
         let (mut out, mut now, mut refills) = (Vec::new(), 1_000, 0);
         while out.len() < expected.len() {
             let due = delay.take_due(now, 4);
-            for &offset in &due {
-                out.push(delay.read(offset).unwrap().0.deliver_at);
+            for (m, _) in delay.read(&due).unwrap() {
+                out.push(m.deliver_at);
             }
             delay.mark_done(&due).unwrap();
             if delay.refilling() {

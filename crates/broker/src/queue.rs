@@ -752,18 +752,22 @@ impl Queue {
         };
         // Either all of an offer's messages are due now, or all later: its ids are consecutive,
         // among the waiting messages' or the delayed ones'.
-        let delayed = messages.first().is_some_and(|m| config::due_at(m, now_ns) > now_ns);
-        if messages.iter().any(|m| (config::due_at(m, now_ns) > now_ns) != delayed) {
-            return Err(BrokerError::BadRequest(
-                "the messages of one offer are all delayed (deliver_at, delay_ms) or none is".into(),
-            ));
+        let mut delayed = None;
+        for m in messages.iter() {
+            let ahead = config::due_at(m, now_ns).saturating_sub(now_ns);
+            if ahead > config::MAX_DELAY_NS {
+                return Err(BrokerError::BadRequest(format!(
+                    "a message delayed by more than {} days: deliver_at is in ns since the epoch, delay_ms in ms",
+                    config::MAX_DELAY_NS / (24 * 3600 * 1_000_000_000)
+                )));
+            }
+            if *delayed.get_or_insert(ahead > 0) != (ahead > 0) {
+                return Err(BrokerError::BadRequest(
+                    "the messages of one offer are all delayed (deliver_at, delay_ms) or none is".into(),
+                ));
+            }
         }
-        if messages.iter().any(|m| config::due_at(m, now_ns).saturating_sub(now_ns) > config::MAX_DELAY_NS) {
-            return Err(BrokerError::BadRequest(format!(
-                "a message delayed by more than {} days: deliver_at is in ns since the epoch, delay_ms in ms",
-                config::MAX_DELAY_NS / (24 * 3600 * 1_000_000_000)
-            )));
-        }
+        let delayed = delayed.unwrap_or(false);
         let max_item = config.max_item_bytes;
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
@@ -1655,8 +1659,7 @@ impl Inner {
             Store::Log { lanes, delayed: Some(delay), .. } => {
                 let due = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK);
                 let mut copies: Vec<(Vec<Message>, Vec<Placement>)> = vec![Default::default(); lanes.len()];
-                for &offset in &due {
-                    let (m, p) = delay.read(offset)?;
+                for (&offset, (m, p)) in due.iter().zip(delay.read(&due)?) {
                     let m = Message { timestamp: stamp, ..m };
                     let level = (p.priority as usize).min(lanes.len() - 1);
                     copies[level].0.push(m);
@@ -1722,10 +1725,7 @@ impl Inner {
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
                 let offsets = delay.drain();
-                let mut bytes = 0;
-                for &offset in &offsets {
-                    bytes += delay.read(offset)?.0.size();
-                }
+                let bytes = delay.read(&offsets)?.iter().map(|(m, _)| m.size()).sum();
                 for chunk in offsets.chunks(8192) {
                     delay.mark_done(chunk)?;
                 }

@@ -8,6 +8,21 @@ use petrel_client::{Message, PollOptions, QueueConfig};
 mod common;
 use common::Server;
 
+/// What `addr` answers to `request`, up to `end` (empty: until it closes).
+fn fetch(addr: &str, request: &str, end: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let (mut text, mut buf) = (String::new(), [0u8; 65536]);
+    while end.is_empty() || !text.ends_with(end) {
+        match s.read(&mut buf).unwrap() {
+            0 => break,
+            n => text.push_str(&String::from_utf8_lossy(&buf[..n])),
+        }
+    }
+    text
+}
+
 fn now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
 }
@@ -35,6 +50,17 @@ async fn a_hundred_thousand_delayed_messages_come_out_on_time_across_kill_9() {
     }
     assert!(now_ns() < base, "offered before the first is due");
     assert_eq!(c.queue_status("timers").await.unwrap().delayed, N);
+    // The same count where operators look: the memcache port's stats and /metrics.
+    let server_now = server.as_ref().unwrap();
+    let stats = fetch(&server_now.memcache, "stats\r\n", "END\r\n");
+    assert!(stats.contains(&format!("STAT queue_timers_delayed_items {N}\r\n")), "{stats}");
+    let scrape = fetch(&server_now.http, "GET /metrics HTTP/1.0\r\n\r\n", "");
+    assert!(
+        scrape
+            .lines()
+            .any(|l| l.starts_with("petrel_queue_delayed{") && l.contains("timers") && l.ends_with(&format!(" {N}"))),
+        "petrel_queue_delayed in /metrics"
+    );
     let take =
         PollOptions { max: 1_000, timeout: Duration::from_millis(200), visibility: Some(Duration::from_secs(60)) };
     let mut first_seen: Vec<Option<u64>> = vec![None; N as usize];

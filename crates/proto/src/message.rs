@@ -4,7 +4,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::DecodeError;
-use crate::wire::{Reader, Writer};
+use crate::wire::{Reader, Writer, present};
 
 /// Why a request succeeded or not. One byte on the wire.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -297,43 +297,29 @@ impl Message {
         }
         let timestamp = r.u64("timestamp")?;
         let expires_at = r.u64("expires_at")?;
+        // Each optional field as its bit says, never its zero when present.
         let deliveries = if extensions & EXT_DELIVERIES != 0 {
-            match r.u32("deliveries")? {
-                0 => return Err(DecodeError::BadValue("deliveries (present, so not 0)")),
-                n => n,
-            }
+            present(r.u32("deliveries")?, "deliveries (present, so not 0)")?
         } else {
             0
         };
         let priority = if extensions & EXT_PRIORITY != 0 {
-            match r.u8("priority")? {
-                0 => return Err(DecodeError::BadValue("priority (present, so not 0)")),
-                n => n,
-            }
+            present(r.u8("priority")?, "priority (present, so not 0)")?
         } else {
             0
         };
         let idempotency_key = if extensions & EXT_IDEMPOTENCY_KEY != 0 {
-            match r.str("idempotency_key")? {
-                k if k.is_empty() => return Err(DecodeError::BadValue("idempotency_key (present, so not empty)")),
-                k => k,
-            }
+            present(r.str("idempotency_key")?, "idempotency_key (present, so not empty)")?
         } else {
             String::new()
         };
         let deliver_at = if extensions & EXT_DELIVER_AT != 0 {
-            match r.u64("deliver_at")? {
-                0 => return Err(DecodeError::BadValue("deliver_at (present, so not 0)")),
-                t => t,
-            }
+            present(r.u64("deliver_at")?, "deliver_at (present, so not 0)")?
         } else {
             0
         };
         let delay_ms = if extensions & EXT_DELAY_MS != 0 {
-            match r.u32("delay_ms")? {
-                0 => return Err(DecodeError::BadValue("delay_ms (present, so not 0)")),
-                ms => ms,
-            }
+            present(r.u32("delay_ms")?, "delay_ms (present, so not 0)")?
         } else {
             0
         };

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::frame::{self, FrameKind};
 use crate::message::{MESSAGE_MIN_LEN, Message, Status};
-use crate::wire::{Reader, Writer};
+use crate::wire::{Reader, Writer, present};
 use crate::{DecodeError, EncodeError};
 
 /// Bits of HELLO's `features`: what a client can do (request) and what the connection does
@@ -231,11 +231,6 @@ impl QueueConfig {
         }
         Ok(config)
     }
-}
-
-/// An optional field that is present: never its zero (see the extensions bytes).
-fn present<T: Default + PartialEq>(value: T, what: &'static str) -> Result<T, DecodeError> {
-    if value == T::default() { Err(DecodeError::BadValue(what)) } else { Ok(value) }
 }
 
 /// A queue's figures.

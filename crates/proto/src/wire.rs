@@ -106,6 +106,11 @@ impl Reader {
     }
 }
 
+/// An optional field that is present: never its zero (see the extensions bytes).
+pub(crate) fn present<T: Default + PartialEq>(value: T, what: &'static str) -> Result<T, DecodeError> {
+    if value == T::default() { Err(DecodeError::BadValue(what)) } else { Ok(value) }
+}
+
 /// The longest prefix of `s` of at most `max` bytes that ends on a character boundary.
 pub fn truncate_utf8(s: &str, max: usize) -> &str {
     if s.len() <= max {
