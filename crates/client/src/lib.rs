@@ -36,7 +36,11 @@ use petrel_proto::{FrameKind, Push, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
+mod cluster;
 mod follow;
+pub use cluster::{
+    Cluster, ClusterDelivery, ClusterHandle, ClusterOptions, ClusterStats, ClusterSubscription, Offered, ServerState,
+};
 pub use follow::{ConnectionEvent, EventHandler, FollowedSubscription, Follower, Reconnect};
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +56,9 @@ pub enum ClientError {
     Closed,
     #[error("TLS: {0}")]
     Tls(String),
+    /// No server of a cluster could take the request (each one's reason is in the text).
+    #[error("no server available: {0}")]
+    Unavailable(String),
 }
 
 /// How to reach a server: TLS, credentials, patience.
@@ -406,7 +413,13 @@ impl Client {
     }
 
     async fn call_op(&self, request: Request) -> Result<Response, ClientError> {
-        match self.pipeline(std::slice::from_ref(&request)).await.pop().expect("one result per request")? {
+        self.request(&request).await
+    }
+
+    /// Sends one request and waits for its answer; an error status is an `Err`. The request is
+    /// borrowed, so a caller may send it again elsewhere (the cluster's failover).
+    pub(crate) async fn request(&self, request: &Request) -> Result<Response, ClientError> {
+        match self.pipeline(std::slice::from_ref(request)).await.pop().expect("one result per request")? {
             Response::Error { status, message } => Err(ClientError::Status { status, message }),
             ok => Ok(ok),
         }
@@ -967,6 +980,108 @@ pub mod blocking {
         }
         pub fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.call_oneway(function, message))
+        }
+    }
+
+    /// A [`super::Cluster`] on a private runtime with a worker thread of its own, so that
+    /// reconnects and waiting polls go on between calls.
+    pub struct Cluster {
+        rt: tokio::runtime::Runtime,
+        inner: super::Cluster,
+    }
+
+    impl Cluster {
+        pub fn connect(servers: &[impl AsRef<str>], options: ClusterOptions) -> Result<Cluster, ClientError> {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+            let inner = rt.block_on(super::Cluster::connect(servers, options))?;
+            Ok(Cluster { rt, inner })
+        }
+        /// The async cluster, for use on this one's runtime ([`Cluster::block_on`]).
+        pub fn inner(&self) -> &super::Cluster {
+            &self.inner
+        }
+        pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+            self.rt.block_on(f)
+        }
+        pub fn stats(&self) -> ClusterStats {
+            self.inner.stats()
+        }
+        pub fn offer(
+            &self,
+            queue: &str,
+            messages: Vec<Message>,
+            timeout: Option<Duration>,
+        ) -> Result<Offered, ClientError> {
+            self.rt.block_on(self.inner.offer(queue, messages, timeout))
+        }
+        pub fn offer_by_key(
+            &self,
+            key: &[u8],
+            queue: &str,
+            messages: Vec<Message>,
+            timeout: Option<Duration>,
+        ) -> Result<Offered, ClientError> {
+            self.rt.block_on(self.inner.offer_by_key(key, queue, messages, timeout))
+        }
+        pub fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<ClusterDelivery>, ClientError> {
+            self.rt.block_on(self.inner.poll(queue, options))
+        }
+        pub fn ack(&self, queue: &str, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.ack(queue, handles))
+        }
+        pub fn abort(&self, queue: &str, handles: &[ClusterHandle], delay: Duration) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.abort(queue, handles, delay))
+        }
+        pub fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.create_queue(name, config))
+        }
+        pub fn remove_queue(&self, name: &str) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.remove_queue(name))
+        }
+        pub fn list_queues(&self) -> Result<Vec<String>, ClientError> {
+            self.rt.block_on(self.inner.list_queues())
+        }
+        pub fn queue_status(&self, name: &str) -> Vec<(String, Result<QueueStats, ClientError>)> {
+            self.rt.block_on(self.inner.queue_status(name))
+        }
+        pub fn create_topic(&self, name: &str, durable: bool) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.create_topic(name, durable))
+        }
+        pub fn remove_topic(&self, name: &str) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.remove_topic(name))
+        }
+        pub fn list_topics(&self) -> Result<Vec<String>, ClientError> {
+            self.rt.block_on(self.inner.list_topics())
+        }
+        pub fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.publish(topic, messages))
+        }
+        /// A subscription on every server as an iterator.
+        pub fn subscribe(&self, topic: &str, buffer: u32) -> Result<ClusterSubscription<'_>, ClientError> {
+            let inner = self.rt.block_on(self.inner.subscribe(topic, buffer))?;
+            Ok(ClusterSubscription { rt: &self.rt, inner })
+        }
+        pub fn call(
+            &self,
+            function: &str,
+            message: Message,
+            timeout: Option<Duration>,
+        ) -> Result<Message, ClientError> {
+            self.rt.block_on(self.inner.call(function, message, timeout))
+        }
+    }
+
+    /// A blocking [`super::ClusterSubscription`].
+    pub struct ClusterSubscription<'a> {
+        rt: &'a tokio::runtime::Runtime,
+        inner: super::ClusterSubscription,
+    }
+
+    impl Iterator for ClusterSubscription<'_> {
+        type Item = Result<Message, ClientError>;
+
+        fn next(&mut self) -> Option<Self::Item> {
+            self.rt.block_on(self.inner.next())
         }
     }
 

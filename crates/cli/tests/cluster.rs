@@ -1,0 +1,373 @@
+//! The cluster client against three real `petrel serve` processes on their own addresses, one
+//! of which fails in the middle of a load: killed (`kill -9`), stopped (SIGSTOP) or cut off
+//! (its link down). Where this test may make network namespaces (root), each server is a host
+//! of its own behind a veth pair on a bridge; otherwise each listens on its own loopback address
+//! (127.0.0.2, …), and the cut-off case, which needs a link, is skipped with a note.
+//!
+//! Each case checks that every acknowledged offer is consumed, and consumed once: a message
+//! counts as consumed when its acknowledgement was answered; one whose acknowledgement was lost
+//! with its server may come again, and is then counted once. Copies of an offer retried on
+//! another server are dropped by their idempotency key (no more than the offers retried could
+//! make). It prints how long the producer's offers stalled while the client routed around the
+//! failure.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use petrel_client::{Cluster, ClusterOptions, Message, PollOptions, QueueConfig};
+
+const SERVERS: usize = 3;
+const BATCH: usize = 10;
+const PORT: u16 = 7411;
+
+/// Where the servers live: namespaces on a bridge, or loopback addresses.
+struct Net {
+    /// (bridge, namespaces) when namespaces were made; removed on drop.
+    namespaces: Option<(String, Vec<String>)>,
+    ips: Vec<String>,
+}
+
+static NEXT_NET: AtomicU32 = AtomicU32::new(0);
+
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip").args(args).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+impl Net {
+    fn new() -> Net {
+        let n = NEXT_NET.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{}{n}", std::process::id() % 100_000);
+        let subnet = format!("10.{}.{}", 100 + n, std::process::id() % 250);
+        let bridge = format!("pcb{id}");
+        if std::env::var_os("PETREL_TEST_LOOPBACK").is_none() && ip(&["link", "add", &bridge, "type", "bridge"]) {
+            let mut net = Net { namespaces: Some((bridge.clone(), Vec::new())), ips: Vec::new() };
+            let ok = ip(&["addr", "add", &format!("{subnet}.254/24"), "dev", &bridge])
+                && ip(&["link", "set", &bridge, "up"]);
+            assert!(ok, "set up bridge {bridge}");
+            for k in 0..SERVERS {
+                let ns = format!("pcn{id}h{k}");
+                let veth = format!("pcv{id}h{k}");
+                let host_ip = format!("{subnet}.{}", k + 1);
+                let ok = ip(&["netns", "add", &ns])
+                    && ip(&["link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns])
+                    && ip(&["link", "set", &veth, "master", &bridge, "up"])
+                    && ip(&["-n", &ns, "addr", "add", &format!("{host_ip}/24"), "dev", "eth0"])
+                    && ip(&["-n", &ns, "link", "set", "eth0", "up"])
+                    && ip(&["-n", &ns, "link", "set", "lo", "up"]);
+                net.namespaces.as_mut().unwrap().1.push(ns.clone());
+                assert!(ok, "set up host {ns}");
+                net.ips.push(host_ip);
+            }
+            return net;
+        }
+        let base = 2 + (n as usize) * SERVERS;
+        Net { namespaces: None, ips: (0..SERVERS).map(|k| format!("127.0.0.{}", base + k)).collect() }
+    }
+
+    fn can_cut(&self) -> bool {
+        self.namespaces.is_some()
+    }
+
+    /// Host `k`'s link down or up (namespaces only): its packets go nowhere, without a reset.
+    fn set_link(&self, k: usize, up: bool) {
+        let (bridge, namespaces) = self.namespaces.as_ref().expect("namespaces");
+        let _ = bridge;
+        let veth = namespaces[k].replacen("pcn", "pcv", 1);
+        assert!(ip(&["link", "set", &veth, if up { "up" } else { "down" }]), "link {veth} {up}");
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        if let Some((bridge, namespaces)) = &self.namespaces {
+            for ns in namespaces {
+                ip(&["netns", "del", ns]);
+            }
+            ip(&["link", "del", bridge]);
+        }
+    }
+}
+
+/// One `petrel serve` on host `k`.
+struct Host {
+    k: usize,
+    addr: String,
+    data: PathBuf,
+    child: Option<Child>,
+    out: Option<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl Host {
+    fn start(&mut self, net: &Net) {
+        let petrel = std::env::var("PETREL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_petrel").to_owned());
+        let mut command = match &net.namespaces {
+            Some((_, namespaces)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &namespaces[self.k], &petrel]);
+                c
+            }
+            None => Command::new(&petrel),
+        };
+        let mut child = command
+            .args([
+                "serve",
+                "--native-addr",
+                &self.addr,
+                "--memcache-addr",
+                "127.0.0.1:0",
+                "--http-addr",
+                "127.0.0.1:0",
+            ])
+            .arg("--data")
+            .arg(&self.data)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start petrel serve");
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert!(line.starts_with("native "), "{line:?}");
+        self.out = Some(out); // kept open: the server prints more lines
+        self.child = Some(child);
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(Command::new("kill").args([signal, &pid]).status().unwrap().success());
+    }
+
+    fn kill9(&mut self) {
+        let mut child = self.child.take().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = Command::new("kill").args(["-CONT", &child.id().to_string()]).status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Kill,
+    Stop,
+    Cut,
+}
+
+/// What the producer saw.
+#[derive(Default)]
+struct Produced {
+    /// Keys of the offers answered OK.
+    acknowledged: HashSet<String>,
+    /// Keys of every offer made.
+    attempted: HashSet<String>,
+    /// Offers that failed at the caller (every server failed) and were made again.
+    failed_requests: u64,
+    /// The longest an offer took, and the longest one begun while the fault lasted.
+    slowest: Duration,
+}
+
+async fn run_case(fault: Fault) {
+    let net = Net::new();
+    if matches!(fault, Fault::Cut) && !net.can_cut() {
+        eprintln!("cluster {fault:?}: skipped (no network namespaces here: cutting a link needs them)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut hosts: Vec<Host> = (0..SERVERS)
+        .map(|k| Host {
+            k,
+            addr: format!("{}:{PORT}", net.ips[k]),
+            data: dir.path().join(format!("host{k}")),
+            child: None,
+            out: None,
+        })
+        .collect();
+    for h in &mut hosts {
+        h.start(&net);
+    }
+    let addrs: Vec<String> = hosts.iter().map(|h| h.addr.clone()).collect();
+    let options = ClusterOptions {
+        request_timeout: Duration::from_millis(500),
+        first_pause: Duration::from_millis(50),
+        max_pause: Duration::from_millis(400),
+        ..ClusterOptions::default()
+    };
+    let cluster = Cluster::connect(&addrs, options).await.unwrap();
+    cluster.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+
+    let produced = Arc::new(Mutex::new(Produced::default()));
+    let producing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let producer = {
+        let (cluster, produced, producing) = (cluster.clone(), Arc::clone(&produced), Arc::clone(&producing));
+        tokio::spawn(async move {
+            let start = Instant::now();
+            let mut n = 0u64;
+            while start.elapsed() < Duration::from_secs(4) {
+                let keys: Vec<String> = (0..BATCH).map(|i| format!("m{}", n + i as u64)).collect();
+                n += BATCH as u64;
+                let batch: Vec<Message> = keys
+                    .iter()
+                    .map(|k| Message { idempotency_key: k.clone(), ..Message::new(k.clone().into_bytes()) })
+                    .collect();
+                produced.lock().unwrap().attempted.extend(keys.iter().cloned());
+                let began = Instant::now();
+                loop {
+                    match cluster.offer("jobs", batch.clone(), None).await {
+                        Ok(_) => break,
+                        Err(e) => {
+                            // Every server failed: a producer tries again, with the same keys.
+                            eprintln!("offer failed, trying again: {e}");
+                            produced.lock().unwrap().failed_requests += 1;
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                }
+                {
+                    let mut p = produced.lock().unwrap();
+                    p.slowest = p.slowest.max(began.elapsed());
+                    p.acknowledged.extend(keys);
+                }
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+            producing.store(false, Ordering::Release);
+        })
+    };
+
+    let consumed: Arc<Mutex<(BTreeMap<String, u32>, HashSet<String>)>> = Arc::default();
+    let consumer = {
+        let (cluster, consumed, producing, produced) =
+            (cluster.clone(), Arc::clone(&consumed), Arc::clone(&producing), Arc::clone(&produced));
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let options =
+                PollOptions { max: 100, timeout: Duration::from_millis(200), visibility: Some(Duration::from_secs(5)) };
+            loop {
+                assert!(Instant::now() < deadline, "the consumer did not finish in 60 s");
+                let deliveries = match cluster.poll("jobs", options).await {
+                    Ok(d) => d,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                };
+                let mut by_server: HashMap<usize, Vec<_>> = HashMap::new();
+                for d in deliveries {
+                    by_server.entry(d.handle.server).or_default().push(d);
+                }
+                for (_, ds) in by_server {
+                    let handles: Vec<_> = ds.iter().map(|d| d.handle).collect();
+                    let acked = cluster.ack("jobs", &handles).await.unwrap_or(0) as usize;
+                    let mut c = consumed.lock().unwrap();
+                    for d in ds {
+                        let key = String::from_utf8(d.message.payload.to_vec()).unwrap();
+                        assert_eq!(key, d.message.idempotency_key);
+                        if acked == handles.len() {
+                            *c.0.entry(key).or_default() += 1;
+                        } else {
+                            // Its acknowledgement was lost with the server: it may come again.
+                            assert_eq!(acked, 0, "a group of one connection is acknowledged whole or not at all");
+                            c.1.insert(key);
+                        }
+                    }
+                }
+                if producing.load(Ordering::Acquire) {
+                    continue;
+                }
+                let all_in = {
+                    let (p, c) = (produced.lock().unwrap(), consumed.lock().unwrap());
+                    p.acknowledged.iter().all(|k| c.0.contains_key(k) || c.1.contains(k))
+                };
+                if all_in && drained(&cluster).await {
+                    return;
+                }
+            }
+        })
+    };
+
+    // The fault, 1 s into the load, for 1.5 s.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let fault_began = Instant::now();
+    match fault {
+        Fault::Kill => hosts[1].kill9(),
+        Fault::Stop => hosts[1].signal("-STOP"),
+        Fault::Cut => net.set_link(1, false),
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    match fault {
+        Fault::Kill => hosts[1].start(&net),
+        Fault::Stop => hosts[1].signal("-CONT"),
+        Fault::Cut => net.set_link(1, true),
+    }
+    let fault_lasted = fault_began.elapsed();
+    producer.await.unwrap();
+    consumer.await.unwrap();
+
+    let stats = cluster.stats();
+    let p = produced.lock().unwrap();
+    let (confirmed, maybe) = &*consumed.lock().unwrap();
+    let twice: Vec<_> = confirmed.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "{fault:?}: consumed more than once: {twice:?}");
+    let missing: Vec<_> =
+        p.acknowledged.iter().filter(|k| !confirmed.contains_key(*k) && !maybe.contains(*k)).collect();
+    assert!(missing.is_empty(), "{fault:?}: acknowledged and never consumed: {missing:?}");
+    for k in confirmed.keys().chain(maybe) {
+        assert!(p.attempted.contains(k), "{fault:?}: consumed {k}, never offered");
+    }
+    let retried = stats.offers_retried + p.failed_requests;
+    assert!(
+        stats.copies_dropped <= retried * BATCH as u64,
+        "{fault:?}: {} copies dropped, more than {retried} retried offers could make",
+        stats.copies_dropped
+    );
+    assert!(stats.servers[1].failures >= 1, "{fault:?}: the failed server was never marked down");
+    assert!(stats.servers.iter().all(|s| s.up), "{fault:?}: a server is still down: {:?}", stats.servers);
+    eprintln!(
+        "cluster {fault:?} ({}): {} offered in batches of {BATCH}, {} consumed once, {} whose ack was lost, \
+         offers retried on another server {}, copies dropped {}, failed requests at the caller {}, \
+         slowest offer {:?} (fault lasted {:?})",
+        if net.can_cut() { "namespaces" } else { "loopback addresses" },
+        p.acknowledged.len(),
+        confirmed.len(),
+        maybe.iter().filter(|k| !confirmed.contains_key(*k)).count(),
+        stats.offers_retried,
+        stats.copies_dropped,
+        p.failed_requests,
+        p.slowest,
+        fault_lasted,
+    );
+}
+
+/// No server holds a message of "jobs", waiting or taken (copies dropped are acknowledged in
+/// the background, so this may take a moment).
+async fn drained(cluster: &Cluster) -> bool {
+    cluster.queue_status("jobs").await.into_iter().all(|(_, s)| s.is_ok_and(|s| s.items == 0 && s.in_flight == 0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_server_loses_no_acknowledged_message() {
+    run_case(Fault::Kill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_server_is_routed_around_and_its_messages_consumed_after() {
+    run_case(Fault::Stop).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_server_is_routed_around_and_its_messages_consumed_after() {
+    run_case(Fault::Cut).await;
+}

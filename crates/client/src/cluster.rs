@@ -1,0 +1,977 @@
+//! A shared-nothing cluster, Kestrel's way: N independent servers that never talk to each other,
+//! and a client that spreads the work over them. A producer offers to any server (in turn, or
+//! the one a key ranks first), a consumer takes from all of them; ordering holds per server only.
+//!
+//! Failures are the client's business here. A server that refuses connections, stops answering
+//! within `request_timeout` or drops the connection is marked down: its connection is closed
+//! (so what it handed out tentatively goes back to its queue), it is tried again in the
+//! background with a doubling pause, and meanwhile its share goes to the others. An offer whose
+//! answer was lost is sent again to the next server: at least once. A message offered with an
+//! idempotency key can then exist on two servers; the server that got it twice drops the second
+//! itself (its dedup window), and copies on two servers are told apart here, on the consuming
+//! side: a key delivered from one server and then from another is a copy, acknowledged on its
+//! server and not handed to the caller (within a window of keys, by count and by time). Only
+//! this client's own deliveries are compared: two consumer processes can each get one copy.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use tokio::sync::{Notify, mpsc};
+
+use crate::{
+    Client, ClientError, ClientOptions, Delivery, Message, PollOptions, QueueConfig, QueueStats, Request, Response,
+    Status, Subscription,
+};
+
+/// How a cluster reaches its servers and how patient it is with them.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// TLS, credentials and compression, the same for every server.
+    pub client: ClientOptions,
+    /// A request unanswered this long (past whatever wait it asked for itself, such as a long
+    /// poll's) marks its server down. Also the timeout of each connection attempt.
+    pub request_timeout: Duration,
+    /// The pause before a down server is tried again; it doubles with each failed attempt, up to
+    /// `max_pause`.
+    pub first_pause: Duration,
+    pub max_pause: Duration,
+    /// Idempotency keys this client remembers from its deliveries, to tell a copy on a second
+    /// server from its original (0: no such check).
+    pub duplicate_window: usize,
+    /// How long a key is remembered.
+    pub duplicate_window_time: Duration,
+}
+
+impl Default for ClusterOptions {
+    fn default() -> Self {
+        ClusterOptions {
+            client: ClientOptions { connect_timeout: Duration::from_secs(1), ..ClientOptions::default() },
+            request_timeout: Duration::from_millis(500),
+            first_pause: Duration::from_millis(100),
+            max_pause: Duration::from_secs(5),
+            duplicate_window: 100_000,
+            duplicate_window_time: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Where an offer went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Offered {
+    /// The server's place in the cluster's list.
+    pub server: usize,
+    /// The id of the first message, on that server.
+    pub first_id: u64,
+}
+
+/// What acknowledges a delivery: its server, the connection it came on, and the server's handle.
+/// A handle from a connection since lost counts for nothing (the message went back to its queue).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClusterHandle {
+    pub server: usize,
+    connection: u64,
+    pub handle: u64,
+}
+
+/// A message taken from one of the cluster's servers.
+#[derive(Clone, Debug)]
+pub struct ClusterDelivery {
+    pub handle: ClusterHandle,
+    pub message: Message,
+}
+
+/// One server as the cluster sees it.
+#[derive(Clone, Debug)]
+pub struct ServerState {
+    pub addr: String,
+    pub up: bool,
+    /// Why it was last marked down.
+    pub last_error: Option<String>,
+    /// How many times it was marked down.
+    pub failures: u64,
+}
+
+/// The cluster's own counts.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterStats {
+    pub servers: Vec<ServerState>,
+    /// Offers sent again to another server after their answer was lost.
+    pub offers_retried: u64,
+    /// Deliveries dropped as copies of a message already delivered from another server.
+    pub copies_dropped: u64,
+}
+
+/// A function's handler as the cluster keeps it, to serve it again on a server that comes back.
+type Handler =
+    Arc<dyn Fn(Message) -> std::pin::Pin<Box<dyn Future<Output = Result<Message, String>> + Send>> + Send + Sync>;
+
+/// A server's connection: present while it is up. `connection` counts connections made, so a
+/// failure seen on an old one does not mark a newer one down.
+#[derive(Default)]
+struct Link {
+    client: Option<Client>,
+    connection: u64,
+    reconnecting: bool,
+    last_error: Option<String>,
+    failures: u64,
+}
+
+struct Member {
+    addr: String,
+    link: Mutex<Link>,
+}
+
+/// Deliveries of one kind of poll (queue, visibility) that arrived from waiting polls, and which
+/// servers have such a poll waiting.
+#[derive(Default)]
+struct Parked {
+    arrived: VecDeque<ClusterDelivery>,
+    waiting: HashSet<usize>,
+}
+
+struct Shared {
+    members: Vec<Member>,
+    options: ClusterOptions,
+    next: AtomicUsize,
+    /// Rung when a server comes up or a waiting poll brings deliveries.
+    changed: Notify,
+    parked: Mutex<HashMap<(String, u32), Parked>>,
+    seen: Mutex<SeenKeys>,
+    served: Mutex<Vec<(String, Handler)>>,
+    offers_retried: AtomicU64,
+    copies_dropped: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    /// Server `i`'s connection, if it is up.
+    fn current(&self, i: usize) -> Option<(Client, u64)> {
+        let link = lock(&self.members[i].link);
+        link.client.as_ref().map(|c| (c.clone(), link.connection))
+    }
+
+    /// Marks server `i` down after `error` on connection `connection` (unless a newer one is
+    /// up already), closes that connection, and starts trying it again.
+    fn mark_down(self: &Arc<Self>, i: usize, connection: u64, error: &ClientError) {
+        let mut link = lock(&self.members[i].link);
+        if link.connection != connection || link.client.is_none() {
+            return;
+        }
+        if let Some(client) = link.client.take() {
+            client.close();
+        }
+        link.failures += 1;
+        link.last_error = Some(error.to_string());
+        if !link.reconnecting {
+            link.reconnecting = true;
+            tokio::spawn(reconnect(Arc::downgrade(self), i));
+        }
+    }
+
+    /// Runs `request` on server `i`'s connection within the request timeout plus `wait`; a lost
+    /// connection or no answer marks the server down.
+    async fn on<T>(
+        self: &Arc<Self>,
+        i: usize,
+        connection: u64,
+        wait: Duration,
+        request: impl Future<Output = Result<T, ClientError>>,
+    ) -> Result<T, ClientError> {
+        let limit = self.options.request_timeout + wait;
+        let result = match tokio::time::timeout(limit, request).await {
+            Ok(result) => result,
+            Err(_) => Err(ClientError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer from {} within {limit:?}", self.members[i].addr),
+            ))),
+        };
+        if let Err(e) = &result
+            && e.is_connection_lost()
+        {
+            self.mark_down(i, connection, e);
+        }
+        result
+    }
+
+    /// The servers in the order to try them: by rendezvous rank for a key (so a key stays on its
+    /// server while that one is up, and adding a server moves only the keys it wins), else in
+    /// turn from the next one.
+    fn order(&self, key: Option<&[u8]>) -> Vec<usize> {
+        let n = self.members.len();
+        match key {
+            Some(key) => {
+                let mut ranked: Vec<(u64, usize)> =
+                    self.members.iter().enumerate().map(|(i, m)| (rendezvous_score(key, &m.addr), i)).collect();
+                ranked.sort_unstable_by(|a, b| b.cmp(a));
+                ranked.into_iter().map(|(_, i)| i).collect()
+            }
+            None => {
+                let start = self.next.fetch_add(1, Ordering::Relaxed);
+                (0..n).map(|k| (start + k) % n).collect()
+            }
+        }
+    }
+
+    /// Waits up to the request timeout for any server to come up; false if none did.
+    async fn wait_for_any(&self) -> bool {
+        let deadline = tokio::time::Instant::now() + self.options.request_timeout;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if (0..self.members.len()).any(|i| self.current(i).is_some()) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    /// Why no server could be used: each one's last error.
+    fn unavailable(&self) -> ClientError {
+        let reasons: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| {
+                let link = lock(&m.link);
+                format!("{}: {}", m.addr, link.last_error.as_deref().unwrap_or("down"))
+            })
+            .collect();
+        ClientError::Unavailable(reasons.join("; "))
+    }
+
+    /// Sends `request` to the first server in `order` that answers; a server that fails before
+    /// answering is marked down and the next one tried. `next_on` says which answers also pass
+    /// the request on (a full queue, a function not served there). `Err` carries the last answer
+    /// or, if none came, why no server was available.
+    async fn first_answer(
+        self: &Arc<Self>,
+        order: &[usize],
+        request: &Request,
+        wait: Duration,
+        next_on: impl Fn(&ClientError) -> bool,
+    ) -> Result<(usize, Response), ClientError> {
+        let mut last = None;
+        for attempt in 0..2 {
+            for &i in order {
+                let Some((client, connection)) = self.current(i) else { continue };
+                match self.on(i, connection, wait, client.request(request)).await {
+                    Ok(response) => return Ok((i, response)),
+                    Err(e) if e.is_connection_lost() => {
+                        if matches!(request, Request::Offer { .. }) {
+                            self.offers_retried.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(e) if next_on(&e) => last = Some(e),
+                    Err(e) => return Err(e),
+                }
+            }
+            if let Some(e) = last {
+                return Err(e);
+            }
+            // None was up, or every one was lost on the way: wait a moment for one, once.
+            if attempt == 0 && !self.wait_for_any().await {
+                break;
+            }
+        }
+        Err(self.unavailable())
+    }
+
+    /// Sends `request` to every server that is up, at once.
+    async fn to_all(self: &Arc<Self>, request: &Request) -> Vec<(usize, Result<Response, ClientError>)> {
+        let sends = (0..self.members.len()).map(|i| async move {
+            let result = match self.current(i) {
+                Some((client, connection)) => self.on(i, connection, Duration::ZERO, client.request(request)).await,
+                None => Err(ClientError::Unavailable(format!(
+                    "{}: {}",
+                    self.members[i].addr,
+                    lock(&self.members[i].link).last_error.as_deref().unwrap_or("down")
+                ))),
+            };
+            (i, result)
+        });
+        join_all(sends).await
+    }
+
+    /// Keeps the deliveries that are not copies of one already delivered from another server;
+    /// copies are acknowledged on their server (if taken tentatively) and counted.
+    fn drop_copies(self: &Arc<Self>, queue: &str, deliveries: Vec<ClusterDelivery>) -> Vec<ClusterDelivery> {
+        if self.options.duplicate_window == 0 || deliveries.iter().all(|d| d.message.idempotency_key.is_empty()) {
+            return deliveries;
+        }
+        let mut copies = Vec::new();
+        let kept: Vec<ClusterDelivery> = {
+            let mut seen = lock(&self.seen);
+            deliveries
+                .into_iter()
+                .filter_map(|d| {
+                    if d.message.idempotency_key.is_empty() || seen.first_from(queue, &d, &self.options) {
+                        return Some(d);
+                    }
+                    copies.push(d.handle);
+                    None
+                })
+                .collect()
+        };
+        if !copies.is_empty() {
+            self.copies_dropped.fetch_add(copies.len() as u64, Ordering::Relaxed);
+            let tentative: Vec<ClusterHandle> = copies.into_iter().filter(|h| h.handle != 0).collect();
+            if !tentative.is_empty() {
+                let (shared, queue) = (Arc::clone(self), queue.to_owned());
+                tokio::spawn(async move {
+                    let _ = settle(&shared, &queue, &tentative, Settle::Ack).await;
+                });
+            }
+        }
+        kept
+    }
+}
+
+/// The servers' ranking for `key`: each server's score is a hash of the key seeded by its
+/// address (xxh3, the same in every process and version, so producers agree on where a key goes).
+fn rendezvous_score(key: &[u8], addr: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(key, xxhash_rust::xxh3::xxh3_64(addr.as_bytes()))
+}
+
+/// Tries server `i` again with a doubling pause until it answers HELLO (and AUTH), then serves
+/// the cluster's functions on it. Ends when the cluster is dropped.
+async fn reconnect(shared: Weak<Shared>, i: usize) {
+    let Some(first) = shared.upgrade() else { return };
+    let (mut pause, max_pause) = (first.options.first_pause, first.options.max_pause);
+    drop(first);
+    loop {
+        tokio::time::sleep(pause).await;
+        let Some(shared) = shared.upgrade() else { return };
+        let mut options = shared.options.client.clone();
+        options.connect_timeout =
+            options.connect_timeout.min(shared.options.request_timeout.max(Duration::from_millis(1)));
+        let addr = shared.members[i].addr.clone();
+        match Client::connect_with(&addr, &options).await {
+            Ok(client) => {
+                let served = lock(&shared.served).clone();
+                for (function, handler) in served {
+                    let _ = client.serve(&function, move |m| handler(m)).await;
+                }
+                {
+                    let mut link = lock(&shared.members[i].link);
+                    link.connection += 1;
+                    link.client = Some(client);
+                    link.reconnecting = false;
+                }
+                shared.changed.notify_waiters();
+                return;
+            }
+            Err(e) => {
+                lock(&shared.members[i].link).last_error = Some(e.to_string());
+                pause = (pause * 2).min(max_pause);
+            }
+        }
+    }
+}
+
+/// What to do with tentative deliveries.
+#[derive(Clone, Copy)]
+enum Settle {
+    Ack,
+    Abort(Duration),
+}
+
+/// Acknowledges or returns `handles`, each on its own server, all servers at once. Handles of a
+/// connection since lost count for nothing (their messages went back to their queues).
+async fn settle(shared: &Arc<Shared>, queue: &str, handles: &[ClusterHandle], how: Settle) -> Result<u32, ClientError> {
+    let mut by_server: HashMap<usize, (u64, Vec<u64>)> = HashMap::new();
+    for h in handles {
+        let entry = by_server.entry(h.server).or_insert((h.connection, Vec::new()));
+        if entry.0 == h.connection {
+            entry.1.push(h.handle);
+        }
+    }
+    let sends = by_server.into_iter().map(|(i, (connection, handles))| async move {
+        let Some((client, current)) = shared.current(i) else { return Ok(0) };
+        if current != connection {
+            return Ok(0);
+        }
+        let request = match how {
+            Settle::Ack => Request::Ack { queue: queue.into(), handles },
+            Settle::Abort(delay) => Request::Abort {
+                queue: queue.into(),
+                handles,
+                delay_ms: delay.as_millis().min(u128::from(u32::MAX)) as u32,
+            },
+        };
+        match shared.on(i, connection, Duration::ZERO, client.request(&request)).await {
+            Ok(Response::Acked { count }) => Ok(count),
+            Ok(other) => Err(crate::unexpected(other)),
+            Err(e) if e.is_connection_lost() => Ok(0),
+            Err(e) => Err(e),
+        }
+    });
+    let mut total = 0;
+    for result in join_all(sends).await {
+        total += result?;
+    }
+    Ok(total)
+}
+
+/// Idempotency keys delivered lately, with the server each came from first; bounded by count
+/// and by age (oldest forgotten first).
+#[derive(Default)]
+struct SeenKeys {
+    by_key: HashMap<(String, String), usize>,
+    order: VecDeque<(Instant, (String, String))>,
+}
+
+impl SeenKeys {
+    /// True if `d` is the first delivery of its key or comes from the server that delivered it
+    /// first (a redelivery); false for a copy from another server.
+    fn first_from(&mut self, queue: &str, d: &ClusterDelivery, options: &ClusterOptions) -> bool {
+        let now = Instant::now();
+        while let Some((at, _)) = self.order.front()
+            && (self.order.len() >= options.duplicate_window || now.duration_since(*at) > options.duplicate_window_time)
+        {
+            let (_, key) = self.order.pop_front().expect("front exists");
+            self.by_key.remove(&key);
+        }
+        let key = (queue.to_owned(), d.message.idempotency_key.clone());
+        match self.by_key.get(&key) {
+            Some(&server) => server == d.handle.server,
+            None => {
+                self.by_key.insert(key.clone(), d.handle.server);
+                self.order.push_back((now, key));
+                true
+            }
+        }
+    }
+}
+
+/// A client of N independent servers. Cheap to clone; dropping the last clone ends its
+/// background work (reconnects, waiting polls, subscriptions).
+#[derive(Clone)]
+pub struct Cluster {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let addrs: Vec<&str> = self.shared.members.iter().map(|m| m.addr.as_str()).collect();
+        f.debug_struct("Cluster").field("servers", &addrs).finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// Connects to every server at once. Succeeds if any one answers; the others are tried again
+    /// in the background. A refused password or a TLS failure on any server is an error at once
+    /// (it is a setting to fix, not a server to wait for), and so is an empty or repeated list.
+    pub async fn connect(servers: &[impl AsRef<str>], options: ClusterOptions) -> Result<Cluster, ClientError> {
+        let addrs: Vec<String> = servers.iter().map(|s| s.as_ref().trim().to_owned()).collect();
+        if addrs.is_empty() || addrs.iter().any(String::is_empty) {
+            return Err(ClientError::Unavailable("no server address given".into()));
+        }
+        if addrs.iter().collect::<HashSet<_>>().len() != addrs.len() {
+            return Err(ClientError::Unavailable(format!("a server is listed twice in {}", addrs.join(","))));
+        }
+        let connects = addrs.iter().map(|addr| Client::connect_with(addr, &options.client));
+        let mut results = join_all(connects).await;
+        // A refused password or certificate is a setting to fix, not a server to wait for.
+        let fatal = |r: &Result<Client, ClientError>| {
+            matches!(r, Err(ClientError::Status { .. } | ClientError::Tls(_) | ClientError::Protocol(_)))
+        };
+        if let Some(at) = results.iter().position(fatal) {
+            return Err(match results.swap_remove(at).expect_err("fatal is an error") {
+                ClientError::Status { status, message } => {
+                    ClientError::Status { status, message: format!("{}: {message}", addrs[at]) }
+                }
+                other => other,
+            });
+        }
+        if results.iter().all(Result::is_err) {
+            if results.len() == 1 {
+                return Err(results.pop().expect("one").expect_err("failed"));
+            }
+            let reasons: Vec<String> =
+                results.iter().zip(&addrs).map(|(r, a)| format!("{a}: {}", r.as_ref().expect_err("failed"))).collect();
+            return Err(ClientError::Unavailable(reasons.join("; ")));
+        }
+        let mut down = Vec::new();
+        let members = results
+            .into_iter()
+            .zip(addrs)
+            .enumerate()
+            .map(|(i, (result, addr))| {
+                let link = match result {
+                    Ok(client) => Link { client: Some(client), connection: 1, ..Link::default() },
+                    Err(e) => {
+                        down.push(i);
+                        Link { reconnecting: true, last_error: Some(e.to_string()), failures: 1, ..Link::default() }
+                    }
+                };
+                Member { addr, link: Mutex::new(link) }
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            members,
+            options,
+            next: AtomicUsize::new(0),
+            changed: Notify::new(),
+            parked: Mutex::default(),
+            seen: Mutex::default(),
+            served: Mutex::default(),
+            offers_retried: AtomicU64::new(0),
+            copies_dropped: AtomicU64::new(0),
+        });
+        for i in down {
+            tokio::spawn(reconnect(Arc::downgrade(&shared), i));
+        }
+        Ok(Cluster { shared })
+    }
+
+    /// The servers, in the order given.
+    pub fn servers(&self) -> Vec<String> {
+        self.shared.members.iter().map(|m| m.addr.clone()).collect()
+    }
+
+    /// Which servers are up, and the cluster's own counts.
+    pub fn stats(&self) -> ClusterStats {
+        let servers = self
+            .shared
+            .members
+            .iter()
+            .map(|m| {
+                let link = lock(&m.link);
+                ServerState {
+                    addr: m.addr.clone(),
+                    up: link.client.is_some(),
+                    last_error: link.last_error.clone(),
+                    failures: link.failures,
+                }
+            })
+            .collect();
+        ClusterStats {
+            servers,
+            offers_retried: self.shared.offers_retried.load(Ordering::Relaxed),
+            copies_dropped: self.shared.copies_dropped.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Offers `messages` (all or none) to the next server in turn; one that fails before
+    /// answering is marked down and the offer goes to the next (at least once: give the messages
+    /// idempotency keys to drop the copies). A full queue passes the offer on too; with a
+    /// `timeout`, the last server tried waits that long for room.
+    pub async fn offer(
+        &self,
+        queue: &str,
+        messages: Vec<Message>,
+        timeout: Option<Duration>,
+    ) -> Result<Offered, ClientError> {
+        self.offer_to(None, queue, messages, timeout).await
+    }
+
+    /// `offer` to the server `key` ranks first among those up (rendezvous hashing): one key's
+    /// messages stay in order on one server while it is up.
+    pub async fn offer_by_key(
+        &self,
+        key: &[u8],
+        queue: &str,
+        messages: Vec<Message>,
+        timeout: Option<Duration>,
+    ) -> Result<Offered, ClientError> {
+        self.offer_to(Some(key), queue, messages, timeout).await
+    }
+
+    async fn offer_to(
+        &self,
+        key: Option<&[u8]>,
+        queue: &str,
+        messages: Vec<Message>,
+        timeout: Option<Duration>,
+    ) -> Result<Offered, ClientError> {
+        let order = self.shared.order(key);
+        let full = |e: &ClientError| e.status() == Some(Status::QueueFull);
+        // Every server but the last is asked without waiting, so a full one passes the offer on.
+        let mut request = Request::Offer { queue: queue.into(), timeout_ms: 0, messages };
+        if let Some(t) = timeout
+            && order.len() == 1
+        {
+            set_offer_timeout(&mut request, t);
+        }
+        match self.shared.first_answer(&order, &request, Duration::ZERO, full).await {
+            Ok((server, Response::Offered { first_id, .. })) => Ok(Offered { server, first_id }),
+            Ok((_, other)) => Err(crate::unexpected(other)),
+            Err(e) if full(&e) && timeout.is_some() && order.len() > 1 => {
+                // All full: wait for room on one of them (the first in the order that is up).
+                let wait = timeout.unwrap_or_default();
+                set_offer_timeout(&mut request, wait);
+                match self.shared.first_answer(&order, &request, wait, |_| false).await? {
+                    (server, Response::Offered { first_id, .. }) => Ok(Offered { server, first_id }),
+                    (_, other) => Err(crate::unexpected(other)),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes up to `options.max` messages from the servers in turn. With a timeout, one poll waits
+    /// on every server that is up at once (no busy loop); deliveries that arrive together beyond
+    /// `max` are kept for the next poll of the same queue and visibility. Copies of a message
+    /// already delivered from another server are dropped (see the module's notes). An empty
+    /// answer after the timeout is an empty vector; `Unavailable` if no server was up.
+    pub async fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<ClusterDelivery>, ClientError> {
+        let shared = &self.shared;
+        let visibility_ms = options.visibility.map_or(0, |v| v.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
+        let key = (queue.to_owned(), visibility_ms);
+        let deadline = tokio::time::Instant::now() + options.timeout;
+        let max = options.max.max(1) as usize;
+        let now_options = PollOptions { timeout: Duration::ZERO, ..options };
+        let mut first = true;
+        loop {
+            let changed = shared.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let arrived = self.take_arrived(&key, max);
+            if !arrived.is_empty() {
+                return Ok(arrived);
+            }
+            let mut any_up = false;
+            if first {
+                first = false;
+                for i in shared.order(None) {
+                    let Some((client, connection)) = shared.current(i) else { continue };
+                    any_up = true;
+                    if lock(&shared.parked).get(&key).is_some_and(|p| p.waiting.contains(&i)) {
+                        continue;
+                    }
+                    if let Ok(taken) = shared.on(i, connection, Duration::ZERO, client.poll(queue, now_options)).await {
+                        let taken = shared.drop_copies(queue, deliveries(i, connection, taken));
+                        if !taken.is_empty() {
+                            return Ok(taken);
+                        }
+                    }
+                }
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                if any_up || (0..shared.members.len()).any(|i| shared.current(i).is_some()) {
+                    return Ok(Vec::new());
+                }
+                return Err(shared.unavailable());
+            }
+            self.park(&key, PollOptions { timeout: deadline - now, ..options });
+            let _ = tokio::time::timeout_at(deadline, changed).await;
+        }
+    }
+
+    /// Up to `max` deliveries that waiting polls brought for `key`, copies dropped.
+    fn take_arrived(&self, key: &(String, u32), max: usize) -> Vec<ClusterDelivery> {
+        let taken: Vec<ClusterDelivery> = {
+            let mut parked = lock(&self.shared.parked);
+            let Some(p) = parked.get_mut(key) else { return Vec::new() };
+            let n = p.arrived.len().min(max);
+            p.arrived.drain(..n).collect()
+        };
+        if taken.is_empty() { taken } else { self.shared.drop_copies(&key.0, taken) }
+    }
+
+    /// Starts a waiting poll on every server that is up and has none waiting for `key`; what it
+    /// brings goes to the arrivals and rings `changed`.
+    fn park(&self, key: &(String, u32), options: PollOptions) {
+        for i in 0..self.shared.members.len() {
+            let Some((client, connection)) = self.shared.current(i) else { continue };
+            if !lock(&self.shared.parked).entry(key.clone()).or_default().waiting.insert(i) {
+                continue;
+            }
+            let (shared, key) = (Arc::downgrade(&self.shared), key.clone());
+            let strong = Arc::clone(&self.shared);
+            tokio::spawn(async move {
+                let taken = strong.on(i, connection, options.timeout, client.poll(&key.0, options)).await;
+                drop(strong);
+                let Some(shared) = shared.upgrade() else { return };
+                {
+                    let mut parked = lock(&shared.parked);
+                    let p = parked.entry(key).or_default();
+                    p.waiting.remove(&i);
+                    if let Ok(taken) = taken {
+                        p.arrived.extend(deliveries(i, connection, taken));
+                    }
+                }
+                shared.changed.notify_waiters();
+            });
+        }
+    }
+
+    /// Acknowledges deliveries, each on its server; returns how many counted (those of a lost
+    /// connection do not: they went back to their queue and come again).
+    pub async fn ack(&self, queue: &str, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
+        settle(&self.shared, queue, handles, Settle::Ack).await
+    }
+
+    /// Returns deliveries to their queues, to be handed out again after `delay` (zero: at once,
+    /// or after the queue's redelivery delay).
+    pub async fn abort(&self, queue: &str, handles: &[ClusterHandle], delay: Duration) -> Result<u32, ClientError> {
+        settle(&self.shared, queue, handles, Settle::Abort(delay)).await
+    }
+
+    /// Creates the queue on every server (a no-op where it exists alike). An error names the
+    /// first server that failed; the others have it.
+    pub async fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
+        self.on_all(&Request::QueueCreate { name: name.into(), config }).await.map(|_| ())
+    }
+
+    /// Removes the queue from every server.
+    pub async fn remove_queue(&self, name: &str) -> Result<(), ClientError> {
+        self.on_all(&Request::QueueRemove { name: name.into() }).await.map(|_| ())
+    }
+
+    /// The queues of the servers that are up, each name once, sorted.
+    pub async fn list_queues(&self) -> Result<Vec<String>, ClientError> {
+        self.union(&Request::QueueList).await
+    }
+
+    /// The queue's figures on each server (an error for one down or without it).
+    pub async fn queue_status(&self, name: &str) -> Vec<(String, Result<QueueStats, ClientError>)> {
+        let request = Request::QueueStatus { name: name.into() };
+        self.shared
+            .to_all(&request)
+            .await
+            .into_iter()
+            .map(|(i, r)| {
+                let stats = match r {
+                    Ok(Response::QueueStatus { stats }) => Ok(stats),
+                    Ok(other) => Err(crate::unexpected(other)),
+                    Err(e) => Err(e),
+                };
+                (self.shared.members[i].addr.clone(), stats)
+            })
+            .collect()
+    }
+
+    /// Creates the topic on every server.
+    pub async fn create_topic(&self, name: &str, durable: bool) -> Result<(), ClientError> {
+        self.on_all(&Request::TopicCreate { name: name.into(), durable }).await.map(|_| ())
+    }
+
+    /// Removes the topic from every server.
+    pub async fn remove_topic(&self, name: &str) -> Result<(), ClientError> {
+        self.on_all(&Request::TopicRemove { name: name.into() }).await.map(|_| ())
+    }
+
+    /// The topics of the servers that are up, each name once, sorted.
+    pub async fn list_topics(&self) -> Result<Vec<String>, ClientError> {
+        self.union(&Request::TopicList).await
+    }
+
+    /// Publishes to one server (the next in turn; the next after it if it fails before
+    /// answering): its subscribers get the messages, and every cluster subscriber is one of
+    /// them. Returns how many subscribers that server reached.
+    pub async fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
+        let request = Request::Publish { topic: topic.into(), messages };
+        match self.shared.first_answer(&self.shared.order(None), &request, Duration::ZERO, |_| false).await? {
+            (_, Response::Published { subscribers }) => Ok(subscribers),
+            (_, other) => Err(crate::unexpected(other)),
+        }
+    }
+
+    /// Subscribes to `topic` on every server, and again on each one that comes back after a
+    /// loss (a live subscription: what was published there meanwhile is missed). `buffer` as
+    /// for `Client::subscribe`, per server.
+    pub async fn subscribe(&self, topic: &str, buffer: u32) -> Result<ClusterSubscription, ClientError> {
+        let (tx, rx) = mpsc::channel(crate::SUBSCRIPTION_BUFFER);
+        let (ready_tx, mut ready_rx) = mpsc::channel(self.shared.members.len());
+        let tasks = (0..self.shared.members.len())
+            .map(|i| {
+                let (shared, tx, ready, topic) =
+                    (Arc::clone(&self.shared), tx.clone(), ready_tx.clone(), topic.to_owned());
+                tokio::spawn(follow_topic(shared, i, topic, buffer, tx, ready))
+            })
+            .collect();
+        drop(ready_tx);
+        // Answer once each server has answered its first SUBSCRIBE (or was down): the first
+        // error is the caller's (a topic that does not exist, a forbidden one).
+        let subscription = ClusterSubscription { rx, tasks };
+        while let Some(first) = ready_rx.recv().await {
+            first?;
+        }
+        Ok(subscription)
+    }
+
+    /// Calls `function` on the next server in turn that serves it (a server that does not
+    /// serve it, or fails before answering, passes the call on: a call whose answer was lost may
+    /// run twice — give it a request id its handler can check).
+    pub async fn call(
+        &self,
+        function: &str,
+        message: Message,
+        timeout: Option<Duration>,
+    ) -> Result<Message, ClientError> {
+        let timeout_ms = timeout.map_or(0, |t| t.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
+        let wait = timeout.unwrap_or(Duration::from_secs(30));
+        let request = Request::Call { function: function.into(), timeout_ms, oneway: false, message };
+        let not_here = |e: &ClientError| e.status() == Some(Status::FunctionNotFound);
+        match self.shared.first_answer(&self.shared.order(None), &request, wait, not_here).await? {
+            (_, Response::Reply { message }) => Ok(*message),
+            (_, other) => Err(crate::unexpected(other)),
+        }
+    }
+
+    /// Serves `function` on every server, and again on each one that comes back after a loss.
+    pub async fn serve<F, Fut>(&self, function: &str, handler: F) -> Result<(), ClientError>
+    where
+        F: Fn(Message) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Message, String>> + Send + 'static,
+    {
+        let handler: Handler = Arc::new(move |m| Box::pin(handler(m)));
+        lock(&self.shared.served).push((function.to_owned(), Arc::clone(&handler)));
+        let mut served = 0;
+        let mut last = None;
+        for i in 0..self.shared.members.len() {
+            let Some((client, _)) = self.shared.current(i) else { continue };
+            let handler = Arc::clone(&handler);
+            match client.serve(function, move |m| handler(m)).await {
+                Ok(()) => served += 1,
+                Err(e) => last = Some(e),
+            }
+        }
+        match (served, last) {
+            (0, Some(e)) => Err(e),
+            (0, None) => Err(self.shared.unavailable()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Sends `request` to every server; the first failure (naming its server) is the error.
+    async fn on_all(&self, request: &Request) -> Result<Vec<Response>, ClientError> {
+        let mut answers = Vec::new();
+        for (i, result) in self.shared.to_all(request).await {
+            let addr = &self.shared.members[i].addr;
+            match result {
+                Ok(r) => answers.push(r),
+                Err(ClientError::Status { status, message }) => {
+                    return Err(ClientError::Status { status, message: format!("{addr}: {message}") });
+                }
+                Err(e @ ClientError::Unavailable(_)) => return Err(e),
+                Err(e) => return Err(ClientError::Unavailable(format!("{addr}: {e}"))),
+            }
+        }
+        Ok(answers)
+    }
+
+    /// The names every server that is up lists, once each, sorted.
+    async fn union(&self, request: &Request) -> Result<Vec<String>, ClientError> {
+        let mut names = std::collections::BTreeSet::new();
+        let mut answered = false;
+        for (_, result) in self.shared.to_all(request).await {
+            match result {
+                Ok(Response::QueueList { names: n } | Response::TopicList { names: n }) => {
+                    answered = true;
+                    names.extend(n);
+                }
+                Ok(other) => return Err(crate::unexpected(other)),
+                Err(e @ ClientError::Status { .. }) => return Err(e),
+                Err(_) => {}
+            }
+        }
+        if !answered {
+            return Err(self.shared.unavailable());
+        }
+        Ok(names.into_iter().collect())
+    }
+}
+
+fn set_offer_timeout(request: &mut Request, timeout: Duration) {
+    if let Request::Offer { timeout_ms, .. } = request {
+        *timeout_ms = timeout.as_millis().min(u128::from(u32::MAX)) as u32;
+    }
+}
+
+fn deliveries(server: usize, connection: u64, taken: Vec<Delivery>) -> Vec<ClusterDelivery> {
+    taken
+        .into_iter()
+        .map(|d| ClusterDelivery { handle: ClusterHandle { server, connection, handle: d.handle }, message: d.message })
+        .collect()
+}
+
+/// Keeps one server's part of a cluster subscription: subscribes while the server is up,
+/// forwards its messages, and subscribes again after it comes back. Says on `ready` how its
+/// first SUBSCRIBE went (or that the server was down). It holds the cluster: the subscription's
+/// drop ends it.
+async fn follow_topic(
+    shared: Arc<Shared>,
+    i: usize,
+    topic: String,
+    buffer: u32,
+    tx: mpsc::Sender<Result<Message, ClientError>>,
+    ready: mpsc::Sender<Result<(), ClientError>>,
+) {
+    let mut ready = Some(ready);
+    loop {
+        let changed = shared.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let Some((client, connection)) = shared.current(i) else {
+            if let Some(ready) = ready.take() {
+                let _ = ready.send(Ok(())).await;
+            }
+            changed.await;
+            continue;
+        };
+        let subscribed = shared.on(i, connection, Duration::ZERO, client.subscribe(&topic, buffer)).await;
+        let mut subscription: Subscription = match subscribed {
+            Ok(s) => s,
+            Err(e) if e.is_connection_lost() => continue,
+            Err(e) => {
+                if let Some(ready) = ready.take() {
+                    let _ = ready.send(Err(e)).await;
+                } else {
+                    let _ = tx.send(Err(e)).await;
+                }
+                return;
+            }
+        };
+        if let Some(ready) = ready.take() {
+            let _ = ready.send(Ok(())).await;
+        }
+        while let Some(item) = subscription.next().await {
+            match item {
+                Ok(m) => {
+                    if tx.send(Ok(m)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) if e.is_connection_lost() => break,
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
+        shared.mark_down(i, connection, &ClientError::Closed);
+    }
+}
+
+/// A subscription to a topic on every server of a cluster: one stream of their messages.
+/// Dropping it unsubscribes everywhere.
+pub struct ClusterSubscription {
+    rx: mpsc::Receiver<Result<Message, ClientError>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl ClusterSubscription {
+    /// The next message from any server; an error ends one server's part (the others go on).
+    pub async fn next(&mut self) -> Option<Result<Message, ClientError>> {
+        self.rx.recv().await
+    }
+}
+
+impl Drop for ClusterSubscription {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
