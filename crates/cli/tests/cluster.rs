@@ -180,6 +180,14 @@ struct Produced {
     slowest: Duration,
 }
 
+/// What the consumer saw: keys whose acknowledgement was answered (with how many times), and
+/// keys whose acknowledgement was lost with their server.
+#[derive(Default)]
+struct Consumed {
+    acknowledged: BTreeMap<String, u32>,
+    ack_lost: HashSet<String>,
+}
+
 async fn run_case(fault: Fault) {
     let net = Net::new();
     if matches!(fault, Fault::Cut) && !net.can_cut() {
@@ -247,7 +255,7 @@ async fn run_case(fault: Fault) {
         })
     };
 
-    let consumed: Arc<Mutex<(BTreeMap<String, u32>, HashSet<String>)>> = Arc::default();
+    let consumed: Arc<Mutex<Consumed>> = Arc::default();
     let consumer = {
         let (cluster, consumed, producing, produced) =
             (cluster.clone(), Arc::clone(&consumed), Arc::clone(&producing), Arc::clone(&produced));
@@ -276,11 +284,11 @@ async fn run_case(fault: Fault) {
                         let key = String::from_utf8(d.message.payload.to_vec()).unwrap();
                         assert_eq!(key, d.message.idempotency_key);
                         if acked == handles.len() {
-                            *c.0.entry(key).or_default() += 1;
+                            *c.acknowledged.entry(key).or_default() += 1;
                         } else {
                             // Its acknowledgement was lost with the server: it may come again.
                             assert_eq!(acked, 0, "a group of one connection is acknowledged whole or not at all");
-                            c.1.insert(key);
+                            c.ack_lost.insert(key);
                         }
                     }
                 }
@@ -289,7 +297,7 @@ async fn run_case(fault: Fault) {
                 }
                 let all_in = {
                     let (p, c) = (produced.lock().unwrap(), consumed.lock().unwrap());
-                    p.acknowledged.iter().all(|k| c.0.contains_key(k) || c.1.contains(k))
+                    p.acknowledged.iter().all(|k| c.acknowledged.contains_key(k) || c.ack_lost.contains(k))
                 };
                 if all_in && drained(&cluster).await {
                     return;
@@ -318,7 +326,8 @@ async fn run_case(fault: Fault) {
 
     let stats = cluster.stats();
     let p = produced.lock().unwrap();
-    let (confirmed, maybe) = &*consumed.lock().unwrap();
+    let c = consumed.lock().unwrap();
+    let (confirmed, maybe) = (&c.acknowledged, &c.ack_lost);
     let twice: Vec<_> = confirmed.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "{fault:?}: consumed more than once: {twice:?}");
     let missing: Vec<_> =
