@@ -24,6 +24,7 @@ use petrel_client::{Cluster, ClusterOptions, Message, PollOptions, QueueConfig};
 
 const SERVERS: usize = 3;
 const BATCH: usize = 10;
+const PRODUCERS: usize = 2;
 const PORT: u16 = 7411;
 
 /// Where the servers live: namespaces on a bridge, or loopback addresses.
@@ -219,37 +220,45 @@ async fn run_case(fault: Fault) {
 
     let produced = Arc::new(Mutex::new(Produced::default()));
     let producing = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let producer = {
-        let (cluster, produced, producing) = (cluster.clone(), Arc::clone(&produced), Arc::clone(&producing));
-        tokio::spawn(async move {
-            let start = Instant::now();
-            let mut n = 0u64;
-            while start.elapsed() < Duration::from_secs(4) {
-                let keys: Vec<String> = (0..BATCH).map(|i| format!("m{}", n + i as u64)).collect();
-                n += BATCH as u64;
-                let batch: Vec<Message> = keys
-                    .iter()
-                    .map(|k| Message { idempotency_key: k.clone(), ..Message::new(k.clone().into_bytes()) })
-                    .collect();
-                produced.lock().unwrap().attempted.extend(keys.iter().cloned());
-                let began = Instant::now();
-                loop {
-                    match cluster.offer("jobs", batch.clone(), None).await {
-                        Ok(_) => break,
-                        Err(e) => {
-                            // Every server failed: a producer tries again, with the same keys.
-                            eprintln!("offer failed, trying again: {e}");
-                            produced.lock().unwrap().failed_requests += 1;
-                            tokio::time::sleep(Duration::from_millis(20)).await;
+    // Producers that offer back to back, so that the fault meets offers in flight.
+    let producers: Vec<_> = (0..PRODUCERS)
+        .map(|id| {
+            let (cluster, produced) = (cluster.clone(), Arc::clone(&produced));
+            tokio::spawn(async move {
+                let start = Instant::now();
+                let mut n = 0u64;
+                while start.elapsed() < Duration::from_secs(4) {
+                    let keys: Vec<String> = (0..BATCH).map(|i| format!("p{id}m{}", n + i as u64)).collect();
+                    n += BATCH as u64;
+                    let batch: Vec<Message> = keys
+                        .iter()
+                        .map(|k| Message { idempotency_key: k.clone(), ..Message::new(k.clone().into_bytes()) })
+                        .collect();
+                    produced.lock().unwrap().attempted.extend(keys.iter().cloned());
+                    let began = Instant::now();
+                    loop {
+                        match cluster.offer("jobs", batch.clone(), None).await {
+                            Ok(_) => break,
+                            Err(e) => {
+                                // Every server failed: a producer tries again, with the same keys.
+                                eprintln!("offer failed, trying again: {e}");
+                                produced.lock().unwrap().failed_requests += 1;
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
                         }
                     }
-                }
-                {
                     let mut p = produced.lock().unwrap();
                     p.slowest = p.slowest.max(began.elapsed());
                     p.acknowledged.extend(keys);
                 }
-                tokio::time::sleep(Duration::from_millis(3)).await;
+            })
+        })
+        .collect();
+    let producer = {
+        let producing = Arc::clone(&producing);
+        tokio::spawn(async move {
+            for p in producers {
+                p.await.unwrap();
             }
             producing.store(false, Ordering::Release);
         })
@@ -345,7 +354,7 @@ async fn run_case(fault: Fault) {
     assert!(stats.servers[1].failures >= 1, "{fault:?}: the failed server was never marked down");
     assert!(stats.servers.iter().all(|s| s.up), "{fault:?}: a server is still down: {:?}", stats.servers);
     eprintln!(
-        "cluster {fault:?} ({}): {} offered in batches of {BATCH}, {} consumed once, {} whose ack was lost, \
+        "cluster {fault:?} ({}): {} offered in batches of {BATCH} by {PRODUCERS} producers, {} consumed once, {} whose ack was lost, \
          offers retried on another server {}, copies dropped {}, failed requests at the caller {}, \
          slowest offer {:?} (fault lasted {:?})",
         if net.can_cut() { "namespaces" } else { "loopback addresses" },
