@@ -52,7 +52,8 @@ pub struct QueueBench {
     /// Publish: subscribers, each on its own connection.
     #[arg(long, default_value_t = 1)]
     pub(crate) subscribers: usize,
-    /// A running server; without it, one is started in this process.
+    /// A running server; without it, one is started in this process. A comma list (A,B,C) is a
+    /// cluster, driven through the cluster client (`A,` is a cluster of one).
     #[arg(long)]
     pub(crate) server: Option<String>,
     /// Data directory for the in-process server.
@@ -106,7 +107,7 @@ pub struct QueueBench {
 }
 
 impl QueueBench {
-    fn client_options(&self) -> petrel_client::ClientOptions {
+    pub(crate) fn client_options(&self) -> petrel_client::ClientOptions {
         let password = self.user.as_ref().map(|_| std::env::var("PETREL_PASSWORD").unwrap_or_default());
         let tls = self.tls_ca.as_ref().map(|ca| petrel_client::TlsOptions { ca: ca.clone(), ..Default::default() });
         petrel_client::ClientOptions {
@@ -248,7 +249,12 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 (addr, Some((dir, stop, task)))
             }
         };
+        let cluster: Vec<&str> = addr.split(',').filter(|a| !a.is_empty()).collect();
         let result = match args.protocol {
+            Protocol::Native if addr.contains(',') => match args.mode {
+                Mode::Offer | Mode::Poll | Mode::OfferPoll => crate::bench_cluster::bench(&args, &cluster).await,
+                _ => Err("a cluster (--server A,B,C) is measured with --mode offer, poll or offer-poll".into()),
+            },
             Protocol::Native if matches!(args.mode, Mode::Publish | Mode::Call) => {
                 crate::bench_pubsub::bench(&args, &addr).await
             }

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_cluster;
 mod bench_memcache;
 mod bench_pubsub;
 mod bench_queue;
@@ -20,6 +21,7 @@ mod progress;
 mod pubsub_cmd;
 mod server_cmd;
 mod stat_cmd;
+mod target;
 mod user_cmd;
 
 use std::path::PathBuf;

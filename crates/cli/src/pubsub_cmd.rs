@@ -8,6 +8,7 @@ use clap::Subcommand;
 use petrel_client::{Message, StartFrom};
 
 use crate::server_cmd::ServerArg;
+use crate::target::Target;
 
 type Res = Result<ExitCode, Box<dyn std::error::Error>>;
 
@@ -66,15 +67,15 @@ pub enum TopicCommand {
 
 pub fn topic(cmd: TopicCommand) -> Res {
     match cmd {
-        TopicCommand::Create { name, server, durable } => server.connect()?.create_topic(&name, durable)?,
+        TopicCommand::Create { name, server, durable } => server.target()?.create_topic(&name, durable)?,
         TopicCommand::List { server } => {
-            for name in server.connect()?.list_topics()? {
+            for name in server.target()?.list_topics()? {
                 println!("{name}");
             }
         }
-        TopicCommand::Remove { name, server } => server.connect()?.remove_topic(&name)?,
+        TopicCommand::Remove { name, server } => server.target()?.remove_topic(&name)?,
         TopicCommand::Publish { name, server } => {
-            let client = server.connect()?;
+            let client = server.target()?;
             let mut input = crate::lines::StdinLines::new(1024);
             let (mut lines, mut sent) = (Vec::new(), 0u64);
             // How many subscribers the messages reached: the fewest and the most of any batch.
@@ -106,6 +107,20 @@ pub fn topic(cmd: TopicCommand) -> Res {
             // A server that goes away is waited for: a group resumes where it stands (what was
             // printed and not acknowledged comes again: at least once); a live subscription
             // misses what was published meanwhile.
+            if server.is_cluster() {
+                if group.is_some() {
+                    return Err("--group reads one server's durable topic: give one --server".into());
+                }
+                // Every server's messages, each server subscribed again when it comes back.
+                let Target::Many(cluster) = server.target()? else { unreachable!("a list is a cluster") };
+                let mut subscription = cluster.subscribe(&name, buffer)?;
+                while left > 0 {
+                    let Some(m) = subscription.next() else { break };
+                    print_message(&mut out, &m?, json)?;
+                    left -= 1;
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
             let follower = server.follower()?;
             let mut subscription = match &group {
                 Some(g) => follower.subscribe_group(&name, g, from.unwrap_or_default(), buffer)?,
@@ -114,13 +129,7 @@ pub fn topic(cmd: TopicCommand) -> Res {
             while left > 0 {
                 let Some(m) = subscription.next() else { break };
                 let m = m?;
-                if json {
-                    writeln!(out, "{}", crate::output::message_json(&m))?;
-                } else {
-                    out.write_all(&m.payload)?;
-                    out.write_all(b"\n")?;
-                }
-                out.flush()?;
+                print_message(&mut out, &m, json)?;
                 left -= 1;
                 if group.is_some() {
                     subscription.ack(&[m.id])?;
@@ -129,6 +138,17 @@ pub fn topic(cmd: TopicCommand) -> Res {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints a message's payload as a line, or the whole message as JSON.
+fn print_message(out: &mut impl Write, m: &Message, json: bool) -> io::Result<()> {
+    if json {
+        writeln!(out, "{}", crate::output::message_json(m))?;
+    } else {
+        out.write_all(&m.payload)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()
 }
 
 fn parse_from(text: &str) -> Result<StartFrom, String> {
@@ -173,7 +193,7 @@ pub fn call(args: CallArgs) -> Res {
             buf
         }
     };
-    let client = args.server.connect()?;
+    let client = args.server.target()?;
     if args.oneway {
         client.call_oneway(&args.function, Message::new(payload))?;
         return Ok(ExitCode::SUCCESS);
@@ -211,7 +231,8 @@ pub struct ReplyArgs {
 pub fn reply(args: ReplyArgs) -> Res {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
-        let client = petrel_client::Client::connect_with(&args.server.server, &args.server.options()?).await?;
+        // On every server listed, and again on one that comes back after a loss.
+        let client = petrel_client::Cluster::connect(&args.server.servers(), args.server.cluster_options()?).await?;
         let answered = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
         let (exec, text, done) = (args.exec.clone(), args.text.clone(), std::sync::Arc::clone(&answered));
         client
@@ -239,7 +260,7 @@ pub fn reply(args: ReplyArgs) -> Res {
             _ = served => tokio::time::sleep(Duration::from_millis(100)).await, // the last reply goes out
             _ = tokio::signal::ctrl_c() => {}
         }
-        client.close();
+        drop(client);
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
     Ok(ExitCode::SUCCESS)

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::target::{Handle, Taken, Target};
 use clap::{Args, Subcommand};
 use petrel_client::blocking::{Client, Follower};
 use petrel_client::{
@@ -152,7 +153,8 @@ async fn shutdown_signal() {
 /// `PETREL_PASSWORD`, never from the command line (which other users can see).
 #[derive(Args)]
 pub struct ServerArg {
-    /// Server address.
+    /// Server address; a comma list (A,B,C) is a cluster of independent servers: offers go to
+    /// each in turn, reads take from all of them.
     #[arg(long, default_value = DEFAULT_NATIVE_ADDR)]
     pub server: String,
     /// Authenticate as this user (password from $PETREL_PASSWORD).
@@ -189,7 +191,35 @@ impl ServerArg {
 
     /// A blocking client connected (and authenticated) as these flags say.
     pub fn connect(&self) -> Result<Client, Box<dyn std::error::Error>> {
+        if self.is_cluster() {
+            return Err(format!("--server {}: this command takes one server", self.server).into());
+        }
         Ok(Client::connect_with(&self.server, &self.options()?)?)
+    }
+
+    /// `--server` lists more than one server.
+    pub fn is_cluster(&self) -> bool {
+        self.server.contains(',')
+    }
+
+    /// The server, or the cluster `--server` lists.
+    pub fn target(&self) -> Result<Target, Box<dyn std::error::Error>> {
+        if !self.is_cluster() {
+            return Ok(Target::One(self.connect()?));
+        }
+        Ok(Target::Many(petrel_client::blocking::Cluster::connect(&self.servers(), self.cluster_options()?)?))
+    }
+
+    /// The addresses `--server` lists.
+    pub fn servers(&self) -> Vec<&str> {
+        self.server.split(',').collect()
+    }
+
+    /// The cluster client's defaults with these flags' TLS and credentials.
+    pub fn cluster_options(&self) -> Result<petrel_client::ClusterOptions, String> {
+        let defaults = petrel_client::ClusterOptions::default();
+        let client = ClientOptions { connect_timeout: defaults.client.connect_timeout, ..self.options()? };
+        Ok(petrel_client::ClusterOptions { client, ..defaults })
     }
 
     /// A connection for reading that comes back when the server does: each loss and return is
@@ -238,14 +268,24 @@ pub struct ProduceArgs {
 /// Offers each stdin line as a message; lines already waiting go as one batch. A bounded queue
 /// takes what fits; the rest waits for room (up to --timeout) as consumers take messages.
 pub fn produce(args: ProduceArgs) -> Res {
-    let client = args.server.connect()?;
+    let client = args.server.target()?;
     if args.durable {
-        match client.queue_status(&args.queue) {
-            Ok(s) if !s.config.durable => {
-                return Err(format!("queue {} exists in memory: --durable cannot make it durable", args.queue).into());
+        let statuses = match &client {
+            Target::One(c) => vec![c.queue_status(&args.queue)],
+            Target::Many(c) => c.queue_status(&args.queue).into_iter().map(|(_, s)| s).collect(),
+        };
+        for status in statuses {
+            match status {
+                Ok(s) if !s.config.durable => {
+                    return Err(
+                        format!("queue {} exists in memory: --durable cannot make it durable", args.queue).into()
+                    );
+                }
+                Ok(_) | Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {}
+                // A cluster's server that is down now: it is tried again as the offers go.
+                Err(ClientError::Unavailable(_)) => {}
+                Err(e) => return Err(e.into()),
             }
-            Ok(_) | Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {}
-            Err(e) => return Err(e.into()),
         }
     }
     let delay_ms = match args.delay {
@@ -294,7 +334,7 @@ pub fn produce(args: ProduceArgs) -> Res {
 
 /// Offers `batch`: as one request, or, if the queue can never hold so many at once, one message
 /// at a time.
-fn offer_all(client: &Client, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
+fn offer_all(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
     match offer_waiting(client, args, batch.clone()) {
         Err(ClientError::Status { status: Status::TooLarge, .. }) if batch.len() > 1 => {
             batch.into_iter().try_for_each(|m| offer_waiting(client, args, vec![m]))
@@ -304,7 +344,7 @@ fn offer_all(client: &Client, args: &ProduceArgs, batch: Vec<Message>) -> Result
 }
 
 /// Offers `batch`; if the queue is full, says so on stderr and waits up to --timeout for room.
-fn offer_waiting(client: &Client, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
+fn offer_waiting(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
     match client.offer(&args.queue, batch.clone(), None) {
         Err(ClientError::Status { status: Status::QueueFull, .. }) => {
             eprintln!(
@@ -312,9 +352,9 @@ fn offer_waiting(client: &Client, args: &ProduceArgs, batch: Vec<Message>) -> Re
                 args.queue,
                 humantime::format_duration(args.timeout)
             );
-            client.offer(&args.queue, batch, Some(args.timeout)).map(|_| ())
+            client.offer(&args.queue, batch, Some(args.timeout))
         }
-        other => other.map(|_| ()),
+        other => other,
     }
 }
 
@@ -342,10 +382,13 @@ pub struct ConsumeArgs {
 pub fn consume(args: ConsumeArgs) -> Res {
     // Following, a lost server is waited for (what the lost connection had taken tentatively
     // went back to the queue, so polling again elsewhere loses nothing); otherwise it ends.
-    let mut reader = match args.follow {
+    // A cluster follows on its own: a server that goes away is tried again in the background
+    // while the others are read.
+    let mut reader = match args.follow && !args.server.is_cluster() {
         true => Reader::Following(Box::new(args.server.follower()?)),
-        false => Reader::Once(args.server.connect()?),
+        false => Reader::Once(args.server.target()?),
     };
+    let mut unavailable = false;
     let mut left = args.count.unwrap_or(u64::MAX);
     let stdout = io::stdout();
     let mut out = stdout.lock();
@@ -355,7 +398,18 @@ pub fn consume(args: ConsumeArgs) -> Res {
             timeout: if args.follow { Duration::from_secs(1) } else { Duration::ZERO },
             visibility: args.ack.then_some(Duration::from_secs(60)),
         };
-        let deliveries = reader.poll(&args.queue, options)?;
+        let deliveries = match reader.poll(&args.queue, options) {
+            Err(ClientError::Unavailable(why)) if args.follow => {
+                if !std::mem::replace(&mut unavailable, true) {
+                    eprintln!("petrel: no server available ({why}); waiting");
+                }
+                continue;
+            }
+            other => other?,
+        };
+        if std::mem::replace(&mut unavailable, false) {
+            eprintln!("petrel: a server is back");
+        }
         if deliveries.is_empty() {
             if args.follow {
                 continue;
@@ -372,7 +426,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
         }
         out.flush()?;
         if args.ack {
-            let handles: Vec<u64> = deliveries.iter().map(|d| d.handle).collect();
+            let handles: Vec<Handle> = deliveries.iter().map(|d| d.handle).collect();
             reader.ack(&args.queue, &handles)?;
         }
         left -= deliveries.len() as u64;
@@ -380,24 +434,33 @@ pub fn consume(args: ConsumeArgs) -> Res {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `consume`'s connection: one that ends with the server, or one that follows it.
+/// `consume`'s connection: one that ends with the server (or a cluster), or one that follows
+/// its server.
 enum Reader {
-    Once(Client),
+    Once(Target),
     Following(Box<Follower>),
 }
 
 impl Reader {
-    fn poll(&mut self, queue: &str, options: PollOptions) -> Result<Vec<petrel_client::Delivery>, ClientError> {
+    fn poll(&mut self, queue: &str, options: PollOptions) -> Result<Vec<Taken>, ClientError> {
         match self {
-            Reader::Once(client) => client.poll(queue, options),
-            Reader::Following(follower) => follower.poll(queue, options),
+            Reader::Once(target) => target.poll(queue, options),
+            Reader::Following(follower) => Ok(follower
+                .poll(queue, options)?
+                .into_iter()
+                .map(|d| Taken { handle: Handle::One(d.handle), message: d.message })
+                .collect()),
         }
     }
 
-    fn ack(&mut self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
+    fn ack(&mut self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
         match self {
-            Reader::Once(client) => client.ack(queue, handles),
-            Reader::Following(follower) => follower.ack(queue, handles),
+            Reader::Once(target) => target.ack(queue, handles),
+            Reader::Following(follower) => {
+                let ids: Vec<u64> =
+                    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect();
+                follower.ack(queue, &ids)
+            }
         }
     }
 }
@@ -512,16 +575,16 @@ pub fn queue(cmd: QueueCommand) -> Res {
                 redelivery_delay_ms,
                 redelivery_delay_max_ms,
             };
-            server.connect()?.create_queue(&name, config)?;
+            server.target()?.create_queue(&name, config)?;
         }
         QueueCommand::List { server } => {
-            for name in server.connect()?.list_queues()? {
+            for name in server.target()?.list_queues()? {
                 println!("{name}");
             }
         }
-        QueueCommand::Remove { name, server } => server.connect()?.remove_queue(&name)?,
+        QueueCommand::Remove { name, server } => server.target()?.remove_queue(&name)?,
         QueueCommand::Status { name, server } => {
-            let s = server.connect()?.queue_status(&name)?;
+            let s = server.target()?.queue_status(&name)?;
             println!("{}", serde_json::to_string_pretty(&s)?);
         }
     }

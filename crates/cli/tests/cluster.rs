@@ -389,3 +389,78 @@ async fn a_stopped_server_is_routed_around_and_its_messages_consumed_after() {
 async fn a_cut_off_server_is_routed_around_and_its_messages_consumed_after() {
     run_case(Fault::Cut).await;
 }
+
+/// `--server A,B,C` on the client commands: a queue made on every server, lines offered across
+/// them and all consumed, figures per server; a topic subscribed on all; a function served on all.
+#[test]
+fn client_commands_take_a_list_of_servers() {
+    use common::{Server, petrel};
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..3).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    let list = servers.iter().map(|s| s.addr.as_str()).collect::<Vec<_>>().join(",");
+    let run = |args: &[&str], stdin: &[u8]| {
+        let out = petrel(&[args, &["--server", &list]].concat(), stdin);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    run(&["queue", "create", "jobs", "--durable"], b"");
+    assert_eq!(run(&["queue", "list"], b""), "jobs\n");
+    // Many producers (one command each) spread over the servers.
+    let mut lines = Vec::new();
+    for p in 0..12 {
+        let input: String = (0..25).map(|i| format!("p{p}-{i}\n")).collect();
+        run(&["produce", "jobs"], input.as_bytes());
+        lines.extend(input.lines().map(str::to_owned));
+    }
+    let status: serde_json::Value = serde_json::from_str(&run(&["queue", "status", "jobs"], b"")).unwrap();
+    let items: Vec<u64> = servers.iter().map(|s| status[&s.addr]["items"].as_u64().unwrap()).collect();
+    assert_eq!(items.iter().sum::<u64>(), 300, "{status}");
+    assert!(
+        items.iter().filter(|&&n| n > 0).count() >= 2,
+        "offers from 12 producers all went to one server: {items:?}"
+    );
+    let mut consumed: Vec<String> = run(&["consume", "jobs", "--ack"], b"").lines().map(str::to_owned).collect();
+    consumed.sort();
+    lines.sort();
+    assert_eq!(consumed, lines);
+
+    // A topic: one subscriber on every server sees what is published to any of them.
+    run(&["topic", "create", "news"], b"");
+    let subscriber = std::process::Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["topic", "subscribe", "news", "--count", "3", "--server", &list])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = subscriber.id();
+    let reader = std::thread::spawn(move || subscriber.wait_with_output().unwrap());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Published until it has three (it may subscribe after the first ones).
+    while !reader.is_finished() {
+        assert!(Instant::now() < deadline, "the cluster subscriber (pid {pid}) got fewer than 3 messages");
+        run(&["topic", "publish", "news"], b"hello\n");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = reader.join().unwrap();
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), "hello\nhello\nhello\n");
+
+    // A function served on every server answers a call made to any.
+    let mut replier = std::process::Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["reply", "ping", "--text", "pong", "--count", "5", "--server", &list])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut answered = 0;
+    while answered < 5 {
+        assert!(Instant::now() < deadline, "calls through the cluster were not answered");
+        let out = petrel(&["call", "ping", "--data", "x", "--server", &list], b"");
+        if out.status.success() {
+            assert_eq!(String::from_utf8_lossy(&out.stdout), "pong\n");
+            answered += 1;
+        } else {
+            std::thread::sleep(Duration::from_millis(50)); // not served yet
+        }
+    }
+    assert!(replier.wait().unwrap().success());
+}

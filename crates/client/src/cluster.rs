@@ -145,6 +145,17 @@ struct Shared {
     copies_dropped: AtomicU64,
 }
 
+impl Drop for Shared {
+    /// The last handle is gone: close every connection (functions served on them stop).
+    fn drop(&mut self) {
+        for m in &self.members {
+            if let Some(client) = lock(&m.link).client.take() {
+                client.close();
+            }
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -334,6 +345,12 @@ impl Shared {
     }
 }
 
+/// A number that differs from one client to the next (std's per-process random hash keys).
+fn random_start() -> usize {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish() as usize
+}
+
 /// The servers' ranking for `key`: each server's score is a hash of the key seeded by its
 /// address (xxh3, the same in every process and version, so producers agree on where a key goes).
 fn rendezvous_score(key: &[u8], addr: &str) -> u64 {
@@ -518,7 +535,9 @@ impl Cluster {
         let shared = Arc::new(Shared {
             members,
             options,
-            next: AtomicUsize::new(0),
+            // Each client starts its turn at a server of its own, so that many short-lived
+            // producers (one command each) spread their offers too.
+            next: AtomicUsize::new(random_start()),
             changed: Notify::new(),
             parked: Mutex::default(),
             seen: Mutex::default(),
@@ -817,6 +836,14 @@ impl Cluster {
             (_, Response::Reply { message }) => Ok(*message),
             (_, other) => Err(crate::unexpected(other)),
         }
+    }
+
+    /// Calls `function` without waiting for its reply: done once a server that serves it has
+    /// the call (passed on as `call` is).
+    pub async fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
+        let request = Request::Call { function: function.into(), timeout_ms: 0, oneway: true, message };
+        let not_here = |e: &ClientError| e.status() == Some(Status::FunctionNotFound);
+        self.shared.first_answer(&self.shared.order(None), &request, Duration::ZERO, not_here).await.map(|_| ())
     }
 
     /// Serves `function` on every server, and again on each one that comes back after a loss.

@@ -1069,6 +1069,9 @@ pub mod blocking {
         ) -> Result<Message, ClientError> {
             self.rt.block_on(self.inner.call(function, message, timeout))
         }
+        pub fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
+            self.rt.block_on(self.inner.call_oneway(function, message))
+        }
     }
 
     /// A blocking [`super::ClusterSubscription`].

@@ -1,0 +1,126 @@
+//! What a client command talks to: one server, or a cluster when `--server` lists several
+//! (`A,B,C`). The commands use this one surface; a cluster spreads offers, takes from every
+//! server, and routes acknowledgements to where each message came from.
+
+use std::time::Duration;
+
+use petrel_client::blocking::{Client, Cluster};
+use petrel_client::{ClientError, ClusterHandle, Message, PollOptions, QueueConfig};
+
+pub enum Target {
+    One(Client),
+    Many(Cluster),
+}
+
+/// Where a message taken tentatively is acknowledged.
+#[derive(Clone, Copy, Debug)]
+pub enum Handle {
+    One(u64),
+    Many(ClusterHandle),
+}
+
+pub struct Taken {
+    pub handle: Handle,
+    pub message: Message,
+}
+
+/// The same call on either kind of target (the two have methods of the same names and types).
+macro_rules! on_either {
+    ($target:expr, $c:ident => $call:expr) => {
+        match $target {
+            Target::One($c) => $call,
+            Target::Many($c) => $call,
+        }
+    };
+}
+
+impl Target {
+    pub fn offer(&self, queue: &str, messages: Vec<Message>, timeout: Option<Duration>) -> Result<(), ClientError> {
+        on_either!(self, c => c.offer(queue, messages, timeout).map(|_| ()))
+    }
+
+    pub fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<Taken>, ClientError> {
+        Ok(match self {
+            Target::One(c) => c
+                .poll(queue, options)?
+                .into_iter()
+                .map(|d| Taken { handle: Handle::One(d.handle), message: d.message })
+                .collect(),
+            Target::Many(c) => c
+                .poll(queue, options)?
+                .into_iter()
+                .map(|d| Taken { handle: Handle::Many(d.handle), message: d.message })
+                .collect(),
+        })
+    }
+
+    pub fn ack(&self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
+        match self {
+            Target::One(c) => {
+                let ids: Vec<u64> =
+                    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect();
+                c.ack(queue, &ids)
+            }
+            Target::Many(c) => {
+                let ids: Vec<ClusterHandle> =
+                    handles.iter().filter_map(|h| if let Handle::Many(id) = h { Some(*id) } else { None }).collect();
+                c.ack(queue, &ids)
+            }
+        }
+    }
+
+    pub fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
+        on_either!(self, c => c.create_queue(name, config))
+    }
+
+    pub fn remove_queue(&self, name: &str) -> Result<(), ClientError> {
+        on_either!(self, c => c.remove_queue(name))
+    }
+
+    pub fn list_queues(&self) -> Result<Vec<String>, ClientError> {
+        on_either!(self, c => c.list_queues())
+    }
+
+    /// The queue's figures as JSON: one server's, or an object of each server's (an error
+    /// as `{"error": …}`).
+    pub fn queue_status(&self, name: &str) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+        Ok(match self {
+            Target::One(c) => serde_json::to_value(c.queue_status(name)?)?,
+            Target::Many(c) => {
+                let mut each = serde_json::Map::new();
+                for (addr, stats) in c.queue_status(name) {
+                    let value = match stats {
+                        Ok(s) => serde_json::to_value(s)?,
+                        Err(e) => serde_json::json!({ "error": e.to_string() }),
+                    };
+                    each.insert(addr, value);
+                }
+                serde_json::Value::Object(each)
+            }
+        })
+    }
+
+    pub fn create_topic(&self, name: &str, durable: bool) -> Result<(), ClientError> {
+        on_either!(self, c => c.create_topic(name, durable))
+    }
+
+    pub fn remove_topic(&self, name: &str) -> Result<(), ClientError> {
+        on_either!(self, c => c.remove_topic(name))
+    }
+
+    pub fn list_topics(&self) -> Result<Vec<String>, ClientError> {
+        on_either!(self, c => c.list_topics())
+    }
+
+    pub fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
+        on_either!(self, c => c.publish(topic, messages))
+    }
+
+    pub fn call(&self, function: &str, message: Message, timeout: Option<Duration>) -> Result<Message, ClientError> {
+        on_either!(self, c => c.call(function, message, timeout))
+    }
+
+    pub fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
+        on_either!(self, c => c.call_oneway(function, message))
+    }
+}
