@@ -34,7 +34,7 @@ pub async fn bench(args: &QueueBench, servers: &[&str]) -> Result<Outcome, Box<d
     let offering = |i: usize| match args.mode {
         Mode::Offer => true,
         Mode::Poll => false,
-        Mode::OfferPoll => i % 2 == 0 || args.connections == 1,
+        Mode::OfferPoll => i.is_multiple_of(2) || args.connections == 1,
         _ => unreachable!("run() sends only queue modes here"),
     };
     let offerers = (0..args.connections).filter(|&i| offering(i)).count() as u64;
