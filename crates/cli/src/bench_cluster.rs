@@ -53,17 +53,25 @@ pub async fn bench(args: &QueueBench, servers: &[&str]) -> Result<Outcome, Box<d
             let mut in_flight = FuturesUnordered::new();
             let (mut sent, mut stop) = (0u64, false);
             loop {
-                while !stop && in_flight.len() < pipeline && (!offers || sent < share) {
+                // Offers go out in bursts of half the pipeline, two bursts in flight, as the
+                // single-server run sends them (`Cluster::offer_pipelined`).
+                let burst = if offers { pipeline.div_ceil(2) } else { 1 };
+                while !stop && in_flight.len() * burst < pipeline && (!offers || sent < share) {
                     let (c, queue) = (cluster.clone(), queue.clone());
-                    let n = (share - sent.min(share)).min(batch as u64);
-                    sent += n;
-                    let messages: Vec<Message> =
-                        if offers { (0..n).map(|_| Message::new(payload.clone())).collect() } else { Vec::new() };
+                    let mut batches = Vec::new();
+                    while offers && batches.len() < burst && sent < share {
+                        let n = (share - sent).min(batch as u64);
+                        sent += n;
+                        batches.push((0..n).map(|_| Message::new(payload.clone())).collect::<Vec<_>>());
+                    }
                     in_flight.push(async move {
                         let t = Instant::now();
                         let done = if offers {
-                            c.offer(&queue, messages, Some(Duration::from_secs(60))).await?;
-                            n
+                            let offered: u64 = batches.iter().map(|b| b.len() as u64).sum();
+                            for r in c.offer_pipelined(&queue, batches).await {
+                                r?;
+                            }
+                            offered
                         } else {
                             let visibility = tentative.then_some(Duration::from_secs(60));
                             let options =
@@ -75,12 +83,12 @@ pub async fn bench(args: &QueueBench, servers: &[&str]) -> Result<Outcome, Box<d
                             }
                             got.len() as u64
                         };
-                        Ok::<_, petrel_client::ClientError>((t.elapsed(), done))
+                        Ok::<_, petrel_client::ClientError>((t.elapsed(), done, burst as u64))
                     });
                 }
                 let Some(result) = in_flight.next().await else { break };
-                let (latency, done) = result?;
-                let _ = hist.record(latency.as_micros().max(1) as u64);
+                let (latency, done, requests) = result?;
+                let _ = hist.record_n(latency.as_micros().max(1) as u64, requests);
                 if !offers || !tentative {
                     bar.inc(done);
                 }

@@ -250,6 +250,7 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
             }
         };
         let cluster: Vec<&str> = addr.split(',').filter(|a| !a.is_empty()).collect();
+        let cpu_before = process_cpu_secs();
         let result = match args.protocol {
             Protocol::Native if addr.contains(',') => match args.mode {
                 Mode::Offer | Mode::Poll | Mode::OfferPoll => crate::bench_cluster::bench(&args, &cluster).await,
@@ -262,6 +263,8 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
             Protocol::Native => bench(&args, &addr).await,
             Protocol::Memcache => crate::bench_memcache::bench(&args, &addr).await,
         };
+        // This process's CPU per message: the client's own cost when the server runs elsewhere.
+        let client_cpu_us = (process_cpu_secs() - cpu_before) * 1e6;
         if let Some((dir, stop, task)) = local {
             let _ = stop.send(());
             let _ = task.await;
@@ -273,6 +276,10 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
             args.mode, result.messages, args.payload_bytes, args.connections, args.protocol, args.pipeline, args.batch,
             result.msgs_per_sec, result.mb_per_sec, result.p50_us, result.p99_us, result.p999_us
         );
+        let client_cpu_us_per_msg = client_cpu_us / result.messages.max(1) as f64;
+        if args.server.is_some() {
+            println!("client CPU {client_cpu_us_per_msg:.2} µs per message (user + system, all its threads)");
+        }
         if args.protocol == Protocol::Memcache {
             println!("{} requests ({:.0} per second), {} gets answered with an item", result.requests, result.requests as f64 / result.secs, result.hits);
         }
@@ -297,6 +304,7 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 "latency_p50_us": result.p50_us,
                 "latency_p99_us": result.p99_us,
                 "latency_p999_us": result.p999_us,
+                "client_cpu_us_per_msg": if args.server.is_some() { Some(client_cpu_us_per_msg) } else { None },
             }));
         }
         Ok::<_, Box<dyn std::error::Error>>(ExitCode::SUCCESS)
@@ -497,4 +505,10 @@ async fn fill(args: &QueueBench, client: &Client, payload: &bytes::Bytes) -> Res
         sent += n;
     }
     Ok(())
+}
+
+/// CPU time this process has used, all threads, user and system, in seconds.
+fn process_cpu_secs() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
 }

@@ -237,8 +237,20 @@ async fn run_case(fault: Fault) {
                     produced.lock().unwrap().attempted.extend(keys.iter().cloned());
                     let began = Instant::now();
                     loop {
-                        match cluster.offer("jobs", batch.clone(), None).await {
-                            Ok(_) => break,
+                        // One producer offers each batch whole, the other as two pipelined halves.
+                        let offered = if id == 0 {
+                            cluster.offer("jobs", batch.clone(), None).await.map(|_| ())
+                        } else {
+                            let halves = vec![batch[..BATCH / 2].to_vec(), batch[BATCH / 2..].to_vec()];
+                            cluster
+                                .offer_pipelined("jobs", halves)
+                                .await
+                                .into_iter()
+                                .collect::<Result<Vec<_>, _>>()
+                                .map(|_| ())
+                        };
+                        match offered {
+                            Ok(()) => break,
                             Err(e) => {
                                 // Every server failed: a producer tries again, with the same keys.
                                 eprintln!("offer failed, trying again: {e}");

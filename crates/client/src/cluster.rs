@@ -130,7 +130,34 @@ struct Member {
 struct Parked {
     arrived: VecDeque<ClusterDelivery>,
     waiting: HashSet<usize>,
+    /// Callers of `poll` waiting for arrivals.
+    callers: usize,
 }
+
+/// Counts a caller of `poll` among those waiting for `key`'s arrivals while it lives (also when
+/// the caller's future is dropped).
+struct WaitingCaller<'a> {
+    shared: &'a Shared,
+    key: &'a (String, u32),
+}
+
+impl<'a> WaitingCaller<'a> {
+    fn new(shared: &'a Shared, key: &'a (String, u32)) -> Self {
+        lock(&shared.parked).entry(key.clone()).or_default().callers += 1;
+        WaitingCaller { shared, key }
+    }
+}
+
+impl Drop for WaitingCaller<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = lock(&self.shared.parked).get_mut(self.key) {
+            p.callers -= 1;
+        }
+    }
+}
+
+/// Most messages one waiting poll asks a server for (it asks for what its callers want).
+const MAX_PARKED: u32 = 1024;
 
 struct Shared {
     members: Vec<Member>,
@@ -288,7 +315,7 @@ impl Shared {
                 return Err(e);
             }
             // None was up, or every one was lost on the way: wait a moment for one, once.
-            if attempt == 0 && !self.wait_for_any().await {
+            if attempt == 0 && !Box::pin(self.wait_for_any()).await {
                 break;
             }
         }
@@ -592,6 +619,53 @@ impl Cluster {
         self.offer_to(None, queue, messages, timeout).await
     }
 
+    /// Many offers at once, all to the next server in turn, sent together as `Client::pipeline`
+    /// sends them (the next call's go to the next server: spreading by the burst keeps each
+    /// server's requests in few writes). An offer that fails before its answer, or finds its
+    /// queue full, is then made again as `offer` makes it. One result per offer, in order.
+    pub async fn offer_pipelined(&self, queue: &str, offers: Vec<Vec<Message>>) -> Vec<Result<Offered, ClientError>> {
+        let shared = &self.shared;
+        let mut results: Vec<Option<Result<Offered, ClientError>>> = (0..offers.len()).map(|_| None).collect();
+        let requests: Vec<Request> = offers
+            .into_iter()
+            .map(|messages| Request::Offer { queue: queue.into(), timeout_ms: 0, messages })
+            .collect();
+        let mut again = Vec::new();
+        match shared.order(None).into_iter().find_map(|i| shared.current(i).map(|(c, n)| (i, c, n))) {
+            None => again = requests.into_iter().enumerate().collect(),
+            Some((server, client, connection)) => {
+                let answers = match shared
+                    .on(server, connection, Duration::ZERO, async { Ok(client.pipeline(&requests).await) })
+                    .await
+                {
+                    Ok(answers) => answers,
+                    Err(_) => requests.iter().map(|_| Err(ClientError::Closed)).collect(),
+                };
+                for (k, (request, answer)) in requests.into_iter().zip(answers).enumerate() {
+                    match answer {
+                        Ok(Response::Offered { first_id, .. }) => results[k] = Some(Ok(Offered { server, first_id })),
+                        Ok(Response::Error { status: Status::QueueFull, .. }) => again.push((k, request)),
+                        Ok(Response::Error { status, message }) => {
+                            results[k] = Some(Err(ClientError::Status { status, message }))
+                        }
+                        Ok(other) => results[k] = Some(Err(crate::unexpected(other))),
+                        Err(e) if e.is_connection_lost() => {
+                            shared.mark_down(server, connection, &e);
+                            shared.offers_retried.fetch_add(1, Ordering::Relaxed);
+                            again.push((k, request));
+                        }
+                        Err(e) => results[k] = Some(Err(e)),
+                    }
+                }
+            }
+        }
+        for (k, request) in again {
+            let Request::Offer { messages, .. } = request else { unreachable!("offers only") };
+            results[k] = Some(self.offer_to(None, queue, messages, None).await);
+        }
+        results.into_iter().map(|r| r.expect("every offer answered")).collect()
+    }
+
     /// `offer` to the server `key` ranks first among those up (rendezvous hashing): one key's
     /// messages stay in order on one server while it is up.
     pub async fn offer_by_key(
@@ -627,7 +701,7 @@ impl Cluster {
                 // All full: wait for room on one of them (the first in the order that is up).
                 let wait = timeout.unwrap_or_default();
                 set_offer_timeout(&mut request, wait);
-                match self.shared.first_answer(&order, &request, wait, |_| false).await? {
+                match Box::pin(self.shared.first_answer(&order, &request, wait, |_| false)).await? {
                     (server, Response::Offered { first_id, .. }) => Ok(Offered { server, first_id }),
                     (_, other) => Err(crate::unexpected(other)),
                 }
@@ -663,9 +737,6 @@ impl Cluster {
                 for i in shared.order(None) {
                     let Some((client, connection)) = shared.current(i) else { continue };
                     any_up = true;
-                    if lock(&shared.parked).get(&key).is_some_and(|p| p.waiting.contains(&i)) {
-                        continue;
-                    }
                     if let Ok(taken) = shared.on(i, connection, Duration::ZERO, client.poll(queue, now_options)).await {
                         let taken = shared.drop_copies(queue, deliveries(i, connection, taken));
                         if !taken.is_empty() {
@@ -681,6 +752,7 @@ impl Cluster {
                 }
                 return Err(shared.unavailable());
             }
+            let _waiting = WaitingCaller::new(shared, &key);
             self.park(&key, PollOptions { timeout: deadline - now, ..options });
             let _ = tokio::time::timeout_at(deadline, changed).await;
         }
@@ -697,14 +769,21 @@ impl Cluster {
         if taken.is_empty() { taken } else { self.shared.drop_copies(&key.0, taken) }
     }
 
-    /// Starts a waiting poll on every server that is up and has none waiting for `key`; what it
-    /// brings goes to the arrivals and rings `changed`.
+    /// Starts a waiting poll on every server that is up and has none waiting for `key`, for as
+    /// many messages as the callers waiting want (at most `MAX_PARKED`); what it brings goes to
+    /// the arrivals and rings `changed`.
     fn park(&self, key: &(String, u32), options: PollOptions) {
         for i in 0..self.shared.members.len() {
             let Some((client, connection)) = self.shared.current(i) else { continue };
-            if !lock(&self.shared.parked).entry(key.clone()).or_default().waiting.insert(i) {
-                continue;
-            }
+            let options = {
+                let mut parked = lock(&self.shared.parked);
+                let p = parked.entry(key.clone()).or_default();
+                if !p.waiting.insert(i) {
+                    continue;
+                }
+                let wanted = (p.callers as u32).saturating_mul(options.max.max(1)).clamp(1, MAX_PARKED);
+                PollOptions { max: wanted, ..options }
+            };
             let (shared, key) = (Arc::downgrade(&self.shared), key.clone());
             let strong = Arc::clone(&self.shared);
             tokio::spawn(async move {
