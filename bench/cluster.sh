@@ -30,9 +30,10 @@ for k in 0 1 2; do
   for _ in $(seq 100); do grep -q '^native' "$data/s$k.out" 2>/dev/null && break; sleep 0.05; done
 done
 
-rate() { # mode, --server value → msg/s
+rate() { # mode, --server value → "msg/s client-CPU-µs-per-message"
   "$petrel" bench queue --server "$2" --durable --mode "$1" --batch "$batch" --pipeline "$pipeline" \
-    --connections 2 --count "$count" --json 2>/dev/null | tail -1 | sed -E 's/.*"msgs_per_sec":([0-9.]+).*/\1/'
+    --connections 2 --count "$count" --json 2>/dev/null | tail -1 |
+    sed -E 's/.*"client_cpu_us_per_msg":([0-9.]+).*"msgs_per_sec":([0-9.]+).*/\2 \1/'
 }
 median() { sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
@@ -42,15 +43,19 @@ names=("one server, direct" "cluster of 1" "cluster of 2" "cluster of 3")
 echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) CPUs; $count messages of 32 B," \
   "$batch per offer, $pipeline in flight per client, 2 clients, durable queues (durability none)"
 for mode in offer offer-poll; do
-  declare -A runs=()
+  declare -A runs=() cpus=()
   for _ in $(seq "$rounds"); do
-    for i in "${!targets[@]}"; do runs[$i]+="$(rate "$mode" "${targets[$i]}") "; done
+    for i in "${!targets[@]}"; do
+      read -r r c < <(rate "$mode" "${targets[$i]}")
+      runs[$i]+="$r " cpus[$i]+="$c "
+    done
   done
   direct=$(printf '%s\n' ${runs[0]} | median)
   for i in "${!targets[@]}"; do
     m=$(printf '%s\n' ${runs[$i]} | median)
-    printf '%-10s %-20s %10.0f msg/s  ratio to direct %.2f   (runs: %s)\n' "$mode" "${names[$i]}" "$m" \
-      "$(echo "$m / $direct" | bc -l)" "$(printf '%.0f ' ${runs[$i]})"
+    cpu=$(printf '%s\n' ${cpus[$i]} | median)
+    printf '%-10s %-20s %10.0f msg/s  ratio to direct %.2f  client CPU %.2f µs/msg   (runs: %s)\n' "$mode" \
+      "${names[$i]}" "$m" "$(echo "$m / $direct" | bc -l)" "$cpu" "$(printf '%.0f ' ${runs[$i]})"
   done
-  unset runs
+  unset runs cpus
 done

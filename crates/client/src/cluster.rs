@@ -710,9 +710,10 @@ impl Cluster {
         }
     }
 
-    /// Takes up to `options.max` messages from the servers in turn. With a timeout, one poll waits
-    /// on every server that is up at once (no busy loop); deliveries that arrive together beyond
-    /// `max` are kept for the next poll of the same queue and visibility. Copies of a message
+    /// Takes up to `options.max` messages from the servers: first from what earlier polls kept,
+    /// else from every server that is up at once; with a timeout and nothing there, one waiting
+    /// poll on every server (no busy loop). Deliveries beyond `max` are kept for the next poll of
+    /// the same queue and visibility (taken tentatively, their visibility runs meanwhile). Copies of a message
     /// already delivered from another server are dropped (see the module's notes). An empty
     /// answer after the timeout is an empty vector; `Unavailable` if no server was up.
     pub async fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<ClusterDelivery>, ClientError> {
@@ -733,16 +734,29 @@ impl Cluster {
             }
             let mut any_up = false;
             if first {
+                // Every server at once, in one round trip: what comes back beyond `max` is kept
+                // for the next polls.
                 first = false;
-                for i in shared.order(None) {
-                    let Some((client, connection)) = shared.current(i) else { continue };
-                    any_up = true;
-                    if let Ok(taken) = shared.on(i, connection, Duration::ZERO, client.poll(queue, now_options)).await {
-                        let taken = shared.drop_copies(queue, deliveries(i, connection, taken));
-                        if !taken.is_empty() {
-                            return Ok(taken);
-                        }
+                let up: Vec<(usize, Client, u64)> =
+                    shared.order(None).into_iter().filter_map(|i| shared.current(i).map(|(c, n)| (i, c, n))).collect();
+                any_up = !up.is_empty();
+                let polls = up.iter().map(|(i, client, connection)| async move {
+                    match shared.on(*i, *connection, Duration::ZERO, client.poll(queue, now_options)).await {
+                        Ok(taken) => deliveries(*i, *connection, taken),
+                        Err(_) => Vec::new(),
                     }
+                });
+                let mut taken: Vec<ClusterDelivery> = join_all(polls).await.into_iter().flatten().collect();
+                if !taken.is_empty() {
+                    if taken.len() > max {
+                        lock(&shared.parked).entry(key.clone()).or_default().arrived.extend(taken.drain(max..));
+                        shared.changed.notify_waiters();
+                    }
+                    let taken = shared.drop_copies(queue, taken);
+                    if !taken.is_empty() {
+                        return Ok(taken);
+                    }
+                    continue;
                 }
             }
             let now = tokio::time::Instant::now();
