@@ -17,8 +17,12 @@
 //! # Ok(()) }
 //! ```
 //!
+//! [`Cluster`] spreads work over N independent servers and routes around one that fails
+//! (`docs/cluster.md`).
+//!
 //! The map of the crate: `lib.rs` holds the connection (a writer and a reader task, requests
-//! matched to answers by id), the async `Client` and `blocking`; `follow.rs` the `Follower`.
+//! matched to answers by id), the async `Client` and `blocking`; `follow.rs` the `Follower`;
+//! `cluster.rs` the `Cluster`.
 
 #![forbid(unsafe_code)]
 
