@@ -476,3 +476,35 @@ fn client_commands_take_a_list_of_servers() {
     }
     assert!(replier.wait().unwrap().success());
 }
+
+/// A poll of a queue no server has is an error, as on one server; one that only some servers
+/// have is read from those, waiting without asking the others again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_missing_on_some_servers() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    let addrs: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let cluster = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
+    let options = PollOptions { max: 10, timeout: Duration::from_millis(300), visibility: None };
+    let e = cluster.poll("nowhere", options).await.unwrap_err();
+    assert_eq!(e.status(), Some(petrel_client::Status::QueueNotFound), "{e}");
+
+    servers[1].client().await.create_queue("half", QueueConfig::default()).await.unwrap();
+    let began = Instant::now();
+    assert!(cluster.poll("half", options).await.unwrap().is_empty());
+    assert!(began.elapsed() >= Duration::from_millis(250), "the poll did not wait");
+    assert!(servers[0].client().await.queue_status("half").await.is_err(), "server 0 has no such queue");
+    let waiting = {
+        let cluster = cluster.clone();
+        tokio::spawn(
+            async move { cluster.poll("half", PollOptions { timeout: Duration::from_secs(5), ..options }).await },
+        )
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    servers[1].client().await.offer("half", vec![Message::new(&b"late"[..])], None).await.unwrap();
+    let got = waiting.await.unwrap().unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(&got[0].message.payload[..], b"late");
+    assert_eq!(got[0].handle.server, 1);
+}

@@ -724,6 +724,7 @@ impl Cluster {
         let max = options.max.max(1) as usize;
         let now_options = PollOptions { timeout: Duration::ZERO, ..options };
         let mut first = true;
+        let mut refused = HashSet::new();
         loop {
             let changed = shared.changed.notified();
             tokio::pin!(changed);
@@ -741,12 +742,27 @@ impl Cluster {
                     shared.order(None).into_iter().filter_map(|i| shared.current(i).map(|(c, n)| (i, c, n))).collect();
                 any_up = !up.is_empty();
                 let polls = up.iter().map(|(i, client, connection)| async move {
-                    match shared.on(*i, *connection, Duration::ZERO, client.poll(queue, now_options)).await {
-                        Ok(taken) => deliveries(*i, *connection, taken),
-                        Err(_) => Vec::new(),
-                    }
+                    (*i, *connection, shared.on(*i, *connection, Duration::ZERO, client.poll(queue, now_options)).await)
                 });
-                let mut taken: Vec<ClusterDelivery> = join_all(polls).await.into_iter().flatten().collect();
+                let mut taken = Vec::new();
+                let mut first_refusal = None;
+                for (i, connection, answer) in join_all(polls).await {
+                    match answer {
+                        Ok(t) => taken.extend(deliveries(i, connection, t)),
+                        // A server that refuses (no such queue there, not allowed) is not waited on.
+                        Err(e) if !e.is_connection_lost() => {
+                            refused.insert(i);
+                            first_refusal.get_or_insert(e);
+                        }
+                        Err(_) => {}
+                    }
+                }
+                if let Some(e) = first_refusal
+                    && taken.is_empty()
+                    && refused.len() == up.len()
+                {
+                    return Err(e);
+                }
                 if !taken.is_empty() {
                     if taken.len() > max {
                         lock(&shared.parked).entry(key.clone()).or_default().arrived.extend(taken.drain(max..));
@@ -767,7 +783,7 @@ impl Cluster {
                 return Err(shared.unavailable());
             }
             let _waiting = WaitingCaller::new(shared, &key);
-            self.park(&key, PollOptions { timeout: deadline - now, ..options });
+            self.park(&key, PollOptions { timeout: deadline - now, ..options }, &refused);
             let _ = tokio::time::timeout_at(deadline, changed).await;
         }
     }
@@ -783,11 +799,15 @@ impl Cluster {
         if taken.is_empty() { taken } else { self.shared.drop_copies(&key.0, taken) }
     }
 
-    /// Starts a waiting poll on every server that is up and has none waiting for `key`, for as
+    /// Starts a waiting poll on every server that is up, not `refused`, and has none waiting for
+    /// `key`, for as
     /// many messages as the callers waiting want (at most `MAX_PARKED`); what it brings goes to
     /// the arrivals and rings `changed`.
-    fn park(&self, key: &(String, u32), options: PollOptions) {
+    fn park(&self, key: &(String, u32), options: PollOptions, refused: &HashSet<usize>) {
         for i in 0..self.shared.members.len() {
+            if refused.contains(&i) {
+                continue;
+            }
             let Some((client, connection)) = self.shared.current(i) else { continue };
             let options = {
                 let mut parked = lock(&self.shared.parked);
@@ -803,6 +823,11 @@ impl Cluster {
             tokio::spawn(async move {
                 let taken = strong.on(i, connection, options.timeout, client.poll(&key.0, options)).await;
                 drop(strong);
+                if taken.as_ref().is_err_and(|e| !e.is_connection_lost()) {
+                    // Refused at once (the queue went away there): hold the slot for the wait
+                    // it was asked for, so that callers do not ask again and again.
+                    tokio::time::sleep(options.timeout).await;
+                }
                 let Some(shared) = shared.upgrade() else { return };
                 {
                     let mut parked = lock(&shared.parked);
