@@ -508,3 +508,41 @@ async fn a_queue_missing_on_some_servers() {
     assert_eq!(&got[0].message.payload[..], b"late");
     assert_eq!(got[0].handle.server, 1);
 }
+
+/// A server that accepts connections and never answers (stopped, say) does not stop the cluster
+/// from connecting; keyed offers stay on one server; an abort returns a message to its server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_offers_aborts_and_a_silent_server_at_connect() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    // Its backlog accepts the connection; nobody ever reads HELLO.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let addrs = [servers[0].addr.as_str(), servers[1].addr.as_str(), silent_addr.as_str()];
+    let cluster = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
+    let stats = cluster.stats();
+    assert!(stats.servers[0].up && stats.servers[1].up && !stats.servers[2].up, "{:?}", stats.servers);
+    // Made on every server that is up; the error names the one that is not.
+    let e = cluster.create_queue("jobs", QueueConfig::default()).await.unwrap_err();
+    assert!(e.to_string().contains(&silent_addr), "{e}");
+    assert_eq!(cluster.list_queues().await.unwrap(), ["jobs"]);
+
+    let mut chosen = HashMap::new();
+    for k in 0..40 {
+        let key = format!("customer-{}", k % 8);
+        let offered =
+            cluster.offer_by_key(key.as_bytes(), "jobs", vec![Message::new(key.clone())], None).await.unwrap();
+        assert_eq!(*chosen.entry(key).or_insert(offered.server), offered.server, "a key stays on its server");
+    }
+    assert!(chosen.values().collect::<HashSet<_>>().len() == 2, "8 keys all on one server: {chosen:?}");
+
+    let options = PollOptions { max: 1, timeout: Duration::from_secs(1), visibility: Some(Duration::from_secs(30)) };
+    let taken = cluster.poll("jobs", options).await.unwrap();
+    let server = taken[0].handle.server;
+    let before = servers[server].client().await.queue_status("jobs").await.unwrap();
+    assert_eq!(cluster.abort("jobs", &[taken[0].handle], Duration::ZERO).await.unwrap(), 1);
+    let after = servers[server].client().await.queue_status("jobs").await.unwrap();
+    assert_eq!((after.items, after.in_flight), (before.items + 1, before.in_flight - 1));
+    drop(silent);
+}

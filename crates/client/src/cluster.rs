@@ -32,7 +32,7 @@ pub struct ClusterOptions {
     /// TLS, credentials and compression, the same for every server.
     pub client: ClientOptions,
     /// A request unanswered this long (past whatever wait it asked for itself, such as a long
-    /// poll's) marks its server down. Also the timeout of each connection attempt.
+    /// poll's) marks its server down. Reconnection attempts wait at most this long too.
     pub request_timeout: Duration,
     /// The pause before a down server is tried again; it doubles with each failed attempt, up to
     /// `max_pause`.
@@ -243,12 +243,7 @@ impl Shared {
     fn order(&self, key: Option<&[u8]>) -> Vec<usize> {
         let n = self.members.len();
         match key {
-            Some(key) => {
-                let mut ranked: Vec<(u64, usize)> =
-                    self.members.iter().enumerate().map(|(i, m)| (rendezvous_score(key, &m.addr), i)).collect();
-                ranked.sort_unstable_by(|a, b| b.cmp(a));
-                ranked.into_iter().map(|(_, i)| i).collect()
-            }
+            Some(key) => rank(key, self.members.iter().map(|m| m.addr.as_str())),
             None => {
                 let start = self.next.fetch_add(1, Ordering::Relaxed);
                 (0..n).map(|k| (start + k) % n).collect()
@@ -378,10 +373,14 @@ fn random_start() -> usize {
     std::collections::hash_map::RandomState::new().build_hasher().finish() as usize
 }
 
-/// The servers' ranking for `key`: each server's score is a hash of the key seeded by its
-/// address (xxh3, the same in every process and version, so producers agree on where a key goes).
-fn rendezvous_score(key: &[u8], addr: &str) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(key, xxhash_rust::xxh3::xxh3_64(addr.as_bytes()))
+/// The servers (their places in `addrs`) ranked for `key`, best first: each server's score is a
+/// hash of the key seeded by its address (xxh3, the same in every process and version, so
+/// producers agree on where a key goes).
+fn rank<'a>(key: &[u8], addrs: impl Iterator<Item = &'a str>) -> Vec<usize> {
+    let score = |addr: &str| xxhash_rust::xxh3::xxh3_64_with_seed(key, xxhash_rust::xxh3::xxh3_64(addr.as_bytes()));
+    let mut ranked: Vec<(u64, usize)> = addrs.enumerate().map(|(i, a)| (score(a), i)).collect();
+    ranked.sort_unstable_by(|a, b| b.cmp(a));
+    ranked.into_iter().map(|(_, i)| i).collect()
 }
 
 /// Tries server `i` again with a doubling pause until it answers HELLO (and AUTH), then serves
@@ -523,10 +522,10 @@ impl Cluster {
         }
         let connects = addrs.iter().map(|addr| Client::connect_with(addr, &options.client));
         let mut results = join_all(connects).await;
-        // A refused password or certificate is a setting to fix, not a server to wait for.
-        let fatal = |r: &Result<Client, ClientError>| {
-            matches!(r, Err(ClientError::Status { .. } | ClientError::Tls(_) | ClientError::Protocol(_)))
-        };
+        // A refused password or certificate is a setting to fix, not a server to wait for. (A
+        // server that does not answer HELLO, stopped say, is a server to wait for.)
+        let fatal =
+            |r: &Result<Client, ClientError>| matches!(r, Err(ClientError::Status { .. } | ClientError::Tls(_)));
         if let Some(at) = results.iter().position(fatal) {
             return Err(match results.swap_remove(at).expect_err("fatal is an error") {
                 ClientError::Status { status, message } => {
@@ -643,12 +642,11 @@ impl Cluster {
                 };
                 for (k, (request, answer)) in requests.into_iter().zip(answers).enumerate() {
                     match answer {
-                        Ok(Response::Offered { first_id, .. }) => results[k] = Some(Ok(Offered { server, first_id })),
                         Ok(Response::Error { status: Status::QueueFull, .. }) => again.push((k, request)),
                         Ok(Response::Error { status, message }) => {
                             results[k] = Some(Err(ClientError::Status { status, message }))
                         }
-                        Ok(other) => results[k] = Some(Err(crate::unexpected(other))),
+                        Ok(response) => results[k] = Some(offered(server, response)),
                         Err(e) if e.is_connection_lost() => {
                             shared.mark_down(server, connection, &e);
                             shared.offers_retried.fetch_add(1, Ordering::Relaxed);
@@ -695,16 +693,13 @@ impl Cluster {
             set_offer_timeout(&mut request, t);
         }
         match self.shared.first_answer(&order, &request, Duration::ZERO, full).await {
-            Ok((server, Response::Offered { first_id, .. })) => Ok(Offered { server, first_id }),
-            Ok((_, other)) => Err(crate::unexpected(other)),
+            Ok((server, response)) => offered(server, response),
             Err(e) if full(&e) && timeout.is_some() && order.len() > 1 => {
                 // All full: wait for room on one of them (the first in the order that is up).
                 let wait = timeout.unwrap_or_default();
                 set_offer_timeout(&mut request, wait);
-                match Box::pin(self.shared.first_answer(&order, &request, wait, |_| false)).await? {
-                    (server, Response::Offered { first_id, .. }) => Ok(Offered { server, first_id }),
-                    (_, other) => Err(crate::unexpected(other)),
-                }
+                let (server, response) = Box::pin(self.shared.first_answer(&order, &request, wait, |_| false)).await?;
+                offered(server, response)
             }
             Err(e) => Err(e),
         }
@@ -713,9 +708,10 @@ impl Cluster {
     /// Takes up to `options.max` messages from the servers: first from what earlier polls kept,
     /// else from every server that is up at once; with a timeout and nothing there, one waiting
     /// poll on every server (no busy loop). Deliveries beyond `max` are kept for the next poll of
-    /// the same queue and visibility (taken tentatively, their visibility runs meanwhile). Copies of a message
-    /// already delivered from another server are dropped (see the module's notes). An empty
-    /// answer after the timeout is an empty vector; `Unavailable` if no server was up.
+    /// the same queue and visibility (taken tentatively, their visibility runs meanwhile).
+    /// Copies of a message already delivered from another server are dropped (see the module's
+    /// notes). An empty answer after the timeout is an empty vector; a queue that every server
+    /// refuses is that refusal (`QUEUE_NOT_FOUND`); `Unavailable` if no server was up.
     pub async fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<ClusterDelivery>, ClientError> {
         let shared = &self.shared;
         let visibility_ms = options.visibility.map_or(0, |v| v.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
@@ -800,9 +796,8 @@ impl Cluster {
     }
 
     /// Starts a waiting poll on every server that is up, not `refused`, and has none waiting for
-    /// `key`, for as
-    /// many messages as the callers waiting want (at most `MAX_PARKED`); what it brings goes to
-    /// the arrivals and rings `changed`.
+    /// `key`, for as many messages as the callers waiting want (at most `MAX_PARKED`); what it
+    /// brings goes to the arrivals and rings `changed`.
     fn park(&self, key: &(String, u32), options: PollOptions, refused: &HashSet<usize>) {
         for i in 0..self.shared.members.len() {
             if refused.contains(&i) {
@@ -857,7 +852,7 @@ impl Cluster {
     /// Creates the queue on every server (a no-op where it exists alike). An error names the
     /// first server that failed; the others have it.
     pub async fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
-        self.on_all(&Request::QueueCreate { name: name.into(), config }).await.map(|_| ())
+        self.on_all(&Request::QueueCreate { name: name.into(), config }).await
     }
 
     /// Removes the queue from every server.
@@ -990,12 +985,11 @@ impl Cluster {
     }
 
     /// Sends `request` to every server; the first failure (naming its server) is the error.
-    async fn on_all(&self, request: &Request) -> Result<Vec<Response>, ClientError> {
-        let mut answers = Vec::new();
+    async fn on_all(&self, request: &Request) -> Result<(), ClientError> {
         for (i, result) in self.shared.to_all(request).await {
             let addr = &self.shared.members[i].addr;
             match result {
-                Ok(r) => answers.push(r),
+                Ok(_) => {}
                 Err(ClientError::Status { status, message }) => {
                     return Err(ClientError::Status { status, message: format!("{addr}: {message}") });
                 }
@@ -1003,7 +997,7 @@ impl Cluster {
                 Err(e) => return Err(ClientError::Unavailable(format!("{addr}: {e}"))),
             }
         }
-        Ok(answers)
+        Ok(())
     }
 
     /// The names every server that is up lists, once each, sorted.
@@ -1025,6 +1019,14 @@ impl Cluster {
             return Err(self.shared.unavailable());
         }
         Ok(names.into_iter().collect())
+    }
+}
+
+/// An offer's answer from server `server`.
+fn offered(server: usize, response: Response) -> Result<Offered, ClientError> {
+    match response {
+        Response::Offered { first_id, .. } => Ok(Offered { server, first_id }),
+        other => Err(crate::unexpected(other)),
     }
 }
 
@@ -1118,5 +1120,58 @@ impl Drop for ClusterSubscription {
         for task in &self.tasks {
             task.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_keeps_its_server_and_a_new_server_takes_only_the_keys_it_wins() {
+        let three = ["10.0.0.1:22134", "10.0.0.2:22134", "10.0.0.3:22134"];
+        let four = ["10.0.0.1:22134", "10.0.0.2:22134", "10.0.0.3:22134", "10.0.0.4:22134"];
+        let (mut moved, mut per_server) = (0, [0; 3]);
+        for k in 0..10_000 {
+            let key = format!("order-{k}");
+            let before = rank(key.as_bytes(), three.into_iter());
+            assert_eq!(before, rank(key.as_bytes(), three.into_iter()), "the same ranking every time");
+            per_server[before[0]] += 1;
+            let after = rank(key.as_bytes(), four.into_iter());
+            if after[0] != before[0] {
+                assert_eq!(after[0], 3, "a key moves only to the new server");
+                moved += 1;
+            }
+            // The next choice when the first is down is the key's second server, not any other.
+            let without_first: Vec<usize> = after.iter().copied().filter(|&i| i != after[0]).collect();
+            assert_eq!(without_first, after[1..]);
+        }
+        assert!((2_000..3_000).contains(&moved), "about a quarter of the keys move to a fourth server: {moved}");
+        assert!(per_server.iter().all(|&n| (3_000..3_700).contains(&n)), "spread: {per_server:?}");
+    }
+
+    fn delivery(server: usize, key: &str) -> ClusterDelivery {
+        ClusterDelivery {
+            handle: ClusterHandle { server, connection: 1, handle: 7 },
+            message: Message { idempotency_key: key.into(), ..Message::default() },
+        }
+    }
+
+    #[test]
+    fn a_key_from_a_second_server_is_a_copy_within_the_window() {
+        let options = ClusterOptions { duplicate_window: 2, ..ClusterOptions::default() };
+        let mut seen = SeenKeys::default();
+        assert!(seen.first_from("q", &delivery(0, "a"), &options));
+        assert!(seen.first_from("q", &delivery(0, "a"), &options), "a redelivery from the same server");
+        assert!(!seen.first_from("q", &delivery(1, "a"), &options), "a copy from another server");
+        assert!(seen.first_from("other", &delivery(1, "a"), &options), "keys are per queue");
+        assert!(seen.first_from("q", &delivery(0, "b"), &options));
+        // The window holds two keys: "a" in "q" is forgotten, so its copy is not recognised.
+        assert!(seen.first_from("q", &delivery(1, "a"), &options));
+        let by_time = ClusterOptions { duplicate_window_time: Duration::ZERO, ..ClusterOptions::default() };
+        let mut seen = SeenKeys::default();
+        assert!(seen.first_from("q", &delivery(0, "c"), &by_time));
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(seen.first_from("q", &delivery(1, "c"), &by_time), "forgotten after its time");
     }
 }
