@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 echo "== toolchain"
 cargo --version
+# The build below takes several GB; say how much room there is, so a full disk is plain.
+df -h . | tail -n 1 | awk '{print "disk: " $4 " free of " $2}'
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
 echo "== system packages the tests use"

@@ -48,7 +48,7 @@ def test_delays_priorities_and_a_redelivery_delay_from_python(server):
     import time
 
     with petrel.Client(server) as c:
-        c.create_queue("retry", durable=True, priorities=3, redelivery_delay=0.2, dead_letter="retry.dead", max_deliveries=5)
+        c.create_queue("retry", durable=True, priorities=3, redelivery_delay=0.6, dead_letter="retry.dead", max_deliveries=5)
         with pytest.raises(ValueError, match="no setting named"):
             c.create_queue("typo", redelivry_delay=1)
         start = time.time()
@@ -59,12 +59,14 @@ def test_delays_priorities_and_a_redelivery_delay_from_python(server):
         assert first.payload == b"at" and first.priority == 2
         assert abs(first.deliver_at / 1e9 - (start + 0.1)) < 1e-6, "it says when it was due"
         assert time.time() >= start + 0.1, "not before it was due"
-        assert c.abort("retry", [first.handle]) == 1  # the queue's 0.2 s redelivery delay
+        # The queue's 0.6 s redelivery delay puts it well after "later" (due at 0.3 s): were the
+        # two due together, its higher priority would go first.
+        assert c.abort("retry", [first.handle]) == 1
         second = c.take("retry", timeout=2)
         assert second.payload == b"later" and time.time() >= start + 0.3
         c.ack("retry", [second.handle])
         again = c.take("retry", timeout=2)
-        assert again.payload == b"at" and again.deliveries == 2
+        assert again.payload == b"at" and again.deliveries == 2 and time.time() >= start + 0.7
         assert c.abort("retry", [again.handle], delay=0.05) == 1  # its own delay wins
         assert c.take("retry", timeout=2).deliveries == 3
 
