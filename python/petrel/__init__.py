@@ -9,7 +9,9 @@ Two ways to use it:
 * **Client** — a connection to ``petrel serve``: :class:`Client` (blocking, thread-safe)
   and :class:`AsyncClient` (asyncio) for queues and reliable reads, topics (live
   subscriptions and durable consumer groups) and functions (call, and serve with a Python
-  callable or coroutine), with authentication and TLS.
+  callable or coroutine), with authentication and TLS; and :class:`Cluster` (blocking), a
+  client of several independent servers that spreads offers over them, takes from all of them
+  and routes around one that fails.
 
 Errors are :class:`PetrelError` and its subclasses, carrying the Rust error's message.
 Every call that touches the disk or the network, or waits, releases the GIL.
@@ -30,6 +32,9 @@ from ._petrel import (
     AsyncCore as _AsyncCore,
     AsyncSubscriptionCore as _AsyncSubscriptionCore,
     Client,
+    Cluster,
+    ClusterHandle,
+    ClusterSubscription,
     Completions as _Completions,
     IncomingCall as _IncomingCall,
     ClosedError,
@@ -56,6 +61,9 @@ __all__ = [
     "AsyncSubscription",
     "Client",
     "ClosedError",
+    "Cluster",
+    "ClusterHandle",
+    "ClusterSubscription",
     "ConnectionError",
     "CorruptLogError",
     "Group",

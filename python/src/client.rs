@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::cluster::Stoppable;
 use crate::completions::{Completions, Inner, outcome, outcome_with};
 use crate::functions::{AsyncCalls, IncomingCall};
 use crate::subscription::{AsyncSubscriptionCore, Subscription, start_from};
@@ -37,9 +38,9 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     pyo3_async_runtimes::tokio::get_runtime()
 }
 
-/// Blocking clients that serve a function: their handlers run on native threads, which must not
-/// start Python code while the interpreter finalizes.
-static SERVING: std::sync::Mutex<Vec<petrel_client::Client>> = std::sync::Mutex::new(Vec::new());
+/// Blocking clients and clusters that serve a function: their handlers run on native threads,
+/// which must not start Python code while the interpreter finalizes.
+static SERVING: std::sync::Mutex<Vec<Stoppable>> = std::sync::Mutex::new(Vec::new());
 
 /// Ends the connections of blocking clients that serve functions, so that no call starts a
 /// handler after this (`petrel` calls it at exit); returns whether there were any.
@@ -47,8 +48,16 @@ static SERVING: std::sync::Mutex<Vec<petrel_client::Client>> = std::sync::Mutex:
 #[pyo3(name = "_stop_serving")]
 fn stop_serving() -> bool {
     let serving = std::mem::take(&mut *SERVING.lock().unwrap_or_else(|e| e.into_inner()));
-    serving.iter().for_each(petrel_client::Client::close);
+    serving.iter().for_each(Stoppable::stop);
     !serving.is_empty()
+}
+
+/// Has `serving` closed at exit (see `stop_serving`).
+pub(crate) fn stop_at_exit(serving: Stoppable) {
+    let mut all = SERVING.lock().unwrap_or_else(|e| e.into_inner());
+    // Bounded by the clients alive and the functions they serve: closed ones are dropped.
+    all.retain(|c| !c.is_closed());
+    all.push(serving);
 }
 
 pub(crate) fn client_error(e: petrel_client::ClientError) -> PyErr {
@@ -62,12 +71,12 @@ pub(crate) fn client_error(e: petrel_client::ClientError) -> PyErr {
 /// How to connect: credentials (a password travels only inside TLS unless the server allows
 /// plaintext on loopback), the CA that signed the server's certificate, and a client
 /// certificate and key for mutual TLS (the certificate names the user).
-struct Connect {
+pub(crate) struct Connect {
     address: String,
-    options: ClientOptions,
+    pub(crate) options: ClientOptions,
 }
 
-fn connect_options(
+pub(crate) fn connect_options(
     address: &str,
     user: Option<String>,
     password: Option<String>,
@@ -99,7 +108,7 @@ pub(crate) fn message_of(payload: PyBackedBytes) -> petrel_client::Message {
 
 /// An offered message with a priority, an idempotency key (`None`: none), and a delay
 /// (seconds) or a time to be handed out at (seconds since the epoch, as `time.time()`).
-fn offered(
+pub(crate) fn offered(
     payload: PyBackedBytes,
     priority: u8,
     key: Option<String>,
@@ -124,7 +133,7 @@ fn offered(
 
 /// Whole milliseconds of `seconds` (`None`: 0), rounded up so that a delay is never shorter than
 /// asked.
-fn millis(seconds: Option<f64>, what: &str) -> PyResult<u64> {
+pub(crate) fn millis(seconds: Option<f64>, what: &str) -> PyResult<u64> {
     match seconds {
         None => Ok(0),
         Some(s) if s.is_finite() && s >= 0.0 => Ok((s * 1000.0).ceil() as u64),
@@ -133,7 +142,7 @@ fn millis(seconds: Option<f64>, what: &str) -> PyResult<u64> {
 }
 
 /// An outgoing message with an optional subject.
-fn outgoing(payload: PyBackedBytes, subject: String) -> petrel_client::Message {
+pub(crate) fn outgoing(payload: PyBackedBytes, subject: String) -> petrel_client::Message {
     petrel_client::Message { subject, ..message_of(payload) }
 }
 
@@ -152,7 +161,7 @@ pub(crate) struct QueueOptions {
 
 impl QueueOptions {
     /// From keyword arguments; a name it does not know is an error (a typo configures nothing).
-    fn from_kwargs(settings: Option<&Bound<'_, PyDict>>) -> PyResult<QueueOptions> {
+    pub(crate) fn from_kwargs(settings: Option<&Bound<'_, PyDict>>) -> PyResult<QueueOptions> {
         let mut o = QueueOptions::default();
         for (name, value) in settings.into_iter().flat_map(|d| d.iter()) {
             let name: String = name.extract()?;
@@ -172,7 +181,7 @@ impl QueueOptions {
     }
 }
 
-fn queue_config(
+pub(crate) fn queue_config(
     durable: bool,
     max_items: u64,
     max_bytes: u64,
@@ -205,8 +214,9 @@ fn queue_config(
 pub struct Message {
     /// Its id in its queue (1, 2, …), or in a durable topic (its offset + 1).
     id: u64,
-    /// What acknowledges or aborts a tentative take; 0 when taken for good.
-    handle: u64,
+    /// What acknowledges or aborts a tentative take (from a `Cluster`, a `ClusterHandle`); 0 when
+    /// taken for good.
+    handle: Py<PyAny>,
     /// The queue or topic it came from.
     queue: String,
     /// Its bytes.
@@ -231,6 +241,11 @@ pub struct Message {
 
 impl Message {
     pub(crate) fn new(py: Python<'_>, handle: u64, m: petrel_client::Message) -> Message {
+        let handle = handle.into_py_any(py).expect("an int converts");
+        Message::with_handle(py, handle, m)
+    }
+
+    pub(crate) fn with_handle(py: Python<'_>, handle: Py<PyAny>, m: petrel_client::Message) -> Message {
         Message {
             id: m.id,
             handle,
@@ -261,7 +276,7 @@ pub(crate) const LONG_POLL: Duration = Duration::from_secs(1);
 
 /// `visibility` `None` takes for good; a number is seconds, at least a millisecond (0 would
 /// otherwise mean "for good" on the wire).
-fn poll_options(max: u32, wait: Duration, visibility: Option<f64>) -> PollOptions {
+pub(crate) fn poll_options(max: u32, wait: Duration, visibility: Option<f64>) -> PollOptions {
     let visibility = crate::timeout_from(visibility).map(|v| v.max(Duration::from_millis(1)));
     PollOptions { max: max.max(1), timeout: wait, visibility }
 }
@@ -506,10 +521,7 @@ impl Client {
         let serving =
             self.inner.serve(function, move |request| crate::functions::run_handler(Arc::clone(&handler), request));
         self.wait(py, serving)?;
-        let mut serving = SERVING.lock().unwrap_or_else(|e| e.into_inner());
-        // Bounded by the clients alive and the functions they serve: closed ones are dropped.
-        serving.retain(|c| !c.is_closed());
-        serving.push(self.inner.clone());
+        stop_at_exit(Stoppable::Client(self.inner.clone()));
         Ok(())
     }
 

@@ -1,6 +1,7 @@
 //! The native half of the `petrel` Python package (`petrel._petrel`): the embedded log, its
 //! consumer groups and a queue over `petrel-log` (`embedded.rs`), and a client for the server
-//! over `petrel-client`, blocking and asyncio (`client.rs`), with its topic subscriptions
+//! over `petrel-client`, blocking and asyncio (`client.rs`) and of a cluster of servers
+//! (`cluster.rs`), with its topic subscriptions
 //! (`subscription.rs`) and functions served by Python code (`functions.rs`). The GIL is released around every
 //! call that touches the disk or the network or waits. Waits for records wake every 100 ms and
 //! the blocking client's polls every second to let Python handle signals (Ctrl-C); an offer
@@ -9,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod cluster;
 mod completions;
 mod embedded;
 mod functions;
@@ -51,5 +53,6 @@ fn _petrel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConnectionError", py.get_type::<ConnectionError>())?;
     embedded::register(m)?;
     client::register(m)?;
+    cluster::register(m)?;
     Ok(())
 }

@@ -62,11 +62,33 @@ pub struct Subscription {
     stream: std::sync::Mutex<Option<petrel_client::Subscription>>,
 }
 
-enum Next {
+/// What one wait for a subscription's next message ended with.
+pub(crate) enum Next {
     Message(Box<petrel_client::Message>),
     TimedOut,
     Ended,
     Failed(petrel_client::ClientError),
+}
+
+/// Waits up to `timeout` seconds (`None`: until one comes) for the next message, in waits of at
+/// most `LONG_POLL` by `next_within`, Python's signals looked at between them; `None` if none
+/// came in time or the subscription ended.
+pub(crate) fn wait_for_next(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    next_within: impl Fn(Duration) -> Next,
+) -> PyResult<Option<Message>> {
+    let deadline = crate::timeout_from(timeout).map(|t| Instant::now() + t);
+    loop {
+        let wait = deadline.map_or(LONG_POLL, |d| d.saturating_duration_since(Instant::now()).min(LONG_POLL));
+        match next_within(wait) {
+            Next::Message(m) => return Ok(Some(Message::new(py, 0, *m))),
+            Next::Failed(e) => return Err(client_error(e)),
+            Next::Ended => return Ok(None),
+            Next::TimedOut if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(None),
+            Next::TimedOut => py.check_signals()?,
+        }
+    }
 }
 
 impl Subscription {
@@ -99,17 +121,7 @@ impl Subscription {
     /// none came in time or the subscription is over (see `active`).
     #[pyo3(signature = (timeout = None))]
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Message>> {
-        let deadline = crate::timeout_from(timeout).map(|t| Instant::now() + t);
-        loop {
-            let wait = deadline.map_or(LONG_POLL, |d| d.saturating_duration_since(Instant::now()).min(LONG_POLL));
-            match self.next_within(py, wait) {
-                Next::Message(m) => return Ok(Some(Message::new(py, 0, *m))),
-                Next::Failed(e) => return Err(client_error(e)),
-                Next::Ended => return Ok(None),
-                Next::TimedOut if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(None),
-                Next::TimedOut => py.check_signals()?,
-            }
-        }
+        wait_for_next(py, timeout, |wait| self.next_within(py, wait))
     }
 
     /// Whether messages may still come.

@@ -17,28 +17,39 @@ BINARY = os.environ.get("PETREL_BIN", str(ROOT / "target" / "debug" / "petrel"))
 USERS = {"max": ("S3cret-admin", True), "tom": ("S3cret-tom", False), "client": ("unused-Pw-1", False)}
 
 
-def serve(tmp_path, *extra):
-    """Starts `petrel serve`; yields its native address once it listens, stops it after."""
-    out = tmp_path / "out"
-    args = [BINARY, "serve", "--data", str(tmp_path / "data"), "--native-addr", "127.0.0.1:0",
+def start(data, native_addr="127.0.0.1:0", *extra):
+    """Starts `petrel serve` on `data`; returns (process, native address) once it listens."""
+    data.mkdir(parents=True, exist_ok=True)
+    out = data / "out"
+    args = [BINARY, "serve", "--data", str(data / "data"), "--native-addr", native_addr,
             "--memcache-addr", "off", "--http-addr", "off", *extra]
     with open(out, "w") as stdout:
         process = subprocess.Popen(args, stdout=stdout, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [l.split() for l in out.read_text().splitlines()]
+        native = [l[1] for l in lines if l and l[0] == "native"]
+        if native:
+            return process, native[0]
+        if process.poll() is not None:
+            raise AssertionError("petrel serve exited")
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError("petrel serve did not print its native address")
+
+
+def stop(process):
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def serve(tmp_path, *extra):
+    """Starts `petrel serve`; yields its native address once it listens, stops it after."""
+    process, address = start(tmp_path, "127.0.0.1:0", *extra)
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            lines = [l.split() for l in out.read_text().splitlines()]
-            native = [l[1] for l in lines if l and l[0] == "native"]
-            if native:
-                yield native[0]
-                break
-            assert process.poll() is None, "petrel serve exited"
-            time.sleep(0.05)
-        else:
-            raise AssertionError("petrel serve did not print its native address")
+        yield address
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        stop(process)
 
 
 @pytest.fixture

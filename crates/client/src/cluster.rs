@@ -14,7 +14,7 @@
 //! this client's own deliveries are compared: two consumer processes can each get one copy.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -170,6 +170,8 @@ struct Shared {
     served: Mutex<Vec<(String, Handler)>>,
     offers_retried: AtomicU64,
     copies_dropped: AtomicU64,
+    /// Set by `Cluster::close`: no request is sent and no server reconnected after it.
+    closed: AtomicBool,
 }
 
 impl Drop for Shared {
@@ -206,7 +208,7 @@ impl Shared {
         }
         link.failures += 1;
         link.last_error = Some(error.to_string());
-        if !link.reconnecting {
+        if !link.reconnecting && !self.closed.load(Ordering::Acquire) {
             link.reconnecting = true;
             tokio::spawn(reconnect(Arc::downgrade(self), i));
         }
@@ -258,6 +260,9 @@ impl Shared {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
+            if self.closed.load(Ordering::Acquire) {
+                return false;
+            }
             if (0..self.members.len()).any(|i| self.current(i).is_some()) {
                 return true;
             }
@@ -269,6 +274,9 @@ impl Shared {
 
     /// Why no server could be used: each one's last error.
     fn unavailable(&self) -> ClientError {
+        if self.closed.load(Ordering::Acquire) {
+            return ClientError::Closed;
+        }
         let reasons: Vec<String> = self
             .members
             .iter()
@@ -397,6 +405,7 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
             options.connect_timeout.min(shared.options.request_timeout.max(Duration::from_millis(1)));
         let addr = shared.members[i].addr.clone();
         match Client::connect_with(&addr, &options).await {
+            Ok(_) if shared.closed.load(Ordering::Acquire) => return,
             Ok(client) => {
                 let served = lock(&shared.served).clone();
                 for (function, handler) in served {
@@ -404,6 +413,12 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
                 }
                 {
                     let mut link = lock(&shared.members[i].link);
+                    // `close` takes the links' connections under this lock, so a connection
+                    // made as it closed is closed here rather than kept.
+                    if shared.closed.load(Ordering::Acquire) {
+                        client.close();
+                        return;
+                    }
                     link.connection += 1;
                     link.client = Some(client);
                     link.reconnecting = false;
@@ -570,11 +585,32 @@ impl Cluster {
             served: Mutex::default(),
             offers_retried: AtomicU64::new(0),
             copies_dropped: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
         });
         for i in down {
             tokio::spawn(reconnect(Arc::downgrade(&shared), i));
         }
         Ok(Cluster { shared })
+    }
+
+    /// Ends every connection and stops reconnecting: requests fail with `Closed` after it;
+    /// tentative deliveries not acknowledged go back to their queues, functions stop being
+    /// served, subscriptions end.
+    pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        for m in &self.shared.members {
+            let mut link = lock(&m.link);
+            if let Some(client) = link.client.take() {
+                client.close();
+            }
+            link.last_error = Some("closed".into());
+        }
+        self.shared.changed.notify_waiters();
+    }
+
+    /// Whether `close` was called.
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
     }
 
     /// The servers, in the order given.
@@ -1060,6 +1096,9 @@ async fn follow_topic(
         let changed = shared.changed.notified();
         tokio::pin!(changed);
         changed.as_mut().enable();
+        if shared.closed.load(Ordering::Acquire) {
+            return; // the cluster was closed: with every server's part ended, so is the stream
+        }
         let Some((client, connection)) = shared.current(i) else {
             if let Some(ready) = ready.take() {
                 let _ = ready.send(Ok(())).await;
