@@ -317,7 +317,28 @@ impl Cluster {
     #[pyo3(signature = (topic, buffer = 0))]
     fn subscribe(&self, py: Python<'_>, topic: &str, buffer: u32) -> PyResult<ClusterSubscription> {
         let sub = self.wait(py, self.inner.subscribe(topic, buffer))?;
-        Ok(ClusterSubscription { stream: std::sync::Mutex::new(Some(sub)) })
+        Ok(ClusterSubscription { stream: std::sync::Mutex::new(Some(sub)), addrs: None, acks: None })
+    }
+
+    /// Reads a durable topic as consumer group `group` on every server (each server's log and
+    /// position are its own; `start` as for `Client.subscribe_group`, an offset being each
+    /// server's). A message's `handle` is a `ClusterHandle`: acknowledge with
+    /// `ClusterSubscription.ack`. A server that comes back after a loss is read from where the
+    /// group stands there (what was not acknowledged comes again).
+    #[pyo3(signature = (topic, group, start = None, *, time = None, max_unacked = 0))]
+    fn subscribe_group(
+        &self,
+        py: Python<'_>,
+        topic: &str,
+        group: &str,
+        start: Option<Bound<'_, PyAny>>,
+        time: Option<u64>,
+        max_unacked: u32,
+    ) -> PyResult<ClusterSubscription> {
+        let from = crate::subscription::start_from(start.as_ref(), time)?;
+        let sub = self.wait(py, self.inner.subscribe_group(topic, group, from, max_unacked))?;
+        let acks = Some(sub.acks());
+        Ok(ClusterSubscription { stream: std::sync::Mutex::new(Some(sub)), addrs: Some(self.addrs.clone()), acks })
     }
 
     /// Calls `function` on the next server that serves it (see `Client.call`). A call whose
@@ -438,16 +459,20 @@ impl Stoppable {
 pub struct ClusterSubscription {
     /// `None` once it ended. Locked by the reader for the whole of a wait.
     stream: std::sync::Mutex<Option<petrel_client::ClusterSubscription>>,
+    /// A consumer group's: the servers' addresses, for its messages' handles.
+    addrs: Option<Vec<String>>,
+    /// What acknowledges its messages (apart from the stream, which a reader may hold).
+    acks: Option<petrel_client::ClusterAcks>,
 }
 
 impl ClusterSubscription {
-    fn next_within(&self, py: Python<'_>, wait: Duration) -> Next {
+    fn next_within(&self, py: Python<'_>, wait: Duration) -> Next<petrel_client::ClusterDelivery> {
         py.detach(|| {
             let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
             let Some(sub) = stream.as_mut() else { return Next::Ended };
-            match runtime().block_on(async { tokio::time::timeout(wait, sub.next()).await }) {
+            match runtime().block_on(async { tokio::time::timeout(wait, sub.next_delivery()).await }) {
                 Err(_elapsed) => Next::TimedOut,
-                Ok(Some(Ok(m))) => Next::Message(Box::new(m)),
+                Ok(Some(Ok(d))) => Next::Message(d),
                 // One server's part ended (its connection lost: it is followed again when it
                 // comes back, or the topic was removed there); the others go on.
                 Ok(Some(Err(_))) => Next::TimedOut,
@@ -476,7 +501,26 @@ impl ClusterSubscription {
     /// comes); `None` if none came in time or the subscription is over.
     #[pyo3(signature = (timeout = None))]
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Message>> {
-        wait_for_next(py, timeout, |wait| self.next_within(py, wait))
+        wait_for_next(
+            py,
+            timeout,
+            |wait| self.next_within(py, wait),
+            |d| match &self.addrs {
+                Some(addrs) => {
+                    let handle = ClusterHandle { inner: d.handle, server: addrs[d.handle.server].clone() };
+                    Ok(Message::with_handle(py, Py::new(py, handle)?.into_any(), d.message))
+                }
+                None => Ok(Message::new(py, 0, d.message)),
+            },
+        )
+    }
+
+    /// Acknowledges a consumer group's messages by handle, each on its server; returns how many
+    /// counted (those delivered on a connection since lost do not: they come again).
+    fn ack(&self, py: Python<'_>, handles: Vec<PyRef<'_, ClusterHandle>>) -> PyResult<u32> {
+        let handles = Cluster::handles(handles);
+        let Some(acks) = &self.acks else { return Ok(0) };
+        py.detach(|| runtime().block_on(acks.ack(&handles))).map_err(client_error)
     }
 
     /// Whether messages may still come.

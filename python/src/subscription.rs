@@ -62,9 +62,9 @@ pub struct Subscription {
     stream: std::sync::Mutex<Option<petrel_client::Subscription>>,
 }
 
-/// What one wait for a subscription's next message ended with.
-pub(crate) enum Next {
-    Message(Box<petrel_client::Message>),
+/// What one wait for a subscription's next message (`T`) ended with.
+pub(crate) enum Next<T = Box<petrel_client::Message>> {
+    Message(T),
     TimedOut,
     Ended,
     Failed(petrel_client::ClientError),
@@ -73,16 +73,17 @@ pub(crate) enum Next {
 /// Waits up to `timeout` seconds (`None`: until one comes) for the next message, in waits of at
 /// most `LONG_POLL` by `next_within`, Python's signals looked at between them; `None` if none
 /// came in time or the subscription ended.
-pub(crate) fn wait_for_next(
+pub(crate) fn wait_for_next<T>(
     py: Python<'_>,
     timeout: Option<f64>,
-    next_within: impl Fn(Duration) -> Next,
+    next_within: impl Fn(Duration) -> Next<T>,
+    message: impl FnOnce(T) -> PyResult<Message>,
 ) -> PyResult<Option<Message>> {
     let deadline = crate::timeout_from(timeout).map(|t| Instant::now() + t);
     loop {
         let wait = deadline.map_or(LONG_POLL, |d| d.saturating_duration_since(Instant::now()).min(LONG_POLL));
         match next_within(wait) {
-            Next::Message(m) => return Ok(Some(Message::new(py, 0, *m))),
+            Next::Message(m) => return message(m).map(Some),
             Next::Failed(e) => return Err(client_error(e)),
             Next::Ended => return Ok(None),
             Next::TimedOut if deadline.is_some_and(|d| Instant::now() >= d) => return Ok(None),
@@ -121,7 +122,7 @@ impl Subscription {
     /// none came in time or the subscription is over (see `active`).
     #[pyo3(signature = (timeout = None))]
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Message>> {
-        wait_for_next(py, timeout, |wait| self.next_within(py, wait))
+        wait_for_next(py, timeout, |wait| self.next_within(py, wait), |m| Ok(Message::new(py, 0, *m)))
     }
 
     /// Whether messages may still come.

@@ -139,6 +139,23 @@ def test_topics_and_functions_on_every_server(servers):
             assert got == sorted(b"n-%d" % i for i in range(6))
         assert not sub.active
 
+        # A consumer group on every server's log: acknowledged on its own server, so a new
+        # subscriber of the group gets only what came after.
+        c.create_topic("events", durable=True)
+        for i in range(6):
+            c.publish("events", b"e-%d" % i)
+        with c.subscribe_group("events", "g", "oldest") as group:
+            got = [group.get(timeout=5) for _ in range(6)]
+            assert sorted(m.payload for m in got) == [b"e-%d" % i for i in range(6)]
+            assert {m.handle.server for m in got} == set(servers.addresses)
+            assert group.ack([m.handle for m in got]) == 6
+        for i in range(6, 9):
+            c.publish("events", b"e-%d" % i)
+        with c.subscribe_group("events", "g") as group:
+            again = sorted(group.get(timeout=5).payload for _ in range(3))
+            assert again == [b"e-6", b"e-7", b"e-8"]
+            assert group.get(timeout=0.3) is None
+
         c.serve("upper", lambda m: m.payload.upper())
         assert [c.call("upper", b"x%d" % i, timeout=5).payload for i in range(6)] == [b"X%d" % i for i in range(6)]
         with pytest.raises(petrel.ServerError, match="FUNCTION_NOT_FOUND"):

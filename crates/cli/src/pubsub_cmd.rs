@@ -52,7 +52,9 @@ pub enum TopicCommand {
         #[arg(long, default_value_t = 0)]
         buffer: u32,
         /// Read a durable topic as this consumer group: each message is acknowledged once
-        /// printed, and the group resumes after the last acknowledged one next time.
+        /// printed, and the group resumes after the last acknowledged one next time. With a
+        /// list of servers, the group reads every server's log (an offset in --from is each
+        /// server's).
         #[arg(long)]
         group: Option<String>,
         /// With --group: where to start: oldest, newest, an offset, or a time (RFC 3339);
@@ -108,16 +110,21 @@ pub fn topic(cmd: TopicCommand) -> Res {
             // printed and not acknowledged comes again: at least once); a live subscription
             // misses what was published meanwhile.
             if server.is_cluster() {
-                if group.is_some() {
-                    return Err("--group reads one server's durable topic: give one --server".into());
-                }
-                // Every server's messages, each server subscribed again when it comes back.
+                // Every server's messages, each server subscribed again when it comes back; a
+                // group's messages acknowledged on their server once printed.
                 let Target::Many(cluster) = server.target()? else { unreachable!("a list is a cluster") };
-                let mut subscription = cluster.subscribe(&name, buffer)?;
+                let mut subscription = match &group {
+                    Some(g) => cluster.subscribe_group(&name, g, from.unwrap_or_default(), buffer)?,
+                    None => cluster.subscribe(&name, buffer)?,
+                };
                 while left > 0 {
-                    let Some(m) = subscription.next() else { break };
-                    print_message(&mut out, &m?, json)?;
+                    let Some(d) = subscription.next_delivery() else { break };
+                    let d = d?;
+                    print_message(&mut out, &d.message, json)?;
                     left -= 1;
+                    if group.is_some() {
+                        subscription.ack(&[d.handle])?;
+                    }
                 }
                 return Ok(ExitCode::SUCCESS);
             }

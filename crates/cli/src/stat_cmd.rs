@@ -1,7 +1,8 @@
 //! `petrel stat`: a live view of a server's queues (depth, rates in and out, open reads) and topics
 //! (publish rate, subscribers, each consumer group's lag), over the native protocol, like `nats
 //! top` and `kafka-consumer-groups`; `--once --json` for scripts (the fields of the HTTP API's
-//! `/api/v1/queues` and `/api/v1/topics`, docs/http.md).
+//! `/api/v1/queues` and `/api/v1/topics`, docs/http.md). Given a cluster (`--server A,B,C`), one
+//! table of the servers' sums, with the servers that are down named above it.
 
 use std::collections::HashMap;
 use std::io::{self, IsTerminal, Write};
@@ -9,7 +10,8 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use petrel_client::{QueueStats, TopicStats};
+use petrel_client::blocking::Client;
+use petrel_client::{ClientError, QueueStats, TopicStats};
 use serde_json::{Value, json};
 
 use crate::server_cmd::ServerArg;
@@ -48,32 +50,136 @@ struct TopicSample {
     stats: TopicStats,
 }
 
+/// A server `stat` watches, with its connection while it is up.
+struct Watched {
+    addr: String,
+    client: Option<Client>,
+    /// Why it is down.
+    error: Option<String>,
+}
+
+/// One server's queues and topics at one moment.
+fn sample_server(client: &Client, prefix: &str) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
+    let mut samples = Vec::new();
+    for name in client.list_queues()?.into_iter().filter(|n| n.starts_with(prefix)) {
+        match client.queue_status(&name) {
+            Ok(stats) => samples.push(Sample { name, stats }),
+            // Removed between the list and its status.
+            Err(e) if e.status() == Some(petrel_client::Status::QueueNotFound) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let mut topics = Vec::new();
+    for name in client.list_topics()?.into_iter().filter(|n| n.starts_with(prefix)) {
+        match client.topic_status(&name) {
+            Ok(stats) => topics.push(TopicSample { name, stats }),
+            Err(e) if e.status() == Some(petrel_client::Status::TopicNotFound) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((samples, topics))
+}
+
+/// Every watched server's queues and topics at one moment, summed by name over the servers
+/// that answered; a server that fails is marked down (and tried again at the next sample).
+fn sample(
+    watched: &mut [Watched],
+    options: &petrel_client::ClientOptions,
+    prefix: &str,
+) -> (Vec<Sample>, Vec<TopicSample>) {
+    let mut queues: HashMap<String, QueueStats> = HashMap::new();
+    let mut topics: HashMap<String, TopicStats> = HashMap::new();
+    for w in watched.iter_mut() {
+        if w.client.is_none() {
+            match Client::connect_with(&w.addr, options) {
+                Ok(c) => (w.client, w.error) = (Some(c), None),
+                Err(e) => w.error = Some(e.to_string()),
+            }
+        }
+        let Some(client) = &w.client else { continue };
+        match sample_server(client, prefix) {
+            Ok((qs, ts)) => {
+                for q in qs {
+                    // The configuration shown is the first server's.
+                    let config = || QueueStats { config: q.stats.config.clone(), ..QueueStats::default() };
+                    add_queue(queues.entry(q.name).or_insert_with(config), &q.stats);
+                }
+                for t in ts {
+                    add_topic(topics.entry(t.name).or_default(), t.stats);
+                }
+            }
+            Err(e) => (w.client, w.error) = (None, Some(e.to_string())),
+        }
+    }
+    let mut samples: Vec<Sample> = queues.into_iter().map(|(name, stats)| Sample { name, stats }).collect();
+    let mut topics: Vec<TopicSample> = topics.into_iter().map(|(name, stats)| TopicSample { name, stats }).collect();
+    samples.sort_by(|a, b| a.name.cmp(&b.name));
+    topics.sort_by(|a, b| a.name.cmp(&b.name));
+    (samples, topics)
+}
+
+/// Adds one server's figures of a queue to the sum.
+fn add_queue(sum: &mut QueueStats, one: &QueueStats) {
+    sum.items += one.items;
+    sum.bytes += one.bytes;
+    sum.in_flight += one.in_flight;
+    sum.total_offered += one.total_offered;
+    sum.total_polled += one.total_polled;
+    sum.expired += one.expired;
+    sum.dropped += one.dropped;
+    sum.waiters += one.waiters;
+    sum.delayed += one.delayed;
+}
+
+/// Adds one server's figures of a topic to the sum; a consumer group's offsets and lag are
+/// summed over the servers' logs (each server's log has offsets of its own), and it is open if
+/// a subscriber reads through it anywhere.
+fn add_topic(sum: &mut TopicStats, one: TopicStats) {
+    sum.durable |= one.durable;
+    sum.subscribers += one.subscribers;
+    sum.published += one.published;
+    sum.delivered += one.delivered;
+    sum.slow_subscribers_ended += one.slow_subscribers_ended;
+    for g in one.groups {
+        match sum.groups.iter_mut().find(|s| s.name == g.name) {
+            Some(s) => {
+                s.committed += g.committed;
+                s.next_offset += g.next_offset;
+                s.lag += g.lag;
+                s.open |= g.open;
+            }
+            None => sum.groups.push(g),
+        }
+    }
+}
+
 pub fn stat(args: StatArgs) -> Res {
-    let client = args.server.connect()?;
+    let cluster = args.server.is_cluster();
+    let options = if cluster { args.server.cluster_options()?.client } else { args.server.options()? };
+    let mut watched: Vec<Watched> = args
+        .server
+        .servers()
+        .into_iter()
+        .map(|addr| Watched { addr: addr.trim().to_owned(), client: None, error: None })
+        .collect();
+    if !cluster {
+        // One server: one that cannot be reached is an error, as for every other command.
+        watched[0].client = Some(args.server.connect()?);
+    }
     let mut previous: HashMap<String, (u64, u64)> = HashMap::new();
     let mut previous_published: HashMap<String, u64> = HashMap::new();
     let mut previous_at = Instant::now();
     let live = io::stdout().is_terminal() && !args.json && !args.once;
     loop {
-        let mut samples = Vec::new();
-        for name in client.list_queues()?.into_iter().filter(|n| n.starts_with(&args.prefix)) {
-            match client.queue_status(&name) {
-                Ok(stats) => samples.push(Sample { name, stats }),
-                // Removed between the list and its status.
-                Err(e) if e.status() == Some(petrel_client::Status::QueueNotFound) => {}
-                Err(e) => return Err(e.into()),
-            }
+        let (samples, topics) = sample(&mut watched, &options, &args.prefix);
+        if let Some(error) = watched.iter().find_map(|w| w.error.as_ref()).filter(|_| !cluster) {
+            return Err(error.clone().into());
         }
-        samples.sort_by(|a, b| a.name.cmp(&b.name));
-        let mut topics = Vec::new();
-        for name in client.list_topics()?.into_iter().filter(|n| n.starts_with(&args.prefix)) {
-            match client.topic_status(&name) {
-                Ok(stats) => topics.push(TopicSample { name, stats }),
-                Err(e) if e.status() == Some(petrel_client::Status::TopicNotFound) => {}
-                Err(e) => return Err(e.into()),
-            }
+        if watched.iter().all(|w| w.client.is_none()) {
+            let reasons: Vec<String> =
+                watched.iter().map(|w| format!("{}: {}", w.addr, w.error.as_deref().unwrap_or("down"))).collect();
+            return Err(format!("no server could be reached ({})", reasons.join("; ")).into());
         }
-        topics.sort_by(|a, b| a.name.cmp(&b.name));
         let now = Instant::now();
         let secs = now.duration_since(previous_at).as_secs_f64();
         let rates = |s: &Sample| {
@@ -89,10 +195,26 @@ pub fn stat(args: StatArgs) -> Res {
         if args.json {
             let queues: Vec<Value> = samples.iter().map(|s| queue_json(s, rates(s))).collect();
             let topics: Vec<Value> = topics.iter().map(|t| topic_json(t, published_rate(t))).collect();
-            writeln!(out, "{}", json!({ "queues": queues, "topics": topics }))?;
+            let mut sample = json!({ "queues": queues, "topics": topics });
+            if cluster {
+                let servers: Vec<Value> = watched
+                    .iter()
+                    .map(|w| json!({"server": w.addr, "up": w.client.is_some(), "error": w.error}))
+                    .collect();
+                sample["servers"] = json!(servers);
+            }
+            writeln!(out, "{sample}")?;
         } else {
             if live {
                 write!(out, "\x1b[2J\x1b[H")?; // clear the terminal, as top does
+            }
+            if cluster {
+                let up = watched.iter().filter(|w| w.client.is_some()).count();
+                write!(out, "{} servers, {up} up (figures are their sums)", watched.len())?;
+                for w in watched.iter().filter(|w| w.client.is_none()) {
+                    write!(out, "; down: {} ({})", w.addr, w.error.as_deref().unwrap_or("?"))?;
+                }
+                writeln!(out)?;
             }
             writeln!(
                 out,
@@ -160,6 +282,7 @@ fn queue_json(s: &Sample, rates: Option<(f64, f64)>) -> Value {
         "delivered": st.total_polled,
         "expired": st.expired,
         "dropped": st.dropped,
+        "delayed": st.delayed,
     });
     if let Some((offered, delivered)) = rates {
         q["offered_per_sec"] = json!(offered);

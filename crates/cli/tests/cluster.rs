@@ -431,6 +431,13 @@ fn client_commands_take_a_list_of_servers() {
         items.iter().filter(|&&n| n > 0).count() >= 2,
         "offers from 12 producers all went to one server: {items:?}"
     );
+    // `stat`: one table of the servers' sums.
+    let stat: serde_json::Value = serde_json::from_str(&run(&["stat", "--once", "--json"], b"")).unwrap();
+    assert_eq!(stat["queues"][0]["name"], "jobs", "{stat}");
+    assert_eq!(stat["queues"][0]["messages"], 300, "{stat}");
+    assert_eq!(stat["queues"][0]["offered"], 300, "{stat}");
+    assert_eq!(stat["servers"].as_array().unwrap().len(), 3, "{stat}");
+    assert!(stat["servers"].as_array().unwrap().iter().all(|s| s["up"] == true), "{stat}");
     let mut consumed: Vec<String> = run(&["consume", "jobs", "--ack"], b"").lines().map(str::to_owned).collect();
     consumed.sort();
     lines.sort();
@@ -456,6 +463,30 @@ fn client_commands_take_a_list_of_servers() {
     assert!(out.status.success());
     assert_eq!(String::from_utf8(out.stdout).unwrap(), "hello\nhello\nhello\n");
 
+    // A durable topic read by a consumer group on every server: what was printed is
+    // acknowledged on its own server, so the next run gets only what came after.
+    run(&["topic", "create", "events", "--durable"], b"");
+    let input: String = (0..6).map(|i| format!("e{i}\n")).collect();
+    for line in input.lines() {
+        run(&["topic", "publish", "events"], format!("{line}\n").as_bytes()); // each to the next server
+    }
+    let sorted = |text: String| {
+        let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        lines.sort();
+        lines
+    };
+    let first = run(&["topic", "subscribe", "events", "--group", "g", "--from", "oldest", "--count", "6"], b"");
+    assert_eq!(sorted(first), (0..6).map(|i| format!("e{i}")).collect::<Vec<_>>());
+    run(&["topic", "publish", "events"], b"e6\ne7\n");
+    run(&["topic", "publish", "events"], b"e8\n");
+    let second = run(&["topic", "subscribe", "events", "--group", "g", "--count", "3"], b"");
+    assert_eq!(sorted(second), ["e6", "e7", "e8"], "the group resumed after what it acknowledged, on every server");
+    let stat: serde_json::Value = serde_json::from_str(&run(&["stat", "--once", "--json"], b"")).unwrap();
+    let events = stat["topics"].as_array().unwrap().iter().find(|t| t["name"] == "events").unwrap().clone();
+    assert_eq!(events["published"], 9, "{events}");
+    assert_eq!(events["groups"][0]["lag"], 0, "{events}");
+    assert_eq!(events["groups"][0]["next_offset"], 9, "offsets summed over the servers' logs: {events}");
+
     // A function served on every server answers a call made to any.
     let mut replier = std::process::Command::new(env!("CARGO_BIN_EXE_petrel"))
         .args(["reply", "ping", "--text", "pong", "--count", "5", "--server", &list])
@@ -475,6 +506,16 @@ fn client_commands_take_a_list_of_servers() {
         }
     }
     assert!(replier.wait().unwrap().success());
+
+    // A server down: `stat` shows the others' sums and names it.
+    let mut servers = servers;
+    let down = servers.pop().unwrap();
+    let down_addr = down.addr.clone();
+    down.kill9();
+    let table = run(&["stat", "--once"], b"");
+    assert!(table.starts_with("3 servers, 2 up"), "{table}");
+    assert!(table.contains(&format!("down: {down_addr}")), "{table}");
+    assert!(table.lines().any(|l| l.starts_with("jobs ")), "{table}");
 }
 
 /// A poll of a queue no server has is an error, as on one server; one that only some servers

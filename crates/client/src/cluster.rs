@@ -23,7 +23,7 @@ use tokio::sync::{Notify, mpsc};
 
 use crate::{
     Client, ClientError, ClientOptions, Delivery, Message, PollOptions, QueueConfig, QueueStats, Request, Response,
-    Status, Subscription,
+    StartFrom, Status, Subscription,
 };
 
 /// How a cluster reaches its servers and how patient it is with them.
@@ -949,19 +949,51 @@ impl Cluster {
     /// loss (a live subscription: what was published there meanwhile is missed). `buffer` as
     /// for `Client::subscribe`, per server.
     pub async fn subscribe(&self, topic: &str, buffer: u32) -> Result<ClusterSubscription, ClientError> {
+        self.follow(topic, None, buffer).await
+    }
+
+    /// Reads a durable topic as consumer group `group` on every server (each server's log and
+    /// cursor are its own): from `from` at first, and where the group stands on a server that
+    /// comes back after a loss (what it had delivered and not acknowledged comes again: at
+    /// least once). `max_unacked` as for `Client::subscribe_group`, per server. Take messages
+    /// with `next_delivery` and acknowledge them with `ClusterSubscription::ack`.
+    pub async fn subscribe_group(
+        &self,
+        topic: &str,
+        group: &str,
+        from: StartFrom,
+        max_unacked: u32,
+    ) -> Result<ClusterSubscription, ClientError> {
+        self.follow(topic, Some((group.to_owned(), from)), max_unacked).await
+    }
+
+    async fn follow(
+        &self,
+        topic: &str,
+        group: Option<(String, StartFrom)>,
+        buffer: u32,
+    ) -> Result<ClusterSubscription, ClientError> {
+        let n = self.shared.members.len();
         let (tx, rx) = mpsc::channel(crate::SUBSCRIPTION_BUFFER);
-        let (ready_tx, mut ready_rx) = mpsc::channel(self.shared.members.len());
-        let tasks = (0..self.shared.members.len())
+        let (ready_tx, mut ready_rx) = mpsc::channel(n);
+        let current: Arc<Mutex<Vec<Option<Following>>>> = Arc::new(Mutex::new(vec![None; n]));
+        let tasks = (0..n)
             .map(|i| {
-                let (shared, tx, ready, topic) =
-                    (Arc::clone(&self.shared), tx.clone(), ready_tx.clone(), topic.to_owned());
-                tokio::spawn(follow_topic(shared, i, topic, buffer, tx, ready))
+                let follow = FollowTopic {
+                    shared: Arc::clone(&self.shared),
+                    i,
+                    topic: topic.to_owned(),
+                    group: group.clone(),
+                    buffer,
+                    current: Arc::clone(&current),
+                };
+                tokio::spawn(follow.run(tx.clone(), ready_tx.clone()))
             })
             .collect();
         drop(ready_tx);
         // Answer once each server has answered its first SUBSCRIBE (or was down): the first
         // error is the caller's (a topic that does not exist, a forbidden one).
-        let subscription = ClusterSubscription { rx, tasks };
+        let subscription = ClusterSubscription { rx, tasks, current };
         while let Some(first) = ready_rx.recv().await {
             first?;
         }
@@ -1079,78 +1111,153 @@ fn deliveries(server: usize, connection: u64, taken: Vec<Delivery>) -> Vec<Clust
         .collect()
 }
 
+/// One server's part of a cluster subscription while it is subscribed: what acknowledges a
+/// group's messages there.
+#[derive(Clone)]
+struct Following {
+    client: Client,
+    connection: u64,
+    subscription: u64,
+}
+
 /// Keeps one server's part of a cluster subscription: subscribes while the server is up,
-/// forwards its messages, and subscribes again after it comes back. Says on `ready` how its
-/// first SUBSCRIBE went (or that the server was down). It holds the cluster: the subscription's
-/// drop ends it.
-async fn follow_topic(
+/// forwards its messages, and subscribes again after it comes back (a group where it stands).
+/// It holds the cluster: the subscription's drop ends it.
+struct FollowTopic {
     shared: Arc<Shared>,
     i: usize,
     topic: String,
+    /// A consumer group and where it starts the first time.
+    group: Option<(String, StartFrom)>,
+    /// The live subscription's buffer, or the group's most unacknowledged messages.
     buffer: u32,
-    tx: mpsc::Sender<Result<Message, ClientError>>,
-    ready: mpsc::Sender<Result<(), ClientError>>,
-) {
-    let mut ready = Some(ready);
-    loop {
-        let changed = shared.changed.notified();
-        tokio::pin!(changed);
-        changed.as_mut().enable();
-        if shared.closed.load(Ordering::Acquire) {
-            return; // the cluster was closed: with every server's part ended, so is the stream
-        }
-        let Some((client, connection)) = shared.current(i) else {
+    current: Arc<Mutex<Vec<Option<Following>>>>,
+}
+
+impl FollowTopic {
+    /// Says on `ready` how its first SUBSCRIBE went (or that the server was down).
+    async fn run(
+        mut self,
+        tx: mpsc::Sender<Result<ClusterDelivery, ClientError>>,
+        ready: mpsc::Sender<Result<(), ClientError>>,
+    ) {
+        let (shared, i) = (Arc::clone(&self.shared), self.i);
+        let mut ready = Some(ready);
+        loop {
+            let changed = shared.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if shared.closed.load(Ordering::Acquire) {
+                return; // the cluster was closed: with every server's part ended, so is the stream
+            }
+            let Some((client, connection)) = shared.current(i) else {
+                if let Some(ready) = ready.take() {
+                    let _ = ready.send(Ok(())).await;
+                }
+                changed.await;
+                continue;
+            };
+            let subscribing = async {
+                match &self.group {
+                    Some((group, from)) => client.subscribe_group(&self.topic, group, *from, self.buffer).await,
+                    None => client.subscribe(&self.topic, self.buffer).await,
+                }
+            };
+            let mut subscription: Subscription = match shared.on(i, connection, Duration::ZERO, subscribing).await {
+                Ok(s) => s,
+                Err(e) if e.is_connection_lost() => continue,
+                Err(e) => {
+                    if let Some(ready) = ready.take() {
+                        let _ = ready.send(Err(e)).await;
+                    } else {
+                        let _ = tx.send(Err(e)).await;
+                    }
+                    return;
+                }
+            };
+            if let Some((_, from)) = &mut self.group {
+                *from = StartFrom::Resume; // after a loss, where the group stands
+            }
+            lock(&self.current)[i] = Some(Following { client, connection, subscription: subscription.id });
             if let Some(ready) = ready.take() {
                 let _ = ready.send(Ok(())).await;
             }
-            changed.await;
-            continue;
-        };
-        let subscribed = shared.on(i, connection, Duration::ZERO, client.subscribe(&topic, buffer)).await;
-        let mut subscription: Subscription = match subscribed {
-            Ok(s) => s,
-            Err(e) if e.is_connection_lost() => continue,
-            Err(e) => {
-                if let Some(ready) = ready.take() {
-                    let _ = ready.send(Err(e)).await;
-                } else {
-                    let _ = tx.send(Err(e)).await;
-                }
-                return;
-            }
-        };
-        if let Some(ready) = ready.take() {
-            let _ = ready.send(Ok(())).await;
-        }
-        while let Some(item) = subscription.next().await {
-            match item {
-                Ok(m) => {
-                    if tx.send(Ok(m)).await.is_err() {
+            while let Some(item) = subscription.next().await {
+                match item {
+                    Ok(m) => {
+                        let handle = ClusterHandle { server: i, connection, handle: m.id };
+                        if tx.send(Ok(ClusterDelivery { handle, message: m })).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) if e.is_connection_lost() => break,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
                         return;
                     }
                 }
-                Err(e) if e.is_connection_lost() => break,
-                Err(e) => {
-                    let _ = tx.send(Err(e)).await;
-                    return;
-                }
             }
+            lock(&self.current)[i] = None;
+            shared.mark_down(i, connection, &ClientError::Closed);
         }
-        shared.mark_down(i, connection, &ClientError::Closed);
     }
 }
 
 /// A subscription to a topic on every server of a cluster: one stream of their messages.
 /// Dropping it unsubscribes everywhere.
 pub struct ClusterSubscription {
-    rx: mpsc::Receiver<Result<Message, ClientError>>,
+    rx: mpsc::Receiver<Result<ClusterDelivery, ClientError>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    current: Arc<Mutex<Vec<Option<Following>>>>,
 }
 
 impl ClusterSubscription {
     /// The next message from any server; an error ends one server's part (the others go on).
     pub async fn next(&mut self) -> Option<Result<Message, ClientError>> {
+        Some(self.next_delivery().await?.map(|d| d.message))
+    }
+
+    /// The next message with what acknowledges it (for a consumer group: its server, and its
+    /// id as the handle).
+    pub async fn next_delivery(&mut self) -> Option<Result<ClusterDelivery, ClientError>> {
         self.rx.recv().await
+    }
+
+    /// Acknowledges a group's messages, each on its server; returns how many counted (those
+    /// delivered on a connection since lost do not: they come again).
+    pub async fn ack(&self, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
+        self.acks().ack(handles).await
+    }
+
+    /// What acknowledges this subscription's messages, apart from it (so that one task may
+    /// acknowledge while another waits for the next message).
+    pub fn acks(&self) -> ClusterAcks {
+        ClusterAcks { current: Arc::clone(&self.current) }
+    }
+}
+
+/// Acknowledges a cluster group subscription's messages (`ClusterSubscription::acks`).
+#[derive(Clone)]
+pub struct ClusterAcks {
+    current: Arc<Mutex<Vec<Option<Following>>>>,
+}
+
+impl ClusterAcks {
+    /// As `ClusterSubscription::ack`.
+    pub async fn ack(&self, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
+        let mut total = 0;
+        let servers: HashSet<usize> = handles.iter().map(|h| h.server).collect();
+        for i in servers {
+            let Some(f) = lock(&self.current).get(i).cloned().flatten() else { continue };
+            let ids: Vec<u64> =
+                handles.iter().filter(|h| h.server == i && h.connection == f.connection).map(|h| h.handle).collect();
+            match f.client.ack_subscription(f.subscription, &ids).await {
+                Ok(n) => total += n,
+                Err(e) if e.is_connection_lost() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(total)
     }
 }
 

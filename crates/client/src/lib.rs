@@ -43,7 +43,8 @@ use tokio::sync::{mpsc, oneshot};
 mod cluster;
 mod follow;
 pub use cluster::{
-    Cluster, ClusterDelivery, ClusterHandle, ClusterOptions, ClusterStats, ClusterSubscription, Offered, ServerState,
+    Cluster, ClusterAcks, ClusterDelivery, ClusterHandle, ClusterOptions, ClusterStats, ClusterSubscription, Offered,
+    ServerState,
 };
 pub use follow::{ConnectionEvent, EventHandler, FollowedSubscription, Follower, Reconnect};
 
@@ -1065,6 +1066,17 @@ pub mod blocking {
             let inner = self.rt.block_on(self.inner.subscribe(topic, buffer))?;
             Ok(ClusterSubscription { rt: &self.rt, inner })
         }
+        /// A consumer group on every server ([`super::Cluster::subscribe_group`]).
+        pub fn subscribe_group(
+            &self,
+            topic: &str,
+            group: &str,
+            from: StartFrom,
+            max_unacked: u32,
+        ) -> Result<ClusterSubscription<'_>, ClientError> {
+            let inner = self.rt.block_on(self.inner.subscribe_group(topic, group, from, max_unacked))?;
+            Ok(ClusterSubscription { rt: &self.rt, inner })
+        }
         pub fn call(
             &self,
             function: &str,
@@ -1082,6 +1094,15 @@ pub mod blocking {
     pub struct ClusterSubscription<'a> {
         rt: &'a tokio::runtime::Runtime,
         inner: super::ClusterSubscription,
+    }
+
+    impl ClusterSubscription<'_> {
+        pub fn next_delivery(&mut self) -> Option<Result<ClusterDelivery, ClientError>> {
+            self.rt.block_on(self.inner.next_delivery())
+        }
+        pub fn ack(&self, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.ack(handles))
+        }
     }
 
     impl Iterator for ClusterSubscription<'_> {
