@@ -767,35 +767,26 @@ impl Cluster {
             }
             let mut any_up = false;
             if first {
-                // Every server at once, in one round trip: what comes back beyond `max` is kept
-                // for the next polls.
                 first = false;
                 let up: Vec<(usize, Client, u64)> =
                     shared.order(None).into_iter().filter_map(|i| shared.current(i).map(|(c, n)| (i, c, n))).collect();
                 any_up = !up.is_empty();
-                let polls = up.iter().map(|(i, client, connection)| async move {
-                    (*i, *connection, shared.on(*i, *connection, Duration::ZERO, client.poll(queue, now_options)).await)
-                });
-                let mut taken = Vec::new();
+                // The next server in turn alone first, asked for what every server up would
+                // have been asked for together (`max` each): while it has messages, a poll is
+                // one request, what comes beyond `max` is kept for the next polls, and their
+                // acknowledgements go to one server. Only when it has none are the others
+                // asked, all at once (one round trip).
+                let prefetch = PollOptions {
+                    max: now_options.max.saturating_mul(up.len().max(1) as u32).min(MAX_PARKED),
+                    ..now_options
+                };
                 let mut first_refusal = None;
-                for (i, connection, answer) in join_all(polls).await {
-                    match answer {
-                        Ok(t) => taken.extend(deliveries(i, connection, t)),
-                        // A server that refuses (no such queue there, not allowed) is not waited on.
-                        Err(e) if !e.is_connection_lost() => {
-                            refused.insert(i);
-                            first_refusal.get_or_insert(e);
-                        }
-                        Err(_) => {}
+                let (next, others) = up.split_at(up.len().min(1));
+                for (servers, options) in [(next, prefetch), (others, now_options)] {
+                    let mut taken = self.poll_now(queue, servers, options, &mut refused, &mut first_refusal).await;
+                    if taken.is_empty() {
+                        continue;
                     }
-                }
-                if let Some(e) = first_refusal
-                    && taken.is_empty()
-                    && refused.len() == up.len()
-                {
-                    return Err(e);
-                }
-                if !taken.is_empty() {
                     if taken.len() > max {
                         lock(&shared.parked).entry(key.clone()).or_default().arrived.extend(taken.drain(max..));
                         shared.changed.notify_waiters();
@@ -804,6 +795,14 @@ impl Cluster {
                     if !taken.is_empty() {
                         return Ok(taken);
                     }
+                    break; // only copies came: look at the arrivals again
+                }
+                if let Some(e) = first_refusal
+                    && refused.len() == up.len()
+                {
+                    return Err(e);
+                }
+                if !lock(&shared.parked).get(&key).is_none_or(|p| p.arrived.is_empty()) {
                     continue;
                 }
             }
@@ -818,6 +817,34 @@ impl Cluster {
             self.park(&key, PollOptions { timeout: deadline - now, ..options }, &refused);
             let _ = tokio::time::timeout_at(deadline, changed).await;
         }
+    }
+
+    /// Polls `servers` at once without waiting; a server that refuses (no such queue there, not
+    /// allowed) goes into `refused`, and the first refusal into `first_refusal`.
+    async fn poll_now(
+        &self,
+        queue: &str,
+        servers: &[(usize, Client, u64)],
+        options: PollOptions,
+        refused: &mut HashSet<usize>,
+        first_refusal: &mut Option<ClientError>,
+    ) -> Vec<ClusterDelivery> {
+        let shared = &self.shared;
+        let polls = servers.iter().map(|(i, client, connection)| async move {
+            (*i, *connection, shared.on(*i, *connection, Duration::ZERO, client.poll(queue, options)).await)
+        });
+        let mut taken = Vec::new();
+        for (i, connection, answer) in join_all(polls).await {
+            match answer {
+                Ok(t) => taken.extend(deliveries(i, connection, t)),
+                Err(e) if !e.is_connection_lost() => {
+                    refused.insert(i);
+                    first_refusal.get_or_insert(e);
+                }
+                Err(_) => {}
+            }
+        }
+        taken
     }
 
     /// Up to `max` deliveries that waiting polls brought for `key`, copies dropped.
