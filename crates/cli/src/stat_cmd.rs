@@ -160,7 +160,9 @@ pub fn stat(args: StatArgs) -> Res {
         .server
         .servers()
         .into_iter()
-        .map(|addr| Watched { addr: addr.trim().to_owned(), client: None, error: None })
+        .map(str::trim)
+        .filter(|addr| !addr.is_empty()) // `A,` is a cluster of one
+        .map(|addr| Watched { addr: addr.to_owned(), client: None, error: None })
         .collect();
     if !cluster {
         // One server: one that cannot be reached is an error, as for every other command.
@@ -210,7 +212,8 @@ pub fn stat(args: StatArgs) -> Res {
             }
             if cluster {
                 let up = watched.iter().filter(|w| w.client.is_some()).count();
-                write!(out, "{} servers, {up} up (figures are their sums)", watched.len())?;
+                let servers = crate::output::count(watched.len() as u64, "server");
+                write!(out, "{servers}, {up} up (figures are their sums)")?;
                 for w in watched.iter().filter(|w| w.client.is_none()) {
                     write!(out, "; down: {} ({})", w.addr, w.error.as_deref().unwrap_or("?"))?;
                 }
