@@ -15,7 +15,6 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::cluster::Stoppable;
 use crate::completions::{Completions, Inner, outcome, outcome_with};
 use crate::functions::{AsyncCalls, IncomingCall};
 use crate::subscription::{AsyncSubscriptionCore, Subscription, start_from};
@@ -50,6 +49,29 @@ fn stop_serving() -> bool {
     let serving = std::mem::take(&mut *SERVING.lock().unwrap_or_else(|e| e.into_inner()));
     serving.iter().for_each(Stoppable::stop);
     !serving.is_empty()
+}
+
+/// A blocking client or cluster that `petrel` ends at exit, so that no handler starts while the
+/// interpreter finalizes.
+pub(crate) enum Stoppable {
+    Client(petrel_client::Client),
+    Cluster(petrel_client::Cluster),
+}
+
+impl Stoppable {
+    pub(crate) fn stop(&self) {
+        match self {
+            Stoppable::Client(c) => c.close(),
+            Stoppable::Cluster(c) => c.close(),
+        }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        match self {
+            Stoppable::Client(c) => c.is_closed(),
+            Stoppable::Cluster(c) => c.is_closed(),
+        }
+    }
 }
 
 /// Has `serving` closed at exit (see `stop_serving`).
@@ -281,6 +303,27 @@ pub(crate) fn poll_options(max: u32, wait: Duration, visibility: Option<f64>) ->
     PollOptions { max: max.max(1), timeout: wait, visibility }
 }
 
+/// Polls by `poll_once(wait)` until something comes or `timeout` seconds (`None`: for ever) pass,
+/// in server-side waits of at most `LONG_POLL`, Python's signals looked at between them.
+pub(crate) fn poll_in_waits<T>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    mut poll_once: impl FnMut(Duration) -> PyResult<Vec<T>>,
+) -> PyResult<Vec<T>> {
+    let deadline = crate::timeout_from(timeout).map(|t| std::time::Instant::now() + t);
+    loop {
+        let wait = match deadline {
+            Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(LONG_POLL),
+            None => LONG_POLL,
+        };
+        let delivered = poll_once(wait)?;
+        if !delivered.is_empty() || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            return Ok(delivered);
+        }
+        py.check_signals()?;
+    }
+}
+
 /// How long an asyncio poll that takes for good holds its messages tentatively before it
 /// acknowledges them (they come back after it if the acknowledgement never comes).
 const ASYNC_TAKE_VISIBILITY: Duration = Duration::from_secs(30);
@@ -403,19 +446,10 @@ impl Client {
         timeout: Option<f64>,
         visibility: Option<f64>,
     ) -> PyResult<Vec<Message>> {
-        // Server-side waits of at most LONG_POLL, Python's signals looked at between them.
-        let deadline = crate::timeout_from(timeout).map(|t| std::time::Instant::now() + t);
-        loop {
-            let wait = match deadline {
-                Some(d) => d.saturating_duration_since(std::time::Instant::now()).min(LONG_POLL),
-                None => LONG_POLL,
-            };
-            let delivered = self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))?;
-            if !delivered.is_empty() || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-                return Ok(delivered.into_iter().map(|d| Message::new(py, d.handle, d.message)).collect());
-            }
-            py.check_signals()?;
-        }
+        let delivered = poll_in_waits(py, timeout, |wait| {
+            self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))
+        })?;
+        Ok(delivered.into_iter().map(|d| Message::new(py, d.handle, d.message)).collect())
     }
 
     /// Takes the message at the head tentatively: gone once acknowledged, back at the head after

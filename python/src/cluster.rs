@@ -6,17 +6,18 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use petrel_client::{ClusterOptions, PollOptions};
+use petrel_client::ClusterOptions;
+use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
 use crate::client::{
-    LONG_POLL, Message, QueueOptions, client_error, connect_options, message_of, millis, offered, outgoing,
-    poll_options, queue_config, runtime,
+    Message, QueueOptions, Stoppable, client_error, connect_options, message_of, millis, offered, outgoing,
+    poll_in_waits, poll_options, queue_config, runtime,
 };
 use crate::subscription::{Next, wait_for_next};
 
@@ -112,12 +113,10 @@ impl Cluster {
         if request_timeout.is_zero() {
             return Err(PyValueError::new_err("request_timeout: seconds, more than 0"));
         }
-        let connect_timeout = client.connect_timeout.min(request_timeout.max(Duration::from_secs(1)));
-        let options = ClusterOptions {
-            client: petrel_client::ClientOptions { connect_timeout, ..client },
-            request_timeout,
-            ..ClusterOptions::default()
-        };
+        // The cluster's connect timeout (its default), the flags' credentials and TLS, as the CLI.
+        let defaults = ClusterOptions::default();
+        let client = petrel_client::ClientOptions { connect_timeout: defaults.client.connect_timeout, ..client };
+        let options = ClusterOptions { client, request_timeout, ..defaults };
         let inner = py.detach(|| runtime().block_on(petrel_client::Cluster::connect(&addrs, options)));
         Ok(Cluster { inner: inner.map_err(client_error)?, addrs })
     }
@@ -236,31 +235,21 @@ impl Cluster {
         timeout: Option<f64>,
         visibility: Option<f64>,
     ) -> PyResult<Vec<Message>> {
-        let deadline = crate::timeout_from(timeout).map(|t| Instant::now() + t);
-        loop {
-            let wait = match deadline {
-                Some(d) => d.saturating_duration_since(Instant::now()).min(LONG_POLL),
-                None => LONG_POLL,
-            };
-            let options: PollOptions = poll_options(max, wait, visibility);
-            let delivered = self.wait(py, self.inner.poll(queue, options))?;
-            if !delivered.is_empty() || deadline.is_some_and(|d| Instant::now() >= d) {
-                let tentative = visibility.is_some();
-                return delivered
-                    .into_iter()
-                    .map(|d| {
-                        let handle = if tentative {
-                            let server = self.addrs[d.handle.server].clone();
-                            Py::new(py, ClusterHandle { inner: d.handle, server })?.into_any()
-                        } else {
-                            py.None()
-                        };
-                        Ok(Message::with_handle(py, handle, d.message))
-                    })
-                    .collect();
-            }
-            py.check_signals()?;
-        }
+        let delivered = poll_in_waits(py, timeout, |wait| {
+            self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))
+        })?;
+        delivered
+            .into_iter()
+            .map(|d| {
+                let handle = if visibility.is_some() {
+                    let server = self.addrs[d.handle.server].clone();
+                    Py::new(py, ClusterHandle { inner: d.handle, server })?.into_any()
+                } else {
+                    0u64.into_py_any(py)?
+                };
+                Ok(Message::with_handle(py, handle, d.message))
+            })
+            .collect()
     }
 
     /// Takes one message tentatively (see `Client.take`); its handle is a `ClusterHandle`.
@@ -427,28 +416,6 @@ impl Route {
         match self {
             Route::Text(s) => s.as_bytes(),
             Route::Bytes(b) => b,
-        }
-    }
-}
-
-/// What `petrel` ends at exit so that no handler starts while the interpreter finalizes.
-pub(crate) enum Stoppable {
-    Client(petrel_client::Client),
-    Cluster(petrel_client::Cluster),
-}
-
-impl Stoppable {
-    pub(crate) fn stop(&self) {
-        match self {
-            Stoppable::Client(c) => c.close(),
-            Stoppable::Cluster(c) => c.close(),
-        }
-    }
-
-    pub(crate) fn is_closed(&self) -> bool {
-        match self {
-            Stoppable::Client(c) => c.is_closed(),
-            Stoppable::Cluster(c) => c.is_closed(),
         }
     }
 }

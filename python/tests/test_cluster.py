@@ -160,3 +160,25 @@ def test_topics_and_functions_on_every_server(servers):
         assert [c.call("upper", b"x%d" % i, timeout=5).payload for i in range(6)] == [b"X%d" % i for i in range(6)]
         with pytest.raises(petrel.ServerError, match="FUNCTION_NOT_FOUND"):
             c.call("lower", b"x", timeout=1)
+
+
+def test_a_group_resumes_where_it_stands_on_a_restarted_server(servers):
+    with petrel.Cluster(servers.addresses) as c:
+        c.create_topic("audit", durable=True)
+        with c.subscribe_group("audit", "g", "oldest") as group:
+            for i in range(6):
+                c.publish("audit", b"a-%d" % i)
+            got = [group.get(timeout=5) for _ in range(6)]
+            assert sorted(m.payload for m in got) == [b"a-%d" % i for i in range(6)]
+            assert group.ack([m.handle for m in got]) == 6
+
+            servers.kill(1)
+            servers.restart(1)
+            deadline = time.monotonic() + 10
+            while not c.stats()["servers"][1]["up"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for i in range(6, 12):
+                c.publish("audit", b"a-%d" % i)
+            again = sorted(group.get(timeout=5).payload for _ in range(6))
+            assert again == sorted(b"a-%d" % i for i in range(6, 12)), "what was acknowledged did not come again"
+            assert group.get(timeout=0.5) is None

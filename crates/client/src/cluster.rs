@@ -1278,6 +1278,9 @@ impl ClusterAcks {
             let Some(f) = lock(&self.current).get(i).cloned().flatten() else { continue };
             let ids: Vec<u64> =
                 handles.iter().filter(|h| h.server == i && h.connection == f.connection).map(|h| h.handle).collect();
+            if ids.is_empty() {
+                continue; // all delivered on a connection since lost
+            }
             match f.client.ack_subscription(f.subscription, &ids).await {
                 Ok(n) => total += n,
                 Err(e) if e.is_connection_lost() => {}
