@@ -177,6 +177,15 @@ impl Log {
         Ok(found.map(|r| Record::from_owned(py, r)))
     }
 
+    /// The records at `offsets`, in their order (`None` for one not in the log): many random
+    /// lookups at once, their memory misses overlapped.
+    fn get_many(&self, py: Python<'_>, offsets: Vec<u64>) -> PyResult<Vec<Option<Record>>> {
+        let log = self.shared()?;
+        let mut found: Vec<Option<OwnedRecord>> = vec![None; offsets.len()];
+        py.detach(|| log.reader().get_many(&offsets, |i, r| found[i] = Some(r.to_owned()))).map_err(log_error)?;
+        Ok(found.into_iter().map(|r| r.map(|r| Record::from_owned(py, r))).collect())
+    }
+
     /// The first record written at or after `timestamp` (ns since the Unix epoch).
     fn get_by_time(&self, py: Python<'_>, timestamp: u64) -> PyResult<Option<Record>> {
         let log = self.shared()?;

@@ -21,6 +21,8 @@ def test_append_get_iterate_and_lookups(tmp_path):
         assert (record.offset, record.payload, record.key) == (1, b"second", b"k")
         assert record.timestamp > 0
         assert log.get(5) is None
+        found = log.get_many([4, 9, 0, 4])
+        assert [r and (r.offset, r.payload) for r in found] == [(4, b"c"), None, (0, b"first"), (4, b"c")]
         assert [r.payload for r in log] == [b"first", b"second", b"a", b"b", b"c"]
         assert [r.offset for r in log.reader(3)] == [3, 4]
         assert log.get_by_key(b"k").offset == 1

@@ -221,6 +221,14 @@ impl DenseIndex {
         (pos != 0).then_some(pos as usize)
     }
 
+    /// Starts loading the `i`-th record's position into the cache (see `Reader::get_many`).
+    #[inline]
+    pub(crate) fn prefetch(&self, i: usize) {
+        if let Some(chunk) = self.chunks.get(i / CHUNK).and_then(|c| c.get()) {
+            crate::mmap::prefetch(&chunk[i % CHUNK]);
+        }
+    }
+
     /// Fills the index from the frames in `data` (a segment's published bytes from
     /// `SEGMENT_HEADER_LEN`), once.
     pub(crate) fn build_once(&self, data: &[u8]) {

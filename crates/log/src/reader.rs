@@ -97,6 +97,89 @@ impl Reader {
         self.read_next()
     }
 
+    /// The records at `offsets`, each passed to `found` with its index in `offsets`, in that
+    /// order; offsets not in the log are skipped. For random offsets in a log larger than the
+    /// CPU's caches this is several times faster than a `get` per offset: each lookup is two
+    /// cache misses in a row (its position in the dense index, then its frame), and here the
+    /// lookups ahead have theirs in flight while the current one is checked. Every frame is
+    /// checked (CRC, offset) as `get` does. The reader's position does not move.
+    pub fn get_many(&mut self, offsets: &[u64], mut found: impl FnMut(usize, Record<'_>)) -> Result<()> {
+        self.shared.check_poison()?;
+        let (first, end) = (self.first_offset(), self.end_offset());
+        let segments: Vec<Arc<Segment>> = self.shared.segments().clone();
+        let mut indexes: Vec<Option<Arc<crate::index::DenseIndex>>> = vec![None; segments.len()];
+        let budget = &self.shared.options().page_budget;
+        // The dense index of segment `s`, built on first use (and its pages counted as used).
+        fn index_of<'a>(
+            indexes: &'a mut [Option<Arc<crate::index::DenseIndex>>],
+            segments: &[Arc<Segment>],
+            budget: &crate::resident::PageBudget,
+            s: usize,
+        ) -> &'a crate::index::DenseIndex {
+            indexes[s].get_or_insert_with(|| {
+                if s + 1 < segments.len() {
+                    budget.touch(&segments[s], crate::resident::Use::Sealed);
+                }
+                segments[s].positions()
+            })
+        }
+        let segment_of = |offset: u64| -> Option<usize> {
+            if offset < first || offset >= end {
+                return None;
+            }
+            // Retention may have removed the oldest segments since `first` was read.
+            segments.partition_point(|s| s.base <= offset).checked_sub(1)
+        };
+        // Lookup i has its position prefetched at step i, its frame at step i + AHEAD, and is
+        // checked at step i + 2 × AHEAD; `located` holds the frames in between.
+        const AHEAD: usize = 8;
+        let mut located = [None::<(usize, usize)>; 2 * AHEAD];
+        for step in 0..offsets.len() + 2 * AHEAD {
+            if let Some(&offset) = offsets.get(step)
+                && let Some(s) = segment_of(offset)
+            {
+                index_of(&mut indexes, &segments, budget, s).prefetch((offset - segments[s].base) as usize);
+            }
+            if let Some(i) = step.checked_sub(AHEAD)
+                && let Some(&offset) = offsets.get(i)
+            {
+                located[i % located.len()] = match segment_of(offset) {
+                    Some(s) => {
+                        let seg = &segments[s];
+                        let pos = match index_of(&mut indexes, &segments, budget, s).get((offset - seg.base) as usize) {
+                            Some(pos) => pos,
+                            None => locate(self.shared.dir(), seg, offset)?,
+                        };
+                        let published = seg.map.published();
+                        published.prefetch(pos);
+                        // A small frame often straddles two cache lines.
+                        published.prefetch((pos + 63).min(published.end() - 1));
+                        Some((s, pos))
+                    }
+                    None => None,
+                };
+            }
+            if let Some(i) = step.checked_sub(2 * AHEAD)
+                && let Some((s, pos)) = located[i % located.len()].take()
+            {
+                let seg = &segments[s];
+                let data = seg.map.published().from(pos);
+                let expected = offsets[i];
+                let reason = match frame::decode(data, data.len()) {
+                    Ok(Decoded::Frame(record, _)) if record.offset == expected => {
+                        found(i, record);
+                        continue;
+                    }
+                    Ok(Decoded::Frame(record, _)) => Reason::Gap { expected, found: record.offset },
+                    Ok(Decoded::Empty) => Reason::Missing { expected },
+                    Err(e) => Reason::Frame(e),
+                };
+                return Err(corrupt(&seg.path, pos as u64, Some(expected), reason));
+            }
+        }
+        Ok(())
+    }
+
     /// The last record with `key`, with the key index (`Options::key_index`); `None` if no
     /// record has that key.
     pub fn get_by_key(&mut self, key: &[u8]) -> Result<Option<Record<'_>>> {

@@ -227,6 +227,13 @@ fn a_flipped_byte_in_a_sealed_segment_is_reported_then_repaired() {
     assert!(*position <= at as u64 && *position + 400 > at as u64, "{err}");
     let bad_offset = offset.unwrap();
     assert!(err.to_string().contains(&victim.display().to_string()));
+    // A batch of lookups checks every frame too: the records before the damaged one come, then
+    // the error names it.
+    let mut got = Vec::new();
+    let err = reader.get_many(&[0, bad_offset - 1, bad_offset, 1], |i, r| got.push((i, r.offset))).unwrap_err();
+    assert_eq!(got, [(0, 0), (1, bad_offset - 1)]);
+    let Error::Corrupt { file, offset, .. } = &err else { panic!("{err}") };
+    assert_eq!((file, *offset), (victim, Some(bad_offset)));
     drop(log);
 
     let report = verify::verify(dir.path(), |_, _| {}).unwrap();

@@ -16,7 +16,12 @@ enum Op {
     Append(Rec),
     Batch(Vec<Vec<u8>>),
     Get(usize),
-    Scan { from: usize, max: usize },
+    Scan {
+        from: usize,
+        max: usize,
+    },
+    /// Lookups by offset in one `get_many`, some past the end.
+    GetMany(Vec<usize>),
     Sync,
     Reopen,
 }
@@ -44,6 +49,7 @@ fn op() -> impl Strategy<Value = Op> {
         10 => rec().prop_map(Op::Append),
         3 => prop::collection::vec(payload(), 0..20).prop_map(Op::Batch),
         4 => any::<usize>().prop_map(Op::Get),
+        2 => prop::collection::vec(any::<usize>(), 0..40).prop_map(Op::GetMany),
         2 => (any::<usize>(), 1usize..300).prop_map(|(from, max)| Op::Scan { from, max }),
         1 => Just(Op::Sync),
         2 => Just(Op::Reopen),
@@ -91,6 +97,19 @@ proptest! {
                         }
                         None => prop_assert!(offset as usize >= model.len()),
                     }
+                }
+                Op::GetMany(picks) => {
+                    let mut reader = log.reader();
+                    let offsets: Vec<u64> = picks.iter().map(|i| (i % (model.len() + 2)) as u64).collect();
+                    let mut got = Vec::new();
+                    reader.get_many(&offsets, |i, r| got.push((i, r.offset, same(&r, &model[r.offset as usize])))).unwrap();
+                    let expected: Vec<(usize, u64, bool)> = offsets
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, o)| (**o as usize) < model.len())
+                        .map(|(i, o)| (i, *o, true))
+                        .collect();
+                    prop_assert_eq!(got, expected);
                 }
                 Op::Scan { from, max } => {
                     let mut reader = log.reader();
