@@ -3,12 +3,14 @@
 //! Whoever needs record `offset` durable calls `make_durable(offset)`. If no sync is running, it
 //! syncs the active segment, which covers every record published before the sync started;
 //! callers that arrive meanwhile wait for that sync and, if it did not cover them, the next one
-//! (which one of them runs). A failed sync poisons the log: the failure is never retried or
+//! (which one of them runs). When a sync ends, only the waiters it covered are woken, and one
+//! that it did not, to run the next: never all at once (64 producers woken together on two cores
+//! spend longer fighting for the lock than the disk takes to sync). A failed sync poisons the log: the failure is never retried or
 //! ignored, and every later call reports it (the page cache may have dropped the dirty pages).
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::options::SyncObserver;
@@ -17,7 +19,6 @@ use crate::segment::Segment;
 pub(crate) struct Commit {
     on_sync: SyncObserver,
     state: Mutex<CommitState>,
-    synced: Condvar,
     /// The segment a sync must cover; changed by the writer only when it rolls (sealed segments
     /// were synced when they were sealed).
     active: Mutex<Arc<Segment>>,
@@ -34,14 +35,31 @@ struct CommitState {
     durable: u64,
     /// A thread is syncing right now; others wait for it rather than sync again.
     syncing: bool,
+    /// Threads waiting for the sync in progress (at most one entry per thread: a thread waits in
+    /// one `make_durable` at a time).
+    waiters: Vec<Waiter>,
 }
+
+struct Waiter {
+    /// The record the thread needs durable.
+    offset: u64,
+    /// What the thread that woke it found (`WAITING` until then): read without the lock, so a
+    /// covered waiter returns without queueing for it behind the others.
+    outcome: Arc<AtomicU8>,
+    thread: std::thread::Thread,
+}
+
+const WAITING: u8 = 0;
+/// The waiter's record is durable.
+const COVERED: u8 = 1;
+/// Not covered (or the sync failed): look at the state again, and run the next sync if none is.
+const LOOK_AGAIN: u8 = 2;
 
 impl Commit {
     pub(crate) fn new(active: Arc<Segment>, on_sync: SyncObserver) -> Commit {
         Commit {
             on_sync,
-            state: Mutex::new(CommitState { durable: 0, syncing: false }),
-            synced: Condvar::new(),
+            state: Mutex::new(CommitState { durable: 0, syncing: false, waiters: Vec::new() }),
             active: Mutex::new(active),
             syncs: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
@@ -107,7 +125,22 @@ impl Commit {
                 return Ok(());
             }
             if state.syncing {
-                state = self.synced.wait(state).unwrap_or_else(|e| e.into_inner());
+                let outcome = Arc::new(AtomicU8::new(WAITING));
+                state.waiters.push(Waiter { offset, outcome: Arc::clone(&outcome), thread: std::thread::current() });
+                drop(state);
+                // The thread that ends the sync sets the outcome, then unparks this one (`park`
+                // may also return early: look again).
+                let seen = loop {
+                    std::thread::park();
+                    match outcome.load(Ordering::Acquire) {
+                        WAITING => continue,
+                        seen => break seen,
+                    }
+                };
+                if seen == COVERED {
+                    return Ok(());
+                }
+                state = self.lock();
                 continue;
             }
             state.syncing = true;
@@ -117,11 +150,32 @@ impl Commit {
             let result = self.sync_active(dir);
             state = self.lock();
             state.syncing = false;
-            self.synced.notify_all();
-            let durable = result?;
-            // One sync at a time, each covering what the one before did and more.
-            assert!(durable >= state.durable, "a sync went back: {durable} < {}", state.durable);
-            state.durable = durable;
+            if let Ok(durable) = result {
+                // One sync at a time, each covering what the one before did and more.
+                assert!(durable >= state.durable, "a sync went back: {durable} < {}", state.durable);
+                state.durable = durable;
+            }
+            // Wake whom the sync covered (after a failure, everyone: the log is poisoned), and
+            // the waiter it did not cover that needs the least, to run the next sync.
+            let (durable, failed) = (state.durable, result.is_err());
+            let mut woken = Vec::new();
+            state.waiters.retain(|w| {
+                let covered = !failed && w.offset < durable;
+                if covered || failed {
+                    w.outcome.store(if covered { COVERED } else { LOOK_AGAIN }, Ordering::Release);
+                    woken.push(w.thread.clone());
+                }
+                !(covered || failed)
+            });
+            if let Some(next) = (0..state.waiters.len()).min_by_key(|&i| state.waiters[i].offset) {
+                let next = state.waiters.swap_remove(next);
+                next.outcome.store(LOOK_AGAIN, Ordering::Release);
+                woken.push(next.thread);
+            }
+            drop(state);
+            woken.into_iter().for_each(|t| t.unpark());
+            result?;
+            state = self.lock();
         }
     }
 

@@ -463,4 +463,47 @@ mod tests {
         let shared = log.into_shared();
         assert!(matches!(shared.append(b"shared"), Err(Error::Poisoned(_))));
     }
+
+    #[test]
+    fn threads_waiting_behind_a_failed_sync_all_get_the_error() {
+        const WAITERS: usize = 16;
+        let dir = tempfile::tempdir().unwrap();
+        let started = Arc::new(std::sync::Barrier::new(WAITERS + 1));
+        let in_sync = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (started_in, in_sync_in) = (Arc::clone(&started), Arc::clone(&in_sync));
+        // The failing sync is held until every waiter has had time to queue behind it.
+        let on_sync = crate::SyncObserver::new(move |_| {
+            if !in_sync_in.swap(true, Ordering::SeqCst) {
+                started_in.wait();
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+        });
+        let log =
+            Log::open(dir.path(), Options { durability: Durability::Always, on_sync, ..Options::default() }).unwrap();
+        let state = Arc::clone(&log.shared);
+        let log = log.into_shared();
+        let first = log.append_batch_unsynced(&[Input::payload(b"first")]).unwrap().start;
+        let syncer = {
+            let log = log.clone();
+            std::thread::spawn(move || log.wait_durable(first))
+        };
+        let waiters: Vec<_> = (0..WAITERS)
+            .map(|_| {
+                let (log, started, state) = (log.clone(), Arc::clone(&started), Arc::clone(&state));
+                std::thread::spawn(move || {
+                    // Appended while the first sync is under way, so it does not cover them.
+                    started.wait();
+                    let offset = log.append_batch_unsynced(&[Input::payload(b"waiting")]).unwrap().start;
+                    state.commit().fail_next_sync.store(true, Ordering::Relaxed);
+                    log.wait_durable(offset)
+                })
+            })
+            .collect();
+        let results: Vec<Result<()>> = waiters.into_iter().map(|t| t.join().unwrap()).collect();
+        let first = syncer.join().unwrap();
+        // The held sync began before the failure was armed; the next one, run by a waiter it
+        // did not cover, fails, and every waiter comes back with the poison.
+        assert!(first.is_ok(), "{first:?}");
+        assert!(results.iter().all(|r| matches!(r, Err(Error::Poisoned(_)))), "{results:?}");
+    }
 }
