@@ -290,6 +290,13 @@ impl UnsyncedOffer {
         self.queue.is_none() && self.children.is_empty()
     }
 
+    /// Which queue the offer waits for, as a number: offers with the same number share syncs
+    /// (a server groups its waits by it).
+    pub fn queue_id(&self) -> usize {
+        let queue = self.queue.as_ref().or(self.children.first()).map(|(queue, _)| queue);
+        queue.map_or(0, |q| Arc::as_ptr(q) as usize)
+    }
+
     /// Blocks until the offer is on disk (one sync covers the offers of every producer that
     /// appended before it started), then hands its messages to consumers. A fanout copy that
     /// could not be synced is dropped, as one that could not be stored.

@@ -492,13 +492,87 @@ pub(crate) fn now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// Waits for an offer to reach the disk on a blocking thread, so that the runtime's threads go on
-/// serving other connections meanwhile (and offers waiting together share one sync).
+/// Waits for an offer to reach the disk without holding up the runtime's threads: see
+/// `DurableWaits`.
 pub(crate) async fn wait_durable(unsynced: petrel_broker::UnsyncedOffer) -> Result<(), petrel_broker::BrokerError> {
     if unsynced.is_durable() {
         return Ok(());
     }
-    blocking(move || unsynced.wait()).await
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    DURABLE_WAITS.push(unsynced, answer);
+    answered.await.unwrap_or_else(|_| {
+        Err(petrel_broker::BrokerError::Timeout("the wait for the disk ended without an answer".into()))
+    })
+}
+
+/// Offers waiting for the disk, handed per queue to a few blocking threads rather than one
+/// thread each (64 connections offering with durability `always` would otherwise keep 64
+/// threads parked, and wake each for every sync). A waiting thread takes every offer queued for
+/// its queue, waits for the first (the sync that covers it covers every record appended before
+/// it began: the rest of the batch too, usually), and answers each as soon as it is on disk. Two
+/// threads per queue, so that one collects the offers for the next sync while the other waits
+/// for the current one; different queues' syncs overlap as before.
+struct DurableWaits {
+    queues: std::sync::Mutex<std::collections::HashMap<usize, DurableQueue>>,
+}
+
+type DurableAnswer = tokio::sync::oneshot::Sender<Result<(), petrel_broker::BrokerError>>;
+
+#[derive(Default)]
+struct DurableQueue {
+    offers: std::collections::VecDeque<(petrel_broker::UnsyncedOffer, DurableAnswer)>,
+    /// Threads taking from `offers` (each stops when it finds it empty).
+    threads: usize,
+}
+
+/// Threads waiting for one queue's syncs at once (measured: 64 connections offering to one
+/// queue reach 33–37 k/s with 2, 31–35 k/s with 1, 27–28 k/s with 4).
+const DURABLE_WAIT_THREADS: usize = 2;
+
+static DURABLE_WAITS: std::sync::LazyLock<DurableWaits> =
+    std::sync::LazyLock::new(|| DurableWaits { queues: Default::default() });
+
+impl DurableWaits {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<usize, DurableQueue>> {
+        self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn push(&'static self, unsynced: petrel_broker::UnsyncedOffer, answer: DurableAnswer) {
+        let id = unsynced.queue_id();
+        let mut queues = self.lock();
+        let queue = queues.entry(id).or_default();
+        queue.offers.push_back((unsynced, answer));
+        if queue.threads < DURABLE_WAIT_THREADS {
+            queue.threads += 1;
+            drop(queues);
+            tokio::task::spawn_blocking(move || self.drain(id));
+        }
+    }
+
+    fn drain(&self, id: usize) {
+        loop {
+            let batch = {
+                let mut queues = self.lock();
+                let queue = queues.get_mut(&id).expect("a queue with a thread draining it stays listed");
+                if queue.offers.is_empty() {
+                    // Under the lock `push` takes: an offer pushed after this starts a thread.
+                    queue.threads -= 1;
+                    if queue.threads == 0 {
+                        queues.remove(&id);
+                    }
+                    return;
+                }
+                std::mem::take(&mut queue.offers)
+            };
+            for (unsynced, answer) in batch {
+                // A panic must not end this thread uncounted (the queue's offers would wait for
+                // good): the offer's answer is dropped, which its connection reports.
+                if let Ok(done) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsynced.wait())) {
+                    let _ = answer.send(done);
+                }
+            }
+        }
+    }
 }
 
 /// Runs storage work that may wait for the disk on a blocking thread (the runtime's threads go
