@@ -58,5 +58,5 @@ func main() {
 		"append_msgs_per_sec":   result.Rate(f.Count, appendTime),
 		"read_msgs_per_sec":     result.Rate(f.Count, readTime),
 		"poll_ack_msgs_per_sec": result.Rate(f.Count, consumerTime),
-	}, nil)
+	}, map[string]any{"bytes_on_disk": result.DiskUsage(dir)})
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 )
 
@@ -77,4 +78,19 @@ func Rate(n int, d time.Duration) float64 { return float64(n) / d.Seconds() }
 func Fail(err error) {
 	fmt.Fprintln(os.Stderr, "peer benchmark failed:", err)
 	os.Exit(1)
+}
+
+// DiskUsage is the bytes allocated on disk to the files under dir (as `petrel bench log` counts
+// them: blocks, not apparent sizes).
+func DiskUsage(dir string) int64 {
+	var total int64
+	filepath.Walk(dir, func(_ string, info os.FileInfo, err error) error {
+		if err == nil && !info.IsDir() {
+			if st, ok := info.Sys().(*syscall.Stat_t); ok {
+				total += st.Blocks * 512
+			}
+		}
+		return nil
+	})
+	return total
 }
