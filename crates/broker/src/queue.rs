@@ -874,12 +874,12 @@ impl Queue {
         }
         let earliest_due = messages.iter().map(|m| m.deliver_at).min().filter(|_| delayed);
         let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
-        let keys: Vec<(usize, Arc<str>)> = match keyed {
+        let keys: Vec<(usize, crate::dedup::KeyHash)> = match keyed {
             true => messages
                 .iter()
                 .enumerate()
                 .filter(|(_, m)| !m.idempotency_key.is_empty())
-                .map(|(i, m)| (i, Arc::from(m.idempotency_key.as_str())))
+                .map(|(i, m)| (i, inner.dedup.hash(&m.idempotency_key)))
                 .collect(),
             false => Vec::new(),
         };
