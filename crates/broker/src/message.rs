@@ -133,20 +133,59 @@ pub(crate) fn deliver_at(r: &Record<'_>) -> u64 {
     r.headers.get(DELIVER_AT).and_then(|v| v.try_into().ok()).map_or(0, u64::from_be_bytes)
 }
 
-/// The record headers that store `m`'s fields (all but the payload, id and timestamp).
-fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
-    let mut out = Vec::new();
+/// One header of a record being written: a fixed name, or `h.` + a message header's name; a
+/// value borrowed from the message, or a number held here. Nothing is allocated for a message
+/// without headers of its own.
+struct RecordHeader<'m> {
+    name: std::borrow::Cow<'m, str>,
+    value: HeaderValue<'m>,
+}
+
+enum HeaderValue<'m> {
+    Borrowed(&'m [u8]),
+    /// Big-endian, in the last `len` bytes.
+    Number {
+        bytes: [u8; 8],
+        len: usize,
+    },
+}
+
+impl HeaderValue<'_> {
+    fn u8(v: u8) -> Self {
+        HeaderValue::Number { bytes: u64::from(v).to_be_bytes(), len: 1 }
+    }
+
+    fn u32(v: u32) -> Self {
+        HeaderValue::Number { bytes: u64::from(v).to_be_bytes(), len: 4 }
+    }
+
+    fn u64(v: u64) -> Self {
+        HeaderValue::Number { bytes: v.to_be_bytes(), len: 8 }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            HeaderValue::Borrowed(b) => b,
+            HeaderValue::Number { bytes, len } => &bytes[8 - len..],
+        }
+    }
+}
+
+/// Adds the record headers that store `m`'s fields (all but the payload, id and timestamp) to
+/// `out`.
+fn record_headers<'m>(m: &'m Message, out: &mut Vec<RecordHeader<'m>>) {
+    let fixed = |name: &'static str, value| RecordHeader { name: name.into(), value };
     if m.kind != MessageKind::Message {
-        out.push((KIND.into(), Bytes::copy_from_slice(&[m.kind as u8])));
+        out.push(fixed(KIND, HeaderValue::u8(m.kind as u8)));
     }
     if m.status != Status::Ok {
-        out.push((STATUS.into(), Bytes::copy_from_slice(&[m.status as u8])));
+        out.push(fixed(STATUS, HeaderValue::u8(m.status as u8)));
     }
     if m.expires_at != 0 {
-        out.push((EXPIRES.into(), Bytes::copy_from_slice(&m.expires_at.to_be_bytes())));
+        out.push(fixed(EXPIRES, HeaderValue::u64(m.expires_at)));
     }
     if m.deliver_at != 0 {
-        out.push((DELIVER_AT.into(), Bytes::copy_from_slice(&m.deliver_at.to_be_bytes())));
+        out.push(fixed(DELIVER_AT, HeaderValue::u64(m.deliver_at)));
     }
     for (name, value) in [
         (IDEMPOTENCY_KEY, &m.idempotency_key),
@@ -158,13 +197,12 @@ fn record_headers(m: &Message) -> Vec<(String, Bytes)> {
         (CHARSET, &m.charset),
     ] {
         if !value.is_empty() {
-            out.push((name.into(), Bytes::copy_from_slice(value.as_bytes())));
+            out.push(fixed(name, HeaderValue::Borrowed(value.as_bytes())));
         }
     }
     for (name, value) in &m.headers {
-        out.push((format!("{USER}{name}"), value.clone()));
+        out.push(RecordHeader { name: format!("{USER}{name}").into(), value: HeaderValue::Borrowed(value) });
     }
-    out
 }
 
 /// Appends `messages` to `log`, durable as its policy says when this returns.
@@ -188,35 +226,42 @@ pub(crate) fn append_placed(
     placements: &[Placement],
 ) -> petrel_log::Result<std::ops::Range<u64>> {
     debug_assert!(placements.is_empty() || placements.len() == messages.len(), "one placement per message");
-    let mut owned: Vec<Vec<(String, Bytes)>> = messages.iter().map(record_headers).collect();
-    for (headers, p) in owned.iter_mut().zip(placements) {
+    // Every message's headers in one list; message i's are `owned[starts[i]..starts[i + 1]]`.
+    let mut owned: Vec<RecordHeader<'_>> = Vec::new();
+    let mut starts = Vec::with_capacity(messages.len() + 1);
+    for (i, m) in messages.iter().enumerate() {
+        starts.push(owned.len());
+        record_headers(m, &mut owned);
+        let Some(p) = placements.get(i) else { continue };
         if p.copy {
-            for (name, _) in headers.iter_mut().filter(|(name, _)| name == IDEMPOTENCY_KEY) {
-                *name = MOVED_KEY.into();
+            let own = starts[i];
+            for h in owned[own..].iter_mut().filter(|h| h.name == IDEMPOTENCY_KEY) {
+                h.name = MOVED_KEY.into();
             }
         }
+        let fixed = |name: &'static str, value| RecordHeader { name: name.into(), value };
         if p.priority != 0 {
-            headers.push((PRIORITY.into(), Bytes::copy_from_slice(&[p.priority])));
+            owned.push(fixed(PRIORITY, HeaderValue::u8(p.priority)));
         }
         if p.deliveries != 0 {
-            headers.push((DELIVERIES.into(), Bytes::copy_from_slice(&p.deliveries.to_be_bytes())));
+            owned.push(fixed(DELIVERIES, HeaderValue::u32(p.deliveries)));
         }
         for (name, value) in [(MOVED_FROM, p.moved_from), (RETURNED_FROM, p.returned_from)] {
             if let Some(v) = value {
-                headers.push((name.into(), Bytes::copy_from_slice(&v.to_be_bytes())));
+                owned.push(fixed(name, HeaderValue::u64(v)));
             }
         }
     }
-    let views: Vec<Vec<(&str, &[u8])>> =
-        owned.iter().map(|h| h.iter().map(|(n, v)| (n.as_str(), &v[..])).collect()).collect();
+    starts.push(owned.len());
+    let views: Vec<(&str, &[u8])> = owned.iter().map(|h| (h.name.as_ref(), h.value.bytes())).collect();
     let inputs: Vec<Input<'_>> = messages
         .iter()
-        .zip(&views)
+        .enumerate()
         // The record's time is the message's (when it was offered), as in a queue in memory; the
         // log keeps its records' times in order whatever it is given.
-        .map(|(m, headers)| Input {
+        .map(|(i, m)| Input {
             key: None,
-            headers,
+            headers: &views[starts[i]..starts[i + 1]],
             payload: &m.payload,
             timestamp: (m.timestamp != 0).then_some(m.timestamp),
         })
