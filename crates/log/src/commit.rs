@@ -5,8 +5,9 @@
 //! callers that arrive meanwhile wait for that sync and, if it did not cover them, the next one
 //! (which one of them runs). When a sync ends, only the waiters it covered are woken, and one
 //! that it did not, to run the next: never all at once (64 producers woken together on two cores
-//! spend longer fighting for the lock than the disk takes to sync). A failed sync poisons the log: the failure is never retried or
-//! ignored, and every later call reports it (the page cache may have dropped the dirty pages).
+//! spend longer fighting for the lock than the disk takes to sync). A failed sync poisons the
+//! log: the failure is never retried or ignored, and every later call reports it (the page cache
+//! may have dropped the dirty pages).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
