@@ -529,6 +529,36 @@ struct DurableQueue {
 /// queue reach 33–37 k/s with 2, 31–35 k/s with 1, 27–28 k/s with 4).
 const DURABLE_WAIT_THREADS: usize = 2;
 
+/// One of a queue's waiting threads, counted in `DurableQueue::threads` until it stops. A
+/// blocking task the runtime drops without running it (it is shutting down) stops uncounted by
+/// its drop, so that the queue's entry does not stay behind: its offers, if any, are answered
+/// with an error as their answers are dropped.
+struct DrainThread {
+    id: usize,
+    counted: bool,
+}
+
+impl DrainThread {
+    fn uncount(&mut self, queues: &mut std::collections::HashMap<usize, DurableQueue>) {
+        if !std::mem::take(&mut self.counted) {
+            return;
+        }
+        let queue = queues.get_mut(&self.id).expect("a queue with a counted thread stays listed");
+        queue.threads -= 1;
+        if queue.threads == 0 {
+            queues.remove(&self.id);
+        }
+    }
+}
+
+impl Drop for DrainThread {
+    fn drop(&mut self) {
+        if self.counted {
+            self.uncount(&mut DURABLE_WAITS.lock());
+        }
+    }
+}
+
 static DURABLE_WAITS: std::sync::LazyLock<DurableWaits> =
     std::sync::LazyLock::new(|| DurableWaits { queues: Default::default() });
 
@@ -545,24 +575,21 @@ impl DurableWaits {
         if queue.threads < DURABLE_WAIT_THREADS {
             queue.threads += 1;
             drop(queues);
-            tokio::task::spawn_blocking(move || self.drain(id));
+            let mut thread = DrainThread { id, counted: true };
+            tokio::task::spawn_blocking(move || self.drain(&mut thread));
         }
     }
 
-    fn drain(&self, id: usize) {
+    fn drain(&self, thread: &mut DrainThread) {
         loop {
             let batch = {
                 let mut queues = self.lock();
-                let queue = queues.get_mut(&id).expect("a queue with a thread draining it stays listed");
-                if queue.offers.is_empty() {
+                if queues[&thread.id].offers.is_empty() {
                     // Under the lock `push` takes: an offer pushed after this starts a thread.
-                    queue.threads -= 1;
-                    if queue.threads == 0 {
-                        queues.remove(&id);
-                    }
+                    thread.uncount(&mut queues);
                     return;
                 }
-                std::mem::take(&mut queue.offers)
+                std::mem::take(&mut queues.get_mut(&thread.id).expect("listed above").offers)
             };
             for (unsynced, answer) in batch {
                 // A panic must not end this thread uncounted (the queue's offers would wait for
