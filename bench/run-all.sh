@@ -47,6 +47,11 @@ serve() {
 }
 stop() { kill "$server_pid"; wait "$server_pid" 2>/dev/null || true; }
 queue() { "$petrel" bench queue --server "$native" --json "$@" 2>/dev/null; }
+# memcslap's set or get test: sets (gets) per second over 500 keys × 40 threads.
+memcslap_rate() {
+  memcslap --servers="$1" --test="$2" --execute-number=500 --concurrency=40 --tcp-nodelay |
+    awk '/^Time to (set|get) .* threads:/ {print int(500 * 40 / $(NF-1))}'
+}
 
 embedded=$(n 10000000)
 for round in $(seq "$rounds"); do
@@ -89,10 +94,6 @@ for round in $(seq "$rounds"); do
   record call_500k petrel "$(queue --mode call --payload-bytes 512000 --count "$(n 2000)" --pipeline 1 | field mb_per_sec)"
   record call_5m petrel "$(queue --mode call --payload-bytes 5242880 --count "$(n 200)" --pipeline 1 | field mb_per_sec)"
   # 5. The memcache port with memcslap (500 keys, each set or got once by each of 40 threads).
-  memcslap_rate() {
-    memcslap --servers="$1" --test="$2" --execute-number=500 --concurrency=40 --tcp-nodelay |
-      awk '/^Time to (set|get) .* threads:/ {print int(500 * 40 / $(NF-1))}'
-  }
   record memcslap_set petrel "$(memcslap_rate "$memcache" set)"
   record memcslap_get petrel "$(memcslap_rate "$memcache" get)"
   stop

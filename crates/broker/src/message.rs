@@ -150,6 +150,12 @@ enum HeaderValue<'m> {
     },
 }
 
+impl<'m> RecordHeader<'m> {
+    fn fixed(name: &'static str, value: HeaderValue<'m>) -> Self {
+        RecordHeader { name: name.into(), value }
+    }
+}
+
 impl HeaderValue<'_> {
     fn u8(v: u8) -> Self {
         HeaderValue::Number { bytes: u64::from(v).to_be_bytes(), len: 1 }
@@ -174,18 +180,17 @@ impl HeaderValue<'_> {
 /// Adds the record headers that store `m`'s fields (all but the payload, id and timestamp) to
 /// `out`.
 fn record_headers<'m>(m: &'m Message, out: &mut Vec<RecordHeader<'m>>) {
-    let fixed = |name: &'static str, value| RecordHeader { name: name.into(), value };
     if m.kind != MessageKind::Message {
-        out.push(fixed(KIND, HeaderValue::u8(m.kind as u8)));
+        out.push(RecordHeader::fixed(KIND, HeaderValue::u8(m.kind as u8)));
     }
     if m.status != Status::Ok {
-        out.push(fixed(STATUS, HeaderValue::u8(m.status as u8)));
+        out.push(RecordHeader::fixed(STATUS, HeaderValue::u8(m.status as u8)));
     }
     if m.expires_at != 0 {
-        out.push(fixed(EXPIRES, HeaderValue::u64(m.expires_at)));
+        out.push(RecordHeader::fixed(EXPIRES, HeaderValue::u64(m.expires_at)));
     }
     if m.deliver_at != 0 {
-        out.push(fixed(DELIVER_AT, HeaderValue::u64(m.deliver_at)));
+        out.push(RecordHeader::fixed(DELIVER_AT, HeaderValue::u64(m.deliver_at)));
     }
     for (name, value) in [
         (IDEMPOTENCY_KEY, &m.idempotency_key),
@@ -197,7 +202,7 @@ fn record_headers<'m>(m: &'m Message, out: &mut Vec<RecordHeader<'m>>) {
         (CHARSET, &m.charset),
     ] {
         if !value.is_empty() {
-            out.push(fixed(name, HeaderValue::Borrowed(value.as_bytes())));
+            out.push(RecordHeader::fixed(name, HeaderValue::Borrowed(value.as_bytes())));
         }
     }
     for (name, value) in &m.headers {
@@ -239,16 +244,15 @@ pub(crate) fn append_placed(
                 h.name = MOVED_KEY.into();
             }
         }
-        let fixed = |name: &'static str, value| RecordHeader { name: name.into(), value };
         if p.priority != 0 {
-            owned.push(fixed(PRIORITY, HeaderValue::u8(p.priority)));
+            owned.push(RecordHeader::fixed(PRIORITY, HeaderValue::u8(p.priority)));
         }
         if p.deliveries != 0 {
-            owned.push(fixed(DELIVERIES, HeaderValue::u32(p.deliveries)));
+            owned.push(RecordHeader::fixed(DELIVERIES, HeaderValue::u32(p.deliveries)));
         }
         for (name, value) in [(MOVED_FROM, p.moved_from), (RETURNED_FROM, p.returned_from)] {
             if let Some(v) = value {
-                owned.push(fixed(name, HeaderValue::u64(v)));
+                owned.push(RecordHeader::fixed(name, HeaderValue::u64(v)));
             }
         }
     }

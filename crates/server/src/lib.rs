@@ -584,12 +584,13 @@ impl DurableWaits {
         loop {
             let batch = {
                 let mut queues = self.lock();
-                if queues[&thread.id].offers.is_empty() {
+                let offers = std::mem::take(&mut queues.get_mut(&thread.id).expect("a counted thread's queue").offers);
+                if offers.is_empty() {
                     // Under the lock `push` takes: an offer pushed after this starts a thread.
                     thread.uncount(&mut queues);
                     return;
                 }
-                std::mem::take(&mut queues.get_mut(&thread.id).expect("listed above").offers)
+                offers
             };
             for (unsynced, answer) in batch {
                 // A panic must not end this thread uncounted (the queue's offers would wait for
