@@ -170,4 +170,52 @@ mod tests {
         }
         assert_eq!((w.len(), w.get("x"), w.get("b"), w.get("c")), (2, Some(3), None, Some(2)));
     }
+
+    proptest::proptest! {
+        /// Against a model that removes each forgotten key from its map at once: the same ids
+        /// for every key asked about, through repeats of forgotten keys and restores.
+        #[test]
+        fn the_window_answers_as_a_map_that_forgets_at_once(
+            ops in proptest::collection::vec((0u8..4, 0u16..300, 1usize..150), 1..3000),
+        ) {
+            let mut w = DedupWindow::new(1);
+            let mut model: VecDeque<(String, u64)> = VecDeque::new();
+            let mut next_id = 0;
+            for (op, key, max_keys) in ops {
+                let key = format!("k{key}");
+                match op {
+                    0 | 1 => {
+                        if !model.iter().any(|(k, _)| *k == key) {
+                            w.remember(w.hash(&key), next_id, 0, next_id);
+                            model.push_back((key.clone(), next_id));
+                            next_id += 1;
+                        }
+                    }
+                    2 => {
+                        w.evict(max_keys, u64::MAX, 0);
+                        while model.len() > max_keys {
+                            model.pop_front();
+                        }
+                    }
+                    _ => {
+                        w.restore(&key, next_id, 0, next_id, max_keys);
+                        if let Some(i) = model.iter().position(|(k, _)| *k == key) {
+                            model.drain(..=i);
+                        }
+                        model.push_back((key.clone(), next_id));
+                        while model.len() > max_keys {
+                            model.pop_front();
+                        }
+                        next_id += 1;
+                    }
+                }
+                let expected = model.iter().find(|(k, _)| *k == key).map(|(_, id)| *id);
+                proptest::prop_assert_eq!(w.get(&key), expected);
+                proptest::prop_assert_eq!(w.len(), model.len());
+            }
+            for (k, id) in &model {
+                proptest::prop_assert_eq!(w.get(k), Some(*id));
+            }
+        }
+    }
 }

@@ -1003,8 +1003,9 @@ impl Response {
                 OFFER => Response::Offered { first_id: r.u64("first_id")?, count: r.u32("count")? },
                 POLL => {
                     let n = r.count(8 + MESSAGE_MIN_LEN, "delivery count")?;
-                    let deliveries =
-                        decode_list(n, || Ok(Delivery { handle: r.u64("handle")?, message: Message::decode(&mut r)? }))?;
+                    let deliveries = decode_list(n, || {
+                        Ok(Delivery { handle: r.u64("handle")?, message: Message::decode(&mut r)? })
+                    })?;
                     Response::Polled { deliveries }
                 }
                 ACK | ABORT | TOPIC_ACK => Response::Acked { count: r.u32("count")? },
