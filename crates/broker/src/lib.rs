@@ -39,7 +39,7 @@ pub mod security;
 mod topic;
 mod waiting;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -564,8 +564,17 @@ impl Broker {
             };
             let dir = self.dir.join("queues").join(&name);
             let levels = config::levels_of(&config);
+            // What the queue's directory holds, listed once (a queue just created holds nothing
+            // yet; asking for each name would cost a lookup apiece on every creation).
+            let names: HashSet<std::ffi::OsString> = match std::fs::read_dir(&dir) {
+                Ok(entries) => entries.filter_map(|e| e.ok().map(|e| e.file_name())).collect(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashSet::new(),
+                Err(e) => return Err(BrokerError::Definitions(format!("list {}: {e}", in_data_dir(&dir)))),
+            };
             // A level's log the configuration no longer has would hide its messages: refuse.
-            if let Some(extra) = (levels..=config::MAX_PRIORITIES as usize).find(|l| dir.join(level_dir(*l)).exists()) {
+            if let Some(extra) = (levels..=config::MAX_PRIORITIES as usize)
+                .find(|l| names.contains(std::ffi::OsStr::new(&level_dir(*l))))
+            {
                 return Err(BrokerError::BadRequest(format!(
                     "queue {:?} holds messages at priority {extra} on disk, but is configured with {levels} level(s): configure at least {} priorities",
                     shown(&name),
@@ -579,7 +588,7 @@ impl Broker {
             }
             // The delayed messages' log: opened if the queue has one, else made at its first.
             let delayed_dir = dir.join(DELAYED_DIR);
-            let delayed = match delayed_dir.exists() {
+            let delayed = match names.contains(std::ffi::OsStr::new(DELAYED_DIR)) {
                 true => Some(Log::open(&delayed_dir, options.clone())?.into_shared()),
                 false => None,
             };
