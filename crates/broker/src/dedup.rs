@@ -18,10 +18,22 @@ use std::hash::BuildHasher;
 /// random per window and never leave the process, so a producer cannot aim for a collision.
 pub(crate) type KeyHash = u128;
 
+/// Hashes keys as a window knows them (`KeyHash`), with seeds random per window. A copy hashes
+/// alike, so that an offer's keys are hashed before the queue's lock is taken.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct KeyHasher([foldhash::quality::RandomState; 2]);
+
+impl KeyHasher {
+    pub fn hash(&self, key: &str) -> KeyHash {
+        let [a, b] = &self.0;
+        (u128::from(a.hash_one(key)) << 64) | u128::from(b.hash_one(key))
+    }
+}
+
 /// The keys a queue remembers, oldest first.
 #[derive(Debug, Default)]
 pub(crate) struct DedupWindow {
-    seeds: [foldhash::quality::RandomState; 2],
+    hasher: KeyHasher,
     /// foldhash, seeded per process (the key hashes are random already).
     ids: HashMap<KeyHash, u64, foldhash::fast::RandomState>,
     order: VecDeque<Remembered>,
@@ -50,15 +62,25 @@ impl DedupWindow {
         self.order.len()
     }
 
+    /// What the window knows keys by.
+    pub fn hasher(&self) -> &KeyHasher {
+        &self.hasher
+    }
+
     /// What the window knows `key` by.
     pub fn hash(&self, key: &str) -> KeyHash {
-        let [a, b] = &self.seeds;
-        (u128::from(a.hash_one(key)) << 64) | u128::from(b.hash_one(key))
+        self.hasher.hash(key)
     }
 
     /// The id of the message stored with `key`, if remembered.
+    #[cfg(test)]
     pub fn get(&self, key: &str) -> Option<u64> {
-        self.ids.get(&self.hash(key)).copied()
+        self.get_hashed(self.hash(key))
+    }
+
+    /// The id of the message stored with the key hashed to `key`, if remembered.
+    pub fn get_hashed(&self, key: KeyHash) -> Option<u64> {
+        self.ids.get(&key).copied()
     }
 
     /// Remembers `key` (its `hash`) for the message `id` (at priority `level`), stored at

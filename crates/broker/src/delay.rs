@@ -376,6 +376,15 @@ impl DelayLog {
         Ok(out)
     }
 
+    /// Copies of the delayed messages at `offsets` for their levels (`top` the highest), in that
+    /// order (still pending until `mark_done`).
+    pub fn copies(&self, offsets: &[u64], top: usize) -> Result<message::DueCopies, BrokerError> {
+        let mut copies = message::DueCopies::default();
+        self.log.reader().get_many(offsets, |_, r| copies.add(&r, top))?;
+        assert_eq!(copies.copies().len(), offsets.len(), "a pending delayed record is in the log");
+        Ok(copies)
+    }
+
     /// Marks the delayed messages at `offsets` done (taken out of the timers before), in one
     /// marker.
     pub fn mark_done(&mut self, offsets: &[u64]) -> Result<(), BrokerError> {

@@ -273,6 +273,102 @@ pub(crate) fn append_placed(
     log.append_batch_unsynced(&inputs)
 }
 
+/// Delayed records come due, copied for their levels' logs as they are stored: their headers
+/// and payload bytes are never decoded into a `Message` (a due message costs a copy of its
+/// bytes, not a struct, a string per field and a second encoding). Each copy's placement is
+/// what `append_placed` gives a copy: its key renamed, its deliveries kept, the delayed log's
+/// offset it came from named.
+#[derive(Debug, Default)]
+pub(crate) struct DueCopies {
+    /// Every copy's header names and values and payload, one after another.
+    bytes: Vec<u8>,
+    /// (name, value) of each header, as ranges of `bytes`; copy i's are `headers[copies[i].headers]`.
+    headers: Vec<(std::ops::Range<usize>, std::ops::Range<usize>)>,
+    copies: Vec<DueCopy>,
+}
+
+#[derive(Debug)]
+pub(crate) struct DueCopy {
+    /// The level whose log the copy goes to.
+    pub level: usize,
+    /// Deliveries the message had before (a returned one), which it keeps.
+    pub deliveries: u32,
+    headers: std::ops::Range<usize>,
+    payload: std::ops::Range<usize>,
+}
+
+impl DueCopies {
+    pub fn copies(&self) -> &[DueCopy] {
+        &self.copies
+    }
+
+    fn push_bytes(&mut self, b: &[u8]) -> std::ops::Range<usize> {
+        let start = self.bytes.len();
+        self.bytes.extend_from_slice(b);
+        start..self.bytes.len()
+    }
+
+    fn push_header(&mut self, name: &str, value: &[u8]) {
+        let name = self.push_bytes(name.as_bytes());
+        let value = self.push_bytes(value);
+        self.headers.push((name, value));
+    }
+
+    /// Adds a copy of the delayed log's record `r`, for the level its placement names (at most
+    /// `top`).
+    pub fn add(&mut self, r: &Record<'_>, top: usize) {
+        let first = self.headers.len();
+        let (mut level, mut deliveries) = (0, 0);
+        for (name, value) in r.headers.iter() {
+            let name = match name {
+                // Placement: what the copy keeps is written below, the rest is the delayed log's.
+                PRIORITY => {
+                    level = usize::from(value.first().copied().unwrap_or(0)).min(top);
+                    continue;
+                }
+                DELIVERIES => {
+                    deliveries = value.try_into().map(u32::from_be_bytes).unwrap_or(0);
+                    continue;
+                }
+                MOVED_FROM | RETURNED_FROM => continue,
+                IDEMPOTENCY_KEY => MOVED_KEY,
+                name => name,
+            };
+            self.push_header(name, value);
+        }
+        if deliveries != 0 {
+            self.push_header(DELIVERIES, &deliveries.to_be_bytes());
+        }
+        self.push_header(MOVED_FROM, &r.offset.to_be_bytes());
+        let payload = self.push_bytes(r.payload);
+        self.copies.push(DueCopy { level, deliveries, headers: first..self.headers.len(), payload });
+    }
+
+    /// Appends the copies for `level` to `log`, in the order they were added, each with the time
+    /// `stamp` (a due message joins its level as an offer would).
+    pub fn append(&self, log: &SharedLog, level: usize, stamp: u64) -> petrel_log::Result<std::ops::Range<u64>> {
+        let name = |r: &std::ops::Range<usize>| {
+            std::str::from_utf8(&self.bytes[r.clone()]).expect("copied from a record's header name, which is UTF-8")
+        };
+        let views: Vec<(&str, &[u8])> = self.headers.iter().map(|(n, v)| (name(n), &self.bytes[v.clone()])).collect();
+        let inputs: Vec<Input<'_>> = self
+            .copies
+            .iter()
+            .filter(|c| c.level == level)
+            .map(|c| Input {
+                key: None,
+                headers: &views[c.headers.clone()],
+                payload: &self.bytes[c.payload.clone()],
+                timestamp: Some(stamp),
+            })
+            .collect();
+        if inputs.is_empty() {
+            return Ok(log.next_offset()..log.next_offset());
+        }
+        log.append_batch_unsynced(&inputs)
+    }
+}
+
 /// When the message stored in `r` expires (0: never), without decoding the rest.
 pub(crate) fn expires_at(r: &Record<'_>) -> u64 {
     r.headers

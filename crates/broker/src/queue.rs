@@ -303,6 +303,8 @@ pub struct Queue {
     /// A durable queue's delayed log once it has one (also in its `Store`), to wait for the disk
     /// without the queue's lock.
     delayed_log: Arc<OnceLock<SharedLog>>,
+    /// Hashes idempotency keys as the queue's dedup window does, without its lock.
+    key_hasher: crate::dedup::KeyHasher,
 }
 
 /// Opens (creating it if need be) a durable queue's delayed log.
@@ -577,6 +579,7 @@ impl Queue {
         bytes: u64,
     ) -> Queue {
         let levels = config::levels_of(&config);
+        let key_hasher = dedup.hasher().clone();
         Queue {
             name,
             config: RwLock::new(Arc::new(config)),
@@ -603,6 +606,7 @@ impl Queue {
             logs: Vec::new(),
             syncs_every_offer: false,
             delayed_log: Arc::new(OnceLock::new()),
+            key_hasher,
         }
     }
 
@@ -806,12 +810,20 @@ impl Queue {
                 budget.max()
             )));
         }
-        let mut inner = self.lock();
+        // Each key hashed once, before the lock: the hash finds repeats and is what is remembered.
         let keyed = messages.iter().any(|m| !m.idempotency_key.is_empty());
+        let mut hashes: Vec<Option<crate::dedup::KeyHash>> = match keyed {
+            true => messages
+                .iter()
+                .map(|m| (!m.idempotency_key.is_empty()).then(|| self.key_hasher.hash(&m.idempotency_key)))
+                .collect(),
+            false => Vec::new(),
+        };
+        let mut inner = self.lock();
         if keyed {
             let (max_keys, window_ns) = config::dedup_window_of(&config);
             inner.dedup.evict(max_keys, window_ns, now_ns);
-            match inner.repeats(messages) {
+            match inner.repeats(&hashes) {
                 Repeats::None => {}
                 Repeats::All(originals) => {
                     let n = messages.len() as u32;
@@ -834,6 +846,8 @@ impl Queue {
                     inner.counters.deduplicated += repeated.iter().filter(|r| **r).count() as u64;
                     let mut it = repeated.iter();
                     messages.retain(|_| !*it.next().expect("one flag per message"));
+                    let mut it = repeated.iter();
+                    hashes.retain(|_| !*it.next().expect("one flag per message"));
                     size = messages.iter().map(Message::size).sum();
                 }
             }
@@ -875,12 +889,7 @@ impl Queue {
         let earliest_due = messages.iter().map(|m| m.deliver_at).min().filter(|_| delayed);
         let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
         let keys: Vec<(usize, crate::dedup::KeyHash)> = match keyed {
-            true => messages
-                .iter()
-                .enumerate()
-                .filter(|(_, m)| !m.idempotency_key.is_empty())
-                .map(|(i, m)| (i, inner.dedup.hash(&m.idempotency_key)))
-                .collect(),
+            true => hashes.iter().enumerate().filter_map(|(i, h)| h.map(|h| (i, h))).collect(),
             false => Vec::new(),
         };
         let delayed_slot = levels;
@@ -1296,19 +1305,19 @@ enum Repeats {
 }
 
 impl Inner {
-    /// Which of `messages` are repeats: their key is remembered, or an earlier message of the
-    /// same offer carries it.
-    fn repeats(&self, messages: &[Message]) -> Repeats {
-        let mut originals = Vec::with_capacity(messages.len());
-        let mut repeated = Vec::with_capacity(messages.len());
-        let mut seen = std::collections::HashSet::with_hasher(foldhash::fast::RandomState::default());
-        for m in messages {
-            let key = m.idempotency_key.as_str();
-            let original = if key.is_empty() { None } else { self.dedup.get(key) };
+    /// Which messages of an offer are repeats, by their keys (hashed; `None`: no key): their key
+    /// is remembered, or an earlier message of the same offer carries it.
+    fn repeats(&self, keys: &[Option<crate::dedup::KeyHash>]) -> Repeats {
+        let mut originals = Vec::with_capacity(keys.len());
+        let mut repeated = Vec::with_capacity(keys.len());
+        let mut seen =
+            std::collections::HashSet::with_capacity_and_hasher(keys.len(), foldhash::fast::RandomState::default());
+        for key in keys {
+            let original = key.and_then(|k| self.dedup.get_hashed(k));
             originals.extend(original);
-            repeated.push(original.is_some() || (!key.is_empty() && !seen.insert(key)));
+            repeated.push(original.is_some() || key.is_some_and(|k| !seen.insert(k)));
         }
-        if originals.len() == messages.len() {
+        if originals.len() == keys.len() {
             Repeats::All(originals)
         } else if repeated.iter().any(|r| *r) {
             Repeats::Some(repeated)
@@ -1658,28 +1667,16 @@ impl Inner {
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
                 let due = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK);
-                let mut copies: Vec<(Vec<Message>, Vec<Placement>)> = vec![Default::default(); lanes.len()];
-                for (&offset, (m, p)) in due.iter().zip(delay.read(&due)?) {
-                    let m = Message { timestamp: stamp, ..m };
-                    let level = (p.priority as usize).min(lanes.len() - 1);
-                    copies[level].0.push(m);
-                    let placement = Placement {
-                        deliveries: p.deliveries,
-                        copy: true,
-                        moved_from: Some(offset),
-                        ..Placement::default()
-                    };
-                    copies[level].1.push(placement);
-                }
-                for (level, (messages, placements)) in copies.iter().enumerate() {
-                    if messages.is_empty() {
+                let copies = delay.copies(&due, lanes.len() - 1)?;
+                for (level, lane) in lanes.iter_mut().enumerate() {
+                    let range = copies.append(&lane.log, level, stamp)?;
+                    if range.is_empty() {
                         continue;
                     }
-                    let lane = &mut lanes[level];
-                    let range = message::append_placed(&lane.log, messages, placements)?;
-                    for (offset, p) in range.clone().zip(placements) {
-                        if p.deliveries != 0 {
-                            lane.returns.insert(offset, p.deliveries);
+                    let of_level = copies.copies().iter().filter(|c| c.level == level);
+                    for (offset, c) in range.clone().zip(of_level) {
+                        if c.deliveries != 0 {
+                            lane.returns.insert(offset, c.deliveries);
                         }
                     }
                     if lane.log.durability() != Durability::None {
@@ -1690,7 +1687,7 @@ impl Inner {
                     if lane.visible_end != u64::MAX {
                         lane.visible_end = lane.visible_end.max(range.end);
                     }
-                    moved_at[level] = messages.len() as u64;
+                    moved_at[level] = range.end - range.start;
                 }
                 delay.mark_done(&due)?;
                 if delay.log.durability() == Durability::Always && !due.is_empty() {
