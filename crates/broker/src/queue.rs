@@ -1154,6 +1154,10 @@ impl Queue {
     pub(crate) fn release(&self, consumer: ConnId, now_ns: u64) -> Result<Returned, BrokerError> {
         let handles: Vec<u64> =
             self.lock().in_flight.iter().filter(|(_, f)| f.consumer == consumer).map(|(h, _)| *h).collect();
+        if handles.is_empty() {
+            // (A disconnect asks every queue: most have nothing of the connection's.)
+            return Ok(Returned::default());
+        }
         self.abort(&handles, consumer, 0, now_ns)
     }
 
