@@ -37,10 +37,75 @@ pub(crate) const REFILL_SLICE: std::time::Duration = std::time::Duration::from_m
 /// The group that marks where a delayed log is still needed.
 const PIN_GROUP: &str = "broker";
 
+/// A sorted set of timers, (due, offset), cheap when they come in due order: those at or after
+/// the latest of an ordered run join its end (O(1), and so do their pops from the front); only
+/// one due earlier than the run's end goes into a B-tree. Messages with the same delay — most
+/// delayed offers, and every redelivery with the queue's backoff — then never touch the tree.
+/// Each part is sorted, so the set's first and last are the smaller first and the larger last.
+#[derive(Debug, Default)]
+struct TimerSet {
+    run: VecDeque<(u64, u64)>,
+    tree: BTreeSet<(u64, u64)>,
+}
+
+impl TimerSet {
+    fn len(&self) -> usize {
+        self.run.len() + self.tree.len()
+    }
+
+    fn insert(&mut self, key: (u64, u64)) {
+        match self.run.back() {
+            Some(&end) if key < end => drop(self.tree.insert(key)),
+            _ => self.run.push_back(key),
+        }
+    }
+
+    fn first(&self) -> Option<&(u64, u64)> {
+        match (self.run.front(), self.tree.first()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn last(&self) -> Option<&(u64, u64)> {
+        match (self.run.back(), self.tree.last()) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn pop_first(&mut self) -> Option<(u64, u64)> {
+        match (self.run.front(), self.tree.first()) {
+            (Some(a), Some(b)) if b < a => self.tree.pop_first(),
+            (Some(_), _) => self.run.pop_front(),
+            (None, _) => self.tree.pop_first(),
+        }
+    }
+
+    fn pop_last(&mut self) -> Option<(u64, u64)> {
+        match (self.run.back(), self.tree.last()) {
+            (Some(a), Some(b)) if b > a => self.tree.pop_last(),
+            (Some(_), _) => self.run.pop_back(),
+            (None, _) => self.tree.pop_last(),
+        }
+    }
+
+    fn clear(&mut self) {
+        self.run.clear();
+        self.tree.clear();
+    }
+}
+
+impl Extend<(u64, u64)> for TimerSet {
+    fn extend<I: IntoIterator<Item = (u64, u64)>>(&mut self, keys: I) {
+        keys.into_iter().for_each(|k| self.insert(k));
+    }
+}
+
 /// The earliest-due delayed messages, at most `cap` of them, as (due, offset).
 #[derive(Debug)]
 pub(crate) struct Timers {
-    held: BTreeSet<(u64, u64)>,
+    held: TimerSet,
     /// Delayed messages not held: each due later than every one held (or, when none is held,
     /// unknown).
     spilled: u64,
@@ -53,7 +118,7 @@ pub(crate) struct Timers {
 impl Timers {
     pub fn new(cap: usize) -> Timers {
         assert!(cap >= 4, "room for a few timers");
-        Timers { held: BTreeSet::new(), spilled: 0, cap, refilling: None }
+        Timers { held: TimerSet::default(), spilled: 0, cap, refilling: None }
     }
 
     fn spill(&mut self, key: (u64, u64)) {
@@ -565,5 +630,37 @@ mod tests {
         assert!(done.words.len() <= 2, "words before the first pending are dropped");
         assert!(done.is_done(5) && done.is_done(151) && !done.is_done(150) && !done.is_done(152));
         assert_eq!(done.pending().count(), (150..210).filter(|o| (o - 10) % 3 != 0).count());
+    }
+
+    proptest::proptest! {
+        /// Against a B-tree alone: the same first, last and length after every operation, for
+        /// timers that come mostly in order (as a constant delay gives) and sometimes not.
+        #[test]
+        fn a_timer_set_orders_as_a_btree_does(
+            ops in proptest::collection::vec((0u8..6, 0u64..50), 1..400),
+        ) {
+            let (mut set, mut model) = (TimerSet::default(), BTreeSet::new());
+            let mut clock = 0;
+            for (offset, (op, jitter)) in ops.into_iter().enumerate() {
+                match op {
+                    0..=2 => {
+                        clock += 1;
+                        let key = (clock + jitter.saturating_sub(40), offset as u64);
+                        set.insert(key);
+                        model.insert(key);
+                    }
+                    3 => proptest::prop_assert_eq!(set.pop_first(), model.pop_first()),
+                    4 => proptest::prop_assert_eq!(set.pop_last(), model.pop_last()),
+                    _ => {
+                        let more = [(jitter, 10_000 + offset as u64), (clock, 20_000 + offset as u64)];
+                        set.extend(more);
+                        model.extend(more);
+                    }
+                }
+                proptest::prop_assert_eq!(set.first(), model.first());
+                proptest::prop_assert_eq!(set.last(), model.last());
+                proptest::prop_assert_eq!(set.len(), model.len());
+            }
+        }
     }
 }
