@@ -303,7 +303,8 @@ pub struct Queue {
     /// A durable queue's delayed log once it has one (also in its `Store`), to wait for the disk
     /// without the queue's lock.
     delayed_log: Arc<OnceLock<SharedLog>>,
-    /// Hashes idempotency keys as the queue's dedup window does, without its lock.
+    /// Hashes idempotency keys as the queue's dedup window does, without its lock (the window is
+    /// made with the queue and never replaced, so the two stay alike).
     key_hasher: crate::dedup::KeyHasher,
 }
 
