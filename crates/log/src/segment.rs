@@ -130,13 +130,10 @@ impl Segment {
         let made = (|| {
             rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len)
                 .map_err(|e| Error::SegmentAllocation { path: path.clone(), size: len, source: e.into() })?;
+            let map = Arc::new(Mapping::new(&file, len as usize).map_err(io_err("map segment", &tmp))?);
             let header =
                 SegmentHeader { base_offset: base, len, created: now, checkpoint_pos: 0, checkpoint_offset: base };
-            // Written to the file, not through the mapping: a first store into a fresh mapping
-            // faults with read-ahead, which fills many pages of zeroes for one header.
-            std::os::unix::fs::FileExt::write_all_at(&file, &header.encode(), 0)
-                .map_err(io_err("write segment header", &tmp))?;
-            let map = Arc::new(Mapping::new(&file, len as usize).map_err(io_err("map segment", &tmp))?);
+            map.write_header(&header.encode());
             if durable {
                 rustix::fs::fdatasync(&file).map_err(|e| io_err("sync segment", &tmp)(e.into()))?;
             }
