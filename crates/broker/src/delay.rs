@@ -30,6 +30,9 @@ pub(crate) const MAX_TIMERS: usize = 65_536;
 /// Due messages one tick moves from a queue's delayed log at most (the rest on the next tick, at
 /// once): one tick's work under the queue's lock stays bounded.
 pub(crate) const MAX_MOVES_PER_TICK: usize = 16_384;
+/// Bytes of due messages one tick holds in memory at most while it copies them (and at least
+/// one message): large messages move a few per tick.
+pub(crate) const MAX_MOVE_BYTES: usize = 32 << 20;
 /// How long a tick reads the log for a refill at most (and then at least 256 records, so that
 /// it ends): the queue's lock is held that long, and ticks come every millisecond while a
 /// refill goes on.
@@ -156,13 +159,10 @@ impl Timers {
         self.held.first().map(|(due, _)| *due)
     }
 
-    /// The earliest held message's offset, if it is due at `now_ns`.
-    pub fn pop_due(&mut self, now_ns: u64) -> Option<u64> {
+    /// The earliest held message, as (due, offset), if it is due at `now_ns`.
+    pub fn pop_due(&mut self, now_ns: u64) -> Option<(u64, u64)> {
         match self.held.first() {
-            Some(&(due, offset)) if due <= now_ns => {
-                self.held.pop_first();
-                Some(offset)
-            }
+            Some(&(due, _)) if due <= now_ns => self.held.pop_first(),
             _ => None,
         }
     }
@@ -419,10 +419,15 @@ impl DelayLog {
         Ok(range)
     }
 
-    /// The offsets of up to `max` messages due at `now_ns`, earliest first (still pending until
-    /// `mark_done`).
-    pub fn take_due(&mut self, now_ns: u64, max: usize) -> Vec<u64> {
+    /// Up to `max` messages due at `now_ns`, earliest first, as (due, offset) (still pending
+    /// until `mark_done`; `put_back` what is not moved after all).
+    pub fn take_due(&mut self, now_ns: u64, max: usize) -> Vec<(u64, u64)> {
         std::iter::from_fn(|| self.timers.pop_due(now_ns)).take(max).collect()
+    }
+
+    /// Holds again timers that `take_due` gave and that were not moved.
+    pub fn put_back(&mut self, taken: &[(u64, u64)]) {
+        taken.iter().for_each(|&(due, offset)| self.timers.insert(due, offset));
     }
 
     /// The delayed messages at `offsets`, with their placements (one reader for them all).
@@ -442,11 +447,20 @@ impl DelayLog {
     }
 
     /// Copies of the delayed messages at `offsets` for their levels (`top` the highest), in that
-    /// order (still pending until `mark_done`).
-    pub fn copies(&self, offsets: &[u64], top: usize) -> Result<message::DueCopies, BrokerError> {
+    /// order, as many as fit in `max_bytes` (at least one): the first `copies().len()` of them
+    /// (still pending until `mark_done`).
+    pub fn copies(&self, offsets: &[u64], top: usize, max_bytes: usize) -> Result<message::DueCopies, BrokerError> {
         let mut copies = message::DueCopies::default();
-        self.log.reader().get_many(offsets, |_, r| copies.add(&r, top))?;
-        assert_eq!(copies.copies().len(), offsets.len(), "a pending delayed record is in the log");
+        let (mut found, mut full) = (0, false);
+        self.log.reader().get_many(offsets, |_, r| {
+            found += 1;
+            // In order: once one does not fit, none after it is taken either.
+            full = full || (!copies.copies().is_empty() && copies.bytes() + r.payload.len() > max_bytes);
+            if !full {
+                copies.add(&r, top);
+            }
+        })?;
+        assert_eq!(found, offsets.len(), "a pending delayed record is in the log");
         Ok(copies)
     }
 
@@ -550,7 +564,7 @@ mod tests {
         all.sort_unstable();
         let mut out = Vec::new();
         let mut pending: BTreeSet<(u64, u64)> = all.iter().copied().collect();
-        while let Some(offset) = timers.pop_due(u64::MAX) {
+        while let Some((_, offset)) = timers.pop_due(u64::MAX) {
             let key = *pending.iter().find(|k| k.1 == offset).unwrap();
             pending.remove(&key);
             out.push(key);
@@ -591,7 +605,7 @@ mod tests {
         let mut expected: Vec<u64> = dues.clone();
         let (mut out, mut now, mut refills) = (Vec::new(), 1_000, 0);
         while out.len() < expected.len() {
-            let due = delay.take_due(now, 4);
+            let due: Vec<u64> = delay.take_due(now, 4).into_iter().map(|(_, offset)| offset).collect();
             for (m, _) in delay.read(&due).unwrap() {
                 out.push(m.deliver_at);
             }
@@ -630,6 +644,35 @@ mod tests {
         assert!(done.words.len() <= 2, "words before the first pending are dropped");
         assert!(done.is_done(5) && done.is_done(151) && !done.is_done(150) && !done.is_done(152));
         assert_eq!(done.pending().count(), (150..210).filter(|o| (o - 10) % 3 != 0).count());
+    }
+
+    #[test]
+    fn due_messages_beyond_a_ticks_bytes_wait_for_the_next_tick_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(log, 64).unwrap();
+        let messages: Vec<Message> =
+            (0..5u8).map(|i| Message { deliver_at: 1_000, ..Message::new(vec![i; 1000]) }).collect();
+        delay.append(&messages, &vec![Placement::default(); messages.len()]).unwrap();
+        let (mut moved, mut per_tick) = (Vec::new(), Vec::new());
+        while delay.pending() > 0 {
+            let taken = delay.take_due(2_000, MAX_MOVES_PER_TICK);
+            let offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
+            let copies = delay.copies(&offsets, 0, 2_500).unwrap();
+            let n = copies.copies().len();
+            assert!(n >= 1 && copies.bytes() <= 2_500, "at least one, and within the bytes");
+            delay.put_back(&taken[n..]);
+            moved.extend_from_slice(&offsets[..n]);
+            delay.mark_done(&offsets[..n]).unwrap();
+            per_tick.push(n);
+        }
+        assert_eq!(per_tick, [2, 2, 1]);
+        assert_eq!(moved, [0, 1, 2, 3, 4], "in due order, none twice");
+        // A message larger than the tick's bytes still moves, alone.
+        delay.append(&[Message { deliver_at: 1_000, ..Message::new(vec![9; 4000]) }], &[Placement::default()]).unwrap();
+        let taken = delay.take_due(2_000, MAX_MOVES_PER_TICK);
+        let offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
+        assert_eq!(delay.copies(&offsets, 0, 2_500).unwrap().copies().len(), 1);
     }
 
     proptest::proptest! {

@@ -302,6 +302,11 @@ impl DueCopies {
         &self.copies
     }
 
+    /// The bytes held for the copies.
+    pub fn bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
     fn push_bytes(&mut self, b: &[u8]) -> std::ops::Range<usize> {
         let start = self.bytes.len();
         self.bytes.extend_from_slice(b);

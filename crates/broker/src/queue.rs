@@ -1648,8 +1648,9 @@ impl Inner {
     }
 
     /// Hands the delayed messages due at `now_ns` to the tail of their levels (on disk, at most
-    /// `delay::MAX_MOVES_PER_TICK` at a time: copied to their levels' logs, synced unless the
-    /// policy is `none`, then marked done in the delayed log). Returns how many.
+    /// `delay::MAX_MOVES_PER_TICK` and `delay::MAX_MOVE_BYTES` at a time: copied to their levels'
+    /// logs, synced unless the policy is `none`, then marked done in the delayed log). Returns
+    /// how many.
     fn move_due(&mut self, now_ns: u64) -> Result<u64, BrokerError> {
         let mut moved_at = vec![0u64; self.waiting_at.len()];
         // A moved message joins its level now: stamped as an offer would be, so that its level
@@ -1671,8 +1672,13 @@ impl Inner {
                 }
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
-                let due = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK);
-                let copies = delay.copies(&due, lanes.len() - 1)?;
+                let taken = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK);
+                let offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
+                let copies = delay.copies(&offsets, lanes.len() - 1, delay::MAX_MOVE_BYTES)?;
+                // Those beyond the tick's bytes wait for the next tick (at once: they are due).
+                let (moving, later) = taken.split_at(copies.copies().len());
+                delay.put_back(later);
+                let due = &offsets[..moving.len()];
                 for (level, lane) in lanes.iter_mut().enumerate() {
                     let range = copies.append(&lane.log, level, stamp)?;
                     if range.is_empty() {
@@ -1694,7 +1700,7 @@ impl Inner {
                     }
                     moved_at[level] = range.end - range.start;
                 }
-                delay.mark_done(&due)?;
+                delay.mark_done(due)?;
                 if delay.log.durability() == Durability::Always && !due.is_empty() {
                     delay.log.sync()?;
                 }
