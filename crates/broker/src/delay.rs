@@ -58,7 +58,9 @@ impl TimerSet {
 
     fn insert(&mut self, key: (u64, u64)) {
         match self.run.back() {
-            Some(&end) if key < end => drop(self.tree.insert(key)),
+            Some(&end) if key < end => {
+                self.tree.insert(key);
+            }
             _ => self.run.push_back(key),
         }
     }

@@ -355,14 +355,21 @@ impl DueCopies {
         let name = |r: &std::ops::Range<usize>| {
             std::str::from_utf8(&self.bytes[r.clone()]).expect("copied from a record's header name, which is UTF-8")
         };
-        let views: Vec<(&str, &[u8])> = self.headers.iter().map(|(n, v)| (name(n), &self.bytes[v.clone()])).collect();
-        let inputs: Vec<Input<'_>> = self
-            .copies
+        // The headers of this level's copies only, each copy's a range of `views`.
+        let of_level: Vec<&DueCopy> = self.copies.iter().filter(|c| c.level == level).collect();
+        let mut views: Vec<(&str, &[u8])> = Vec::new();
+        let mut spans = Vec::with_capacity(of_level.len());
+        for c in &of_level {
+            let start = views.len();
+            views.extend(self.headers[c.headers.clone()].iter().map(|(n, v)| (name(n), &self.bytes[v.clone()])));
+            spans.push(start..views.len());
+        }
+        let inputs: Vec<Input<'_>> = of_level
             .iter()
-            .filter(|c| c.level == level)
-            .map(|c| Input {
+            .zip(spans)
+            .map(|(c, span)| Input {
                 key: None,
-                headers: &views[c.headers.clone()],
+                headers: &views[span],
                 payload: &self.bytes[c.payload.clone()],
                 timestamp: Some(stamp),
             })
