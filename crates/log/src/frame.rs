@@ -1,16 +1,28 @@
 //! The record frame: how one record is laid out inside a segment. Pure byte work, no I/O.
 //!
+//! Two formats, chosen per segment by its header's version; the writer writes only the current
+//! one (2) and readers read both.
+//!
 //! ```text
+//! format 2 (16-byte header; the offset is not stored: frames are dense from the segment's base)
+//! 0   4  crc32c       of bytes [4, frame_len): everything after this field, padding excluded
+//! 4   4  frame_len    bits 0-30: header + body, without padding (u32 LE); bit 31: extras
+//! 8   8  timestamp    nanoseconds since the Unix epoch (u64 LE), non-decreasing within a log
+//! 16  …  [if extras: u8 flags (bit 0: has headers; bit 1: has key; others 0),
+//!         headers block if flag 0: u32 LE length L, then L bytes of entries,
+//!         key if flag 1: u16 LE length, then the key]
+//!        payload: the rest of frame_len
+//! …   …  zero padding to the next multiple of 8
+//!
+//! format 1 (32-byte header)
 //! 0   4  magic        b"PTR1"
 //! 4   4  crc32c       of bytes [8, frame_len): everything after this field, padding excluded
 //! 8   4  frame_len    header + headers block + key + payload, without padding (u32 LE)
 //! 12  2  flags        bit 0: has headers; bit 1: has key; other bits reserved, must be 0
 //! 14  2  key_len      (u16 LE, 0 without a key)
 //! 16  8  offset       dense record offset (u64 LE)
-//! 24  8  timestamp    nanoseconds since the Unix epoch (u64 LE), non-decreasing within a log
-//! 32  …  [headers block, if flag 0: u32 LE length L, then L bytes of entries]
-//!        [key, if flag 1: key_len bytes]
-//!        payload: the rest of frame_len
+//! 24  8  timestamp    nanoseconds since the Unix epoch (u64 LE)
+//! 32  …  [headers block, if flag 0] [key, if flag 1: key_len bytes] payload
 //! …   …  zero padding to the next multiple of 8
 //! ```
 //!
@@ -18,13 +30,60 @@
 
 use crate::error::FrameError;
 
-pub const FRAME_MAGIC: [u8; 4] = *b"PTR1";
-pub const FRAME_HEADER_LEN: usize = 32;
+/// How the frames of a segment are laid out: the segment header's format version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    V1,
+    V2,
+}
+
+impl Format {
+    /// What the writer writes.
+    pub(crate) const CURRENT: Format = Format::V2;
+
+    pub(crate) fn version(self) -> u32 {
+        match self {
+            Format::V1 => 1,
+            Format::V2 => 2,
+        }
+    }
+
+    pub(crate) fn from_version(version: u32) -> Option<Format> {
+        match version {
+            1 => Some(Format::V1),
+            2 => Some(Format::V2),
+            _ => None,
+        }
+    }
+
+    /// The format of a segment whose header cannot be trusted, judged by the first bytes of its
+    /// data region: a format-1 frame starts with its magic, a format-2 frame with its CRC (which
+    /// matches the magic once in 2^32).
+    pub(crate) fn sniff(first: &[u8]) -> Format {
+        if first.get(..4) == Some(&V1_MAGIC[..]) { Format::V1 } else { Format::V2 }
+    }
+
+    pub(crate) fn header_len(self) -> usize {
+        match self {
+            Format::V1 => V1_HEADER_LEN,
+            Format::V2 => FRAME_HEADER_LEN,
+        }
+    }
+}
+
+/// Header bytes of a frame in the current format.
+pub const FRAME_HEADER_LEN: usize = 16;
 pub const FRAME_ALIGN: usize = 8;
 
-pub(crate) const FLAG_HEADERS: u16 = 1;
-pub(crate) const FLAG_KEY: u16 = 2;
-const KNOWN_FLAGS: u16 = FLAG_HEADERS | FLAG_KEY;
+const V1_MAGIC: [u8; 4] = *b"PTR1";
+const V1_HEADER_LEN: usize = 32;
+/// Format 2: bit 31 of the length word says a flags byte follows the header.
+const EXTRAS: u32 = 1 << 31;
+const LEN_MASK: u32 = !EXTRAS;
+
+pub(crate) const FLAG_HEADERS: u8 = 1;
+pub(crate) const FLAG_KEY: u8 = 2;
+const KNOWN_FLAGS: u8 = FLAG_HEADERS | FLAG_KEY;
 
 /// Largest key a record may carry.
 pub const MAX_KEY_LEN: usize = u16::MAX as usize;
@@ -47,6 +106,10 @@ impl<'a> Input<'a> {
     pub fn payload(payload: &'a [u8]) -> Self {
         Input { payload, ..Input::default() }
     }
+
+    fn has_extras(&self) -> bool {
+        self.key.is_some() || !self.headers.is_empty()
+    }
 }
 
 pub(crate) fn align_up(n: usize) -> usize {
@@ -57,9 +120,22 @@ fn headers_block_len(headers: &[Header<'_>]) -> usize {
     if headers.is_empty() { 0 } else { 4 + headers.iter().map(|(n, v)| 2 + n.len() + 4 + v.len()).sum::<usize>() }
 }
 
-/// Unpadded length of the frame `input` encodes to.
+/// Unpadded length of the frame `input` encodes to (current format).
+#[inline]
 pub(crate) fn frame_len(input: &Input<'_>) -> usize {
-    FRAME_HEADER_LEN + headers_block_len(input.headers) + input.key.map_or(0, <[u8]>::len) + input.payload.len()
+    if !input.has_extras() {
+        return FRAME_HEADER_LEN + input.payload.len();
+    }
+    FRAME_HEADER_LEN
+        + 1
+        + headers_block_len(input.headers)
+        + input.key.map_or(0, |k| 2 + k.len())
+        + input.payload.len()
+}
+
+/// Bytes of `input` that are the record itself (key, headers, payload), for the size limit.
+pub(crate) fn record_len(input: &Input<'_>) -> usize {
+    headers_block_len(input.headers) + input.key.map_or(0, <[u8]>::len) + input.payload.len()
 }
 
 /// Checks what `frame_len` cannot express: a key or header field too long for its length field.
@@ -78,62 +154,64 @@ pub(crate) fn check_input(input: &Input<'_>) -> Result<(), FrameError> {
 /// Frames up to this length are assembled on the stack and copied into the segment whole.
 const SMALL_FRAME: usize = 256;
 
-/// Writes the frame for `input` at the start of `buf` (which must hold `align_up(len)` bytes,
-/// `len` being `frame_len(input)`, and be zero past the frame: segments are zero-filled) and
-/// returns the aligned length.
+/// Writes the frame for `input` (current format) at the start of `buf` (which must hold
+/// `align_up(len)` bytes, `len` being `frame_len(input)`, and be zero past the frame: segments
+/// are zero-filled) and returns the aligned length.
 #[inline]
-pub(crate) fn encode(buf: &mut [u8], len: usize, offset: u64, timestamp: u64, input: &Input<'_>) -> usize {
+pub(crate) fn encode(buf: &mut [u8], len: usize, timestamp: u64, input: &Input<'_>) -> usize {
     let aligned = align_up(len);
     if aligned <= SMALL_FRAME {
         // Checksumming bytes just stored to mapped memory stalls on store forwarding; a small
         // frame is checksummed where it is built, on the stack.
         let mut frame = [0u8; SMALL_FRAME];
-        encode_in_place(&mut frame[..aligned], len, offset, timestamp, input);
+        encode_in_place(&mut frame[..aligned], len, timestamp, input);
         buf[..aligned].copy_from_slice(&frame[..aligned]);
     } else {
-        encode_in_place(&mut buf[..aligned], len, offset, timestamp, input);
+        encode_in_place(&mut buf[..aligned], len, timestamp, input);
     }
     aligned
 }
 
 #[inline]
-fn encode_in_place(buf: &mut [u8], len: usize, offset: u64, timestamp: u64, input: &Input<'_>) {
-    let mut flags = 0u16;
+fn encode_in_place(buf: &mut [u8], len: usize, timestamp: u64, input: &Input<'_>) {
+    debug_assert!(len >= FRAME_HEADER_LEN && len as u32 & EXTRAS == 0);
+    let mut word = len as u32;
     let mut at = FRAME_HEADER_LEN;
-    if !input.headers.is_empty() {
-        flags |= FLAG_HEADERS;
-        let block = headers_block_len(input.headers);
-        buf[at..at + 4].copy_from_slice(&((block - 4) as u32).to_le_bytes());
-        at += 4;
-        for (name, value) in input.headers {
-            buf[at..at + 2].copy_from_slice(&(name.len() as u16).to_le_bytes());
-            at += 2;
-            buf[at..at + name.len()].copy_from_slice(name.as_bytes());
-            at += name.len();
-            buf[at..at + 4].copy_from_slice(&(value.len() as u32).to_le_bytes());
+    if input.has_extras() {
+        word |= EXTRAS;
+        let flags_at = at;
+        let mut flags = 0u8;
+        at += 1;
+        if !input.headers.is_empty() {
+            flags |= FLAG_HEADERS;
+            let block = headers_block_len(input.headers);
+            buf[at..at + 4].copy_from_slice(&((block - 4) as u32).to_le_bytes());
             at += 4;
-            buf[at..at + value.len()].copy_from_slice(value);
-            at += value.len();
+            for (name, value) in input.headers {
+                buf[at..at + 2].copy_from_slice(&(name.len() as u16).to_le_bytes());
+                at += 2;
+                buf[at..at + name.len()].copy_from_slice(name.as_bytes());
+                at += name.len();
+                buf[at..at + 4].copy_from_slice(&(value.len() as u32).to_le_bytes());
+                at += 4;
+                buf[at..at + value.len()].copy_from_slice(value);
+                at += value.len();
+            }
         }
-    }
-    let key_len = match input.key {
-        Some(key) => {
+        if let Some(key) = input.key {
             flags |= FLAG_KEY;
+            buf[at..at + 2].copy_from_slice(&(key.len() as u16).to_le_bytes());
+            at += 2;
             buf[at..at + key.len()].copy_from_slice(key);
             at += key.len();
-            key.len()
         }
-        None => 0,
-    };
+        buf[flags_at] = flags;
+    }
     buf[at..len].copy_from_slice(input.payload);
-    buf[0..4].copy_from_slice(&FRAME_MAGIC);
-    buf[8..12].copy_from_slice(&(len as u32).to_le_bytes());
-    buf[12..14].copy_from_slice(&flags.to_le_bytes());
-    buf[14..16].copy_from_slice(&(key_len as u16).to_le_bytes());
-    buf[16..24].copy_from_slice(&offset.to_le_bytes());
-    buf[24..32].copy_from_slice(&timestamp.to_le_bytes());
-    let crc = crc32c::crc32c(&buf[8..len]);
-    buf[4..8].copy_from_slice(&crc.to_le_bytes());
+    buf[4..8].copy_from_slice(&word.to_le_bytes());
+    buf[8..16].copy_from_slice(&timestamp.to_le_bytes());
+    let crc = crc32c::crc32c(&buf[4..len]);
+    buf[0..4].copy_from_slice(&crc.to_le_bytes());
 }
 
 /// A record read from the log. Borrows the segment mapping: copying is explicit (`to_owned`).
@@ -237,18 +315,71 @@ pub(crate) enum Decoded<'a> {
     Empty,
 }
 
-/// Decodes and checks the frame at the start of `buf`. `max_len` bounds `frame_len`.
+/// Decodes and checks the frame at the start of `buf`. `max_len` bounds `frame_len`. `offset` is
+/// the record expected there: a format-2 frame takes it (its offset is its place), a format-1
+/// frame reports its own, which the caller compares.
 #[inline]
-pub(crate) fn decode(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
+pub(crate) fn decode(format: Format, buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, FrameError> {
+    match format {
+        Format::V2 => decode_v2(buf, max_len, offset),
+        Format::V1 => decode_v1(buf, max_len),
+    }
+}
+
+#[inline]
+fn decode_v2(buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, FrameError> {
     let Some(head) = buf.get(..FRAME_HEADER_LEN) else {
         return if buf.iter().all(|&b| b == 0) { Ok(Decoded::Empty) } else { Err(FrameError::Truncated) };
     };
-    if head[0..4] != FRAME_MAGIC {
+    if head[0..8] == [0; 8] {
+        return Ok(Decoded::Empty);
+    }
+    let crc = u32::from_le_bytes(head[0..4].try_into().unwrap());
+    let word = u32::from_le_bytes(head[4..8].try_into().unwrap());
+    let len = (word & LEN_MASK) as usize;
+    if len < FRAME_HEADER_LEN || len > max_len {
+        return Err(FrameError::BadLength);
+    }
+    let frame = buf.get(..len).ok_or(FrameError::Truncated)?;
+    if crc32c::crc32c(&frame[4..]) != crc {
+        return Err(FrameError::BadChecksum);
+    }
+    let timestamp = u64::from_le_bytes(head[8..16].try_into().unwrap());
+    let mut rest = &frame[FRAME_HEADER_LEN..];
+    let (mut key, mut headers) = (None, Headers::default());
+    if word & EXTRAS != 0 {
+        let (&flags, after) = rest.split_first().ok_or(FrameError::BadLength)?;
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(FrameError::UnknownFlags);
+        }
+        rest = after;
+        if flags & FLAG_HEADERS != 0 {
+            let block_len =
+                u32::from_le_bytes(rest.get(..4).ok_or(FrameError::BadHeaders)?.try_into().unwrap()) as usize;
+            let block = rest.get(4..4 + block_len).ok_or(FrameError::BadHeaders)?;
+            validate_headers(block)?;
+            headers = Headers { block };
+            rest = &rest[4 + block_len..];
+        }
+        if flags & FLAG_KEY != 0 {
+            let key_len = u16::from_le_bytes(rest.get(..2).ok_or(FrameError::BadLength)?.try_into().unwrap()) as usize;
+            key = Some(rest.get(2..2 + key_len).ok_or(FrameError::BadLength)?);
+            rest = &rest[2 + key_len..];
+        }
+    }
+    Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload: rest }, align_up(len)))
+}
+
+fn decode_v1(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
+    let Some(head) = buf.get(..V1_HEADER_LEN) else {
+        return if buf.iter().all(|&b| b == 0) { Ok(Decoded::Empty) } else { Err(FrameError::Truncated) };
+    };
+    if head[0..4] != V1_MAGIC {
         return if head[0..8] == [0; 8] { Ok(Decoded::Empty) } else { Err(FrameError::BadMagic) };
     }
     let crc = u32::from_le_bytes(head[4..8].try_into().unwrap());
     let len = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
-    if len < FRAME_HEADER_LEN || len > max_len {
+    if len < V1_HEADER_LEN || len > max_len {
         return Err(FrameError::BadLength);
     }
     let frame = buf.get(..len).ok_or(FrameError::Truncated)?;
@@ -256,22 +387,22 @@ pub(crate) fn decode(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameErr
         return Err(FrameError::BadChecksum);
     }
     let flags = u16::from_le_bytes(head[12..14].try_into().unwrap());
-    if flags & !KNOWN_FLAGS != 0 {
+    if flags & !(KNOWN_FLAGS as u16) != 0 {
         return Err(FrameError::UnknownFlags);
     }
     let key_len = u16::from_le_bytes(head[14..16].try_into().unwrap()) as usize;
     let offset = u64::from_le_bytes(head[16..24].try_into().unwrap());
     let timestamp = u64::from_le_bytes(head[24..32].try_into().unwrap());
-    let mut rest = &frame[FRAME_HEADER_LEN..];
+    let mut rest = &frame[V1_HEADER_LEN..];
     let mut headers = Headers::default();
-    if flags & FLAG_HEADERS != 0 {
+    if flags & FLAG_HEADERS as u16 != 0 {
         let block_len = u32::from_le_bytes(rest.get(..4).ok_or(FrameError::BadHeaders)?.try_into().unwrap()) as usize;
         let block = rest.get(4..4 + block_len).ok_or(FrameError::BadHeaders)?;
         validate_headers(block)?;
         headers = Headers { block };
         rest = &rest[4 + block_len..];
     }
-    let key = if flags & FLAG_KEY != 0 {
+    let key = if flags & FLAG_KEY as u16 != 0 {
         let key = rest.get(..key_len).ok_or(FrameError::BadLength)?;
         rest = &rest[key_len..];
         Some(key)
@@ -283,62 +414,102 @@ pub(crate) fn decode(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameErr
     Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload: rest }, align_up(len)))
 }
 
-/// Aligned length of the frame at the start of `buf`, judged by its magic and length field
-/// only (no CRC): for skipping over frames already known to be valid.
-pub(crate) fn peek_len(buf: &[u8]) -> Option<usize> {
-    let head = buf.get(..FRAME_HEADER_LEN)?;
-    if head[0..4] != FRAME_MAGIC {
-        return None;
+/// Whether a frame of `format` may start at the start of `buf`, judged cheaply (no CRC): what
+/// the search for a valid frame after a damaged one checks before decoding.
+pub(crate) fn may_start(format: Format, buf: &[u8]) -> bool {
+    match format {
+        Format::V1 => buf.get(..4) == Some(&V1_MAGIC[..]),
+        Format::V2 => peek_len(format, buf).is_some(),
     }
-    let len = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
-    (len >= FRAME_HEADER_LEN && len <= buf.len()).then(|| align_up(len))
+}
+
+/// Aligned length of the frame at the start of `buf`, judged by its length field (and, in
+/// format 1, its magic) only, no CRC: for skipping over frames already known to be valid.
+#[inline]
+pub(crate) fn peek_len(format: Format, buf: &[u8]) -> Option<usize> {
+    let head = buf.get(..format.header_len())?;
+    let len = match format {
+        Format::V2 => (u32::from_le_bytes(head[4..8].try_into().unwrap()) & LEN_MASK) as usize,
+        Format::V1 if head[0..4] == V1_MAGIC => u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize,
+        Format::V1 => return None,
+    };
+    (len >= format.header_len() && len <= buf.len()).then(|| align_up(len))
 }
 
 /// Key of the frame at the start of `buf` (`None` without one), judged without the CRC.
-pub(crate) fn peek_key(buf: &[u8]) -> Option<&[u8]> {
-    let head = buf.get(..FRAME_HEADER_LEN)?;
-    let flags = u16::from_le_bytes(head[12..14].try_into().unwrap());
-    if head[0..4] != FRAME_MAGIC || flags & FLAG_KEY == 0 {
-        return None;
+pub(crate) fn peek_key(format: Format, buf: &[u8]) -> Option<&[u8]> {
+    let len = peek_len(format, buf)?;
+    match format {
+        Format::V2 => {
+            let word = u32::from_le_bytes(buf[4..8].try_into().unwrap());
+            let flags = *buf.get(FRAME_HEADER_LEN).filter(|_| word & EXTRAS != 0)?;
+            if flags & FLAG_KEY == 0 {
+                return None;
+            }
+            let mut at = FRAME_HEADER_LEN + 1;
+            if flags & FLAG_HEADERS != 0 {
+                at += 4 + u32::from_le_bytes(buf.get(at..at + 4)?.try_into().unwrap()) as usize;
+            }
+            let key_len = u16::from_le_bytes(buf.get(at..at + 2)?.try_into().unwrap()) as usize;
+            buf[..len].get(at + 2..at + 2 + key_len)
+        }
+        Format::V1 => {
+            let flags = u16::from_le_bytes(buf[12..14].try_into().unwrap());
+            if flags & FLAG_KEY as u16 == 0 {
+                return None;
+            }
+            let key_len = u16::from_le_bytes(buf[14..16].try_into().unwrap()) as usize;
+            let mut start = V1_HEADER_LEN;
+            if flags & FLAG_HEADERS as u16 != 0 {
+                start += 4 + u32::from_le_bytes(buf.get(start..start + 4)?.try_into().unwrap()) as usize;
+            }
+            buf.get(start..start + key_len)
+        }
     }
-    let key_len = u16::from_le_bytes(head[14..16].try_into().unwrap()) as usize;
-    let mut start = FRAME_HEADER_LEN;
-    if flags & FLAG_HEADERS != 0 {
-        start += 4 + u32::from_le_bytes(buf.get(start..start + 4)?.try_into().unwrap()) as usize;
-    }
-    buf.get(start..start + key_len)
 }
 
-/// Timestamp of the frame at the start of `buf`, judged by its magic only (no CRC).
-pub(crate) fn peek_timestamp(buf: &[u8]) -> Option<u64> {
-    let head = buf.get(..FRAME_HEADER_LEN)?;
-    (head[0..4] == FRAME_MAGIC).then(|| u64::from_le_bytes(head[24..32].try_into().unwrap()))
+/// Timestamp of the frame at the start of `buf`, judged by its length field (and, in format 1,
+/// its magic) only (no CRC).
+#[inline]
+pub(crate) fn peek_timestamp(format: Format, buf: &[u8]) -> Option<u64> {
+    peek_len(format, buf)?;
+    let at = match format {
+        Format::V2 => 8,
+        Format::V1 => 24,
+    };
+    Some(u64::from_le_bytes(buf[at..at + 8].try_into().unwrap()))
 }
 
-/// Decodes a frame that `decode` has already accepted, skipping the checks.
+/// Decodes a frame that `decode` has already accepted (as record `offset`), skipping the checks.
 ///
 /// Panics (never undefined behaviour) if the bytes are not such a frame.
 #[inline]
-pub(crate) fn decode_checked_frame(buf: &[u8]) -> (Record<'_>, usize) {
-    let len = u32::from_le_bytes(buf[8..12].try_into().unwrap()) as usize;
-    let flags = u16::from_le_bytes(buf[12..14].try_into().unwrap());
-    let key_len = u16::from_le_bytes(buf[14..16].try_into().unwrap()) as usize;
-    let offset = u64::from_le_bytes(buf[16..24].try_into().unwrap());
-    let timestamp = u64::from_le_bytes(buf[24..32].try_into().unwrap());
-    let mut rest = &buf[FRAME_HEADER_LEN..len];
-    let mut headers = Headers::default();
-    if flags & FLAG_HEADERS != 0 {
-        let block_len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
-        headers = Headers { block: &rest[4..4 + block_len] };
-        rest = &rest[4 + block_len..];
+pub(crate) fn decode_checked_frame(format: Format, buf: &[u8], offset: u64) -> (Record<'_>, usize) {
+    if format == Format::V1 {
+        return match decode_v1(buf, buf.len()) {
+            Ok(Decoded::Frame(record, len)) => (record, len),
+            _ => panic!("a frame that was checked no longer decodes"),
+        };
     }
-    let key = if flags & FLAG_KEY != 0 {
-        let (key, after) = rest.split_at(key_len);
-        rest = after;
-        Some(key)
-    } else {
-        None
-    };
+    let word = u32::from_le_bytes(buf[4..8].try_into().unwrap());
+    let len = (word & LEN_MASK) as usize;
+    let timestamp = u64::from_le_bytes(buf[8..16].try_into().unwrap());
+    let mut rest = &buf[FRAME_HEADER_LEN..len];
+    let (mut key, mut headers) = (None, Headers::default());
+    if word & EXTRAS != 0 {
+        let flags = rest[0];
+        rest = &rest[1..];
+        if flags & FLAG_HEADERS != 0 {
+            let block_len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+            headers = Headers { block: &rest[4..4 + block_len] };
+            rest = &rest[4 + block_len..];
+        }
+        if flags & FLAG_KEY != 0 {
+            let key_len = u16::from_le_bytes(rest[..2].try_into().unwrap()) as usize;
+            key = Some(&rest[2..2 + key_len]);
+            rest = &rest[2 + key_len..];
+        }
+    }
     (Record { offset, timestamp, key, headers, payload: rest }, align_up(len))
 }
 
@@ -346,18 +517,28 @@ pub(crate) fn decode_checked_frame(buf: &[u8]) -> (Record<'_>, usize) {
 mod tests {
     use super::*;
 
-    fn roundtrip(input: Input<'_>) {
-        let len = frame_len(&input);
+    fn encoded(input: &Input<'_>, timestamp: u64) -> (Vec<u8>, usize) {
+        let len = frame_len(input);
         let mut buf = vec![0u8; align_up(len) + 8];
-        let aligned = encode(&mut buf, len, 42, 7, &input);
-        assert_eq!(aligned % FRAME_ALIGN, 0);
-        let Decoded::Frame(rec, n) = decode(&buf, 1 << 20).unwrap() else { panic!("empty") };
+        let aligned = encode(&mut buf, len, timestamp, input);
+        buf.truncate(aligned + 8);
+        (buf, len)
+    }
+
+    fn roundtrip(input: Input<'_>) {
+        let (buf, len) = encoded(&input, 7);
+        let aligned = align_up(len);
+        let Decoded::Frame(rec, n) = decode(Format::V2, &buf, 1 << 20, 42).unwrap() else { panic!("empty") };
         assert_eq!(n, aligned);
         assert_eq!((rec.offset, rec.timestamp), (42, 7));
         assert_eq!(rec.key, input.key);
         assert_eq!(rec.payload, input.payload);
         assert_eq!(rec.headers.iter().collect::<Vec<_>>(), input.headers.to_vec());
-        assert_eq!(decode(&buf[aligned..], 1 << 20).unwrap(), Decoded::Empty);
+        assert_eq!(decode_checked_frame(Format::V2, &buf, 42), (rec, n));
+        assert_eq!(peek_len(Format::V2, &buf), Some(aligned));
+        assert_eq!(peek_key(Format::V2, &buf), input.key);
+        assert_eq!(peek_timestamp(Format::V2, &buf), Some(7));
+        assert_eq!(decode(Format::V2, &buf[aligned..], 1 << 20, 43).unwrap(), Decoded::Empty);
     }
 
     #[test]
@@ -365,33 +546,52 @@ mod tests {
         roundtrip(Input::payload(b""));
         roundtrip(Input::payload(b"hello"));
         roundtrip(Input { key: Some(b""), ..Input::payload(b"x") });
+        roundtrip(Input { key: Some(b"k1"), ..Input::payload(b"") });
+        roundtrip(Input { headers: &[("a", b"1")], ..Input::payload(b"p") });
         roundtrip(Input { key: Some(b"k1"), headers: &[("a", b"1"), ("", b"")], payload: b"pp", timestamp: None });
+    }
+
+    #[test]
+    fn a_small_record_costs_sixteen_bytes_of_header() {
+        assert_eq!(align_up(frame_len(&Input::payload(&[0; 32]))), 48);
+        assert_eq!(align_up(frame_len(&Input::payload(&[0; 8]))), 24);
     }
 
     #[test]
     fn the_documented_example_is_exact() {
         let input = Input::payload(b"hello");
-        let mut buf = [0u8; 40];
-        assert_eq!(encode(&mut buf, frame_len(&input), 5, 1_700_000_000_000_000_000, &input), 40);
+        let mut buf = [0u8; 24];
+        assert_eq!(encode(&mut buf, frame_len(&input), 1_700_000_000_000_000_000, &input), 24);
         let hex: Vec<String> = buf.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(
-            hex.join(" "),
-            "50 54 52 31 cd ee ba 80 25 00 00 00 00 00 00 00 05 00 00 00 00 00 00 00 \
-             00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00"
-        );
+        assert_eq!(hex.join(" "), "ee 50 35 51 15 00 00 00 00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00");
+    }
+
+    #[test]
+    fn format_one_frames_still_decode() {
+        // The example of format 1 in docs/format.md: record 5, "hello".
+        let hex = "50 54 52 31 cd ee ba 80 25 00 00 00 00 00 00 00 05 00 00 00 00 00 00 00 \
+                   00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00";
+        let buf: Vec<u8> = hex.split_whitespace().map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
+        let Decoded::Frame(rec, n) = decode(Format::V1, &buf, 1 << 20, 0).unwrap() else { panic!("empty") };
+        assert_eq!((rec.offset, rec.timestamp, rec.payload, n), (5, 1_700_000_000_000_000_000, &b"hello"[..], 40));
+        assert_eq!(decode_checked_frame(Format::V1, &buf, 0), (rec, n));
+        assert_eq!(Format::sniff(&buf), Format::V1);
+        let mut bad = buf.clone();
+        bad[33] ^= 1;
+        assert_eq!(decode(Format::V1, &bad, 1 << 20, 0), Err(FrameError::BadChecksum));
+        let (v2, _) = encoded(&Input::payload(b"hello"), 1);
+        assert_eq!(Format::sniff(&v2), Format::V2);
     }
 
     #[test]
     fn every_single_byte_flip_is_detected() {
         let input = Input { key: Some(b"key"), headers: &[("h", b"v")], payload: b"payload!", timestamp: None };
-        let len = frame_len(&input);
-        let mut buf = vec![0u8; align_up(len)];
-        encode(&mut buf, len, 9, 9, &input);
+        let (buf, len) = encoded(&input, 9);
         for i in 0..len {
             for bit in 0..8 {
                 let mut bad = buf.clone();
                 bad[i] ^= 1 << bit;
-                assert!(decode(&bad, 1 << 20).is_err(), "flip of byte {i} bit {bit} went unnoticed");
+                assert!(decode(Format::V2, &bad, 1 << 20, 9).is_err(), "flip of byte {i} bit {bit} went unnoticed");
             }
         }
     }
@@ -399,23 +599,19 @@ mod tests {
     #[test]
     fn every_truncation_is_detected() {
         let input = Input::payload(&[7u8; 100]);
-        let len = frame_len(&input);
-        let mut buf = vec![0u8; align_up(len)];
-        encode(&mut buf, len, 1, 1, &input);
+        let (buf, len) = encoded(&input, 1);
         for cut in 1..len {
             let mut torn = buf.clone();
             torn[cut..].fill(0);
-            assert!(decode(&torn, 1 << 20).is_err(), "zeroed from {cut} went unnoticed");
-            assert!(decode(&buf[..cut], 1 << 20).is_err(), "cut at {cut} went unnoticed");
+            assert!(decode(Format::V2, &torn, 1 << 20, 1).is_err(), "zeroed from {cut} went unnoticed");
+            assert!(decode(Format::V2, &buf[..cut], 1 << 20, 1).is_err(), "cut at {cut} went unnoticed");
         }
     }
 
     #[test]
     fn oversized_length_is_rejected_before_reading() {
         let input = Input::payload(&[1u8; 64]);
-        let len = frame_len(&input);
-        let mut buf = vec![0u8; align_up(len)];
-        encode(&mut buf, len, 1, 1, &input);
-        assert_eq!(decode(&buf, 40), Err(FrameError::BadLength));
+        let (buf, _) = encoded(&input, 1);
+        assert_eq!(decode(Format::V2, &buf, 40, 1), Err(FrameError::BadLength));
     }
 }

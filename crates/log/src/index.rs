@@ -20,7 +20,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
-use crate::frame;
+use crate::frame::{self, Format};
 use crate::mmap::SEGMENT_HEADER_LEN;
 
 /// Bytes of frames between index entries.
@@ -97,12 +97,14 @@ impl SparseIndex {
 
 /// Builds the entries for the frames in `data` (a segment's published bytes from `SEGMENT_HEADER_LEN`),
 /// starting at record `base`, walking frame headers only.
-pub(crate) fn build(data: &[u8], base: u64) -> Vec<Entry> {
+pub(crate) fn build(format: Format, data: &[u8], base: u64) -> Vec<Entry> {
     let mut entries = Vec::with_capacity(data.len() / INDEX_STEP + 1);
     let mut at = 0;
     let mut offset = base;
     let mut next_entry = 0;
-    while let (Some(len), Some(timestamp)) = (frame::peek_len(&data[at..]), frame::peek_timestamp(&data[at..])) {
+    while let (Some(len), Some(timestamp)) =
+        (frame::peek_len(format, &data[at..]), frame::peek_timestamp(format, &data[at..]))
+    {
         if at >= next_entry {
             entries.push(Entry { offset, pos: (SEGMENT_HEADER_LEN + at) as u32, timestamp });
             next_entry = at + INDEX_STEP;
@@ -197,9 +199,9 @@ pub(crate) struct DenseIndex {
 }
 
 impl DenseIndex {
-    /// An index for a segment of `segment_len` bytes (frames are at least 32 bytes).
-    pub(crate) fn new(segment_len: usize) -> DenseIndex {
-        let records = segment_len / crate::frame::FRAME_HEADER_LEN + 1;
+    /// An index for a segment of `segment_len` bytes (no frame is shorter than its header).
+    pub(crate) fn new(segment_len: usize, format: Format) -> DenseIndex {
+        let records = segment_len / format.header_len() + 1;
         DenseIndex {
             chunks: (0..records.div_ceil(CHUNK)).map(|_| Default::default()).collect(),
             built: Default::default(),
@@ -231,11 +233,11 @@ impl DenseIndex {
 
     /// Fills the index from the frames in `data` (a segment's published bytes from
     /// `SEGMENT_HEADER_LEN`), once.
-    pub(crate) fn build_once(&self, data: &[u8]) {
+    pub(crate) fn build_once(&self, format: Format, data: &[u8]) {
         self.built.get_or_init(|| {
             let mut at = 0;
             let mut i = 0;
-            while let Some(len) = frame::peek_len(&data[at..]) {
+            while let Some(len) = frame::peek_len(format, &data[at..]) {
                 self.set(i, SEGMENT_HEADER_LEN + at);
                 at += len;
                 i += 1;

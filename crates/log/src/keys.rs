@@ -18,8 +18,8 @@ impl KeyIndex {
             let data = seg.map.published().from(SEGMENT_HEADER_LEN);
             let mut at = 0;
             let mut offset = seg.base;
-            while let Some(len) = frame::peek_len(&data[at..]) {
-                if let Some(key) = frame::peek_key(&data[at..]) {
+            while let Some(len) = frame::peek_len(seg.format, &data[at..]) {
+                if let Some(key) = frame::peek_key(seg.format, &data[at..]) {
                     point(&mut keys, key, offset);
                 }
                 at += len;

@@ -89,24 +89,31 @@ pub use state::LogStats;
 /// Entry points for fuzzers and property tests of the decoders. Not a stable API.
 #[doc(hidden)]
 pub mod fuzzing {
-    /// Decodes arbitrary bytes as a frame, the way readers and recovery do. Must never panic;
-    /// returns the offset and aligned length of a valid frame.
-    pub fn decode_frame(bytes: &[u8]) -> Option<(u64, usize)> {
-        match crate::frame::decode(bytes, bytes.len()) {
-            Ok(crate::frame::Decoded::Frame(record, len)) => {
+    use crate::frame::{self, Decoded, Format};
+
+    /// Decodes arbitrary bytes as a frame of each format, the way readers and recovery do. Must
+    /// never panic; returns the aligned length of a valid frame.
+    pub fn decode_frame(bytes: &[u8]) -> Option<usize> {
+        let mut found = None;
+        for format in [Format::V1, Format::V2] {
+            if let Ok(Decoded::Frame(record, len)) = frame::decode(format, bytes, bytes.len(), 7) {
                 // What decode accepted, the trusted decoder must read back the same.
-                let (again, len_again) = crate::frame::decode_checked_frame(bytes);
+                let (again, len_again) = frame::decode_checked_frame(format, bytes, 7);
                 assert_eq!((again, len_again), (record, len));
-                Some((record.offset, len))
+                assert_eq!(frame::peek_len(format, bytes), Some(len));
+                assert_eq!(frame::peek_key(format, bytes), record.key);
+                found = Some(len);
             }
-            _ => None,
         }
+        found
     }
 
-    /// Scans arbitrary bytes as a segment's data region, the way recovery does. Must never
-    /// panic; returns the end of the valid frames and the next offset.
+    /// Scans arbitrary bytes as a segment's data region of each format, the way recovery does.
+    /// Must never panic; returns the end of the valid frames and the next offset (format 2).
     pub fn scan_segment(data: &[u8], start_offset: u64) -> (usize, u64) {
-        let scan = crate::recovery::scan(data, 0, start_offset);
+        let v1 = crate::recovery::scan(Format::V1, data, 0, start_offset);
+        assert!(v1.end <= data.len());
+        let scan = crate::recovery::scan(Format::V2, data, 0, start_offset);
         assert!(scan.end <= data.len());
         (scan.end, scan.next_offset)
     }

@@ -62,7 +62,7 @@ impl Log {
         let durable = options.durability != Durability::None;
         let now = now_ns();
         let mut segments = Vec::with_capacity(bases.len() + 1);
-        if let Some((&last, sealed)) = bases.split_last() {
+        let mut active = if let Some((&last, sealed)) = bases.split_last() {
             for &base in sealed {
                 let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
                 if let Err(reason) = header {
@@ -71,19 +71,27 @@ impl Log {
                 segments.push(Arc::new(seg));
             }
             // Its header is checked by recovery, which can do without it.
-            let (seg, _) = Segment::open(&dir.join(segment::file_name(last)), last, true)?;
-            segments.push(Arc::new(seg));
+            Segment::open(&dir.join(segment::file_name(last)), last, true)?.0
         } else {
-            let len = options.first_segment_bytes();
-            segments.push(Arc::new(Segment::create(&dir, 0, len, now, durable)?));
-        }
-        report.segments = segments.len();
-        let active = Arc::clone(segments.last().unwrap());
+            Segment::create(&dir, 0, options.first_segment_bytes(), now, durable)?
+        };
         let mut writer = active.map.writer().expect("a new mapping has its writer");
         let (pos, next_offset) = recover_active(&active, &mut writer, &mut report)?;
+        if active.format != frame::Format::CURRENT && pos == SEGMENT_HEADER_LEN {
+            // An empty last segment of an earlier format holds nothing to keep: it takes the
+            // current format in place, as a new segment under its name could not.
+            active.adopt_current_format(durable).map_err(io_err("sync segment", &active.path))?;
+        }
+        let active = Arc::new(active);
+        segments.push(Arc::clone(&active));
+        report.segments = segments.len();
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
-        active.index.set(crate::index::build(active.map.published().from(SEGMENT_HEADER_LEN), active.base));
+        active.index.set(crate::index::build(
+            active.format,
+            active.map.published().from(SEGMENT_HEADER_LEN),
+            active.base,
+        ));
         let positions = active.positions();
 
         let mut cursors = crate::group::load_all(&dir)?;
@@ -309,7 +317,7 @@ impl Log {
     #[inline]
     fn check(&self, input: &Input<'_>) -> Result<usize> {
         let len = frame::frame_len(input);
-        let record = len - frame::FRAME_HEADER_LEN;
+        let record = frame::record_len(input);
         if record > self.shared.options().max_record_bytes {
             return Err(Error::RecordTooLarge { size: record, max: self.shared.options().max_record_bytes });
         }
@@ -330,7 +338,9 @@ impl Log {
     #[inline]
     fn write(&mut self, input: &Input<'_>, len: usize, timestamp: u64) -> Result<u64> {
         let aligned = frame::align_up(len);
-        if self.pos + aligned > self.active.map.len() {
+        // A segment written by an earlier format version is sealed as it is: appends go on in
+        // a new segment of the current format.
+        if self.pos + aligned > self.active.map.len() || self.active.format != frame::Format::CURRENT {
             self.roll(aligned)?;
         }
         if self.active.lru_stamp.load(Ordering::Relaxed) == 0 {
@@ -341,7 +351,7 @@ impl Log {
         let start = self.writer.published_end();
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
-        frame::encode(buf, len, offset, timestamp, input);
+        frame::encode(buf, len, timestamp, input);
         self.positions.set((offset - self.active.base) as usize, self.pos);
         if self.pos >= self.next_index_pos {
             self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use crate::error::corrupt;
 use crate::error::{Reason, Result};
-use crate::frame::{self, Decoded, Record};
+use crate::frame::{self, Decoded, Format, Record};
 use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::segment::Segment;
 use crate::state::LogState;
@@ -165,7 +165,7 @@ impl Reader {
                 let seg = &segments[s];
                 let data = seg.map.published().from(pos);
                 let expected = offsets[i];
-                let reason = match frame::decode(data, data.len()) {
+                let reason = match frame::decode(seg.format, data, data.len(), expected) {
                     Ok(Decoded::Frame(record, _)) if record.offset == expected => {
                         found(i, record);
                         continue;
@@ -213,7 +213,7 @@ impl Reader {
         let mut count = 0;
         while count < max && at + frame::FRAME_ALIGN <= data.len() && data[at..at + 8] != [0; 8] {
             let expected = first + count as u64;
-            let reason = match frame::decode(&data[at..], data.len() - at) {
+            let reason = match frame::decode(seg.format, &data[at..], data.len() - at, expected) {
                 Ok(Decoded::Frame(rec, len)) if rec.offset == expected => {
                     at += len;
                     count += 1;
@@ -230,7 +230,7 @@ impl Reader {
         }
         self.pos += at;
         self.next += count as u64;
-        Ok(Batch { data: &data[..at], first, count })
+        Ok(Batch { data: &data[..at], format: seg.format, first, count })
     }
 
     /// Offset of the first record with a timestamp at or after `t` (ns since the Unix epoch), or
@@ -238,7 +238,7 @@ impl Reader {
     /// a binary search over segments, then a walk over frame headers within one.
     pub fn offset_at_time(&mut self, t: u64) -> Result<u64> {
         let segments: Vec<Arc<Segment>> = self.shared.segments().clone();
-        let first_ts = |seg: &Segment| frame::peek_timestamp(seg.map.published().from(SEGMENT_HEADER_LEN));
+        let first_ts = |seg: &Segment| frame::peek_timestamp(seg.format, seg.map.published().from(SEGMENT_HEADER_LEN));
         // Segments whose first record is older than `t`; the answer is in the last of them, or is
         // the first record of the segment after.
         let older = segments.partition_point(|s| first_ts(s).is_some_and(|ts| ts < t));
@@ -255,7 +255,7 @@ impl Reader {
         };
         while offset < limit {
             let bytes = published.from(pos);
-            match (frame::peek_timestamp(bytes), frame::peek_len(bytes)) {
+            match (frame::peek_timestamp(seg.format, bytes), frame::peek_len(seg.format, bytes)) {
                 (Some(ts), _) if ts >= t => return Ok(offset),
                 (Some(_), Some(len)) => pos += len,
                 _ => return Err(corrupt(&seg.path, pos as u64, Some(offset), Reason::Missing { expected: offset })),
@@ -331,7 +331,7 @@ fn locate(dir: &std::path::Path, seg: &Segment, offset: u64) -> Result<usize> {
     };
     while at < offset {
         let bytes = published.from(pos);
-        match frame::peek_len(bytes) {
+        match frame::peek_len(seg.format, bytes) {
             Some(len) => pos += len,
             None => break,
         }
@@ -345,11 +345,18 @@ fn locate(dir: &std::path::Path, seg: &Segment, offset: u64) -> Result<usize> {
 
 /// Consecutive checked records from one segment. Iterating decodes them again without the CRC
 /// (already checked) and allocates nothing.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct Batch<'a> {
     data: &'a [u8],
+    format: Format,
     first: u64,
     count: usize,
+}
+
+impl Default for Batch<'_> {
+    fn default() -> Self {
+        Batch { data: &[], format: Format::CURRENT, first: 0, count: 0 }
+    }
 }
 
 impl<'a> Batch<'a> {
@@ -377,12 +384,14 @@ impl<'a> IntoIterator for Batch<'a> {
     type IntoIter = BatchIter<'a>;
 
     fn into_iter(self) -> BatchIter<'a> {
-        BatchIter { rest: self.data, left: self.count }
+        BatchIter { rest: self.data, format: self.format, next: self.first, left: self.count }
     }
 }
 
 pub struct BatchIter<'a> {
     rest: &'a [u8],
+    format: Format,
+    next: u64,
     left: usize,
 }
 
@@ -394,8 +403,9 @@ impl<'a> Iterator for BatchIter<'a> {
         if self.left == 0 {
             return None;
         }
-        let (record, len) = frame::decode_checked_frame(self.rest);
+        let (record, len) = frame::decode_checked_frame(self.format, self.rest, self.next);
         self.rest = &self.rest[len..];
+        self.next += 1;
         self.left -= 1;
         Some(record)
     }

@@ -3,18 +3,18 @@
 //! The rules, also in `docs/format.md`:
 //!
 //! * Frames are read one after another from a known-good start (the segment start, or the
-//!   checkpoint recorded after a sync), each checked for magic, length, CRC, flags and the
-//!   expected offset.
+//!   checkpoint recorded after a sync), each checked for length, CRC and flags (and, in format 1,
+//!   magic and the expected offset).
 //! * Eight zero bytes where a frame would start end the segment: nothing was written there.
-//! * A bad frame is a **torn tail** when no valid frame with a later offset follows it anywhere in
-//!   the segment: an append that was cut short by a crash. Its bytes are never acknowledged
+//! * A bad frame is a **torn tail** when no valid frame (in format 1, of a later offset) follows it
+//!   anywhere in the segment: an append that was cut short by a crash. Its bytes are never acknowledged
 //!   (acknowledgement follows the write, and for `Always` the sync), so they are cut.
 //! * A bad frame followed by a valid later frame is **corruption**, never silently cut: open fails
 //!   with an error naming the file and byte position, and `petrel log repair` is the explicit way
 //!   out.
 
 use crate::error::{Error, FrameError, Reason, Result};
-use crate::frame::{self, Decoded, FRAME_ALIGN, FRAME_MAGIC};
+use crate::frame::{self, Decoded, FRAME_ALIGN, Format};
 use crate::mmap::{DataWriter, SEGMENT_HEADER_LEN};
 use crate::segment::{self, Segment};
 
@@ -39,8 +39,10 @@ pub(crate) enum Stop {
     Clean,
     /// A torn tail starting at `end`: `garbage_end` is where its non-zero bytes end.
     Torn { error: FrameError, garbage_end: usize },
-    /// A bad frame at `end` with a valid frame (`later_offset` at `later_pos`) after it.
-    Corrupt { error: FrameError, later_pos: usize, later_offset: u64 },
+    /// A bad frame at `end` with a valid frame at `later_pos` after it: record `later_offset` in
+    /// format 1; in format 2 a frame does not say its offset, and how many records the damage
+    /// took is not known.
+    Corrupt { error: FrameError, later_pos: usize, later_offset: Option<u64> },
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -56,7 +58,7 @@ pub(crate) struct Scan {
 
 /// Scans `data` (a segment's data region) from relative position `start`, where record
 /// `start_offset` is expected.
-pub(crate) fn scan(data: &[u8], start: usize, start_offset: u64) -> Scan {
+pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64) -> Scan {
     let mut pos = start;
     let mut next = start_offset;
     let mut records = 0;
@@ -65,7 +67,7 @@ pub(crate) fn scan(data: &[u8], start: usize, start_offset: u64) -> Scan {
         if rest.is_empty() {
             return Scan { end: pos, next_offset: next, records, stop: Stop::Clean };
         }
-        let error = match frame::decode(rest, rest.len()) {
+        let error = match frame::decode(format, rest, rest.len(), next) {
             Ok(Decoded::Frame(rec, len)) if rec.offset == next => {
                 pos += len;
                 next += 1;
@@ -80,34 +82,43 @@ pub(crate) fn scan(data: &[u8], start: usize, start_offset: u64) -> Scan {
                 let stop = if garbage_end == pos {
                     Stop::Clean
                 } else {
-                    classify(data, pos, next, garbage_end, FrameError::BadMagic)
+                    classify(format, data, pos, next, garbage_end, FrameError::BadMagic)
                 };
                 return Scan { end: pos, next_offset: next, records, stop };
             }
             Err(e) => e,
         };
         let garbage_end = nonzero_extent(data, pos).max(pos + FRAME_ALIGN).min(data.len());
-        let stop = classify(data, pos, next, garbage_end, error);
+        let stop = classify(format, data, pos, next, garbage_end, error);
         return Scan { end: pos, next_offset: next, records, stop };
     }
 }
 
-fn classify(data: &[u8], pos: usize, next: u64, garbage_end: usize, error: FrameError) -> Stop {
-    match find_valid_after(data, pos + FRAME_ALIGN, next) {
+fn classify(format: Format, data: &[u8], pos: usize, next: u64, garbage_end: usize, error: FrameError) -> Stop {
+    match find_valid_after(format, data, pos + FRAME_ALIGN, next) {
         Some((later_pos, later_offset)) => Stop::Corrupt { error, later_pos, later_offset },
         None => Stop::Torn { error, garbage_end },
     }
 }
 
-/// The first valid frame at or after `from` whose offset is at least `min_offset`.
-pub(crate) fn find_valid_after(data: &[u8], from: usize, min_offset: u64) -> Option<(usize, u64)> {
+/// The first valid frame at or after `from` (in format 1, whose offset is at least
+/// `min_offset`), and its offset if the frame says it.
+pub(crate) fn find_valid_after(
+    format: Format,
+    data: &[u8],
+    from: usize,
+    min_offset: u64,
+) -> Option<(usize, Option<u64>)> {
     let mut pos = from.next_multiple_of(FRAME_ALIGN);
     while pos + FRAME_ALIGN <= data.len() {
-        if data[pos..pos + 4] == FRAME_MAGIC
-            && let Ok(Decoded::Frame(rec, _)) = frame::decode(&data[pos..], data.len() - pos)
-            && rec.offset >= min_offset
+        if frame::may_start(format, &data[pos..])
+            && let Ok(Decoded::Frame(rec, _)) = frame::decode(format, &data[pos..], data.len() - pos, min_offset)
         {
-            return Some((pos, rec.offset));
+            match format {
+                Format::V1 if rec.offset >= min_offset => return Some((pos, Some(rec.offset))),
+                Format::V1 => {}
+                Format::V2 => return Some((pos, None)),
+            }
         }
         pos += FRAME_ALIGN;
     }
@@ -148,7 +159,7 @@ pub(crate) fn recover_active(
     let header = seg.header();
     let (start, start_offset) = scan_start(seg, &header);
     let data = writer.unpublished_mut();
-    let scan = scan(data, start - SEGMENT_HEADER_LEN, start_offset);
+    let scan = scan(seg.format, data, start - SEGMENT_HEADER_LEN, start_offset);
     report.records_scanned = scan.records;
     let end = SEGMENT_HEADER_LEN + scan.end;
     match scan.stop {
@@ -177,14 +188,15 @@ pub(crate) fn corrupt_before_valid(
     next_offset: u64,
     error: FrameError,
     later_pos: usize,
-    later_offset: u64,
+    later_offset: Option<u64>,
 ) -> Error {
+    let later = later_offset.map_or_else(|| "record".to_owned(), |o| format!("record {o}"));
     Error::Corrupt {
         file: seg.path.clone(),
         position: end as u64,
         offset: Some(next_offset),
         reason: Reason::Other(format!(
-            "{error}, yet a valid record {later_offset} follows at byte {}",
+            "{error}, yet a valid {later} follows at byte {}",
             SEGMENT_HEADER_LEN + later_pos
         )),
         before_tail: true,
@@ -222,7 +234,7 @@ mod tests {
         for off in 0..n {
             let input = Input::payload(payload);
             starts.push(pos);
-            pos += encode(&mut data[pos..], frame_len(&input), off, off, &input);
+            pos += encode(&mut data[pos..], frame_len(&input), off, &input);
         }
         starts.push(pos);
         (data, starts)
@@ -231,9 +243,9 @@ mod tests {
     #[test]
     fn clean_segment_scans_to_its_end() {
         let (data, starts) = segment(10, b"abc");
-        let s = scan(&data, 0, 0);
+        let s = scan(Format::V2, &data, 0, 0);
         assert_eq!(s, Scan { end: starts[10], next_offset: 10, records: 10, stop: Stop::Clean });
-        let s = scan(&data, starts[4], 4);
+        let s = scan(Format::V2, &data, starts[4], 4);
         assert_eq!((s.end, s.next_offset, s.records), (starts[10], 10, 6));
     }
 
@@ -243,7 +255,7 @@ mod tests {
         for cut in starts[4] + 1..starts[5] {
             let mut torn = data.clone();
             torn[cut..].fill(0);
-            let s = scan(&torn, 0, 0);
+            let s = scan(Format::V2, &torn, 0, 0);
             assert_eq!((s.end, s.next_offset), (starts[4], 4), "cut at {cut}");
             assert!(matches!(s.stop, Stop::Torn { .. }), "cut at {cut}: {:?}", s.stop);
         }
@@ -252,8 +264,8 @@ mod tests {
     #[test]
     fn body_without_header_is_a_torn_tail() {
         let (mut data, starts) = segment(3, &[9u8; 100]);
-        data[starts[2]..starts[2] + 32].fill(0);
-        let s = scan(&data, 0, 0);
+        data[starts[2]..starts[2] + 16].fill(0);
+        let s = scan(Format::V2, &data, 0, 0);
         assert_eq!(s.end, starts[2]);
         assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] - 4 });
     }
@@ -261,10 +273,10 @@ mod tests {
     #[test]
     fn damage_before_a_valid_frame_is_corruption() {
         let (mut data, starts) = segment(5, b"hello world");
-        data[starts[1] + 40] ^= 1;
-        let s = scan(&data, 0, 0);
+        data[starts[1] + 20] ^= 1;
+        let s = scan(Format::V2, &data, 0, 0);
         assert_eq!(s.end, starts[1]);
-        assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: 2 });
+        assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
 
     #[test]

@@ -55,7 +55,7 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
         let over_bytes = policy.max_bytes.is_some_and(|max| total > max);
         let too_old = policy.max_age.is_some_and(|age| {
             let newest =
-                seg.position_of(next_base - 1).and_then(|pos| frame::peek_timestamp(seg.map.published().from(pos)));
+                seg.position_of(next_base - 1).and_then(|pos| frame::peek_timestamp(seg.format, seg.map.published().from(pos)));
             newest.is_some_and(|ts| ts.saturating_add(age.as_nanos() as u64) < now)
         });
         if !(consumed || over_bytes || too_old) {

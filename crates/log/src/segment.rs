@@ -3,7 +3,7 @@
 //! ```text
 //! header, 64 bytes, little-endian:
 //! 0   8  magic             b"PETRELSG"
-//! 8   4  format version    1
+//! 8   4  format version    2 (1: segments written before format 2; still read)
 //! 12  4  header length     64 (frames start here)
 //! 16  8  base offset       offset of the first record; also in the file name
 //! 24  8  segment length    bytes preallocated for the file
@@ -21,10 +21,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result, io_err};
+use crate::frame::Format;
 use crate::mmap::{Mapping, SEGMENT_HEADER_LEN};
 
 pub(crate) const SEGMENT_MAGIC: [u8; 8] = *b"PETRELSG";
-pub(crate) const FORMAT_VERSION: u32 = 1;
 const SUFFIX: &str = ".log";
 const TMP_SUFFIX: &str = ".log.tmp";
 
@@ -45,6 +45,8 @@ pub(crate) fn is_leftover_tmp(name: &str) -> bool {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SegmentHeader {
+    /// How its frames are laid out.
+    pub format: Format,
     pub base_offset: u64,
     pub len: u64,
     pub created: u64,
@@ -56,7 +58,7 @@ impl SegmentHeader {
     pub(crate) fn encode(&self) -> [u8; SEGMENT_HEADER_LEN] {
         let mut b = [0u8; SEGMENT_HEADER_LEN];
         b[0..8].copy_from_slice(&SEGMENT_MAGIC);
-        b[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.format.version().to_le_bytes());
         b[12..16].copy_from_slice(&(SEGMENT_HEADER_LEN as u32).to_le_bytes());
         b[16..24].copy_from_slice(&self.base_offset.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
@@ -77,13 +79,14 @@ impl SegmentHeader {
         if crc32c::crc32c(&b[0..60]) != u32_at(60) {
             return Err("segment header CRC mismatch".into());
         }
-        if u32_at(8) != FORMAT_VERSION {
+        let Some(format) = Format::from_version(u32_at(8)) else {
             return Err(format!("unsupported format version {}", u32_at(8)));
-        }
+        };
         if u32_at(12) as usize != SEGMENT_HEADER_LEN {
             return Err(format!("unsupported header length {}", u32_at(12)));
         }
         Ok(SegmentHeader {
+            format,
             base_offset: u64_at(16),
             len: u64_at(24),
             created: u64_at(32),
@@ -98,6 +101,9 @@ impl SegmentHeader {
 /// queues would otherwise run out).
 pub(crate) struct Segment {
     pub base: u64,
+    /// How its frames are laid out (from its header, or judged by its first frame when the
+    /// header is damaged).
+    pub format: Format,
     pub path: PathBuf,
     pub map: Arc<Mapping>,
     /// Position after the last published frame (high 32 bits) and records published (low 32
@@ -131,8 +137,14 @@ impl Segment {
             rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len)
                 .map_err(|e| Error::SegmentAllocation { path: path.clone(), size: len, source: e.into() })?;
             let map = Arc::new(Mapping::new(&file, len as usize).map_err(io_err("map segment", &tmp))?);
-            let header =
-                SegmentHeader { base_offset: base, len, created: now, checkpoint_pos: 0, checkpoint_offset: base };
+            let header = SegmentHeader {
+                format: Format::CURRENT,
+                base_offset: base,
+                len,
+                created: now,
+                checkpoint_pos: 0,
+                checkpoint_offset: base,
+            };
             map.write_header(&header.encode());
             if durable {
                 rustix::fs::fdatasync(&file).map_err(|e| io_err("sync segment", &tmp)(e.into()))?;
@@ -146,6 +158,7 @@ impl Segment {
         match made {
             Ok(map) => Ok(Segment {
                 base,
+                format: Format::CURRENT,
                 path,
                 map,
                 tail: AtomicU64::new(pack(SEGMENT_HEADER_LEN, 0)),
@@ -153,7 +166,7 @@ impl Segment {
                 users: Default::default(),
                 lru_stamp: AtomicU64::new(0),
                 positions: {
-                    let positions = crate::index::DenseIndex::new(len as usize);
+                    let positions = crate::index::DenseIndex::new(len as usize, Format::CURRENT);
                     positions.mark_built();
                     std::sync::Mutex::new(Some(Arc::new(positions)))
                 },
@@ -197,6 +210,14 @@ impl Segment {
             rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, h.len)
                 .map_err(|e| Error::SegmentAllocation { path: path.to_path_buf(), size: h.len, source: e.into() })?;
         }
+        let format = match &header {
+            Ok(h) => h.format,
+            Err(_) => {
+                let mut first = [0u8; 4];
+                let _ = read_exact_at(&file, &mut first, SEGMENT_HEADER_LEN as u64);
+                Format::sniff(&first)
+            }
+        };
         let len = file.metadata().map_err(io_err("stat segment", path))?.len();
         let map = if writable {
             Mapping::new(&file, len as usize)
@@ -209,7 +230,7 @@ impl Segment {
         let positions = Default::default();
         let users = Default::default();
         let lru_stamp = AtomicU64::new(0);
-        Ok((Segment { base, path: path.to_path_buf(), map, tail, index, positions, users, lru_stamp }, header))
+        Ok((Segment { base, format, path: path.to_path_buf(), map, tail, index, positions, users, lru_stamp }, header))
     }
 
     /// This read-only segment with only `[SEGMENT_HEADER_LEN, end)` visible to readers: for a last
@@ -233,7 +254,7 @@ impl Segment {
             self.index.set(entries);
             return;
         }
-        let entries = crate::index::build(self.map.published().from(SEGMENT_HEADER_LEN), self.base);
+        let entries = crate::index::build(self.format, self.map.published().from(SEGMENT_HEADER_LEN), self.base);
         if self.map.is_writable() || fs::metadata(dir.join(crate::index::INDEX_DIR)).is_ok() {
             crate::index::save(dir, self.base, &entries);
         }
@@ -244,9 +265,9 @@ impl Segment {
     pub(crate) fn positions(&self) -> Arc<crate::index::DenseIndex> {
         let positions = {
             let mut slot = self.positions.lock().unwrap_or_else(|e| e.into_inner());
-            Arc::clone(slot.get_or_insert_with(|| Arc::new(crate::index::DenseIndex::new(self.map.len()))))
+            Arc::clone(slot.get_or_insert_with(|| Arc::new(crate::index::DenseIndex::new(self.map.len(), self.format))))
         };
-        positions.build_once(self.map.published().from(SEGMENT_HEADER_LEN));
+        positions.build_once(self.format, self.map.published().from(SEGMENT_HEADER_LEN));
         positions
     }
 
@@ -282,12 +303,31 @@ impl Segment {
         SegmentHeader::decode(&self.map.read_header())
     }
 
+    /// Makes an empty segment of an earlier format one of the current format: its header says so
+    /// from now on (synced with `durable`, before any frame of the new format can be).
+    pub(crate) fn adopt_current_format(&mut self, durable: bool) -> io::Result<()> {
+        let mut header = self.header().unwrap_or(SegmentHeader {
+            format: self.format,
+            base_offset: self.base,
+            len: self.map.len() as u64,
+            created: 0,
+            checkpoint_pos: 0,
+            checkpoint_offset: self.base,
+        });
+        header.format = Format::CURRENT;
+        self.map.write_header(&header.encode());
+        self.format = Format::CURRENT;
+        *self.positions.get_mut().unwrap_or_else(|e| e.into_inner()) = None;
+        if durable { self.sync() } else { Ok(()) }
+    }
+
     /// Records that frames before `pos` (where record `offset` starts) are durable. The header
     /// itself becomes durable with the next sync.
     pub(crate) fn write_checkpoint(&self, pos: u64, offset: u64) {
         let mut header = match self.header() {
             Ok(h) => h,
             Err(_) => SegmentHeader {
+                format: self.format,
                 base_offset: self.base,
                 len: self.map.len() as u64,
                 created: 0,
@@ -332,7 +372,14 @@ mod tests {
 
     #[test]
     fn header_round_trips_and_rejects_damage() {
-        let h = SegmentHeader { base_offset: 7, len: 65536, created: 1, checkpoint_pos: 128, checkpoint_offset: 9 };
+        let h = SegmentHeader {
+            format: Format::V2,
+            base_offset: 7,
+            len: 65536,
+            created: 1,
+            checkpoint_pos: 128,
+            checkpoint_offset: 9,
+        };
         let b = h.encode();
         assert_eq!(SegmentHeader::decode(&b), Ok(h));
         for i in 0..SEGMENT_HEADER_LEN {

@@ -35,7 +35,8 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     }
     let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, false)?;
     let (start, start_offset) = scan_start(&seg, &header);
-    let scan = recovery::scan(seg.map.published().from(SEGMENT_HEADER_LEN), start - SEGMENT_HEADER_LEN, start_offset);
+    let scan =
+        recovery::scan(seg.format, seg.map.published().from(SEGMENT_HEADER_LEN), start - SEGMENT_HEADER_LEN, start_offset);
     if let Stop::Corrupt { error, later_pos, later_offset } = scan.stop {
         return Err(corrupt_before_valid(
             &seg,
@@ -123,6 +124,9 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
     let mut report = VerifyReport { segments: bases.len(), first_offset: bases[0], ..VerifyReport::default() };
     let mut done = 0;
     let mut expected = bases[0];
+    // After damage in a format-2 segment the offsets of the records after it are not known (its
+    // frames do not carry them) until the next segment's base says them again.
+    let mut offsets_unknown = false;
     for (i, &base) in bases.iter().enumerate() {
         let is_last = i + 1 == bases.len();
         let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
@@ -136,7 +140,7 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
         if let Err(reason) = &header {
             report.problems.push(problem(0, None, ProblemKind::Corrupt, format!("segment header: {reason}")));
         }
-        if base != expected {
+        if base != expected && !offsets_unknown {
             let detail = if base > expected {
                 format!("records {expected}..{base} are missing before this segment")
             } else {
@@ -145,10 +149,12 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
             report.problems.push(problem(SEGMENT_HEADER_LEN, Some(expected), ProblemKind::Corrupt, detail));
         }
         expected = base;
+        offsets_unknown = false;
         let data = seg.map.published().from(SEGMENT_HEADER_LEN);
         let mut pos = 0;
         loop {
-            let scan = recovery::scan(data, pos, expected);
+            let scan = recovery::scan(seg.format, data, pos, expected);
+            let known = |offset: u64| (!offsets_unknown).then_some(offset);
             report.records += scan.records;
             report.frame_bytes += (scan.end - pos) as u64;
             expected = scan.next_offset;
@@ -161,22 +167,27 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
                     } else {
                         format!("{error}: the rest of this sealed segment is unreadable")
                     };
-                    report.problems.push(problem(SEGMENT_HEADER_LEN + scan.end, Some(expected), kind, detail));
+                    report.problems.push(problem(SEGMENT_HEADER_LEN + scan.end, known(expected), kind, detail));
                     break;
                 }
                 Stop::Corrupt { error, later_pos, later_offset } => {
-                    let detail = format!(
-                        "{error}; records {expected}..{later_offset} lost, reading resumes at byte {}",
-                        SEGMENT_HEADER_LEN + later_pos
-                    );
+                    let lost = match later_offset {
+                        Some(later) => format!("records {expected}..{later} lost"),
+                        None => format!("records from {expected} on lost (how many is not known)"),
+                    };
+                    let detail =
+                        format!("{error}; {lost}, reading resumes at byte {}", SEGMENT_HEADER_LEN + later_pos);
                     report.problems.push(problem(
                         SEGMENT_HEADER_LEN + scan.end,
-                        Some(expected),
+                        known(expected),
                         ProblemKind::Corrupt,
                         detail,
                     ));
                     pos = later_pos;
-                    expected = later_offset;
+                    match later_offset {
+                        Some(later) => expected = later,
+                        None => offsets_unknown = true,
+                    }
                 }
             }
         }
@@ -242,9 +253,18 @@ fn rewrite_header(path: &Path) -> Result<()> {
     use std::os::unix::fs::FileExt;
     let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
         .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
-    let file = fs::OpenOptions::new().write(true).open(path).map_err(io_err("open segment", path))?;
+    let file = fs::OpenOptions::new().read(true).write(true).open(path).map_err(io_err("open segment", path))?;
     let len = file.metadata().map_err(io_err("stat segment", path))?.len();
-    let header = SegmentHeader { base_offset: base, len, created: 0, checkpoint_pos: 0, checkpoint_offset: base };
+    let mut first = [0u8; 4];
+    let _ = file.read_exact_at(&mut first, SEGMENT_HEADER_LEN as u64);
+    let header = SegmentHeader {
+        format: crate::frame::Format::sniff(&first),
+        base_offset: base,
+        len,
+        created: 0,
+        checkpoint_pos: 0,
+        checkpoint_offset: base,
+    };
     file.write_all_at(&header.encode(), 0).map_err(io_err("write segment header", path))?;
     file.sync_data().map_err(io_err("sync segment", path))
 }

@@ -27,10 +27,10 @@ proptest! {
         log.append(&payload).unwrap();
         drop(log);
         let seg = std::fs::read(dir.path().join("00000000000000000000.log")).unwrap();
-        let frame_len = (32 + payload.len()).next_multiple_of(8);
+        let frame_len = (16 + payload.len()).next_multiple_of(8);
         let mut frame = seg[64..64 + frame_len].to_vec();
-        prop_assert_eq!(decode_frame(&frame), Some((0, frame_len)));
-        let at = at % (32 + payload.len());
+        prop_assert_eq!(decode_frame(&frame), Some(frame_len));
+        let at = at % (16 + payload.len());
         frame[at] ^= 1 << bit;
         prop_assert_eq!(decode_frame(&frame), None);
     }

@@ -147,7 +147,7 @@ fn fixed_log(dir: &Path, n: u64, len: usize) -> Vec<u64> {
     for i in 0..n {
         log.append(&vec![i as u8 + 1; len]).unwrap();
     }
-    let frame = (32 + len).next_multiple_of(8) as u64;
+    let frame = (16 + len).next_multiple_of(8) as u64;
     (0..=n).map(|i| 64 + i * frame).collect()
 }
 
@@ -167,7 +167,7 @@ fn a_torn_last_frame_is_cut_at_every_byte_position() {
     let seg = segments(&pristine).pop().unwrap();
     let name = seg.file_name().unwrap().to_owned();
     let last = starts[19];
-    let end = last + 32 + 45; // the frame without its padding
+    let end = last + 16 + 45; // the frame without its padding
     for cut in last + 1..end {
         for truncate in [false, true] {
             let work = base.path().join(format!("w{cut}{truncate}"));
@@ -260,7 +260,7 @@ fn damage_before_valid_frames_in_the_last_segment_fails_the_open() {
     let starts = fixed_log(dir.path(), 50, 20);
     let seg = segments(dir.path()).pop().unwrap();
     let mut bytes = fs::read(&seg).unwrap();
-    bytes[starts[10] as usize + 40] ^= 1;
+    bytes[starts[10] as usize + 20] ^= 1;
     fs::write(&seg, &bytes).unwrap();
     let err = Log::open(dir.path(), small(Durability::None)).err().expect("must not open");
     let Error::Corrupt { file, position, offset, before_tail: true, .. } = &err else { panic!("{err}") };

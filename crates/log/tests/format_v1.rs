@@ -1,0 +1,152 @@
+//! A log written by format 1 (`tests/fixtures/v1-log`, made by the writer before format 2: 1,500
+//! records over four 64 KiB segments, some with keys and headers, and a group "g" that
+//! acknowledged the first 100) is read, recovered, verified and appended to by today's code.
+
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use petrel_log::{GroupOptions, Input, Log, MIN_SEGMENT_BYTES, Options, OwnedRecord, verify};
+
+const RECORDS: u64 = 1500;
+
+fn fixture() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let from = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/v1-log");
+    for sub in ["", "groups", "index"] {
+        fs::create_dir_all(dir.path().join(sub)).unwrap();
+        for e in fs::read_dir(from.join(sub)).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_file() {
+                fs::copy(e.path(), dir.path().join(sub).join(e.file_name())).unwrap();
+            }
+        }
+    }
+    dir
+}
+
+fn options() -> Options {
+    Options { segment_bytes: MIN_SEGMENT_BYTES, initial_segment_bytes: None, key_index: true, ..Options::default() }
+}
+
+/// What the fixture's writer appended as record `i`.
+fn expected(i: u64) -> OwnedRecord {
+    OwnedRecord {
+        offset: i,
+        timestamp: 1_700_000_000_000_000_000 + i * 1000,
+        key: (i % 3 == 0).then(|| format!("k{}", i % 10).into_bytes()),
+        headers: if i % 5 == 0 { vec![("h".to_owned(), i.to_le_bytes().to_vec())] } else { vec![] },
+        payload: (0..(i * 37 % 200)).map(|j| (i * 31 + j) as u8).collect(),
+    }
+}
+
+fn read_all(reader: &mut petrel_log::Reader) -> Vec<OwnedRecord> {
+    let mut out = Vec::new();
+    loop {
+        let batch = reader.read_batch(100).unwrap();
+        if batch.is_empty() {
+            return out;
+        }
+        out.extend(batch.into_iter().map(|r| r.to_owned()));
+    }
+}
+
+fn segment_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn format_version(segment: &Path) -> u32 {
+    u32::from_le_bytes(fs::read(segment).unwrap()[8..12].try_into().unwrap())
+}
+
+#[test]
+fn a_format_one_log_reads_and_verifies_record_for_record() {
+    let dir = fixture();
+    let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    assert_eq!((report.records, report.next_offset), (RECORDS, RECORDS));
+    let all = read_all(&mut verify::open_read_only(dir.path()).unwrap());
+    assert_eq!(all, (0..RECORDS).map(expected).collect::<Vec<_>>());
+
+    let log = Log::open(dir.path(), options()).unwrap();
+    assert_eq!(log.next_offset(), RECORDS);
+    let mut reader = log.reader();
+    assert_eq!(reader.get(777).unwrap().unwrap().to_owned(), expected(777));
+    let mut got = Vec::new();
+    reader.get_many(&[1499, 3, 940], |_, r| got.push(r.to_owned())).unwrap();
+    assert_eq!(got, [expected(1499), expected(3), expected(940)]);
+    assert_eq!(reader.get_by_key(b"k3").unwrap().unwrap().offset, 1473);
+    assert_eq!(reader.offset_at_time(1_700_000_000_000_000_000 + 1000 * 1000 - 1).unwrap(), 1000);
+    let mut group = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(group.committed(), 100);
+    let batch = group.poll(10, Duration::ZERO).unwrap();
+    assert_eq!(batch.into_iter().map(|r| r.offset).collect::<Vec<_>>(), (100..110).collect::<Vec<_>>());
+}
+
+#[test]
+fn appends_after_a_format_one_segment_go_to_a_new_segment_of_format_two() {
+    let dir = fixture();
+    let mut log = Log::open(dir.path(), options()).unwrap();
+    let before = segment_files(dir.path());
+    for i in RECORDS..RECORDS + 10 {
+        let e = expected(i);
+        let headers: Vec<(&str, &[u8])> = e.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
+        let input = Input { key: e.key.as_deref(), headers: &headers, payload: &e.payload, timestamp: Some(e.timestamp) };
+        assert_eq!(log.append_with(&input).unwrap(), i);
+    }
+    drop(log);
+    let after = segment_files(dir.path());
+    assert_eq!(after.len(), before.len() + 1);
+    assert!(before.iter().all(|s| format_version(s) == 1));
+    assert_eq!(format_version(after.last().unwrap()), 2);
+
+    let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    let log = Log::open(dir.path(), options()).unwrap();
+    assert_eq!(log.next_offset(), RECORDS + 10);
+    assert_eq!(read_all(&mut log.reader()), (0..RECORDS + 10).map(expected).collect::<Vec<_>>());
+    assert_eq!(log.reader().get_by_key(b"k3").unwrap().unwrap().offset, 1503);
+}
+
+#[test]
+fn a_torn_format_one_tail_is_cut_as_before() {
+    let dir = fixture();
+    let last = segment_files(dir.path()).pop().unwrap();
+    let mut bytes = fs::read(&last).unwrap();
+    // The last record's frame ends where the zeros begin; tear its last 8 bytes.
+    let end = bytes.iter().rposition(|&b| b != 0).unwrap() + 1;
+    bytes[end - 8..end].fill(0);
+    fs::write(&last, bytes).unwrap();
+    let log = Log::open(dir.path(), options()).unwrap();
+    assert_eq!(log.next_offset(), RECORDS - 1);
+    assert!(log.recovery_report().torn_at.is_some());
+    assert_eq!(read_all(&mut log.reader()), (0..RECORDS - 1).map(expected).collect::<Vec<_>>());
+}
+
+#[test]
+fn an_empty_format_one_segment_takes_format_two_in_place() {
+    let dir = fixture();
+    let last = segment_files(dir.path()).pop().unwrap();
+    let base: u64 = last.file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    // The last segment as it was when it was made: its header, then nothing.
+    let mut bytes = fs::read(&last).unwrap();
+    bytes[64..].fill(0);
+    fs::write(&last, bytes).unwrap();
+    let mut log = Log::open(dir.path(), options()).unwrap();
+    assert_eq!(log.next_offset(), base);
+    assert_eq!(log.append(b"first of format two").unwrap(), base);
+    drop(log);
+    assert_eq!(segment_files(dir.path()).last(), Some(&last));
+    assert_eq!(format_version(&last), 2);
+    let log = Log::open(dir.path(), options()).unwrap();
+    let all = read_all(&mut log.reader());
+    assert_eq!(all.len() as u64, base + 1);
+    assert_eq!(all[..base as usize], (0..base).map(expected).collect::<Vec<_>>()[..]);
+    assert_eq!(all[base as usize].payload, b"first of format two");
+}
