@@ -1,4 +1,4 @@
-//! A log written by format 1 (`tests/fixtures/v1-log`, made by the writer before format 2: 1,500
+//! A log written by format 1 (`tests/fixtures/v1-log`, made by the writer of commit 70a0f89: 1,500
 //! records over four 64 KiB segments, some with keys and headers, and a group "g" that
 //! acknowledged the first 100) is read, recovered, verified and appended to by today's code.
 
@@ -97,7 +97,8 @@ fn appends_after_a_format_one_segment_go_to_a_new_segment_of_format_two() {
     for i in RECORDS..RECORDS + 10 {
         let e = expected(i);
         let headers: Vec<(&str, &[u8])> = e.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
-        let input = Input { key: e.key.as_deref(), headers: &headers, payload: &e.payload, timestamp: Some(e.timestamp) };
+        let input =
+            Input { key: e.key.as_deref(), headers: &headers, payload: &e.payload, timestamp: Some(e.timestamp) };
         assert_eq!(log.append_with(&input).unwrap(), i);
     }
     drop(log);
