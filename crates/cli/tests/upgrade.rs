@@ -1,9 +1,8 @@
 //! A data directory written by the server before log format 2 (`tests/fixtures/v1-data`, by the
-//! build of commit 70a0f89: a
-//! durable queue `orders` offered "message 1" … "message 50" with idempotency keys, the first ten
-//! consumed with acknowledgements, then the server stopped) is served by today's server: the
-//! forty messages left come in order, new offers go on after them, and all of it survives a
-//! `kill -9` and a restart.
+//! build of commit 70a0f89: a durable queue `orders` offered "message 1" … "message 50" with
+//! idempotency keys, the first ten consumed with acknowledgements, then the server stopped) is
+//! served by today's server: the forty messages left come in order, new offers go on after them,
+//! and all of it survives a `kill -9` and a restart.
 
 mod common;
 

@@ -126,11 +126,7 @@ pub(crate) fn frame_len(input: &Input<'_>) -> usize {
     if !input.has_extras() {
         return FRAME_HEADER_LEN + input.payload.len();
     }
-    FRAME_HEADER_LEN
-        + 1
-        + headers_block_len(input.headers)
-        + input.key.map_or(0, |k| 2 + k.len())
-        + input.payload.len()
+    FRAME_HEADER_LEN + 1 + headers_block_len(input.headers) + input.key.map_or(0, |k| 2 + k.len()) + input.payload.len()
 }
 
 /// Bytes of `input` that are the record itself (key, headers, payload), for the size limit.

@@ -54,8 +54,9 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
         let consumed = policy.delete_consumed && min_committed.is_some_and(|c| c >= next_base);
         let over_bytes = policy.max_bytes.is_some_and(|max| total > max);
         let too_old = policy.max_age.is_some_and(|age| {
-            let newest =
-                seg.position_of(next_base - 1).and_then(|pos| frame::peek_timestamp(seg.format, seg.map.published().from(pos)));
+            let newest = seg
+                .position_of(next_base - 1)
+                .and_then(|pos| frame::peek_timestamp(seg.format, seg.map.published().from(pos)));
             newest.is_some_and(|ts| ts.saturating_add(age.as_nanos() as u64) < now)
         });
         if !(consumed || over_bytes || too_old) {

@@ -35,8 +35,12 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     }
     let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, false)?;
     let (start, start_offset) = scan_start(&seg, &header);
-    let scan =
-        recovery::scan(seg.format, seg.map.published().from(SEGMENT_HEADER_LEN), start - SEGMENT_HEADER_LEN, start_offset);
+    let scan = recovery::scan(
+        seg.format,
+        seg.map.published().from(SEGMENT_HEADER_LEN),
+        start - SEGMENT_HEADER_LEN,
+        start_offset,
+    );
     if let Stop::Corrupt { error, later_pos, later_offset } = scan.stop {
         return Err(corrupt_before_valid(
             &seg,
@@ -175,8 +179,7 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
                         Some(later) => format!("records {expected}..{later} lost"),
                         None => format!("records from {expected} on lost (how many is not known)"),
                     };
-                    let detail =
-                        format!("{error}; {lost}, reading resumes at byte {}", SEGMENT_HEADER_LEN + later_pos);
+                    let detail = format!("{error}; {lost}, reading resumes at byte {}", SEGMENT_HEADER_LEN + later_pos);
                     report.problems.push(problem(
                         SEGMENT_HEADER_LEN + scan.end,
                         known(expected),

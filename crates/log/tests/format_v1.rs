@@ -1,5 +1,5 @@
-//! A log written by format 1 (`tests/fixtures/v1-log`, made by the writer of commit 70a0f89: 1,500
-//! records over four 64 KiB segments, some with keys and headers, and a group "g" that
+//! A log written by format 1 (`tests/fixtures/v1-log`, made by the writer of commit 70a0f89:
+//! 1,500 records over four 64 KiB segments, some with keys and headers, and a group "g" that
 //! acknowledged the first 100) is read, recovered, verified and appended to by today's code.
 
 use std::fs;
