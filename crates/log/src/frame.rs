@@ -410,12 +410,23 @@ fn decode_v1(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
     Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload: rest }, align_up(len)))
 }
 
-/// Whether a frame of `format` may start at the start of `buf`, judged cheaply (no CRC): what
-/// the search for a valid frame after a damaged one checks before decoding.
-pub(crate) fn may_start(format: Format, buf: &[u8]) -> bool {
+/// The length of the frame of `format` that may start at the start of `buf`, judged cheaply (no
+/// CRC): what the search for a valid frame after a damaged one checks before decoding. In
+/// format 2, whose frames have no magic, the length must fit in `buf` and the padding after it
+/// be zero, which about one random position in eight passes.
+pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<usize> {
     match format {
-        Format::V1 => buf.get(..4) == Some(&V1_MAGIC[..]),
-        Format::V2 => peek_len(format, buf).is_some(),
+        Format::V1 if buf.get(..4) != Some(&V1_MAGIC[..]) => None,
+        Format::V1 => {
+            let len = u32::from_le_bytes(buf.get(8..12)?.try_into().unwrap()) as usize;
+            (len <= buf.len()).then_some(len)
+        }
+        Format::V2 => {
+            let head = buf.get(..FRAME_HEADER_LEN)?;
+            let len = (u32::from_le_bytes(head[4..8].try_into().unwrap()) & LEN_MASK) as usize;
+            let padding = buf.get(len..align_up(len).min(buf.len()))?;
+            (len >= FRAME_HEADER_LEN && padding.iter().all(|&b| b == 0)).then_some(len)
+        }
     }
 }
 

@@ -43,6 +43,30 @@ pub(crate) enum Stop {
     /// format 1; in format 2 a frame does not say its offset, and how many records the damage
     /// took is not known.
     Corrupt { error: FrameError, later_pos: usize, later_offset: Option<u64> },
+    /// A bad frame at `end`, and the search for a valid frame after it gave up at `searched_to`
+    /// (`SEARCH_BUDGET`): taken as corruption, never cut.
+    Undecided { error: FrameError, searched_to: usize },
+}
+
+/// Bytes of candidate frames the search after a bad frame may checksum before it gives up. A
+/// format-2 frame has no magic, so in a damaged stretch (say a large record torn by a crash)
+/// many positions look like the start of a frame, each to be checked over its whole claimed
+/// length; this bounds that work (about a tenth of a second) and fails safe.
+const SEARCH_BUDGET: usize = 1 << 30;
+
+/// What the search after a bad frame found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Later {
+    Nothing,
+    /// A valid frame at `pos`, and its offset if the frame says it (format 1).
+    Found {
+        pos: usize,
+        offset: Option<u64>,
+    },
+    /// The budget ran out at `pos`.
+    GaveUp {
+        pos: usize,
+    },
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -95,34 +119,35 @@ pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64)
 }
 
 fn classify(format: Format, data: &[u8], pos: usize, next: u64, garbage_end: usize, error: FrameError) -> Stop {
-    match find_valid_after(format, data, pos + FRAME_ALIGN, next) {
-        Some((later_pos, later_offset)) => Stop::Corrupt { error, later_pos, later_offset },
-        None => Stop::Torn { error, garbage_end },
+    match find_valid_after(format, data, pos + FRAME_ALIGN, next, SEARCH_BUDGET) {
+        Later::Found { pos: later_pos, offset: later_offset } => Stop::Corrupt { error, later_pos, later_offset },
+        Later::GaveUp { pos: searched_to } => Stop::Undecided { error, searched_to },
+        Later::Nothing => Stop::Torn { error, garbage_end },
     }
 }
 
 /// The first valid frame at or after `from` (in format 1, whose offset is at least
-/// `min_offset`), and its offset if the frame says it.
-pub(crate) fn find_valid_after(
-    format: Format,
-    data: &[u8],
-    from: usize,
-    min_offset: u64,
-) -> Option<(usize, Option<u64>)> {
+/// `min_offset`), checksumming at most `budget` bytes of candidates.
+pub(crate) fn find_valid_after(format: Format, data: &[u8], from: usize, min_offset: u64, budget: usize) -> Later {
     let mut pos = from.next_multiple_of(FRAME_ALIGN);
+    let mut checked = 0;
     while pos + FRAME_ALIGN <= data.len() {
-        if frame::may_start(format, &data[pos..])
-            && let Ok(Decoded::Frame(rec, _)) = frame::decode(format, &data[pos..], data.len() - pos, min_offset)
-        {
-            match format {
-                Format::V1 if rec.offset >= min_offset => return Some((pos, Some(rec.offset))),
-                Format::V1 => {}
-                Format::V2 => return Some((pos, None)),
+        if let Some(len) = frame::may_start(format, &data[pos..]) {
+            checked += len;
+            if checked > budget {
+                return Later::GaveUp { pos };
+            }
+            if let Ok(Decoded::Frame(rec, _)) = frame::decode(format, &data[pos..], data.len() - pos, min_offset) {
+                match format {
+                    Format::V1 if rec.offset >= min_offset => return Later::Found { pos, offset: Some(rec.offset) },
+                    Format::V1 => {}
+                    Format::V2 => return Later::Found { pos, offset: None },
+                }
             }
         }
         pos += FRAME_ALIGN;
     }
-    None
+    Later::Nothing
 }
 
 /// End of the run of non-zero data starting at `pos`: the first 4 KiB-aligned page boundary after
@@ -175,6 +200,9 @@ pub(crate) fn recover_active(
         Stop::Corrupt { error, later_pos, later_offset } => {
             return Err(corrupt_before_valid(seg, end, scan.next_offset, error, later_pos, later_offset));
         }
+        Stop::Undecided { error, searched_to } => {
+            return Err(corrupt_undecided(seg, end, scan.next_offset, error, searched_to));
+        }
     }
     if header.is_err() {
         seg.write_checkpoint(0, seg.base);
@@ -198,6 +226,26 @@ pub(crate) fn corrupt_before_valid(
         reason: Reason::Other(format!(
             "{error}, yet a valid {later} follows at byte {}",
             SEGMENT_HEADER_LEN + later_pos
+        )),
+        before_tail: true,
+    }
+}
+
+pub(crate) fn corrupt_undecided(
+    seg: &Segment,
+    end: usize,
+    next_offset: u64,
+    error: FrameError,
+    searched_to: usize,
+) -> Error {
+    Error::Corrupt {
+        file: seg.path.clone(),
+        position: end as u64,
+        offset: Some(next_offset),
+        reason: Reason::Other(format!(
+            "{error}, and whether valid records follow it was not decided (the search stopped at byte {}): \
+             taken as damage, not cut",
+            SEGMENT_HEADER_LEN + searched_to
         )),
         before_tail: true,
     }
@@ -277,6 +325,38 @@ mod tests {
         let s = scan(Format::V2, &data, 0, 0);
         assert_eq!(s.end, starts[1]);
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
+    }
+
+    #[test]
+    fn a_large_record_torn_in_random_bytes_is_a_torn_tail() {
+        // A 1 MiB payload cut short in a 4 MiB segment: its header not yet written (a large
+        // frame's header is stored last), half its bytes, then zeros.
+        let (mut data, starts) = segment(3, b"before");
+        data.resize(4 << 20, 0);
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for b in &mut data[starts[3] + 16..starts[3] + 16 + (512 << 10)] {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        let s = scan(Format::V2, &data, 0, 0);
+        assert_eq!((s.end, s.next_offset), (starts[3], 3));
+        assert!(matches!(s.stop, Stop::Torn { .. }), "{:?}", s.stop);
+    }
+
+    #[test]
+    fn the_search_after_a_bad_frame_gives_up_within_its_budget() {
+        // Bytes made so that every other position claims a frame reaching to the end.
+        let mut data = vec![0u8; 1 << 20];
+        for at in (0..4096).step_by(16) {
+            let len = (data.len() - at) as u32;
+            data[at + 4..at + 8].copy_from_slice(&len.to_le_bytes());
+            data[at] = 1; // a CRC that does not match
+        }
+        let later = find_valid_after(Format::V2, &data, 0, 0, 4 << 20);
+        assert!(matches!(later, Later::GaveUp { pos } if pos < 4096), "{later:?}");
+        assert_eq!(find_valid_after(Format::V2, &data, 8192, 0, 4 << 20), Later::Nothing);
     }
 
     #[test]

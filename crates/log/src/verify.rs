@@ -12,7 +12,7 @@ use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::options::Options;
 use crate::reader::Reader;
 use crate::recovery::{self, Stop};
-use crate::recovery::{corrupt_before_valid, scan_start};
+use crate::recovery::{corrupt_before_valid, corrupt_undecided, scan_start};
 use crate::segment::{self, Segment, SegmentHeader};
 use crate::state::LogState;
 
@@ -41,15 +41,21 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
         start - SEGMENT_HEADER_LEN,
         start_offset,
     );
-    if let Stop::Corrupt { error, later_pos, later_offset } = scan.stop {
-        return Err(corrupt_before_valid(
-            &seg,
-            SEGMENT_HEADER_LEN + scan.end,
-            scan.next_offset,
-            error,
-            later_pos,
-            later_offset,
-        ));
+    match scan.stop {
+        Stop::Corrupt { error, later_pos, later_offset } => {
+            return Err(corrupt_before_valid(
+                &seg,
+                SEGMENT_HEADER_LEN + scan.end,
+                scan.next_offset,
+                error,
+                later_pos,
+                later_offset,
+            ));
+        }
+        Stop::Undecided { error, searched_to } => {
+            return Err(corrupt_undecided(&seg, SEGMENT_HEADER_LEN + scan.end, scan.next_offset, error, searched_to));
+        }
+        Stop::Clean | Stop::Torn { .. } => {}
     }
     let end = SEGMENT_HEADER_LEN + scan.end;
     let seg = seg.read_only_until(end, scan.next_offset - last)?;
@@ -172,6 +178,21 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
                         format!("{error}: the rest of this sealed segment is unreadable")
                     };
                     report.problems.push(problem(SEGMENT_HEADER_LEN + scan.end, known(expected), kind, detail));
+                    break;
+                }
+                Stop::Undecided { error, searched_to } => {
+                    let detail = format!(
+                        "{error}; the search for valid records after it stopped at byte {}: the rest of this \
+                         segment is not checked",
+                        SEGMENT_HEADER_LEN + searched_to
+                    );
+                    report.problems.push(problem(
+                        SEGMENT_HEADER_LEN + scan.end,
+                        known(expected),
+                        ProblemKind::Corrupt,
+                        detail,
+                    ));
+                    offsets_unknown = true;
                     break;
                 }
                 Stop::Corrupt { error, later_pos, later_offset } => {

@@ -34,8 +34,8 @@ fn expected(i: u64) -> OwnedRecord {
     OwnedRecord {
         offset: i,
         timestamp: 1_700_000_000_000_000_000 + i * 1000,
-        key: (i % 3 == 0).then(|| format!("k{}", i % 10).into_bytes()),
-        headers: if i % 5 == 0 { vec![("h".to_owned(), i.to_le_bytes().to_vec())] } else { vec![] },
+        key: i.is_multiple_of(3).then(|| format!("k{}", i % 10).into_bytes()),
+        headers: if i.is_multiple_of(5) { vec![("h".to_owned(), i.to_le_bytes().to_vec())] } else { vec![] },
         payload: (0..(i * 37 % 200)).map(|j| (i * 31 + j) as u8).collect(),
     }
 }
