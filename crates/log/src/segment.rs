@@ -303,17 +303,22 @@ impl Segment {
         SegmentHeader::decode(&self.map.read_header())
     }
 
-    /// Makes an empty segment of an earlier format one of the current format: its header says so
-    /// from now on (synced with `durable`, before any frame of the new format can be).
-    pub(crate) fn adopt_current_format(&mut self, durable: bool) -> io::Result<()> {
-        let mut header = self.header().unwrap_or(SegmentHeader {
+    /// Its header, or one made from what the segment knows of itself if the header is damaged.
+    fn header_or_default(&self) -> SegmentHeader {
+        self.header().unwrap_or(SegmentHeader {
             format: self.format,
             base_offset: self.base,
             len: self.map.len() as u64,
             created: 0,
             checkpoint_pos: 0,
             checkpoint_offset: self.base,
-        });
+        })
+    }
+
+    /// Makes an empty segment of an earlier format one of the current format: its header says so
+    /// from now on (synced with `durable`, before any frame of the new format can be).
+    pub(crate) fn adopt_current_format(&mut self, durable: bool) -> io::Result<()> {
+        let mut header = self.header_or_default();
         header.format = Format::CURRENT;
         self.map.write_header(&header.encode());
         self.format = Format::CURRENT;
@@ -324,17 +329,7 @@ impl Segment {
     /// Records that frames before `pos` (where record `offset` starts) are durable. The header
     /// itself becomes durable with the next sync.
     pub(crate) fn write_checkpoint(&self, pos: u64, offset: u64) {
-        let mut header = match self.header() {
-            Ok(h) => h,
-            Err(_) => SegmentHeader {
-                format: self.format,
-                base_offset: self.base,
-                len: self.map.len() as u64,
-                created: 0,
-                checkpoint_pos: 0,
-                checkpoint_offset: self.base,
-            },
-        };
+        let mut header = self.header_or_default();
         header.checkpoint_pos = pos;
         header.checkpoint_offset = offset;
         self.map.write_header(&header.encode());
