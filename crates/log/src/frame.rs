@@ -336,7 +336,11 @@ fn decode_v2(buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, Fra
     if len < FRAME_HEADER_LEN || len > max_len {
         return Err(FrameError::BadLength);
     }
-    let frame = buf.get(..len).ok_or(FrameError::Truncated)?;
+    // The padding too must be in `buf`, so that stepping over the frame stays inside it.
+    if align_up(len) > buf.len() {
+        return Err(FrameError::Truncated);
+    }
+    let frame = &buf[..len];
     if crc32c::crc32c(&frame[4..]) != crc {
         return Err(FrameError::BadChecksum);
     }
@@ -378,7 +382,10 @@ fn decode_v1(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
     if len < V1_HEADER_LEN || len > max_len {
         return Err(FrameError::BadLength);
     }
-    let frame = buf.get(..len).ok_or(FrameError::Truncated)?;
+    if align_up(len) > buf.len() {
+        return Err(FrameError::Truncated);
+    }
+    let frame = &buf[..len];
     if crc32c::crc32c(&frame[8..]) != crc {
         return Err(FrameError::BadChecksum);
     }
@@ -440,7 +447,7 @@ pub(crate) fn peek_len(format: Format, buf: &[u8]) -> Option<usize> {
         Format::V1 if head[0..4] == V1_MAGIC => u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize,
         Format::V1 => return None,
     };
-    (len >= format.header_len() && len <= buf.len()).then(|| align_up(len))
+    (len >= format.header_len() && align_up(len) <= buf.len()).then(|| align_up(len))
 }
 
 /// Key of the frame at the start of `buf` (`None` without one), judged without the CRC.

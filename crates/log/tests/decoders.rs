@@ -35,3 +35,18 @@ proptest! {
         prop_assert_eq!(decode_frame(&frame), None);
     }
 }
+
+/// Inputs the fuzzers found, kept as regressions.
+#[test]
+fn fuzz_findings_stay_fixed() {
+    let found: &[&[u8]] = &[&[
+        156, 38, 5, 54, 93, 0, 0, 0, 0, 0, 0, 80, 1, 15, 0, 0, 0, 0, 0, 84, 82, 49, 0, 0, 0, 255, 255, 255, 255, 0, 0,
+        0, 0, 0, 80, 84, 82, 49, 227, 56, 210, 22, 111, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 80, 84, 82, 49, 0,
+        0, 0, 82, 52, 0, 0, 0, 0, 0, 0, 0, 111, 0, 0, 0, 93, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ]];
+    for bytes in found {
+        let _ = decode_frame(bytes);
+        let (end, _) = scan_segment(bytes, 7);
+        assert!(end <= bytes.len());
+    }
+}
