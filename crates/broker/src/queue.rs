@@ -1676,9 +1676,9 @@ impl Inner {
                 let offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
                 let copies = delay.copies(&offsets, lanes.len() - 1, delay::MAX_MOVE_BYTES)?;
                 // Those beyond the tick's bytes wait for the next tick (at once: they are due).
-                let (moving, later) = taken.split_at(copies.copies().len());
-                delay.put_back(later);
-                let due = &offsets[..moving.len()];
+                let moving = copies.copies().len();
+                delay.put_back(&taken[moving..]);
+                let due = &offsets[..moving];
                 for (level, lane) in lanes.iter_mut().enumerate() {
                     let range = copies.append(&lane.log, level, stamp)?;
                     if range.is_empty() {

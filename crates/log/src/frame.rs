@@ -318,7 +318,7 @@ pub(crate) enum Decoded<'a> {
 pub(crate) fn decode(format: Format, buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, FrameError> {
     match format {
         Format::V2 => decode_v2(buf, max_len, offset),
-        Format::V1 => decode_v1(buf, max_len),
+        Format::V1 => decode_v1(buf, max_len, Checks::All),
     }
 }
 
@@ -370,7 +370,15 @@ fn decode_v2(buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, Fra
     Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload: rest }, align_up(len)))
 }
 
-fn decode_v1(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
+/// What a decoder checks: everything, or only what reading the fields needs (a frame a reader
+/// has already checked).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Checks {
+    All,
+    Layout,
+}
+
+fn decode_v1(buf: &[u8], max_len: usize, checks: Checks) -> Result<Decoded<'_>, FrameError> {
     let Some(head) = buf.get(..V1_HEADER_LEN) else {
         return if buf.iter().all(|&b| b == 0) { Ok(Decoded::Empty) } else { Err(FrameError::Truncated) };
     };
@@ -386,7 +394,7 @@ fn decode_v1(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
         return Err(FrameError::Truncated);
     }
     let frame = &buf[..len];
-    if crc32c::crc32c(&frame[8..]) != crc {
+    if checks == Checks::All && crc32c::crc32c(&frame[8..]) != crc {
         return Err(FrameError::BadChecksum);
     }
     let flags = u16::from_le_bytes(head[12..14].try_into().unwrap());
@@ -401,7 +409,9 @@ fn decode_v1(buf: &[u8], max_len: usize) -> Result<Decoded<'_>, FrameError> {
     if flags & FLAG_HEADERS as u16 != 0 {
         let block_len = u32::from_le_bytes(rest.get(..4).ok_or(FrameError::BadHeaders)?.try_into().unwrap()) as usize;
         let block = rest.get(4..4 + block_len).ok_or(FrameError::BadHeaders)?;
-        validate_headers(block)?;
+        if checks == Checks::All {
+            validate_headers(block)?;
+        }
         headers = Headers { block };
         rest = &rest[4 + block_len..];
     }
@@ -500,7 +510,7 @@ pub(crate) fn peek_timestamp(format: Format, buf: &[u8]) -> Option<u64> {
 #[inline]
 pub(crate) fn decode_checked_frame(format: Format, buf: &[u8], offset: u64) -> (Record<'_>, usize) {
     if format == Format::V1 {
-        return match decode_v1(buf, buf.len()) {
+        return match decode_v1(buf, buf.len(), Checks::Layout) {
             Ok(Decoded::Frame(record, len)) => (record, len),
             _ => panic!("a frame that was checked no longer decodes"),
         };

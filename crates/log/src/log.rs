@@ -118,7 +118,7 @@ impl Log {
         };
         let next_index_pos = index_resume_pos(&active);
         shared.options().page_budget.touch(&active, Use::Active);
-        Ok(Log {
+        let mut log = Log {
             shared,
             active,
             writer,
@@ -133,7 +133,13 @@ impl Log {
             report,
             interval_sync,
             _lock: lock,
-        })
+        };
+        if log.active.format != frame::Format::CURRENT {
+            // A last segment of an earlier format with records in it is sealed as it is:
+            // appends go on in a new segment of the current format.
+            log.roll(0)?;
+        }
+        Ok(log)
     }
 
     pub fn dir(&self) -> &Path {
@@ -338,9 +344,7 @@ impl Log {
     #[inline]
     fn write(&mut self, input: &Input<'_>, len: usize, timestamp: u64) -> Result<u64> {
         let aligned = frame::align_up(len);
-        // A segment written by an earlier format version is sealed as it is: appends go on in
-        // a new segment of the current format.
-        if self.pos + aligned > self.active.map.len() || self.active.format != frame::Format::CURRENT {
+        if self.pos + aligned > self.active.map.len() {
             self.roll(aligned)?;
         }
         if self.active.lru_stamp.load(Ordering::Relaxed) == 0 {

@@ -92,8 +92,8 @@ fn a_format_one_log_reads_and_verifies_record_for_record() {
 #[test]
 fn appends_after_a_format_one_segment_go_to_a_new_segment_of_format_two() {
     let dir = fixture();
-    let mut log = Log::open(dir.path(), options()).unwrap();
     let before = segment_files(dir.path());
+    let mut log = Log::open(dir.path(), options()).unwrap();
     for i in RECORDS..RECORDS + 10 {
         let e = expected(i);
         let headers: Vec<(&str, &[u8])> = e.headers.iter().map(|(n, v)| (n.as_str(), v.as_slice())).collect();
