@@ -6,8 +6,17 @@
 //! (durable with the message, by the same sync) and rebuilds this window from its log on open;
 //! the queue's `dedup` consumer group trails the oldest remembered key so that retention keeps
 //! those records after their messages are consumed (`Queue::on_log`).
+//!
+//! Layout, for a window larger than the caches (100,000 keys by default, up to 10 million): the
+//! keys, oldest first, in a ring (`order`), each with its sequence number; and an index from a
+//! key to its place in the ring, of 8-byte slots (a 32-bit tag of the key's hash and the ring
+//! sequence), seven to a 64-byte bucket. A new key costs one cache miss (its bucket, looked up
+//! and then written); forgetting the oldest key costs none, because a slot whose sequence has
+//! left the ring is simply free (the index is never cleaned, only overwritten). A key whose home
+//! bucket is full goes to the next one, and the buckets it passed count it (`overflow`), so that
+//! a lookup goes on past a bucket only while keys that passed it are remembered.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::hash::BuildHasher;
 
 /// A key as the window knows it: two independently seeded 64-bit hashes of its bytes. Keeping
@@ -30,27 +39,93 @@ impl KeyHasher {
     }
 }
 
-/// The keys a queue remembers, oldest first.
-#[derive(Debug, Default)]
+/// Slots of a bucket of the index; its eighth word is its `overflow` count.
+const SLOTS: usize = 7;
+/// Buckets of the smallest index.
+const MIN_BUCKETS: usize = 16;
+
+/// One cache line of the index.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Bucket {
+    /// 0: never used; else a key's tag (high half, never 0) and its ring sequence (low half).
+    /// A slot whose sequence is not in the ring is free.
+    slots: [u64; SLOTS],
+    /// Remembered keys that passed this bucket, full when they came, for a later one.
+    overflow: u64,
+}
+
+/// The keys a queue remembers, oldest first, and the index that finds them.
+#[derive(Default)]
 pub(crate) struct DedupWindow {
     hasher: KeyHasher,
-    /// foldhash, seeded per process (the key hashes are random already).
-    ids: HashMap<KeyHash, u64, foldhash::fast::RandomState>,
+    /// A power of two of buckets (none before the first key).
+    buckets: Vec<Bucket>,
     order: VecDeque<Remembered>,
+    /// The ring sequence of `order[0]`; `order[i]`'s is `first_seq + i` (wrapping: the ring
+    /// holds far fewer than 2³² keys, `config::MAX_DEDUP_WINDOW`).
+    first_seq: u32,
     /// Keys remembered per priority level (for the oldest key of a level, without a full scan).
     per_level: Vec<u64>,
     /// Keys forgotten since `take_forgotten` last looked.
     forgotten: bool,
 }
 
+impl std::fmt::Debug for DedupWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DedupWindow").field("keys", &self.order.len()).field("buckets", &self.buckets.len()).finish()
+    }
+}
+
 #[derive(Debug)]
 struct Remembered {
-    key: KeyHash,
+    /// Its `KeyHash`, as two words (a `u128` would align each entry to 16 bytes: 48, not 40).
+    key: [u64; 2],
     /// The id of the message stored with it.
     id: u64,
-    level: usize,
     /// When it was stored, ns.
     at_ns: u64,
+    /// How many buckets past its home bucket its slot is (each of them counts it in `overflow`).
+    displaced: u32,
+    level: u8,
+}
+
+fn words(key: KeyHash) -> [u64; 2] {
+    [(key >> 64) as u64, key as u64]
+}
+
+/// The tag a slot keeps of `key`, in its high half: never 0, so that a used slot never is.
+fn tag(key: KeyHash) -> u64 {
+    ((key >> 96) as u64) | 1
+}
+
+/// `key`'s home bucket among `buckets` (a power of two): from bits the tag does not use.
+fn home(key: KeyHash, buckets: usize) -> usize {
+    (key as u64 as usize) & (buckets - 1)
+}
+
+/// Where the slot `slot` points in a ring of `len` keys whose first has sequence `first_seq`,
+/// if it is used and its key is still in the ring.
+fn live(slot: u64, first_seq: u32, len: usize) -> Option<usize> {
+    let i = (slot as u32).wrapping_sub(first_seq) as usize;
+    (slot != 0 && i < len).then_some(i)
+}
+
+/// Puts `key` with sequence `seq` in the first free slot from its home bucket on, counting it in
+/// each full bucket it passes; returns how many it passed. The index must have a free slot.
+fn place(buckets: &mut [Bucket], key: KeyHash, seq: u32, first_seq: u32, len: usize) -> u32 {
+    let mask = buckets.len() - 1;
+    let mut b = home(key, buckets.len());
+    for displaced in 0..buckets.len() as u32 {
+        let bucket = &mut buckets[b];
+        if let Some(slot) = bucket.slots.iter_mut().find(|s| live(**s, first_seq, len).is_none()) {
+            *slot = (tag(key) << 32) | u64::from(seq);
+            return displaced;
+        }
+        bucket.overflow += 1;
+        b = (b + 1) & mask;
+    }
+    unreachable!("the index is kept at most half full")
 }
 
 impl DedupWindow {
@@ -80,16 +155,67 @@ impl DedupWindow {
 
     /// The id of the message stored with the key hashed to `key`, if remembered.
     pub fn get_hashed(&self, key: KeyHash) -> Option<u64> {
-        self.ids.get(&key).copied()
+        self.find(key).map(|i| self.order[i].id)
+    }
+
+    /// Reads the home bucket of each of `keys`, all at once, so that their cache misses overlap
+    /// instead of coming one after another as each lookup waits for the last.
+    pub fn touch(&self, keys: impl Iterator<Item = KeyHash>) {
+        if self.buckets.is_empty() {
+            return;
+        }
+        let folded = keys.fold(0, |acc, key| acc ^ self.buckets[home(key, self.buckets.len())].overflow);
+        std::hint::black_box(folded);
+    }
+
+    /// Where `key` is in the ring, if remembered: its home bucket, then the next ones while keys
+    /// passed them. A slot's tag is checked first, the whole key (in the ring) only on a match.
+    fn find(&self, key: KeyHash) -> Option<usize> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        let (tag, whole, mask) = (tag(key), words(key), self.buckets.len() - 1);
+        let mut b = home(key, self.buckets.len());
+        for _ in 0..self.buckets.len() {
+            let bucket = &self.buckets[b];
+            for &slot in &bucket.slots {
+                if slot >> 32 == tag
+                    && let Some(i) = live(slot, self.first_seq, self.order.len())
+                    && self.order[i].key == whole
+                {
+                    return Some(i);
+                }
+            }
+            if bucket.overflow == 0 {
+                return None;
+            }
+            b = (b + 1) & mask;
+        }
+        None
     }
 
     /// Remembers `key` (its `hash`) for the message `id` (at priority `level`), stored at
     /// `at_ns`: later than every key remembered before (the queue's lock orders offers).
     pub fn remember(&mut self, key: KeyHash, id: u64, level: usize, at_ns: u64) {
-        let earlier = self.ids.insert(key, id);
-        debug_assert!(earlier.is_none(), "a remembered key is a repeat, never stored again");
+        debug_assert!(self.find(key).is_none(), "a remembered key is a repeat, never stored again");
+        if (self.order.len() + 1) * 2 > self.buckets.len() * SLOTS {
+            self.rebuild((self.buckets.len() * 2).max(MIN_BUCKETS));
+        }
+        let seq = self.first_seq.wrapping_add(self.order.len() as u32);
+        let displaced = place(&mut self.buckets, key, seq, self.first_seq, self.order.len());
         self.per_level[level] += 1;
-        self.order.push_back(Remembered { key, id, level, at_ns });
+        self.order.push_back(Remembered { key: words(key), id, at_ns, displaced, level: level as u8 });
+    }
+
+    /// Makes a new index of `buckets` buckets for the keys in the ring.
+    fn rebuild(&mut self, buckets: usize) {
+        assert!(buckets.is_power_of_two() && self.order.len() * 2 <= buckets * SLOTS, "an index at most half full");
+        self.buckets = vec![Bucket::default(); buckets];
+        let (first_seq, len) = (self.first_seq, self.order.len());
+        for (i, k) in self.order.iter_mut().enumerate() {
+            let key = (u128::from(k.key[0]) << 64) | u128::from(k.key[1]);
+            k.displaced = place(&mut self.buckets, key, first_seq.wrapping_add(i as u32), first_seq, len);
+        }
     }
 
     /// Remembers a key read back from a log on open, in the order the keys were stored, keeping
@@ -97,15 +223,9 @@ impl DedupWindow {
     /// forgotten, and so was every key before it (keys are forgotten oldest first).
     pub fn restore(&mut self, key: &str, id: u64, level: usize, at_ns: u64, max_keys: usize) {
         let key = self.hash(key);
-        if self.ids.contains_key(&key) {
-            while let Some(oldest) = self.order.front()
-                && self.ids.contains_key(&key)
-            {
-                let oldest_is_key = oldest.key == key;
+        if let Some(i) = self.find(key) {
+            for _ in 0..=i {
                 self.forget_oldest();
-                if oldest_is_key {
-                    break;
-                }
             }
         }
         self.remember(key, id, level, at_ns);
@@ -114,26 +234,43 @@ impl DedupWindow {
         }
     }
 
+    /// Forgets the oldest key: its slot is free from now on, as its sequence left the ring; only
+    /// the buckets it passed are touched.
     fn forget_oldest(&mut self) {
         let Some(oldest) = self.order.pop_front() else { return };
-        // (One lookup: a key stored again since, under a later id, is put back.)
-        if let Some(id) = self.ids.remove(&oldest.key)
-            && id != oldest.id
-        {
-            self.ids.insert(oldest.key, id);
+        self.first_seq = self.first_seq.wrapping_add(1);
+        if oldest.displaced > 0 {
+            let key = (u128::from(oldest.key[0]) << 64) | u128::from(oldest.key[1]);
+            let (mut b, mask) = (home(key, self.buckets.len()), self.buckets.len() - 1);
+            for _ in 0..oldest.displaced {
+                self.buckets[b].overflow -= 1;
+                b = (b + 1) & mask;
+            }
         }
-        self.per_level[oldest.level] -= 1;
+        self.per_level[usize::from(oldest.level)] -= 1;
         self.forgotten = true;
     }
 
     /// Forgets the oldest keys until at most `max_keys` remain, and those stored `window_ns` or
-    /// more before `now_ns`.
+    /// more before `now_ns`. An index left mostly empty is made smaller (and the ring's room).
     pub fn evict(&mut self, max_keys: usize, window_ns: u64, now_ns: u64) {
+        let before = self.order.len();
         while let Some(oldest) = self.order.front() {
             if self.order.len() <= max_keys && oldest.at_ns.saturating_add(window_ns) > now_ns {
                 break;
             }
             self.forget_oldest();
+        }
+        if self.order.len() == before {
+            return;
+        }
+        let mut buckets = self.buckets.len();
+        while buckets > MIN_BUCKETS && self.order.len() * 16 < buckets * SLOTS {
+            buckets /= 2;
+        }
+        if buckets < self.buckets.len() {
+            self.rebuild(buckets);
+            self.order.shrink_to(self.order.len() * 2);
         }
     }
 
@@ -153,7 +290,7 @@ impl DedupWindow {
         if self.per_level[level] == 0 {
             return None;
         }
-        self.order.iter().find(|k| k.level == level).map(|k| k.id)
+        self.order.iter().find(|k| usize::from(k.level) == level).map(|k| k.id)
     }
 }
 
@@ -191,6 +328,69 @@ mod tests {
             w.restore(key, i as u64, 0, i as u64, 2);
         }
         assert_eq!((w.len(), w.get("x"), w.get("b"), w.get("c")), (2, Some(3), None, Some(2)));
+    }
+
+    /// The index's invariants: each remembered key found at its place in the ring, and each
+    /// bucket's `overflow` exactly the keys that passed it.
+    fn check_index(w: &DedupWindow) {
+        let mut overflow = vec![0u64; w.buckets.len()];
+        for (i, k) in w.order.iter().enumerate() {
+            let key = (u128::from(k.key[0]) << 64) | u128::from(k.key[1]);
+            assert_eq!(w.find(key), Some(i));
+            let home = home(key, w.buckets.len());
+            for d in 0..k.displaced as usize {
+                overflow[(home + d) % w.buckets.len()] += 1;
+            }
+        }
+        assert_eq!(w.buckets.iter().map(|b| b.overflow).collect::<Vec<_>>(), overflow);
+    }
+
+    #[test]
+    fn keys_that_share_a_home_bucket_overflow_and_are_forgotten_cleanly() {
+        // Every key's low word is a multiple of 2²⁰: one home bucket for all, whatever the size.
+        let key = |i: u64| (u128::from(i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1) << 64) | (u128::from(i) << 20);
+        let mut w = DedupWindow::new(1);
+        for i in 0..200 {
+            w.remember(key(i), i, 0, i);
+            check_index(&w);
+        }
+        assert!(w.buckets.len() >= 64 && w.order.iter().map(|k| k.displaced).max() >= Some(20));
+        for i in 0..200 {
+            assert_eq!(w.get_hashed(key(i)), Some(i));
+        }
+        w.evict(50, u64::MAX, 0);
+        check_index(&w);
+        assert_eq!((w.get_hashed(key(149)), w.get_hashed(key(150))), (None, Some(150)));
+        w.evict(0, u64::MAX, 0);
+        assert!(w.buckets.iter().all(|b| b.overflow == 0));
+        assert_eq!(w.get_hashed(key(199)), None);
+    }
+
+    #[test]
+    fn ring_sequences_wrap_around() {
+        let mut w = DedupWindow::new(1);
+        w.first_seq = u32::MAX - 100;
+        for i in 0..1_000u64 {
+            w.remember(w.hash(&format!("k{i}")), i, 0, i);
+            w.evict(150, u64::MAX, 0);
+            check_index(&w);
+        }
+        assert!(w.first_seq < 1_000 - 150);
+        assert_eq!((w.get("k849"), w.get("k850"), w.get("k999")), (None, Some(850), Some(999)));
+    }
+
+    #[test]
+    fn an_emptied_window_gives_back_its_index() {
+        let mut w = DedupWindow::new(1);
+        for i in 0..100_000u64 {
+            w.remember(w.hash(&format!("k{i}")), i, 0, i);
+        }
+        let big = w.buckets.len();
+        assert!(big * SLOTS >= 200_000);
+        w.evict(10, u64::MAX, 0);
+        check_index(&w);
+        assert!(w.buckets.len() * 16 <= big, "{} buckets after {big}", w.buckets.len());
+        assert_eq!(w.get("k99990"), Some(99_990));
     }
 
     proptest::proptest! {
@@ -238,6 +438,7 @@ mod tests {
             for (k, id) in &model {
                 proptest::prop_assert_eq!(w.get(k), Some(*id));
             }
+            check_index(&w);
         }
     }
 }

@@ -14,8 +14,8 @@ pub fn answer_len_bound(m: &Message) -> u64 {
 }
 
 // A stored message is a log record: the payload is the payload, the timestamp is the log's, the
-// offset gives the id, and every other field that is set becomes a record header. Names are
-// short; user headers are prefixed with "h.".
+// offset gives the id, the idempotency key is the record's key, and every other field that is
+// set becomes a record header. Names are short; user headers are prefixed with "h.".
 const KIND: &str = "k";
 const STATUS: &str = "st";
 const EXPIRES: &str = "x";
@@ -25,13 +25,15 @@ const DESTINATION: &str = "d";
 const REPLY_TO: &str = "rt";
 const MIMETYPE: &str = "m";
 const CHARSET: &str = "c";
+/// Where builds before the key became the record's key kept it (still read).
 const IDEMPOTENCY_KEY: &str = "ik";
 const DELIVER_AT: &str = "da";
 const USER: &str = "h.";
 
 // Where a durable queue's message moves between its logs (a delayed one to its level's log when
 // due, a returned one to the delayed log), the new record is a copy, and says so: its key is
-// stored as "ikm" (only the record an offer stored holds "ik", the key the queue remembers), and
+// stored as the header "ikm" (only the record an offer stored has a key, the one the queue
+// remembers), and
 // it names the record it was copied from, so that a crash between the copy and the mark that
 // the original moved never hands a message out twice. A delayed record keeps its priority level
 // and the deliveries it had so far.
@@ -193,7 +195,6 @@ fn record_headers<'m>(m: &'m Message, out: &mut Vec<RecordHeader<'m>>) {
         out.push(RecordHeader::fixed(DELIVER_AT, HeaderValue::u64(m.deliver_at)));
     }
     for (name, value) in [
-        (IDEMPOTENCY_KEY, &m.idempotency_key),
         (REQUEST_ID, &m.request_id),
         (SUBJECT, &m.subject),
         (DESTINATION, &m.destination),
@@ -238,11 +239,8 @@ pub(crate) fn append_placed(
         starts.push(owned.len());
         record_headers(m, &mut owned);
         let Some(p) = placements.get(i) else { continue };
-        if p.copy {
-            let own = starts[i];
-            for h in owned[own..].iter_mut().filter(|h| h.name == IDEMPOTENCY_KEY) {
-                h.name = MOVED_KEY.into();
-            }
+        if p.copy && !m.idempotency_key.is_empty() {
+            owned.push(RecordHeader::fixed(MOVED_KEY, HeaderValue::Borrowed(m.idempotency_key.as_bytes())));
         }
         if p.priority != 0 {
             owned.push(RecordHeader::fixed(PRIORITY, HeaderValue::u8(p.priority)));
@@ -264,7 +262,8 @@ pub(crate) fn append_placed(
         // The record's time is the message's (when it was offered), as in a queue in memory; the
         // log keeps its records' times in order whatever it is given.
         .map(|(i, m)| Input {
-            key: None,
+            key: (!m.idempotency_key.is_empty() && !placements.get(i).is_some_and(|p| p.copy))
+                .then(|| m.idempotency_key.as_bytes()),
             headers: &views[starts[i]..starts[i + 1]],
             payload: &m.payload,
             timestamp: (m.timestamp != 0).then_some(m.timestamp),
@@ -336,13 +335,16 @@ impl DueCopies {
                     continue;
                 }
                 MOVED_FROM | RETURNED_FROM => continue,
-                IDEMPOTENCY_KEY => MOVED_KEY,
+                IDEMPOTENCY_KEY => MOVED_KEY, // (an older build's record)
                 name => name,
             };
             self.push_header(name, value);
         }
         if deliveries != 0 {
             self.push_header(DELIVERIES, &deliveries.to_be_bytes());
+        }
+        if let Some(key) = r.key {
+            self.push_header(MOVED_KEY, key);
         }
         self.push_header(MOVED_FROM, &r.offset.to_be_bytes());
         let payload = self.push_bytes(r.payload);
@@ -416,9 +418,9 @@ pub(crate) fn queue_position(id: u64) -> Option<(usize, u64)> {
     offset_of(id & ((1 << LEVEL_SHIFT) - 1)).map(|offset| (level, offset))
 }
 
-/// The idempotency key stored in `r`, without decoding the rest.
+/// The idempotency key stored in `r` (not a copy's), without decoding the rest.
 pub(crate) fn idempotency_key<'a>(r: &Record<'a>) -> Option<&'a [u8]> {
-    r.headers.get(IDEMPOTENCY_KEY)
+    r.key.or_else(|| r.headers.get(IDEMPOTENCY_KEY))
 }
 
 /// The log offset of the message with id `id` (`None` for 0, which no message has).
@@ -437,6 +439,9 @@ pub(crate) fn from_record(r: &Record<'_>) -> Message {
         ..Message::default()
     };
     let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
+    if let Some(key) = r.key {
+        m.idempotency_key = text(key);
+    }
     for (name, value) in r.headers.iter() {
         match name {
             KIND => m.kind = value.first().and_then(|&k| MessageKind::from_u8(k).ok()).unwrap_or_default(),

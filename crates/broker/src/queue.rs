@@ -1313,14 +1313,21 @@ impl Inner {
     /// Which messages of an offer are repeats, by their keys (hashed; `None`: no key): their key
     /// is remembered, or an earlier message of the same offer carries it.
     fn repeats(&self, keys: &[Option<crate::dedup::KeyHash>]) -> Repeats {
+        self.dedup.touch(keys.iter().flatten().copied());
         let mut originals = Vec::with_capacity(keys.len());
         let mut repeated = Vec::with_capacity(keys.len());
-        let mut seen =
-            std::collections::HashSet::with_capacity_and_hasher(keys.len(), foldhash::fast::RandomState::default());
-        for key in keys {
+        // A key carried twice in one offer: among a few, found by a scan; among many, by a set.
+        let mut seen = (keys.len() > 32).then(|| {
+            std::collections::HashSet::with_capacity_and_hasher(keys.len(), foldhash::fast::RandomState::default())
+        });
+        for (i, key) in keys.iter().enumerate() {
             let original = key.and_then(|k| self.dedup.get_hashed(k));
             originals.extend(original);
-            repeated.push(original.is_some() || key.is_some_and(|k| !seen.insert(k)));
+            let again = key.is_some_and(|k| match &mut seen {
+                Some(seen) => !seen.insert(k),
+                None => keys[..i].contains(key),
+            });
+            repeated.push(original.is_some() || again);
         }
         if originals.len() == keys.len() {
             Repeats::All(originals)

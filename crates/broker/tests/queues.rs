@@ -806,6 +806,28 @@ fn a_repeated_idempotency_key_is_stored_once_and_answered_with_the_original_id_a
 }
 
 #[test]
+fn keys_that_older_builds_stored_as_a_header_are_remembered_on_open() {
+    let t0 = now_ns();
+    let dir = tempfile::tempdir().unwrap();
+    let config = QueueConfig { durable: true, ..QueueConfig::default() };
+    Broker::open(dir.path(), BrokerOptions::default()).unwrap().create_queue("orders", config, None).unwrap();
+    {
+        // A record as builds before the fifth session wrote a keyed offer: the key in "ik".
+        let mut log = petrel_log::Log::open(dir.path().join("queues/orders"), petrel_log::Options::default()).unwrap();
+        let headers = [("ik", &b"old-key"[..])];
+        let input = petrel_log::Input { key: None, headers: &headers, payload: b"old", timestamp: Some(t0) };
+        log.append_with(&input).unwrap();
+    }
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.queue("orders").unwrap().counters().dedup_keys, 1);
+    assert_eq!(b.offer("orders", keyed(&[("old-key", "again")]), t0 + MS).unwrap(), (1, 1), "a repeat");
+    assert_eq!(b.offer("orders", keyed(&[("new-key", "new")]), t0 + MS).unwrap(), (2, 1));
+    let d = b.poll("orders", 10, None, 1, t0 + 2 * MS).unwrap();
+    assert_eq!(payloads(&d), [b"old".to_vec(), b"new".to_vec()]);
+    assert_eq!((d[0].message.idempotency_key.as_str(), d[1].message.idempotency_key.as_str()), ("old-key", "new-key"));
+}
+
+#[test]
 fn a_durable_queue_keeps_the_records_of_remembered_keys_on_disk_after_they_are_consumed() {
     let t0 = now_ns();
     let dir = tempfile::tempdir().unwrap();
