@@ -263,7 +263,7 @@ pub(crate) fn append_placed(
         // log keeps its records' times in order whatever it is given.
         .map(|(i, m)| Input {
             key: (!m.idempotency_key.is_empty() && !placements.get(i).is_some_and(|p| p.copy))
-                .then(|| m.idempotency_key.as_bytes()),
+                .then_some(m.idempotency_key.as_bytes()),
             headers: &views[starts[i]..starts[i + 1]],
             payload: &m.payload,
             timestamp: (m.timestamp != 0).then_some(m.timestamp),
