@@ -79,6 +79,9 @@ impl Reader {
     }
     pub fn str(&mut self, what: &'static str) -> Result<String, DecodeError> {
         let len = self.u16(what)? as usize;
+        if len == 0 {
+            return Ok(String::new()); // most of a message's fields: nothing to check or copy
+        }
         self.need(len, what)?;
         let text = std::str::from_utf8(&self.buf[..len]).map_err(|_| DecodeError::BadUtf8(what))?.to_owned();
         self.buf.advance(len);
