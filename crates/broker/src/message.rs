@@ -33,9 +33,8 @@ const USER: &str = "h.";
 // Where a durable queue's message moves between its logs (a delayed one to its level's log when
 // due, a returned one to the delayed log), the new record is a copy, and says so: its key is
 // stored as the header "ikm" (only the record an offer stored has a key, the one the queue
-// remembers), and
-// it names the record it was copied from, so that a crash between the copy and the mark that
-// the original moved never hands a message out twice. A delayed record keeps its priority level
+// remembers), and it names the record it was copied from, so that a crash between the copy and
+// the mark that the original moved never hands a message out twice. A delayed record keeps its priority level
 // and the deliveries it had so far.
 const MOVED_KEY: &str = "ikm";
 const PRIORITY: &str = "p";
