@@ -94,6 +94,12 @@ fn words(key: KeyHash) -> [u64; 2] {
     [(key >> 64) as u64, key as u64]
 }
 
+impl Remembered {
+    fn key(&self) -> KeyHash {
+        (u128::from(self.key[0]) << 64) | u128::from(self.key[1])
+    }
+}
+
 /// The tag a slot keeps of `key`, in its high half: never 0, so that a used slot never is.
 fn tag(key: KeyHash) -> u64 {
     ((key >> 96) as u64) | 1
@@ -213,8 +219,7 @@ impl DedupWindow {
         self.buckets = vec![Bucket::default(); buckets];
         let (first_seq, len) = (self.first_seq, self.order.len());
         for (i, k) in self.order.iter_mut().enumerate() {
-            let key = (u128::from(k.key[0]) << 64) | u128::from(k.key[1]);
-            k.displaced = place(&mut self.buckets, key, first_seq.wrapping_add(i as u32), first_seq, len);
+            k.displaced = place(&mut self.buckets, k.key(), first_seq.wrapping_add(i as u32), first_seq, len);
         }
     }
 
@@ -240,8 +245,7 @@ impl DedupWindow {
         let Some(oldest) = self.order.pop_front() else { return };
         self.first_seq = self.first_seq.wrapping_add(1);
         if oldest.displaced > 0 {
-            let key = (u128::from(oldest.key[0]) << 64) | u128::from(oldest.key[1]);
-            let (mut b, mask) = (home(key, self.buckets.len()), self.buckets.len() - 1);
+            let (mut b, mask) = (home(oldest.key(), self.buckets.len()), self.buckets.len() - 1);
             for _ in 0..oldest.displaced {
                 self.buckets[b].overflow -= 1;
                 b = (b + 1) & mask;
@@ -335,7 +339,7 @@ mod tests {
     fn check_index(w: &DedupWindow) {
         let mut overflow = vec![0u64; w.buckets.len()];
         for (i, k) in w.order.iter().enumerate() {
-            let key = (u128::from(k.key[0]) << 64) | u128::from(k.key[1]);
+            let key = k.key();
             assert_eq!(w.find(key), Some(i));
             let home = home(key, w.buckets.len());
             for d in 0..k.displaced as usize {

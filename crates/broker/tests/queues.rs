@@ -806,6 +806,19 @@ fn a_repeated_idempotency_key_is_stored_once_and_answered_with_the_original_id_a
 }
 
 #[test]
+fn a_key_twice_in_a_large_offer_is_stored_once() {
+    // Past 32 keys an offer's own repeats are found by a set rather than a scan.
+    let t0 = now_ns();
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_queue("orders", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    let keys: Vec<String> = (0..40).map(|i| format!("k{}", i % 39)).collect();
+    let pairs: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "x")).collect();
+    assert_eq!(b.offer("orders", keyed(&pairs), t0 + MS).unwrap(), (1, 39));
+    assert_eq!(b.queue("orders").unwrap().counters().deduplicated, 1);
+}
+
+#[test]
 fn keys_that_older_builds_stored_as_a_header_are_remembered_on_open() {
     let t0 = now_ns();
     let dir = tempfile::tempdir().unwrap();

@@ -2,10 +2,13 @@
 //! 1,500 records over four 64 KiB segments, some with keys and headers, and a group "g" that
 //! acknowledged the first 100) is read, recovered, verified and appended to by today's code.
 
+mod common;
+
 use std::fs;
 use std::path::Path;
 use std::time::Duration;
 
+use common::{read_all, segments};
 use petrel_log::{GroupOptions, Input, Log, MIN_SEGMENT_BYTES, Options, OwnedRecord, verify};
 
 const RECORDS: u64 = 1500;
@@ -40,27 +43,6 @@ fn expected(i: u64) -> OwnedRecord {
     }
 }
 
-fn read_all(reader: &mut petrel_log::Reader) -> Vec<OwnedRecord> {
-    let mut out = Vec::new();
-    loop {
-        let batch = reader.read_batch(100).unwrap();
-        if batch.is_empty() {
-            return out;
-        }
-        out.extend(batch.into_iter().map(|r| r.to_owned()));
-    }
-}
-
-fn segment_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut v: Vec<_> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "log"))
-        .collect();
-    v.sort();
-    v
-}
-
 fn format_version(segment: &Path) -> u32 {
     u32::from_le_bytes(fs::read(segment).unwrap()[8..12].try_into().unwrap())
 }
@@ -92,7 +74,7 @@ fn a_format_one_log_reads_and_verifies_record_for_record() {
 #[test]
 fn appends_after_a_format_one_segment_go_to_a_new_segment_of_format_two() {
     let dir = fixture();
-    let before = segment_files(dir.path());
+    let before = segments(dir.path());
     let mut log = Log::open(dir.path(), options()).unwrap();
     for i in RECORDS..RECORDS + 10 {
         let e = expected(i);
@@ -102,7 +84,7 @@ fn appends_after_a_format_one_segment_go_to_a_new_segment_of_format_two() {
         assert_eq!(log.append_with(&input).unwrap(), i);
     }
     drop(log);
-    let after = segment_files(dir.path());
+    let after = segments(dir.path());
     assert_eq!(after.len(), before.len() + 1);
     assert!(before.iter().all(|s| format_version(s) == 1));
     assert_eq!(format_version(after.last().unwrap()), 2);
@@ -118,7 +100,7 @@ fn appends_after_a_format_one_segment_go_to_a_new_segment_of_format_two() {
 #[test]
 fn a_torn_format_one_tail_is_cut_as_before() {
     let dir = fixture();
-    let last = segment_files(dir.path()).pop().unwrap();
+    let last = segments(dir.path()).pop().unwrap();
     let mut bytes = fs::read(&last).unwrap();
     // The last record's frame ends where the zeros begin; tear its last 8 bytes.
     let end = bytes.iter().rposition(|&b| b != 0).unwrap() + 1;
@@ -133,7 +115,7 @@ fn a_torn_format_one_tail_is_cut_as_before() {
 #[test]
 fn an_empty_format_one_segment_takes_format_two_in_place() {
     let dir = fixture();
-    let last = segment_files(dir.path()).pop().unwrap();
+    let last = segments(dir.path()).pop().unwrap();
     let base: u64 = last.file_stem().unwrap().to_str().unwrap().parse().unwrap();
     // The last segment as it was when it was made: its header, then nothing.
     let mut bytes = fs::read(&last).unwrap();
@@ -143,7 +125,7 @@ fn an_empty_format_one_segment_takes_format_two_in_place() {
     assert_eq!(log.next_offset(), base);
     assert_eq!(log.append(b"first of format two").unwrap(), base);
     drop(log);
-    assert_eq!(segment_files(dir.path()).last(), Some(&last));
+    assert_eq!(segments(dir.path()).last(), Some(&last));
     assert_eq!(format_version(&last), 2);
     let log = Log::open(dir.path(), options()).unwrap();
     let all = read_all(&mut log.reader());

@@ -1,10 +1,13 @@
 //! The log's contract, checked through its public API on real files.
 
+mod common;
+
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use common::{read_all, segments};
 use petrel_log::verify::{self, ProblemKind};
 use petrel_log::{Durability, Error, Input, Log, MIN_SEGMENT_BYTES, Options, OwnedRecord};
 
@@ -16,27 +19,6 @@ fn small(durability: Durability) -> Options {
 fn payload(i: u64) -> Vec<u8> {
     let len = (i * 7919 % 300) as usize;
     (0..len).map(|j| (i as usize * 31 + j) as u8).collect()
-}
-
-fn read_all(log_reader: &mut petrel_log::Reader) -> Vec<OwnedRecord> {
-    let mut out = Vec::new();
-    loop {
-        let batch = log_reader.read_batch(64).unwrap();
-        if batch.is_empty() {
-            return out;
-        }
-        out.extend(batch.into_iter().map(|r| r.to_owned()));
-    }
-}
-
-fn segments(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<_> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "log"))
-        .collect();
-    v.sort();
-    v
 }
 
 #[test]
