@@ -109,7 +109,7 @@ async fn call(args: &QueueBench, addr: &str) -> Res<Outcome> {
                             function: function.clone(),
                             timeout_ms: 30_000,
                             oneway: false,
-                            message: Message::new(payload.clone()),
+                            message: Box::new(Message::new(payload.clone())),
                         })
                         .collect();
                     let c = client.clone();

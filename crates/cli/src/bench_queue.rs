@@ -214,6 +214,17 @@ async fn connects(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std:
     Ok(Outcome::new(args.count, args.count, args.count, started.elapsed().as_secs_f64(), 0, &hist))
 }
 
+/// The bench's runtime. Against a server in another process: a thread per connection, up to the
+/// cores (one connection on one thread, as redis-benchmark runs: no wake-up of another thread
+/// for each answer). A server started in this process shares the runtime: every core.
+fn client_runtime(external_server: bool, connections: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match if external_server { connections.min(cores) } else { cores } {
+        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        threads => tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build(),
+    }
+}
+
 pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if [args.connections, args.pipeline, args.batch, args.keys, args.subscribers].contains(&0) || args.count == 0 {
         return Err("--connections, --pipeline, --batch, --keys, --subscribers and --count must be at least 1".into());
@@ -221,7 +232,13 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.protocol == Protocol::Memcache && matches!(args.mode, Mode::Publish | Mode::Call | Mode::Connect) {
         return Err("--mode publish, call and connect are native-protocol modes".into());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    // Subscribers and the function's server are connections of this process too.
+    let serving = match args.mode {
+        Mode::Publish => args.subscribers,
+        Mode::Call => 1,
+        _ => 0,
+    };
+    let rt = client_runtime(args.server.is_some(), args.connections + serving)?;
     rt.block_on(async move {
         let (addr, local) = match &args.server {
             Some(a) => (a.clone(), None),

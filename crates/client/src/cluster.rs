@@ -937,7 +937,7 @@ impl Cluster {
     /// Creates the queue on every server (a no-op where it exists alike). An error names the
     /// first server that failed; the others have it.
     pub async fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
-        self.on_all(&Request::QueueCreate { name: name.into(), config }).await
+        self.on_all(&Request::QueueCreate { name: name.into(), config: Box::new(config) }).await
     }
 
     /// Removes the queue from every server.
@@ -959,7 +959,7 @@ impl Cluster {
             .into_iter()
             .map(|(i, r)| {
                 let stats = match r {
-                    Ok(Response::QueueStatus { stats }) => Ok(stats),
+                    Ok(Response::QueueStatus { stats }) => Ok(*stats),
                     Ok(other) => Err(crate::unexpected(other)),
                     Err(e) => Err(e),
                 };
@@ -1060,7 +1060,8 @@ impl Cluster {
     ) -> Result<Message, ClientError> {
         let timeout_ms = timeout.map_or(0, |t| t.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
         let wait = timeout.unwrap_or(Duration::from_secs(30));
-        let request = Request::Call { function: function.into(), timeout_ms, oneway: false, message };
+        let request =
+            Request::Call { function: function.into(), timeout_ms, oneway: false, message: Box::new(message) };
         let not_here = |e: &ClientError| e.status() == Some(Status::FunctionNotFound);
         match self.shared.first_answer(&self.shared.order(None), &request, wait, not_here).await? {
             (_, Response::Reply { message }) => Ok(*message),
@@ -1071,7 +1072,8 @@ impl Cluster {
     /// Calls `function` without waiting for its reply: done once a server that serves it has
     /// the call (passed on as `call` is).
     pub async fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
-        let request = Request::Call { function: function.into(), timeout_ms: 0, oneway: true, message };
+        let request =
+            Request::Call { function: function.into(), timeout_ms: 0, oneway: true, message: Box::new(message) };
         let not_here = |e: &ClientError| e.status() == Some(Status::FunctionNotFound);
         self.shared.first_answer(&self.shared.order(None), &request, Duration::ZERO, not_here).await.map(|_| ())
     }

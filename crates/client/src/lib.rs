@@ -448,7 +448,7 @@ impl Client {
     }
 
     pub async fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
-        self.call_op(Request::QueueCreate { name: name.into(), config }).await.map(|_| ())
+        self.call_op(Request::QueueCreate { name: name.into(), config: Box::new(config) }).await.map(|_| ())
     }
 
     pub async fn remove_queue(&self, name: &str) -> Result<(), ClientError> {
@@ -464,7 +464,7 @@ impl Client {
 
     pub async fn queue_status(&self, name: &str) -> Result<QueueStats, ClientError> {
         match self.call_op(Request::QueueStatus { name: name.into() }).await? {
-            Response::QueueStatus { stats } => Ok(stats),
+            Response::QueueStatus { stats } => Ok(*stats),
             other => Err(unexpected(other)),
         }
     }
@@ -545,7 +545,7 @@ impl Client {
     /// A topic's figures and, for a durable topic, where each consumer group stands (its lag).
     pub async fn topic_status(&self, name: &str) -> Result<TopicStats, ClientError> {
         match self.call_op(Request::TopicStatus { name: name.into() }).await? {
-            Response::TopicStatus { stats } => Ok(stats),
+            Response::TopicStatus { stats } => Ok(*stats),
             other => Err(unexpected(other)),
         }
     }
@@ -620,9 +620,9 @@ impl Client {
                         let reply = handler(message);
                         running.push(async move {
                             match reply.await {
-                                Ok(m) => Request::Return { call, status: Status::Ok, error: String::new(), message: m },
+                                Ok(m) => Request::Return { call, status: Status::Ok, error: String::new(), message: Box::new(m) },
                                 Err(error) => {
-                                    Request::Return { call, status: Status::HandlerError, error, message: Message::default() }
+                                    Request::Return { call, status: Status::HandlerError, error, message: Box::default() }
                                 }
                             }
                         });
@@ -656,7 +656,10 @@ impl Client {
         timeout: Option<Duration>,
     ) -> Result<Message, ClientError> {
         let timeout_ms = timeout.map_or(0, |t| t.as_millis().clamp(1, u32::MAX as u128) as u32);
-        match self.call_op(Request::Call { function: function.into(), timeout_ms, oneway: false, message }).await? {
+        match self
+            .call_op(Request::Call { function: function.into(), timeout_ms, oneway: false, message: Box::new(message) })
+            .await?
+        {
             Response::Reply { message } => Ok(*message),
             other => Err(unexpected(other)),
         }
@@ -664,9 +667,14 @@ impl Client {
 
     /// Calls `function` without waiting for a reply: done once a server has the call.
     pub async fn call_oneway(&self, function: &str, message: Message) -> Result<(), ClientError> {
-        self.call_op(Request::Call { function: function.into(), timeout_ms: 0, oneway: true, message })
-            .await
-            .map(|_| ())
+        self.call_op(Request::Call {
+            function: function.into(),
+            timeout_ms: 0,
+            oneway: true,
+            message: Box::new(message),
+        })
+        .await
+        .map(|_| ())
     }
 
     /// Ends subscription `subscription` (a [`Subscription::id`]): its stream ends at once, and

@@ -458,7 +458,7 @@ pub enum Request {
     },
     QueueCreate {
         name: String,
-        config: QueueConfig,
+        config: Box<QueueConfig>,
     },
     QueueRemove {
         name: String,
@@ -544,7 +544,7 @@ pub enum Request {
         function: String,
         timeout_ms: u32,
         oneway: bool,
-        message: Message,
+        message: Box<Message>,
     },
     /// A function server's answer to the INVOKE `call`: a status (OK, or HANDLER_ERROR with
     /// `error`) and the reply.
@@ -552,7 +552,7 @@ pub enum Request {
         call: u64,
         status: Status,
         error: String,
-        message: Message,
+        message: Box<Message>,
     },
 }
 
@@ -701,7 +701,9 @@ impl Request {
             HELLO => Request::Hello { client: r.str("client")?, features: r.u32("features")? },
             AUTH => Request::Auth { user: r.str("user")?, password: r.str("password")? },
             PING => Request::Ping,
-            QUEUE_CREATE => Request::QueueCreate { name: r.str("name")?, config: QueueConfig::decode(&mut r)? },
+            QUEUE_CREATE => {
+                Request::QueueCreate { name: r.str("name")?, config: Box::new(QueueConfig::decode(&mut r)?) }
+            }
             QUEUE_REMOVE => Request::QueueRemove { name: r.str("name")? },
             QUEUE_LIST => Request::QueueList,
             QUEUE_STATUS => Request::QueueStatus { name: r.str("name")? },
@@ -771,13 +773,13 @@ impl Request {
                     1 => true,
                     _ => return Err(DecodeError::BadValue("oneway")),
                 },
-                message: Message::decode(&mut r)?,
+                message: Box::new(Message::decode(&mut r)?),
             },
             RETURN => Request::Return {
                 call: r.u64("call")?,
                 status: Status::from_u8(r.u8("status")?)?,
                 error: r.str("error")?,
-                message: Message::decode(&mut r)?,
+                message: Box::new(Message::decode(&mut r)?),
             },
             other => return Err(DecodeError::UnknownOpcode(other)),
         };
@@ -807,7 +809,7 @@ pub enum Response {
         names: Vec<String>,
     },
     QueueStatus {
-        stats: QueueStats,
+        stats: Box<QueueStats>,
     },
     Offered {
         first_id: u64,
@@ -824,7 +826,7 @@ pub enum Response {
         names: Vec<String>,
     },
     TopicStatus {
-        stats: TopicStats,
+        stats: Box<TopicStats>,
     },
     /// How many subscribers each message reached.
     Published {
@@ -999,7 +1001,7 @@ impl Response {
                     let n = r.count(2, "name count")?;
                     Response::QueueList { names: (0..n).map(|_| r.str("name")).collect::<Result<_, _>>()? }
                 }
-                QUEUE_STATUS => Response::QueueStatus { stats: QueueStats::decode(&mut r)? },
+                QUEUE_STATUS => Response::QueueStatus { stats: Box::new(QueueStats::decode(&mut r)?) },
                 OFFER => Response::Offered { first_id: r.u64("first_id")?, count: r.u32("count")? },
                 POLL => {
                     let n = r.count(8 + MESSAGE_MIN_LEN, "delivery count")?;
@@ -1014,7 +1016,7 @@ impl Response {
                     let n = r.count(2, "name count")?;
                     Response::TopicList { names: (0..n).map(|_| r.str("name")).collect::<Result<_, _>>()? }
                 }
-                TOPIC_STATUS => Response::TopicStatus { stats: TopicStats::decode(&mut r)? },
+                TOPIC_STATUS => Response::TopicStatus { stats: Box::new(TopicStats::decode(&mut r)?) },
                 PUBLISH => Response::Published { subscribers: r.u32("subscribers")? },
                 SUBSCRIBE => Response::Subscribed { subscription: r.u64("subscription")? },
                 // A oneway call is answered with nothing after the status.

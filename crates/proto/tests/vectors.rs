@@ -144,7 +144,7 @@ fn cases() -> Vec<Vector> {
             3,
             Request::QueueCreate {
                 name: q("orders"),
-                config: QueueConfig {
+                config: Box::new(QueueConfig {
                     max_items: 1000,
                     max_bytes: 0,
                     circular: false,
@@ -161,7 +161,7 @@ fn cases() -> Vec<Vector> {
                     dedup_window_ms: 0,
                     redelivery_delay_ms: 0,
                     redelivery_delay_max_ms: 0,
-                },
+                }),
             },
         ),
         request(
@@ -170,12 +170,12 @@ fn cases() -> Vec<Vector> {
             3,
             Request::QueueCreate {
                 name: q("jobs"),
-                config: QueueConfig {
+                config: Box::new(QueueConfig {
                     durable: true,
                     dead_letter: q("jobs.poison"),
                     max_deliveries: 5,
                     ..QueueConfig::default()
-                },
+                }),
             },
         ),
         request(
@@ -184,14 +184,14 @@ fn cases() -> Vec<Vector> {
             3,
             Request::QueueCreate {
                 name: q("work"),
-                config: QueueConfig {
+                config: Box::new(QueueConfig {
                     durable: true,
                     priorities: 3,
                     priority_share: 20,
                     dedup_window: 50_000,
                     dedup_window_ms: 60_000,
                     ..QueueConfig::default()
-                },
+                }),
             },
         ),
         request(
@@ -200,12 +200,12 @@ fn cases() -> Vec<Vector> {
             3,
             Request::QueueCreate {
                 name: q("retries"),
-                config: QueueConfig {
+                config: Box::new(QueueConfig {
                     durable: true,
                     redelivery_delay_ms: 500,
                     redelivery_delay_max_ms: 60_000,
                     ..QueueConfig::default()
-                },
+                }),
             },
         ),
         response("queue_create_ok", "done", opcode::QUEUE_CREATE, 3, Response::Done),
@@ -232,7 +232,7 @@ fn cases() -> Vec<Vector> {
             opcode::QUEUE_STATUS,
             6,
             Response::QueueStatus {
-                stats: QueueStats {
+                stats: Box::new(QueueStats {
                     items: 3,
                     bytes: 24,
                     in_flight: 1,
@@ -243,7 +243,7 @@ fn cases() -> Vec<Vector> {
                     waiters: 2,
                     config: QueueConfig { max_items: 1000, ..QueueConfig::default() },
                     delayed: 0,
-                },
+                }),
             },
         ),
         response(
@@ -252,14 +252,14 @@ fn cases() -> Vec<Vector> {
             opcode::QUEUE_STATUS,
             6,
             Response::QueueStatus {
-                stats: QueueStats {
+                stats: Box::new(QueueStats {
                     items: 3,
                     bytes: 344,
                     total_offered: 43,
                     config: QueueConfig { durable: true, ..QueueConfig::default() },
                     delayed: 40,
                     ..QueueStats::default()
-                },
+                }),
             },
         ),
         request(
@@ -454,14 +454,14 @@ fn cases() -> Vec<Vector> {
             opcode::TOPIC_STATUS,
             22,
             Response::TopicStatus {
-                stats: TopicStats {
+                stats: Box::new(TopicStats {
                     durable: true,
                     subscribers: 1,
                     published: 10,
                     delivered: 10,
                     slow_subscribers_ended: 0,
                     groups: vec![GroupStats { name: q("billing"), committed: 7, next_offset: 10, lag: 3, open: true }],
-                },
+                }),
             },
         ),
         request(
@@ -519,7 +519,7 @@ fn cases() -> Vec<Vector> {
                 function: q("coffee"),
                 timeout_ms: 5000,
                 oneway: false,
-                message: Message::new(&b"espresso"[..]),
+                message: Box::new(Message::new(&b"espresso"[..])),
             },
         ),
         push(
@@ -532,7 +532,12 @@ fn cases() -> Vec<Vector> {
             "return",
             "the function server's answer to call 9",
             27,
-            Request::Return { call: 9, status: Status::Ok, error: q(""), message: Message::new(&b"ready"[..]) },
+            Request::Return {
+                call: 9,
+                status: Status::Ok,
+                error: q(""),
+                message: Box::new(Message::new(&b"ready"[..])),
+            },
         ),
         response(
             "reply",

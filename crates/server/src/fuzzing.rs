@@ -133,16 +133,16 @@ mod tests {
         let requests = [
             Request::Hello { client: "fuzz".into(), features: 0 },
             Request::Auth { user: "tom".into(), password: "wrong".into() },
-            Request::QueueCreate { name: "q".into(), config: QueueConfig::default() },
+            Request::QueueCreate { name: "q".into(), config: Box::default() },
             Request::QueueCreate {
                 name: "t".into(),
-                config: QueueConfig { temporary: true, ..QueueConfig::default() },
+                config: Box::new(QueueConfig { temporary: true, ..QueueConfig::default() }),
             },
             Request::Offer { queue: "q".into(), timeout_ms: 0, messages: vec![Message::new(&b"m"[..])] },
             Request::Poll { queue: "q".into(), max: u32::MAX, timeout_ms: 50, visibility_ms: 1000 },
             Request::QueueStatus { name: "é".repeat(32_767) + "a" },
             Request::Offer { queue: "secret.q".into(), timeout_ms: 0, messages: vec![] },
-            Request::Call { function: "f".into(), timeout_ms: 10, oneway: false, message: Message::default() },
+            Request::Call { function: "f".into(), timeout_ms: 10, oneway: false, message: Box::default() },
             Request::QueueList,
         ];
         let mut bytes = Vec::new();

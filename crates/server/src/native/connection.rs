@@ -138,7 +138,9 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         if self.out.is_empty() {
             return Ok(());
         }
-        self.outbox.send(std::mem::take(&mut self.out)).await.map_err(|_| Closed)
+        // The next read's answers likely need as much room: no growing from empty each time.
+        let room = self.out.len().clamp(1024, FLUSH_ANSWERS_AT_BYTES);
+        self.outbox.send(std::mem::replace(&mut self.out, Vec::with_capacity(room))).await.map_err(|_| Closed)
     }
 
     /// Reads more bytes. A frame too large for the server's memory budget now is refused

@@ -34,13 +34,13 @@ pub(super) fn prepare_call(
     function: String,
     timeout_ms: u32,
     oneway: bool,
-    message: petrel_proto::Message,
+    message: Box<petrel_proto::Message>,
 ) -> Answer {
     let timeout = match timeout_ms {
         0 => Duration::from_millis(ctx.config.default_call_timeout_ms),
         ms => Duration::from_millis(u64::from(ms)),
     };
-    Answer::Call(Call { function, message: Box::new(message), oneway, timeout })
+    Answer::Call(Call { function, message, oneway, timeout })
 }
 
 /// Makes the call. `Some`: answered now (a local handler's reply, a oneway call sent, an
@@ -103,7 +103,7 @@ pub(super) fn give_back(
     call: u64,
     status: Status,
     reason: String,
-    message: petrel_proto::Message,
+    message: Box<petrel_proto::Message>,
 ) -> Response {
     if message.durable {
         // Refused, and the caller told at once (not left to its timeout).
@@ -111,7 +111,7 @@ pub(super) fn give_back(
         ctx.broker.reply(call, session.conn, Err(why.into()));
         return Response::error(Status::BadRequest, why);
     }
-    let result = if status == Status::Ok { Ok(message) } else { Err(reason) };
+    let result = if status == Status::Ok { Ok(*message) } else { Err(reason) };
     if ctx.broker.reply(call, session.conn, result) {
         Response::Done
     } else {

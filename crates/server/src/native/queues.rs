@@ -11,9 +11,9 @@ use super::session::Session;
 use super::{Answer, WaitsFor, error, outgoing};
 use crate::{Ctx, now_ns, wait_durable};
 
-pub(super) fn create(ctx: &Ctx, session: &Session, name: &str, config: petrel_proto::QueueConfig) -> Response {
+pub(super) fn create(ctx: &Ctx, session: &Session, name: &str, config: Box<petrel_proto::QueueConfig>) -> Response {
     let owner = config.temporary.then_some(session.conn);
-    ctx.broker.create_queue_by(session.principal(), name, config, owner).map_or_else(error, |_| Response::Done)
+    ctx.broker.create_queue_by(session.principal(), name, *config, owner).map_or_else(error, |_| Response::Done)
 }
 
 pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
@@ -29,7 +29,7 @@ pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
 
 pub(super) fn status(ctx: &Ctx, name: String) -> Response {
     match ctx.broker.queue(&name) {
-        Some(q) => Response::QueueStatus { stats: q.status() },
+        Some(q) => Response::QueueStatus { stats: Box::new(q.status()) },
         None => error(BrokerError::NotFound(name)),
     }
 }

@@ -33,7 +33,7 @@ pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
 
 pub(super) fn status(ctx: &Ctx, name: String) -> Response {
     match ctx.broker.topic(&name) {
-        Some(t) => Response::TopicStatus { stats: t.status() },
+        Some(t) => Response::TopicStatus { stats: Box::new(t.status()) },
         None => error(BrokerError::TopicNotFound(name)),
     }
 }
