@@ -11,9 +11,9 @@ use super::session::Session;
 use super::{Answer, WaitsFor, error, outgoing};
 use crate::{Ctx, now_ns, wait_durable};
 
-pub(super) fn create(ctx: &Ctx, session: &Session, name: &str, config: Box<petrel_proto::QueueConfig>) -> Response {
+pub(super) fn create(ctx: &Ctx, session: &Session, name: &str, config: petrel_proto::QueueConfig) -> Response {
     let owner = config.temporary.then_some(session.conn);
-    ctx.broker.create_queue_by(session.principal(), name, *config, owner).map_or_else(error, |_| Response::Done)
+    ctx.broker.create_queue_by(session.principal(), name, config, owner).map_or_else(error, |_| Response::Done)
 }
 
 pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
