@@ -23,6 +23,9 @@ use crate::stats::add;
 /// Answers of one read are handed to the writer once this many bytes wait, mid-read.
 const FLUSH_ANSWERS_AT_BYTES: usize = 64 * 1024;
 
+/// Room for answers a connection starts with.
+const ANSWERS_START_BYTES: usize = 16 * 1024;
+
 /// A request, and the frame fields its answer must carry.
 pub(super) struct Incoming {
     pub opcode: u16,
@@ -68,7 +71,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         let (rd, wr) = tokio::io::split(stream);
         let (outbox, rx) = outbox(ctx.config.max_queued_responses, ctx.config.max_queued_response_bytes);
         let writer = tokio::spawn(write_until_closed(wr, rx, Arc::clone(ctx), Arc::clone(registered.entry())));
-        Connection { rd, input: Input::new(), skip: 0, out: Vec::with_capacity(16 * 1024), outbox, writer }
+        Connection { rd, input: Input::new(), skip: 0, out: Vec::with_capacity(ANSWERS_START_BYTES), outbox, writer }
     }
 
     /// The answers of this read are worth sending before the rest of it is handled.
@@ -138,8 +141,9 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         if self.out.is_empty() {
             return Ok(());
         }
-        // The next read's answers likely need as much room: no growing from empty each time.
-        let room = self.out.len().clamp(1024, FLUSH_ANSWERS_AT_BYTES);
+        // The next read's answers likely need as much room: no growing from empty each time (at
+        // most what a new connection starts with, which an idle one keeps).
+        let room = self.out.len().clamp(1024, ANSWERS_START_BYTES);
         self.outbox.send(std::mem::replace(&mut self.out, Vec::with_capacity(room))).await.map_err(|_| Closed)
     }
 
