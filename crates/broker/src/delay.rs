@@ -3,7 +3,7 @@
 //! hand each one to its level's log when it is due.
 //!
 //! Memory is bounded whatever the number of delayed messages: the timers hold the earliest-due
-//! `cap` of them (16 bytes each, in a B-tree); the rest are "spilled", known only to be due later
+//! `cap` of them (16 bytes each, in a `TimerSet`); the rest are "spilled", known only to be due later
 //! than every one held, and found again by reading the log when the timers run low — a slice of
 //! the log per tick (`REFILL_SLICE`), so that a refill never holds the queue for long, while the
 //! held timers go on coming due. Beside that,
@@ -42,8 +42,8 @@ const PIN_GROUP: &str = "broker";
 
 /// A sorted set of timers, (due, offset), cheap when they come in due order: those at or after
 /// the latest of an ordered run join its end (O(1), and so do their pops from the front); only
-/// one due earlier than the run's end goes into a B-tree. Messages with the same delay — most
-/// delayed offers, and every redelivery with the queue's backoff — then never touch the tree.
+/// one due earlier than the run's end goes into a B-tree. Messages with one delay for all — most
+/// delayed offers — then never touch the tree; a mix of delays sends the shorter ones there.
 /// Each part is sorted, so the set's first and last are the smaller first and the larger last.
 #[derive(Debug, Default)]
 struct TimerSet {
@@ -85,6 +85,14 @@ impl TimerSet {
             (Some(_), _) => self.run.pop_front(),
             (None, _) => self.tree.pop_first(),
         }
+    }
+
+    /// Puts back keys just popped from the front, in the order they were popped: each is no
+    /// later than every key left, so they go back to the run's front.
+    fn unpop(&mut self, popped: &[(u64, u64)]) {
+        debug_assert!(popped.is_sorted(), "popped in order");
+        debug_assert!(popped.last().zip(self.first()).is_none_or(|(p, f)| p <= f), "popped from the front");
+        popped.iter().rev().for_each(|&k| self.run.push_front(k));
     }
 
     fn pop_last(&mut self) -> Option<(u64, u64)> {
@@ -169,6 +177,13 @@ impl Timers {
         }
     }
 
+    /// Holds again timers just taken with `pop_due` (no insert since): they were the earliest,
+    /// so they stay held whatever is spilled, and a tick that moved only some of them finds the
+    /// rest at once.
+    fn unpop(&mut self, popped: &[(u64, u64)]) {
+        self.held.unpop(popped);
+    }
+
     /// Whether the held timers ran low while some are spilled, and no refill is under way
     /// (half the cap: the held half lasts while the refill reads the log).
     pub fn wants_refill(&self) -> bool {
@@ -202,7 +217,8 @@ impl Timers {
         let refill = self.refilling.take().expect("a refill under way");
         debug_assert_eq!(refill.spilled, self.spilled, "every spilled timer is pending in the log");
         self.spilled = refill.spilled - refill.best.len() as u64;
-        self.held.extend(refill.best);
+        // Each later than every one held: in order, they join the run's end.
+        self.held.extend(refill.best.into_sorted_vec());
         // Those delayed meanwhile may have filled the held ones: the latest are spilled again
         // (later than every one left held, and than those still spilled).
         while self.held.len() > self.cap {
@@ -421,15 +437,53 @@ impl DelayLog {
         Ok(range)
     }
 
-    /// Up to `max` messages due at `now_ns`, earliest first, as (due, offset) (still pending
-    /// until `mark_done`; `put_back` what is not moved after all).
-    pub fn take_due(&mut self, now_ns: u64, max: usize) -> Vec<(u64, u64)> {
+    /// Up to `max` timers due at `now_ns`, earliest first, as (due, offset), taken out of the
+    /// timers (`take_due` puts back what it does not move).
+    fn pop_due(&mut self, now_ns: u64, max: usize) -> Vec<(u64, u64)> {
         std::iter::from_fn(|| self.timers.pop_due(now_ns)).take(max).collect()
     }
 
-    /// Holds again timers that `take_due` gave and that were not moved.
-    pub fn put_back(&mut self, taken: &[(u64, u64)]) {
-        taken.iter().for_each(|&(due, offset)| self.timers.insert(due, offset));
+    /// The delayed messages due at `now_ns`, earliest first: at most `max` of them, and as many
+    /// as fit in `max_bytes` (at least one). Returns their offsets and their copies for their
+    /// levels (`top` the highest); they stay pending until `mark_done`. Those due but beyond the
+    /// bytes stay held, the first ones the next call takes.
+    pub fn take_due(
+        &mut self,
+        now_ns: u64,
+        max: usize,
+        top: usize,
+        max_bytes: usize,
+    ) -> Result<(Vec<u64>, message::DueCopies), BrokerError> {
+        /// Records read at a time: past the bytes, at most this many are read for nothing.
+        const READ_AT_A_TIME: usize = 64;
+        let taken = self.pop_due(now_ns, max);
+        let mut offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
+        let mut copies = message::DueCopies::default();
+        let mut reader = self.log.reader();
+        let mut full = false;
+        for chunk in offsets.chunks(READ_AT_A_TIME) {
+            let mut found = 0;
+            let read = reader.get_many(chunk, |_, r| {
+                found += 1;
+                // In order: once one does not fit, none after it is taken either.
+                full = full || (!copies.copies().is_empty() && copies.bytes() + r.payload.len() > max_bytes);
+                if !full {
+                    copies.add(&r, top);
+                }
+            });
+            if let Err(e) = read {
+                self.timers.unpop(&taken);
+                return Err(e.into());
+            }
+            assert_eq!(found, chunk.len(), "a pending delayed record is in the log");
+            if full {
+                break;
+            }
+        }
+        let moving = copies.copies().len();
+        self.timers.unpop(&taken[moving..]);
+        offsets.truncate(moving);
+        Ok((offsets, copies))
     }
 
     /// The delayed messages at `offsets`, with their placements (one reader for them all).
@@ -446,24 +500,6 @@ impl DelayLog {
             out.push((message::from_record(&r), message::placement(&r)));
         }
         Ok(out)
-    }
-
-    /// Copies of the delayed messages at `offsets` for their levels (`top` the highest), in that
-    /// order, as many as fit in `max_bytes` (at least one): the first `copies().len()` of them
-    /// (still pending until `mark_done`).
-    pub fn copies(&self, offsets: &[u64], top: usize, max_bytes: usize) -> Result<message::DueCopies, BrokerError> {
-        let mut copies = message::DueCopies::default();
-        let (mut found, mut full) = (0, false);
-        self.log.reader().get_many(offsets, |_, r| {
-            found += 1;
-            // In order: once one does not fit, none after it is taken either.
-            full = full || (!copies.copies().is_empty() && copies.bytes() + r.payload.len() > max_bytes);
-            if !full {
-                copies.add(&r, top);
-            }
-        })?;
-        assert_eq!(found, offsets.len(), "a pending delayed record is in the log");
-        Ok(copies)
     }
 
     /// Marks the delayed messages at `offsets` done (taken out of the timers before), in one
@@ -607,7 +643,7 @@ mod tests {
         let mut expected: Vec<u64> = dues.clone();
         let (mut out, mut now, mut refills) = (Vec::new(), 1_000, 0);
         while out.len() < expected.len() {
-            let due: Vec<u64> = delay.take_due(now, 4).into_iter().map(|(_, offset)| offset).collect();
+            let due: Vec<u64> = delay.pop_due(now, 4).into_iter().map(|(_, offset)| offset).collect();
             for (m, _) in delay.read(&due).unwrap() {
                 out.push(m.deliver_at);
             }
@@ -652,29 +688,32 @@ mod tests {
     fn due_messages_beyond_a_ticks_bytes_wait_for_the_next_tick_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
-        let mut delay = DelayLog::create(log, 64).unwrap();
+        // Room for four timers: six of the ten messages are spilled to begin with.
+        let mut delay = DelayLog::create(log, 4).unwrap();
         let messages: Vec<Message> =
-            (0..5u8).map(|i| Message { deliver_at: 1_000, ..Message::new(vec![i; 1000]) }).collect();
+            (0..10u8).map(|i| Message { deliver_at: 1_000, ..Message::new(vec![i; 1000]) }).collect();
         delay.append(&messages, &vec![Placement::default(); messages.len()]).unwrap();
-        let (mut moved, mut per_tick) = (Vec::new(), Vec::new());
+        let (mut moved, mut per_tick, mut refills) = (Vec::new(), Vec::new(), 0);
         while delay.pending() > 0 {
-            let taken = delay.take_due(2_000, MAX_MOVES_PER_TICK);
-            let offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
-            let copies = delay.copies(&offsets, 0, 2_500).unwrap();
+            if delay.next_due().is_none() {
+                refills += 1;
+                while delay.refill_step(std::time::Duration::ZERO).unwrap() {}
+            }
+            let (offsets, copies) = delay.take_due(2_000, MAX_MOVES_PER_TICK, 0, 2_500).unwrap();
             let n = copies.copies().len();
             assert!(n >= 1 && copies.bytes() <= 2_500, "at least one, and within the bytes");
-            delay.put_back(&taken[n..]);
-            moved.extend_from_slice(&offsets[..n]);
-            delay.mark_done(&offsets[..n]).unwrap();
+            assert_eq!(offsets.len(), n);
+            moved.extend_from_slice(&offsets);
+            delay.mark_done(&offsets).unwrap();
             per_tick.push(n);
         }
-        assert_eq!(per_tick, [2, 2, 1]);
-        assert_eq!(moved, [0, 1, 2, 3, 4], "in due order, none twice");
+        assert_eq!(per_tick, [2; 5]);
+        assert_eq!(moved, (0..10).collect::<Vec<u64>>(), "in due order, none twice");
+        // What a tick could not move stayed held: a refill only when the four held ran out.
+        assert_eq!(refills, 2);
         // A message larger than the tick's bytes still moves, alone.
         delay.append(&[Message { deliver_at: 1_000, ..Message::new(vec![9; 4000]) }], &[Placement::default()]).unwrap();
-        let taken = delay.take_due(2_000, MAX_MOVES_PER_TICK);
-        let offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
-        assert_eq!(delay.copies(&offsets, 0, 2_500).unwrap().copies().len(), 1);
+        assert_eq!(delay.take_due(2_000, MAX_MOVES_PER_TICK, 0, 2_500).unwrap().0.len(), 1);
     }
 
     proptest::proptest! {

@@ -1679,13 +1679,9 @@ impl Inner {
                 }
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
-                let taken = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK);
-                let offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
-                let copies = delay.copies(&offsets, lanes.len() - 1, delay::MAX_MOVE_BYTES)?;
                 // Those beyond the tick's bytes wait for the next tick (at once: they are due).
-                let moving = copies.copies().len();
-                delay.put_back(&taken[moving..]);
-                let due = &offsets[..moving];
+                let top = lanes.len() - 1;
+                let (due, copies) = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK, top, delay::MAX_MOVE_BYTES)?;
                 for (level, lane) in lanes.iter_mut().enumerate() {
                     let range = copies.append(&lane.log, level, stamp)?;
                     if range.is_empty() {
@@ -1707,7 +1703,7 @@ impl Inner {
                     }
                     moved_at[level] = range.end - range.start;
                 }
-                delay.mark_done(due)?;
+                delay.mark_done(&due)?;
                 if delay.log.durability() == Durability::Always && !due.is_empty() {
                     delay.log.sync()?;
                 }
