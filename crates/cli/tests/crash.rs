@@ -33,22 +33,59 @@ fn iterations() -> usize {
     std::env::var("PETREL_CRASH_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(30)
 }
 
+/// What a child is sent as record `n` of iteration `iter` (a line: no newline in it).
+type LineFn = fn(usize, usize, &mut rand::rngs::ThreadRng) -> Vec<u8>;
+
 /// A line for record `n` of iteration `iter`: printable, no newline, length from 1 byte to 20 KB
 /// so that frames span pages and segments roll often.
-fn line(iter: usize, n: usize, rng: &mut impl rand::Rng) -> Vec<u8> {
+fn line(iter: usize, n: usize, rng: &mut rand::rngs::ThreadRng) -> Vec<u8> {
     let len = if rng.random_range(0..10) == 0 { rng.random_range(1000..20_000) } else { rng.random_range(1..200) };
     let mut l = format!("{iter}:{n}:").into_bytes();
     l.extend((0..len).map(|_| rng.random_range(b' '..=b'~')));
     l
 }
 
+/// A line of 1 to 8 MiB of random bytes (no newline): a large binary record, whose frame is
+/// written payload first and header last. Cut from a pool made once, so that the test feeds the
+/// child faster than it appends.
+fn large_binary_line(iter: usize, n: usize, rng: &mut rand::rngs::ThreadRng) -> Vec<u8> {
+    static POOL: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let pool = POOL.get_or_init(|| {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut pool: Vec<u8> = (0..2 << 20)
+            .flat_map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x.to_le_bytes()
+            })
+            .collect();
+        pool.iter_mut().filter(|b| **b == b'\n').for_each(|b| *b = b'.');
+        pool
+    });
+    let len = rng.random_range(1 << 20..8 << 20);
+    let from = rng.random_range(0..pool.len() - len);
+    let mut l = format!("{iter}:{n}:").into_bytes();
+    l.extend_from_slice(&pool[from..from + len]);
+    l
+}
+
+/// One append child of a crash test.
+struct Child<'a> {
+    dir: &'a Path,
+    durability: &'a str,
+    segment_bytes: u64,
+    line: LineFn,
+}
+
 /// Runs one append child, kills it after `kill_after`, returns the lines it was sent (in order)
 /// and the offsets it acknowledged.
-fn run_and_kill(dir: &Path, durability: &str, iter: usize, kill_after: Duration) -> (Vec<Vec<u8>>, Vec<u64>) {
+fn run_and_kill(child: &Child<'_>, iter: usize, kill_after: Duration) -> (Vec<Vec<u8>>, Vec<u64>) {
+    let line = child.line;
     let mut child = petrel()
         .args(["log", "append"])
-        .arg(dir)
-        .args(["--durability", durability, "--segment-bytes", "65536"])
+        .arg(child.dir)
+        .args(["--durability", child.durability, "--segment-bytes", &child.segment_bytes.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -105,11 +142,8 @@ fn crash_loop(durability: &str) -> u64 {
     for iter in 0..iterations() {
         let start = if iter == 0 { 0 } else { open(dir.path(), Options::default()).next_offset() };
         let kill_after = Duration::from_millis(rng.random_range(0..40));
-        let (sent, acked) = run_and_kill(dir.path(), durability, iter, kill_after);
-        // Offsets are acknowledged in order, starting where the last run's log ended.
-        for (i, &offset) in acked.iter().enumerate() {
-            assert_eq!(offset, start + i as u64, "iteration {iter}: acknowledged offsets are dense");
-        }
+        let child = Child { dir: dir.path(), durability, segment_bytes: 65536, line };
+        let (sent, acked) = run_and_kill(&child, iter, kill_after);
         let log = open(dir.path(), Options::default());
         let report = log.recovery_report();
         torn += report.torn_at.is_some() as usize;
@@ -126,21 +160,7 @@ fn crash_loop(durability: &str) -> u64 {
             );
         }
         acked_found_by_scanning += report.records_scanned.saturating_sub(unacked);
-        assert!(
-            end >= start + acked.len() as u64,
-            "iteration {iter}: acknowledged records lost ({end} < {})",
-            start + acked.len() as u64
-        );
-        let mut reader = log.reader();
-        reader.seek(start);
-        let mut offset = start;
-        while let Some(record) = reader.read_next().unwrap() {
-            assert_eq!(record.offset, offset);
-            let expected = &sent[(offset - start) as usize];
-            assert!(record.payload == &expected[..], "iteration {iter}: record {offset} differs from the line sent");
-            offset += 1;
-        }
-        assert_eq!(offset, end, "iteration {iter}: every record up to the end is readable");
+        check_acknowledged(&log, iter, start, &sent, &acked);
         total_acked += acked.len();
     }
     eprintln!(
@@ -149,6 +169,31 @@ fn crash_loop(durability: &str) -> u64 {
     );
     assert!(total_acked > iterations(), "the children should have acknowledged records before being killed");
     acked_found_by_scanning
+}
+
+/// Checks, after a kill, that the child's acknowledged offsets were dense from `start`, that each
+/// acknowledged record is in `log` byte for byte, and that every record up to its end is readable
+/// and is a line that was sent.
+fn check_acknowledged(log: &Log, iter: usize, start: u64, sent: &[Vec<u8>], acked: &[u64]) {
+    for (i, &offset) in acked.iter().enumerate() {
+        assert_eq!(offset, start + i as u64, "iteration {iter}: acknowledged offsets are dense");
+    }
+    let end = log.next_offset();
+    assert!(
+        end >= start + acked.len() as u64,
+        "iteration {iter}: acknowledged records lost ({end} < {})",
+        start + acked.len() as u64
+    );
+    let mut reader = log.reader();
+    reader.seek(start);
+    let mut offset = start;
+    while let Some(record) = reader.read_next().unwrap() {
+        assert_eq!(record.offset, offset);
+        let expected = &sent[(offset - start) as usize];
+        assert!(record.payload == &expected[..], "iteration {iter}: record {offset} differs from the line sent");
+        offset += 1;
+    }
+    assert_eq!(offset, end, "iteration {iter}: every record up to the end is readable");
 }
 
 #[test]
@@ -165,6 +210,32 @@ fn kill_9_with_durability_none_loses_no_acknowledged_record_kept_only_by_the_pag
     // sync, no checkpoint, so recovery finds the acknowledged records by scanning them.
     let found_by_scanning = crash_loop("none");
     assert!(found_by_scanning > 0, "under `none` acknowledged records lie past the last checkpoint");
+}
+
+#[test]
+fn kill_9_mid_append_of_large_binary_records_in_a_full_size_segment_cuts_only_the_torn_tail() {
+    // A large frame's payload is written before its header, so a kill in the middle leaves
+    // megabytes of random bytes with no header. In a 256 MiB segment about one position in 64 of
+    // them looks like the start of a frame claiming up to the rest of the segment: recovery
+    // must still decide that no valid frame follows and cut them, not refuse to open.
+    let mut rng = rand::rng();
+    let (mut kills, mut large_tails_cut) = (0, 0);
+    while kills < 12 || (large_tails_cut < 2 && kills < 40) {
+        let dir = tempfile::tempdir().unwrap();
+        // The log starts with a full-size segment (not the small first one a new log gets),
+        // which the child appends to.
+        let full_size = Options { segment_bytes: 256 << 20, initial_segment_bytes: None, ..Options::default() };
+        open(dir.path(), full_size).append(b"first").unwrap();
+        let child = Child { dir: dir.path(), durability: "none", segment_bytes: 256 << 20, line: large_binary_line };
+        let (sent, acked) = run_and_kill(&child, kills, Duration::from_millis(rng.random_range(0..60)));
+        let log = open(dir.path(), Options::default());
+        assert_eq!(log.recovery_report().segments, 1, "the child appended to the full-size segment");
+        large_tails_cut += (log.recovery_report().torn_bytes_cut >= 64 << 10) as usize;
+        check_acknowledged(&log, kills, 1, &sent, &acked);
+        kills += 1;
+    }
+    eprintln!("{kills} kills, {large_tails_cut} torn tails of 64 KiB or more cut");
+    assert!(large_tails_cut > 0, "no kill landed in the middle of a large append in {kills} tries");
 }
 
 /// Runs `petrel log append` in `script` (bash, with `$PETREL` and `$LOG` set), feeding it

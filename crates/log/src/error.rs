@@ -48,6 +48,10 @@ pub enum Error {
         if *before_tail { " — this is not a torn tail; run `petrel log verify` and `petrel log repair`" } else { "" })]
     Corrupt { file: PathBuf, position: u64, offset: Option<u64>, reason: Reason, before_tail: bool },
 
+    #[error("segment {} is of a format this build does not read ({what}): it was written by a newer \
+        Petrel, which must open it (nothing was changed)", file.display())]
+    UnsupportedFormat { file: PathBuf, what: String },
+
     #[error("log is poisoned after a failed sync, nothing more can be written or trusted in this process: {0}")]
     Poisoned(String),
 

@@ -56,11 +56,12 @@ impl Format {
         }
     }
 
-    /// The format of a segment whose header cannot be trusted, judged by the first bytes of its
-    /// data region: a format-1 frame starts with its magic, a format-2 frame with its CRC (which
-    /// matches the magic once in 2^32).
-    pub(crate) fn sniff(first: &[u8]) -> Format {
-        if first.get(..4) == Some(&V1_MAGIC[..]) { Format::V1 } else { Format::V2 }
+    /// Where in a frame the bytes its CRC covers start (they end at its unpadded length).
+    pub(crate) fn checked_from(self) -> usize {
+        match self {
+            Format::V1 => 8,
+            Format::V2 => 4,
+        }
     }
 
     pub(crate) fn header_len(self) -> usize {
@@ -427,24 +428,28 @@ fn decode_v1(buf: &[u8], max_len: usize, checks: Checks) -> Result<Decoded<'_>, 
     Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload: rest }, align_up(len)))
 }
 
-/// The length of the frame of `format` that may start at the start of `buf`, judged cheaply (no
-/// CRC): what the search for a valid frame after a damaged one checks before decoding. In
-/// format 2, whose frames have no magic, the length must fit in `buf` and the padding after it
-/// be zero, which about one random position in eight passes.
-pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<usize> {
-    match format {
-        Format::V1 if buf.get(..4) != Some(&V1_MAGIC[..]) => None,
-        Format::V1 => {
-            let len = u32::from_le_bytes(buf.get(8..12)?.try_into().unwrap()) as usize;
-            (len <= buf.len()).then_some(len)
-        }
-        Format::V2 => {
-            let head = buf.get(..FRAME_HEADER_LEN)?;
-            let len = (u32::from_le_bytes(head[4..8].try_into().unwrap()) & LEN_MASK) as usize;
-            let padding = buf.get(len..align_up(len).min(buf.len()))?;
-            (len >= FRAME_HEADER_LEN && padding.iter().all(|&b| b == 0)).then_some(len)
-        }
-    }
+/// A position where a frame may start, judged cheaply (no CRC): what the search for a valid frame
+/// after a damaged one checks before checksumming.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Candidate {
+    /// The claimed frame length, without padding; it fits in the bytes searched.
+    pub len: usize,
+    /// The CRC32C stored in the frame.
+    pub crc: u32,
+}
+
+/// The frame of `format` that may start at the start of `buf`. In format 2, whose frames have
+/// no magic, the length must fit in `buf` and the padding after it be zero, which about one
+/// random position in sixty-four passes.
+pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<Candidate> {
+    let u32_at = |at: usize| Some(u32::from_le_bytes(buf.get(at..at + 4)?.try_into().unwrap()));
+    let candidate = match format {
+        Format::V1 if buf.get(..4) != Some(&V1_MAGIC[..]) => return None,
+        Format::V1 => Candidate { len: u32_at(8)? as usize, crc: u32_at(4)? },
+        Format::V2 => Candidate { len: (u32_at(4)? & LEN_MASK) as usize, crc: u32_at(0)? },
+    };
+    let padding = buf.get(candidate.len..align_up(candidate.len).min(buf.len()))?;
+    (candidate.len >= format.header_len() && padding.iter().all(|&b| b == 0)).then_some(candidate)
 }
 
 /// Aligned length of the frame at the start of `buf`, judged by its length field (and, in
@@ -599,12 +604,9 @@ mod tests {
         let Decoded::Frame(rec, n) = decode(Format::V1, &buf, 1 << 20, 0).unwrap() else { panic!("empty") };
         assert_eq!((rec.offset, rec.timestamp, rec.payload, n), (5, 1_700_000_000_000_000_000, &b"hello"[..], 40));
         assert_eq!(decode_checked_frame(Format::V1, &buf, 0), (rec, n));
-        assert_eq!(Format::sniff(&buf), Format::V1);
         let mut bad = buf.clone();
         bad[33] ^= 1;
         assert_eq!(decode(Format::V1, &bad, 1 << 20, 0), Err(FrameError::BadChecksum));
-        let (v2, _) = encoded(&Input::payload(b"hello"), 1);
-        assert_eq!(Format::sniff(&v2), Format::V2);
     }
 
     #[test]

@@ -30,7 +30,7 @@
 //! | `syncer.rs` | the one background thread for `Durability::Interval` (logs and cursors) |
 //! | `recovery.rs` | where a segment's valid records end; torn tail vs corruption (also for `verify`) |
 //! | `segment.rs`, `directory.rs` | a segment file (header, preallocation, sync); the directory's lock and listing |
-//! | `frame.rs` | the record frame's bytes: encode, decode, CRC32C |
+//! | `frame.rs`, `checksum.rs` | the record frame's bytes: encode, decode, CRC32C; the CRC of a range from running checksums |
 //! | `mmap.rs` | the only `unsafe`: the shared writable mapping of a segment |
 //! | `reader.rs`, `index.rs`, `keys.rs` | reading by position, offset and time; the key index |
 //! | `group.rs`, `cursor.rs` | consumer groups and their crash-safe cursor files |
@@ -44,6 +44,7 @@
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
+mod checksum;
 mod clock;
 mod commit;
 mod cursor;

@@ -12,7 +12,13 @@
 //! * A bad frame followed by a valid later frame is **corruption**, never silently cut: open fails
 //!   with an error naming the file and byte position, and `petrel log repair` is the explicit way
 //!   out.
+//! * A segment whose header is damaged is judged by its frames (`judge_format`); one whose intact
+//!   header names an unknown format is refused before any of this (`segment.rs`).
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::checksum;
 use crate::error::{Error, FrameError, Reason, Result};
 use crate::frame::{self, Decoded, FRAME_ALIGN, Format};
 use crate::mmap::{DataWriter, SEGMENT_HEADER_LEN};
@@ -44,15 +50,15 @@ pub(crate) enum Stop {
     /// took is not known.
     Corrupt { error: FrameError, later_pos: usize, later_offset: Option<u64> },
     /// A bad frame at `end`, and the search for a valid frame after it gave up at `searched_to`
-    /// (`SEARCH_BUDGET`): taken as corruption, never cut.
+    /// (`MAX_OPEN_CANDIDATES`): taken as corruption, never cut.
     Undecided { error: FrameError, searched_to: usize },
 }
 
-/// Bytes of candidate frames the search after a bad frame may checksum before it gives up. A
-/// format-2 frame has no magic, so in a damaged stretch (say a large record torn by a crash)
-/// many positions look like the start of a frame, each to be checked over its whole claimed
-/// length; this bounds that work (about a tenth of a second) and fails safe.
-const SEARCH_BUDGET: usize = 1 << 30;
+/// Candidate frames the search after a bad frame may have open (claimed, not yet checksummed to
+/// their end) at once before it gives up and fails safe. Random bytes make about one candidate per
+/// 512 bytes, each claiming up to the rest of the segment, so this covers 512 MiB of them; it
+/// bounds the search's memory (16 bytes a candidate), as one pass over the segment bounds its time.
+const MAX_OPEN_CANDIDATES: usize = 1 << 20;
 
 /// What the search after a bad frame found.
 #[derive(Debug, PartialEq, Eq)]
@@ -63,7 +69,7 @@ pub(crate) enum Later {
         pos: usize,
         offset: Option<u64>,
     },
-    /// The budget ran out at `pos`.
+    /// Too many candidates were open at once at `pos`.
     GaveUp {
         pos: usize,
     },
@@ -119,7 +125,7 @@ pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64)
 }
 
 fn classify(format: Format, data: &[u8], pos: usize, next: u64, garbage_end: usize, error: FrameError) -> Stop {
-    match find_valid_after(format, data, pos + FRAME_ALIGN, next, SEARCH_BUDGET) {
+    match find_valid_after(format, data, pos + FRAME_ALIGN, next, MAX_OPEN_CANDIDATES) {
         Later::Found { pos: later_pos, offset: later_offset } => Stop::Corrupt { error, later_pos, later_offset },
         Later::GaveUp { pos: searched_to } => Stop::Undecided { error, searched_to },
         Later::Nothing => Stop::Torn { error, garbage_end },
@@ -127,27 +133,125 @@ fn classify(format: Format, data: &[u8], pos: usize, next: u64, garbage_end: usi
 }
 
 /// The first valid frame at or after `from` (in format 1, whose offset is at least
-/// `min_offset`), checksumming at most `budget` bytes of candidates.
-pub(crate) fn find_valid_after(format: Format, data: &[u8], from: usize, min_offset: u64, budget: usize) -> Later {
+/// `min_offset`), with at most `max_open` candidates open at once.
+///
+/// One pass: a running checksum goes through the bytes once, and a candidate's claimed frame is
+/// checked when the pass reaches its end (`checksum::of_range`), so the work is the segment's
+/// length plus a few multiplications per candidate, however long their claims.
+pub(crate) fn find_valid_after(format: Format, data: &[u8], from: usize, min_offset: u64, max_open: usize) -> Later {
+    assert!(data.len() <= u32::MAX as usize, "a segment is smaller than 4 GiB");
+    let mut search = Search { format, data, min_offset, at: from, running: 0, open: BinaryHeap::new(), found: None };
     let mut pos = from.next_multiple_of(FRAME_ALIGN);
-    let mut checked = 0;
-    while pos + FRAME_ALIGN <= data.len() {
-        if let Some(len) = frame::may_start(format, &data[pos..]) {
-            checked += len;
-            if checked > budget {
+    while search.found.is_none() && pos + FRAME_ALIGN <= data.len() {
+        if let Some(candidate) = frame::may_start(format, &data[pos..]) {
+            search.open_candidate(pos, candidate);
+            if search.open.len() > max_open {
                 return Later::GaveUp { pos };
-            }
-            if let Ok(Decoded::Frame(rec, _)) = frame::decode(format, &data[pos..], data.len() - pos, min_offset) {
-                match format {
-                    Format::V1 if rec.offset >= min_offset => return Later::Found { pos, offset: Some(rec.offset) },
-                    Format::V1 => {}
-                    Format::V2 => return Later::Found { pos, offset: None },
-                }
             }
         }
         pos += FRAME_ALIGN;
     }
-    Later::Nothing
+    search.close_until(data.len());
+    match search.found {
+        Some((pos, offset)) => Later::Found { pos, offset },
+        None => Later::Nothing,
+    }
+}
+
+/// The state of `find_valid_after`'s pass.
+struct Search<'a> {
+    format: Format,
+    data: &'a [u8],
+    min_offset: u64,
+    /// The running checksum is the CRC32C of `data[base..at]`, for a base moved forward whenever
+    /// nothing is open, so that stretches without candidates are not read.
+    at: usize,
+    running: u32,
+    /// Candidates not yet checked, the earliest end first.
+    open: BinaryHeap<Reverse<Open>>,
+    /// The earliest valid frame found, and its offset in format 1.
+    found: Option<(usize, Option<u64>)>,
+}
+
+/// A candidate frame not yet checked: 16 bytes (segments are smaller than 4 GiB).
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct Open {
+    /// Where its claimed frame ends (unpadded); first, so that the heap orders by it.
+    end: u32,
+    start: u32,
+    /// The running checksum where its checksummed bytes start.
+    running_before: u32,
+    crc: u32,
+}
+
+impl Search<'_> {
+    fn run_to(&mut self, to: usize) {
+        self.running = crc32c::crc32c_append(self.running, &self.data[self.at..to]);
+        self.at = to;
+    }
+
+    fn open_candidate(&mut self, start: usize, candidate: frame::Candidate) {
+        let checked_from = start + self.format.checked_from();
+        self.close_until(checked_from);
+        if self.found.is_some() {
+            return;
+        }
+        if self.open.is_empty() {
+            (self.at, self.running) = (checked_from, 0);
+        } else {
+            self.run_to(checked_from);
+        }
+        let (end, start) = ((start + candidate.len) as u32, start as u32);
+        self.open.push(Reverse(Open { end, start, running_before: self.running, crc: candidate.crc }));
+    }
+
+    /// Checks the open candidates that end at or before `until`, in the order of their ends. Once
+    /// a valid frame is found, only candidates starting before it still matter.
+    fn close_until(&mut self, until: usize) {
+        while let Some(Reverse(next)) = self.open.peek()
+            && next.end as usize <= until
+        {
+            let Reverse(Open { end, start, running_before, crc }) = self.open.pop().expect("peeked");
+            let (end, start) = (end as usize, start as usize);
+            self.run_to(end);
+            let checked_len = end - start - self.format.checked_from();
+            if checksum::of_range(running_before, self.running, checked_len) != crc {
+                continue;
+            }
+            // The checksum matches: decode it whole (flags, headers, format 1's offset).
+            let Ok(Decoded::Frame(record, _)) =
+                frame::decode(self.format, &self.data[start..], self.data.len() - start, self.min_offset)
+            else {
+                continue;
+            };
+            self.found = match self.format {
+                Format::V1 if record.offset < self.min_offset => continue,
+                Format::V1 => Some((start, Some(record.offset))),
+                Format::V2 => Some((start, None)),
+            };
+            self.open.retain(|Reverse(other)| (other.start as usize) < start);
+        }
+    }
+}
+
+/// The format of a segment whose header is damaged, judged by its data region `data` (whose
+/// first record would be `base`): format 2 if it starts with a valid format-2 frame; else
+/// format 1 if a valid format-1 frame of a record from `base` on is anywhere in it (they start
+/// with a magic, so the search is cheap); else format 2, the current one.
+///
+/// Judging by the first bytes alone would take a format-1 segment whose first frame is damaged
+/// too for format 2, and cut all its records as a torn tail. A wrong judgement the other way
+/// only makes open refuse (format-1 frames inside a format-2 segment's payloads).
+pub(crate) fn judge_format(data: &[u8], base: u64) -> Format {
+    if let Ok(Decoded::Frame(..)) = frame::decode(Format::V2, data, data.len(), base) {
+        return Format::V2;
+    }
+    match find_valid_after(Format::V1, data, 0, base, MAX_OPEN_CANDIDATES) {
+        Later::Nothing => Format::V2,
+        // Too many format-1 magics to check is taken as format 1: its scan refuses rather
+        // than cuts what it cannot decide.
+        Later::Found { .. } | Later::GaveUp { .. } => Format::V1,
+    }
 }
 
 /// End of the run of non-zero data starting at `pos`: the first 4 KiB-aligned page boundary after
@@ -327,26 +431,66 @@ mod tests {
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
 
-    #[test]
-    fn a_large_record_torn_in_random_bytes_is_a_torn_tail() {
-        // A 1 MiB payload cut short in a 4 MiB segment: its header not yet written (a large
-        // frame's header is stored last), half its bytes, then zeros.
-        let (mut data, starts) = segment(3, b"before");
-        data.resize(4 << 20, 0);
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        for b in &mut data[starts[3] + 16..starts[3] + 16 + (512 << 10)] {
+    fn random_bytes(out: &mut [u8], seed: u64) {
+        let mut x = seed | 1;
+        for b in out {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             *b = x as u8;
         }
-        let s = scan(Format::V2, &data, 0, 0);
-        assert_eq!((s.end, s.next_offset), (starts[3], 3));
-        assert!(matches!(s.stop, Stop::Torn { .. }), "{:?}", s.stop);
+    }
+
+    /// A large payload cut short in a segment of `segment_bytes`: its header not yet written (a
+    /// large frame's header is stored last), `written` bytes of it, then zeros.
+    fn torn_large_record(segment_bytes: usize, written: usize) -> (Vec<u8>, Vec<usize>) {
+        let (mut data, starts) = segment(3, b"before");
+        data.resize(segment_bytes, 0);
+        random_bytes(&mut data[starts[3] + 16..starts[3] + 16 + written], 0x9e37_79b9_7f4a_7c15);
+        (data, starts)
     }
 
     #[test]
-    fn the_search_after_a_bad_frame_gives_up_within_its_budget() {
+    fn a_large_record_torn_in_random_bytes_is_a_torn_tail() {
+        let (data, starts) = torn_large_record(4 << 20, 512 << 10);
+        let s = scan(Format::V2, &data, 0, 0);
+        assert_eq!((s.end, s.next_offset), (starts[3], 3));
+        assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] + 16 + (512 << 10) });
+    }
+
+    #[test]
+    fn a_large_record_torn_in_random_bytes_of_a_full_size_segment_is_a_torn_tail() {
+        // In a 256 MiB segment about one position in 64 of random bytes claims a frame of up to
+        // the rest of the segment: 128 K candidates claiming 128 MiB each on average. A search
+        // that checksummed each claim on its own would read terabytes (and used to give up).
+        let (data, starts) = torn_large_record(256 << 20, 64 << 20);
+        let s = scan(Format::V2, &data, 0, 0);
+        assert_eq!((s.end, s.next_offset), (starts[3], 3));
+        assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] + 16 + (64 << 20) });
+    }
+
+    #[test]
+    fn damage_inside_a_large_record_before_valid_ones_is_corruption_at_the_first_valid_frame() {
+        // A 1 MiB random payload with a byte flipped, then small valid frames: the search must
+        // find the first of them, among the candidates in the random bytes.
+        let mut data = vec![0u8; 8 << 20];
+        let mut payload = vec![0u8; 1 << 20];
+        random_bytes(&mut payload, 42);
+        let mut pos = 0;
+        let mut starts = vec![];
+        for off in 0..6u64 {
+            let input = if off == 1 { Input::payload(&payload) } else { Input::payload(b"small") };
+            starts.push(pos);
+            pos += encode(&mut data[pos..], frame_len(&input), off, &input);
+        }
+        data[starts[1] + 1000] ^= 0x40;
+        let s = scan(Format::V2, &data, 0, 0);
+        assert_eq!(s.end, starts[1]);
+        assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
+    }
+
+    #[test]
+    fn the_search_after_a_bad_frame_gives_up_with_too_many_open_candidates() {
         // Bytes made so that every other position claims a frame reaching to the end.
         let mut data = vec![0u8; 1 << 20];
         for at in (0..4096).step_by(16) {
@@ -354,9 +498,94 @@ mod tests {
             data[at + 4..at + 8].copy_from_slice(&len.to_le_bytes());
             data[at] = 1; // a CRC that does not match
         }
-        let later = find_valid_after(Format::V2, &data, 0, 0, 4 << 20);
-        assert!(matches!(later, Later::GaveUp { pos } if pos < 4096), "{later:?}");
-        assert_eq!(find_valid_after(Format::V2, &data, 8192, 0, 4 << 20), Later::Nothing);
+        assert_eq!(find_valid_after(Format::V2, &data, 0, 0, 100), Later::GaveUp { pos: 100 * 16 });
+        assert_eq!(find_valid_after(Format::V2, &data, 0, 0, 256), Later::Nothing);
+        assert_eq!(find_valid_after(Format::V2, &data, 8192, 0, 1), Later::Nothing);
+    }
+
+    /// The search as it would be without the running checksum: each candidate checked on its
+    /// own (the cost the one-pass search avoids).
+    fn first_valid_by_rereading(data: &[u8], from: usize) -> Later {
+        let mut pos = from.next_multiple_of(FRAME_ALIGN);
+        while pos + FRAME_ALIGN <= data.len() {
+            if frame::may_start(Format::V2, &data[pos..]).is_some()
+                && let Ok(Decoded::Frame(..)) = frame::decode(Format::V2, &data[pos..], data.len() - pos, 0)
+            {
+                return Later::Found { pos, offset: None };
+            }
+            pos += FRAME_ALIGN;
+        }
+        Later::Nothing
+    }
+
+    /// One piece of a made-up segment.
+    #[derive(Clone, Debug)]
+    enum Piece {
+        Frame(Vec<u8>),
+        /// A frame whose payload is a frame: the inner one ends first, the outer starts first.
+        Nested(Vec<u8>),
+        /// A frame with one bit flipped.
+        Damaged(Vec<u8>, usize),
+        /// 8-byte words, some of them with a length that fits (so that they are candidates).
+        Garbage(Vec<(u32, u32)>),
+        Zeros(usize),
+    }
+
+    fn piece() -> impl proptest::strategy::Strategy<Value = Piece> {
+        use proptest::prelude::*;
+        prop_oneof![
+            prop::collection::vec(any::<u8>(), 0..300).prop_map(Piece::Frame),
+            prop::collection::vec(any::<u8>(), 0..300).prop_map(Piece::Nested),
+            (prop::collection::vec(any::<u8>(), 0..300), any::<usize>()).prop_map(|(p, at)| Piece::Damaged(p, at)),
+            prop::collection::vec((any::<u32>(), prop_oneof![any::<u32>(), 16u32..2000]), 1..100)
+                .prop_map(Piece::Garbage),
+            (1usize..100).prop_map(|n| Piece::Zeros(n * 8)),
+        ]
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_one_pass_search_finds_what_checking_each_candidate_finds(
+            pieces in proptest::collection::vec(piece(), 1..30),
+            from in 0usize..4096,
+        ) {
+            let mut data = Vec::new();
+            for piece in &pieces {
+                match piece {
+                    Piece::Frame(payload) | Piece::Damaged(payload, _) => {
+                        let input = Input::payload(payload);
+                        let at = data.len();
+                        data.resize(at + align_up(frame_len(&input)), 0);
+                        encode(&mut data[at..], frame_len(&input), 1, &input);
+                        if let Piece::Damaged(_, bit) = piece {
+                            let bit = bit % (frame_len(&input) * 8);
+                            data[at + bit / 8] ^= 1 << (bit % 8);
+                        }
+                    }
+                    Piece::Nested(payload) => {
+                        let inner = Input::payload(payload);
+                        let mut bytes = vec![0u8; align_up(frame_len(&inner))];
+                        encode(&mut bytes, frame_len(&inner), 1, &inner);
+                        let outer = Input::payload(&bytes);
+                        let at = data.len();
+                        data.resize(at + align_up(frame_len(&outer)), 0);
+                        encode(&mut data[at..], frame_len(&outer), 1, &outer);
+                    }
+                    Piece::Garbage(words) => {
+                        for (a, b) in words {
+                            data.extend_from_slice(&a.to_le_bytes());
+                            data.extend_from_slice(&b.to_le_bytes());
+                        }
+                    }
+                    Piece::Zeros(n) => data.resize(data.len() + n, 0),
+                }
+            }
+            let from = from.min(data.len());
+            proptest::prop_assert_eq!(
+                find_valid_after(Format::V2, &data, from, 0, usize::MAX),
+                first_valid_by_rereading(&data, from)
+            );
+        }
     }
 
     #[test]

@@ -70,20 +70,21 @@ impl SegmentHeader {
         b
     }
 
-    pub(crate) fn decode(b: &[u8; SEGMENT_HEADER_LEN]) -> Result<SegmentHeader, String> {
+    pub(crate) fn decode(b: &[u8; SEGMENT_HEADER_LEN]) -> Result<SegmentHeader, HeaderError> {
         if b[0..8] != SEGMENT_MAGIC {
-            return Err("bad segment magic".into());
+            return Err(HeaderError::Damaged("bad segment magic".into()));
         }
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
         if crc32c::crc32c(&b[0..60]) != u32_at(60) {
-            return Err("segment header CRC mismatch".into());
+            return Err(HeaderError::Damaged("segment header CRC mismatch".into()));
         }
+        // An intact header this build cannot read was written by a later one.
         let Some(format) = Format::from_version(u32_at(8)) else {
-            return Err(format!("unsupported format version {}", u32_at(8)));
+            return Err(HeaderError::Unsupported(format!("format version {}", u32_at(8))));
         };
         if u32_at(12) as usize != SEGMENT_HEADER_LEN {
-            return Err(format!("unsupported header length {}", u32_at(12)));
+            return Err(HeaderError::Unsupported(format!("header length {}", u32_at(12))));
         }
         Ok(SegmentHeader {
             format,
@@ -94,6 +95,36 @@ impl SegmentHeader {
             checkpoint_offset: u64_at(48),
         })
     }
+
+    /// Decodes the header of the segment whose file name says `base`; one that says another base
+    /// is damaged (its checkpoint would name the wrong records).
+    pub(crate) fn decode_for(b: &[u8; SEGMENT_HEADER_LEN], base: u64) -> Result<SegmentHeader, HeaderError> {
+        let header = SegmentHeader::decode(b)?;
+        if header.base_offset != base {
+            let why = format!("header base offset {} does not match the file name", header.base_offset);
+            return Err(HeaderError::Damaged(why));
+        }
+        Ok(header)
+    }
+}
+
+/// Why a segment header was not taken.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum HeaderError {
+    /// Its bytes are damaged: the segment can do without it (its frames say what it holds).
+    Damaged(String),
+    /// It is intact but of a format this build does not know: nothing in the segment can be
+    /// judged, so the segment must not be opened (least of all cut as a torn tail).
+    Unsupported(String),
+}
+
+impl std::fmt::Display for HeaderError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HeaderError::Damaged(why) => f.write_str(why),
+            HeaderError::Unsupported(what) => write!(f, "unsupported {what}"),
+        }
+    }
 }
 
 /// A segment file's mapping. The file itself is not kept open: the mapping holds it, and syncs
@@ -101,8 +132,8 @@ impl SegmentHeader {
 /// queues would otherwise run out).
 pub(crate) struct Segment {
     pub base: u64,
-    /// How its frames are laid out (from its header, or judged by its first frame when the
-    /// header is damaged).
+    /// How its frames are laid out (from its header, or judged by its frames when the header is
+    /// damaged: `recovery::judge_format`).
     pub format: Format,
     pub path: PathBuf,
     pub map: Arc<Mapping>,
@@ -194,13 +225,12 @@ impl Segment {
         }
         let mut header_bytes = [0u8; SEGMENT_HEADER_LEN];
         read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
-        let header = SegmentHeader::decode(&header_bytes).and_then(|h| {
-            if h.base_offset == base {
-                Ok(h)
-            } else {
-                Err(format!("header base offset {} does not match the file name", h.base_offset))
+        let header = match SegmentHeader::decode_for(&header_bytes, base) {
+            Err(HeaderError::Unsupported(what)) => {
+                return Err(Error::UnsupportedFormat { file: path.to_path_buf(), what });
             }
-        });
+            header => header.map_err(|e| e.to_string()),
+        };
         // A segment cut short (copied badly, or truncated by hand) is extended back to its
         // allocated length so appends never reach past the end of the file.
         if writable
@@ -210,15 +240,15 @@ impl Segment {
             rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, h.len)
                 .map_err(|e| Error::SegmentAllocation { path: path.to_path_buf(), size: h.len, source: e.into() })?;
         }
+        let len = file.metadata().map_err(io_err("stat segment", path))?.len();
         let format = match &header {
             Ok(h) => h.format,
             Err(_) => {
-                let mut first = [0u8; 4];
-                let _ = read_exact_at(&file, &mut first, SEGMENT_HEADER_LEN as u64);
-                Format::sniff(&first)
+                let map =
+                    Mapping::new_read_only(&file, len as usize, len as usize).map_err(io_err("map segment", path))?;
+                crate::recovery::judge_format(map.published().from(SEGMENT_HEADER_LEN), base)
             }
         };
-        let len = file.metadata().map_err(io_err("stat segment", path))?.len();
         let map = if writable {
             Mapping::new(&file, len as usize)
         } else {
@@ -299,12 +329,13 @@ impl Segment {
         self.map.sync()
     }
 
+    /// Its header as the mapping holds it now (open refused one of an unsupported format).
     pub(crate) fn header(&self) -> Result<SegmentHeader, String> {
-        SegmentHeader::decode(&self.map.read_header())
+        SegmentHeader::decode_for(&self.map.read_header(), self.base).map_err(|e| e.to_string())
     }
 
-    /// Its header, or one made from what the segment knows of itself if the header is damaged.
-    fn header_or_default(&self) -> SegmentHeader {
+    /// Its header, or, if that is damaged, the one its frames and file name imply.
+    pub(crate) fn header_or_stand_in(&self) -> SegmentHeader {
         self.header().unwrap_or(SegmentHeader {
             format: self.format,
             base_offset: self.base,
@@ -318,7 +349,7 @@ impl Segment {
     /// Makes an empty segment of an earlier format one of the current format: its header says so
     /// from now on (synced with `durable`, before any frame of the new format can be).
     pub(crate) fn adopt_current_format(&mut self, durable: bool) -> io::Result<()> {
-        let mut header = self.header_or_default();
+        let mut header = self.header_or_stand_in();
         header.format = Format::CURRENT;
         self.map.write_header(&header.encode());
         self.format = Format::CURRENT;
@@ -329,7 +360,7 @@ impl Segment {
     /// Records that frames before `pos` (where record `offset` starts) are durable. The header
     /// itself becomes durable with the next sync.
     pub(crate) fn write_checkpoint(&self, pos: u64, offset: u64) {
-        let mut header = self.header_or_default();
+        let mut header = self.header_or_stand_in();
         header.checkpoint_pos = pos;
         header.checkpoint_offset = offset;
         self.map.write_header(&header.encode());

@@ -273,22 +273,16 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     Ok(out)
 }
 
+/// Writes the header a damaged one stands in for: the format judged by the frames, the base
+/// from the file name, no checkpoint.
 fn rewrite_header(path: &Path) -> Result<()> {
     use std::os::unix::fs::FileExt;
     let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
         .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
-    let file = fs::OpenOptions::new().read(true).write(true).open(path).map_err(io_err("open segment", path))?;
-    let len = file.metadata().map_err(io_err("stat segment", path))?.len();
-    let mut first = [0u8; 4];
-    let _ = file.read_exact_at(&mut first, SEGMENT_HEADER_LEN as u64);
-    let header = SegmentHeader {
-        format: crate::frame::Format::sniff(&first),
-        base_offset: base,
-        len,
-        created: 0,
-        checkpoint_pos: 0,
-        checkpoint_offset: base,
-    };
+    let (seg, _) = Segment::open(path, base, false)?;
+    let header = seg.header_or_stand_in();
+    drop(seg);
+    let file = fs::OpenOptions::new().write(true).open(path).map_err(io_err("open segment", path))?;
     file.write_all_at(&header.encode(), 0).map_err(io_err("write segment header", path))?;
     file.sync_data().map_err(io_err("sync segment", path))
 }

@@ -113,6 +113,33 @@ fn a_torn_format_one_tail_is_cut_as_before() {
 }
 
 #[test]
+fn a_format_one_last_segment_with_a_damaged_header_is_judged_by_its_frames() {
+    let dir = fixture();
+    let last = segments(dir.path()).pop().unwrap();
+    let mut bytes = fs::read(&last).unwrap();
+    bytes[9] ^= 0xff; // the format version: the header's CRC no longer matches
+    fs::write(&last, &bytes).unwrap();
+    let log = Log::open(dir.path(), options()).unwrap();
+    assert_eq!(log.next_offset(), RECORDS);
+    assert_eq!(read_all(&mut log.reader()), (0..RECORDS).map(expected).collect::<Vec<_>>());
+    drop(log);
+
+    // The first frame's magic damaged too: the format is still judged by the frames after it,
+    // and the damage is corruption before valid records, not a torn tail to cut.
+    let dir = fixture();
+    let last = segments(dir.path()).pop().unwrap();
+    let mut bytes = fs::read(&last).unwrap();
+    bytes[9] ^= 0xff;
+    bytes[64] ^= 0xff;
+    fs::write(&last, &bytes).unwrap();
+    let err = Log::open(dir.path(), options()).err().expect("must not open");
+    let petrel_log::Error::Corrupt { position: 64, before_tail: true, .. } = &err else { panic!("{err}") };
+    assert!(fs::read(&last).unwrap() == bytes, "the segment was changed");
+    let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+    assert_eq!(report.records, RECORDS - 1, "{:?}", report.problems);
+}
+
+#[test]
 fn an_empty_format_one_segment_takes_format_two_in_place() {
     let dir = fixture();
     let last = segments(dir.path()).pop().unwrap();

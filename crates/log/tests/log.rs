@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use common::{read_all, segments};
+use common::{read_all, segments, set_format_version};
 use petrel_log::verify::{self, ProblemKind};
 use petrel_log::{Durability, Error, Input, Log, MIN_SEGMENT_BYTES, Options, OwnedRecord};
 
@@ -251,6 +251,46 @@ fn damage_before_valid_frames_in_the_last_segment_fails_the_open() {
     let repaired = verify::repair(dir.path()).unwrap();
     assert_eq!(repaired.records_removed, 39);
     assert_eq!(Log::open(dir.path(), small(Durability::None)).unwrap().next_offset(), 10);
+}
+
+#[test]
+fn a_damaged_header_of_the_last_segment_is_rewritten_and_nothing_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    fixed_log(dir.path(), 50, 20);
+    let seg = segments(dir.path()).pop().unwrap();
+    let mut bytes = fs::read(&seg).unwrap();
+    bytes[33] ^= 0x10; // the creation time: the header's CRC no longer matches
+    fs::write(&seg, &bytes).unwrap();
+    assert_eq!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.len(), 1);
+    let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert_eq!(log.next_offset(), 50);
+    assert_eq!(log.recovery_report().torn_at, None);
+    assert!(read_all(&mut log.reader()).iter().enumerate().all(|(i, r)| r.payload == vec![i as u8 + 1; 20]));
+    drop(log);
+    assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
+}
+
+#[test]
+fn a_segment_of_an_unknown_format_version_is_refused_and_left_as_it_is() {
+    // A newer build's segment: its header intact, its version unknown here. Taking it for a
+    // damaged header would rescan its frames in a format they are not in and cut them.
+    for which in ["last", "sealed"] {
+        let dir = tempfile::tempdir().unwrap();
+        fixed_log(dir.path(), 250, 400);
+        let all = segments(dir.path());
+        assert!(which == "last" || all.len() > 1);
+        let seg = if which == "last" { all.last() } else { all.first() }.unwrap().clone();
+        set_format_version(&seg, 3);
+        let before = fs::read(&seg).unwrap();
+        let err = Log::open(dir.path(), small(Durability::None)).err().expect("must not open");
+        let Error::UnsupportedFormat { file, what } = &err else { panic!("{which}: {err}") };
+        assert_eq!((file, what.as_str()), (&seg, "format version 3"), "{which}");
+        assert!(err.to_string().contains("newer Petrel"), "{err}");
+        assert!(matches!(verify::verify(dir.path(), |_, _| {}), Err(Error::UnsupportedFormat { .. })));
+        assert!(matches!(verify::repair(dir.path()), Err(Error::UnsupportedFormat { .. })));
+        assert!(matches!(verify::open_read_only(dir.path()).err(), Some(Error::UnsupportedFormat { .. })));
+        assert!(fs::read(&seg).unwrap() == before, "{which}: the segment was changed");
+    }
 }
 
 #[test]

@@ -27,3 +27,14 @@ pub fn segments(dir: &Path) -> Vec<PathBuf> {
     v.sort();
     v
 }
+
+/// Sets the format version in the header of `segment` and seals it with a valid CRC: a segment
+/// as a build that writes that version would leave it.
+#[allow(dead_code)] // not every test file uses it
+pub fn set_format_version(segment: &Path, version: u32) {
+    let mut bytes = fs::read(segment).unwrap();
+    bytes[8..12].copy_from_slice(&version.to_le_bytes());
+    let crc = crc32c::crc32c(&bytes[0..60]);
+    bytes[60..64].copy_from_slice(&crc.to_le_bytes());
+    fs::write(segment, bytes).unwrap();
+}
