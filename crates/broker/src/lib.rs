@@ -1340,6 +1340,9 @@ fn storage_text(e: &petrel_log::Error) -> String {
         }
         Locked { path } => format!("log {} is open in another process", in_data_dir(path)),
         NotALog { path, reason } => format!("{} is not a Petrel log: {reason}", in_data_dir(path)),
+        UnsupportedFormat { file, what } => {
+            format!("segment {} is of a format this build does not read ({what})", in_data_dir(file))
+        }
         other => other.to_string(),
     }
 }

@@ -438,18 +438,24 @@ pub(crate) struct Candidate {
     pub crc: u32,
 }
 
-/// The frame of `format` that may start at the start of `buf`. In format 2, whose frames have
-/// no magic, the length must fit in `buf` and the padding after it be zero, which about one
-/// random position in sixty-four passes.
+/// The frame of `format` that may start at the start of `buf`. A format-1 frame starts with its
+/// magic, and its length must fit in `buf`. A format-2 frame has no magic: its length must fit
+/// and the padding after it be zero, which in random bytes about one position in 64 passes in a
+/// 256 MiB segment (the length fits one time in 8; in a segment of 2 GiB or more, every time).
 pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<Candidate> {
     let u32_at = |at: usize| Some(u32::from_le_bytes(buf.get(at..at + 4)?.try_into().unwrap()));
-    let candidate = match format {
-        Format::V1 if buf.get(..4) != Some(&V1_MAGIC[..]) => return None,
-        Format::V1 => Candidate { len: u32_at(8)? as usize, crc: u32_at(4)? },
-        Format::V2 => Candidate { len: (u32_at(4)? & LEN_MASK) as usize, crc: u32_at(0)? },
-    };
-    let padding = buf.get(candidate.len..align_up(candidate.len).min(buf.len()))?;
-    (candidate.len >= format.header_len() && padding.iter().all(|&b| b == 0)).then_some(candidate)
+    match format {
+        Format::V1 if buf.get(..4) != Some(&V1_MAGIC[..]) => None,
+        Format::V1 => {
+            let candidate = Candidate { len: u32_at(8)? as usize, crc: u32_at(4)? };
+            (candidate.len >= V1_HEADER_LEN && candidate.len <= buf.len()).then_some(candidate)
+        }
+        Format::V2 => {
+            let candidate = Candidate { len: (u32_at(4)? & LEN_MASK) as usize, crc: u32_at(0)? };
+            let padding = buf.get(candidate.len..align_up(candidate.len).min(buf.len()))?;
+            (candidate.len >= FRAME_HEADER_LEN && padding.iter().all(|&b| b == 0)).then_some(candidate)
+        }
+    }
 }
 
 /// Aligned length of the frame at the start of `buf`, judged by its length field (and, in

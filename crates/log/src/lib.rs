@@ -109,13 +109,15 @@ pub mod fuzzing {
         found
     }
 
-    /// Scans arbitrary bytes as a segment's data region of each format, the way recovery does.
-    /// Must never panic; returns the end of the valid frames and the next offset (format 2).
+    /// Scans arbitrary bytes as a segment's data region of each format, and judges their format,
+    /// the way recovery does. Must never panic; returns the end of the valid frames and the next offset (format 2).
     pub fn scan_segment(data: &[u8], start_offset: u64) -> (usize, u64) {
         let v1 = crate::recovery::scan(Format::V1, data, 0, start_offset);
         assert!(v1.end <= data.len());
         let scan = crate::recovery::scan(Format::V2, data, 0, start_offset);
         assert!(scan.end <= data.len());
+        // As for a segment whose header is damaged.
+        crate::recovery::judge_format(data, start_offset);
         (scan.end, scan.next_offset)
     }
 

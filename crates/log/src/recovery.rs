@@ -55,9 +55,11 @@ pub(crate) enum Stop {
 }
 
 /// Candidate frames the search after a bad frame may have open (claimed, not yet checksummed to
-/// their end) at once before it gives up and fails safe. Random bytes make about one candidate per
-/// 512 bytes, each claiming up to the rest of the segment, so this covers 512 MiB of them; it
-/// bounds the search's memory (16 bytes a candidate), as one pass over the segment bounds its time.
+/// their end) at once before it gives up and fails safe. In a 256 MiB segment random bytes make
+/// about one candidate per 512 bytes, each claiming up to the rest of the segment, so this covers
+/// 512 MiB of them (64 MiB in a segment of 2 GiB or more, where one position in 8 is a candidate).
+/// It bounds the search's memory (16 bytes a candidate: 32 MiB at most with the heap's growth), as
+/// one pass over the segment bounds its time.
 const MAX_OPEN_CANDIDATES: usize = 1 << 20;
 
 /// What the search after a bad frame found.
@@ -214,6 +216,11 @@ impl Search<'_> {
             let Reverse(Open { end, start, running_before, crc }) = self.open.pop().expect("peeked");
             let (end, start) = (end as usize, start as usize);
             self.run_to(end);
+            // Once a valid frame is found, only candidates starting before it matter (skipped
+            // here rather than removed when it is found: nested frames would make that quadratic).
+            if self.found.is_some_and(|(found, _)| start >= found) {
+                continue;
+            }
             let checked_len = end - start - self.format.checked_from();
             if checksum::of_range(running_before, self.running, checked_len) != crc {
                 continue;
@@ -229,7 +236,6 @@ impl Search<'_> {
                 Format::V1 => Some((start, Some(record.offset))),
                 Format::V2 => Some((start, None)),
             };
-            self.open.retain(|Reverse(other)| (other.start as usize) < start);
         }
     }
 }

@@ -214,12 +214,17 @@ impl Segment {
     pub(crate) fn open(path: &Path, base: u64, writable: bool) -> Result<(Segment, Result<SegmentHeader, String>)> {
         let file = OpenOptions::new().read(true).write(writable).open(path).map_err(io_err("open segment", path))?;
         let file_len = file.metadata().map_err(io_err("stat segment", path))?.len();
-        if file_len < SEGMENT_HEADER_LEN as u64 {
+        // Positions in a segment are 32-bit (`pack`, recovery's search): a longer file was not
+        // made by a writer (junk appended, a bad copy).
+        if !(SEGMENT_HEADER_LEN as u64..=crate::MAX_SEGMENT_BYTES).contains(&file_len) {
             return Err(Error::Corrupt {
                 file: path.to_path_buf(),
                 position: 0,
                 offset: None,
-                reason: crate::error::Reason::Other(format!("segment is {file_len} bytes, shorter than its header")),
+                reason: crate::error::Reason::Other(format!(
+                    "segment is {file_len} bytes, not between its header's {SEGMENT_HEADER_LEN} and the largest segment's {}",
+                    crate::MAX_SEGMENT_BYTES
+                )),
                 before_tail: false,
             });
         }

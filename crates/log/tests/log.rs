@@ -294,6 +294,18 @@ fn a_segment_of_an_unknown_format_version_is_refused_and_left_as_it_is() {
 }
 
 #[test]
+fn a_segment_file_longer_than_any_segment_is_refused_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    fixed_log(dir.path(), 50, 20);
+    let seg = segments(dir.path()).pop().unwrap();
+    // Junk appended past the largest length a segment can have (sparse: no disk is used).
+    fs::OpenOptions::new().write(true).open(&seg).unwrap().set_len(petrel_log::MAX_SEGMENT_BYTES + 8192).unwrap();
+    let err = Log::open(dir.path(), small(Durability::None)).err().expect("must not open");
+    assert!(matches!(&err, Error::Corrupt { file, position: 0, .. } if file == &seg), "{err}");
+    assert!(verify::verify(dir.path(), |_, _| {}).is_err());
+}
+
+#[test]
 fn readers_on_other_threads_see_every_record_while_the_writer_appends() {
     const N: u64 = 100_000;
     let dir = tempfile::tempdir().unwrap();
