@@ -161,6 +161,33 @@ async fn functions_round_trip_oneway_async_timeout_not_found_and_errors() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_payloads_go_both_ways_byte_for_byte_among_small_ones() {
+    // Payloads from 64 KiB up leave the encoded frame and go out after it in the same vectored
+    // write, from where they were read: calls, their INVOKE pushes, returns and replies.
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let (caller, replier) = (server.client().await, server.client().await);
+    replier
+        .serve("reverse", |m: Message| async move {
+            let mut payload = m.payload.to_vec();
+            payload.reverse();
+            Ok(Message::new(payload))
+        })
+        .await
+        .unwrap();
+    let payload = |i: usize| -> Vec<u8> {
+        let len = [0, 5, (64 << 10) - 1, 64 << 10, 300_000, 5 << 20][i % 6];
+        (0..len).map(|j| (i * 131 + j * 7 + j / 251) as u8).collect()
+    };
+    let calls: Vec<_> = (0..24).map(|i| caller.call("reverse", Message::new(payload(i)), None)).collect();
+    for (i, reply) in futures_all(calls).await.into_iter().enumerate() {
+        let mut expected = payload(i);
+        expected.reverse();
+        assert!(reply.unwrap().payload == expected, "call {i}: {} bytes", expected.len());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_function_server_that_disconnects_fails_its_calls_instead_of_hanging() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 pub use petrel_proto::{
     Delivery, GroupStats, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom, Status,
     TopicStats, compression,
@@ -172,9 +172,57 @@ struct Pending {
     /// Where calls of each function this client serves go: (call id, request).
     functions: HashMap<String, mpsc::Sender<(u64, Message)>>,
     /// Encoded requests for the writer task, which sends all that gathered in one write.
-    outbox: Vec<u8>,
+    outbox: Outbox,
     /// The connection is gone: new requests fail at once instead of waiting forever.
     closed: bool,
+}
+
+/// Encoded requests waiting for the writer: their bytes, and the large payloads of calls and
+/// returns left out of them (`Request::encode_split`), each to be written after `bytes[..at]`, so
+/// that a large payload goes from the caller's buffer to the socket without a copy.
+#[derive(Default)]
+struct Outbox {
+    bytes: Vec<u8>,
+    payloads: Vec<(usize, Bytes)>,
+    payload_bytes: usize,
+}
+
+impl Outbox {
+    fn push(&mut self, request: &Request, id: u64) -> Result<(), petrel_proto::EncodeError> {
+        if let Some(payload) = request.encode_split(id, &mut self.bytes)? {
+            self.payload_bytes += payload.len();
+            self.payloads.push((self.bytes.len(), payload));
+        }
+        Ok(())
+    }
+
+    fn len(&self) -> usize {
+        self.bytes.len() + self.payload_bytes
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn clear(&mut self) {
+        self.bytes.clear();
+        self.payloads.clear();
+        self.payload_bytes = 0;
+    }
+
+    /// Everything in the order it goes on the wire.
+    fn slices(&self) -> Vec<std::io::IoSlice<'_>> {
+        let mut slices = Vec::with_capacity(2 * self.payloads.len() + 1);
+        let mut from = 0;
+        for (at, payload) in &self.payloads {
+            slices.push(std::io::IoSlice::new(&self.bytes[from..*at]));
+            slices.push(std::io::IoSlice::new(payload));
+            from = *at;
+        }
+        slices.push(std::io::IoSlice::new(&self.bytes[from..]));
+        slices.retain(|s| !s.is_empty());
+        slices
+    }
 }
 
 /// Request ids are a counter: a multiplicative hash spreads them well, far cheaper than SipHash.
@@ -356,7 +404,7 @@ impl Client {
             }
             let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
             let compressed = compressed(request, self.inner.compress_min_bytes.load(Ordering::Relaxed));
-            if compressed.as_ref().unwrap_or(request).encode(id, &mut pending.outbox).is_err() {
+            if pending.outbox.push(compressed.as_ref().unwrap_or(request), id).is_err() {
                 return;
             }
         }
@@ -390,7 +438,7 @@ impl Client {
                         }
                         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
                         let compressed = compressed(r, self.inner.compress_min_bytes.load(Ordering::Relaxed));
-                        if let Err(e) = compressed.as_ref().unwrap_or(r).encode(id, &mut pending.outbox) {
+                        if let Err(e) = pending.outbox.push(compressed.as_ref().unwrap_or(r), id) {
                             waiting.push(Err(ClientError::Protocol(e.to_string())));
                             continue;
                         }
@@ -819,6 +867,14 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
                 Err(_) => break 'read,
             }
         }
+        // A large frame coming: room for all of it now, rather than growing by doubling (each
+        // growth a copy of what came so far).
+        if let Some(len) = buf.get(..4).map(|b| 4 + u32::from_be_bytes(b.try_into().expect("4 bytes")) as usize)
+            && len > buf.capacity()
+            && len <= 4 + MAX_INCOMING_FRAME as usize
+        {
+            buf.reserve(len - buf.len());
+        }
         match rd.read_buf(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(_) => {}
@@ -866,7 +922,7 @@ async fn write_requests(
     written: Arc<tokio::sync::Notify>,
     room: Arc<tokio::sync::Notify>,
 ) {
-    let mut batch = Vec::with_capacity(64 * 1024);
+    let mut batch = Outbox::default();
     loop {
         written.notified().await;
         loop {
@@ -878,7 +934,7 @@ async fn write_requests(
                 std::mem::swap(&mut p.outbox, &mut batch);
             }
             room.notify_waiters();
-            let sent = match wr.write_all(&batch).await {
+            let sent = match write_all_vectored(&mut wr, &mut batch.slices()).await {
                 Ok(()) => wr.flush().await,
                 Err(e) => Err(e),
             };
@@ -889,11 +945,23 @@ async fn write_requests(
                 return;
             }
             batch.clear();
-            if batch.capacity() > 4 * MAX_OUTBOX {
-                batch = Vec::with_capacity(64 * 1024); // after one huge request
+            if batch.bytes.capacity() > 4 * MAX_OUTBOX {
+                batch = Outbox::default(); // after one huge request
             }
         }
     }
+}
+
+/// Writes every slice, in order, with as few system calls as the connection allows.
+async fn write_all_vectored(wr: &mut Writer, mut rest: &mut [std::io::IoSlice<'_>]) -> std::io::Result<()> {
+    while !rest.is_empty() {
+        let n = wr.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
 }
 
 pub mod blocking {

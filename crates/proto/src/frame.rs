@@ -116,7 +116,12 @@ pub fn start(out: &mut Vec<u8>, kind: FrameKind, opcode: u16, request_id: u64) -
 /// Sets the length of the frame started at `at` to what has been appended since; a frame longer
 /// than the length field can say is refused (never wrapped into a shorter, wrong length).
 pub fn finish(out: &mut [u8], at: usize) -> Result<(), crate::EncodeError> {
-    let len = u32::try_from(out.len() - at - 4).map_err(|_| crate::EncodeError::FrameTooLong)?;
+    finish_before(out, at, 0)
+}
+
+/// `finish` for a frame whose last `after` bytes are written after `out`'s (a payload left out).
+pub(crate) fn finish_before(out: &mut [u8], at: usize, after: usize) -> Result<(), crate::EncodeError> {
+    let len = u32::try_from(out.len() - at - 4 + after).map_err(|_| crate::EncodeError::FrameTooLong)?;
     out[at..at + 4].copy_from_slice(&len.to_be_bytes());
     Ok(())
 }

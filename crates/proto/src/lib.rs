@@ -24,6 +24,7 @@ pub use message::{Message, MessageKind, Status};
 pub use op::{
     Delivery, GroupStats, Push, QueueConfig, QueueStats, Request, Response, StartFrom, TopicStats, features, opcode,
 };
+pub use wire::LARGE_PAYLOAD_BYTES;
 
 /// Why a frame body could not be decoded. The frame itself was whole: the peer answers
 /// BAD_REQUEST (or UNSUPPORTED for an unknown opcode) and the connection goes on.

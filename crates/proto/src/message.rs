@@ -229,7 +229,7 @@ impl Message {
 
     /// Appends this message's encoding (as it appears inside OFFER, POLL, DELIVER…) to `out`.
     pub fn encode_to(&self, out: &mut Vec<u8>) {
-        self.encode(&mut Writer { out });
+        self.encode(&mut Writer::new(out));
     }
 
     /// Which optional fields follow `expires_at` (each present exactly when not zero).
@@ -280,7 +280,7 @@ impl Message {
             w.text(name);
             w.bytes(value);
         }
-        w.bytes(&self.payload);
+        w.payload(&self.payload);
     }
 
     pub(crate) fn decode(r: &mut Reader) -> Result<Message, DecodeError> {

@@ -588,6 +588,17 @@ impl Request {
 
     /// Appends this request as a whole frame to `out`.
     pub fn encode(&self, request_id: u64, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        self.encode_with(request_id, out, false).map(|_| ())
+    }
+
+    /// `encode`, except that the payload of a CALL or RETURN of at least `LARGE_PAYLOAD_BYTES`
+    /// is left out of `out` and returned: the frame's last bytes, to be written right after
+    /// `out`'s (a vectored write), never copied.
+    pub fn encode_split(&self, request_id: u64, out: &mut Vec<u8>) -> Result<Option<Bytes>, EncodeError> {
+        self.encode_with(request_id, out, matches!(self, Request::Call { .. } | Request::Return { .. }))
+    }
+
+    fn encode_with(&self, request_id: u64, out: &mut Vec<u8>, split: bool) -> Result<Option<Bytes>, EncodeError> {
         match self {
             Request::Offer { messages, .. } | Request::Publish { messages, .. } => {
                 messages.iter().try_for_each(Message::check)?;
@@ -596,11 +607,14 @@ impl Request {
             _ => {}
         }
         let at = frame::start(out, FrameKind::Request, self.opcode(), request_id);
-        if let Err(e) = self.encode_body(&mut Writer { out }).and_then(|()| frame::finish(out, at)) {
+        let mut w = if split { Writer::deferring(out) } else { Writer::new(out) };
+        let body = self.encode_body(&mut w);
+        let (after, deferred) = (w.deferred_len(), w.deferred.take());
+        if let Err(e) = body.and_then(|()| frame::finish_before(out, at, after)) {
             out.truncate(at); // no half frame left behind
             return Err(e);
         }
-        Ok(())
+        Ok(deferred)
     }
 
     fn encode_body(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
@@ -867,8 +881,18 @@ impl Push {
     /// Appends this push as a whole frame to `out`; `id` is the subscription or the call. A push
     /// too long for a frame leaves `out` as it was.
     pub fn encode(&self, id: u64, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        self.encode_with(id, out, false).map(|_| ())
+    }
+
+    /// `encode`, except that the payload of an INVOKE of at least `LARGE_PAYLOAD_BYTES` is left
+    /// out of `out` and returned: the frame's last bytes, to be written right after `out`'s.
+    pub fn encode_split(&self, id: u64, out: &mut Vec<u8>) -> Result<Option<Bytes>, EncodeError> {
+        self.encode_with(id, out, matches!(self, Push::Invoke { .. }))
+    }
+
+    fn encode_with(&self, id: u64, out: &mut Vec<u8>, split: bool) -> Result<Option<Bytes>, EncodeError> {
         let at = frame::start(out, FrameKind::Push, self.opcode(), id);
-        let w = &mut Writer { out };
+        let w = &mut if split { Writer::deferring(out) } else { Writer::new(out) };
         match self {
             Push::Deliver { messages } => {
                 w.u32(messages.len() as u32);
@@ -885,7 +909,9 @@ impl Push {
                 message.encode(w);
             }
         }
-        frame::finish(out, at).inspect_err(|_| out.truncate(at))
+        let (after, deferred) = (w.deferred_len(), w.deferred.take());
+        frame::finish_before(out, at, after).inspect_err(|_| out.truncate(at))?;
+        Ok(deferred)
     }
 
     /// A DELIVER frame for subscription `id` from messages already encoded (`Message::encode_to`):
@@ -928,12 +954,27 @@ impl Response {
     /// Appends this response to the request `opcode`/`request_id` as a whole frame to `out`. A
     /// response with a field too long for the wire becomes a SERVER_ERROR, never a broken frame.
     pub fn encode(&self, opcode: u16, request_id: u64, out: &mut Vec<u8>) {
+        self.encode_with(opcode, request_id, out, false);
+    }
+
+    /// `encode`, except that the payload of a REPLY of at least `LARGE_PAYLOAD_BYTES` is left out
+    /// of `out` and returned: the frame's last bytes, to be written right after `out`'s.
+    pub fn encode_split(&self, opcode: u16, request_id: u64, out: &mut Vec<u8>) -> Option<Bytes> {
+        self.encode_with(opcode, request_id, out, matches!(self, Response::Reply { .. }))
+    }
+
+    fn encode_with(&self, opcode: u16, request_id: u64, out: &mut Vec<u8>, split: bool) -> Option<Bytes> {
         let at = frame::start(out, FrameKind::Response, opcode, request_id);
-        if self.encode_body(&mut Writer { out }).and_then(|()| frame::finish(out, at)).is_err() {
+        let mut w = if split { Writer::deferring(out) } else { Writer::new(out) };
+        let body = self.encode_body(&mut w);
+        let (after, deferred) = (w.deferred_len(), w.deferred.take());
+        if body.and_then(|()| frame::finish_before(out, at, after)).is_err() {
             out.truncate(at);
             let error = Response::error(Status::ServerError, "the answer is too long for the protocol");
             error.encode(opcode, request_id, out);
+            return None;
         }
+        deferred
     }
 
     fn encode_body(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {

@@ -5,21 +5,50 @@ use bytes::{Buf, BufMut, Bytes};
 
 use crate::{DecodeError, EncodeError};
 
+/// Payloads at least this long can be left out of an encoded frame that ends with them (a call,
+/// its reply, an INVOKE push), to be written after the frame's other bytes by the same vectored
+/// write rather than copied into them.
+pub const LARGE_PAYLOAD_BYTES: usize = 64 << 10;
+
 pub(crate) struct Writer<'a> {
     pub out: &'a mut Vec<u8>,
+    /// Whether `payload` may leave a large payload out (only for a frame it ends).
+    may_defer: bool,
+    /// The payload left out: nothing may be written after it.
+    pub deferred: Option<Bytes>,
+}
+
+impl<'a> Writer<'a> {
+    pub fn new(out: &'a mut Vec<u8>) -> Writer<'a> {
+        Writer { out, may_defer: false, deferred: None }
+    }
+
+    /// A writer for a frame that ends with one message, whose large payload it leaves out.
+    pub fn deferring(out: &'a mut Vec<u8>) -> Writer<'a> {
+        Writer { out, may_defer: true, deferred: None }
+    }
+
+    /// Bytes the frame has beyond `out`: the payload left out.
+    pub fn deferred_len(&self) -> usize {
+        self.deferred.as_ref().map_or(0, Bytes::len)
+    }
 }
 
 impl Writer<'_> {
     pub fn u8(&mut self, v: u8) {
+        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
         self.out.put_u8(v);
     }
     pub fn u16(&mut self, v: u16) {
+        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
         self.out.put_u16(v);
     }
     pub fn u32(&mut self, v: u32) {
+        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
         self.out.put_u32(v);
     }
     pub fn u64(&mut self, v: u64) {
+        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
         self.out.put_u64(v);
     }
     /// Free text (an error's reason, a server's name): u16 length, UTF-8 bytes. Text longer than
@@ -42,6 +71,16 @@ impl Writer<'_> {
     pub fn bytes(&mut self, b: &[u8]) {
         self.u32(b.len() as u32);
         self.out.put_slice(b);
+    }
+    /// A message's payload, its last field: `bytes`, or, from a `deferring` writer and at least
+    /// `LARGE_PAYLOAD_BYTES` long, its length only, the bytes kept in `deferred`.
+    pub fn payload(&mut self, b: &Bytes) {
+        if self.may_defer && b.len() >= LARGE_PAYLOAD_BYTES {
+            self.u32(b.len() as u32);
+            self.deferred = Some(b.clone());
+        } else {
+            self.bytes(b);
+        }
     }
 }
 
@@ -136,13 +175,13 @@ mod tests {
         // not fall inside the last `é`.
         let long = "é".repeat(32_767) + "éa";
         let mut out = Vec::new();
-        Writer { out: &mut out }.text(&long);
+        Writer::new(&mut out).text(&long);
         let len = u16::from_be_bytes([out[0], out[1]]) as usize;
         assert_eq!(len, 65_534);
         assert!(std::str::from_utf8(&out[2..]).is_ok());
         assert_eq!(truncate_utf8("aé", 2), "a");
         assert_eq!(truncate_utf8("ab", 5), "ab");
         let mut out = Vec::new();
-        assert_eq!(Writer { out: &mut out }.str(&long), Err(EncodeError::FieldTooLong));
+        assert_eq!(Writer::new(&mut out).str(&long), Err(EncodeError::FieldTooLong));
     }
 }

@@ -193,3 +193,46 @@ fn a_deliver_frame_from_encoded_messages_is_the_same_bytes() {
     petrel_proto::Push::encode_deliver(9, &encoded, &mut pieces).unwrap();
     assert_eq!(pieces, whole);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// A frame encoded with its large payload left out, then that payload, is the frame `encode`
+    /// makes; a small payload is never left out, and no other frame leaves one out.
+    #[test]
+    fn a_frame_with_its_payload_left_out_is_the_same_bytes(
+        base in message(),
+        large in any::<bool>(),
+        fill in any::<u8>(),
+    ) {
+        let len = if large { petrel_proto::LARGE_PAYLOAD_BYTES + fill as usize } else { fill as usize };
+        let message = Box::new(Message { payload: vec![fill; len].into(), ..base });
+        let join = |mut head: Vec<u8>, tail: Option<Bytes>| {
+            prop_assert_eq!(tail.is_some(), large);
+            head.extend_from_slice(&tail.unwrap_or_default());
+            Ok(head)
+        };
+        let requests = [
+            Request::Call { function: "f".into(), timeout_ms: 5, oneway: false, message: message.clone() },
+            Request::Return { call: 7, status: Status::Ok, error: String::new(), message: message.clone() },
+        ];
+        for request in requests {
+            let (mut whole, mut head) = (Vec::new(), vec![1, 2, 3]);
+            request.encode(9, &mut whole).unwrap();
+            let tail = request.encode_split(9, &mut head).unwrap();
+            prop_assert_eq!(&join(head, tail)?[3..], &whole[..]);
+        }
+        let push = petrel_proto::Push::Invoke { function: "f".into(), message: message.clone() };
+        let (mut whole, mut head) = (Vec::new(), Vec::new());
+        push.encode(4, &mut whole).unwrap();
+        let tail = push.encode_split(4, &mut head).unwrap();
+        prop_assert_eq!(join(head, tail)?, whole);
+        let reply = Response::Reply { message: message.clone() };
+        let (mut whole, mut head) = (Vec::new(), Vec::new());
+        reply.encode(opcode::CALL, 4, &mut whole);
+        let tail = reply.encode_split(opcode::CALL, 4, &mut head);
+        prop_assert_eq!(join(head, tail)?, whole);
+        let offer = Request::Offer { queue: "q".into(), timeout_ms: 5, messages: vec![*message] };
+        prop_assert_eq!(offer.encode_split(9, &mut Vec::new()).unwrap(), None);
+    }
+}

@@ -5,14 +5,36 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use tokio::sync::{Semaphore, mpsc};
 
 pub(crate) use mpsc::error::TrySendError;
 
+/// Bytes for the connection's writer: whole frames, then the large payload that ends the last of
+/// them, left out of it when it was encoded (`encode_split`) so that the same vectored write
+/// sends it from where it was read, not from a copy.
+#[derive(Debug, Default)]
+pub(crate) struct Chunk {
+    pub frames: Vec<u8>,
+    pub payload: Bytes,
+}
+
+impl Chunk {
+    pub(crate) fn len(&self) -> usize {
+        self.frames.len() + self.payload.len()
+    }
+}
+
+impl From<Vec<u8>> for Chunk {
+    fn from(frames: Vec<u8>) -> Chunk {
+        Chunk { frames, payload: Bytes::new() }
+    }
+}
+
 /// The producing side; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Outbox {
-    tx: mpsc::Sender<Vec<u8>>,
+    tx: mpsc::Sender<Chunk>,
     /// Permits are bytes of room.
     room: Arc<Semaphore>,
     max_bytes: usize,
@@ -20,7 +42,7 @@ pub(crate) struct Outbox {
 
 /// The writer's side.
 pub(crate) struct Outgoing {
-    rx: mpsc::Receiver<Vec<u8>>,
+    rx: mpsc::Receiver<Chunk>,
     room: Arc<Semaphore>,
     max_bytes: usize,
 }
@@ -33,7 +55,7 @@ pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) 
 }
 
 /// The bytes of room a chunk takes: its length, at most the whole outbox.
-fn cost(chunk: &[u8], max_bytes: usize) -> u32 {
+fn cost(chunk: &Chunk, max_bytes: usize) -> u32 {
     chunk.len().min(max_bytes) as u32
 }
 
@@ -43,14 +65,16 @@ pub(crate) struct Closed;
 
 impl Outbox {
     /// Queues `chunk`, waiting for room.
-    pub(crate) async fn send(&self, chunk: Vec<u8>) -> Result<(), Closed> {
+    pub(crate) async fn send(&self, chunk: impl Into<Chunk>) -> Result<(), Closed> {
+        let chunk = chunk.into();
         let permits = self.room.acquire_many(cost(&chunk, self.max_bytes)).await.map_err(|_| Closed)?;
         permits.forget();
         self.tx.send(chunk).await.map_err(|_| Closed)
     }
 
     /// Queues `chunk` if there is room now.
-    pub(crate) fn try_send(&self, chunk: Vec<u8>) -> Result<(), TrySendError<Vec<u8>>> {
+    pub(crate) fn try_send(&self, chunk: impl Into<Chunk>) -> Result<(), TrySendError<Chunk>> {
+        let chunk = chunk.into();
         let cost = cost(&chunk, self.max_bytes);
         let Ok(permits) = self.room.try_acquire_many(cost) else {
             return Err(if self.tx.is_closed() { TrySendError::Closed(chunk) } else { TrySendError::Full(chunk) });
@@ -62,14 +86,14 @@ impl Outbox {
 
 impl Outgoing {
     /// The next chunk, waiting for one; its bytes are room again (it is being written).
-    pub(crate) async fn recv(&mut self) -> Option<Vec<u8>> {
+    pub(crate) async fn recv(&mut self) -> Option<Chunk> {
         let chunk = self.rx.recv().await?;
         self.room.add_permits(cost(&chunk, self.max_bytes) as usize);
         Some(chunk)
     }
 
     /// The next chunk if one is waiting.
-    pub(crate) fn try_recv(&mut self) -> Option<Vec<u8>> {
+    pub(crate) fn try_recv(&mut self) -> Option<Chunk> {
         let chunk = self.rx.try_recv().ok()?;
         self.room.add_permits(cost(&chunk, self.max_bytes) as usize);
         Some(chunk)

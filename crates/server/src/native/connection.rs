@@ -192,7 +192,7 @@ async fn write_until_closed<W: AsyncWrite>(
 ) {
     let max_bytes = ctx.config.max_write_batch_bytes;
     let max_chunks = ctx.config.max_write_batch_chunks;
-    let mut chunks: Vec<Vec<u8>> = Vec::new();
+    let mut chunks: Vec<crate::outbox::Chunk> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut total = first.len();
         chunks.push(first);
@@ -216,8 +216,13 @@ async fn write_until_closed<W: AsyncWrite>(
 }
 
 /// Writes every chunk, in order, with as few system calls as the socket allows.
-async fn write_all_vectored<W: AsyncWrite + Unpin>(wr: &mut W, chunks: &[Vec<u8>]) -> std::io::Result<()> {
-    let mut slices: Vec<std::io::IoSlice<'_>> = chunks.iter().map(|c| std::io::IoSlice::new(c)).collect();
+async fn write_all_vectored<W: AsyncWrite + Unpin>(wr: &mut W, chunks: &[crate::outbox::Chunk]) -> std::io::Result<()> {
+    let mut slices: Vec<std::io::IoSlice<'_>> = chunks
+        .iter()
+        .flat_map(|c| [&c.frames[..], &c.payload[..]])
+        .filter(|part| !part.is_empty())
+        .map(std::io::IoSlice::new)
+        .collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
         let n = wr.write_vectored(rest).await?;

@@ -5,13 +5,13 @@
 use std::time::Duration;
 
 use petrel_broker::{Called, Invocation};
-use petrel_proto::{Push, Response, Status};
+use petrel_proto::{LARGE_PAYLOAD_BYTES, Push, Response, Status};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use super::pushes::{Pushes, not_sent_if_too_long};
 use super::session::Session;
 use super::{Answer, error, outgoing};
-use crate::outbox::{Outbox, TrySendError};
+use crate::outbox::{Chunk, Outbox, TrySendError};
 use crate::{Ctx, now_ns};
 
 /// A call, ready to be made once the caller holds a permit.
@@ -71,9 +71,9 @@ fn replier(to: ReplyTo, permit: OwnedSemaphorePermit, compress: Option<usize>) -
             Ok(message) => Response::Reply { message: Box::new(outgoing(message, compress)) },
             Err(e) => error(e),
         };
-        let mut out = Vec::with_capacity(64);
-        response.encode(to.opcode, to.request_id, &mut out);
-        if let Err(TrySendError::Full(out)) = to.outbox.try_send(out) {
+        let mut frames = Vec::with_capacity(64);
+        let payload = response.encode_split(to.opcode, to.request_id, &mut frames).unwrap_or_default();
+        if let Err(TrySendError::Full(out)) = to.outbox.try_send(Chunk { frames, payload }) {
             tokio::spawn(async move {
                 let _ = to.outbox.send(out).await;
                 drop(permit);
@@ -132,10 +132,10 @@ fn invocations(
         let outbox = outbox.clone();
         let task = tokio::spawn(async move {
             while let Some(inv) = invocations.recv().await {
-                let mut out = Vec::with_capacity(inv.message.size() as usize + 256);
+                let mut frames = Vec::with_capacity(inv.message.size().min(LARGE_PAYLOAD_BYTES as u64) as usize + 256);
                 let push = Push::Invoke { function: inv.function, message: Box::new(outgoing(inv.message, compress)) };
-                not_sent_if_too_long(push.encode(inv.call, &mut out));
-                if outbox.send(out).await.is_err() {
+                let payload = not_sent_if_too_long(push.encode_split(inv.call, &mut frames)).flatten();
+                if outbox.send(Chunk { frames, payload: payload.unwrap_or_default() }).await.is_err() {
                     return;
                 }
             }

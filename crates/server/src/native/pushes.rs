@@ -65,8 +65,6 @@ impl Pushes {
 /// `max_message_bytes`, well under a frame's 4 GiB), so this does not happen; if it did, the
 /// push is left out (its buffer is empty) and said in the log, rather than sent with a wrong
 /// length.
-pub(super) fn not_sent_if_too_long(encoded: Result<(), petrel_proto::EncodeError>) {
-    if let Err(e) = encoded {
-        tracing::error!(error = %e, "a push was not sent");
-    }
+pub(super) fn not_sent_if_too_long<T>(encoded: Result<T, petrel_proto::EncodeError>) -> Option<T> {
+    encoded.inspect_err(|e| tracing::error!(error = %e, "a push was not sent")).ok()
 }
