@@ -155,6 +155,8 @@ type Writer = Box<dyn AsyncWrite + Send + Unpin>;
 /// Largest frame the client reads from a server; a longer one ends the connection (a peer that
 /// is not a Petrel server, or a broken one). Generous: a poll may return many large messages.
 const MAX_INCOMING_FRAME: u32 = 1 << 30;
+/// Bytes of a large incoming frame that must have arrived before room for all of it is made.
+const EXACT_ROOM_AFTER: usize = 64 << 10;
 
 /// Requests encoded and not yet written are held up to this many bytes; past it, callers wait.
 const MAX_OUTBOX: usize = 1 << 20;
@@ -867,11 +869,14 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
                 Err(_) => break 'read,
             }
         }
-        // A large frame coming: room for all of it now, rather than growing by doubling (each
-        // growth a copy of what came so far).
+        // A large frame coming: room for all of it at once, rather than growth by doubling (each
+        // growth a copy of what came so far). Only once a streaming read's worth of it is here
+        // and only up to a default frame (16 MiB and a bit): a peer that announces a larger one,
+        // or sends little of it, gets `frame::decode`'s room a step at a time.
         if let Some(len) = buf.get(..4).map(|b| 4 + u32::from_be_bytes(b.try_into().expect("4 bytes")) as usize)
             && len > buf.capacity()
-            && len <= 4 + MAX_INCOMING_FRAME as usize
+            && len <= 4 + petrel_proto::DEFAULT_MAX_FRAME as usize
+            && buf.len() >= EXACT_ROOM_AFTER
         {
             buf.reserve(len - buf.len());
         }
