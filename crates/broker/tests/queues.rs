@@ -455,12 +455,17 @@ fn a_queue_whose_log_cannot_be_made_leaves_nothing_behind_and_errors_name_no_abs
         .path();
     let text = BrokerError::Storage(petrel_log::Error::Io {
         op: "sync segment",
-        path: segment,
+        path: segment.clone(),
         source: std::io::Error::from_raw_os_error(28),
     })
     .to_string();
     assert!(!text.contains(dir.path().to_str().unwrap()), "{text}");
     assert!(text.contains("queues/d/") && text.contains("No space left"), "{text}");
+    let text =
+        BrokerError::Storage(petrel_log::Error::UnsupportedFormat { file: segment, what: "format version 3".into() })
+            .to_string();
+    assert!(!text.contains(dir.path().to_str().unwrap()), "{text}");
+    assert!(text.contains("queues/d/") && text.contains("format version 3"), "{text}");
 }
 
 #[test]

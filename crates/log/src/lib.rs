@@ -110,7 +110,8 @@ pub mod fuzzing {
     }
 
     /// Scans arbitrary bytes as a segment's data region of each format, and judges their format,
-    /// the way recovery does. Must never panic; returns the end of the valid frames and the next offset (format 2).
+    /// the way recovery does. Must never panic; returns the end of the valid frames and the next
+    /// offset (format 2).
     pub fn scan_segment(data: &[u8], start_offset: u64) -> (usize, u64) {
         let v1 = crate::recovery::scan(Format::V1, data, 0, start_offset);
         assert!(v1.end <= data.len());

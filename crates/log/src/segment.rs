@@ -416,7 +416,16 @@ mod tests {
         for i in 0..SEGMENT_HEADER_LEN {
             let mut bad = b;
             bad[i] ^= 0x10;
-            assert!(SegmentHeader::decode(&bad).is_err(), "byte {i}");
+            assert!(matches!(SegmentHeader::decode(&bad), Err(HeaderError::Damaged(_))), "byte {i}");
+        }
+        assert!(matches!(SegmentHeader::decode_for(&b, 8), Err(HeaderError::Damaged(_))), "another base");
+        // Intact, but of a format or a header length this build does not know.
+        for (at, value, what) in [(8, 3u32, "format version 3"), (12, 128, "header length 128")] {
+            let mut newer = b;
+            newer[at..at + 4].copy_from_slice(&value.to_le_bytes());
+            let crc = crc32c::crc32c(&newer[0..60]);
+            newer[60..64].copy_from_slice(&crc.to_le_bytes());
+            assert_eq!(SegmentHeader::decode(&newer), Err(HeaderError::Unsupported(what.into())));
         }
     }
 }

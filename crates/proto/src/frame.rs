@@ -119,7 +119,8 @@ pub fn finish(out: &mut [u8], at: usize) -> Result<(), crate::EncodeError> {
     finish_before(out, at, 0)
 }
 
-/// `finish` for a frame whose last `after` bytes are written after `out`'s (a payload left out).
+/// `finish` for a frame whose last `after` bytes are written after `out`'s (a payload left out:
+/// `Writer::finish`).
 pub(crate) fn finish_before(out: &mut [u8], at: usize, after: usize) -> Result<(), crate::EncodeError> {
     let len = u32::try_from(out.len() - at - 4 + after).map_err(|_| crate::EncodeError::FrameTooLong)?;
     out[at..at + 4].copy_from_slice(&len.to_be_bytes());

@@ -608,13 +608,11 @@ impl Request {
         }
         let at = frame::start(out, FrameKind::Request, self.opcode(), request_id);
         let mut w = if split { Writer::deferring(out) } else { Writer::new(out) };
-        let body = self.encode_body(&mut w);
-        let (after, deferred) = (w.deferred_len(), w.deferred.take());
-        if let Err(e) = body.and_then(|()| frame::finish_before(out, at, after)) {
+        let encoded = self.encode_body(&mut w).and_then(|()| w.finish(at));
+        if encoded.is_err() {
             out.truncate(at); // no half frame left behind
-            return Err(e);
         }
-        Ok(deferred)
+        encoded
     }
 
     fn encode_body(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
@@ -892,12 +890,12 @@ impl Push {
 
     fn encode_with(&self, id: u64, out: &mut Vec<u8>, split: bool) -> Result<Option<Bytes>, EncodeError> {
         let at = frame::start(out, FrameKind::Push, self.opcode(), id);
-        let w = &mut if split { Writer::deferring(out) } else { Writer::new(out) };
+        let mut w = if split { Writer::deferring(out) } else { Writer::new(out) };
         match self {
             Push::Deliver { messages } => {
                 w.u32(messages.len() as u32);
                 for m in messages {
-                    m.encode(w);
+                    m.encode(&mut w);
                 }
             }
             Push::SubscriptionEnd { status, reason } => {
@@ -906,12 +904,14 @@ impl Push {
             }
             Push::Invoke { function, message } => {
                 w.text(function); // a name the server checked when it was served
-                message.encode(w);
+                message.encode(&mut w);
             }
         }
-        let (after, deferred) = (w.deferred_len(), w.deferred.take());
-        frame::finish_before(out, at, after).inspect_err(|_| out.truncate(at))?;
-        Ok(deferred)
+        let encoded = w.finish(at);
+        if encoded.is_err() {
+            out.truncate(at);
+        }
+        encoded
     }
 
     /// A DELIVER frame for subscription `id` from messages already encoded (`Message::encode_to`):
@@ -966,14 +966,12 @@ impl Response {
     fn encode_with(&self, opcode: u16, request_id: u64, out: &mut Vec<u8>, split: bool) -> Option<Bytes> {
         let at = frame::start(out, FrameKind::Response, opcode, request_id);
         let mut w = if split { Writer::deferring(out) } else { Writer::new(out) };
-        let body = self.encode_body(&mut w);
-        let (after, deferred) = (w.deferred_len(), w.deferred.take());
-        if body.and_then(|()| frame::finish_before(out, at, after)).is_err() {
+        let Ok(deferred) = self.encode_body(&mut w).and_then(|()| w.finish(at)) else {
             out.truncate(at);
             let error = Response::error(Status::ServerError, "the answer is too long for the protocol");
             error.encode(opcode, request_id, out);
             return None;
-        }
+        };
         deferred
     }
 

@@ -11,11 +11,11 @@ use crate::{DecodeError, EncodeError};
 pub const LARGE_PAYLOAD_BYTES: usize = 64 << 10;
 
 pub(crate) struct Writer<'a> {
-    pub out: &'a mut Vec<u8>,
+    out: &'a mut Vec<u8>,
     /// Whether `payload` may leave a large payload out (only for a frame it ends).
     may_defer: bool,
     /// The payload left out: nothing may be written after it.
-    pub deferred: Option<Bytes>,
+    deferred: Option<Bytes>,
 }
 
 impl<'a> Writer<'a> {
@@ -28,35 +28,39 @@ impl<'a> Writer<'a> {
         Writer { out, may_defer: true, deferred: None }
     }
 
-    /// Bytes the frame has beyond `out`: the payload left out.
-    pub fn deferred_len(&self) -> usize {
-        self.deferred.as_ref().map_or(0, Bytes::len)
+    /// Sets the length of the frame started at `at` (`frame::start`), the payload left out
+    /// included, and returns that payload: the frame's last bytes, to be written after `out`'s.
+    pub fn finish(self, at: usize) -> Result<Option<Bytes>, EncodeError> {
+        crate::frame::finish_before(self.out, at, self.deferred.as_ref().map_or(0, Bytes::len))?;
+        Ok(self.deferred)
+    }
+
+    /// Where the next field goes.
+    fn out(&mut self) -> &mut Vec<u8> {
+        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
+        self.out
     }
 }
 
 impl Writer<'_> {
     pub fn u8(&mut self, v: u8) {
-        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
-        self.out.put_u8(v);
+        self.out().put_u8(v);
     }
     pub fn u16(&mut self, v: u16) {
-        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
-        self.out.put_u16(v);
+        self.out().put_u16(v);
     }
     pub fn u32(&mut self, v: u32) {
-        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
-        self.out.put_u32(v);
+        self.out().put_u32(v);
     }
     pub fn u64(&mut self, v: u64) {
-        debug_assert!(self.deferred.is_none(), "nothing is written after a deferred payload");
-        self.out.put_u64(v);
+        self.out().put_u64(v);
     }
     /// Free text (an error's reason, a server's name): u16 length, UTF-8 bytes. Text longer than
     /// a length prefix allows is cut at the last character boundary that fits, never inside one.
     pub fn text(&mut self, s: &str) {
         let s = truncate_utf8(s, u16::MAX as usize);
         self.u16(s.len() as u16);
-        self.out.put_slice(s.as_bytes());
+        self.out().put_slice(s.as_bytes());
     }
     /// A field that must arrive whole (a name, a message's string): too long is an error, not a
     /// cut, so the peer never acts on a name other than the one the caller gave.
@@ -70,7 +74,7 @@ impl Writer<'_> {
     /// A byte string: u32 length, bytes.
     pub fn bytes(&mut self, b: &[u8]) {
         self.u32(b.len() as u32);
-        self.out.put_slice(b);
+        self.out().put_slice(b);
     }
     /// A message's payload, its last field: `bytes`, or, from a `deferring` writer and at least
     /// `LARGE_PAYLOAD_BYTES` long, its length only, the bytes kept in `deferred`.

@@ -132,7 +132,10 @@ fn invocations(
         let outbox = outbox.clone();
         let task = tokio::spawn(async move {
             while let Some(inv) = invocations.recv().await {
-                let mut frames = Vec::with_capacity(inv.message.size().min(LARGE_PAYLOAD_BYTES as u64) as usize + 256);
+                // The frame holds the payload unless it is large enough to go out after it.
+                let held =
+                    if inv.message.payload.len() < LARGE_PAYLOAD_BYTES { inv.message.size() as usize } else { 0 };
+                let mut frames = Vec::with_capacity(held + 256);
                 let push = Push::Invoke { function: inv.function, message: Box::new(outgoing(inv.message, compress)) };
                 let payload = not_sent_if_too_long(push.encode_split(inv.call, &mut frames)).flatten();
                 if outbox.send(Chunk { frames, payload: payload.unwrap_or_default() }).await.is_err() {
