@@ -1,26 +1,34 @@
 //! A durable queue's delayed messages: a log of their own (`delayed/` under the queue's
 //! directory), in the order they were offered or returned, and what the queue keeps in memory to
-//! hand each one to its level's log when it is due.
+//! hand each one out when it is due.
 //!
 //! Memory is bounded whatever the number of delayed messages: the timers hold the earliest-due
 //! `cap` of them (16 bytes each, in a `TimerSet`); the rest are "spilled", known only to be due later
 //! than every one held, and found again by reading the log when the timers run low — a slice of
 //! the log per tick (`REFILL_SLICE`), so that a refill never holds the queue for long, while the
 //! held timers go on coming due. Beside that,
-//! one bit per record of the log from the oldest one not yet done ("done": moved to its level's
-//! log, or dropped by a flush; markers are done too). Retention takes what is before the oldest
-//! record still needed (`repin`).
+//! two bits per record of the log from the oldest one not yet done ("done": acknowledged, moved
+//! to its level's log, or dropped; markers are done too) — done, and released. Retention takes
+//! what is before the oldest record still needed (`repin`).
 //!
-//! A due message is copied to its level's log and then marked done here by a `moved` marker; the
-//! copy names the record it came from, so a crash between the two is repaired on open (the copy
-//! counts, the original is marked done). A message returned with a delay is copied here from its
-//! level's log, then acknowledged there; the copy names its original, and on open a copy whose
-//! original is still unacknowledged is dropped (the original is handed out again, only without
-//! its delay).
+//! A due message is "released" to its level: a `released` marker records, for a tick's due
+//! messages of one level, their offsets (as runs), the level's log end they join after, and the
+//! time they joined it. They are handed out from this log, in their place among the level's
+//! records (`Ready`), and marked done here when acknowledged; a restart reads the markers back
+//! and puts them where they were. A due message is written once. Released messages waiting are
+//! held as runs of consecutive offsets (one per tick and level when they come due in offer
+//! order); past `MAX_READY_RUNS` runs, due messages are copied to their level's log instead.
+//!
+//! A copied message is marked done here by a `moved` marker after its copy; the copy names the
+//! record it came from, so a crash between the two is repaired on open (the copy counts, the
+//! original is marked done). A message returned with a delay is copied here from where it was
+//! (its level's log, or this one), then acknowledged there; the copy names its original, and on
+//! open a copy whose original is still unacknowledged is dropped (the original is handed out
+//! again, only without its delay).
 
-use std::collections::{BTreeSet, BinaryHeap, HashSet, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 
-use petrel_log::{ConsumerGroup, GroupOptions, SeekTo, SharedLog};
+use petrel_log::{ConsumerGroup, Durability, GroupOptions, SeekTo, SharedLog};
 
 use crate::BrokerError;
 use crate::message::{self, Message, Placement};
@@ -37,8 +45,34 @@ pub(crate) const MAX_MOVE_BYTES: usize = 32 << 20;
 /// it ends): the queue's lock is held that long, and ticks come every millisecond while a
 /// refill goes on.
 pub(crate) const REFILL_SLICE: std::time::Duration = std::time::Duration::from_micros(500);
+/// Runs of released messages a queue holds at most (40 bytes each) before due messages are
+/// copied to their levels' logs instead (a tick may add its own runs beyond it).
+pub(crate) const MAX_READY_RUNS: usize = 65_536;
+/// `MAX_READY_RUNS`, unless a test lowered it to see due messages copied too.
+static READY_RUNS_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(MAX_READY_RUNS);
+
+/// Lowers `MAX_READY_RUNS` for this process: for tests of the copies a queue falls back to.
+pub fn limit_ready_runs(max: usize) {
+    READY_RUNS_LIMIT.store(max, std::sync::atomic::Ordering::Relaxed);
+}
 /// The group that marks where a delayed log is still needed.
 const PIN_GROUP: &str = "broker";
+
+/// Bits of a timer's slot below its level.
+const LEVEL_SHIFT: u32 = 56;
+
+/// A timer's second half: the delayed record's offset, and in the top byte the level it goes to,
+/// so that a due message's level is known without reading it. Timers due at one time come out
+/// by level, and by offset within a level: the order that counts.
+fn slot(level: usize, offset: u64) -> u64 {
+    debug_assert!(offset < 1 << LEVEL_SHIFT && level < 256, "a level in a byte, an offset below it");
+    ((level as u64) << LEVEL_SHIFT) | offset
+}
+
+/// A timer slot's (level, offset).
+fn unslot(slot: u64) -> (usize, u64) {
+    ((slot >> LEVEL_SHIFT) as usize, slot & ((1 << LEVEL_SHIFT) - 1))
+}
 
 /// A sorted set of timers, (due, offset), cheap when they come in due order: those at or after
 /// the latest of an ordered run join its end (O(1), and so do their pops from the front); only
@@ -254,11 +288,14 @@ impl Refill {
     }
 }
 
-/// Which records of a delayed log are done, from `base` on (all before it are).
+/// Which records of a delayed log are done, and which are released to their level (due, handed
+/// out from the log, not yet done), from `base` on (all before it are done).
 #[derive(Debug, Default)]
 pub(crate) struct Done {
     base: u64,
     words: VecDeque<u64>,
+    /// One bit per record as in `words`: released.
+    released: VecDeque<u64>,
     /// Records covered from `base` on.
     len: u64,
 }
@@ -276,6 +313,7 @@ impl Done {
     fn push(&mut self, done: bool) {
         if self.len.is_multiple_of(64) {
             self.words.push_back(0);
+            self.released.push_back(0);
         }
         self.len += 1;
         if done {
@@ -283,27 +321,43 @@ impl Done {
         }
     }
 
+    /// The word and bit of `offset`, if it is covered and not before `base`.
+    fn bit(&self, offset: u64) -> Option<(usize, u64)> {
+        let i = offset.checked_sub(self.base).filter(|&i| i < self.len)?;
+        Some(((i / 64) as usize, 1 << (i % 64)))
+    }
+
     fn set(&mut self, offset: u64) {
         if offset < self.base {
             return;
         }
         assert!(offset < self.end(), "a delayed log's record is covered before it is marked done");
-        let i = offset - self.base;
-        self.words[(i / 64) as usize] |= 1 << (i % 64);
+        let (word, bit) = self.bit(offset).expect("covered");
+        self.words[word] |= bit;
+    }
+
+    fn set_released(&mut self, offset: u64) {
+        if offset < self.base {
+            return;
+        }
+        assert!(offset < self.end(), "a delayed log's record is covered before it is released");
+        let (word, bit) = self.bit(offset).expect("covered");
+        self.released[word] |= bit;
     }
 
     fn is_done(&self, offset: u64) -> bool {
-        if offset < self.base {
-            return true;
-        }
-        let i = offset - self.base;
-        i < self.len && self.words[(i / 64) as usize] & (1 << (i % 64)) != 0
+        offset < self.base || self.bit(offset).is_some_and(|(word, bit)| self.words[word] & bit != 0)
+    }
+
+    fn is_released(&self, offset: u64) -> bool {
+        self.bit(offset).is_some_and(|(word, bit)| self.released[word] & bit != 0)
     }
 
     /// The oldest record not done (`end` if all are), dropping the words before it.
     fn first_pending(&mut self) -> u64 {
         while self.words.len() > 1 && self.words[0] == u64::MAX {
             self.words.pop_front();
+            self.released.pop_front();
             self.base += 64;
             self.len -= 64;
         }
@@ -311,19 +365,157 @@ impl Done {
         first.min(self.end())
     }
 
-    /// The records not done, oldest first.
-    fn pending(&self) -> impl Iterator<Item = u64> + '_ {
-        (self.base..self.end()).filter(|o| !self.is_done(*o))
+    /// The records neither done nor released (the delayed messages not yet due), oldest first.
+    fn delayed(&self) -> impl Iterator<Item = u64> + '_ {
+        (self.base..self.end()).filter(|o| !self.is_done(*o) && !self.is_released(*o))
     }
 }
 
-/// A durable queue's delayed log and its timers.
+/// A released message waiting (or handed out): where it is in the delayed log, and its place in
+/// its level — after the level's records before `after`, and after the messages released to the
+/// level before it (`seq`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ready {
+    pub offset: u64,
+    pub after: u64,
+    /// When it joined its level (its time as a waiting message, as an offer's).
+    pub stamp: u64,
+    seq: u64,
+}
+
+/// Released messages of one tick and level with consecutive offsets (and so consecutive `seq`).
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    seq: u64,
+    start: u64,
+    len: u32,
+    after: u64,
+    stamp: u64,
+}
+
+impl Ready {
+    /// Its order among the messages released to its level.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl Run {
+    fn first(&self) -> Ready {
+        Ready { offset: self.start, after: self.after, stamp: self.stamp, seq: self.seq }
+    }
+}
+
+/// The released messages waiting at each level, in the order they are handed out.
+#[derive(Debug)]
+struct ReadyRuns {
+    levels: Vec<(VecDeque<Run>, u64)>,
+    runs: usize,
+    len: u64,
+}
+
+impl ReadyRuns {
+    fn new(levels: usize) -> ReadyRuns {
+        ReadyRuns { levels: (0..levels).map(|_| (VecDeque::new(), 0)).collect(), runs: 0, len: 0 }
+    }
+
+    /// Released messages at `start`, `start + 1` … join `level`'s end.
+    fn push(&mut self, level: usize, start: u64, len: u32, after: u64, stamp: u64) {
+        let (runs, next_seq) = &mut self.levels[level];
+        let seq = *next_seq;
+        *next_seq += u64::from(len);
+        self.len += u64::from(len);
+        match runs.back_mut() {
+            Some(r)
+                if r.start + u64::from(r.len) == start
+                    && r.seq + u64::from(r.len) == seq
+                    && (r.after, r.stamp) == (after, stamp)
+                    && r.len.checked_add(len).is_some() =>
+            {
+                r.len += len;
+            }
+            _ => {
+                runs.push_back(Run { seq, start, len, after, stamp });
+                self.runs += 1;
+            }
+        }
+    }
+
+    fn front(&self, level: usize) -> Option<Ready> {
+        self.levels[level].0.front().map(Run::first)
+    }
+
+    fn pop(&mut self, level: usize) -> Option<Ready> {
+        let runs = &mut self.levels[level].0;
+        let run = runs.front_mut()?;
+        let first = run.first();
+        run.start += 1;
+        run.seq += 1;
+        run.len -= 1;
+        if run.len == 0 {
+            runs.pop_front();
+            self.runs -= 1;
+        }
+        self.len -= 1;
+        Some(first)
+    }
+
+    /// A message taken from `level` comes back to its place (by `seq`).
+    fn put_back(&mut self, level: usize, ready: Ready) {
+        let runs = &mut self.levels[level].0;
+        self.len += 1;
+        let at = runs.partition_point(|r| r.seq < ready.seq);
+        debug_assert!(runs.get(at).is_none_or(|r| r.seq > ready.seq), "a taken message is in no run");
+        match runs.get_mut(at) {
+            Some(r)
+                if r.seq == ready.seq + 1
+                    && r.start == ready.offset + 1
+                    && (r.after, r.stamp) == (ready.after, ready.stamp)
+                    && r.len < u32::MAX =>
+            {
+                r.seq -= 1;
+                r.start -= 1;
+                r.len += 1;
+            }
+            _ => {
+                let run = Run { seq: ready.seq, start: ready.offset, len: 1, after: ready.after, stamp: ready.stamp };
+                runs.insert(at, run);
+                self.runs += 1;
+            }
+        }
+    }
+
+    fn len_at(&self, level: usize) -> u64 {
+        self.levels[level].0.iter().map(|r| u64::from(r.len)).sum()
+    }
+
+    /// Every waiting one's offset, none left, and how many each level had.
+    fn drain(&mut self) -> (Vec<u64>, Vec<u64>) {
+        let mut out = Vec::with_capacity(self.len as usize);
+        let mut per_level = Vec::with_capacity(self.levels.len());
+        for (runs, _) in &mut self.levels {
+            let before = out.len();
+            for r in runs.drain(..) {
+                out.extend(r.start..r.start + u64::from(r.len));
+            }
+            per_level.push((out.len() - before) as u64);
+        }
+        (self.runs, self.len) = (0, 0);
+        (out, per_level)
+    }
+}
+
+/// A durable queue's delayed log, its timers and its released messages.
 pub(crate) struct DelayLog {
     pub log: SharedLog,
     /// Stands at the oldest record still needed: retention takes what is before it.
     pin: ConsumerGroup,
     timers: Timers,
     done: Done,
+    ready: ReadyRuns,
+    /// How many deliveries of each record not done ended with the message coming back (only
+    /// those that did): its `Returned` markers here, and what a returned copy carried.
+    returns: HashMap<u64, u32>,
     /// A refill's reading of the log: the next offset, and where the log ended when it began.
     scan: Option<(u64, u64)>,
 }
@@ -331,36 +523,46 @@ pub(crate) struct DelayLog {
 /// What opening a delayed log found.
 #[derive(Debug, Default)]
 pub(crate) struct Reopened {
-    /// Delayed messages not done.
+    /// Delayed messages not yet due (or not yet released).
     pub pending: u64,
-    /// Their bytes (`Message::size`).
+    /// Released messages waiting or handed out before the restart, per level.
+    pub released_at: Vec<u64>,
+    /// The bytes of both (`Message::size`).
     pub bytes: u64,
     /// Idempotency keys its records hold: (when stored, offset, key).
     pub keys: Vec<(u64, u64, String)>,
-    /// The time of its last record (0: none).
+    /// The time of its last record (0: none): a `released` marker's is the time its messages
+    /// joined their level.
     pub last_stamp: u64,
 }
 
 impl DelayLog {
-    /// A new, empty delayed log.
-    pub fn create(log: SharedLog, cap: usize) -> Result<DelayLog, BrokerError> {
+    /// A new, empty delayed log for a queue of `levels` priority levels.
+    pub fn create(log: SharedLog, cap: usize, levels: usize) -> Result<DelayLog, BrokerError> {
         let pin = log.group(PIN_GROUP, GroupOptions::default())?;
         let done = Done::starting_at(log.next_offset());
-        Ok(DelayLog { log, pin, timers: Timers::new(cap), done, scan: None })
+        let ready = ReadyRuns::new(levels);
+        Ok(DelayLog { log, pin, timers: Timers::new(cap), done, ready, returns: HashMap::new(), scan: None })
     }
 
-    /// Opens a delayed log that may hold messages. `moved`: offsets its levels' logs hold copies
-    /// of; `original_waits(id)`: whether the level's record with queue id `id` (a returned
-    /// message's original) is still unacknowledged.
+    /// Opens a delayed log that may hold messages, for a queue of `levels` priority levels.
+    /// `moved`: offsets its levels' logs hold copies of; `original_waits(id)`: whether the
+    /// level's record with queue id `id` (a returned message's original) is still
+    /// unacknowledged.
     pub fn open(
         log: SharedLog,
         cap: usize,
+        levels: usize,
         moved: &HashSet<u64>,
         original_waits: impl Fn(u64) -> bool,
     ) -> Result<(DelayLog, Reopened), BrokerError> {
         let pin = log.group(PIN_GROUP, GroupOptions::default())?;
         let start = pin.committed();
+        let top = levels - 1;
         let mut done = Done::starting_at(start);
+        let mut returns = HashMap::<u64, u32>::new();
+        // Released runs in the order they were released: (level, after, stamp, start, count).
+        let mut released = Vec::new();
         // First the markers (each follows the records it names), then the messages.
         for_each_record(&log, start, |r| {
             assert_eq!(r.offset, done.end(), "a log's offsets are dense");
@@ -369,11 +571,22 @@ impl DelayLog {
                     done.push(true);
                     offsets.into_iter().for_each(|o| done.set(o));
                 }
-                Some(message::Control::Returned(_)) => done.push(true),
+                Some(message::Control::Returned(of)) => {
+                    done.push(true);
+                    *returns.entry(of).or_default() += 1;
+                }
+                Some(message::Control::Released { level, after, stamp, runs }) => {
+                    done.push(true);
+                    for (first, count) in runs {
+                        let end = first.saturating_add(u64::from(count)).min(done.end());
+                        (first..end).for_each(|o| done.set_released(o));
+                        released.push((usize::from(level).min(top), after, stamp, first, end));
+                    }
+                }
                 None => done.push(moved.contains(&r.offset)),
             }
         })?;
-        let mut reopened = Reopened::default();
+        let mut reopened = Reopened { released_at: vec![0; levels], ..Reopened::default() };
         let mut timers = Timers::new(cap);
         let mut repaired = Vec::new();
         for_each_record(&log, start, |r| {
@@ -387,20 +600,49 @@ impl DelayLog {
                 return;
             }
             let placement = message::placement(r);
-            if moved.contains(&r.offset) || placement.returned_from.is_some_and(&original_waits) {
+            // A returned copy's original: in a level's log, or released from this one.
+            let original_stays = placement.returned_from.is_some_and(|id| match message::queue_position(id) {
+                Some((message::DELAYED_TAG, of)) => !done.is_done(of),
+                _ => original_waits(id),
+            });
+            if moved.contains(&r.offset) || original_stays {
                 repaired.push(r.offset);
                 return;
             }
-            timers.insert(message::deliver_at(r), r.offset);
-            reopened.pending += 1;
+            if placement.deliveries != 0 {
+                *returns.entry(r.offset).or_default() += placement.deliveries;
+            }
             reopened.bytes += message::from_record(r).size();
+            if !done.is_released(r.offset) {
+                let level = usize::from(placement.priority).min(top);
+                timers.insert(message::deliver_at(r), slot(level, r.offset));
+                reopened.pending += 1;
+            }
         })?;
+        // The released ones not done, back where they were, in the order they were released.
+        let mut ready = ReadyRuns::new(levels);
+        for (level, after, stamp, first, end) in released {
+            let mut run: Option<(u64, u32)> = None;
+            for o in (first..end).map(Some).chain([None]) {
+                match (o.filter(|&o| !done.is_done(o)), &mut run) {
+                    (Some(o), Some((start, n))) if *start + u64::from(*n) == o => *n += 1,
+                    (next, _) => {
+                        if let Some((start, n)) = run.take() {
+                            ready.push(level, start, n, after, stamp);
+                        }
+                        run = next.map(|o| (o, 1));
+                    }
+                }
+            }
+        }
+        reopened.released_at = (0..levels).map(|level| ready.len_at(level)).collect();
+        returns.retain(|&o, _| !done.is_done(o) && !repaired.contains(&o));
         if let Some(last) = log.next_offset().checked_sub(1) {
             let mut reader = log.reader();
             reader.seek(last);
             reopened.last_stamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
         }
-        let mut delay = DelayLog { log, pin, timers, done, scan: None };
+        let mut delay = DelayLog { log, pin, timers, done, ready, returns, scan: None };
         // Copies the levels' logs hold, and returned copies whose original stayed: done now.
         delay.mark_done(&repaired)?;
         Ok((delay, reopened))
@@ -411,14 +653,24 @@ impl DelayLog {
         self.scan.is_some()
     }
 
-    /// Delayed messages not done.
+    /// Delayed messages not yet due (or not yet released).
     pub fn pending(&self) -> u64 {
         self.timers.len()
+    }
+
+    /// Released messages waiting (not handed out).
+    pub fn ready_len(&self) -> u64 {
+        self.ready.len
     }
 
     /// When the earliest delayed message is due (`None`: none is held; see `refill`).
     pub fn next_due(&self) -> Option<u64> {
         self.timers.next_due()
+    }
+
+    /// The levels a due message may go to: its placement's, at most the highest.
+    fn levels(&self) -> usize {
+        self.ready.levels.len()
     }
 
     /// Appends `messages` (each with its `deliver_at` set) with their placements.
@@ -429,18 +681,112 @@ impl DelayLog {
     ) -> Result<std::ops::Range<u64>, BrokerError> {
         let range = message::append_placed(&self.log, messages, placements)?;
         assert_eq!(range.start, self.done.end(), "only the queue appends to its delayed log");
-        for (m, offset) in messages.iter().zip(range.clone()) {
+        let top = self.levels() - 1;
+        for ((m, p), offset) in messages.iter().zip(placements).zip(range.clone()) {
             debug_assert!(m.deliver_at != 0, "a delayed message says when it is due");
             self.done.push(false);
-            self.timers.insert(m.deliver_at, offset);
+            self.timers.insert(m.deliver_at, slot(usize::from(p.priority).min(top), offset));
+            if p.deliveries != 0 {
+                self.returns.insert(offset, p.deliveries);
+            }
         }
         Ok(range)
     }
 
-    /// Up to `max` timers due at `now_ns`, earliest first, as (due, offset), taken out of the
-    /// timers (`take_due` puts back what it does not move).
+    /// Up to `max` timers due at `now_ns`, earliest first, as (due, slot), taken out of the
+    /// timers (the callers put back what they do not use).
     fn pop_due(&mut self, now_ns: u64, max: usize) -> Vec<(u64, u64)> {
         std::iter::from_fn(|| self.timers.pop_due(now_ns)).take(max).collect()
+    }
+
+    /// Releases the delayed messages due at `now_ns` (at most `max`) to their levels: each joins
+    /// its level after `afters[level]` (that log's end now) at time `stamp`, and is handed out
+    /// from here. Synced first unless the policy is `none`: a consumer never gets a message a
+    /// crash could take back. Returns how many per level; `None`, with nothing taken, when the
+    /// released messages waiting are at `MAX_READY_RUNS` runs (the caller copies them instead).
+    pub fn release_due(
+        &mut self,
+        now_ns: u64,
+        max: usize,
+        afters: &[u64],
+        stamp: u64,
+    ) -> Result<Option<Vec<u64>>, BrokerError> {
+        if self.ready.runs >= READY_RUNS_LIMIT.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let mut counts = vec![0u64; self.levels()];
+        let taken = self.pop_due(now_ns, max);
+        if taken.is_empty() {
+            return Ok(Some(counts));
+        }
+        if self.log.durability() != Durability::None
+            && let Err(e) = self.log.sync()
+        {
+            self.timers.unpop(&taken);
+            return Err(e.into());
+        }
+        // Each level's in due order, consecutive offsets as one run.
+        let mut runs: Vec<Vec<(u64, u32)>> = vec![Vec::new(); self.levels()];
+        for &(_, s) in &taken {
+            let (level, offset) = unslot(s);
+            match runs[level].last_mut() {
+                Some((start, n)) if *start + u64::from(*n) == offset && *n < u32::MAX => *n += 1,
+                _ => runs[level].push((offset, 1)),
+            }
+        }
+        for (level, runs) in runs.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
+            let marker = match message::append_released(&self.log, level as u8, afters[level], stamp, runs) {
+                Ok(marker) => marker,
+                Err(e) => {
+                    // Those of this level and the ones after it stay delayed.
+                    let left: Vec<(u64, u64)> = taken.iter().copied().filter(|&(_, s)| unslot(s).0 >= level).collect();
+                    self.timers.unpop(&left);
+                    return Err(e.into());
+                }
+            };
+            assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
+            self.done.push(true);
+            for &(start, n) in runs {
+                (start..start + u64::from(n)).for_each(|o| self.done.set_released(o));
+                self.ready.push(level, start, n, afters[level], stamp);
+                counts[level] += u64::from(n);
+            }
+        }
+        Ok(Some(counts))
+    }
+
+    /// The next released message of `level`, left in place.
+    pub fn ready_front(&self, level: usize) -> Option<Ready> {
+        self.ready.front(level)
+    }
+
+    /// Takes the next released message of `level` (handed out, or dropped).
+    pub fn take_ready(&mut self, level: usize) -> Option<Ready> {
+        self.ready.pop(level)
+    }
+
+    /// A released message taken from `level` comes back to its place. `delivered`: it was
+    /// handed out and came back, which counts (a `Returned` marker first, as in a level's log).
+    pub fn put_back_ready(&mut self, level: usize, ready: Ready, delivered: bool) -> Result<(), BrokerError> {
+        if delivered {
+            let marker = message::append_returned(&self.log, ready.offset)?;
+            assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
+            self.done.push(true);
+            *self.returns.entry(ready.offset).or_default() += 1;
+        }
+        self.ready.put_back(level, ready);
+        Ok(())
+    }
+
+    /// The deliveries of the record at `offset` handed out now or last, this one included.
+    pub fn deliveries(&self, offset: u64) -> u32 {
+        self.returns.get(&offset).map_or(1, |n| n + 1)
+    }
+
+    /// Every released message waiting, taken (a flush drops them; the caller marks them done),
+    /// and how many each level had.
+    pub fn drain_ready(&mut self) -> (Vec<u64>, Vec<u64>) {
+        self.ready.drain()
     }
 
     /// The delayed messages due at `now_ns`, earliest first: at most `max` of them, and as many
@@ -457,7 +803,7 @@ impl DelayLog {
         /// Records read at a time: past the bytes, at most this many are read for nothing.
         const READ_AT_A_TIME: usize = 64;
         let taken = self.pop_due(now_ns, max);
-        let mut offsets: Vec<u64> = taken.iter().map(|&(_, offset)| offset).collect();
+        let mut offsets: Vec<u64> = taken.iter().map(|&(_, s)| unslot(s).1).collect();
         let mut copies = message::DueCopies::default();
         let mut reader = self.log.reader();
         let mut full = false;
@@ -502,8 +848,8 @@ impl DelayLog {
         Ok(out)
     }
 
-    /// Marks the delayed messages at `offsets` done (taken out of the timers before), in one
-    /// marker.
+    /// Marks the delayed messages at `offsets` done (taken out of the timers or the released
+    /// ones before), in one marker.
     pub fn mark_done(&mut self, offsets: &[u64]) -> Result<(), BrokerError> {
         if offsets.is_empty() {
             return Ok(());
@@ -511,7 +857,10 @@ impl DelayLog {
         let marker = message::append_moved(&self.log, offsets)?;
         assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
         self.done.push(true);
-        offsets.iter().for_each(|&o| self.done.set(o));
+        for o in offsets {
+            self.done.set(*o);
+            self.returns.remove(o);
+        }
         Ok(())
     }
 
@@ -540,8 +889,9 @@ impl DelayLog {
                 break; // (retention cannot take pending records: the pin stands before them)
             }
             for r in batch.into_iter().take_while(|r| r.offset < end) {
-                if !self.done.is_done(r.offset) && message::control(&r).is_none() {
-                    self.timers.consider((message::deliver_at(&r), r.offset));
+                if !self.done.is_done(r.offset) && !self.done.is_released(r.offset) && message::control(&r).is_none() {
+                    let level = usize::from(message::placement(&r).priority).min(self.levels() - 1);
+                    self.timers.consider((message::deliver_at(&r), slot(level, r.offset)));
                 }
                 next = r.offset + 1;
             }
@@ -555,12 +905,12 @@ impl DelayLog {
         Ok(false)
     }
 
-    /// Every pending delayed message's offset, the timers cleared (a flush drops them all; the
-    /// caller marks them done).
+    /// Every delayed message's offset not yet due (or not released), the timers cleared (a
+    /// flush drops them all; the caller marks them done).
     pub fn drain(&mut self) -> Vec<u64> {
         self.timers.clear();
         self.scan = None;
-        self.done.pending().collect()
+        self.done.delayed().collect()
     }
 
     /// Lets retention take what is before the oldest record still needed: the oldest pending,
@@ -632,7 +982,7 @@ mod tests {
     fn a_refill_read_in_slices_misses_nothing_delayed_meanwhile() {
         let dir = tempfile::tempdir().unwrap();
         let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
-        let mut delay = DelayLog::create(log, 8).unwrap();
+        let mut delay = DelayLog::create(log, 8, 1).unwrap();
         let message = |due: u64| Message { deliver_at: due, ..Message::new(due.to_be_bytes().to_vec()) };
         let offer = |delay: &mut DelayLog, dues: &[u64]| {
             let messages: Vec<Message> = dues.iter().map(|&d| message(d)).collect();
@@ -681,7 +1031,7 @@ mod tests {
         assert_eq!(done.first_pending(), 150);
         assert!(done.words.len() <= 2, "words before the first pending are dropped");
         assert!(done.is_done(5) && done.is_done(151) && !done.is_done(150) && !done.is_done(152));
-        assert_eq!(done.pending().count(), (150..210).filter(|o| (o - 10) % 3 != 0).count());
+        assert_eq!(done.delayed().count(), (150..210).filter(|o| (o - 10) % 3 != 0).count());
     }
 
     #[test]
@@ -689,7 +1039,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
         // Room for four timers: six of the ten messages are spilled to begin with.
-        let mut delay = DelayLog::create(log, 4).unwrap();
+        let mut delay = DelayLog::create(log, 4, 1).unwrap();
         let messages: Vec<Message> =
             (0..10u8).map(|i| Message { deliver_at: 1_000, ..Message::new(vec![i; 1000]) }).collect();
         delay.append(&messages, &vec![Placement::default(); messages.len()]).unwrap();

@@ -46,6 +46,8 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 pub use config::QueueConfig;
+#[doc(hidden)]
+pub use delay::limit_ready_runs;
 pub use function::{CallObserver, Called, FunctionStats, FunctionStatus, Invocation, LocalHandler, Replier};
 pub use group_feed::{GroupAcks, GroupFeed, GroupReader};
 pub use message::{Message, MessageKind, Status, answer_len_bound, id_of, offset_of};

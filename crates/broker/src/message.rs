@@ -51,6 +51,12 @@ const RETURNED: &str = "ctl.returned";
 // In a durable queue's delayed log, a "moved" marker lists the offsets of delayed messages that
 // were copied to their level's log (or dropped by a flush): they are done here.
 const MOVED: &str = "ctl.moved";
+// In a durable queue's delayed log, a "released" marker says that delayed messages came due and
+// joined a priority level where they are: handed out from the delayed log itself, each placed
+// after the level's records before `after` (its log's end then), timed `stamp`. They stay in
+// the delayed log until done (a `moved` marker: acknowledged, dead-lettered, expired, dropped).
+// The value: level (1 byte), after (8), stamp (8), then runs of offsets as start (8), count (4).
+const RELEASED: &str = "ctl.released";
 
 /// Appends a marker: the message at log offset `of` came back from a delivery. Not synced:
 /// like the queue's cursor it survives a process crash, and the next sync covers it.
@@ -72,6 +78,31 @@ pub(crate) fn append_moved(log: &SharedLog, offsets: &[u64]) -> petrel_log::Resu
     Ok(log.append_batch_unsynced(&[input])?.start)
 }
 
+/// Appends a marker to a durable queue's delayed log: the delayed messages in `runs` (start,
+/// count) joined `level` after its log's offset `after`, at time `stamp`. Not synced (see
+/// `append_returned`): lost to a crash, they come due again on open and are released again.
+pub(crate) fn append_released(
+    log: &SharedLog,
+    level: u8,
+    after: u64,
+    stamp: u64,
+    runs: &[(u64, u32)],
+) -> petrel_log::Result<u64> {
+    let mut value = Vec::with_capacity(17 + runs.len() * 12);
+    value.push(level);
+    value.extend_from_slice(&after.to_be_bytes());
+    value.extend_from_slice(&stamp.to_be_bytes());
+    for (start, count) in runs {
+        value.extend_from_slice(&start.to_be_bytes());
+        value.extend_from_slice(&count.to_be_bytes());
+    }
+    let headers = [(RELEASED, &value[..])];
+    // Timed as its messages joined their level: the queue's offers after it are timed later,
+    // across a restart too.
+    let input = Input { key: None, headers: &headers, payload: &[], timestamp: Some(stamp) };
+    Ok(log.append_batch_unsynced(&[input])?.start)
+}
+
 /// For a control record, what it says; `None` for a message.
 pub(crate) fn control(r: &Record<'_>) -> Option<Control> {
     let (name, value) = r.headers.iter().next()?;
@@ -83,6 +114,14 @@ pub(crate) fn control(r: &Record<'_>) -> Option<Control> {
         MOVED if value.len() % 8 == 0 => Some(Control::Moved(
             value.chunks_exact(8).map(|c| u64::from_be_bytes(c.try_into().expect("8 bytes"))).collect(),
         )),
+        RELEASED if value.len() >= 17 && (value.len() - 17) % 12 == 0 => {
+            let number = |b: &[u8]| u64::from_be_bytes(b.try_into().expect("8 bytes"));
+            let runs = value[17..]
+                .chunks_exact(12)
+                .map(|c| (number(&c[..8]), u32::from_be_bytes(c[8..].try_into().expect("4 bytes"))))
+                .collect();
+            Some(Control::Released { level: value[0], after: number(&value[1..9]), stamp: number(&value[9..17]), runs })
+        }
         _ => None,
     }
 }
@@ -94,6 +133,9 @@ pub(crate) enum Control {
     Returned(u64),
     /// The delayed messages at these offsets are done (moved, or flushed).
     Moved(Vec<u64>),
+    /// The delayed messages in these runs (start, count) joined `level` after its log's offset
+    /// `after`, at time `stamp`.
+    Released { level: u8, after: u64, stamp: u64, runs: Vec<(u64, u32)> },
 }
 
 /// What a record of a durable queue says beyond its message: where a delayed message goes, and

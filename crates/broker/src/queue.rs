@@ -10,7 +10,7 @@ use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog
 use tokio::sync::Notify;
 
 use crate::dedup::DedupWindow;
-use crate::delay::{self, DelayLog};
+use crate::delay::{self, DelayLog, Ready};
 use crate::message::{self, Message, Placement};
 use crate::{BrokerError, ConnId, Delivery, QueueConfig, QueueStats, config, counting};
 
@@ -401,7 +401,15 @@ struct InFlight {
 
 enum Taken {
     Memory(Box<Message>),
-    Log { level: usize, offset: u64 },
+    Log {
+        level: usize,
+        offset: u64,
+    },
+    /// A delayed message released to `level`, handed out from the delayed log.
+    Released {
+        level: usize,
+        ready: Ready,
+    },
 }
 
 impl Taken {
@@ -410,13 +418,25 @@ impl Taken {
         match self {
             Taken::Memory(m) => m.id,
             Taken::Log { level, offset } => message::queue_id(*level, *offset),
+            Taken::Released { ready, .. } => message::queue_id(message::DELAYED_TAG, ready.offset),
         }
     }
 
     fn level(&self) -> usize {
         match self {
             Taken::Memory(m) => m.priority as usize,
-            Taken::Log { level, .. } => *level,
+            Taken::Log { level, .. } | Taken::Released { level, .. } => *level,
+        }
+    }
+
+    /// Where the message was in the queue, as a key that sorts as its levels do: by level, then
+    /// by id in memory; on disk by log offset, a released message just before the record at
+    /// its `after` (and after those released before it).
+    fn place(&self) -> (usize, u64, bool, u64) {
+        match self {
+            Taken::Memory(m) => (m.priority as usize, m.id, false, 0),
+            Taken::Log { level, offset } => (*level, *offset, true, 0),
+            Taken::Released { level, ready } => (*level, ready.after, false, ready.seq()),
         }
     }
 }
@@ -493,7 +513,7 @@ impl Queue {
                                 *returns.entry(of).or_default() += 1;
                             }
                         }
-                        Some(message::Control::Moved(_)) => {}
+                        Some(message::Control::Moved(_) | message::Control::Released { .. }) => {}
                         None => {
                             if let Some(key) = message::idempotency_key(&r) {
                                 let key = String::from_utf8_lossy(key).into_owned();
@@ -532,7 +552,11 @@ impl Queue {
                 message::queue_position(id)
                     .is_some_and(|(level, offset)| lanes.get(level).is_some_and(|l| !l.group.is_acknowledged(offset)))
             };
-            let (delay, reopened) = DelayLog::open(log.clone(), delay::MAX_TIMERS, &moved, original_waits)?;
+            let (delay, reopened) =
+                DelayLog::open(log.clone(), delay::MAX_TIMERS, lanes.len(), &moved, original_waits)?;
+            for (waiting, released) in waiting_at.iter_mut().zip(&reopened.released_at) {
+                *waiting += released;
+            }
             for (at, offset, key) in reopened.keys {
                 keys.push((at, message::queue_id(message::DELAYED_TAG, offset), delayed_slot, key));
             }
@@ -1063,14 +1087,22 @@ impl Queue {
     pub fn ack(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
         let mut inner = self.lock();
         let mut n = 0;
+        // Released delayed messages are marked done together, in one marker.
+        let mut released = Vec::new();
         for h in handles {
             if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
                 let f = inner.in_flight.remove(h).expect("just seen");
-                inner.settle(&f.item)?;
+                match f.item {
+                    Taken::Released { ready, .. } => released.push(ready.offset),
+                    _ => inner.settle(&f.item)?,
+                }
                 counting::subtract(&mut inner.bytes, f.bytes, "a queue's bytes");
                 inner.counters.acked += 1;
                 n += 1;
             }
+        }
+        if let Store::Log { delayed: Some(delay), .. } = &mut inner.store {
+            delay.mark_done(&released)?;
         }
         drop(inner);
         self.room.notify_waiters();
@@ -1224,7 +1256,7 @@ impl Queue {
     /// Removes every waiting message (not those in flight).
     pub fn flush(&self) -> Result<u64, BrokerError> {
         let mut inner = self.lock();
-        let mut n = inner.drop_delayed()?;
+        let mut n = inner.drop_delayed()? + inner.drop_released()?;
         while inner.drop_oldest()? {
             n += 1;
         }
@@ -1389,9 +1421,12 @@ impl Inner {
             if self.waiting_at[level] == 0 {
                 continue; // nothing to read at that level's head
             }
-            let expires_at = match &mut self.store {
-                Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
-                Store::Log { lanes, .. } => lanes[level].head()?.map(|r| message::expires_at(&r)),
+            let expires_at = match self.ready_front(level)? {
+                Some(ready) => Some(self.released(level, ready)?.expires_at),
+                None => match &mut self.store {
+                    Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
+                    Store::Log { lanes, .. } => lanes[level].head()?.map(|r| message::expires_at(&r)),
+                },
             };
             earliest = earliest.into_iter().chain(expires_at.filter(|&e| e != 0)).min();
         }
@@ -1400,9 +1435,38 @@ impl Inner {
 
     /// The message at the head of `level`, left in place (its id and priority set).
     fn head_at(&mut self, level: usize) -> Result<Option<Message>, BrokerError> {
+        if let Some(ready) = self.ready_front(level)? {
+            return Ok(Some(self.released(level, ready)?));
+        }
         Ok(match &mut self.store {
             Store::Memory { levels, .. } => levels[level].front().cloned(),
             Store::Log { lanes, .. } => lanes[level].head()?.map(|r| stored(level, &r)),
+        })
+    }
+
+    /// The released delayed message of a durable queue's `level` that comes before its log's
+    /// head, if one does: ahead of every record of the level's log from `ready.after` on.
+    fn ready_front(&mut self, level: usize) -> Result<Option<Ready>, BrokerError> {
+        let Store::Log { lanes, delayed, .. } = &mut self.store else { return Ok(None) };
+        let Some(ready) = delayed.as_ref().and_then(|d| d.ready_front(level)) else { return Ok(None) };
+        let lane = &mut lanes[level];
+        skip_markers(&mut lane.group, &mut lane.markers_unread)?;
+        // (Whether or not the head may be handed out yet: it is ahead or not all the same.)
+        let head = lane.group.peek()?.map(|r| r.offset);
+        Ok(head.is_none_or(|head| ready.after <= head).then_some(ready))
+    }
+
+    /// The released delayed message `ready` of `level`, as it is handed out: its id the one it
+    /// had delayed, its time the one it joined the level at, its deliveries this one included.
+    fn released(&self, level: usize, ready: Ready) -> Result<Message, BrokerError> {
+        let Store::Log { delayed: Some(delay), .. } = &self.store else { unreachable!("released from a delayed log") };
+        let (m, _) = delay.read(&[ready.offset])?.pop().expect("one read, one message");
+        Ok(Message {
+            id: message::queue_id(message::DELAYED_TAG, ready.offset),
+            priority: level as u8,
+            timestamp: ready.stamp,
+            deliveries: delay.deliveries(ready.offset),
+            ..m
         })
     }
 
@@ -1419,6 +1483,9 @@ impl Inner {
     /// Whether `level` has a message to hand out now (on disk: one its offer is not still
     /// waiting to sync).
     fn has_head(&mut self, level: usize) -> Result<bool, BrokerError> {
+        if self.ready_front(level)?.is_some() {
+            return Ok(true);
+        }
         Ok(match &mut self.store {
             Store::Memory { levels, .. } => !levels[level].is_empty(),
             Store::Log { lanes, .. } => lanes[level].head()?.is_some(),
@@ -1429,6 +1496,9 @@ impl Inner {
     fn head_offered_at(&mut self, level: usize) -> Result<u64, BrokerError> {
         if self.waiting_at[level] == 0 {
             return Ok(u64::MAX);
+        }
+        if let Some(ready) = self.ready_front(level)? {
+            return Ok(ready.stamp);
         }
         Ok(match &mut self.store {
             Store::Memory { levels, .. } => levels[level].front().map_or(u64::MAX, |m| m.timestamp),
@@ -1468,8 +1538,12 @@ impl Inner {
             self.waiting,
             match &self.store {
                 Store::Memory { levels, .. } => levels.iter().map(|l| l.len() as u64).sum(),
-                Store::Log { lanes, .. } => {
+                Store::Log { lanes, delayed, .. } => {
+                    let released_out =
+                        self.in_flight.values().filter(|f| matches!(f.item, Taken::Released { .. })).count() as u64;
                     lanes.iter().map(|l| l.group.unacknowledged() - l.markers_unread).sum::<u64>()
+                        + delayed.as_ref().map_or(0, |d| d.ready_len())
+                        + released_out
                         - self.in_flight.len() as u64
                 }
             },
@@ -1506,6 +1580,14 @@ impl Inner {
     }
 
     fn next_at(&mut self, level: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
+        if let Some(ready) = self.ready_front(level)? {
+            let message = self.released(level, ready)?;
+            let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
+                unreachable!("released from a delayed log")
+            };
+            assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
+            return Ok(Some((message, Taken::Released { level, ready })));
+        }
         match &mut self.store {
             Store::Memory { levels, .. } => Ok(levels[level].pop_front().map(|mut m| {
                 m.deliveries += 1;
@@ -1540,6 +1622,9 @@ impl Inner {
                 lane.returns.remove(offset);
                 Ok(lane.group.ack(*offset)?)
             }
+            (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
+                delay.mark_done(&[ready.offset])
+            }
             _ => Ok(()),
         }
     }
@@ -1564,6 +1649,9 @@ impl Inner {
                 (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
                     deliveries_of(&lanes[*level].returns, *offset)
                 }
+                (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
+                    delay.deliveries(ready.offset)
+                }
                 _ => unreachable!("a queue's takings match its store"),
             };
             if max_deliveries == 0 || deliveries < max_deliveries {
@@ -1581,6 +1669,7 @@ impl Inner {
             let message = match &read.item {
                 Taken::Memory(m) => (**m).clone(),
                 Taken::Log { level, offset } => Message { deliveries, ..self.read_stored(*level, *offset)? },
+                Taken::Released { level, ready } => self.released(*level, *ready)?,
             };
             self.settle(&read.item)?;
             counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
@@ -1600,7 +1689,7 @@ impl Inner {
         }
         // Those returned together are delayed in their levels' order (as they were waiting), so
         // that those due at one time come back in it: not in the order a map lists them.
-        later.sort_by_key(|(taken, _)| (taken.level(), taken.message_id()));
+        later.sort_by_key(|(taken, _)| taken.place());
         let n = later.len() as u64;
         match &mut self.store {
             Store::Memory { delayed, next_id, .. } => {
@@ -1616,17 +1705,24 @@ impl Inner {
                 let mut copies = Vec::with_capacity(later.len());
                 let mut placements = Vec::with_capacity(later.len());
                 for (taken, due) in &later {
-                    let Taken::Log { level, offset } = *taken else {
-                        unreachable!("a queue's takings match its store")
+                    let (message, deliveries) = match *taken {
+                        Taken::Log { level, offset } => {
+                            let Store::Log { lanes, .. } = &self.store else { unreachable!("taken from a log") };
+                            (self.read_stored(level, offset)?, deliveries_of(&lanes[level].returns, offset))
+                        }
+                        Taken::Released { level, ready } => {
+                            let m = self.released(level, ready)?;
+                            let deliveries = m.deliveries;
+                            (m, deliveries)
+                        }
+                        Taken::Memory(_) => unreachable!("a queue's takings match its store"),
                     };
-                    let Store::Log { lanes, .. } = &self.store else { unreachable!() };
-                    let deliveries = deliveries_of(&lanes[level].returns, offset);
-                    copies.push(Message { deliver_at: *due, ..self.read_stored(level, offset)? });
+                    copies.push(Message { deliver_at: *due, ..message });
                     placements.push(Placement {
-                        priority: level as u8,
+                        priority: taken.level() as u8,
                         deliveries,
                         copy: true,
-                        returned_from: Some(message::queue_id(level, offset)),
+                        returned_from: Some(taken.message_id()),
                         ..Placement::default()
                     });
                 }
@@ -1647,10 +1743,10 @@ impl Inner {
 
     /// A durable queue's delayed log, made at its first delayed message.
     fn delay_log(&mut self) -> Result<&mut DelayLog, BrokerError> {
-        let Store::Log { delayed, open_delayed, .. } = &mut self.store else { unreachable!("only a log has one") };
+        let Store::Log { lanes, delayed, open_delayed } = &mut self.store else { unreachable!("only a log has one") };
         Ok(match delayed {
             Some(delay) => delay,
-            None => delayed.insert(Box::new(DelayLog::create(open_delayed()?, delay::MAX_TIMERS)?)),
+            None => delayed.insert(Box::new(DelayLog::create(open_delayed()?, delay::MAX_TIMERS, lanes.len())?)),
         })
     }
 
@@ -1679,33 +1775,42 @@ impl Inner {
                 }
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
-                // Those beyond the tick's bytes wait for the next tick (at once: they are due).
-                let top = lanes.len() - 1;
-                let (due, copies) = delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK, top, delay::MAX_MOVE_BYTES)?;
-                for (level, lane) in lanes.iter_mut().enumerate() {
-                    let range = copies.append(&lane.log, level, stamp)?;
-                    if range.is_empty() {
-                        continue;
-                    }
-                    let of_level = copies.copies().iter().filter(|c| c.level == level);
-                    for (offset, c) in range.clone().zip(of_level) {
-                        if c.deliveries != 0 {
-                            lane.returns.insert(offset, c.deliveries);
+                // Released where they are, unless too many runs of them wait: then copied.
+                let afters: Vec<u64> = lanes.iter().map(|l| l.log.next_offset()).collect();
+                match delay.release_due(now_ns, delay::MAX_MOVES_PER_TICK, &afters, stamp)? {
+                    // (Each behind its level's records still waiting to sync, if any: it waits for them.)
+                    Some(released) => moved_at = released,
+                    None => {
+                        // Those beyond the tick's bytes wait for the next tick (at once: they are due).
+                        let top = lanes.len() - 1;
+                        let (due, copies) =
+                            delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK, top, delay::MAX_MOVE_BYTES)?;
+                        for (level, lane) in lanes.iter_mut().enumerate() {
+                            let range = copies.append(&lane.log, level, stamp)?;
+                            if range.is_empty() {
+                                continue;
+                            }
+                            let of_level = copies.copies().iter().filter(|c| c.level == level);
+                            for (offset, c) in range.clone().zip(of_level) {
+                                if c.deliveries != 0 {
+                                    lane.returns.insert(offset, c.deliveries);
+                                }
+                            }
+                            if lane.log.durability() != Durability::None {
+                                // On disk before the originals are marked done: a crash keeps one or the
+                                // other (and open tells which from the copy's `moved_from`).
+                                lane.log.sync()?;
+                            }
+                            if lane.visible_end != u64::MAX {
+                                lane.visible_end = lane.visible_end.max(range.end);
+                            }
+                            moved_at[level] = range.end - range.start;
+                        }
+                        delay.mark_done(&due)?;
+                        if delay.log.durability() == Durability::Always && !due.is_empty() {
+                            delay.log.sync()?;
                         }
                     }
-                    if lane.log.durability() != Durability::None {
-                        // On disk before the originals are marked done: a crash keeps one or the
-                        // other (and open tells which from the copy's `moved_from`).
-                        lane.log.sync()?;
-                    }
-                    if lane.visible_end != u64::MAX {
-                        lane.visible_end = lane.visible_end.max(range.end);
-                    }
-                    moved_at[level] = range.end - range.start;
-                }
-                delay.mark_done(&due)?;
-                if delay.log.durability() == Durability::Always && !due.is_empty() {
-                    delay.log.sync()?;
                 }
                 delay.refill_step(delay::REFILL_SLICE)?;
                 let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
@@ -1750,6 +1855,22 @@ impl Inner {
         Ok(n)
     }
 
+    /// Drops every released delayed message waiting (a flush, which then counts the bytes
+    /// left); returns how many.
+    fn drop_released(&mut self) -> Result<u64, BrokerError> {
+        let Store::Log { delayed: Some(delay), .. } = &mut self.store else { return Ok(0) };
+        let (offsets, per_level) = delay.drain_ready();
+        for chunk in offsets.chunks(8192) {
+            delay.mark_done(chunk)?;
+        }
+        for (waiting, n) in self.waiting_at.iter_mut().zip(per_level) {
+            counting::subtract(waiting, n, "a priority level's waiting messages");
+            counting::subtract(&mut self.waiting, n, "a queue's waiting messages");
+        }
+        self.head_taken |= !offsets.is_empty();
+        Ok(offsets.len() as u64)
+    }
+
     /// The message stored at `offset` of a durable queue's log for `level`.
     fn read_stored(&self, level: usize, offset: u64) -> Result<Message, BrokerError> {
         let Store::Log { lanes, .. } = &self.store else { unreachable!("only a log stores by offset") };
@@ -1788,6 +1909,9 @@ impl Inner {
                 }
                 lane.group.nack(offset)?;
             }
+            (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
+                delay.put_back_ready(level, ready, delivered)?;
+            }
             _ => unreachable!("a queue's takings match its store"),
         }
         self.waiting += 1;
@@ -1806,6 +1930,26 @@ impl Inner {
 
     /// Drops the message at the head of `level`; `false` if there is none.
     fn drop_head(&mut self, level: usize) -> Result<bool, BrokerError> {
+        if let Some(ready) = self.ready_front(level)? {
+            let size = self.released(level, ready)?.size();
+            let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
+                unreachable!("released from a delayed log")
+            };
+            assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
+            delay.mark_done(&[ready.offset])?;
+            counting::subtract(&mut self.bytes, size, "a queue's bytes");
+        } else if !self.drop_stored_head(level)? {
+            return Ok(false);
+        }
+        counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
+        counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
+        self.head_taken = true;
+        Ok(true)
+    }
+
+    /// Drops the message at the head of `level`'s store (its list, or its log) and counts its
+    /// bytes; `false` if there is none.
+    fn drop_stored_head(&mut self, level: usize) -> Result<bool, BrokerError> {
         match &mut self.store {
             Store::Memory { levels, .. } => match levels[level].pop_front() {
                 Some(m) => counting::subtract(&mut self.bytes, m.size(), "a queue's bytes"),
@@ -1823,9 +1967,6 @@ impl Inner {
                 }
             }
         }
-        counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
-        counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
-        self.head_taken = true;
         Ok(true)
     }
 }

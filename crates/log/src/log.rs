@@ -134,6 +134,12 @@ impl Log {
             interval_sync,
             _lock: lock,
         };
+        // Timestamps never go back, across a reopen too (the time index relies on it).
+        if let Some(last) = next_offset.checked_sub(1) {
+            let mut reader = log.reader();
+            reader.seek(last);
+            log.last_timestamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
+        }
         if log.active.format != frame::Format::CURRENT {
             // A last segment of an earlier format with records in it is sealed as it is:
             // appends go on in a new segment of the current format.

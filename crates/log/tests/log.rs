@@ -121,6 +121,12 @@ fn timestamps_never_go_backwards() {
     assert_eq!(r[0].timestamp, 5_000);
     assert_eq!(r[1].timestamp, 5_000, "an earlier timestamp is raised to the previous one");
     assert!(r[2].timestamp > 1_600_000_000_000_000_000, "current time in ns");
+    // Nor across a reopen: the last record's time is where the next one starts from.
+    let last = r[2].timestamp;
+    drop(log);
+    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    log.append_with(&Input { timestamp: Some(0), ..Input::payload(b"d") }).unwrap();
+    assert_eq!(read_all(&mut log.reader())[3].timestamp, last, "raised to the time before the reopen");
 }
 
 /// Writes `n` equal-sized records to a fresh log; returns the position of each frame.
