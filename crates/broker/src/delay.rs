@@ -26,18 +26,22 @@
 //! open a copy whose original is still unacknowledged is dropped (the original is handed out
 //! again, only without its delay).
 
-use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, HashSet, VecDeque};
 
 use petrel_log::{ConsumerGroup, Durability, GroupOptions, SeekTo, SharedLog};
 
-use crate::BrokerError;
+use crate::{BrokerError, NumberMap};
 use crate::message::{self, Message, Placement};
 
 /// Delayed messages a queue's timers hold at most; later ones are found again in its log.
 pub(crate) const MAX_TIMERS: usize = 65_536;
-/// Due messages one tick moves from a queue's delayed log at most (the rest on the next tick, at
+/// Due messages one tick copies from a queue's delayed log at most (the rest on the next tick, at
 /// once): one tick's work under the queue's lock stays bounded.
 pub(crate) const MAX_MOVES_PER_TICK: usize = 16_384;
+/// Due messages one tick releases at most: a release writes no message, only a few bits and a
+/// run each, so a tick releases more than it would copy (and keeps up with a fast producer
+/// whose messages the tick finds due together).
+pub(crate) const MAX_RELEASES_PER_TICK: usize = 65_536;
 /// Bytes of due messages one tick holds in memory at most while it copies them (and at least
 /// one message): large messages move a few per tick.
 pub(crate) const MAX_MOVE_BYTES: usize = 32 << 20;
@@ -365,6 +369,19 @@ impl Done {
         first.min(self.end())
     }
 
+    /// The oldest record neither done nor released (`end` if none), a word at a time.
+    fn first_delayed(&self) -> u64 {
+        let words = self.words.iter().zip(&self.released).map(|(d, r)| d | r);
+        let mut first = self.base;
+        for w in words {
+            if w != u64::MAX {
+                return (first + u64::from(w.trailing_ones())).min(self.end());
+            }
+            first += 64;
+        }
+        self.end()
+    }
+
     /// The records neither done nor released (the delayed messages not yet due), oldest first.
     fn delayed(&self) -> impl Iterator<Item = u64> + '_ {
         (self.base..self.end()).filter(|o| !self.is_done(*o) && !self.is_released(*o))
@@ -515,9 +532,12 @@ pub(crate) struct DelayLog {
     ready: ReadyRuns,
     /// How many deliveries of each record not done ended with the message coming back (only
     /// those that did): its `Returned` markers here, and what a returned copy carried.
-    returns: HashMap<u64, u32>,
+    returns: NumberMap<u32>,
     /// A refill's reading of the log: the next offset, and where the log ended when it began.
     scan: Option<(u64, u64)>,
+    /// Reads released messages as they are handed out: mostly one after another, so that the
+    /// next is where this reader stands.
+    reader: petrel_log::Reader,
 }
 
 /// What opening a delayed log found.
@@ -542,7 +562,9 @@ impl DelayLog {
         let pin = log.group(PIN_GROUP, GroupOptions::default())?;
         let done = Done::starting_at(log.next_offset());
         let ready = ReadyRuns::new(levels);
-        Ok(DelayLog { log, pin, timers: Timers::new(cap), done, ready, returns: HashMap::new(), scan: None })
+        let reader = log.reader();
+        let returns = NumberMap::default();
+        Ok(DelayLog { log, pin, timers: Timers::new(cap), done, ready, returns, scan: None, reader })
     }
 
     /// Opens a delayed log that may hold messages, for a queue of `levels` priority levels.
@@ -560,7 +582,7 @@ impl DelayLog {
         let start = pin.committed();
         let top = levels - 1;
         let mut done = Done::starting_at(start);
-        let mut returns = HashMap::<u64, u32>::new();
+        let mut returns = NumberMap::<u32>::default();
         // Released runs in the order they were released: (level, after, stamp, start, count).
         let mut released = Vec::new();
         // First the markers (each follows the records it names), then the messages.
@@ -642,7 +664,8 @@ impl DelayLog {
             reader.seek(last);
             reopened.last_stamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
         }
-        let mut delay = DelayLog { log, pin, timers, done, ready, returns, scan: None };
+        let reader = log.reader();
+        let mut delay = DelayLog { log, pin, timers, done, ready, returns, scan: None, reader };
         // Copies the levels' logs hold, and returned copies whose original stayed: done now.
         delay.mark_done(&repaired)?;
         Ok((delay, reopened))
@@ -778,6 +801,12 @@ impl DelayLog {
         Ok(())
     }
 
+    /// The delayed message at `offset` (one not done).
+    pub fn message_at(&mut self, offset: u64) -> Result<Message, BrokerError> {
+        let r = self.reader.get(offset)?.filter(|r| r.offset == offset);
+        Ok(message::from_record(&r.expect("a delayed record not done is in the log")))
+    }
+
     /// The deliveries of the record at `offset` handed out now or last, this one included.
     pub fn deliveries(&self, offset: u64) -> u32 {
         self.returns.get(&offset).map_or(1, |n| n + 1)
@@ -874,7 +903,9 @@ impl DelayLog {
                 return Ok(false);
             }
             self.timers.start_refill();
-            self.scan = Some((self.done.first_pending(), self.log.next_offset()));
+            // From the oldest record neither done nor released: released ones may stand long
+            // before it (waiting for a consumer), and are not read again for nothing.
+            self.scan = Some((self.done.first_delayed(), self.log.next_offset()));
         }
         let (mut next, end) = self.scan.expect("a refill under way");
         let mut reader = self.log.reader();
@@ -1032,6 +1063,14 @@ mod tests {
         assert!(done.words.len() <= 2, "words before the first pending are dropped");
         assert!(done.is_done(5) && done.is_done(151) && !done.is_done(150) && !done.is_done(152));
         assert_eq!(done.delayed().count(), (150..210).filter(|o| (o - 10) % 3 != 0).count());
+        // Released ones are pending but not delayed: the first delayed is past them.
+        assert_eq!(done.first_delayed(), 150);
+        (150..200).for_each(|o| done.set_released(o));
+        assert_eq!((done.first_pending(), done.first_delayed()), (150, 200));
+        assert!(done.is_released(150) && !done.is_released(200) && !done.is_released(5));
+        (200..210).for_each(|o| done.set_released(o));
+        assert_eq!(done.first_delayed(), done.end());
+        assert_eq!(done.delayed().count(), 0);
     }
 
     #[test]

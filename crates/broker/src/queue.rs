@@ -1,7 +1,7 @@
 //! One queue: in memory or on a `petrel-log`, bounded or circular, with tentative reads that come
 //! back unless acknowledged, and expiry.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
@@ -12,7 +12,7 @@ use tokio::sync::Notify;
 use crate::dedup::DedupWindow;
 use crate::delay::{self, DelayLog, Ready};
 use crate::message::{self, Message, Placement};
-use crate::{BrokerError, ConnId, Delivery, QueueConfig, QueueStats, config, counting};
+use crate::{BrokerError, ConnId, Delivery, NumberMap, QueueConfig, QueueStats, config, counting};
 
 /// What the broker counts for a queue: more than QUEUE_STATUS carries (`Queue::status`), all of
 /// it on the server's metrics.
@@ -322,7 +322,7 @@ impl Drop for CountedWaiter<'_> {
 
 struct Inner {
     store: Store,
-    in_flight: HashMap<u64, InFlight>,
+    in_flight: NumberMap<InFlight>,
     /// Messages waiting to be taken (not in flight): one exact count for both stores, changed
     /// where a message enters or leaves the ready set (`offer`, `next`, `put_back`,
     /// `drop_oldest`) and checked against the store in debug builds.
@@ -372,7 +372,7 @@ struct Lane {
     dedup: Option<Box<ConsumerGroup>>,
     /// How many deliveries of each waiting or in-flight record ended with the message coming
     /// back (only those that did); rebuilt on open from the log's return markers.
-    returns: HashMap<u64, u32>,
+    returns: NumberMap<u32>,
     /// Return markers not yet read past by the group: unacknowledged records that are not
     /// messages.
     markers_unread: u64,
@@ -494,7 +494,7 @@ impl Queue {
             // (from where the `dedup` group stands, which may be before the queue's group).
             let mut reader = log.reader();
             reader.seek(dedup.as_ref().map_or(group.committed(), |d| d.committed().min(group.committed())));
-            let (mut returns, mut markers_unread) = (HashMap::<u64, u32>::new(), 0);
+            let (mut returns, mut markers_unread) = (NumberMap::<u32>::default(), 0);
             loop {
                 let batch = reader.read_batch(4096)?;
                 if batch.is_empty() {
@@ -613,7 +613,7 @@ impl Queue {
             repliers: Mutex::new(Vec::new()),
             inner: Mutex::new(Inner {
                 store,
-                in_flight: HashMap::new(),
+                in_flight: NumberMap::default(),
                 waiting: 0,
                 bytes,
                 waiting_at: vec![0; levels],
@@ -1458,9 +1458,9 @@ impl Inner {
 
     /// The released delayed message `ready` of `level`, as it is handed out: its id the one it
     /// had delayed, its time the one it joined the level at, its deliveries this one included.
-    fn released(&self, level: usize, ready: Ready) -> Result<Message, BrokerError> {
-        let Store::Log { delayed: Some(delay), .. } = &self.store else { unreachable!("released from a delayed log") };
-        let (m, _) = delay.read(&[ready.offset])?.pop().expect("one read, one message");
+    fn released(&mut self, level: usize, ready: Ready) -> Result<Message, BrokerError> {
+        let Store::Log { delayed: Some(delay), .. } = &mut self.store else { unreachable!("released from a delayed log") };
+        let m = delay.message_at(ready.offset)?;
         Ok(Message {
             id: message::queue_id(message::DELAYED_TAG, ready.offset),
             priority: level as u8,
@@ -1777,7 +1777,7 @@ impl Inner {
             Store::Log { lanes, delayed: Some(delay), .. } => {
                 // Released where they are, unless too many runs of them wait: then copied.
                 let afters: Vec<u64> = lanes.iter().map(|l| l.log.next_offset()).collect();
-                match delay.release_due(now_ns, delay::MAX_MOVES_PER_TICK, &afters, stamp)? {
+                match delay.release_due(now_ns, delay::MAX_RELEASES_PER_TICK, &afters, stamp)? {
                     // (Each behind its level's records still waiting to sync, if any: it waits for them.)
                     Some(released) => moved_at = released,
                     None => {
@@ -1977,7 +1977,7 @@ fn stored(level: usize, r: &petrel_log::Record<'_>) -> Message {
 }
 
 /// A durable queue's record `offset` handed out now or last: its deliveries, this one included.
-fn deliveries_of(returns: &HashMap<u64, u32>, offset: u64) -> u32 {
+fn deliveries_of(returns: &NumberMap<u32>, offset: u64) -> u32 {
     returns.get(&offset).map_or(1, |n| n + 1)
 }
 
