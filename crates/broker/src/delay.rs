@@ -30,8 +30,8 @@ use std::collections::{BTreeSet, BinaryHeap, HashSet, VecDeque};
 
 use petrel_log::{ConsumerGroup, Durability, GroupOptions, SeekTo, SharedLog};
 
-use crate::{BrokerError, NumberMap};
 use crate::message::{self, Message, Placement};
+use crate::{BrokerError, NumberMap};
 
 /// Delayed messages a queue's timers hold at most; later ones are found again in its log.
 pub(crate) const MAX_TIMERS: usize = 65_536;
@@ -424,7 +424,7 @@ impl Run {
 }
 
 /// The released messages waiting at each level, in the order they are handed out.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct ReadyRuns {
     levels: Vec<(VecDeque<Run>, u64)>,
     runs: usize,
@@ -1047,6 +1047,49 @@ mod tests {
         assert_eq!(delay.pending(), 0);
         expected.sort_unstable();
         assert_eq!(out, expected, "each once, in due order");
+    }
+
+    /// Released messages come out by release, and back to their place whatever the order they
+    /// come back in; a run is split and mended as they go and come; a restart puts them back
+    /// where they were, and one done meanwhile is left out.
+    #[test]
+    fn released_messages_keep_their_places_through_takes_returns_and_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = || petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(open(), 8, 2).unwrap();
+        let message = |due: u64, level: u8| Message { deliver_at: due, timestamp: 500, ..Message::new(vec![level; 4]) };
+        let placement = |level: u8| Placement { priority: level, ..Placement::default() };
+        // Offsets 0–5: level 1, 0, 1, 1, 0, 1; all due at 10 but 5, due at 20.
+        let levels = [1u8, 0, 1, 1, 0, 1];
+        let dues = [10, 10, 10, 10, 10, 20];
+        let messages: Vec<Message> = levels.iter().zip(dues).map(|(&l, d)| message(d, l)).collect();
+        delay.append(&messages, &levels.iter().map(|&l| placement(l)).collect::<Vec<_>>()).unwrap();
+        assert_eq!(delay.release_due(10, 100, &[7, 3], 1_000).unwrap(), Some(vec![2, 3]));
+        assert_eq!((delay.pending(), delay.ready_len()), (1, 5));
+        assert_eq!(delay.release_due(20, 100, &[7, 4], 2_000).unwrap(), Some(vec![0, 1]));
+        let order = |delay: &DelayLog, level| {
+            let mut ready = delay.ready.clone();
+            std::iter::from_fn(|| ready.pop(level)).map(|r| (r.offset, r.after, r.stamp)).collect::<Vec<_>>()
+        };
+        assert_eq!(order(&delay, 1), [(0, 3, 1_000), (2, 3, 1_000), (3, 3, 1_000), (5, 4, 2_000)]);
+        assert_eq!(order(&delay, 0), [(1, 7, 1_000), (4, 7, 1_000)]);
+        // Take three of level 1, give back the third and the first (a second delivery each).
+        let taken: Vec<Ready> = (0..3).map(|_| delay.take_ready(1).unwrap()).collect();
+        delay.put_back_ready(1, taken[2], true).unwrap();
+        delay.put_back_ready(1, taken[0], true).unwrap();
+        assert_eq!(order(&delay, 1).iter().map(|r| r.0).collect::<Vec<_>>(), [0, 3, 5]);
+        assert_eq!((delay.deliveries(0), delay.deliveries(2), delay.deliveries(3)), (2, 1, 2));
+        // The second is acknowledged; the rest wait across a reopen, in their places.
+        delay.mark_done(&[taken[1].offset]).unwrap();
+        let taken = delay.take_ready(0).unwrap(); // handed out when the server stops
+        assert_eq!(taken.offset, 1);
+        drop(delay);
+        let (delay, reopened) = DelayLog::open(open(), 8, 2, &HashSet::new(), |_| false).unwrap();
+        assert_eq!((reopened.pending, reopened.released_at.clone()), (0, vec![2, 3]));
+        assert_eq!(order(&delay, 1), [(0, 3, 1_000), (3, 3, 1_000), (5, 4, 2_000)]);
+        assert_eq!(order(&delay, 0), [(1, 7, 1_000), (4, 7, 1_000)]);
+        assert_eq!((delay.deliveries(0), delay.deliveries(3), delay.deliveries(1)), (2, 2, 1));
+        assert_eq!(reopened.last_stamp, 2_000, "a release's time is its marker's");
     }
 
     #[test]

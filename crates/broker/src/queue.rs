@@ -1459,7 +1459,9 @@ impl Inner {
     /// The released delayed message `ready` of `level`, as it is handed out: its id the one it
     /// had delayed, its time the one it joined the level at, its deliveries this one included.
     fn released(&mut self, level: usize, ready: Ready) -> Result<Message, BrokerError> {
-        let Store::Log { delayed: Some(delay), .. } = &mut self.store else { unreachable!("released from a delayed log") };
+        let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
+            unreachable!("released from a delayed log")
+        };
         let m = delay.message_at(ready.offset)?;
         Ok(Message {
             id: message::queue_id(message::DELAYED_TAG, ready.offset),
