@@ -1450,6 +1450,9 @@ impl Inner {
         let Store::Log { lanes, delayed, .. } = &mut self.store else { return Ok(None) };
         let Some(ready) = delayed.as_ref().and_then(|d| d.ready_front(level)) else { return Ok(None) };
         let lane = &mut lanes[level];
+        if ready.after <= lane.group.committed() {
+            return Ok(Some(ready)); // (every record before it is acknowledged: no head to read)
+        }
         skip_markers(&mut lane.group, &mut lane.markers_unread)?;
         // (Whether or not the head may be handed out yet: it is ahead or not all the same.)
         let head = lane.group.peek()?.map(|r| r.offset);
