@@ -322,7 +322,7 @@ impl Drop for CountedWaiter<'_> {
 
 struct Inner {
     store: Store,
-    in_flight: NumberMap<InFlight>,
+    in_flight: OpenReads,
     /// Messages waiting to be taken (not in flight): one exact count for both stores, changed
     /// where a message enters or leaves the ready set (`offer`, `next`, `put_back`,
     /// `drop_oldest`) and checked against the store in debug builds.
@@ -388,6 +388,36 @@ impl Lane {
         skip_markers(&mut self.group, &mut self.markers_unread)?;
         let visible_end = self.visible_end;
         Ok(self.group.peek()?.filter(|r| r.offset < visible_end))
+    }
+}
+
+/// The messages taken tentatively, by handle, and how many of them are released delayed messages
+/// (bounded as a level's log bounds its own: `MAX_PENDING`).
+#[derive(Default)]
+struct OpenReads {
+    by_handle: NumberMap<InFlight>,
+    released: usize,
+}
+
+impl OpenReads {
+    fn insert(&mut self, handle: u64, read: InFlight) {
+        self.released += usize::from(matches!(read.item, Taken::Released { .. }));
+        let before = self.by_handle.insert(handle, read);
+        assert!(before.is_none(), "a handle is given once");
+    }
+
+    fn remove(&mut self, handle: &u64) -> Option<InFlight> {
+        let read = self.by_handle.remove(handle)?;
+        self.released -= usize::from(matches!(read.item, Taken::Released { .. }));
+        Some(read)
+    }
+}
+
+impl std::ops::Deref for OpenReads {
+    type Target = NumberMap<InFlight>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.by_handle
     }
 }
 
@@ -613,7 +643,7 @@ impl Queue {
             repliers: Mutex::new(Vec::new()),
             inner: Mutex::new(Inner {
                 store,
-                in_flight: NumberMap::default(),
+                in_flight: OpenReads::default(),
                 waiting: 0,
                 bytes,
                 waiting_at: vec![0; levels],
@@ -1544,8 +1574,11 @@ impl Inner {
             match &self.store {
                 Store::Memory { levels, .. } => levels.iter().map(|l| l.len() as u64).sum(),
                 Store::Log { lanes, delayed, .. } => {
-                    let released_out =
-                        self.in_flight.values().filter(|f| matches!(f.item, Taken::Released { .. })).count() as u64;
+                    let released_out = self.in_flight.released as u64;
+                    debug_assert_eq!(
+                        self.in_flight.released,
+                        self.in_flight.values().filter(|f| matches!(f.item, Taken::Released { .. })).count()
+                    );
                     lanes.iter().map(|l| l.group.unacknowledged() - l.markers_unread).sum::<u64>()
                         + delayed.as_ref().map_or(0, |d| d.ready_len())
                         + released_out
@@ -1586,6 +1619,9 @@ impl Inner {
 
     fn next_at(&mut self, level: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
         if let Some(ready) = self.ready_front(level)? {
+            if self.in_flight.released >= MAX_PENDING {
+                return Ok(None); // (as many out as a level's log allows: it waits for acknowledgements)
+            }
             let message = self.released(level, ready)?;
             let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
                 unreachable!("released from a delayed log")

@@ -976,6 +976,33 @@ fn delayed_messages_are_invisible_until_due_then_join_the_tail_across_a_restart(
     }
 }
 
+/// Due messages handed out from a durable queue's delayed log are bounded in flight as a level's
+/// log bounds its own: a consumer that takes and never acknowledges holds at most
+/// `MAX_PENDING` of them, and gets more as it acknowledges.
+#[test]
+fn released_delayed_messages_in_flight_are_bounded_as_a_levels_are() {
+    let t0 = now_ns();
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    let n = petrel_log::MAX_PENDING + 1_000;
+    for chunk in (0..n).collect::<Vec<_>>().chunks(1_000) {
+        let batch = chunk.iter().map(|i| Message { delay_ms: 1, ..Message::new(i.to_string().into_bytes()) }).collect();
+        b.offer("q", batch, t0).unwrap();
+    }
+    b.tick(t0 + 2 * MS);
+    let vis = Some(Duration::from_secs(60));
+    let taken = b.poll("q", n, vis, 1, t0 + 2 * MS).unwrap();
+    assert_eq!(taken.len(), petrel_log::MAX_PENDING, "no more out than a level's log allows");
+    assert_eq!(texts(&taken[..2]), ["0", "1"]);
+    assert!(b.poll("q", 10, vis, 1, t0 + 2 * MS).unwrap().is_empty());
+    let handles: Vec<u64> = taken[..10].iter().map(|d| d.handle).collect();
+    assert_eq!(b.ack("q", &handles, 1).unwrap(), 10);
+    let more = b.poll("q", 100, vis, 1, t0 + 2 * MS).unwrap();
+    assert_eq!(texts(&more[..1]), [petrel_log::MAX_PENDING.to_string()], "in order, once acknowledged");
+    assert_eq!(more.len(), 10);
+}
+
 #[test]
 fn a_returned_message_waits_its_delay_doubling_to_a_cap_counted_to_its_dead_letter_across_a_restart() {
     let t0 = now_ns();
