@@ -59,6 +59,8 @@ static READY_RUNS_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 pub fn limit_ready_runs(max: usize) {
     READY_RUNS_LIMIT.store(max, std::sync::atomic::Ordering::Relaxed);
 }
+/// Runs one release writes at most (12 bytes each in its markers).
+const MAX_RUNS_PER_RELEASE: usize = 1024;
 /// The group that marks where a delayed log is still needed.
 const PIN_GROUP: &str = "broker";
 
@@ -588,24 +590,32 @@ impl DelayLog {
         // First the markers (each follows the records it names), then the messages.
         for_each_record(&log, start, |r| {
             assert_eq!(r.offset, done.end(), "a log's offsets are dense");
+            // (A marker names records before it: one naming others is damage, and ignored.)
+            let before = done.end();
             match message::control(r) {
                 Some(message::Control::Moved(offsets)) => {
+                    offsets.into_iter().filter(|&o| o < before).for_each(|o| done.set(o));
                     done.push(true);
-                    offsets.into_iter().for_each(|o| done.set(o));
                 }
                 Some(message::Control::Returned(of)) => {
-                    done.push(true);
                     *returns.entry(of).or_default() += 1;
+                    done.push(true);
                 }
                 Some(message::Control::Released { level, after, stamp, runs }) => {
-                    done.push(true);
                     for (first, count) in runs {
-                        let end = first.saturating_add(u64::from(count)).min(done.end());
-                        (first..end).for_each(|o| done.set_released(o));
-                        released.push((usize::from(level).min(top), after, stamp, first, end));
+                        let end = first.saturating_add(u64::from(count)).min(before);
+                        // Each once, in the first marker that names it.
+                        let fresh: Vec<u64> = (first..end).filter(|&o| !done.is_released(o)).collect();
+                        fresh.iter().for_each(|&o| done.set_released(o));
+                        for part in fresh.chunk_by(|a, b| a + 1 == *b) {
+                            let (start, next) = (part[0], part[part.len() - 1] + 1);
+                            released.push((usize::from(level).min(top), after, stamp, start, next));
+                        }
                     }
+                    done.push(true);
                 }
-                None => done.push(moved.contains(&r.offset)),
+                // (A copy a level's log holds is found below, and written down as repaired.)
+                None => done.push(false),
             }
         })?;
         let mut reopened = Reopened { released_at: vec![0; levels], ..Reopened::default() };
@@ -641,6 +651,8 @@ impl DelayLog {
                 reopened.pending += 1;
             }
         })?;
+        // Repaired ones are done (the marker is written below), released or not.
+        repaired.iter().for_each(|&o| done.set(o));
         // The released ones not done, back where they were, in the order they were released.
         let mut ready = ReadyRuns::new(levels);
         for (level, after, stamp, first, end) in released {
@@ -658,7 +670,7 @@ impl DelayLog {
             }
         }
         reopened.released_at = (0..levels).map(|level| ready.len_at(level)).collect();
-        returns.retain(|&o, _| !done.is_done(o) && !repaired.contains(&o));
+        returns.retain(|&o, _| !done.is_done(o));
         if let Some(last) = log.next_offset().checked_sub(1) {
             let mut reader = log.reader();
             reader.seek(last);
@@ -738,37 +750,52 @@ impl DelayLog {
             return Ok(None);
         }
         let mut counts = vec![0u64; self.levels()];
-        let taken = self.pop_due(now_ns, max);
+        // Each level's in due order, consecutive offsets as one run; at most
+        // `MAX_RUNS_PER_RELEASE` runs, so that the markers stay small records.
+        let mut runs: Vec<Vec<(u64, u32)>> = vec![Vec::new(); self.levels()];
+        let (mut taken, mut run_count) = (Vec::new(), 0);
+        while taken.len() < max
+            && let Some(key) = self.timers.pop_due(now_ns)
+        {
+            let (level, offset) = unslot(key.1);
+            match runs[level].last_mut() {
+                Some((start, n)) if *start + u64::from(*n) == offset && *n < u32::MAX => *n += 1,
+                _ if run_count == MAX_RUNS_PER_RELEASE => {
+                    self.timers.unpop(&[key]); // (the next tick's first, at once)
+                    break;
+                }
+                _ => {
+                    runs[level].push((offset, 1));
+                    run_count += 1;
+                }
+            }
+            taken.push(key);
+        }
         if taken.is_empty() {
             return Ok(Some(counts));
         }
+        // Synced first, and the markers appended together or not at all: on a failure every
+        // message taken stays delayed, and nothing was counted.
         if self.log.durability() != Durability::None
             && let Err(e) = self.log.sync()
         {
             self.timers.unpop(&taken);
             return Err(e.into());
         }
-        // Each level's in due order, consecutive offsets as one run.
-        let mut runs: Vec<Vec<(u64, u32)>> = vec![Vec::new(); self.levels()];
-        for &(_, s) in &taken {
-            let (level, offset) = unslot(s);
-            match runs[level].last_mut() {
-                Some((start, n)) if *start + u64::from(*n) == offset && *n < u32::MAX => *n += 1,
-                _ => runs[level].push((offset, 1)),
+        let releases: Vec<message::Release<'_>> = (runs.iter().enumerate())
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(level, r)| message::Release { level: level as u8, after: afters[level], runs: r })
+            .collect();
+        let written = match message::append_released(&self.log, stamp, &releases) {
+            Ok(range) => range,
+            Err(e) => {
+                self.timers.unpop(&taken);
+                return Err(e.into());
             }
-        }
-        for (level, runs) in runs.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
-            let marker = match message::append_released(&self.log, level as u8, afters[level], stamp, runs) {
-                Ok(marker) => marker,
-                Err(e) => {
-                    // Those of this level and the ones after it stay delayed.
-                    let left: Vec<(u64, u64)> = taken.iter().copied().filter(|&(_, s)| unslot(s).0 >= level).collect();
-                    self.timers.unpop(&left);
-                    return Err(e.into());
-                }
-            };
-            assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
-            self.done.push(true);
+        };
+        assert_eq!(written.start, self.done.end(), "only the queue appends to its delayed log");
+        written.for_each(|_| self.done.push(true));
+        for (level, runs) in runs.iter().enumerate() {
             for &(start, n) in runs {
                 (start..start + u64::from(n)).for_each(|o| self.done.set_released(o));
                 self.ready.push(level, start, n, afters[level], stamp);
@@ -950,6 +977,8 @@ impl DelayLog {
         let needed = self.done.first_pending().min(oldest_key.unwrap_or(u64::MAX));
         if needed > self.pin.committed() {
             self.pin.seek(SeekTo::Offset(needed))?;
+            // A fresh reader: the one kept would hold on to a segment retention may now take.
+            self.reader = self.log.reader();
         }
         Ok(())
     }
@@ -1090,6 +1119,57 @@ mod tests {
         assert_eq!(order(&delay, 0), [(1, 7, 1_000), (4, 7, 1_000)]);
         assert_eq!((delay.deliveries(0), delay.deliveries(3), delay.deliveries(1)), (2, 2, 1));
         assert_eq!(reopened.last_stamp, 2_000, "a release's time is its marker's");
+    }
+
+    /// Repairs on open are written down: a record a level's copy names is done for good, also
+    /// once the copy is gone (a second restart); a returned copy whose original still waits is
+    /// dropped even if it was released; a marker naming records after it (damage) is ignored.
+    #[test]
+    fn repairs_on_open_hold_across_a_second_restart_and_a_released_copy_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = || petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(open(), 8, 1).unwrap();
+        let message = |due: u64| Message { deliver_at: due, timestamp: 500, ..Message::new(&b"m"[..]) };
+        let returned = Placement { returned_from: Some(message::queue_id(0, 7)), ..Placement::default() };
+        // 0: a returned copy, released; 1: copied to its level before the crash (its marker
+        // lost); 2: a delayed message.
+        delay.append(&[message(10), message(20)], &[returned, Placement::default()]).unwrap();
+        assert_eq!(delay.release_due(10, 100, &[3], 1_000).unwrap(), Some(vec![1]));
+        delay.append(&[message(50)], &[Placement::default()]).unwrap();
+        message::append_moved(&delay.log, &[1_000]).unwrap(); // names a record not yet written
+        drop(delay);
+        let moved: HashSet<u64> = [1].into();
+        let (delay, reopened) = DelayLog::open(open(), 8, 1, &moved, |id| id == message::queue_id(0, 7)).unwrap();
+        // 0 counts as its original, 1 as its copy: neither waits here.
+        assert_eq!((reopened.pending, reopened.released_at.clone(), delay.ready_len()), (1, vec![0], 0));
+        drop(delay);
+        let (delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false).unwrap();
+        assert_eq!((reopened.pending, reopened.released_at, delay.ready_len()), (1, vec![0], 0), "written down");
+    }
+
+    /// A release writes at most `MAX_RUNS_PER_RELEASE` runs; the rest is released next, in order.
+    #[test]
+    fn a_release_of_scattered_messages_is_split_into_small_markers() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(log, 4 * MAX_RUNS_PER_RELEASE, 2).unwrap();
+        // Levels alternate: no two offsets of a level are consecutive, each is a run of its own.
+        let n = 3 * MAX_RUNS_PER_RELEASE as u64;
+        let messages: Vec<Message> = (0..n).map(|_| Message { deliver_at: 10, ..Message::new(&b"m"[..]) }).collect();
+        let placements: Vec<Placement> =
+            (0..n).map(|i| Placement { priority: (i % 2) as u8, ..Placement::default() }).collect();
+        delay.append(&messages, &placements).unwrap();
+        let mut released = Vec::new();
+        while delay.pending() > 0 {
+            let counts = delay.release_due(10, usize::MAX, &[0, 0], 1_000).unwrap().unwrap();
+            released.push(counts.iter().sum::<u64>());
+        }
+        assert_eq!(released, [MAX_RUNS_PER_RELEASE as u64; 3]);
+        let mut level0 = Vec::new();
+        while let Some(r) = delay.take_ready(0) {
+            level0.push(r.offset);
+        }
+        assert_eq!(level0, (0..n).step_by(2).collect::<Vec<_>>(), "in order across releases");
     }
 
     #[test]

@@ -78,29 +78,42 @@ pub(crate) fn append_moved(log: &SharedLog, offsets: &[u64]) -> petrel_log::Resu
     Ok(log.append_batch_unsynced(&[input])?.start)
 }
 
-/// Appends a marker to a durable queue's delayed log: the delayed messages in `runs` (start,
-/// count) joined `level` after its log's offset `after`, at time `stamp`. Not synced (see
-/// `append_returned`): lost to a crash, they come due again on open and are released again.
+/// What a `released` marker says: the delayed messages in `runs` (start, count) joined `level`
+/// after its log's offset `after`.
+pub(crate) struct Release<'a> {
+    pub level: u8,
+    pub after: u64,
+    pub runs: &'a [(u64, u32)],
+}
+
+/// Appends a marker per release to a durable queue's delayed log, together or not at all, each
+/// timed `stamp`, when the messages joined their levels. Not synced (see `append_returned`): lost
+/// to a crash, they come due again on open and are released again.
 pub(crate) fn append_released(
     log: &SharedLog,
-    level: u8,
-    after: u64,
     stamp: u64,
-    runs: &[(u64, u32)],
-) -> petrel_log::Result<u64> {
-    let mut value = Vec::with_capacity(17 + runs.len() * 12);
-    value.push(level);
-    value.extend_from_slice(&after.to_be_bytes());
-    value.extend_from_slice(&stamp.to_be_bytes());
-    for (start, count) in runs {
-        value.extend_from_slice(&start.to_be_bytes());
-        value.extend_from_slice(&count.to_be_bytes());
-    }
-    let headers = [(RELEASED, &value[..])];
+    releases: &[Release<'_>],
+) -> petrel_log::Result<std::ops::Range<u64>> {
+    let values: Vec<Vec<u8>> = releases
+        .iter()
+        .map(|Release { level, after, runs }| {
+            let mut value = Vec::with_capacity(17 + runs.len() * 12);
+            value.push(*level);
+            value.extend_from_slice(&after.to_be_bytes());
+            value.extend_from_slice(&stamp.to_be_bytes());
+            for (start, count) in runs.iter() {
+                value.extend_from_slice(&start.to_be_bytes());
+                value.extend_from_slice(&count.to_be_bytes());
+            }
+            value
+        })
+        .collect();
+    let headers: Vec<[(&str, &[u8]); 1]> = values.iter().map(|v| [(RELEASED, &v[..])]).collect();
     // Timed as its messages joined their level: the queue's offers after it are timed later,
     // across a restart too.
-    let input = Input { key: None, headers: &headers, payload: &[], timestamp: Some(stamp) };
-    Ok(log.append_batch_unsynced(&[input])?.start)
+    let inputs: Vec<Input<'_>> =
+        headers.iter().map(|h| Input { key: None, headers: h, payload: &[], timestamp: Some(stamp) }).collect();
+    log.append_batch_unsynced(&inputs)
 }
 
 /// For a control record, what it says; `None` for a message.

@@ -392,24 +392,36 @@ impl Lane {
 }
 
 /// The messages taken tentatively, by handle, and how many of them are released delayed messages
-/// (bounded as a level's log bounds its own: `MAX_PENDING`).
+/// of each level (bounded as a level's log bounds its own: `MAX_PENDING`).
 #[derive(Default)]
 struct OpenReads {
     by_handle: NumberMap<InFlight>,
-    released: usize,
+    released: Vec<usize>,
 }
 
 impl OpenReads {
     fn insert(&mut self, handle: u64, read: InFlight) {
-        self.released += usize::from(matches!(read.item, Taken::Released { .. }));
+        if let Taken::Released { level, .. } = read.item {
+            if self.released.len() <= level {
+                self.released.resize(level + 1, 0);
+            }
+            self.released[level] += 1;
+        }
         let before = self.by_handle.insert(handle, read);
         assert!(before.is_none(), "a handle is given once");
     }
 
     fn remove(&mut self, handle: &u64) -> Option<InFlight> {
         let read = self.by_handle.remove(handle)?;
-        self.released -= usize::from(matches!(read.item, Taken::Released { .. }));
+        if let Taken::Released { level, .. } = read.item {
+            self.released[level] -= 1;
+        }
         Some(read)
+    }
+
+    /// Released delayed messages of `level` out tentatively.
+    fn released_at(&self, level: usize) -> usize {
+        self.released.get(level).copied().unwrap_or(0)
     }
 }
 
@@ -1574,10 +1586,10 @@ impl Inner {
             match &self.store {
                 Store::Memory { levels, .. } => levels.iter().map(|l| l.len() as u64).sum(),
                 Store::Log { lanes, delayed, .. } => {
-                    let released_out = self.in_flight.released as u64;
+                    let released_out = self.in_flight.released.iter().sum::<usize>() as u64;
                     debug_assert_eq!(
-                        self.in_flight.released,
-                        self.in_flight.values().filter(|f| matches!(f.item, Taken::Released { .. })).count()
+                        released_out,
+                        self.in_flight.values().filter(|f| matches!(f.item, Taken::Released { .. })).count() as u64
                     );
                     lanes.iter().map(|l| l.group.unacknowledged() - l.markers_unread).sum::<u64>()
                         + delayed.as_ref().map_or(0, |d| d.ready_len())
@@ -1619,7 +1631,7 @@ impl Inner {
 
     fn next_at(&mut self, level: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
         if let Some(ready) = self.ready_front(level)? {
-            if self.in_flight.released >= MAX_PENDING {
+            if self.in_flight.released_at(level) >= MAX_PENDING {
                 return Ok(None); // (as many out as a level's log allows: it waits for acknowledgements)
             }
             let message = self.released(level, ready)?;
