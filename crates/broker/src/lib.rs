@@ -47,7 +47,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 pub(crate) type NumberMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 pub use config::QueueConfig;
@@ -262,8 +262,12 @@ pub struct Broker {
     memory: Arc<MemoryBudget>,
     /// Pages of every durable log's segments, against `max_resident_bytes`.
     pages: petrel_log::PageBudget,
-    /// Serializes changes to the set of queues and their definitions file.
-    definitions: Mutex<()>,
+    /// Serializes changes to the set of queues and their definitions files; holds the names of
+    /// queues being created, whose files are made outside it (`create_queue`), so that
+    /// creations of different queues go on side by side.
+    definitions: Mutex<HashSet<String>>,
+    /// Woken when a creation ends (a name leaves `definitions`).
+    creation_ended: Condvar,
     /// The options' `queue_defaults` and `queues`, as a reload last set them.
     configured: RwLock<Configured>,
     next_handle: AtomicU64,
@@ -440,7 +444,8 @@ impl Broker {
             registry: RwLock::new(Registry::default()),
             memory,
             pages,
-            definitions: Mutex::new(()),
+            definitions: Mutex::new(HashSet::new()),
+            creation_ended: Condvar::new(),
             configured: RwLock::new(configured.clone()),
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
@@ -623,20 +628,29 @@ impl Broker {
         if config.temporary && owner.is_none() {
             return Err(BrokerError::BadRequest("a temporary queue needs an owning connection".into()));
         }
-        let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut creating = self.definitions_unless_creating(name);
         if let Some(q) = self.queue(name) {
             return if *q.config() == config { Ok(q) } else { Err(BrokerError::Exists(name.to_owned())) };
         }
-        let (count, limit) = (self.read().queues.len(), self.options.max_queues);
+        let (count, limit) = (self.read().queues.len() + creating.len(), self.options.max_queues);
         if limit != 0 && count >= limit {
             return Err(BrokerError::Limit(format!("the server has {count} queues, its limit (max_queues)")));
         }
+        // Its files are made outside the lock (a creation is file-system work: a directory,
+        // segment, index and cursor files), this name held meanwhile.
+        creating.insert(name.to_owned());
+        drop(creating);
+        let creation = Creation { broker: self, name };
         // The definition first: a crash right after it leaves an empty queue, never a log
         // nobody knows of.
-        if !config.temporary {
-            self.save_definition(name, &config)?;
-        }
-        let queue = match self.build(name.to_owned(), config.clone(), owner) {
+        let built = match config.temporary {
+            true => self.build(name.to_owned(), config.clone(), owner),
+            false => {
+                self.save_definition(name, &config).and_then(|()| self.build(name.to_owned(), config.clone(), owner))
+            }
+        };
+        let _creating = creation.end();
+        let queue = match built {
             Ok(queue) => Arc::new(queue),
             Err(e) => {
                 // A creation that failed (a full disk, no descriptors) leaves nothing behind.
@@ -721,7 +735,7 @@ impl Broker {
     }
 
     fn remove_queue_locked(&self, name: &str) -> Result<(), BrokerError> {
-        let _guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.definitions_unless_creating(name);
         let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
         self.removed.fetch_add(1, Ordering::Relaxed);
         queue.available.notify_waiters();
@@ -730,6 +744,15 @@ impl Broker {
             remove_dir(&self.dir.join("queues"), name)?;
         }
         Ok(())
+    }
+
+    /// The definitions' lock, once no creation of `name` is under way.
+    fn definitions_unless_creating(&self, name: &str) -> MutexGuard<'_, HashSet<String>> {
+        let mut creating = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
+        while creating.contains(name) {
+            creating = self.creation_ended.wait(creating).unwrap_or_else(|e| e.into_inner());
+        }
+        creating
     }
 
     pub fn queue(&self, name: &str) -> Option<Arc<Queue>> {
@@ -1310,6 +1333,34 @@ impl Broker {
         }
         defs.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(defs)
+    }
+}
+
+/// A queue's creation under way: its name leaves the names being created when it ends, whether
+/// it succeeded, failed or panicked, and whoever waits for it is woken.
+struct Creation<'a> {
+    broker: &'a Broker,
+    name: &'a str,
+}
+
+impl<'a> Creation<'a> {
+    /// Ends the creation; returns the definitions' lock, held.
+    fn end(self) -> MutexGuard<'a, HashSet<String>> {
+        let broker = self.broker;
+        let mut creating = broker.definitions.lock().unwrap_or_else(|e| e.into_inner());
+        creating.remove(self.name);
+        std::mem::forget(self);
+        broker.creation_ended.notify_all();
+        creating
+    }
+}
+
+impl Drop for Creation<'_> {
+    fn drop(&mut self) {
+        let mut creating = self.broker.definitions.lock().unwrap_or_else(|e| e.into_inner());
+        creating.remove(self.name);
+        drop(creating);
+        self.broker.creation_ended.notify_all();
     }
 }
 

@@ -1174,3 +1174,44 @@ fn many_delayed_messages_come_out_in_due_order_past_the_timers_memory() {
     }
     assert_eq!(b.queue("q").unwrap().status().delayed, 0);
 }
+
+/// Queues are created by first use from many connections at once: each name once, whoever
+/// names it first, the others given that queue; creations of different names go on side by side
+/// (their files are made outside the broker's lock), within `max_queues`.
+#[test]
+fn queues_created_at_once_by_many_threads_are_each_made_once_within_the_limit() {
+    for max_queues in [0, 30] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions { max_queues, ..BrokerOptions::default() }).unwrap();
+        let made: Vec<Vec<Option<std::sync::Arc<petrel_broker::Queue>>>> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..8)
+                .map(|t| {
+                    let b = &b;
+                    s.spawn(move || {
+                        // Each thread names the same 50 queues, in an order of its own.
+                        let durable = QueueConfig { durable: true, ..QueueConfig::default() };
+                        let name = |i: usize| format!("q{}", (i * 7 + t * 13) % 50);
+                        (0..50).map(|i| b.create_queue(&name(i), durable.clone(), None).ok()).collect()
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let expected = if max_queues == 0 { 50 } else { 30 };
+        assert_eq!(b.queue_names().len(), expected, "max_queues {max_queues}");
+        assert_eq!(b.queues_created(), expected as u64);
+        for (t, queues) in made.iter().enumerate() {
+            for (i, q) in queues.iter().enumerate() {
+                let name = format!("q{}", (i * 7 + t * 13) % 50);
+                match (q, b.queue(&name)) {
+                    (Some(q), Some(kept)) => assert!(std::sync::Arc::ptr_eq(q, &kept), "one queue per name"),
+                    (None, _) => assert!(max_queues != 0, "refused only past the limit"),
+                    (Some(_), None) => panic!("{name} handed out but not kept"),
+                }
+            }
+        }
+        drop(b);
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        assert_eq!(b.queue_names().len(), expected, "each defined once on disk");
+    }
+}
