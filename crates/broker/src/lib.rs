@@ -640,7 +640,7 @@ impl Broker {
         // segment, index and cursor files), this name held meanwhile.
         creating.insert(name.to_owned());
         drop(creating);
-        let creation = Creation { broker: self, name };
+        let creation = Creation::new(self, name);
         // The definition first: a crash right after it leaves an empty queue, never a log
         // nobody knows of.
         let built = match config.temporary {
@@ -1341,26 +1341,31 @@ impl Broker {
 struct Creation<'a> {
     broker: &'a Broker,
     name: &'a str,
+    ended: bool,
 }
 
 impl<'a> Creation<'a> {
+    fn new(broker: &'a Broker, name: &'a str) -> Creation<'a> {
+        Creation { broker, name, ended: false }
+    }
+
     /// Ends the creation; returns the definitions' lock, held.
-    fn end(self) -> MutexGuard<'a, HashSet<String>> {
-        let broker = self.broker;
-        let mut creating = broker.definitions.lock().unwrap_or_else(|e| e.into_inner());
+    fn end(mut self) -> MutexGuard<'a, HashSet<String>> {
+        let mut creating = self.broker.definitions.lock().unwrap_or_else(|e| e.into_inner());
         creating.remove(self.name);
-        std::mem::forget(self);
-        broker.creation_ended.notify_all();
+        self.broker.creation_ended.notify_all();
+        self.ended = true;
         creating
     }
 }
 
 impl Drop for Creation<'_> {
     fn drop(&mut self) {
-        let mut creating = self.broker.definitions.lock().unwrap_or_else(|e| e.into_inner());
-        creating.remove(self.name);
-        drop(creating);
-        self.broker.creation_ended.notify_all();
+        if !self.ended {
+            // (A panic while the files were made.)
+            self.broker.definitions.lock().unwrap_or_else(|e| e.into_inner()).remove(self.name);
+            self.broker.creation_ended.notify_all();
+        }
     }
 }
 
