@@ -307,18 +307,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         Flow::Continue
     }
 
-    /// The queue `name`, made by this first use if there is none. Making one is file-system work
-    /// (a directory and a few files): done on a blocking thread, so that the runtime's threads go
-    /// on serving other connections meanwhile.
-    async fn queue_or_create(&self, name: &str) -> Result<Arc<Queue>, BrokerError> {
-        if let Some(queue) = self.ctx.broker.queue(name) {
-            return Ok(queue);
-        }
-        let (broker, name) = (Arc::clone(&self.ctx.broker), name.to_owned());
-        let who = self.authenticated.as_ref().map(|a| a.principal.clone());
-        crate::blocking(move || broker.queue_or_create_by(who.as_ref(), &name)).await
-    }
-
     async fn set(&mut self, queue: &str, flags: u32, exptime: i64, data: Bytes) -> String {
         add(&self.ctx.stats.cmd_set, 1);
         if petrel_broker::check_name(queue).is_err() {
@@ -330,10 +318,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         if flags != 0 {
             message.headers.push((FLAGS_HEADER.into(), Bytes::from(flags.to_string())));
         }
-        let offered = match self.queue_or_create(queue).await {
-            Ok(q) => self.ctx.broker.offer_unsynced(&q, &mut vec![message], now),
-            Err(e) => Err(e),
-        };
+        let broker = &self.ctx.broker;
+        let who = self.authenticated.as_ref().map(|a| &a.principal);
+        let offered =
+            broker.queue_or_create_by(who, queue).and_then(|q| broker.offer_unsynced(&q, &mut vec![message], now));
         // A queue that syncs each offer: STORED once on disk, waited for off the runtime.
         let synced = match offered {
             Ok((_, _, unsynced)) => crate::wait_durable(unsynced).await,
@@ -381,7 +369,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let stats = &self.ctx.stats;
         add(if o.peek { &stats.cmd_peek } else { &stats.cmd_get }, 1);
         let deadline = Instant::now() + Duration::from_millis(u64::from(o.timeout_ms));
-        let queue = match self.queue_or_create(name).await {
+        let who = self.authenticated.as_ref().map(|a| &a.principal);
+        let queue = match broker.queue_or_create_by(who, name) {
             Ok(queue) => queue,
             Err(e) => {
                 self.line(&server_error(&e));
