@@ -516,8 +516,9 @@ impl Broker {
         *self.configured.write().unwrap_or_else(|e| e.into_inner()) = configured.clone();
         let mut changes = QueueChanges::default();
         for (name, config) in configured.queues {
-            // Held while the queue is looked at and changed, so that a removal cannot come between.
-            let guard = self.definitions.lock().unwrap_or_else(|e| e.into_inner());
+            // Held while the queue is looked at and changed, so that a removal cannot come between
+            // (taken once a creation of it under way has ended: the block applies to that queue).
+            let guard = self.definitions_unless_creating(&name);
             let Some(queue) = self.queue(&name) else {
                 drop(guard);
                 match self.create_queue(&name, config, None) {
