@@ -830,8 +830,19 @@ impl DelayLog {
 
     /// The delayed message at `offset` (one not done).
     pub fn message_at(&mut self, offset: u64) -> Result<Message, BrokerError> {
+        self.with_record(offset, message::from_record)
+    }
+
+    /// When the delayed message at `offset` (one not done) expires (0: never), without decoding
+    /// the rest: the tick and every poll look at the head's expiry.
+    pub fn expires_at(&mut self, offset: u64) -> Result<u64, BrokerError> {
+        self.with_record(offset, message::expires_at)
+    }
+
+    /// `f` of the record at `offset`, one not done, read by the reader kept for them.
+    fn with_record<T>(&mut self, offset: u64, f: impl FnOnce(&petrel_log::Record<'_>) -> T) -> Result<T, BrokerError> {
         let r = self.reader.get(offset)?.filter(|r| r.offset == offset);
-        Ok(message::from_record(&r.expect("a delayed record not done is in the log")))
+        Ok(f(&r.expect("a delayed record not done is in the log")))
     }
 
     /// The deliveries of the record at `offset` handed out now or last, this one included.
@@ -886,22 +897,6 @@ impl DelayLog {
         self.timers.unpop(&taken[moving..]);
         offsets.truncate(moving);
         Ok((offsets, copies))
-    }
-
-    /// The delayed messages at `offsets`, with their placements (one reader for them all).
-    pub fn read(&self, offsets: &[u64]) -> Result<Vec<(Message, Placement)>, BrokerError> {
-        let mut reader = self.log.reader();
-        let mut out = Vec::with_capacity(offsets.len());
-        for &offset in offsets {
-            if reader.position() != offset {
-                reader.seek(offset);
-            }
-            let batch = reader.read_batch(1)?;
-            let r = batch.into_iter().next().filter(|r| r.offset == offset);
-            let r = r.expect("a pending delayed record is in the log");
-            out.push((message::from_record(&r), message::placement(&r)));
-        }
-        Ok(out)
     }
 
     /// Marks the delayed messages at `offsets` done (taken out of the timers or the released
@@ -1054,8 +1049,8 @@ mod tests {
         let (mut out, mut now, mut refills) = (Vec::new(), 1_000, 0);
         while out.len() < expected.len() {
             let due: Vec<u64> = delay.pop_due(now, 4).into_iter().map(|(_, offset)| offset).collect();
-            for (m, _) in delay.read(&due).unwrap() {
-                out.push(m.deliver_at);
+            for &offset in &due {
+                out.push(delay.message_at(offset).unwrap().deliver_at);
             }
             delay.mark_done(&due).unwrap();
             if delay.refilling() {

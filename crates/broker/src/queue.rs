@@ -1464,7 +1464,12 @@ impl Inner {
                 continue; // nothing to read at that level's head
             }
             let expires_at = match self.ready_front(level)? {
-                Some(ready) => Some(self.released(level, ready)?.expires_at),
+                Some(ready) => {
+                    let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
+                        unreachable!("released from a delayed log")
+                    };
+                    Some(delay.expires_at(ready.offset)?)
+                }
                 None => match &mut self.store {
                     Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
                     Store::Log { lanes, .. } => lanes[level].head()?.map(|r| message::expires_at(&r)),
@@ -1894,7 +1899,8 @@ impl Inner {
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
                 let offsets = delay.drain();
-                let bytes = delay.read(&offsets)?.iter().map(|(m, _)| m.size()).sum();
+                let sizes = offsets.iter().map(|&o| delay.message_at(o).map(|m| m.size()));
+                let bytes = sizes.sum::<Result<u64, _>>()?;
                 for chunk in offsets.chunks(8192) {
                     delay.mark_done(chunk)?;
                 }

@@ -456,12 +456,18 @@ mod tests {
         (data, starts)
     }
 
-    #[test]
-    fn a_large_record_torn_in_random_bytes_is_a_torn_tail() {
-        let (data, starts) = torn_large_record(4 << 20, 512 << 10);
+    /// A scan of `torn_large_record(segment_bytes, written)` cuts the torn record and the
+    /// garbage it left, and keeps the three records before it.
+    fn assert_torn_tail(segment_bytes: usize, written: usize) {
+        let (data, starts) = torn_large_record(segment_bytes, written);
         let s = scan(Format::V2, &data, 0, 0);
         assert_eq!((s.end, s.next_offset), (starts[3], 3));
-        assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] + 16 + (512 << 10) });
+        assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] + 16 + written });
+    }
+
+    #[test]
+    fn a_large_record_torn_in_random_bytes_is_a_torn_tail() {
+        assert_torn_tail(4 << 20, 512 << 10);
     }
 
     #[test]
@@ -469,10 +475,7 @@ mod tests {
         // In a 256 MiB segment about one position in 64 of random bytes claims a frame of up to
         // the rest of the segment: 128 K candidates claiming 128 MiB each on average. A search
         // that checksummed each claim on its own would read terabytes (and used to give up).
-        let (data, starts) = torn_large_record(256 << 20, 64 << 20);
-        let s = scan(Format::V2, &data, 0, 0);
-        assert_eq!((s.end, s.next_offset), (starts[3], 3));
-        assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] + 16 + (64 << 20) });
+        assert_torn_tail(256 << 20, 64 << 20);
     }
 
     #[test]
