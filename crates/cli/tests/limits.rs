@@ -359,3 +359,44 @@ fn the_soak_benchmark_runs_and_its_server_holds() {
     assert!(n("peak_fds") < 300.0 + 64.0, "a descriptor per connection, none per queue: {report}");
     assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "its data directory was removed");
 }
+
+#[test]
+fn a_client_that_never_reads_its_answers_holds_neither_the_server_nor_its_stop() {
+    use petrel_proto::Request;
+    let dir = tempfile::tempdir().unwrap();
+    let config =
+        config(dir.path(), "max_queued_responses = 4\nmax_queued_response_bytes = 65536\nshutdown_grace = \"1s\"\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    // Pings by the million, never an answer read, from a socket with a small receive buffer:
+    // the server's writes to it stop once the socket's buffers are full, then its reads from it.
+    let mut stalled = TcpStream::connect(&server.addr).unwrap();
+    rustix::net::sockopt::set_socket_recv_buffer_size(&stalled, 4096).unwrap();
+    stalled.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut requests = request_frame(&Request::Hello { client: "stalled".into(), features: 0 }, 1);
+    let ping = request_frame(&Request::Ping, 2);
+    for _ in 0..4_000_000 {
+        requests.extend_from_slice(&ping);
+    }
+    let requests_len = requests.len();
+    let flood = std::thread::spawn(move || {
+        let sent = stalled.write_all(&requests);
+        (stalled, sent.is_err())
+    });
+    let (stalled, blocked) = flood.join().unwrap();
+    assert!(blocked, "{} MB of requests all taken by a server that could not answer them", requests_len >> 20);
+    // Everyone else is served meanwhile.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("work", QueueConfig::default()).await.unwrap();
+        c.offer("work", vec![petrel_client::Message::new(b"job".to_vec())], None).await.unwrap();
+        let got = c.poll("work", petrel_client::PollOptions::default()).await.unwrap();
+        assert_eq!(&got[0].message.payload[..], b"job");
+    });
+    // And the server stops when told, not waiting for that client to read.
+    let started = std::time::Instant::now();
+    let status = server.terminate();
+    assert!(status.success(), "{status}");
+    assert!(started.elapsed() < Duration::from_secs(15), "stopped after {:?}", started.elapsed());
+    drop(stalled);
+}

@@ -72,6 +72,12 @@ impl Outbox {
         self.tx.send(chunk).await.map_err(|_| Closed)
     }
 
+    /// Nothing is queued or being written: bytes written to the connection now come after all
+    /// that was sent here.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.room.available_permits() == self.max_bytes
+    }
+
     /// Queues `chunk` if there is room now.
     pub(crate) fn try_send(&self, chunk: impl Into<Chunk>) -> Result<(), TrySendError<Chunk>> {
         let chunk = chunk.into();
@@ -85,18 +91,19 @@ impl Outbox {
 }
 
 impl Outgoing {
-    /// The next chunk, waiting for one; its bytes are room again (it is being written).
+    /// The next chunk, waiting for one. Its bytes stay taken until it is `written`.
     pub(crate) async fn recv(&mut self) -> Option<Chunk> {
-        let chunk = self.rx.recv().await?;
-        self.room.add_permits(cost(&chunk, self.max_bytes) as usize);
-        Some(chunk)
+        self.rx.recv().await
     }
 
     /// The next chunk if one is waiting.
     pub(crate) fn try_recv(&mut self) -> Option<Chunk> {
-        let chunk = self.rx.try_recv().ok()?;
-        self.room.add_permits(cost(&chunk, self.max_bytes) as usize);
-        Some(chunk)
+        self.rx.try_recv().ok()
+    }
+
+    /// `chunk`, received, is written: its bytes are room again.
+    pub(crate) fn written(&self, chunk: &Chunk) {
+        self.room.add_permits(cost(chunk, self.max_bytes) as usize);
     }
 }
 
@@ -110,7 +117,10 @@ mod tests {
         outbox.try_send(vec![0; 60]).unwrap();
         assert!(matches!(outbox.try_send(vec![0; 60]), Err(TrySendError::Full(_))), "over the bytes");
         outbox.try_send(vec![0; 40]).unwrap();
-        assert_eq!(outgoing.try_recv().map(|c| c.len()), Some(60));
+        let first = outgoing.try_recv().unwrap();
+        assert_eq!(first.len(), 60);
+        assert!(matches!(outbox.try_send(vec![0; 1]), Err(TrySendError::Full(_))), "room only once written");
+        outgoing.written(&first);
         // A chunk larger than the outbox waits for it to empty, then goes alone.
         let big = tokio::spawn({
             let outbox = outbox.clone();
@@ -118,9 +128,15 @@ mod tests {
         });
         tokio::task::yield_now().await;
         assert!(!big.is_finished());
-        assert_eq!(outgoing.recv().await.map(|c| c.len()), Some(40));
+        let second = outgoing.recv().await.unwrap();
+        assert_eq!(second.len(), 40);
+        assert!(!outbox.is_idle());
+        outgoing.written(&second);
         big.await.unwrap().unwrap();
-        assert_eq!(outgoing.recv().await.map(|c| c.len()), Some(500));
+        let big = outgoing.recv().await.unwrap();
+        assert_eq!(big.len(), 500);
+        outgoing.written(&big);
+        assert!(outbox.is_idle());
         for _ in 0..8 {
             outbox.try_send(vec![0; 1]).unwrap();
         }

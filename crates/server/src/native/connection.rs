@@ -4,14 +4,16 @@
 //! memory budget allows (`input.rs`); a frame that is not a request, too large, of an unknown
 //! version or opcode is answered here, and a malformed one ends the connection.
 //!
-//! Writing: answers to the requests of one read collect in `out` and go to the writer task
-//! together (a pipelined burst costs one write back); pushes and answers that waited go to the
-//! same writer through the bounded `Outbox`, which writes whatever is ready in one vectored write.
+//! Writing: answers to the requests of one read collect in `out` and go out together (a
+//! pipelined burst costs one write back): written by the reading task itself when nothing waits
+//! in the outbox (no hand-off to another task), else queued behind what does. Pushes and answers
+//! that waited go to the writer task through the bounded `Outbox`, which writes whatever is ready
+//! in one vectored write. The two share the socket's write half, one at a time.
 
 use std::sync::Arc;
 
 use petrel_proto::{DecodeError, FrameError, FrameKind, Request, Response, Status, frame};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::task::JoinHandle;
 
 use crate::Ctx;
@@ -20,8 +22,12 @@ use crate::input::Input;
 use crate::outbox::{Outbox, outbox};
 use crate::stats::add;
 
-/// Answers of one read are handed to the writer once this many bytes wait, mid-read.
+/// Answers of one read are sent once this many bytes, or this many answers, wait, mid-read.
+/// The count is so that a client pipelining many small requests gets its first answers while
+/// the server handles the rest of what it read, and sends its next requests meanwhile, instead
+/// of both sides taking turns with a whole read's worth.
 const FLUSH_ANSWERS_AT_BYTES: usize = 64 * 1024;
+const FLUSH_ANSWERS_AT_COUNT: usize = 16;
 
 /// Room for answers a connection starts with.
 const ANSWERS_START_BYTES: usize = 16 * 1024;
@@ -42,10 +48,22 @@ pub(super) struct Connection<S> {
     /// Bytes of a frame too large to take, still to be read past.
     skip: u64,
     /// Answers to the requests of the current read, handed to the writer together.
-    pub out: Vec<u8>,
+    out: Vec<u8>,
+    /// How many answers `out` holds.
+    answers: usize,
+    /// How many answers make this read's next early send: doubles with each one.
+    early_at: usize,
     outbox: Outbox,
+    /// The socket's write half, shared with the writer task.
+    wire: Wire<S>,
     writer: JoinHandle<()>,
+    ctx: Arc<Ctx>,
+    entry: Arc<crate::connections::Connection>,
+    /// The server's stop: ends a wait for a client to take the rest of a half-sent frame.
+    shutdown: tokio::sync::watch::Receiver<bool>,
 }
+
+type Wire<S> = Arc<tokio::sync::Mutex<WriteHalf<S>>>;
 
 /// A frame whose header has arrived and the rest not: its whole length, whom to answer.
 #[derive(Clone, Copy)]
@@ -67,16 +85,42 @@ fn incomplete_frame(buf: &[u8]) -> Option<Incomplete> {
 
 impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     /// Splits `stream` and starts its writer task.
-    pub fn new(stream: S, ctx: &Arc<Ctx>, registered: &Registered) -> Connection<S> {
+    pub fn new(
+        stream: S,
+        ctx: &Arc<Ctx>,
+        registered: &Registered,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Connection<S> {
         let (rd, wr) = tokio::io::split(stream);
         let (outbox, rx) = outbox(ctx.config.max_queued_responses, ctx.config.max_queued_response_bytes);
-        let writer = tokio::spawn(write_until_closed(wr, rx, Arc::clone(ctx), Arc::clone(registered.entry())));
-        Connection { rd, input: Input::new(), skip: 0, out: Vec::with_capacity(ANSWERS_START_BYTES), outbox, writer }
+        let wire = Arc::new(tokio::sync::Mutex::new(wr));
+        let entry = Arc::clone(registered.entry());
+        let writer = tokio::spawn(write_until_closed(Arc::clone(&wire), rx, Arc::clone(ctx), Arc::clone(&entry)));
+        Connection {
+            rd,
+            input: Input::new(),
+            skip: 0,
+            out: Vec::with_capacity(ANSWERS_START_BYTES),
+            answers: 0,
+            early_at: FLUSH_ANSWERS_AT_COUNT,
+            outbox,
+            wire,
+            writer,
+            ctx: Arc::clone(ctx),
+            entry,
+            shutdown,
+        }
     }
 
     /// The answers of this read are worth sending before the rest of it is handled.
     pub fn answers_are_many(&self) -> bool {
-        self.out.len() >= FLUSH_ANSWERS_AT_BYTES
+        self.answers >= self.early_at || self.out.len() >= FLUSH_ANSWERS_AT_BYTES
+    }
+
+    /// Adds `response` to the answers of this read.
+    pub fn answer(&mut self, response: &Response, opcode: u16, request_id: u64) {
+        response.encode(opcode, request_id, &mut self.out);
+        self.answers += 1;
     }
 
     /// Where answers that wait, and pushes, are sent.
@@ -106,13 +150,13 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                     self.skip = 4 + len as u64;
                     let r =
                         Response::error(Status::TooLarge, format!("frame of {len} bytes exceeds the limit of {max}"));
-                    r.encode(opcode.unwrap_or(0), request_id.unwrap_or(0), &mut self.out);
+                    self.answer(&r, opcode.unwrap_or(0), request_id.unwrap_or(0));
                     continue;
                 }
                 Err(FrameError::Unsupported { version, kind, request_id, opcode }) => {
                     let r =
                         Response::error(Status::Unsupported, format!("protocol version {version}, frame kind {kind}"));
-                    r.encode(opcode, request_id, &mut self.out);
+                    self.answer(&r, opcode, request_id);
                     continue;
                 }
                 Err(e @ FrameError::Malformed(_)) => {
@@ -132,24 +176,66 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 },
                 _ => Response::error(Status::BadRequest, "clients send requests only"),
             };
-            refused.encode(f.opcode, f.request_id, &mut self.out);
+            self.answer(&refused, f.opcode, f.request_id);
         }
     }
 
-    /// Hands the answers in `out` to the writer. `Err`: the writer has stopped.
+    /// Sends the answers in `out`: writes them if nothing waits in the outbox, else queues them
+    /// behind it. `Err`: the connection cannot be written to.
     pub async fn flush(&mut self) -> Result<(), Closed> {
         if self.out.is_empty() {
             return Ok(());
         }
+        self.answers = 0;
+        self.early_at = self.early_at.saturating_mul(2);
+        // Idle is checked holding the write half, so nothing queued can be written meanwhile.
+        if let Ok(mut wr) = self.wire.try_lock()
+            && self.outbox.is_idle()
+        {
+            // What the socket takes now; the reader never waits for a client that does not read
+            // (the outbox holds answers for it, bounded) unless a frame is half sent.
+            let mut sent = 0;
+            while sent < self.out.len() {
+                let step =
+                    std::future::poll_fn(|cx| match std::pin::Pin::new(&mut *wr).poll_write(cx, &self.out[sent..]) {
+                        std::task::Poll::Pending => std::task::Poll::Ready(Ok(0)),
+                        ready => ready,
+                    });
+                match step.await {
+                    Ok(0) => break,
+                    Ok(n) => sent += n,
+                    Err(_) => return Err(Closed),
+                }
+            }
+            if sent > 0 {
+                // The rest must follow at once: nothing may come between the halves of a frame.
+                tokio::select! {
+                    biased;
+                    written = wr.write_all(&self.out[sent..]) => written.map_err(|_| Closed)?,
+                    () = past_the_stop(&mut self.shutdown, self.ctx.config.shutdown_grace().ok()) => return Err(Closed),
+                }
+                add(&self.ctx.stats.bytes_written, self.out.len() as u64);
+                self.entry.sent(self.out.len());
+                self.out.clear();
+                return Ok(());
+            }
+        }
         // The next read's answers likely need as much room: no growing from empty each time (at
         // most what a new connection starts with, which an idle one keeps).
         let room = self.out.len().clamp(1024, ANSWERS_START_BYTES);
-        self.outbox.send(std::mem::replace(&mut self.out, Vec::with_capacity(room))).await.map_err(|_| Closed)
+        let answers = std::mem::replace(&mut self.out, Vec::with_capacity(room));
+        tokio::select! {
+            biased;
+            queued = self.outbox.send(answers) => queued.map_err(|_| Closed),
+            // A full outbox waits for a client that may never read.
+            () = past_the_stop(&mut self.shutdown, self.ctx.config.shutdown_grace().ok()) => Err(Closed),
+        }
     }
 
     /// Reads more bytes. A frame too large for the server's memory budget now is refused
     /// (answered in `out`, and skipped) instead; `Err`: the client closed the connection.
     pub async fn read(&mut self, ctx: &Ctx, registered: &Registered) -> Result<(), Closed> {
+        self.early_at = FLUSH_ANSWERS_AT_COUNT;
         let incomplete = if self.skip > 0 { None } else { incomplete_frame(&self.input.buf) };
         if self.input.prepare(incomplete.map(|f| f.len), &ctx.broker).is_err() {
             let f = incomplete.expect("only a large request is refused");
@@ -158,7 +244,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 "a request of {} bytes does not fit in the server's memory budget (max_memory_bytes) now",
                 f.len
             );
-            Response::error(Status::LimitReached, reason).encode(f.opcode, f.request_id, &mut self.out);
+            self.answer(&Response::error(Status::LimitReached, reason), f.opcode, f.request_id);
             return Ok(());
         }
         match self.rd.read_buf(&mut self.input.buf).await {
@@ -183,9 +269,16 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     }
 }
 
+/// Waits for the server's stop and then its grace (5 s if none is configured): how long the
+/// connection waits for a client to take its answers.
+async fn past_the_stop(shutdown: &mut tokio::sync::watch::Receiver<bool>, grace: Option<std::time::Duration>) {
+    let _ = shutdown.wait_for(|stop| *stop).await;
+    tokio::time::sleep(grace.unwrap_or(std::time::Duration::from_secs(5))).await;
+}
+
 /// The writer task: whatever is ready goes out in one vectored write, without copying it.
 async fn write_until_closed<W: AsyncWrite>(
-    mut wr: tokio::io::WriteHalf<W>,
+    wire: Wire<W>,
     mut rx: crate::outbox::Outgoing,
     ctx: Arc<Ctx>,
     entry: Arc<crate::connections::Connection>,
@@ -205,14 +298,18 @@ async fn write_until_closed<W: AsyncWrite>(
                 None => break,
             }
         }
-        if write_all_vectored(&mut wr, &chunks).await.is_err() {
+        let mut wr = wire.lock().await;
+        if write_all_vectored(&mut *wr, &chunks).await.is_err() {
             break;
         }
-        chunks.clear();
+        for chunk in chunks.drain(..) {
+            rx.written(&chunk);
+        }
+        drop(wr);
         add(&ctx.stats.bytes_written, total as u64);
         entry.sent(total);
     }
-    let _ = wr.shutdown().await;
+    let _ = wire.lock().await.shutdown().await;
 }
 
 /// Writes every chunk, in order, with as few system calls as the socket allows.

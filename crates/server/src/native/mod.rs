@@ -102,7 +102,7 @@ where
 {
     let registered = crate::connections::Registry::open(&ctx, conn, &peer, "native");
     let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
-    let mut connection = Connection::new(stream, &ctx, &registered);
+    let mut connection = Connection::new(stream, &ctx, &registered, shutdown.clone());
     let mut session = Session::new(&ctx, conn, peer, &registered);
     let mut pushes = Pushes::default();
     let permits = Permits::new(ctx.config.max_in_flight_per_connection);
@@ -124,7 +124,7 @@ where
                 request => dispatch(&ctx, &mut session, &mut pushes, connection.outbox(), request).await,
             };
             match answer {
-                Answer::Now(response) => response.encode(opcode, request_id, &mut connection.out),
+                Answer::Now(response) => connection.answer(&response, opcode, request_id),
                 Answer::Later { waits_for, answer } => {
                     let Some(permit) = permits.acquire(waits_for).await else { break 'read };
                     let outbox = connection.outbox().clone();
@@ -140,7 +140,7 @@ where
                     let Some(permit) = permits.acquire(WaitsFor::Other).await else { break 'read };
                     let reply_to = functions::ReplyTo { outbox: connection.outbox().clone(), opcode, request_id };
                     if let Some(response) = functions::call(&ctx, &session, call, reply_to, permit) {
-                        response.encode(opcode, request_id, &mut connection.out);
+                        connection.answer(&response, opcode, request_id);
                     }
                 }
             }
