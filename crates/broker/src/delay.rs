@@ -80,7 +80,7 @@ fn unslot(slot: u64) -> (usize, u64) {
     ((slot >> LEVEL_SHIFT) as usize, slot & ((1 << LEVEL_SHIFT) - 1))
 }
 
-/// A sorted set of timers, (due, offset), cheap when they come in due order: those at or after
+/// A sorted set of timers, (due, slot), cheap when they come in due order: those at or after
 /// the latest of an ordered run join its end (O(1), and so do their pops from the front); only
 /// one due earlier than the run's end goes into a B-tree. Messages with one delay for all — most
 /// delayed offers — then never touch the tree; a mix of delays sends the shorter ones there.
@@ -155,7 +155,8 @@ impl Extend<(u64, u64)> for TimerSet {
     }
 }
 
-/// The earliest-due delayed messages, at most `cap` of them, as (due, offset).
+/// The earliest-due delayed messages, at most `cap` of them, as (due, slot): a slot is the
+/// record's offset with the level it is released to in its top byte (`slot`).
 #[derive(Debug)]
 pub(crate) struct Timers {
     held: TimerSet,
@@ -185,8 +186,8 @@ impl Timers {
         self.held.len() as u64 + self.spilled
     }
 
-    pub fn insert(&mut self, due: u64, offset: u64) {
-        let key = (due, offset);
+    pub fn insert(&mut self, due: u64, slot: u64) {
+        let key = (due, slot);
         if self.spilled == 0 && self.held.len() < self.cap {
             self.held.insert(key);
             return;
@@ -209,7 +210,7 @@ impl Timers {
         self.held.first().map(|(due, _)| *due)
     }
 
-    /// The earliest held message, as (due, offset), if it is due at `now_ns`.
+    /// The earliest held message, as (due, slot), if it is due at `now_ns`.
     pub fn pop_due(&mut self, now_ns: u64) -> Option<(u64, u64)> {
         match self.held.first() {
             Some(&(due, _)) if due <= now_ns => self.held.pop_first(),
@@ -231,7 +232,7 @@ impl Timers {
     }
 
     /// Holds the earliest of the spilled ones again, from `pending`: every delayed message not
-    /// done, held or not, as (due, offset).
+    /// done, held or not, as (due, slot).
     #[cfg(test)]
     pub fn refill(&mut self, pending: impl Iterator<Item = (u64, u64)>) {
         self.start_refill();
@@ -420,6 +421,15 @@ impl Ready {
 }
 
 impl Run {
+    /// Whether `next` continues this run: the next sequence and offset, released together, and
+    /// room to grow.
+    fn joins(&self, next: &Run) -> bool {
+        self.seq + u64::from(self.len) == next.seq
+            && self.start + u64::from(self.len) == next.start
+            && (self.after, self.stamp) == (next.after, next.stamp)
+            && self.len.checked_add(next.len).is_some()
+    }
+
     fn first(&self) -> Ready {
         Ready { offset: self.start, after: self.after, stamp: self.stamp, seq: self.seq }
     }
@@ -444,17 +454,11 @@ impl ReadyRuns {
         let seq = *next_seq;
         *next_seq += u64::from(len);
         self.len += u64::from(len);
+        let run = Run { seq, start, len, after, stamp };
         match runs.back_mut() {
-            Some(r)
-                if r.start + u64::from(r.len) == start
-                    && r.seq + u64::from(r.len) == seq
-                    && (r.after, r.stamp) == (after, stamp)
-                    && r.len.checked_add(len).is_some() =>
-            {
-                r.len += len;
-            }
+            Some(r) if r.joins(&run) => r.len += len,
             _ => {
-                runs.push_back(Run { seq, start, len, after, stamp });
+                runs.push_back(run);
                 self.runs += 1;
             }
         }
@@ -485,20 +489,26 @@ impl ReadyRuns {
         self.len += 1;
         let at = runs.partition_point(|r| r.seq < ready.seq);
         debug_assert!(runs.get(at).is_none_or(|r| r.seq > ready.seq), "a taken message is in no run");
-        match runs.get_mut(at) {
-            Some(r)
-                if r.seq == ready.seq + 1
-                    && r.start == ready.offset + 1
-                    && (r.after, r.stamp) == (ready.after, ready.stamp)
-                    && r.len < u32::MAX =>
-            {
+        let one = Run { seq: ready.seq, start: ready.offset, len: 1, after: ready.after, stamp: ready.stamp };
+        // Joined to the run before it, the run after it, or both (messages come back in any
+        // order: joining one side only would leave a run per message).
+        let before = at.checked_sub(1).filter(|&b| runs[b].joins(&one));
+        let after = runs.get(at).is_some_and(|r| one.joins(r));
+        match (before, after) {
+            (Some(b), true) if u64::from(runs[b].len) + 1 + u64::from(runs[at].len) <= u64::from(u32::MAX) => {
+                runs[b].len += 1 + runs[at].len;
+                runs.remove(at);
+                self.runs -= 1;
+            }
+            (Some(b), _) => runs[b].len += 1,
+            (None, true) => {
+                let r = &mut runs[at];
                 r.seq -= 1;
                 r.start -= 1;
                 r.len += 1;
             }
-            _ => {
-                let run = Run { seq: ready.seq, start: ready.offset, len: 1, after: ready.after, stamp: ready.stamp };
-                runs.insert(at, run);
+            (None, false) => {
+                runs.insert(at, one);
                 self.runs += 1;
             }
         }
@@ -540,6 +550,9 @@ pub(crate) struct DelayLog {
     /// Reads released messages as they are handed out: mostly one after another, so that the
     /// next is where this reader stands.
     reader: petrel_log::Reader,
+    /// Released messages gone for good (`settle`) whose `ctl.moved` marker is not written yet:
+    /// one marker names all that one hold of the queue's lock settles (`write_settled`).
+    settled: Vec<u64>,
 }
 
 /// What opening a delayed log found.
@@ -566,7 +579,17 @@ impl DelayLog {
         let ready = ReadyRuns::new(levels);
         let reader = log.reader();
         let returns = NumberMap::default();
-        Ok(DelayLog { log, pin, timers: Timers::new(cap), done, ready, returns, scan: None, reader })
+        Ok(DelayLog {
+            log,
+            pin,
+            timers: Timers::new(cap),
+            done,
+            ready,
+            returns,
+            scan: None,
+            reader,
+            settled: Vec::new(),
+        })
     }
 
     /// Opens a delayed log that may hold messages, for a queue of `levels` priority levels.
@@ -585,7 +608,7 @@ impl DelayLog {
         let top = levels - 1;
         let mut done = Done::starting_at(start);
         let mut returns = NumberMap::<u32>::default();
-        // Released runs in the order they were released: (level, after, stamp, start, count).
+        // Released runs in the order they were released: (level, after, stamp, start, end).
         let mut released = Vec::new();
         // First the markers (each follows the records it names), then the messages.
         for_each_record(&log, start, |r| {
@@ -677,7 +700,7 @@ impl DelayLog {
             reopened.last_stamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
         }
         let reader = log.reader();
-        let mut delay = DelayLog { log, pin, timers, done, ready, returns, scan: None, reader };
+        let mut delay = DelayLog { log, pin, timers, done, ready, returns, scan: None, reader, settled: Vec::new() };
         // Copies the levels' logs hold, and returned copies whose original stayed: done now.
         delay.mark_done(&repaired)?;
         Ok((delay, reopened))
@@ -703,7 +726,7 @@ impl DelayLog {
         self.timers.next_due()
     }
 
-    /// The levels a due message may go to: its placement's, at most the highest.
+    /// How many levels released messages go to (a placement above them goes to the highest).
     fn levels(&self) -> usize {
         self.ready.levels.len()
     }
@@ -774,10 +797,11 @@ impl DelayLog {
         if taken.is_empty() {
             return Ok(Some(counts));
         }
-        // Synced first, and the markers appended together or not at all: on a failure every
-        // message taken stays delayed, and nothing was counted.
+        // Durable first (under `always` they are: no sync), and the markers appended together
+        // or not at all: on a failure every message taken stays delayed, and nothing was counted.
+        let last = taken.iter().map(|key| unslot(key.1).1).max().expect("some taken");
         if self.log.durability() != Durability::None
-            && let Err(e) = self.log.sync()
+            && let Err(e) = self.log.make_durable(last)
         {
             self.timers.unpop(&taken);
             return Err(e.into());
@@ -847,7 +871,7 @@ impl DelayLog {
 
     /// The deliveries of the record at `offset` handed out now or last, this one included.
     pub fn deliveries(&self, offset: u64) -> u32 {
-        self.returns.get(&offset).map_or(1, |n| n + 1)
+        crate::deliveries_of(&self.returns, offset)
     }
 
     /// Every released message waiting, taken (a flush drops them; the caller marks them done),
@@ -911,6 +935,24 @@ impl DelayLog {
         for o in offsets {
             self.done.set(*o);
             self.returns.remove(o);
+        }
+        Ok(())
+    }
+
+    /// The released message at `offset`, taken, is gone for good: marked done by the next
+    /// `write_settled`, with the others settled meanwhile.
+    pub fn settle(&mut self, offset: u64) {
+        self.settled.push(offset);
+    }
+
+    /// Writes the marker of the messages settled since the last call. On a failure they stay to
+    /// be written by the next call (until then they are neither waiting nor done: a restart
+    /// hands them out again).
+    pub fn write_settled(&mut self) -> Result<(), BrokerError> {
+        let settled = std::mem::take(&mut self.settled);
+        if let Err(e) = self.mark_done(&settled) {
+            self.settled = settled;
+            return Err(e);
         }
         Ok(())
     }
@@ -995,6 +1037,22 @@ fn for_each_record(log: &SharedLog, start: u64, mut f: impl FnMut(&petrel_log::R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn released_messages_put_back_in_any_order_make_their_run_whole_again() {
+        for order in [vec![0, 1, 2, 3, 4, 5], vec![5, 4, 3, 2, 1, 0], vec![3, 0, 5, 1, 4, 2]] {
+            let mut ready = ReadyRuns::new(1);
+            ready.push(0, 100, 6, 7, 8);
+            let taken: Vec<Ready> = (0..6).map(|_| ready.pop(0).unwrap()).collect();
+            assert_eq!((ready.runs, ready.len), (0, 0));
+            for &i in &order {
+                ready.put_back(0, taken[i]);
+            }
+            assert_eq!((ready.runs, ready.len), (1, 6), "put back in the order {order:?}");
+            let again: Vec<Ready> = (0..6).map(|_| ready.pop(0).unwrap()).collect();
+            assert_eq!(again, taken, "each in its place");
+        }
+    }
 
     #[test]
     fn timers_hold_the_earliest_and_find_the_spilled_again() {

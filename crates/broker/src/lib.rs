@@ -40,15 +40,21 @@ mod topic;
 mod waiting;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
 
 /// A map keyed by numbers the server hands out itself (log offsets, delivery handles): hashed
 /// with foldhash, several times cheaper than SipHash, which guards against keys an attacker
 /// picks, and no client picks these.
 pub(crate) type NumberMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
-use std::time::Duration;
+
+/// A durable queue's record `offset` handed out now or last, given how many times each record
+/// came back (`returns`): its deliveries, this one included.
+pub(crate) fn deliveries_of(returns: &NumberMap<u32>, offset: u64) -> u32 {
+    returns.get(&offset).map_or(1, |n| n + 1)
+}
 
 pub use config::QueueConfig;
 #[doc(hidden)]
@@ -1352,10 +1358,15 @@ impl<'a> Creation<'a> {
 
     /// Ends the creation; returns the definitions' lock, held.
     fn end(mut self) -> MutexGuard<'a, HashSet<String>> {
+        self.ended = true;
+        self.release()
+    }
+
+    /// Frees the name and wakes whoever waits for it.
+    fn release(&self) -> MutexGuard<'a, HashSet<String>> {
         let mut creating = self.broker.definitions.lock().unwrap_or_else(|e| e.into_inner());
         creating.remove(self.name);
         self.broker.creation_ended.notify_all();
-        self.ended = true;
         creating
     }
 }
@@ -1363,9 +1374,7 @@ impl<'a> Creation<'a> {
 impl Drop for Creation<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            // (A panic while the files were made.)
-            self.broker.definitions.lock().unwrap_or_else(|e| e.into_inner()).remove(self.name);
-            self.broker.creation_ended.notify_all();
+            drop(self.release()); // (a panic while the files were made)
         }
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::Notify;
 use crate::dedup::DedupWindow;
 use crate::delay::{self, DelayLog, Ready};
 use crate::message::{self, Message, Placement};
-use crate::{BrokerError, ConnId, Delivery, NumberMap, QueueConfig, QueueStats, config, counting};
+use crate::{BrokerError, ConnId, Delivery, NumberMap, QueueConfig, QueueStats, config, counting, deliveries_of};
 
 /// What the broker counts for a queue: more than QUEUE_STATUS carries (`Queue::status`), all of
 /// it on the server's metrics.
@@ -261,6 +261,13 @@ impl Drop for Locked<'_> {
     fn drop(&mut self) {
         if let Some(budget) = self.budget {
             budget.settle(self.bytes_before, self.guard.bytes);
+        }
+        // One marker for the released delayed messages settled under the lock; if it cannot be
+        // written now, the next tick tries again.
+        if let Store::Log { delayed: Some(delay), .. } = &mut self.guard.store
+            && delay.write_settled().is_err()
+        {
+            self.due_ns.lower(0);
         }
         if std::mem::take(&mut self.guard.head_taken) {
             // A head that cannot be read now (a storage error) is looked at by the next tick.
@@ -1129,22 +1136,14 @@ impl Queue {
     pub fn ack(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
         let mut inner = self.lock();
         let mut n = 0;
-        // Released delayed messages are marked done together, in one marker.
-        let mut released = Vec::new();
         for h in handles {
             if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
                 let f = inner.in_flight.remove(h).expect("just seen");
-                match f.item {
-                    Taken::Released { ready, .. } => released.push(ready.offset),
-                    _ => inner.settle(&f.item)?,
-                }
+                inner.settle(&f.item)?;
                 counting::subtract(&mut inner.bytes, f.bytes, "a queue's bytes");
                 inner.counters.acked += 1;
                 n += 1;
             }
-        }
-        if let Store::Log { delayed: Some(delay), .. } = &mut inner.store {
-            delay.mark_done(&released)?;
         }
         drop(inner);
         self.room.notify_waiters();
@@ -1506,8 +1505,8 @@ impl Inner {
         Ok(head.is_none_or(|head| ready.after <= head).then_some(ready))
     }
 
-    /// The released delayed message `ready` of `level`, as it is handed out: its id the one it
-    /// had delayed, its time the one it joined the level at, its deliveries this one included.
+    /// The released delayed message `ready` of `level`, as a level's record reads (`stored`):
+    /// its id the one it had delayed, its time the one it joined the level at.
     fn released(&mut self, level: usize, ready: Ready) -> Result<Message, BrokerError> {
         let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
             unreachable!("released from a delayed log")
@@ -1517,7 +1516,6 @@ impl Inner {
             id: message::queue_id(message::DELAYED_TAG, ready.offset),
             priority: level as u8,
             timestamp: ready.stamp,
-            deliveries: delay.deliveries(ready.offset),
             ..m
         })
     }
@@ -1643,6 +1641,7 @@ impl Inner {
             let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
                 unreachable!("released from a delayed log")
             };
+            let message = Message { deliveries: delay.deliveries(ready.offset), ..message };
             assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
             return Ok(Some((message, Taken::Released { level, ready })));
         }
@@ -1681,7 +1680,8 @@ impl Inner {
                 Ok(lane.group.ack(*offset)?)
             }
             (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
-                delay.mark_done(&[ready.offset])
+                delay.settle(ready.offset);
+                Ok(())
             }
             _ => Ok(()),
         }
@@ -1727,7 +1727,7 @@ impl Inner {
             let message = match &read.item {
                 Taken::Memory(m) => (**m).clone(),
                 Taken::Log { level, offset } => Message { deliveries, ..self.read_stored(*level, *offset)? },
-                Taken::Released { level, ready } => self.released(*level, *ready)?,
+                Taken::Released { level, ready } => Message { deliveries, ..self.released(*level, *ready)? },
             };
             self.settle(&read.item)?;
             counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
@@ -1769,9 +1769,11 @@ impl Inner {
                             (self.read_stored(level, offset)?, deliveries_of(&lanes[level].returns, offset))
                         }
                         Taken::Released { level, ready } => {
-                            let m = self.released(level, ready)?;
-                            let deliveries = m.deliveries;
-                            (m, deliveries)
+                            let Store::Log { delayed: Some(delay), .. } = &self.store else {
+                                unreachable!("released from a delayed log")
+                            };
+                            let deliveries = delay.deliveries(ready.offset);
+                            (self.released(level, ready)?, deliveries)
                         }
                         Taken::Memory(_) => unreachable!("a queue's takings match its store"),
                     };
@@ -1995,7 +1997,7 @@ impl Inner {
                 unreachable!("released from a delayed log")
             };
             assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
-            delay.mark_done(&[ready.offset])?;
+            delay.settle(ready.offset);
             counting::subtract(&mut self.bytes, size, "a queue's bytes");
         } else if !self.drop_stored_head(level)? {
             return Ok(false);
@@ -2033,11 +2035,6 @@ impl Inner {
 /// The message a durable queue's log for `level` holds in `r`, with its queue id and priority.
 fn stored(level: usize, r: &petrel_log::Record<'_>) -> Message {
     Message { id: message::queue_id(level, r.offset), priority: level as u8, ..message::from_record(r) }
-}
-
-/// A durable queue's record `offset` handed out now or last: its deliveries, this one included.
-fn deliveries_of(returns: &NumberMap<u32>, offset: u64) -> u32 {
-    returns.get(&offset).map_or(1, |n| n + 1)
 }
 
 /// Reads past the return markers at the head of a durable queue's group: they are not messages

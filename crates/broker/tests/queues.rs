@@ -976,6 +976,31 @@ fn delayed_messages_are_invisible_until_due_then_join_the_tail_across_a_restart(
     }
 }
 
+/// Released delayed messages taken for good are marked done in one `ctl.moved` marker per
+/// hold of the queue's lock, not one each, and stay done across a restart; peeked, a released
+/// message shows the deliveries a waiting one does (none yet), and polled, this one.
+#[test]
+fn released_messages_taken_together_are_marked_done_together_and_peek_as_waiting_ones_do() {
+    let t0 = now_ns();
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    let items: Vec<String> = (0..100).map(|i| i.to_string()).collect();
+    b.offer("q", delayed(1, &items.iter().map(String::as_str).collect::<Vec<_>>()), t0).unwrap();
+    b.tick(t0 + 2 * MS); // all released: one `ctl.released` marker
+    let head = b.peek(&b.queue("q").unwrap(), t0 + 2 * MS).unwrap().unwrap();
+    assert_eq!((&head.payload[..], head.deliveries), (&b"0"[..], 0));
+    let got = b.poll("q", 100, None, 1, t0 + 2 * MS).unwrap();
+    assert_eq!((got.len(), got[0].message.deliveries), (100, 1));
+    drop(b);
+    let delayed_log = petrel_log::Log::open(dir.path().join("queues/q/delayed"), petrel_log::Options::default());
+    assert_eq!(delayed_log.unwrap().next_offset(), 100 + 1 + 1, "the messages, one release, one marker for all");
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.tick(t0 + 3 * MS);
+    assert!(b.poll("q", 100, None, 1, t0 + 3 * MS).unwrap().is_empty(), "done for good");
+    assert_eq!(b.queue("q").unwrap().status().items, 0);
+}
+
 /// Due messages handed out from a durable queue's delayed log are bounded in flight as a level's
 /// log bounds its own: a consumer that takes and never acknowledges holds at most
 /// `MAX_PENDING` of them, and gets more as it acknowledges.

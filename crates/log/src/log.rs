@@ -136,9 +136,7 @@ impl Log {
         };
         // Timestamps never go back, across a reopen too (the time index relies on it).
         if let Some(last) = next_offset.checked_sub(1) {
-            let mut reader = log.reader();
-            reader.seek(last);
-            log.last_timestamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
+            log.last_timestamp = log.reader().get(last)?.map_or(0, |r| r.timestamp);
         }
         if log.active.format != frame::Format::CURRENT {
             // A last segment of an earlier format with records in it is sealed as it is:

@@ -215,12 +215,13 @@ impl Search<'_> {
         {
             let Reverse(Open { end, start, running_before, crc }) = self.open.pop().expect("peeked");
             let (end, start) = (end as usize, start as usize);
-            self.run_to(end);
             // Once a valid frame is found, only candidates starting before it matter (skipped
-            // here rather than removed when it is found: nested frames would make that quadratic).
+            // here rather than removed when it is found: nested frames would make that quadratic;
+            // and not checksummed up to their ends for nothing).
             if self.found.is_some_and(|(found, _)| start >= found) {
                 continue;
             }
+            self.run_to(end);
             let checked_len = end - start - self.format.checked_from();
             if checksum::of_range(running_before, self.running, checked_len) != crc {
                 continue;

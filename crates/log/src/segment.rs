@@ -222,7 +222,9 @@ impl Segment {
                 position: 0,
                 offset: None,
                 reason: crate::error::Reason::Other(format!(
-                    "segment is {file_len} bytes, not between its header's {SEGMENT_HEADER_LEN} and the largest segment's {}",
+                    "segment is {file_len} bytes, not between its header's {SEGMENT_HEADER_LEN} and the largest segment's {} \
+                     (`petrel log repair` cannot read it either: truncate the file to its segment length, \
+                     the one its header gives, or move it away)",
                     crate::MAX_SEGMENT_BYTES
                 )),
                 before_tail: false,

@@ -6,7 +6,7 @@ use bytes::{Buf, BufMut, Bytes};
 use crate::{DecodeError, EncodeError};
 
 /// Payloads at least this long can be left out of an encoded frame that ends with them (a call,
-/// its reply, an INVOKE push), to be written after the frame's other bytes by the same vectored
+/// its reply, an INVOKE push, a RETURN), to be written after the frame's other bytes by the same vectored
 /// write rather than copied into them.
 pub const LARGE_PAYLOAD_BYTES: usize = 64 << 10;
 

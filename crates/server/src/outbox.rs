@@ -90,6 +90,14 @@ impl Outbox {
     }
 }
 
+/// The writer is gone: whoever waits for room, or would, is told so rather than left waiting for
+/// chunks that will never be written.
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        self.room.close();
+    }
+}
+
 impl Outgoing {
     /// The next chunk, waiting for one. Its bytes stay taken until it is `written`.
     pub(crate) async fn recv(&mut self) -> Option<Chunk> {
@@ -143,5 +151,10 @@ mod tests {
         assert!(matches!(outbox.try_send(vec![0; 1]), Err(TrySendError::Full(_))), "over the chunks");
         drop(outgoing);
         assert!(outbox.send(vec![0; 1]).await.is_err());
+        // The 8 chunks never written keep their room: a send that needs more is told the writer
+        // is gone instead of waiting for ever.
+        let waited = tokio::time::timeout(std::time::Duration::from_secs(5), outbox.send(vec![0; 100])).await;
+        assert!(matches!(waited, Ok(Err(Closed))), "{waited:?}");
+        assert!(matches!(outbox.try_send(vec![0; 100]), Err(TrySendError::Closed(_))));
     }
 }

@@ -59,9 +59,11 @@ pub(super) struct Connection<S> {
     writer: JoinHandle<()>,
     ctx: Arc<Ctx>,
     entry: Arc<crate::connections::Connection>,
-    /// The server's stop: ends a wait for a client to take the rest of a half-sent frame.
-    shutdown: tokio::sync::watch::Receiver<bool>,
+    /// The server's stop and its grace: how long a client that does not read is waited for.
+    stop: Stop,
 }
+
+type Stop = (tokio::sync::watch::Receiver<bool>, std::time::Duration);
 
 type Wire<S> = Arc<tokio::sync::Mutex<WriteHalf<S>>>;
 
@@ -85,12 +87,7 @@ fn incomplete_frame(buf: &[u8]) -> Option<Incomplete> {
 
 impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     /// Splits `stream` and starts its writer task.
-    pub fn new(
-        stream: S,
-        ctx: &Arc<Ctx>,
-        registered: &Registered,
-        shutdown: tokio::sync::watch::Receiver<bool>,
-    ) -> Connection<S> {
+    pub fn new(stream: S, ctx: &Arc<Ctx>, registered: &Registered, stop: Stop) -> Connection<S> {
         let (rd, wr) = tokio::io::split(stream);
         let (outbox, rx) = outbox(ctx.config.max_queued_responses, ctx.config.max_queued_response_bytes);
         let wire = Arc::new(tokio::sync::Mutex::new(wr));
@@ -108,7 +105,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             writer,
             ctx: Arc::clone(ctx),
             entry,
-            shutdown,
+            stop,
         }
     }
 
@@ -208,11 +205,13 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 }
             }
             if sent > 0 {
-                // The rest must follow at once: nothing may come between the halves of a frame.
-                tokio::select! {
-                    biased;
-                    written = wr.write_all(&self.out[sent..]) => written.map_err(|_| Closed)?,
-                    () = past_the_stop(&mut self.shutdown, self.ctx.config.shutdown_grace().ok()) => return Err(Closed),
+                if sent < self.out.len() {
+                    // The rest must follow at once: nothing may come between the halves of a frame.
+                    tokio::select! {
+                        biased;
+                        written = wr.write_all(&self.out[sent..]) => written.map_err(|_| Closed)?,
+                        () = past_the_stop(&mut self.stop) => return Err(Closed),
+                    }
                 }
                 add(&self.ctx.stats.bytes_written, self.out.len() as u64);
                 self.entry.sent(self.out.len());
@@ -228,7 +227,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             biased;
             queued = self.outbox.send(answers) => queued.map_err(|_| Closed),
             // A full outbox waits for a client that may never read.
-            () = past_the_stop(&mut self.shutdown, self.ctx.config.shutdown_grace().ok()) => Err(Closed),
+            () = past_the_stop(&mut self.stop) => Err(Closed),
         }
     }
 
@@ -269,11 +268,11 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     }
 }
 
-/// Waits for the server's stop and then its grace (5 s if none is configured): how long the
-/// connection waits for a client to take its answers.
-async fn past_the_stop(shutdown: &mut tokio::sync::watch::Receiver<bool>, grace: Option<std::time::Duration>) {
+/// Waits for the server's stop and then its grace: how long the connection waits for a client
+/// to take its answers.
+async fn past_the_stop((shutdown, grace): &mut Stop) {
     let _ = shutdown.wait_for(|stop| *stop).await;
-    tokio::time::sleep(grace.unwrap_or(std::time::Duration::from_secs(5))).await;
+    tokio::time::sleep(*grace).await;
 }
 
 /// The writer task: whatever is ready goes out in one vectored write, without copying it.

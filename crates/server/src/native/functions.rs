@@ -132,11 +132,12 @@ fn invocations(
         let outbox = outbox.clone();
         let task = tokio::spawn(async move {
             while let Some(inv) = invocations.recv().await {
-                // The frame holds the payload unless it is large enough to go out after it.
-                let held =
-                    if inv.message.payload.len() < LARGE_PAYLOAD_BYTES { inv.message.size() as usize } else { 0 };
-                let mut frames = Vec::with_capacity(held + 256);
-                let push = Push::Invoke { function: inv.function, message: Box::new(outgoing(inv.message, compress)) };
+                let message = outgoing(inv.message, compress);
+                // The frame holds the payload (as sent: compressed or not) unless it is large
+                // enough to go out after it.
+                let left_out = if message.payload.len() < LARGE_PAYLOAD_BYTES { 0 } else { message.payload.len() };
+                let mut frames = Vec::with_capacity(message.size() as usize - left_out + 256);
+                let push = Push::Invoke { function: inv.function, message: Box::new(message) };
                 let payload = not_sent_if_too_long(push.encode_split(inv.call, &mut frames)).flatten();
                 if outbox.send(Chunk { frames, payload: payload.unwrap_or_default() }).await.is_err() {
                     return;

@@ -102,7 +102,8 @@ where
 {
     let registered = crate::connections::Registry::open(&ctx, conn, &peer, "native");
     let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
-    let mut connection = Connection::new(stream, &ctx, &registered, shutdown.clone());
+    let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
+    let mut connection = Connection::new(stream, &ctx, &registered, (shutdown.clone(), grace));
     let mut session = Session::new(&ctx, conn, peer, &registered);
     let mut pushes = Pushes::default();
     let permits = Permits::new(ctx.config.max_in_flight_per_connection);
@@ -165,7 +166,6 @@ where
     let _ = pushes.flush(&mut connection).await;
     pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
-    let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
     let _ = tokio::time::timeout(grace, permits.all_returned()).await;
     connection.close(grace).await;
 }

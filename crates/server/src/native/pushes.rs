@@ -64,7 +64,7 @@ impl Pushes {
 /// Pushes hold at most a frame's worth of messages or one message (itself at most
 /// `max_message_bytes`, well under a frame's 4 GiB), so this does not happen; if it did, the
 /// push is left out (its buffer is empty) and said in the log, rather than sent with a wrong
-/// length.
+/// length: `None` then, else what the encoding returned.
 pub(super) fn not_sent_if_too_long<T>(encoded: Result<T, petrel_proto::EncodeError>) -> Option<T> {
     encoded.inspect_err(|e| tracing::error!(error = %e, "a push was not sent")).ok()
 }
