@@ -284,6 +284,9 @@ pub struct Broker {
     functions: function::Functions,
     /// Users and ACLs in force (replaced whole on reload); `None`: authentication is off.
     security: RwLock<Option<Arc<Security>>>,
+    /// `security` is `Some`: checked first, so that with authentication off a request's checks
+    /// take no lock (they are on every request's path). Never set back: a reload keeps it on.
+    secured: std::sync::atomic::AtomicBool,
     /// Requests refused by `authorize`.
     denials: AtomicU64,
     /// Queues created by ordinary users, for `max_queues_per_user`.
@@ -459,11 +462,13 @@ impl Broker {
             topics: RwLock::new(HashMap::new()),
             functions: function::Functions::new(on_call),
             security: RwLock::new(None),
+            secured: std::sync::atomic::AtomicBool::new(false),
             denials: AtomicU64::new(0),
             created_by: Mutex::new(CreatedBy::default()),
             alarm: Arc::new(TickAlarm::default()),
         };
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
+        broker.secured.store(broker.options.security.is_some(), Ordering::Release);
         for def in broker.load_definitions()? {
             let config = match configured.queues.get(&def.name) {
                 Some(configured) if *configured != def.config => {
@@ -1178,6 +1183,9 @@ impl Broker {
 
     /// The users and ACLs in force.
     pub fn security(&self) -> Option<Arc<Security>> {
+        if !self.secured.load(Ordering::Acquire) {
+            return None;
+        }
         self.security.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -1185,6 +1193,7 @@ impl Broker {
     /// and their next requests are decided by the new rules.
     pub fn set_security(&self, security: Security) {
         *self.security.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(security));
+        self.secured.store(true, Ordering::Release);
     }
 
     /// Requests refused by `authorize` since open.

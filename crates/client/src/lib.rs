@@ -834,39 +834,18 @@ fn unexpected(r: Response) -> ClientError {
 /// every waiting request fails with `Closed`, and so does every later one.
 async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pending>>) {
     let mut buf = BytesMut::with_capacity(64 * 1024);
+    let mut answered = Vec::new();
     'read: loop {
         loop {
-            match frame::decode(&mut buf, MAX_INCOMING_FRAME) {
-                Ok(Some(f)) if f.kind == FrameKind::Response => {
-                    let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
-                    if let Some((opcode, tx)) = p.waiting.remove(&f.request_id) {
-                        let response =
-                            Response::decode(opcode, f.body).map_err(|e| ClientError::Protocol(e.to_string()));
-                        let response = response.and_then(|mut r| {
-                            petrel_proto::compression::decompress_response(&mut r, MAX_INCOMING_FRAME as usize)
-                                .map_err(|e| ClientError::Protocol(e.to_string()))?;
-                            Ok(r)
-                        });
-                        if let Some(sub) = p.subscribing.remove(&f.request_id)
-                            && let Ok(Response::Subscribed { subscription }) = &response
-                        {
-                            p.subscriptions.insert(*subscription, sub);
-                        }
-                        drop(p);
-                        let _ = tx.send(response);
-                    }
-                }
-                Ok(Some(f)) if f.kind == FrameKind::Push => {
-                    // A push this client cannot read (a newer server's) is skipped.
-                    if let Ok(mut push) = Push::decode(f.opcode, f.body)
-                        && petrel_proto::compression::decompress_push(&mut push, MAX_INCOMING_FRAME as usize).is_ok()
-                    {
-                        route(&pending, f.request_id, push).await;
-                    }
-                }
-                Ok(Some(_)) => {}
+            let next = take_responses(&mut buf, &pending, &mut answered);
+            // Answered before what follows them is handled, in the order they came.
+            for (tx, response) in answered.drain(..) {
+                let _ = tx.send(response);
+            }
+            match next {
+                Ok(Some((request_id, push))) => route(&pending, request_id, push).await,
                 Ok(None) => break,
-                Err(_) => break 'read,
+                Err(()) => break 'read,
             }
         }
         // A large frame coming: room for all of it at once, rather than growth by doubling (each
@@ -886,6 +865,48 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
         }
     }
     pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
+}
+
+/// Takes the responses at the front of `buf`, all under one hold of the lock, into `answered`;
+/// stops at a push (returned, with its request id), at an incomplete frame (`None`), or at
+/// bytes that are not a frame (`Err`: the connection cannot go on).
+fn take_responses(
+    buf: &mut BytesMut,
+    pending: &Mutex<Pending>,
+    answered: &mut Vec<(Reply, Result<Response, ClientError>)>,
+) -> Result<Option<(u64, Push)>, ()> {
+    let mut p = None;
+    loop {
+        match frame::decode(buf, MAX_INCOMING_FRAME) {
+            Ok(Some(f)) if f.kind == FrameKind::Response => {
+                let p = p.get_or_insert_with(|| pending.lock().unwrap_or_else(|e| e.into_inner()));
+                let Some((opcode, tx)) = p.waiting.remove(&f.request_id) else { continue };
+                let response = Response::decode(opcode, f.body).map_err(|e| ClientError::Protocol(e.to_string()));
+                let response = response.and_then(|mut r| {
+                    petrel_proto::compression::decompress_response(&mut r, MAX_INCOMING_FRAME as usize)
+                        .map_err(|e| ClientError::Protocol(e.to_string()))?;
+                    Ok(r)
+                });
+                if let Some(sub) = p.subscribing.remove(&f.request_id)
+                    && let Ok(Response::Subscribed { subscription }) = &response
+                {
+                    p.subscriptions.insert(*subscription, sub);
+                }
+                answered.push((tx, response));
+            }
+            Ok(Some(f)) if f.kind == FrameKind::Push => {
+                // A push this client cannot read (a newer server's) is skipped.
+                if let Ok(mut push) = Push::decode(f.opcode, f.body)
+                    && petrel_proto::compression::decompress_push(&mut push, MAX_INCOMING_FRAME as usize).is_ok()
+                {
+                    return Ok(Some((f.request_id, push)));
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(None),
+            Err(_) => return Err(()),
+        }
+    }
 }
 
 /// Hands a push to the subscription or function it is for. Waits when that one's channel is

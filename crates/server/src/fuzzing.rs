@@ -21,9 +21,33 @@ pub struct Harness {
 /// Every this many runs, the queues and topics the inputs made are removed (bounded disk).
 const CLEAR_EVERY: u64 = 500;
 
+/// A harness's directory is this, its process id, `-` and its number in the process.
+const DIR_PREFIX: &str = "petrel-fuzz-handler-";
+
+/// Removes the directories of harnesses whose process is gone: libFuzzer ends a run with
+/// `exit`, which runs no destructor, so each run's directory stays behind (Linux only, where
+/// `/proc` says which processes live).
+fn remove_dead_harnesses_dirs() {
+    if !std::path::Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(DIR_PREFIX)) else { continue };
+        let pid = rest.split_once('-').map_or(rest, |(pid, _)| pid);
+        if pid.parse::<u32>().is_ok() && !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 impl Harness {
     pub fn new() -> Harness {
-        let dir = std::env::temp_dir().join(format!("petrel-fuzz-handler-{}", std::process::id()));
+        remove_dead_harnesses_dirs();
+        static HARNESSES: AtomicU64 = AtomicU64::new(0);
+        let n = HARNESSES.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("{DIR_PREFIX}{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("a temporary directory");
         let mut users = petrel_broker::security::Users::default();
@@ -126,6 +150,24 @@ mod tests {
     use petrel_proto::{Message, QueueConfig, Request};
 
     use super::Harness;
+
+    #[test]
+    fn a_new_harness_removes_what_harnesses_that_ended_left_and_keeps_live_ones() {
+        // No process has either id (pids stop at 2^22), nor is one the live parent of this test.
+        let dead = std::env::temp_dir().join(format!("{}{}-0", super::DIR_PREFIX, u32::MAX));
+        let live = std::env::temp_dir().join(format!("{}{}-0", super::DIR_PREFIX, std::os::unix::process::parent_id()));
+        let other = std::env::temp_dir().join(format!("{}not-a-pid", super::DIR_PREFIX));
+        for dir in [&dead, &live, &other] {
+            std::fs::create_dir_all(dir.join("data")).unwrap();
+        }
+        let harness = Harness::new();
+        assert!(!dead.exists(), "the directory of a process that is gone is removed");
+        assert!(live.exists() && other.exists(), "a live process's directory, and a name without a pid, stay");
+        drop(harness);
+        for dir in [&live, &other] {
+            std::fs::remove_dir_all(dir).unwrap();
+        }
+    }
 
     #[test]
     fn the_harness_serves_every_kind_of_client_and_ends_each_connection() {

@@ -61,6 +61,9 @@ pub(super) struct Connection<S> {
     entry: Arc<crate::connections::Connection>,
     /// The server's stop and its grace: how long a client that does not read is waited for.
     stop: Stop,
+    /// When the last read took bytes from the socket (ns since the Unix epoch): the time every
+    /// request it brought arrived by, one clock read per read rather than one per request.
+    read_at_ns: u64,
 }
 
 type Stop = (tokio::sync::watch::Receiver<bool>, std::time::Duration);
@@ -106,7 +109,13 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             ctx: Arc::clone(ctx),
             entry,
             stop,
+            read_at_ns: crate::now_ns(),
         }
+    }
+
+    /// When the requests now buffered had all arrived (see `read_at_ns`).
+    pub fn read_at_ns(&self) -> u64 {
+        self.read_at_ns
     }
 
     /// The answers of this read are worth sending before the rest of it is handled.
@@ -249,6 +258,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         match self.rd.read_buf(&mut self.input.buf).await {
             Ok(0) | Err(_) => Err(Closed),
             Ok(n) => {
+                self.read_at_ns = crate::now_ns();
                 self.input.filled(n);
                 add(&ctx.stats.bytes_read, n as u64);
                 registered.received(n);

@@ -122,7 +122,10 @@ where
             };
             let answer = match request {
                 Request::Auth { user, password } => Answer::Now(session.auth(&ctx, &registered, user, password).await),
-                request => dispatch(&ctx, &mut session, &mut pushes, connection.outbox(), request).await,
+                request => {
+                    let arrived_ns = connection.read_at_ns();
+                    dispatch(&ctx, &mut session, &mut pushes, connection.outbox(), request, arrived_ns).await
+                }
             };
             match answer {
                 Answer::Now(response) => connection.answer(&response, opcode, request_id),
@@ -170,13 +173,15 @@ where
     connection.close(grace).await;
 }
 
-/// Answers one request (AUTH aside): at once, or with what it waits for.
+/// Answers one request (AUTH aside): at once, or with what it waits for. `arrived_ns`: when the
+/// read that brought it ended, the time an offer's messages count from.
 async fn dispatch(
     ctx: &Arc<Ctx>,
     session: &mut Session,
     pushes: &mut Pushes,
     outbox: &Outbox,
     request: Request,
+    arrived_ns: u64,
 ) -> Answer {
     if let Err(refused) = session.admit(ctx, &request) {
         return Answer::Now(error(refused));
@@ -196,7 +201,7 @@ async fn dispatch(
         Request::QueueRemove { name } => now(queues::remove(ctx, &name)),
         Request::QueueList => now(queues::list(ctx, session)),
         Request::QueueStatus { name } => now(queues::status(ctx, name)),
-        Request::Offer { queue, timeout_ms, messages } => queues::offer(ctx, queue, timeout_ms, messages),
+        Request::Offer { queue, timeout_ms, messages } => queues::offer(ctx, queue, timeout_ms, messages, arrived_ns),
         Request::Poll { queue, max, timeout_ms, visibility_ms } => {
             queues::poll(ctx, session, queue, max, timeout_ms, visibility_ms)
         }

@@ -36,10 +36,18 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
 
 /// Offers now; a full queue is waited on for up to `timeout_ms`, and an offer to a queue that
 /// syncs each one is answered once it is on disk.
-pub(super) fn offer(ctx: &Arc<Ctx>, queue: String, timeout_ms: u32, mut messages: Vec<Message>) -> Answer {
+/// Offers `messages`, which arrived at `arrived_ns` (their timestamps, expiry and due times count
+/// from it; a retry after waiting for room reads the clock again).
+pub(super) fn offer(
+    ctx: &Arc<Ctx>,
+    queue: String,
+    timeout_ms: u32,
+    mut messages: Vec<Message>,
+    arrived_ns: u64,
+) -> Answer {
     let broker = &ctx.broker;
     let Some(queue) = broker.queue(&queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
-    match broker.offer_unsynced(&queue, &mut messages, now_ns()) {
+    match broker.offer_unsynced(&queue, &mut messages, arrived_ns) {
         Err(BrokerError::Full(_)) if timeout_ms > 0 => {
             Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, timeout_ms))
         }
