@@ -749,7 +749,8 @@ impl Broker {
     fn remove_queue_locked(&self, name: &str) -> Result<(), BrokerError> {
         let _guard = self.definitions_unless_creating(name);
         let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
-        self.removed.fetch_add(1, Ordering::Relaxed);
+        // Release: whoever reads the new count (`queues_removed`) finds the queue gone.
+        self.removed.fetch_add(1, Ordering::Release);
         queue.available.notify_waiters();
         if !queue.config().temporary {
             drop(queue);
@@ -786,9 +787,10 @@ impl Broker {
         self.created.load(Ordering::Relaxed)
     }
 
-    /// Queues removed since open.
+    /// Queues removed since open. While it stays the same, a queue found by its name is still
+    /// the one of that name (connections keep the last one they named on that promise).
     pub fn queues_removed(&self) -> u64 {
-        self.removed.load(Ordering::Relaxed)
+        self.removed.load(Ordering::Acquire)
     }
 
     /// Changes `max_memory_bytes` (a reload): new offers see it at once.

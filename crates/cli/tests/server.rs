@@ -594,6 +594,29 @@ async fn a_queue_carries_its_own_durability_and_item_limit_over_the_wire() {
     assert_eq!(texts(&c.poll("audited", TAKE).await.unwrap()), ["small"]);
 }
 
+/// A connection finds the queue it named last without asking the broker again; removing the
+/// queue (from this connection or another) and making a new one of that name must still be
+/// seen at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_removed_and_made_again_is_seen_by_a_connection_that_named_it_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let (c, admin) = (server.client().await, server.client().await);
+    c.create_queue("r", QueueConfig::default()).await.unwrap();
+    c.offer("r", vec![msg("old")], None).await.unwrap();
+    for remover in [&admin, &c] {
+        remover.remove_queue("r").await.unwrap();
+        let gone = c.offer("r", vec![msg("lost")], None).await.unwrap_err();
+        assert_eq!(gone.status(), Some(Status::QueueNotFound), "{gone}");
+        let gone = c.poll("r", TAKE).await.unwrap_err();
+        assert_eq!(gone.status(), Some(Status::QueueNotFound), "{gone}");
+        admin.create_queue("r", QueueConfig::default()).await.unwrap();
+        c.offer("r", vec![msg("new")], None).await.unwrap();
+        assert_eq!(admin.queue_status("r").await.unwrap().items, 1, "into the new queue");
+        assert_eq!(texts(&c.poll("r", TAKE).await.unwrap()), ["new"]);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_poll_counts_among_the_queue_s_waiters() {
     let dir = tempfile::tempdir().unwrap();

@@ -201,7 +201,9 @@ async fn dispatch(
         Request::QueueRemove { name } => now(queues::remove(ctx, &name)),
         Request::QueueList => now(queues::list(ctx, session)),
         Request::QueueStatus { name } => now(queues::status(ctx, name)),
-        Request::Offer { queue, timeout_ms, messages } => queues::offer(ctx, queue, timeout_ms, messages, arrived_ns),
+        Request::Offer { queue, timeout_ms, messages } => {
+            queues::offer(ctx, session, queue, timeout_ms, messages, arrived_ns)
+        }
         Request::Poll { queue, max, timeout_ms, visibility_ms } => {
             queues::poll(ctx, session, queue, max, timeout_ms, visibility_ms)
         }

@@ -40,13 +40,14 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
 /// from it; a retry after waiting for room reads the clock again).
 pub(super) fn offer(
     ctx: &Arc<Ctx>,
+    session: &mut Session,
     queue: String,
     timeout_ms: u32,
     mut messages: Vec<Message>,
     arrived_ns: u64,
 ) -> Answer {
     let broker = &ctx.broker;
-    let Some(queue) = broker.queue(&queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
+    let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
     match broker.offer_unsynced(&queue, &mut messages, arrived_ns) {
         Err(BrokerError::Full(_)) if timeout_ms > 0 => {
             Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, timeout_ms))
@@ -84,7 +85,7 @@ async fn offer_when_room(ctx: Arc<Ctx>, queue: Arc<Queue>, mut messages: Vec<Mes
 /// Takes up to `max` messages now, or waits up to `timeout_ms` for the first.
 pub(super) fn poll(
     ctx: &Arc<Ctx>,
-    session: &Session,
+    session: &mut Session,
     queue: String,
     max: u32,
     timeout_ms: u32,
@@ -93,7 +94,7 @@ pub(super) fn poll(
     let visibility = (visibility_ms > 0).then(|| Duration::from_millis(u64::from(visibility_ms)));
     let max = (max as usize).clamp(1, ctx.config.max_poll_messages);
     let (conn, compress) = (session.conn, session.compress);
-    let Some(queue) = ctx.broker.queue(&queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
+    let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
     match ctx.broker.poll_from(&queue, max, visibility, conn, now_ns()) {
         Ok(d) if d.is_empty() && timeout_ms > 0 => {
             let ctx = Arc::clone(ctx);

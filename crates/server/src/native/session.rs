@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use petrel_broker::security::{Action, Kind, Principal};
-use petrel_broker::{BrokerError, ConnId};
+use petrel_broker::{BrokerError, ConnId, Queue};
 use petrel_proto::{Request, Response, Status, features};
 
 use crate::Ctx;
@@ -20,6 +20,10 @@ pub(super) struct Session {
     denials: auth::Denials,
     /// Negotiated in HELLO: payloads of at least this many bytes go out zstd-compressed.
     pub compress: Option<usize>,
+    /// The queue this connection named last, and `Broker::queues_removed` when it was found:
+    /// found again without the broker's lock and hash while no queue has been removed since.
+    /// Weak, so that a removed queue's log closes with its last request, not with this session.
+    last_queue: Option<(std::sync::Weak<Queue>, u64)>,
 }
 
 impl Session {
@@ -32,6 +36,7 @@ impl Session {
             authenticated: None,
             denials: auth::Denials::default(),
             compress: None,
+            last_queue: None,
         };
         if let Some(certified) = auth::with_certificate(ctx, &session.peer, conn) {
             match certified {
@@ -43,6 +48,22 @@ impl Session {
             }
         }
         session
+    }
+
+    /// The queue called `name`, if there is one (the broker's `queue`, remembered for the next
+    /// request: most connections name one queue again and again).
+    pub fn queue(&mut self, ctx: &Ctx, name: &str) -> Option<Arc<Queue>> {
+        let removed = ctx.broker.queues_removed();
+        if let Some((last, found_at)) = &self.last_queue
+            && *found_at == removed
+            && let Some(queue) = last.upgrade()
+            && queue.name == name
+        {
+            return Some(queue);
+        }
+        let queue = ctx.broker.queue(name)?;
+        self.last_queue = Some((Arc::downgrade(&queue), removed));
+        Some(queue)
     }
 
     pub fn principal(&self) -> Option<&Principal> {
