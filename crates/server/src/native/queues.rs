@@ -34,10 +34,10 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
     }
 }
 
-/// Offers now; a full queue is waited on for up to `timeout_ms`, and an offer to a queue that
-/// syncs each one is answered once it is on disk.
-/// Offers `messages`, which arrived at `arrived_ns` (their timestamps, expiry and due times count
-/// from it; a retry after waiting for room reads the clock again).
+/// Offers `messages` now; a full queue is waited on for up to `timeout_ms`, and an offer to a
+/// queue that syncs each one is answered once it is on disk. The messages arrived at
+/// `arrived_ns`: their timestamps, expiry and due times count from it (a retry after waiting for
+/// room reads the clock again).
 pub(super) fn offer(
     ctx: &Arc<Ctx>,
     session: &mut Session,
