@@ -41,7 +41,7 @@ mod waiting;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -286,7 +286,7 @@ pub struct Broker {
     security: RwLock<Option<Arc<Security>>>,
     /// `security` is `Some`: checked first, so that with authentication off a request's checks
     /// take no lock (they are on every request's path). Never set back: a reload keeps it on.
-    secured: std::sync::atomic::AtomicBool,
+    secured: AtomicBool,
     /// Requests refused by `authorize`.
     denials: AtomicU64,
     /// Queues created by ordinary users, for `max_queues_per_user`.
@@ -462,7 +462,7 @@ impl Broker {
             topics: RwLock::new(HashMap::new()),
             functions: function::Functions::new(on_call),
             security: RwLock::new(None),
-            secured: std::sync::atomic::AtomicBool::new(false),
+            secured: AtomicBool::new(false),
             denials: AtomicU64::new(0),
             created_by: Mutex::new(CreatedBy::default()),
             alarm: Arc::new(TickAlarm::default()),

@@ -895,6 +895,8 @@ fn take_responses(
                 answered.push((tx, response));
             }
             Ok(Some(f)) if f.kind == FrameKind::Push => {
+                // Decoded (and decompressed) without the lock, which callers need to send.
+                drop(p.take());
                 // A push this client cannot read (a newer server's) is skipped.
                 if let Ok(mut push) = Push::decode(f.opcode, f.body)
                     && petrel_proto::compression::decompress_push(&mut push, MAX_INCOMING_FRAME as usize).is_ok()

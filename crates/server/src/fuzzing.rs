@@ -27,7 +27,7 @@ const DIR_PREFIX: &str = "petrel-fuzz-handler-";
 /// Removes the directories of harnesses whose process is gone: libFuzzer ends a run with
 /// `exit`, which runs no destructor, so each run's directory stays behind (Linux only, where
 /// `/proc` says which processes live).
-fn remove_dead_harnesses_dirs() {
+fn remove_dirs_of_ended_harnesses() {
     if !std::path::Path::new("/proc/self").exists() {
         return;
     }
@@ -44,7 +44,7 @@ fn remove_dead_harnesses_dirs() {
 
 impl Harness {
     pub fn new() -> Harness {
-        remove_dead_harnesses_dirs();
+        remove_dirs_of_ended_harnesses();
         static HARNESSES: AtomicU64 = AtomicU64::new(0);
         let n = HARNESSES.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("{DIR_PREFIX}{}-{n}", std::process::id()));

@@ -136,7 +136,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
 
     /// The next whole request already buffered (`None`: none is), answering on the way the
     /// frames that are not requests the server can take.
-    pub fn next_request(&mut self, ctx: &Ctx, registered: &Registered) -> Result<Option<Incoming>, Closed> {
+    pub fn next_request(&mut self) -> Result<Option<Incoming>, Closed> {
         loop {
             if self.skip > 0 {
                 let n = self.skip.min(self.input.buf.len() as u64) as usize;
@@ -146,7 +146,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                     return Ok(None);
                 }
             }
-            let f = match frame::decode(&mut self.input.buf, ctx.config.max_frame_bytes) {
+            let f = match frame::decode(&mut self.input.buf, self.ctx.config.max_frame_bytes) {
                 Ok(None) => return Ok(None),
                 Ok(Some(f)) => f,
                 Err(FrameError::TooLarge { len, max, request_id, opcode }) => {
@@ -170,8 +170,8 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                     return Err(Closed);
                 }
             };
-            registered.request();
-            ctx.stats.native_request(f.opcode);
+            self.entry.request();
+            self.ctx.stats.native_request(f.opcode);
             let refused = match f.kind {
                 FrameKind::Request => match Request::decode(f.opcode, f.body) {
                     Ok(request) => return Ok(Some(Incoming { opcode: f.opcode, request_id: f.request_id, request })),
@@ -242,10 +242,10 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
 
     /// Reads more bytes. A frame too large for the server's memory budget now is refused
     /// (answered in `out`, and skipped) instead; `Err`: the client closed the connection.
-    pub async fn read(&mut self, ctx: &Ctx, registered: &Registered) -> Result<(), Closed> {
+    pub async fn read(&mut self) -> Result<(), Closed> {
         self.early_at = FLUSH_ANSWERS_AT_COUNT;
         let incomplete = if self.skip > 0 { None } else { incomplete_frame(&self.input.buf) };
-        if self.input.prepare(incomplete.map(|f| f.len), &ctx.broker).is_err() {
+        if self.input.prepare(incomplete.map(|f| f.len), &self.ctx.broker).is_err() {
             let f = incomplete.expect("only a large request is refused");
             self.skip = f.len as u64;
             let reason = format!(
@@ -260,8 +260,8 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             Ok(n) => {
                 self.read_at_ns = crate::now_ns();
                 self.input.filled(n);
-                add(&ctx.stats.bytes_read, n as u64);
-                registered.received(n);
+                add(&self.ctx.stats.bytes_read, n as u64);
+                self.entry.received(n);
                 Ok(())
             }
         }

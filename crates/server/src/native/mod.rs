@@ -115,7 +115,7 @@ where
             if connection.answers_are_many() && pushes.flush(&mut connection).await.is_err() {
                 break 'read;
             }
-            let Incoming { opcode, request_id, request } = match connection.next_request(&ctx, &registered) {
+            let Incoming { opcode, request_id, request } = match connection.next_request() {
                 Ok(Some(incoming)) => incoming,
                 Ok(None) => break,
                 Err(Closed) => break 'read,
@@ -155,7 +155,7 @@ where
         // Silent too long, with nothing under way: closed (before HELLO, sooner).
         let quiet_limit = if session.greeted { idle_timeout } else { Some(handshake_timeout) };
         tokio::select! {
-            read = connection.read(&ctx, &registered) => if read.is_err() { break },
+            read = connection.read() => if read.is_err() { break },
             _ = shutdown.changed() => break,
             _ = crate::sleep_or_never(quiet_limit) => {
                 if permits.none_taken() && pushes.is_empty() {
