@@ -266,6 +266,61 @@ fn shutdown_over_memcache_stops_the_server_only_when_allowed() {
     assert_eq!(c.ask(b"get kept\r\n", b"END\r\n"), "VALUE kept 0 1\r\nk\r\nEND\r\n");
 }
 
+/// Making a queue on its first use is file-system work (milliseconds on a busy disk). It must not
+/// hold up connections that want something else, even while more connections than the server has
+/// threads name the queue being made. Here the making is held for as long as the test likes: the
+/// definition's temporary file is a named pipe, whose opening for writing waits for a reader.
+#[test]
+fn a_queue_made_on_first_use_holds_up_no_other_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut other = Conn::open(&server);
+    assert_eq!(other.ask(b"set ready 0 0 1\r\nr\r\n", b"\r\n"), "STORED\r\n");
+    let slow = dir.path().join("queues/slow");
+    std::fs::create_dir_all(&slow).unwrap();
+    let pipe = slow.join("queue.json.tmp");
+    assert!(std::process::Command::new("mkfifo").arg(&pipe).status().unwrap().success());
+
+    let mut namers: Vec<Conn> = (0..8).map(|_| Conn::open(&server)).collect();
+    for (i, namer) in namers.iter_mut().enumerate() {
+        namer.send(format!("set slow 0 0 1\r\n{i}\r\n").as_bytes());
+    }
+    // For a second, while the making waits: the other connection is answered at once each time
+    // (the read times out after 10 s: the answer would only come once the making ends).
+    let until = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < until {
+        assert!(other.ask(b"version\r\n", b"\r\n").starts_with("VERSION petrel-"));
+        assert_eq!(other.ask(b"set ready 0 0 1\r\nr\r\n", b"\r\n"), "STORED\r\n");
+        assert_eq!(other.ask(b"get ready\r\n", b"END\r\n"), "VALUE ready 0 1\r\nr\r\nEND\r\n");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The namers are still waiting for the queue: none has been answered.
+    for namer in &mut namers {
+        namer.0.set_nonblocking(true).unwrap();
+        let mut buf = [0u8; 16];
+        let read = namer.0.read(&mut buf);
+        assert!(matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock), "answered early: {read:?}");
+        namer.0.set_nonblocking(false).unwrap();
+    }
+
+    // The making goes on once the pipe has a reader, and every namer's item is stored, once.
+    let mut definition = String::new();
+    std::fs::File::open(&pipe).unwrap().read_to_string(&mut definition).unwrap();
+    assert!(definition.contains("\"slow\""), "{definition}");
+    for namer in &mut namers {
+        assert_eq!(namer.until(b"\r\n"), b"STORED\r\n");
+    }
+    let mut items: Vec<String> = (0..namers.len())
+        .map(|_| {
+            let got = other.ask(b"get slow\r\n", b"END\r\n");
+            got.strip_prefix("VALUE slow 0 1\r\n").and_then(|v| v.strip_suffix("\r\nEND\r\n")).unwrap().to_owned()
+        })
+        .collect();
+    items.sort();
+    assert_eq!(items, ["0", "1", "2", "3", "4", "5", "6", "7"]);
+    assert_eq!(other.ask(b"get slow\r\n", b"END\r\n"), "END\r\n");
+}
+
 #[test]
 fn a_get_whose_client_went_away_while_waiting_takes_nothing() {
     let dir = tempfile::tempdir().unwrap();

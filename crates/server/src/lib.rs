@@ -11,6 +11,7 @@
 //!   `queues.rs`/`topics.rs`/`functions.rs` the requests, `pushes.rs` the push tasks;
 //! - `memcache/`: the memcache (Kestrel) protocol — `codec.rs` its commands, `mod.rs` a connection;
 //! - `http/`: metrics, the admin API, the dashboard and their listener;
+//! - `first_use.rs`: queues made when first named, off the runtime's threads;
 //! - `auth.rs`: logins (passwords, certificates), their rate limit, ACL checks and refusals;
 //! - `tls.rs`: rustls configuration; `input.rs`: read buffers within the memory budget;
 //! - `outbox.rs`: a connection's bounded queue of bytes to write; `connections.rs`: the registry
@@ -21,6 +22,7 @@
 mod auth;
 mod config;
 mod connections;
+mod first_use;
 #[doc(hidden)]
 pub mod fuzzing;
 mod http;
@@ -73,6 +75,8 @@ pub(crate) struct Ctx {
     pub reload: std::sync::Mutex<reload::ReloadState>,
     /// HTTP basic credentials verified lately.
     pub http_logins: http::Logins,
+    /// Queues being made for a first use.
+    pub first_use: first_use::FirstUse,
 }
 
 /// Holds one of an address's connections while it lives.
@@ -221,6 +225,7 @@ impl Server {
             limits,
             reload: std::sync::Mutex::new(reload::ReloadState::default()),
             http_logins: http::Logins::default(),
+            first_use: first_use::FirstUse::default(),
         };
         Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache, http })
     }

@@ -181,7 +181,10 @@ pub(super) async fn create_queue(
         return refusal(StatusCode::BAD_REQUEST, "a temporary queue belongs to a connection; HTTP has none");
     }
     let existed = ctx.broker.queue(&name).is_some();
-    match ctx.broker.create_queue_by(who.as_ref(), &name, config, None) {
+    // Off the runtime's threads: making a queue is file-system work (see `first_use`).
+    let broker = Arc::clone(&ctx.broker);
+    let made = crate::blocking(move || broker.create_queue_by(who.as_ref(), &name, config, None)).await;
+    match made {
         Ok(q) => {
             let status = if existed { StatusCode::OK } else { StatusCode::CREATED };
             (status, Json(queue_json(&q.name, &q.config(), &q.counters()))).into_response()

@@ -318,10 +318,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         if flags != 0 {
             message.headers.push((FLAGS_HEADER.into(), Bytes::from(flags.to_string())));
         }
-        let broker = &self.ctx.broker;
         let who = self.authenticated.as_ref().map(|a| &a.principal);
-        let offered =
-            broker.queue_or_create_by(who, queue).and_then(|q| broker.offer_unsynced(&q, &mut vec![message], now));
+        let offered = crate::first_use::queue_or_create(&self.ctx, who, queue)
+            .await
+            .and_then(|q| self.ctx.broker.offer_unsynced(&q, &mut vec![message], now));
         // A queue that syncs each offer: STORED once on disk, waited for off the runtime.
         let synced = match offered {
             Ok((_, _, unsynced)) => crate::wait_durable(unsynced).await,
@@ -370,7 +370,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         add(if o.peek { &stats.cmd_peek } else { &stats.cmd_get }, 1);
         let deadline = Instant::now() + Duration::from_millis(u64::from(o.timeout_ms));
         let who = self.authenticated.as_ref().map(|a| &a.principal);
-        let queue = match broker.queue_or_create_by(who, name) {
+        let queue = match crate::first_use::queue_or_create(&self.ctx, who, name).await {
             Ok(queue) => queue,
             Err(e) => {
                 self.line(&server_error(&e));

@@ -197,7 +197,7 @@ async fn dispatch(
         Request::Hello { features, .. } => now(session.hello(ctx, features)),
         Request::Ping => now(Response::Pong),
         Request::Auth { .. } => unreachable!("answered by the connection's loop"),
-        Request::QueueCreate { name, config } => now(queues::create(ctx, session, &name, *config)),
+        Request::QueueCreate { name, config } => now(queues::create(ctx, session, name, *config).await),
         Request::QueueRemove { name } => now(queues::remove(ctx, &name)),
         Request::QueueList => now(queues::list(ctx, session)),
         Request::QueueStatus { name } => now(queues::status(ctx, name)),

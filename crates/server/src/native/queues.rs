@@ -11,9 +11,13 @@ use super::session::Session;
 use super::{Answer, WaitsFor, error, outgoing};
 use crate::{Ctx, now_ns, wait_durable};
 
-pub(super) fn create(ctx: &Ctx, session: &Session, name: &str, config: petrel_proto::QueueConfig) -> Response {
+/// Off the runtime's threads: making a queue is file-system work (see `first_use`).
+pub(super) async fn create(ctx: &Ctx, session: &Session, name: String, config: petrel_proto::QueueConfig) -> Response {
     let owner = config.temporary.then_some(session.conn);
-    ctx.broker.create_queue_by(session.principal(), name, config, owner).map_or_else(error, |_| Response::Done)
+    let (broker, who) = (Arc::clone(&ctx.broker), session.principal().cloned());
+    crate::blocking(move || broker.create_queue_by(who.as_ref(), &name, config, owner))
+        .await
+        .map_or_else(error, |_| Response::Done)
 }
 
 pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
