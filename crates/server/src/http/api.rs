@@ -197,7 +197,9 @@ pub(super) async fn remove_queue(State(ctx): Ctxt, Caller(who): Caller, Path(nam
     if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("remove this queue");
     }
-    match ctx.broker.remove_queue(&name) {
+    // Off the runtime's threads: removing a queue deletes its files.
+    let (broker, removing) = (Arc::clone(&ctx.broker), name.clone());
+    match crate::blocking(move || broker.remove_queue(&removing)).await {
         Ok(()) => Json(json!({ "removed": name })).into_response(),
         Err(e) => broker_error(e),
     }
@@ -352,7 +354,9 @@ pub(super) async fn remove_topic(State(ctx): Ctxt, Caller(who): Caller, Path(nam
     if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
         return forbidden("remove this topic");
     }
-    match ctx.broker.remove_topic(&name) {
+    // Off the runtime's threads: removing a durable topic deletes its files.
+    let (broker, removing) = (Arc::clone(&ctx.broker), name.clone());
+    match crate::blocking(move || broker.remove_topic(&removing)).await {
         Ok(()) => Json(json!({ "removed": name })).into_response(),
         Err(e) => broker_error(e),
     }

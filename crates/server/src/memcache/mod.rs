@@ -247,7 +247,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             }
             Command::Delete { queue, noreply } => {
                 self.open.remove(&queue);
-                match self.ctx.broker.remove_queue(&queue) {
+                // Off the runtime's threads, as the flushes below: these delete files.
+                let broker = Arc::clone(&self.ctx.broker);
+                match crate::blocking(move || broker.remove_queue(&queue)).await {
                     Ok(()) | Err(BrokerError::NotFound(_)) => {
                         if !noreply {
                             self.line("DELETED");
@@ -257,22 +259,29 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 }
             }
             Command::Flush { queue, noreply } => {
-                if let Some(q) = self.ctx.broker.queue(&queue)
-                    && let Err(e) = q.flush()
-                {
+                let flushed = match self.ctx.broker.queue(&queue) {
+                    Some(q) => crate::blocking(move || q.flush()).await.map(drop),
+                    None => Ok(()),
+                };
+                if let Err(e) = flushed {
                     self.line(&server_error(&e));
                 } else if !noreply {
                     self.line("END");
                 }
             }
             Command::FlushAll { memcached_style, noreply } => {
-                for name in self.ctx.broker.queue_names() {
-                    if let Some(q) = self.ctx.broker.queue(&name)
-                        && let Err(e) = q.flush()
-                    {
-                        tracing::error!(queue = %name, error = %e, "flush failed");
+                let broker = Arc::clone(&self.ctx.broker);
+                let flushed = crate::blocking(move || {
+                    for name in broker.queue_names() {
+                        if let Some(q) = broker.queue(&name)
+                            && let Err(e) = q.flush()
+                        {
+                            tracing::error!(queue = %name, error = %e, "flush failed");
+                        }
                     }
-                }
+                    Ok(())
+                });
+                let _ = flushed.await;
                 if !noreply {
                     // Kestrel's own sentence, unless the client sent memcached's delay argument
                     // and so expects memcached's `OK`.

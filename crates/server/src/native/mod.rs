@@ -198,7 +198,7 @@ async fn dispatch(
         Request::Ping => now(Response::Pong),
         Request::Auth { .. } => unreachable!("answered by the connection's loop"),
         Request::QueueCreate { name, config } => now(queues::create(ctx, session, name, *config).await),
-        Request::QueueRemove { name } => now(queues::remove(ctx, &name)),
+        Request::QueueRemove { name } => now(queues::remove(ctx, name).await),
         Request::QueueList => now(queues::list(ctx, session)),
         Request::QueueStatus { name } => now(queues::status(ctx, name)),
         Request::Offer { queue, timeout_ms, messages } => {
@@ -209,8 +209,8 @@ async fn dispatch(
         }
         Request::Ack { queue, handles } => now(queues::ack(ctx, session, &queue, &handles)),
         Request::Abort { queue, handles, delay_ms } => now(queues::abort(ctx, session, &queue, &handles, delay_ms)),
-        Request::TopicCreate { name, durable } => now(topics::create(ctx, &name, durable)),
-        Request::TopicRemove { name } => now(topics::remove(ctx, &name)),
+        Request::TopicCreate { name, durable } => now(topics::create(ctx, name, durable).await),
+        Request::TopicRemove { name } => now(topics::remove(ctx, name).await),
         Request::TopicList => now(topics::list(ctx, session)),
         Request::TopicStatus { name } => now(topics::status(ctx, name)),
         Request::Publish { topic, messages } => topics::publish(ctx, topic, messages),

@@ -20,8 +20,10 @@ pub(super) async fn create(ctx: &Ctx, session: &Session, name: String, config: p
         .map_or_else(error, |_| Response::Done)
 }
 
-pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
-    ctx.broker.remove_queue(name).map_or_else(error, |()| Response::Done)
+/// Off the runtime's threads: removing a queue deletes its files.
+pub(super) async fn remove(ctx: &Ctx, name: String) -> Response {
+    let broker = Arc::clone(&ctx.broker);
+    crate::blocking(move || broker.remove_queue(&name)).await.map_or_else(error, |()| Response::Done)
 }
 
 /// The queues this connection may offer to or poll.

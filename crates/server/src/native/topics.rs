@@ -16,12 +16,15 @@ use super::{Answer, WaitsFor, error, outgoing};
 use crate::outbox::Outbox;
 use crate::{Ctx, now_ns};
 
-pub(super) fn create(ctx: &Ctx, name: &str, durable: bool) -> Response {
-    ctx.broker.create_topic(name, durable).map_or_else(error, |_| Response::Done)
+/// Off the runtime's threads, as removal: a durable topic is a log on disk.
+pub(super) async fn create(ctx: &Ctx, name: String, durable: bool) -> Response {
+    let broker = Arc::clone(&ctx.broker);
+    crate::blocking(move || broker.create_topic(&name, durable)).await.map_or_else(error, |_| Response::Done)
 }
 
-pub(super) fn remove(ctx: &Ctx, name: &str) -> Response {
-    ctx.broker.remove_topic(name).map_or_else(error, |()| Response::Done)
+pub(super) async fn remove(ctx: &Ctx, name: String) -> Response {
+    let broker = Arc::clone(&ctx.broker);
+    crate::blocking(move || broker.remove_topic(&name)).await.map_or_else(error, |()| Response::Done)
 }
 
 /// The topics this connection may publish or subscribe to.
