@@ -60,6 +60,7 @@ impl Harness {
             data = {data:?}
             native_addr = "127.0.0.1:0"
             memcache_addr = "off"
+            http_addr = "off"
             shutdown_grace = "10ms"
             max_in_flight_per_connection = 16
             [security]
