@@ -43,6 +43,12 @@ fn remove_dirs_of_ended_harnesses() {
 }
 
 impl Harness {
+    /// What the harness's server shares with its connections, for tests of the crate.
+    #[cfg(test)]
+    pub(crate) fn ctx(&self) -> &Arc<Ctx> {
+        &self.ctx
+    }
+
     pub fn new() -> Harness {
         remove_dirs_of_ended_harnesses();
         static HARNESSES: AtomicU64 = AtomicU64::new(0);

@@ -146,3 +146,31 @@ fn needs(request: &Request) -> Option<(Kind, &str, &'static [Action])> {
         | Request::Return { .. } => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A queue removed while something still holds it (so the session's weak reference to it
+    /// still upgrades) and made again under its name: the session finds the new one, because it
+    /// sees that the broker has removed a queue since it found the old one.
+    #[test]
+    fn a_queue_removed_while_still_held_and_made_again_is_found_anew() {
+        let harness = crate::fuzzing::Harness::new();
+        let ctx = harness.ctx();
+        let peer = Peer { addr: None, tls: false, certificate_user: None };
+        let registered = crate::connections::Registry::open(ctx, 1, &peer, "native");
+        let mut session = Session::new(ctx, 1, peer, &registered);
+        let config = petrel_proto::QueueConfig { durable: false, ..Default::default() };
+
+        let old = ctx.broker.create_queue("q", config.clone(), None).unwrap();
+        assert!(Arc::ptr_eq(&session.queue(ctx, "q").unwrap(), &old));
+        ctx.broker.remove_queue("q").unwrap();
+        assert!(session.queue(ctx, "q").is_none());
+        let new = ctx.broker.create_queue("q", config, None).unwrap();
+        let found = session.queue(ctx, "q").unwrap();
+        assert!(Arc::ptr_eq(&found, &new), "the removed queue, still held elsewhere, was found");
+        assert!(Arc::ptr_eq(&session.queue(ctx, "q").unwrap(), &new), "and remembered");
+        drop(old);
+    }
+}
