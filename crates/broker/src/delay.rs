@@ -949,12 +949,13 @@ impl DelayLog {
     /// be written by the next call (until then they are neither waiting nor done: a restart
     /// hands them out again).
     pub fn write_settled(&mut self) -> Result<(), BrokerError> {
-        let settled = std::mem::take(&mut self.settled);
-        if let Err(e) = self.mark_done(&settled) {
-            self.settled = settled;
-            return Err(e);
+        let mut settled = std::mem::take(&mut self.settled);
+        let written = self.mark_done(&settled);
+        if written.is_ok() {
+            settled.clear(); // its room kept for the next hold of the lock
         }
-        Ok(())
+        self.settled = settled;
+        written
     }
 
     /// Holds the earliest spilled timers again once the held ones ran low, reading the log's

@@ -1463,12 +1463,7 @@ impl Inner {
                 continue; // nothing to read at that level's head
             }
             let expires_at = match self.ready_front(level)? {
-                Some(ready) => {
-                    let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
-                        unreachable!("released from a delayed log")
-                    };
-                    Some(delay.expires_at(ready.offset)?)
-                }
+                Some(ready) => Some(self.released_from().expires_at(ready.offset)?),
                 None => match &mut self.store {
                     Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
                     Store::Log { lanes, .. } => lanes[level].head()?.map(|r| message::expires_at(&r)),
@@ -1508,10 +1503,7 @@ impl Inner {
     /// The released delayed message `ready` of `level`, as a level's record reads (`stored`):
     /// its id the one it had delayed, its time the one it joined the level at.
     fn released(&mut self, level: usize, ready: Ready) -> Result<Message, BrokerError> {
-        let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
-            unreachable!("released from a delayed log")
-        };
-        let m = delay.message_at(ready.offset)?;
+        let m = self.released_from().message_at(ready.offset)?;
         Ok(Message {
             id: message::queue_id(message::DELAYED_TAG, ready.offset),
             priority: level as u8,
@@ -1638,9 +1630,7 @@ impl Inner {
                 return Ok(None); // (as many out as a level's log allows: it waits for acknowledgements)
             }
             let message = self.released(level, ready)?;
-            let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
-                unreachable!("released from a delayed log")
-            };
+            let delay = self.released_from();
             let message = Message { deliveries: delay.deliveries(ready.offset), ..message };
             assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
             return Ok(Some((message, Taken::Released { level, ready })));
@@ -1769,10 +1759,7 @@ impl Inner {
                             (self.read_stored(level, offset)?, deliveries_of(&lanes[level].returns, offset))
                         }
                         Taken::Released { level, ready } => {
-                            let Store::Log { delayed: Some(delay), .. } = &self.store else {
-                                unreachable!("released from a delayed log")
-                            };
-                            let deliveries = delay.deliveries(ready.offset);
+                            let deliveries = self.released_from().deliveries(ready.offset);
                             (self.released(level, ready)?, deliveries)
                         }
                         Taken::Memory(_) => unreachable!("a queue's takings match its store"),
@@ -1799,6 +1786,15 @@ impl Inner {
         }
         self.delayed += n;
         Ok(())
+    }
+
+    /// The delayed log that released messages are handed out from (a queue with one taken
+    /// from it has it).
+    fn released_from(&mut self) -> &mut DelayLog {
+        let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
+            unreachable!("released from a delayed log")
+        };
+        delay
     }
 
     /// A durable queue's delayed log, made at its first delayed message.
@@ -1993,9 +1989,7 @@ impl Inner {
     fn drop_head(&mut self, level: usize) -> Result<bool, BrokerError> {
         if let Some(ready) = self.ready_front(level)? {
             let size = self.released(level, ready)?.size();
-            let Store::Log { delayed: Some(delay), .. } = &mut self.store else {
-                unreachable!("released from a delayed log")
-            };
+            let delay = self.released_from();
             assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
             delay.settle(ready.offset);
             counting::subtract(&mut self.bytes, size, "a queue's bytes");
