@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog};
@@ -173,16 +173,20 @@ impl Drop for MemoryHold {
 /// When the broker's tick next runs, and how to bring it forward: a queue whose work comes due
 /// sooner (a delayed message, a visibility deadline, an expiry) rings it, so that the tick runs
 /// at that time rather than at its next regular beat (`BrokerOptions`' caller keeps the beat).
+/// The ticker is a thread of its own that waits here (`wait`), not a task: a tick every
+/// millisecond then wakes no thread of the caller's runtime.
 #[derive(Debug)]
 pub struct TickAlarm {
     /// When the ticker means to tick next, ns (`u64::MAX`: no ticker).
     at: AtomicU64,
-    notify: Notify,
+    /// Rung since the ticker last waited (a ring while it ticks is not lost).
+    rung: Mutex<bool>,
+    bell: Condvar,
 }
 
 impl Default for TickAlarm {
     fn default() -> Self {
-        TickAlarm { at: AtomicU64::new(u64::MAX), notify: Notify::new() }
+        TickAlarm { at: AtomicU64::new(u64::MAX), rung: Mutex::new(false), bell: Condvar::new() }
     }
 }
 
@@ -192,15 +196,25 @@ impl TickAlarm {
         self.at.store(at_ns, Ordering::Relaxed);
     }
 
-    /// Returns when something comes due before the time last `set`.
-    pub async fn rung(&self) {
-        self.notify.notified().await;
+    /// Waits for `limit`, or until rung (or rung since the last wait); may return early.
+    pub fn wait(&self, limit: Duration) {
+        let mut rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
+        if !*rung {
+            rung = self.bell.wait_timeout(rung, limit).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        *rung = false;
+    }
+
+    /// Brings the next tick forward to now (also to end a ticker that is told to stop).
+    pub fn ring(&self) {
+        *self.rung.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.bell.notify_one();
     }
 
     fn ring_for(&self, due_ns: u64) {
         if due_ns < self.at.load(Ordering::Relaxed) {
             self.at.store(due_ns, Ordering::Relaxed);
-            self.notify.notify_one();
+            self.ring();
         }
     }
 }

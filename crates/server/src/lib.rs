@@ -4,7 +4,7 @@
 //!
 //! The map of the crate:
 //! - `lib.rs`: `Server` — binding the listeners, accepting connections (with the limits on how
-//!   many), the broker's tick, shutdown; `Ctx`, what every connection shares;
+//!   many), shutdown; `Ctx`, what every connection shares; `ticker.rs`: the broker's tick;
 //! - `config.rs`: `Config`, every limit with its unit and default, validated at startup;
 //! - `reload.rs`: what a reload (SIGHUP) changes, and the limits that live with it;
 //! - `native/`: the native protocol — `connection.rs` frames, `session.rs` who the client is,
@@ -33,6 +33,7 @@ mod native;
 mod outbox;
 mod reload;
 mod stats;
+mod ticker;
 mod tls;
 
 use std::future::Future;
@@ -258,33 +259,8 @@ impl Server {
             tokio::spawn(http::sample(Arc::clone(&ctx), stop_rx.clone()));
             tokio::spawn(http::serve(l, Arc::clone(&ctx), stop_rx.clone()))
         });
-        let ticker = {
-            let broker = Arc::clone(&ctx.broker);
-            let mut stop = stop_rx.clone();
-            let beat = Duration::from_millis(ctx.config.tick_ms);
-            tokio::spawn(async move {
-                let alarm = broker.alarm();
-                loop {
-                    // From here on, work coming due rings the alarm (a tick at once after this
-                    // one if it rang meanwhile).
-                    alarm.set(u64::MAX);
-                    let now = now_ns();
-                    // A tick may wait for the disk (delayed messages moved to their levels are
-                    // synced): off the runtime's threads.
-                    let ticking = Arc::clone(&broker);
-                    let next = tokio::task::spawn_blocking(move || ticking.tick(now)).await.unwrap_or(u64::MAX);
-                    // Next: when a queue's work is due, else at the next beat; at least 1 ms on.
-                    let now = now_ns();
-                    let wait = Duration::from_nanos(next.saturating_sub(now)).clamp(Duration::from_millis(1), beat);
-                    alarm.set(now + wait.as_nanos() as u64);
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = alarm.rung() => {}
-                        _ = stop.changed() => return,
-                    }
-                }
-            })
-        };
+        let ticker = ticker::Ticker::start(Arc::clone(&ctx.broker), Duration::from_millis(ctx.config.tick_ms))
+            .map_err(|e| format!("cannot start the broker's tick thread: {e}"))?;
         let next_conn = AtomicU64::new(1);
         let mut connections = JoinSet::new();
         let mut refusals = JoinSet::new();
@@ -370,7 +346,7 @@ impl Server {
         if let Some(http) = http {
             let _ = http.await;
         }
-        ticker.abort();
+        ticker.stop().await;
         Ok(())
     }
 }
