@@ -196,12 +196,10 @@ impl TickAlarm {
         self.at.store(at_ns, Ordering::Relaxed);
     }
 
-    /// Waits for `limit`, or until rung (or rung since the last wait); may return early.
+    /// Waits for `limit`, or until rung (or rung since the last wait).
     pub fn wait(&self, limit: Duration) {
-        let mut rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
-        if !*rung {
-            rung = self.bell.wait_timeout(rung, limit).unwrap_or_else(|e| e.into_inner()).0;
-        }
+        let rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut rung, _) = self.bell.wait_timeout_while(rung, limit, |rung| !*rung).unwrap_or_else(|e| e.into_inner());
         *rung = false;
     }
 

@@ -929,6 +929,43 @@ fn texts(ds: &[petrel_broker::Delivery]) -> Vec<String> {
     ds.iter().map(|d| String::from_utf8_lossy(&d.message.payload).into_owned()).collect()
 }
 
+/// The ticker waits on the broker's alarm: a ring is kept until it waits (none is lost while it
+/// ticks), a wait without one lasts its limit, and a delayed offer due before the planned tick
+/// rings it from another thread, while one due after it does not.
+#[test]
+fn the_tick_alarm_ends_the_tickers_wait_when_work_comes_due_sooner() {
+    use std::time::Instant;
+    let dir = tempfile::tempdir().unwrap();
+    let b = std::sync::Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
+    b.create_queue("q", QueueConfig::default(), None).unwrap();
+    let alarm = b.alarm();
+    alarm.ring();
+    let t = Instant::now();
+    alarm.wait(Duration::from_secs(30));
+    assert!(t.elapsed() < Duration::from_secs(10), "a ring before the wait ends it at once");
+    let t = Instant::now();
+    alarm.wait(Duration::from_millis(30));
+    assert!(t.elapsed() >= Duration::from_millis(30), "the ring was taken: this wait lasts its limit");
+
+    let now = now_ns();
+    alarm.set(now + 60_000 * MS); // the next tick planned a minute on
+    b.offer("q", delayed(120_000, &["after the tick"]), now).unwrap();
+    let t = Instant::now();
+    alarm.wait(Duration::from_millis(30));
+    assert!(t.elapsed() >= Duration::from_millis(30), "due after the planned tick: no ring");
+    let offerer = {
+        let b = std::sync::Arc::clone(&b);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            b.offer("q", delayed(100, &["before the tick"]), now_ns()).unwrap();
+        })
+    };
+    let t = Instant::now();
+    alarm.wait(Duration::from_secs(30));
+    assert!(t.elapsed() < Duration::from_secs(10), "due before the planned tick: rung");
+    offerer.join().unwrap();
+}
+
 #[test]
 fn delayed_messages_are_invisible_until_due_then_join_the_tail_across_a_restart() {
     let t0 = now_ns();
