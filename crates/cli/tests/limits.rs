@@ -224,7 +224,7 @@ fn request_frame(request: &petrel_proto::Request, id: u64) -> Vec<u8> {
 }
 
 /// Reads one response frame: its request id and what it says.
-fn read_response(conn: &mut TcpStream) -> (u64, petrel_proto::Response) {
+fn read_response(conn: &mut impl Read) -> (u64, petrel_proto::Response) {
     let mut len = [0u8; 4];
     conn.read_exact(&mut len).unwrap();
     let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
@@ -399,4 +399,63 @@ fn a_client_that_never_reads_its_answers_holds_neither_the_server_nor_its_stop()
     assert!(status.success(), "{status}");
     assert!(started.elapsed() < Duration::from_secs(15), "stopped after {:?}", started.elapsed());
     drop(stalled);
+}
+
+/// A call that times out while its caller's answers back up: the tick (a thread of its own, not
+/// the runtime's) hands the TIMEOUT to a task that waits for room in the caller's outbox, and the
+/// caller gets it once it reads again. (With the tick outside the runtime, starting that task
+/// panicked, and the caller's connection stalled for good.)
+#[test]
+fn a_call_timed_out_by_the_tick_reaches_a_caller_whose_answers_back_up() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_queued_responses = 4\nmax_queued_response_bytes = 65536\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    // A function server that takes invocations and never answers them.
+    let mut silent = TcpStream::connect(&server.addr).unwrap();
+    let mut hello = request_frame(&Request::Hello { client: "silent".into(), features: 0 }, 1);
+    hello.extend(request_frame(&Request::Serve { function: "slow".into() }, 2));
+    silent.write_all(&hello).unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(matches!(read_response(&mut silent), (1, Response::Hello { .. })));
+    assert!(matches!(read_response(&mut silent), (2, Response::Done)));
+    // The caller: a call with a 1 s limit, then pings by the million, no answer read (a small
+    // receive buffer), so that its outbox is full when the call times out.
+    let mut caller = TcpStream::connect(&server.addr).unwrap();
+    rustix::net::sockopt::set_socket_recv_buffer_size(&caller, 4096).unwrap();
+    caller.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut requests = request_frame(&Request::Hello { client: "caller".into(), features: 0 }, 1);
+    let call = Request::Call {
+        function: "slow".into(),
+        timeout_ms: 1_000,
+        oneway: false,
+        message: Box::new(Message::new(b"anyone?".to_vec())),
+    };
+    requests.extend(request_frame(&call, 3));
+    let ping = request_frame(&Request::Ping, 4);
+    for _ in 0..4_000_000 {
+        requests.extend_from_slice(&ping);
+    }
+    let flood = std::thread::spawn(move || {
+        let sent = caller.write_all(&requests);
+        (caller, sent.is_err())
+    });
+    let (caller, blocked) = flood.join().unwrap();
+    assert!(blocked, "the server stopped reading a caller that does not read");
+    std::thread::sleep(Duration::from_millis(1_500)); // past the call's limit, and a tick or two
+    // Reading again: the TIMEOUT comes among the first answers (those queued before it).
+    caller.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    rustix::net::sockopt::set_socket_recv_buffer_size(&caller, 1 << 20).unwrap(); // (4 KiB windows read slowly)
+    let mut answers = std::io::BufReader::with_capacity(1 << 16, &caller);
+    let mut pongs = 0u64;
+    let answer = loop {
+        match read_response(&mut answers) {
+            (1, Response::Hello { .. }) => {}
+            (3, answer) => break answer,
+            (4, _) => pongs += 1,
+            (_, other) => panic!("unexpected answer {other:?}"),
+        }
+        assert!(pongs < 1_000_000, "no answer to the call among the first million");
+    };
+    assert!(matches!(&answer, Response::Error { status: Status::Timeout, .. }), "{answer:?} after {pongs} pongs");
 }

@@ -24,11 +24,16 @@ pub(crate) struct Ticker {
 
 impl Ticker {
     /// Ticks at least every `beat`, and when the broker's alarm says work comes due sooner.
+    /// Called within the server's runtime.
     pub fn start(broker: Arc<Broker>, beat: Duration) -> std::io::Result<Ticker> {
         let stopping = Arc::new(AtomicBool::new(false));
+        // What a tick calls may start a task (a timed-out call's answer, waiting for room in
+        // its caller's outbox): in the runtime that started the ticker.
+        let runtime = tokio::runtime::Handle::current();
         let thread = {
             let (broker, stopping) = (Arc::clone(&broker), Arc::clone(&stopping));
             std::thread::Builder::new().name("petrel-tick".into()).spawn(move || {
+                let _in_runtime = runtime.enter();
                 let alarm = broker.alarm();
                 while !stopping.load(Ordering::Acquire) {
                     // From here on, work coming due rings the alarm (a tick at once after this
