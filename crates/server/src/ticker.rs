@@ -3,21 +3,24 @@
 //! levels are synced), and with delayed messages it runs every millisecond; as a task on the
 //! blocking pool each tick woke two threads of the runtime (the ticker's and the pool's), and the
 //! woken worker took connections from the busy one, so that two workers then fought over one
-//! queue's lock (delayed offers: 2.0–2.5 M msg/s that way, 2.6–2.8 M on a thread of its own).
+//! queue's lock (delayed offers, 10 per request over two connections, log durability `none`,
+//! AMD EPYC 2 vCPU, first runs counted: 2.0–2.5 M msg/s that way, 2.6–2.8 M on a thread of its
+//! own; docs/benchmarks.md).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use petrel_broker::Broker;
+use petrel_broker::{Broker, TickAlarm};
 
 use crate::now_ns;
 
 /// The running tick. Dropped without `stop` (the server's future cancelled), it is still told to
 /// stop, so that it lets the broker go.
 pub(crate) struct Ticker {
-    broker: Arc<Broker>,
+    /// What wakes the thread to see `stopping`.
+    alarm: Arc<TickAlarm>,
     stopping: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -30,11 +33,11 @@ impl Ticker {
         // What a tick calls may start a task (a timed-out call's answer, waiting for room in
         // its caller's outbox): in the runtime that started the ticker.
         let runtime = tokio::runtime::Handle::current();
+        let alarm = broker.alarm();
         let thread = {
-            let (broker, stopping) = (Arc::clone(&broker), Arc::clone(&stopping));
+            let (alarm, stopping) = (Arc::clone(&alarm), Arc::clone(&stopping));
             std::thread::Builder::new().name("petrel-tick".into()).spawn(move || {
                 let _in_runtime = runtime.enter();
-                let alarm = broker.alarm();
                 while !stopping.load(Ordering::Acquire) {
                     // From here on, work coming due rings the alarm (a tick at once after this
                     // one if it rang meanwhile).
@@ -52,7 +55,7 @@ impl Ticker {
                 }
             })?
         };
-        Ok(Ticker { broker, stopping, thread: Some(thread) })
+        Ok(Ticker { alarm, stopping, thread: Some(thread) })
     }
 
     /// Stops ticking, once a tick under way (which may be syncing) has ended.
@@ -65,7 +68,7 @@ impl Ticker {
 
     fn tell_to_stop(&self) {
         self.stopping.store(true, Ordering::Release);
-        self.broker.alarm().ring();
+        self.alarm.ring();
     }
 }
 
