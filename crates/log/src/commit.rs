@@ -176,6 +176,12 @@ impl Commit {
             drop(state);
             woken.into_iter().for_each(|t| t.unpark());
             result?;
+            // Answered from this sync's own result: the next one, run by a waiter just woken,
+            // may fail and poison the log before this thread looks again, and the record is
+            // durable all the same.
+            if durable > offset {
+                return Ok(());
+            }
             state = self.lock();
         }
     }
