@@ -54,8 +54,10 @@ def test_delays_priorities_and_a_redelivery_delay_from_python(server):
         start = time.time()
         c.offer("retry", b"later", delay=0.3)
         c.offer("retry", b"at", deliver_at=start + 0.1, priority=2)
-        assert c.poll("retry", timeout=0) is None, "nothing due yet"
-        first = c.take("retry", timeout=2)
+        early = c.take("retry", timeout=0)
+        if early is not None:  # only on a machine held up for 0.1 s, with "at" due already
+            assert time.time() >= start + 0.1, "nothing due yet"
+        first = early or c.take("retry", timeout=2)
         assert first.payload == b"at" and first.priority == 2
         assert abs(first.deliver_at / 1e9 - (start + 0.1)) < 1e-6, "it says when it was due"
         assert time.time() >= start + 0.1, "not before it was due"

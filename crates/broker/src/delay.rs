@@ -75,16 +75,39 @@ fn slot(level: usize, offset: u64) -> u64 {
     ((level as u64) << LEVEL_SHIFT) | offset
 }
 
+/// How much later than asked a delayed message may be made due, so that it comes due in offer
+/// order (`raised_due`).
+pub(crate) const MAX_DUE_RAISE_NS: u64 = 1_000_000;
+
+/// When a message delayed by `delay_ms` to `due` comes due, given the latest due of the queue's
+/// delayed messages (`DelayLog::latest_due`): at that latest one if it is less than
+/// `MAX_DUE_RAISE_NS` later. Producers offering at once read their clocks before they take the
+/// queue's lock, so with one delay for all, a message offered after another is often due a few
+/// µs before it; raised, it comes due with it, after it. (A `deliver_at` is kept as asked.) Then the offsets a tick releases are
+/// consecutive (one run of ready messages, where interleaved dues made hundreds, and then copies
+/// once `MAX_READY_RUNS` were waiting), and the timer joins the end of the ordered run. No
+/// message comes due earlier than asked.
+pub(crate) fn raised_due(due: u64, latest_due: Option<u64>) -> u64 {
+    match latest_due {
+        Some(latest) if latest > due && latest - due < MAX_DUE_RAISE_NS => latest,
+        _ => due,
+    }
+}
+
+/// How far from the end of the timers' ordered run a timer may join it (each place a move).
+const RUN_INSERT_REACH: usize = 256;
+
 /// A timer slot's (level, offset).
 fn unslot(slot: u64) -> (usize, u64) {
     ((slot >> LEVEL_SHIFT) as usize, slot & ((1 << LEVEL_SHIFT) - 1))
 }
 
 /// A sorted set of timers, (due, slot), cheap when they come in due order: those at or after
-/// the latest of an ordered run join its end (O(1), and so do their pops from the front); only
-/// one due earlier than the run's end goes into a B-tree. Messages with one delay for all — most
-/// delayed offers — then never touch the tree; a mix of delays sends the shorter ones there.
-/// Each part is sorted, so the set's first and last are the smaller first and the larger last.
+/// the latest of an ordered run join its end (O(1), and so do their pops from the front), and
+/// so do those due among its last `RUN_INSERT_REACH`; only one due earlier than those goes into
+/// a B-tree. Messages with one delay for all — most delayed offers — then never touch the tree,
+/// even from several producers at once; a mix of delays sends the shorter ones there. Each part
+/// is sorted, so the set's first and last are the smaller first and the larger last.
 #[derive(Debug, Default)]
 struct TimerSet {
     run: VecDeque<(u64, u64)>,
@@ -97,11 +120,29 @@ impl TimerSet {
     }
 
     fn insert(&mut self, key: (u64, u64)) {
-        match self.run.back() {
-            Some(&end) if key < end => {
-                self.tree.insert(key);
+        // Just before the run's end, it goes into the run: producers offering at once take the
+        // queue's lock in another order than their clocks' (each reads it before the lock), so
+        // one's messages come a little before the other's last ones. The run's end is in the
+        // cache, and a few moves cost less than the tree.
+        let end = self.run.len();
+        if self.run.back().is_none_or(|&last| key > last) {
+            self.run.push_back(key);
+            return;
+        }
+        // Its place among the run's last `RUN_INSERT_REACH` (a binary search): keys before
+        // `lo` are smaller than it, from `hi` on larger.
+        let (mut lo, mut hi) = (end.saturating_sub(RUN_INSERT_REACH), end);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.run[mid] < key {
+                true => lo = mid + 1,
+                false => hi = mid,
             }
-            _ => self.run.push_back(key),
+        }
+        if lo == 0 || self.run[lo - 1] < key {
+            self.run.insert(lo, key);
+        } else {
+            self.tree.insert(key);
         }
     }
 
@@ -133,6 +174,23 @@ impl TimerSet {
         debug_assert!(popped.is_sorted(), "popped in order");
         debug_assert!(popped.last().zip(self.first()).is_none_or(|(p, f)| p <= f), "popped from the front");
         popped.iter().rev().for_each(|&k| self.run.push_front(k));
+    }
+
+    /// The keys due at `now_ns` at the run's front, at most `max`, when the tree holds none:
+    /// they are then the set's first, in order. (`None` while the tree holds some: the two
+    /// parts' keys interleave, and are taken one at a time with `pop_first`.)
+    fn run_due(&self, now_ns: u64, max: usize) -> Option<impl Iterator<Item = (u64, u64)> + '_> {
+        if !self.tree.is_empty() {
+            return None;
+        }
+        let due = self.run.partition_point(|&(due, _)| due <= now_ns).min(max);
+        Some(self.run.iter().take(due).copied())
+    }
+
+    /// Removes the run's first `n` keys (seen with `run_due`).
+    fn take_run_front(&mut self, n: usize) {
+        assert!(self.tree.is_empty() && n <= self.run.len(), "taken from the run's due front");
+        self.run.drain(..n);
     }
 
     fn pop_last(&mut self) -> Option<(u64, u64)> {
@@ -210,12 +268,29 @@ impl Timers {
         self.held.first().map(|(due, _)| *due)
     }
 
+    /// When the latest held message is due (`None`: none held).
+    pub fn latest_due(&self) -> Option<u64> {
+        self.held.last().map(|(due, _)| *due)
+    }
+
     /// The earliest held message, as (due, slot), if it is due at `now_ns`.
     pub fn pop_due(&mut self, now_ns: u64) -> Option<(u64, u64)> {
         match self.held.first() {
             Some(&(due, _)) if due <= now_ns => self.held.pop_first(),
             _ => None,
         }
+    }
+
+    /// The held timers due at `now_ns`, at most `max`, earliest first, left in place, when they
+    /// can be seen without taking them (see `TimerSet::run_due`); `take_due_front` then takes
+    /// those used.
+    pub fn due_in_place(&self, now_ns: u64, max: usize) -> Option<impl Iterator<Item = (u64, u64)> + '_> {
+        self.held.run_due(now_ns, max)
+    }
+
+    /// Takes the first `n` timers seen with `due_in_place`.
+    pub fn take_due_front(&mut self, n: usize) {
+        self.held.take_run_front(n);
     }
 
     /// Holds again timers just taken with `pop_due` (no insert since): they were the earliest,
@@ -352,6 +427,22 @@ impl Done {
         self.released[word] |= bit;
     }
 
+    /// `set_released` for the `n` records from `start`, a word at a time.
+    fn set_released_run(&mut self, start: u64, n: u32) {
+        let end = start + u64::from(n);
+        assert!(end <= self.end(), "a delayed log's record is covered before it is released");
+        if end <= self.base {
+            return;
+        }
+        let mut i = start.max(self.base) - self.base;
+        while i < end - self.base {
+            let (word, bit) = ((i / 64) as usize, i % 64);
+            let bits = (64 - bit).min(end - self.base - i);
+            self.released[word] |= (u64::MAX >> (64 - bits)) << bit;
+            i += bits;
+        }
+    }
+
     fn is_done(&self, offset: u64) -> bool {
         offset < self.base || self.bit(offset).is_some_and(|(word, bit)| self.words[word] & bit != 0)
     }
@@ -417,6 +508,40 @@ impl Ready {
     /// Its order among the messages released to its level.
     pub fn seq(&self) -> u64 {
         self.seq
+    }
+}
+
+/// What one release takes: each level's due messages in due order, consecutive offsets as one
+/// run, at most `MAX_RUNS_PER_RELEASE` runs (so that the markers stay small records).
+struct ReleasePlan {
+    runs: Vec<Vec<(u64, u32)>>,
+    run_count: usize,
+    /// Timers taken.
+    taken: usize,
+    /// The largest offset taken.
+    last: u64,
+}
+
+impl ReleasePlan {
+    fn new(levels: usize) -> ReleasePlan {
+        ReleasePlan { runs: vec![Vec::new(); levels], run_count: 0, taken: 0, last: 0 }
+    }
+
+    /// Takes the timer `key` (due, slot); `false`, taking nothing, when it would start a run
+    /// beyond `MAX_RUNS_PER_RELEASE`.
+    fn add(&mut self, key: (u64, u64)) -> bool {
+        let (level, offset) = unslot(key.1);
+        match self.runs[level].last_mut() {
+            Some((start, n)) if *start + u64::from(*n) == offset && *n < u32::MAX => *n += 1,
+            _ if self.run_count == MAX_RUNS_PER_RELEASE => return false,
+            _ => {
+                self.runs[level].push((offset, 1));
+                self.run_count += 1;
+            }
+        }
+        self.taken += 1;
+        self.last = self.last.max(offset);
+        true
     }
 }
 
@@ -726,6 +851,11 @@ impl DelayLog {
         self.timers.next_due()
     }
 
+    /// When the latest delayed message held is due (`None`: none is held).
+    pub fn latest_due(&self) -> Option<u64> {
+        self.timers.latest_due()
+    }
+
     /// How many levels released messages go to (a placement above them goes to the highest).
     fn levels(&self) -> usize {
         self.ready.levels.len()
@@ -773,55 +903,61 @@ impl DelayLog {
             return Ok(None);
         }
         let mut counts = vec![0u64; self.levels()];
-        // Each level's in due order, consecutive offsets as one run; at most
-        // `MAX_RUNS_PER_RELEASE` runs, so that the markers stay small records.
-        let mut runs: Vec<Vec<(u64, u32)>> = vec![Vec::new(); self.levels()];
-        let (mut taken, mut run_count) = (Vec::new(), 0);
-        while taken.len() < max
+        let mut plan = ReleasePlan::new(self.levels());
+        // The due timers are taken once the markers are written. Most often they can be looked
+        // at in place first (one delay for all: the timers' ordered run), and are then taken
+        // with one cut of the run, which keeps the time the queue's lock is held short (a tick
+        // releases a millisecond's offers at once); else each is popped, and put back on a
+        // failure.
+        let mut popped = Vec::new();
+        let in_place = match self.timers.due_in_place(now_ns, max) {
+            Some(due) => {
+                due.take_while(|&key| plan.add(key)).for_each(drop);
+                true
+            }
+            None => false,
+        };
+        while !in_place
+            && popped.len() < max
             && let Some(key) = self.timers.pop_due(now_ns)
         {
-            let (level, offset) = unslot(key.1);
-            match runs[level].last_mut() {
-                Some((start, n)) if *start + u64::from(*n) == offset && *n < u32::MAX => *n += 1,
-                _ if run_count == MAX_RUNS_PER_RELEASE => {
-                    self.timers.unpop(&[key]); // (the next tick's first, at once)
-                    break;
-                }
-                _ => {
-                    runs[level].push((offset, 1));
-                    run_count += 1;
-                }
+            if !plan.add(key) {
+                self.timers.unpop(&[key]); // (the next tick's first, at once)
+                break;
             }
-            taken.push(key);
+            popped.push(key);
         }
-        if taken.is_empty() {
+        if plan.taken == 0 {
             return Ok(Some(counts));
         }
         // Durable first (under `always` they are: no sync), and the markers appended together
         // or not at all: on a failure every message taken stays delayed, and nothing was counted.
-        let last = taken.iter().map(|key| unslot(key.1).1).max().expect("some taken");
-        if self.log.durability() != Durability::None
-            && let Err(e) = self.log.make_durable(last)
-        {
-            self.timers.unpop(&taken);
-            return Err(e.into());
-        }
-        let releases: Vec<message::Release<'_>> = (runs.iter().enumerate())
-            .filter(|(_, r)| !r.is_empty())
-            .map(|(level, r)| message::Release { level: level as u8, after: afters[level], runs: r })
-            .collect();
-        let written = match message::append_released(&self.log, stamp, &releases) {
+        let synced = match self.log.durability() {
+            Durability::None => Ok(()),
+            _ => self.log.make_durable(plan.last),
+        };
+        let written = synced.map_err(BrokerError::from).and_then(|()| {
+            let releases: Vec<message::Release<'_>> = (plan.runs.iter().enumerate())
+                .filter(|(_, r)| !r.is_empty())
+                .map(|(level, r)| message::Release { level: level as u8, after: afters[level], runs: r })
+                .collect();
+            Ok(message::append_released(&self.log, stamp, &releases)?)
+        });
+        let written = match written {
             Ok(range) => range,
             Err(e) => {
-                self.timers.unpop(&taken);
-                return Err(e.into());
+                self.timers.unpop(&popped);
+                return Err(e);
             }
         };
+        if in_place {
+            self.timers.take_due_front(plan.taken);
+        }
         assert_eq!(written.start, self.done.end(), "only the queue appends to its delayed log");
         written.for_each(|_| self.done.push(true));
-        for (level, runs) in runs.iter().enumerate() {
+        for (level, runs) in plan.runs.iter().enumerate() {
             for &(start, n) in runs {
-                (start..start + u64::from(n)).for_each(|o| self.done.set_released(o));
+                self.done.set_released_run(start, n);
                 self.ready.push(level, start, n, afters[level], stamp);
                 counts[level] += u64::from(n);
             }
@@ -1251,6 +1387,21 @@ mod tests {
     }
 
     #[test]
+    fn released_runs_mark_the_same_bits_as_one_offset_at_a_time() {
+        for (start, n) in [(0, 1), (3, 61), (5, 200), (63, 2), (64, 64), (70, 130), (2, 7), (190, 10), (0, 200)] {
+            let (mut runs, mut ones) = (Done::starting_at(5), Done::starting_at(5));
+            for _ in 0..200 {
+                runs.push(false);
+                ones.push(false);
+            }
+            let n = n.min(205 - start);
+            runs.set_released_run(start, n as u32);
+            (start..start + n).for_each(|o| ones.set_released(o));
+            assert_eq!(runs.released, ones.released, "run of {n} from {start}");
+        }
+    }
+
+    #[test]
     fn due_messages_beyond_a_ticks_bytes_wait_for_the_next_tick_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
@@ -1284,10 +1435,11 @@ mod tests {
 
     proptest::proptest! {
         /// Against a B-tree alone: the same first, last and length after every operation, for
-        /// timers that come mostly in order (as a constant delay gives) and sometimes not.
+        /// timers that come mostly in order (as a constant delay gives) and sometimes not; and
+        /// the due keys seen in place are the B-tree's first ones, taken as they would be popped.
         #[test]
         fn a_timer_set_orders_as_a_btree_does(
-            ops in proptest::collection::vec((0u8..6, 0u64..50), 1..400),
+            ops in proptest::collection::vec((0u8..7, 0u64..50), 1..400),
         ) {
             let (mut set, mut model) = (TimerSet::default(), BTreeSet::new());
             let mut clock = 0;
@@ -1301,6 +1453,20 @@ mod tests {
                     }
                     3 => proptest::prop_assert_eq!(set.pop_first(), model.pop_first()),
                     4 => proptest::prop_assert_eq!(set.pop_last(), model.pop_last()),
+                    6 => {
+                        let (now, max) = (clock.saturating_sub(jitter % 8), (jitter % 5) as usize);
+                        let Some(due) = set.run_due(now, max) else {
+                            proptest::prop_assert!(!set.tree.is_empty());
+                            continue;
+                        };
+                        let due: Vec<_> = due.collect();
+                        let expected: Vec<_> = model.iter().copied().take_while(|k| k.0 <= now).take(max).collect();
+                        proptest::prop_assert_eq!(&due, &expected);
+                        set.take_run_front(due.len());
+                        for k in &due {
+                            model.remove(k);
+                        }
+                    }
                     _ => {
                         let more = [(jitter, 10_000 + offset as u64), (clock, 20_000 + offset as u64)];
                         set.extend(more);

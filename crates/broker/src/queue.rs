@@ -960,6 +960,11 @@ impl Queue {
         };
         let stamp = now_ns.max(inner.last_stamp + 1);
         inner.last_stamp = stamp;
+        let due_floor = match &inner.store {
+            _ if !delayed => None,
+            Store::Memory { delayed, .. } => delayed.last_key_value().map(|((due, _), _)| *due),
+            Store::Log { delayed, .. } => delayed.as_ref().and_then(|delay| delay.latest_due()),
+        };
         for m in messages.iter_mut() {
             m.timestamp = stamp;
             // The queue's name is set on delivery; not stored with each message.
@@ -969,7 +974,12 @@ impl Queue {
                 m.expires_at = ttl_deadline;
             }
             m.priority = level as u8;
-            m.deliver_at = if delayed { config::due_at(m, now_ns) } else { 0 };
+            m.deliver_at = match config::due_at(m, now_ns) {
+                _ if !delayed => 0,
+                // Counted from the offer (its clock read before the lock): due in offer order.
+                due if m.delay_ms != 0 && due > m.deliver_at => delay::raised_due(due, due_floor),
+                due => due,
+            };
             m.delay_ms = 0;
         }
         let earliest_due = messages.iter().map(|m| m.deliver_at).min().filter(|_| delayed);

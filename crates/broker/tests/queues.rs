@@ -1013,6 +1013,33 @@ fn delayed_messages_are_invisible_until_due_then_join_the_tail_across_a_restart(
     }
 }
 
+/// Producers offering at once read their clocks before the queue's lock: a message delayed
+/// after another but due a little (under 1 ms) before it comes due with it, and after it (so
+/// that a tick releases them as one run, in offer order). One due a whole ms or more before
+/// keeps its time, and so does a `deliver_at`; none comes due before it asked.
+#[test]
+fn delayed_offers_out_of_clock_order_come_due_in_offer_order_and_never_early() {
+    let t0 = now_ns();
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", QueueConfig { durable, ..QueueConfig::default() }, None).unwrap();
+        b.offer("q", delayed(10, &["a1", "a2"]), t0 + 300_000).unwrap(); // due t0 + 10.3 ms
+        b.offer("q", delayed(10, &["b1", "b2"]), t0).unwrap(); // asked t0 + 10 ms
+        b.offer("q", delayed(8, &["c"]), t0).unwrap(); // asked t0 + 8 ms
+        let at = vec![Message { deliver_at: t0 + 10 * MS + 100_000, ..Message::new(&b"d"[..]) }];
+        b.offer("q", at, t0).unwrap();
+        b.tick(t0 + 10 * MS + 100_000);
+        let d = b.poll("q", 10, None, 1, t0 + 10 * MS + 100_000).unwrap();
+        assert_eq!(texts(&d), ["c", "d"], "durable {durable}");
+        assert_eq!((d[0].message.deliver_at, d[1].message.deliver_at), (t0 + 8 * MS, t0 + 10 * MS + 100_000));
+        b.tick(t0 + 10 * MS + 300_000);
+        let d = b.poll("q", 10, None, 1, t0 + 10 * MS + 300_000).unwrap();
+        assert_eq!(texts(&d), ["a1", "a2", "b1", "b2"], "durable {durable}");
+        assert!(d.iter().all(|x| x.message.deliver_at == t0 + 10 * MS + 300_000));
+    }
+}
+
 /// Released delayed messages taken for good are marked done in one `ctl.moved` marker per
 /// hold of the queue's lock, not one each, and stay done across a restart; peeked, a released
 /// message shows the deliveries a waiting one does (none yet), and polled, this one.

@@ -570,13 +570,15 @@ async fn keyed_offers_aborts_and_a_silent_server_at_connect() {
     assert_eq!(cluster.list_queues().await.unwrap(), ["jobs"]);
 
     let mut chosen = HashMap::new();
-    for k in 0..40 {
-        let key = format!("customer-{}", k % 8);
+    // 40 keys, each twice: all on one of the two servers has a chance of 2⁻³⁹ (with 8 it was
+    // 1 in 128, as the servers' ports are random).
+    for k in 0..80 {
+        let key = format!("customer-{}", k % 40);
         let offered =
             cluster.offer_by_key(key.as_bytes(), "jobs", vec![Message::new(key.clone())], None).await.unwrap();
         assert_eq!(*chosen.entry(key).or_insert(offered.server), offered.server, "a key stays on its server");
     }
-    assert!(chosen.values().collect::<HashSet<_>>().len() == 2, "8 keys all on one server: {chosen:?}");
+    assert!(chosen.values().collect::<HashSet<_>>().len() == 2, "40 keys all on one server: {chosen:?}");
 
     let options = PollOptions { max: 1, timeout: Duration::from_secs(1), visibility: Some(Duration::from_secs(30)) };
     let taken = cluster.poll("jobs", options).await.unwrap();

@@ -81,7 +81,7 @@ fn excess_connections_are_answered_at_once_per_address_and_in_total() {
         ("max_connections = 4\nmax_connections_per_address = 0\n", "max_connections"),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let config = config(dir.path(), &format!("{limits}idle_timeout = \"1s\"\n"));
+        let config = config(dir.path(), &format!("{limits}idle_timeout = \"3s\"\n"));
         let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async {
@@ -99,14 +99,23 @@ fn excess_connections_are_answered_at_once_per_address_and_in_total() {
             let mut line = String::new();
             std::io::BufRead::read_line(&mut std::io::BufReader::new(&mut mc), &mut line).unwrap();
             assert!(line.starts_with("SERVER_ERROR") && line.contains(setting), "{line:?}");
+            // A place is free again once the server has seen a connection go: tried until then.
+            let connect_soon = || async {
+                let deadline = std::time::Instant::now() + Duration::from_secs(15);
+                loop {
+                    match petrel_client::Client::connect(server.addr.as_str()).await {
+                        Ok(c) => return c,
+                        Err(e) if std::time::Instant::now() > deadline => panic!("no place came free: {e}"),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                }
+            };
             // A closed connection frees its place.
             held.pop().unwrap().close();
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            held.push(server.client().await);
+            held.push(connect_soon().await);
             // Idle connections (native and memcache) are closed after idle_timeout, and free theirs.
-            tokio::time::sleep(Duration::from_millis(2500)).await;
             for _ in 0..4 {
-                held.push(server.client().await);
+                held.push(connect_soon().await);
             }
         });
     }
@@ -206,7 +215,13 @@ fn memory_queues_and_stalled_subscribers_stay_within_their_budgets() {
         };
         subscribe.encode(2, &mut hello).unwrap();
         stalled.write_all(&hello).unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Subscribed once a publish reaches it.
+        let mut published = 0;
+        while c.publish("news", vec![petrel_client::Message::new(vec![])]).await.unwrap() == 0 {
+            published += 1;
+            assert!(published < 1000, "the subscription never came");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let mut published = 0;
         while c.publish("news", vec![petrel_client::Message::new(vec![1u8; 16 * 1024])]).await.unwrap() > 0 {
             published += 1;

@@ -448,7 +448,11 @@ async fn a_group_resumes_after_kill_9_with_nothing_acknowledged_delivered_again(
 async fn a_group_can_be_subscribed_again_at_once_after_unsubscribe_or_reconnect() {
     use petrel_client::StartFrom;
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(dir.path());
+    // The wait for the ending subscription to let the group go, longer than the default 200 ms:
+    // on a loaded machine the server may see the closed connection later than that.
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "group_release_wait_ms = 10000\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
     let c = server.client().await;
     c.create_topic("jobs", true).await.unwrap();
     c.publish("jobs", (0..3).map(|i| Message::new(format!("j{i}"))).collect()).await.unwrap();

@@ -2,6 +2,7 @@
 //! lines shortened), so that it cannot break unnoticed. It uses the default ports, as a new
 //! user's first server does.
 
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,7 +18,14 @@ fn the_readme_tour_runs_top_to_bottom() {
         if line.starts_with("cargo build") {
             continue; // the test's own build is on PATH
         }
+        // The README waits for the server and the replier with sleeps, which a loaded machine
+        // can outlast: here each waits until it is there.
         let line = line
+            .replace(" & sleep 1 ", " & until (exec 3<>/dev/tcp/127.0.0.1/22134) 2>/dev/null; do sleep 0.1; done; ")
+            .replace(
+                "sleep 0.5; petrel call shout --data hi ",
+                "until petrel call shout --data hi 2>/dev/null; do sleep 0.1; done ",
+            )
             .replace("/tmp/", &here)
             .replace("petrel bench queue", "petrel bench queue --count 20000 --data .")
             .replace("--count 10000000", "--count 100000");
@@ -27,7 +35,10 @@ fn the_readme_tour_runs_top_to_bottom() {
     script.push_str("kill $(jobs -p) 2>/dev/null || true\nwait\n");
     let bin = std::path::Path::new(env!("CARGO_BIN_EXE_petrel")).parent().unwrap();
     let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    // In a process group of its own, so that a tour that hangs is ended with its server (which
+    // would otherwise keep the default ports from later runs).
     let mut child = Command::new("bash")
+        .process_group(0)
         .args(["-c", &script])
         .current_dir(dir.path())
         .env("PATH", path)
@@ -38,6 +49,7 @@ fn the_readme_tour_runs_top_to_bottom() {
     let started = Instant::now();
     while child.try_wait().unwrap().is_none() {
         if started.elapsed() > Duration::from_secs(180) {
+            let _ = Command::new("kill").args(["-KILL", "--", &format!("-{}", child.id())]).status();
             child.kill().unwrap();
             panic!("the tour did not finish in 3 minutes:\n{script}");
         }

@@ -511,7 +511,8 @@ mod tests {
                 std::thread::spawn(move || {
                     // Appended while the first sync is under way, so it does not cover them.
                     started.wait();
-                    let offset = log.append_batch_unsynced(&[Input::payload(b"waiting")]).unwrap().start;
+                    // (A waiter held up past the next sync finds the log poisoned already.)
+                    let offset = log.append_batch_unsynced(&[Input::payload(b"waiting")])?.start;
                     state.commit().fail_next_sync.store(true, Ordering::Relaxed);
                     log.wait_durable(offset)
                 })
