@@ -215,7 +215,23 @@ fn followers_reconnect_when_the_server_comes_back() {
     let subscriber = follower(&["topic", "subscribe", "news", "--group", "g", "--from", "oldest", "--count", "2"]);
     assert!(run(&["produce", "jobs", "--server", &addr], "one\n").0);
     assert!(run(&["topic", "publish", "news", "--server", &addr], "first\n").0);
-    std::thread::sleep(Duration::from_millis(500));
+    // Killed once both followers have taken and acknowledged the first message (killed before,
+    // a follower still connecting would fail, and one acknowledging would get it again).
+    let started = std::time::Instant::now();
+    loop {
+        let (_, queue, _) = run(&["queue", "status", "jobs", "--server", &addr], "");
+        let (_, stat, _) = run(&["stat", "--once", "--server", &addr], "");
+        let group_lag =
+            stat.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).find(|w| w.first() == Some(&"g"));
+        if queue.contains("\"total_polled\": 1")
+            && queue.contains("\"in_flight\": 0")
+            && group_lag.is_some_and(|w| w.get(2) == Some(&"0"))
+        {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "the followers took nothing:\n{queue}\n{stat}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     server.kill9();
     std::thread::sleep(Duration::from_millis(300));
     let server = Server::start_at(&addr, dir.path());

@@ -239,8 +239,8 @@ fn kill_9_mid_append_of_large_binary_records_in_a_full_size_segment_cuts_only_th
 }
 
 /// Runs `petrel log append` in `script` (bash, with `$PETREL` and `$LOG` set), feeding it
-/// `lines` (pausing before line `pause_before`, so earlier lines are acknowledged as their own
-/// batch); returns its exit status, stdout offsets and stderr.
+/// `lines` (before line `pause_before`, waiting until every earlier line is acknowledged, so that
+/// they are a batch of their own); returns its exit status, stdout offsets and stderr.
 fn append_in(script: &str, log: &Path, lines: Vec<Vec<u8>>, pause_before: usize) -> (bool, Vec<u64>, String) {
     let mut child = Command::new("bash")
         .args(["-c", script])
@@ -252,11 +252,27 @@ fn append_in(script: &str, log: &Path, lines: Vec<Vec<u8>>, pause_before: usize)
         .spawn()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (acked_tx, acked_rx) = std::sync::mpsc::channel::<u64>();
+    let reader = std::thread::spawn(move || {
+        let mut acked = Vec::new();
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+            let Ok(line) = line else { break };
+            acked.push(line.parse().unwrap());
+            let _ = acked_tx.send(acked[acked.len() - 1]);
+        }
+        acked
+    });
     let writer = std::thread::spawn(move || {
         for (i, l) in lines.into_iter().enumerate() {
             if i == pause_before {
                 let _ = stdin.flush();
-                std::thread::sleep(Duration::from_millis(300));
+                // Until the lines before are acknowledged (or the append ended).
+                for _ in 0..pause_before {
+                    if acked_rx.recv_timeout(Duration::from_secs(60)).is_err() {
+                        break;
+                    }
+                }
             }
             if stdin.write_all(&l).and_then(|_| stdin.write_all(b"\n")).is_err() {
                 break;
@@ -265,7 +281,7 @@ fn append_in(script: &str, log: &Path, lines: Vec<Vec<u8>>, pause_before: usize)
     });
     let out = child.wait_with_output().unwrap();
     writer.join().unwrap();
-    let acked = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.parse().unwrap()).collect();
+    let acked = reader.join().unwrap();
     (out.status.success(), acked, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
