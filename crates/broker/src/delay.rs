@@ -83,10 +83,10 @@ pub(crate) const MAX_DUE_RAISE_NS: u64 = 1_000_000;
 /// delayed messages (`DelayLog::latest_due`): at that latest one if it is less than
 /// `MAX_DUE_RAISE_NS` later. Producers offering at once read their clocks before they take the
 /// queue's lock, so with one delay for all, a message offered after another is often due a few
-/// µs before it; raised, it comes due with it, after it. (A `deliver_at` is kept as asked.) Then the offsets a tick releases are
+/// µs before it; raised, it comes due with it, after it. Then the offsets a tick releases are
 /// consecutive (one run of ready messages, where interleaved dues made hundreds, and then copies
 /// once `MAX_READY_RUNS` were waiting), and the timer joins the end of the ordered run. No
-/// message comes due earlier than asked.
+/// message comes due earlier than asked. (The caller keeps a `deliver_at` as asked.)
 pub(crate) fn raised_due(due: u64, latest_due: Option<u64>) -> u64 {
     match latest_due {
         Some(latest) if latest > due && latest - due < MAX_DUE_RAISE_NS => latest,
