@@ -94,9 +94,24 @@ impl Server {
     }
 
     /// A free loopback address for `start_at`.
+    /// A free address to start a server at (and again after it stops), below the range the
+    /// kernel picks outgoing ports from: while the server is down, a port from that range may be
+    /// taken by another socket, or a client reconnecting to it may be given it as its own port
+    /// and connect to itself.
     pub fn free_addr() -> String {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().to_string()
+        let first = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+            .unwrap_or(32768);
+        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let span = u32::from(first.saturating_sub(10_000)).max(1);
+        for i in 0..span {
+            let port = 10_000 + ((seed.wrapping_add(std::process::id()).wrapping_add(i * 7_919)) % span) as u16;
+            if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+                return listener.local_addr().unwrap().to_string();
+            }
+        }
+        panic!("no free port between 10000 and {first}")
     }
 
     pub fn kill9(mut self) {
