@@ -52,7 +52,7 @@ done
 echo "== fuzz targets"
 # Each decoder's target, and the request handler's: built always; run briefly where a nightly
 # toolchain is at hand (cargo-fuzz needs it), as the long runs by hand are (docs/benchmarks.md).
-fuzz_targets=(frame segment proto memcache handler)
+fuzz_targets=(frame segment files proto memcache handler)
 if cargo +nightly --version >/dev/null 2>&1; then
   command -v cargo-fuzz >/dev/null || cargo install -q --locked cargo-fuzz@0.13.2
   for target in "${fuzz_targets[@]}"; do

@@ -65,6 +65,10 @@ fn read_slot(slot: &[u8]) -> Result<(u64, CursorState), FrameError> {
     }
     let seq = u64::from_le_bytes(slot[8..16].try_into().unwrap());
     let committed = u64::from_le_bytes(slot[16..24].try_into().unwrap());
+    if committed.checked_add(1 + 8 * len as u64).is_none() {
+        // Acknowledgements past the last offset there can be: no writer made this slot.
+        return Err(FrameError::BadLength);
+    }
     let bitmap = &slot[SLOT_HEADER..SLOT_HEADER + len];
     let acked_above =
         (0..len * 8).filter(|i| bitmap[i / 8] & (1 << (i % 8)) != 0).map(|i| committed + 1 + i as u64).collect();
@@ -115,5 +119,15 @@ mod tests {
             torn[at] ^= 0x55;
             assert_eq!(read(&torn).map(|(s, c)| (s, c.committed)), Some((1, 10)), "byte {at}");
         }
+    }
+
+    #[test]
+    fn a_slot_whose_acknowledgements_pass_the_last_offset_is_not_valid() {
+        let mut file = vec![0u8; CURSOR_FILE_LEN];
+        write(&mut file, 1, 10, &[]);
+        write(&mut file, 2, u64::MAX - 3, &[0xff]);
+        assert_eq!(read(&file).map(|(s, c)| (s, c.committed)), Some((1, 10)), "the other slot");
+        write(&mut file, 4, u64::MAX - 9, &[0xff]);
+        assert_eq!(read(&file).map(|(s, c)| (s, c.acked_above.len())), Some((4, 8)), "just fits");
     }
 }

@@ -126,4 +126,57 @@ pub mod fuzzing {
     pub fn decode_segment_header(bytes: &[u8; 64]) -> bool {
         crate::segment::SegmentHeader::decode(bytes).is_ok()
     }
+
+    /// Reads arbitrary bytes as a consumer group's cursor file, as they are and with `slot_body`
+    /// put in its first slot under a valid checksum (so that what follows the check is reached).
+    /// Must never panic; returns the committed offsets read.
+    pub fn read_cursor_file(bytes: &[u8], slot_body: &[u8]) -> (Option<u64>, Option<u64>) {
+        let check = |file: &[u8]| {
+            crate::cursor::read(file).map(|(_, state)| {
+                // Acknowledged out of order above what is committed, ascending.
+                assert!(state.acked_above.windows(2).all(|w| w[0] < w[1]));
+                assert!(state.acked_above.first().is_none_or(|&o| o > state.committed));
+                state.committed
+            })
+        };
+        const LEN: usize = crate::cursor::CURSOR_FILE_LEN;
+        let mut file = vec![0u8; LEN];
+        let n = bytes.len().min(LEN);
+        file[..n].copy_from_slice(&bytes[..n]);
+        let raw = check(&file);
+        let mut file = vec![0u8; LEN];
+        let body = &slot_body[..slot_body.len().min(LEN / 2 - 8)];
+        file[..4].copy_from_slice(b"PCUR");
+        file[8..8 + body.len()].copy_from_slice(body);
+        let len = u32::from_le_bytes(file[24..28].try_into().unwrap()) as usize;
+        let end = (32 + len).min(LEN / 2);
+        let crc = crc32c::crc32c(&file[8..end]);
+        file[4..8].copy_from_slice(&crc.to_le_bytes());
+        (raw, check(&file))
+    }
+
+    /// Decodes arbitrary bytes as a sealed segment's index file, as they are and with a valid
+    /// header and checksum put before `entries`. Must never panic; returns how many entries each
+    /// gave.
+    pub fn decode_index_file(
+        bytes: &[u8],
+        entries: &[u8],
+        base: u64,
+        segment_len: usize,
+    ) -> (Option<usize>, Option<usize>) {
+        let check = |file: &[u8]| {
+            crate::index::decode(file, base, segment_len).map(|entries| {
+                assert!(entries.iter().all(|e| e.offset >= base && (e.pos as usize) < segment_len));
+                entries.len()
+            })
+        };
+        let raw = check(bytes);
+        let mut file = b"PIDX".to_vec();
+        file.extend_from_slice(&1u32.to_le_bytes());
+        file.extend_from_slice(&base.to_le_bytes());
+        file.extend_from_slice(&((entries.len() / 24) as u32).to_le_bytes());
+        file.extend_from_slice(&crc32c::crc32c(&entries[..entries.len() / 24 * 24]).to_le_bytes());
+        file.extend_from_slice(entries);
+        (raw, check(&file))
+    }
 }
