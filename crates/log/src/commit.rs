@@ -148,7 +148,10 @@ impl Commit {
             drop(state);
             // Let producers that are ready to run append first: the sync then covers them too.
             std::thread::yield_now();
-            let result = self.sync_active(dir);
+            // The writer sealing this segment syncs it too, outside this flag, and the kernel
+            // reports a writeback error to one of two such syncs only: a log poisoned meanwhile
+            // fails this sync as well (no other `make_durable` sync can have run since).
+            let result = self.sync_active(dir).and_then(|durable| self.check_poison().map(|()| durable));
             state = self.lock();
             state.syncing = false;
             if let Ok(durable) = result {

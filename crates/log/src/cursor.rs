@@ -65,7 +65,7 @@ fn read_slot(slot: &[u8]) -> Result<(u64, CursorState), FrameError> {
     }
     let seq = u64::from_le_bytes(slot[8..16].try_into().unwrap());
     let committed = u64::from_le_bytes(slot[16..24].try_into().unwrap());
-    if committed.checked_add(1 + 8 * len as u64).is_none() {
+    if committed.checked_add(8 * len as u64).is_none() {
         // Acknowledgements past the last offset there can be: no writer made this slot.
         return Err(FrameError::BadLength);
     }
@@ -127,7 +127,7 @@ mod tests {
         write(&mut file, 1, 10, &[]);
         write(&mut file, 2, u64::MAX - 3, &[0xff]);
         assert_eq!(read(&file).map(|(s, c)| (s, c.committed)), Some((1, 10)), "the other slot");
-        write(&mut file, 4, u64::MAX - 9, &[0xff]);
+        write(&mut file, 4, u64::MAX - 8, &[0xff]); // the last bit: offset 2⁶⁴ − 1
         assert_eq!(read(&file).map(|(s, c)| (s, c.acked_above.len())), Some((4, 8)), "just fits");
     }
 }

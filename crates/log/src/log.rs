@@ -483,6 +483,26 @@ mod tests {
     }
 
     #[test]
+    fn a_sync_during_which_the_log_is_poisoned_does_not_make_its_records_durable() {
+        // The writer sealing a segment syncs it outside the group commit, and the kernel reports
+        // a writeback error to one of two syncs of a file only: here the other sync (the
+        // append's) succeeds while the sealing one poisons the log.
+        let dir = tempfile::tempdir().unwrap();
+        let shared: Arc<std::sync::OnceLock<Arc<LogState>>> = Arc::default();
+        let poison_from = Arc::clone(&shared);
+        let on_sync = crate::SyncObserver::new(move |_| {
+            if let Some(state) = poison_from.get() {
+                state.commit().poison(state.dir(), "writeback error seen by the sealing sync".into());
+            }
+        });
+        let mut log =
+            Log::open(dir.path(), Options { durability: Durability::Always, on_sync, ..Options::default() }).unwrap();
+        let _ = shared.set(Arc::clone(&log.shared));
+        let err = log.append(b"lost with the pages").unwrap_err();
+        assert!(matches!(err, Error::Poisoned(_)), "{err}");
+    }
+
+    #[test]
     fn threads_waiting_behind_a_failed_sync_all_get_the_error() {
         const WAITERS: usize = 16;
         let dir = tempfile::tempdir().unwrap();

@@ -103,10 +103,17 @@ impl Server {
             .ok()
             .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
             .unwrap_or(32768);
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-        let span = u32::from(first.saturating_sub(10_000)).max(1);
+        let span = u32::from(first.saturating_sub(10_000));
+        if span < 100 {
+            // An unusual range: take what the kernel gives.
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            return listener.local_addr().unwrap().to_string();
+        }
+        // From a place of its own (tests start servers at once), then each port in turn.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let start = nanos.wrapping_add(std::process::id().wrapping_mul(7_919)) % span;
         for i in 0..span {
-            let port = 10_000 + ((seed.wrapping_add(std::process::id()).wrapping_add(i * 7_919)) % span) as u16;
+            let port = 10_000 + ((start + i) % span) as u16;
             if let Ok(listener) = std::net::TcpListener::bind(("127.0.0.1", port)) {
                 return listener.local_addr().unwrap().to_string();
             }
