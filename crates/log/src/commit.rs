@@ -23,6 +23,11 @@ pub(crate) struct Commit {
     /// The segment a sync must cover; changed by the writer only when it rolls (sealed segments
     /// were synced when they were sealed).
     active: Mutex<Arc<Segment>>,
+    /// Held across each sync of a segment and its poisoning on a failure: the writer sealing the
+    /// active segment syncs it outside the group commit, and the kernel reports a writeback
+    /// error to one of two syncs of a file only, so two at once could see one fail and the other
+    /// succeed after the failure, before the log is poisoned.
+    sync_file: Mutex<()>,
     /// Syncs done (group commit makes this smaller than the appends that waited for one).
     syncs: AtomicU64,
     poisoned: AtomicBool,
@@ -62,6 +67,7 @@ impl Commit {
             on_sync,
             state: Mutex::new(CommitState { durable: 0, syncing: false, waiters: Vec::new() }),
             active: Mutex::new(active),
+            sync_file: Mutex::new(()),
             syncs: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
@@ -111,6 +117,7 @@ impl Commit {
 
     /// Syncs a segment being sealed, poisoning the log if that fails.
     pub(crate) fn sync_sealed(&self, dir: &Path, seg: &Segment) -> Result<()> {
+        let _one_at_a_time = self.sync_file.lock().unwrap_or_else(|e| e.into_inner());
         if let Err(e) = self.on_sync.time(|| seg.sync()) {
             return Err(self.poison(dir, format!("fdatasync {}: {e}", seg.path.display())));
         }
@@ -148,9 +155,9 @@ impl Commit {
             drop(state);
             // Let producers that are ready to run append first: the sync then covers them too.
             std::thread::yield_now();
-            // The writer sealing this segment syncs it too, outside this flag, and the kernel
-            // reports a writeback error to one of two such syncs only: a log poisoned meanwhile
-            // fails this sync as well (no other `make_durable` sync can have run since).
+            // The writer sealing this segment syncs it too, outside this flag (see `sync_file`):
+            // a log poisoned meanwhile fails this sync as well (no other `make_durable` sync can
+            // have run since).
             let result = self.sync_active(dir).and_then(|durable| self.check_poison().map(|()| durable));
             state = self.lock();
             state.syncing = false;
@@ -193,6 +200,7 @@ impl Commit {
     fn sync_active(&self, dir: &Path) -> Result<u64> {
         let seg = Arc::clone(&self.active.lock().unwrap_or_else(|e| e.into_inner()));
         let (pos, records) = seg.tail();
+        let _one_at_a_time = self.sync_file.lock().unwrap_or_else(|e| e.into_inner());
         #[cfg(test)]
         if self.fail_next_sync.swap(false, Ordering::Relaxed) {
             return Err(self.poison(dir, format!("fdatasync {}: injected failure", seg.path.display())));
