@@ -17,6 +17,30 @@ BINARY = os.environ.get("PETREL_BIN", str(ROOT / "target" / "debug" / "petrel"))
 USERS = {"max": ("S3cret-admin", True), "tom": ("S3cret-tom", False), "client": ("unused-Pw-1", False)}
 
 
+def restartable_addr():
+    """A free loopback address to start a server at and again after it stops: below the range the
+    kernel picks outgoing ports from, where, while the server is down, another socket could take
+    the port, or a client reconnecting to it could be given it as its own and connect to itself."""
+    import random
+    import socket
+    try:
+        first = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    if first - 10000 < 100:
+        return "127.0.0.1:0"
+    start_at = random.randrange(first - 10000)
+    for i in range(first - 10000):
+        port = 10000 + (start_at + i) % (first - 10000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return f"127.0.0.1:{port}"
+    raise RuntimeError(f"no free port between 10000 and {first}")
+
+
 def start(data, native_addr="127.0.0.1:0", *extra):
     """Starts `petrel serve` on `data`; returns (process, native address) once it listens."""
     data.mkdir(parents=True, exist_ok=True)

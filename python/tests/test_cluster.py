@@ -9,7 +9,7 @@ import time
 import pytest
 
 import petrel
-from conftest import start, stop
+from conftest import restartable_addr, start, stop
 
 
 class Servers:
@@ -20,7 +20,7 @@ class Servers:
         self.dirs = [tmp_path / f"server{i}" for i in range(n)]
         self.processes, self.addresses = [], []
         for d in self.dirs:
-            process, address = start(d)
+            process, address = start(d, restartable_addr())
             self.processes.append(process)
             self.addresses.append(address)
 
