@@ -62,6 +62,7 @@ impl Log {
         let durable = options.durability != Durability::None;
         let now = now_ns();
         let mut segments = Vec::with_capacity(bases.len() + 1);
+        let made = bases.is_empty();
         let mut active = if let Some((&last, sealed)) = bases.split_last() {
             for &base in sealed {
                 let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
@@ -76,7 +77,13 @@ impl Log {
             Segment::create(&dir, 0, options.first_segment_bytes(), now, durable)?
         };
         let mut writer = active.map.writer().expect("a new mapping has its writer");
-        let (pos, next_offset) = recover_active(&active, &mut writer, &mut report)?;
+        let (pos, next_offset) = match made {
+            // Made just now, empty: nothing to recover. (Reading it would fault in pages, and
+            // the kernel's read-ahead more, that a log never written to does not need: a server
+            // makes one for each queue named once.)
+            true => (SEGMENT_HEADER_LEN, active.base),
+            false => recover_active(&active, &mut writer, &mut report)?,
+        };
         if active.format != frame::Format::CURRENT && pos == SEGMENT_HEADER_LEN {
             // An empty last segment of an earlier format holds nothing to keep: it takes the
             // current format in place, as a new segment under its name could not.

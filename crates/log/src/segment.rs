@@ -176,7 +176,7 @@ impl Segment {
                 checkpoint_pos: 0,
                 checkpoint_offset: base,
             };
-            map.write_header(&header.encode());
+            map.write_first_header(&header.encode());
             if durable {
                 rustix::fs::fdatasync(&file).map_err(|e| io_err("sync segment", &tmp)(e.into()))?;
             }
