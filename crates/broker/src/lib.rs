@@ -478,13 +478,13 @@ impl Broker {
                 }
                 _ => def.config,
             };
-            let queue = broker.build(def.name, config, None)?;
+            let queue = broker.build(def.name, config, None, false)?;
             broker.write().insert(Arc::new(queue));
         }
         for (name, config) in &configured.queues {
             if broker.queue(name).is_none() {
-                broker.save_definition(name, config)?;
-                let queue = broker.build(name.clone(), config.clone(), None)?;
+                let made = broker.save_definition(name, config)?;
+                let queue = broker.build(name.clone(), config.clone(), None, made)?;
                 broker.write().insert(Arc::new(queue));
             }
         }
@@ -571,7 +571,15 @@ impl Broker {
         }
     }
 
-    fn build(&self, name: String, config: QueueConfig, owner: Option<ConnId>) -> Result<Queue, BrokerError> {
+    /// Builds a queue from its definition; `made`: its directory was made just now (by
+    /// `save_definition`), so it holds nothing but the definition.
+    fn build(
+        &self,
+        name: String,
+        config: QueueConfig,
+        owner: Option<ConnId>,
+        made: bool,
+    ) -> Result<Queue, BrokerError> {
         if config.durable && !config.temporary {
             let segment_bytes = self.options.segment_bytes;
             let options = Options {
@@ -588,9 +596,10 @@ impl Broker {
             };
             let dir = self.dir.join("queues").join(&name);
             let levels = config::levels_of(&config);
-            // What the queue's directory holds, listed once (a queue just created holds nothing
-            // yet; asking for each name would cost a lookup apiece on every creation).
+            // What the queue's directory holds, listed once (asking for each name would cost a
+            // lookup apiece), and not at all when it was made just now.
             let names: HashSet<std::ffi::OsString> = match std::fs::read_dir(&dir) {
+                _ if made => HashSet::new(),
                 Ok(entries) => entries.filter_map(|e| e.ok().map(|e| e.file_name())).collect(),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashSet::new(),
                 Err(e) => return Err(BrokerError::Definitions(format!("list {}: {e}", in_data_dir(&dir)))),
@@ -656,10 +665,10 @@ impl Broker {
         // The definition first: a crash right after it leaves an empty queue, never a log
         // nobody knows of.
         let built = match config.temporary {
-            true => self.build(name.to_owned(), config.clone(), owner),
-            false => {
-                self.save_definition(name, &config).and_then(|()| self.build(name.to_owned(), config.clone(), owner))
-            }
+            true => self.build(name.to_owned(), config.clone(), owner, false),
+            false => self
+                .save_definition(name, &config)
+                .and_then(|made| self.build(name.to_owned(), config.clone(), owner, made)),
         };
         let _creating = creation.end();
         let queue = match built {
@@ -1307,11 +1316,16 @@ impl Broker {
     }
 
     /// Writes a queue's definition (file, then rename); synced unless its durability is none.
-    fn save_definition(&self, name: &str, config: &QueueConfig) -> Result<(), BrokerError> {
+    /// Returns whether it made the queue's directory (which then holds the definition alone).
+    fn save_definition(&self, name: &str, config: &QueueConfig) -> Result<bool, BrokerError> {
         let dir = self.dir.join("queues").join(name);
         let path = dir.join(DEFINITION);
         let failed = |e: std::io::Error| BrokerError::Definitions(format!("{}: {e}", in_data_dir(&path)));
-        std::fs::create_dir_all(&dir).map_err(failed)?;
+        let made = match std::fs::create_dir(&dir) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+            Err(_) => std::fs::create_dir_all(&dir).map(|()| true).map_err(failed)?,
+        };
         let tmp = path.with_extension("json.tmp");
         let def = Definition { name: name.to_owned(), config: config.clone() };
         std::fs::write(&tmp, serde_json::to_vec_pretty(&def).expect("definitions serialize")).map_err(failed)?;
@@ -1325,7 +1339,7 @@ impl Broker {
                 std::fs::File::open(d).and_then(|f| f.sync_all()).map_err(failed)?;
             }
         }
-        Ok(())
+        Ok(made)
     }
 
     /// Every queue definition under `queues/`. A directory without one (a creation cut short
