@@ -911,8 +911,8 @@ impl DelayLog {
         // failure.
         let mut popped = Vec::new();
         let in_place = match self.timers.due_in_place(now_ns, max) {
-            Some(due) => {
-                due.take_while(|&key| plan.add(key)).for_each(drop);
+            Some(mut due) => {
+                due.all(|key| plan.add(key)); // up to the first that would start a run too many
                 true
             }
             None => false,

@@ -473,6 +473,7 @@ fn index_resume_pos(seg: &Segment) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
 
     #[test]
     fn a_failed_sync_poisons_every_later_call() {
@@ -507,6 +508,43 @@ mod tests {
         let _ = shared.set(Arc::clone(&log.shared));
         let err = log.append(b"lost with the pages").unwrap_err();
         assert!(matches!(err, Error::Poisoned(_)), "{err}");
+    }
+
+    #[test]
+    fn a_segments_syncs_run_one_at_a_time() {
+        // The writer sealing a segment syncs it while producers' group-commit syncs may be under
+        // way: they take turns (`Commit::sync_file`), so that the failure one of them sees poisons
+        // the log before the other's sync begins. The observer runs inside each sync's turn.
+        let dir = tempfile::tempdir().unwrap();
+        let (in_sync, overlapped) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let (inside, seen) = (Arc::clone(&in_sync), Arc::clone(&overlapped));
+        let on_sync = crate::SyncObserver::new(move |_| {
+            if inside.fetch_add(1, Ordering::SeqCst) > 0 {
+                seen.store(true, Ordering::SeqCst);
+            }
+            std::thread::sleep(std::time::Duration::from_micros(300));
+            inside.fetch_sub(1, Ordering::SeqCst);
+        });
+        let options = Options {
+            durability: Durability::Always,
+            segment_bytes: crate::MIN_SEGMENT_BYTES,
+            initial_segment_bytes: None,
+            on_sync,
+            ..Options::default()
+        };
+        let log = Log::open(dir.path(), options).unwrap().into_shared();
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                let log = &log;
+                s.spawn(move || {
+                    for _ in 0..300 {
+                        log.append(&[7u8; 1024]).unwrap();
+                    }
+                });
+            }
+        });
+        assert!(log.stats().segments > 4, "the producers filled several segments");
+        assert!(!overlapped.load(Ordering::SeqCst), "two syncs of the log at once");
     }
 
     #[test]
