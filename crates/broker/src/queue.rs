@@ -1,7 +1,7 @@
 //! One queue: in memory or on a `petrel-log`, bounded or circular, with tentative reads that come
 //! back unless acknowledged, and expiry.
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::Duration;
@@ -11,6 +11,7 @@ use tokio::sync::Notify;
 
 use crate::dedup::DedupWindow;
 use crate::delay::{self, DelayLog, Ready};
+use crate::held::{DELAYED_OVERHEAD, HELD_OVERHEAD, Held, HeldQueue};
 use crate::message::{self, Message, Placement};
 use crate::{BrokerError, ConnId, Delivery, NumberMap, QueueConfig, QueueStats, config, counting, deliveries_of};
 
@@ -91,7 +92,8 @@ pub(crate) struct DeadLetters {
 const MAX_REPLIERS: usize = 64;
 
 /// Bytes of messages the server holds in memory (in-memory and temporary queues, messages
-/// waiting for topic subscribers), against `BrokerOptions::max_memory_bytes`. Each queue's share
+/// waiting for topic subscribers), against `BrokerOptions::max_memory_bytes`: a queue's message
+/// counts its size and what holding it takes (`held::HELD_OVERHEAD`). Each queue's share
 /// is settled whenever its lock is let go (see `Locked`), a subscriber's as messages are handed
 /// to it and taken, so the sum is exact between operations.
 #[derive(Debug, Default)]
@@ -272,7 +274,7 @@ impl std::ops::DerefMut for Locked<'_> {
 impl Drop for Locked<'_> {
     fn drop(&mut self) {
         if let Some(budget) = self.budget {
-            budget.settle(self.bytes_before, self.guard.bytes);
+            budget.settle(self.bytes_before, self.guard.held_bytes());
         }
         // One marker for the released delayed messages settled under the lock; if it cannot be
         // written now, the next tick tries again.
@@ -376,7 +378,7 @@ enum Store {
     /// The messages waiting at each priority level, in offer order, and the delayed ones by
     /// when they are due (and id). A message's `deliveries` counts its deliveries so far, here
     /// as in flight, and its `priority` is its level.
-    Memory { levels: Vec<VecDeque<Message>>, next_id: u64, delayed: BTreeMap<(u64, u64), Message> },
+    Memory { levels: Vec<HeldQueue>, next_id: u64, delayed: BTreeMap<(u64, u64), Held> },
     /// One log per priority level, and the delayed messages' log once one was delayed.
     Log { lanes: Vec<Lane>, delayed: Option<Box<DelayLog>>, open_delayed: OpenDelayedLog },
 }
@@ -461,7 +463,7 @@ struct InFlight {
 }
 
 enum Taken {
-    Memory(Box<Message>),
+    Memory(Box<Held>),
     Log {
         level: usize,
         offset: u64,
@@ -517,7 +519,7 @@ impl Queue {
         budget: std::sync::Arc<MemoryBudget>,
         default_max_bytes: u64,
     ) -> Queue {
-        let levels = (0..config::levels_of(&config)).map(|_| VecDeque::new()).collect();
+        let levels = (0..config::levels_of(&config)).map(|_| HeldQueue::default()).collect();
         let store = Store::Memory { levels, next_id: 1, delayed: BTreeMap::new() };
         let dedup = DedupWindow::new(config::levels_of(&config));
         let mut queue = Queue::with_store(name, config, owner, store, dedup, 0);
@@ -775,8 +777,8 @@ impl Queue {
 
     fn lock(&self) -> Locked<'_> {
         let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let bytes_before = guard.bytes;
         let budget = self.memory.as_ref().map(|(budget, _)| &**budget);
+        let bytes_before = if budget.is_some() { guard.held_bytes() } else { 0 };
         Locked { guard, budget, bytes_before, due_ns: &self.due_ns }
     }
 
@@ -888,7 +890,7 @@ impl Queue {
             self.lock().counters.dropped += skip as u64;
         }
         if let Some((budget, _)) = &self.memory
-            && !budget.fits(size)
+            && !budget.fits(size + messages.len() as u64 * if delayed { DELAYED_OVERHEAD } else { HELD_OVERHEAD })
         {
             return Err(BrokerError::Limit(format!(
                 "the server holds {} bytes in memory queues, its budget (max_memory_bytes {}): take messages, or use durable queues",
@@ -984,10 +986,6 @@ impl Queue {
         }
         let earliest_due = messages.iter().map(|m| m.deliver_at).min().filter(|_| delayed);
         let earliest_expiry = messages.iter().map(|m| m.expires_at).filter(|&e| e != 0).min();
-        let keys: Vec<(usize, crate::dedup::KeyHash)> = match keyed {
-            true => hashes.iter().enumerate().filter_map(|(i, h)| h.map(|h| (i, h))).collect(),
-            false => Vec::new(),
-        };
         let delayed_slot = levels;
         if delayed && self.on_disk() {
             inner.delay_log()?;
@@ -1005,8 +1003,8 @@ impl Queue {
                         *value = bytes::Bytes::copy_from_slice(value);
                     }
                     match delayed {
-                        true => drop(later.insert((m.deliver_at, m.id), m)),
-                        false => levels[level].push_back(m),
+                        true => drop(later.insert((m.deliver_at, m.id), Held::new(m))),
+                        false => levels[level].push_back(Held::new(m)),
                     }
                 }
                 *next_id += n;
@@ -1024,7 +1022,7 @@ impl Queue {
                 let lane = &mut lanes[level];
                 let range = message::append_unsynced(&lane.log, messages)?;
                 messages.clear();
-                if !keys.is_empty() && lane.dedup.is_none() {
+                if hashes.iter().any(Option::is_some) && lane.dedup.is_none() {
                     // The first key this log holds (since it last held none): keep it on disk.
                     let options =
                         GroupOptions { start: petrel_log::SeekTo::Offset(range.start), ..GroupOptions::default() };
@@ -1037,8 +1035,10 @@ impl Queue {
         // A durable queue's delayed messages keep their keys in the delayed log (the slot after
         // the levels').
         let slot = if delayed && self.on_disk() { delayed_slot } else { level };
-        for (i, key) in keys {
-            inner.dedup.remember(key, first + i as u64, slot, stamp);
+        for (i, key) in hashes.iter().enumerate() {
+            if let Some(key) = *key {
+                inner.dedup.remember(key, first + i as u64, slot, stamp);
+            }
         }
         if let Some(expiry) = inner.dedup_expiry(&config) {
             self.due_ns.lower(expiry);
@@ -1389,7 +1389,7 @@ impl Drop for Queue {
     fn drop(&mut self) {
         // A removed queue gives its bytes back.
         if let Some((budget, _)) = &self.memory {
-            let bytes = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).bytes;
+            let bytes = self.inner.get_mut().unwrap_or_else(|e| e.into_inner()).held_bytes();
             budget.settle(bytes, 0);
         }
     }
@@ -1409,6 +1409,15 @@ impl Inner {
     /// is remembered, or an earlier message of the same offer carries it.
     fn repeats(&self, keys: &[Option<crate::dedup::KeyHash>]) -> Repeats {
         self.dedup.touch(keys.iter().flatten().copied());
+        // Most offers repeat nothing: found without allocating when few keys are carried.
+        if keys.len() <= 32
+            && keys
+                .iter()
+                .enumerate()
+                .all(|(i, key)| key.is_none_or(|k| self.dedup.get_hashed(k).is_none() && !keys[..i].contains(key)))
+        {
+            return Repeats::None;
+        }
         let mut originals = Vec::with_capacity(keys.len());
         let mut repeated = Vec::with_capacity(keys.len());
         // A key carried twice in one offer: among a few, found by a scan; among many, by a set.
@@ -1502,7 +1511,7 @@ impl Inner {
             return Ok(Some(self.released(level, ready)?));
         }
         Ok(match &mut self.store {
-            Store::Memory { levels, .. } => levels[level].front().cloned(),
+            Store::Memory { levels, .. } => levels[level].front().map(Held::to_message),
             Store::Log { lanes, .. } => lanes[level].head()?.map(|r| stored(level, &r)),
         })
     }
@@ -1596,6 +1605,12 @@ impl Inner {
     }
 
     /// Messages waiting (not in flight).
+    /// What the queue's messages take of the server's memory budget (a queue in memory): their
+    /// bytes, and what holding each takes.
+    fn held_bytes(&self) -> u64 {
+        self.bytes + (self.waiting + self.in_flight.len() as u64) * HELD_OVERHEAD + self.delayed * DELAYED_OVERHEAD
+    }
+
     fn items(&self) -> u64 {
         debug_assert_eq!(self.waiting, self.waiting_at.iter().sum::<u64>(), "a queue's count is its levels'");
         debug_assert_eq!(
@@ -1660,7 +1675,7 @@ impl Inner {
         match &mut self.store {
             Store::Memory { levels, .. } => Ok(levels[level].pop_front().map(|mut m| {
                 m.deliveries += 1;
-                (m.clone(), Taken::Memory(Box::new(m)))
+                (m.to_message(), Taken::Memory(Box::new(m)))
             })),
             Store::Log { lanes, .. } => {
                 let lane = &mut lanes[level];
@@ -1737,7 +1752,7 @@ impl Inner {
                 continue;
             }
             let message = match &read.item {
-                Taken::Memory(m) => (**m).clone(),
+                Taken::Memory(m) => m.to_message(),
                 Taken::Log { level, offset } => Message { deliveries, ..self.read_stored(*level, *offset)? },
                 Taken::Released { level, ready } => Message { deliveries, ..self.released(*level, *ready)? },
             };
@@ -1913,7 +1928,7 @@ impl Inner {
         let n = self.delayed;
         match &mut self.store {
             Store::Memory { delayed, .. } => {
-                let bytes = delayed.values().map(Message::size).sum();
+                let bytes = delayed.values().map(Held::size).sum();
                 delayed.clear();
                 counting::subtract(&mut self.bytes, bytes, "a queue's bytes");
             }
@@ -1973,9 +1988,7 @@ impl Inner {
                     m.deliveries -= 1;
                 }
                 // A level is sorted by id: offers append higher ids, and this keeps it so.
-                let ready = &mut levels[level];
-                let at = ready.partition_point(|waiting| waiting.id < m.id);
-                ready.insert(at, *m);
+                levels[level].insert_by_id(*m);
             }
             (Store::Log { lanes, .. }, Taken::Log { offset, .. }) => {
                 let lane = &mut lanes[level];

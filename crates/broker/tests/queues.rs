@@ -471,7 +471,11 @@ fn a_queue_whose_log_cannot_be_made_leaves_nothing_behind_and_errors_name_no_abs
 #[test]
 fn in_memory_queues_share_a_memory_budget_and_give_it_back() {
     let dir = tempfile::tempdir().unwrap();
-    let options = BrokerOptions { max_memory_bytes: 10_000, memory_queue_max_bytes: 6_000, ..BrokerOptions::default() };
+    // A message of 1000 bytes counts them and what holding it takes; a queue's own bound counts
+    // its messages' bytes alone.
+    let each = 1000 + petrel_broker::HELD_OVERHEAD;
+    let options =
+        BrokerOptions { max_memory_bytes: 10 * each, memory_queue_max_bytes: 6_000, ..BrokerOptions::default() };
     let b = Broker::open(dir.path(), options).unwrap();
     for q in ["a", "b"] {
         b.create_queue(q, QueueConfig::default(), None).unwrap();
@@ -485,17 +489,17 @@ fn in_memory_queues_share_a_memory_budget_and_give_it_back() {
     for _ in 0..4 {
         b.offer("b", kib(), 1).unwrap();
     }
-    assert_eq!(b.memory(), (10_000, 10_000));
+    assert_eq!(b.memory(), (10 * each, 10 * each));
     assert!(matches!(b.offer("b", kib(), 1), Err(BrokerError::Limit(_))), "the server's budget");
     b.offer("disk", kib(), 1).unwrap(); // durable queues are not in it
     // Taken tentatively, a message still counts; acknowledged, it is given back.
     let taken = b.poll("a", 2, VIS, 1, 2).unwrap();
-    assert_eq!(b.memory().0, 10_000);
+    assert_eq!(b.memory().0, 10 * each);
     b.ack("a", &taken.iter().map(|d| d.handle).collect::<Vec<_>>(), 1).unwrap();
-    assert_eq!(b.memory().0, 8_000);
+    assert_eq!(b.memory().0, 8 * each);
     b.offer("b", kib(), 1).unwrap();
     b.queue("b").unwrap().flush().unwrap();
-    assert_eq!(b.memory().0, 4_000);
+    assert_eq!(b.memory().0, 4 * each);
     b.remove_queue("a").unwrap();
     assert_eq!(b.memory().0, 0, "a removed queue gives its bytes back");
 }

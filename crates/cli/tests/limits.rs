@@ -173,6 +173,53 @@ fn six_hundred_group_subscribers_all_get_deliveries_without_a_thread_each() {
     });
 }
 
+fn resident_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn a_flood_of_small_messages_holds_about_the_memory_budget_not_many_times_it() {
+    // Each 32-byte message was held as a whole `Message` (~450 bytes) and counted as 32: a 32 MiB
+    // budget let the server grow by ~330 MiB. Now each counts what holding it takes, waiting or
+    // delayed.
+    for delay_ms in [0, 3_600_000] {
+        let dir = tempfile::tempdir().unwrap();
+        let budget: u64 = 32 << 20;
+        let config = config(dir.path(), &format!("max_memory_bytes = {budget}\n"));
+        let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let pid = server.child.id();
+        let (stored, before) = rt.block_on(async {
+            let c = server.client().await;
+            c.create_queue("small", QueueConfig::default()).await.unwrap();
+            // Counted from the first offer on: the connection's buffers are not the messages'.
+            let batch =
+                || (0..500).map(|_| petrel_client::Message { delay_ms, ..petrel_client::Message::new(vec![7u8; 32]) });
+            c.offer("small", batch().collect(), None).await.unwrap();
+            let before = resident_kib(pid);
+            let mut stored = 500u64;
+            loop {
+                match c.offer("small", batch().collect(), None).await {
+                    Ok(_) => stored += 500,
+                    Err(e) => {
+                        assert_eq!(e.status(), Some(Status::LimitReached), "{e}");
+                        break (stored, before);
+                    }
+                }
+                assert!(stored <= budget / 32, "more messages stored than their payloads fit the budget");
+            }
+        });
+        let grown = (resident_kib(pid) - before) * 1024;
+        eprintln!(
+            "{stored} messages of 32 bytes held (delayed {delay_ms} ms): the server grew by {grown} bytes, budget {budget}"
+        );
+        assert!(stored >= budget / 512, "{stored} messages stored: each counted more than 512 bytes");
+        assert!(grown <= budget * 3 / 2, "{stored} messages of 32 bytes grew the server by {grown} bytes");
+    }
+}
+
 #[test]
 fn memory_queues_and_stalled_subscribers_stay_within_their_budgets() {
     let dir = tempfile::tempdir().unwrap();

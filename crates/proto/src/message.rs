@@ -179,10 +179,15 @@ impl Message {
         Message { payload: payload.into(), ..Message::default() }
     }
 
-    /// Bytes counted against a queue's limits (`max_bytes`, `max_item_bytes`): the payload and
-    /// the headers' names and values.
+    /// Bytes counted against a queue's limits (`max_bytes`, `max_item_bytes`) and the server's
+    /// memory budget: the payload, the headers' names and values, and the text fields.
     pub fn size(&self) -> u64 {
-        (self.payload.len() + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
+        let texts = [&self.idempotency_key, &self.request_id, &self.subject, &self.destination, &self.reply_to]
+            .into_iter()
+            .chain([&self.mimetype, &self.charset])
+            .map(|t| t.len())
+            .sum::<usize>();
+        (self.payload.len() + texts + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
     }
 
     /// Whether the message's own expiry (`expires_at`, 0: none) has passed at `now_ns`.
