@@ -278,6 +278,53 @@ fn memory_queues_and_stalled_subscribers_stay_within_their_budgets() {
     });
 }
 
+#[test]
+fn a_subscriber_that_reads_nothing_holds_about_its_bytes_however_small_the_messages() {
+    // Empty messages counted as 0 bytes: a stalled subscriber held a million of them (~350 MB) and
+    // was ended only when its buffer of messages was full.
+    let dir = tempfile::tempdir().unwrap();
+    let max: u64 = 32 << 20;
+    let config = config(dir.path(), &format!("max_subscriber_bytes = {max}\n"));
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let pid = server.child.id();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (published, grown) = rt.block_on(async {
+        let c = server.client().await;
+        c.create_topic("chatter", false).await.unwrap();
+        let mut stalled = TcpStream::connect(&server.addr).unwrap();
+        rustix::net::sockopt::set_socket_recv_buffer_size(&stalled, 4096).unwrap();
+        let mut hello = Vec::new();
+        petrel_proto::Request::Hello { client: "stalled".into(), features: 0 }.encode(1, &mut hello).unwrap();
+        let subscribe = petrel_proto::Request::Subscribe {
+            topic: "chatter".into(),
+            buffer: 1 << 20,
+            group: String::new(),
+            from: petrel_proto::StartFrom::Resume,
+        };
+        subscribe.encode(2, &mut hello).unwrap();
+        stalled.write_all(&hello).unwrap();
+        let empty = || (0..1000).map(|_| petrel_client::Message::new(vec![])).collect::<Vec<_>>();
+        let mut tries = 0;
+        while c.publish("chatter", empty()).await.unwrap() == 0 {
+            tries += 1;
+            assert!(tries < 1000, "the subscription never came");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let before = resident_kib(pid);
+        let mut published = 1000u64;
+        while c.publish("chatter", empty()).await.unwrap() > 0 {
+            published += 1000;
+            assert!(published < 1 << 20, "a full buffer of empty messages and the subscriber still held");
+        }
+        (published, (resident_kib(pid) - before) * 1024)
+    });
+    eprintln!(
+        "{published} empty messages published before the stalled subscriber was ended; the server grew by {grown} bytes"
+    );
+    // Beyond its own bytes: the connection's outbox (4 MiB) and the allocator's slack (~10 MiB here).
+    assert!(grown <= 5 * max / 2, "{grown} bytes for a subscriber allowed {max}");
+}
+
 /// Writes one request frame; returns its bytes for a test that sends them in parts.
 fn request_frame(request: &petrel_proto::Request, id: u64) -> Vec<u8> {
     let mut out = Vec::new();
