@@ -173,35 +173,59 @@ impl Drop for MemoryHold {
 }
 
 /// When the broker's tick next runs, and how to bring it forward: a queue whose work comes due
-/// sooner (a delayed message, a visibility deadline, an expiry) rings it, so that the tick runs
+/// sooner (a delayed message, a visibility deadline, an expiry) lowers it, so that the tick runs
 /// at that time rather than at its next regular beat (`BrokerOptions`' caller keeps the beat).
-/// The ticker is a thread of its own that waits here (`wait`), not a task: a tick every
-/// millisecond then wakes no thread of the caller's runtime.
+/// The ticker is a thread of its own that waits here (`wait_until`), not a task: a tick every
+/// millisecond then wakes no thread of the caller's runtime. Work coming due wakes the ticker
+/// only while it waits, and only when it comes due before the ticker's time: the wake-up is a
+/// system call made under the offering queue's lock, and delayed offers come many to a tick.
 #[derive(Debug)]
 pub struct TickAlarm {
-    /// When the ticker means to tick next, ns (`u64::MAX`: no ticker).
+    /// When the ticker ticks next, ns: lowered by work that comes due sooner; `u64::MAX` while
+    /// it ticks (`start_tick`), so that what comes due meanwhile lowers it.
     at: AtomicU64,
-    /// Rung since the ticker last waited (a ring while it ticks is not lost).
+    /// The ticker is in `wait_until`, reading `at` no more until woken.
+    waiting: std::sync::atomic::AtomicBool,
+    /// Rung since the ticker last waited: it ticks at once (a ring while it ticks is not lost).
     rung: Mutex<bool>,
     bell: Condvar,
 }
 
 impl Default for TickAlarm {
     fn default() -> Self {
-        TickAlarm { at: AtomicU64::new(u64::MAX), rung: Mutex::new(false), bell: Condvar::new() }
+        TickAlarm {
+            at: AtomicU64::new(u64::MAX),
+            waiting: std::sync::atomic::AtomicBool::new(false),
+            rung: Mutex::new(false),
+            bell: Condvar::new(),
+        }
     }
 }
 
 impl TickAlarm {
-    /// The ticker will tick at `at_ns` unless rung sooner.
-    pub fn set(&self, at_ns: u64) {
-        self.at.store(at_ns, Ordering::Relaxed);
+    /// A tick starts: what comes due from here on lowers the time of the next (what came due
+    /// before, the tick finds in its queues).
+    pub fn start_tick(&self) {
+        self.at.store(u64::MAX, Ordering::SeqCst);
     }
 
-    /// Waits for `limit`, or until rung (or rung since the last wait).
-    pub fn wait(&self, limit: Duration) {
-        let rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
-        let (mut rung, _) = self.bell.wait_timeout_while(rung, limit, |rung| !*rung).unwrap_or_else(|e| e.into_inner());
+    /// Waits until `planned_ns`, or until the earlier time that work came due for since the tick
+    /// started (also while waiting), or until rung; `clock` tells the time, ns.
+    pub fn wait_until(&self, planned_ns: u64, clock: impl Fn() -> u64) {
+        self.at.fetch_min(planned_ns, Ordering::SeqCst);
+        let mut rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
+        // Set before `at` is read: work that lowers `at` after this sees it and wakes the wait;
+        // work that lowered it before, this wait reads (both sides are sequentially consistent).
+        self.waiting.store(true, Ordering::SeqCst);
+        while !*rung {
+            let (at, now) = (self.at.load(Ordering::SeqCst), clock());
+            if now >= at {
+                break;
+            }
+            let timeout = Duration::from_nanos(at - now);
+            rung = self.bell.wait_timeout(rung, timeout).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        self.waiting.store(false, Ordering::SeqCst);
         *rung = false;
     }
 
@@ -212,9 +236,14 @@ impl TickAlarm {
     }
 
     fn ring_for(&self, due_ns: u64) {
-        if due_ns < self.at.load(Ordering::Relaxed) {
-            self.at.store(due_ns, Ordering::Relaxed);
-            self.ring();
+        // Most calls change nothing (an offer delayed as the one before it): a read, no write.
+        if due_ns < self.at.load(Ordering::Relaxed)
+            && due_ns < self.at.fetch_min(due_ns, Ordering::SeqCst)
+            && self.waiting.load(Ordering::SeqCst)
+        {
+            // Taken so that the ticker is in its wait (or past it) when notified.
+            let _rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
+            self.bell.notify_one();
         }
     }
 }

@@ -934,8 +934,9 @@ fn texts(ds: &[petrel_broker::Delivery]) -> Vec<String> {
 }
 
 /// The ticker waits on the broker's alarm: a ring is kept until it waits (none is lost while it
-/// ticks), a wait without one lasts its limit, and a delayed offer due before the planned tick
-/// rings it from another thread, while one due after it does not.
+/// ticks), a wait without one lasts until its planned time, work that came due during the tick
+/// shortens the wait to its time (without waking anyone), a delayed offer due before the
+/// planned tick wakes a waiting ticker from another thread, and one due after it does not.
 #[test]
 fn the_tick_alarm_ends_the_tickers_wait_when_work_comes_due_sooner() {
     use std::time::Instant;
@@ -945,18 +946,27 @@ fn the_tick_alarm_ends_the_tickers_wait_when_work_comes_due_sooner() {
     let alarm = b.alarm();
     alarm.ring();
     let t = Instant::now();
-    alarm.wait(Duration::from_secs(30));
+    alarm.wait_until(now_ns() + 30_000 * MS, now_ns);
     assert!(t.elapsed() < Duration::from_secs(10), "a ring before the wait ends it at once");
     let t = Instant::now();
-    alarm.wait(Duration::from_millis(30));
-    assert!(t.elapsed() >= Duration::from_millis(30), "the ring was taken: this wait lasts its limit");
+    alarm.wait_until(now_ns() + 30 * MS, now_ns);
+    assert!(t.elapsed() >= Duration::from_millis(30), "the ring was taken: this wait lasts until its time");
 
-    let now = now_ns();
-    alarm.set(now + 60_000 * MS); // the next tick planned a minute on
-    b.offer("q", delayed(120_000, &["after the tick"]), now).unwrap();
+    // Due after the planned tick: the wait lasts until its time.
+    alarm.start_tick();
+    b.offer("q", delayed(120_000, &["after the tick"]), now_ns()).unwrap();
     let t = Instant::now();
-    alarm.wait(Duration::from_millis(30));
-    assert!(t.elapsed() >= Duration::from_millis(30), "due after the planned tick: no ring");
+    alarm.wait_until(now_ns() + 30 * MS, now_ns);
+    assert!(t.elapsed() >= Duration::from_millis(30), "due after the planned tick: no earlier end");
+    // Due during the tick, before its planned next: the wait ends then.
+    alarm.start_tick();
+    b.offer("q", delayed(100, &["during the tick"]), now_ns()).unwrap();
+    let t = Instant::now();
+    alarm.wait_until(now_ns() + 60_000 * MS, now_ns);
+    assert!(t.elapsed() >= Duration::from_millis(90), "not before it is due: {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(10), "due before the planned tick: the wait ends then");
+    // Due while the ticker waits, before its planned next: it is woken.
+    alarm.start_tick();
     let offerer = {
         let b = std::sync::Arc::clone(&b);
         std::thread::spawn(move || {
@@ -965,8 +975,9 @@ fn the_tick_alarm_ends_the_tickers_wait_when_work_comes_due_sooner() {
         })
     };
     let t = Instant::now();
-    alarm.wait(Duration::from_secs(30));
-    assert!(t.elapsed() < Duration::from_secs(10), "due before the planned tick: rung");
+    alarm.wait_until(now_ns() + 60_000 * MS, now_ns);
+    assert!(t.elapsed() >= Duration::from_millis(100), "not before it is due: {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(10), "due before the planned tick: woken");
     offerer.join().unwrap();
 }
 

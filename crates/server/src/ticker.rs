@@ -39,19 +39,18 @@ impl Ticker {
             std::thread::Builder::new().name("petrel-tick".into()).spawn(move || {
                 let _in_runtime = runtime.enter();
                 while !stopping.load(Ordering::Acquire) {
-                    // From here on, work coming due rings the alarm (a tick at once after this
-                    // one if it rang meanwhile).
-                    alarm.set(u64::MAX);
+                    // From here on, work coming due lowers the alarm's time.
+                    alarm.start_tick();
                     let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| broker.tick(now_ns())))
                         .unwrap_or_else(|_| {
                             tracing::error!("the broker's tick panicked; it ticks on");
                             u64::MAX
                         });
-                    // Next: when a queue's work is due, else at the next beat; at least 1 ms on.
+                    // Next: when a queue's work is due, else at the next beat; at least 1 ms on
+                    // (sooner if work came due for sooner since the tick started).
                     let now = now_ns();
                     let wait = Duration::from_nanos(next.saturating_sub(now)).clamp(Duration::from_millis(1), beat);
-                    alarm.set(now + wait.as_nanos() as u64);
-                    alarm.wait(wait);
+                    alarm.wait_until(now + wait.as_nanos() as u64, now_ns);
                 }
             })?
         };
