@@ -20,13 +20,14 @@ pub const HELD_OVERHEAD: u64 = (std::mem::size_of::<Held>() + 40) as u64;
 /// about half full when filled in order (as delayed messages mostly come).
 pub const DELAYED_OVERHEAD: u64 = (2 * (std::mem::size_of::<Held>() + 16) + 40) as u64;
 
-/// Messages a chunk of a `HeldQueue` holds (once full; a put-back message may pass it).
+/// Messages a chunk of a `HeldQueue` holds once full (a put-back message may pass it: messages
+/// taken and returned go back to their place, at most as many as are taken at once).
 const CHUNK: usize = 1024;
 
-/// A queue's waiting messages in memory, in id order: chunks of `CHUNK`, so that a growing
-/// backlog takes a chunk at a time. (A ring that doubles its room as it grows holds its old and
-/// new rooms at once while it copies, and a memory allocator may keep the old: a backlog took up
-/// to three times its messages.)
+/// A queue's waiting messages in memory, in id order: chunks of `CHUNK`, each grown as it fills,
+/// so that a growing backlog takes a chunk at a time. (A ring that doubles its room as it grows
+/// holds its old and new rooms at once while it copies, and a memory allocator may keep the old:
+/// a backlog took up to three times its messages.)
 #[derive(Debug, Default)]
 pub(crate) struct HeldQueue {
     chunks: VecDeque<VecDeque<Held>>,
@@ -50,7 +51,8 @@ impl HeldQueue {
     pub fn push_back(&mut self, m: Held) {
         debug_assert!(self.chunks.back().and_then(VecDeque::back).is_none_or(|last| last.id < m.id));
         if self.chunks.back().is_none_or(|c| c.len() >= CHUNK) {
-            self.chunks.push_back(VecDeque::with_capacity(CHUNK));
+            // Grown as it fills (a few messages take a few slots, not a whole chunk's).
+            self.chunks.push_back(VecDeque::new());
         }
         self.chunks.back_mut().expect("made above").push_back(m);
         self.len += 1;
@@ -122,9 +124,17 @@ fn texts_mut(m: &mut Message) -> [&mut String; 7] {
     ]
 }
 
+/// The longest of `m`'s text fields and header names: at most `u16::MAX` for a queue to hold it
+/// (as on the wire, where each has a u16 length).
+pub(crate) fn longest_text(m: &Message) -> usize {
+    let names = m.headers.iter().map(|(n, _)| n.len());
+    texts(m).iter().map(|t| t.len()).chain(names).max().unwrap_or(0)
+}
+
 /// `m`'s text fields and headers as one allocation, or `None` when all are empty: each text as a
 /// u16 length and its bytes, then each header as u16 name length, name, u32 value length, value.
-/// (Lengths fit: the wire carries each text with a u16 length, each header value with a u32.)
+/// (Lengths fit: a queue refuses a longer text or header name (`longest_text`), as the wire
+/// carries each with a u16 length, and each header value with a u32.)
 fn encode_rare(m: &Message) -> Option<Box<[u8]>> {
     if texts(m).iter().all(|t| t.is_empty()) && m.headers.is_empty() {
         return None;

@@ -850,6 +850,18 @@ impl Queue {
                 crate::shown(&self.name)
             )));
         }
+        for m in messages.iter_mut() {
+            // The queue's name is set on delivery; not stored with each message, nor counted
+            // in its size (what is added to the queue's bytes is what its removal takes back).
+            m.destination.clear();
+        }
+        if let Some(m) = messages.iter().find(|m| crate::held::longest_text(m) > usize::from(u16::MAX)) {
+            return Err(BrokerError::BadRequest(format!(
+                "a text field or header name of {} bytes: at most {}",
+                crate::held::longest_text(m),
+                u16::MAX
+            )));
+        }
         if let Some(m) = messages.iter().find(|m| m.idempotency_key.len() > config::MAX_IDEMPOTENCY_KEY_BYTES) {
             return Err(BrokerError::BadRequest(format!(
                 "an idempotency key of {} bytes: at most {}",
@@ -998,8 +1010,6 @@ impl Queue {
         };
         for m in messages.iter_mut() {
             m.timestamp = stamp;
-            // The queue's name is set on delivery; not stored with each message.
-            m.destination.clear();
             // The earlier of the message's own expiry and the queue's.
             if ttl_deadline != u64::MAX && (m.expires_at == 0 || m.expires_at > ttl_deadline) {
                 m.expires_at = ttl_deadline;

@@ -504,6 +504,40 @@ fn in_memory_queues_share_a_memory_budget_and_give_it_back() {
     assert_eq!(b.memory().0, 0, "a removed queue gives its bytes back");
 }
 
+/// What an offer adds to a queue's bytes and to the memory budget, taking its messages gives back
+/// exactly, whatever fields they carry (a destination, which the queue does not keep, counted
+/// when offered and not when taken, made the budget fill up with nothing in it); a text too long
+/// for a queue to hold is refused whole.
+#[test]
+fn a_queues_bytes_and_the_memory_budget_come_back_to_zero_whatever_the_messages_carry() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions { max_memory_bytes: 1 << 30, ..BrokerOptions::default() }).unwrap();
+    for durable in [false, true] {
+        let name = if durable { "disk" } else { "memory" };
+        b.create_queue(name, QueueConfig { durable, ..QueueConfig::default() }, None).unwrap();
+        let full = Message {
+            destination: "somewhere else".into(),
+            subject: "s".into(),
+            reply_to: "r".into(),
+            idempotency_key: "k".into(),
+            headers: vec![("h".into(), bytes::Bytes::from_static(b"value"))],
+            ..Message::new(&b"payload"[..])
+        };
+        b.offer(name, vec![full, Message::new(&b"plain"[..])], 1).unwrap();
+        let offered = b.queue(name).unwrap().status().bytes;
+        assert_eq!(offered, (7 + 1 + 1 + 1 + 1 + 5) + 5, "{name}: the destination is not the queue's to count");
+        let taken = b.poll(name, 10, VIS, 1, 2).unwrap();
+        assert_eq!(taken.len(), 2);
+        b.ack(name, &taken.iter().map(|d| d.handle).collect::<Vec<_>>(), 1).unwrap();
+        assert_eq!(b.queue(name).unwrap().status().bytes, 0, "{name}");
+        assert_eq!(b.memory().0, 0, "{name}");
+        let long = Message { subject: "x".repeat(70_000), ..Message::new(&b"x"[..]) };
+        let refused = b.offer(name, vec![Message::new(&b"ok"[..]), long], 1);
+        assert!(matches!(refused, Err(BrokerError::BadRequest(ref e)) if e.contains("65535")), "{refused:?}");
+        assert_eq!(b.queue(name).unwrap().status().items, 0, "{name}: nothing of a refused offer is stored");
+    }
+}
+
 #[test]
 fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_once_on_disk() {
     let dir = tempfile::tempdir().unwrap();

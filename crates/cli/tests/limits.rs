@@ -211,7 +211,7 @@ fn a_flood_of_small_messages_holds_about_the_memory_budget_not_many_times_it() {
                 assert!(stored <= budget / 32, "more messages stored than their payloads fit the budget");
             }
         });
-        let grown = (resident_kib(pid) - before) * 1024;
+        let grown = resident_kib(pid).saturating_sub(before) * 1024;
         eprintln!(
             "{stored} messages of 32 bytes held (delayed {delay_ms} ms): the server grew by {grown} bytes, budget {budget}"
         );
@@ -316,7 +316,7 @@ fn a_subscriber_that_reads_nothing_holds_about_its_bytes_however_small_the_messa
             published += 1000;
             assert!(published < 1 << 20, "a full buffer of empty messages and the subscriber still held");
         }
-        (published, (resident_kib(pid) - before) * 1024)
+        (published, resident_kib(pid).saturating_sub(before) * 1024)
     });
     eprintln!(
         "{published} empty messages published before the stalled subscriber was ended; the server grew by {grown} bytes"
