@@ -250,18 +250,7 @@ fn memory_queues_and_stalled_subscribers_stay_within_their_budgets() {
         // once what waits for it passes the socket's buffers, the connection's few queued frames
         // and 128 KiB: the publisher's count of subscribers drops to zero.
         c.create_topic("news", false).await.unwrap();
-        let mut stalled = TcpStream::connect(&server.addr).unwrap();
-        rustix::net::sockopt::set_socket_recv_buffer_size(&stalled, 4096).unwrap();
-        let mut hello = Vec::new();
-        petrel_proto::Request::Hello { client: "stalled".into(), features: 0 }.encode(1, &mut hello).unwrap();
-        let subscribe = petrel_proto::Request::Subscribe {
-            topic: "news".into(),
-            buffer: 100_000,
-            group: String::new(),
-            from: petrel_proto::StartFrom::Resume,
-        };
-        subscribe.encode(2, &mut hello).unwrap();
-        stalled.write_all(&hello).unwrap();
+        let _stalled = subscribe_and_read_nothing(&server, "news", 100_000);
         // Subscribed once a publish reaches it.
         let mut published = 0;
         while c.publish("news", vec![petrel_client::Message::new(vec![])]).await.unwrap() == 0 {
@@ -291,18 +280,7 @@ fn a_subscriber_that_reads_nothing_holds_about_its_bytes_however_small_the_messa
     let (published, grown) = rt.block_on(async {
         let c = server.client().await;
         c.create_topic("chatter", false).await.unwrap();
-        let mut stalled = TcpStream::connect(&server.addr).unwrap();
-        rustix::net::sockopt::set_socket_recv_buffer_size(&stalled, 4096).unwrap();
-        let mut hello = Vec::new();
-        petrel_proto::Request::Hello { client: "stalled".into(), features: 0 }.encode(1, &mut hello).unwrap();
-        let subscribe = petrel_proto::Request::Subscribe {
-            topic: "chatter".into(),
-            buffer: 1 << 20,
-            group: String::new(),
-            from: petrel_proto::StartFrom::Resume,
-        };
-        subscribe.encode(2, &mut hello).unwrap();
-        stalled.write_all(&hello).unwrap();
+        let _stalled = subscribe_and_read_nothing(&server, "chatter", 1 << 20);
         let empty = || (0..1000).map(|_| petrel_client::Message::new(vec![])).collect::<Vec<_>>();
         let mut tries = 0;
         while c.publish("chatter", empty()).await.unwrap() == 0 {
@@ -323,6 +301,24 @@ fn a_subscriber_that_reads_nothing_holds_about_its_bytes_however_small_the_messa
     );
     // Beyond its own bytes: the connection's outbox (4 MiB) and the allocator's slack (~10 MiB here).
     assert!(grown <= 5 * max / 2, "{grown} bytes for a subscriber allowed {max}");
+}
+
+/// A subscriber to `topic` that reads nothing: a raw socket with a small receive buffer, its
+/// HELLO and SUBSCRIBE (`buffer` messages) sent.
+fn subscribe_and_read_nothing(server: &Server, topic: &str, buffer: u32) -> TcpStream {
+    let mut stalled = TcpStream::connect(&server.addr).unwrap();
+    rustix::net::sockopt::set_socket_recv_buffer_size(&stalled, 4096).unwrap();
+    let mut hello = Vec::new();
+    petrel_proto::Request::Hello { client: "stalled".into(), features: 0 }.encode(1, &mut hello).unwrap();
+    let subscribe = petrel_proto::Request::Subscribe {
+        topic: topic.into(),
+        buffer,
+        group: String::new(),
+        from: petrel_proto::StartFrom::Resume,
+    };
+    subscribe.encode(2, &mut hello).unwrap();
+    stalled.write_all(&hello).unwrap();
+    stalled
 }
 
 /// Writes one request frame; returns its bytes for a test that sends them in parts.
