@@ -411,6 +411,11 @@ impl Config {
                 return Err(format!("{name} must be at least 1"));
             }
         }
+        if (1..4096).contains(&self.max_subscriber_bytes) {
+            // Each waiting message counts its bytes and a few hundred more for holding it: less
+            // would end a subscriber at its first message.
+            return Err("max_subscriber_bytes must be 0 (none) or at least 4096".into());
+        }
         if self.tick_ms > 10_000 {
             return Err("tick_ms must be at most 10000 (expiry and timeouts fire no finer than it)".into());
         }
@@ -458,6 +463,7 @@ mod tests {
         assert!(error("tick_ms = 10001").contains("tick_ms must be at most 10000"));
         assert!(error("max_poll_messages = 0").contains("max_poll_messages"));
         assert!(error("max_push_bytes = 0").contains("max_push_bytes"));
+        assert!(error("max_subscriber_bytes = 100").contains("max_subscriber_bytes must be 0 (none) or at least 4096"));
         let over = "default_subscriber_buffer_messages = 10\nmax_subscriber_buffer_messages = 5";
         assert!(error(over).contains("must not exceed max_subscriber_buffer_messages"));
         assert!(error("default_call_timeout_ms = 4294967296").contains("u32 ms"));
