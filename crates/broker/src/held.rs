@@ -107,42 +107,28 @@ pub(crate) struct Held {
 const DURABLE: u8 = 1;
 const COMPRESSED: u8 = 2;
 
-/// The text fields a held message may carry, in the order `encode_rare` writes them.
-fn texts(m: &Message) -> [&String; 7] {
-    [&m.idempotency_key, &m.request_id, &m.subject, &m.destination, &m.reply_to, &m.mimetype, &m.charset]
-}
-
-fn texts_mut(m: &mut Message) -> [&mut String; 7] {
-    [
-        &mut m.idempotency_key,
-        &mut m.request_id,
-        &mut m.subject,
-        &mut m.destination,
-        &mut m.reply_to,
-        &mut m.mimetype,
-        &mut m.charset,
-    ]
-}
-
 /// The longest of `m`'s text fields and header names: at most `u16::MAX` for a queue to hold it
 /// (as on the wire, where each has a u16 length).
 pub(crate) fn longest_text(m: &Message) -> usize {
     let names = m.headers.iter().map(|(n, _)| n.len());
-    texts(m).iter().map(|t| t.len()).chain(names).max().unwrap_or(0)
+    m.texts().iter().map(|t| t.len()).chain(names).max().unwrap_or(0)
 }
 
-/// `m`'s text fields and headers as one allocation, or `None` when all are empty: each text as a
-/// u16 length and its bytes, then each header as u16 name length, name, u32 value length, value.
+/// `m`'s text fields and headers as one allocation, or `None` when all are empty: the number of
+/// headers (u32), each text as a u16 length and its bytes, then each header as u16 name length,
+/// name, u32 value length, value. (The count first, so that `Held::size` needs no walk.)
 /// (Lengths fit: a queue refuses a longer text or header name (`longest_text`), as the wire
 /// carries each with a u16 length, and each header value with a u32.)
 fn encode_rare(m: &Message) -> Option<Box<[u8]>> {
-    if texts(m).iter().all(|t| t.is_empty()) && m.headers.is_empty() {
+    if m.texts().iter().all(|t| t.is_empty()) && m.headers.is_empty() {
         return None;
     }
-    let len = texts(m).iter().map(|t| 2 + t.len()).sum::<usize>()
+    let len = 4
+        + m.texts().iter().map(|t| 2 + t.len()).sum::<usize>()
         + m.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum::<usize>();
     let mut out = Vec::with_capacity(len);
-    for text in texts(m) {
+    out.extend_from_slice(&u32::try_from(m.headers.len()).expect("a header count fits a u32").to_le_bytes());
+    for text in m.texts() {
         out.extend_from_slice(&u16::try_from(text.len()).expect("a text field fits a u16 length").to_le_bytes());
         out.extend_from_slice(text.as_bytes());
     }
@@ -167,10 +153,11 @@ fn decode_rare(mut rare: &[u8], m: &mut Message) {
         let len = u16::from_le_bytes(take(rare, 2).try_into().expect("2 bytes"));
         String::from_utf8(take(rare, usize::from(len)).to_vec()).expect("encoded from a String")
     }
-    for field in texts_mut(m) {
+    let headers = u32::from_le_bytes(take(&mut rare, 4).try_into().expect("4 bytes"));
+    for field in m.texts_mut() {
         *field = text(&mut rare);
     }
-    while !rare.is_empty() {
+    for _ in 0..headers {
         let name = text(&mut rare);
         let len = u32::from_le_bytes(take(&mut rare, 4).try_into().expect("4 bytes")) as usize;
         m.headers.push((name, Bytes::copy_from_slice(take(&mut rare, len))));
@@ -216,23 +203,14 @@ impl Held {
         m
     }
 
-    /// Its bytes as `Message::size` counts them: the payload and the rest it carries.
+    /// Its bytes as `Message::size` counts them: the payload and the rest it carries (the
+    /// encoding's bytes but for its lengths: the header count, 2 for each text, 6 for each header).
     pub fn size(&self) -> u64 {
-        let Some(mut rare) = self.rare.as_deref() else { return self.payload.len() as u64 };
-        // The encoding's bytes, but for its lengths: 2 for each text, 6 for each header.
-        let mut lengths = 0;
-        for _ in 0..7 {
-            let len = u16::from_le_bytes([rare[0], rare[1]]);
-            rare = &rare[2 + usize::from(len)..];
-            lengths += 2;
-        }
-        while !rare.is_empty() {
-            let name = usize::from(u16::from_le_bytes([rare[0], rare[1]]));
-            let value = u32::from_le_bytes(rare[2 + name..6 + name].try_into().expect("4 bytes")) as usize;
-            rare = &rare[6 + name + value..];
-            lengths += 6;
-        }
-        (self.payload.len() + self.rare.as_ref().map_or(0, |r| r.len()) - lengths) as u64
+        let rare = self.rare.as_deref().map_or(0, |r| {
+            let headers = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) as usize;
+            r.len() - 4 - 2 * 7 - 6 * headers
+        });
+        (self.payload.len() + rare) as u64
     }
 }
 
@@ -267,7 +245,7 @@ mod tests {
         }
         assert!(Held::new(Message::new(&b"x"[..])).rare.is_none(), "a plain message holds no box");
         let keyed = Held::new(Message { idempotency_key: "order-17".into(), ..Message::new(&b"x"[..]) });
-        assert_eq!(keyed.rare.as_ref().map(|r| r.len()), Some(7 * 2 + 8));
+        assert_eq!(keyed.rare.as_ref().map(|r| r.len()), Some(4 + 7 * 2 + 8));
         assert!(std::mem::size_of::<Held>() <= 88, "{} bytes", std::mem::size_of::<Held>());
     }
 

@@ -1036,11 +1036,9 @@ impl Queue {
                     m.id = first + i as u64;
                     m.deliveries = 0; // counted by this queue from now on
                     // A protocol's message may be a slice of a whole read buffer: a copy of its
-                    // own keeps a small waiting message from holding the buffer in memory.
+                    // own keeps a small waiting message from holding the buffer in memory (its
+                    // headers' values are copied into its `Held` with its other fields).
                     m.payload = bytes::Bytes::copy_from_slice(&m.payload);
-                    for (_, value) in &mut m.headers {
-                        *value = bytes::Bytes::copy_from_slice(value);
-                    }
                     match delayed {
                         true => drop(later.insert((m.deliver_at, m.id), Held::new(m))),
                         false => levels[level].push_back(Held::new(m)),
@@ -1643,13 +1641,13 @@ impl Inner {
         Ok(Some(oldest.1))
     }
 
-    /// Messages waiting (not in flight).
     /// What the queue's messages take of the server's memory budget (a queue in memory): their
     /// bytes, and what holding each takes.
     fn held_bytes(&self) -> u64 {
         self.bytes + (self.waiting + self.in_flight.len() as u64) * HELD_OVERHEAD + self.delayed * DELAYED_OVERHEAD
     }
 
+    /// Messages waiting (not in flight).
     fn items(&self) -> u64 {
         debug_assert_eq!(self.waiting, self.waiting_at.iter().sum::<u64>(), "a queue's count is its levels'");
         debug_assert_eq!(

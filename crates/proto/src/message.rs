@@ -179,14 +179,36 @@ impl Message {
         Message { payload: payload.into(), ..Message::default() }
     }
 
+    /// The text fields, always in this order.
+    pub fn texts(&self) -> [&String; 7] {
+        [
+            &self.idempotency_key,
+            &self.request_id,
+            &self.subject,
+            &self.destination,
+            &self.reply_to,
+            &self.mimetype,
+            &self.charset,
+        ]
+    }
+
+    /// The text fields, in `texts`' order.
+    pub fn texts_mut(&mut self) -> [&mut String; 7] {
+        [
+            &mut self.idempotency_key,
+            &mut self.request_id,
+            &mut self.subject,
+            &mut self.destination,
+            &mut self.reply_to,
+            &mut self.mimetype,
+            &mut self.charset,
+        ]
+    }
+
     /// Bytes counted against a queue's limits (`max_bytes`, `max_item_bytes`) and the server's
     /// memory budget: the payload, the headers' names and values, and the text fields.
     pub fn size(&self) -> u64 {
-        let texts = [&self.idempotency_key, &self.request_id, &self.subject, &self.destination, &self.reply_to]
-            .into_iter()
-            .chain([&self.mimetype, &self.charset])
-            .map(|t| t.len())
-            .sum::<usize>();
+        let texts = self.texts().iter().map(|t| t.len()).sum::<usize>();
         (self.payload.len() + texts + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
     }
 
