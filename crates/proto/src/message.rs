@@ -235,16 +235,7 @@ impl Message {
 
     /// Whether every field fits its length prefix.
     pub(crate) fn check(&self) -> Result<(), crate::EncodeError> {
-        let strings = [
-            &self.idempotency_key,
-            &self.request_id,
-            &self.subject,
-            &self.destination,
-            &self.reply_to,
-            &self.mimetype,
-            &self.charset,
-        ];
-        if strings.iter().any(|s| s.len() > u16::MAX as usize)
+        if self.texts().iter().any(|s| s.len() > u16::MAX as usize)
             || self.headers.len() > u16::MAX as usize
             || self.headers.iter().any(|(n, v)| n.len() > u16::MAX as usize || v.len() > u32::MAX as usize)
             || self.payload.len() > u32::MAX as usize
