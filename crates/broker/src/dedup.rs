@@ -213,6 +213,15 @@ impl DedupWindow {
         self.order.push_back(Remembered { key: words(key), id, at_ns, displaced, level: level as u8 });
     }
 
+    /// Forgets the oldest keys until `new` more fit in `max_keys`: called before an offer's new
+    /// keys are remembered, so that the window holds at most `max_keys` after it too (not only
+    /// once the next offer or tick evicts).
+    pub fn make_room(&mut self, max_keys: usize, new: usize) {
+        while !self.order.is_empty() && self.order.len() + new > max_keys {
+            self.forget_oldest();
+        }
+    }
+
     /// Makes a new index of `buckets` buckets for the keys in the ring.
     fn rebuild(&mut self, buckets: usize) {
         assert!(buckets.is_power_of_two() && self.order.len() * 2 <= buckets * SLOTS, "an index at most half full");
@@ -412,6 +421,13 @@ mod tests {
                 match op {
                     0 | 1 => {
                         if !model.iter().any(|(k, _)| *k == key) {
+                            if op == 1 {
+                                // Room first, as an offer makes it: at most `max_keys` after.
+                                w.make_room(max_keys, 1);
+                                while !model.is_empty() && model.len() + 1 > max_keys {
+                                    model.pop_front();
+                                }
+                            }
                             w.remember(w.hash(&key), next_id, 0, next_id);
                             model.push_back((key.clone(), next_id));
                             next_id += 1;

@@ -948,9 +948,9 @@ impl Queue {
                 .collect(),
             false => Vec::new(),
         };
+        let (max_keys, window_ns) = config::dedup_window_of(&config);
         let mut inner = self.lock();
         if keyed {
-            let (max_keys, window_ns) = config::dedup_window_of(&config);
             inner.dedup.evict(max_keys, window_ns, now_ns);
             match inner.repeats(&hashes) {
                 Repeats::None => {}
@@ -1072,6 +1072,9 @@ impl Queue {
         // A durable queue's delayed messages keep their keys in the delayed log (the slot after
         // the levels').
         let slot = if delayed && self.on_disk() { delayed_slot } else { level };
+        if keyed {
+            inner.dedup.make_room(max_keys, hashes.iter().flatten().count());
+        }
         for (i, key) in hashes.iter().enumerate() {
             if let Some(key) = *key {
                 inner.dedup.remember(key, first + i as u64, slot, stamp);

@@ -835,8 +835,9 @@ fn a_repeated_idempotency_key_is_stored_once_and_answered_with_the_original_id_a
         let q = b.queue("orders").unwrap();
         assert_eq!(q.counters().dedup_keys, 3, "durable {durable}: a, b, c rebuilt from the log");
         assert_eq!(b.offer("orders", keyed(&[("c", "C")]), t0 + 6 * MS).unwrap(), (4, 1), "durable {durable}");
-        // The window holds three keys: a fourth forgets the oldest (a).
+        // The window holds three keys: a fourth forgets the oldest (a), at once.
         b.offer("orders", keyed(&[("d", "D")]), t0 + 7 * MS).unwrap();
+        assert_eq!(q.counters().dedup_keys, 3, "durable {durable}: never more than the window");
         let again = b.offer("orders", keyed(&[("a", "A")]), t0 + 8 * MS).unwrap();
         assert_eq!(again, (6, 1), "durable {durable}: a is new again");
         // And after the window's time (1 s) every key is forgotten, by the tick.
