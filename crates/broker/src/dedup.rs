@@ -215,7 +215,7 @@ impl DedupWindow {
 
     /// Forgets the oldest keys until `new` more fit in `max_keys`: called before an offer's new
     /// keys are remembered, so that the window holds at most `max_keys` after it too (not only
-    /// once the next offer or tick evicts).
+    /// once the next offer or tick evicts), unless the offer alone carries more.
     pub fn make_room(&mut self, max_keys: usize, new: usize) {
         while !self.order.is_empty() && self.order.len() + new > max_keys {
             self.forget_oldest();
