@@ -855,10 +855,10 @@ impl Queue {
             // in its size (what is added to the queue's bytes is what its removal takes back).
             m.destination.clear();
         }
-        if let Some(m) = messages.iter().find(|m| crate::held::longest_text(m) > usize::from(u16::MAX)) {
+        let longest_text = messages.iter().map(crate::held::longest_text).max().unwrap_or(0);
+        if longest_text > usize::from(u16::MAX) {
             return Err(BrokerError::BadRequest(format!(
-                "a text field or header name of {} bytes: at most {}",
-                crate::held::longest_text(m),
+                "a text field or header name of {longest_text} bytes: at most {}",
                 u16::MAX
             )));
         }

@@ -179,8 +179,11 @@ impl Message {
         Message { payload: payload.into(), ..Message::default() }
     }
 
+    /// How many text fields a message has (`texts`).
+    pub const TEXT_FIELDS: usize = 7;
+
     /// The text fields, always in this order.
-    pub fn texts(&self) -> [&String; 7] {
+    pub fn texts(&self) -> [&String; Self::TEXT_FIELDS] {
         [
             &self.idempotency_key,
             &self.request_id,
@@ -193,7 +196,7 @@ impl Message {
     }
 
     /// The text fields, in `texts`' order.
-    pub fn texts_mut(&mut self) -> [&mut String; 7] {
+    pub fn texts_mut(&mut self) -> [&mut String; Self::TEXT_FIELDS] {
         [
             &mut self.idempotency_key,
             &mut self.request_id,
