@@ -6,9 +6,10 @@
 #
 #   bench/run-all.sh [OUT]        (default OUT: bench-results.md)   SCALE=0.1 for a quick look
 #
-# Peers: bigqueue (Go, built here), Redis lists with an append-only file, Redis without a disk
-# for the calls' loopback trips, memcached with memcslap (Debian packages, installed if
-# missing). Durability of each figure is in its row.
+# Peers: bigqueue (Go, built here), Redis lists with an append-only file, a bare loopback echo
+# (C, built here: the host's bound for a call), Redis without a disk for pipelined calls,
+# memcached with memcslap (Debian packages, installed if missing). Durability of each figure is
+# in its row.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="$(realpath -m "${1:-bench-results.md}")"
@@ -23,12 +24,14 @@ trap cleanup EXIT
 command -v redis-benchmark >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server redis-tools; }
 command -v memcslap >/dev/null && command -v memcached >/dev/null ||
   { apt-get update -qq && apt-get install -y -qq memcached libmemcached-tools; }
-echo "building petrel (release) and bigqueue…" >&2
+echo "building petrel (release), bigqueue and the loopback echo…" >&2
 (cd "$root" && cargo build --release --locked -q -p petrel)
 petrel="$root/target/release/petrel"
 mkdir -p "$root/bench/peers/bin"
 (cd "$root/bench/peers" && go build -o bin/bigqueue ./bigqueue)
 bigqueue="$root/bench/peers/bin/bigqueue"
+cc -O2 -o "$root/bench/peers/bin/echo" "$root/bench/peers/echo/echo.c"
+loopback_echo="$root/bench/peers/bin/echo"
 results="$work/results"
 : > "$results"
 # record ROW SYSTEM VALUE
@@ -108,23 +111,19 @@ for round in $(seq "$rounds"); do
   kill "$redis_pid"; wait "$redis_pid" 2>/dev/null || true
   rm -rf "$work"/appendonly*
 
-  # The calls' peer: what Redis (no disk, as calls have none) takes for the same loopback trips.
-  # A call is two round trips (caller → server → replier and back) and its payload crosses
-  # loopback four times: so two LPUSHes of 5 KiB per call, and for large payloads two SETs and
-  # two GETs of the value.
+  # The calls' peers. One at a time, the host's own bound (bench/peers/echo: two processes
+  # echoing the payload over loopback with blocking sockets, nothing else): a call is two such
+  # round trips (caller -> server -> replier and back), so it cannot beat half the echo's rate.
+  # 64 in flight: Redis without a disk (calls have none), two LPUSHes of 5 KiB per call.
+  record call_5k_one echo "$("$loopback_echo" 5120 "$(n 20000)" | field call_bound_per_sec)"
+  record call_500k echo "$("$loopback_echo" 512000 "$(n 2000)" | field call_bound_mb_per_sec)"
+  record call_5m echo "$("$loopback_echo" 5242880 "$(n 200)" | field call_bound_mb_per_sec)"
   redis-server --port 6392 --bind 127.0.0.1 --dir "$work" --appendonly no --save '' > /dev/null 2>&1 &
   pids+=($!)
   redis_pid=$!
   sleep 0.5
-  redis_rate() { redis-benchmark -h 127.0.0.1 -p 6392 --csv "$@" | awk -F'","' '/^"(LPUSH|SET|GET)/{print $2}'; }
-  record call_5k_one redis "$(redis_rate -n "$(n 20000)" -c 1 -P 1 -d 5120 -t lpush | awk '{print $1 / 2}')"
-  record call_5k_64 redis "$(redis_rate -n "$(n 200000)" -c 1 -P 64 -d 5120 -t lpush | awk '{print $1 / 2}')"
-  for sized in "call_500k 512000 2000" "call_5m 5242880 200"; do
-    read -r row bytes count <<< "$sized"
-    # MB/s of payload if each call took two SETs and two GETs of it.
-    record "$row" redis "$(redis_rate -n "$(n "$count")" -c 1 -P 1 -d "$bytes" -t set,get |
-      awk -v b="$bytes" '{t += 2 / $1} END {print b / t / 1e6}')"
-  done
+  record call_5k_64 redis "$(redis-benchmark -h 127.0.0.1 -p 6392 -n "$(n 200000)" -c 1 -P 64 -d 5120 -t lpush --csv |
+    awk -F'","' '/^"LPUSH/{print $2 / 2}')"
   kill "$redis_pid"; wait "$redis_pid" 2>/dev/null || true
 
   memcached -l 127.0.0.1 -p 11311 -U 0 -m 1024 -c 4096 -u "$(id -un)" > /dev/null 2>&1 &
@@ -167,10 +166,10 @@ rows = [
     ("durable_server_64", "server durable offers, 64 connections, always", "/s", ("durable_one", "petrel"), "1 producer (embedded)", [("ratio", 30), ("min", 1e5)]),
     ("server_one", "server offers, 1 per request, 64 in flight, 1 connection, durable queue (none)", "/s", "redis", "Redis LPUSH -c 1 -P 64, AOF", [("ratio", 2.5), ("min", 1e6)]),
     ("server_100", "server offers, 100 per request, 1 connection", "/s", None, "", [("min", 3e6)]),
-    ("call_5k_one", "call, 5 KiB, one at a time, 1 connection", "/s", "redis", "Redis, two LPUSH 5 KiB round trips (-c 1 -P 1)", [("min", 30e3)]),
+    ("call_5k_one", "call, 5 KiB, one at a time, 1 connection", "/s", "echo", "two bare loopback round trips (bench/peers/echo)", [("min", 30e3)]),
     ("call_5k_64", "call, 5 KiB, 64 in flight, 1 connection", "/s", "redis", "Redis, two LPUSH 5 KiB per call (-c 1 -P 64)", [("min", 300e3)]),
-    ("call_500k", "call, 500 KiB, one at a time", "MB/s", "redis", "Redis, two SET + two GET of the value", [("min", 3e3)]),
-    ("call_5m", "call, 5 MiB, one at a time", "MB/s", "redis", "Redis, two SET + two GET of the value", [("min", 3e3)]),
+    ("call_500k", "call, 500 KiB, one at a time", "MB/s", "echo", "two bare loopback round trips (bench/peers/echo)", [("min", 3e3)]),
+    ("call_5m", "call, 5 MiB, one at a time", "MB/s", "echo", "two bare loopback round trips (bench/peers/echo)", [("min", 3e3)]),
     ("memcslap_set", "memcache port, memcslap set (500 keys × 40 threads)", "/s", "memcached", "memcached", [("ratio", 0.8)]),
     ("memcslap_get", "memcache port, memcslap get", "/s", "memcached", "memcached", [("ratio", 1.0)]),
 ]
