@@ -110,6 +110,7 @@ where
     let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
     let idle_timeout = ctx.limits.idle_timeout();
     'read: loop {
+        let mut gave_back = false;
         // Whole frames already buffered first.
         loop {
             if connection.answers_are_many() && pushes.flush(&mut connection).await.is_err() {
@@ -120,6 +121,7 @@ where
                 Ok(None) => break,
                 Err(Closed) => break 'read,
             };
+            gave_back |= matches!(request, Request::Return { .. });
             let answer = match request {
                 Request::Auth { user, password } => Answer::Now(session.auth(&ctx, &registered, user, password).await),
                 request => {
@@ -148,6 +150,11 @@ where
                     }
                 }
             }
+        }
+        // A reply just handed to a waiting caller goes out first: its connection's writer, just
+        // woken, runs before this one acknowledges the return, which the call does not wait for.
+        if gave_back {
+            tokio::task::yield_now().await;
         }
         if pushes.flush(&mut connection).await.is_err() {
             break;
