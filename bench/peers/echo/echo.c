@@ -25,7 +25,11 @@ static void die(const char *what) {
 static void read_all(int fd, char *buf, size_t len) {
     while (len > 0) {
         ssize_t n = read(fd, buf, len);
-        if (n <= 0) die("read");
+        if (n == 0) {
+            fprintf(stderr, "read: the other end closed the connection\n");
+            exit(1);
+        }
+        if (n < 0) die("read");
         buf += n;
         len -= (size_t)n;
     }
