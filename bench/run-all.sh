@@ -6,7 +6,7 @@
 #
 #   bench/run-all.sh [OUT]        (default OUT: bench-results.md)   SCALE=0.1 for a quick look
 #
-# Peers: bigqueue (Go, built here), Redis lists with an append-only file, a bare loopback echo
+# Peers: bigqueue (Go, built here), Chronicle Queue (Java, built here with Maven), Redis lists with an append-only file, a bare loopback echo
 # (C, built here: the host's bound for a call), Redis without a disk for pipelined calls,
 # memcached with memcslap (Debian packages, installed if missing). Durability of each figure is
 # in its row.
@@ -24,13 +24,15 @@ trap cleanup EXIT
 command -v redis-benchmark >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server redis-tools; }
 command -v memcslap >/dev/null && command -v memcached >/dev/null ||
   { apt-get update -qq && apt-get install -y -qq memcached libmemcached-tools; }
-echo "building petrel (release), bigqueue and the loopback echo…" >&2
+echo "building petrel (release), bigqueue, Chronicle Queue's peer and the loopback echo…" >&2
 (cd "$root" && cargo build --release --locked -q -p petrel)
 petrel="$root/target/release/petrel"
 mkdir -p "$root/bench/peers/bin"
 (cd "$root/bench/peers" && go build -o bin/bigqueue ./bigqueue)
 bigqueue="$root/bench/peers/bin/bigqueue"
 cc -O2 -o "$root/bench/peers/bin/echo" "$root/bench/peers/echo/echo.c"
+chronicle="$root/bench/peers/chronicle/run.sh"
+rm -rf "$work/cq" && "$chronicle" append "$work/cq" 1 32 > /dev/null && rm -rf "$work/cq" # builds it
 loopback_echo="$root/bench/peers/bin/echo"
 results="$work/results"
 : > "$results"
@@ -60,11 +62,13 @@ memcslap_rate() {
 embedded=$(n 10000000)
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
-  # 1, 6. The embedded log beside bigqueue: 32 B appends, reads, a group's poll + ack, lookups.
+  # 1, 6. The embedded log beside bigqueue and Chronicle Queue: 32 B appends; reads and a
+  # group's poll + ack in a second process (Chronicle's tailers in a second JVM); lookups.
   rm -rf "$work/log" && mkdir -p "$work/log"
-  "$petrel" bench log --data "$work/log" --payload-bytes 32 --count "$embedded" --json > "$work/log.json"
+  "$petrel" bench log --data "$work/log" --payload-bytes 32 --count "$embedded" --consumer-process --json \
+    > "$work/log.json"
   for f in append_msgs_per_sec read_msgs_per_sec poll_ack_msgs_per_sec get_by_offset_per_sec \
-    get_many_by_offset_per_sec bytes_on_disk peak_rss_bytes; do
+    get_many_by_offset_per_sec bytes_on_disk peak_rss_bytes consumer_peak_rss_bytes; do
     record "log_$f" petrel "$(field "$f" < "$work/log.json")"
   done
   rm -rf "$work/log" && mkdir -p "$work/log"
@@ -73,6 +77,16 @@ for round in $(seq "$rounds"); do
     record "log_$f" bigqueue "$(field "$f" < "$work/bq.json")"
   done
   rm -rf "$work/log"
+  "$chronicle" append "$work/cq" "$embedded" 32 > "$work/cq-append.json"
+  "$chronicle" tail "$work/cq" "$embedded" 32 > "$work/cq-tail.json"
+  for f in append_msgs_per_sec bytes_on_disk peak_rss_bytes; do
+    record "log_$f" chronicle "$(field "$f" < "$work/cq-append.json")"
+  done
+  for f in read_msgs_per_sec poll_ack_msgs_per_sec; do
+    record "log_$f" chronicle "$(field "$f" < "$work/cq-tail.json")"
+  done
+  record log_consumer_peak_rss_bytes chronicle "$(field peak_rss_bytes < "$work/cq-tail.json")"
+  rm -rf "$work/cq"
 
   # 2. Durable appends after fdatasync: one producer, 64 producers (embedded), 64 connections.
   mkdir -p "$work/log"
@@ -155,10 +169,15 @@ def fmt(v, unit):
 # (row, what, unit, peer system or None, what the peer is, targets: list of (kind, value))
 rows = [
     ("log_append_msgs_per_sec", f"embedded append, 32 B × {embedded:,}, durability none", "/s", "bigqueue", "bigqueue v0.6.0", [("ratio", 2.5), ("min", 25e6)]),
-    ("log_read_msgs_per_sec", "embedded read, same log (every CRC checked)", "/s", "bigqueue", "bigqueue v0.6.0", []),
-    ("log_poll_ack_msgs_per_sec", "embedded group read, poll + ack of each", "/s", "bigqueue", "bigqueue consumer (no acks)", []),
+    ("log_append_msgs_per_sec", f"embedded append, 32 B × {embedded:,}, durability none", "/s", "chronicle", "Chronicle Queue 5.27ea11", []),
+    ("log_read_msgs_per_sec", "embedded read, same log, a second process (every CRC checked)", "/s", "bigqueue", "bigqueue v0.6.0 (same process)", []),
+    ("log_read_msgs_per_sec", "embedded read, same log, a second process (every CRC checked)", "/s", "chronicle", "Chronicle tailer, a second JVM", []),
+    ("log_poll_ack_msgs_per_sec", "embedded group read, poll + ack of each, a second process", "/s", "bigqueue", "bigqueue consumer (no acks, same process)", []),
+    ("log_poll_ack_msgs_per_sec", "embedded group read, poll + ack of each, a second process", "/s", "chronicle", "Chronicle named tailer, a second JVM", [("ratio", 1.0)]),
     ("log_bytes_on_disk", "embedded bytes on disk, same log", "B", "bigqueue", "bigqueue v0.6.0", [("max_ratio", 1.0)]),
-    ("log_peak_rss_bytes", "embedded peak RSS, same run", "B", None, "", []),
+    ("log_bytes_on_disk", "embedded bytes on disk, same log", "B", "chronicle", "Chronicle Queue 5.27ea11", []),
+    ("log_peak_rss_bytes", "embedded peak RSS, the appending process", "B", "chronicle", "Chronicle Queue 5.27ea11", []),
+    ("log_consumer_peak_rss_bytes", "embedded peak RSS, the reading process", "B", "chronicle", "Chronicle Queue 5.27ea11", []),
     ("log_get_many_by_offset_per_sec", "random get by offset, 64 per call", "/s", None, "", [("min", 5e6)]),
     ("log_get_by_offset_per_sec", "random get by offset, one per call", "/s", None, "", []),
     ("durable_one", "embedded durable append, 1 producer, always", "/s", None, "", []),

@@ -47,6 +47,14 @@ pub struct LogBench {
     /// Random lookups per lookup phase (get by offset, key and time).
     #[arg(long, default_value_t = 1_000_000)]
     lookups: u64,
+    /// Read the log back and poll + ack it in a second process, as a consumer of a queue would,
+    /// after this one appended and closed it (the page cache warm, the mappings new).
+    #[arg(long)]
+    consumer_process: bool,
+    /// (The second process of `--consumer-process`: read and poll + ack the log in this
+    /// directory, appended by the first.)
+    #[arg(long, hide = true, conflicts_with = "consumer_process")]
+    consume: Option<PathBuf>,
     /// Keep the benchmark's log directory.
     #[arg(long)]
     keep: bool,
@@ -67,6 +75,9 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.producers == 0 || args.batch == 0 || args.count == 0 {
         return Err("--producers, --batch and --count must be at least 1".into());
     }
+    if let Some(dir) = &args.consume {
+        return consume_existing(&args, dir);
+    }
     let dir = args.data.join(format!("bench-log-{}", std::process::id()));
     if dir.exists() {
         std::fs::remove_dir_all(&dir)?;
@@ -77,10 +88,10 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         key_index: args.keys > 0,
         ..Options::default()
     };
-    let payload: Vec<u8> = (0..args.payload_bytes).map(|i| (i * 7 + 1) as u8).collect();
+    let payload = bench_payload(args.payload_bytes);
     let bar = progress::bar(args.count, "append", Unit::Items);
 
-    let log = Log::open(&dir, options)?;
+    let log = Log::open(&dir, options.clone())?;
     let started = Instant::now();
     let (log, appended) = if args.producers == 1 {
         let mut log = log;
@@ -137,66 +148,16 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let syncs = log.stats().syncs;
     bar.finish_and_clear();
 
-    let bar = progress::bar(appended, "read", Unit::Items);
-    let mut reader = log.reader();
-    let started = Instant::now();
-    let mut read = 0u64;
-    let mut checksum = 0u64;
-    loop {
-        let batch = reader.read_batch(4096)?;
-        if batch.is_empty() {
-            break;
-        }
-        read += batch.len() as u64;
-        for record in batch {
-            checksum = checksum
-                .wrapping_add(record.payload.len() as u64 + record.payload.first().copied().unwrap_or(0) as u64);
-        }
-        if read & 0xFFFF < 4096 {
-            bar.set_position(read);
-        }
-    }
-    let read_secs = started.elapsed().as_secs_f64();
-    bar.finish_and_clear();
-    if read != appended {
-        return Err(format!("read {read} records but appended {appended}").into());
-    }
-    let expected = appended * (payload.len() as u64 + payload.first().copied().unwrap_or(0) as u64);
-    if checksum != expected {
-        return Err("records read back differ from those appended".into());
-    }
-    drop(reader);
-
-    // Poll + ack of every record through one consumer group.
-    let bar = progress::bar(appended, "poll+ack", Unit::Items);
-    let mut group = log.group("bench", GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
-    let started = Instant::now();
-    let mut polled = 0u64;
-    let mut offsets = Vec::with_capacity(4096);
-    loop {
-        offsets.clear();
-        let batch = group.poll(4096, Duration::ZERO)?;
-        if batch.is_empty() {
-            break;
-        }
-        for record in batch {
-            checksum = checksum.wrapping_add(record.payload.len() as u64);
-            offsets.push(record.offset);
-        }
-        for &offset in &offsets {
-            group.ack(offset)?;
-        }
-        polled += offsets.len() as u64;
-        if polled & 0xFFFF < 4096 {
-            bar.set_position(polled);
-        }
-    }
-    let poll_ack_secs = started.elapsed().as_secs_f64();
-    bar.finish_and_clear();
-    if polled != appended || group.committed() != appended {
-        return Err(format!("polled {polled} records of {appended}").into());
-    }
-    drop(group);
+    let (log, consumed) = if args.consumer_process {
+        drop(log);
+        let consumed = consume_in_child(&args, &dir, appended)?;
+        (Log::open(&dir, options)?.into_shared(), consumed)
+    } else {
+        let consumed = consume(&log, appended, &payload)?;
+        (log, consumed)
+    };
+    let Consumed { read_secs, poll_ack_secs, mut checksum, peak_rss_bytes: consumer_peak_rss } = consumed;
+    let read = appended;
 
     // Random lookups.
     let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
@@ -279,6 +240,8 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "syncs": syncs,
         "bytes_on_disk": bytes_on_disk,
         "peak_rss_bytes": peak_rss_bytes(),
+        "consumer_process": args.consumer_process,
+        "consumer_peak_rss_bytes": consumer_peak_rss,
     });
     println!(
         "appended {appended} × {} B ({}, {} producer(s), batch {}): {:.0} msg/s, {:.1} MB/s",
@@ -303,6 +266,126 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         println!("{result}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What reading a log back and polling + acking it through a group measured.
+struct Consumed {
+    read_secs: f64,
+    poll_ack_secs: f64,
+    /// Of what was read, for `black_box`.
+    checksum: u64,
+    /// Of the process that read.
+    peak_rss_bytes: u64,
+}
+
+/// Reads the `appended` records of `log` (each `payload`) back in batches, checking them, then
+/// polls and acknowledges every one through the group "bench".
+fn consume(log: &petrel_log::SharedLog, appended: u64, payload: &[u8]) -> Result<Consumed, Box<dyn std::error::Error>> {
+    let bar = progress::bar(appended, "read", Unit::Items);
+    let mut reader = log.reader();
+    let started = Instant::now();
+    let mut read = 0u64;
+    let mut checksum = 0u64;
+    loop {
+        let batch = reader.read_batch(4096)?;
+        if batch.is_empty() {
+            break;
+        }
+        read += batch.len() as u64;
+        for record in batch {
+            checksum = checksum
+                .wrapping_add(record.payload.len() as u64 + record.payload.first().copied().unwrap_or(0) as u64);
+        }
+        if read & 0xFFFF < 4096 {
+            bar.set_position(read);
+        }
+    }
+    let read_secs = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    if read != appended {
+        return Err(format!("read {read} records but appended {appended}").into());
+    }
+    let expected = appended * (payload.len() as u64 + payload.first().copied().unwrap_or(0) as u64);
+    if checksum != expected {
+        return Err("records read back differ from those appended".into());
+    }
+    drop(reader);
+
+    // Poll + ack of every record through one consumer group.
+    let bar = progress::bar(appended, "poll+ack", Unit::Items);
+    let mut group = log.group("bench", GroupOptions { max_pending: MAX_PENDING, ..GroupOptions::default() })?;
+    let started = Instant::now();
+    let mut polled = 0u64;
+    let mut offsets = Vec::with_capacity(4096);
+    loop {
+        offsets.clear();
+        let batch = group.poll(4096, Duration::ZERO)?;
+        if batch.is_empty() {
+            break;
+        }
+        for record in batch {
+            checksum = checksum.wrapping_add(record.payload.len() as u64);
+            offsets.push(record.offset);
+        }
+        for &offset in &offsets {
+            group.ack(offset)?;
+        }
+        polled += offsets.len() as u64;
+        if polled & 0xFFFF < 4096 {
+            bar.set_position(polled);
+        }
+    }
+    let poll_ack_secs = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    if polled != appended || group.committed() != appended {
+        return Err(format!("polled {polled} records of {appended}").into());
+    }
+    drop(group);
+    Ok(Consumed { read_secs, poll_ack_secs, checksum, peak_rss_bytes: peak_rss_bytes() })
+}
+
+/// `consume`, in a second process of this program (`--consume DIR`), on the log this one
+/// appended to `dir` and closed.
+fn consume_in_child(args: &LogBench, dir: &Path, appended: u64) -> Result<Consumed, Box<dyn std::error::Error>> {
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["bench", "log", "--count", &appended.to_string(), "--payload-bytes", &args.payload_bytes.to_string()])
+        .arg("--consume")
+        .arg(dir)
+        .stderr(std::process::Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        return Err(format!("the consumer process failed ({})", out.status).into());
+    }
+    let last = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_owned();
+    let v: serde_json::Value =
+        serde_json::from_str(&last).map_err(|e| format!("the consumer process said {last:?}: {e}"))?;
+    let number = |k: &str| v[k].as_f64().ok_or_else(|| format!("the consumer process gave no {k}"));
+    Ok(Consumed {
+        read_secs: number("read_secs")?,
+        poll_ack_secs: number("poll_ack_secs")?,
+        checksum: 0,
+        peak_rss_bytes: number("peak_rss_bytes")? as u64,
+    })
+}
+
+/// The second process of `--consumer-process`: `consume` on the log in `dir`, one JSON line.
+fn consume_existing(args: &LogBench, dir: &Path) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let payload = bench_payload(args.payload_bytes);
+    let log = Log::open(dir, Options { segment_bytes: args.segment_bytes, ..Options::default() })?.into_shared();
+    let c = consume(&log, args.count, &payload)?;
+    std::hint::black_box(c.checksum);
+    let result = serde_json::json!({
+        "read_secs": c.read_secs,
+        "poll_ack_secs": c.poll_ack_secs,
+        "peak_rss_bytes": c.peak_rss_bytes,
+    });
+    println!("{result}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The payload every benchmark record carries.
+fn bench_payload(bytes: usize) -> Vec<u8> {
+    (0..bytes).map(|i| (i * 7 + 1) as u8).collect()
 }
 
 /// A small, fast, deterministic generator for lookup positions.

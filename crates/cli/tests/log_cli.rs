@@ -65,29 +65,32 @@ fn append_dump_verify_and_repair() {
 
 #[test]
 fn bench_log_prints_one_json_object_last() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = petrel(
-        &[
-            "bench",
-            "log",
-            "--data",
-            dir.path().to_str().unwrap(),
-            "--count",
-            "20000",
-            "--segment-bytes",
-            "1048576",
-            "--json",
-        ],
-        b"",
-    );
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let stdout = text(&out.stdout);
-    let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    for key in ["append_msgs_per_sec", "append_mb_per_sec", "read_msgs_per_sec", "bytes_on_disk", "peak_rss_bytes"] {
-        assert!(last[key].as_f64().unwrap() > 0.0, "{key} in {last}");
+    // Read back and polled in this process, and in a second one (`--consumer-process`).
+    for consumer_process in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec!["bench", "log", "--data", dir.path().to_str().unwrap(), "--count", "20000"];
+        args.extend(["--segment-bytes", "1048576", "--json"]);
+        if consumer_process {
+            args.push("--consumer-process");
+        }
+        let out = petrel(&args, b"");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        let last: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        for key in [
+            "append_msgs_per_sec",
+            "append_mb_per_sec",
+            "read_msgs_per_sec",
+            "poll_ack_msgs_per_sec",
+            "bytes_on_disk",
+            "peak_rss_bytes",
+            "consumer_peak_rss_bytes",
+        ] {
+            assert!(last[key].as_f64().unwrap() > 0.0, "{key} in {last}");
+        }
+        assert_eq!((&last["count"], &last["consumer_process"]), (&20000.into(), &consumer_process.into()));
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the bench cleans up after itself");
     }
-    assert_eq!(last["count"], 20000);
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the bench cleans up after itself");
 }
 
 #[test]

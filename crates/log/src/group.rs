@@ -513,6 +513,20 @@ impl ConsumerGroup {
     /// Acknowledges a delivered record. Acknowledging one twice, or one below `committed`, is a
     /// no-op; acknowledging one never delivered is an error.
     pub fn ack(&mut self, offset: u64) -> Result<()> {
+        if offset == self.committed
+            && offset < self.next
+            && self.acked_above == 0
+            && self.skip.is_empty()
+            && self.redeliver.is_empty()
+        {
+            // The common case, in order: the oldest pending record, none acknowledged above it,
+            // nothing to step over or deliver again. The group passes it; the cursor holds no
+            // bitmap.
+            debug_assert_eq!(self.acked.front(), Some(&false));
+            self.acked.pop_front();
+            self.committed += 1;
+            return self.cursor.persist(self.committed, std::iter::empty(), 0);
+        }
         if offset < self.committed {
             return Ok(());
         }
