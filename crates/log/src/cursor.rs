@@ -45,7 +45,7 @@ pub(crate) fn write(file: &mut [u8], seq: u64, committed: u64, bitmap: &[u8]) ->
     slot[24..28].copy_from_slice(&(bitmap.len() as u32).to_le_bytes());
     slot[28..32].fill(0);
     slot[SLOT_HEADER..].copy_from_slice(bitmap);
-    let crc = crc32c::crc32c(&slot[8..]);
+    let crc = crate::checksum::crc32c(&slot[8..]);
     slot[4..8].copy_from_slice(&crc.to_le_bytes());
     slot[0..4].copy_from_slice(&MAGIC);
     start..start + slot.len()
@@ -60,7 +60,7 @@ fn read_slot(slot: &[u8]) -> Result<(u64, CursorState), FrameError> {
         return Err(FrameError::BadLength);
     }
     let body = &slot[8..SLOT_HEADER + len];
-    if crc32c::crc32c(body) != u32::from_le_bytes(slot[4..8].try_into().unwrap()) {
+    if crate::checksum::crc32c(body) != u32::from_le_bytes(slot[4..8].try_into().unwrap()) {
         return Err(FrameError::BadChecksum);
     }
     let seq = u64::from_le_bytes(slot[8..16].try_into().unwrap());

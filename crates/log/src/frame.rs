@@ -207,7 +207,7 @@ fn encode_in_place(buf: &mut [u8], len: usize, timestamp: u64, input: &Input<'_>
     buf[at..len].copy_from_slice(input.payload);
     buf[4..8].copy_from_slice(&word.to_le_bytes());
     buf[8..16].copy_from_slice(&timestamp.to_le_bytes());
-    let crc = crc32c::crc32c(&buf[4..len]);
+    let crc = crate::checksum::crc32c(&buf[4..len]);
     buf[0..4].copy_from_slice(&crc.to_le_bytes());
 }
 
@@ -342,7 +342,7 @@ fn decode_v2(buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, Fra
         return Err(FrameError::Truncated);
     }
     let frame = &buf[..len];
-    if crc32c::crc32c(&frame[4..]) != crc {
+    if crate::checksum::crc32c(&frame[4..]) != crc {
         return Err(FrameError::BadChecksum);
     }
     let timestamp = u64::from_le_bytes(head[8..16].try_into().unwrap());
@@ -395,7 +395,7 @@ fn decode_v1(buf: &[u8], max_len: usize, checks: Checks) -> Result<Decoded<'_>, 
         return Err(FrameError::Truncated);
     }
     let frame = &buf[..len];
-    if checks == Checks::All && crc32c::crc32c(&frame[8..]) != crc {
+    if checks == Checks::All && crate::checksum::crc32c(&frame[8..]) != crc {
         return Err(FrameError::BadChecksum);
     }
     let flags = u16::from_le_bytes(head[12..14].try_into().unwrap());

@@ -150,7 +150,7 @@ pub(crate) fn encode(base: u64, entries: &[Entry]) -> Vec<u8> {
         out.extend_from_slice(&[0; 4]);
         out.extend_from_slice(&e.timestamp.to_le_bytes());
     }
-    let crc = crc32c::crc32c(&out[FILE_HEADER..]);
+    let crc = crate::checksum::crc32c(&out[FILE_HEADER..]);
     out[20..24].copy_from_slice(&crc.to_le_bytes());
     out
 }
@@ -164,7 +164,7 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
     let ok = head[0..4] == MAGIC
         && u32::from_le_bytes(head[4..8].try_into().unwrap()) == 1
         && u64::from_le_bytes(head[8..16].try_into().unwrap()) == base
-        && crc32c::crc32c(body) == u32::from_le_bytes(head[20..24].try_into().unwrap());
+        && crate::checksum::crc32c(body) == u32::from_le_bytes(head[20..24].try_into().unwrap());
     if !ok {
         return None;
     }

@@ -150,7 +150,7 @@ pub mod fuzzing {
         file[8..8 + body.len()].copy_from_slice(body);
         let len = u32::from_le_bytes(file[24..28].try_into().unwrap()) as usize;
         let end = (32 + len).min(LEN / 2);
-        let crc = crc32c::crc32c(&file[8..end]);
+        let crc = crate::checksum::crc32c(&file[8..end]);
         file[4..8].copy_from_slice(&crc.to_le_bytes());
         (raw, check(&file))
     }
@@ -175,7 +175,7 @@ pub mod fuzzing {
         file.extend_from_slice(&1u32.to_le_bytes());
         file.extend_from_slice(&base.to_le_bytes());
         file.extend_from_slice(&((entries.len() / 24) as u32).to_le_bytes());
-        file.extend_from_slice(&crc32c::crc32c(&entries[..entries.len() / 24 * 24]).to_le_bytes());
+        file.extend_from_slice(&crate::checksum::crc32c(&entries[..entries.len() / 24 * 24]).to_le_bytes());
         file.extend_from_slice(entries);
         (raw, check(&file))
     }

@@ -142,7 +142,15 @@ fn classify(format: Format, data: &[u8], pos: usize, next: u64, garbage_end: usi
 /// length plus a few multiplications per candidate, however long their claims.
 pub(crate) fn find_valid_after(format: Format, data: &[u8], from: usize, min_offset: u64, max_open: usize) -> Later {
     assert!(data.len() <= u32::MAX as usize, "a segment is smaller than 4 GiB");
-    let mut search = Search { format, data, min_offset, at: from, running: 0, open: BinaryHeap::new(), found: None };
+    let mut search = Search {
+        format,
+        data,
+        min_offset,
+        at: from,
+        running: checksum::Running::new(),
+        open: BinaryHeap::new(),
+        found: None,
+    };
     let mut pos = from.next_multiple_of(FRAME_ALIGN);
     while search.found.is_none() && pos + FRAME_ALIGN <= data.len() {
         if let Some(candidate) = frame::may_start(format, &data[pos..]) {
@@ -168,7 +176,7 @@ struct Search<'a> {
     /// The running checksum is the CRC32C of `data[base..at]`, for a base moved forward whenever
     /// nothing is open, so that stretches without candidates are not read.
     at: usize,
-    running: u32,
+    running: checksum::Running,
     /// Candidates not yet checked, the earliest end first.
     open: BinaryHeap<Reverse<Open>>,
     /// The earliest valid frame found, and its offset in format 1.
@@ -188,7 +196,7 @@ struct Open {
 
 impl Search<'_> {
     fn run_to(&mut self, to: usize) {
-        self.running = crc32c::crc32c_append(self.running, &self.data[self.at..to]);
+        self.running.update(&self.data[self.at..to]);
         self.at = to;
     }
 
@@ -199,12 +207,12 @@ impl Search<'_> {
             return;
         }
         if self.open.is_empty() {
-            (self.at, self.running) = (checked_from, 0);
+            (self.at, self.running) = (checked_from, checksum::Running::new());
         } else {
             self.run_to(checked_from);
         }
         let (end, start) = ((start + candidate.len) as u32, start as u32);
-        self.open.push(Reverse(Open { end, start, running_before: self.running, crc: candidate.crc }));
+        self.open.push(Reverse(Open { end, start, running_before: self.running.value(), crc: candidate.crc }));
     }
 
     /// Checks the open candidates that end at or before `until`, in the order of their ends. Once
@@ -223,7 +231,7 @@ impl Search<'_> {
             }
             self.run_to(end);
             let checked_len = end - start - self.format.checked_from();
-            if checksum::of_range(running_before, self.running, checked_len) != crc {
+            if checksum::of_range(running_before, self.running.value(), checked_len) != crc {
                 continue;
             }
             // The checksum matches: decode it whole (flags, headers, format 1's offset).

@@ -65,7 +65,7 @@ impl SegmentHeader {
         b[32..40].copy_from_slice(&self.created.to_le_bytes());
         b[40..48].copy_from_slice(&self.checkpoint_pos.to_le_bytes());
         b[48..56].copy_from_slice(&self.checkpoint_offset.to_le_bytes());
-        let crc = crc32c::crc32c(&b[0..60]);
+        let crc = crate::checksum::crc32c(&b[0..60]);
         b[60..64].copy_from_slice(&crc.to_le_bytes());
         b
     }
@@ -76,7 +76,7 @@ impl SegmentHeader {
         }
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap());
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap());
-        if crc32c::crc32c(&b[0..60]) != u32_at(60) {
+        if crate::checksum::crc32c(&b[0..60]) != u32_at(60) {
             return Err(HeaderError::Damaged("segment header CRC mismatch".into()));
         }
         // An intact header this build cannot read was written by a later one.
@@ -425,7 +425,7 @@ mod tests {
         for (at, value, what) in [(8, 3u32, "format version 3"), (12, 128, "header length 128")] {
             let mut newer = b;
             newer[at..at + 4].copy_from_slice(&value.to_le_bytes());
-            let crc = crc32c::crc32c(&newer[0..60]);
+            let crc = crate::checksum::crc32c(&newer[0..60]);
             newer[60..64].copy_from_slice(&crc.to_le_bytes());
             assert_eq!(SegmentHeader::decode(&newer), Err(HeaderError::Unsupported(what.into())));
         }
