@@ -60,11 +60,18 @@ memcslap_rate() {
 }
 
 embedded=$(n 10000000)
+# This guest hands memory it frees back to the host within seconds (free page reporting), and a
+# run on memory just freed by another is up to twice as fast as one on memory the host took back
+# (docs/benchmarks.md). So that no embedded system starts on memory the one before it left, each
+# starts after a pause long enough for the host to take the last one's back: all start cold,
+# as a first run does.
+settle() { sleep "${SETTLE_SECONDS:-6}"; }
 for round in $(seq "$rounds"); do
   echo "round $round of $rounds" >&2
   # 1, 6. The embedded log beside bigqueue and Chronicle Queue: 32 B appends; reads and a
   # group's poll + ack in a second process (Chronicle's tailers in a second JVM); lookups.
   rm -rf "$work/log" && mkdir -p "$work/log"
+  settle
   "$petrel" bench log --data "$work/log" --payload-bytes 32 --count "$embedded" --consumer-process --json \
     > "$work/log.json"
   for f in append_msgs_per_sec read_msgs_per_sec poll_ack_msgs_per_sec get_by_offset_per_sec \
@@ -72,11 +79,13 @@ for round in $(seq "$rounds"); do
     record "log_$f" petrel "$(field "$f" < "$work/log.json")"
   done
   rm -rf "$work/log" && mkdir -p "$work/log"
+  settle
   "$bigqueue" -dir "$work/log" -count "$embedded" -payload-bytes 32 -keys 0 > "$work/bq.json"
   for f in append_msgs_per_sec read_msgs_per_sec poll_ack_msgs_per_sec bytes_on_disk; do
     record "log_$f" bigqueue "$(field "$f" < "$work/bq.json")"
   done
   rm -rf "$work/log"
+  settle
   "$chronicle" append "$work/cq" "$embedded" 32 > "$work/cq-append.json"
   "$chronicle" tail "$work/cq" "$embedded" 32 > "$work/cq-tail.json"
   for f in append_msgs_per_sec bytes_on_disk peak_rss_bytes; do
