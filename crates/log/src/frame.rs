@@ -1,9 +1,17 @@
 //! The record frame: how one record is laid out inside a segment. Pure byte work, no I/O.
 //!
-//! Two formats, chosen per segment by its header's version; the writer writes only the current
-//! one (2) and readers read both.
+//! Three formats, chosen per segment by its header's version; the writer writes only the current
+//! one (3) and readers read all three.
 //!
 //! ```text
+//! format 3 (8-byte header, 16 with a timestamp; frames are dense from the segment's base)
+//! 0   4  crc32c       of bytes [4, frame_len): everything after this field, padding excluded
+//! 4   4  frame_len    bits 0-29: header + body, without padding (u32 LE); bit 30: timestamp;
+//!                     bit 31: extras
+//! 8   8  [if timestamp: nanoseconds since the Unix epoch (u64 LE)]; a frame without one has
+//!        the timestamp of the frame before it (the first frame of a segment always has one)
+//! …   …  body, as in format 2 from byte 16
+//!
 //! format 2 (16-byte header; the offset is not stored: frames are dense from the segment's base)
 //! 0   4  crc32c       of bytes [4, frame_len): everything after this field, padding excluded
 //! 4   4  frame_len    bits 0-30: header + body, without padding (u32 LE); bit 31: extras
@@ -35,16 +43,18 @@ use crate::error::FrameError;
 pub(crate) enum Format {
     V1,
     V2,
+    V3,
 }
 
 impl Format {
     /// What the writer writes.
-    pub(crate) const CURRENT: Format = Format::V2;
+    pub(crate) const CURRENT: Format = Format::V3;
 
     pub(crate) fn version(self) -> u32 {
         match self {
             Format::V1 => 1,
             Format::V2 => 2,
+            Format::V3 => 3,
         }
     }
 
@@ -52,6 +62,7 @@ impl Format {
         match version {
             1 => Some(Format::V1),
             2 => Some(Format::V2),
+            3 => Some(Format::V3),
             _ => None,
         }
     }
@@ -60,27 +71,46 @@ impl Format {
     pub(crate) fn checked_from(self) -> usize {
         match self {
             Format::V1 => 8,
-            Format::V2 => 4,
+            Format::V2 | Format::V3 => 4,
         }
     }
 
+    /// The shortest header a frame of this format has.
     pub(crate) fn header_len(self) -> usize {
         match self {
             Format::V1 => V1_HEADER_LEN,
-            Format::V2 => FRAME_HEADER_LEN,
+            Format::V2 => V2_HEADER_LEN,
+            Format::V3 => FRAME_HEADER_LEN,
         }
+    }
+
+    /// Whether a frame may leave its timestamp out and take the previous frame's.
+    pub(crate) fn inherits_time(self) -> bool {
+        self == Format::V3
     }
 }
 
-/// Header bytes of a frame in the current format.
-pub const FRAME_HEADER_LEN: usize = 16;
+/// Header bytes of a frame in the current format without its timestamp (a frame with one has
+/// `TIMESTAMP_LEN` more).
+pub const FRAME_HEADER_LEN: usize = 8;
+/// Bytes a timestamp adds to a frame's header in the current format.
+pub const TIMESTAMP_LEN: usize = 8;
 pub const FRAME_ALIGN: usize = 8;
 
 const V1_MAGIC: [u8; 4] = *b"PTR1";
 const V1_HEADER_LEN: usize = 32;
-/// Format 2: bit 31 of the length word says a flags byte follows the header.
+const V2_HEADER_LEN: usize = 16;
+/// Formats 2 and 3: bit 31 of the length word says a flags byte starts the body.
 const EXTRAS: u32 = 1 << 31;
-const LEN_MASK: u32 = !EXTRAS;
+const V2_LEN_MASK: u32 = !EXTRAS;
+/// Format 3: bit 30 of the length word says the header holds a timestamp.
+const TIME: u32 = 1 << 30;
+const V3_LEN_MASK: u32 = !(EXTRAS | TIME);
+
+/// A format-3 writer gives a frame its timestamp at least once in this many frames, even when the
+/// time has not moved, so that a reader landing on a frame without one finds it in a few steps
+/// back.
+pub(crate) const MAX_FRAMES_WITHOUT_TIME: u32 = 16;
 
 pub(crate) const FLAG_HEADERS: u8 = 1;
 pub(crate) const FLAG_KEY: u8 = 2;
@@ -121,13 +151,15 @@ fn headers_block_len(headers: &[Header<'_>]) -> usize {
     if headers.is_empty() { 0 } else { 4 + headers.iter().map(|(n, v)| 2 + n.len() + 4 + v.len()).sum::<usize>() }
 }
 
-/// Unpadded length of the frame `input` encodes to (current format).
+/// Unpadded length of the frame `input` encodes to (current format) with its timestamp; without
+/// one it is `TIMESTAMP_LEN` shorter.
 #[inline]
 pub(crate) fn frame_len(input: &Input<'_>) -> usize {
+    let header = FRAME_HEADER_LEN + TIMESTAMP_LEN;
     if !input.has_extras() {
-        return FRAME_HEADER_LEN + input.payload.len();
+        return header + input.payload.len();
     }
-    FRAME_HEADER_LEN + 1 + headers_block_len(input.headers) + input.key.map_or(0, |k| 2 + k.len()) + input.payload.len()
+    header + 1 + headers_block_len(input.headers) + input.key.map_or(0, |k| 2 + k.len()) + input.payload.len()
 }
 
 /// Bytes of `input` that are the record itself (key, headers, payload), for the size limit.
@@ -152,10 +184,11 @@ pub(crate) fn check_input(input: &Input<'_>) -> Result<(), FrameError> {
 const SMALL_FRAME: usize = 256;
 
 /// Writes the frame for `input` (current format) at the start of `buf` (which must hold
-/// `align_up(len)` bytes, `len` being `frame_len(input)`, and be zero past the frame: segments
-/// are zero-filled) and returns the aligned length.
+/// `align_up(len)` bytes and be zero past the frame: segments are zero-filled) and returns the
+/// aligned length. `len` is `frame_len(input)` with a timestamp, `TIMESTAMP_LEN` less without
+/// (the frame then has the previous frame's).
 #[inline]
-pub(crate) fn encode(buf: &mut [u8], len: usize, timestamp: u64, input: &Input<'_>) -> usize {
+pub(crate) fn encode(buf: &mut [u8], len: usize, timestamp: Option<u64>, input: &Input<'_>) -> usize {
     let aligned = align_up(len);
     if aligned <= SMALL_FRAME {
         // Checksumming bytes just stored to mapped memory stalls on store forwarding; a small
@@ -170,10 +203,16 @@ pub(crate) fn encode(buf: &mut [u8], len: usize, timestamp: u64, input: &Input<'
 }
 
 #[inline]
-fn encode_in_place(buf: &mut [u8], len: usize, timestamp: u64, input: &Input<'_>) {
-    debug_assert!(len >= FRAME_HEADER_LEN && len as u32 & EXTRAS == 0);
+fn encode_in_place(buf: &mut [u8], len: usize, timestamp: Option<u64>, input: &Input<'_>) {
+    let header = FRAME_HEADER_LEN + timestamp.map_or(0, |_| TIMESTAMP_LEN);
+    debug_assert!(len == frame_len(input) - (FRAME_HEADER_LEN + TIMESTAMP_LEN - header));
+    debug_assert!(len as u32 & !V3_LEN_MASK == 0);
     let mut word = len as u32;
-    let mut at = FRAME_HEADER_LEN;
+    let mut at = header;
+    if let Some(timestamp) = timestamp {
+        word |= TIME;
+        buf[FRAME_HEADER_LEN..header].copy_from_slice(&timestamp.to_le_bytes());
+    }
     if input.has_extras() {
         word |= EXTRAS;
         let flags_at = at;
@@ -206,7 +245,6 @@ fn encode_in_place(buf: &mut [u8], len: usize, timestamp: u64, input: &Input<'_>
     }
     buf[at..len].copy_from_slice(input.payload);
     buf[4..8].copy_from_slice(&word.to_le_bytes());
-    buf[8..16].copy_from_slice(&timestamp.to_le_bytes());
     let crc = crate::checksum::crc32c(&buf[4..len]);
     buf[0..4].copy_from_slice(&crc.to_le_bytes());
 }
@@ -313,42 +351,94 @@ pub(crate) enum Decoded<'a> {
 }
 
 /// Decodes and checks the frame at the start of `buf`. `max_len` bounds `frame_len`. `offset` is
-/// the record expected there: a format-2 frame takes it (its offset is its place), a format-1
-/// frame reports its own, which the caller compares.
+/// the record expected there: a format-2 or 3 frame takes it (its offset is its place), a format-1
+/// frame reports its own, which the caller compares. `prev_timestamp` is the timestamp of the
+/// frame before, which a format-3 frame without its own takes (callers that cannot know it pass
+/// 0 and do not use the record's timestamp, or resolve it with `own_timestamp` walks).
 #[inline]
-pub(crate) fn decode(format: Format, buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, FrameError> {
+pub(crate) fn decode(
+    format: Format,
+    buf: &[u8],
+    max_len: usize,
+    offset: u64,
+    prev_timestamp: u64,
+) -> Result<Decoded<'_>, FrameError> {
     match format {
-        Format::V2 => decode_v2(buf, max_len, offset),
+        Format::V3 | Format::V2 => decode_v2_v3(format, buf, max_len, offset, prev_timestamp),
         Format::V1 => decode_v1(buf, max_len, Checks::All),
     }
 }
 
+/// The header of a format-2 or 3 frame: its unpadded length, whether a flags byte starts its
+/// body, where the body starts, and its own timestamp if it has one.
+#[derive(Clone, Copy)]
+struct Head {
+    len: usize,
+    extras: bool,
+    body: usize,
+    timestamp: Option<u64>,
+}
+
+/// Reads the header of a format-2 or 3 frame (no CRC); `None` if its length is shorter than
+/// its header, or `buf` shorter than the header.
 #[inline]
-fn decode_v2(buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, FrameError> {
-    let Some(head) = buf.get(..FRAME_HEADER_LEN) else {
+fn head(format: Format, buf: &[u8]) -> Option<Head> {
+    let word = u32::from_le_bytes(buf.get(4..8)?.try_into().unwrap());
+    let extras = word & EXTRAS != 0;
+    let (len, body) = match format {
+        Format::V3 if word & TIME != 0 => ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN + TIMESTAMP_LEN),
+        Format::V3 => ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN),
+        _ => ((word & V2_LEN_MASK) as usize, V2_HEADER_LEN),
+    };
+    if len < body {
+        return None;
+    }
+    let timestamp = match body > FRAME_HEADER_LEN {
+        true => Some(u64::from_le_bytes(buf.get(8..16)?.try_into().unwrap())),
+        false => None,
+    };
+    Some(Head { len, extras, body, timestamp })
+}
+
+#[inline]
+fn decode_v2_v3(
+    format: Format,
+    buf: &[u8],
+    max_len: usize,
+    offset: u64,
+    prev_timestamp: u64,
+) -> Result<Decoded<'_>, FrameError> {
+    let Some(header) = buf.get(..format.header_len()) else {
         return if buf.iter().all(|&b| b == 0) { Ok(Decoded::Empty) } else { Err(FrameError::Truncated) };
     };
-    if head[0..8] == [0; 8] {
+    if header[0..8] == [0; 8] {
         return Ok(Decoded::Empty);
     }
-    let crc = u32::from_le_bytes(head[0..4].try_into().unwrap());
-    let word = u32::from_le_bytes(head[4..8].try_into().unwrap());
-    let len = (word & LEN_MASK) as usize;
-    if len < FRAME_HEADER_LEN || len > max_len {
+    let crc = u32::from_le_bytes(header[0..4].try_into().unwrap());
+    let Some(head) = head(format, buf).filter(|h| h.len <= max_len) else {
         return Err(FrameError::BadLength);
-    }
+    };
     // The padding too must be in `buf`, so that stepping over the frame stays inside it.
-    if align_up(len) > buf.len() {
+    if align_up(head.len) > buf.len() {
         return Err(FrameError::Truncated);
     }
-    let frame = &buf[..len];
+    let frame = &buf[..head.len];
     if crate::checksum::crc32c(&frame[4..]) != crc {
         return Err(FrameError::BadChecksum);
     }
-    let timestamp = u64::from_le_bytes(head[8..16].try_into().unwrap());
-    let mut rest = &frame[FRAME_HEADER_LEN..];
+    let (key, headers, payload) = body(&frame[head.body..], head.extras, Checks::All)?;
+    let timestamp = head.timestamp.unwrap_or(prev_timestamp);
+    Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload }, align_up(head.len)))
+}
+
+/// A record's key, headers and payload.
+type Body<'a> = (Option<&'a [u8]>, Headers<'a>, &'a [u8]);
+
+/// Splits a format-2 or 3 body into key, headers and payload.
+#[inline]
+fn body(mut rest: &[u8], extras: bool, checks: Checks) -> Result<Body<'_>, FrameError> {
     let (mut key, mut headers) = (None, Headers::default());
-    if word & EXTRAS != 0 {
+    if extras {
         let (&flags, after) = rest.split_first().ok_or(FrameError::BadLength)?;
         if flags & !KNOWN_FLAGS != 0 {
             return Err(FrameError::UnknownFlags);
@@ -358,7 +448,9 @@ fn decode_v2(buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, Fra
             let block_len =
                 u32::from_le_bytes(rest.get(..4).ok_or(FrameError::BadHeaders)?.try_into().unwrap()) as usize;
             let block = rest.get(4..4 + block_len).ok_or(FrameError::BadHeaders)?;
-            validate_headers(block)?;
+            if checks == Checks::All {
+                validate_headers(block)?;
+            }
             headers = Headers { block };
             rest = &rest[4 + block_len..];
         }
@@ -368,7 +460,7 @@ fn decode_v2(buf: &[u8], max_len: usize, offset: u64) -> Result<Decoded<'_>, Fra
             rest = &rest[2 + key_len..];
         }
     }
-    Ok(Decoded::Frame(Record { offset, timestamp, key, headers, payload: rest }, align_up(len)))
+    Ok((key, headers, rest))
 }
 
 /// What a decoder checks: everything, or only what reading the fields needs (a frame a reader
@@ -439,8 +531,8 @@ pub(crate) struct Candidate {
 }
 
 /// The frame of `format` that may start at the start of `buf`. A format-1 frame starts with its
-/// magic, and its length must fit in `buf`. A format-2 frame has no magic: its length must fit
-/// and the padding after it be zero, which in random bytes about one position in 64 passes in a
+/// magic, and its length must fit in `buf`. A format-2 or 3 frame has no magic: its length must fit,
+/// the padding after it be zero and its flags byte, if it says it has one, known, which in random bytes about one position in 64 passes in a
 /// 256 MiB segment (the length fits one time in 8; in a segment of 2 GiB or more, every time).
 pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<Candidate> {
     let u32_at = |at: usize| Some(u32::from_le_bytes(buf.get(at..at + 4)?.try_into().unwrap()));
@@ -450,10 +542,13 @@ pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<Candidate> {
             let candidate = Candidate { len: u32_at(8)? as usize, crc: u32_at(4)? };
             (candidate.len >= V1_HEADER_LEN && candidate.len <= buf.len()).then_some(candidate)
         }
-        Format::V2 => {
-            let candidate = Candidate { len: (u32_at(4)? & LEN_MASK) as usize, crc: u32_at(0)? };
+        Format::V2 | Format::V3 => {
+            let head = head(format, buf)?;
+            let candidate = Candidate { len: head.len, crc: u32_at(0)? };
             let padding = buf.get(candidate.len..align_up(candidate.len).min(buf.len()))?;
-            (candidate.len >= FRAME_HEADER_LEN && padding.iter().all(|&b| b == 0)).then_some(candidate)
+            // A flags byte, if the frame has one, inside it and with known flags only.
+            let flags_known = !head.extras || (head.body < head.len && buf[head.body] & !KNOWN_FLAGS == 0);
+            (flags_known && padding.iter().all(|&b| b == 0)).then_some(candidate)
         }
     }
 }
@@ -462,26 +557,31 @@ pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<Candidate> {
 /// format 1, its magic) only, no CRC: for skipping over frames already known to be valid.
 #[inline]
 pub(crate) fn peek_len(format: Format, buf: &[u8]) -> Option<usize> {
-    let head = buf.get(..format.header_len())?;
     let len = match format {
-        Format::V2 => (u32::from_le_bytes(head[4..8].try_into().unwrap()) & LEN_MASK) as usize,
-        Format::V1 if head[0..4] == V1_MAGIC => u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize,
-        Format::V1 => return None,
+        Format::V1 => {
+            let head = buf.get(..V1_HEADER_LEN)?;
+            if head[0..4] != V1_MAGIC {
+                return None;
+            }
+            let len = u32::from_le_bytes(head[8..12].try_into().unwrap()) as usize;
+            (len >= V1_HEADER_LEN).then_some(len)?
+        }
+        _ => head(format, buf)?.len,
     };
-    (len >= format.header_len() && align_up(len) <= buf.len()).then(|| align_up(len))
+    (align_up(len) <= buf.len()).then(|| align_up(len))
 }
 
 /// Key of the frame at the start of `buf` (`None` without one), judged without the CRC.
 pub(crate) fn peek_key(format: Format, buf: &[u8]) -> Option<&[u8]> {
     let len = peek_len(format, buf)?;
     match format {
-        Format::V2 => {
-            let word = u32::from_le_bytes(buf[4..8].try_into().unwrap());
-            let flags = *buf.get(FRAME_HEADER_LEN).filter(|_| word & EXTRAS != 0)?;
+        Format::V2 | Format::V3 => {
+            let head = head(format, buf)?;
+            let flags = *buf.get(head.body).filter(|_| head.extras)?;
             if flags & FLAG_KEY == 0 {
                 return None;
             }
-            let mut at = FRAME_HEADER_LEN + 1;
+            let mut at = head.body + 1;
             if flags & FLAG_HEADERS != 0 {
                 at += 4 + u32::from_le_bytes(buf.get(at..at + 4)?.try_into().unwrap()) as usize;
             }
@@ -504,76 +604,89 @@ pub(crate) fn peek_key(format: Format, buf: &[u8]) -> Option<&[u8]> {
 }
 
 /// Timestamp of the frame at the start of `buf`, judged by its length field (and, in format 1,
-/// its magic) only (no CRC).
+/// its magic) only (no CRC): its own, or `prev` (the frame before's) if it has none.
 #[inline]
-pub(crate) fn peek_timestamp(format: Format, buf: &[u8]) -> Option<u64> {
+pub(crate) fn peek_timestamp(format: Format, buf: &[u8], prev: u64) -> Option<u64> {
     peek_len(format, buf)?;
-    let at = match format {
-        Format::V2 => 8,
-        Format::V1 => 24,
-    };
-    Some(u64::from_le_bytes(buf[at..at + 8].try_into().unwrap()))
+    Some(own_timestamp(format, buf).unwrap_or(prev))
 }
 
-/// Decodes a frame that `decode` has already accepted (as record `offset`), skipping the checks.
+/// The timestamp the frame at the start of `buf` holds itself (every frame of formats 1 and 2;
+/// `None` for a format-3 frame that takes the previous frame's, or if `buf` is too short). Reads
+/// the header only, no CRC: for frames that were checked or whose length `peek_len` accepted.
+#[inline]
+pub(crate) fn own_timestamp(format: Format, buf: &[u8]) -> Option<u64> {
+    let at = match format {
+        Format::V1 => 24,
+        Format::V2 => 8,
+        Format::V3 if u32::from_le_bytes(buf.get(4..8)?.try_into().unwrap()) & TIME != 0 => 8,
+        Format::V3 => return None,
+    };
+    Some(u64::from_le_bytes(buf.get(at..at + 8)?.try_into().unwrap()))
+}
+
+/// Decodes a frame that `decode` has already accepted (as record `offset`, after a frame of time
+/// `prev_timestamp`), skipping the checks.
 ///
 /// Panics (never undefined behaviour) if the bytes are not such a frame.
 #[inline]
-pub(crate) fn decode_checked_frame(format: Format, buf: &[u8], offset: u64) -> (Record<'_>, usize) {
+pub(crate) fn decode_checked_frame(
+    format: Format,
+    buf: &[u8],
+    offset: u64,
+    prev_timestamp: u64,
+) -> (Record<'_>, usize) {
     if format == Format::V1 {
         return match decode_v1(buf, buf.len(), Checks::Layout) {
             Ok(Decoded::Frame(record, len)) => (record, len),
             _ => panic!("a frame that was checked no longer decodes"),
         };
     }
-    let word = u32::from_le_bytes(buf[4..8].try_into().unwrap());
-    let len = (word & LEN_MASK) as usize;
-    let timestamp = u64::from_le_bytes(buf[8..16].try_into().unwrap());
-    let mut rest = &buf[FRAME_HEADER_LEN..len];
-    let (mut key, mut headers) = (None, Headers::default());
-    if word & EXTRAS != 0 {
-        let flags = rest[0];
-        rest = &rest[1..];
-        if flags & FLAG_HEADERS != 0 {
-            let block_len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
-            headers = Headers { block: &rest[4..4 + block_len] };
-            rest = &rest[4 + block_len..];
-        }
-        if flags & FLAG_KEY != 0 {
-            let key_len = u16::from_le_bytes(rest[..2].try_into().unwrap()) as usize;
-            key = Some(&rest[2..2 + key_len]);
-            rest = &rest[2 + key_len..];
-        }
-    }
-    (Record { offset, timestamp, key, headers, payload: rest }, align_up(len))
+    let head = head(format, buf).expect("a frame that was checked no longer decodes");
+    let (key, headers, payload) = body(&buf[head.body..head.len], head.extras, Checks::Layout)
+        .expect("a frame that was checked no longer decodes");
+    let timestamp = head.timestamp.unwrap_or(prev_timestamp);
+    (Record { offset, timestamp, key, headers, payload }, align_up(head.len))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn encoded(input: &Input<'_>, timestamp: u64) -> (Vec<u8>, usize) {
-        let len = frame_len(input);
+    /// The frame for `input`, with its own `timestamp` or (`None`) taking the previous frame's.
+    fn encoded(input: &Input<'_>, timestamp: Option<u64>) -> (Vec<u8>, usize) {
+        let len = frame_len(input) - timestamp.map_or(TIMESTAMP_LEN, |_| 0);
         let mut buf = vec![0u8; align_up(len) + 8];
         let aligned = encode(&mut buf, len, timestamp, input);
         buf.truncate(aligned + 8);
         (buf, len)
     }
 
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(" ")
+    }
+
     fn roundtrip(input: Input<'_>) {
-        let (buf, len) = encoded(&input, 7);
-        let aligned = align_up(len);
-        let Decoded::Frame(rec, n) = decode(Format::V2, &buf, 1 << 20, 42).unwrap() else { panic!("empty") };
-        assert_eq!(n, aligned);
-        assert_eq!((rec.offset, rec.timestamp), (42, 7));
-        assert_eq!(rec.key, input.key);
-        assert_eq!(rec.payload, input.payload);
-        assert_eq!(rec.headers.iter().collect::<Vec<_>>(), input.headers.to_vec());
-        assert_eq!(decode_checked_frame(Format::V2, &buf, 42), (rec, n));
-        assert_eq!(peek_len(Format::V2, &buf), Some(aligned));
-        assert_eq!(peek_key(Format::V2, &buf), input.key);
-        assert_eq!(peek_timestamp(Format::V2, &buf), Some(7));
-        assert_eq!(decode(Format::V2, &buf[aligned..], 1 << 20, 43).unwrap(), Decoded::Empty);
+        for own in [Some(7), None] {
+            let (buf, len) = encoded(&input, own);
+            let aligned = align_up(len);
+            let Decoded::Frame(rec, n) = decode(Format::V3, &buf, 1 << 20, 42, 5).unwrap() else { panic!("empty") };
+            assert_eq!(n, aligned);
+            assert_eq!((rec.offset, rec.timestamp), (42, own.unwrap_or(5)));
+            assert_eq!(rec.key, input.key);
+            assert_eq!(rec.payload, input.payload);
+            assert_eq!(rec.headers.iter().collect::<Vec<_>>(), input.headers.to_vec());
+            assert_eq!(decode_checked_frame(Format::V3, &buf, 42, 5), (rec, n));
+            assert_eq!(peek_len(Format::V3, &buf), Some(aligned));
+            assert_eq!(peek_key(Format::V3, &buf), input.key);
+            assert_eq!(peek_timestamp(Format::V3, &buf, 5), Some(own.unwrap_or(5)));
+            assert_eq!(own_timestamp(Format::V3, &buf), own);
+            assert_eq!(
+                may_start(Format::V3, &buf),
+                Some(Candidate { len, crc: u32::from_le_bytes(buf[..4].try_into().unwrap()) })
+            );
+            assert_eq!(decode(Format::V3, &buf[aligned..], 1 << 20, 43, 5).unwrap(), Decoded::Empty);
+        }
     }
 
     #[test]
@@ -587,18 +700,38 @@ mod tests {
     }
 
     #[test]
-    fn a_small_record_costs_sixteen_bytes_of_header() {
+    fn a_small_record_costs_eight_bytes_of_header_when_the_time_has_not_moved() {
+        assert_eq!(align_up(frame_len(&Input::payload(&[0; 32])) - TIMESTAMP_LEN), 40);
         assert_eq!(align_up(frame_len(&Input::payload(&[0; 32]))), 48);
-        assert_eq!(align_up(frame_len(&Input::payload(&[0; 8]))), 24);
+        assert_eq!(align_up(frame_len(&Input::payload(&[0; 8])) - TIMESTAMP_LEN), 16);
     }
 
     #[test]
-    fn the_documented_example_is_exact() {
+    fn the_documented_examples_are_exact() {
         let input = Input::payload(b"hello");
         let mut buf = [0u8; 24];
-        assert_eq!(encode(&mut buf, frame_len(&input), 1_700_000_000_000_000_000, &input), 24);
-        let hex: Vec<String> = buf.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(hex.join(" "), "ee 50 35 51 15 00 00 00 00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00");
+        assert_eq!(encode(&mut buf, frame_len(&input), Some(1_700_000_000_000_000_000), &input), 24);
+        assert_eq!(hex(&buf), "4b c3 7a 1c 15 00 00 40 00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00");
+        let mut buf = [0u8; 16];
+        assert_eq!(encode(&mut buf, frame_len(&input) - TIMESTAMP_LEN, None, &input), 16);
+        assert_eq!(hex(&buf), "36 43 64 f6 0d 00 00 00 68 65 6c 6c 6f 00 00 00");
+    }
+
+    #[test]
+    fn format_two_frames_still_decode() {
+        // The example of format 2 in docs/format.md: "hello".
+        let hex = "ee 50 35 51 15 00 00 00 00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00";
+        let buf: Vec<u8> = hex.split_whitespace().map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
+        let Decoded::Frame(rec, n) = decode(Format::V2, &buf, 1 << 20, 5, 0).unwrap() else { panic!("empty") };
+        assert_eq!((rec.offset, rec.timestamp, rec.payload, n), (5, 1_700_000_000_000_000_000, &b"hello"[..], 24));
+        assert_eq!(decode_checked_frame(Format::V2, &buf, 5, 0), (rec, n));
+        assert_eq!(own_timestamp(Format::V2, &buf), Some(1_700_000_000_000_000_000));
+        assert_eq!(peek_len(Format::V2, &buf), Some(24));
+        // Read as format 3 it is another frame (no timestamp bit): its CRC covers the same
+        // bytes, so only the segment header's version tells them apart.
+        let mut bad = buf.clone();
+        bad[20] ^= 1;
+        assert_eq!(decode(Format::V2, &bad, 1 << 20, 5, 0), Err(FrameError::BadChecksum));
     }
 
     #[test]
@@ -607,23 +740,26 @@ mod tests {
         let hex = "50 54 52 31 cd ee ba 80 25 00 00 00 00 00 00 00 05 00 00 00 00 00 00 00 \
                    00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00";
         let buf: Vec<u8> = hex.split_whitespace().map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
-        let Decoded::Frame(rec, n) = decode(Format::V1, &buf, 1 << 20, 0).unwrap() else { panic!("empty") };
+        let Decoded::Frame(rec, n) = decode(Format::V1, &buf, 1 << 20, 0, 0).unwrap() else { panic!("empty") };
         assert_eq!((rec.offset, rec.timestamp, rec.payload, n), (5, 1_700_000_000_000_000_000, &b"hello"[..], 40));
-        assert_eq!(decode_checked_frame(Format::V1, &buf, 0), (rec, n));
+        assert_eq!(decode_checked_frame(Format::V1, &buf, 0, 0), (rec, n));
         let mut bad = buf.clone();
         bad[33] ^= 1;
-        assert_eq!(decode(Format::V1, &bad, 1 << 20, 0), Err(FrameError::BadChecksum));
+        assert_eq!(decode(Format::V1, &bad, 1 << 20, 0, 0), Err(FrameError::BadChecksum));
     }
 
     #[test]
     fn every_single_byte_flip_is_detected() {
         let input = Input { key: Some(b"key"), headers: &[("h", b"v")], payload: b"payload!", timestamp: None };
-        let (buf, len) = encoded(&input, 9);
-        for i in 0..len {
-            for bit in 0..8 {
-                let mut bad = buf.clone();
-                bad[i] ^= 1 << bit;
-                assert!(decode(Format::V2, &bad, 1 << 20, 9).is_err(), "flip of byte {i} bit {bit} went unnoticed");
+        for own in [Some(9), None] {
+            let (buf, len) = encoded(&input, own);
+            for i in 0..len {
+                for bit in 0..8 {
+                    let mut bad = buf.clone();
+                    bad[i] ^= 1 << bit;
+                    let decoded = decode(Format::V3, &bad, 1 << 20, 9, 0);
+                    assert!(decoded.is_err(), "flip of byte {i} bit {bit} went unnoticed");
+                }
             }
         }
     }
@@ -631,19 +767,21 @@ mod tests {
     #[test]
     fn every_truncation_is_detected() {
         let input = Input::payload(&[7u8; 100]);
-        let (buf, len) = encoded(&input, 1);
-        for cut in 1..len {
-            let mut torn = buf.clone();
-            torn[cut..].fill(0);
-            assert!(decode(Format::V2, &torn, 1 << 20, 1).is_err(), "zeroed from {cut} went unnoticed");
-            assert!(decode(Format::V2, &buf[..cut], 1 << 20, 1).is_err(), "cut at {cut} went unnoticed");
+        for own in [Some(1), None] {
+            let (buf, len) = encoded(&input, own);
+            for cut in 1..len {
+                let mut torn = buf.clone();
+                torn[cut..].fill(0);
+                assert!(decode(Format::V3, &torn, 1 << 20, 1, 0).is_err(), "zeroed from {cut} went unnoticed");
+                assert!(decode(Format::V3, &buf[..cut], 1 << 20, 1, 0).is_err(), "cut at {cut} went unnoticed");
+            }
         }
     }
 
     #[test]
     fn oversized_length_is_rejected_before_reading() {
         let input = Input::payload(&[1u8; 64]);
-        let (buf, _) = encoded(&input, 1);
-        assert_eq!(decode(Format::V2, &buf, 40, 1), Err(FrameError::BadLength));
+        let (buf, _) = encoded(&input, Some(1));
+        assert_eq!(decode(Format::V3, &buf, 40, 1, 0), Err(FrameError::BadLength));
     }
 }

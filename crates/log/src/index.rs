@@ -102,9 +102,11 @@ pub(crate) fn build(format: Format, data: &[u8], base: u64) -> Vec<Entry> {
     let mut at = 0;
     let mut offset = base;
     let mut next_entry = 0;
-    while let (Some(len), Some(timestamp)) =
-        (frame::peek_len(format, &data[at..]), frame::peek_timestamp(format, &data[at..]))
+    let mut timestamp = 0;
+    while let (Some(len), Some(time)) =
+        (frame::peek_len(format, &data[at..]), frame::peek_timestamp(format, &data[at..], timestamp))
     {
+        timestamp = time;
         if at >= next_entry {
             entries.push(Entry { offset, pos: (SEGMENT_HEADER_LEN + at) as u32, timestamp });
             next_entry = at + INDEX_STEP;

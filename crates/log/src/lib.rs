@@ -96,10 +96,10 @@ pub mod fuzzing {
     /// never panic; returns the aligned length of a valid frame.
     pub fn decode_frame(bytes: &[u8]) -> Option<usize> {
         let mut found = None;
-        for format in [Format::V1, Format::V2] {
-            if let Ok(Decoded::Frame(record, len)) = frame::decode(format, bytes, bytes.len(), 7) {
+        for format in [Format::V1, Format::V2, Format::V3] {
+            if let Ok(Decoded::Frame(record, len)) = frame::decode(format, bytes, bytes.len(), 7, 3) {
                 // What decode accepted, the trusted decoder must read back the same.
-                let (again, len_again) = frame::decode_checked_frame(format, bytes, 7);
+                let (again, len_again) = frame::decode_checked_frame(format, bytes, 7, 3);
                 assert_eq!((again, len_again), (record, len));
                 assert_eq!(frame::peek_len(format, bytes), Some(len));
                 assert_eq!(frame::peek_key(format, bytes), record.key);
@@ -111,11 +111,12 @@ pub mod fuzzing {
 
     /// Scans arbitrary bytes as a segment's data region of each format, and judges their format,
     /// the way recovery does. Must never panic; returns the end of the valid frames and the next
-    /// offset (format 2).
+    /// offset (format 3).
     pub fn scan_segment(data: &[u8], start_offset: u64) -> (usize, u64) {
-        let v1 = crate::recovery::scan(Format::V1, data, 0, start_offset);
-        assert!(v1.end <= data.len());
-        let scan = crate::recovery::scan(Format::V2, data, 0, start_offset);
+        for format in [Format::V1, Format::V2] {
+            assert!(crate::recovery::scan(format, data, 0, start_offset).end <= data.len());
+        }
+        let scan = crate::recovery::scan(Format::V3, data, 0, start_offset);
         assert!(scan.end <= data.len());
         // As for a segment whose header is damaged.
         crate::recovery::judge_format(data, start_offset);

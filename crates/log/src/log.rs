@@ -32,6 +32,10 @@ pub struct Log {
     pos: usize,
     next_offset: u64,
     last_timestamp: u64,
+    /// The timestamp of the last frame written to the active segment, which a frame without one
+    /// takes, and how many frames since the last that holds one (`u32::MAX`: the next must).
+    frame_time: u64,
+    frames_without_time: u32,
     clock: Clock,
     /// The next frame starting at or after this position gets an index entry.
     next_index_pos: usize,
@@ -132,6 +136,8 @@ impl Log {
             pos,
             next_offset,
             last_timestamp: 0,
+            frame_time: 0,
+            frames_without_time: u32::MAX,
             clock: Clock::default(),
             prefault_trigger: pos + prefault::STEP,
             next_index_pos,
@@ -351,7 +357,7 @@ impl Log {
     }
 
     /// Writes one frame after the current position, rolling to a new segment if it does not
-    /// fit. Not visible to readers until `publish`.
+    /// fit. Not visible to readers until `publish`. `len` is `frame::frame_len(input)`.
     #[inline]
     fn write(&mut self, input: &Input<'_>, len: usize, timestamp: u64) -> Result<u64> {
         let aligned = frame::align_up(len);
@@ -363,10 +369,24 @@ impl Log {
             // write faults one in.
             self.shared.options().page_budget.touch(&self.active, Use::Active);
         }
+        // A frame leaves its timestamp out when it is the previous frame's, but at least one in
+        // `MAX_FRAMES_WITHOUT_TIME` holds one, and so does a segment's first.
+        let own_time = timestamp != self.frame_time || self.frames_without_time >= frame::MAX_FRAMES_WITHOUT_TIME - 1;
+        let (len, own_time) = match own_time {
+            true => {
+                self.frame_time = timestamp;
+                self.frames_without_time = 0;
+                (len, Some(timestamp))
+            }
+            false => {
+                self.frames_without_time += 1;
+                (len - frame::TIMESTAMP_LEN, None)
+            }
+        };
         let start = self.writer.published_end();
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
-        frame::encode(buf, len, timestamp, input);
+        let aligned = frame::encode(buf, len, own_time, input);
         self.positions.set((offset - self.active.base) as usize, self.pos);
         if self.pos >= self.next_index_pos {
             self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });
@@ -396,6 +416,8 @@ impl Log {
         self.writer.unpublished_mut()[..self.pos - start].fill(0);
         self.pos = start;
         self.next_offset = self.shared.next_offset();
+        // The discarded frames may have set the time the next frame would take.
+        self.frames_without_time = u32::MAX;
         self.active.index.truncate_from(self.next_offset);
         self.next_index_pos = index_resume_pos(&self.active);
     }
@@ -451,6 +473,7 @@ impl Log {
             tracing::warn!(error = %e, "retention failed; will try again at the next roll");
         }
         self.pos = SEGMENT_HEADER_LEN;
+        self.frames_without_time = u32::MAX;
         self.prefault_trigger = SEGMENT_HEADER_LEN;
         self.next_index_pos = SEGMENT_HEADER_LEN;
         Ok(())

@@ -23,12 +23,15 @@ pub struct Reader {
     /// Position of record `next` in `seg`.
     pos: usize,
     next: u64,
+    /// Timestamp of the record before `next` in `seg`, once known: what a frame without its own
+    /// (format 3) takes.
+    time: Option<u64>,
 }
 
 impl Reader {
     pub(crate) fn new(shared: Arc<LogState>) -> Reader {
         let next = shared.first_offset();
-        Reader { shared, seg: None, positions: None, seg_end: u64::MAX, pos: 0, next }
+        Reader { shared, seg: None, positions: None, seg_end: u64::MAX, pos: 0, next, time: None }
     }
 
     /// Offset of the record the next read returns.
@@ -60,6 +63,7 @@ impl Reader {
             && let Some(pos) = self.positions.get_or_insert_with(|| seg.positions()).get((offset - seg.base) as usize)
         {
             self.pos = pos;
+            self.time = None;
             return;
         }
         self.leave();
@@ -78,6 +82,7 @@ impl Reader {
 
     fn leave(&mut self) {
         self.positions = None;
+        self.time = None;
         if let Some(seg) = self.seg.take() {
             seg.users.fetch_sub(1, Ordering::AcqRel);
         }
@@ -165,8 +170,12 @@ impl Reader {
                 let seg = &segments[s];
                 let data = seg.map.published().from(pos);
                 let expected = offsets[i];
-                let reason = match frame::decode(seg.format, data, data.len(), expected) {
-                    Ok(Decoded::Frame(record, _)) if record.offset == expected => {
+                let reason = match frame::decode(seg.format, data, data.len(), expected, 0) {
+                    Ok(Decoded::Frame(mut record, _)) if record.offset == expected => {
+                        if seg.format.inherits_time() && frame::own_timestamp(seg.format, data).is_none() {
+                            let positions = indexes[s].as_ref().expect("located through the dense index");
+                            record.timestamp = seg.time_before(positions, expected);
+                        }
                         found(i, record);
                         continue;
                     }
@@ -209,12 +218,22 @@ impl Reader {
         let seg = self.seg.as_ref().expect("advance located a segment");
         let data = seg.map.published().from(self.pos);
         let first = self.next;
+        // The time a first frame without its own takes: known from the last read, or found.
+        let first_time = match self.time {
+            Some(time) => time,
+            None if seg.format.inherits_time() && frame::own_timestamp(seg.format, data).is_none() => {
+                seg.time_before(self.positions.get_or_insert_with(|| seg.positions()), first)
+            }
+            None => 0,
+        };
+        let mut time = first_time;
         let mut at = 0;
         let mut count = 0;
         while count < max && at + frame::FRAME_ALIGN <= data.len() && data[at..at + 8] != [0; 8] {
             let expected = first + count as u64;
-            let reason = match frame::decode(seg.format, &data[at..], data.len() - at, expected) {
+            let reason = match frame::decode(seg.format, &data[at..], data.len() - at, expected, time) {
                 Ok(Decoded::Frame(rec, len)) if rec.offset == expected => {
+                    time = rec.timestamp;
                     at += len;
                     count += 1;
                     continue;
@@ -230,7 +249,10 @@ impl Reader {
         }
         self.pos += at;
         self.next += count as u64;
-        Ok(Batch { data: &data[..at], format: seg.format, first, count })
+        if count > 0 {
+            self.time = Some(time);
+        }
+        Ok(Batch { data: &data[..at], format: seg.format, first, first_time, count })
     }
 
     /// Offset of the first record with a timestamp at or after `t` (ns since the Unix epoch), or
@@ -238,7 +260,8 @@ impl Reader {
     /// a binary search over segments, then a walk over frame headers within one.
     pub fn offset_at_time(&mut self, t: u64) -> Result<u64> {
         let segments: Vec<Arc<Segment>> = self.shared.segments().clone();
-        let first_ts = |seg: &Segment| frame::peek_timestamp(seg.format, seg.map.published().from(SEGMENT_HEADER_LEN));
+        let first_ts =
+            |seg: &Segment| frame::peek_timestamp(seg.format, seg.map.published().from(SEGMENT_HEADER_LEN), 0);
         // Segments whose first record is older than `t`; the answer is in the last of them, or is
         // the first record of the segment after.
         let older = segments.partition_point(|s| first_ts(s).is_some_and(|ts| ts < t));
@@ -249,15 +272,16 @@ impl Reader {
         let limit = segments.get(older).map_or(end, |next| next.base);
         seg.ensure_index(self.shared.dir());
         let published = seg.map.published();
-        let (mut pos, mut offset) = match seg.index.before_time(t) {
-            Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset),
-            _ => (SEGMENT_HEADER_LEN, seg.base),
+        // The entry's timestamp is its frame's, which that frame may take from the one before.
+        let (mut pos, mut offset, mut time) = match seg.index.before_time(t) {
+            Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset, e.timestamp),
+            _ => (SEGMENT_HEADER_LEN, seg.base, 0),
         };
         while offset < limit {
             let bytes = published.from(pos);
-            match (frame::peek_timestamp(seg.format, bytes), frame::peek_len(seg.format, bytes)) {
+            match (frame::peek_timestamp(seg.format, bytes, time), frame::peek_len(seg.format, bytes)) {
                 (Some(ts), _) if ts >= t => return Ok(offset),
-                (Some(_), Some(len)) => pos += len,
+                (Some(ts), Some(len)) => (pos, time) = (pos + len, ts),
                 _ => return Err(corrupt(&seg.path, pos as u64, Some(offset), Reason::Missing { expected: offset })),
             }
             offset += 1;
@@ -303,6 +327,7 @@ impl Reader {
             self.seg_end = self.shared.segment_after(after.base).map_or(u64::MAX, |s| s.base);
             self.enter(after);
             self.pos = SEGMENT_HEADER_LEN;
+            self.time = None;
         }
     }
 }
@@ -350,12 +375,14 @@ pub struct Batch<'a> {
     data: &'a [u8],
     format: Format,
     first: u64,
+    /// The time the first frame takes if it holds none (format 3).
+    first_time: u64,
     count: usize,
 }
 
 impl Default for Batch<'_> {
     fn default() -> Self {
-        Batch { data: &[], format: Format::CURRENT, first: 0, count: 0 }
+        Batch { data: &[], format: Format::CURRENT, first: 0, first_time: 0, count: 0 }
     }
 }
 
@@ -384,7 +411,7 @@ impl<'a> IntoIterator for Batch<'a> {
     type IntoIter = BatchIter<'a>;
 
     fn into_iter(self) -> BatchIter<'a> {
-        BatchIter { rest: self.data, format: self.format, next: self.first, left: self.count }
+        BatchIter { rest: self.data, format: self.format, next: self.first, time: self.first_time, left: self.count }
     }
 }
 
@@ -392,6 +419,8 @@ pub struct BatchIter<'a> {
     rest: &'a [u8],
     format: Format,
     next: u64,
+    /// Timestamp of the record before `next`.
+    time: u64,
     left: usize,
 }
 
@@ -403,7 +432,8 @@ impl<'a> Iterator for BatchIter<'a> {
         if self.left == 0 {
             return None;
         }
-        let (record, len) = frame::decode_checked_frame(self.format, self.rest, self.next);
+        let (record, len) = frame::decode_checked_frame(self.format, self.rest, self.next, self.time);
+        self.time = record.timestamp;
         self.rest = &self.rest[len..];
         self.next += 1;
         self.left -= 1;

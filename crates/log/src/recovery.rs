@@ -55,9 +55,11 @@ pub(crate) enum Stop {
 }
 
 /// Candidate frames the search after a bad frame may have open (claimed, not yet checksummed to
-/// their end) at once before it gives up and fails safe. In a 256 MiB segment random bytes make
-/// about one candidate per 512 bytes, each claiming up to the rest of the segment, so this covers
-/// 512 MiB of them (64 MiB in a segment of 2 GiB or more, where one position in 8 is a candidate).
+/// their end) at once before it gives up and fails safe. In a 256 MiB segment uniformly random
+/// bytes make about one format-3 candidate per 500 bytes (a length that fits: 1 in 4; zero
+/// padding: 1 in 8; no flags byte or a known one: 1 in 2), each claiming up to the rest of the
+/// segment, so this covers about 512 MiB of them (128 MiB in a segment of 2 GiB or more, where
+/// every length fits).
 /// It bounds the search's memory (16 bytes a candidate: 32 MiB at most with the heap's growth), as
 /// one pass over the segment bounds its time.
 const MAX_OPEN_CANDIDATES: usize = 1 << 20;
@@ -99,7 +101,7 @@ pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64)
         if rest.is_empty() {
             return Scan { end: pos, next_offset: next, records, stop: Stop::Clean };
         }
-        let error = match frame::decode(format, rest, rest.len(), next) {
+        let error = match frame::decode(format, rest, rest.len(), next, 0) {
             Ok(Decoded::Frame(rec, len)) if rec.offset == next => {
                 pos += len;
                 next += 1;
@@ -236,33 +238,42 @@ impl Search<'_> {
             }
             // The checksum matches: decode it whole (flags, headers, format 1's offset).
             let Ok(Decoded::Frame(record, _)) =
-                frame::decode(self.format, &self.data[start..], self.data.len() - start, self.min_offset)
+                frame::decode(self.format, &self.data[start..], self.data.len() - start, self.min_offset, 0)
             else {
                 continue;
             };
             self.found = match self.format {
                 Format::V1 if record.offset < self.min_offset => continue,
                 Format::V1 => Some((start, Some(record.offset))),
-                Format::V2 => Some((start, None)),
+                Format::V2 | Format::V3 => Some((start, None)),
             };
         }
     }
 }
 
 /// The format of a segment whose header is damaged, judged by its data region `data` (whose
-/// first record would be `base`): format 2 if it starts with a valid format-2 frame; else
-/// format 1 if a valid format-1 frame of a record from `base` on is anywhere in it (they start
-/// with a magic, so the search is cheap); else format 2, the current one.
+/// first record would be `base`): format 3 if it starts with a valid format-3 frame holding its
+/// timestamp (a segment's first always does, and a format-2 frame never sets that bit), format 2
+/// if with a valid format-2 frame; else format 1 if a valid format-1 frame of a record from
+/// `base` on is anywhere in it (they start with a magic, so the search is cheap); else format 3,
+/// the current one.
 ///
 /// Judging by the first bytes alone would take a format-1 segment whose first frame is damaged
-/// too for format 2, and cut all its records as a torn tail. A wrong judgement the other way
-/// only makes open refuse (format-1 frames inside a format-2 segment's payloads).
+/// too for format 3, and cut all its records as a torn tail. A wrong judgement the other way
+/// only makes open refuse (format-1 frames inside a later format's payloads, or a format-2
+/// segment whose first frame is damaged too: read as format 3, a bad frame followed by valid
+/// ones is corruption, never a cut).
 pub(crate) fn judge_format(data: &[u8], base: u64) -> Format {
-    if let Ok(Decoded::Frame(..)) = frame::decode(Format::V2, data, data.len(), base) {
+    if let Ok(Decoded::Frame(..)) = frame::decode(Format::V3, data, data.len(), base, 0)
+        && frame::own_timestamp(Format::V3, data).is_some()
+    {
+        return Format::V3;
+    }
+    if let Ok(Decoded::Frame(..)) = frame::decode(Format::V2, data, data.len(), base, 0) {
         return Format::V2;
     }
     match find_valid_after(Format::V1, data, 0, base, MAX_OPEN_CANDIDATES) {
-        Later::Nothing => Format::V2,
+        Later::Nothing => Format::V3,
         // Too many format-1 magics to check is taken as format 1: its scan refuses rather
         // than cuts what it cannot decide.
         Later::Found { .. } | Later::GaveUp { .. } => Format::V1,
@@ -401,7 +412,7 @@ mod tests {
         for off in 0..n {
             let input = Input::payload(payload);
             starts.push(pos);
-            pos += encode(&mut data[pos..], frame_len(&input), off, &input);
+            pos += encode(&mut data[pos..], frame_len(&input), Some(off), &input);
         }
         starts.push(pos);
         (data, starts)
@@ -410,9 +421,9 @@ mod tests {
     #[test]
     fn clean_segment_scans_to_its_end() {
         let (data, starts) = segment(10, b"abc");
-        let s = scan(Format::V2, &data, 0, 0);
+        let s = scan(Format::V3, &data, 0, 0);
         assert_eq!(s, Scan { end: starts[10], next_offset: 10, records: 10, stop: Stop::Clean });
-        let s = scan(Format::V2, &data, starts[4], 4);
+        let s = scan(Format::V3, &data, starts[4], 4);
         assert_eq!((s.end, s.next_offset, s.records), (starts[10], 10, 6));
     }
 
@@ -422,7 +433,7 @@ mod tests {
         for cut in starts[4] + 1..starts[5] {
             let mut torn = data.clone();
             torn[cut..].fill(0);
-            let s = scan(Format::V2, &torn, 0, 0);
+            let s = scan(Format::V3, &torn, 0, 0);
             assert_eq!((s.end, s.next_offset), (starts[4], 4), "cut at {cut}");
             assert!(matches!(s.stop, Stop::Torn { .. }), "cut at {cut}: {:?}", s.stop);
         }
@@ -432,7 +443,7 @@ mod tests {
     fn body_without_header_is_a_torn_tail() {
         let (mut data, starts) = segment(3, &[9u8; 100]);
         data[starts[2]..starts[2] + 16].fill(0);
-        let s = scan(Format::V2, &data, 0, 0);
+        let s = scan(Format::V3, &data, 0, 0);
         assert_eq!(s.end, starts[2]);
         assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] - 4 });
     }
@@ -441,7 +452,7 @@ mod tests {
     fn damage_before_a_valid_frame_is_corruption() {
         let (mut data, starts) = segment(5, b"hello world");
         data[starts[1] + 20] ^= 1;
-        let s = scan(Format::V2, &data, 0, 0);
+        let s = scan(Format::V3, &data, 0, 0);
         assert_eq!(s.end, starts[1]);
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
@@ -469,7 +480,7 @@ mod tests {
     /// garbage it left, and keeps the three records before it.
     fn assert_torn_tail(segment_bytes: usize, written: usize) {
         let (data, starts) = torn_large_record(segment_bytes, written);
-        let s = scan(Format::V2, &data, 0, 0);
+        let s = scan(Format::V3, &data, 0, 0);
         assert_eq!((s.end, s.next_offset), (starts[3], 3));
         assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] + 16 + written });
     }
@@ -499,10 +510,10 @@ mod tests {
         for off in 0..6u64 {
             let input = if off == 1 { Input::payload(&payload) } else { Input::payload(b"small") };
             starts.push(pos);
-            pos += encode(&mut data[pos..], frame_len(&input), off, &input);
+            pos += encode(&mut data[pos..], frame_len(&input), Some(off), &input);
         }
         data[starts[1] + 1000] ^= 0x40;
-        let s = scan(Format::V2, &data, 0, 0);
+        let s = scan(Format::V3, &data, 0, 0);
         assert_eq!(s.end, starts[1]);
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
@@ -516,9 +527,9 @@ mod tests {
             data[at + 4..at + 8].copy_from_slice(&len.to_le_bytes());
             data[at] = 1; // a CRC that does not match
         }
-        assert_eq!(find_valid_after(Format::V2, &data, 0, 0, 100), Later::GaveUp { pos: 100 * 16 });
-        assert_eq!(find_valid_after(Format::V2, &data, 0, 0, 256), Later::Nothing);
-        assert_eq!(find_valid_after(Format::V2, &data, 8192, 0, 1), Later::Nothing);
+        assert_eq!(find_valid_after(Format::V3, &data, 0, 0, 100), Later::GaveUp { pos: 100 * 16 });
+        assert_eq!(find_valid_after(Format::V3, &data, 0, 0, 256), Later::Nothing);
+        assert_eq!(find_valid_after(Format::V3, &data, 8192, 0, 1), Later::Nothing);
     }
 
     /// The search as it would be without the running checksum: each candidate checked on its
@@ -526,8 +537,8 @@ mod tests {
     fn first_valid_by_rereading(data: &[u8], from: usize) -> Later {
         let mut pos = from.next_multiple_of(FRAME_ALIGN);
         while pos + FRAME_ALIGN <= data.len() {
-            if frame::may_start(Format::V2, &data[pos..]).is_some()
-                && let Ok(Decoded::Frame(..)) = frame::decode(Format::V2, &data[pos..], data.len() - pos, 0)
+            if frame::may_start(Format::V3, &data[pos..]).is_some()
+                && let Ok(Decoded::Frame(..)) = frame::decode(Format::V3, &data[pos..], data.len() - pos, 0, 0)
             {
                 return Later::Found { pos, offset: None };
             }
@@ -572,22 +583,27 @@ mod tests {
                 match piece {
                     Piece::Frame(payload) | Piece::Damaged(payload, _) => {
                         let input = Input::payload(payload);
+                        // Frames with and without their own timestamp.
+                        let (len, time) = match payload.len() % 2 {
+                            0 => (frame_len(&input), Some(1)),
+                            _ => (frame_len(&input) - frame::TIMESTAMP_LEN, None),
+                        };
                         let at = data.len();
-                        data.resize(at + align_up(frame_len(&input)), 0);
-                        encode(&mut data[at..], frame_len(&input), 1, &input);
+                        data.resize(at + align_up(len), 0);
+                        encode(&mut data[at..], len, time, &input);
                         if let Piece::Damaged(_, bit) = piece {
-                            let bit = bit % (frame_len(&input) * 8);
+                            let bit = bit % (len * 8);
                             data[at + bit / 8] ^= 1 << (bit % 8);
                         }
                     }
                     Piece::Nested(payload) => {
                         let inner = Input::payload(payload);
                         let mut bytes = vec![0u8; align_up(frame_len(&inner))];
-                        encode(&mut bytes, frame_len(&inner), 1, &inner);
+                        encode(&mut bytes, frame_len(&inner), Some(1), &inner);
                         let outer = Input::payload(&bytes);
                         let at = data.len();
                         data.resize(at + align_up(frame_len(&outer)), 0);
-                        encode(&mut data[at..], frame_len(&outer), 1, &outer);
+                        encode(&mut data[at..], frame_len(&outer), Some(1), &outer);
                     }
                     Piece::Garbage(words) => {
                         for (a, b) in words {
@@ -600,7 +616,7 @@ mod tests {
             }
             let from = from.min(data.len());
             proptest::prop_assert_eq!(
-                find_valid_after(Format::V2, &data, from, 0, usize::MAX),
+                find_valid_after(Format::V3, &data, from, 0, usize::MAX),
                 first_valid_by_rereading(&data, from)
             );
         }

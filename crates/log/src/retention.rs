@@ -8,7 +8,6 @@ use std::time::Duration;
 use crate::clock::now_ns;
 use crate::cursor::CursorState;
 use crate::error::{Result, io_err};
-use crate::frame;
 use crate::options::Durability;
 use crate::state::LogState;
 
@@ -54,9 +53,7 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
         let consumed = policy.delete_consumed && min_committed.is_some_and(|c| c >= next_base);
         let over_bytes = policy.max_bytes.is_some_and(|max| total > max);
         let too_old = policy.max_age.is_some_and(|age| {
-            let newest = seg
-                .position_of(next_base - 1)
-                .and_then(|pos| frame::peek_timestamp(seg.format, seg.map.published().from(pos)));
+            let newest = seg.timestamp_of(next_base - 1);
             newest.is_some_and(|ts| ts.saturating_add(age.as_nanos() as u64) < now)
         });
         if !(consumed || over_bytes || too_old) {

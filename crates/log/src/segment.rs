@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result, io_err};
-use crate::frame::Format;
+use crate::frame::{self, Format};
 use crate::mmap::{Mapping, SEGMENT_HEADER_LEN};
 
 pub(crate) const SEGMENT_MAGIC: [u8; 8] = *b"PETRELSG";
@@ -313,6 +313,45 @@ impl Segment {
         self.positions().get(offset.checked_sub(self.base)? as usize)
     }
 
+    /// Timestamp of record `offset`, if it is in this segment.
+    pub(crate) fn timestamp_of(&self, offset: u64) -> Option<u64> {
+        let positions = self.positions();
+        let pos = positions.get(offset.checked_sub(self.base)? as usize)?;
+        let own = frame::own_timestamp(self.format, self.map.published().from(pos));
+        Some(own.unwrap_or_else(|| self.time_before(&positions, offset)))
+    }
+
+    /// The timestamp that record `offset`'s frame takes when it holds none (format 3): that of
+    /// the nearest frame before it in this segment that holds one, found walking back through
+    /// `positions` (this segment's dense index), at most `MAX_FRAMES_WITHOUT_TIME` frames. 0 for
+    /// the segment's first record (whose frame always holds its own) and in earlier formats.
+    pub(crate) fn time_before(&self, positions: &crate::index::DenseIndex, offset: u64) -> u64 {
+        if !self.format.inherits_time() {
+            return 0;
+        }
+        let published = self.map.published();
+        let mut i = (offset - self.base) as usize;
+        while let Some(before) = i.checked_sub(1) {
+            i = before;
+            let Some(pos) = positions.get(i) else { break };
+            if let Some(time) = frame::own_timestamp(self.format, published.from(pos)) {
+                return time;
+            }
+        }
+        // Not in the dense index (it holds every published frame, so only a frame damaged since
+        // it was checked gets here): a walk from the segment's first frame.
+        let data = published.from(SEGMENT_HEADER_LEN);
+        let (mut at, mut time) = (0, 0);
+        for _ in self.base..offset {
+            let bytes = &data[at..];
+            match (frame::peek_len(self.format, bytes), frame::peek_timestamp(self.format, bytes, time)) {
+                (Some(len), Some(t)) => (at, time) = (at + len, t),
+                _ => break,
+            }
+        }
+        time
+    }
+
     /// Gives back what a sealed segment holds in memory: its resident pages and its indexes
     /// (all rebuilt or reloaded on the next use).
     pub(crate) fn release(&self) {
@@ -422,7 +461,7 @@ mod tests {
         }
         assert!(matches!(SegmentHeader::decode_for(&b, 8), Err(HeaderError::Damaged(_))), "another base");
         // Intact, but of a format or a header length this build does not know.
-        for (at, value, what) in [(8, 3u32, "format version 3"), (12, 128, "header length 128")] {
+        for (at, value, what) in [(8, 4u32, "format version 4"), (12, 128, "header length 128")] {
             let mut newer = b;
             newer[at..at + 4].copy_from_slice(&value.to_le_bytes());
             let crc = crate::checksum::crc32c(&newer[0..60]);

@@ -135,8 +135,27 @@ fn fixed_log(dir: &Path, n: u64, len: usize) -> Vec<u64> {
     for i in 0..n {
         log.append(&vec![i as u8 + 1; len]).unwrap();
     }
-    let frame = (16 + len).next_multiple_of(8) as u64;
-    (0..=n).map(|i| 64 + i * frame).collect()
+    drop(log);
+    frame_starts(&segments(dir)[0])
+}
+
+/// Where the frames of a segment file start, and where the last one ends (with its padding):
+/// frames with and without their own timestamp differ in length.
+fn frame_starts(segment: &Path) -> Vec<u64> {
+    let bytes = fs::read(segment).unwrap();
+    let mut starts = vec![64u64];
+    loop {
+        let at = *starts.last().unwrap() as usize;
+        match unpadded_len(&bytes, at) {
+            0 => return starts,
+            len => starts.push((at + len as usize).next_multiple_of(8) as u64),
+        }
+    }
+}
+
+/// The unpadded length of the frame at `at` (format 3), 0 where none is.
+fn unpadded_len(bytes: &[u8], at: usize) -> u64 {
+    bytes.get(at + 4..at + 8).map_or(0, |w| (u32::from_le_bytes(w.try_into().unwrap()) & 0x3fff_ffff) as u64)
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -155,7 +174,7 @@ fn a_torn_last_frame_is_cut_at_every_byte_position() {
     let seg = segments(&pristine).pop().unwrap();
     let name = seg.file_name().unwrap().to_owned();
     let last = starts[19];
-    let end = last + 16 + 45; // the frame without its padding
+    let end = last + unpadded_len(&fs::read(&seg).unwrap(), last as usize);
     for cut in last + 1..end {
         for truncate in [false, true] {
             let work = base.path().join(format!("w{cut}{truncate}"));
@@ -286,11 +305,11 @@ fn a_segment_of_an_unknown_format_version_is_refused_and_left_as_it_is() {
         let all = segments(dir.path());
         assert!(which == "last" || all.len() > 1);
         let seg = if which == "last" { all.last() } else { all.first() }.unwrap().clone();
-        set_format_version(&seg, 3);
+        set_format_version(&seg, 4);
         let before = fs::read(&seg).unwrap();
         let err = Log::open(dir.path(), small(Durability::None)).err().expect("must not open");
         let Error::UnsupportedFormat { file, what } = &err else { panic!("{which}: {err}") };
-        assert_eq!((file, what.as_str()), (&seg, "format version 3"), "{which}");
+        assert_eq!((file, what.as_str()), (&seg, "format version 4"), "{which}");
         assert!(err.to_string().contains("newer Petrel"), "{err}");
         assert!(matches!(verify::verify(dir.path(), |_, _| {}), Err(Error::UnsupportedFormat { .. })));
         assert!(matches!(verify::repair(dir.path()), Err(Error::UnsupportedFormat { .. })));
@@ -614,4 +633,56 @@ fn many_writing_logs_share_one_prefault_thread() {
         .count();
     assert!(prefault_threads <= 1, "{prefault_threads} prefault threads for 64 logs");
     drop(logs);
+}
+
+#[test]
+fn timestamps_shared_by_frames_read_back_by_every_path() {
+    // Runs of records with one timestamp: format 3 stores it in the first frame of a run (and at
+    // least every 16th), and the others take it from the frame before.
+    let dir = tempfile::tempdir().unwrap();
+    let time = |i: u64| 1_700_000_000_000_000_000 + (i / 40) * 1000;
+    let opts = || Options { segment_bytes: MIN_SEGMENT_BYTES, initial_segment_bytes: None, ..small(Durability::None) };
+    let mut log = Log::open(dir.path(), opts()).unwrap();
+    let n = 20_000;
+    for i in 0..n {
+        let payload = (i as u32).to_le_bytes();
+        log.append_with(&Input { timestamp: Some(time(i)), ..Input::payload(&payload) }).unwrap();
+    }
+    assert!(segments(dir.path()).len() > 2, "sealed segments too");
+    let starts = frame_starts(&segments(dir.path())[0]);
+    // A 4-byte payload: 16 bytes without a timestamp, 24 with one (3 frames of a run of 40).
+    let sizes: Vec<u64> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+    let with_time = sizes.iter().filter(|&&s| s == 24).count();
+    assert_eq!(with_time + sizes.iter().filter(|&&s| s == 16).count(), sizes.len());
+    assert!((with_time as f64 / sizes.len() as f64 - 3.0 / 40.0).abs() < 0.01, "{with_time} of {}", sizes.len());
+    for reopened in [false, true] {
+        if reopened {
+            drop(log);
+            log = Log::open(dir.path(), opts()).unwrap();
+        }
+        let all = read_all(&mut log.reader());
+        assert!(all.iter().all(|r| r.timestamp == time(r.offset)), "reopened: {reopened}");
+        let mut reader = log.reader();
+        for i in (0..n).step_by(7).chain([n - 1, 0, 39, 40, 41]) {
+            assert_eq!(reader.get(i).unwrap().unwrap().timestamp, time(i), "get {i}");
+        }
+        let offsets: Vec<u64> = (0..n).rev().step_by(3).collect();
+        let mut got = 0;
+        reader
+            .get_many(&offsets, |k, r| {
+                assert_eq!(r.timestamp, time(offsets[k]), "get_many {}", offsets[k]);
+                got += 1;
+            })
+            .unwrap();
+        assert_eq!(got, offsets.len());
+        for i in (0..n).step_by(40) {
+            assert_eq!(reader.offset_at_time(time(i)).unwrap(), i);
+            assert_eq!(reader.offset_at_time(time(i) + 1).unwrap(), (i + 40).min(n));
+        }
+        reader.seek(1234);
+        assert_eq!(reader.read_batch(3).unwrap().into_iter().map(|r| r.timestamp).collect::<Vec<_>>(), [time(1234); 3]);
+    }
+    // Appends after a reopen go on taking the time of the frame before only within the run.
+    assert_eq!(log.append_with(&Input { timestamp: Some(time(n - 1)), ..Input::payload(b"x") }).unwrap(), n);
+    assert_eq!(log.reader().get(n).unwrap().unwrap().timestamp, time(n - 1));
 }
