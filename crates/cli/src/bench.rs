@@ -145,7 +145,7 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         (log, total)
     };
     let append_secs = started.elapsed().as_secs_f64();
-    let syncs = log.stats().syncs;
+    let (syncs, frame_bytes) = (log.stats().syncs, log.stats().frame_bytes);
     bar.finish_and_clear();
 
     let (log, consumed) = if args.consumer_process {
@@ -239,6 +239,7 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "get_by_key_per_sec": get_by_key_per_sec,
         "syncs": syncs,
         "bytes_on_disk": bytes_on_disk,
+        "frame_bytes": frame_bytes,
         "peak_rss_bytes": peak_rss_bytes(),
         "consumer_process": args.consumer_process,
         "consumer_peak_rss_bytes": consumer_peak_rss,
@@ -261,7 +262,11 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         appended as f64 / poll_ack_secs,
         get_by_key_per_sec.map(|k| format!(", by key {k:.0}/s")).unwrap_or_default()
     );
-    println!("on disk {bytes_on_disk} B, peak RSS {} B", peak_rss_bytes());
+    println!(
+        "on disk {bytes_on_disk} B (frames {frame_bytes} B, {:.1} B a record), peak RSS {} B",
+        frame_bytes as f64 / appended.max(1) as f64,
+        peak_rss_bytes()
+    );
     if args.json {
         println!("{result}");
     }

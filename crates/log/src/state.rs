@@ -11,6 +11,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLock
 use crate::commit::Commit;
 use crate::error::Result;
 use crate::keys::KeyIndex;
+use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::options::Options;
 use crate::segment::Segment;
 
@@ -22,6 +23,10 @@ pub struct LogStats {
     pub segments: usize,
     /// Bytes of the segment files (preallocated, so more than the records take).
     pub segment_bytes: u64,
+    /// Bytes the records' frames take in the segments this handle wrote (padding included;
+    /// segment headers and the zeroed room after the last frame not). A sealed segment opened
+    /// from disk counts whole past its header: its end is not looked for.
+    pub frame_bytes: u64,
     /// Data syncs (fdatasync) done since open.
     pub syncs: u64,
     /// Segments started since open because the active one was full (segment rolls).
@@ -164,6 +169,7 @@ impl LogState {
             first_offset: self.first_offset(),
             segments: segments.len(),
             segment_bytes: segments.iter().map(|s| s.map.len() as u64).sum(),
+            frame_bytes: segments.iter().map(|s| (s.map.published_end() - SEGMENT_HEADER_LEN) as u64).sum(),
             syncs: self.commit.syncs(),
             rolls: self.rolls.load(Ordering::Relaxed),
             retention_removals: self.retention_removals.load(Ordering::Relaxed),
