@@ -616,13 +616,10 @@ pub(crate) fn peek_timestamp(format: Format, buf: &[u8], prev: u64) -> Option<u6
 /// the header only, no CRC: for frames that were checked or whose length `peek_len` accepted.
 #[inline]
 pub(crate) fn own_timestamp(format: Format, buf: &[u8]) -> Option<u64> {
-    let at = match format {
-        Format::V1 => 24,
-        Format::V2 => 8,
-        Format::V3 if u32::from_le_bytes(buf.get(4..8)?.try_into().unwrap()) & TIME != 0 => 8,
-        Format::V3 => return None,
-    };
-    Some(u64::from_le_bytes(buf.get(at..at + 8)?.try_into().unwrap()))
+    match format {
+        Format::V1 => Some(u64::from_le_bytes(buf.get(24..32)?.try_into().unwrap())),
+        Format::V2 | Format::V3 => head(format, buf)?.timestamp,
+    }
 }
 
 /// Decodes a frame that `decode` has already accepted (as record `offset`, after a frame of time
