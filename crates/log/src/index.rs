@@ -191,10 +191,19 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
 /// thousands of queue logs) holds a page for them, not a segment's worth.
 const CHUNK: usize = 1 << 10;
 
+/// The bit of a dense index entry that says its frame holds its own timestamp.
+const TIME_BIT: u32 = 1;
+const _: () = assert!(frame::FRAME_ALIGN > TIME_BIT as usize);
+
 /// The position of every record of a segment, for random access in one step. Filled by the
 /// writer as it appends (the active segment) or by one walk over the frames on first use (a
 /// sealed segment). Lives in memory only: rebuilding it is a sequential walk of frame headers.
 /// Chunks are allocated as records arrive, so memory follows the records, not the segment size.
+///
+/// Frames start on `FRAME_ALIGN` boundaries, so an entry's low bit is free: it is set when the
+/// frame holds its own timestamp. A frame without one (format 3) takes the time of the nearest
+/// frame before it that has one, and that frame is found here, among entries that share the
+/// looked-up one's cache line, instead of by reading up to 15 frames back one after another.
 pub(crate) struct DenseIndex {
     chunks: Box<[std::sync::OnceLock<Box<[std::sync::atomic::AtomicU32]>>]>,
     built: std::sync::OnceLock<()>,
@@ -210,19 +219,40 @@ impl DenseIndex {
         }
     }
 
-    /// Records the position of the `i`-th record (the writer, before publishing it).
+    /// Records the position of the `i`-th record and whether its frame holds its own timestamp
+    /// (the writer, before publishing it).
     #[inline]
-    pub(crate) fn set(&self, i: usize, pos: usize) {
+    pub(crate) fn set(&self, i: usize, pos: usize, holds_time: bool) {
+        debug_assert!(pos % frame::FRAME_ALIGN == 0 && pos > 0 && pos <= u32::MAX as usize);
         let chunk =
             self.chunks[i / CHUNK].get_or_init(|| (0..CHUNK).map(|_| std::sync::atomic::AtomicU32::new(0)).collect());
-        chunk[i % CHUNK].store(pos as u32, std::sync::atomic::Ordering::Relaxed);
+        chunk[i % CHUNK].store(pos as u32 | holds_time as u32, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Position of the `i`-th record, if known (0 = unknown).
+    /// The `i`-th entry as stored (0 = unknown).
+    #[inline]
+    fn entry(&self, i: usize) -> u32 {
+        match self.chunks.get(i / CHUNK).and_then(|c| c.get()) {
+            Some(chunk) => chunk[i % CHUNK].load(std::sync::atomic::Ordering::Relaxed),
+            None => 0,
+        }
+    }
+
+    /// Position of the `i`-th record, if known.
     #[inline]
     pub(crate) fn get(&self, i: usize) -> Option<usize> {
-        let pos = self.chunks.get(i / CHUNK)?.get()?[i % CHUNK].load(std::sync::atomic::Ordering::Relaxed);
-        (pos != 0).then_some(pos as usize)
+        let entry = self.entry(i);
+        (entry != 0).then_some((entry & !TIME_BIT) as usize)
+    }
+
+    /// Position of the nearest record at or before the `i`-th whose frame holds its own
+    /// timestamp, looking at most `MAX_FRAMES_WITHOUT_TIME` records back; `None` if there is
+    /// none in range (the writer gives one to at least every `MAX_FRAMES_WITHOUT_TIME`-th frame
+    /// and to a segment's first, so only a damaged index gets there).
+    #[inline]
+    pub(crate) fn time_holder(&self, i: usize) -> Option<usize> {
+        let lowest = i.saturating_sub(frame::MAX_FRAMES_WITHOUT_TIME as usize - 1);
+        (lowest..=i).rev().map(|j| self.entry(j)).find(|e| e & TIME_BIT != 0).map(|e| (e & !TIME_BIT) as usize)
     }
 
     /// Starts loading the `i`-th record's position into the cache (see `Reader::get_many`).
@@ -240,7 +270,7 @@ impl DenseIndex {
             let mut at = 0;
             let mut i = 0;
             while let Some(len) = frame::peek_len(format, &data[at..]) {
-                self.set(i, SEGMENT_HEADER_LEN + at);
+                self.set(i, SEGMENT_HEADER_LEN + at, frame::own_timestamp(format, &data[at..]).is_some());
                 at += len;
                 i += 1;
             }
@@ -256,6 +286,25 @@ impl DenseIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dense_index_marks_the_frames_that_hold_a_time() {
+        let index = DenseIndex::new(1 << 20, Format::V3);
+        // Record i at 64 + 40 i; records 0, 5 and 1030 (across a chunk) hold their own time.
+        for i in 0..1100 {
+            index.set(i, SEGMENT_HEADER_LEN + 40 * i, i == 0 || i == 5 || i == 1030);
+        }
+        let pos = |i: usize| SEGMENT_HEADER_LEN + 40 * i;
+        assert_eq!(index.get(5), Some(pos(5)), "the mark is not part of the position");
+        assert_eq!(index.time_holder(0), Some(pos(0)));
+        assert_eq!(index.time_holder(4), Some(pos(0)));
+        assert_eq!(index.time_holder(5), Some(pos(5)), "a frame that holds one is its own holder");
+        assert_eq!(index.time_holder(20), Some(pos(5)), "15 frames after it take its time");
+        assert_eq!(index.time_holder(21), None, "the writer gives the 16th one of its own");
+        assert_eq!(index.time_holder(1035), Some(pos(1030)));
+        assert_eq!(index.time_holder(1045), Some(pos(1030)));
+        assert_eq!(index.time_holder(2000), None, "past the records");
+    }
 
     #[test]
     fn files_round_trip_and_damage_is_refused() {

@@ -387,7 +387,7 @@ impl Log {
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
         let aligned = frame::encode(buf, len, own_time, input);
-        self.positions.set((offset - self.active.base) as usize, self.pos);
+        self.positions.set((offset - self.active.base) as usize, self.pos, own_time.is_some() || !self.active.format.inherits_time());
         if self.pos >= self.next_index_pos {
             self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });
             self.next_index_pos = self.pos + crate::index::INDEX_STEP;

@@ -322,24 +322,22 @@ impl Segment {
     }
 
     /// The timestamp that record `offset`'s frame takes when it holds none (format 3): that of
-    /// the nearest frame before it in this segment that holds one, found walking back through
-    /// `positions` (this segment's dense index), at most `MAX_FRAMES_WITHOUT_TIME` frames. 0 for
-    /// the segment's first record (whose frame always holds its own) and in earlier formats.
+    /// the nearest frame before it in this segment that holds one, which `positions` (this
+    /// segment's dense index) marks. 0 for the segment's first record (whose frame always holds
+    /// its own) and in earlier formats.
     pub(crate) fn time_before(&self, positions: &crate::index::DenseIndex, offset: u64) -> u64 {
         if !self.format.inherits_time() {
             return 0;
         }
         let published = self.map.published();
-        let mut i = (offset - self.base) as usize;
-        while let Some(before) = i.checked_sub(1) {
-            i = before;
-            let Some(pos) = positions.get(i) else { break };
-            if let Some(time) = frame::own_timestamp(self.format, published.from(pos)) {
-                return time;
-            }
+        if let Some(pos) = positions.time_holder((offset - self.base) as usize)
+            && let Some(time) = frame::own_timestamp(self.format, published.from(pos))
+        {
+            return time;
         }
-        // Not in the dense index (it holds every published frame, so only a frame damaged since
-        // it was checked gets here): a walk from the segment's first frame.
+        // Not found through the dense index (it marks every published frame that holds a time,
+        // so only a frame damaged since it was checked gets here): a walk from the segment's
+        // first frame.
         let data = published.from(SEGMENT_HEADER_LEN);
         let (mut at, mut time) = (0, 0);
         for _ in self.base..offset {
