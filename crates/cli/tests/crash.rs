@@ -315,6 +315,22 @@ fn a_full_disk_is_a_clear_error_and_leaves_a_readable_log() {
 }
 
 #[test]
+fn a_disk_that_fills_in_the_middle_of_a_segment_is_a_clear_error_too() {
+    // A 3 MiB tmpfs and the default segment sizes: the log's second segment (2 MiB) is made
+    // with its blocks not yet reserved, and the disk fills while the writer reserves them.
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let script = r#"exec unshare -rm bash -c '
+        mnt=$(mktemp -d) && mount -t tmpfs -o size=3m tmpfs "$mnt" || exit 99
+        "$PETREL" log append "$mnt/log"; rc=$?
+        cp -r "$mnt/log" "$LOG"; exit $rc'"#;
+    let payload = |n: u64| format!("record {n} {}", "x".repeat(100)).into_bytes();
+    let (ok, acked, stderr) = append_in(script, &log, (0..40_000).map(payload).collect(), usize::MAX);
+    check_after_full_disk(&log, ok, &acked, &stderr, payload);
+    assert!(acked.len() > 20_000, "the disk filled in the second segment: {} acknowledged", acked.len());
+}
+
+#[test]
 fn a_file_size_limit_is_a_clear_error_too() {
     // RLIMIT_FSIZE (100 KiB) stops the preallocation of the segment that a 120 KB record needs,
     // with EFBIG; SIGXFSZ is ignored so that is an error return, not a kill.

@@ -223,7 +223,7 @@ impl DenseIndex {
     /// (the writer, before publishing it).
     #[inline]
     pub(crate) fn set(&self, i: usize, pos: usize, holds_time: bool) {
-        debug_assert!(pos % frame::FRAME_ALIGN == 0 && pos > 0 && pos <= u32::MAX as usize);
+        debug_assert!(pos.is_multiple_of(frame::FRAME_ALIGN) && pos > 0 && pos <= u32::MAX as usize);
         let chunk =
             self.chunks[i / CHUNK].get_or_init(|| (0..CHUNK).map(|_| std::sync::atomic::AtomicU32::new(0)).collect());
         chunk[i % CHUNK].store(pos as u32 | holds_time as u32, std::sync::atomic::Ordering::Relaxed);

@@ -1,4 +1,4 @@
-//! Petrel's storage engine: a crash-safe, append-only log of preallocated, memory-mapped
+//! Petrel's storage engine: a crash-safe, append-only log of memory-mapped
 //! segment files.
 //!
 //! ```
@@ -29,7 +29,7 @@
 //! | `commit.rs` | durability: the group commit, poisoning on a failed sync |
 //! | `syncer.rs` | the one background thread for `Durability::Interval` (logs and cursors) |
 //! | `recovery.rs` | where a segment's valid records end; torn tail vs corruption (also for `verify`) |
-//! | `segment.rs`, `directory.rs` | a segment file (header, preallocation, sync); the directory's lock and listing |
+//! | `segment.rs`, `directory.rs` | a segment file (header, disk reservation, sync); the directory's lock and listing |
 //! | `frame.rs`, `checksum.rs` | the record frame's bytes: encode, decode, CRC32C; the CRC of a range from running checksums |
 //! | `mmap.rs` | the only `unsafe`: the shared writable mapping of a segment |
 //! | `reader.rs`, `index.rs`, `keys.rs` | reading by position, offset and time; the key index |

@@ -98,6 +98,8 @@ impl Log {
         report.segments = segments.len();
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
+        // What the records take is on disk; the writer reserves the rest as it goes.
+        active.allocate(pos.next_multiple_of(4096).min(active.map.len()))?;
         active.index.set(crate::index::build(
             active.format,
             active.map.published().from(SEGMENT_HEADER_LEN),
@@ -271,6 +273,10 @@ impl Log {
         if self.shared.options().durability != Durability::None {
             self.sync()?;
         }
+        // A closed log takes the disk its records take: the blocks reserved past its end go
+        // back (the next writer reserves them again as it reaches them).
+        self.writer.unallocate_from(self.pos);
+        self.active.release_unwritten(self.pos);
         Ok(())
     }
 
@@ -364,6 +370,9 @@ impl Log {
         if self.pos + aligned > self.active.map.len() {
             self.roll(aligned)?;
         }
+        if self.pos + aligned > self.active.map.allocated() {
+            self.allocate(self.pos + aligned)?;
+        }
         if self.active.lru_stamp.load(Ordering::Relaxed) == 0 {
             // The page budget took this segment's pages back: it counts again before this
             // write faults one in.
@@ -387,7 +396,11 @@ impl Log {
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
         let aligned = frame::encode(buf, len, own_time, input);
-        self.positions.set((offset - self.active.base) as usize, self.pos, own_time.is_some() || !self.active.format.inherits_time());
+        self.positions.set(
+            (offset - self.active.base) as usize,
+            self.pos,
+            own_time.is_some() || !self.active.format.inherits_time(),
+        );
         if self.pos >= self.next_index_pos {
             self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });
             self.next_index_pos = self.pos + crate::index::INDEX_STEP;
@@ -396,10 +409,29 @@ impl Log {
         self.next_offset += 1;
         if self.pos > self.prefault_trigger {
             self.prefault_trigger = self.pos + prefault::STEP;
+            let keep_reserved =
+                (self.pos + segment::ALLOCATE_AHEAD - segment::ALLOCATION_STEP).min(self.active.map.len());
+            if self.active.map.allocated() < keep_reserved {
+                // Errors wait for the write that needs the blocks (above), which reports them.
+                let _ = self.allocate(self.pos);
+            }
             self.prefaulter.advance(&self.active, self.pos);
             self.shared.options().page_budget.touch(&self.active, Use::Active);
         }
         Ok(offset)
+    }
+
+    /// Reserves the active segment's disk blocks for a frame ending at `needed`:
+    /// `ALLOCATE_AHEAD` past the writer when the disk has room for that, else only what the
+    /// frame needs (a nearly full disk still takes what fits).
+    #[cold]
+    fn allocate(&mut self, needed: usize) -> Result<()> {
+        let len = self.active.map.len();
+        let ahead = (self.pos + segment::ALLOCATE_AHEAD).next_multiple_of(segment::ALLOCATION_STEP).min(len);
+        if ahead >= needed && self.active.allocate(ahead).is_ok() {
+            return Ok(());
+        }
+        self.active.allocate(needed.next_multiple_of(4096).min(len))
     }
 
     /// Makes everything written so far visible to readers.

@@ -17,8 +17,13 @@
 //! 3. **Happens-before.** The writer stores `published` with `Release` after writing the bytes;
 //!    readers load it with `Acquire` before reading, so they see every byte below it.
 //!
-//! Access through the mapping never faults for lack of disk space: segment files are fully
-//! allocated with `fallocate` before they are mapped, and never shrunk while mapped.
+//! Access through the mapping never faults for lack of disk space. A segment file has its full
+//! length before it is mapped and is never shrunk while mapped, so no access lies past its end.
+//! Its disk blocks are reserved as the writer needs them (`fallocate`, `Segment::allocate`), not
+//! all at once, so that a log takes the disk its records take: reads of a hole see zeros, and
+//! writes, which would need a block the disk may not have, go only where blocks are reserved —
+//! the writer's slice ends at `allocated`, and `DataWriter::zero` leaves pages of zeros (holes,
+//! perhaps) alone.
 
 use std::fs::File;
 use std::io;
@@ -34,6 +39,8 @@ pub(crate) struct Mapping {
     raw: MmapRaw,
     len: usize,
     published: AtomicUsize,
+    /// End of the bytes whose disk blocks are reserved (see the module comment).
+    allocated: AtomicUsize,
     writer_taken: AtomicBool,
     writable: bool,
     header_lock: Mutex<()>,
@@ -57,6 +64,7 @@ impl Mapping {
             raw,
             len,
             published: AtomicUsize::new(SEGMENT_HEADER_LEN),
+            allocated: AtomicUsize::new(SEGMENT_HEADER_LEN),
             writer_taken: AtomicBool::new(false),
             writable: true,
             header_lock: Mutex::new(()),
@@ -73,6 +81,7 @@ impl Mapping {
             raw,
             len,
             published: AtomicUsize::new(published),
+            allocated: AtomicUsize::new(SEGMENT_HEADER_LEN),
             writer_taken: AtomicBool::new(true),
             writable: false,
             header_lock: Mutex::new(()),
@@ -85,6 +94,18 @@ impl Mapping {
 
     pub(crate) fn is_writable(&self) -> bool {
         self.writable
+    }
+
+    /// End of the bytes whose disk blocks are reserved: the writer writes below it only.
+    pub(crate) fn allocated(&self) -> usize {
+        self.allocated.load(Ordering::Acquire)
+    }
+
+    /// Records that the file's blocks below `end` are reserved (after a successful `fallocate`
+    /// of them, or for bytes already written), so the writer may write there.
+    pub(crate) fn set_allocated(&self, end: usize) {
+        assert!(end <= self.len, "allocation past the mapping");
+        self.allocated.fetch_max(end, Ordering::Release);
     }
 
     /// End of the published data region (`SEGMENT_HEADER_LEN` when nothing is published).
@@ -147,7 +168,9 @@ impl Mapping {
     pub(crate) fn prefault_write(&self, from: usize, to: usize) {
         let page = 4096;
         let from = from / page * page;
-        let to = to.min(self.len);
+        // Only where blocks are reserved: a write fault on a hole would take disk space that the
+        // writer has not asked for (and that a full disk may not have).
+        let to = to.min(self.allocated());
         if !self.writable || from >= to {
             return;
         }
@@ -213,13 +236,52 @@ impl DataWriter {
         self.map.published.load(Ordering::Relaxed)
     }
 
-    /// The unpublished region `[published, len)`, as a slice starting at file position
-    /// `published_end()`.
+    /// The unpublished region with reserved blocks, `[published, allocated)`, as a slice
+    /// starting at file position `published_end()`.
     pub(crate) fn unpublished_mut(&mut self) -> &mut [u8] {
         let start = self.map.published.load(Ordering::Relaxed);
+        let end = self.map.allocated().max(start);
         // SAFETY: invariant 1 — this is the only DataWriter, `&mut self` prevents two live
-        // slices from it, and readers never look at or past `published`.
-        unsafe { std::slice::from_raw_parts_mut(self.map.raw.as_mut_ptr().add(start), self.map.len - start) }
+        // slices from it, and readers never look at or past `published`. `end <= len`
+        // (`set_allocated`).
+        unsafe { std::slice::from_raw_parts_mut(self.map.raw.as_mut_ptr().add(start), end - start) }
+    }
+
+    /// The whole unpublished region `[published, len)`, to read (recovery's scan of what a
+    /// crash left), as a slice starting at file position `published_end()`.
+    pub(crate) fn unpublished(&self) -> &[u8] {
+        let start = self.map.published.load(Ordering::Relaxed);
+        // SAFETY: invariant 1 — only this DataWriter writes there, and it cannot while this
+        // shared borrow of it lives.
+        unsafe { std::slice::from_raw_parts(self.map.raw.as_ptr().add(start), self.map.len - start) }
+    }
+
+    /// Zeroes `[from, to)` of the unpublished region (positions relative to `published_end()`,
+    /// as `unpublished` gives them), skipping the pages that already read as zeros: those may be
+    /// holes, and writing them would take disk blocks a full disk may not have.
+    pub(crate) fn zero(&mut self, from: usize, to: usize) {
+        const PAGE: usize = 4096;
+        let start = self.map.published.load(Ordering::Relaxed);
+        assert!(from <= to && start + to <= self.map.len, "zeroing out of range");
+        let mut at = from;
+        while at < to {
+            let end = ((start + at) / PAGE + 1) * PAGE - start;
+            let end = end.min(to);
+            // SAFETY: as `unpublished_mut`, for `[start + at, start + end)`, inside the mapping
+            // (asserted above); the page holds data, so its blocks are on disk already.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(self.map.raw.as_mut_ptr().add(start + at), end - at) };
+            if bytes.iter().any(|&b| b != 0) {
+                bytes.fill(0);
+            }
+            at = end;
+        }
+    }
+
+    /// Stops writes at `end` and above (not below the published end), before their blocks are
+    /// given back (`Segment::release_unwritten`): the writer must reserve them again first.
+    pub(crate) fn unallocate_from(&mut self, end: usize) {
+        let end = end.max(self.published_end());
+        self.map.allocated.fetch_min(end, Ordering::Release);
     }
 
     /// Makes `[published, end)` visible to readers, for good.

@@ -51,7 +51,7 @@ impl fmt::Display for Durability {
 /// How a log is opened. Every limit has a default; `validate` says what is out of range.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// Bytes preallocated per segment file.
+    /// Length of each segment file (its disk blocks are reserved as the writer reaches them).
     pub segment_bytes: u64,
     /// If set, the first segment has this size (at most `segment_bytes`) and each next one twice
     /// the last, up to `segment_bytes`: a log that stays small takes little disk. Default: 1 MiB

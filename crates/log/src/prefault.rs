@@ -16,7 +16,7 @@ use crate::segment::Segment;
 
 /// How often (in bytes written) the writer reports its position.
 pub(crate) const STEP: usize = 1 << 20;
-const WINDOW: usize = 32 << 20;
+pub(crate) const WINDOW: usize = 32 << 20;
 const CHUNK: usize = 2 << 20;
 
 /// One log's prefaulting: its active segment and how far the pages are in.

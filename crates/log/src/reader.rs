@@ -187,13 +187,14 @@ impl Reader {
                 let reason = match frame::decode(seg.format, data, data.len(), expected, 0) {
                     Ok(Decoded::Frame(mut record, _)) if record.offset == expected => {
                         if seg.format.inherits_time() && frame::own_timestamp(seg.format, data).is_none() {
-                            record.timestamp = match holder.and_then(|h| frame::own_timestamp(seg.format, published.from(h))) {
-                                Some(time) => time,
-                                None => {
-                                    let positions = indexes[s].as_ref().expect("located through the dense index");
-                                    seg.time_before(positions, expected)
-                                }
-                            };
+                            record.timestamp =
+                                match holder.and_then(|h| frame::own_timestamp(seg.format, published.from(h))) {
+                                    Some(time) => time,
+                                    None => {
+                                        let positions = indexes[s].as_ref().expect("located through the dense index");
+                                        seg.time_before(positions, expected)
+                                    }
+                                };
                         }
                         found(i, record);
                         continue;

@@ -313,8 +313,7 @@ pub(crate) fn recover_active(
 ) -> Result<(usize, u64)> {
     let header = seg.header();
     let (start, start_offset) = scan_start(seg, &header);
-    let data = writer.unpublished_mut();
-    let scan = scan(seg.format, data, start - SEGMENT_HEADER_LEN, start_offset);
+    let scan = scan(seg.format, writer.unpublished(), start - SEGMENT_HEADER_LEN, start_offset);
     report.records_scanned = scan.records;
     let end = SEGMENT_HEADER_LEN + scan.end;
     match scan.stop {
@@ -323,7 +322,7 @@ pub(crate) fn recover_active(
             let cut = garbage_end - scan.end;
             tracing::warn!(file = %seg.path.display(), position = end, bytes = cut, %error,
                 "cut the torn tail left by an interrupted append");
-            data[scan.end..garbage_end].fill(0);
+            writer.zero(scan.end, garbage_end);
             report.torn_bytes_cut = cut as u64;
             report.torn_at = Some(end as u64);
         }

@@ -1,4 +1,5 @@
-//! One segment file: its name, its header, creation with preallocation, and syncing.
+//! One segment file: its name, its header, creation, the reservation of its disk blocks, and
+//! syncing.
 //!
 //! ```text
 //! header, 64 bytes, little-endian:
@@ -6,7 +7,7 @@
 //! 8   4  format version    2 (1: segments written before format 2; still read)
 //! 12  4  header length     64 (frames start here)
 //! 16  8  base offset       offset of the first record; also in the file name
-//! 24  8  segment length    bytes preallocated for the file
+//! 24  8  segment length    the file's length (its blocks reserved as the writer reaches them)
 //! 32  8  created           nanoseconds since the Unix epoch
 //! 40  8  checkpoint pos    frames in [64, pos) were durable when this was written (0 = none)
 //! 48  8  checkpoint offset offset of the record starting at `checkpoint pos`
@@ -25,6 +26,13 @@ use crate::frame::{self, Format};
 use crate::mmap::{Mapping, SEGMENT_HEADER_LEN};
 
 pub(crate) const SEGMENT_MAGIC: [u8; 8] = *b"PETRELSG";
+const PAGE: usize = 4096;
+/// Bytes of a new segment reserved on disk when it is made (all of a small one).
+const FIRST_ALLOCATION: usize = 4 << 20;
+/// How far past its position the writer keeps its segment's disk blocks reserved, in steps of
+/// `ALLOCATION_STEP`: beyond the prefault window, so the prefault thread never waits for it.
+pub(crate) const ALLOCATE_AHEAD: usize = crate::prefault::WINDOW + ALLOCATION_STEP;
+pub(crate) const ALLOCATION_STEP: usize = 16 << 20;
 const SUFFIX: &str = ".log";
 const TMP_SUFFIX: &str = ".log.tmp";
 
@@ -151,9 +159,12 @@ pub(crate) struct Segment {
 }
 
 impl Segment {
-    /// Creates, preallocates and maps a new segment. The file appears under its final name only
-    /// once fully allocated and headed, so a crash or a full disk never leaves a half-made segment
-    /// where the next open would trip on it. With `durable`, file and directory are synced too.
+    /// Creates and maps a new segment of `len` bytes with the first `FIRST_ALLOCATION` of them
+    /// (or its first page, on a nearly full disk) reserved on disk; the writer reserves the rest
+    /// as it goes (`allocate`). The file appears
+    /// under its final name only once sized, reserved and headed, so a crash or a full disk never
+    /// leaves a half-made segment where the next open would trip on it. With `durable`, file and
+    /// directory are synced too.
     pub(crate) fn create(dir: &Path, base: u64, len: u64, now: u64, durable: bool) -> Result<Segment> {
         let path = dir.join(file_name(base));
         let tmp = dir.join(format!("{base:020}{TMP_SUFFIX}"));
@@ -165,9 +176,17 @@ impl Segment {
             .open(&tmp)
             .map_err(io_err("create segment", &tmp))?;
         let made = (|| {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, len)
-                .map_err(|e| Error::SegmentAllocation { path: path.clone(), size: len, source: e.into() })?;
+            let allocation_error = |e: io::Error| Error::SegmentAllocation { path: path.clone(), size: len, source: e };
+            file.set_len(len).map_err(allocation_error)?;
+            // On a nearly full disk, the header's page alone: the writer takes what still fits.
+            let reserve = |n: u64| rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, n);
+            let mut reserved = len.min(FIRST_ALLOCATION as u64);
+            if reserve(reserved).is_err() {
+                reserved = len.min(PAGE as u64);
+                reserve(reserved).map_err(|e| allocation_error(e.into()))?;
+            }
             let map = Arc::new(Mapping::new(&file, len as usize).map_err(io_err("map segment", &tmp))?);
+            map.set_allocated(reserved as usize);
             let header = SegmentHeader {
                 format: Format::CURRENT,
                 base_offset: base,
@@ -239,13 +258,17 @@ impl Segment {
             header => header.map_err(|e| e.to_string()),
         };
         // A segment cut short (copied badly, or truncated by hand) is extended back to its
-        // allocated length so appends never reach past the end of the file.
+        // length so that no access through its mapping lies past the end of the file (the gap
+        // is a hole, reserved when the writer reaches it).
         if writable
             && let Ok(h) = &header
             && file_len < h.len
         {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, h.len)
-                .map_err(|e| Error::SegmentAllocation { path: path.to_path_buf(), size: h.len, source: e.into() })?;
+            file.set_len(h.len).map_err(|e| Error::SegmentAllocation {
+                path: path.to_path_buf(),
+                size: h.len,
+                source: e,
+            })?;
         }
         let len = file.metadata().map_err(io_err("stat segment", path))?.len();
         let format = match &header {
@@ -348,6 +371,35 @@ impl Segment {
             }
         }
         time
+    }
+
+    /// Reserves this segment's disk blocks up to `end` (a page multiple or the segment's length),
+    /// so the writer may write below it. A full disk is an error here, never a fault on a write.
+    pub(crate) fn allocate(&self, end: usize) -> Result<()> {
+        let from = self.map.allocated();
+        if end <= from {
+            return Ok(());
+        }
+        let allocation_error =
+            |e: io::Error| Error::SegmentAllocation { path: self.path.clone(), size: end as u64, source: e };
+        // The file is not kept open (see `Segment`): a reservation is one open per
+        // `ALLOCATION_STEP` or so of records.
+        let file = OpenOptions::new().write(true).open(&self.path).map_err(allocation_error)?;
+        rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), from as u64, (end - from) as u64)
+            .map_err(|e| allocation_error(e.into()))?;
+        self.map.set_allocated(end);
+        Ok(())
+    }
+
+    /// Gives the disk blocks reserved past `end` back (the writer has stopped writes there:
+    /// `DataWriter::unallocate_from`), so a closed log takes the disk its records take. Best
+    /// effort: blocks that stay are only space.
+    pub(crate) fn release_unwritten(&self, end: usize) {
+        let end = end.next_multiple_of(PAGE).min(self.map.len());
+        if let Ok(file) = OpenOptions::new().write(true).open(&self.path) {
+            let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+            let _ = rustix::fs::fallocate(&file, flags, end as u64, (self.map.len() - end) as u64);
+        }
     }
 
     /// Gives back what a sealed segment holds in memory: its resident pages and its indexes

@@ -21,7 +21,7 @@ pub struct LogStats {
     pub first_offset: u64,
     pub next_offset: u64,
     pub segments: usize,
-    /// Bytes of the segment files (preallocated, so more than the records take).
+    /// Bytes of the segment files: their lengths, more than the records take (`frame_bytes`).
     pub segment_bytes: u64,
     /// Bytes the records' frames take in the segments this handle wrote (padding included;
     /// segment headers and the zeroed room after the last frame not). A sealed segment opened

@@ -610,6 +610,48 @@ fn a_new_log_of_two_records_takes_little_disk() {
     assert!(on_disk <= 1 << 20, "{on_disk} bytes");
 }
 
+/// Disk blocks (not file lengths) of the files in `dir`.
+fn blocks_on_disk(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    segments(dir).iter().map(|p| fs::metadata(p).unwrap().blocks() * 512).sum()
+}
+
+/// A full-size segment takes the disk its records take, not its length: the writer reserves
+/// blocks ahead of itself as it goes and gives back those past its end on close; a reopened
+/// log goes on reserving where it stopped, and every record reads back.
+#[test]
+fn a_segment_takes_the_disk_its_records_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = Options { segment_bytes: 256 << 20, initial_segment_bytes: None, ..Options::default() };
+    let record = |i: u64| format!("record {i:>10} {}", "x".repeat(90)).into_bytes();
+    let mut log = Log::open(dir.path(), options.clone()).unwrap();
+    for i in 0..400_000 {
+        log.append(&record(i)).unwrap();
+    }
+    let records_take = 400_000 * 120; // 8-byte header, 111 bytes of payload, padded to 8
+    let while_open = blocks_on_disk(dir.path());
+    assert!(while_open > records_take && while_open < records_take + (64 << 20), "{while_open} bytes");
+    drop(log);
+    let closed = blocks_on_disk(dir.path());
+    let file_len: u64 = segments(dir.path()).iter().map(|p| fs::metadata(p).unwrap().len()).sum();
+    assert_eq!(file_len, 256 << 20, "one full-size segment");
+    assert!(closed >= records_take && closed < records_take + (1 << 20), "{closed} bytes after close");
+
+    let mut log = Log::open(dir.path(), options).unwrap();
+    for i in 400_000..800_000 {
+        log.append(&record(i)).unwrap();
+    }
+    drop(log);
+    let closed = blocks_on_disk(dir.path());
+    assert!(closed >= 2 * records_take && closed < 2 * records_take + (1 << 20), "{closed} bytes after reopen");
+    let log = Log::open(dir.path(), Options::default()).unwrap();
+    let mut reader = log.reader();
+    for i in (0..800_000).step_by(997) {
+        assert_eq!(reader.get(i).unwrap().unwrap().payload, record(i), "record {i}");
+    }
+    assert_eq!(log.next_offset(), 800_000);
+}
+
 /// Many writing logs share one prefault thread: a process with a thousand queue logs must not
 /// hold a thousand threads (each used to start its own at its first segment roll).
 #[test]
