@@ -6,8 +6,10 @@ pub(crate) fn now_ns() -> u64 {
 
 /// The writer's clock. Reading the precise clock costs about as much as the rest of an append,
 /// so it is read only when the coarse clock (a few ns; it moves once per kernel tick, 1–4 ms)
-/// has moved, or after every `PRECISE_EVERY` appends within a tick. A timestamp is therefore
-/// never more than one tick behind, and under load within a few appends of exact.
+/// has moved, when the caller asks (the writer does at the start of each of the dense index's
+/// time groups, so that a group's records mostly share its first one's time), or after every
+/// `PRECISE_EVERY` uses within a tick. A timestamp is therefore never more than one tick
+/// behind, and under load within a few appends of exact.
 #[derive(Default)]
 pub(crate) struct Clock {
     coarse: u64,
@@ -19,10 +21,10 @@ const PRECISE_EVERY: u32 = 16;
 
 impl Clock {
     #[inline]
-    pub(crate) fn now(&mut self) -> u64 {
+    pub(crate) fn now(&mut self, refresh: bool) -> u64 {
         let coarse = rustix::time::clock_gettime(rustix::time::ClockId::RealtimeCoarse);
         let coarse = coarse.tv_sec as u64 * 1_000_000_000 + coarse.tv_nsec as u64;
-        if coarse != self.coarse || self.uses >= PRECISE_EVERY {
+        if coarse != self.coarse || refresh || self.uses >= PRECISE_EVERY {
             self.coarse = coarse;
             self.precise = now_ns();
             self.uses = 0;

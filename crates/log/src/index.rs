@@ -18,7 +18,8 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{OnceLock, RwLock};
 
 use crate::frame::{self, Format};
 use crate::mmap::SEGMENT_HEADER_LEN;
@@ -187,13 +188,63 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
     sane.then_some(entries)
 }
 
-/// Records per chunk of a dense index: 4 KiB of positions, so a log with few records (one of
-/// thousands of queue logs) holds a page for them, not a segment's worth.
+/// Records per chunk of a dense index: 4.5 KiB of positions and times, so a log with few
+/// records (one of thousands of queue logs) holds about a page for them, not a segment's worth.
 const CHUNK: usize = 1 << 10;
+
+/// Records per time group: the dense index keeps the time of every group's first record.
+pub(crate) const TIME_GROUP: usize = 16;
 
 /// The bit of a dense index entry that says its frame holds its own timestamp.
 const TIME_BIT: u32 = 1;
 const _: () = assert!(frame::FRAME_ALIGN > TIME_BIT as usize);
+
+/// One chunk of a dense index: `CHUNK / TIME_GROUP` groups, each the time of its first record
+/// (two words, low first) followed by the positions of its `TIME_GROUP` records, so that a
+/// record's position and its group's time share a page (and mostly a cache line): a random
+/// read misses the cache and the TLB once for both.
+struct Chunk {
+    words: Box<[AtomicU32]>,
+}
+
+const GROUP_WORDS: usize = 2 + TIME_GROUP;
+
+impl Chunk {
+    fn new() -> Chunk {
+        Chunk { words: (0..CHUNK / TIME_GROUP * GROUP_WORDS).map(|_| AtomicU32::new(0)).collect() }
+    }
+
+    /// The position entry of the chunk's `r`-th record.
+    #[inline]
+    fn position(&self, r: usize) -> &AtomicU32 {
+        &self.words[r / TIME_GROUP * GROUP_WORDS + 2 + r % TIME_GROUP]
+    }
+
+    #[inline]
+    fn set_group_time(&self, r: usize, time: u64) {
+        let at = r / TIME_GROUP * GROUP_WORDS;
+        self.words[at].store(time as u32, Ordering::Relaxed);
+        self.words[at + 1].store((time >> 32) as u32, Ordering::Relaxed);
+    }
+
+    #[inline]
+    fn group_time(&self, r: usize) -> u64 {
+        let at = r / TIME_GROUP * GROUP_WORDS;
+        let low = self.words[at].load(Ordering::Relaxed) as u64;
+        low | (self.words[at + 1].load(Ordering::Relaxed) as u64) << 32
+    }
+}
+
+/// Where a record's timestamp is, as far as the dense index knows (`DenseIndex::time_of`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum TimeOf {
+    /// This is it: no frame since its group's first holds a timestamp of its own.
+    Known(u64),
+    /// The frame at this position holds it (possibly the record's own).
+    HeldAt(usize),
+    /// The record is not in the index.
+    Unknown,
+}
 
 /// The position of every record of a segment, for random access in one step. Filled by the
 /// writer as it appends (the active segment) or by one walk over the frames on first use (a
@@ -201,12 +252,14 @@ const _: () = assert!(frame::FRAME_ALIGN > TIME_BIT as usize);
 /// Chunks are allocated as records arrive, so memory follows the records, not the segment size.
 ///
 /// Frames start on `FRAME_ALIGN` boundaries, so an entry's low bit is free: it is set when the
-/// frame holds its own timestamp. A frame without one (format 3) takes the time of the nearest
-/// frame before it that has one, and that frame is found here, among entries that share the
-/// looked-up one's cache line, instead of by reading up to 15 frames back one after another.
+/// frame holds its own timestamp. A format-3 frame without one takes the time of the nearest
+/// frame before it that has one. To find that time without reading frames, the index also
+/// keeps the time of every `TIME_GROUP`-th record (half a byte a record): a record whose group
+/// has no frame holding a time between its first and the record takes that group's time;
+/// otherwise the marked frame, found among entries in the looked-up one's cache line, holds it.
 pub(crate) struct DenseIndex {
-    chunks: Box<[std::sync::OnceLock<Box<[std::sync::atomic::AtomicU32]>>]>,
-    built: std::sync::OnceLock<()>,
+    chunks: Box<[OnceLock<Chunk>]>,
+    built: OnceLock<()>,
 }
 
 impl DenseIndex {
@@ -219,21 +272,23 @@ impl DenseIndex {
         }
     }
 
-    /// Records the position of the `i`-th record and whether its frame holds its own timestamp
-    /// (the writer, before publishing it).
+    /// Records the position of the `i`-th record, whether its frame holds its own timestamp,
+    /// and its time (the writer, before publishing it).
     #[inline]
-    pub(crate) fn set(&self, i: usize, pos: usize, holds_time: bool) {
+    pub(crate) fn set(&self, i: usize, pos: usize, holds_time: bool, time: u64) {
         debug_assert!(pos.is_multiple_of(frame::FRAME_ALIGN) && pos > 0 && pos <= u32::MAX as usize);
-        let chunk =
-            self.chunks[i / CHUNK].get_or_init(|| (0..CHUNK).map(|_| std::sync::atomic::AtomicU32::new(0)).collect());
-        chunk[i % CHUNK].store(pos as u32 | holds_time as u32, std::sync::atomic::Ordering::Relaxed);
+        let chunk = self.chunks[i / CHUNK].get_or_init(Chunk::new);
+        if i.is_multiple_of(TIME_GROUP) {
+            chunk.set_group_time(i % CHUNK, time);
+        }
+        chunk.position(i % CHUNK).store(pos as u32 | holds_time as u32, Ordering::Relaxed);
     }
 
     /// The `i`-th entry as stored (0 = unknown).
     #[inline]
     fn entry(&self, i: usize) -> u32 {
         match self.chunks.get(i / CHUNK).and_then(|c| c.get()) {
-            Some(chunk) => chunk[i % CHUNK].load(std::sync::atomic::Ordering::Relaxed),
+            Some(chunk) => chunk.position(i % CHUNK).load(Ordering::Relaxed),
             None => 0,
         }
     }
@@ -245,21 +300,34 @@ impl DenseIndex {
         (entry != 0).then_some((entry & !TIME_BIT) as usize)
     }
 
-    /// Position of the nearest record at or before the `i`-th whose frame holds its own
-    /// timestamp, looking at most `MAX_FRAMES_WITHOUT_TIME` records back; `None` if there is
-    /// none in range (the writer gives one to at least every `MAX_FRAMES_WITHOUT_TIME`-th frame
-    /// and to a segment's first, so only a damaged index gets there).
+    /// Where the `i`-th record's timestamp is.
     #[inline]
-    pub(crate) fn time_holder(&self, i: usize) -> Option<usize> {
-        let lowest = i.saturating_sub(frame::MAX_FRAMES_WITHOUT_TIME as usize - 1);
-        (lowest..=i).rev().map(|j| self.entry(j)).find(|e| e & TIME_BIT != 0).map(|e| (e & !TIME_BIT) as usize)
+    pub(crate) fn time_of(&self, i: usize) -> TimeOf {
+        let Some(chunk) = self.chunks.get(i / CHUNK).and_then(|c| c.get()) else { return TimeOf::Unknown };
+        // Records are set in order: with the `i`-th, its group's first and that one's time are.
+        let r = i % CHUNK;
+        if chunk.position(r).load(Ordering::Relaxed) == 0 {
+            return TimeOf::Unknown;
+        }
+        let first = r / TIME_GROUP * TIME_GROUP;
+        for j in (first + 1..=r).rev() {
+            let entry = chunk.position(j).load(Ordering::Relaxed);
+            if entry & TIME_BIT != 0 {
+                return TimeOf::HeldAt((entry & !TIME_BIT) as usize);
+            }
+        }
+        TimeOf::Known(chunk.group_time(r))
     }
 
-    /// Starts loading the `i`-th record's position into the cache (see `Reader::get_many`).
+    /// Starts loading what `get(i)` and `time_of(i)` read into the cache (see
+    /// `Reader::get_many`).
     #[inline]
     pub(crate) fn prefetch(&self, i: usize) {
         if let Some(chunk) = self.chunks.get(i / CHUNK).and_then(|c| c.get()) {
-            crate::mmap::prefetch(&chunk[i % CHUNK]);
+            // The group's time is at most 17 words before the position: its line or the one
+            // before.
+            crate::mmap::prefetch(chunk.position(i % CHUNK));
+            crate::mmap::prefetch(&chunk.words[i % CHUNK / TIME_GROUP * GROUP_WORDS]);
         }
     }
 
@@ -267,10 +335,11 @@ impl DenseIndex {
     /// `SEGMENT_HEADER_LEN`), once.
     pub(crate) fn build_once(&self, format: Format, data: &[u8]) {
         self.built.get_or_init(|| {
-            let mut at = 0;
-            let mut i = 0;
+            let (mut at, mut i, mut time) = (0, 0, 0);
             while let Some(len) = frame::peek_len(format, &data[at..]) {
-                self.set(i, SEGMENT_HEADER_LEN + at, frame::own_timestamp(format, &data[at..]).is_some());
+                let own = frame::own_timestamp(format, &data[at..]);
+                time = own.unwrap_or(time);
+                self.set(i, SEGMENT_HEADER_LEN + at, own.is_some(), time);
                 at += len;
                 i += 1;
             }
@@ -288,22 +357,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn dense_index_marks_the_frames_that_hold_a_time() {
+    fn dense_index_knows_where_each_time_is() {
         let index = DenseIndex::new(1 << 20, Format::V3);
-        // Record i at 64 + 40 i; records 0, 5 and 1030 (across a chunk) hold their own time.
+        // Record i at 64 + 40 i; records 0, 5, 16 and 1030 hold their own time, i + 100 for
+        // record i; the others take the time before them.
+        let holds = |i: usize| [0, 5, 16, 1030].contains(&i);
+        let mut time = 0;
         for i in 0..1100 {
-            index.set(i, SEGMENT_HEADER_LEN + 40 * i, i == 0 || i == 5 || i == 1030);
+            if holds(i) {
+                time = i as u64 + 100;
+            }
+            index.set(i, SEGMENT_HEADER_LEN + 40 * i, holds(i), time);
         }
         let pos = |i: usize| SEGMENT_HEADER_LEN + 40 * i;
         assert_eq!(index.get(5), Some(pos(5)), "the mark is not part of the position");
-        assert_eq!(index.time_holder(0), Some(pos(0)));
-        assert_eq!(index.time_holder(4), Some(pos(0)));
-        assert_eq!(index.time_holder(5), Some(pos(5)), "a frame that holds one is its own holder");
-        assert_eq!(index.time_holder(20), Some(pos(5)), "15 frames after it take its time");
-        assert_eq!(index.time_holder(21), None, "the writer gives the 16th one of its own");
-        assert_eq!(index.time_holder(1035), Some(pos(1030)));
-        assert_eq!(index.time_holder(1045), Some(pos(1030)));
-        assert_eq!(index.time_holder(2000), None, "past the records");
+        assert_eq!(index.time_of(0), TimeOf::Known(100), "a group's first record: its group's time");
+        assert_eq!(index.time_of(4), TimeOf::Known(100));
+        assert_eq!(index.time_of(5), TimeOf::HeldAt(pos(5)), "a frame that holds one holds its own");
+        assert_eq!(index.time_of(15), TimeOf::HeldAt(pos(5)), "after a holder inside the group");
+        assert_eq!(index.time_of(16), TimeOf::Known(116));
+        assert_eq!(index.time_of(40), TimeOf::Known(116), "a time carried into later groups");
+        assert_eq!(index.time_of(1029), TimeOf::Known(116), "across a chunk");
+        assert_eq!(index.time_of(1031), TimeOf::HeldAt(pos(1030)));
+        assert_eq!(index.time_of(1040), TimeOf::Known(1130));
+        assert_eq!(index.time_of(1100), TimeOf::Unknown, "past the records");
+        assert_eq!(index.time_of(5000), TimeOf::Unknown, "past the chunks");
     }
 
     #[test]

@@ -327,7 +327,7 @@ impl Log {
             let input = input(i);
             let requested = match input.timestamp {
                 Some(t) => t,
-                None => *clock.get_or_insert_with(|| self.clock.now()),
+                None => *clock.get_or_insert_with(|| self.clock.now(false)),
             };
             let timestamp = self.timestamp(Some(requested));
             if let Err(e) = self.write(&input, frame::frame_len(&input), timestamp) {
@@ -357,7 +357,8 @@ impl Log {
     /// Current time, or `requested`, raised to the previous record's time if earlier.
     #[inline]
     fn timestamp(&mut self, requested: Option<u64>) -> u64 {
-        let t = requested.unwrap_or_else(|| self.clock.now()).max(self.last_timestamp);
+        let group_start = (self.next_offset - self.active.base).is_multiple_of(crate::index::TIME_GROUP as u64);
+        let t = requested.unwrap_or_else(|| self.clock.now(group_start)).max(self.last_timestamp);
         self.last_timestamp = t;
         t
     }
@@ -396,11 +397,8 @@ impl Log {
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
         let aligned = frame::encode(buf, len, own_time, input);
-        self.positions.set(
-            (offset - self.active.base) as usize,
-            self.pos,
-            own_time.is_some() || !self.active.format.inherits_time(),
-        );
+        let holds_time = own_time.is_some() || !self.active.format.inherits_time();
+        self.positions.set((offset - self.active.base) as usize, self.pos, holds_time, timestamp);
         if self.pos >= self.next_index_pos {
             self.active.index.push(crate::index::Entry { offset, pos: self.pos as u32, timestamp });
             self.next_index_pos = self.pos + crate::index::INDEX_STEP;

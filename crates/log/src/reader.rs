@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use crate::error::corrupt;
 use crate::error::{Reason, Result};
 use crate::frame::{self, Decoded, Format, Record};
+use crate::index::TimeOf;
 use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::segment::Segment;
 use crate::state::LogState;
@@ -135,11 +136,12 @@ impl Reader {
             // Retention may have removed the oldest segments since `first` was read.
             segments.partition_point(|s| s.base <= offset).checked_sub(1)
         };
-        // Lookup i has its position prefetched at step i, its frame at step i + AHEAD (with the
-        // frame it takes its timestamp from, if not its own), and is checked at step
+        // Lookup i has its position (and its group's time) prefetched at step i, its frame at
+        // step i + AHEAD (with the frame it takes its timestamp from, if the index does not know
+        // it and it is not its own), and is checked at step
         // i + 2 × AHEAD; `located` holds the frames in between.
         const AHEAD: usize = 8;
-        let mut located = [None::<(usize, usize, Option<usize>)>; 2 * AHEAD];
+        let mut located = [None::<(usize, usize, TimeOf)>; 2 * AHEAD];
         for step in 0..offsets.len() + 2 * AHEAD {
             if let Some(&offset) = offsets.get(step)
                 && let Some(s) = segment_of(offset)
@@ -147,10 +149,6 @@ impl Reader {
                 let positions = index_of(&mut indexes, &segments, budget, s);
                 let i = (offset - segments[s].base) as usize;
                 positions.prefetch(i);
-                if segments[s].format.inherits_time() {
-                    // The entries `time_holder` may look at, when they start a line before.
-                    positions.prefetch(i.saturating_sub(frame::MAX_FRAMES_WITHOUT_TIME as usize - 1));
-                }
             }
             if let Some(i) = step.checked_sub(AHEAD)
                 && let Some(&offset) = offsets.get(i)
@@ -160,25 +158,28 @@ impl Reader {
                         let seg = &segments[s];
                         let positions = index_of(&mut indexes, &segments, budget, s);
                         let i = (offset - seg.base) as usize;
-                        let (pos, holder) = match positions.get(i) {
-                            Some(pos) => (pos, positions.time_holder(i).filter(|&h| h != pos)),
-                            None => (locate(self.shared.dir(), seg, offset)?, None),
+                        let (pos, time) = match positions.get(i) {
+                            Some(pos) => (pos, positions.time_of(i)),
+                            None => (locate(self.shared.dir(), seg, offset)?, TimeOf::Unknown),
                         };
                         let published = seg.map.published();
                         published.prefetch(pos);
                         // A small frame often straddles two cache lines.
                         published.prefetch((pos + 63).min(published.end() - 1));
-                        if let Some(holder) = holder.filter(|_| seg.format.inherits_time()) {
+                        if let TimeOf::HeldAt(holder) = time
+                            && holder != pos
+                            && seg.format.inherits_time()
+                        {
                             published.prefetch(holder);
                             published.prefetch((holder + frame::FRAME_HEADER_LEN).min(published.end() - 1));
                         }
-                        Some((s, pos, holder))
+                        Some((s, pos, time))
                     }
                     None => None,
                 };
             }
             if let Some(i) = step.checked_sub(2 * AHEAD)
-                && let Some((s, pos, holder)) = located[i % located.len()].take()
+                && let Some((s, pos, time)) = located[i % located.len()].take()
             {
                 let seg = &segments[s];
                 let published = seg.map.published();
@@ -187,14 +188,15 @@ impl Reader {
                 let reason = match frame::decode(seg.format, data, data.len(), expected, 0) {
                     Ok(Decoded::Frame(mut record, _)) if record.offset == expected => {
                         if seg.format.inherits_time() && frame::own_timestamp(seg.format, data).is_none() {
-                            record.timestamp =
-                                match holder.and_then(|h| frame::own_timestamp(seg.format, published.from(h))) {
-                                    Some(time) => time,
-                                    None => {
-                                        let positions = indexes[s].as_ref().expect("located through the dense index");
-                                        seg.time_before(positions, expected)
-                                    }
-                                };
+                            let held = match time {
+                                TimeOf::Known(time) => Some(time),
+                                TimeOf::HeldAt(h) => frame::own_timestamp(seg.format, published.from(h)),
+                                TimeOf::Unknown => None,
+                            };
+                            record.timestamp = held.unwrap_or_else(|| {
+                                let positions = indexes[s].as_ref().expect("located through the dense index");
+                                seg.time_before(positions, expected)
+                            });
                         }
                         found(i, record);
                         continue;

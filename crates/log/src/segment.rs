@@ -346,17 +346,21 @@ impl Segment {
 
     /// The timestamp that record `offset`'s frame takes when it holds none (format 3): that of
     /// the nearest frame before it in this segment that holds one, which `positions` (this
-    /// segment's dense index) marks. 0 for the segment's first record (whose frame always holds
+    /// segment's dense index) knows or marks. 0 for the segment's first record (whose frame always holds
     /// its own) and in earlier formats.
     pub(crate) fn time_before(&self, positions: &crate::index::DenseIndex, offset: u64) -> u64 {
         if !self.format.inherits_time() {
             return 0;
         }
         let published = self.map.published();
-        if let Some(pos) = positions.time_holder((offset - self.base) as usize)
-            && let Some(time) = frame::own_timestamp(self.format, published.from(pos))
-        {
-            return time;
+        match positions.time_of((offset - self.base) as usize) {
+            crate::index::TimeOf::Known(time) => return time,
+            crate::index::TimeOf::HeldAt(pos) => {
+                if let Some(time) = frame::own_timestamp(self.format, published.from(pos)) {
+                    return time;
+                }
+            }
+            crate::index::TimeOf::Unknown => {}
         }
         // Not found through the dense index (it marks every published frame that holds a time,
         // so only a frame damaged since it was checked gets here): a walk from the segment's
