@@ -18,7 +18,7 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{OnceLock, RwLock};
 
 use crate::frame::{self, Format};
@@ -188,50 +188,43 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
     sane.then_some(entries)
 }
 
-/// Records per chunk of a dense index: 4.5 KiB of positions and times, so a log with few
-/// records (one of thousands of queue logs) holds about a page for them, not a segment's worth.
-const CHUNK: usize = 1 << 10;
+/// Records per time group: the dense index keeps the time of every group's first record, in
+/// the cache line that holds the group's positions (8 bytes of time and 14 × 4 of positions).
+pub(crate) const TIME_GROUP: usize = 14;
 
-/// Records per time group: the dense index keeps the time of every group's first record.
-pub(crate) const TIME_GROUP: usize = 16;
+/// Groups per chunk of a dense index: 4 KiB, so a log with few records (one of thousands of
+/// queue logs) holds a page for them, not a segment's worth.
+const CHUNK_GROUPS: usize = 64;
+const CHUNK: usize = CHUNK_GROUPS * TIME_GROUP;
 
 /// The bit of a dense index entry that says its frame holds its own timestamp.
 const TIME_BIT: u32 = 1;
 const _: () = assert!(frame::FRAME_ALIGN > TIME_BIT as usize);
 
-/// One chunk of a dense index: `CHUNK / TIME_GROUP` groups, each the time of its first record
-/// (two words, low first) followed by the positions of its `TIME_GROUP` records, so that a
-/// record's position and its group's time share a page (and mostly a cache line): a random
-/// read misses the cache and the TLB once for both.
-struct Chunk {
-    words: Box<[AtomicU32]>,
+/// One group of a dense index, one cache line: the time of its first record and the positions
+/// of its records, so that a random read misses the cache (and the TLB) once for both.
+#[repr(C, align(64))]
+#[derive(Default)]
+struct Group {
+    time: AtomicU64,
+    positions: [AtomicU32; TIME_GROUP],
 }
+const _: () = assert!(std::mem::size_of::<Group>() == 64);
 
-const GROUP_WORDS: usize = 2 + TIME_GROUP;
+/// One chunk of a dense index: the groups of `CHUNK` records.
+struct Chunk {
+    groups: Box<[Group]>,
+}
 
 impl Chunk {
     fn new() -> Chunk {
-        Chunk { words: (0..CHUNK / TIME_GROUP * GROUP_WORDS).map(|_| AtomicU32::new(0)).collect() }
+        Chunk { groups: (0..CHUNK_GROUPS).map(|_| Group::default()).collect() }
     }
 
     /// The position entry of the chunk's `r`-th record.
     #[inline]
     fn position(&self, r: usize) -> &AtomicU32 {
-        &self.words[r / TIME_GROUP * GROUP_WORDS + 2 + r % TIME_GROUP]
-    }
-
-    #[inline]
-    fn set_group_time(&self, r: usize, time: u64) {
-        let at = r / TIME_GROUP * GROUP_WORDS;
-        self.words[at].store(time as u32, Ordering::Relaxed);
-        self.words[at + 1].store((time >> 32) as u32, Ordering::Relaxed);
-    }
-
-    #[inline]
-    fn group_time(&self, r: usize) -> u64 {
-        let at = r / TIME_GROUP * GROUP_WORDS;
-        let low = self.words[at].load(Ordering::Relaxed) as u64;
-        low | (self.words[at + 1].load(Ordering::Relaxed) as u64) << 32
+        &self.groups[r / TIME_GROUP].positions[r % TIME_GROUP]
     }
 }
 
@@ -254,7 +247,7 @@ pub(crate) enum TimeOf {
 /// Frames start on `FRAME_ALIGN` boundaries, so an entry's low bit is free: it is set when the
 /// frame holds its own timestamp. A format-3 frame without one takes the time of the nearest
 /// frame before it that has one. To find that time without reading frames, the index also
-/// keeps the time of every `TIME_GROUP`-th record (half a byte a record): a record whose group
+/// keeps the time of every `TIME_GROUP`-th record (in the same line): a record whose group
 /// has no frame holding a time between its first and the record takes that group's time;
 /// otherwise the marked frame, found among entries in the looked-up one's cache line, holds it.
 pub(crate) struct DenseIndex {
@@ -279,7 +272,7 @@ impl DenseIndex {
         debug_assert!(pos.is_multiple_of(frame::FRAME_ALIGN) && pos > 0 && pos <= u32::MAX as usize);
         let chunk = self.chunks[i / CHUNK].get_or_init(Chunk::new);
         if i.is_multiple_of(TIME_GROUP) {
-            chunk.set_group_time(i % CHUNK, time);
+            chunk.groups[i % CHUNK / TIME_GROUP].time.store(time, Ordering::Relaxed);
         }
         chunk.position(i % CHUNK).store(pos as u32 | holds_time as u32, Ordering::Relaxed);
     }
@@ -316,7 +309,7 @@ impl DenseIndex {
                 return TimeOf::HeldAt((entry & !TIME_BIT) as usize);
             }
         }
-        TimeOf::Known(chunk.group_time(r))
+        TimeOf::Known(chunk.groups[r / TIME_GROUP].time.load(Ordering::Relaxed))
     }
 
     /// Starts loading what `get(i)` and `time_of(i)` read into the cache (see
@@ -324,10 +317,7 @@ impl DenseIndex {
     #[inline]
     pub(crate) fn prefetch(&self, i: usize) {
         if let Some(chunk) = self.chunks.get(i / CHUNK).and_then(|c| c.get()) {
-            // The group's time is at most 17 words before the position: its line or the one
-            // before.
-            crate::mmap::prefetch(chunk.position(i % CHUNK));
-            crate::mmap::prefetch(&chunk.words[i % CHUNK / TIME_GROUP * GROUP_WORDS]);
+            crate::mmap::prefetch(&chunk.groups[i % CHUNK / TIME_GROUP]);
         }
     }
 
@@ -358,12 +348,13 @@ mod tests {
 
     #[test]
     fn dense_index_knows_where_each_time_is() {
+        const G: usize = TIME_GROUP;
         let index = DenseIndex::new(1 << 20, Format::V3);
-        // Record i at 64 + 40 i; records 0, 5, 16 and 1030 hold their own time, i + 100 for
-        // record i; the others take the time before them.
-        let holds = |i: usize| [0, 5, 16, 1030].contains(&i);
+        // Record i at 64 + 40 i; records 0, 5, 2G and CHUNK + 6 hold their own time, i + 100
+        // for record i; the others take the time before them.
+        let holds = |i: usize| [0, 5, 2 * G, CHUNK + 6].contains(&i);
         let mut time = 0;
-        for i in 0..1100 {
+        for i in 0..CHUNK + 40 {
             if holds(i) {
                 time = i as u64 + 100;
             }
@@ -374,14 +365,15 @@ mod tests {
         assert_eq!(index.time_of(0), TimeOf::Known(100), "a group's first record: its group's time");
         assert_eq!(index.time_of(4), TimeOf::Known(100));
         assert_eq!(index.time_of(5), TimeOf::HeldAt(pos(5)), "a frame that holds one holds its own");
-        assert_eq!(index.time_of(15), TimeOf::HeldAt(pos(5)), "after a holder inside the group");
-        assert_eq!(index.time_of(16), TimeOf::Known(116));
-        assert_eq!(index.time_of(40), TimeOf::Known(116), "a time carried into later groups");
-        assert_eq!(index.time_of(1029), TimeOf::Known(116), "across a chunk");
-        assert_eq!(index.time_of(1031), TimeOf::HeldAt(pos(1030)));
-        assert_eq!(index.time_of(1040), TimeOf::Known(1130));
-        assert_eq!(index.time_of(1100), TimeOf::Unknown, "past the records");
-        assert_eq!(index.time_of(5000), TimeOf::Unknown, "past the chunks");
+        assert_eq!(index.time_of(G - 1), TimeOf::HeldAt(pos(5)), "after a holder inside the group");
+        assert_eq!(index.time_of(G), TimeOf::Known(105), "a time carried into the next group");
+        assert_eq!(index.time_of(2 * G), TimeOf::Known(2 * G as u64 + 100));
+        assert_eq!(index.time_of(3 * G + 3), TimeOf::Known(2 * G as u64 + 100));
+        assert_eq!(index.time_of(CHUNK + 5), TimeOf::Known(2 * G as u64 + 100), "across a chunk");
+        assert_eq!(index.time_of(CHUNK + 7), TimeOf::HeldAt(pos(CHUNK + 6)));
+        assert_eq!(index.time_of(CHUNK + G), TimeOf::Known(CHUNK as u64 + 106));
+        assert_eq!(index.time_of(CHUNK + 40), TimeOf::Unknown, "past the records");
+        assert_eq!(index.time_of(5 * CHUNK), TimeOf::Unknown, "past the chunks");
     }
 
     #[test]

@@ -274,7 +274,9 @@ impl Log {
             self.sync()?;
         }
         // A closed log takes the disk its records take: the blocks reserved past its end go
-        // back (the next writer reserves them again as it reaches them).
+        // back (the next writer reserves them again as it reaches them), once no page there
+        // is being faulted in.
+        self.prefaulter.stop();
         self.writer.unallocate_from(self.pos);
         self.active.release_unwritten(self.pos);
         Ok(())

@@ -33,6 +33,10 @@ struct Work {
 struct Shared {
     work: Mutex<BTreeMap<u64, Work>>,
     wake: Condvar,
+    /// The log whose pages the thread is faulting in now, outside `work`'s lock.
+    busy: Mutex<Option<u64>>,
+    /// Signalled when the thread finishes a chunk.
+    chunk_done: Condvar,
 }
 
 fn shared() -> &'static Shared {
@@ -42,7 +46,12 @@ fn shared() -> &'static Shared {
             // Prefaulting only saves writers page faults; go on without it.
             tracing::warn!(error = %e, "no prefault thread");
         }
-        Shared { work: Mutex::new(BTreeMap::new()), wake: Condvar::new() }
+        Shared {
+            work: Mutex::new(BTreeMap::new()),
+            wake: Condvar::new(),
+            busy: Mutex::new(None),
+            chunk_done: Condvar::new(),
+        }
     })
 }
 
@@ -78,6 +87,24 @@ impl Prefaulter {
     }
 }
 
+impl Prefaulter {
+    /// Takes this log off the thread's work and waits until no page of it is being faulted in:
+    /// after this, the log may give back blocks past its end (a fault there would take them
+    /// again).
+    pub(crate) fn stop(&mut self) {
+        if !self.reported {
+            return;
+        }
+        self.reported = false;
+        let shared = shared();
+        shared.work.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+        let mut busy = shared.busy.lock().unwrap_or_else(|e| e.into_inner());
+        while *busy == Some(self.id) {
+            busy = shared.chunk_done.wait(busy).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 impl Drop for Prefaulter {
     fn drop(&mut self) {
         if self.reported {
@@ -99,6 +126,7 @@ fn run() {
             continue;
         };
         let (seg, from, to) = (Arc::clone(&w.seg), w.done, (w.done + CHUNK).min(w.want));
+        *shared.busy.lock().unwrap_or_else(|e| e.into_inner()) = Some(id);
         drop(work);
         // A segment whose pages the page budget took back is not faulted in again ahead of its
         // writer (it counts again at its next write, and faults in as it is written).
@@ -107,6 +135,8 @@ fn run() {
             seg.map.prefault_write(from, to);
         }
         last = id;
+        *shared.busy.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        shared.chunk_done.notify_all();
         work = shared.work.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = work.get_mut(&id).filter(|w| Arc::ptr_eq(&w.seg, &seg)) {
             w.done = if given_back { w.want } else { w.done.max(to) };
