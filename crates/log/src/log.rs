@@ -489,6 +489,13 @@ impl Log {
             self.active.write_checkpoint(pos as u64, self.active.base + records);
         }
         crate::index::save(self.shared.dir(), self.active.base, &self.active.index.entries());
+        if self.active.map.allocated() > self.pos.next_multiple_of(4096) + segment::ALLOCATION_STEP {
+            // Sealed well before its end (a record larger than what was left): the blocks
+            // reserved past its last frame go back, as a closing log's do.
+            self.prefaulter.stop();
+            self.writer.unallocate_from(self.pos);
+            self.active.release_unwritten(self.pos);
+        }
         self.shared.options().page_budget.touch(&self.active, Use::Sealed);
         let next = Arc::new(next);
         let writer = next.map.writer().expect("a new mapping has its writer");

@@ -652,6 +652,35 @@ fn a_segment_takes_the_disk_its_records_take() {
     assert_eq!(log.next_offset(), 800_000);
 }
 
+/// A segment sealed early, because the next record did not fit in what was left, gives back the
+/// blocks its writer had reserved past its last frame.
+#[test]
+fn a_segment_sealed_early_gives_back_what_it_did_not_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = Options {
+        segment_bytes: 64 << 20,
+        initial_segment_bytes: None,
+        max_record_bytes: 80 << 20,
+        ..Options::default()
+    };
+    let mut log = Log::open(dir.path(), options).unwrap();
+    // 3 MB of records: the writer has reserved blocks some 48 MiB ahead of them.
+    for i in 0..3000u32 {
+        log.append(&[i as u8; 1000]).unwrap();
+    }
+    let large = vec![7u8; 70 << 20];
+    log.append(&large).unwrap();
+    let first = segments(dir.path())[0].clone();
+    use std::os::unix::fs::MetadataExt;
+    let blocks = fs::metadata(&first).unwrap().blocks() * 512;
+    assert!(blocks < 4 << 20, "the first segment holds 3 MB of records and {blocks} bytes of disk");
+    drop(log);
+    let log = Log::open(dir.path(), Options::default()).unwrap();
+    let mut reader = log.reader();
+    assert_eq!(reader.get(2999).unwrap().unwrap().payload, &[(2999 % 256) as u8; 1000][..]);
+    assert_eq!(reader.get(3000).unwrap().unwrap().payload, &large[..]);
+}
+
 /// Many writing logs share one prefault thread: a process with a thousand queue logs must not
 /// hold a thousand threads (each used to start its own at its first segment roll).
 #[test]
