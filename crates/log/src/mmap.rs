@@ -268,7 +268,7 @@ impl DataWriter {
             let end = ((start + at) / PAGE + 1) * PAGE - start;
             let end = end.min(to);
             // SAFETY: as `unpublished_mut`, for `[start + at, start + end)`, inside the mapping
-            // (asserted above); the page holds data, so its blocks are on disk already.
+            // (asserted above). It is written only if it holds data, whose blocks are reserved.
             let bytes = unsafe { std::slice::from_raw_parts_mut(self.map.raw.as_mut_ptr().add(start + at), end - at) };
             if bytes.iter().any(|&b| b != 0) {
                 bytes.fill(0);

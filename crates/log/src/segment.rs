@@ -4,7 +4,7 @@
 //! ```text
 //! header, 64 bytes, little-endian:
 //! 0   8  magic             b"PETRELSG"
-//! 8   4  format version    2 (1: segments written before format 2; still read)
+//! 8   4  format version    3 (1 and 2: segments written by earlier versions; still read)
 //! 12  4  header length     64 (frames start here)
 //! 16  8  base offset       offset of the first record; also in the file name
 //! 24  8  segment length    the file's length (its blocks reserved as the writer reaches them)
@@ -161,10 +161,9 @@ pub(crate) struct Segment {
 impl Segment {
     /// Creates and maps a new segment of `len` bytes with the first `FIRST_ALLOCATION` of them
     /// (or its first page, on a nearly full disk) reserved on disk; the writer reserves the rest
-    /// as it goes (`allocate`). The file appears
-    /// under its final name only once sized, reserved and headed, so a crash or a full disk never
-    /// leaves a half-made segment where the next open would trip on it. With `durable`, file and
-    /// directory are synced too.
+    /// as it goes (`allocate`). The file appears under its final name only once sized, reserved
+    /// and headed, so a crash or a full disk never leaves a half-made segment where the next
+    /// open would trip on it. With `durable`, file and directory are synced too.
     pub(crate) fn create(dir: &Path, base: u64, len: u64, now: u64, durable: bool) -> Result<Segment> {
         let path = dir.join(file_name(base));
         let tmp = dir.join(format!("{base:020}{TMP_SUFFIX}"));
@@ -346,8 +345,8 @@ impl Segment {
 
     /// The timestamp that record `offset`'s frame takes when it holds none (format 3): that of
     /// the nearest frame before it in this segment that holds one, which `positions` (this
-    /// segment's dense index) knows or marks. 0 for the segment's first record (whose frame always holds
-    /// its own) and in earlier formats.
+    /// segment's dense index) knows or marks. 0 for the segment's first record (whose frame
+    /// always holds its own) and in earlier formats.
     pub(crate) fn time_before(&self, positions: &crate::index::DenseIndex, offset: u64) -> u64 {
         if !self.format.inherits_time() {
             return 0;
