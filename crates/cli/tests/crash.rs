@@ -299,35 +299,50 @@ fn check_after_full_disk(log: &Path, ok: bool, acked: &[u64], stderr: &str, payl
     }
 }
 
+/// A script for `append_in` that appends with `petrel log append LOG ARGS` on a tmpfs of
+/// `size` in a private mount namespace (a real full disk), and copies the log out to `$LOG`
+/// before the namespace (and its tmpfs) goes away.
+fn append_on_tmpfs(size: &str, args: &str) -> String {
+    format!(
+        r#"exec unshare -rm bash -c '
+        mnt=$(mktemp -d) && mount -t tmpfs -o size={size} tmpfs "$mnt" || exit 99
+        "$PETREL" log append "$mnt/log" {args}; rc=$?
+        cp -r "$mnt/log" "$LOG"; exit $rc'"#
+    )
+}
+
 #[test]
 fn a_full_disk_is_a_clear_error_and_leaves_a_readable_log() {
-    // A real full disk: a 400 KiB tmpfs in a private mount namespace. The log is copied out
-    // before the namespace (and its tmpfs) goes away.
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
-    let script = r#"exec unshare -rm bash -c '
-        mnt=$(mktemp -d) && mount -t tmpfs -o size=400k tmpfs "$mnt" || exit 99
-        "$PETREL" log append "$mnt/log" --segment-bytes 65536; rc=$?
-        cp -r "$mnt/log" "$LOG"; exit $rc'"#;
+    let script = append_on_tmpfs("400k", "--segment-bytes 65536");
     let payload = |n: u64| format!("record {n} {}", "x".repeat(100)).into_bytes();
-    let (ok, acked, stderr) = append_in(script, &log, (0..20_000).map(payload).collect(), usize::MAX);
+    let (ok, acked, stderr) = append_in(&script, &log, (0..20_000).map(payload).collect(), usize::MAX);
     check_after_full_disk(&log, ok, &acked, &stderr, payload);
 }
 
 #[test]
 fn a_disk_that_fills_in_the_middle_of_a_segment_is_a_clear_error_too() {
-    // A 3 MiB tmpfs and the default segment sizes: the log's second segment (2 MiB) is made
-    // with its blocks not yet reserved, and the disk fills while the writer reserves them.
+    // A 2.5 MiB tmpfs and the default segment sizes: the log's second segment (2 MiB) is made
+    // with its first page reserved (the rest does not fit), and the disk fills while the
+    // writer reserves more.
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
-    let script = r#"exec unshare -rm bash -c '
-        mnt=$(mktemp -d) && mount -t tmpfs -o size=3m tmpfs "$mnt" || exit 99
-        "$PETREL" log append "$mnt/log"; rc=$?
-        cp -r "$mnt/log" "$LOG"; exit $rc'"#;
+    let script = append_on_tmpfs("2560k", "");
     let payload = |n: u64| format!("record {n} {}", "x".repeat(100)).into_bytes();
-    let (ok, acked, stderr) = append_in(script, &log, (0..40_000).map(payload).collect(), usize::MAX);
+    let (ok, acked, stderr) = append_in(&script, &log, (0..40_000).map(payload).collect(), usize::MAX);
+    let mut segments: Vec<_> = std::fs::read_dir(&log)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .collect();
+    segments.sort();
+    let lens: Vec<u64> = segments.iter().map(|p| std::fs::metadata(p).unwrap().len()).collect();
     check_after_full_disk(&log, ok, &acked, &stderr, payload);
-    assert!(acked.len() > 20_000, "the disk filled in the second segment: {} acknowledged", acked.len());
+    // The second segment got its whole length though the disk had less room than that: it
+    // reserved its first page only, not a halved length.
+    assert_eq!(lens, [1 << 20, 2 << 20], "segment lengths");
+    assert!(acked.len() > 12_000, "the disk filled in the second segment: {} acknowledged", acked.len());
 }
 
 #[test]

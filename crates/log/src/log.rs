@@ -99,7 +99,7 @@ impl Log {
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
         // What the records take is on disk; the writer reserves the rest as it goes.
-        active.allocate(pos.next_multiple_of(4096).min(active.map.len()))?;
+        active.allocate(pos)?;
         active.index.set(crate::index::build(
             active.format,
             active.map.published().from(SEGMENT_HEADER_LEN),
@@ -273,12 +273,8 @@ impl Log {
         if self.shared.options().durability != Durability::None {
             self.sync()?;
         }
-        // A closed log takes the disk its records take: the blocks reserved past its end go
-        // back (the next writer reserves them again as it reaches them), once no page there
-        // is being faulted in.
-        self.prefaulter.stop();
-        self.writer.unallocate_from(self.pos);
-        self.active.release_unwritten(self.pos);
+        // A closed log takes the disk its records take.
+        self.release_past_end();
         Ok(())
     }
 
@@ -426,12 +422,20 @@ impl Log {
     /// frame needs (a nearly full disk still takes what fits).
     #[cold]
     fn allocate(&mut self, needed: usize) -> Result<()> {
-        let len = self.active.map.len();
-        let ahead = (self.pos + segment::ALLOCATE_AHEAD).next_multiple_of(segment::ALLOCATION_STEP).min(len);
-        if ahead >= needed && self.active.allocate(ahead).is_ok() {
+        let ahead = (self.pos + segment::ALLOCATE_AHEAD).next_multiple_of(segment::ALLOCATION_STEP).max(needed);
+        if self.active.allocate(ahead).is_ok() {
             return Ok(());
         }
-        self.active.allocate(needed.next_multiple_of(4096).min(len))
+        self.active.allocate(needed)
+    }
+
+    /// Gives back the active segment's blocks reserved past the last frame, once no page there
+    /// is being faulted in (a fault would take them again); the writer reserves them again if
+    /// it reaches them.
+    fn release_past_end(&mut self) {
+        self.prefaulter.stop();
+        self.writer.unallocate_from(self.pos);
+        self.active.release_unwritten(self.pos);
     }
 
     /// Makes everything written so far visible to readers.
@@ -489,12 +493,10 @@ impl Log {
             self.active.write_checkpoint(pos as u64, self.active.base + records);
         }
         crate::index::save(self.shared.dir(), self.active.base, &self.active.index.entries());
-        if self.active.map.allocated() > self.pos.next_multiple_of(4096) + segment::ALLOCATION_STEP {
-            // Sealed well before its end (a record larger than what was left): the blocks
-            // reserved past its last frame go back, as a closing log's do.
-            self.prefaulter.stop();
-            self.writer.unallocate_from(self.pos);
-            self.active.release_unwritten(self.pos);
+        if self.active.map.allocated() > self.pos + segment::ALLOCATION_STEP {
+            // Sealed well before its end (a record larger than what was left): its unused
+            // blocks go back, as a closing log's do.
+            self.release_past_end();
         }
         self.shared.options().page_budget.touch(&self.active, Use::Sealed);
         let next = Arc::new(next);

@@ -376,9 +376,11 @@ impl Segment {
         time
     }
 
-    /// Reserves this segment's disk blocks up to `end` (a page multiple or the segment's length),
-    /// so the writer may write below it. A full disk is an error here, never a fault on a write.
+    /// Reserves this segment's disk blocks up to `end` (rounded up to a page, at most the
+    /// segment's length), so the writer may write below it. A full disk is an error here, never
+    /// a fault on a write.
     pub(crate) fn allocate(&self, end: usize) -> Result<()> {
+        let end = end.next_multiple_of(PAGE).min(self.map.len());
         let from = self.map.allocated();
         if end <= from {
             return Ok(());
