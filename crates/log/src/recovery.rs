@@ -17,6 +17,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::ops::Range;
 
 use crate::checksum;
 use crate::error::{Error, FrameError, Reason, Result};
@@ -93,6 +94,14 @@ pub(crate) struct Scan {
 /// Scans `data` (a segment's data region) from relative position `start`, where record
 /// `start_offset` is expected.
 pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64) -> Scan {
+    scan_with_hole(format, data, start, start_offset, 0..0)
+}
+
+/// `scan`, told that `hole` (relative to `data`) is a hole of the file: it reads as zeros, and
+/// the check for bytes after the last frame does not read it (a read would fault its pages in,
+/// and the kernel read ahead around them: a whole small segment for each idle queue a server
+/// opens).
+pub(crate) fn scan_with_hole(format: Format, data: &[u8], start: usize, start_offset: u64, hole: Range<usize>) -> Scan {
     let mut pos = start;
     let mut next = start_offset;
     let mut records = 0;
@@ -112,7 +121,7 @@ pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64)
             Ok(Decoded::Empty) => {
                 // Nothing was written here — unless a crash left a frame's body without its
                 // header, which shows as non-zero bytes further on.
-                let garbage_end = nonzero_extent(data, pos);
+                let garbage_end = nonzero_extent(data, pos, hole);
                 let stop = if garbage_end == pos {
                     Stop::Clean
                 } else {
@@ -122,7 +131,7 @@ pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64)
             }
             Err(e) => e,
         };
-        let garbage_end = nonzero_extent(data, pos).max(pos + FRAME_ALIGN).min(data.len());
+        let garbage_end = nonzero_extent(data, pos, hole).max(pos + FRAME_ALIGN).min(data.len());
         let stop = classify(format, data, pos, next, garbage_end, error);
         return Scan { end: pos, next_offset: next, records, stop };
     }
@@ -282,18 +291,21 @@ pub(crate) fn judge_format(data: &[u8], base: u64) -> Format {
 
 /// End of the run of non-zero data starting at `pos`: the first 4 KiB-aligned page boundary after
 /// which a whole page is zero (or the end of `data`). Returns `pos` if `[pos, next page)` and the
-/// page after are zero.
-pub(crate) fn nonzero_extent(data: &[u8], pos: usize) -> usize {
+/// page after are zero. Bytes in `hole` are zeros, and are not read.
+pub(crate) fn nonzero_extent(data: &[u8], pos: usize, hole: Range<usize>) -> usize {
     const PAGE: usize = 4096;
     let mut last_nonzero = None;
     let mut at = pos;
     let mut zero_run_start = pos;
     while at < data.len() {
-        let chunk_end = ((at / PAGE) + 1) * PAGE;
-        let chunk = &data[at..chunk_end.min(data.len())];
-        match chunk.iter().rposition(|&b| b != 0) {
+        let chunk_end = (((at / PAGE) + 1) * PAGE).min(data.len());
+        // The chunk's bytes outside the hole: before it, and after it.
+        let before = at..chunk_end.min(hole.start).max(at);
+        let after = hole.end.clamp(at, chunk_end)..chunk_end;
+        let last = |r: Range<usize>| data[r.clone()].iter().rposition(|&b| b != 0).map(|i| r.start + i);
+        match last(after).or_else(|| last(before)) {
             Some(i) => {
-                last_nonzero = Some(at + i);
+                last_nonzero = Some(i);
                 zero_run_start = chunk_end;
             }
             None if chunk_end - zero_run_start >= PAGE => break,
@@ -313,7 +325,11 @@ pub(crate) fn recover_active(
 ) -> Result<(usize, u64)> {
     let header = seg.header();
     let (start, start_offset) = scan_start(seg, &header);
-    let scan = scan(seg.format, writer.unpublished(), start - SEGMENT_HEADER_LEN, start_offset);
+    // The hole after the checkpoint, if the file has one (where a closed log gave back the
+    // blocks past its records, and where blocks were never reserved), relative to the data.
+    let hole = seg.hole_after(start);
+    let hole = hole.start.saturating_sub(SEGMENT_HEADER_LEN)..hole.end.saturating_sub(SEGMENT_HEADER_LEN);
+    let scan = scan_with_hole(seg.format, writer.unpublished(), start - SEGMENT_HEADER_LEN, start_offset, hole);
     report.records_scanned = scan.records;
     let end = SEGMENT_HEADER_LEN + scan.end;
     match scan.stop {
@@ -571,48 +587,69 @@ mod tests {
         ]
     }
 
+    /// The data region of a segment made of `pieces`, one after another.
+    fn made_up_segment(pieces: &[Piece]) -> Vec<u8> {
+        let mut data = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Frame(payload) | Piece::Damaged(payload, _) => {
+                    let input = Input::payload(payload);
+                    // Frames with and without their own timestamp.
+                    let (len, time) = match payload.len() % 2 {
+                        0 => (frame_len(&input), Some(1)),
+                        _ => (frame_len(&input) - frame::TIMESTAMP_LEN, None),
+                    };
+                    let at = data.len();
+                    data.resize(at + align_up(len), 0);
+                    encode(&mut data[at..], len, time, &input);
+                    if let Piece::Damaged(_, bit) = piece {
+                        let bit = bit % (len * 8);
+                        data[at + bit / 8] ^= 1 << (bit % 8);
+                    }
+                }
+                Piece::Nested(payload) => {
+                    let inner = Input::payload(payload);
+                    let mut bytes = vec![0u8; align_up(frame_len(&inner))];
+                    encode(&mut bytes, frame_len(&inner), Some(1), &inner);
+                    let outer = Input::payload(&bytes);
+                    let at = data.len();
+                    data.resize(at + align_up(frame_len(&outer)), 0);
+                    encode(&mut data[at..], frame_len(&outer), Some(1), &outer);
+                }
+                Piece::Garbage(words) => {
+                    for (a, b) in words {
+                        data.extend_from_slice(&a.to_le_bytes());
+                        data.extend_from_slice(&b.to_le_bytes());
+                    }
+                }
+                Piece::Zeros(n) => data.resize(data.len() + n, 0),
+            }
+        }
+        data
+    }
+
     proptest::proptest! {
+        /// A hole is only a promise of zeros: where the bytes are zeros, knowing it changes
+        /// nothing a scan finds.
+        #[test]
+        fn a_scan_told_of_a_hole_finds_what_reading_it_finds(
+            pieces in proptest::collection::vec(piece(), 1..30),
+            hole_start in 0usize..3 * 4096,
+            hole_len in 0usize..3 * 4096,
+        ) {
+            let mut data = made_up_segment(&pieces);
+            data.resize(data.len() + 4096, 0);
+            let hole = hole_start.min(data.len())..(hole_start + hole_len).min(data.len());
+            data[hole.clone()].fill(0);
+            proptest::prop_assert_eq!(scan_with_hole(Format::V3, &data, 0, 0, hole), scan(Format::V3, &data, 0, 0));
+        }
+
         #[test]
         fn the_one_pass_search_finds_what_checking_each_candidate_finds(
             pieces in proptest::collection::vec(piece(), 1..30),
             from in 0usize..4096,
         ) {
-            let mut data = Vec::new();
-            for piece in &pieces {
-                match piece {
-                    Piece::Frame(payload) | Piece::Damaged(payload, _) => {
-                        let input = Input::payload(payload);
-                        // Frames with and without their own timestamp.
-                        let (len, time) = match payload.len() % 2 {
-                            0 => (frame_len(&input), Some(1)),
-                            _ => (frame_len(&input) - frame::TIMESTAMP_LEN, None),
-                        };
-                        let at = data.len();
-                        data.resize(at + align_up(len), 0);
-                        encode(&mut data[at..], len, time, &input);
-                        if let Piece::Damaged(_, bit) = piece {
-                            let bit = bit % (len * 8);
-                            data[at + bit / 8] ^= 1 << (bit % 8);
-                        }
-                    }
-                    Piece::Nested(payload) => {
-                        let inner = Input::payload(payload);
-                        let mut bytes = vec![0u8; align_up(frame_len(&inner))];
-                        encode(&mut bytes, frame_len(&inner), Some(1), &inner);
-                        let outer = Input::payload(&bytes);
-                        let at = data.len();
-                        data.resize(at + align_up(frame_len(&outer)), 0);
-                        encode(&mut data[at..], frame_len(&outer), Some(1), &outer);
-                    }
-                    Piece::Garbage(words) => {
-                        for (a, b) in words {
-                            data.extend_from_slice(&a.to_le_bytes());
-                            data.extend_from_slice(&b.to_le_bytes());
-                        }
-                    }
-                    Piece::Zeros(n) => data.resize(data.len() + n, 0),
-                }
-            }
+            let data = made_up_segment(&pieces);
             let from = from.min(data.len());
             proptest::prop_assert_eq!(
                 find_valid_after(Format::V3, &data, from, 0, usize::MAX),
@@ -624,10 +661,14 @@ mod tests {
     #[test]
     fn nonzero_extent_finds_garbage_end() {
         let mut data = vec![0u8; 5 * 4096];
-        assert_eq!(nonzero_extent(&data, 16), 16);
+        assert_eq!(nonzero_extent(&data, 16, 0..0), 16);
         data[100] = 1;
         data[4096 + 7] = 1;
-        assert_eq!(nonzero_extent(&data, 16), 4096 + 8);
+        assert_eq!(nonzero_extent(&data, 16, 0..0), 4096 + 8);
+        // A hole is zeros without a read: a byte there is not looked at.
+        assert_eq!(nonzero_extent(&data, 16, 4032..5 * 4096), 101);
+        assert_eq!(nonzero_extent(&data, 16, 4096..4096 + 7), 4096 + 8);
+        assert_eq!(nonzero_extent(&data, 16, 4096 + 7..4096 + 8), 101);
         assert_eq!(align_up(3), 8);
     }
 }

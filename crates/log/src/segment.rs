@@ -249,7 +249,11 @@ impl Segment {
             });
         }
         let mut header_bytes = [0u8; SEGMENT_HEADER_LEN];
+        // The header alone: the kernel's read-ahead for a first read would take the pages after
+        // it too (zeros, in a server's idle queue). Advice only: errors are ignored.
+        let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random);
         read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
+        let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Normal);
         let header = match SegmentHeader::decode_for(&header_bytes, base) {
             Err(HeaderError::Unsupported(what)) => {
                 return Err(Error::UnsupportedFormat { file: path.to_path_buf(), what });
@@ -394,6 +398,24 @@ impl Segment {
             .map_err(|e| allocation_error(e.into()))?;
         self.map.set_allocated(end);
         Ok(())
+    }
+
+    /// The first hole of the file at or after file position `from`: a range that holds no data
+    /// and reads as zeros, which recovery then need not read (`recovery::scan_with_hole`).
+    /// Empty when there is none, or when the file system does not say.
+    pub(crate) fn hole_after(&self, from: usize) -> std::ops::Range<usize> {
+        use rustix::fs::{SeekFrom, seek};
+        let len = self.map.len();
+        let Ok(file) = File::open(&self.path) else { return 0..0 };
+        let Ok(start) = seek(&file, SeekFrom::Hole(from as u64)) else { return 0..0 };
+        let start = (start as usize).min(len);
+        let end = match seek(&file, SeekFrom::Data(start as u64)) {
+            Ok(end) => (end as usize).min(len),
+            // A hole to the end of the file.
+            Err(rustix::io::Errno::NXIO) => len,
+            Err(_) => return 0..0,
+        };
+        start..end
     }
 
     /// Gives the disk blocks reserved past `end` back (the writer has stopped writes there:
