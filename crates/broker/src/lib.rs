@@ -42,7 +42,7 @@ mod waiting;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -471,7 +471,12 @@ impl Broker {
         };
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         broker.secured.store(broker.options.security.is_some(), Ordering::Release);
-        for def in broker.load_definitions()? {
+        // The queues on disk, opened on several threads: a start is mostly waiting for the file
+        // system's reads (a definition, a directory, a segment's header, a cursor per queue),
+        // which overlap when several are asked for at once.
+        let dirs = broker.queue_dirs()?;
+        let opened = on_threads(OPENING_THREADS, &dirs, |dir| {
+            let Some(def) = read_definition(dir)? else { return Ok(None) };
             let config = match configured.queues.get(&def.name) {
                 Some(configured) if *configured != def.config => {
                     tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
@@ -480,8 +485,12 @@ impl Broker {
                 }
                 _ => def.config,
             };
-            let queue = broker.build(def.name, config, None, false)?;
-            broker.write().insert(Arc::new(queue));
+            broker.build(def.name, config, None, false).map(|queue| Some(Arc::new(queue)))
+        });
+        for queue in opened {
+            if let Some(queue) = queue? {
+                broker.write().insert(queue);
+            }
         }
         for (name, config) in &configured.queues {
             if broker.queue(name).is_none() {
@@ -1344,30 +1353,67 @@ impl Broker {
         Ok(made)
     }
 
-    /// Every queue definition under `queues/`. A directory without one (a creation cut short
-    /// before its definition was written) holds no message and is left alone.
-    fn load_definitions(&self) -> Result<Vec<Definition>, BrokerError> {
+    /// The directories under `queues/`, by name, each a queue's if it holds a definition (see
+    /// `read_definition`). Removals cut short by a crash are finished here.
+    fn queue_dirs(&self) -> Result<Vec<PathBuf>, BrokerError> {
         let queues = self.dir.join("queues");
         let failed = |p: &Path, e: &dyn std::fmt::Display| BrokerError::Definitions(format!("{}: {e}", p.display()));
-        let mut defs = Vec::new();
+        let mut dirs = Vec::new();
         for entry in std::fs::read_dir(&queues).map_err(|e| failed(&queues, &e))? {
             let dir = entry.map_err(|e| failed(&queues, &e))?.path();
             if dir.file_name().is_some_and(|n| n.to_string_lossy().starts_with(REMOVED)) {
                 std::fs::remove_dir_all(&dir).map_err(|e| failed(&dir, &e))?;
                 continue;
             }
-            let path = dir.join(DEFINITION);
-            match std::fs::read(&path) {
-                Ok(bytes) => defs.push(serde_json::from_slice::<Definition>(&bytes).map_err(|e| failed(&path, &e))?),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    tracing::warn!(dir = %path.parent().unwrap_or(&queues).display(), "no queue definition; ignored");
-                }
-                Err(e) => return Err(failed(&path, &e)),
-            }
+            dirs.push(dir);
         }
-        defs.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(defs)
+        dirs.sort();
+        Ok(dirs)
     }
+}
+
+/// The definition in a queue's directory. A directory without one (a creation cut short before
+/// its definition was written) holds no message and is left alone.
+fn read_definition(dir: &Path) -> Result<Option<Definition>, BrokerError> {
+    let path = dir.join(DEFINITION);
+    let failed = |e: &dyn std::fmt::Display| BrokerError::Definitions(format!("{}: {e}", path.display()));
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| failed(&e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            tracing::warn!(dir = %dir.display(), "no queue definition; ignored");
+            Ok(None)
+        }
+        Err(e) => Err(failed(&e)),
+    }
+}
+
+/// Threads that open a server's queues when it starts: more than a small host's cores, because
+/// on a cold start they mostly wait for the disk. (Their allocator pages stay with the process
+/// when they end, free, until the allocator's next purges: 30 MB more resident right after a
+/// start with 10,000 queues, 9 MB after two seconds of traffic.)
+const OPENING_THREADS: usize = 8;
+
+/// `work` done on each of `items` by up to `threads` threads, each taking the next item not
+/// taken; the results in the items' order.
+fn on_threads<T: Sync, R: Send>(threads: usize, items: &[T], work: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let next = AtomicUsize::new(0);
+    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads.min(items.len()))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(item) = items.get(i) else { return done };
+                        done.push((i, work(item)));
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+    });
+    done.sort_unstable_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// A queue's creation under way: its name leaves the names being created when it ends, whether
@@ -1454,4 +1500,22 @@ pub fn check_name(name: &str) -> Result<(), BrokerError> {
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-+".contains(&b))
         && !name.starts_with(['.', '+']);
     if ok { Ok(()) } else { Err(BrokerError::BadRequest(format!("invalid queue name {:?}", shown(name)))) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn work_on_threads_comes_back_in_the_items_order() {
+        let items: Vec<u64> = (0..1000).collect();
+        let threads = Mutex::new(HashSet::new());
+        let squares = on_threads(8, &items, |&i| {
+            threads.lock().unwrap().insert(std::thread::current().id());
+            i * i
+        });
+        assert_eq!(squares, items.iter().map(|i| i * i).collect::<Vec<_>>());
+        assert!(threads.into_inner().unwrap().len() <= 8);
+        assert!(on_threads(8, &[] as &[u64], |&i| i).is_empty());
+    }
 }
