@@ -221,6 +221,37 @@ fn durable_queues_and_definitions_survive_a_restart_with_tentative_reads_back() 
     assert!(!dir.path().join("queues/jobs").exists());
 }
 
+/// A broker opens its queues on several threads: every queue comes back with its messages, and
+/// a damaged definition is a clear error naming its file (the first in name order, however the
+/// threads fall).
+#[test]
+fn many_queues_come_back_after_a_restart_and_a_damaged_definition_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let names: Vec<String> = (0..40).map(|i| format!("q{i:02}")).collect();
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        for (i, name) in names.iter().enumerate() {
+            b.create_queue(name, QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+            let items: Vec<String> = (0..=i).map(|n| format!("{name}-{n}")).collect();
+            b.offer(name, items.iter().map(|s| Message::new(s.as_bytes().to_vec())).collect(), 1).unwrap();
+        }
+    }
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        assert_eq!(b.queue_names(), names);
+        for (i, name) in names.iter().enumerate() {
+            let expected: Vec<Vec<u8>> = (0..=i).map(|n| format!("{name}-{n}").into_bytes()).collect();
+            assert_eq!(payloads(&b.poll(name, 100, None, 1, 2).unwrap()), expected, "{name}");
+        }
+    }
+    for damaged in ["q31", "q07"] {
+        std::fs::write(dir.path().join("queues").join(damaged).join("queue.json"), b"{\"name\": ").unwrap();
+    }
+    let error = Broker::open(dir.path(), BrokerOptions::default()).err().expect("a damaged definition");
+    assert!(matches!(error, BrokerError::Definitions(_)), "{error}");
+    assert!(error.to_string().contains("q07/queue.json"), "{error}");
+}
+
 #[test]
 fn bad_names_and_oversized_messages_are_refused() {
     let dir = tempfile::tempdir().unwrap();
