@@ -609,11 +609,13 @@ impl Broker {
             let levels = config::levels_of(&config);
             // What the queue's directory holds, listed once (asking for each name would cost a
             // lookup apiece), and not at all when it was made just now.
-            let names: HashSet<std::ffi::OsString> = match std::fs::read_dir(&dir) {
-                _ if made => HashSet::new(),
-                Ok(entries) => entries.filter_map(|e| e.ok().map(|e| e.file_name())).collect(),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashSet::new(),
-                Err(e) => return Err(BrokerError::Definitions(format!("list {}: {e}", in_data_dir(&dir)))),
+            let names: HashSet<std::ffi::OsString> = match made {
+                true => HashSet::new(),
+                false => match std::fs::read_dir(&dir) {
+                    Ok(entries) => entries.filter_map(|e| e.ok().map(|e| e.file_name())).collect(),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => HashSet::new(),
+                    Err(e) => return Err(BrokerError::Definitions(format!("list {}: {e}", in_data_dir(&dir)))),
+                },
             };
             // A level's log the configuration no longer has would hide its messages: refuse.
             if let Some(extra) = (levels..=config::MAX_PRIORITIES as usize)
