@@ -2,8 +2,9 @@
 # What a restart costs a server with QUEUES queues (default 10,000, made by memcache first use,
 # one message each): time until it listens, its resident memory (file pages: the mapped
 # segments and cursors; anonymous: everything else) and the page cache its segments then take.
-# ROUNDS restarts (default 3), each with a warm page cache and, when this user may drop the
-# page cache (root), one with a cold one first. Petrel's defaults: durable queues, log
+# ROUNDS restarts (default 3), each with warm caches and, when this user may drop the kernel's
+# caches (root), one with cold ones first (page cache, dentries and inodes: as after a reboot,
+# but for the disk's own cache). Petrel's defaults: durable queues, log
 # durability `none`.
 #
 #   bench/restart.sh                 (QUEUES, ROUNDS to change; BINS="a b" to compare builds)
@@ -39,7 +40,7 @@ echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(npro
 for _ in $(seq "$rounds"); do
   for bin in "${bins[@]}"; do
     for cache in "${caches[@]}"; do
-      if [ "$cache" = cold ]; then sync; echo 1 > /proc/sys/vm/drop_caches; sleep 1; fi
+      if [ "$cache" = cold ]; then sync; echo 3 > /proc/sys/vm/drop_caches; sleep 1; fi
       started=$(date +%s%N); start "$bin"; ready=$(date +%s%N)
       status=/proc/$pid/status
       cached=$(find "$work/data/queues" -name '*.log' -print0 | xargs -0 fincore -b -n -o RES | awk '{s += $1} END {printf "%.0f", s / 1048576}')

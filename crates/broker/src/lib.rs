@@ -486,11 +486,9 @@ impl Broker {
                 _ => def.config,
             };
             broker.build(def.name, config, None, false).map(|queue| Some(Arc::new(queue)))
-        });
-        for queue in opened {
-            if let Some(queue) = queue? {
-                broker.write().insert(queue);
-            }
+        })?;
+        for queue in opened.into_iter().flatten() {
+            broker.write().insert(queue);
         }
         for (name, config) in &configured.queues {
             if broker.queue(name).is_none() {
@@ -1380,7 +1378,16 @@ fn read_definition(dir: &Path) -> Result<Option<Definition>, BrokerError> {
     let path = dir.join(DEFINITION);
     let failed = |e: &dyn std::fmt::Display| BrokerError::Definitions(format!("{}: {e}", path.display()));
     match std::fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| failed(&e)),
+        Ok(bytes) => {
+            let def: Definition = serde_json::from_slice(&bytes).map_err(|e| failed(&e))?;
+            // A copy of a queue's directory under another name (a backup left beside it) would
+            // open that queue's log a second time: it is no queue of its own.
+            if dir.file_name() != Some(std::ffi::OsStr::new(&def.name)) {
+                tracing::warn!(dir = %dir.display(), queue = %shown(&def.name), "a definition of another queue's name; ignored");
+                return Ok(None);
+            }
+            Ok(Some(def))
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             tracing::warn!(dir = %dir.display(), "no queue definition; ignored");
             Ok(None)
@@ -1395,24 +1402,41 @@ fn read_definition(dir: &Path) -> Result<Option<Definition>, BrokerError> {
 /// start with 10,000 queues, 9 MB after two seconds of traffic.)
 const OPENING_THREADS: usize = 8;
 
-/// `work` done on each of `items` by up to `threads` threads, each taking the next item not
-/// taken; the results in the items' order.
-fn on_threads<T: Sync, R: Send>(threads: usize, items: &[T], work: impl Fn(&T) -> R + Sync) -> Vec<R> {
+/// `work` done on each of `items` by this thread and up to `threads - 1` more, each taking the
+/// next item not taken; the results in the items' order. After a failure no item past it is
+/// begun, and the error returned is the first in the items' order (the same however the threads
+/// fall). A thread the system refuses is done without.
+fn on_threads<T: Sync, R: Send, E: Send>(
+    threads: usize,
+    items: &[T],
+    work: impl Fn(&T) -> Result<R, E> + Sync,
+) -> Result<Vec<R>, E> {
     let next = AtomicUsize::new(0);
-    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads.min(items.len()))
-            .map(|_| {
-                scope.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(item) = items.get(i) else { return done };
-                        done.push((i, work(item)));
-                    }
-                })
-            })
+    // The lowest item that failed (`usize::MAX`: none yet).
+    let failed = AtomicUsize::new(usize::MAX);
+    let worker = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= items.len() || i > failed.load(Ordering::Relaxed) {
+                return done;
+            }
+            let result = work(&items[i]);
+            if result.is_err() {
+                failed.fetch_min(i, Ordering::Relaxed);
+            }
+            done.push((i, result));
+        }
+    };
+    let mut done: Vec<(usize, Result<R, E>)> = std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..threads.min(items.len()))
+            .map_while(|_| std::thread::Builder::new().spawn_scoped(scope, worker).ok())
             .collect();
-        workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+        let mut done = worker();
+        for helper in helpers {
+            done.extend(helper.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        }
+        done
     });
     done.sort_unstable_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, r)| r).collect()
@@ -1509,15 +1533,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn work_on_threads_comes_back_in_the_items_order() {
+    fn work_on_threads_comes_back_in_order_and_stops_at_the_first_failure() {
         let items: Vec<u64> = (0..1000).collect();
-        let threads = Mutex::new(HashSet::new());
-        let squares = on_threads(8, &items, |&i| {
-            threads.lock().unwrap().insert(std::thread::current().id());
-            i * i
+        let squares: Result<Vec<u64>, u64> = on_threads(8, &items, |&i| Ok(i * i));
+        assert_eq!(squares.unwrap(), items.iter().map(|i| i * i).collect::<Vec<_>>());
+        let begun = AtomicUsize::new(0);
+        let failed = on_threads(8, &items, |&i| {
+            begun.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(Duration::from_micros(100));
+            if i % 100 == 37 { Err(i) } else { Ok(i) }
         });
-        assert_eq!(squares, items.iter().map(|i| i * i).collect::<Vec<_>>());
-        assert!(threads.into_inner().unwrap().len() <= 8);
-        assert!(on_threads(8, &[] as &[u64], |&i| i).is_empty());
+        assert_eq!(failed, Err(37), "the first failure in the items' order");
+        assert!(begun.into_inner() < 100, "work past a failure is not begun");
+        assert_eq!(on_threads(8, &[] as &[u64], |&i| Ok::<_, ()>(i)), Ok(vec![]));
     }
 }

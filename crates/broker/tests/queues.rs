@@ -236,6 +236,10 @@ fn many_queues_come_back_after_a_restart_and_a_damaged_definition_is_named() {
             b.offer(name, items.iter().map(|s| Message::new(s.as_bytes().to_vec())).collect(), 1).unwrap();
         }
     }
+    // A copy of a queue's definition under another directory's name is no queue of its own.
+    let queues = dir.path().join("queues");
+    std::fs::create_dir(queues.join("q05.bak")).unwrap();
+    std::fs::copy(queues.join("q05/queue.json"), queues.join("q05.bak/queue.json")).unwrap();
     {
         let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
         assert_eq!(b.queue_names(), names);
