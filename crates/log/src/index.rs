@@ -193,9 +193,35 @@ pub(crate) fn decode(bytes: &[u8], base: u64, segment_len: usize) -> Option<Vec<
 pub(crate) const TIME_GROUP: usize = 14;
 
 /// Groups per chunk of a dense index: 4 KiB, so a log with few records (one of thousands of
-/// queue logs) holds a page for them, not a segment's worth.
+/// queue logs) holds a page for them, not a segment's worth. The first chunk's records are
+/// split further: its first `FIRST_GROUPS` groups are a chunk of their own (256 bytes, for a
+/// queue that holds a few messages at a time), the rest of it the next.
 const CHUNK_GROUPS: usize = 64;
 const CHUNK: usize = CHUNK_GROUPS * TIME_GROUP;
+const FIRST_GROUPS: usize = 4;
+const FIRST: usize = FIRST_GROUPS * TIME_GROUP;
+
+/// The chunk that holds the `i`-th record, and the record's place in it. (Chunks start on
+/// group boundaries, so a record's place in its group is `i % TIME_GROUP` in any chunk.)
+#[inline]
+fn chunk_of(i: usize) -> (usize, usize) {
+    if i < FIRST {
+        (0, i)
+    } else if i < CHUNK {
+        (1, i - FIRST)
+    } else {
+        (i / CHUNK + 1, i % CHUNK)
+    }
+}
+
+/// Groups of the `c`-th chunk.
+fn groups_in(c: usize) -> usize {
+    match c {
+        0 => FIRST_GROUPS,
+        1 => CHUNK_GROUPS - FIRST_GROUPS,
+        _ => CHUNK_GROUPS,
+    }
+}
 
 /// The bit of a dense index entry that says its frame holds its own timestamp.
 const TIME_BIT: u32 = 1;
@@ -211,14 +237,14 @@ struct Group {
 }
 const _: () = assert!(std::mem::size_of::<Group>() == 64);
 
-/// One chunk of a dense index: the groups of `CHUNK` records.
+/// One chunk of a dense index: the groups of its records (`chunk_of`).
 struct Chunk {
     groups: Box<[Group]>,
 }
 
 impl Chunk {
-    fn new() -> Chunk {
-        Chunk { groups: (0..CHUNK_GROUPS).map(|_| Group::default()).collect() }
+    fn new(groups: usize) -> Chunk {
+        Chunk { groups: (0..groups).map(|_| Group::default()).collect() }
     }
 
     /// The position entry of the chunk's `r`-th record.
@@ -260,7 +286,7 @@ impl DenseIndex {
     pub(crate) fn new(segment_len: usize, format: Format) -> DenseIndex {
         let records = segment_len / format.header_len() + 1;
         DenseIndex {
-            chunks: (0..records.div_ceil(CHUNK)).map(|_| Default::default()).collect(),
+            chunks: (0..=chunk_of(records - 1).0).map(|_| Default::default()).collect(),
             built: Default::default(),
         }
     }
@@ -270,18 +296,20 @@ impl DenseIndex {
     #[inline]
     pub(crate) fn set(&self, i: usize, pos: usize, holds_time: bool, time: u64) {
         debug_assert!(pos.is_multiple_of(frame::FRAME_ALIGN) && pos > 0 && pos <= u32::MAX as usize);
-        let chunk = self.chunks[i / CHUNK].get_or_init(Chunk::new);
+        let (c, r) = chunk_of(i);
+        let chunk = self.chunks[c].get_or_init(|| Chunk::new(groups_in(c)));
         if i.is_multiple_of(TIME_GROUP) {
-            chunk.groups[i % CHUNK / TIME_GROUP].time.store(time, Ordering::Relaxed);
+            chunk.groups[r / TIME_GROUP].time.store(time, Ordering::Relaxed);
         }
-        chunk.position(i % CHUNK).store(pos as u32 | holds_time as u32, Ordering::Relaxed);
+        chunk.position(r).store(pos as u32 | holds_time as u32, Ordering::Relaxed);
     }
 
     /// The `i`-th entry as stored (0 = unknown).
     #[inline]
     fn entry(&self, i: usize) -> u32 {
-        match self.chunks.get(i / CHUNK).and_then(|c| c.get()) {
-            Some(chunk) => chunk.position(i % CHUNK).load(Ordering::Relaxed),
+        let (c, r) = chunk_of(i);
+        match self.chunks.get(c).and_then(|c| c.get()) {
+            Some(chunk) => chunk.position(r).load(Ordering::Relaxed),
             None => 0,
         }
     }
@@ -296,9 +324,9 @@ impl DenseIndex {
     /// Where the `i`-th record's timestamp is.
     #[inline]
     pub(crate) fn time_of(&self, i: usize) -> TimeOf {
-        let Some(chunk) = self.chunks.get(i / CHUNK).and_then(|c| c.get()) else { return TimeOf::Unknown };
+        let (c, r) = chunk_of(i);
+        let Some(chunk) = self.chunks.get(c).and_then(|c| c.get()) else { return TimeOf::Unknown };
         // Records are set in order: with the `i`-th, its group's first and that one's time are.
-        let r = i % CHUNK;
         if chunk.position(r).load(Ordering::Relaxed) == 0 {
             return TimeOf::Unknown;
         }
@@ -316,8 +344,9 @@ impl DenseIndex {
     /// `Reader::get_many`).
     #[inline]
     pub(crate) fn prefetch(&self, i: usize) {
-        if let Some(chunk) = self.chunks.get(i / CHUNK).and_then(|c| c.get()) {
-            crate::mmap::prefetch(&chunk.groups[i % CHUNK / TIME_GROUP]);
+        let (c, r) = chunk_of(i);
+        if let Some(chunk) = self.chunks.get(c).and_then(|c| c.get()) {
+            crate::mmap::prefetch(&chunk.groups[r / TIME_GROUP]);
         }
     }
 
@@ -350,9 +379,9 @@ mod tests {
     fn dense_index_knows_where_each_time_is() {
         const G: usize = TIME_GROUP;
         let index = DenseIndex::new(1 << 20, Format::V3);
-        // Record i at 64 + 40 i; records 0, 5, 2G and CHUNK + 6 hold their own time, i + 100
+        // Record i at 64 + 40 i; records 0, 5, 2G, FIRST + 3 and CHUNK + 6 hold their own time, i + 100
         // for record i; the others take the time before them.
-        let holds = |i: usize| [0, 5, 2 * G, CHUNK + 6].contains(&i);
+        let holds = |i: usize| [0, 5, 2 * G, FIRST + 3, CHUNK + 6].contains(&i);
         let mut time = 0;
         for i in 0..CHUNK + 40 {
             if holds(i) {
@@ -369,11 +398,36 @@ mod tests {
         assert_eq!(index.time_of(G), TimeOf::Known(105), "a time carried into the next group");
         assert_eq!(index.time_of(2 * G), TimeOf::Known(2 * G as u64 + 100));
         assert_eq!(index.time_of(3 * G + 3), TimeOf::Known(2 * G as u64 + 100));
-        assert_eq!(index.time_of(CHUNK + 5), TimeOf::Known(2 * G as u64 + 100), "across a chunk");
+        assert_eq!(index.time_of(FIRST + 2), TimeOf::Known(2 * G as u64 + 100), "across the first chunk");
+        assert_eq!(index.time_of(FIRST + 4), TimeOf::HeldAt(pos(FIRST + 3)));
+        assert_eq!(index.time_of(CHUNK + 5), TimeOf::Known(FIRST as u64 + 103), "across a chunk");
         assert_eq!(index.time_of(CHUNK + 7), TimeOf::HeldAt(pos(CHUNK + 6)));
         assert_eq!(index.time_of(CHUNK + G), TimeOf::Known(CHUNK as u64 + 106));
         assert_eq!(index.time_of(CHUNK + 40), TimeOf::Unknown, "past the records");
         assert_eq!(index.time_of(5 * CHUNK), TimeOf::Unknown, "past the chunks");
+        // Every record against a model: the latest frame holding a time since its group's
+        // first, else its group's first record's time (in every chunk, the small first ones
+        // included).
+        let times: Vec<u64> = (0..CHUNK + 40)
+            .scan(0, |t, i| {
+                *t = if holds(i) { i as u64 + 100 } else { *t };
+                Some(*t)
+            })
+            .collect();
+        for i in 0..CHUNK + 40 {
+            let first = i / G * G;
+            let expected = match (first + 1..=i).rev().find(|&j| holds(j)) {
+                Some(j) => TimeOf::HeldAt(pos(j)),
+                None => TimeOf::Known(times[first]),
+            };
+            assert_eq!(index.time_of(i), expected, "record {i}");
+            assert_eq!(index.get(i), Some(pos(i)), "record {i}");
+        }
+        assert_eq!(chunk_of(FIRST - 1), (0, FIRST - 1));
+        assert_eq!(chunk_of(FIRST), (1, 0));
+        assert_eq!(chunk_of(CHUNK - 1), (1, CHUNK - FIRST - 1));
+        assert_eq!(chunk_of(CHUNK), (2, 0));
+        assert_eq!(chunk_of(3 * CHUNK + 5), (4, 5));
     }
 
     #[test]
