@@ -16,7 +16,7 @@ use crate::mmap::{DataWriter, SEGMENT_HEADER_LEN};
 use crate::options::{Durability, Options};
 use crate::prefault::{self, Prefaulter};
 use crate::reader::Reader;
-use crate::recovery::{RecoveryReport, recover_active};
+use crate::recovery::{Recovered, RecoveryReport, recover_active};
 use crate::resident::Use;
 use crate::segment::{self, Segment};
 use crate::state::{LogState, LogStats};
@@ -81,13 +81,14 @@ impl Log {
             Segment::create(&dir, 0, options.first_segment_bytes(), now, durable)?
         };
         let mut writer = active.map.writer().expect("a new mapping has its writer");
-        let (pos, next_offset) = match made {
+        let recovered = match made {
             // Made just now, empty: nothing to recover. (Reading it would fault in pages, and
             // the kernel's read-ahead more, that a log never written to does not need: a server
             // makes one for each queue named once.)
-            true => (SEGMENT_HEADER_LEN, active.base),
+            true => Recovered { end: SEGMENT_HEADER_LEN, next_offset: active.base, end_page_on_disk: false },
             false => recover_active(&active, &mut writer, &mut report)?,
         };
+        let (pos, next_offset) = (recovered.end, recovered.next_offset);
         if active.format != frame::Format::CURRENT && pos == SEGMENT_HEADER_LEN {
             // An empty last segment of an earlier format holds nothing to keep: it takes the
             // current format in place, as a new segment under its name could not.
@@ -98,8 +99,13 @@ impl Log {
         report.segments = segments.len();
         writer.publish(pos);
         active.set_tail(pos, next_offset - active.base);
-        // What the records take is on disk; the writer reserves the rest as it goes.
-        active.allocate(pos)?;
+        // What the records take is on disk; the writer reserves the rest as it goes. The page
+        // it writes next is asked for only when recovery did not see it on disk already (asking
+        // costs system calls, and a change of the file's times, for each log a server opens).
+        match recovered.end_page_on_disk {
+            true => active.map.set_allocated(pos.next_multiple_of(4096).min(active.map.len())),
+            false => active.allocate(pos)?,
+        }
         active.index.set(crate::index::build(
             active.format,
             active.map.published().from(SEGMENT_HEADER_LEN),

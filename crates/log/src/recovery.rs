@@ -322,19 +322,24 @@ pub(crate) fn nonzero_extent(data: &[u8], pos: usize, hole: Range<usize>) -> usi
     last_nonzero.map_or(pos, |i| i + 1)
 }
 
+/// What recovery found at the end of the active segment.
+pub(crate) struct Recovered {
+    /// Position after the last valid frame.
+    pub end: usize,
+    pub next_offset: u64,
+    /// Whether the page holding `end` is data on disk (not in a hole), so that the writer may
+    /// finish it without reserving its block first.
+    pub end_page_on_disk: bool,
+}
+
 /// Finds the end of the valid records of the active segment, cutting a torn tail.
-/// Returns the position after the last valid frame and the next offset.
-pub(crate) fn recover_active(
-    seg: &Segment,
-    writer: &mut DataWriter,
-    report: &mut RecoveryReport,
-) -> Result<(usize, u64)> {
+pub(crate) fn recover_active(seg: &Segment, writer: &mut DataWriter, report: &mut RecoveryReport) -> Result<Recovered> {
     let header = seg.header();
     let (start, start_offset) = scan_start(seg, &header);
     // The hole after the checkpoint, if the file has one (where a closed log gave back the
-    // blocks past its records, and where blocks were never reserved), relative to the data.
-    let hole = seg.hole_after(start);
-    let hole = hole.start.saturating_sub(SEGMENT_HEADER_LEN)..hole.end.saturating_sub(SEGMENT_HEADER_LEN);
+    // blocks past its records, and where blocks were never reserved).
+    let file_hole = seg.hole_after(start);
+    let hole = file_hole.start.saturating_sub(SEGMENT_HEADER_LEN)..file_hole.end.saturating_sub(SEGMENT_HEADER_LEN);
     let scan = scan_with_hole(seg.format, writer.unpublished(), start - SEGMENT_HEADER_LEN, start_offset, hole);
     report.records_scanned = scan.records;
     let end = SEGMENT_HEADER_LEN + scan.end;
@@ -358,7 +363,9 @@ pub(crate) fn recover_active(
     if header.is_err() {
         seg.write_checkpoint(0, seg.base);
     }
-    Ok((end, scan.next_offset))
+    // (An empty `file_hole`, the file system saying nothing, says no either.)
+    let end_page_on_disk = file_hole.start >= end.next_multiple_of(4096);
+    Ok(Recovered { end, next_offset: scan.next_offset, end_page_on_disk })
 }
 
 pub(crate) fn corrupt_before_valid(

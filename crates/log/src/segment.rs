@@ -422,7 +422,13 @@ impl Segment {
     /// `DataWriter::unallocate_from`), so a closed log takes the disk its records take. Best
     /// effort: blocks that stay are only space.
     pub(crate) fn release_unwritten(&self, end: usize) {
+        use std::os::unix::fs::MetadataExt;
         let end = end.next_multiple_of(PAGE).min(self.map.len());
+        // No blocks past `end` (the file's 512-byte units take no more than the bytes before
+        // it): nothing to give back, and a punch would still change the file's times.
+        if fs::metadata(&self.path).is_ok_and(|m| m.blocks() * 512 <= end as u64) {
+            return;
+        }
         if let Ok(file) = OpenOptions::new().write(true).open(&self.path) {
             let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
             let _ = rustix::fs::fallocate(&file, flags, end as u64, (self.map.len() - end) as u64);

@@ -679,6 +679,40 @@ fn reopening_a_log_maps_only_the_pages_its_records_take() {
     assert_eq!(log.reader().get(0).unwrap().unwrap().payload, b"one record");
 }
 
+/// Opening and closing a log that is not written to leaves its segment file as it was: no
+/// reservation asked for at open (recovery saw the writer's page on disk) and nothing punched out
+/// at close (the file holds no blocks past its records). Each would change the file's times, a
+/// metadata write for every idle queue at every start and stop of a server.
+#[test]
+fn an_idle_log_opened_and_closed_leaves_its_segment_as_it_was() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let options = Options { initial_segment_bytes: Some(1 << 20), ..Options::default() };
+    let mut log = Log::open(dir.path(), options.clone()).unwrap();
+    log.append(b"one record").unwrap();
+    drop(log);
+    let segment = segments(dir.path()).pop().unwrap();
+    let times = |m: &fs::Metadata| (m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec());
+    let before = fs::metadata(&segment).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    for _ in 0..2 {
+        let log = Log::open(dir.path(), options.clone()).unwrap();
+        assert_eq!(log.next_offset(), 1);
+        drop(log);
+    }
+    let after = fs::metadata(&segment).unwrap();
+    assert_eq!(times(&after), times(&before), "the segment's times");
+    assert_eq!(after.blocks(), before.blocks(), "the segment's blocks");
+    // And a log that appends after a reopen still reserves, and gives back, as it goes.
+    let mut log = Log::open(dir.path(), options).unwrap();
+    for _ in 0..2000 {
+        log.append(&[7u8; 100]).unwrap();
+    }
+    drop(log);
+    let blocks = fs::metadata(&segment).unwrap().blocks() * 512;
+    assert!(blocks >= 2000 * 112 && blocks < 2000 * 112 + (64 << 10), "{blocks} bytes of blocks");
+}
+
 /// A segment sealed early, because the next record did not fit in what was left, gives back the
 /// blocks its writer had reserved past its last frame.
 #[test]
