@@ -710,7 +710,7 @@ fn an_idle_log_opened_and_closed_leaves_its_segment_as_it_was() {
     }
     drop(log);
     let blocks = fs::metadata(&segment).unwrap().blocks() * 512;
-    assert!(blocks >= 2000 * 112 && blocks < 2000 * 112 + (64 << 10), "{blocks} bytes of blocks");
+    assert!((2000 * 112..2000 * 112 + (64 << 10)).contains(&blocks), "{blocks} bytes of blocks");
 }
 
 /// A segment sealed early, because the next record did not fit in what was left, gives back the
