@@ -103,7 +103,7 @@ impl Log {
         // it writes next is asked for only when recovery did not see it on disk already (asking
         // costs system calls, and a change of the file's times, for each log a server opens).
         match recovered.end_page_on_disk {
-            true => active.map.set_allocated(pos.next_multiple_of(4096).min(active.map.len())),
+            true => active.map.set_allocated(pos.next_multiple_of(segment::PAGE).min(active.map.len())),
             false => active.allocate(pos)?,
         }
         active.index.set(crate::index::build(

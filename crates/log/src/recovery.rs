@@ -339,7 +339,7 @@ pub(crate) fn recover_active(seg: &Segment, writer: &mut DataWriter, report: &mu
     // The hole after the checkpoint's page, if the file has one (where a closed log gave back
     // the blocks past its records, and where blocks were never reserved); the scan takes the
     // part of it from the checkpoint on.
-    let file_hole = seg.hole_after(start / 4096 * 4096);
+    let file_hole = seg.hole_after(start / segment::PAGE * segment::PAGE);
     let hole = file_hole.start.max(start) - SEGMENT_HEADER_LEN..file_hole.end.max(start) - SEGMENT_HEADER_LEN;
     let scan = scan_with_hole(seg.format, writer.unpublished(), start - SEGMENT_HEADER_LEN, start_offset, hole);
     report.records_scanned = scan.records;
@@ -366,7 +366,7 @@ pub(crate) fn recover_active(seg: &Segment, writer: &mut DataWriter, report: &mu
     }
     // Only a hole found says the file system tells holes at all: one without `SEEK_HOLE` reports
     // the whole file as data (an empty hole at its end), and so does an error (`0..0`).
-    let end_page_on_disk = !file_hole.is_empty() && file_hole.start >= end.next_multiple_of(4096);
+    let end_page_on_disk = !file_hole.is_empty() && file_hole.start >= end.next_multiple_of(segment::PAGE);
     Ok(Recovered { end, next_offset: scan.next_offset, end_page_on_disk })
 }
 

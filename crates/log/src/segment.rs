@@ -26,7 +26,8 @@ use crate::frame::{self, Format};
 use crate::mmap::{Mapping, SEGMENT_HEADER_LEN};
 
 pub(crate) const SEGMENT_MAGIC: [u8; 8] = *b"PETRELSG";
-const PAGE: usize = 4096;
+/// The page size that reservations, holes and faults are reckoned in.
+pub(crate) const PAGE: usize = 4096;
 /// Bytes of a new segment reserved on disk when it is made (all of a small one).
 const FIRST_ALLOCATION: usize = 4 << 20;
 /// How far past its position the writer keeps its segment's disk blocks reserved, in steps of
