@@ -85,9 +85,7 @@ impl Prefaulter {
         }
         shared.wake.notify_one();
     }
-}
 
-impl Prefaulter {
     /// Takes this log off the thread's work and waits until no page of it is being faulted in:
     /// after this, the log may give back blocks past its end (a fault there would take them
     /// again).

@@ -188,15 +188,7 @@ impl Reader {
                 let reason = match frame::decode(seg.format, data, data.len(), expected, 0) {
                     Ok(Decoded::Frame(mut record, _)) if record.offset == expected => {
                         if seg.format.inherits_time() && frame::own_timestamp(seg.format, data).is_none() {
-                            let held = match time {
-                                TimeOf::Known(time) => Some(time),
-                                TimeOf::HeldAt(h) => frame::own_timestamp(seg.format, published.from(h)),
-                                TimeOf::Unknown => None,
-                            };
-                            record.timestamp = held.unwrap_or_else(|| {
-                                let positions = indexes[s].as_ref().expect("located through the dense index");
-                                seg.time_before(positions, expected)
-                            });
+                            record.timestamp = seg.time_before_from(time, expected);
                         }
                         found(i, record);
                         continue;

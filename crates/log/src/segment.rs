@@ -353,11 +353,17 @@ impl Segment {
     /// segment's dense index) knows or marks. 0 for the segment's first record (whose frame
     /// always holds its own) and in earlier formats.
     pub(crate) fn time_before(&self, positions: &crate::index::DenseIndex, offset: u64) -> u64 {
+        self.time_before_from(positions.time_of((offset - self.base) as usize), offset)
+    }
+
+    /// `time_before`, from what the dense index said of record `offset` (`DenseIndex::time_of`,
+    /// asked earlier: `Reader::get_many` asks while the frame is still on its way to the cache).
+    pub(crate) fn time_before_from(&self, indexed: crate::index::TimeOf, offset: u64) -> u64 {
         if !self.format.inherits_time() {
             return 0;
         }
         let published = self.map.published();
-        match positions.time_of((offset - self.base) as usize) {
+        match indexed {
             crate::index::TimeOf::Known(time) => return time,
             crate::index::TimeOf::HeldAt(pos) => {
                 if let Some(time) = frame::own_timestamp(self.format, published.from(pos)) {

@@ -652,6 +652,15 @@ fn a_segment_takes_the_disk_its_records_take() {
     assert_eq!(log.next_offset(), 800_000);
 }
 
+/// A log in `dir` (1 MiB segments) holding one record, closed: its options and its segment.
+fn closed_log_of_one_record(dir: &Path) -> (Options, std::path::PathBuf) {
+    let options = Options { initial_segment_bytes: Some(1 << 20), ..Options::default() };
+    let mut log = Log::open(dir, options.clone()).unwrap();
+    log.append(b"one record").unwrap();
+    drop(log);
+    (options, segments(dir).pop().unwrap())
+}
+
 /// Reopening a log faults in the pages its records take, and not the empty rest of its segment:
 /// recovery's look for bytes after the last record skips the file's hole there (before, it
 /// read the page after the records, and the kernel read the whole segment around it: 64 KiB
@@ -659,12 +668,8 @@ fn a_segment_takes_the_disk_its_records_take() {
 #[test]
 fn reopening_a_log_maps_only_the_pages_its_records_take() {
     let dir = tempfile::tempdir().unwrap();
-    let options = Options { initial_segment_bytes: Some(1 << 20), ..Options::default() };
-    let mut log = Log::open(dir.path(), options.clone()).unwrap();
-    log.append(b"one record").unwrap();
-    drop(log);
+    let (options, segment) = closed_log_of_one_record(dir.path());
     let log = Log::open(dir.path(), options).unwrap();
-    let segment = segments(dir.path()).pop().unwrap();
     // The mapping's resident size, from /proc/self/smaps (each mapping's line, then its fields).
     let smaps = fs::read_to_string("/proc/self/smaps").unwrap();
     let name = segment.to_str().unwrap();
@@ -687,11 +692,7 @@ fn reopening_a_log_maps_only_the_pages_its_records_take() {
 fn an_idle_log_opened_and_closed_leaves_its_segment_as_it_was() {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
-    let options = Options { initial_segment_bytes: Some(1 << 20), ..Options::default() };
-    let mut log = Log::open(dir.path(), options.clone()).unwrap();
-    log.append(b"one record").unwrap();
-    drop(log);
-    let segment = segments(dir.path()).pop().unwrap();
+    let (options, segment) = closed_log_of_one_record(dir.path());
     let times = |m: &fs::Metadata| (m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec());
     let before = fs::metadata(&segment).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
