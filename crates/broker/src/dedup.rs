@@ -235,8 +235,7 @@ impl DedupWindow {
     /// Remembers a key read back from a log on open, in the order the keys were stored, keeping
     /// at most `max_keys`: as `remember`, but a key seen again was stored again after it was
     /// forgotten, and so was every key before it (keys are forgotten oldest first).
-    pub fn restore(&mut self, key: &str, id: u64, level: usize, at_ns: u64, max_keys: usize) {
-        let key = self.hash(key);
+    pub fn restore(&mut self, key: KeyHash, id: u64, level: usize, at_ns: u64, max_keys: usize) {
         if let Some(i) = self.find(key) {
             for _ in 0..=i {
                 self.forget_oldest();
@@ -307,6 +306,45 @@ impl DedupWindow {
     }
 }
 
+/// The newest keys of one log, read back in the log's order when a queue opens: at most the
+/// window's most (`max`), the older ones let go as newer come. The window a restart rebuilds
+/// keeps only the newest `max` keys of all its logs, so a key older than a log's newest `max`
+/// would be forgotten at once; not keeping it bounds what an open holds in memory by the window,
+/// however many keyed records a backlog holds.
+#[derive(Debug)]
+pub(crate) struct RecentKeys<T> {
+    max: usize,
+    keys: VecDeque<T>,
+}
+
+impl<T> RecentKeys<T> {
+    pub fn new(max: usize) -> RecentKeys<T> {
+        RecentKeys { max, keys: VecDeque::new() }
+    }
+
+    /// Keeps `key`, newer than every key kept before, letting the oldest go past `max`.
+    pub fn push(&mut self, key: T) {
+        if self.max == 0 {
+            return;
+        }
+        if self.keys.len() == self.max {
+            self.keys.pop_front();
+        }
+        self.keys.push_back(key);
+    }
+
+    /// The keys kept, oldest first.
+    pub fn into_vec(self) -> Vec<T> {
+        self.keys.into()
+    }
+}
+
+impl<T> Default for RecentKeys<T> {
+    fn default() -> RecentKeys<T> {
+        RecentKeys::new(0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,12 +371,12 @@ mod tests {
         // Stored: a, b, c; a forgotten; a stored again; then d. Remembered then: b, c, a', d.
         let mut w = DedupWindow::new(1);
         for (i, key) in ["a", "b", "c", "a", "d"].iter().enumerate() {
-            w.restore(key, i as u64, 0, i as u64, 10);
+            w.restore(w.hash(key), i as u64, 0, i as u64, 10);
         }
         assert_eq!((w.len(), w.get("a"), w.get("b")), (4, Some(3), Some(1)));
         let mut w = DedupWindow::new(1);
         for (i, key) in ["x", "b", "c", "x"].iter().enumerate() {
-            w.restore(key, i as u64, 0, i as u64, 2);
+            w.restore(w.hash(key), i as u64, 0, i as u64, 2);
         }
         assert_eq!((w.len(), w.get("x"), w.get("b"), w.get("c")), (2, Some(3), None, Some(2)));
     }
@@ -407,6 +445,42 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// A queue's logs read back on open, each keeping only its newest `max_keys` keys
+        /// (`RecentKeys`), rebuild the window that all their keys rebuild: the same id for every
+        /// key, repeats of forgotten keys included.
+        #[test]
+        fn only_each_logs_newest_keys_rebuild_the_same_window(
+            stored in proptest::collection::vec((0usize..3, 0u16..40), 1..400),
+            max_keys in 1usize..60,
+        ) {
+            // Record i, stored at time i in log `log` with key `key`.
+            let hasher = KeyHasher::default();
+            let key = |k: u16| hasher.hash(&format!("k{k}"));
+            let all: Vec<(u64, u64, usize, KeyHash)> =
+                stored.iter().enumerate().map(|(i, &(log, k))| (i as u64, i as u64, log, key(k))).collect();
+            let mut recent: Vec<RecentKeys<(u64, u64, usize, KeyHash)>> = (0..3).map(|_| RecentKeys::new(max_keys)).collect();
+            for &record in &all {
+                recent[record.2].push(record);
+            }
+            let mut kept: Vec<_> = recent.into_iter().flat_map(RecentKeys::into_vec).collect();
+            kept.sort_by_key(|&(at, id, ..)| (at, id));
+            let rebuild = |keys: &[(u64, u64, usize, KeyHash)]| {
+                let mut w = DedupWindow { hasher: hasher.clone(), ..DedupWindow::new(3) };
+                for &(at, id, level, key) in keys {
+                    w.restore(key, id, level, at, max_keys);
+                }
+                w
+            };
+            let (whole, trimmed) = (rebuild(&all), rebuild(&kept));
+            proptest::prop_assert_eq!(whole.len(), trimmed.len());
+            for k in 0..40 {
+                proptest::prop_assert_eq!(whole.get_hashed(key(k)), trimmed.get_hashed(key(k)), "key k{}", k);
+            }
+            for level in 0..3 {
+                proptest::prop_assert_eq!(whole.oldest_id_at(level), trimmed.oldest_id_at(level));
+            }
+        }
+
         /// Against a model that removes each forgotten key from its map at once: the same ids
         /// for every key asked about, through repeats of forgotten keys and restores.
         #[test]
@@ -440,7 +514,7 @@ mod tests {
                         }
                     }
                     _ => {
-                        w.restore(&key, next_id, 0, next_id, max_keys);
+                        w.restore(w.hash(&key), next_id, 0, next_id, max_keys);
                         if let Some(i) = model.iter().position(|(k, _)| *k == key) {
                             model.drain(..=i);
                         }

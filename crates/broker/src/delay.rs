@@ -689,8 +689,9 @@ pub(crate) struct Reopened {
     pub released_at: Vec<u64>,
     /// The bytes of both (`Message::size`).
     pub bytes: u64,
-    /// Idempotency keys its records hold: (when stored, offset, key).
-    pub keys: Vec<(u64, u64, String)>,
+    /// The newest idempotency keys its records hold (`open`'s `keep_keys` at most): (when
+    /// stored, offset, key).
+    pub keys: crate::dedup::RecentKeys<(u64, u64, String)>,
     /// The time of its last record (0: none): a `released` marker's is the time its messages
     /// joined their level.
     pub last_stamp: u64,
@@ -727,6 +728,7 @@ impl DelayLog {
         levels: usize,
         moved: &HashSet<u64>,
         original_waits: impl Fn(u64) -> bool,
+        keep_keys: usize,
     ) -> Result<(DelayLog, Reopened), BrokerError> {
         let pin = log.group(PIN_GROUP, GroupOptions::default())?;
         let start = pin.committed();
@@ -766,7 +768,8 @@ impl DelayLog {
                 None => done.push(false),
             }
         })?;
-        let mut reopened = Reopened { released_at: vec![0; levels], ..Reopened::default() };
+        let keys = crate::dedup::RecentKeys::new(keep_keys);
+        let mut reopened = Reopened { released_at: vec![0; levels], keys, ..Reopened::default() };
         let mut timers = Timers::new(cap);
         let mut repaired = Vec::new();
         for_each_record(&log, start, |r| {
@@ -1303,7 +1306,7 @@ mod tests {
         let taken = delay.take_ready(0).unwrap(); // handed out when the server stops
         assert_eq!(taken.offset, 1);
         drop(delay);
-        let (delay, reopened) = DelayLog::open(open(), 8, 2, &HashSet::new(), |_| false).unwrap();
+        let (delay, reopened) = DelayLog::open(open(), 8, 2, &HashSet::new(), |_| false, 100).unwrap();
         assert_eq!((reopened.pending, reopened.released_at.clone()), (0, vec![2, 3]));
         assert_eq!(order(&delay, 1), [(0, 3, 1_000), (3, 3, 1_000), (5, 4, 2_000)]);
         assert_eq!(order(&delay, 0), [(1, 7, 1_000), (4, 7, 1_000)]);
@@ -1329,11 +1332,11 @@ mod tests {
         message::append_moved(&delay.log, &[1_000]).unwrap(); // names a record not yet written
         drop(delay);
         let moved: HashSet<u64> = [1].into();
-        let (delay, reopened) = DelayLog::open(open(), 8, 1, &moved, |id| id == message::queue_id(0, 7)).unwrap();
+        let (delay, reopened) = DelayLog::open(open(), 8, 1, &moved, |id| id == message::queue_id(0, 7), 100).unwrap();
         // 0 counts as its original, 1 as its copy: neither waits here.
         assert_eq!((reopened.pending, reopened.released_at.clone(), delay.ready_len()), (1, vec![0], 0));
         drop(delay);
-        let (delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false).unwrap();
+        let (delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false, 100).unwrap();
         assert_eq!((reopened.pending, reopened.released_at, delay.ready_len()), (1, vec![0], 0), "written down");
     }
 

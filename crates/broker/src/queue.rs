@@ -573,6 +573,7 @@ impl Queue {
         let (max_keys, _) = config::dedup_window_of(&config);
         let mut lanes = Vec::with_capacity(logs.len());
         let (mut keys, mut bytes, mut waiting_at) = (Vec::new(), 0, Vec::with_capacity(logs.len()));
+        let mut window = DedupWindow::new(logs.len() + 1);
         let mut last_stamp = 0;
         // Delayed-log offsets the levels' logs hold copies of.
         let mut moved = HashSet::new();
@@ -587,6 +588,7 @@ impl Queue {
             let mut reader = log.reader();
             reader.seek(dedup.as_ref().map_or(group.committed(), |d| d.committed().min(group.committed())));
             let (mut returns, mut markers_unread) = (NumberMap::<u32>::default(), 0);
+            let mut recent = crate::dedup::RecentKeys::new(max_keys);
             loop {
                 let batch = reader.read_batch(4096)?;
                 if batch.is_empty() {
@@ -608,8 +610,8 @@ impl Queue {
                         Some(message::Control::Moved(_) | message::Control::Released { .. }) => {}
                         None => {
                             if let Some(key) = message::idempotency_key(&r) {
-                                let key = String::from_utf8_lossy(key).into_owned();
-                                keys.push((r.timestamp, message::queue_id(level, r.offset), level, key));
+                                let key = window.hash(&String::from_utf8_lossy(key));
+                                recent.push((r.timestamp, message::queue_id(level, r.offset), level, key));
                             }
                             let placement = message::placement(&r);
                             moved.extend(placement.moved_from);
@@ -624,6 +626,7 @@ impl Queue {
                     }
                 }
             }
+            keys.extend(recent.into_vec());
             waiting_at.push(group.unacknowledged() - markers_unread);
             if let Some(last) = log.next_offset().checked_sub(1) {
                 // (A record retention took reads as nothing: no offer to order after.)
@@ -645,12 +648,12 @@ impl Queue {
                     .is_some_and(|(level, offset)| lanes.get(level).is_some_and(|l| !l.group.is_acknowledged(offset)))
             };
             let (delay, reopened) =
-                DelayLog::open(log.clone(), delay::MAX_TIMERS, lanes.len(), &moved, original_waits)?;
+                DelayLog::open(log.clone(), delay::MAX_TIMERS, lanes.len(), &moved, original_waits, max_keys)?;
             for (waiting, released) in waiting_at.iter_mut().zip(&reopened.released_at) {
                 *waiting += released;
             }
-            for (at, offset, key) in reopened.keys {
-                keys.push((at, message::queue_id(message::DELAYED_TAG, offset), delayed_slot, key));
+            for (at, offset, key) in reopened.keys.into_vec() {
+                keys.push((at, message::queue_id(message::DELAYED_TAG, offset), delayed_slot, window.hash(&key)));
             }
             bytes += reopened.bytes;
             delayed_count = reopened.pending;
@@ -661,9 +664,8 @@ impl Queue {
         // The keys in the order they were stored (by time; across levels at one time, by id);
         // those beyond the count forgotten now, those past their time by the first tick.
         keys.sort_by_key(|(at, id, ..)| (*at, *id));
-        let mut dedup = DedupWindow::new(lanes.len() + 1);
-        for (at, id, level, key) in &keys {
-            dedup.restore(key, *id, *level, *at, max_keys);
+        for &(at, id, level, key) in &keys {
+            window.restore(key, id, level, at, max_keys);
         }
         let made = Arc::clone(&delayed_log_handle);
         let open_delayed: OpenDelayedLog = Box::new(move || {
@@ -672,7 +674,7 @@ impl Queue {
             Ok(log)
         });
         let store = Store::Log { lanes, delayed, open_delayed };
-        let mut queue = Queue::with_store(name, config, None, store, dedup, bytes);
+        let mut queue = Queue::with_store(name, config, None, store, window, bytes);
         queue.logs = logs;
         queue.syncs_every_offer = syncs_every_offer;
         queue.delayed_log = delayed_log_handle;
@@ -1057,14 +1059,18 @@ impl Queue {
             }
             (Store::Log { lanes, .. }, false) => {
                 let lane = &mut lanes[level];
-                let range = message::append_unsynced(&lane.log, messages)?;
-                messages.clear();
                 if hashes.iter().any(Option::is_some) && lane.dedup.is_none() {
                     // The first key this log holds (since it last held none): keep it on disk.
-                    let options =
-                        GroupOptions { start: petrel_log::SeekTo::Offset(range.start), ..GroupOptions::default() };
+                    // Made before the append (which starts at the log's end: its appends are
+                    // made under this lock), so that a failure here stores nothing. After the
+                    // append it would leave records stored whose keys are not remembered, and
+                    // the producer's retry would store them again.
+                    let start = petrel_log::SeekTo::Offset(lane.log.next_offset());
+                    let options = GroupOptions { start, ..GroupOptions::default() };
                     lane.dedup = Some(Box::new(lane.log.group(DEDUP_GROUP, options)?));
                 }
+                let range = message::append_unsynced(&lane.log, messages)?;
+                messages.clear();
                 let last = range.end.checked_sub(1).map(|offset| Unsynced { level, offset });
                 (message::queue_id(level, range.start), last)
             }
