@@ -67,6 +67,10 @@ pub(crate) struct DedupWindow {
     first_seq: u32,
     /// Keys remembered per priority level (for the oldest key of a level, without a full scan).
     per_level: Vec<u64>,
+    /// Per level, a ring sequence before which the ring holds no key of the level (while it is
+    /// in the ring): where `oldest_id_at` looks from, so that each key is looked at once per
+    /// level however often it is asked, not once per call.
+    search_from: Vec<u32>,
     /// Keys forgotten since `take_forgotten` last looked.
     forgotten: bool,
 }
@@ -136,7 +140,7 @@ fn place(buckets: &mut [Bucket], key: KeyHash, seq: u32, first_seq: u32, len: us
 
 impl DedupWindow {
     pub fn new(levels: usize) -> DedupWindow {
-        DedupWindow { per_level: vec![0; levels], ..DedupWindow::default() }
+        DedupWindow { per_level: vec![0; levels], search_from: vec![0; levels], ..DedupWindow::default() }
     }
 
     pub fn len(&self) -> usize {
@@ -296,13 +300,21 @@ impl DedupWindow {
         std::mem::take(&mut self.forgotten)
     }
 
-    /// The id of the oldest key remembered at `level`, if any. Walks from the oldest key until
-    /// it finds one of the level: short unless the level's keys are few among many.
-    pub fn oldest_id_at(&self, level: usize) -> Option<u64> {
+    /// The id of the oldest key remembered at `level`, if any. Walks the ring from where the
+    /// last call found the level's oldest key (or the ring's front, if that key was forgotten
+    /// since) to the next key of the level: a level whose keys are few among many is walked past
+    /// once, not at every tick.
+    pub fn oldest_id_at(&mut self, level: usize) -> Option<u64> {
         if self.per_level[level] == 0 {
             return None;
         }
-        self.order.iter().find(|k| usize::from(k.level) == level).map(|k| k.id)
+        // A sequence the front has passed wraps to more than the ring holds: look from the front.
+        let ahead = self.search_from[level].wrapping_sub(self.first_seq) as usize;
+        let from = if ahead < self.order.len() { ahead } else { 0 };
+        let found = self.order.range(from..).position(|k| usize::from(k.level) == level);
+        let i = from + found.expect("a level with keys remembered has one in the ring");
+        self.search_from[level] = self.first_seq.wrapping_add(i as u32);
+        Some(self.order[i].id)
     }
 }
 
@@ -471,13 +483,38 @@ mod tests {
                 }
                 w
             };
-            let (whole, trimmed) = (rebuild(&all), rebuild(&kept));
+            let (mut whole, mut trimmed) = (rebuild(&all), rebuild(&kept));
             proptest::prop_assert_eq!(whole.len(), trimmed.len());
             for k in 0..40 {
                 proptest::prop_assert_eq!(whole.get_hashed(key(k)), trimmed.get_hashed(key(k)), "key k{}", k);
             }
             for level in 0..3 {
                 proptest::prop_assert_eq!(whole.oldest_id_at(level), trimmed.oldest_id_at(level));
+            }
+        }
+
+        /// The oldest key of each level, asked between keys remembered at random levels and
+        /// forgotten from the front, is the first of its level in the ring (a plain walk), with
+        /// the ring's sequences starting near their wrap.
+        #[test]
+        fn the_oldest_key_of_each_level_is_found_as_a_walk_finds_it(
+            ops in proptest::collection::vec((0u8..3, 0usize..4), 1..2000),
+            max_keys in 1usize..100,
+        ) {
+            let mut w = DedupWindow::new(4);
+            w.first_seq = u32::MAX - 500;
+            w.search_from = vec![w.first_seq; 4];
+            for (i, (op, level)) in ops.into_iter().enumerate() {
+                match op {
+                    0 | 1 => {
+                        w.make_room(max_keys, 1);
+                        w.remember(w.hash(&format!("k{i}")), i as u64, level, i as u64);
+                    }
+                    _ => {
+                        let walked = w.order.iter().find(|k| usize::from(k.level) == level).map(|k| k.id);
+                        proptest::prop_assert_eq!(w.oldest_id_at(level), walked);
+                    }
+                }
             }
         }
 
