@@ -401,6 +401,18 @@ pub struct Unsynced {
     /// A priority level's log, or (one past the highest level) the delayed log.
     level: usize,
     offset: u64,
+    /// Other logs of the queue (a bit per level, as `level` numbers them) that hold originals
+    /// of the offer's repeats: the answer waits for them to be on disk too, as it would have
+    /// waited for the originals' offer.
+    also: u16,
+}
+
+/// The logs of a durable queue of `levels` levels that hold the messages `ids`, a bit each, as
+/// `Unsynced` numbers them (the delayed log is bit `levels`).
+fn logs_holding(ids: &[u64], levels: usize) -> u16 {
+    let slots = ids.iter().filter_map(|&id| message::queue_position(id));
+    let slots = slots.map(|(level, _)| if level == message::DELAYED_TAG { levels } else { level });
+    slots.filter(|&slot| slot < 16).fold(0, |bits, slot| bits | 1 << slot)
 }
 
 enum Store {
@@ -952,6 +964,8 @@ impl Queue {
         };
         let (max_keys, window_ns) = config::dedup_window_of(&config);
         let mut inner = self.lock();
+        // Logs holding originals of repeats among new messages: the answer waits for them too.
+        let mut repeated_in = 0;
         if keyed {
             inner.dedup.evict(max_keys, window_ns, now_ns);
             match inner.repeats(&hashes) {
@@ -967,13 +981,14 @@ impl Queue {
                         .then(|| message::queue_position(last))
                         .flatten()
                         .filter(|_| self.on_disk())
-                        .map(|(level, offset)| match level {
-                            message::DELAYED_TAG => Unsynced { level: levels, offset },
-                            level => Unsynced { level, offset },
+                        .map(|(level, offset)| {
+                            let level = if level == message::DELAYED_TAG { levels } else { level };
+                            Unsynced { level, offset, also: logs_holding(&originals, levels) & !(1 << level) }
                         });
                     return Ok((originals[0], n, unsynced));
                 }
-                Repeats::Some(repeated) => {
+                Repeats::Some(repeated, originals) => {
+                    repeated_in = logs_holding(&originals, levels);
                     inner.counters.deduplicated += repeated.iter().filter(|r| **r).count() as u64;
                     let mut it = repeated.iter();
                     messages.retain(|_| !*it.next().expect("one flag per message"));
@@ -1054,7 +1069,8 @@ impl Queue {
                 let placements = vec![Placement { priority: level as u8, ..Placement::default() }; messages.len()];
                 let range = delay.append(messages, &placements)?;
                 messages.clear();
-                let last = range.end.checked_sub(1).map(|offset| Unsynced { level: delayed_slot, offset });
+                let also = repeated_in & !(1 << delayed_slot);
+                let last = range.end.checked_sub(1).map(|offset| Unsynced { level: delayed_slot, offset, also });
                 (message::queue_id(message::DELAYED_TAG, range.start), last)
             }
             (Store::Log { lanes, .. }, false) => {
@@ -1071,7 +1087,8 @@ impl Queue {
                 }
                 let range = message::append_unsynced(&lane.log, messages)?;
                 messages.clear();
-                let last = range.end.checked_sub(1).map(|offset| Unsynced { level, offset });
+                let also = repeated_in & !(1 << level);
+                let last = range.end.checked_sub(1).map(|offset| Unsynced { level, offset, also });
                 (message::queue_id(level, range.start), last)
             }
         };
@@ -1113,6 +1130,13 @@ impl Queue {
     /// and every record before it in its log to consumers. Blocks on the disk: not for an async
     /// runtime's own threads.
     pub(crate) fn wait_durable(&self, last: Unsynced) -> Result<(), BrokerError> {
+        for level in (0..=self.logs.len()).filter(|l| last.also & 1 << l != 0) {
+            // Originals of repeats, in another log: on disk up to its end now, which holds them.
+            let log = if level == self.logs.len() { self.delayed_log.get() } else { self.logs.get(level) };
+            if let Some(end) = log.and_then(|log| log.next_offset().checked_sub(1).map(|end| (log, end))) {
+                end.0.make_durable(end.1)?;
+            }
+        }
         if last.level == self.logs.len() {
             // Delayed messages: nothing to hand out until they are due (and moved, synced).
             let Some(log) = self.delayed_log.get() else { return Ok(()) };
@@ -1446,8 +1470,8 @@ enum Repeats {
     None,
     /// Every message is a repeat: the originals' ids, in the offer's order.
     All(Vec<u64>),
-    /// Some are: which.
-    Some(Vec<bool>),
+    /// Some are: which, and the ids of the originals found in the window.
+    Some(Vec<bool>, Vec<u64>),
 }
 
 impl Inner {
@@ -1482,7 +1506,7 @@ impl Inner {
         if originals.len() == keys.len() {
             Repeats::All(originals)
         } else if repeated.iter().any(|r| *r) {
-            Repeats::Some(repeated)
+            Repeats::Some(repeated, originals)
         } else {
             Repeats::None
         }

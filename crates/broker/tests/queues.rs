@@ -617,6 +617,38 @@ fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_o
     }
 }
 
+/// A retried offer whose originals are in two priority levels' logs, neither yet on disk, is
+/// answered only once both are: it syncs both logs, not only the one of its last original.
+#[test]
+fn a_repeat_of_originals_in_two_levels_waits_for_both_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { durability: petrel_log::Durability::Always, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options).unwrap();
+    let config = QueueConfig { durable: true, priorities: 2, ..QueueConfig::default() };
+    let q = b.create_queue("jobs", config, None).unwrap();
+    let keyed = |key: &str, priority| Message { idempotency_key: key.into(), priority, ..Message::new(&b"x"[..]) };
+    let (low_id, _, low) = b.offer_unsynced(&q, &mut vec![keyed("k1", 0)], 0).unwrap();
+    let (_, _, high) = b.offer_unsynced(&q, &mut vec![keyed("k2", 1)], 0).unwrap();
+    let syncs = q.log_stats().unwrap().syncs;
+    let (first, count, again) = b.offer_unsynced(&q, &mut vec![keyed("k1", 1), keyed("k2", 1)], 0).unwrap();
+    assert_eq!((first, count), (low_id, 2), "answered with the originals");
+    again.wait().unwrap();
+    assert_eq!(q.log_stats().unwrap().syncs - syncs, 2, "both levels' logs synced before the answer");
+    low.wait().unwrap();
+    high.wait().unwrap();
+    assert_eq!(q.counters().items, 2, "stored once");
+
+    // A repeat beside a new message: the new one's log and the original's.
+    let (_, _, low) = b.offer_unsynced(&q, &mut vec![keyed("k3", 0)], 0).unwrap();
+    let syncs = q.log_stats().unwrap().syncs;
+    let (_, count, mixed) = b.offer_unsynced(&q, &mut vec![keyed("k3", 1), keyed("k4", 1)], 0).unwrap();
+    assert_eq!(count, 1, "the new message alone stored");
+    mixed.wait().unwrap();
+    assert_eq!(q.log_stats().unwrap().syncs - syncs, 2, "both levels' logs synced before the answer");
+    low.wait().unwrap();
+    assert_eq!(q.counters().items, 4);
+}
+
 #[test]
 fn a_message_that_becomes_visible_after_a_tick_still_expires_on_time() {
     let dir = tempfile::tempdir().unwrap();
