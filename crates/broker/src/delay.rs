@@ -667,8 +667,10 @@ pub(crate) struct DelayLog {
     timers: Timers,
     done: Done,
     ready: ReadyRuns,
-    /// How many deliveries of each record not done ended with the message coming back (only
-    /// those that did): its `Returned` markers here, and what a returned copy carried.
+    /// How many deliveries of each released record not done ended with the message coming back
+    /// here (only those that did): its `Returned` markers. What a copy carried from before its
+    /// delay is in its record (`DELIVERIES`), read when asked: an entry per such copy would
+    /// grow with every message returned with a delay, which the timers' bound is to prevent.
     returns: NumberMap<u32>,
     /// A refill's reading of the log: the next offset, and where the log ended when it began.
     scan: Option<(u64, u64)>,
@@ -792,9 +794,6 @@ impl DelayLog {
                 repaired.push(r.offset);
                 return;
             }
-            if placement.deliveries != 0 {
-                *returns.entry(r.offset).or_default() += placement.deliveries;
-            }
             reopened.bytes += message::from_record(r).size();
             if !done.is_released(r.offset) {
                 let level = usize::from(placement.priority).min(top);
@@ -877,9 +876,6 @@ impl DelayLog {
             debug_assert!(m.deliver_at != 0, "a delayed message says when it is due");
             self.done.push(false);
             self.timers.insert(m.deliver_at, slot(usize::from(p.priority).min(top), offset));
-            if p.deliveries != 0 {
-                self.returns.insert(offset, p.deliveries);
-            }
         }
         Ok(range)
     }
@@ -1008,9 +1004,11 @@ impl DelayLog {
         Ok(f(&r.expect("a delayed record not done is in the log")))
     }
 
-    /// The deliveries of the record at `offset` handed out now or last, this one included.
-    pub fn deliveries(&self, offset: u64) -> u32 {
-        crate::deliveries_of(&self.returns, offset)
+    /// The deliveries of the record at `offset` (one not done) handed out now or last, this one
+    /// included: those before its delay (its record's), and those since.
+    pub fn deliveries(&mut self, offset: u64) -> Result<u32, BrokerError> {
+        let before = self.with_record(offset, |r| message::placement(r).deliveries)?;
+        Ok(before.saturating_add(crate::deliveries_of(&self.returns, offset)))
     }
 
     /// Every released message waiting, taken (a flush drops them; the caller marks them done),
@@ -1271,6 +1269,29 @@ mod tests {
         assert_eq!(out, expected, "each once, in due order");
     }
 
+    /// A copy delayed after earlier deliveries keeps their count in its record, not in memory
+    /// (a thousand such copies take no entry): the count is read back when asked, with the
+    /// returns since added, and the same after a reopen.
+    #[test]
+    fn a_delayed_copys_earlier_deliveries_are_read_from_its_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = || petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(open(), 8, 1).unwrap();
+        let messages: Vec<Message> =
+            (0..1000).map(|_| Message { deliver_at: 10, timestamp: 500, ..Message::new(vec![0; 4]) }).collect();
+        delay.append(&messages, &vec![Placement { deliveries: 3, ..Placement::default() }; 1000]).unwrap();
+        assert!(delay.returns.is_empty(), "nothing in memory per copy");
+        assert_eq!(delay.deliveries(999).unwrap(), 4, "three before, this one");
+        assert!(delay.release_due(10, 2_000, &[0], 1_000).unwrap().is_some());
+        let taken = delay.take_ready(0).unwrap();
+        delay.put_back_ready(0, taken, true).unwrap();
+        assert_eq!((delay.deliveries(taken.offset).unwrap(), delay.returns.len()), (5, 1));
+        drop(delay);
+        let (mut delay, _) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false, 100).unwrap();
+        assert_eq!(delay.returns.len(), 1);
+        assert_eq!((delay.deliveries(taken.offset).unwrap(), delay.deliveries(999).unwrap()), (5, 4));
+    }
+
     /// Released messages come out by release, and back to their place whatever the order they
     /// come back in; a run is split and mended as they go and come; a restart puts them back
     /// where they were, and one done meanwhile is left out.
@@ -1300,17 +1321,23 @@ mod tests {
         delay.put_back_ready(1, taken[2], true).unwrap();
         delay.put_back_ready(1, taken[0], true).unwrap();
         assert_eq!(order(&delay, 1).iter().map(|r| r.0).collect::<Vec<_>>(), [0, 3, 5]);
-        assert_eq!((delay.deliveries(0), delay.deliveries(2), delay.deliveries(3)), (2, 1, 2));
+        assert_eq!(
+            (delay.deliveries(0).unwrap(), delay.deliveries(2).unwrap(), delay.deliveries(3).unwrap()),
+            (2, 1, 2)
+        );
         // The second is acknowledged; the rest wait across a reopen, in their places.
         delay.mark_done(&[taken[1].offset]).unwrap();
         let taken = delay.take_ready(0).unwrap(); // handed out when the server stops
         assert_eq!(taken.offset, 1);
         drop(delay);
-        let (delay, reopened) = DelayLog::open(open(), 8, 2, &HashSet::new(), |_| false, 100).unwrap();
+        let (mut delay, reopened) = DelayLog::open(open(), 8, 2, &HashSet::new(), |_| false, 100).unwrap();
         assert_eq!((reopened.pending, reopened.released_at.clone()), (0, vec![2, 3]));
         assert_eq!(order(&delay, 1), [(0, 3, 1_000), (3, 3, 1_000), (5, 4, 2_000)]);
         assert_eq!(order(&delay, 0), [(1, 7, 1_000), (4, 7, 1_000)]);
-        assert_eq!((delay.deliveries(0), delay.deliveries(3), delay.deliveries(1)), (2, 2, 1));
+        assert_eq!(
+            (delay.deliveries(0).unwrap(), delay.deliveries(3).unwrap(), delay.deliveries(1).unwrap()),
+            (2, 2, 1)
+        );
         assert_eq!(reopened.last_stamp, 2_000, "a release's time is its marker's");
     }
 

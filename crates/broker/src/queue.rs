@@ -1738,7 +1738,7 @@ impl Inner {
             }
             let message = self.released(level, ready)?;
             let delay = self.released_from();
-            let message = Message { deliveries: delay.deliveries(ready.offset), ..message };
+            let message = Message { deliveries: delay.deliveries(ready.offset)?, ..message };
             assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
             return Ok(Some((message, Taken::Released { level, ready })));
         }
@@ -1799,13 +1799,13 @@ impl Inner {
         let mut over_limit = Vec::new();
         let mut later = Vec::new();
         for read in reads {
-            let deliveries = match (&self.store, &read.item) {
+            let deliveries = match (&mut self.store, &read.item) {
                 (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
                 (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
                     deliveries_of(&lanes[*level].returns, *offset)
                 }
                 (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
-                    delay.deliveries(ready.offset)
+                    delay.deliveries(ready.offset)?
                 }
                 _ => unreachable!("a queue's takings match its store"),
             };
@@ -1866,7 +1866,7 @@ impl Inner {
                             (self.read_stored(level, offset)?, deliveries_of(&lanes[level].returns, offset))
                         }
                         Taken::Released { level, ready } => {
-                            let deliveries = self.released_from().deliveries(ready.offset);
+                            let deliveries = self.released_from().deliveries(ready.offset)?;
                             (self.released(level, ready)?, deliveries)
                         }
                         Taken::Memory(_) => unreachable!("a queue's takings match its store"),
