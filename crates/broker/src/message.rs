@@ -344,8 +344,6 @@ pub(crate) struct DueCopies {
 pub(crate) struct DueCopy {
     /// The level whose log the copy goes to.
     pub level: usize,
-    /// Deliveries the message had before (a returned one), which it keeps.
-    pub deliveries: u32,
     headers: std::ops::Range<usize>,
     payload: std::ops::Range<usize>,
 }
@@ -402,7 +400,7 @@ impl DueCopies {
         }
         self.push_header(MOVED_FROM, &r.offset.to_be_bytes());
         let payload = self.push_bytes(r.payload);
-        self.copies.push(DueCopy { level, deliveries, headers: first..self.headers.len(), payload });
+        self.copies.push(DueCopy { level, headers: first..self.headers.len(), payload });
     }
 
     /// Appends the copies for `level` to `log`, in the order they were added, each with the time

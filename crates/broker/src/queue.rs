@@ -407,6 +407,26 @@ pub struct Unsynced {
     also: u16,
 }
 
+/// `f` of the record at `offset` of a level's log, one not acknowledged (so not yet taken by
+/// retention).
+fn with_record<T>(
+    log: &SharedLog,
+    offset: u64,
+    f: impl FnOnce(&petrel_log::Record<'_>) -> T,
+) -> Result<T, BrokerError> {
+    let mut reader = log.reader();
+    reader.seek(offset);
+    let batch = reader.read_batch(1)?;
+    let record = batch.into_iter().next().filter(|r| r.offset == offset);
+    Ok(f(&record.expect("an unacknowledged record is in the log")))
+}
+
+/// The deliveries of a level's record `r` handed out now or last, this one included: those
+/// before it was delayed (its record's), and those since (its return markers, in `returns`).
+fn lane_deliveries(returns: &NumberMap<u32>, r: &petrel_log::Record<'_>) -> u32 {
+    message::placement(r).deliveries.saturating_add(deliveries_of(returns, r.offset))
+}
+
 /// The logs of a durable queue of `levels` levels that hold the messages `ids`, a bit each, as
 /// `Unsynced` numbers them (the delayed log is bit `levels`).
 fn logs_holding(ids: &[u64], levels: usize) -> u16 {
@@ -433,7 +453,9 @@ struct Lane {
     /// that stood still would keep every segment.
     dedup: Option<Box<ConsumerGroup>>,
     /// How many deliveries of each waiting or in-flight record ended with the message coming
-    /// back (only those that did); rebuilt on open from the log's return markers.
+    /// back (only those that did); rebuilt on open from the log's return markers. A copy's
+    /// deliveries from before its delay are in its record (`lane_deliveries`): an entry per copy
+    /// would grow with a backlog of messages returned with a delay.
     returns: NumberMap<u32>,
     /// Return markers not yet read past by the group: unacknowledged records that are not
     /// messages.
@@ -629,10 +651,6 @@ impl Queue {
                             moved.extend(placement.moved_from);
                             if !acknowledged {
                                 bytes += message::from_record(&r).size();
-                                if placement.deliveries != 0 {
-                                    // Deliveries it had before it was delayed.
-                                    *returns.entry(r.offset).or_default() += placement.deliveries;
-                                }
                             }
                         }
                     }
@@ -1757,7 +1775,7 @@ impl Inner {
                 skip_markers(&mut lane.group, &mut lane.markers_unread)?;
                 match lane.group.poll(1, Duration::ZERO) {
                     Ok(batch) => Ok(batch.into_iter().next().map(|r| {
-                        let deliveries = deliveries_of(&lane.returns, r.offset);
+                        let deliveries = lane_deliveries(&lane.returns, &r);
                         let taken = Taken::Log { level, offset: r.offset };
                         (Message { deliveries, ..stored(level, &r) }, taken)
                     })),
@@ -1802,7 +1820,8 @@ impl Inner {
             let deliveries = match (&mut self.store, &read.item) {
                 (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
                 (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
-                    deliveries_of(&lanes[*level].returns, *offset)
+                    let lane = &lanes[*level];
+                    with_record(&lane.log, *offset, |r| lane_deliveries(&lane.returns, r))?
                 }
                 (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
                     delay.deliveries(ready.offset)?
@@ -1863,7 +1882,9 @@ impl Inner {
                     let (message, deliveries) = match *taken {
                         Taken::Log { level, offset } => {
                             let Store::Log { lanes, .. } = &self.store else { unreachable!("taken from a log") };
-                            (self.read_stored(level, offset)?, deliveries_of(&lanes[level].returns, offset))
+                            let lane = &lanes[level];
+                            let deliveries = with_record(&lane.log, offset, |r| lane_deliveries(&lane.returns, r))?;
+                            (self.read_stored(level, offset)?, deliveries)
                         }
                         Taken::Released { level, ready } => {
                             let deliveries = self.released_from().deliveries(ready.offset)?;
@@ -1953,12 +1974,6 @@ impl Inner {
                             if range.is_empty() {
                                 continue;
                             }
-                            let of_level = copies.copies().iter().filter(|c| c.level == level);
-                            for (offset, c) in range.clone().zip(of_level) {
-                                if c.deliveries != 0 {
-                                    lane.returns.insert(offset, c.deliveries);
-                                }
-                            }
                             if lane.log.durability() != Durability::None {
                                 // On disk before the originals are marked done: a crash keeps one or the
                                 // other (and open tells which from the copy's `moved_from`).
@@ -2038,12 +2053,7 @@ impl Inner {
     /// The message stored at `offset` of a durable queue's log for `level`.
     fn read_stored(&self, level: usize, offset: u64) -> Result<Message, BrokerError> {
         let Store::Log { lanes, .. } = &self.store else { unreachable!("only a log stores by offset") };
-        let mut reader = lanes[level].log.reader();
-        reader.seek(offset);
-        let batch = reader.read_batch(1)?;
-        let record = batch.into_iter().next().filter(|r| r.offset == offset);
-        let record = record.expect("an unacknowledged record is in the log");
-        Ok(stored(level, &record))
+        with_record(&lanes[level].log, offset, |r| stored(level, r))
     }
 
     /// A taken message goes back to the head of its level, among other returned ones in the
