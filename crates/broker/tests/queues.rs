@@ -617,6 +617,26 @@ fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_o
     }
 }
 
+/// A log's first keyed offer makes the log's `dedup` group before it stores anything: an offer
+/// whose group cannot be made stores nothing, and its retry stores the message once.
+#[test]
+fn a_keyed_offer_that_cannot_make_its_dedup_group_stores_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    // In the way of the group's cursor file (written there first): a directory.
+    let blocker = dir.path().join("queues/jobs/groups/dedup.cursor.tmp");
+    std::fs::create_dir_all(&blocker).unwrap();
+    let keyed = || vec![Message { idempotency_key: "once".into(), ..Message::new(&b"x"[..]) }];
+    assert!(b.offer("jobs", keyed(), 1).is_err());
+    assert_eq!(b.queue("jobs").unwrap().counters().items, 0);
+    std::fs::remove_dir(&blocker).unwrap();
+    b.offer("jobs", keyed(), 2).unwrap();
+    drop(b);
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(payloads(&b.poll("jobs", 10, None, 1, 3).unwrap()), [b"x".to_vec()], "stored once");
+}
+
 /// A retried offer whose originals are in two priority levels' logs, neither yet on disk, is
 /// answered only once both are: it syncs both logs, not only the one of its last original.
 #[test]
