@@ -683,6 +683,17 @@ pub(crate) struct DelayLog {
 }
 
 /// What opening a delayed log found.
+/// A timer `take_due` took: (due, slot).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TakenTimer((u64, u64));
+
+impl TakenTimer {
+    /// The delayed record it was for.
+    pub fn offset(self) -> u64 {
+        unslot(self.0.1).1
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct Reopened {
     /// Delayed messages not yet due (or not yet released).
@@ -1018,20 +1029,20 @@ impl DelayLog {
     }
 
     /// The delayed messages due at `now_ns`, earliest first: at most `max` of them, and as many
-    /// as fit in `max_bytes` (at least one). Returns their offsets and their copies for their
-    /// levels (`top` the highest); they stay pending until `mark_done`. Those due but beyond the
-    /// bytes stay held, the first ones the next call takes.
+    /// as fit in `max_bytes` (at least one). Returns their timers and their copies for their
+    /// levels (`top` the highest); they stay pending until `mark_done`, or held again with
+    /// `untake`. Those due but beyond the bytes stay held, the first ones the next call takes.
     pub fn take_due(
         &mut self,
         now_ns: u64,
         max: usize,
         top: usize,
         max_bytes: usize,
-    ) -> Result<(Vec<u64>, message::DueCopies), BrokerError> {
+    ) -> Result<(Vec<TakenTimer>, message::DueCopies), BrokerError> {
         /// Records read at a time: past the bytes, at most this many are read for nothing.
         const READ_AT_A_TIME: usize = 64;
         let taken = self.pop_due(now_ns, max);
-        let mut offsets: Vec<u64> = taken.iter().map(|&(_, s)| unslot(s).1).collect();
+        let offsets: Vec<u64> = taken.iter().map(|&(_, s)| unslot(s).1).collect();
         let mut copies = message::DueCopies::default();
         let mut reader = self.log.reader();
         let mut full = false;
@@ -1056,8 +1067,14 @@ impl DelayLog {
         }
         let moving = copies.copies().len();
         self.timers.unpop(&taken[moving..]);
-        offsets.truncate(moving);
-        Ok((offsets, copies))
+        Ok((taken[..moving].iter().map(|&key| TakenTimer(key)).collect(), copies))
+    }
+
+    /// Holds again timers `take_due` took (earliest first; nothing inserted since), whose
+    /// copies were not stored: the first the next tick takes.
+    pub fn untake(&mut self, taken: &[TakenTimer]) {
+        let keys: Vec<(u64, u64)> = taken.iter().map(|t| t.0).collect();
+        self.timers.unpop(&keys);
     }
 
     /// Marks the delayed messages at `offsets` done (taken out of the timers or the released
@@ -1441,15 +1458,27 @@ mod tests {
             (0..10u8).map(|i| Message { deliver_at: 1_000, ..Message::new(vec![i; 1000]) }).collect();
         delay.append(&messages, &vec![Placement::default(); messages.len()]).unwrap();
         let (mut moved, mut per_tick, mut refills) = (Vec::new(), Vec::new(), 0);
+        let mut untaken: Option<Vec<u64>> = None;
         while delay.pending() > 0 {
             if delay.next_due().is_none() {
                 refills += 1;
                 while delay.refill_step(std::time::Duration::ZERO).unwrap() {}
             }
-            let (offsets, copies) = delay.take_due(2_000, MAX_MOVES_PER_TICK, 0, 2_500).unwrap();
+            let (taken, copies) = delay.take_due(2_000, MAX_MOVES_PER_TICK, 0, 2_500).unwrap();
             let n = copies.copies().len();
             assert!(n >= 1 && copies.bytes() <= 2_500, "at least one, and within the bytes");
-            assert_eq!(offsets.len(), n);
+            assert_eq!(taken.len(), n);
+            if untaken.is_none() {
+                // Copies not stored (a failed append): held again, the next take's first.
+                untaken = Some(taken.iter().map(|t| t.offset()).collect::<Vec<_>>());
+                delay.untake(&taken);
+                continue;
+            }
+            let offsets: Vec<u64> = taken.iter().map(|t| t.offset()).collect();
+            if let Some(first) = untaken.take_if(|first| !first.is_empty()) {
+                assert_eq!(offsets, first, "taken again first");
+                untaken = Some(Vec::new());
+            }
             moved.extend_from_slice(&offsets);
             delay.mark_done(&offsets).unwrap();
             per_tick.push(n);

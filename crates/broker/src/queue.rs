@@ -1969,24 +1969,47 @@ impl Inner {
                         let top = lanes.len() - 1;
                         let (due, copies) =
                             delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK, top, delay::MAX_MOVE_BYTES)?;
+                        // Level by level; the levels before `stored` have their copies in their logs.
+                        let (mut stored, mut failed) = (0, None);
                         for (level, lane) in lanes.iter_mut().enumerate() {
-                            let range = copies.append(&lane.log, level, stamp)?;
+                            let range = match copies.append(&lane.log, level, stamp) {
+                                Ok(range) => range,
+                                Err(e) => {
+                                    failed = Some(BrokerError::from(e));
+                                    break;
+                                }
+                            };
+                            stored = level + 1;
+                            moved_at[level] = range.end - range.start;
                             if range.is_empty() {
                                 continue;
                             }
                             if lane.log.durability() != Durability::None {
                                 // On disk before the originals are marked done: a crash keeps one or the
                                 // other (and open tells which from the copy's `moved_from`).
-                                lane.log.sync()?;
+                                if let Err(e) = lane.log.sync() {
+                                    failed = Some(e.into());
+                                    break;
+                                }
                             }
                             if lane.visible_end != u64::MAX {
                                 lane.visible_end = lane.visible_end.max(range.end);
                             }
-                            moved_at[level] = range.end - range.start;
                         }
-                        delay.mark_done(&due)?;
-                        if delay.log.durability() == Durability::Always && !due.is_empty() {
-                            delay.log.sync()?;
+                        // Originals whose copies were not stored come due again, the next tick's
+                        // first; those whose copies were are done (if saying so fails, a restart
+                        // finds them done from their copies, which name them).
+                        let levels_of = copies.copies().iter().map(|c| c.level);
+                        let (done, again): (Vec<_>, Vec<_>) = due.iter().zip(levels_of).partition(|(_, l)| *l < stored);
+                        delay.untake(&again.into_iter().map(|(t, _)| *t).collect::<Vec<_>>());
+                        let done: Vec<u64> = done.into_iter().map(|(t, _)| t.offset()).collect();
+                        let marked = delay.mark_done(&done).and_then(|()| match delay.log.durability() {
+                            Durability::Always if !done.is_empty() => Ok(delay.log.sync()?),
+                            _ => Ok(()),
+                        });
+                        if let Some(e) = failed.or(marked.err()) {
+                            self.count_moved(moved_at, stamp);
+                            return Err(e);
                         }
                     }
                 }
@@ -1996,6 +2019,11 @@ impl Inner {
             }
             Store::Log { delayed: None, .. } => {}
         }
+        Ok(self.count_moved(moved_at, stamp))
+    }
+
+    /// Counts messages `move_due` moved (`moved_at`: per level) as waiting at their levels.
+    fn count_moved(&mut self, moved_at: Vec<u64>, stamp: u64) -> u64 {
         let moved: u64 = moved_at.iter().sum();
         if moved > 0 {
             self.last_stamp = stamp;
@@ -2005,7 +2033,7 @@ impl Inner {
             self.waiting_at[level] += n;
         }
         self.waiting += moved;
-        Ok(moved)
+        moved
     }
 
     /// Drops every delayed message (a flush); returns how many.
