@@ -1151,8 +1151,10 @@ impl Queue {
         for level in (0..=self.logs.len()).filter(|l| last.also & 1 << l != 0) {
             // Originals of repeats, in another log: on disk up to its end now, which holds them.
             let log = if level == self.logs.len() { self.delayed_log.get() } else { self.logs.get(level) };
-            if let Some(end) = log.and_then(|log| log.next_offset().checked_sub(1).map(|end| (log, end))) {
-                end.0.make_durable(end.1)?;
+            if let Some(log) = log
+                && let Some(end) = log.next_offset().checked_sub(1)
+            {
+                log.make_durable(end)?;
             }
         }
         if last.level == self.logs.len() {
@@ -1883,8 +1885,7 @@ impl Inner {
                         Taken::Log { level, offset } => {
                             let Store::Log { lanes, .. } = &self.store else { unreachable!("taken from a log") };
                             let lane = &lanes[level];
-                            let deliveries = with_record(&lane.log, offset, |r| lane_deliveries(&lane.returns, r))?;
-                            (self.read_stored(level, offset)?, deliveries)
+                            with_record(&lane.log, offset, |r| (stored(level, r), lane_deliveries(&lane.returns, r)))?
                         }
                         Taken::Released { level, ready } => {
                             let deliveries = self.released_from().deliveries(ready.offset)?;
@@ -1969,8 +1970,9 @@ impl Inner {
                         let top = lanes.len() - 1;
                         let (due, copies) =
                             delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK, top, delay::MAX_MOVE_BYTES)?;
-                        // Level by level; the levels before `stored` have their copies in their logs.
-                        let (mut stored, mut failed) = (0, None);
+                        // Level by level. The levels before `synced` have their copies on disk (as
+                        // their durability has it), those before `appended` in their logs.
+                        let (mut synced, mut appended, mut failed) = (0, 0, None);
                         for (level, lane) in lanes.iter_mut().enumerate() {
                             let range = match copies.append(&lane.log, level, stamp) {
                                 Ok(range) => range,
@@ -1979,30 +1981,33 @@ impl Inner {
                                     break;
                                 }
                             };
-                            stored = level + 1;
+                            appended = level + 1;
                             moved_at[level] = range.end - range.start;
-                            if range.is_empty() {
-                                continue;
+                            // On disk before the originals are marked done: a crash keeps one or the
+                            // other (and open tells which from the copy's `moved_from`).
+                            if !range.is_empty()
+                                && lane.log.durability() != Durability::None
+                                && let Err(e) = lane.log.sync()
+                            {
+                                failed = Some(e.into());
+                                break;
                             }
-                            if lane.log.durability() != Durability::None {
-                                // On disk before the originals are marked done: a crash keeps one or the
-                                // other (and open tells which from the copy's `moved_from`).
-                                if let Err(e) = lane.log.sync() {
-                                    failed = Some(e.into());
-                                    break;
-                                }
-                            }
-                            if lane.visible_end != u64::MAX {
+                            synced = level + 1;
+                            if !range.is_empty() && lane.visible_end != u64::MAX {
                                 lane.visible_end = lane.visible_end.max(range.end);
                             }
                         }
                         // Originals whose copies were not stored come due again, the next tick's
-                        // first; those whose copies were are done (if saying so fails, a restart
-                        // finds them done from their copies, which name them).
+                        // first; those whose copies are on disk are done (if saying so fails, a
+                        // restart finds them done from their copies, which name them). Those of a
+                        // level whose sync failed stay taken: a restart keeps the copy if it is on
+                        // disk, else the original.
                         let levels_of = copies.copies().iter().map(|c| c.level);
-                        let (done, again): (Vec<_>, Vec<_>) = due.iter().zip(levels_of).partition(|(_, l)| *l < stored);
-                        delay.untake(&again.into_iter().map(|(t, _)| *t).collect::<Vec<_>>());
-                        let done: Vec<u64> = done.into_iter().map(|(t, _)| t.offset()).collect();
+                        let taken: Vec<_> = due.iter().copied().zip(levels_of).collect();
+                        let again: Vec<_> = taken.iter().filter(|(_, l)| *l >= appended).map(|(t, _)| *t).collect();
+                        delay.untake(&again);
+                        let done: Vec<u64> =
+                            taken.iter().filter(|(_, l)| *l < synced).map(|(t, _)| t.offset()).collect();
                         let marked = delay.mark_done(&done).and_then(|()| match delay.log.durability() {
                             Durability::Always if !done.is_empty() => Ok(delay.log.sync()?),
                             _ => Ok(()),
