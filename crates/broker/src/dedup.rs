@@ -67,10 +67,13 @@ pub(crate) struct DedupWindow {
     first_seq: u32,
     /// Keys remembered per priority level (for the oldest key of a level, without a full scan).
     per_level: Vec<u64>,
-    /// Per level, a ring sequence before which the ring holds no key of the level (while it is
-    /// in the ring): where `oldest_id_at` looks from, so that each key is looked at once per
-    /// level however often it is asked, not once per call.
-    search_from: Vec<u32>,
+    /// Keys forgotten since the window was made: the ring's front as a count that never wraps
+    /// (`first_seq` does, and a position kept across 2³² keys could point anywhere).
+    front: u64,
+    /// Per level, a position (counted as `front` is) before which the ring holds no key of the
+    /// level: where `oldest_id_at` looks from, so that each key is looked at once per level
+    /// however often it is asked, not once per call.
+    search_from: Vec<u64>,
     /// Keys forgotten since `take_forgotten` last looked.
     forgotten: bool,
 }
@@ -256,6 +259,7 @@ impl DedupWindow {
     fn forget_oldest(&mut self) {
         let Some(oldest) = self.order.pop_front() else { return };
         self.first_seq = self.first_seq.wrapping_add(1);
+        self.front += 1;
         if oldest.displaced > 0 {
             let (mut b, mask) = (home(oldest.key(), self.buckets.len()), self.buckets.len() - 1);
             for _ in 0..oldest.displaced {
@@ -308,12 +312,11 @@ impl DedupWindow {
         if self.per_level[level] == 0 {
             return None;
         }
-        // A sequence the front has passed wraps to more than the ring holds: look from the front.
-        let ahead = self.search_from[level].wrapping_sub(self.first_seq) as usize;
-        let from = if ahead < self.order.len() { ahead } else { 0 };
+        // (A position the front has passed: from the front.)
+        let from = self.search_from[level].saturating_sub(self.front) as usize;
         let found = self.order.range(from..).position(|k| usize::from(k.level) == level);
         let i = from + found.expect("a level with keys remembered has one in the ring");
-        self.search_from[level] = self.first_seq.wrapping_add(i as u32);
+        self.search_from[level] = self.front + i as u64;
         Some(self.order[i].id)
     }
 }
@@ -503,7 +506,7 @@ mod tests {
         ) {
             let mut w = DedupWindow::new(4);
             w.first_seq = u32::MAX - 500;
-            w.search_from = vec![w.first_seq; 4];
+
             for (i, (op, level)) in ops.into_iter().enumerate() {
                 match op {
                     0 | 1 => {

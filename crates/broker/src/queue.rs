@@ -1998,17 +1998,19 @@ impl Inner {
                             }
                         }
                         // Originals whose copies were not stored come due again, the next tick's
-                        // first; those whose copies are on disk are done (if saying so fails, a
-                        // restart finds them done from their copies, which name them). Those of a
-                        // level whose sync failed stay taken: a restart keeps the copy if it is on
-                        // disk, else the original.
+                        // first; those whose copies are on disk are done (a marker that cannot be
+                        // written now is tried again at each release of the lock and tick, as for
+                        // settled ones: until then a restart would take the originals again once
+                        // their copies were acknowledged). Those of a level whose sync failed stay
+                        // taken: a restart keeps the copy if it is on disk, else the original.
                         let levels_of = copies.copies().iter().map(|c| c.level);
                         let taken: Vec<_> = due.iter().copied().zip(levels_of).collect();
                         let again: Vec<_> = taken.iter().filter(|(_, l)| *l >= appended).map(|(t, _)| *t).collect();
                         delay.untake(&again);
                         let done: Vec<u64> =
                             taken.iter().filter(|(_, l)| *l < synced).map(|(t, _)| t.offset()).collect();
-                        let marked = delay.mark_done(&done).and_then(|()| match delay.log.durability() {
+                        done.iter().for_each(|&offset| delay.settle(offset));
+                        let marked = delay.write_settled().and_then(|()| match delay.log.durability() {
                             Durability::Always if !done.is_empty() => Ok(delay.log.sync()?),
                             _ => Ok(()),
                         });
