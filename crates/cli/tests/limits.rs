@@ -564,3 +564,62 @@ fn a_call_timed_out_by_the_tick_reaches_a_caller_whose_answers_back_up() {
     };
     assert!(matches!(&answer, Response::Error { status: Status::Timeout, .. }), "{answer:?} after {pongs} pongs");
 }
+
+/// A poll or an offer left waiting by a client that then went away stops waiting: the poll takes
+/// no message for nobody (the next consumer gets it), and the offer stores nothing once room
+/// comes (its producer never had an answer and will send it again).
+#[test]
+fn requests_waiting_when_their_client_goes_away_take_and_store_nothing() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let connect = || {
+        let mut c = TcpStream::connect(&server.addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
+        assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
+        c
+    };
+    let message = |text: &str| Message { payload: text.as_bytes().to_vec().into(), ..Message::default() };
+    let mut c = connect();
+    let config = QueueConfig { durable: true, max_items: 1, ..QueueConfig::default() };
+    c.write_all(&request_frame(&Request::QueueCreate { name: "jobs".into(), config: Box::new(config) }, 2)).unwrap();
+    assert!(matches!(read_response(&mut c), (2, Response::Done)));
+
+    // A poll for as long as the protocol allows, taking for good (no visibility timeout); then
+    // its client goes.
+    let mut gone = connect();
+    let poll = Request::Poll { queue: "jobs".into(), max: 1, timeout_ms: u32::MAX, visibility_ms: 0 };
+    gone.write_all(&request_frame(&poll, 2)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(gone);
+    std::thread::sleep(Duration::from_millis(200));
+    let offer =
+        |text: &str, timeout_ms| Request::Offer { queue: "jobs".into(), timeout_ms, messages: vec![message(text)] };
+    c.write_all(&request_frame(&offer("first", 0), 3)).unwrap();
+    assert!(matches!(read_response(&mut c), (3, Response::Offered { count: 1, .. })));
+    let poll_now = Request::Poll { queue: "jobs".into(), max: 1, timeout_ms: 1_000, visibility_ms: 0 };
+    c.write_all(&request_frame(&poll_now, 4)).unwrap();
+    match read_response(&mut c) {
+        (4, Response::Polled { deliveries }) => assert_eq!(&deliveries[0].message.payload[..], b"first"),
+        other => panic!("the message went to the client that left: {other:?}"),
+    }
+
+    // An offer waiting for room (the queue holds its one item), whose client then goes.
+    c.write_all(&request_frame(&offer("fills it", 0), 5)).unwrap();
+    assert!(matches!(read_response(&mut c), (5, Response::Offered { .. })));
+    let mut gone = connect();
+    gone.write_all(&request_frame(&offer("never answered", u32::MAX), 2)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(gone);
+    std::thread::sleep(Duration::from_millis(200));
+    c.write_all(&request_frame(&poll_now, 6)).unwrap();
+    assert!(matches!(read_response(&mut c), (6, Response::Polled { .. })));
+    std::thread::sleep(Duration::from_millis(200));
+    let poll_short = Request::Poll { queue: "jobs".into(), max: 1, timeout_ms: 300, visibility_ms: 0 };
+    c.write_all(&request_frame(&poll_short, 7)).unwrap();
+    match read_response(&mut c) {
+        (7, Response::Error { status, .. }) => assert_eq!(status, Status::QueueEmpty),
+        other => panic!("the offer of a client that left was stored: {other:?}"),
+    }
+}

@@ -104,7 +104,8 @@ where
     let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
     let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
     let mut connection = Connection::new(stream, &ctx, &registered, (shutdown.clone(), grace));
-    let mut session = Session::new(&ctx, conn, peer, &registered);
+    let (reading, closed) = watch::channel(());
+    let mut session = Session::new(&ctx, conn, peer, &registered, closed);
     let mut pushes = Pushes::default();
     let permits = Permits::new(ctx.config.max_in_flight_per_connection);
     let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
@@ -173,6 +174,8 @@ where
             }
         }
     }
+    // Requests still waiting (a poll for a message, an offer for room) stop waiting.
+    drop(reading);
     let _ = pushes.flush(&mut connection).await;
     pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.

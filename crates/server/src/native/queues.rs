@@ -56,7 +56,8 @@ pub(super) fn offer(
     let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
     match broker.offer_unsynced(&queue, &mut messages, arrived_ns) {
         Err(BrokerError::Full(_)) if timeout_ms > 0 => {
-            Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, timeout_ms))
+            let gave_up = until_or_closed(timeout_ms, session.closed.clone());
+            Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, gave_up))
         }
         Ok((first_id, count, unsynced)) if !unsynced.is_durable() => Answer::later(WaitsFor::Disk, async move {
             match wait_durable(unsynced).await {
@@ -69,14 +70,29 @@ pub(super) fn offer(
     }
 }
 
-async fn offer_when_room(ctx: Arc<Ctx>, queue: Arc<Queue>, mut messages: Vec<Message>, timeout_ms: u32) -> Response {
+/// Ends after `timeout_ms`, or once the connection stops reading (`Session::closed`), whichever
+/// comes first: what a request waiting for a queue gives up at.
+fn until_or_closed(timeout_ms: u32, mut closed: tokio::sync::watch::Receiver<()>) -> impl Future<Output = ()> {
     let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+    async move {
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline.into()) => {}
+            _ = closed.changed() => {}
+        }
+    }
+}
+
+async fn offer_when_room(
+    ctx: Arc<Ctx>,
+    queue: Arc<Queue>,
+    mut messages: Vec<Message>,
+    gave_up: impl Future<Output = ()>,
+) -> Response {
     let broker = &ctx.broker;
     let attempt = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut messages, now_ns()) {
         Err(BrokerError::Full(_)) => Ok(None),
         other => other.map(Some),
     };
-    let gave_up = tokio::time::sleep_until(deadline.into());
     let name = queue.name.clone();
     match broker.wait_on_queue(queue, WaitFor::Room, attempt, gave_up).await {
         Ok(Waited::Ready((first_id, count, unsynced))) => match wait_durable(unsynced).await {
@@ -104,14 +120,14 @@ pub(super) fn poll(
     match ctx.broker.poll_from(&queue, max, visibility, conn, now_ns()) {
         Ok(d) if d.is_empty() && timeout_ms > 0 => {
             let ctx = Arc::clone(ctx);
+            // A client gone meanwhile is not waited for: no message is taken for nobody.
+            let gave_up = until_or_closed(timeout_ms, session.closed.clone());
             Answer::later(WaitsFor::Other, async move {
-                let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
                 let broker = &ctx.broker;
                 let attempt = |q: &Arc<Queue>| {
                     let taken = broker.poll_from(q, max, visibility, conn, now_ns())?;
                     Ok((!taken.is_empty()).then_some(taken))
                 };
-                let gave_up = tokio::time::sleep_until(deadline.into());
                 match broker.wait_on_queue(queue, WaitFor::Messages, attempt, gave_up).await {
                     Ok(Waited::Ready(taken)) => polled(taken, compress),
                     Ok(Waited::Stopped(())) => polled(Vec::new(), compress),

@@ -24,11 +24,20 @@ pub(super) struct Session {
     /// found again without the broker's lock and hash while no queue has been removed since.
     /// Weak, so that a removed queue's log closes with its last request, not with this session.
     last_queue: Option<(std::sync::Weak<Queue>, u64)>,
+    /// Ends (its sender dropped) when the connection stops reading: a request still waiting
+    /// then stops waiting, so that nothing is taken or stored for a client that is gone.
+    pub closed: tokio::sync::watch::Receiver<()>,
 }
 
 impl Session {
     /// A new connection's session, logged in already if its client certificate names a user.
-    pub fn new(ctx: &Arc<Ctx>, conn: ConnId, peer: Peer, registered: &Registered) -> Session {
+    pub fn new(
+        ctx: &Arc<Ctx>,
+        conn: ConnId,
+        peer: Peer,
+        registered: &Registered,
+        closed: tokio::sync::watch::Receiver<()>,
+    ) -> Session {
         let mut session = Session {
             conn,
             peer,
@@ -37,6 +46,7 @@ impl Session {
             denials: auth::Denials::default(),
             compress: None,
             last_queue: None,
+            closed,
         };
         if let Some(certified) = auth::with_certificate(ctx, &session.peer, conn) {
             match certified {
