@@ -170,7 +170,8 @@ mod tests {
         let ctx = harness.ctx();
         let peer = Peer { addr: None, tls: false, certificate_user: None };
         let registered = crate::connections::Registry::open(ctx, 1, &peer, "native");
-        let mut session = Session::new(ctx, 1, peer, &registered);
+        let (_reading, closed) = tokio::sync::watch::channel(());
+        let mut session = Session::new(ctx, 1, peer, &registered, closed);
         let config = petrel_proto::QueueConfig { durable: false, ..Default::default() };
 
         let old = ctx.broker.create_queue("q", config.clone(), None).unwrap();
