@@ -42,7 +42,11 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
         return Ok(report);
     }
     let groups = shared.groups();
-    let min_committed = groups.values().map(|g| g.committed.load(Ordering::Acquire)).min();
+    // A group whose position is not known yet (being opened, or one that failed to open) holds
+    // nothing back, and does not count as having consumed everything either: alone, it leaves
+    // the log as a log without groups is left.
+    let committed = groups.values().map(|g| g.committed.load(Ordering::Acquire));
+    let min_committed = committed.filter(|&c| c != u64::MAX).min();
     let mut segments = shared.segments_mut();
     let old_first = segments[0].base;
     let mut total: u64 = segments.iter().map(|s| s.map.len() as u64).sum();

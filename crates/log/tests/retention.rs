@@ -53,6 +53,23 @@ fn consumed_segments_are_deleted_once_every_group_is_past_them() {
     assert_eq!(slow.take(Duration::ZERO).unwrap().unwrap().offset, 1500);
 }
 
+/// A group that could not be opened (its cursor file could not be written) holds no position:
+/// it does not make every segment count as consumed.
+#[test]
+fn a_group_that_failed_to_open_does_not_consume_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), opts(Retention { delete_consumed: true, ..Default::default() })).unwrap();
+    // In the way of the group's cursor file (written there first): a directory.
+    std::fs::create_dir_all(dir.path().join("groups/late.cursor.tmp")).unwrap();
+    assert!(log.group("late", GroupOptions::default()).is_err());
+    for i in 0..3000u64 {
+        log.append(&[i as u8; 100]).unwrap();
+    }
+    assert!(log.stats().rolls > 0);
+    assert_eq!(log.first_offset(), 0, "nothing deleted: no group has read anything");
+    assert_eq!(log.stats().retention_removals, 0);
+}
+
 #[test]
 fn a_byte_cap_moves_a_lagging_group_and_counts_the_skip() {
     let dir = tempfile::tempdir().unwrap();
