@@ -424,6 +424,13 @@ impl ConsumerGroup {
                 self.reader.seek(self.next);
             }
             if self.shared.next_offset() > self.next {
+                if self.reader.next_readable()?.is_some_and(|at| at != self.next) {
+                    // Retention removed records from `next` on since the catch-up above (the
+                    // reader steps over them): caught up with again, so that what is delivered
+                    // is counted where it is.
+                    self.catch_up_with_retention()?;
+                    continue;
+                }
                 let batch = self.reader.read_batch(allowed as usize)?;
                 self.acked.extend(std::iter::repeat_n(false, batch.len()));
                 self.next += batch.len() as u64;
@@ -458,6 +465,12 @@ impl ConsumerGroup {
         }
         if self.reader.position() != self.next {
             self.reader.seek(self.next);
+        }
+        if self.reader.next_readable()?.is_some_and(|at| at != self.next) {
+            // Retention removed the record at `next` since the catch-up above: caught up with
+            // again.
+            self.catch_up_with_retention()?;
+            return self.take(timeout);
         }
         let record = self.reader.read_batch(1)?.into_iter().next();
         if record.is_some() {

@@ -303,6 +303,12 @@ impl Reader {
         Ok(limit)
     }
 
+    /// The offset of the record the next read returns, if one is there now: where this reader
+    /// stands once it has stepped over records retention removed.
+    pub(crate) fn next_readable(&mut self) -> Result<Option<u64>> {
+        Ok(self.advance()?.then_some(self.next))
+    }
+
     /// Makes `seg`/`pos` point at record `next`; `false` at the end of the log.
     fn advance(&mut self) -> Result<bool> {
         loop {
@@ -328,6 +334,13 @@ impl Reader {
                 return Ok(false);
             };
             if seg.map.published_end() != published.end() {
+                continue;
+            }
+            if after.base != self.next && self.next < self.shared.first_offset() {
+                // Retention removed the segments from `next` on while this reader was still in
+                // the one before them: step over what it removed, as a reader outside any
+                // segment does.
+                self.leave();
                 continue;
             }
             if after.base != self.next {

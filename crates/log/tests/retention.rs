@@ -104,6 +104,52 @@ fn a_byte_cap_moves_a_lagging_group_and_counts_the_skip() {
     assert_eq!(log.group("lagging", GroupOptions::default()).unwrap().committed(), first);
 }
 
+/// A reader and a group still inside a segment when a byte cap removes it and the segments after
+/// it read on from the oldest record left: no false "missing record", and each record the group
+/// hands out is counted where it is (its acknowledgement is taken).
+#[test]
+fn readers_inside_segments_a_cap_removed_go_on_from_the_oldest_record_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 3 * MIN_SEGMENT_BYTES;
+    let mut log = Log::open(dir.path(), opts(Retention { max_bytes: Some(cap), ..Default::default() })).unwrap();
+    for i in 0..100u64 {
+        log.append(&i.to_le_bytes().repeat(8)).unwrap();
+    }
+    let mut reader = log.reader();
+    assert_eq!(reader.read_next().unwrap().unwrap().offset, 0);
+    let mut group = log.group("g", GroupOptions::default()).unwrap();
+    let first_two: Vec<u64> = group.poll(2, Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+    assert_eq!(first_two, [0, 1]);
+    group.ack(0).unwrap();
+    group.ack(1).unwrap();
+    // Many segments more: the first ones go while both stand in the first.
+    for i in 0..20_000u64 {
+        log.append(&i.to_le_bytes().repeat(8)).unwrap();
+    }
+    let first = log.first_offset();
+    assert!(first > 1000, "segments after the first went too: {first}");
+    let mut last = 0;
+    while let Some(r) = reader.read_next().unwrap() {
+        assert!(r.offset > last, "{} after {last}", r.offset);
+        last = r.offset;
+    }
+    assert_eq!(last, log.next_offset() - 1, "read to the end");
+    let mut handed = 0u64;
+    loop {
+        let offsets: Vec<u64> = group.poll(512, Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+        if offsets.is_empty() {
+            break;
+        }
+        for offset in offsets {
+            assert!(offset >= first || offset < 100, "{offset}");
+            group.ack(offset).unwrap();
+            handed += 1;
+        }
+    }
+    assert!(handed >= log.next_offset() - first, "every record left handed out: {handed}");
+    assert_eq!(group.committed(), log.next_offset());
+}
+
 #[test]
 fn an_age_cap_deletes_old_segments() {
     let dir = tempfile::tempdir().unwrap();
