@@ -62,13 +62,10 @@ pub(crate) struct DedupWindow {
     /// A power of two of buckets (none before the first key).
     buckets: Vec<Bucket>,
     order: VecDeque<Remembered>,
-    /// The ring sequence of `order[0]`; `order[i]`'s is `first_seq + i` (wrapping: the ring
-    /// holds far fewer than 2³² keys, `config::MAX_DEDUP_WINDOW`).
-    first_seq: u32,
     /// Keys remembered per priority level (for the oldest key of a level, without a full scan).
     per_level: Vec<u64>,
-    /// Keys forgotten since the window was made: the ring's front as a count that never wraps
-    /// (`first_seq` does, and a position kept across 2³² keys could point anywhere).
+    /// Keys forgotten since the window was made: the ring's front as a count that never wraps.
+    /// Its low 32 bits are the ring sequence of `order[0]` (`first_seq`), which the index keeps.
     front: u64,
     /// Per level, a position (counted as `front` is) before which the ring holds no key of the
     /// level: where `oldest_id_at` looks from, so that each key is looked at once per level
@@ -150,6 +147,12 @@ impl DedupWindow {
         self.order.len()
     }
 
+    /// The ring sequence of `order[0]`; `order[i]`'s is `first_seq() + i`, wrapping (the ring
+    /// holds far fewer than 2³² keys, `config::MAX_DEDUP_WINDOW`).
+    fn first_seq(&self) -> u32 {
+        self.front as u32
+    }
+
     /// What the window knows keys by.
     pub fn hasher(&self) -> &KeyHasher {
         &self.hasher
@@ -193,7 +196,7 @@ impl DedupWindow {
             let bucket = &self.buckets[b];
             for &slot in &bucket.slots {
                 if slot >> 32 == tag
-                    && let Some(i) = live(slot, self.first_seq, self.order.len())
+                    && let Some(i) = live(slot, self.first_seq(), self.order.len())
                     && self.order[i].key == whole
                 {
                     return Some(i);
@@ -214,8 +217,8 @@ impl DedupWindow {
         if (self.order.len() + 1) * 2 > self.buckets.len() * SLOTS {
             self.rebuild((self.buckets.len() * 2).max(MIN_BUCKETS));
         }
-        let seq = self.first_seq.wrapping_add(self.order.len() as u32);
-        let displaced = place(&mut self.buckets, key, seq, self.first_seq, self.order.len());
+        let (first_seq, len) = (self.first_seq(), self.order.len());
+        let displaced = place(&mut self.buckets, key, first_seq.wrapping_add(len as u32), first_seq, len);
         self.per_level[level] += 1;
         self.order.push_back(Remembered { key: words(key), id, at_ns, displaced, level: level as u8 });
     }
@@ -233,7 +236,7 @@ impl DedupWindow {
     fn rebuild(&mut self, buckets: usize) {
         assert!(buckets.is_power_of_two() && self.order.len() * 2 <= buckets * SLOTS, "an index at most half full");
         self.buckets = vec![Bucket::default(); buckets];
-        let (first_seq, len) = (self.first_seq, self.order.len());
+        let (first_seq, len) = (self.first_seq(), self.order.len());
         for (i, k) in self.order.iter_mut().enumerate() {
             k.displaced = place(&mut self.buckets, k.key(), first_seq.wrapping_add(i as u32), first_seq, len);
         }
@@ -258,7 +261,6 @@ impl DedupWindow {
     /// the buckets it passed are touched.
     fn forget_oldest(&mut self) {
         let Some(oldest) = self.order.pop_front() else { return };
-        self.first_seq = self.first_seq.wrapping_add(1);
         self.front += 1;
         if oldest.displaced > 0 {
             let (mut b, mask) = (home(oldest.key(), self.buckets.len()), self.buckets.len() - 1);
@@ -435,13 +437,13 @@ mod tests {
     #[test]
     fn ring_sequences_wrap_around() {
         let mut w = DedupWindow::new(1);
-        w.first_seq = u32::MAX - 100;
+        w.front = u64::from(u32::MAX - 100);
         for i in 0..1_000u64 {
             w.remember(w.hash(&format!("k{i}")), i, 0, i);
             w.evict(150, u64::MAX, 0);
             check_index(&w);
         }
-        assert!(w.first_seq < 1_000 - 150);
+        assert!(w.first_seq() < 1_000 - 150);
         assert_eq!((w.get("k849"), w.get("k850"), w.get("k999")), (None, Some(850), Some(999)));
     }
 
@@ -505,7 +507,7 @@ mod tests {
             max_keys in 1usize..100,
         ) {
             let mut w = DedupWindow::new(4);
-            w.first_seq = u32::MAX - 500;
+            w.front = u64::from(u32::MAX - 500);
 
             for (i, (op, level)) in ops.into_iter().enumerate() {
                 match op {

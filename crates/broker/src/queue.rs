@@ -415,9 +415,7 @@ fn with_record<T>(
     f: impl FnOnce(&petrel_log::Record<'_>) -> T,
 ) -> Result<T, BrokerError> {
     let mut reader = log.reader();
-    reader.seek(offset);
-    let batch = reader.read_batch(1)?;
-    let record = batch.into_iter().next().filter(|r| r.offset == offset);
+    let record = reader.get(offset)?.filter(|r| r.offset == offset);
     Ok(f(&record.expect("an unacknowledged record is in the log")))
 }
 
