@@ -276,6 +276,9 @@ pub(crate) enum TimeOf {
 /// keeps the time of every `TIME_GROUP`-th record (in the same line): a record whose group
 /// has no frame holding a time between its first and the record takes that group's time;
 /// otherwise the marked frame, found among entries in the looked-up one's cache line, holds it.
+///
+/// Only entries of the segment's published records are to be trusted: past them are the
+/// writer's next ones, or those of a batch it discarded (`Log::discard_unpublished`).
 pub(crate) struct DenseIndex {
     chunks: Box<[OnceLock<Chunk>]>,
     built: OnceLock<()>,

@@ -216,10 +216,12 @@ impl Log {
     /// sync; returns their offsets. Every payload is checked against the limits before any is
     /// written, so a batch that fails on a limit appends nothing.
     ///
-    /// Readers see the whole batch at once, with one exception: a batch that crosses into a new
-    /// segment is published up to the boundary first, and if the next segment cannot be
-    /// allocated (a full disk) that first part stays. A batch is not atomic across a crash:
-    /// its complete frames survive it, like any unacknowledged append may.
+    /// Readers see the whole batch at once, and a full disk fails it whole: a batch that does
+    /// not fit the active segment's room starts a new segment, and its disk blocks are reserved
+    /// before any of it is written. The one exception is a batch larger than a segment: it is
+    /// published up to each segment boundary it crosses, and a full disk leaves those parts. A
+    /// batch is not atomic across a crash: its complete frames survive it, like any
+    /// unacknowledged append may.
     pub fn append_batch<P: AsRef<[u8]>>(&mut self, payloads: &[P]) -> Result<Range<u64>> {
         self.batch(payloads.len(), |i| Input::payload(payloads[i].as_ref()))
     }
@@ -320,9 +322,11 @@ impl Log {
 
     pub(crate) fn batch_unsynced<'a>(&mut self, n: usize, input: impl Fn(usize) -> Input<'a>) -> Result<Range<u64>> {
         self.shared.check_poison()?;
+        let mut bytes = 0;
         for i in 0..n {
-            self.check(&input(i))?;
+            bytes += frame::align_up(self.check(&input(i))?);
         }
+        self.make_room(bytes)?;
         let first = self.next_offset;
         // The clock is read once per batch, and only for records that bring no time of their
         // own (a record's own time is not raised to the clock's).
@@ -423,11 +427,31 @@ impl Log {
         Ok(offset)
     }
 
+    /// Makes room for a batch of frames taking up to `bytes` before any is written, so that a
+    /// full disk fails the batch whole: a new segment when the active one has too little room
+    /// left (unless a segment could not hold it either), and the blocks reserved.
+    fn make_room(&mut self, bytes: usize) -> Result<()> {
+        let fits_a_segment = (SEGMENT_HEADER_LEN + bytes) as u64 <= self.shared.options().segment_bytes;
+        if self.pos + bytes > self.active.map.len() && fits_a_segment {
+            self.roll(bytes)?;
+        }
+        let end = self.pos + bytes;
+        if end <= self.active.map.len() && end > self.active.map.allocated() {
+            self.allocate(end)?;
+        }
+        Ok(())
+    }
+
     /// Reserves the active segment's disk blocks for a frame ending at `needed`:
     /// `ALLOCATE_AHEAD` past the writer when the disk has room for that, else only what the
     /// frame needs (a nearly full disk still takes what fits).
     #[cold]
     fn allocate(&mut self, needed: usize) -> Result<()> {
+        #[cfg(test)]
+        if tests::FAIL_ALLOCATIONS.get() {
+            let source = std::io::Error::from_raw_os_error(28); // ENOSPC
+            return Err(Error::SegmentAllocation { path: self.active.path.clone(), size: needed as u64, source });
+        }
         let ahead = (self.pos + segment::ALLOCATE_AHEAD).next_multiple_of(segment::ALLOCATION_STEP).max(needed);
         if self.active.allocate(ahead).is_ok() {
             return Ok(());
@@ -487,6 +511,12 @@ impl Log {
                 Err(e) => return Err(e),
             }
         };
+        if self.next_offset == self.active.base {
+            // No record fitted the active segment: the new one, of the same base, took its file's
+            // name (`Segment::create` renames over it) and takes its place.
+            self.replace_empty(next);
+            return Ok(());
+        }
         // Publish what is written, then seal: with a durability policy the sealed segment is
         // synced now, so later syncs need only cover the active segment.
         self.publish();
@@ -505,25 +535,51 @@ impl Log {
             self.release_past_end();
         }
         self.shared.options().page_budget.touch(&self.active, Use::Sealed);
-        let next = Arc::new(next);
-        let writer = next.map.writer().expect("a new mapping has its writer");
-        self.positions = next.positions();
         // Readers look for the next segment only after reaching the old one's published end,
         // which is final by now (see Reader::advance).
-        self.shared.segments_mut().push(Arc::clone(&next));
-        self.shared.commit().set_active(Arc::clone(&next));
-        self.active = next;
-        self.writer = writer;
+        self.shared.segments_mut().push(Arc::new(next));
+        self.start_active();
         self.shared.count_roll();
-        self.shared.options().page_budget.touch(&self.active, Use::Active);
         if let Err(e) = crate::retention::apply(&self.shared) {
             tracing::warn!(error = %e, "retention failed; will try again at the next roll");
         }
+        Ok(())
+    }
+
+    /// Puts `next` in the place of the active segment, which holds no record.
+    #[cold]
+    fn replace_empty(&mut self, next: Segment) {
+        assert_eq!(
+            (self.next_offset, self.pos),
+            (self.active.base, SEGMENT_HEADER_LEN),
+            "only an empty segment is replaced"
+        );
+        assert_eq!(next.base, self.active.base);
+        self.prefaulter.stop();
+        {
+            let mut segments = self.shared.segments_mut();
+            let last = segments.last_mut().expect("the active segment is listed");
+            assert!(Arc::ptr_eq(last, &self.active));
+            *last = Arc::new(next);
+        }
+        // After the list holds the new one, so that a reader seeing the mark finds it.
+        self.active.replaced.store(true, Ordering::Release);
+        self.start_active();
+    }
+
+    /// Makes the newest listed segment the one the writer appends to, from its start.
+    fn start_active(&mut self) {
+        let next = Arc::clone(self.shared.segments().last().expect("a log has a segment"));
+        let writer = next.map.writer().expect("a new mapping has its writer");
+        self.positions = next.positions();
+        self.shared.commit().set_active(Arc::clone(&next));
+        self.active = next;
+        self.writer = writer;
+        self.shared.options().page_budget.touch(&self.active, Use::Active);
         self.pos = SEGMENT_HEADER_LEN;
         self.frames_without_time = u32::MAX;
         self.prefault_trigger = SEGMENT_HEADER_LEN;
         self.next_index_pos = SEGMENT_HEADER_LEN;
-        Ok(())
     }
 }
 
@@ -544,6 +600,39 @@ fn index_resume_pos(seg: &Segment) -> usize {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicBool, AtomicUsize};
+
+    thread_local! {
+        /// Makes this thread's writers fail to reserve disk blocks, as on a full disk.
+        pub(super) static FAIL_ALLOCATIONS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    #[test]
+    fn a_batch_the_disk_cannot_hold_appends_nothing_even_across_a_segment_boundary() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = Options { segment_bytes: 16 << 20, initial_segment_bytes: None, ..Options::default() };
+        let mut log = Log::open(dir.path(), options.clone()).unwrap();
+        let record = vec![5u8; 60 << 10];
+        // Fill the first segment to within a record or two of its end.
+        while log.pos + 2 * frame::align_up(frame::frame_len(&Input::payload(&record))) < log.active.map.len() {
+            log.append(&record).unwrap();
+        }
+        let before = log.next_offset();
+        // A batch of 6 MiB: more than a new segment has reserved when it is made.
+        let batch = vec![record.clone(); 100];
+        FAIL_ALLOCATIONS.set(true);
+        let err = log.append_batch(&batch).unwrap_err();
+        FAIL_ALLOCATIONS.set(false);
+        assert!(matches!(err, Error::SegmentAllocation { .. }), "{err}");
+        assert_eq!(log.next_offset(), before, "nothing of the batch is appended");
+        let mut reader = log.reader();
+        reader.seek(before);
+        assert!(reader.read_next().unwrap().is_none(), "readers see nothing of it");
+        assert_eq!(log.append_batch(&batch).unwrap(), before..before + 100, "the disk has room again");
+        drop(reader);
+        drop(log);
+        let log = Log::open(dir.path(), options).unwrap();
+        assert_eq!(log.next_offset(), before + 100);
+    }
 
     #[test]
     fn a_failed_sync_poisons_every_later_call() {

@@ -57,10 +57,12 @@ impl Reader {
             return;
         }
         self.next = offset;
-        // Within the current segment, the dense index gives the position with no lock taken.
+        // Within the current segment's published records, the dense index gives the position
+        // with no lock taken. Past them its entries may be a discarded batch's (a failed roll),
+        // and the record may be in a later segment (`seg_end` is unknown while `seg` is active).
         if let Some(seg) = &self.seg
             && offset >= seg.base
-            && offset < self.seg_end
+            && offset < self.seg_end.min(seg.base + seg.tail().1)
             && let Some(pos) = self.positions.get_or_insert_with(|| seg.positions()).get((offset - seg.base) as usize)
         {
             self.pos = pos;
@@ -331,6 +333,11 @@ impl Reader {
             // publishes a segment's last frame before it adds the next segment, so once a next
             // segment is seen, a second look at `published_end` is final.
             let Some(after) = self.shared.segment_after(seg.base) else {
+                if seg.replaced.load(Ordering::Acquire) {
+                    // The writer put a larger segment of the same base in its place.
+                    self.leave();
+                    continue;
+                }
                 return Ok(false);
             };
             if seg.map.published_end() != published.end() {

@@ -157,6 +157,9 @@ pub(crate) struct Segment {
     pub users: std::sync::atomic::AtomicUsize,
     /// Its place in the page budget's least-recently-used order; 0 while it is not counted.
     pub lru_stamp: AtomicU64,
+    /// Set when the writer replaced this segment, empty, by a larger one of the same base (its
+    /// first record did not fit): readers still in it look up the segment again.
+    pub replaced: std::sync::atomic::AtomicBool,
 }
 
 impl Segment {
@@ -215,6 +218,7 @@ impl Segment {
                 index: crate::index::SparseIndex::ready(Vec::new()),
                 users: Default::default(),
                 lru_stamp: AtomicU64::new(0),
+                replaced: Default::default(),
                 positions: {
                     let positions = crate::index::DenseIndex::new(len as usize, Format::CURRENT);
                     positions.mark_built();
@@ -294,7 +298,10 @@ impl Segment {
         let positions = Default::default();
         let users = Default::default();
         let lru_stamp = AtomicU64::new(0);
-        Ok((Segment { base, format, path: path.to_path_buf(), map, tail, index, positions, users, lru_stamp }, header))
+        let replaced = Default::default();
+        let segment =
+            Segment { base, format, path: path.to_path_buf(), map, tail, index, positions, users, lru_stamp, replaced };
+        Ok((segment, header))
     }
 
     /// This read-only segment with only `[SEGMENT_HEADER_LEN, end)` visible to readers: for a last

@@ -819,3 +819,60 @@ fn timestamps_shared_by_frames_read_back_by_every_path() {
     assert_eq!(log.append_with(&Input { timestamp: Some(time(n - 1)), ..Input::payload(b"x") }).unwrap(), n);
     assert_eq!(log.reader().get(n).unwrap().unwrap().timestamp, time(n - 1));
 }
+
+#[test]
+fn a_reader_seeking_past_a_failed_batch_finds_the_records_written_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    for i in 0..10u64 {
+        log.append(&payload(i)).unwrap();
+    }
+    // A reader inside the active segment, entered while it had no successor.
+    let mut reader = log.reader();
+    assert_eq!(reader.read_next().unwrap().unwrap().offset, 0);
+    // A batch that overflows the segment, whose roll cannot make the next segment (a
+    // directory in the way of every file it could create).
+    let blockers: Vec<_> = (10..2000u64).map(|base| dir.path().join(format!("{base:020}.log.tmp"))).collect();
+    for b in &blockers {
+        fs::create_dir(b).unwrap();
+    }
+    let many = vec![[7u8; 24]; 2000];
+    assert!(log.append_batch(&many).is_err());
+    assert_eq!(log.next_offset(), 10, "a failed batch appends nothing");
+    for b in &blockers {
+        fs::remove_dir(b).unwrap();
+    }
+    // Records 10.. now live in a new segment, after one too large for the old one's room.
+    log.append(&vec![1u8; 60 << 10]).unwrap();
+    for i in 11..100u64 {
+        log.append(&payload(i)).unwrap();
+    }
+    assert!(segments(dir.path()).len() >= 2);
+    for offset in [12, 50, 99, 11, 10] {
+        reader.seek(offset);
+        let record = reader.read_next().unwrap().unwrap();
+        assert_eq!(record.offset, offset);
+        assert_eq!(record.payload, if offset == 10 { vec![1u8; 60 << 10] } else { payload(offset) });
+    }
+}
+
+#[test]
+fn a_first_record_larger_than_the_first_segment_reaches_readers_already_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    let mut reader = log.reader();
+    assert!(reader.read_next().unwrap().is_none(), "an empty log");
+    let big = vec![3u8; 2 << 20];
+    log.append(&big).unwrap();
+    log.append(b"after").unwrap();
+    let first = reader.read_next().unwrap().expect("the reader sees the first record");
+    assert_eq!((first.offset, first.payload.len()), (0, big.len()));
+    assert_eq!(reader.read_next().unwrap().unwrap().payload, b"after");
+    assert_eq!(segments(dir.path()).len(), 1, "the empty first segment was replaced");
+    drop(reader);
+    drop(log);
+    let log = Log::open(dir.path(), Options::default()).unwrap();
+    let all = read_all(&mut log.reader());
+    assert_eq!(all.len(), 2);
+    assert_eq!(all[0].payload, big);
+}
