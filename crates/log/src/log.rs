@@ -488,9 +488,10 @@ impl Log {
         self.next_index_pos = index_resume_pos(&self.active);
     }
 
-    /// Seals the active segment and starts a new one that fits a frame of `needed` bytes.
-    /// Frames written but unpublished in the old segment are published only once the new
-    /// segment exists, so a failed roll (a full disk) leaves the batch unappended.
+    /// Seals the active segment and starts a new one that fits a frame of `needed` bytes (or
+    /// replaces the active segment when it holds no record). Frames written but unpublished in
+    /// the old segment are published only once the new segment exists, so a failed roll (a
+    /// full disk) leaves the batch unappended.
     fn roll(&mut self, needed: usize) -> Result<()> {
         let opts = self.shared.options();
         let durable = opts.durability != Durability::None;
@@ -500,6 +501,14 @@ impl Log {
         };
         let smallest = (opts.first_segment_bytes()).max(((SEGMENT_HEADER_LEN + needed) as u64).next_multiple_of(4096));
         let mut len = grown.max(smallest);
+        let sealing = self.next_offset > self.active.base;
+        if durable && sealing {
+            // Synced before the next segment exists, with the frames of a batch written but
+            // not yet published: after any crash, a segment with a successor is complete
+            // (recovery checks only the last one), and the successor's base follows its last
+            // record.
+            self.shared.commit().sync_sealed(self.shared.dir(), &self.active)?;
+        }
         // When the disk cannot hold the grown segment, halve it down to what this frame needs
         // (and the log's first size): a nearly full disk still takes small appends.
         let next = loop {
@@ -511,20 +520,16 @@ impl Log {
                 Err(e) => return Err(e),
             }
         };
-        if self.next_offset == self.active.base {
+        if !sealing {
             // No record fitted the active segment: the new one, of the same base, took its file's
             // name (`Segment::create` renames over it) and takes its place.
             self.replace_empty(next);
             return Ok(());
         }
-        // Publish what is written, then seal: with a durability policy the sealed segment is
-        // synced now, so later syncs need only cover the active segment.
+        // Publish what is written, then seal: with a durability policy the sealed segment was
+        // synced above, so later syncs need only cover the active segment.
         self.publish();
         if durable {
-            if let Err(e) = self.shared.commit().sync_sealed(self.shared.dir(), &self.active) {
-                let _ = fs::remove_file(&next.path);
-                return Err(e);
-            }
             let (pos, records) = self.active.tail();
             self.active.write_checkpoint(pos as u64, self.active.base + records);
         }

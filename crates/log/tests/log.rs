@@ -876,3 +876,26 @@ fn a_first_record_larger_than_the_first_segment_reaches_readers_already_waiting(
     assert_eq!(all.len(), 2);
     assert_eq!(all[0].payload, big);
 }
+
+#[test]
+fn a_segment_is_synced_before_its_successor_exists() {
+    // If the next segment's file existed first, a power cut before the sync would leave a
+    // sealed segment short of its successor's base: a gap that no reader gets past.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_path_buf();
+    let files_at_syncs = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&files_at_syncs);
+    let options = Options {
+        on_sync: petrel_log::SyncObserver::new(move |_| seen.lock().unwrap().push(segments(&path).len())),
+        // Syncs only when a segment is sealed.
+        ..small(Durability::Interval(std::time::Duration::from_secs(3600)))
+    };
+    let mut log = Log::open(dir.path(), options).unwrap();
+    for i in 0..2000u64 {
+        log.append(&payload(i)).unwrap();
+    }
+    let files = segments(dir.path()).len();
+    assert!(files > 3, "small segments roll");
+    let seen = files_at_syncs.lock().unwrap().clone();
+    assert_eq!(seen, (1..files).collect::<Vec<_>>(), "segment files when each sealed segment was synced");
+}
