@@ -682,6 +682,23 @@ async fn silent_and_idle_connections_are_closed_busy_ones_are_not() {
     let started = std::time::Instant::now();
     assert_eq!(silent.read(&mut [0u8; 16]).unwrap(), 0, "closed by the server");
     assert!(started.elapsed() < Duration::from_secs(3));
+    // One that trickles a frame that never ends, a byte every 20 ms, is closed at the same
+    // timeout: bytes are not a HELLO.
+    let mut trickling = std::net::TcpStream::connect(&server.addr).unwrap();
+    let started = std::time::Instant::now();
+    let mut writer = trickling.try_clone().unwrap();
+    let trickle = std::thread::spawn(move || {
+        for byte in [0u8, 0, 1, 0].into_iter().chain(std::iter::repeat(7)).take(250) {
+            if writer.write_all(&[byte]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    trickling.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(trickling.read(&mut [0u8; 16]).unwrap_or(0), 0, "closed by the server");
+    assert!(started.elapsed() < Duration::from_secs(3), "closed after {:?}", started.elapsed());
+    trickle.join().unwrap();
 
     let idle = server.client().await;
     let busy = server.client().await;
@@ -692,9 +709,9 @@ async fn silent_and_idle_connections_are_closed_busy_ones_are_not() {
             busy.poll("q", PollOptions { max: 1, timeout: Duration::from_secs(2), visibility: None }).await
         })
     };
-    // Closed for silence: the silent connection before HELLO, then the idle one.
+    // Closed for silence: the silent and the trickling connections before HELLO, then the idle one.
     let memcache = server.memcache.clone();
-    let closed = move || common::wait_until("the idle connection's close", || stat_at(&memcache, "idle_closed") == 2);
+    let closed = move || common::wait_until("the idle connection's close", || stat_at(&memcache, "idle_closed") == 3);
     tokio::task::spawn_blocking(closed).await.unwrap();
     assert!(matches!(idle.ping().await, Err(ClientError::Closed)), "the idle connection was closed");
     // Answered at its timeout, 2 s: five idle timeouts later, on a connection kept open for it.

@@ -108,7 +108,10 @@ where
     let mut session = Session::new(&ctx, conn, peer, &registered, closed);
     let mut pushes = Pushes::default();
     let permits = Permits::new(ctx.config.max_in_flight_per_connection);
+    // HELLO must come within the handshake timeout of the connection's start, however the
+    // client spreads its bytes.
     let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
+    let greet_by = tokio::time::Instant::now() + handshake_timeout;
     let idle_timeout = ctx.limits.idle_timeout();
     'read: loop {
         let mut gave_back = false;
@@ -160,12 +163,16 @@ where
         if pushes.flush(&mut connection).await.is_err() {
             break;
         }
-        // Silent too long, with nothing under way: closed (before HELLO, sooner).
-        let quiet_limit = if session.greeted { idle_timeout } else { Some(handshake_timeout) };
+        // Silent too long, with nothing under way: closed (before HELLO, at the handshake
+        // timeout whatever it sent).
+        let quiet_until = match session.greeted {
+            true => idle_timeout.map(|d| tokio::time::Instant::now() + d),
+            false => Some(greet_by),
+        };
         tokio::select! {
             read = connection.read() => if read.is_err() { break },
             _ = shutdown.changed() => break,
-            _ = crate::sleep_or_never(quiet_limit) => {
+            _ = crate::sleep_until_or_never(quiet_until) => {
                 if permits.none_taken() && pushes.is_empty() {
                     crate::stats::add(&ctx.stats.idle_closed, 1);
                     tracing::debug!(conn, "closing an idle connection");
