@@ -623,3 +623,84 @@ fn requests_waiting_when_their_client_goes_away_take_and_store_nothing() {
         other => panic!("the offer of a client that left was stored: {other:?}"),
     }
 }
+
+#[test]
+fn offers_waiting_for_room_and_unfolded_payloads_count_in_the_memory_budget() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_memory_bytes = 8388608\n[queues.full]\ndurable = true\nmax_items = 1\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut c = TcpStream::connect(&server.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
+    assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
+    let offer = |payload: Vec<u8>, timeout_ms: u32| {
+        let mut message = Message { payload: payload.into(), ..Message::default() };
+        petrel_proto::compression::compress(&mut message, 1);
+        Request::Offer { queue: "full".into(), timeout_ms, messages: vec![message] }
+    };
+    c.write_all(&request_frame(&offer(b"first".to_vec(), 0), 2)).unwrap();
+    assert!(matches!(read_response(&mut c), (2, Response::Offered { .. })));
+    // Four offers of 3 MiB that travel as a few hundred bytes each, all waiting for room in the
+    // full queue: two fit in the 8 MiB budget while they wait, the others are refused at once.
+    let mut frames = Vec::new();
+    for id in 10..14 {
+        frames.extend(request_frame(&offer(vec![0u8; 3 << 20], 5_000), id));
+    }
+    assert!(frames.len() < 4096, "compressed: {} bytes", frames.len());
+    let started = std::time::Instant::now();
+    c.write_all(&frames).unwrap();
+    for expected in [12, 13] {
+        match read_response(&mut c) {
+            (id, Response::Error { status, message }) => {
+                assert_eq!((id, status), (expected, Status::LimitReached), "{message}");
+                assert!(message.contains("max_memory_bytes"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(4), "refused at once, not at the offers' timeout");
+    // Room comes: the waiting offers go in, in turn.
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(ask(&mut mc, "get full\r\n"), "VALUE full 0 5\r\nfirst\r\nEND\r\n");
+    assert!(matches!(read_response(&mut c), (10, Response::Offered { .. })));
+    // A payload that unfolds past what the budget has left (offer 11 holds 3 MiB of it) is
+    // refused before it is handled.
+    c.write_all(&request_frame(&offer(vec![0u8; 6 << 20], 0), 20)).unwrap();
+    match read_response(&mut c) {
+        (20, Response::Error { status: Status::LimitReached, message }) => {
+            assert!(message.contains("unfolds"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn one_connection_holds_at_most_its_limit_of_subscriptions() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_subscriptions_per_connection = 3\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_topic("live", false).await.unwrap();
+        c.create_topic("kept", true).await.unwrap();
+        let first = c.subscribe("live", 0).await.unwrap();
+        let _second = c.subscribe("live", 0).await.unwrap();
+        let _third = c.subscribe_group("kept", "g", petrel_proto::StartFrom::Oldest, 0).await.unwrap();
+        for refused in [
+            c.subscribe("live", 0).await.err(),
+            c.subscribe_group("kept", "h", petrel_proto::StartFrom::Oldest, 0).await.err(),
+        ] {
+            let e = refused.expect("a fourth subscription is refused");
+            assert_eq!(e.status(), Some(Status::LimitReached), "{e}");
+            assert!(e.to_string().contains("max_subscriptions_per_connection"), "{e}");
+        }
+        // Another connection has its own; one given back makes room.
+        let other = server.client().await;
+        other.subscribe("live", 0).await.unwrap();
+        first.unsubscribe().await.unwrap();
+        c.subscribe("live", 0).await.unwrap();
+    });
+}

@@ -97,6 +97,9 @@ pub struct Config {
     pub default_subscriber_buffer_messages: usize,
     /// The largest buffer a live subscriber may ask for, messages.
     pub max_subscriber_buffer_messages: usize,
+    /// Topic subscriptions (live or through a consumer group) one connection may hold; past it
+    /// a SUBSCRIBE is answered LIMIT_REACHED.
+    pub max_subscriptions_per_connection: usize,
     /// Batches of TOPIC_ACK a group subscription holds before its task applies them; past it a
     /// TOPIC_ACK is answered LIMIT_REACHED (retry).
     pub max_group_acks_waiting: usize,
@@ -306,6 +309,7 @@ impl Default for Config {
             default_call_timeout_ms: 30_000,
             default_subscriber_buffer_messages: 1024,
             max_subscriber_buffer_messages: 1 << 20,
+            max_subscriptions_per_connection: 1024,
             max_group_acks_waiting: 1024,
             group_release_wait_ms: 200,
             max_push_messages: 256,
@@ -401,6 +405,7 @@ impl Config {
             ("default_call_timeout_ms", self.default_call_timeout_ms as usize),
             ("default_subscriber_buffer_messages", self.default_subscriber_buffer_messages),
             ("max_subscriber_buffer_messages", self.max_subscriber_buffer_messages),
+            ("max_subscriptions_per_connection", self.max_subscriptions_per_connection),
             ("max_group_acks_waiting", self.max_group_acks_waiting),
             ("max_push_messages", self.max_push_messages),
             ("max_push_bytes", self.max_push_bytes as usize),

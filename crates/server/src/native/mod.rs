@@ -203,11 +203,26 @@ async fn dispatch(
     if let Err(refused) = session.admit(ctx, &request) {
         return Answer::Now(error(refused));
     }
-    // Compressed payloads are restored first: a request unfolds to at most a frame's worth.
+    // Compressed payloads are restored first: a request unfolds to at most a frame's worth, and
+    // only while the memory budget has room for what it grows by.
     let mut request = request;
     let messages = petrel_proto::compression::request_messages(&mut request);
-    if let Err(e) = petrel_proto::compression::decompress_all(messages, ctx.config.max_frame_bytes as usize) {
-        return Answer::Now(Response::error(Status::BadRequest, e.to_string()));
+    if messages.iter().any(|m| m.compressed) {
+        let payload_bytes =
+            |messages: &[petrel_proto::Message]| messages.iter().map(|m| m.payload.len() as u64).sum::<u64>();
+        let before = payload_bytes(messages);
+        if let Err(e) =
+            petrel_proto::compression::decompress_all(messages.iter_mut(), ctx.config.max_frame_bytes as usize)
+        {
+            return Answer::Now(Response::error(Status::BadRequest, e.to_string()));
+        }
+        let grown = payload_bytes(messages).saturating_sub(before);
+        if ctx.broker.hold_memory(grown).is_none() {
+            let why = format!(
+                "a request that unfolds by {grown} bytes does not fit in the server's memory budget (max_memory_bytes) now"
+            );
+            return Answer::Now(Response::error(Status::LimitReached, why));
+        }
     }
     let now = Answer::Now;
     match request {

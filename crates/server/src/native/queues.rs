@@ -56,8 +56,20 @@ pub(super) fn offer(
     let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
     match broker.offer_unsynced(&queue, &mut messages, arrived_ns) {
         Err(BrokerError::Full(_)) if timeout_ms > 0 => {
+            // What waits for room counts in the memory budget while it waits.
+            let bytes = messages.iter().map(Message::size).sum::<u64>();
+            let Some(held) = broker.hold_memory(bytes) else {
+                return Answer::Now(error(BrokerError::Limit(format!(
+                    "an offer of {bytes} bytes cannot wait for room: it does not fit in the server's memory budget (max_memory_bytes) now"
+                ))));
+            };
             let gave_up = until_or_closed(timeout_ms, session.closed.clone());
-            Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, gave_up))
+            let offered = offer_when_room(Arc::clone(ctx), queue, messages, gave_up);
+            Answer::later(WaitsFor::Other, async move {
+                let response = offered.await;
+                drop(held);
+                response
+            })
         }
         Ok((first_id, count, unsynced)) if !unsynced.is_durable() => Answer::later(WaitsFor::Disk, async move {
             match wait_durable(unsynced).await {

@@ -65,6 +65,9 @@ pub(super) fn subscribe(
     topic: &str,
     buffer: u32,
 ) -> Response {
+    if let Err(e) = room_for_a_subscription(ctx, pushes) {
+        return error(e);
+    }
     let buffer = match buffer {
         0 => ctx.config.default_subscriber_buffer_messages,
         n => (n as usize).min(ctx.config.max_subscriber_buffer_messages),
@@ -82,6 +85,17 @@ pub(super) fn subscribe(
     }
 }
 
+/// Whether this connection may hold one more subscription (`max_subscriptions_per_connection`).
+fn room_for_a_subscription(ctx: &Ctx, pushes: &Pushes) -> Result<(), BrokerError> {
+    let (held, max) = (pushes.subscriptions.len() + pushes.groups.len(), ctx.config.max_subscriptions_per_connection);
+    match held < max {
+        true => Ok(()),
+        false => Err(BrokerError::Limit(format!(
+            "this connection holds {held} subscriptions, its limit (max_subscriptions_per_connection)"
+        ))),
+    }
+}
+
 /// A subscription through consumer group `group` of a durable topic, at most `buffer` messages
 /// unacknowledged. If the group is still held by a subscription that is ending (a client that
 /// reconnected at once), waits a moment for it to be let go.
@@ -96,6 +110,9 @@ pub(super) async fn subscribe_group(
     buffer: u32,
     from: StartFrom,
 ) -> Response {
+    if let Err(e) = room_for_a_subscription(ctx, pushes) {
+        return error(e);
+    }
     let Some(t) = ctx.broker.topic(&topic) else { return error(BrokerError::TopicNotFound(topic)) };
     let max_pending = match buffer {
         0 => ctx.config.default_subscriber_buffer_messages.min(petrel_log::MAX_PENDING),
