@@ -880,12 +880,12 @@ impl Broker {
             }
         }
         let children = self.read().children.get(&queue.name).cloned();
-        // Copies only of what the parent accepts: an offer retried while the parent is full
-        // must not fill the children with duplicates.
-        let copies = children.as_ref().map(|_| messages.clone());
-        let (first, count, last) = queue.offer_unsynced(messages, now_ns)?;
+        // Copies only of what the parent stores: an offer retried while the parent is full, or
+        // a repeat of a keyed offer it stored before, must not give the children duplicates.
+        let mut copies = children.as_ref().map(|_| messages.clone());
+        let (first, count, last) = queue.offer_unsynced(messages, copies.as_mut(), now_ns)?;
         let mut unsynced = UnsyncedOffer { queue: last.map(|last| (Arc::clone(queue), last)), children: Vec::new() };
-        if let (Some(children), Some(copies)) = (children, copies) {
+        if let (Some(children), Some(copies)) = (children, copies.filter(|c| !c.is_empty())) {
             for child in children {
                 let mut copies = copies.clone();
                 if !child.on_disk() {
@@ -893,7 +893,7 @@ impl Broker {
                     // its copy as it keeps every message.
                     copies.iter_mut().for_each(|m| m.durable = false);
                 }
-                match child.offer_unsynced(&mut copies, now_ns) {
+                match child.offer_unsynced(&mut copies, None, now_ns) {
                     Ok((_, _, Some(last))) => unsynced.children.push((child, last)),
                     Ok(_) => {}
                     Err(e) => {

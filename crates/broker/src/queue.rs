@@ -855,7 +855,7 @@ impl Queue {
     /// messages stores the new ones and answers for them; if it is then refused, the repeats are
     /// gone from `messages`, which changes nothing for a retry.
     pub fn offer(&self, messages: &mut Vec<Message>, now_ns: u64) -> Result<(u64, u32), BrokerError> {
-        let (first, count, unsynced) = self.offer_unsynced(messages, now_ns)?;
+        let (first, count, unsynced) = self.offer_unsynced(messages, None, now_ns)?;
         if let Some(last) = unsynced {
             self.wait_durable(last)?;
         }
@@ -867,11 +867,16 @@ impl Queue {
     /// once `wait_durable` of the returned record has returned, and the offer may be answered
     /// only then. Appending under the queue's lock and waiting after it lets the offers of many
     /// producers share one sync.
+    ///
+    /// `mirror`, if given, holds copies of `messages` (a fanout's): it is left with the copies
+    /// of those the queue stores, without those of repeats or of what a circular queue drops.
     pub(crate) fn offer_unsynced(
         &self,
         messages: &mut Vec<Message>,
+        mut mirror: Option<&mut Vec<Message>>,
         now_ns: u64,
     ) -> Result<(u64, u32, Option<Unsynced>), BrokerError> {
+        debug_assert!(mirror.as_ref().is_none_or(|m| m.len() == messages.len()));
         let config = self.config();
         let durable_asked = messages.iter().any(|m| m.durable);
         if durable_asked && !self.on_disk() {
@@ -958,6 +963,9 @@ impl Queue {
                 skip += 1;
             }
             messages.drain(..skip);
+            if let Some(mirror) = mirror.as_mut() {
+                mirror.drain(..skip);
+            }
             self.lock().counters.dropped += skip as u64;
         }
         if let Some((budget, _)) = &self.memory
@@ -990,6 +998,9 @@ impl Queue {
                     let n = messages.len() as u32;
                     inner.counters.deduplicated += u64::from(n);
                     messages.clear();
+                    if let Some(mirror) = mirror.as_mut() {
+                        mirror.clear();
+                    }
                     drop(inner);
                     // Answered only once the originals are as durable as a new offer would be.
                     let last = *originals.iter().max().expect("an offer of repeats has some");
@@ -1010,6 +1021,10 @@ impl Queue {
                     messages.retain(|_| !*it.next().expect("one flag per message"));
                     let mut it = repeated.iter();
                     hashes.retain(|_| !*it.next().expect("one flag per message"));
+                    if let Some(mirror) = mirror.as_mut() {
+                        let mut it = repeated.iter();
+                        mirror.retain(|_| !*it.next().expect("one flag per message"));
+                    }
                     size = messages.iter().map(Message::size).sum();
                 }
             }

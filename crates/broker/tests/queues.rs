@@ -1441,3 +1441,25 @@ fn queues_created_at_once_by_many_threads_are_each_made_once_within_the_limit() 
         assert_eq!(b.queue_names().len(), expected, "each defined once on disk");
     }
 }
+
+#[test]
+fn fanout_children_get_no_copy_of_a_repeat_the_parent_did_not_store() {
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("orders", QueueConfig { durable, ..QueueConfig::default() }, None).unwrap();
+        // The child remembers keys for one second only: it cannot catch the repeat itself.
+        let child = QueueConfig { durable, dedup_window_ms: 1_000, ..QueueConfig::default() };
+        b.create_queue("orders+audit", child, None).unwrap();
+        let t0 = now_ns();
+        let (first, _) = b.offer("orders", keyed(&[("k", "a")]), t0).unwrap();
+        // The producer retries two seconds later: a repeat, and one new message beside it.
+        b.offer("orders", keyed(&[("k", "a"), ("l", "b")]), t0 + 2_000 * MS).unwrap();
+        let (again, _) = b.offer("orders", keyed(&[("k", "a")]), t0 + 3_000 * MS).unwrap();
+        assert_eq!(again, first, "answered with the original's id");
+        let t = t0 + 4_000 * MS;
+        assert_eq!(payloads(&b.poll("orders", 10, None, 1, t).unwrap()), [b"a".to_vec(), b"b".to_vec()]);
+        let copies = payloads(&b.poll("orders+audit", 10, None, 1, t).unwrap());
+        assert_eq!(copies, [b"a".to_vec(), b"b".to_vec()], "durable {durable}");
+    }
+}
