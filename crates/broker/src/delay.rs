@@ -1022,10 +1022,31 @@ impl DelayLog {
         Ok(before.saturating_add(crate::deliveries_of(&self.returns, offset)))
     }
 
-    /// Every released message waiting, taken (a flush drops them; the caller marks them done),
-    /// and how many each level had.
-    pub fn drain_ready(&mut self) -> (Vec<u64>, Vec<u64>) {
-        self.ready.drain()
+    /// Drops every released message waiting (a flush), marking them done in markers of at
+    /// most `per_marker`. Returns how many each level had dropped, and the error that stopped
+    /// it with the offsets it had dropped: those not marked then stay released, in their places.
+    pub fn drop_ready(&mut self, per_marker: usize) -> (Vec<u64>, Option<(BrokerError, Vec<u64>)>) {
+        let before = self.ready.clone();
+        let (offsets, per_level) = self.ready.drain();
+        let mut marked = 0;
+        for chunk in offsets.chunks(per_marker) {
+            if let Err(e) = self.mark_done(chunk) {
+                // The marked ones are the first in level order: taken from the front again.
+                self.ready = before;
+                let mut dropped = vec![0; per_level.len()];
+                let mut left = marked;
+                for (level, &n) in per_level.iter().enumerate() {
+                    while dropped[level] < n && left > 0 {
+                        self.ready.pop(level).expect("a marked message was released");
+                        dropped[level] += 1;
+                        left -= 1;
+                    }
+                }
+                return (dropped, Some((e, offsets[..marked].to_vec())));
+            }
+            marked += chunk.len();
+        }
+        (per_level, None)
     }
 
     /// The delayed messages due at `now_ns`, earliest first: at most `max` of them, and as many
@@ -1155,12 +1176,29 @@ impl DelayLog {
         Ok(false)
     }
 
-    /// Every delayed message's offset not yet due (or not released), the timers cleared (a
-    /// flush drops them all; the caller marks them done).
-    pub fn drain(&mut self) -> Vec<u64> {
+    /// Every delayed message's offset not yet due (or not released): what a flush drops.
+    pub fn delayed_offsets(&self) -> Vec<u64> {
+        self.done.delayed().collect()
+    }
+
+    /// Marks the delayed messages at `offsets` (from `delayed_offsets`, in order) done, in
+    /// markers of at most `per_marker`; returns how many are marked, and the error that stopped
+    /// it. The timers are cleared once all are; if some are not, the timers are found again by a
+    /// refill from the log (so that none of those left is lost until a restart).
+    pub fn drop_delayed(&mut self, offsets: &[u64], per_marker: usize) -> (usize, Option<BrokerError>) {
+        let mut marked = 0;
+        for chunk in offsets.chunks(per_marker) {
+            if let Err(e) = self.mark_done(chunk) {
+                self.timers.clear();
+                self.timers.spilled = (offsets.len() - marked) as u64;
+                self.scan = None;
+                return (marked, Some(e));
+            }
+            marked += chunk.len();
+        }
         self.timers.clear();
         self.scan = None;
-        self.done.delayed().collect()
+        (marked, None)
     }
 
     /// Lets retention take what is before the oldest record still needed: the oldest pending,

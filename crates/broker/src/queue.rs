@@ -569,6 +569,8 @@ impl Taken {
 const GROUP: &str = "broker";
 /// The group that trails the idempotency keys a durable queue remembers.
 const DEDUP_GROUP: &str = "dedup";
+/// Offsets one `moved` marker of a flush names at most (a marker is one record).
+const MARKER_OFFSETS: usize = 8192;
 
 impl Queue {
     /// A queue in memory, its bytes counted in `budget`, at most `default_max_bytes` of them
@@ -2066,13 +2068,16 @@ impl Inner {
                 counting::subtract(&mut self.bytes, bytes, "a queue's bytes");
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
-                let offsets = delay.drain();
+                let offsets = delay.delayed_offsets();
                 let sizes = offsets.iter().map(|&o| delay.message_at(o).map(|m| m.size()));
-                let bytes = sizes.sum::<Result<u64, _>>()?;
-                for chunk in offsets.chunks(8192) {
-                    delay.mark_done(chunk)?;
+                let sizes = sizes.collect::<Result<Vec<u64>, _>>()?;
+                // A failure part way drops only those marked done; the others stay delayed.
+                let (marked, failed) = delay.drop_delayed(&offsets, MARKER_OFFSETS);
+                counting::subtract(&mut self.bytes, sizes[..marked].iter().sum(), "a queue's bytes");
+                if let Some(e) = failed {
+                    counting::subtract(&mut self.delayed, marked as u64, "a queue's delayed messages");
+                    return Err(e);
                 }
-                counting::subtract(&mut self.bytes, bytes, "a queue's bytes");
                 let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
                 delay.repin(oldest_key.map(|(_, offset)| offset))?;
             }
@@ -2086,16 +2091,19 @@ impl Inner {
     /// left); returns how many.
     fn drop_released(&mut self) -> Result<u64, BrokerError> {
         let Store::Log { delayed: Some(delay), .. } = &mut self.store else { return Ok(0) };
-        let (offsets, per_level) = delay.drain_ready();
-        for chunk in offsets.chunks(8192) {
-            delay.mark_done(chunk)?;
-        }
+        // A failure part way drops only those marked done; the others stay released.
+        let (per_level, failed) = delay.drop_ready(MARKER_OFFSETS);
+        let dropped = per_level.iter().sum::<u64>();
         for (waiting, n) in self.waiting_at.iter_mut().zip(per_level) {
             counting::subtract(waiting, n, "a priority level's waiting messages");
             counting::subtract(&mut self.waiting, n, "a queue's waiting messages");
         }
-        self.head_taken |= !offsets.is_empty();
-        Ok(offsets.len() as u64)
+        self.head_taken |= dropped > 0;
+        let Some((e, marked)) = failed else { return Ok(dropped) };
+        // The flush stops here, before it counts the bytes left: those dropped go now.
+        let sizes = marked.iter().map(|&o| delay.message_at(o).map(|m| m.size())).sum::<Result<u64, _>>()?;
+        counting::subtract(&mut self.bytes, sizes, "a queue's bytes");
+        Err(e)
     }
 
     /// The message stored at `offset` of a durable queue's log for `level`.
