@@ -34,6 +34,22 @@ pub(crate) struct CursorState {
     pub acked_above: Vec<u64>,
 }
 
+impl CursorState {
+    /// This state in a log that holds records `first..end` (retention removed those before,
+    /// or a repair cut those after): acknowledgements of records outside it dropped, and
+    /// `committed` inside it, moved over the acknowledged records in a row at its start.
+    pub(crate) fn within(mut self, first: u64, end: u64) -> CursorState {
+        debug_assert!(first <= end);
+        self.committed = self.committed.clamp(first, end);
+        let committed = self.committed;
+        self.acked_above.retain(|&o| o >= committed && o < end);
+        let in_a_row = self.acked_above.iter().zip(committed..).take_while(|(o, c)| *o == c).count();
+        self.acked_above.drain(..in_a_row);
+        self.committed += in_a_row as u64;
+        self
+    }
+}
+
 /// Encodes `state` with `seq` into the slot `seq` selects; returns the slot's range in the file.
 /// `scratch` keeps the bitmap without allocating.
 pub(crate) fn write(file: &mut [u8], seq: u64, committed: u64, bitmap: &[u8]) -> std::ops::Range<usize> {
@@ -103,6 +119,18 @@ pub(crate) fn bitmap(committed: u64, acked_above: impl IntoIterator<Item = u64>,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_state_within_a_log_keeps_only_what_the_log_holds() {
+        let state = |committed, acked_above: &[u64]| CursorState { committed, acked_above: acked_above.to_vec() };
+        assert_eq!(state(2, &[4, 5, 9]).within(0, 20), state(2, &[4, 5, 9]), "nothing to change");
+        assert_eq!(state(2, &[4, 5, 9]).within(4, 20), state(6, &[9]), "over the acknowledged ones in a row");
+        assert_eq!(state(2, &[4, 5, 9]).within(3, 20), state(3, &[4, 5, 9]));
+        assert_eq!(state(2, &[4, 5, 9]).within(0, 5), state(2, &[4]), "none past the end");
+        assert_eq!(state(30, &[]).within(0, 5), state(5, &[]), "committed at the end at most");
+        assert_eq!(state(2, &[4, 5]).within(0, 4), state(2, &[]));
+        assert_eq!(state(0, &[1, 2, 3]).within(1, 3), state(3, &[]));
+    }
 
     #[test]
     fn the_newest_valid_slot_wins_and_a_torn_one_is_ignored() {

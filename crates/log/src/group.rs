@@ -68,6 +68,9 @@ pub(crate) struct GroupEntry {
     pub committed: AtomicU64,
     pub open: AtomicBool,
     pub skipped: AtomicU64,
+    /// The offset up to which `skipped` counts what retention removed before this group read
+    /// it: a loss is counted once, by retention or by the group's open, whichever sees it first.
+    pub skipped_to: AtomicU64,
     pub acked_above: AtomicU64,
 }
 
@@ -79,6 +82,7 @@ impl GroupEntry {
             committed: AtomicU64::new(state.committed),
             open: AtomicBool::new(false),
             skipped: AtomicU64::new(0),
+            skipped_to: AtomicU64::new(0),
             acked_above: AtomicU64::new(state.acked_above.len() as u64),
         })
     }
@@ -170,13 +174,18 @@ pub(crate) fn load_all(dir: &Path) -> Result<BTreeMap<String, CursorState>> {
         let Some(name) = file_name.to_str().and_then(|n| n.strip_suffix(CURSOR_SUFFIX)) else {
             continue; // a leftover `.tmp` or a foreign file
         };
-        let bytes = fs::read(entry.path()).map_err(io_err("read cursor", entry.path()))?;
-        let Some((_, state)) = cursor::read(&bytes) else {
-            return Err(corrupt(&entry.path(), 0, None, Reason::Other("no valid cursor slot".into())));
-        };
-        out.insert(name.to_owned(), state);
+        out.insert(name.to_owned(), read_cursor(&entry.path())?);
     }
     Ok(out)
+}
+
+/// What the cursor file at `path` holds.
+pub(crate) fn read_cursor(path: &Path) -> Result<CursorState> {
+    let bytes = fs::read(path).map_err(io_err("read cursor", path))?;
+    match cursor::read(&bytes) {
+        Some((_, state)) => Ok(state),
+        None => Err(corrupt(path, 0, None, Reason::Other("no valid cursor slot".into()))),
+    }
 }
 
 /// Writes a new cursor file for `name` with `state`, atomically (temporary file, rename).
@@ -315,13 +324,12 @@ impl ConsumerGroup {
             return Err(corrupt(&path, 0, None, Reason::Other("no valid cursor slot".into())));
         };
         let first = shared.first_offset();
-        let mut committed = state.committed;
-        if committed < first {
-            // Retention removed records this group had not read.
-            entry.skipped.fetch_add(first - committed, Ordering::Relaxed);
-            committed = first;
-        }
-        let skip: BTreeSet<u64> = state.acked_above.into_iter().filter(|&o| o > committed).collect();
+        // Retention removed records this group had not read (unless it counted them already).
+        let counted = state.committed.max(entry.skipped_to.fetch_max(first, Ordering::AcqRel));
+        entry.skipped.fetch_add(first.saturating_sub(counted), Ordering::Relaxed);
+        let state = state.within(first, u64::MAX);
+        let committed = state.committed;
+        let skip: BTreeSet<u64> = state.acked_above.into_iter().collect();
         entry.committed.store(committed, Ordering::Release);
         entry.acked_above.store(skip.len() as u64, Ordering::Relaxed);
         let on_sync = shared.commit().on_sync().clone();
@@ -509,6 +517,9 @@ impl ConsumerGroup {
         self.advance_committed();
         self.redeliver.retain(|&o| o >= first);
         self.skip.retain(|&o| o >= first);
+        // Acknowledged before a restart, at the new start: stepped over before the cursor is
+        // written (it holds only acknowledgements above `committed`).
+        self.pass_acknowledged();
         self.persist()
     }
 

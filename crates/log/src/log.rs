@@ -114,12 +114,16 @@ impl Log {
         let positions = active.positions();
 
         let mut cursors = crate::group::load_all(&dir)?;
-        for (name, state) in cursors.iter_mut().filter(|(_, s)| s.committed > next_offset) {
-            // The log was cut back (`petrel log repair`) past where this group stood: records
-            // appended from now on reuse those offsets and must reach the group.
-            tracing::warn!(group = %name, committed = state.committed, end = next_offset, "group moved back to the end of the log");
-            *state = crate::cursor::CursorState { committed: next_offset, acked_above: vec![] };
-            crate::group::create_cursor(&dir, name, state, durable)?;
+        for (name, state) in cursors.iter_mut() {
+            // The log was cut back (`petrel log repair`, or a crash that lost a tail the cursor
+            // had seen) past where this group stood or what it acknowledged: records appended
+            // from now on reuse those offsets and must reach the group.
+            let within = state.clone().within(0, next_offset);
+            if within != *state {
+                tracing::warn!(group = %name, committed = state.committed, end = next_offset, "group moved back to the end of the log");
+                *state = within;
+                crate::group::create_cursor(&dir, name, state, durable)?;
+            }
         }
         let shared = LogState::new(dir, options, segments, next_offset, cursors);
         // Whatever recovery kept was written before the crash; make it durable now if the
@@ -561,6 +565,7 @@ impl Log {
         );
         assert_eq!(next.base, self.active.base);
         self.prefaulter.stop();
+        self.shared.options().page_budget.forget(&self.active);
         {
             let mut segments = self.shared.segments_mut();
             let last = segments.last_mut().expect("the active segment is listed");

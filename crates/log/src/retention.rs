@@ -6,7 +6,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::clock::now_ns;
-use crate::cursor::CursorState;
 use crate::error::{Result, io_err};
 use crate::options::Durability;
 use crate::state::LogState;
@@ -86,15 +85,22 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
         if committed >= first {
             continue;
         }
-        // An open group's cursor moves only when it next polls: count each record once.
-        let lost = first - committed.max(old_first);
+        // An open group's cursor moves only when it next polls (or, closed before that, when it
+        // is opened again): count each record once.
+        let counted = committed.max(old_first).max(entry.skipped_to.fetch_max(first, Ordering::AcqRel));
+        let lost = first.saturating_sub(counted);
         entry.skipped.fetch_add(lost, Ordering::Relaxed);
         report.records_skipped += lost;
-        tracing::warn!(group = %name, skipped = lost, "retention removed records the group had not read");
+        if lost > 0 {
+            tracing::warn!(group = %name, skipped = lost, "retention removed records the group had not read");
+        }
         if !entry.open.load(Ordering::Acquire) {
-            let state = CursorState { committed: first, acked_above: vec![] };
+            // Its acknowledgements of records still in the log stay.
+            let path = crate::group::cursor_path(shared.dir(), name);
+            let state = crate::group::read_cursor(&path)?.within(first, u64::MAX);
             crate::group::create_cursor(shared.dir(), name, &state, shared.options().durability != Durability::None)?;
-            entry.committed.store(first, Ordering::Release);
+            entry.committed.store(state.committed, Ordering::Release);
+            entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
         }
     }
     drop(groups);

@@ -314,3 +314,36 @@ fn a_group_past_the_end_of_a_repaired_log_sees_new_records() {
     let mut g = log.group("g", GroupOptions::default()).unwrap();
     assert_eq!(g.take(NOW).unwrap().unwrap().payload, b"after repair");
 }
+
+#[test]
+fn acknowledgements_past_the_end_of_a_repaired_log_do_not_hide_new_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 10);
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    let delivered = offsets(g.poll(10, NOW).unwrap());
+    assert_eq!(delivered.len(), 10);
+    // All but the first acknowledged: the cursor holds 1..10 above committed 0.
+    for offset in 1..10 {
+        g.ack(offset).unwrap();
+    }
+    drop((g, log));
+    // Cut the log back to 4 records: acknowledgements of 4..10 name records that are gone.
+    let seg = dir.path().join("00000000000000000000.log");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let at = bytes.windows(2).position(|w| w == b"r4").unwrap();
+    bytes[at] ^= 1;
+    std::fs::write(&seg, bytes).unwrap();
+    assert_eq!(petrel_log::verify::repair(dir.path()).unwrap().next_offset, 4);
+    let mut log = log_with(dir.path(), 0);
+    for i in 0..3 {
+        log.append(format!("new {i}").as_bytes()).unwrap();
+    }
+    let info = log.groups().into_iter().find(|g| g.name == "g").unwrap();
+    assert_eq!((info.committed, info.acked_above), (0, 3), "only acknowledgements of records left");
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    let mut got = Vec::new();
+    while let Some(r) = g.take(NOW).unwrap() {
+        got.push(r.payload.to_vec());
+    }
+    assert_eq!(got, [b"r0".to_vec(), b"new 0".to_vec(), b"new 1".to_vec(), b"new 2".to_vec()]);
+}

@@ -859,7 +859,8 @@ fn a_reader_seeking_past_a_failed_batch_finds_the_records_written_later() {
 #[test]
 fn a_first_record_larger_than_the_first_segment_reaches_readers_already_waiting() {
     let dir = tempfile::tempdir().unwrap();
-    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    let options = Options::default();
+    let mut log = Log::open(dir.path(), options.clone()).unwrap();
     let mut reader = log.reader();
     assert!(reader.read_next().unwrap().is_none(), "an empty log");
     let big = vec![3u8; 2 << 20];
@@ -869,6 +870,8 @@ fn a_first_record_larger_than_the_first_segment_reaches_readers_already_waiting(
     assert_eq!((first.offset, first.payload.len()), (0, big.len()));
     assert_eq!(reader.read_next().unwrap().unwrap().payload, b"after");
     assert_eq!(segments(dir.path()).len(), 1, "the empty first segment was replaced");
+    let on_disk = std::fs::metadata(&segments(dir.path())[0]).unwrap().len();
+    assert_eq!(options.page_budget.counted_bytes(), on_disk, "the page budget counts only the segment there is");
     drop(reader);
     drop(log);
     let log = Log::open(dir.path(), Options::default()).unwrap();

@@ -170,3 +170,77 @@ fn an_age_cap_deletes_old_segments() {
     let r = log.reader().read_next().unwrap().unwrap().to_owned();
     assert!(r.offset >= first);
 }
+
+/// `count` records of 64 bytes, and group `name` that has acknowledged all but the first.
+fn acked_all_but_the_first(log: &mut Log, name: &str, count: u64) -> petrel_log::ConsumerGroup {
+    for i in 0..count {
+        log.append(&i.to_le_bytes().repeat(8)).unwrap();
+    }
+    let mut g = log.group(name, GroupOptions { max_pending: 8192, ..Default::default() }).unwrap();
+    let mut seen = 0;
+    while seen < count {
+        let offsets: Vec<u64> = g.poll(1000, Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+        seen += offsets.len() as u64;
+        for o in offsets.into_iter().filter(|&o| o != 0) {
+            g.ack(o).unwrap();
+        }
+    }
+    g
+}
+
+/// Appends until retention has removed the first segment.
+fn append_until_the_first_segment_goes(log: &mut Log) -> u64 {
+    while log.first_offset() == 0 {
+        log.append(&[9u8; 64]).unwrap();
+    }
+    log.first_offset()
+}
+
+#[test]
+fn acknowledgements_ahead_of_a_closed_groups_cursor_outlive_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log =
+        Log::open(dir.path(), opts(Retention { max_bytes: Some(4 * MIN_SEGMENT_BYTES), ..Default::default() }))
+            .unwrap();
+    let g = acked_all_but_the_first(&mut log, "g", 3000);
+    drop(g);
+    let first = append_until_the_first_segment_goes(&mut log);
+    assert!(first > 0 && first < 3000, "{first}");
+    let info = log.groups().into_iter().find(|g| g.name == "g").unwrap();
+    assert_eq!((info.committed, info.acked_above), (3000, 0), "moved over the records it acknowledged");
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(g.take(Duration::ZERO).unwrap().unwrap().offset, 3000, "no acknowledged record again");
+}
+
+#[test]
+fn an_open_group_catching_up_with_retention_steps_over_what_it_acknowledged_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log =
+        Log::open(dir.path(), opts(Retention { max_bytes: Some(4 * MIN_SEGMENT_BYTES), ..Default::default() }))
+            .unwrap();
+    drop(acked_all_but_the_first(&mut log, "g", 3000));
+    // Open again: its acknowledgements are to be stepped over, as retention removes the head.
+    let mut g = log.group("g", GroupOptions { max_pending: 8192, ..Default::default() }).unwrap();
+    let first = append_until_the_first_segment_goes(&mut log);
+    assert!(first > 0 && first < 3000, "{first}");
+    assert_eq!(g.take(Duration::ZERO).unwrap().unwrap().offset, 3000, "no acknowledged record again");
+    g.ack(3000).unwrap();
+    drop(g);
+    let info = log.groups().into_iter().find(|g| g.name == "g").unwrap();
+    assert_eq!((info.committed, info.acked_above), (3001, 0));
+}
+
+#[test]
+fn a_group_closed_before_it_noticed_retention_counts_its_loss_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log =
+        Log::open(dir.path(), opts(Retention { max_bytes: Some(4 * MIN_SEGMENT_BYTES), ..Default::default() }))
+            .unwrap();
+    let g = log.group("g", GroupOptions::default()).unwrap();
+    let first = append_until_the_first_segment_goes(&mut log);
+    drop(g);
+    let g = log.group("g", GroupOptions::default()).unwrap();
+    let info = log.groups().into_iter().find(|g| g.name == "g").unwrap();
+    assert_eq!(info.skipped, first, "counted by retention, not again when opened");
+    drop(g);
+}
