@@ -826,7 +826,13 @@ impl Broker {
     /// Takes `bytes` from the memory budget (`max_memory_bytes`) for a request read into memory,
     /// until the hold is dropped; `None` when they do not fit.
     pub fn hold_memory(&self, bytes: u64) -> Option<MemoryHold> {
-        MemoryHold::take(&self.memory, bytes)
+        MemoryHold::take(&self.memory, bytes, false)
+    }
+
+    /// `hold_memory` for bytes already in memory (counted again after a moment out of the
+    /// budget): taken even past its limit.
+    pub fn hold_memory_anyway(&self, bytes: u64) -> MemoryHold {
+        MemoryHold::take(&self.memory, bytes, true).expect("taken whatever the limit")
     }
 
     /// Mapped segment bytes of durable logs counted against `max_resident_bytes` (an upper bound

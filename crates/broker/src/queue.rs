@@ -160,9 +160,10 @@ pub struct MemoryHold {
 }
 
 impl MemoryHold {
-    /// `bytes` from `budget`, if they fit.
-    pub(crate) fn take(budget: &Arc<MemoryBudget>, bytes: u64) -> Option<MemoryHold> {
-        budget.reserve(bytes, false).then(|| MemoryHold { budget: Arc::clone(budget), bytes })
+    /// `bytes` from `budget`, if they fit (or whether they fit or not, `always`: bytes already
+    /// in memory, counted again).
+    pub(crate) fn take(budget: &Arc<MemoryBudget>, bytes: u64, always: bool) -> Option<MemoryHold> {
+        budget.reserve(bytes, always).then(|| MemoryHold { budget: Arc::clone(budget), bytes })
     }
 }
 

@@ -650,22 +650,24 @@ fn offers_waiting_for_room_and_unfolded_payloads_count_in_the_memory_budget() {
     assert!(frames.len() < 4096, "compressed: {} bytes", frames.len());
     let started = std::time::Instant::now();
     c.write_all(&frames).unwrap();
-    for expected in [12, 13] {
+    for _ in 0..2 {
         match read_response(&mut c) {
             (id, Response::Error { status, message }) => {
-                assert_eq!((id, status), (expected, Status::LimitReached), "{message}");
+                // (Which two depends on when the first offer last looked for room.)
+                assert!(id > 10 && status == Status::LimitReached, "{id} {status:?} {message}");
                 assert!(message.contains("max_memory_bytes"), "{message}");
             }
             other => panic!("{other:?}"),
         }
     }
     assert!(started.elapsed() < Duration::from_secs(4), "refused at once, not at the offers' timeout");
-    // Room comes: the waiting offers go in, in turn.
     let mut mc = TcpStream::connect(&server.memcache).unwrap();
     mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(ask(&mut mc, "get full\r\n"), "VALUE full 0 5\r\nfirst\r\nEND\r\n");
-    assert!(matches!(read_response(&mut c), (10, Response::Offered { .. })));
-    // A payload that unfolds past what the budget has left (offer 11 holds 3 MiB of it) is
+    // Room comes: one of the waiting offers goes in (whichever looks first).
+    let (id, answer) = read_response(&mut c);
+    assert!(matches!(answer, Response::Offered { .. }) && (id == 10 || id == 11), "{id} {answer:?}");
+    // A payload that unfolds past what the budget has left (the other holds 3 MiB of it) is
     // refused before it is handled.
     c.write_all(&request_frame(&offer(vec![0u8; 6 << 20], 0), 20)).unwrap();
     match read_response(&mut c) {
@@ -703,4 +705,32 @@ fn one_connection_holds_at_most_its_limit_of_subscriptions() {
         first.unsubscribe().await.unwrap();
         c.subscribe("live", 0).await.unwrap();
     });
+}
+
+#[test]
+fn an_offer_that_waited_for_room_in_a_memory_queue_is_not_counted_twice_when_it_goes_in() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_memory_bytes = 8388608\n[queues.mem]\ndurable = false\nmax_items = 1\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut c = TcpStream::connect(&server.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
+    assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
+    let offer = |payload: Vec<u8>, timeout_ms: u32| {
+        let mut message = Message { payload: payload.into(), ..Message::default() };
+        petrel_proto::compression::compress(&mut message, 1);
+        Request::Offer { queue: "mem".into(), timeout_ms, messages: vec![message] }
+    };
+    c.write_all(&request_frame(&offer(b"first".to_vec(), 0), 2)).unwrap();
+    assert!(matches!(read_response(&mut c), (2, Response::Offered { .. })));
+    // 5 MiB waits for room (held in the 8 MiB budget); once room comes, the queue counts it
+    // instead: it fits, though the two together would not.
+    c.write_all(&request_frame(&offer(vec![0u8; 5 << 20], 5_000), 3)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(ask(&mut mc, "get mem\r\n"), "VALUE mem 0 5\r\nfirst\r\nEND\r\n");
+    let answer = read_response(&mut c);
+    assert!(matches!(answer, (3, Response::Offered { count: 1, .. })), "{answer:?}");
 }

@@ -699,6 +699,25 @@ async fn silent_and_idle_connections_are_closed_busy_ones_are_not() {
     assert_eq!(trickling.read(&mut [0u8; 16]).unwrap_or(0), 0, "closed by the server");
     assert!(started.elapsed() < Duration::from_secs(3), "closed after {:?}", started.elapsed());
     trickle.join().unwrap();
+    // One that skipped HELLO and has a subscription under way: closed at the same timeout.
+    let mut subscribed = std::net::TcpStream::connect(&server.addr).unwrap();
+    let topic = petrel_proto::Request::TopicCreate { name: "t".into(), durable: false };
+    let subscribe = petrel_proto::Request::Subscribe {
+        topic: "t".into(),
+        buffer: 0,
+        group: String::new(),
+        from: petrel_proto::StartFrom::Resume,
+    };
+    let mut frames = Vec::new();
+    topic.encode(1, &mut frames).unwrap();
+    subscribe.encode(2, &mut frames).unwrap();
+    let started = std::time::Instant::now();
+    subscribed.write_all(&frames).unwrap();
+    subscribed.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut answers = Vec::new();
+    let _ = subscribed.read_to_end(&mut answers);
+    assert!(answers.len() > 20, "both answered first: {} bytes", answers.len());
+    assert!(started.elapsed() < Duration::from_secs(3), "closed after {:?}", started.elapsed());
 
     let idle = server.client().await;
     let busy = server.client().await;
@@ -709,9 +728,9 @@ async fn silent_and_idle_connections_are_closed_busy_ones_are_not() {
             busy.poll("q", PollOptions { max: 1, timeout: Duration::from_secs(2), visibility: None }).await
         })
     };
-    // Closed for silence: the silent and the trickling connections before HELLO, then the idle one.
+    // Closed for silence: the three connections without HELLO, then the idle one.
     let memcache = server.memcache.clone();
-    let closed = move || common::wait_until("the idle connection's close", || stat_at(&memcache, "idle_closed") == 3);
+    let closed = move || common::wait_until("the idle connection's close", || stat_at(&memcache, "idle_closed") == 4);
     tokio::task::spawn_blocking(closed).await.unwrap();
     assert!(matches!(idle.ping().await, Err(ClientError::Closed)), "the idle connection was closed");
     // Answered at its timeout, 2 s: five idle timeouts later, on a connection kept open for it.

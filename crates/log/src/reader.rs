@@ -57,12 +57,13 @@ impl Reader {
             return;
         }
         self.next = offset;
-        // Within the current segment's published records, the dense index gives the position
-        // with no lock taken. Past them its entries may be a discarded batch's (a failed roll),
-        // and the record may be in a later segment (`seg_end` is unknown while `seg` is active).
+        // Within the current segment's records, the dense index gives the position with no lock
+        // taken. While the segment was active when entered (`seg_end` unknown), only its
+        // published ones: past them the index's entries may be a discarded batch's (a failed
+        // roll), and the record may be in a later segment.
         if let Some(seg) = &self.seg
             && offset >= seg.base
-            && offset < self.seg_end.min(seg.base + seg.tail().1)
+            && offset < if self.seg_end != u64::MAX { self.seg_end } else { seg.base + seg.tail().1 }
             && let Some(pos) = self.positions.get_or_insert_with(|| seg.positions()).get((offset - seg.base) as usize)
         {
             self.pos = pos;
@@ -332,12 +333,13 @@ impl Reader {
             // At the end of this segment's data: move on if the writer has rolled. The writer
             // publishes a segment's last frame before it adds the next segment, so once a next
             // segment is seen, a second look at `published_end` is final.
+            if seg.replaced.load(Ordering::Acquire) {
+                // The writer put a larger segment of the same base in its place (which may have
+                // successors by now).
+                self.leave();
+                continue;
+            }
             let Some(after) = self.shared.segment_after(seg.base) else {
-                if seg.replaced.load(Ordering::Acquire) {
-                    // The writer put a larger segment of the same base in its place.
-                    self.leave();
-                    continue;
-                }
                 return Ok(false);
             };
             if seg.map.published_end() != published.end() {

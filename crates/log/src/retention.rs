@@ -95,12 +95,24 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
             tracing::warn!(group = %name, skipped = lost, "retention removed records the group had not read");
         }
         if !entry.open.load(Ordering::Acquire) {
-            // Its acknowledgements of records still in the log stay.
+            // Its acknowledgements of records still in the log stay. A cursor that cannot be
+            // moved now is moved when the group is next opened (which does the same); the
+            // segments go all the same.
             let path = crate::group::cursor_path(shared.dir(), name);
-            let state = crate::group::read_cursor(&path)?.within(first, u64::MAX);
-            crate::group::create_cursor(shared.dir(), name, &state, shared.options().durability != Durability::None)?;
-            entry.committed.store(state.committed, Ordering::Release);
-            entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
+            let durable = shared.options().durability != Durability::None;
+            let moved = crate::group::read_cursor(&path).map(|state| state.within(first, u64::MAX)).and_then(|state| {
+                crate::group::create_cursor(shared.dir(), name, &state, durable)?;
+                Ok(state)
+            });
+            match moved {
+                Ok(state) => {
+                    entry.committed.store(state.committed, Ordering::Release);
+                    entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(group = %name, error = %e, "could not move the group's cursor past removed records")
+                }
+            }
         }
     }
     drop(groups);

@@ -902,3 +902,24 @@ fn a_segment_is_synced_before_its_successor_exists() {
     let seen = files_at_syncs.lock().unwrap().clone();
     assert_eq!(seen, (1..files).collect::<Vec<_>>(), "segment files when each sealed segment was synced");
 }
+
+#[test]
+fn a_reader_waiting_in_a_replaced_segment_reads_on_after_its_successors_came() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), Options { segment_bytes: 4 << 20, ..Options::default() }).unwrap();
+    let mut reader = log.reader();
+    assert!(reader.read_next().unwrap().is_none(), "an empty log");
+    // The first record replaces the empty first segment; then the writer rolls twice before
+    // the reader looks again.
+    log.append(&vec![3u8; 2 << 20]).unwrap();
+    for i in 1..3000u64 {
+        log.append(&vec![i as u8; 2000]).unwrap();
+    }
+    assert!(segments(dir.path()).len() >= 2, "rolled");
+    let mut expected = 0;
+    while let Some(r) = reader.read_next().unwrap() {
+        assert_eq!(r.offset, expected);
+        expected += 1;
+    }
+    assert_eq!(expected, 3000);
+}

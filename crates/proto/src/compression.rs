@@ -48,6 +48,17 @@ pub fn decompress(m: &mut Message, max_bytes: usize) -> Result<(), DecodeError> 
     Ok(())
 }
 
+/// How many bytes restoring `messages`' compressed payloads adds at most: what their zstd
+/// frames say they hold (`max_total` for one that does not say), less their compressed bytes,
+/// and at most `max_total`, which `decompress_all` never passes.
+pub fn unfolded_growth(messages: &[Message], max_total: u64) -> u64 {
+    let declared = messages.iter().filter(|m| m.compressed).map(|m| {
+        let plain = zstd::zstd_safe::get_frame_content_size(&m.payload).ok().flatten().unwrap_or(max_total);
+        plain.saturating_sub(m.payload.len() as u64)
+    });
+    declared.fold(0u64, u64::saturating_add).min(max_total)
+}
+
 /// The messages a request carries, to compress or restore in place.
 pub fn request_messages(r: &mut Request) -> &mut [Message] {
     match r {
@@ -118,7 +129,10 @@ mod tests {
         let mut bomb = Message::new(vec![0u8; 1 << 20]);
         compress(&mut bomb, 1);
         assert!(bomb.payload.len() < 1024);
+        let declared = (1 << 20) - bomb.payload.len() as u64;
+        assert_eq!(unfolded_growth(std::slice::from_ref(&bomb), 4 << 20), declared, "what its frame declares");
         let mut many = vec![bomb; 8];
+        assert_eq!(unfolded_growth(&many, 4 << 20), 4 << 20, "at most the limit");
         assert!(decompress_all(many.iter_mut(), 4 << 20).is_err());
     }
 }

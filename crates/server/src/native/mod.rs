@@ -173,7 +173,9 @@ where
             read = connection.read() => if read.is_err() { break },
             _ = shutdown.changed() => break,
             _ = crate::sleep_until_or_never(quiet_until) => {
-                if permits.none_taken() && pushes.is_empty() {
+                // Before HELLO, closed at the deadline whatever is under way (else a past
+                // deadline would wake this loop at once, again and again).
+                if !session.greeted || (permits.none_taken() && pushes.is_empty()) {
                     crate::stats::add(&ctx.stats.idle_closed, 1);
                     tracing::debug!(conn, "closing an idle connection");
                     break;
@@ -208,20 +210,19 @@ async fn dispatch(
     let mut request = request;
     let messages = petrel_proto::compression::request_messages(&mut request);
     if messages.iter().any(|m| m.compressed) {
-        let payload_bytes =
-            |messages: &[petrel_proto::Message]| messages.iter().map(|m| m.payload.len() as u64).sum::<u64>();
-        let before = payload_bytes(messages);
-        if let Err(e) =
-            petrel_proto::compression::decompress_all(messages.iter_mut(), ctx.config.max_frame_bytes as usize)
-        {
-            return Answer::Now(Response::error(Status::BadRequest, e.to_string()));
-        }
-        let grown = payload_bytes(messages).saturating_sub(before);
-        if ctx.broker.hold_memory(grown).is_none() {
+        let max = u64::from(ctx.config.max_frame_bytes);
+        let grows_by = petrel_proto::compression::unfolded_growth(messages, max);
+        let Some(hold) = ctx.broker.hold_memory(grows_by) else {
             let why = format!(
-                "a request that unfolds by {grown} bytes does not fit in the server's memory budget (max_memory_bytes) now"
+                "a request that unfolds by up to {grows_by} bytes does not fit in the server's memory budget (max_memory_bytes) now"
             );
             return Answer::Now(Response::error(Status::LimitReached, why));
+        };
+        // Held while the payloads unfold, against others unfolding at the same time; then what
+        // keeps the messages counts them (an in-memory queue, a waiting offer).
+        let _unfolding = hold;
+        if let Err(e) = petrel_proto::compression::decompress_all(messages.iter_mut(), max as usize) {
+            return Answer::Now(Response::error(Status::BadRequest, e.to_string()));
         }
     }
     let now = Answer::Now;

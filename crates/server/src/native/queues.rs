@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use petrel_broker::security::{Action, Kind};
-use petrel_broker::{BrokerError, Queue, WaitFor, Waited};
+use petrel_broker::{BrokerError, MemoryHold, Queue, WaitFor, Waited};
 use petrel_proto::{Delivery, Message, Response, Status};
 
 use super::session::Session;
@@ -64,12 +64,7 @@ pub(super) fn offer(
                 ))));
             };
             let gave_up = until_or_closed(timeout_ms, session.closed.clone());
-            let offered = offer_when_room(Arc::clone(ctx), queue, messages, gave_up);
-            Answer::later(WaitsFor::Other, async move {
-                let response = offered.await;
-                drop(held);
-                response
-            })
+            Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, (held, bytes), gave_up))
         }
         Ok((first_id, count, unsynced)) if !unsynced.is_durable() => Answer::later(WaitsFor::Disk, async move {
             match wait_durable(unsynced).await {
@@ -94,16 +89,26 @@ fn until_or_closed(timeout_ms: u32, mut closed: tokio::sync::watch::Receiver<()>
     }
 }
 
+/// `held`: the memory budget's bytes for `messages` while they wait (`bytes` of them).
 async fn offer_when_room(
     ctx: Arc<Ctx>,
     queue: Arc<Queue>,
     mut messages: Vec<Message>,
+    (held, bytes): (MemoryHold, u64),
     gave_up: impl Future<Output = ()>,
 ) -> Response {
     let broker = &ctx.broker;
-    let attempt = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut messages, now_ns()) {
-        Err(BrokerError::Full(_)) => Ok(None),
-        other => other.map(Some),
+    let mut held = Some(held);
+    let attempt = |q: &Arc<Queue>| {
+        // Given back as the queue takes them: an in-memory queue counts them in the budget itself.
+        held = None;
+        match broker.offer_unsynced(q, &mut messages, now_ns()) {
+            Err(BrokerError::Full(_)) => {
+                held = Some(broker.hold_memory_anyway(bytes));
+                Ok(None)
+            }
+            other => other.map(Some),
+        }
     };
     let name = queue.name.clone();
     match broker.wait_on_queue(queue, WaitFor::Room, attempt, gave_up).await {
