@@ -708,6 +708,7 @@ impl Broker {
         config: QueueConfig,
         owner: Option<ConnId>,
     ) -> Result<Arc<Queue>, BrokerError> {
+        self.may_create(who, name, &config, owner.is_some())?;
         self.counted(who, name, || self.create_queue(name, config, owner))
     }
 
@@ -716,7 +717,37 @@ impl Broker {
         if let Some(q) = self.queue(name) {
             return Ok(q);
         }
+        self.may_create(who, name, &QueueConfig::default(), false)?;
         self.counted(who, name, || self.queue_or_create(name))
+    }
+
+    /// What creating queue `name` with `config` reaches beyond the queue itself, checked
+    /// against `who`'s rights (the right to create it is checked by the caller, and an owned
+    /// temporary queue needs none): a fanout child gets copies of its parent's messages, so
+    /// its creator must be allowed to poll the parent; a dead-letter queue receives messages,
+    /// so its creator must be allowed to offer to it; and a temporary queue takes a name its
+    /// creator must be allowed to offer to and poll (else it could take a name others use).
+    fn may_create(
+        &self,
+        who: Option<&Principal>,
+        name: &str,
+        config: &QueueConfig,
+        temporary: bool,
+    ) -> Result<(), BrokerError> {
+        if self.security().is_none() || who.is_none() {
+            return Ok(());
+        }
+        if let Some(parent) = fanout_parent(name) {
+            self.decide(who, Kind::Queue, parent, &[Action::Poll])?;
+        }
+        if !config.dead_letter.is_empty() {
+            self.decide(who, Kind::Queue, &config.dead_letter, &[Action::Offer])?;
+        }
+        if temporary {
+            self.decide(who, Kind::Queue, name, &[Action::Offer])?;
+            self.decide(who, Kind::Queue, name, &[Action::Poll])?;
+        }
+        Ok(())
     }
 
     fn counted(

@@ -537,3 +537,45 @@ async fn the_http_port_speaks_tls_and_takes_passwords_only_over_it() {
     assert_eq!(curl(&[&format!("http://{}/readyz", server.http)]).0, 200);
     assert_eq!(curl(&[&format!("http://{}/healthz", server.http)]).0, 200);
 }
+
+/// A temporary queue, a fanout child made by first use and a dead-letter queue reach no further
+/// than their creator's rights: no copies of a queue it may not poll, no messages into a queue
+/// it may not offer to, no name it may not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn temporary_queues_fanout_children_and_dead_letters_stay_within_the_acls() {
+    let setup = Setup::new(
+        r#"
+[[security.acl]]
+kind = "queue"
+name = "orders"
+user = "tom"
+access = "deny"
+[[security.acl]]
+kind = "queue"
+name = "payments"
+user = "tom"
+access = "poll"
+"#,
+    );
+    let server = setup.start();
+    let (max, tom) = (login(&server, "max").await.unwrap(), login(&server, "tom").await.unwrap());
+    max.create_queue("orders", QueueConfig::default()).await.unwrap();
+    let temporary =
+        |dead_letter: &str| QueueConfig { temporary: true, dead_letter: dead_letter.into(), ..QueueConfig::default() };
+    // A child of a queue tom may not poll would get copies of its messages.
+    assert_eq!(status(tom.create_queue("orders+spy", temporary("")).await), Some(Status::Forbidden));
+    // A dead-letter queue tom may not offer to would receive his messages.
+    assert_eq!(status(tom.create_queue("mine", temporary("payments")).await), Some(Status::Forbidden));
+    // A name tom may not use (another's dead-letter queue to be, say).
+    assert_eq!(status(tom.create_queue("orders", temporary("")).await), Some(Status::Forbidden));
+    // What he may use, he may make.
+    tom.create_queue("mine", temporary("mine.dlq")).await.unwrap();
+    max.offer("orders", vec![msg("secret")], None).await.unwrap();
+    assert_eq!(max.poll("orders", TAKE).await.unwrap().len(), 1);
+    // The memcache port: first use of a fanout child needs the right to poll its parent.
+    let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(exchange(&mut mc, "set login 0 0 9\r\ntom 3-kio\r\n"), "STORED\r\n");
+    assert!(exchange(&mut mc, "get orders+x\r\n").starts_with("CLIENT_ERROR"), "no child of orders for tom");
+    assert!(!max.list_queues().await.unwrap().contains(&"orders+x".to_string()));
+}
