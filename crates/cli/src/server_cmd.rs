@@ -121,7 +121,10 @@ async fn reload_on_sighup(reloader: petrel_server::Reloader) {
         // The reload reads files and may create queues: off the runtime's threads.
         let reloading = reloader.clone();
         let reloaded = tokio::task::spawn_blocking(move || reloading.reload()).await;
-        let Ok(reloaded) = reloaded else { continue };
+        let Ok(reloaded) = reloaded else {
+            tracing::error!("the reload stopped on a bug (a panic, above); the configuration in use is unchanged");
+            continue;
+        };
         match reloaded {
             Ok(summary) => {
                 let applied = summary.applied.join(", ");

@@ -169,7 +169,7 @@ impl AclEntry {
         if !access.fits(kind) {
             return Err(format!("{access} is not an access mode of a {kind}"));
         }
-        if name.is_empty() || name[..name.len() - 1].contains('*') {
+        if name.is_empty() || name.strip_suffix('*').unwrap_or(name).contains('*') {
             return Err(format!("ACL name {name:?}: a name, a prefix ending in *, or *"));
         }
         if user.is_empty() {
@@ -271,6 +271,16 @@ mod tests {
             default_topic: defaults[1].parse().unwrap(),
             default_function: defaults[2].parse().unwrap(),
             entries: entries.iter().map(|(k, n, u, a)| AclEntry::new(*k, n, u, a).unwrap()).collect(),
+        }
+    }
+
+    #[test]
+    fn acl_names_are_a_name_a_prefix_or_a_star_in_any_script() {
+        for good in ["é", "commandes.é*", "*", "q"] {
+            assert!(AclEntry::new(Kind::Queue, good, "tom", "poll").is_ok(), "{good}");
+        }
+        for bad in ["", "a*b", "**", "é*é"] {
+            assert!(AclEntry::new(Kind::Queue, bad, "tom", "poll").is_err(), "{bad}");
         }
     }
 
