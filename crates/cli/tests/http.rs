@@ -701,3 +701,40 @@ fn an_offer_waiting_for_the_disk_is_not_held_up_by_its_connections_waiting_polls
         assert!(started.elapsed() < Duration::from_secs(10), "answered after {:?}", started.elapsed());
     });
 }
+
+/// What a page of another site can make a browser send: a change it marks as cross-site is
+/// refused, and with authentication off the loopback listener answers only loopback names (DNS
+/// rebinding). Clients that are not browsers (curl, this test's plain requests) go on as before.
+#[test]
+fn the_admin_api_refuses_what_another_sites_page_makes_a_browser_send() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    assert_eq!(request("PUT", http, "/api/v1/queues/orders", None, "{}").0, 201);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        server.client().await.offer("orders", vec![Message::new(&b"one"[..])], None).await.unwrap();
+    });
+    let raw = |head: &str| {
+        let mut conn = TcpStream::connect(http).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(conn, "{head}Content-Length: 0\r\nConnection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        conn.read_to_string(&mut response).unwrap();
+        response.split(' ').nth(1).unwrap().parse::<u16>().unwrap()
+    };
+    let purge = format!("POST /api/v1/queues/orders/purge HTTP/1.1\r\nHost: {http}\r\n");
+    // A form on another site, as a browser sends it: refused.
+    assert_eq!(raw(&format!("{purge}Sec-Fetch-Site: cross-site\r\nOrigin: http://evil.example\r\n")), 403);
+    // An older browser that sends only Origin.
+    assert_eq!(raw(&format!("{purge}Origin: http://evil.example\r\n")), 403);
+    assert_eq!(json(&get(http, "/api/v1/queues/orders", None).2)["messages"], 1, "nothing was purged");
+    // DNS rebinding: a page of evil.example whose name resolves to 127.0.0.1 reads nothing.
+    assert_eq!(raw("GET /api/v1/queues HTTP/1.1\r\nHost: evil.example:22135\r\n"), 403);
+    // The dashboard itself (same origin), and curl: allowed.
+    assert_eq!(raw(&format!("GET / HTTP/1.1\r\nHost: localhost:{}\r\n", http.rsplit(':').next().unwrap())), 200);
+    let port = http.rsplit(':').next().unwrap();
+    let same = format!("{purge}Sec-Fetch-Site: same-origin\r\nOrigin: http://{http}\r\n");
+    assert_eq!(raw(&same), 200, "the dashboard's own page (port {port})");
+    assert_eq!(json(&get(http, "/api/v1/queues/orders", None).2)["messages"], 0);
+}

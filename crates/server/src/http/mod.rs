@@ -63,6 +63,7 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         .route("/dashboard.js", get(dashboard::script))
         .route("/dashboard.css", get(dashboard::style))
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&ctx), from_this_site))
         .with_state(ctx);
     let served = axum::serve(listener, app.into_make_service_with_connect_info::<listener::Remote>())
         .with_graceful_shutdown(async move {
@@ -75,6 +76,47 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
 }
 
 type Ctxt = State<Arc<Ctx>>;
+
+/// Refuses what a web page of another site can make a browser send here. A request that
+/// changes something (any method but GET and HEAD) and that the browser says comes from
+/// another site (`Sec-Fetch-Site`, or an `Origin` that is not this server's `Host`) is refused:
+/// a form's POST or a fetch cannot purge a queue (cross-site request forgery). With
+/// authentication off on a loopback listener, every request must also name a loopback host
+/// (`Host`), so that a page whose own name was made to resolve to 127.0.0.1 (DNS rebinding)
+/// reads nothing either. `curl` and other clients that are not browsers send neither header.
+async fn from_this_site(State(ctx): Ctxt, request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let headers = request.headers();
+    let text = |name: header::HeaderName| headers.get(name).and_then(|v| v.to_str().ok());
+    let host = text(header::HOST);
+    let changes = !matches!(*request.method(), axum::http::Method::GET | axum::http::Method::HEAD);
+    if changes {
+        let fetch_site = text(header::HeaderName::from_static("sec-fetch-site"));
+        let other_site = fetch_site.is_some_and(|site| site != "same-origin" && site != "none");
+        let other_origin =
+            text(header::ORIGIN).is_some_and(|origin| origin.split_once("://").map(|(_, authority)| authority) != host);
+        if other_site || other_origin {
+            return refusal(StatusCode::FORBIDDEN, "a change sent by a page of another site is refused");
+        }
+    }
+    let loopback_only = !ctx.broker.auth_enabled() && ctx.config.http_addr.is_some_and(|a| a.ip().is_loopback());
+    if loopback_only && !host.is_none_or(names_loopback) {
+        return refusal(
+            StatusCode::FORBIDDEN,
+            "with authentication off, this listener answers only requests to a loopback host",
+        );
+    }
+    next.run(request).await
+}
+
+/// Whether a `Host` header names this machine's loopback: `localhost` or a loopback address,
+/// with or without a port.
+fn names_loopback(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
 
 /// Samples the server every second for the dashboard, and folds the latency histograms'
 /// samples into their buckets every few seconds, until `stop`.
