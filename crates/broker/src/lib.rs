@@ -725,8 +725,9 @@ impl Broker {
     /// against `who`'s rights (the right to create it is checked by the caller, and an owned
     /// temporary queue needs none): a fanout child gets copies of its parent's messages, so
     /// its creator must be allowed to poll the parent; a dead-letter queue receives messages,
-    /// so its creator must be allowed to offer to it; and a temporary queue takes a name its
-    /// creator must be allowed to offer to and poll (else it could take a name others use).
+    /// so its creator must be allowed to offer to it; and a temporary queue may not take a
+    /// name an ACL entry refuses its creator (one meant for others; a reply queue under
+    /// default-deny matches no entry and is allowed).
     fn may_create(
         &self,
         who: Option<&Principal>,
@@ -734,7 +735,8 @@ impl Broker {
         config: &QueueConfig,
         temporary: bool,
     ) -> Result<(), BrokerError> {
-        if self.security().is_none() || who.is_none() {
+        let (Some(security), Some(principal)) = (self.security(), who) else { return Ok(()) };
+        if security.users.get(&principal.user).is_some_and(|u| u.role == security::Role::Admin) {
             return Ok(());
         }
         if let Some(parent) = fanout_parent(name) {
@@ -743,9 +745,14 @@ impl Broker {
         if !config.dead_letter.is_empty() {
             self.decide(who, Kind::Queue, &config.dead_letter, &[Action::Offer])?;
         }
-        if temporary {
-            self.decide(who, Kind::Queue, name, &[Action::Offer])?;
-            self.decide(who, Kind::Queue, name, &[Action::Poll])?;
+        for action in [Action::Offer, Action::Poll].into_iter().filter(|_| temporary) {
+            if security.acl.by_entries(&principal.user, Kind::Queue, name, action) == Some(false) {
+                return Err(BrokerError::Forbidden(format!(
+                    "user {:?} may not {action} queue {:?}, so may not make a temporary queue of that name",
+                    principal.user,
+                    shown(name)
+                )));
+            }
         }
         Ok(())
     }

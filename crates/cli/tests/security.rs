@@ -579,3 +579,66 @@ access = "poll"
     assert!(exchange(&mut mc, "get orders+x\r\n").starts_with("CLIENT_ERROR"), "no child of orders for tom");
     assert!(!max.list_queues().await.unwrap().contains(&"orders+x".to_string()));
 }
+
+/// Until it logs in, a client holds little of the server: no request larger than 64 KiB is read
+/// into memory (native: refused and skipped; memcache: refused and closed), and a login must
+/// come within the handshake timeout, whatever the client sends meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_has_not_logged_in_holds_little_and_not_for_long() {
+    use petrel_proto::{Request, Response};
+    let setup = Setup::new("handshake_timeout = \"500ms\"");
+    let server = setup.start();
+    let frame = |request: &Request, id: u64| {
+        let mut out = Vec::new();
+        request.encode(id, &mut out).unwrap();
+        out
+    };
+    let read_response = |conn: &mut std::net::TcpStream| {
+        let mut len = [0u8; 4];
+        conn.read_exact(&mut len).unwrap();
+        let mut f = vec![0u8; u32::from_be_bytes(len) as usize];
+        conn.read_exact(&mut f).unwrap();
+        let opcode = u16::from_be_bytes([f[2], f[3]]);
+        let id = u64::from_be_bytes(f[4..12].try_into().unwrap());
+        (id, Response::decode(opcode, bytes::Bytes::copy_from_slice(&f[12..])).unwrap())
+    };
+    let mut native = std::net::TcpStream::connect(&server.addr).unwrap();
+    native.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    native.write_all(&frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
+    assert!(matches!(read_response(&mut native), (1, Response::Hello { .. })));
+    // A 1 MiB offer before AUTH: refused when its header arrives, not read into memory.
+    let big = Request::Offer {
+        queue: "q".into(),
+        timeout_ms: 0,
+        messages: vec![petrel_proto::Message { payload: vec![1u8; 1 << 20].into(), ..Default::default() }],
+    };
+    let started = std::time::Instant::now();
+    native.write_all(&frame(&big, 2)[..4096]).unwrap();
+    match read_response(&mut native) {
+        (2, Response::Error { status, message }) => {
+            assert_eq!(status, Status::Unauthorized, "{message}");
+            assert!(message.contains("authenticate before"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // And without a login the connection ends at the handshake timeout, though it said HELLO.
+    let mut rest = Vec::new();
+    let _ = native.read_to_end(&mut rest);
+    assert!(started.elapsed() < Duration::from_secs(3), "closed after {:?}", started.elapsed());
+
+    // Memcache: a large item before a login ends the connection at once.
+    let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(exchange(&mut mc, "set q 0 0 16777216\r\n").starts_with("CLIENT_ERROR authentication required"));
+    assert_eq!(mc.read_to_end(&mut rest).unwrap_or(0), 0, "closed");
+    // A silent one, at the handshake timeout.
+    let mut silent = std::net::TcpStream::connect(&server.memcache).unwrap();
+    silent.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(silent.read(&mut [0u8; 16]).unwrap_or(0), 0, "closed");
+    assert!(started.elapsed() < Duration::from_secs(3), "closed after {:?}", started.elapsed());
+    // A logged-in client is not hurried.
+    let tom = login(&server, "tom").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    tom.ping().await.unwrap();
+}

@@ -14,6 +14,9 @@ use petrel_broker::{Broker, MemoryHold};
 pub(crate) const QUIET_BYTES: usize = 4 << 10;
 /// The largest read; requests larger than this get a buffer of their own.
 pub(crate) const STREAMING_BYTES: usize = 64 << 10;
+/// The largest request a client that has not logged in may send (when the server has users):
+/// enough for a login, and never a buffer of its own.
+pub(crate) const UNTRUSTED_BYTES: usize = STREAMING_BYTES;
 
 /// The memory budget cannot hold the request being read: it is to be refused and skipped.
 #[derive(Debug)]

@@ -351,17 +351,10 @@ impl Server {
     }
 }
 
-/// Sleeps for `limit`, or forever without one (a timeout that may be off, in a `select!`).
+/// Sleeps until `deadline`, or forever without one (a timeout that may be off, in a `select!`).
 pub(crate) async fn sleep_until_or_never(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
-pub(crate) async fn sleep_or_never(limit: Option<Duration>) {
-    match limit {
-        Some(d) => tokio::time::sleep(d).await,
         None => std::future::pending().await,
     }
 }

@@ -212,17 +212,8 @@ impl Default for Acl {
 impl Acl {
     /// Whether an ordinary user may do `action` to a destination (rules 4 above).
     pub fn allows(&self, user: &str, kind: Kind, name: &str, action: Action) -> bool {
-        let mut matched = false;
-        let mut allowed = false;
-        for entry in self.entries.iter().filter(|e| e.matches(user, kind, name)) {
-            if entry.access == Access::Deny {
-                return false;
-            }
-            matched = true;
-            allowed |= entry.access.allows(action);
-        }
-        if matched {
-            return allowed;
+        if let Some(decided) = self.by_entries(user, kind, name, action) {
+            return decided;
         }
         let default = match kind {
             Kind::Queue => self.default_queue,
@@ -230,6 +221,21 @@ impl Acl {
             Kind::Function => self.default_function,
         };
         default.allows(action)
+    }
+
+    /// What the entries matching `user`, `kind` and `name` decide for `action` (a deny among
+    /// them wins); `None` when none matches (the kind's default decides).
+    pub fn by_entries(&self, user: &str, kind: Kind, name: &str, action: Action) -> Option<bool> {
+        let mut matched = false;
+        let mut allowed = false;
+        for entry in self.entries.iter().filter(|e| e.matches(user, kind, name)) {
+            if entry.access == Access::Deny {
+                return Some(false);
+            }
+            matched = true;
+            allowed |= entry.access.allows(action);
+        }
+        matched.then_some(allowed)
     }
 
     pub fn check_defaults(&self) -> Result<(), String> {

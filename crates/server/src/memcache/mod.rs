@@ -94,6 +94,9 @@ where
         }
     }
     let idle_timeout = s.ctx.limits.idle_timeout();
+    // With users, a login must come within the handshake timeout of the connection's start.
+    let handshake_timeout = s.ctx.config.security.handshake_timeout().unwrap_or(std::time::Duration::from_secs(10));
+    let log_in_by = tokio::time::Instant::now() + handshake_timeout;
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input.buf) {
             let flow = match request {
@@ -110,12 +113,24 @@ where
         if !s.flush().await || *s.shutdown.borrow() {
             break;
         }
-        if s.input.prepare(decoder.incomplete(s.input.buf.len()), &s.ctx.broker).is_err() {
+        let trusted = s.authenticated.is_some() || !s.ctx.broker.auth_enabled();
+        let incomplete = decoder.incomplete(s.input.buf.len());
+        if !trusted && incomplete.is_some_and(|len| len > crate::input::UNTRUSTED_BYTES) {
+            // Before a login, no large item is read into memory (a login is a few bytes): the
+            // connection ends, as it does for any other request before a login.
+            s.line("CLIENT_ERROR authentication required");
+            break;
+        }
+        if s.input.prepare(incomplete, &s.ctx.broker).is_err() {
             decoder.refuse_incomplete(Reject::keep(
                 "SERVER_ERROR the item does not fit in the server's memory budget (max_memory_bytes) now",
             ));
             continue;
         }
+        let quiet_until = match trusted {
+            true => idle_timeout.map(|d| tokio::time::Instant::now() + d),
+            false => Some(log_in_by),
+        };
         tokio::select! {
             read = s.stream.read_buf(&mut s.input.buf) => match read {
                 Ok(0) | Err(_) => break,
@@ -126,8 +141,9 @@ where
                 }
             },
             _ = s.shutdown.changed() => break,
-            // Silent for too long (open items go back to their queues as on any close).
-            _ = crate::sleep_or_never(idle_timeout) => {
+            // Silent for too long, or no login in time (open items go back to their queues as
+            // on any close).
+            _ = crate::sleep_until_or_never(quiet_until) => {
                 add(&s.ctx.stats.idle_closed, 1);
                 tracing::debug!(conn, "closing an idle memcache connection");
                 break;

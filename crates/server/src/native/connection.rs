@@ -242,9 +242,18 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
 
     /// Reads more bytes. A frame too large for the server's memory budget now is refused
     /// (answered in `out`, and skipped) instead; `Err`: the client closed the connection.
-    pub async fn read(&mut self) -> Result<(), Closed> {
+    /// `trusted`: the client logged in (or needs not); before that, a request larger than
+    /// `input::UNTRUSTED_BYTES` is refused and skipped unread, so that a client that did not log
+    /// in holds no more than that of the server's memory.
+    pub async fn read(&mut self, trusted: bool) -> Result<(), Closed> {
         self.early_at = FLUSH_ANSWERS_AT_COUNT;
         let incomplete = if self.skip > 0 { None } else { incomplete_frame(&self.input.buf) };
+        if let Some(f) = incomplete.filter(|f| !trusted && f.len > crate::input::UNTRUSTED_BYTES) {
+            self.skip = f.len as u64;
+            let reason = format!("authenticate before sending a request of {} bytes", f.len);
+            self.answer(&Response::error(Status::Unauthorized, reason), f.opcode, f.request_id);
+            return Ok(());
+        }
         if self.input.prepare(incomplete.map(|f| f.len), &self.ctx.broker).is_err() {
             let f = incomplete.expect("only a large request is refused");
             self.skip = f.len as u64;

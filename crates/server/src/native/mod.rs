@@ -108,8 +108,8 @@ where
     let mut session = Session::new(&ctx, conn, peer, &registered, closed);
     let mut pushes = Pushes::default();
     let permits = Permits::new(ctx.config.max_in_flight_per_connection);
-    // HELLO must come within the handshake timeout of the connection's start, however the
-    // client spreads its bytes.
+    // HELLO (and AUTH, when the server has users) must come within the handshake timeout of the
+    // connection's start, however the client spreads its bytes.
     let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
     let greet_by = tokio::time::Instant::now() + handshake_timeout;
     let idle_timeout = ctx.limits.idle_timeout();
@@ -165,17 +165,19 @@ where
         }
         // Silent too long, with nothing under way: closed (before HELLO, at the handshake
         // timeout whatever it sent).
-        let quiet_until = match session.greeted {
+        let settled = session.greeted && session.trusted(&ctx);
+        let quiet_until = match settled {
             true => idle_timeout.map(|d| tokio::time::Instant::now() + d),
             false => Some(greet_by),
         };
         tokio::select! {
-            read = connection.read() => if read.is_err() { break },
+            read = connection.read(session.trusted(&ctx)) => if read.is_err() { break },
             _ = shutdown.changed() => break,
             _ = crate::sleep_until_or_never(quiet_until) => {
-                // Before HELLO, closed at the deadline whatever is under way (else a past
-                // deadline would wake this loop at once, again and again).
-                if !session.greeted || (permits.none_taken() && pushes.is_empty()) {
+                // Before HELLO (and a login, when the server has users), closed at the deadline
+                // whatever is under way (else a past deadline would wake this loop at once,
+                // again and again).
+                if !settled || (permits.none_taken() && pushes.is_empty()) {
                     crate::stats::add(&ctx.stats.idle_closed, 1);
                     tracing::debug!(conn, "closing an idle connection");
                     break;
