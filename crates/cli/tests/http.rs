@@ -738,3 +738,37 @@ fn the_admin_api_refuses_what_another_sites_page_makes_a_browser_send() {
     assert_eq!(raw(&same), 200, "the dashboard's own page (port {port})");
     assert_eq!(json(&get(http, "/api/v1/queues/orders", None).2)["messages"], 0);
 }
+
+/// Clients that open HTTP connections and stop in the middle of a request take at most the
+/// listener's 512 connections: past them a new connection is closed at once, and the other ports
+/// keep their descriptors. Once they go, the API answers again.
+#[test]
+fn stalled_http_clients_take_a_bounded_number_of_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    let stalled: Vec<TcpStream> = (0..512)
+        .map(|_| {
+            let mut c = TcpStream::connect(http).unwrap();
+            c.write_all(b"GET /api/v1/server HTTP/1.1\r\n").unwrap(); // and never the rest
+            c
+        })
+        .collect();
+    // Handshakes are over (the first byte came) once the server answers a later connection or
+    // refuses it: give the accepting task a moment.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut one_more = TcpStream::connect(http).unwrap();
+    one_more.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = write!(one_more, "GET /healthz HTTP/1.1\r\nHost: {http}\r\nConnection: close\r\n\r\n");
+    let mut answer = String::new();
+    let _ = one_more.read_to_string(&mut answer);
+    assert!(answer.is_empty(), "closed at once: {answer}");
+    // The native port is not short of anything.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async { server.client().await.ping().await.unwrap() });
+    drop(stalled);
+    eventually("the API answering again", || match get(http, "/healthz", None).0 {
+        200 => Ok(()),
+        other => Err(format!("{other}")),
+    });
+}

@@ -14,13 +14,20 @@ use axum::extract::connect_info::Connected;
 use axum::serve::{IncomingStream, Listener};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_rustls::server::TlsStream;
 
 use crate::{Ctx, stats, tls};
 
 /// Handshakes under way at most; past it a new connection is closed at once.
 const MAX_HANDSHAKES: usize = 256;
+/// HTTP connections open at most (handshakes included); past it a new one is closed at once.
+/// Scrapers, dashboards and scripts need a few; the bound keeps idle or slow clients from
+/// taking the descriptors the other ports need.
+const MAX_CONNECTIONS: usize = 512;
+/// A connection that moves no byte either way for this long is closed: one that stopped in the
+/// middle of a request, or a kept-alive one left idle.
+const IDLE: Duration = Duration::from_secs(60);
 /// Connections accepted and not yet taken by axum.
 const ACCEPTED_QUEUE: usize = 64;
 
@@ -31,39 +38,83 @@ pub(crate) struct Remote {
     pub tls: bool,
 }
 
-pub(super) enum HttpIo {
+enum Stream {
     Plain(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
 }
 
+/// One HTTP connection: its stream, closed after `IDLE` without a byte either way, and its place
+/// among the `MAX_CONNECTIONS`.
+pub(super) struct HttpIo {
+    stream: Stream,
+    idle: Pin<Box<tokio::time::Sleep>>,
+    _open: OwnedSemaphorePermit,
+}
+
+impl HttpIo {
+    fn new(stream: Stream, open: OwnedSemaphorePermit) -> HttpIo {
+        HttpIo { stream, idle: Box::pin(tokio::time::sleep(IDLE)), _open: open }
+    }
+
+    /// `polled`, the stream's answer: a byte moved restarts the idle time; waiting past it is
+    /// an error (hyper then closes the connection).
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+        moved: impl Fn(&T) -> bool,
+    ) -> Poll<io::Result<T>> {
+        match polled {
+            Poll::Ready(Ok(done)) => {
+                if moved(&done) {
+                    self.idle.as_mut().reset(tokio::time::Instant::now() + IDLE);
+                }
+                Poll::Ready(Ok(done))
+            }
+            Poll::Pending if self.idle.as_mut().poll(cx).is_ready() => {
+                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "an HTTP connection idle too long")))
+            }
+            other => other,
+        }
+    }
+}
+
 impl AsyncRead for HttpIo {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            HttpIo::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            HttpIo::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let polled = match &mut this.stream {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        };
+        let read = buf.filled().len() > before;
+        this.watch(cx, polled, |_| read)
     }
 }
 
 impl AsyncWrite for HttpIo {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            HttpIo::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            HttpIo::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
+        let this = self.get_mut();
+        let polled = match &mut this.stream {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        };
+        this.watch(cx, polled, |&n| n > 0)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            HttpIo::Plain(s) => Pin::new(s).poll_flush(cx),
-            HttpIo::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
+        let this = self.get_mut();
+        let polled = match &mut this.stream {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        };
+        this.watch(cx, polled, |_| false)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            HttpIo::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            HttpIo::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        match &mut self.get_mut().stream {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 }
@@ -79,6 +130,7 @@ impl HttpListener {
         let local = listener.local_addr()?;
         let (tx, accepted) = mpsc::channel(ACCEPTED_QUEUE);
         let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let open_connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         tokio::spawn(async move {
             loop {
                 let (stream, addr) = tokio::select! {
@@ -93,11 +145,12 @@ impl HttpListener {
                     },
                     _ = stop.changed() => return,
                 };
+                let Ok(open_permit) = Arc::clone(&open_connections).try_acquire_owned() else { continue };
                 let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else { continue };
                 let (ctx, tx) = (Arc::clone(&ctx), tx.clone());
                 tokio::spawn(async move {
-                    if let Some(io) = open(stream, addr, &ctx).await {
-                        let _ = tx.send(io).await;
+                    if let Some((stream, remote)) = open(stream, addr, &ctx).await {
+                        let _ = tx.send((HttpIo::new(stream, open_permit), remote)).await;
                     }
                     drop(permit);
                 });
@@ -109,7 +162,7 @@ impl HttpListener {
 
 /// TLS if the connection opens with a handshake and TLS is configured; plaintext unless the
 /// server requires TLS. `None`: closed, refused, or silent past `handshake_timeout`.
-async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(HttpIo, Remote)> {
+async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(Stream, Remote)> {
     let _ = stream.set_nodelay(true);
     let limit = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
     let mut first = [0u8; 1];
@@ -121,7 +174,7 @@ async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(HttpIo,
         return match tokio::time::timeout(limit, tls.acceptor.accept(stream)).await {
             Ok(Ok(stream)) => {
                 stats::add(&ctx.stats.tls_connections, 1);
-                Some((HttpIo::Tls(Box::new(stream)), Remote { addr, tls: true }))
+                Some((Stream::Tls(Box::new(stream)), Remote { addr, tls: true }))
             }
             _ => {
                 stats::add(&ctx.stats.tls_refused, 1);
@@ -133,7 +186,7 @@ async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(HttpIo,
         stats::add(&ctx.stats.tls_refused, 1);
         return None;
     }
-    Some((HttpIo::Plain(stream), Remote { addr, tls: false }))
+    Some((Stream::Plain(stream), Remote { addr, tls: false }))
 }
 
 impl Listener for HttpListener {
