@@ -185,9 +185,15 @@ async fn authenticate(
     if transport_allows && let Some(user) = ctx.http_logins.get(credentials.as_deref().unwrap_or_default()) {
         return Ok(Some(Principal { user, conn: 0 }));
     }
+    // A reload during the check (users changed) forgets what the check concludes.
+    let generation = ctx.http_logins.generation();
     match auth::with_password(ctx, &peer, 0, user.to_owned(), password.to_owned()).await {
         Ok(authenticated) => {
-            ctx.http_logins.insert(credentials.as_deref().unwrap_or_default(), &authenticated.principal.user);
+            ctx.http_logins.insert(
+                credentials.as_deref().unwrap_or_default(),
+                &authenticated.principal.user,
+                generation,
+            );
             Ok(Some(authenticated.principal.clone()))
         }
         Err(reason) => Err(ask(&reason)),
@@ -200,6 +206,8 @@ async fn authenticate(
 #[derive(Default)]
 pub(crate) struct Logins {
     verified: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
+    /// Reloads so far: a check begun before one is not kept.
+    generation: std::sync::atomic::AtomicU64,
 }
 
 const LOGIN_KEPT: std::time::Duration = std::time::Duration::from_secs(60);
@@ -212,8 +220,16 @@ impl Logins {
         (at.elapsed() < LOGIN_KEPT).then(|| user.clone())
     }
 
-    fn insert(&self, credentials: &str, user: &str) {
+    fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Keeps credentials verified by a check begun at `generation` (unless a reload came since).
+    fn insert(&self, credentials: &str, user: &str, generation: u64) {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        if self.generation() != generation {
+            return;
+        }
         verified.retain(|_, (_, at)| at.elapsed() < LOGIN_KEPT);
         if verified.len() >= LOGINS_KEPT {
             verified.clear();
@@ -222,7 +238,9 @@ impl Logins {
     }
 
     pub fn clear(&self) {
-        self.verified.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        verified.clear();
     }
 }
 
