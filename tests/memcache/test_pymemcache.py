@@ -226,3 +226,30 @@ def test_storage_verbs_other_than_set_are_refused_and_the_connection_goes_on(ser
         c.append("q", b"x")
     assert c.set("q", b"still fine") is True
     assert c.get("q") == b"still fine"
+
+
+def test_noreply_requests_read_no_error_either_as_pymemcache_sends_them_by_default(make_server):
+    # pymemcache sends `set … noreply` unless told otherwise. An error line the server sent
+    # anyway would be read as the next request's answer: that get's item would be taken and
+    # lost with the connection pymemcache then closes.
+    s = make_server(config="max_message_bytes = 1024\n")
+    c = s.client(default_noreply=True)
+    assert c.set("q", b"x" * 2000) is True  # too large: refused, silently
+    assert c.set("q", b"kept") is True
+    assert c.get("q") == b"kept"
+    assert c.get("q") is None
+    # Refusals past the data block's line (a bad exptime) are silent too; the connection stays
+    # in step.
+    c.set("q", b"after")
+    assert c.get("q") == b"after"
+
+
+def test_a_worker_holding_an_open_item_is_not_closed_for_idleness(make_server):
+    s = make_server(config='idle_timeout = "1s"\n')
+    worker, other = s.client(), s.client()
+    worker.set("jobs", b"long job")
+    assert worker.get("jobs/open") == b"long job"
+    time.sleep(2.5)  # longer than the idle timeout, working
+    assert other.get("jobs") is None, "not handed to another while its worker holds it"
+    assert worker.get("jobs/close") is None
+    assert other.get("jobs") is None, "confirmed: gone"

@@ -316,7 +316,7 @@ impl Default for Config {
             max_push_bytes: 64 << 10,
             max_write_batch_bytes: 256 << 10,
             max_write_batch_chunks: 64,
-            memcache_read_ahead_bytes: 1 << 20,
+            memcache_read_ahead_bytes: crate::input::STREAMING_BYTES,
         }
     }
 }
@@ -415,6 +415,10 @@ impl Config {
             if value == 0 {
                 return Err(format!("{name} must be at least 1"));
             }
+        }
+        if !(1..=crate::input::STREAMING_BYTES).contains(&self.memcache_read_ahead_bytes) {
+            // More would sit in memory outside `max_memory_bytes`, for every waiting get.
+            return Err(format!("memcache_read_ahead_bytes must be between 1 and {}", crate::input::STREAMING_BYTES));
         }
         if (1..4096).contains(&self.max_subscriber_bytes) {
             // Each waiting message counts its bytes and a few hundred more for holding it: less

@@ -66,6 +66,18 @@ pub enum Command {
 }
 
 impl Command {
+    /// Whether the request said `noreply`: it reads no answer, not even an error.
+    pub fn noreply(&self) -> bool {
+        match self {
+            Command::Set { noreply, .. }
+            | Command::OtherStorage { noreply, .. }
+            | Command::Delete { noreply, .. }
+            | Command::Flush { noreply, .. }
+            | Command::FlushAll { noreply, .. } => *noreply,
+            _ => false,
+        }
+    }
+
     /// The command's name, as `petrel_requests_total` counts it (`other` for the unsupported).
     pub fn name(&self) -> &'static str {
         match self {
@@ -98,18 +110,27 @@ pub struct GetOptions {
 }
 
 /// A request the server answers with an error line; `close` when the stream cannot be trusted.
+/// `noreply`: the request said so, and the line is not sent (as memcached, which keeps silent on
+/// an error of a request whose line it could read: a client that sent `noreply` reads no
+/// answer, and an unexpected line would be taken as the next request's), unless it closes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reject {
     pub reply: String,
     pub close: bool,
+    pub noreply: bool,
 }
 
 impl Reject {
     pub(crate) fn keep(reply: impl Into<String>) -> Reject {
-        Reject { reply: reply.into(), close: false }
+        Reject { reply: reply.into(), close: false, noreply: false }
     }
     fn close(reply: impl Into<String>) -> Reject {
-        Reject { reply: reply.into(), close: true }
+        Reject { reply: reply.into(), close: true, noreply: false }
+    }
+
+    /// Whether the client is to read this reject's line.
+    pub fn answered(&self) -> bool {
+        self.close || !self.noreply
     }
 }
 
@@ -185,7 +206,7 @@ impl Decoder {
     pub fn refuse_incomplete(&mut self, reject: Reject) {
         if let Some((_, line)) = self.pending.take() {
             self.skipping = line.len + 2;
-            self.after_skip = Some(reject);
+            self.after_skip = Some(Reject { noreply: line.noreply, ..reject });
         }
     }
 
@@ -238,7 +259,8 @@ fn storage_line(verb: &str, tokens: &[&[u8]], max_data: usize) -> Result<Storage
     };
     let flags = number::<i64>(tokens[2]).filter(|f| (i64::from(i32::MIN)..=i64::from(u32::MAX)).contains(f));
     let exptime = number::<i64>(tokens[3]);
-    let refuse = |reply: &str| Err(StorageError { reject: Reject::keep(reply), skip: Some(len) });
+    let noreply = tokens.get(min_tokens).is_some_and(|t| t.eq_ignore_ascii_case(b"noreply"));
+    let refuse = |reply: &str| Err(StorageError { reject: Reject { noreply, ..Reject::keep(reply) }, skip: Some(len) });
     if len > max_data {
         return refuse("SERVER_ERROR object too large for cache");
     }
@@ -252,7 +274,7 @@ fn storage_line(verb: &str, tokens: &[&[u8]], max_data: usize) -> Result<Storage
         flags: flags as u32,
         exptime,
         len,
-        noreply: tokens.get(min_tokens).is_some_and(|t| t.eq_ignore_ascii_case(b"noreply")),
+        noreply,
     })
 }
 

@@ -101,9 +101,11 @@ where
         while let Some(request) = decoder.decode(&mut s.input.buf) {
             let flow = match request {
                 Ok(command) => s.execute(command).await,
-                Err(Reject { reply, close }) => {
-                    s.line(&reply);
-                    if close { Flow::Close } else { Flow::Continue }
+                Err(reject) => {
+                    if reject.answered() {
+                        s.line(&reject.reply);
+                    }
+                    if reject.close { Flow::Close } else { Flow::Continue }
                 }
             };
             if flow == Flow::Close || (s.out.len() >= FLUSH_AT && !s.flush().await) {
@@ -128,6 +130,9 @@ where
             continue;
         }
         let quiet_until = match trusted {
+            // A worker holding an open item (`/open`) may take its time: closing it would hand
+            // the item to another.
+            true if !s.open.is_empty() => None,
             true => idle_timeout.map(|d| tokio::time::Instant::now() + d),
             false => Some(log_in_by),
         };
@@ -177,13 +182,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     }
 
     /// Asks the broker whether this connection may do one of `actions` to `kind`/`name`; a
-    /// refusal is answered (`CLIENT_ERROR`) here.
-    fn authorize(&mut self, kind: Kind, name: &str, actions: &[Action]) -> bool {
+    /// refusal is answered (`CLIENT_ERROR`) here, unless the request said `noreply`.
+    fn authorize(&mut self, kind: Kind, name: &str, actions: &[Action], noreply: bool) -> bool {
         let principal = self.authenticated.as_ref().map(|a| &a.principal);
         let Err(e) = auth::authorize(&self.ctx, self.conn, principal, &mut self.denials, kind, name, actions) else {
             return true;
         };
-        self.line(&server_error(&e));
+        if !noreply {
+            self.line(&server_error(&e));
+        }
         false
     }
 
@@ -244,7 +251,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             _ => None,
         };
         if let Some((name, action)) = needs
-            && !self.authorize(Kind::Queue, name, &[action])
+            && !self.authorize(Kind::Queue, name, &[action], command.noreply())
         {
             return Flow::Continue;
         }
@@ -262,16 +269,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 }
             }
             Command::Delete { queue, noreply } => {
-                self.open.remove(&queue);
                 // Off the runtime's threads, as the flushes below: these delete files.
                 let broker = Arc::clone(&self.ctx.broker);
-                match crate::blocking(move || broker.remove_queue(&queue)).await {
+                let name = queue.clone();
+                match crate::blocking(move || broker.remove_queue(&name)).await {
                     Ok(()) | Err(BrokerError::NotFound(_)) => {
+                        self.open.remove(&queue);
                         if !noreply {
                             self.line("DELETED");
                         }
                     }
-                    Err(e) => self.line(&server_error(&e)),
+                    Err(e) if !noreply => self.line(&server_error(&e)),
+                    Err(_) => {}
                 }
             }
             Command::Flush { queue, noreply } => {
@@ -279,10 +288,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                     Some(q) => crate::blocking(move || q.flush()).await.map(drop),
                     None => Ok(()),
                 };
-                if let Err(e) = flushed {
-                    self.line(&server_error(&e));
-                } else if !noreply {
-                    self.line("END");
+                match flushed {
+                    _ if noreply => {}
+                    Err(e) => self.line(&server_error(&e)),
+                    Ok(()) => self.line("END"),
                 }
             }
             Command::FlushAll { memcached_style, noreply } => {
@@ -365,9 +374,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             return Flow::Continue;
         }
         let broker = Arc::clone(&self.ctx.broker);
+        // A close or abort the broker could not apply (a storage error) keeps the item open:
+        // the client may try again, and a second `/open` is still refused.
         if o.abort {
-            if let Some(handle) = self.open.remove(name) {
-                let _ = broker.abort(name, &[handle], self.conn, 0, now_ns());
+            if let Some(handle) = self.open.remove(name)
+                && let Err(e) = broker.abort(name, &[handle], self.conn, 0, now_ns())
+                && !matches!(e, BrokerError::NotFound(_))
+            {
+                self.open.insert(name.to_owned(), handle);
+                self.line(&server_error(&e));
+                return Flow::Continue;
             }
             self.line("END");
             return Flow::Continue;
@@ -377,6 +393,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 && let Err(e) = broker.ack(name, &[handle], self.conn)
                 && !matches!(e, BrokerError::NotFound(_))
             {
+                self.open.insert(name.to_owned(), handle);
                 self.line(&server_error(&e));
                 return Flow::Continue;
             }
@@ -552,9 +569,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_max_subscriptions_per_connection", &limits.max_subscriptions_per_connection);
         put("limit_max_message_bytes", &limits.max_message_bytes);
         put("limit_auth_attempts_per_minute", &limits.security.auth_attempts_per_minute);
-        let idle =
-            ctx.limits.idle_timeout().map_or_else(|| "0".to_owned(), |d| humantime::format_duration(d).to_string());
-        put("limit_idle_timeout", &idle);
+        // Whole seconds: a stats value is one token.
+        put("limit_idle_timeout_seconds", &ctx.limits.idle_timeout().map_or(0, |d| d.as_secs()));
         for (q, st) in &per_queue {
             for (stat, value) in queue_stats(broker, q, st) {
                 put(&format!("queue_{}_{stat}", q.name), &value);
