@@ -130,9 +130,6 @@ where
             continue;
         }
         let quiet_until = match trusted {
-            // A worker holding an open item (`/open`) may take its time: closing it would hand
-            // the item to another.
-            true if !s.open.is_empty() => None,
             true => idle_timeout.map(|d| tokio::time::Instant::now() + d),
             false => Some(log_in_by),
         };
