@@ -468,3 +468,67 @@ async fn a_group_can_be_subscribed_again_at_once_after_unsubscribe_or_reconnect(
     let mut sub = c2.subscribe_group("jobs", "w", StartFrom::Resume, 10).await.unwrap();
     assert_eq!(take(&mut sub, 2).await.iter().map(text).collect::<Vec<_>>(), ["j1", "j2"]);
 }
+
+/// A subscriber whose client-side buffer fills does not stop its connection: a group subscriber
+/// allowed more unacknowledged messages than the client buffers by default acknowledges each as
+/// it reads it, and a live subscriber that offers to a queue for each message it reads goes on
+/// (ended with SLOW_CONSUMER if it falls too far behind, never stuck).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_subscription_buffer_does_not_stop_the_connections_other_answers() {
+    use petrel_proto::StartFrom;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let publisher = server.client().await;
+    publisher.create_topic("events", true).await.unwrap();
+    for chunk in 0..6 {
+        publisher
+            .publish("events", (0..500).map(|i| Message::new(format!("e{}", chunk * 500 + i))).collect())
+            .await
+            .unwrap();
+    }
+    let consumer = server.client().await;
+    let mut sub = consumer.subscribe_group("events", "g", StartFrom::Oldest, 3000).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // all 3,000 pushed meanwhile
+    let read_and_ack = async {
+        for i in 0..3000 {
+            let m = sub.next().await.unwrap().unwrap();
+            assert_eq!(text(&m), format!("e{i}"));
+            sub.ack(&[m.id]).await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read_and_ack).await.expect("acknowledgements answered");
+
+    // Live: 3,000 pushed before the subscriber reads; it offers one message per message read.
+    publisher.create_topic("live", false).await.unwrap();
+    publisher.create_queue("out", petrel_client::QueueConfig::default()).await.unwrap();
+    let mut live = consumer.subscribe("live", 4000).await.unwrap();
+    for chunk in 0..6 {
+        publisher
+            .publish("live", (0..500).map(|i| Message::new(format!("l{}", chunk * 500 + i))).collect())
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let relay = async {
+        let mut relayed = 0;
+        while let Some(m) = live.next().await {
+            match m {
+                Ok(m) => {
+                    consumer.offer("out", vec![m], None).await.unwrap();
+                    relayed += 1;
+                    if relayed == 3000 {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    assert_eq!(e.status(), Some(Status::SlowConsumer), "{e}");
+                    break;
+                }
+            }
+        }
+        relayed
+    };
+    let relayed = tokio::time::timeout(Duration::from_secs(30), relay).await.expect("the relay never stuck");
+    assert!(relayed > 0);
+    consumer.ping().await.unwrap();
+}

@@ -637,7 +637,14 @@ impl Client {
     }
 
     async fn subscribe_with(&self, request: Request) -> Result<Subscription, ClientError> {
-        let (tx, rx) = mpsc::channel(SUBSCRIPTION_BUFFER);
+        let deliveries = match &request {
+            Request::Subscribe { group, .. } if !group.is_empty() => MAX_UNACKED,
+            Request::Subscribe { buffer: 0, .. } => 2 * SUBSCRIPTION_BUFFER,
+            Request::Subscribe { buffer, .. } => *buffer as usize + SUBSCRIPTION_BUFFER,
+            _ => SUBSCRIPTION_BUFFER,
+        };
+        // One more slot: the notice that ends the subscription always fits.
+        let (tx, rx) = mpsc::channel(deliveries + 1);
         let answer = self.pipeline_with(std::slice::from_ref(&request), Some(tx)).await.pop();
         match answer.expect("one result per request")? {
             Response::Subscribed { subscription } => {
@@ -745,8 +752,15 @@ impl Client {
     }
 }
 
-/// Deliveries the client holds per subscription before it stops reading the connection.
+/// Deliveries a live subscription's reader may fall behind by, beyond the buffer it asked the
+/// server for (the server's default, 1024, when it asked for none); one more ends it
+/// (`SLOW_CONSUMER`), rather than stop reading the connection, whose other answers (the
+/// subscriber's own acknowledgements and offers among them) would then wait for ever. The
+/// client reads every push as it comes, so this is what the server's buffer was before.
 const SUBSCRIPTION_BUFFER: usize = 1024;
+/// A group subscription's buffer holds every message the server may deliver unacknowledged
+/// (a cursor holds at most this many): it never fills.
+const MAX_UNACKED: usize = 8192;
 /// Calls of one served function whose handlers run at once.
 const MAX_RUNNING: usize = 1024;
 
@@ -911,9 +925,11 @@ fn take_responses(
     }
 }
 
-/// Hands a push to the subscription or function it is for. Waits when that one's channel is
-/// full: a consumer that does not keep up slows its connection's reading, and the server, past
-/// its own buffer, ends the subscription.
+/// Hands a push to the subscription or function it is for. A subscription whose buffer is full
+/// (its reader fell behind) is ended here with `SLOW_CONSUMER` rather than waited for: waiting
+/// would stop the connection's reading, and with it the answers its reader may be waiting for.
+/// (Dropping the `Subscription` then unsubscribes.) A function's calls wait for room (its
+/// handlers run `MAX_RUNNING` at a time, and as many calls more wait for them).
 async fn route(pending: &Mutex<Pending>, id: u64, push: Push) {
     match push {
         Push::Deliver { messages } => {
@@ -921,8 +937,14 @@ async fn route(pending: &Mutex<Pending>, id: u64, push: Push) {
                 return;
             };
             for m in messages {
-                if tx.send(Ok(m)).await.is_err() {
+                let sent = match tx.capacity() {
+                    0 | 1 => Err(()),
+                    _ => tx.try_send(Ok(m)).map_err(drop),
+                };
+                if sent.is_err() {
                     pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&id);
+                    let behind = format!("the client's buffer of {} deliveries is full", tx.max_capacity() - 1);
+                    let _ = tx.try_send(Err(ClientError::Status { status: Status::SlowConsumer, message: behind }));
                     return;
                 }
             }
@@ -930,7 +952,7 @@ async fn route(pending: &Mutex<Pending>, id: u64, push: Push) {
         Push::SubscriptionEnd { status, reason } => {
             let tx = pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&id);
             if let Some(tx) = tx {
-                let _ = tx.send(Err(ClientError::Status { status, message: reason })).await;
+                let _ = tx.try_send(Err(ClientError::Status { status, message: reason }));
             }
         }
         Push::Invoke { function, message } => {
