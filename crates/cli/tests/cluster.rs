@@ -589,3 +589,37 @@ async fn keyed_offers_aborts_and_a_silent_server_at_connect() {
     assert_eq!((after.items, after.in_flight), (before.items + 1, before.in_flight - 1));
     drop(silent);
 }
+
+/// A poll that takes for good (no visibility timeout) loses nothing the cluster took beyond
+/// what it handed over: what it kept for the next polls goes back to its queue when the
+/// process goes away, and what it handed over does not come again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_poll_for_good_took_beyond_its_answer_is_not_lost() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..3).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    for s in &servers {
+        let c = s.client().await;
+        c.create_queue("jobs", QueueConfig::default()).await.unwrap();
+        c.offer("jobs", (0..5).map(|i| Message::new(format!("j{i}").into_bytes())).collect(), None).await.unwrap();
+    }
+    let addrs: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let cluster = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
+    let options = PollOptions { max: 1, timeout: Duration::ZERO, visibility: None };
+    let got = cluster.poll("jobs", options).await.unwrap();
+    assert_eq!(got.len(), 1);
+    drop(cluster); // the process ends, say, with what the cluster kept for later
+    let mut left = 0;
+    for s in &servers {
+        let c = s.client().await;
+        for _ in 0..100 {
+            let status = c.queue_status("jobs").await.unwrap();
+            if status.in_flight == 0 {
+                left += status.items;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(left, 14, "all but the one handed over are in their queues again");
+}

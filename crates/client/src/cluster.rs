@@ -128,7 +128,8 @@ struct Member {
 /// servers have such a poll waiting.
 #[derive(Default)]
 struct Parked {
-    arrived: VecDeque<ClusterDelivery>,
+    /// With when they were taken: kept past half their visibility timeout, they are given back.
+    arrived: VecDeque<(Instant, ClusterDelivery)>,
     waiting: HashSet<usize>,
     /// Callers of `poll` waiting for arrivals.
     callers: usize,
@@ -158,6 +159,11 @@ impl Drop for WaitingCaller<'_> {
 
 /// Most messages one waiting poll asks a server for (it asks for what its callers want).
 const MAX_PARKED: u32 = 1024;
+/// The visibility timeout under which the cluster takes messages for a poll that takes them for
+/// good (none of its own): they are acknowledged before they are handed to the caller, so that what
+/// the cluster holds beyond them (kept for the next polls, or brought by a waiting poll after its
+/// caller left) goes back to its queue if this process ends, instead of being lost.
+const HELD_FOR_GOOD: Duration = Duration::from_secs(60);
 
 struct Shared {
     members: Vec<Member>,
@@ -443,6 +449,30 @@ enum Settle {
 
 /// Acknowledges or returns `handles`, each on its own server, all servers at once. Handles of a
 /// connection since lost count for nothing (their messages went back to their queues).
+/// `settle` without waiting for the answers, each server's on its current connection (those of
+/// an ended connection went back already).
+fn settle_unanswered(shared: &Shared, queue: &str, deliveries: &[ClusterDelivery], how: Settle) {
+    let mut by_server: HashMap<(usize, u64), Vec<u64>> = HashMap::new();
+    for d in deliveries {
+        by_server.entry((d.handle.server, d.handle.connection)).or_default().push(d.handle.handle);
+    }
+    for ((i, connection), handles) in by_server {
+        let Some((client, current)) = shared.current(i) else { continue };
+        if current != connection {
+            continue;
+        }
+        let request = match how {
+            Settle::Ack => Request::Ack { queue: queue.into(), handles },
+            Settle::Abort(delay) => Request::Abort {
+                queue: queue.into(),
+                handles,
+                delay_ms: delay.as_millis().min(u128::from(u32::MAX)) as u32,
+            },
+        };
+        client.send_unanswered(&request);
+    }
+}
+
 async fn settle(shared: &Arc<Shared>, queue: &str, handles: &[ClusterHandle], how: Settle) -> Result<u32, ClientError> {
     let send = |(i, (connection, handles)): (usize, (u64, Vec<u64>))| async move {
         let Some((client, current)) = shared.current(i) else { return Ok(0) };
@@ -755,8 +785,36 @@ impl Cluster {
     /// notes). An empty answer after the timeout is an empty vector; a queue that every server
     /// refuses is that refusal (`QUEUE_NOT_FOUND`); `Unavailable` if no server was up.
     pub async fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<ClusterDelivery>, ClientError> {
+        let for_good = options.visibility.is_none();
+        let taken = self
+            .poll_held(
+                queue,
+                PollOptions { visibility: options.visibility.or(Some(HELD_FOR_GOOD)), ..options },
+                for_good,
+            )
+            .await?;
+        if for_good {
+            // Taken for good once this returns (one round trip more; one lost connection's
+            // messages went back to their queue and may come again: at least once).
+            let handles: Vec<ClusterHandle> = taken.iter().map(|d| d.handle).collect();
+            let _ = settle(&self.shared, queue, &handles, Settle::Ack).await;
+        }
+        Ok(taken)
+    }
+
+    /// `poll`, under a visibility timeout always (`for_good`: the caller's poll had none, and
+    /// what it takes is acknowledged as it is handed over).
+    async fn poll_held(
+        &self,
+        queue: &str,
+        options: PollOptions,
+        for_good: bool,
+    ) -> Result<Vec<ClusterDelivery>, ClientError> {
         let shared = &self.shared;
-        let visibility_ms = options.visibility.map_or(0, |v| v.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
+        let visibility_ms = match for_good {
+            true => 0,
+            false => options.visibility.map_or(0, |v| v.as_millis().clamp(1, u128::from(u32::MAX)) as u32),
+        };
         let key = (queue.to_owned(), visibility_ms);
         let deadline = tokio::time::Instant::now() + options.timeout;
         let max = options.max.max(1) as usize;
@@ -800,7 +858,9 @@ impl Cluster {
                         continue;
                     }
                     if taken.len() > max {
-                        lock(&shared.parked).entry(key.clone()).or_default().arrived.extend(taken.drain(max..));
+                        let now = Instant::now();
+                        let kept = taken.drain(max..).map(|d| (now, d));
+                        lock(&shared.parked).entry(key.clone()).or_default().arrived.extend(kept);
                         shared.changed.notify_waiters();
                     }
                     let taken = shared.drop_copies(queue, taken);
@@ -869,14 +929,35 @@ impl Cluster {
         taken
     }
 
-    /// Up to `max` deliveries that waiting polls brought for `key`, copies dropped.
+    /// Up to `max` deliveries that waiting polls brought for `key`, copies dropped. Those kept
+    /// past half their visibility timeout are given back to their queues (handed out so late,
+    /// their server might hand them to another meanwhile), and those of a connection that has
+    /// ended went back already.
     fn take_arrived(&self, key: &(String, u32), max: usize) -> Vec<ClusterDelivery> {
+        let visibility = match key.1 {
+            0 => HELD_FOR_GOOD,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let mut stale = Vec::new();
         let taken: Vec<ClusterDelivery> = {
             let mut parked = lock(&self.shared.parked);
             let Some(p) = parked.get_mut(key) else { return Vec::new() };
-            let n = p.arrived.len().min(max);
-            p.arrived.drain(..n).collect()
+            let mut taken = Vec::new();
+            while taken.len() < max
+                && let Some((at, d)) = p.arrived.pop_front()
+            {
+                let current = self.shared.current(d.handle.server).map(|(_, c)| c);
+                if current != Some(d.handle.connection) {
+                    continue;
+                }
+                match at.elapsed() > visibility / 2 {
+                    true => stale.push(d),
+                    false => taken.push(d),
+                }
+            }
+            taken
         };
+        settle_unanswered(&self.shared, &key.0, &stale, Settle::Abort(Duration::ZERO));
         if taken.is_empty() { taken } else { self.shared.drop_copies(&key.0, taken) }
     }
 
@@ -914,7 +995,8 @@ impl Cluster {
                     let p = parked.entry(key).or_default();
                     p.waiting.remove(&i);
                     if let Ok(taken) = taken {
-                        p.arrived.extend(deliveries(i, connection, taken));
+                        let now = Instant::now();
+                        p.arrived.extend(deliveries(i, connection, taken).into_iter().map(|d| (now, d)));
                     }
                 }
                 shared.changed.notify_waiters();
