@@ -623,3 +623,27 @@ async fn what_a_poll_for_good_took_beyond_its_answer_is_not_lost() {
     }
     assert_eq!(left, 14, "all but the one handed over are in their queues again");
 }
+
+/// A cluster of one server waits for room as long as the offer says (the server waits, and its
+/// answer is waited for as long), and does not take the wait for a dead server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_server_waits_for_room_as_long_as_the_offer_says() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("s"));
+    let direct = server.client().await;
+    direct.create_queue("full", QueueConfig { max_items: 1, ..QueueConfig::default() }).await.unwrap();
+    direct.offer("full", vec![Message::new(&b"first"[..])], None).await.unwrap();
+    let cluster = Cluster::connect(&[server.addr.as_str()], ClusterOptions::default()).await.unwrap();
+    let offering = {
+        let cluster = cluster.clone();
+        tokio::spawn(async move {
+            cluster.offer("full", vec![Message::new(&b"second"[..])], Some(Duration::from_secs(5))).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await; // longer than the request timeout
+    let taken = direct.poll("full", PollOptions { max: 1, timeout: Duration::ZERO, visibility: None }).await.unwrap();
+    assert_eq!(&taken[0].message.payload[..], b"first");
+    offering.await.unwrap().expect("offered once room came");
+    assert!(cluster.stats().servers.iter().all(|s| s.up), "the server was not taken for down");
+}

@@ -759,12 +759,15 @@ impl Cluster {
         let full = |e: &ClientError| e.status() == Some(Status::QueueFull);
         // Every server but the last is asked without waiting, so a full one passes the offer on.
         let mut request = Request::Offer { queue: queue.into(), timeout_ms: 0, messages };
+        // One server alone waits for room itself, and its answer is waited for as long.
+        let mut wait = Duration::ZERO;
         if let Some(t) = timeout
             && order.len() == 1
         {
             set_offer_timeout(&mut request, t);
+            wait = t;
         }
-        match self.shared.first_answer(&order, &request, Duration::ZERO, full).await {
+        match self.shared.first_answer(&order, &request, wait, full).await {
             Ok((server, response)) => offered(server, response),
             Err(e) if full(&e) && timeout.is_some() && order.len() > 1 => {
                 // All full: wait for room on one of them (the first in the order that is up).
