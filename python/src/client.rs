@@ -299,7 +299,8 @@ pub(crate) const LONG_POLL: Duration = Duration::from_secs(1);
 /// `visibility` `None` takes for good; a number is seconds, at least a millisecond (0 would
 /// otherwise mean "for good" on the wire).
 pub(crate) fn poll_options(max: u32, wait: Duration, visibility: Option<f64>) -> PollOptions {
-    let visibility = crate::timeout_from(visibility).map(|v| v.max(Duration::from_millis(1)));
+    // Whole milliseconds from 1 to the wire's u32 (~49 days); NaN is the least, infinity the most.
+    let visibility = visibility.map(|v| Duration::from_millis((v * 1000.0).clamp(1.0, f64::from(u32::MAX)) as u64));
     PollOptions { max: max.max(1), timeout: wait, visibility }
 }
 
@@ -720,7 +721,7 @@ impl AsyncCore {
     #[pyo3(signature = (token, queue, max = 1, wait = 0.0, visibility = None))]
     fn poll_once(&self, token: u64, queue: String, max: u32, wait: f64, visibility: Option<f64>) {
         let client = self.inner.clone();
-        let wait = crate::timeout_from(Some(wait)).unwrap_or_default().min(LONG_POLL);
+        let wait = crate::timeout_from(Some(wait)).unwrap_or(LONG_POLL).min(LONG_POLL);
         let options = poll_options(max, wait, visibility);
         self.completions.spawn(token, async move {
             match poll_once(client, queue, options).await {

@@ -109,7 +109,8 @@ impl Cluster {
     ) -> PyResult<Cluster> {
         let addrs = server_list(servers)?;
         let client = connect_options(&addrs[0], user, password, tls_ca, tls_cert, tls_key)?.options;
-        let request_timeout = crate::timeout_from(Some(request_timeout)).unwrap_or_default();
+        // (Infinity: a day, which no answer takes.)
+        let request_timeout = crate::timeout_from(Some(request_timeout)).unwrap_or(Duration::from_secs(24 * 3600));
         if request_timeout.is_zero() {
             return Err(PyValueError::new_err("request_timeout: seconds, more than 0"));
         }

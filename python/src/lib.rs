@@ -34,9 +34,16 @@ create_exception!(petrel, ConnectionError, PetrelError, "The server could not be
 /// How long a blocking wait sleeps between looks at Python's signals.
 pub(crate) const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
-/// A timeout from Python: `None` waits for ever, a number is seconds (negative is zero).
+/// A timeout from Python: `None` waits for ever, a number is seconds (negative or NaN is zero;
+/// infinity, or more than a century, is for ever too: a deadline that far cannot be computed).
 pub(crate) fn timeout_from(seconds: Option<f64>) -> Option<Duration> {
-    seconds.map(|s| Duration::from_secs_f64(if s.is_finite() && s > 0.0 { s } else { 0.0 }))
+    const FOR_EVER: f64 = 100.0 * 365.0 * 24.0 * 3600.0;
+    match seconds {
+        None => None,
+        Some(s) if s > FOR_EVER => None,
+        Some(s) if s > 0.0 => Some(Duration::from_secs_f64(s)),
+        Some(_) => Some(Duration::ZERO),
+    }
 }
 
 #[pymodule]

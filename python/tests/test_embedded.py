@@ -112,6 +112,20 @@ def test_queue_put_get_in_order_across_threads(tmp_path):
             assert mine == [f"{p}-{i}" for i in range(500)]
 
 
+def test_any_number_is_a_timeout(tmp_path):
+    # Infinity and numbers too large for a deadline wait for ever (here: for the item there);
+    # NaN and negatives do not wait. None of them is an error.
+    with petrel.Queue(tmp_path / "q") as q:
+        q.put_many([b"a", b"b", b"c"])
+        assert q.get(timeout=float("inf")) == b"a"
+        assert q.get(timeout=1e20) == b"b"
+        assert q.get(timeout=1e19) == b"c"
+        started = time.monotonic()
+        assert q.get(timeout=float("nan")) is None
+        assert q.get(timeout=-5) is None
+        assert time.monotonic() - started < 1
+
+
 def test_queue_without_auto_ack_gives_back_what_was_not_done(tmp_path):
     path = tmp_path / "q"
     with petrel.Queue(path, durability="always", auto_ack=False) as q:

@@ -357,7 +357,7 @@ impl Client {
         let (rd, wr) = tokio::io::split(stream);
         let pending: Arc<Mutex<Pending>> = Arc::default();
         let (written, room) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
-        let reader = tokio::spawn(read_responses(rd, Arc::clone(&pending)));
+        let reader = tokio::spawn(read_responses(rd, Arc::clone(&pending), Arc::clone(&room)));
         let writer =
             tokio::spawn(write_requests(Box::new(wr), Arc::clone(&pending), Arc::clone(&written), Arc::clone(&room)));
         let inner = Inner {
@@ -390,6 +390,8 @@ impl Client {
         self.inner.reader.abort();
         self.inner.writer.abort();
         self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
+        // Callers waiting for room in the outbox learn that it is closed.
+        self.inner.room.notify_waiters();
     }
 
     /// The connection is gone (closed here, by the server, or lost).
@@ -846,7 +848,7 @@ fn unexpected(r: Response) -> ClientError {
 
 /// Reads responses and hands each to the request waiting for it. When the connection ends,
 /// every waiting request fails with `Closed`, and so does every later one.
-async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pending>>) {
+async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pending>>, room: Arc<tokio::sync::Notify>) {
     let mut buf = BytesMut::with_capacity(64 * 1024);
     let mut answered = Vec::new();
     'read: loop {
@@ -879,6 +881,7 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
         }
     }
     pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
+    room.notify_waiters();
 }
 
 /// Takes the responses at the front of `buf`, all under one hold of the lock, into `answered`;
