@@ -10,7 +10,7 @@ use std::time::Duration;
 use petrel_client::{QueueConfig, Status};
 
 mod common;
-use common::Server;
+use common::{Server, read_response, request_frame};
 
 fn config(dir: &Path, text: &str) -> String {
     let path = dir.join("petrel.toml");
@@ -321,38 +321,13 @@ fn subscribe_and_read_nothing(server: &Server, topic: &str, buffer: u32) -> TcpS
     stalled
 }
 
-/// Writes one request frame; returns its bytes for a test that sends them in parts.
-fn request_frame(request: &petrel_proto::Request, id: u64) -> Vec<u8> {
-    let mut out = Vec::new();
-    request.encode(id, &mut out).unwrap();
-    out
-}
-
-/// Reads one response frame: its request id and what it says.
-fn read_response(conn: &mut impl Read) -> (u64, petrel_proto::Response) {
-    let mut len = [0u8; 4];
-    conn.read_exact(&mut len).unwrap();
-    let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
-    conn.read_exact(&mut frame).unwrap();
-    let opcode = u16::from_be_bytes([frame[2], frame[3]]);
-    let id = u64::from_be_bytes(frame[4..12].try_into().unwrap());
-    let body = bytes::Bytes::copy_from_slice(&frame[12..]);
-    (id, petrel_proto::Response::decode(opcode, body).unwrap())
-}
-
 #[test]
 fn requests_being_read_count_in_the_memory_budget_on_both_ports() {
     use petrel_proto::{Message, Request, Response};
     let dir = tempfile::tempdir().unwrap();
     let config = config(dir.path(), "max_memory_bytes = 8388608\nmax_message_bytes = 8388608\n");
     let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
-    let connect = || {
-        let mut c = TcpStream::connect(&server.addr).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
-        assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
-        c
-    };
+    let connect = || greeted(&server);
     let offer = |bytes: usize| {
         let message = Message { payload: vec![7u8; bytes].into(), ..Message::default() };
         Request::Offer { queue: "big".into(), timeout_ms: 0, messages: vec![message] }
@@ -573,13 +548,7 @@ fn requests_waiting_when_their_client_goes_away_take_and_store_nothing() {
     use petrel_proto::{Message, Request, Response};
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data"));
-    let connect = || {
-        let mut c = TcpStream::connect(&server.addr).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
-        assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
-        c
-    };
+    let connect = || greeted(&server);
     let message = |text: &str| Message { payload: text.as_bytes().to_vec().into(), ..Message::default() };
     let mut c = connect();
     let config = QueueConfig { durable: true, max_items: 1, ..QueueConfig::default() };
@@ -626,19 +595,12 @@ fn requests_waiting_when_their_client_goes_away_take_and_store_nothing() {
 
 #[test]
 fn offers_waiting_for_room_and_unfolded_payloads_count_in_the_memory_budget() {
-    use petrel_proto::{Message, Request, Response};
+    use petrel_proto::Response;
     let dir = tempfile::tempdir().unwrap();
     let config = config(dir.path(), "max_memory_bytes = 8388608\n[queues.full]\ndurable = true\nmax_items = 1\n");
     let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
-    let mut c = TcpStream::connect(&server.addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
-    assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
-    let offer = |payload: Vec<u8>, timeout_ms: u32| {
-        let mut message = Message { payload: payload.into(), ..Message::default() };
-        petrel_proto::compression::compress(&mut message, 1);
-        Request::Offer { queue: "full".into(), timeout_ms, messages: vec![message] }
-    };
+    let mut c = greeted(&server);
+    let offer = |payload: Vec<u8>, timeout_ms: u32| compressed_offer("full", payload, timeout_ms);
     c.write_all(&request_frame(&offer(b"first".to_vec(), 0), 2)).unwrap();
     assert!(matches!(read_response(&mut c), (2, Response::Offered { .. })));
     // Four offers of 3 MiB that travel as a few hundred bytes each, all waiting for room in the
@@ -709,19 +671,12 @@ fn one_connection_holds_at_most_its_limit_of_subscriptions() {
 
 #[test]
 fn an_offer_that_waited_for_room_in_a_memory_queue_is_not_counted_twice_when_it_goes_in() {
-    use petrel_proto::{Message, Request, Response};
+    use petrel_proto::Response;
     let dir = tempfile::tempdir().unwrap();
     let config = config(dir.path(), "max_memory_bytes = 8388608\n[queues.mem]\ndurable = false\nmax_items = 1\n");
     let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
-    let mut c = TcpStream::connect(&server.addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
-    assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
-    let offer = |payload: Vec<u8>, timeout_ms: u32| {
-        let mut message = Message { payload: payload.into(), ..Message::default() };
-        petrel_proto::compression::compress(&mut message, 1);
-        Request::Offer { queue: "mem".into(), timeout_ms, messages: vec![message] }
-    };
+    let mut c = greeted(&server);
+    let offer = |payload: Vec<u8>, timeout_ms: u32| compressed_offer("mem", payload, timeout_ms);
     c.write_all(&request_frame(&offer(b"first".to_vec(), 0), 2)).unwrap();
     assert!(matches!(read_response(&mut c), (2, Response::Offered { .. })));
     // 5 MiB waits for room (held in the 8 MiB budget); once room comes, the queue counts it
@@ -733,4 +688,21 @@ fn an_offer_that_waited_for_room_in_a_memory_queue_is_not_counted_twice_when_it_
     assert_eq!(ask(&mut mc, "get mem\r\n"), "VALUE mem 0 5\r\nfirst\r\nEND\r\n");
     let answer = read_response(&mut c);
     assert!(matches!(answer, (3, Response::Offered { count: 1, .. })), "{answer:?}");
+}
+
+/// A native connection to `server` that said HELLO.
+fn greeted(server: &Server) -> TcpStream {
+    use petrel_proto::{Request, Response};
+    let mut c = TcpStream::connect(&server.addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(&request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
+    assert!(matches!(read_response(&mut c), (1, Response::Hello { .. })));
+    c
+}
+
+/// An offer of one message to `queue`, its `payload` compressed.
+fn compressed_offer(queue: &str, payload: Vec<u8>, timeout_ms: u32) -> petrel_proto::Request {
+    let mut message = petrel_proto::Message { payload: payload.into(), ..Default::default() };
+    petrel_proto::compression::compress(&mut message, 1);
+    petrel_proto::Request::Offer { queue: queue.into(), timeout_ms, messages: vec![message] }
 }

@@ -588,24 +588,10 @@ async fn a_client_that_has_not_logged_in_holds_little_and_not_for_long() {
     use petrel_proto::{Request, Response};
     let setup = Setup::new("handshake_timeout = \"500ms\"");
     let server = setup.start();
-    let frame = |request: &Request, id: u64| {
-        let mut out = Vec::new();
-        request.encode(id, &mut out).unwrap();
-        out
-    };
-    let read_response = |conn: &mut std::net::TcpStream| {
-        let mut len = [0u8; 4];
-        conn.read_exact(&mut len).unwrap();
-        let mut f = vec![0u8; u32::from_be_bytes(len) as usize];
-        conn.read_exact(&mut f).unwrap();
-        let opcode = u16::from_be_bytes([f[2], f[3]]);
-        let id = u64::from_be_bytes(f[4..12].try_into().unwrap());
-        (id, Response::decode(opcode, bytes::Bytes::copy_from_slice(&f[12..])).unwrap())
-    };
     let mut native = std::net::TcpStream::connect(&server.addr).unwrap();
     native.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    native.write_all(&frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
-    assert!(matches!(read_response(&mut native), (1, Response::Hello { .. })));
+    native.write_all(&common::request_frame(&Request::Hello { client: "test".into(), features: 0 }, 1)).unwrap();
+    assert!(matches!(common::read_response(&mut native), (1, Response::Hello { .. })));
     // A 1 MiB offer before AUTH: refused when its header arrives, not read into memory.
     let big = Request::Offer {
         queue: "q".into(),
@@ -613,8 +599,8 @@ async fn a_client_that_has_not_logged_in_holds_little_and_not_for_long() {
         messages: vec![petrel_proto::Message { payload: vec![1u8; 1 << 20].into(), ..Default::default() }],
     };
     let started = std::time::Instant::now();
-    native.write_all(&frame(&big, 2)[..4096]).unwrap();
-    match read_response(&mut native) {
+    native.write_all(&common::request_frame(&big, 2)[..4096]).unwrap();
+    match common::read_response(&mut native) {
         (2, Response::Error { status, message }) => {
             assert_eq!(status, Status::Unauthorized, "{message}");
             assert!(message.contains("authenticate before"), "{message}");

@@ -447,6 +447,20 @@ enum Settle {
     Abort(Duration),
 }
 
+impl Settle {
+    /// The request that settles `handles` of `queue` on one server.
+    fn request(self, queue: &str, handles: Vec<u64>) -> Request {
+        match self {
+            Settle::Ack => Request::Ack { queue: queue.into(), handles },
+            Settle::Abort(delay) => Request::Abort {
+                queue: queue.into(),
+                handles,
+                delay_ms: delay.as_millis().min(u128::from(u32::MAX)) as u32,
+            },
+        }
+    }
+}
+
 /// Acknowledges or returns `handles`, each on its own server, all servers at once. Handles of a
 /// connection since lost count for nothing (their messages went back to their queues).
 /// `settle` without waiting for the answers, each server's on its current connection (those of
@@ -461,14 +475,7 @@ fn settle_unanswered(shared: &Shared, queue: &str, deliveries: &[ClusterDelivery
         if current != connection {
             continue;
         }
-        let request = match how {
-            Settle::Ack => Request::Ack { queue: queue.into(), handles },
-            Settle::Abort(delay) => Request::Abort {
-                queue: queue.into(),
-                handles,
-                delay_ms: delay.as_millis().min(u128::from(u32::MAX)) as u32,
-            },
-        };
+        let request = how.request(queue, handles);
         client.send_unanswered(&request);
     }
 }
@@ -479,14 +486,7 @@ async fn settle(shared: &Arc<Shared>, queue: &str, handles: &[ClusterHandle], ho
         if current != connection {
             return Ok(0);
         }
-        let request = match how {
-            Settle::Ack => Request::Ack { queue: queue.into(), handles },
-            Settle::Abort(delay) => Request::Abort {
-                queue: queue.into(),
-                handles,
-                delay_ms: delay.as_millis().min(u128::from(u32::MAX)) as u32,
-            },
-        };
+        let request = how.request(queue, handles);
         match shared.on(i, connection, Duration::ZERO, client.request(&request)).await {
             Ok(Response::Acked { count }) => Ok(count),
             Ok(other) => Err(crate::unexpected(other)),

@@ -159,3 +159,22 @@ pub async fn wait_until_async<F: std::future::Future<Output = bool>>(what: &str,
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
 }
+
+/// Writes one request frame; returns its bytes for a test that sends them in parts.
+pub fn request_frame(request: &petrel_proto::Request, id: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    request.encode(id, &mut out).unwrap();
+    out
+}
+
+/// Reads one response frame: its request id and what it says.
+pub fn read_response(conn: &mut impl std::io::Read) -> (u64, petrel_proto::Response) {
+    let mut len = [0u8; 4];
+    conn.read_exact(&mut len).unwrap();
+    let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
+    conn.read_exact(&mut frame).unwrap();
+    let opcode = u16::from_be_bytes([frame[2], frame[3]]);
+    let id = u64::from_be_bytes(frame[4..12].try_into().unwrap());
+    let body = bytes::Bytes::copy_from_slice(&frame[12..]);
+    (id, petrel_proto::Response::decode(opcode, body).unwrap())
+}
