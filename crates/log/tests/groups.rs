@@ -302,13 +302,7 @@ fn a_group_past_the_end_of_a_repaired_log_sees_new_records() {
     while g.take(NOW).unwrap().is_some() {}
     assert_eq!(g.committed(), 10);
     drop((g, log));
-    // Cut the log back to 4 records, as `petrel log repair` would after damage at record 4.
-    let seg = dir.path().join("00000000000000000000.log");
-    let mut bytes = std::fs::read(&seg).unwrap();
-    let at = bytes.windows(2).position(|w| w == b"r4").unwrap();
-    bytes[at] ^= 1;
-    std::fs::write(&seg, bytes).unwrap();
-    assert_eq!(petrel_log::verify::repair(dir.path()).unwrap().next_offset, 4);
+    cut_back_to_four_records(dir.path());
     let mut log = log_with(dir.path(), 0);
     log.append(b"after repair").unwrap();
     let mut g = log.group("g", GroupOptions::default()).unwrap();
@@ -327,13 +321,8 @@ fn acknowledgements_past_the_end_of_a_repaired_log_do_not_hide_new_records() {
         g.ack(offset).unwrap();
     }
     drop((g, log));
-    // Cut the log back to 4 records: acknowledgements of 4..10 name records that are gone.
-    let seg = dir.path().join("00000000000000000000.log");
-    let mut bytes = std::fs::read(&seg).unwrap();
-    let at = bytes.windows(2).position(|w| w == b"r4").unwrap();
-    bytes[at] ^= 1;
-    std::fs::write(&seg, bytes).unwrap();
-    assert_eq!(petrel_log::verify::repair(dir.path()).unwrap().next_offset, 4);
+    // Acknowledgements of 4..10 name records that will be gone.
+    cut_back_to_four_records(dir.path());
     let mut log = log_with(dir.path(), 0);
     for i in 0..3 {
         log.append(format!("new {i}").as_bytes()).unwrap();
@@ -346,4 +335,15 @@ fn acknowledgements_past_the_end_of_a_repaired_log_do_not_hide_new_records() {
         got.push(r.payload.to_vec());
     }
     assert_eq!(got, [b"r0".to_vec(), b"new 0".to_vec(), b"new 1".to_vec(), b"new 2".to_vec()]);
+}
+
+/// Damages record 4 of a log made by `log_with` and cuts the log back to the 4 records before it,
+/// as `petrel log repair` does.
+fn cut_back_to_four_records(dir: &std::path::Path) {
+    let seg = dir.join("00000000000000000000.log");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let at = bytes.windows(2).position(|w| w == b"r4").unwrap();
+    bytes[at] ^= 1;
+    std::fs::write(&seg, bytes).unwrap();
+    assert_eq!(petrel_log::verify::repair(dir).unwrap().next_offset, 4);
 }
