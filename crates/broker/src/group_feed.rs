@@ -284,7 +284,7 @@ mod tests {
         let topic = broker.topic("t").unwrap();
         let held = topic.group("g", Some(SeekTo::Oldest), 8).unwrap();
         let gave_up = topic.group_when_free("g", None, 8, tokio::time::sleep(Duration::from_millis(20))).await;
-        assert!(matches!(gave_up, Err(BrokerError::Exists(_))), "still held when the wait ran out");
+        assert!(matches!(gave_up, Err(BrokerError::Held(_))), "still held when the wait ran out");
         let letting_go = tokio::spawn(async move {
             tokio::task::yield_now().await;
             drop(held);

@@ -86,6 +86,9 @@ pub enum BrokerError {
     Full(String),
     #[error("queue {:?} exists with another configuration", shown(.0))]
     Exists(String),
+    /// Something held by another that is let go in a moment (a consumer group subscribed).
+    #[error("{0}")]
+    Held(String),
     #[error("{0}")]
     BadRequest(String),
     #[error("message of {size} bytes exceeds the limit of {max}")]
@@ -127,7 +130,7 @@ impl BrokerError {
         match self {
             BrokerError::NotFound(_) => Status::QueueNotFound,
             BrokerError::Full(_) => Status::QueueFull,
-            BrokerError::Exists(_) => Status::Exists,
+            BrokerError::Exists(_) | BrokerError::Held(_) => Status::Exists,
             BrokerError::BadRequest(_) => Status::BadRequest,
             BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
             BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {

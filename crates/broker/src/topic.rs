@@ -355,7 +355,7 @@ impl Topic {
     }
 
     fn group_in_use(&self, group: &str) -> BrokerError {
-        BrokerError::Exists(format!("consumer group {group} of topic {} is subscribed now", self.name))
+        BrokerError::Held(format!("consumer group {group} of topic {} is subscribed now", self.name))
     }
 
     /// Removes subscriptions matching `which`; they end for `reason` if given.

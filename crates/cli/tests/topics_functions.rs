@@ -532,3 +532,28 @@ async fn a_full_subscription_buffer_does_not_stop_the_connections_other_answers(
     assert!(relayed > 0);
     consumer.ping().await.unwrap();
 }
+
+/// A SUBSCRIBE whose caller gave up before its answer came (a timeout around it, a cancelled
+/// task) leaves no subscription behind: the consumer group is free for the next subscribe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribe_given_up_before_its_answer_leaves_no_subscription() {
+    use petrel_proto::StartFrom;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_topic("events", true).await.unwrap();
+    {
+        // Sent (the first poll queues the request), then given up before any answer can come.
+        let subscribing = c.subscribe_group("events", "g", StartFrom::Oldest, 10);
+        tokio::pin!(subscribing);
+        tokio::select! {
+            biased;
+            _ = &mut subscribing => panic!("answered before it was given up"),
+            () = std::future::ready(()) => {}
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut sub = c.subscribe_group("events", "g", StartFrom::Oldest, 10).await.expect("the group is free");
+    c.publish("events", vec![Message::new("one")]).await.unwrap();
+    assert_eq!(text(&sub.next().await.unwrap().unwrap()), "one");
+}

@@ -163,7 +163,6 @@ const MAX_OUTBOX: usize = 1 << 20;
 
 /// The connection's shared state: requests waiting for their response, by request id (with
 /// their opcode, to decode it), and the bytes of requests not yet written.
-#[derive(Default)]
 struct Pending {
     waiting: HashMap<u64, (u16, Reply), BuildIdHasher>,
     /// Where each subscription's deliveries go, by subscription id.
@@ -177,6 +176,23 @@ struct Pending {
     outbox: Outbox,
     /// The connection is gone: new requests fail at once instead of waiting forever.
     closed: bool,
+    /// Ids of requests the client sends on its own (no caller waits for their answers): counted
+    /// down from the top, apart from callers' (counted up from 1).
+    own_ids: u64,
+}
+
+impl Default for Pending {
+    fn default() -> Pending {
+        Pending {
+            waiting: HashMap::default(),
+            subscriptions: HashMap::new(),
+            subscribing: HashMap::new(),
+            functions: HashMap::new(),
+            outbox: Outbox::default(),
+            closed: false,
+            own_ids: u64::MAX,
+        }
+    }
 }
 
 /// Encoded requests waiting for the writer: their bytes, and the large payloads of calls and
@@ -231,6 +247,16 @@ impl Outbox {
 type BuildIdHasher = rustc_hash::FxBuildHasher;
 
 impl Pending {
+    /// Queues a request no caller waits for (the writer is to be woken).
+    fn send_own(&mut self, request: &Request) {
+        if self.closed {
+            return;
+        }
+        let id = self.own_ids;
+        self.own_ids -= 1;
+        let _ = self.outbox.push(request, id);
+    }
+
     /// The connection is gone: every request waiting fails with `error()`, and so will new ones.
     fn close(&mut self, error: impl Fn() -> ClientError) {
         self.closed = true;
@@ -357,7 +383,7 @@ impl Client {
         let (rd, wr) = tokio::io::split(stream);
         let pending: Arc<Mutex<Pending>> = Arc::default();
         let (written, room) = (Arc::new(tokio::sync::Notify::new()), Arc::new(tokio::sync::Notify::new()));
-        let reader = tokio::spawn(read_responses(rd, Arc::clone(&pending), Arc::clone(&room)));
+        let reader = tokio::spawn(read_responses(rd, Arc::clone(&pending), (Arc::clone(&written), Arc::clone(&room))));
         let writer =
             tokio::spawn(write_requests(Box::new(wr), Arc::clone(&pending), Arc::clone(&written), Arc::clone(&room)));
         let inner = Inner {
@@ -848,12 +874,20 @@ fn unexpected(r: Response) -> ClientError {
 
 /// Reads responses and hands each to the request waiting for it. When the connection ends,
 /// every waiting request fails with `Closed`, and so does every later one.
-async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pending>>, room: Arc<tokio::sync::Notify>) {
+async fn read_responses<R: AsyncRead + Unpin>(
+    mut rd: R,
+    pending: Arc<Mutex<Pending>>,
+    (written, room): (Arc<tokio::sync::Notify>, Arc<tokio::sync::Notify>),
+) {
     let mut buf = BytesMut::with_capacity(64 * 1024);
     let mut answered = Vec::new();
     'read: loop {
         loop {
-            let next = take_responses(&mut buf, &pending, &mut answered);
+            let mut sent_own = false;
+            let next = take_responses(&mut buf, &pending, &mut answered, &mut sent_own);
+            if sent_own {
+                written.notify_one();
+            }
             // Answered before what follows them is handled, in the order they came.
             for (tx, response) in answered.drain(..) {
                 let _ = tx.send(response);
@@ -887,10 +921,12 @@ async fn read_responses<R: AsyncRead + Unpin>(mut rd: R, pending: Arc<Mutex<Pend
 /// Takes the responses at the front of `buf`, all under one hold of the lock, into `answered`;
 /// stops at a push (returned, with its request id), at an incomplete frame (`None`), or at
 /// bytes that are not a frame (`Err`: the connection cannot go on).
+/// `sent_own`: set when it queued a request of the client's own (the writer is to be woken).
 fn take_responses(
     buf: &mut BytesMut,
     pending: &Mutex<Pending>,
     answered: &mut Vec<(Reply, Result<Response, ClientError>)>,
+    sent_own: &mut bool,
 ) -> Result<Option<(u64, Push)>, ()> {
     let mut p = None;
     loop {
@@ -907,7 +943,13 @@ fn take_responses(
                 if let Some(sub) = p.subscribing.remove(&f.request_id)
                     && let Ok(Response::Subscribed { subscription }) = &response
                 {
-                    p.subscriptions.insert(*subscription, sub);
+                    if sub.is_closed() {
+                        // Its caller gave up before the answer: nobody will read it.
+                        p.send_own(&Request::Unsubscribe { subscription: *subscription });
+                        *sent_own = true;
+                    } else {
+                        p.subscriptions.insert(*subscription, sub);
+                    }
                 }
                 answered.push((tx, response));
             }

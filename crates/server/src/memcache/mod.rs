@@ -665,7 +665,8 @@ fn server_error(e: &BrokerError) -> String {
         | BrokerError::TooLarge { .. }
         | BrokerError::NeverFits(_)
         | BrokerError::Limit(_)
-        | BrokerError::Exists(_) => {
+        | BrokerError::Exists(_)
+        | BrokerError::Held(_) => {
             format!("SERVER_ERROR {e}")
         }
         BrokerError::TopicNotFound(_)
