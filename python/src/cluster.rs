@@ -441,8 +441,10 @@ impl ClusterSubscription {
             match runtime().block_on(async { tokio::time::timeout(wait, sub.next_delivery()).await }) {
                 Err(_elapsed) => Next::TimedOut,
                 Ok(Some(Ok(d))) => Next::Message(d),
-                // One server's part ended (its connection lost: it is followed again when it
-                // comes back, or the topic was removed there); the others go on.
+                // One server's part said something: it fell behind (messages missed there; it
+                // is followed again at once), or it ended (the topic was removed there); the
+                // others go on. (A lost connection says nothing: it is followed again when it
+                // comes back.)
                 Ok(Some(Err(_))) => Next::TimedOut,
                 Ok(None) => {
                     drop_in_runtime(stream.take());

@@ -647,3 +647,41 @@ async fn one_server_waits_for_room_as_long_as_the_offer_says() {
     offering.await.unwrap().expect("offered once room came");
     assert!(cluster.stats().servers.iter().all(|s| s.up), "the server was not taken for down");
 }
+
+/// A cluster subscriber that fell behind on one server is told (SLOW_CONSUMER) and follows that
+/// server again from then on, rather than lose it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_subscriber_that_fell_behind_is_told_and_goes_on() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("s"));
+    let publisher = server.client().await;
+    publisher.create_topic("ticks", false).await.unwrap();
+    let cluster = Cluster::connect(&[server.addr.as_str()], ClusterOptions::default()).await.unwrap();
+    let mut sub = cluster.subscribe("ticks", 16).await.unwrap();
+    for chunk in 0..10 {
+        publisher
+            .publish("ticks", (0..500).map(|i| Message::new(format!("t{}", chunk * 500 + i))).collect())
+            .await
+            .unwrap();
+    }
+    // It read nothing meanwhile: a prefix, then the notice.
+    let notice = loop {
+        match tokio::time::timeout(Duration::from_secs(10), sub.next()).await.expect("an item").expect("not ended") {
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(notice.status(), Some(petrel_client::Status::SlowConsumer), "{notice}");
+    // Followed again: what is published from now on arrives.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        publisher.publish("ticks", vec![Message::new(&b"after"[..])]).await.unwrap();
+        match tokio::time::timeout(Duration::from_millis(200), sub.next()).await {
+            Ok(Some(Ok(m))) if &m.payload[..] == b"after" => break,
+            Ok(Some(_)) | Err(_) => {}
+            Ok(None) => panic!("the subscription ended"),
+        }
+        assert!(Instant::now() < deadline, "nothing after the notice");
+    }
+}

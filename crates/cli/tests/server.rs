@@ -940,3 +940,39 @@ async fn a_follower_reconnects_and_goes_on_where_it_was() {
     assert_eq!(*events.lock().unwrap(), ["lost", "connected", "lost", "connected"]);
     assert_eq!(server.client().await.queue_status("jobs").await.unwrap().items, 0);
 }
+
+/// A followed live subscription that fell behind says so (SLOW_CONSUMER) and then subscribes
+/// again: what is published from then on comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followed_subscription_that_fell_behind_is_told_and_goes_on() {
+    use petrel_client::{Follower, Reconnect};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let publisher = server.client().await;
+    publisher.create_topic("ticks", false).await.unwrap();
+    let follower =
+        Follower::connect(&server.addr, petrel_client::ClientOptions::default(), Reconnect::default()).await.unwrap();
+    let mut sub = follower.subscribe("ticks", 16).await.unwrap();
+    for chunk in 0..10 {
+        publisher.publish("ticks", (0..500).map(|i| msg(&format!("t{}", chunk * 500 + i))).collect()).await.unwrap();
+    }
+    let notice = loop {
+        match tokio::time::timeout(Duration::from_secs(10), sub.next()).await.unwrap().expect("not ended") {
+            Ok(_) => continue,
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(notice.status(), Some(Status::SlowConsumer), "{notice}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        // The next call subscribes again; publish until one arrives.
+        let next = tokio::time::timeout(Duration::from_millis(200), sub.next());
+        publisher.publish("ticks", vec![msg("after")]).await.unwrap();
+        match next.await {
+            Ok(Some(Ok(m))) if &m.payload[..] == b"after" => break,
+            Ok(Some(_)) | Err(_) => {}
+            Ok(None) => panic!("the subscription ended"),
+        }
+        assert!(std::time::Instant::now() < deadline, "nothing after the notice");
+    }
+}

@@ -1279,6 +1279,9 @@ impl FollowTopic {
     ) {
         let (shared, i) = (Arc::clone(&self.shared), self.i);
         let mut ready = Some(ready);
+        // Between tries of a group still held by the connection this one replaces (the server
+        // has not yet seen it end).
+        let mut held_pause = Duration::from_millis(100);
         loop {
             let changed = shared.changed.notified();
             tokio::pin!(changed);
@@ -1302,6 +1305,11 @@ impl FollowTopic {
             let mut subscription: Subscription = match shared.on(i, connection, Duration::ZERO, subscribing).await {
                 Ok(s) => s,
                 Err(e) if e.is_connection_lost() => continue,
+                Err(e) if ready.is_none() && e.status() == Some(Status::Exists) => {
+                    tokio::time::sleep(held_pause).await;
+                    held_pause = (held_pause * 2).min(Duration::from_secs(5));
+                    continue;
+                }
                 Err(e) => {
                     if let Some(ready) = ready.take() {
                         let _ = ready.send(Err(e)).await;
@@ -1314,10 +1322,12 @@ impl FollowTopic {
             if let Some((_, from)) = &mut self.group {
                 *from = StartFrom::Resume; // after a loss, where the group stands
             }
+            held_pause = Duration::from_millis(100);
             lock(&self.current)[i] = Some(Following { client, connection, subscription: subscription.id });
             if let Some(ready) = ready.take() {
                 let _ = ready.send(Ok(())).await;
             }
+            let mut fell_behind = false;
             while let Some(item) = subscription.next().await {
                 match item {
                     Ok(m) => {
@@ -1327,6 +1337,14 @@ impl FollowTopic {
                         }
                     }
                     Err(e) if e.is_connection_lost() => break,
+                    Err(e) if e.status() == Some(Status::SlowConsumer) => {
+                        // Messages were missed there: said, and the server followed again.
+                        if tx.send(Err(e)).await.is_err() {
+                            return;
+                        }
+                        fell_behind = true;
+                        break;
+                    }
                     Err(e) => {
                         let _ = tx.send(Err(e)).await;
                         return;
@@ -1334,7 +1352,9 @@ impl FollowTopic {
                 }
             }
             lock(&self.current)[i] = None;
-            shared.mark_down(i, connection, &ClientError::Closed);
+            if !fell_behind {
+                shared.mark_down(i, connection, &ClientError::Closed);
+            }
         }
     }
 }
@@ -1348,7 +1368,9 @@ pub struct ClusterSubscription {
 }
 
 impl ClusterSubscription {
-    /// The next message from any server; an error ends one server's part (the others go on).
+    /// The next message from any server. An error says what went wrong on one server:
+    /// `SLOW_CONSUMER`, messages were missed there and that server is followed again from now;
+    /// any other ends that server's part (the others go on).
     pub async fn next(&mut self) -> Option<Result<Message, ClientError>> {
         Some(self.next_delivery().await?.map(|d| d.message))
     }

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Client, ClientError, ClientOptions, Delivery, Message, PollOptions, StartFrom, Subscription};
+use crate::{Client, ClientError, ClientOptions, Delivery, Message, PollOptions, StartFrom, Status, Subscription};
 
 /// Told of each loss and return of a follower's connection.
 pub type EventHandler = Arc<dyn Fn(ConnectionEvent<'_>) + Send + Sync>;
@@ -187,13 +187,22 @@ impl FollowedSubscription {
 
     /// The next message; `None` once the subscription is over (ended by `unsubscribe`, or by
     /// the server for a reason a reconnect does not cure, which is then the last item).
+    /// A live subscription that fell behind (`SLOW_CONSUMER`) says so, and the next call
+    /// subscribes again: what is published from then on comes.
     pub async fn next(&mut self) -> Option<Result<Message, ClientError>> {
+        // Between tries of a consumer group still held by the connection the reconnect replaced
+        // (the server has not yet seen it end).
+        let mut held_pause = Duration::from_millis(100);
         loop {
             if let Some(subscription) = &mut self.subscription {
                 match subscription.next().await {
                     Some(Err(e)) if e.is_connection_lost() => self.follower.lost = Some(e),
                     // The connection ended with a full buffer: the error did not fit.
                     None if self.follower.client.is_closed() => self.follower.lost = Some(ClientError::Closed),
+                    Some(Err(e)) if e.status() == Some(Status::SlowConsumer) => {
+                        self.subscription = None;
+                        return Some(Err(e));
+                    }
                     item => return item,
                 }
                 self.subscription = None;
@@ -204,6 +213,10 @@ impl FollowedSubscription {
             match self.subscribe(StartFrom::Resume).await {
                 Ok(subscription) => self.subscription = Some(subscription),
                 Err(e) if e.is_connection_lost() => self.follower.lost = Some(e),
+                Err(e) if e.status() == Some(Status::Exists) && self.group.is_some() => {
+                    tokio::time::sleep(held_pause).await;
+                    held_pause = (held_pause * 2).min(Duration::from_secs(5));
+                }
                 Err(e) => return Some(Err(e)),
             }
         }
