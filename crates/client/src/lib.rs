@@ -179,6 +179,9 @@ struct Pending {
     /// Ids of requests the client sends on its own (no caller waits for their answers): counted
     /// down from the top, apart from callers' (counted up from 1).
     own_ids: u64,
+    /// Bytes the compressed payloads of one answer or push may unfold to: the server's largest
+    /// frame, as its HELLO says (a server's answers and pushes hold at most that much).
+    max_unfold: usize,
 }
 
 impl Default for Pending {
@@ -191,6 +194,7 @@ impl Default for Pending {
             outbox: Outbox::default(),
             closed: false,
             own_ids: u64::MAX,
+            max_unfold: petrel_proto::DEFAULT_MAX_FRAME as usize,
         }
     }
 }
@@ -513,6 +517,9 @@ impl Client {
         let wanted = if compress_min_bytes.is_some() { petrel_proto::features::ZSTD } else { 0 };
         let client = format!("petrel-client/{}", env!("CARGO_PKG_VERSION"));
         let answer = self.call_op(Request::Hello { client, features: wanted }).await?;
+        if let Response::Hello { max_frame, .. } = &answer {
+            self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).max_unfold = *max_frame as usize;
+        }
         if let (Response::Hello { features, .. }, Some(min)) = (answer, compress_min_bytes)
             && features & petrel_proto::features::ZSTD != 0
         {
@@ -936,7 +943,7 @@ fn take_responses(
                 let Some((opcode, tx)) = p.waiting.remove(&f.request_id) else { continue };
                 let response = Response::decode(opcode, f.body).map_err(|e| ClientError::Protocol(e.to_string()));
                 let response = response.and_then(|mut r| {
-                    petrel_proto::compression::decompress_response(&mut r, MAX_INCOMING_FRAME as usize)
+                    petrel_proto::compression::decompress_response(&mut r, p.max_unfold)
                         .map_err(|e| ClientError::Protocol(e.to_string()))?;
                     Ok(r)
                 });
@@ -955,10 +962,14 @@ fn take_responses(
             }
             Ok(Some(f)) if f.kind == FrameKind::Push => {
                 // Decoded (and decompressed) without the lock, which callers need to send.
-                drop(p.take());
-                // A push this client cannot read (a newer server's) is skipped.
+                let max_unfold = match p.take() {
+                    Some(p) => p.max_unfold,
+                    None => pending.lock().unwrap_or_else(|e| e.into_inner()).max_unfold,
+                };
+                // A push this client cannot read (a newer server's, or one that would unfold past
+                // the server's own frame) is skipped.
                 if let Ok(mut push) = Push::decode(f.opcode, f.body)
-                    && petrel_proto::compression::decompress_push(&mut push, MAX_INCOMING_FRAME as usize).is_ok()
+                    && petrel_proto::compression::decompress_push(&mut push, max_unfold).is_ok()
                 {
                     return Ok(Some((f.request_id, push)));
                 }
@@ -1376,5 +1387,49 @@ pub mod blocking {
             self.inner.done = true;
             let _ = self.rt.block_on(self.inner.client.unsubscribe(self.inner.id));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Reads one request frame: its opcode and request id.
+    async fn read_request(s: &mut tokio::net::TcpStream) -> (u16, u64) {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).await.unwrap();
+        let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut frame).await.unwrap();
+        (u16::from_be_bytes([frame[2], frame[3]]), u64::from_be_bytes(frame[4..12].try_into().unwrap()))
+    }
+
+    /// A server that says its frames hold 64 KiB, then answers a poll with a compressed payload
+    /// that unfolds to 4 MiB: the client refuses it rather than unfold it.
+    #[tokio::test]
+    async fn a_payload_that_unfolds_past_the_servers_own_frames_is_refused() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let (opcode, id) = read_request(&mut s).await;
+            let mut out = Vec::new();
+            let hello = Response::Hello { server: "fake".into(), max_frame: 64 << 10, features: 0 };
+            hello.encode(opcode, id, &mut out);
+            s.write_all(&out).await.unwrap();
+            let (opcode, id) = read_request(&mut s).await;
+            let mut message = Message::new(vec![0u8; 4 << 20]);
+            petrel_proto::compression::compress(&mut message, 1);
+            assert!(message.compressed && message.payload.len() < 64 << 10);
+            let mut out = Vec::new();
+            Response::Polled { deliveries: vec![petrel_proto::Delivery { handle: 1, message }] }
+                .encode(opcode, id, &mut out);
+            s.write_all(&out).await.unwrap();
+            s // kept open until the client is done
+        });
+        let client = Client::connect(addr).await.unwrap();
+        let polled = client.poll("q", PollOptions { max: 1, timeout: Duration::ZERO, visibility: None }).await;
+        assert!(matches!(polled, Err(ClientError::Protocol(_))), "{:?}", polled.map(|d| d[0].message.payload.len()));
+        drop(server.await.unwrap());
     }
 }
