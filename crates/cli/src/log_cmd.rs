@@ -211,6 +211,7 @@ fn groups(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
 
 /// Prints records of a group, acknowledging each after it is printed and flushed.
 fn consume(args: ConsumeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let _server_kept_out = not_served(&args.dir)?;
     let log = Log::open(&args.dir, Options { create: false, ..Options::default() })?;
     let options = GroupOptions { durability: args.cursor_durability, ..GroupOptions::default() };
     let mut group = log.group(&args.group, options)?;
@@ -262,10 +263,41 @@ fn printable(bytes: &[u8], max: usize) -> String {
     s
 }
 
+/// The locks of the data directories of servers that `dir` (a log) may be part of, held while
+/// a command writes to it: a running server holds its data directory's lock (and not its queue
+/// logs' own), so a command that wrote to one of its logs would write under it, and the
+/// server's next append would write over what the command appended. Refused if a server runs
+/// there; held meanwhile, so that none starts.
+fn not_served(dir: &std::path::Path) -> Result<Vec<std::fs::File>, Box<dyn std::error::Error>> {
+    let mut held = Vec::new();
+    // A queue's log is `DATA/queues/NAME` (or `…/NAME/priority-K`, `…/NAME/delayed`), a
+    // topic's `DATA/topics/NAME`: its data directory is two or three levels up.
+    for data in dir.ancestors().skip(1).take(3) {
+        if !(data.join("queues").is_dir() || data.join("topics").is_dir()) {
+            continue;
+        }
+        let Ok(lock) = std::fs::File::open(data) else { continue };
+        match lock.try_lock() {
+            Ok(()) => held.push(lock),
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(format!(
+                    "a running petrel server holds {} (whose log {} is): stop it first",
+                    data.display(),
+                    dir.display()
+                )
+                .into());
+            }
+            Err(std::fs::TryLockError::Error(_)) => {}
+        }
+    }
+    Ok(held)
+}
+
 /// Appends stdin lines. Lines already waiting are appended as one batch, then acknowledged
 /// together under the durability policy, then their offsets are printed and flushed: a printed
 /// offset is a record that survives what the policy promises.
 fn append(args: AppendArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    let _server_kept_out = not_served(&args.dir)?;
     let options = Options { segment_bytes: args.segment_bytes, durability: args.durability, ..Options::default() };
     let mut log = Log::open(&args.dir, options)?;
     let mut input = crate::lines::StdinLines::new(4096);
@@ -301,6 +333,7 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
         }
         return Ok(ExitCode::from(if report.problems.is_empty() { 0 } else { 1 }));
     }
+    let _server_kept_out = not_served(&dir)?;
     let report = verify::repair(&dir)?;
     match &report.cut_at {
         Some((file, pos)) => println!(

@@ -113,3 +113,42 @@ fn a_reader_that_stops_early_is_not_an_error() {
     assert!(out.status.success(), "{:?}: {}", out.status, text(&out.stderr));
     assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
 }
+
+/// The `log` commands that write refuse a log a running server holds (the server's next append
+/// would write over theirs), and one that reads a group does not make a log where there is none.
+#[test]
+fn log_commands_that_write_keep_off_a_running_servers_logs_and_make_no_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = common::Server::start(&data);
+    let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+    std::io::Write::write_all(&mut mc, b"set jobs 0 0 2\r\nhi\r\n").unwrap();
+    let mut answer = [0u8; 8];
+    std::io::Read::read_exact(&mut mc, &mut answer).unwrap();
+    assert_eq!(&answer, b"STORED\r\n");
+    let queue_log = data.join("queues/jobs");
+    let queue_log = queue_log.to_str().unwrap();
+    for args in [
+        vec!["log", "append", queue_log],
+        vec!["log", "consume", queue_log, "--group", "g"],
+        vec!["log", "repair", queue_log, "--yes"],
+    ] {
+        let out = petrel(&args, b"zz\n");
+        assert!(!out.status.success(), "{args:?}");
+        assert!(text(&out.stderr).contains("running petrel server"), "{args:?}: {}", text(&out.stderr));
+        assert!(out.stdout.is_empty(), "{args:?} acknowledged nothing");
+    }
+    drop(server);
+    // Stopped: the same append goes in.
+    let out = petrel(&["log", "append", queue_log], b"zz\n");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    let plain = dir.path().join("notes");
+    std::fs::create_dir(&plain).unwrap();
+    std::fs::write(plain.join("notes.txt"), b"mine").unwrap();
+    let out = petrel(&["log", "consume", plain.to_str().unwrap(), "--group", "g"], b"");
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("not a Petrel log"), "{}", text(&out.stderr));
+    let left: Vec<_> = std::fs::read_dir(&plain).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, ["notes.txt"], "nothing made there");
+}

@@ -63,6 +63,10 @@ impl Log {
         let mut report = RecoveryReport::default();
         let (bases, leftovers) = list_segments(&dir, true)?;
         report.leftovers_removed = leftovers;
+        if bases.is_empty() && !options.create {
+            // Told not to create a log: a directory without one is refused, not made one.
+            return Err(Error::NotALog { path: dir, reason: "no segment files".into() });
+        }
         let durable = options.durability != Durability::None;
         let now = now_ns();
         let mut segments = Vec::with_capacity(bases.len() + 1);

@@ -60,7 +60,8 @@ pub struct Options {
     /// Largest record (payload + key + headers) accepted by `append`.
     pub max_record_bytes: usize,
     pub durability: Durability,
-    /// Create the directory when it does not exist.
+    /// Create the log when there is none: its directory and its first segment. Without it, a
+    /// directory that holds no segment is refused (`Error::NotALog`).
     pub create: bool,
     /// Keep a map from each key to the last record with that key (`Reader::get_by_key`). It
     /// lives in memory and is rebuilt from the log on open (a walk over every frame header).
