@@ -665,7 +665,12 @@ impl Broker {
         }
         let mut creating = self.definitions_unless_creating(name);
         if let Some(q) = self.queue(name) {
-            return if *q.config() == config { Ok(q) } else { Err(BrokerError::Exists(name.to_owned())) };
+            // The same queue again is fine; not another connection's temporary queue.
+            return if *q.config() == config && q.owner == owner {
+                Ok(q)
+            } else {
+                Err(BrokerError::Exists(name.to_owned()))
+            };
         }
         let (count, limit) = (self.read().queues.len() + creating.len(), self.options.max_queues);
         if limit != 0 && count >= limit {
@@ -812,7 +817,9 @@ impl Broker {
         let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
         // Release: whoever reads the new count (`queues_removed`) finds the queue gone.
         self.removed.fetch_add(1, Ordering::Release);
+        // Whoever waits on it (for messages, or for room) learns that it is gone.
         queue.available.notify_waiters();
+        queue.room.notify_waiters();
         if !queue.config().temporary {
             drop(queue);
             remove_dir(&self.dir.join("queues"), name)?;
@@ -926,6 +933,17 @@ impl Broker {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
         }
+        self.offer_sized_unsynced(queue, messages, now_ns)
+    }
+
+    /// `offer_unsynced` of messages whose size was checked (or that the server moves itself: a
+    /// dead letter carries a few headers more than the message it was, which was accepted).
+    fn offer_sized_unsynced(
+        &self,
+        queue: &Arc<Queue>,
+        messages: &mut Vec<Message>,
+        now_ns: u64,
+    ) -> Result<(u64, u32, UnsyncedOffer), BrokerError> {
         let children = self.read().children.get(&queue.name).cloned();
         // Copies only of what the parent stores: an offer retried while the parent is full, or
         // a repeat of a keyed offer it stored before, must not give the children duplicates.
@@ -1361,7 +1379,9 @@ impl Broker {
         while !moved.is_empty() {
             let run = moved.iter().take_while(|m| m.priority == moved[0].priority).count();
             let mut batch: Vec<Message> = moved.drain(..run).collect();
-            if let Err(e) = self.offer_to(&to, &mut batch, now_ns) {
+            let offered =
+                self.offer_sized_unsynced(&to, &mut batch, now_ns).and_then(|(_, _, unsynced)| unsynced.wait());
+            if let Err(e) = offered {
                 tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
             }
         }

@@ -147,4 +147,32 @@ mod tests {
         assert!(matches!(waited.await, Err(BrokerError::NotFound(_))));
         removing.await.unwrap();
     }
+
+    #[tokio::test]
+    async fn an_offer_waiting_for_room_in_a_queue_removed_meanwhile_ends_with_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
+        broker.create_queue("full", QueueConfig { max_items: 1, ..QueueConfig::default() }, None).unwrap();
+        broker.offer("full", vec![Message::new(&b"first"[..])], 0).unwrap();
+        let remover = Arc::clone(&broker);
+        let removing = tokio::spawn(async move {
+            // Once the offer below has found the queue full and waits.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            remover.remove_queue("full").unwrap();
+        });
+        let mut second = vec![Message::new(&b"second"[..])];
+        let offer = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut second, 0) {
+            Err(BrokerError::Full(_)) => Ok(None),
+            other => other.map(Some),
+        };
+        let waited = broker.wait_on_queue(
+            broker.queue("full").unwrap(),
+            WaitFor::Room,
+            offer,
+            tokio::time::sleep(Duration::from_secs(10)),
+        );
+        let waited = tokio::time::timeout(Duration::from_secs(5), waited).await.expect("woken by the removal");
+        assert!(matches!(waited, Err(BrokerError::NotFound(_))), "not NotFound");
+        removing.await.unwrap();
+    }
 }

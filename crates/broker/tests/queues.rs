@@ -1463,3 +1463,26 @@ fn fanout_children_get_no_copy_of_a_repeat_the_parent_did_not_store() {
         assert_eq!(copies, [b"a".to_vec(), b"b".to_vec()], "durable {durable}");
     }
 }
+
+#[test]
+fn a_dead_letter_of_a_message_at_the_size_limit_is_not_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions { max_message_bytes: 100, ..BrokerOptions::default() }).unwrap();
+    let config = QueueConfig { ttl_ms: 10, dead_letter: "dead".into(), ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    b.offer("q", vec![Message::new(vec![7u8; 100])], MS).unwrap();
+    b.tick(20 * MS);
+    let dead = b.poll("dead", 5, None, 1, 21 * MS).unwrap();
+    assert_eq!(dead.len(), 1, "moved, though its reason header takes it past the limit");
+    assert_eq!(dead[0].message.payload.len(), 100);
+}
+
+#[test]
+fn a_connection_cannot_take_over_another_connections_temporary_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let temporary = QueueConfig { temporary: true, ..QueueConfig::default() };
+    b.create_queue("reply", temporary.clone(), Some(42)).unwrap();
+    assert!(b.create_queue("reply", temporary.clone(), Some(42)).is_ok(), "its owner again: fine");
+    assert!(matches!(b.create_queue("reply", temporary, Some(43)), Err(BrokerError::Exists(_))));
+}
