@@ -168,7 +168,9 @@ fn parse_from(text: &str) -> Result<StartFrom, String> {
                 let t = humantime::parse_rfc3339_weak(text)
                     .map_err(|e| format!("{text:?}: not oldest, newest, an offset or a time ({e})"))?;
                 let ns = t.duration_since(std::time::UNIX_EPOCH).map_err(|e| e.to_string())?.as_nanos();
-                StartFrom::Time(ns as u64)
+                let ns =
+                    u64::try_from(ns).map_err(|_| format!("{text:?}: past the last time a message can hold (2554)"))?;
+                StartFrom::Time(ns)
             }
         },
     })

@@ -88,12 +88,21 @@ impl Target {
             Target::One(c) => serde_json::to_value(c.queue_status(name)?)?,
             Target::Many(c) => {
                 let mut each = serde_json::Map::new();
+                let mut first_error = None;
                 for (addr, stats) in c.queue_status(name) {
                     let value = match stats {
                         Ok(s) => serde_json::to_value(s)?,
-                        Err(e) => serde_json::json!({ "error": e.to_string() }),
+                        Err(e) => {
+                            let value = serde_json::json!({ "error": e.to_string() });
+                            first_error.get_or_insert(e);
+                            value
+                        }
                     };
                     each.insert(addr, value);
+                }
+                // No server has it (or none answered): a failure, as for one server.
+                if let Some(e) = first_error.filter(|_| each.values().all(|v| v.get("error").is_some())) {
+                    return Err(e.into());
                 }
                 serde_json::Value::Object(each)
             }

@@ -152,3 +152,13 @@ fn log_commands_that_write_keep_off_a_running_servers_logs_and_make_no_log() {
     let left: Vec<_> = std::fs::read_dir(&plain).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left, ["notes.txt"], "nothing made there");
 }
+
+#[test]
+fn a_time_past_what_a_record_can_hold_is_refused_not_wrapped() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    assert!(petrel(&["log", "append", log.to_str().unwrap()], b"a\nb\n").status.success());
+    let out = petrel(&["log", "dump", log.to_str().unwrap(), "--since", "2600-01-01T00:00:00Z"], b"");
+    assert!(!out.status.success(), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("2554"), "{}", text(&out.stderr));
+}
