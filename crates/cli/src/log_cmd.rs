@@ -272,11 +272,13 @@ fn printable(bytes: &[u8], max: usize) -> String {
 fn not_served(dir: &std::path::Path) -> Result<Vec<std::fs::File>, Box<dyn std::error::Error>> {
     let mut held = Vec::new();
     // A queue's log is `DATA/queues/NAME` (or `…/NAME/priority-K`, `…/NAME/delayed`), a
-    // topic's `DATA/topics/NAME`: its data directory is two or three levels up.
-    for data in dir.ancestors().skip(1).take(3) {
-        if !(data.join("queues").is_dir() || data.join("topics").is_dir()) {
+    // topic's `DATA/topics/NAME`: its data directory is two or three levels up, above `queues`
+    // or `topics`.
+    let dir = std::path::absolute(dir)?;
+    for kind in dir.ancestors().skip(1).take(2) {
+        let Some(data) = kind.parent().filter(|_| kind.ends_with("queues") || kind.ends_with("topics")) else {
             continue;
-        }
+        };
         let Ok(lock) = std::fs::File::open(data) else { continue };
         match lock.try_lock() {
             Ok(()) => held.push(lock),
