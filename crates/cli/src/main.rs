@@ -2,12 +2,13 @@
 //!
 //! The map of the crate: `main.rs` parses the command line; `server_cmd.rs` runs `serve` and
 //! the client commands (`produce`, `consume`, `queue`, …); `pubsub_cmd.rs` topics and functions;
-//! `log_cmd.rs` `log verify/dump` and the embedded commands; `user_cmd.rs` users and ACLs;
+//! `log_cmd.rs` `log verify/dump` and the embedded commands; `user_cmd.rs` users; `acl_cmd.rs` ACLs;
 //! `stat_cmd.rs` `stat`; `bench*.rs` the benchmarks; `output.rs`, `lines.rs` and `progress.rs`
 //! what the commands print.
 
 #![forbid(unsafe_code)]
 
+mod acl_cmd;
 mod bench;
 mod bench_cluster;
 mod bench_memcache;
@@ -83,6 +84,9 @@ enum Command {
     /// Add, remove and list the users of a users file; change a password.
     #[command(subcommand)]
     User(user_cmd::UserCommand),
+    /// What a configuration's ACLs say: its entries, and what a user may do to a destination.
+    #[command(subcommand)]
+    Acl(acl_cmd::AclCommand),
     /// Certificates: `cert dev` writes a CA, a server and a client certificate for development.
     #[command(subcommand)]
     Cert(user_cmd::CertCommand),
@@ -109,6 +113,7 @@ fn main() -> ExitCode {
         Command::Reply(args) => pubsub_cmd::reply(args),
         Command::Stat(args) => stat_cmd::stat(args),
         Command::User(cmd) => user_cmd::user(cmd),
+        Command::Acl(cmd) => acl_cmd::acl(cmd),
         Command::Cert(cmd) => user_cmd::cert(cmd),
     };
     match result {

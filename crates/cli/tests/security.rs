@@ -628,3 +628,36 @@ async fn a_client_that_has_not_logged_in_holds_little_and_not_for_long() {
     tokio::time::sleep(Duration::from_millis(800)).await;
     tom.ping().await.unwrap();
 }
+
+/// `petrel acl check` says what the server would decide, from the same files.
+#[test]
+fn acl_check_says_what_the_server_decides_and_why() {
+    let setup = Setup::new(
+        r#"
+[[security.acl]]
+kind = "queue"
+name = "orders*"
+user = "tom"
+access = "poll"
+"#,
+    );
+    let config = setup.config.to_str().unwrap();
+    let check = |user: &str, kind: &str, name: &str| {
+        let out = Command::new(PETREL).args(["acl", "check", "--config", config, user, kind, name]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let tom = check("tom", "queue", "orders.eu");
+    assert!(tom.contains("offer") && tom.lines().next().unwrap().contains("denied"), "{tom}");
+    assert!(tom.lines().nth(1).unwrap().contains("allowed") && tom.contains("an ACL entry"), "{tom}");
+    assert!(tom.contains("manage") && tom.lines().nth(2).unwrap().contains("denied"), "{tom}");
+    let other = check("tom", "queue", "jobs");
+    assert!(other.lines().take(2).all(|l| l.contains("allowed") && l.contains("default")), "{other}");
+    let admin = check("max", "queue", "orders.eu");
+    assert!(admin.lines().all(|l| l.contains("allowed")), "{admin}");
+    let list = Command::new(PETREL).args(["acl", "list", "--config", config]).output().unwrap();
+    assert!(String::from_utf8_lossy(&list.stdout).contains("orders*"));
+    let unknown =
+        Command::new(PETREL).args(["acl", "check", "--config", config, "nobody", "queue", "q"]).output().unwrap();
+    assert!(!unknown.status.success());
+}
