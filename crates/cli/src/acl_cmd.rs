@@ -44,7 +44,7 @@ pub fn acl(cmd: AclCommand) -> Res {
             println!("default topic     {}", acl.default_topic);
             println!("default function  {}", acl.default_function);
             for e in &acl.entries {
-                println!("{:<9} {:<24} {:<16} {}", e.kind.to_string(), e.name, e.user, e.access.to_string());
+                println!("{:<9} {:<24} {:<16} {}", e.kind.to_string(), e.name, e.user, e.access);
             }
             Ok(ExitCode::SUCCESS)
         }
