@@ -315,19 +315,30 @@ pub fn produce(args: ProduceArgs) -> Res {
             })
             .collect();
         let n = batch.len() as u64;
-        match offer_all(&client, &args, batch.clone()) {
-            Err(ClientError::Status { status: Status::QueueNotFound, .. }) if args.create || args.durable => {
+        let offered = match offer_all(&client, &args, batch.clone()) {
+            Err((0, ClientError::Status { status: Status::QueueNotFound, .. })) if args.create || args.durable => {
                 client.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() })?;
-                offer_all(&client, &args, batch)?;
+                offer_all(&client, &args, batch)
             }
-            Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {
+            Err((0, ClientError::Status { status: Status::QueueNotFound, .. })) => {
                 return Err(format!(
                     "no queue named {:?}: create it (petrel queue create, or produce --create / --durable)",
                     args.queue
                 )
                 .into());
             }
-            other => other?,
+            other => other,
+        };
+        if let Err((accepted, e)) = offered {
+            // Say what is stored, so that a rerun does not offer it again.
+            let stored = sent + accepted;
+            eprintln!(
+                "{} offered to {} (the first {stored} lines) before line {} failed",
+                crate::output::count(stored, "message"),
+                args.queue,
+                stored + 1
+            );
+            return Err(e.into());
         }
         sent += n;
     }
@@ -336,13 +347,18 @@ pub fn produce(args: ProduceArgs) -> Res {
 }
 
 /// Offers `batch`: as one request, or, if the queue can never hold so many at once, one message
-/// at a time.
-fn offer_all(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
+/// at a time. An error comes with how many of the batch were stored before it (in order).
+fn offer_all(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), (u64, ClientError)> {
     match offer_waiting(client, args, batch.clone()) {
         Err(ClientError::Status { status: Status::TooLarge, .. }) if batch.len() > 1 => {
-            batch.into_iter().try_for_each(|m| offer_waiting(client, args, vec![m]))
+            let mut stored = 0;
+            for m in batch {
+                offer_waiting(client, args, vec![m]).map_err(|e| (stored, e))?;
+                stored += 1;
+            }
+            Ok(())
         }
-        other => other,
+        other => other.map_err(|e| (0, e)),
     }
 }
 

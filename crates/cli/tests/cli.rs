@@ -271,3 +271,17 @@ fn listening_beyond_loopback_without_users_is_warned_about() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("WARN") && err.contains("authentication off"), "{err}");
 }
+
+/// A produce that stops part way says how many lines it stored, so that a rerun need not offer
+/// them again.
+#[test]
+fn a_produce_that_fails_part_way_says_how_many_lines_are_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    assert!(run(&["queue", "create", "bq", "--max-items", "5", "--server", s], "").0);
+    let lines: String = (1..=10).map(|i| format!("{i}\n")).collect();
+    let (ok, _, err) = run(&["produce", "bq", "--timeout", "300ms", "--server", s], &lines);
+    assert!(!ok);
+    assert!(err.contains("5 messages offered to bq (the first 5 lines) before line 6 failed"), "{err}");
+}
