@@ -351,10 +351,8 @@ pub fn produce(args: ProduceArgs) -> Res {
 fn offer_all(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), (u64, ClientError)> {
     match offer_waiting(client, args, batch.clone()) {
         Err(ClientError::Status { status: Status::TooLarge, .. }) if batch.len() > 1 => {
-            let mut stored = 0;
-            for m in batch {
-                offer_waiting(client, args, vec![m]).map_err(|e| (stored, e))?;
-                stored += 1;
+            for (stored, m) in batch.into_iter().enumerate() {
+                offer_waiting(client, args, vec![m]).map_err(|e| (stored as u64, e))?;
             }
             Ok(())
         }
