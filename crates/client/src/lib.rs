@@ -176,8 +176,8 @@ struct Pending {
     outbox: Outbox,
     /// The connection is gone: new requests fail at once instead of waiting forever.
     closed: bool,
-    /// Ids of requests the client sends on its own (no caller waits for their answers): counted
-    /// down from the top, apart from callers' (counted up from 1).
+    /// Ids of requests no caller waits for the answer of (the client's own, and those sent
+    /// unanswered): counted down from the top, apart from callers' (counted up from 1).
     own_ids: u64,
     /// Bytes the compressed payloads of one answer or push may unfold to: the server's largest
     /// frame, as its HELLO says (a server's answers and pushes hold at most that much).
@@ -251,7 +251,7 @@ impl Outbox {
 type BuildIdHasher = rustc_hash::FxBuildHasher;
 
 impl Pending {
-    /// Queues a request no caller waits for (the writer is to be woken).
+    /// Queues a request no caller waits for the answer of (the writer is to be woken).
     fn send_own(&mut self, request: &Request) {
         if self.closed {
             return;
@@ -431,17 +431,8 @@ impl Client {
 
     /// Sends a request without waiting for (or keeping) its answer.
     fn send_unanswered(&self, request: &Request) {
-        {
-            let mut pending = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if pending.closed {
-                return;
-            }
-            let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-            let compressed = compressed(request, self.inner.compress_min_bytes.load(Ordering::Relaxed));
-            if pending.outbox.push(compressed.as_ref().unwrap_or(request), id).is_err() {
-                return;
-            }
-        }
+        let compressed = compressed(request, self.inner.compress_min_bytes.load(Ordering::Relaxed));
+        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).send_own(compressed.as_ref().unwrap_or(request));
         self.inner.written.notify_one();
     }
 

@@ -120,6 +120,19 @@ impl Ctx {
     fn tls(&self) -> Option<Arc<tls::Tls>> {
         self.tls.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    /// How long a new connection has for its TLS handshake, and then for HELLO and a login
+    /// (`security.handshake_timeout`, checked at start).
+    pub(crate) fn handshake_timeout(&self) -> Duration {
+        self.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10))
+    }
+
+    /// Whether a connection may send what it likes (within the server's limits): it logged in
+    /// (`authenticated`), or the server has no users. Before that, requests are small
+    /// (`input::UNTRUSTED_BYTES`) and the handshake timeout runs.
+    pub(crate) fn trusts(&self, authenticated: bool) -> bool {
+        authenticated || !self.broker.auth_enabled()
+    }
 }
 
 /// The TLS settings of `config`, loaded from their files.
@@ -396,7 +409,7 @@ async fn open(
     conn: petrel_broker::ConnId,
     stop: watch::Receiver<bool>,
 ) {
-    let handshake = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
+    let handshake = ctx.handshake_timeout();
     let mut first = [0u8; 1];
     match tokio::time::timeout(handshake, stream.peek(&mut first)).await {
         Ok(Ok(1)) => {}

@@ -164,7 +164,7 @@ impl HttpListener {
 /// server requires TLS. `None`: closed, refused, or silent past `handshake_timeout`.
 async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(Stream, Remote)> {
     let _ = stream.set_nodelay(true);
-    let limit = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
+    let limit = ctx.handshake_timeout();
     let mut first = [0u8; 1];
     match tokio::time::timeout(limit, stream.peek(&mut first)).await {
         Ok(Ok(1)) => {}

@@ -95,8 +95,7 @@ where
     }
     let idle_timeout = s.ctx.limits.idle_timeout();
     // With users, a login must come within the handshake timeout of the connection's start.
-    let handshake_timeout = s.ctx.config.security.handshake_timeout().unwrap_or(std::time::Duration::from_secs(10));
-    let log_in_by = tokio::time::Instant::now() + handshake_timeout;
+    let log_in_by = tokio::time::Instant::now() + s.ctx.handshake_timeout();
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input.buf) {
             let flow = match request {
@@ -115,7 +114,7 @@ where
         if !s.flush().await || *s.shutdown.borrow() {
             break;
         }
-        let trusted = s.authenticated.is_some() || !s.ctx.broker.auth_enabled();
+        let trusted = s.ctx.trusts(s.authenticated.is_some());
         let incomplete = decoder.incomplete(s.input.buf.len());
         if !trusted && incomplete.is_some_and(|len| len > crate::input::UNTRUSTED_BYTES) {
             // Before a login, no large item is read into memory (a login is a few bytes): the

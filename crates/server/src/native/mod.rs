@@ -110,8 +110,7 @@ where
     let permits = Permits::new(ctx.config.max_in_flight_per_connection);
     // HELLO (and AUTH, when the server has users) must come within the handshake timeout of the
     // connection's start, however the client spreads its bytes.
-    let handshake_timeout = ctx.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10));
-    let greet_by = tokio::time::Instant::now() + handshake_timeout;
+    let greet_by = tokio::time::Instant::now() + ctx.handshake_timeout();
     let idle_timeout = ctx.limits.idle_timeout();
     'read: loop {
         let mut gave_back = false;
