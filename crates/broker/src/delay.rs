@@ -1028,25 +1028,20 @@ impl DelayLog {
     pub fn drop_ready(&mut self, per_marker: usize) -> (Vec<u64>, Option<(BrokerError, Vec<u64>)>) {
         let before = self.ready.clone();
         let (offsets, per_level) = self.ready.drain();
-        let mut marked = 0;
-        for chunk in offsets.chunks(per_marker) {
-            if let Err(e) = self.mark_done(chunk) {
-                // The marked ones are the first in level order: taken from the front again.
-                self.ready = before;
-                let mut dropped = vec![0; per_level.len()];
-                let mut left = marked;
-                for (level, &n) in per_level.iter().enumerate() {
-                    while dropped[level] < n && left > 0 {
-                        self.ready.pop(level).expect("a marked message was released");
-                        dropped[level] += 1;
-                        left -= 1;
-                    }
-                }
-                return (dropped, Some((e, offsets[..marked].to_vec())));
+        let (marked, failed) = self.mark_done_in_markers(&offsets, per_marker);
+        let Some(e) = failed else { return (per_level, None) };
+        // The marked ones are the first in level order: taken from the front again.
+        self.ready = before;
+        let mut dropped = vec![0; per_level.len()];
+        let mut left = marked;
+        for (level, &n) in per_level.iter().enumerate() {
+            while dropped[level] < n && left > 0 {
+                self.ready.pop(level).expect("a marked message was released");
+                dropped[level] += 1;
+                left -= 1;
             }
-            marked += chunk.len();
         }
-        (per_level, None)
+        (dropped, Some((e, offsets[..marked].to_vec())))
     }
 
     /// The delayed messages due at `now_ns`, earliest first: at most `max` of them, and as many
@@ -1186,18 +1181,25 @@ impl DelayLog {
     /// it. The timers are cleared once all are; if some are not, the timers are found again by a
     /// refill from the log (so that none of those left is lost until a restart).
     pub fn drop_delayed(&mut self, offsets: &[u64], per_marker: usize) -> (usize, Option<BrokerError>) {
+        let (marked, failed) = self.mark_done_in_markers(offsets, per_marker);
+        self.timers.clear();
+        self.scan = None;
+        if failed.is_some() {
+            self.timers.spilled = (offsets.len() - marked) as u64;
+        }
+        (marked, failed)
+    }
+
+    /// `mark_done` of `offsets` in markers of at most `per_marker`, in order; returns how many
+    /// are marked, and the error that stopped it.
+    fn mark_done_in_markers(&mut self, offsets: &[u64], per_marker: usize) -> (usize, Option<BrokerError>) {
         let mut marked = 0;
         for chunk in offsets.chunks(per_marker) {
             if let Err(e) = self.mark_done(chunk) {
-                self.timers.clear();
-                self.timers.spilled = (offsets.len() - marked) as u64;
-                self.scan = None;
                 return (marked, Some(e));
             }
             marked += chunk.len();
         }
-        self.timers.clear();
-        self.scan = None;
         (marked, None)
     }
 
