@@ -1486,3 +1486,37 @@ fn a_connection_cannot_take_over_another_connections_temporary_queue() {
     assert!(b.create_queue("reply", temporary.clone(), Some(42)).is_ok(), "its owner again: fine");
     assert!(matches!(b.create_queue("reply", temporary, Some(43)), Err(BrokerError::Exists(_))));
 }
+
+/// One consumer keeps a read open (an hour's visibility) while others take far more than a
+/// level's log lets be pending: they are not stopped (before, the queue looked empty to them
+/// after 8191 more), and the held message stays, across a restart too.
+#[test]
+fn a_read_held_long_does_not_stop_a_durable_queue_for_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = QueueConfig { durable: true, ..QueueConfig::default() };
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("q", config, None).unwrap();
+        b.offer("q", msgs(&["held"]), 0).unwrap();
+        let held = b.poll("q", 1, Some(Duration::from_secs(3600)), 1, 0).unwrap();
+        assert_eq!(payloads(&held), [b"held".to_vec()]);
+        let mut taken = 0;
+        for batch in 0..20 {
+            let messages = (0..1000).map(|i| Message::new(format!("m{}", batch * 1000 + i).into_bytes()));
+            b.offer("q", messages.collect(), 0).unwrap();
+            loop {
+                let got = b.poll("q", 100, None, 2, 0).unwrap();
+                if got.is_empty() {
+                    break;
+                }
+                taken += got.len();
+            }
+            assert_eq!(taken, (batch + 1) * 1000, "every message offered is taken");
+        }
+        let status = b.queue("q").unwrap().status();
+        assert_eq!((status.items, status.in_flight), (0, 1), "the held one");
+    }
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let all = b.poll("q", 10, None, 1, 0).unwrap();
+    assert_eq!(payloads(&all), [b"held".to_vec()], "it alone comes back");
+}

@@ -203,9 +203,10 @@ fn parse_time(s: &str) -> Result<u64, String> {
 fn groups(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let end = verify::open_read_only(&dir)?.end_offset();
     let groups = verify::list_groups(&dir)?;
-    println!("{:<24} {:>14} {:>14} {:>12}", "group", "committed", "lag", "acked ahead");
+    println!("{:<24} {:>14} {:>14} {:>12} {:>6}", "group", "committed", "lag", "acked ahead", "held");
     for g in groups {
-        println!("{:<24} {:>14} {:>14} {:>12}", g.name, g.committed, end.saturating_sub(g.committed), g.acked_above);
+        let lag = end.saturating_sub(g.committed);
+        println!("{:<24} {:>14} {:>14} {:>12} {:>6}", g.name, g.committed, lag, g.acked_above, g.held);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use crate::cursor::{self, CURSOR_FILE_LEN, CursorState, MAX_PENDING};
+use crate::cursor::{self, CURSOR_FILE_LEN, CursorState, MAX_HELD, MAX_PENDING};
 use crate::error::{Error, Reason, Result, corrupt, io_err};
 use crate::frame::Record;
 use crate::options::{Durability, SyncObserver};
@@ -57,6 +57,9 @@ pub struct GroupInfo {
     pub committed: u64,
     /// Records above `committed` already acknowledged (out of order).
     pub acked_above: usize,
+    /// Records the group went on past while they stayed delivered and unacknowledged (held long
+    /// by a consumer): `committed` is the lowest of them.
+    pub held: usize,
     /// Whether a handle to the group is open in this process.
     pub open: bool,
     /// Records the group lost to retention caps before it read them.
@@ -72,6 +75,7 @@ pub(crate) struct GroupEntry {
     /// it: a loss is counted once, by retention or by the group's open, whichever sees it first.
     pub skipped_to: AtomicU64,
     pub acked_above: AtomicU64,
+    pub held: AtomicU64,
 }
 
 pub(crate) type Registry = Mutex<BTreeMap<String, Arc<GroupEntry>>>;
@@ -79,11 +83,12 @@ pub(crate) type Registry = Mutex<BTreeMap<String, Arc<GroupEntry>>>;
 impl GroupEntry {
     fn closed(state: &CursorState) -> Arc<GroupEntry> {
         Arc::new(GroupEntry {
-            committed: AtomicU64::new(state.committed),
+            committed: AtomicU64::new(state.lowest_unacknowledged()),
             open: AtomicBool::new(false),
             skipped: AtomicU64::new(0),
             skipped_to: AtomicU64::new(0),
             acked_above: AtomicU64::new(state.acked_above.len() as u64),
+            held: AtomicU64::new(state.held.len() as u64),
         })
     }
 }
@@ -101,6 +106,7 @@ pub(crate) fn infos(log: &LogState) -> Vec<GroupInfo> {
             name: name.clone(),
             committed: e.committed.load(Ordering::Acquire),
             acked_above: e.acked_above.load(Ordering::Relaxed) as usize,
+            held: e.held.load(Ordering::Relaxed) as usize,
             open: e.open.load(Ordering::Acquire),
             skipped: e.skipped.load(Ordering::Relaxed),
         })
@@ -197,7 +203,7 @@ pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable
     let mut bytes = vec![0u8; CURSOR_FILE_LEN];
     let mut bitmap = Vec::new();
     cursor::bitmap(state.committed, state.acked_above.iter().copied(), &mut bitmap);
-    cursor::write(&mut bytes, 1, state.committed, &bitmap);
+    cursor::write(&mut bytes, 1, state.committed, &bitmap, state.held.iter().copied());
     fs::write(&tmp, &bytes).map_err(io_err("write cursor", &tmp))?;
     if durable {
         File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("sync cursor", &tmp))?;
@@ -231,6 +237,10 @@ pub struct ConsumerGroup {
     redeliver: BTreeSet<u64>,
     /// Offsets acknowledged before a restart that must not be delivered again.
     skip: BTreeSet<u64>,
+    /// Offsets below `committed` delivered and not acknowledged: the window moved over them
+    /// when they held it full (`poll`). At most `MAX_HELD`; after a restart they are delivered
+    /// again first.
+    held: BTreeSet<u64>,
 }
 
 /// The open cursor file of a group and what keeps it durable.
@@ -249,17 +259,26 @@ struct CursorFile {
 
 impl CursorFile {
     /// Writes the cursor (a memory write into the mapped file) and syncs it as the policy says.
-    /// `acked_above`: the acknowledged offsets above `committed`, ascending; `count` of them.
-    fn persist(&mut self, committed: u64, acked_above: impl Iterator<Item = u64>, count: usize) -> Result<()> {
+    /// `acked_above`: the acknowledged offsets above `committed`, ascending; `count` of them;
+    /// `held`: the unacknowledged ones below it.
+    fn persist(
+        &mut self,
+        committed: u64,
+        acked_above: impl Iterator<Item = u64>,
+        count: usize,
+        held: &BTreeSet<u64>,
+    ) -> Result<()> {
         if count == 0 {
             self.bitmap.clear();
         } else {
             cursor::bitmap(committed, acked_above, &mut self.bitmap);
         }
         self.seq += 1;
-        cursor::write(&mut self.map, self.seq, committed, &self.bitmap);
-        self.entry.committed.store(committed, Ordering::Release);
+        cursor::write(&mut self.map, self.seq, committed, &self.bitmap, held.iter().copied());
+        let lowest = held.first().map_or(committed, |&h| h.min(committed));
+        self.entry.committed.store(lowest, Ordering::Release);
         self.entry.acked_above.store(count as u64, Ordering::Relaxed);
+        self.entry.held.store(held.len() as u64, Ordering::Relaxed);
         match (&self.durability, &self.syncer) {
             (Durability::Always, _) => self.sync(),
             (Durability::Interval(_), Some(syncer)) => syncer.mark_dirty(),
@@ -287,7 +306,7 @@ impl ConsumerGroup {
             // Its position is not known until its cursor file is read: nothing counts it yet.
             let entry = groups
                 .entry(name.to_owned())
-                .or_insert_with(|| GroupEntry::closed(&CursorState { committed: u64::MAX, acked_above: vec![] }));
+                .or_insert_with(|| GroupEntry::closed(&CursorState { committed: u64::MAX, ..CursorState::default() }));
             if entry.open.swap(true, Ordering::AcqRel) {
                 return Err(Error::GroupInUse(name.to_owned()));
             }
@@ -307,7 +326,7 @@ impl ConsumerGroup {
         let durable = options.durability != Durability::None;
         if !path.exists() {
             let start = resolve(&shared, options.start)?;
-            create_cursor(shared.dir(), name, &CursorState { committed: start, acked_above: vec![] }, durable)?;
+            create_cursor(shared.dir(), name, &CursorState { committed: start, ..CursorState::default() }, durable)?;
         }
         let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err("open cursor", &path))?;
         let len = file.metadata().map_err(io_err("stat cursor", &path))?.len();
@@ -329,9 +348,11 @@ impl ConsumerGroup {
         entry.skipped.fetch_add(first.saturating_sub(counted), Ordering::Relaxed);
         let state = state.within(first, u64::MAX);
         let committed = state.committed;
+        entry.committed.store(state.lowest_unacknowledged(), Ordering::Release);
+        entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
+        entry.held.store(state.held.len() as u64, Ordering::Relaxed);
         let skip: BTreeSet<u64> = state.acked_above.into_iter().collect();
-        entry.committed.store(committed, Ordering::Release);
-        entry.acked_above.store(skip.len() as u64, Ordering::Relaxed);
+        let held: BTreeSet<u64> = state.held.into_iter().collect();
         let on_sync = shared.commit().on_sync().clone();
         let syncer = match options.durability {
             Durability::Interval(every) => Some(CursorSyncer::start(&file, every, on_sync.clone())?),
@@ -361,8 +382,10 @@ impl ConsumerGroup {
             next: committed,
             acked: VecDeque::new(),
             acked_above: 0,
-            redeliver: BTreeSet::new(),
+            // Held before the restart: the oldest records, delivered again first.
+            redeliver: held.clone(),
             skip,
+            held,
         })
     }
 
@@ -372,32 +395,34 @@ impl ConsumerGroup {
 
     /// Lowest unacknowledged offset: where the group resumes after a restart.
     pub fn committed(&self) -> u64 {
-        self.committed
+        // (A held record is below the window's start.)
+        self.held.first().copied().unwrap_or(self.committed)
     }
 
     /// Records delivered and not acknowledged.
     pub fn pending(&self) -> usize {
-        (self.next - self.committed) as usize - self.acked_above
+        (self.next - self.committed) as usize - self.acked_above + self.held.len()
     }
 
     /// Records in the log from the lowest unacknowledged one on (acknowledged ones among them
     /// included: see `unacknowledged`).
     pub fn lag(&self) -> u64 {
-        self.shared.next_offset().saturating_sub(self.committed)
+        self.shared.next_offset().saturating_sub(self.committed())
     }
 
     /// Records in the log that the group has not acknowledged: exactly, whatever order the
     /// acknowledgements came in, before a restart or after.
     pub fn unacknowledged(&self) -> u64 {
         // `skip` holds offsets at or above `next` (a poll never reads past one), `acked_above`
-        // those below it: the two never count one offset twice.
-        self.lag() - self.acked_above as u64 - self.skip.len() as u64
+        // those below it, `held` those below the window: none counts an offset another does.
+        let from_window = self.shared.next_offset().saturating_sub(self.committed);
+        from_window - self.acked_above as u64 - self.skip.len() as u64 + self.held.len() as u64
     }
 
     /// Whether the group has acknowledged `offset` (before a restart or since).
     pub fn is_acknowledged(&self, offset: u64) -> bool {
         if offset < self.committed {
-            return true;
+            return !self.held.contains(&offset);
         }
         if offset < self.next {
             return self.acked[(offset - self.committed) as usize];
@@ -409,7 +434,9 @@ impl ConsumerGroup {
     /// new ones in order. Waits up to `timeout` for a record when there is none, woken by the
     /// writer (no spinning). An empty batch means the timeout passed.
     ///
-    /// Fails with `TooManyPending` when `max_pending` records are delivered and unacknowledged.
+    /// Fails with `TooManyPending` when `max_pending` records are delivered and unacknowledged,
+    /// or when the window of records from the oldest unacknowledged one on is `max_pending`
+    /// long and `MAX_HELD` records are held already (see `hold_oldest`).
     pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Batch<'_>> {
         self.shared.check_poison()?;
         self.catch_up_with_retention()?;
@@ -420,11 +447,15 @@ impl ConsumerGroup {
         let deadline = Instant::now() + timeout;
         loop {
             self.pass_acknowledged();
-            let pending = (self.next - self.committed) as usize;
-            if pending >= self.options.max_pending {
+            if self.pending() >= self.options.max_pending {
                 return Err(Error::TooManyPending { group: self.name.clone(), max: self.options.max_pending });
             }
-            let mut allowed = max.min(self.options.max_pending - pending) as u64;
+            self.hold_oldest()?;
+            let span = (self.next - self.committed) as usize;
+            if span >= self.options.max_pending {
+                return Err(Error::TooManyPending { group: self.name.clone(), max: self.options.max_pending });
+            }
+            let mut allowed = max.min(self.options.max_pending - span) as u64;
             if let Some(&s) = self.skip.first() {
                 allowed = allowed.min(s - self.next);
             }
@@ -484,7 +515,7 @@ impl ConsumerGroup {
         if record.is_some() {
             self.next += 1;
             self.committed += 1;
-            self.cursor.persist(self.committed, std::iter::empty(), 0)?;
+            self.cursor.persist(self.committed, std::iter::empty(), 0, &self.held)?;
         }
         Ok(record)
     }
@@ -498,23 +529,45 @@ impl ConsumerGroup {
         Ok(self.redelivery.read_batch(1)?.into_iter().next().filter(|r| r.offset == offset))
     }
 
+    /// While the window of delivered records (`committed..next`) is full and its oldest record
+    /// is still unacknowledged, moves the window over it and names it among the held records,
+    /// `MAX_HELD` at most: a record one consumer holds long (an open read, a slow job) does not
+    /// stop the group after `max_pending` more. A held record stays pending: acknowledged,
+    /// returned, or delivered again after a restart like any other.
+    fn hold_oldest(&mut self) -> Result<()> {
+        let before = self.held.len();
+        while (self.next - self.committed) as usize >= self.options.max_pending && self.held.len() < MAX_HELD {
+            assert_eq!(self.acked.pop_front(), Some(false), "the window starts at an unacknowledged record");
+            self.held.insert(self.committed);
+            self.committed += 1;
+            self.advance_committed();
+        }
+        if self.held.len() == before {
+            return Ok(());
+        }
+        self.persist()
+    }
+
     /// Moves past records that retention deleted before this group read them (already counted
     /// in the group's `skipped` by retention).
     fn catch_up_with_retention(&mut self) -> Result<()> {
         let first = self.shared.first_offset();
-        if self.committed >= first {
+        if self.committed() >= first {
             return Ok(());
         }
-        let gone = (first - self.committed) as usize;
-        if gone >= self.acked.len() {
-            self.acked.clear();
-            self.next = first;
-        } else {
-            self.acked.drain(..gone);
+        self.held.retain(|&o| o >= first);
+        if self.committed < first {
+            let gone = (first - self.committed) as usize;
+            if gone >= self.acked.len() {
+                self.acked.clear();
+                self.next = first;
+            } else {
+                self.acked.drain(..gone);
+            }
+            self.committed = first;
+            self.acked_above = self.acked.iter().filter(|a| **a).count();
+            self.advance_committed();
         }
-        self.committed = first;
-        self.acked_above = self.acked.iter().filter(|a| **a).count();
-        self.advance_committed();
         self.redeliver.retain(|&o| o >= first);
         self.skip.retain(|&o| o >= first);
         // Acknowledged before a restart, at the new start: stepped over before the cursor is
@@ -549,10 +602,14 @@ impl ConsumerGroup {
             debug_assert_eq!(self.acked.front(), Some(&false));
             self.acked.pop_front();
             self.committed += 1;
-            return self.cursor.persist(self.committed, std::iter::empty(), 0);
+            return self.cursor.persist(self.committed, std::iter::empty(), 0, &self.held);
         }
         if offset < self.committed {
-            return Ok(());
+            if !self.held.remove(&offset) {
+                return Ok(());
+            }
+            self.redeliver.remove(&offset);
+            return self.persist();
         }
         if offset >= self.next {
             return Err(Error::NotDelivered { group: self.name.clone(), offset });
@@ -571,7 +628,8 @@ impl ConsumerGroup {
 
     /// Returns a delivered, unacknowledged record to be delivered again before newer records.
     pub fn nack(&mut self, offset: u64) -> Result<()> {
-        let pending = offset >= self.committed && offset < self.next && !self.acked[(offset - self.committed) as usize];
+        let in_window = offset >= self.committed && offset < self.next;
+        let pending = self.held.contains(&offset) || in_window && !self.acked[(offset - self.committed) as usize];
         if !pending {
             return Err(Error::NotDelivered { group: self.name.clone(), offset });
         }
@@ -589,6 +647,7 @@ impl ConsumerGroup {
         self.acked_above = 0;
         self.redeliver.clear();
         self.skip.clear();
+        self.held.clear();
         self.reader.seek(target);
         self.persist()?;
         Ok(target)
@@ -608,7 +667,7 @@ impl ConsumerGroup {
         let committed = self.committed;
         let this_session = self.acked.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| committed + i as u64);
         let acked_above = this_session.chain(self.skip.iter().copied());
-        self.cursor.persist(committed, acked_above, self.acked_above + self.skip.len())
+        self.cursor.persist(committed, acked_above, self.acked_above + self.skip.len(), &self.held)
     }
 }
 

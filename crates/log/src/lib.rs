@@ -70,7 +70,7 @@ mod state;
 mod syncer;
 pub mod verify;
 
-pub use cursor::MAX_PENDING;
+pub use cursor::{MAX_HELD, MAX_PENDING};
 pub use error::{Error, FrameError, Reason, Result};
 pub use frame::{FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LEN, OwnedRecord, Record};
 pub use group::{ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
@@ -137,6 +137,9 @@ pub mod fuzzing {
                 // Acknowledged out of order above what is committed, ascending.
                 assert!(state.acked_above.windows(2).all(|w| w[0] < w[1]));
                 assert!(state.acked_above.first().is_none_or(|&o| o > state.committed));
+                // Held below it, ascending.
+                assert!(state.held.windows(2).all(|w| w[0] < w[1]));
+                assert!(state.held.last().is_none_or(|&o| o < state.committed));
                 state.committed
             })
         };

@@ -106,8 +106,9 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
             });
             match moved {
                 Ok(state) => {
-                    entry.committed.store(state.committed, Ordering::Release);
+                    entry.committed.store(state.lowest_unacknowledged(), Ordering::Release);
                     entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
+                    entry.held.store(state.held.len() as u64, Ordering::Relaxed);
                 }
                 Err(e) => {
                     tracing::warn!(group = %name, error = %e, "could not move the group's cursor past removed records")

@@ -71,8 +71,9 @@ pub fn list_groups(dir: impl AsRef<Path>) -> Result<Vec<crate::GroupInfo>> {
         .into_iter()
         .map(|(name, state)| crate::GroupInfo {
             name,
-            committed: state.committed,
+            committed: state.lowest_unacknowledged(),
             acked_above: state.acked_above.len(),
+            held: state.held.len(),
             open: false,
             skipped: 0,
         })

@@ -347,3 +347,89 @@ fn cut_back_to_four_records(dir: &std::path::Path) {
     std::fs::write(&seg, bytes).unwrap();
     assert_eq!(petrel_log::verify::repair(dir).unwrap().next_offset, 4);
 }
+
+/// Polls and acknowledges `n` records one at a time; returns their offsets.
+fn poll_and_ack(g: &mut petrel_log::ConsumerGroup, n: usize) -> Vec<u64> {
+    let mut got = Vec::new();
+    for _ in 0..n {
+        let offset = offsets(g.poll(1, NOW).unwrap())[0];
+        g.ack(offset).unwrap();
+        got.push(offset);
+    }
+    got
+}
+
+#[test]
+fn a_record_held_long_does_not_stop_the_group_and_stays_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 1000);
+    let mut g = log.group("g", GroupOptions { max_pending: 16, ..GroupOptions::default() }).unwrap();
+    assert_eq!(offsets(g.poll(1, NOW).unwrap()), [0], "taken, and held by its consumer");
+    // Others are read and acknowledged far past the window behind it.
+    assert_eq!(poll_and_ack(&mut g, 500), (1..501).collect::<Vec<_>>());
+    assert_eq!(g.committed(), 0, "the held record is the lowest unacknowledged one");
+    assert_eq!((g.pending(), g.unacknowledged()), (1, 1000 - 500));
+    assert!(!g.is_acknowledged(0) && g.is_acknowledged(1));
+    let listed = &log.groups()[0];
+    assert_eq!((listed.committed, listed.held), (0, 1));
+    // Returned, it is delivered first; acknowledged, the group stands past everything acknowledged.
+    g.nack(0).unwrap();
+    assert_eq!(offsets(g.poll(5, NOW).unwrap()), [0]);
+    g.ack(0).unwrap();
+    assert_eq!((g.committed(), g.pending(), g.unacknowledged()), (501, 0, 499));
+    assert_eq!(log.groups()[0].held, 0);
+}
+
+#[test]
+fn a_held_record_is_delivered_first_after_a_restart_and_only_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 300);
+    let mut g = log.group("g", GroupOptions { max_pending: 16, ..GroupOptions::default() }).unwrap();
+    assert_eq!(offsets(g.poll(1, NOW).unwrap()), [0]);
+    poll_and_ack(&mut g, 99);
+    assert_eq!(offsets(g.poll(1, NOW).unwrap()), [100], "a second one taken, not held yet");
+    drop(g);
+    drop(log);
+    let listed = petrel_log::verify::list_groups(dir.path()).unwrap();
+    assert_eq!((listed[0].committed, listed[0].held), (0, 1));
+    let log = log_with(dir.path(), 300);
+    let mut g = log.group("g", GroupOptions { max_pending: 16, ..GroupOptions::default() }).unwrap();
+    assert_eq!(g.unacknowledged(), 201);
+    assert_eq!(poll_and_ack(&mut g, 201), [0].into_iter().chain(100..300).collect::<Vec<_>>());
+    assert_eq!((g.committed(), g.unacknowledged()), (300, 0));
+}
+
+#[test]
+fn held_records_are_bounded_by_what_a_cursor_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let max_pending = 200;
+    let log = log_with(dir.path(), 2000);
+    let mut g = log.group("g", GroupOptions { max_pending, ..GroupOptions::default() }).unwrap();
+    // Every tenth record taken and kept, the rest acknowledged: each kept one is held in turn
+    // (fewer than `max_pending` are pending: the window's length refuses, not their count).
+    let mut kept = Vec::new();
+    let refused = loop {
+        match g.poll(1, NOW) {
+            Ok(batch) => {
+                let offset = offsets(batch)[0];
+                if offset % 10 == 0 {
+                    kept.push(offset);
+                } else {
+                    g.ack(offset).unwrap();
+                }
+            }
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(refused, Error::TooManyPending { max: 200, .. }), "{refused}");
+    assert_eq!(log.groups()[0].held, petrel_log::MAX_HELD);
+    assert_eq!(g.pending(), kept.len());
+    // One acknowledged, there is room again.
+    g.ack(kept[0]).unwrap();
+    assert!(g.poll(1, NOW).is_ok_and(|b| b.len() == 1));
+    drop(g);
+    drop(log);
+    let log = log_with(dir.path(), 2000);
+    let g = log.group("g", GroupOptions { max_pending, ..GroupOptions::default() }).unwrap();
+    assert_eq!(g.committed(), kept[1], "what was held is there after a restart");
+}

@@ -244,3 +244,23 @@ fn a_group_closed_before_it_noticed_retention_counts_its_loss_once() {
     assert_eq!(info.skipped, first, "counted by retention, not again when opened");
     drop(g);
 }
+
+#[test]
+fn a_held_record_keeps_its_segment_until_it_is_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), opts(Retention { delete_consumed: true, ..Default::default() })).unwrap();
+    for i in 0..3000u64 {
+        log.append(&[i as u8; 100]).unwrap();
+    }
+    let mut g = log.group("g", GroupOptions { max_pending: 16, ..Default::default() }).unwrap();
+    assert_eq!(g.poll(1, Duration::ZERO).unwrap().into_iter().next().map(|r| r.offset), Some(0));
+    for _ in 1..3000 {
+        let offset = g.poll(1, Duration::ZERO).unwrap().into_iter().next().unwrap().offset;
+        g.ack(offset).unwrap();
+    }
+    log.apply_retention().unwrap();
+    assert_eq!(log.first_offset(), 0, "the held record's segment stays, and those after it");
+    g.ack(0).unwrap();
+    log.apply_retention().unwrap();
+    assert!(log.first_offset() > 0, "acknowledged, it goes with the rest");
+}
