@@ -988,13 +988,16 @@ impl DelayLog {
     /// A released message taken from `level` comes back to its place. `delivered`: it was
     /// handed out and came back, which counts (a `Returned` marker first, as in a level's log).
     pub fn put_back_ready(&mut self, level: usize, ready: Ready, delivered: bool) -> Result<(), BrokerError> {
-        if delivered {
-            let marker = message::append_returned(&self.log, ready.offset)?;
-            assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
-            self.done.push(true);
-            *self.returns.entry(ready.offset).or_default() += 1;
-        }
+        // Back in its place whether or not the marker that counts the delivery could be
+        // written (without it, the count is kept in memory only; the error is reported).
         self.ready.put_back(level, ready);
+        if !delivered {
+            return Ok(());
+        }
+        *self.returns.entry(ready.offset).or_default() += 1;
+        let marker = message::append_returned(&self.log, ready.offset)?;
+        assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
+        self.done.push(true);
         Ok(())
     }
 

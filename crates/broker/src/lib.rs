@@ -66,7 +66,7 @@ pub use held::HELD_OVERHEAD;
 pub use message::{Message, MessageKind, Status, answer_len_bound, id_of, offset_of};
 pub use petrel_log::SeekTo;
 pub use petrel_proto::{Delivery, GroupStats, QueueStats, TopicStats};
-pub use queue::{MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters, TickAlarm};
+pub use queue::{MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters, TICK_RETRY_NS, TickAlarm};
 pub use topic::{Delivered, Ended, Subscription, Topic};
 pub use waiting::{WaitFor, Waited};
 
@@ -1247,12 +1247,11 @@ impl Broker {
         self.functions.expire(now_ns);
         let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now_ns)).cloned().collect();
         for q in &queues {
-            match q.tick(now_ns) {
-                Ok(dead) => {
-                    self.dead_letter(q, dead.over_limit, DeadReason::MaxDeliveries, now_ns);
-                    self.dead_letter(q, dead.expired, DeadReason::Expired, now_ns);
-                }
-                Err(e) => tracing::error!(queue = %q.name, error = %e, "tick failed"),
+            let (dead, failed) = q.tick(now_ns);
+            self.dead_letter(q, dead.over_limit, DeadReason::MaxDeliveries, now_ns);
+            self.dead_letter(q, dead.expired, DeadReason::Expired, now_ns);
+            if let Some(e) = failed {
+                tracing::error!(queue = %q.name, error = %e, "tick failed; the queue's next one in 100 ms at the soonest");
             }
         }
         self.read().queues.values().map(|q| q.next_due()).min().unwrap_or(u64::MAX)

@@ -568,6 +568,9 @@ impl Taken {
 
 /// The group that reads a durable queue's messages.
 const GROUP: &str = "broker";
+/// How long after a tick the disk failed a queue's next tick comes at the soonest: not every
+/// millisecond, with an error each time.
+pub const TICK_RETRY_NS: u64 = 100_000_000;
 /// The group that trails the idempotency keys a durable queue remembers.
 const DEDUP_GROUP: &str = "dedup";
 /// Offsets one `moved` marker of a flush names at most (a marker is one record).
@@ -1337,7 +1340,7 @@ impl Queue {
             }
         }
         let n = returned.len() as u32;
-        let over_limit = inner.return_reads(returned, &config, delay_ms, now_ns)?;
+        let over_limit = inner.return_reads(&self.name, returned, &config, delay_ms, now_ns);
         if n > 0 {
             // A returned message may carry an expiry: let the next tick look.
             self.due_ns.set(0);
@@ -1365,37 +1368,62 @@ impl Queue {
 
     /// Visibility timeouts that passed put their messages back (those at the delivery limit
     /// are given back, for the dead-letter queue); expired messages at the head are removed and
-    /// given back too.
-    pub(crate) fn tick(&self, now_ns: u64) -> Result<DeadLetters, BrokerError> {
+    /// given back too. A step the disk fails does not stop the others (a delayed message that
+    /// cannot be moved does not keep reads from timing out), and what they give back is given
+    /// back with the first error; after one, the queue's next tick is `TICK_RETRY_NS` later at
+    /// the soonest.
+    pub(crate) fn tick(&self, now_ns: u64) -> (DeadLetters, Option<BrokerError>) {
         if !self.is_due(now_ns) {
-            return Ok(DeadLetters::default());
+            return (DeadLetters::default(), None);
         }
         let config = self.config();
         let mut inner = self.lock();
-        let moved = inner.move_due(now_ns)?;
+        let mut failed = None;
+        let moved = inner.move_due(now_ns).unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            0
+        });
         let overdue: Vec<u64> =
             inner.in_flight.iter().filter(|(_, f)| f.deadline_ns <= now_ns).map(|(h, _)| *h).collect();
         let returned = overdue.iter().map(|h| inner.in_flight.remove(h).expect("just seen")).collect();
-        let over_limit = inner.return_reads(returned, &config, 0, now_ns)?;
+        let over_limit = inner.return_reads(&self.name, returned, &config, 0, now_ns);
         // Expired messages at the head of each level go (to the dead-letter queue), in memory
         // and on disk alike; ones behind an unexpired head wait until they reach it, as in
         // Kestrel.
         let mut expired = Vec::new();
         for level in 0..inner.waiting_at.len() {
-            while let Some(head) = inner.head_at(level)?
-                && head.is_expired(now_ns)
-            {
-                inner.drop_head(level)?;
-                inner.counters.expired += 1;
-                expired.push(head);
+            let dropped = loop {
+                match inner.head_at(level) {
+                    Ok(Some(head)) if head.is_expired(now_ns) => match inner.drop_head(level) {
+                        Ok(_) => {
+                            inner.counters.expired += 1;
+                            expired.push(head);
+                        }
+                        Err(e) => break Err(e),
+                    },
+                    Ok(_) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            };
+            if let Err(e) = dropped {
+                failed.get_or_insert(e);
             }
         }
         let (max_keys, window_ns) = config::dedup_window_of(&config);
         inner.dedup.evict(max_keys, window_ns, now_ns);
-        if inner.dedup.take_forgotten() {
-            inner.move_dedup_cursors()?;
+        if inner.dedup.take_forgotten()
+            && let Err(e) = inner.move_dedup_cursors()
+        {
+            failed.get_or_insert(e);
         }
-        let due = inner.next_due()?.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX));
+        let next = inner.next_due().unwrap_or_else(|e| {
+            failed.get_or_insert(e);
+            now_ns
+        });
+        let mut due = next.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX));
+        if failed.is_some() {
+            due = due.max(now_ns.saturating_add(TICK_RETRY_NS));
+        }
         self.due_ns.planned(due);
         drop(inner);
         if !overdue.is_empty() || moved > 0 {
@@ -1404,7 +1432,7 @@ impl Queue {
         if !expired.is_empty() || !over_limit.is_empty() {
             self.room.notify_waiters();
         }
-        Ok(DeadLetters { expired, over_limit })
+        (DeadLetters { expired, over_limit }, failed)
     }
 
     /// When `tick` next has work (`u64::MAX`: none known).
@@ -1824,27 +1852,27 @@ impl Inner {
     /// returned), or among the delayed messages when it is to wait (`delay_ms`, else the
     /// queue's redelivery delay for its count), or, once handed out `max_deliveries` times (0:
     /// no limit), is settled and given back for the dead-letter queue with its count.
+    ///
+    /// Never leaves a read out of the queue: what the disk refuses (a delayed copy, a message to
+    /// dead-letter read back) is logged and its read goes back to the head instead.
     fn return_reads(
         &mut self,
+        queue: &str,
         reads: Vec<InFlight>,
         config: &QueueConfig,
         delay_ms: u32,
         now_ns: u64,
-    ) -> Result<Vec<Message>, BrokerError> {
+    ) -> Vec<Message> {
         let max_deliveries = config.max_deliveries;
         let mut over_limit = Vec::new();
         let mut later = Vec::new();
         for read in reads {
-            let deliveries = match (&mut self.store, &read.item) {
-                (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
-                (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
-                    let lane = &lanes[*level];
-                    with_record(&lane.log, *offset, |r| lane_deliveries(&lane.returns, r))?
+            let deliveries = match self.deliveries(&read.item) {
+                Ok(deliveries) => deliveries,
+                Err(e) => {
+                    self.put_back_anyway(queue, read.item, &e);
+                    continue;
                 }
-                (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
-                    delay.deliveries(ready.offset)?
-                }
-                _ => unreachable!("a queue's takings match its store"),
             };
             if max_deliveries == 0 || deliveries < max_deliveries {
                 self.counters.aborted += 1;
@@ -1853,29 +1881,68 @@ impl Inner {
                     ms => u64::from(ms),
                 };
                 match delay_ms {
-                    0 => self.put_back(read.item, true)?,
+                    0 => self.put_back_logged(queue, read.item),
                     ms => later.push((read.item, now_ns.saturating_add(ms.saturating_mul(1_000_000)))),
                 }
                 continue;
             }
             let message = match &read.item {
-                Taken::Memory(m) => m.to_message(),
-                Taken::Log { level, offset } => Message { deliveries, ..self.read_stored(*level, *offset)? },
-                Taken::Released { level, ready } => Message { deliveries, ..self.released(*level, *ready)? },
+                Taken::Memory(m) => Ok(m.to_message()),
+                Taken::Log { level, offset } => self.read_stored(*level, *offset),
+                Taken::Released { level, ready } => self.released(*level, *ready),
             };
-            self.settle(&read.item)?;
-            counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
-            self.counters.dead_lettered += 1;
-            over_limit.push(message);
+            let settled = message.and_then(|m| self.settle(&read.item).map(|()| m));
+            match settled {
+                Ok(message) => {
+                    counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
+                    self.counters.dead_lettered += 1;
+                    over_limit.push(Message { deliveries, ..message });
+                }
+                Err(e) => self.put_back_anyway(queue, read.item, &e),
+            }
         }
-        self.delay_returned(later)?;
-        Ok(over_limit)
+        if let Err((e, refused)) = self.delay_returned(queue, later) {
+            for taken in refused {
+                self.put_back_anyway(queue, taken, &e);
+            }
+        }
+        over_limit
+    }
+
+    /// How many times the taken message was handed out, this time included.
+    fn deliveries(&mut self, taken: &Taken) -> Result<u32, BrokerError> {
+        Ok(match (&mut self.store, taken) {
+            (Store::Memory { .. }, Taken::Memory(m)) => m.deliveries,
+            (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
+                let lane = &lanes[*level];
+                with_record(&lane.log, *offset, |r| lane_deliveries(&lane.returns, r))?
+            }
+            (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
+                delay.deliveries(ready.offset)?
+            }
+            _ => unreachable!("a queue's takings match its store"),
+        })
+    }
+
+    /// A returned read goes back to the head because what was to be done with it failed.
+    fn put_back_anyway(&mut self, queue: &str, taken: Taken, cause: &BrokerError) {
+        tracing::warn!(queue, error = %cause, "a returned message goes back to the head instead");
+        self.put_back_logged(queue, taken);
+    }
+
+    /// `put_back` of a delivered read, whose only failure (its return marker not written) is
+    /// logged: the message is back all the same.
+    fn put_back_logged(&mut self, queue: &str, taken: Taken) {
+        if let Err(e) = self.put_back(taken, true) {
+            tracing::warn!(queue, error = %e, "a returned message's delivery is counted in memory only");
+        }
     }
 
     /// Returned messages wait among the delayed ones until they are due, each with the
     /// deliveries it had. On disk: copied to the delayed log (synced unless the policy is
-    /// `none`), then acknowledged in their level's.
-    fn delay_returned(&mut self, mut later: Vec<(Taken, u64)>) -> Result<(), BrokerError> {
+    /// `none`), then acknowledged in their level's. When the copies cannot be made, none is
+    /// delayed: the error, and the reads to put back.
+    fn delay_returned(&mut self, queue: &str, mut later: Vec<(Taken, u64)>) -> Result<(), (BrokerError, Vec<Taken>)> {
         if later.is_empty() {
             return Ok(());
         }
@@ -1894,42 +1961,54 @@ impl Inner {
                 }
             }
             Store::Log { .. } => {
-                let mut copies = Vec::with_capacity(later.len());
-                let mut placements = Vec::with_capacity(later.len());
-                for (taken, due) in &later {
-                    let (message, deliveries) = match *taken {
-                        Taken::Log { level, offset } => {
-                            let Store::Log { lanes, .. } = &self.store else { unreachable!("taken from a log") };
-                            let lane = &lanes[level];
-                            with_record(&lane.log, offset, |r| (stored(level, r), lane_deliveries(&lane.returns, r)))?
-                        }
-                        Taken::Released { level, ready } => {
-                            let deliveries = self.released_from().deliveries(ready.offset)?;
-                            (self.released(level, ready)?, deliveries)
-                        }
-                        Taken::Memory(_) => unreachable!("a queue's takings match its store"),
-                    };
-                    copies.push(Message { deliver_at: *due, ..message });
-                    placements.push(Placement {
-                        priority: taken.level() as u8,
-                        deliveries,
-                        copy: true,
-                        returned_from: Some(taken.message_id()),
-                        ..Placement::default()
-                    });
-                }
-                let delay = self.delay_log()?;
-                delay.append(&copies, &placements)?;
-                if delay.log.durability() != Durability::None {
-                    // On disk before the originals are acknowledged: a crash keeps one or the other.
-                    delay.log.sync()?;
+                if let Err(e) = self.copy_to_delayed(&later) {
+                    return Err((e, later.into_iter().map(|(taken, _)| taken).collect()));
                 }
                 for (taken, _) in &later {
-                    self.settle(taken)?;
+                    if let Err(e) = self.settle(taken) {
+                        // Its copy is delayed; the original comes back after a restart (a copy
+                        // whose original is unacknowledged is dropped on open).
+                        tracing::error!(queue, error = %e, "a delayed message's original could not be acknowledged");
+                    }
                 }
             }
         }
         self.delayed += n;
+        Ok(())
+    }
+
+    /// Copies the returned messages `later` to the delayed log, each due at its time.
+    fn copy_to_delayed(&mut self, later: &[(Taken, u64)]) -> Result<(), BrokerError> {
+        let mut copies = Vec::with_capacity(later.len());
+        let mut placements = Vec::with_capacity(later.len());
+        for (taken, due) in later {
+            let (message, deliveries) = match *taken {
+                Taken::Log { level, offset } => {
+                    let Store::Log { lanes, .. } = &self.store else { unreachable!("taken from a log") };
+                    let lane = &lanes[level];
+                    with_record(&lane.log, offset, |r| (stored(level, r), lane_deliveries(&lane.returns, r)))?
+                }
+                Taken::Released { level, ready } => {
+                    let deliveries = self.released_from().deliveries(ready.offset)?;
+                    (self.released(level, ready)?, deliveries)
+                }
+                Taken::Memory(_) => unreachable!("a queue's takings match its store"),
+            };
+            copies.push(Message { deliver_at: *due, ..message });
+            placements.push(Placement {
+                priority: taken.level() as u8,
+                deliveries,
+                copy: true,
+                returned_from: Some(taken.message_id()),
+                ..Placement::default()
+            });
+        }
+        let delay = self.delay_log()?;
+        delay.append(&copies, &placements)?;
+        if delay.log.durability() != Durability::None {
+            // On disk before the originals are acknowledged: a crash keeps one or the other.
+            delay.log.sync()?;
+        }
         Ok(())
     }
 
@@ -2119,33 +2198,37 @@ impl Inner {
     /// back (the delivery counts); else it never left (a poll's answer was full), and does not.
     fn put_back(&mut self, taken: Taken, delivered: bool) -> Result<(), BrokerError> {
         let level = taken.level();
-        match (&mut self.store, taken) {
+        // The marker that counts the delivery may fail (the disk refused it): the message is
+        // back all the same, its count kept in memory, and the error reported.
+        let marker = match (&mut self.store, taken) {
             (Store::Memory { levels, .. }, Taken::Memory(mut m)) => {
                 if !delivered {
                     m.deliveries -= 1;
                 }
                 // A level is sorted by id: offers append higher ids, and this keeps it so.
                 levels[level].insert_by_id(*m);
+                Ok(())
             }
             (Store::Log { lanes, .. }, Taken::Log { offset, .. }) => {
                 let lane = &mut lanes[level];
+                // The marker first: a crash after it counts the delivery, one before it
+                // redelivers anyway (nothing in flight survives a restart).
+                let marker = if delivered { message::append_returned(&lane.log, offset).map(|_| ()) } else { Ok(()) };
                 if delivered {
-                    // The marker first: a crash after it counts the delivery, one before it
-                    // redelivers anyway (nothing in flight survives a restart).
-                    message::append_returned(&lane.log, offset)?;
-                    lane.markers_unread += 1;
+                    lane.markers_unread += u64::from(marker.is_ok());
                     *lane.returns.entry(offset).or_default() += 1;
                 }
                 lane.group.nack(offset)?;
+                marker.map_err(BrokerError::from)
             }
             (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
-                delay.put_back_ready(level, ready, delivered)?;
+                delay.put_back_ready(level, ready, delivered)
             }
             _ => unreachable!("a queue's takings match its store"),
-        }
+        };
         self.waiting += 1;
         self.waiting_at[level] += 1;
-        Ok(())
+        marker
     }
 
     /// Drops the oldest waiting message of the lowest level that has one (a full circular

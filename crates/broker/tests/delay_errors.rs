@@ -28,12 +28,36 @@ fn due_messages_whose_copies_cannot_be_stored_move_at_a_later_tick() {
 
     std::fs::remove_dir(&blocker).unwrap();
     b.tick(3 * MS);
-    let got = b.poll("q", 10, None, 1, 3 * MS).unwrap();
+    assert_eq!(q.status().delayed, 1, "not before the retry after a failed tick");
+    let retry = 2 * MS + petrel_broker::TICK_RETRY_NS;
+    b.tick(retry);
+    let got = b.poll("q", 10, None, 1, retry).unwrap();
     assert_eq!(got.iter().map(|d| d.message.payload[0]).collect::<Vec<_>>(), [1], "moved at the next tick");
     assert_eq!(q.status().delayed, 0);
     drop(q);
     drop(b);
     // Once, across a reopen.
     let b = Broker::open(dir.path(), options).unwrap();
-    assert!(b.poll("q", 10, None, 1, 4 * MS).unwrap().is_empty());
+    assert!(b.poll("q", 10, None, 1, retry + MS).unwrap().is_empty());
+}
+
+/// A read returned with a delay whose copy the disk refuses (here the delayed log cannot be
+/// made) goes back to the head at once: before, it was out of the queue until a restart.
+#[test]
+fn a_read_returned_with_a_delay_the_disk_refuses_comes_back_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let q = b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    b.offer("q", vec![Message::new(b"job".to_vec())], 0).unwrap();
+    // In the way of the delayed log's directory: a file.
+    std::fs::write(dir.path().join("queues/q/delayed"), b"").unwrap();
+    let got = b.poll("q", 1, Some(std::time::Duration::from_secs(60)), 1, 0).unwrap();
+    assert_eq!(b.abort("q", &[got[0].handle], 1, 5_000, MS).unwrap(), 1);
+    let status = q.status();
+    assert_eq!((status.items, status.in_flight, status.delayed), (1, 0, 0), "back, not delayed");
+    let again = b.poll("q", 1, None, 2, 2 * MS).unwrap();
+    assert_eq!(
+        again.iter().map(|d| (&d.message.payload[..], d.message.deliveries)).collect::<Vec<_>>(),
+        [(&b"job"[..], 2)]
+    );
 }

@@ -161,7 +161,8 @@ mod tests {
 
     #[test]
     fn a_state_within_a_log_keeps_only_what_the_log_holds() {
-        let state = |committed, acked_above: &[u64]| CursorState { committed, acked_above: acked_above.to_vec(), held: vec![] };
+        let state =
+            |committed, acked_above: &[u64]| CursorState { committed, acked_above: acked_above.to_vec(), held: vec![] };
         assert_eq!(state(2, &[4, 5, 9]).within(0, 20), state(2, &[4, 5, 9]), "nothing to change");
         assert_eq!(state(2, &[4, 5, 9]).within(4, 20), state(6, &[9]), "over the acknowledged ones in a row");
         assert_eq!(state(2, &[4, 5, 9]).within(3, 20), state(3, &[4, 5, 9]));

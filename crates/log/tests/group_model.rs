@@ -57,7 +57,15 @@ const MAX_PENDING: usize = 8;
 
 impl Model {
     fn at(committed: u64, len: u64) -> Model {
-        Model { len, committed, acked: BTreeSet::new(), pending: VecDeque::new(), nacked: BTreeSet::new(), next: committed, held: BTreeSet::new() }
+        Model {
+            len,
+            committed,
+            acked: BTreeSet::new(),
+            pending: VecDeque::new(),
+            nacked: BTreeSet::new(),
+            next: committed,
+            held: BTreeSet::new(),
+        }
     }
 
     /// Where the group's window starts: the lowest unacknowledged offset that is not held.

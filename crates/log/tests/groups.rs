@@ -412,7 +412,7 @@ fn held_records_are_bounded_by_what_a_cursor_holds() {
         match g.poll(1, NOW) {
             Ok(batch) => {
                 let offset = offsets(batch)[0];
-                if offset % 10 == 0 {
+                if offset.is_multiple_of(10) {
                     kept.push(offset);
                 } else {
                     g.ack(offset).unwrap();
