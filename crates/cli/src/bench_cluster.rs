@@ -19,6 +19,11 @@ use crate::progress::{self, Unit};
 pub async fn bench(args: &QueueBench, servers: &[&str]) -> Result<Outcome, Box<dyn std::error::Error>> {
     let options = ClusterOptions { client: args.client_options(), ..ClusterOptions::default() };
     let admin = Cluster::connect(servers, options.clone()).await?;
+    for (_, status) in admin.queue_status(&args.queue).await {
+        if let Ok(status) = status {
+            crate::bench_queue::refuse_a_queue_in_use(&args.queue, &status)?;
+        }
+    }
     let _ = admin.remove_queue(&args.queue).await;
     let config = QueueConfig { durable: args.durable, priorities: args.priorities, ..QueueConfig::default() };
     admin.create_queue(&args.queue, config).await?;

@@ -59,6 +59,8 @@ pub struct QueueBench {
     /// Data directory for the in-process server.
     #[arg(long, default_value_os_t = crate::default_data_dir())]
     pub(crate) data: PathBuf,
+    /// The queue the run makes, and removes after it (unless --keep). An empty one of this name
+    /// (a run's that was stopped) is replaced; one holding messages is refused, never removed.
     #[arg(long, default_value = "bench")]
     pub(crate) queue: String,
     /// A durable queue (on disk) rather than one in memory.
@@ -372,9 +374,25 @@ enum Role {
     Poll,
 }
 
+/// A bench makes its own queue: it replaces an empty one of that name, never one with messages.
+pub(crate) fn refuse_a_queue_in_use(name: &str, status: &petrel_client::QueueStats) -> Result<(), String> {
+    let held = status.items + status.in_flight + status.delayed;
+    if held == 0 {
+        return Ok(());
+    }
+    Err(format!(
+        "queue {name:?} holds {}: the bench makes a queue of its own and removes it when done; \
+         name another with --queue",
+        crate::output::count(held, "message")
+    ))
+}
+
 async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::error::Error>> {
     let admin = args.connect(addr).await?;
-    let _ = admin.remove_queue(&args.queue).await;
+    if let Ok(status) = admin.queue_status(&args.queue).await {
+        refuse_a_queue_in_use(&args.queue, &status)?;
+        let _ = admin.remove_queue(&args.queue).await;
+    }
     let config = QueueConfig { durable: args.durable, priorities: args.priorities, ..QueueConfig::default() };
     admin.create_queue(&args.queue, config).await?;
     let payload = args.payload();

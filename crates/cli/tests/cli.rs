@@ -285,3 +285,20 @@ fn a_produce_that_fails_part_way_says_how_many_lines_are_stored() {
     assert!(!ok);
     assert!(err.contains("5 messages offered to bq (the first 5 lines) before line 6 failed"), "{err}");
 }
+
+#[test]
+fn a_bench_against_a_server_never_removes_a_queue_that_holds_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    assert!(run(&["produce", "orders", "--create", "--server", s], "keep me\n").0);
+    let (ok, _, err) = run(&["bench", "queue", "--server", s, "--queue", "orders", "--count", "100"], "");
+    assert!(!ok && err.contains("queue \"orders\" holds 1 message:"), "{err}");
+    let (ok, out, _) = run(&["consume", "orders", "--server", s], "");
+    assert!(ok && out == "keep me\n", "still there: {out:?}");
+    // Empty (as a stopped run leaves its own): replaced, and removed after the run.
+    let (ok, _, err) = run(&["bench", "queue", "--server", s, "--queue", "orders", "--count", "100"], "");
+    assert!(ok, "{err}");
+    let (_, out, _) = run(&["queue", "list", "--server", s], "");
+    assert!(!out.contains("orders"), "{out}");
+}
