@@ -105,7 +105,8 @@ class _Requests:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.completions = _Completions()
-        self.waiting: Dict[int, "asyncio.Future[Any]"] = {}
+        # Each request's future, and what gives back what it took if no one awaits it any more.
+        self.waiting: Dict[int, Tuple["asyncio.Future[Any]", Optional[Callable[[Any], None]]]] = {}
         self.tokens = itertools.count(1)
         self.closing = False
         self.watching = True
@@ -113,8 +114,14 @@ class _Requests:
 
     def _drain(self) -> None:
         for token, succeeded, value in self.completions.drain():
-            future = self.waiting.pop(token, None)
-            if future is None or future.done():
+            entry = self.waiting.pop(token, None)
+            if entry is None:
+                continue
+            future, give_back = entry
+            if future.done():
+                # Its coroutine was cancelled and has not said so yet (see `run`).
+                if succeeded and give_back is not None:
+                    give_back(value)
                 continue
             if succeeded:
                 future.set_result(value)
@@ -128,12 +135,20 @@ class _Requests:
             self.loop.remove_reader(self.completions.fileno())
         self.watching = False
 
-    async def run(self, start: Callable[..., None], *args: Any, **kwargs: Any) -> Any:
+    async def run(
+        self,
+        start: Callable[..., None],
+        *args: Any,
+        give_back: Optional[Callable[[Any], None]] = None,
+        **kwargs: Any,
+    ) -> Any:
         """Starts a native request (``start(token, *args)``) and waits for its outcome; a
-        cancelled wait aborts the request (a poll gives its messages back)."""
+        cancelled wait aborts the request. What a cancelled request took (a poll's messages) is
+        given back whenever its outcome comes: natively if it was not drained yet, else by
+        ``give_back(value)`` here."""
         token = next(self.tokens)
         future = self.loop.create_future()
-        self.waiting[token] = future
+        self.waiting[token] = (future, give_back)
         try:
             start(token, *args, **kwargs)
         except BaseException:
@@ -142,8 +157,12 @@ class _Requests:
         try:
             return await future
         except asyncio.CancelledError:
-            self.waiting.pop(token, None)
-            self.completions.cancel(token)
+            if self.waiting.pop(token, None) is not None:
+                self.completions.cancel(token)  # not drained: never reaches Python
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                # Drained and resolved, and cancelled before this coroutine went on.
+                if give_back is not None:
+                    give_back(future.result())
             raise
 
     def close(self) -> None:
@@ -325,9 +344,21 @@ class AsyncClient:
         (``None``: until one comes); with ``visibility`` tentatively (see :meth:`ack`)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + builtins.max(timeout, 0.0)
+        core = await self._client()
+        assert self._requests is not None
+
+        def give_back(answer: Tuple[List[Message], List[int]]) -> None:
+            core.abort_detached(queue, answer[1])
+
         while True:
             wait = _LONG_POLL if deadline is None else builtins.max(min(deadline - loop.time(), _LONG_POLL), 0.0)
-            messages = await self._run("poll_once", queue, max, wait, visibility)
+            messages, handles = await self._requests.run(
+                core.poll_once, queue, max, wait, visibility, give_back=give_back
+            )
+            if messages and visibility is None:
+                # Taken tentatively: gone for good once in this coroutine's hands (here, with no
+                # wait before the return that could be cancelled).
+                core.ack_detached(queue, handles)
             if messages or (deadline is not None and loop.time() >= deadline):
                 return messages
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use petrel_client::{ClientOptions, PollOptions, QueueConfig, TlsOptions};
+use petrel_client::{ClientOptions, Delivery, PollOptions, QueueConfig, TlsOptions};
 use pyo3::IntoPyObjectExt;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -596,37 +596,53 @@ pub struct AsyncCore {
 
 /// Polls once on the server (it waits up to `wait`), on a task of its own: if the awaiting
 /// coroutine is cancelled (a `wait_for` timeout) while the poll is on the server, the task still
-/// gets the answer and gives its messages back to the queue at once (`abort`), so nothing is
-/// lost or held. A take for good is made tentatively for that reason, and acknowledged once its
-/// answer has reached the awaiting side.
-async fn poll_once(
-    client: petrel_client::Client,
-    queue: String,
-    mut options: PollOptions,
-) -> PyResult<Vec<(u64, petrel_client::Message)>> {
-    let for_good = options.visibility.is_none();
-    if for_good {
+/// gets the answer, and its messages go back to the queue at once. A take for good is made
+/// tentatively for that reason too: the Python side acknowledges it once the messages are in the
+/// awaiting coroutine's hands (`ack_detached`).
+async fn poll_once(client: petrel_client::Client, queue: String, mut options: PollOptions) -> PyResult<Taken> {
+    if options.visibility.is_none() {
         options.visibility = Some(ASYNC_TAKE_VISIBILITY);
     }
     let (answer, answered) = tokio::sync::oneshot::channel();
-    let polling = client.clone();
-    let polled_queue = queue.clone();
     tokio::spawn(async move {
-        let result = polling.poll(&polled_queue, options).await;
-        if let Err(Ok(orphaned)) = answer.send(result) {
-            let handles: Vec<u64> = orphaned.iter().map(|d| d.handle).collect();
-            if !handles.is_empty() {
-                let _ = polling.abort(&polled_queue, &handles).await;
-            }
-        }
+        let result = client.poll(&queue, options).await;
+        // Not received (sent or not), it is dropped: given back.
+        let _ = answer.send(result.map(|deliveries| Taken { client, queue, deliveries }));
     });
-    let delivered = answered.await.map_err(|_| ClosedError::new_err("the poll's task ended"))?.map_err(client_error)?;
-    if for_good && !delivered.is_empty() {
-        let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
-        client.ack(&queue, &handles).await.map_err(client_error)?;
-        return Ok(delivered.into_iter().map(|d| (0, d.message)).collect());
+    answered.await.map_err(|_| ClosedError::new_err("the poll's task ended"))?.map_err(client_error)
+}
+
+/// Messages a poll took tentatively, given back to the head of their queue when dropped before
+/// they reach Python (`keep`): wherever a cancelled poll's answer ends — in a channel no one
+/// reads, or an outcome no coroutine awaits.
+struct Taken {
+    client: petrel_client::Client,
+    queue: String,
+    deliveries: Vec<Delivery>,
+}
+
+impl Taken {
+    fn keep(mut self) -> Vec<Delivery> {
+        std::mem::take(&mut self.deliveries)
     }
-    Ok(delivered.into_iter().map(|d| (d.handle, d.message)).collect())
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        let handles: Vec<u64> = self.deliveries.iter().map(|d| d.handle).collect();
+        if !handles.is_empty() {
+            let (client, queue) = (self.client.clone(), std::mem::take(&mut self.queue));
+            runtime().spawn(async move { give_back(&client, &queue, handles).await });
+        }
+    }
+}
+
+/// Puts tentative takes no one will see back at the head of `queue`.
+async fn give_back(client: &petrel_client::Client, queue: &str, handles: Vec<u64>) {
+    if !handles.is_empty() {
+        // Failed (the connection closed), they come back when their visibility ends.
+        let _ = client.abort(queue, &handles).await;
+    }
 }
 
 fn into_messages(py: Python<'_>, delivered: Vec<(u64, petrel_client::Message)>) -> Vec<Message> {
@@ -719,16 +735,41 @@ impl AsyncCore {
     /// One server-side poll waiting up to `wait` seconds (at most about a second: the Python
     /// side loops for longer waits); the outcome is a list of `Message`.
     #[pyo3(signature = (token, queue, max = 1, wait = 0.0, visibility = None))]
+    /// The outcome is `(messages, handles)`: a take for good (no `visibility`) is tentative
+    /// until the caller acknowledges `handles` (its messages show handle 0).
     fn poll_once(&self, token: u64, queue: String, max: u32, wait: f64, visibility: Option<f64>) {
         let client = self.inner.clone();
         let wait = crate::timeout_from(Some(wait)).unwrap_or(LONG_POLL).min(LONG_POLL);
         let options = poll_options(max, wait, visibility);
+        let for_good = visibility.is_none();
         self.completions.spawn(token, async move {
             match poll_once(client, queue, options).await {
-                Ok(delivered) => outcome_with(move |py| into_messages(py, delivered).into_py_any(py)),
+                Ok(taken) => outcome_with(move |py| {
+                    let delivered = taken.keep();
+                    let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
+                    let shown = |d: &Delivery| if for_good { 0 } else { d.handle };
+                    let delivered = delivered.into_iter().map(|d| (shown(&d), d.message)).collect();
+                    (into_messages(py, delivered), handles).into_py_any(py)
+                }),
                 Err(e) => outcome::<()>(Err(e)),
             }
         });
+    }
+
+    /// Acknowledges tentative takes without waiting for the answer (a poll's takes for good,
+    /// once the awaiting coroutine has them).
+    fn ack_detached(&self, queue: String, handles: Vec<u64>) {
+        let client = self.inner.clone();
+        // Failed (the connection closed), they come back when their visibility ends: delivered
+        // again, never lost.
+        runtime().spawn(async move { client.ack(&queue, &handles).await });
+    }
+
+    /// Gives back tentative takes no one will see, without waiting (a poll whose coroutine was
+    /// cancelled as its answer came).
+    fn abort_detached(&self, queue: String, handles: Vec<u64>) {
+        let client = self.inner.clone();
+        runtime().spawn(async move { give_back(&client, &queue, handles).await });
     }
 
     fn ack(&self, token: u64, queue: String, handles: Vec<u64>) {

@@ -9,7 +9,7 @@
 //! offers/s with 100 in flight. One wake-up per batch of outcomes and no GIL off the loop thread
 //! is the fix; it also means no native thread is inside Python when the interpreter exits.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -21,7 +21,9 @@ use pyo3::prelude::*;
 
 use crate::client::runtime;
 
-/// What a request ended with, made into a Python value on the loop's thread.
+/// What a request ended with, made into a Python value on the loop's thread. One dropped
+/// unconverted (its request was cancelled as it ended) drops what it holds: a poll's messages
+/// are given back then (`client::Taken`).
 pub(crate) type Outcome = Box<dyn FnOnce(Python<'_>) -> PyResult<Py<PyAny>> + Send>;
 
 /// The outcome of a request whose value `convert` makes on the loop's thread.
@@ -42,6 +44,10 @@ pub(crate) struct Inner {
     done: Mutex<Vec<(u64, Outcome)>>,
     /// Requests still running, to abort one whose awaiting coroutine was cancelled.
     running: Mutex<HashMap<u64, tokio::task::AbortHandle>>,
+    /// Requests cancelled whose outcome may still come (an abort lands only at the task's next
+    /// await; or it ended and is not drained yet): that outcome is dropped, not handed over. An
+    /// entry goes with its outcome, or when its task ends without one (`Forget`).
+    cancelled: Mutex<HashSet<u64>>,
     /// A byte is (or will be) on `wake` for the outcomes in `done`.
     signalled: AtomicBool,
     wake: UnixStream,
@@ -55,19 +61,38 @@ impl Inner {
         // Under the lock, so that a request ending at once removes its entry after it is made.
         let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let task = runtime().spawn(async move {
+            let forget = Forget { inner: Arc::clone(&inner), token };
             let outcome = request.await;
             inner.running.lock().unwrap_or_else(|e| e.into_inner()).remove(&token);
             inner.complete(token, outcome);
+            drop(forget);
         });
         running.insert(token, task.abort_handle());
     }
 
     fn complete(&self, token: u64, outcome: Outcome) {
+        if self.cancelled.lock().unwrap_or_else(|e| e.into_inner()).remove(&token) {
+            drop(outcome); // no coroutine awaits it
+            return;
+        }
         self.done.lock().unwrap_or_else(|e| e.into_inner()).push((token, outcome));
         if !self.signalled.swap(true, Ordering::SeqCst) {
             // The socket is non-blocking: a full buffer already holds a wake-up.
             let _ = (&self.wake).write(&[1]);
         }
+    }
+}
+
+/// Takes a request's token out of the cancelled ones when its task ends, by completing or by
+/// being aborted (its future dropped).
+struct Forget {
+    inner: Arc<Inner>,
+    token: u64,
+}
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        self.inner.cancelled.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
     }
 }
 
@@ -87,6 +112,7 @@ impl Completions {
         let inner = Inner {
             done: Mutex::new(Vec::new()),
             running: Mutex::new(HashMap::new()),
+            cancelled: Mutex::new(HashSet::new()),
             signalled: AtomicBool::new(false),
             wake,
             woken,
@@ -110,6 +136,8 @@ impl Completions {
         self.inner.signalled.store(false, Ordering::SeqCst);
         let done = std::mem::take(&mut *self.inner.done.lock().unwrap_or_else(|e| e.into_inner()));
         done.into_iter()
+            // Cancelled after it ended: no coroutine awaits it (dropped).
+            .filter(|(token, _)| !self.inner.cancelled.lock().unwrap_or_else(|e| e.into_inner()).remove(token))
             .map(|(token, outcome)| match outcome(py) {
                 Ok(value) => (token, true, value),
                 Err(e) => (token, false, e.into_value(py).into_any()),
@@ -117,10 +145,13 @@ impl Completions {
             .collect()
     }
 
-    /// Aborts request `token` (its coroutine was cancelled); its outcome never comes.
+    /// Aborts request `token`, whose coroutine was cancelled before its outcome was drained:
+    /// its outcome never comes. One that ends all the same (past its last wait already, or
+    /// ended and not drained yet) is dropped, which gives back what it took.
     fn cancel(&self, token: u64) {
-        let aborted = self.inner.running.lock().unwrap_or_else(|e| e.into_inner()).remove(&token);
-        if let Some(task) = aborted {
+        let mut running = self.inner.running.lock().unwrap_or_else(|e| e.into_inner());
+        self.inner.cancelled.lock().unwrap_or_else(|e| e.into_inner()).insert(token);
+        if let Some(task) = running.remove(&token) {
             task.abort();
         }
     }
