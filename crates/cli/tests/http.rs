@@ -289,6 +289,12 @@ fn the_admin_api_follows_each_users_acls() {
     assert_eq!(names(root), ["jobs.a", "secret"]);
     assert_eq!(names(worker), ["jobs.a"]);
     assert_eq!(get(http, "/api/v1/queues/secret", worker).0, 403);
+    // And the metrics name to each user only those (before, every queue to any user).
+    let scraped = |who| get(http, "/metrics", who).2;
+    assert!(scraped(root).contains("petrel_queue_messages{queue=\"secret\"}"));
+    let scrape = scraped(worker);
+    assert!(scrape.contains("petrel_queue_messages{queue=\"jobs.a\"}"), "{scrape}");
+    assert!(!scrape.contains("secret"), "{scrape}");
     assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a", worker, "").0, 403);
     assert_eq!(request("POST", http, "/api/v1/queues/jobs.a/purge", worker, "").0, 403);
     // Open reads: listed to whoever may see the queue (who holds them only to admins),

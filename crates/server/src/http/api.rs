@@ -23,9 +23,9 @@ use crate::stats::get as read;
 
 type Ctxt = State<Arc<Ctx>>;
 
-const ANY_QUEUE_RIGHT: &[Action] = &[Action::Offer, Action::Poll, Action::Manage];
-const ANY_TOPIC_RIGHT: &[Action] = &[Action::Publish, Action::Subscribe, Action::Manage];
-const ANY_FUNCTION_RIGHT: &[Action] = &[Action::Exec, Action::Serve, Action::Manage];
+pub(super) const ANY_QUEUE_RIGHT: &[Action] = &[Action::Offer, Action::Poll, Action::Manage];
+pub(super) const ANY_TOPIC_RIGHT: &[Action] = &[Action::Publish, Action::Subscribe, Action::Manage];
+pub(super) const ANY_FUNCTION_RIGHT: &[Action] = &[Action::Exec, Action::Serve, Action::Manage];
 
 /// The answer to a broker error: its HTTP status and its text.
 fn broker_error(e: BrokerError) -> Response {

@@ -13,20 +13,43 @@ use metrics::{Key, KeyName, Label, Metadata, Recorder};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 use metrics_util::MetricKindMask;
 use petrel_broker::CallObserver;
+use petrel_broker::security::{Action, Kind, Principal};
 use petrel_log::SyncObserver;
 
 use super::Ctxt;
 use crate::Ctx;
 use crate::stats::get as read;
 
+/// Which queues, topics and functions a scrape names in its series' labels.
+pub(super) enum Names {
+    /// Every one (`http_open_metrics`: a scraper on a trusted network).
+    All,
+    /// Those the user has a right on, as the admin API lists them (all, without users).
+    SeenBy(Option<Principal>),
+}
+
+impl Names {
+    fn shows(&self, ctx: &Ctx, kind: Kind, name: &str) -> bool {
+        let rights: &[Action] = match kind {
+            Kind::Queue => super::api::ANY_QUEUE_RIGHT,
+            Kind::Topic => super::api::ANY_TOPIC_RIGHT,
+            Kind::Function => super::api::ANY_FUNCTION_RIGHT,
+        };
+        match self {
+            Names::All => true,
+            Names::SeenBy(who) => ctx.broker.may(who.as_ref(), kind, name, rights),
+        }
+    }
+}
+
 /// `/metrics` (the router asks for a user first, unless `http_open_metrics`).
 /// Off the runtime's workers: a scrape of 10,000 queues takes ~0.2 s (docs/benchmarks.md).
-pub(super) async fn scrape(State(ctx): Ctxt) -> Response {
+pub(super) async fn scrape(State(ctx): Ctxt, names: Names) -> Response {
     let rendered = tokio::task::spawn_blocking(move || {
         let scrape = Scrape::new();
-        scrape.collect(&ctx);
+        scrape.collect(&ctx, &names);
         let mut text = scrape.recorder.handle().render();
-        text.push_str(&ctx.events.render());
+        text.push_str(&ctx.events.render(|function| names.shows(&ctx, Kind::Function, function)));
         text
     })
     .await;
@@ -94,8 +117,21 @@ impl Events {
         self.recorder.handle().run_upkeep();
     }
 
-    fn render(&self) -> String {
-        self.recorder.handle().render()
+    /// The text of every series, those of functions `shows` refuses left out.
+    fn render(&self, shows: impl Fn(&str) -> bool) -> String {
+        let text = self.recorder.handle().render();
+        let hidden = |line: &str| {
+            // (Function names are plain characters: their label value needs no unescaping.)
+            let Some(at) = line.find("function=\"") else { return false };
+            let value = &line[at + "function=\"".len()..];
+            value.find('"').is_some_and(|end| !shows(&value[..end]))
+        };
+        let mut shown = String::with_capacity(text.len());
+        for line in text.lines().filter(|l| !hidden(l)) {
+            shown.push_str(line);
+            shown.push('\n');
+        }
+        shown
     }
 }
 
@@ -121,7 +157,7 @@ impl Scrape {
         self.recorder.register_counter(&Key::from_parts(name, labels), &METADATA).absolute(value);
     }
 
-    fn collect(&self, ctx: &Ctx) {
+    fn collect(&self, ctx: &Ctx, names: &Names) {
         let s = &ctx.stats;
         let broker = &ctx.broker;
         let none = Vec::new;
@@ -162,7 +198,7 @@ impl Scrape {
             let labels = vec![Label::new("protocol", "memcache"), Label::new("command", *command)];
             self.counter("petrel_requests_total", "Requests read, by command.", labels, read(&s.memcache_requests[i]));
         }
-        for f in broker.functions() {
+        for f in broker.functions().into_iter().filter(|f| names.shows(ctx, Kind::Function, &f.name)) {
             let labels = || vec![Label::new("function", f.name.clone())];
             self.gauge(
                 "petrel_function_servers",
@@ -178,12 +214,12 @@ impl Scrape {
         }
         let topics = broker.topic_names();
         self.gauge("petrel_topics", "Topics.", none(), topics.len() as u64);
-        let names = broker.queue_names();
-        self.gauge("petrel_queues", "Queues.", none(), names.len() as u64);
+        let queues = broker.queue_names();
+        self.gauge("petrel_queues", "Queues.", none(), queues.len() as u64);
         if !ctx.config.metrics_per_queue {
             return;
         }
-        for topic in &topics {
+        for topic in topics.iter().filter(|t| names.shows(ctx, Kind::Topic, t)) {
             let Some(t) = broker.topic(topic) else { continue };
             for g in t.groups() {
                 let labels = vec![Label::new("topic", topic.clone()), Label::new("group", g.name)];
@@ -191,7 +227,7 @@ impl Scrape {
                 self.gauge("petrel_group_lag_messages", help, labels, g.lag);
             }
         }
-        for name in &names {
+        for name in queues.iter().filter(|q| names.shows(ctx, Kind::Queue, q)) {
             let Some(q) = broker.queue(name).map(|q| q.counters()) else { continue };
             let labels = || vec![Label::new("queue", name.clone())];
             self.gauge("petrel_queue_messages", "Messages waiting (not taken).", labels(), q.items);

@@ -38,9 +38,9 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         Err(e) => return tracing::error!(error = %e, "the HTTP listener could not start"),
     };
     let metrics = if ctx.config.http_open_metrics {
-        get(metrics::scrape)
+        get(|ctx: Ctxt| metrics::scrape(ctx, metrics::Names::All))
     } else {
-        get(|_: Caller, ctx: Ctxt| metrics::scrape(ctx))
+        get(|Caller(who): Caller, ctx: Ctxt| metrics::scrape(ctx, metrics::Names::SeenBy(who)))
     };
     let app = Router::new()
         .route("/metrics", metrics)
