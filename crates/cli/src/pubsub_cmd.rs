@@ -98,7 +98,10 @@ pub fn topic(cmd: TopicCommand) -> Res {
                 Some((lo, hi)) => format!(", each to {lo} to {hi} subscribers"),
                 None => String::new(),
             };
-            eprintln!("{} published to {name}{subscribers}", crate::output::count(sent, "message"));
+            // A durable topic keeps what is published whoever listens: "0 subscribers" alone would
+            // read as lost.
+            let kept = if sent > 0 && client.topic_is_durable(&name) == Some(true) { ", kept in its log" } else { "" };
+            eprintln!("{} published to {name}{kept}{subscribers}", crate::output::count(sent, "message"));
         }
         TopicCommand::Subscribe { name, server, count, buffer, json, group, from } => {
             if group.is_none() && from.is_some() {

@@ -109,6 +109,14 @@ impl Target {
         })
     }
 
+    /// Whether topic `name` keeps a log (on a cluster: not asked, `None`).
+    pub fn topic_is_durable(&self, name: &str) -> Option<bool> {
+        match self {
+            Target::One(c) => c.topic_status(name).ok().map(|s| s.durable),
+            Target::Many(_) => None,
+        }
+    }
+
     pub fn create_topic(&self, name: &str, durable: bool) -> Result<(), ClientError> {
         on_either!(self, c => c.create_topic(name, durable))
     }

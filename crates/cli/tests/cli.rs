@@ -59,6 +59,10 @@ fn counts_in_words_json_in_base64_and_subscribers_reached() {
     assert!(reached, "{err}");
     assert!(run(&["topic", "publish", "news", "--server", s], "b\n").0);
     assert!(subscriber.wait().unwrap().success());
+    // A durable topic keeps what no one listens to: said so, not only "0 subscribers".
+    assert!(run(&["topic", "create", "audit", "--durable", "--server", s], "").0);
+    let (ok, _, err) = run(&["topic", "publish", "audit", "--server", s], "a\nb\n");
+    assert!(ok && err.contains("2 messages published to audit, kept in its log, each to 0 subscribers"), "{err}");
 }
 
 #[test]
