@@ -1266,19 +1266,30 @@ impl Queue {
     /// Acknowledges tentative deliveries of `consumer`; returns how many were known.
     pub fn ack(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
         let mut inner = self.lock();
-        let mut n = 0;
+        let (mut n, mut failed) = (0, None);
         for h in handles {
             if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
                 let f = inner.in_flight.remove(h).expect("just seen");
-                inner.settle(&f.item)?;
+                if let Err(e) = inner.settle(&f.item) {
+                    // Still open (not lost from the queue): it times out or is returned.
+                    inner.in_flight.insert(*h, f);
+                    failed = Some(e);
+                    break;
+                }
                 counting::subtract(&mut inner.bytes, f.bytes, "a queue's bytes");
                 inner.counters.acked += 1;
                 n += 1;
             }
         }
+        // Messages wait that a level's log may have held back while too many were out
+        // unacknowledged (`ConsumerGroup::poll`): pollers look again.
+        let waiting = inner.waiting > 0;
         drop(inner);
         self.room.notify_waiters();
-        Ok(n)
+        if n > 0 && waiting {
+            self.available.notify_waiters();
+        }
+        failed.map_or(Ok(n), Err)
     }
 
     /// Puts tentative deliveries of `consumer` back at the head of the queue, or, with a delay
