@@ -83,6 +83,8 @@ __all__ = [
 
 # A server-side poll waits at most about a second at a time; longer waits loop.
 _LONG_POLL = 1.0
+# How long `AsyncClient.close` waits for acknowledgements of takes for good still on their way.
+_CLOSE_ACKS_TIMEOUT = 10.0
 
 
 @atexit.register
@@ -164,6 +166,18 @@ class _Requests:
                 if give_back is not None:
                     give_back(future.result())
             raise
+
+    def start(self, start: Callable[..., None], *args: Any) -> "asyncio.Future[Any]":
+        """Starts a native request now, not awaited here: its future resolves with the outcome."""
+        token = next(self.tokens)
+        future = self.loop.create_future()
+        self.waiting[token] = (future, None)
+        try:
+            start(token, *args)
+        except BaseException:
+            del self.waiting[token]
+            raise
+        return future
 
     def close(self) -> None:
         """Stops watching once the requests in flight have their outcomes."""
@@ -262,6 +276,8 @@ class AsyncClient:
         self._closed = False
         # Served functions: each one's stream of calls and the task answering them.
         self._serving: Dict[str, Tuple[_AsyncCalls, "asyncio.Task[None]"]] = {}
+        # Acknowledgements of takes for good on their way (`close` waits for them).
+        self._acks: Set["asyncio.Future[Any]"] = set()
 
     async def connect(self) -> "AsyncClient":
         """Connects now (once); returns the client."""
@@ -358,9 +374,23 @@ class AsyncClient:
             if messages and visibility is None:
                 # Taken tentatively: gone for good once in this coroutine's hands (here, with no
                 # wait before the return that could be cancelled).
-                core.ack_detached(queue, handles)
+                self._acknowledge(core, queue, handles)
             if messages or (deadline is not None and loop.time() >= deadline):
                 return messages
+
+    def _acknowledge(self, core: Any, queue: str, handles: List[int]) -> None:
+        """Acknowledges a take for good in the background (`close` waits for it). One that
+        fails (the connection lost) is delivered again when its visibility ends."""
+        assert self._requests is not None
+        ack = self._requests.start(core.ack, queue, handles)
+        self._acks.add(ack)
+
+        def done(ack: "asyncio.Future[Any]") -> None:
+            self._acks.discard(ack)
+            if not ack.cancelled():
+                ack.exception()  # (retrieved: see above)
+
+        ack.add_done_callback(done)
 
     async def poll(self, queue: str, timeout: Optional[float] = 0.0) -> Optional[Message]:
         """Takes the message at the head for good, waiting up to ``timeout`` seconds
@@ -497,6 +527,10 @@ class AsyncClient:
             answering.cancel()
         self._serving.clear()
         self._closed = True
+        if self._acks:
+            # Takes for good returned to their callers are acknowledged before the connection
+            # goes (closed first, it would give them back to their queues).
+            await asyncio.wait(list(self._acks), timeout=_CLOSE_ACKS_TIMEOUT)
         if self._core is not None:
             self._core.close()
         if self._requests is not None:

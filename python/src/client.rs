@@ -598,7 +598,7 @@ pub struct AsyncCore {
 /// coroutine is cancelled (a `wait_for` timeout) while the poll is on the server, the task still
 /// gets the answer, and its messages go back to the queue at once. A take for good is made
 /// tentatively for that reason too: the Python side acknowledges it once the messages are in the
-/// awaiting coroutine's hands (`ack_detached`).
+/// awaiting coroutine's hands (`AsyncClient._acknowledge`).
 async fn poll_once(client: petrel_client::Client, queue: String, mut options: PollOptions) -> PyResult<Taken> {
     if options.visibility.is_none() {
         options.visibility = Some(ASYNC_TAKE_VISIBILITY);
@@ -733,10 +733,10 @@ impl AsyncCore {
     }
 
     /// One server-side poll waiting up to `wait` seconds (at most about a second: the Python
-    /// side loops for longer waits); the outcome is a list of `Message`.
+    /// side loops for longer waits). The outcome is `(messages, handles)`: a take for good (no
+    /// `visibility`) is tentative until the caller acknowledges `handles` (its messages show
+    /// handle 0).
     #[pyo3(signature = (token, queue, max = 1, wait = 0.0, visibility = None))]
-    /// The outcome is `(messages, handles)`: a take for good (no `visibility`) is tentative
-    /// until the caller acknowledges `handles` (its messages show handle 0).
     fn poll_once(&self, token: u64, queue: String, max: u32, wait: f64, visibility: Option<f64>) {
         let client = self.inner.clone();
         let wait = crate::timeout_from(Some(wait)).unwrap_or(LONG_POLL).min(LONG_POLL);
@@ -754,15 +754,6 @@ impl AsyncCore {
                 Err(e) => outcome::<()>(Err(e)),
             }
         });
-    }
-
-    /// Acknowledges tentative takes without waiting for the answer (a poll's takes for good,
-    /// once the awaiting coroutine has them).
-    fn ack_detached(&self, queue: String, handles: Vec<u64>) {
-        let client = self.inner.clone();
-        // Failed (the connection closed), they come back when their visibility ends: delivered
-        // again, never lost.
-        runtime().spawn(async move { client.ack(&queue, &handles).await });
     }
 
     /// Gives back tentative takes no one will see, without waiting (a poll whose coroutine was

@@ -60,9 +60,12 @@ impl Inner {
         let inner = Arc::clone(self);
         // Under the lock, so that a request ending at once removes its entry after it is made.
         let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        // Made outside the task, so that it drops with a task aborted before it first ran.
+        let mut forget = Forget { inner: Arc::clone(&inner), token, armed: true };
         let task = runtime().spawn(async move {
-            let forget = Forget { inner: Arc::clone(&inner), token };
             let outcome = request.await;
+            // From here `complete`, or `drain` after it, owns a cancellation's entry.
+            forget.armed = false;
             inner.running.lock().unwrap_or_else(|e| e.into_inner()).remove(&token);
             inner.complete(token, outcome);
             drop(forget);
@@ -83,16 +86,19 @@ impl Inner {
     }
 }
 
-/// Takes a request's token out of the cancelled ones when its task ends, by completing or by
-/// being aborted (its future dropped).
+/// Takes a request's token out of the cancelled ones when its task ends without an outcome
+/// (aborted, its future dropped, whether it ran or not); disarmed once the outcome exists.
 struct Forget {
     inner: Arc<Inner>,
     token: u64,
+    armed: bool,
 }
 
 impl Drop for Forget {
     fn drop(&mut self) {
-        self.inner.cancelled.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
+        if self.armed {
+            self.inner.cancelled.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
+        }
     }
 }
 

@@ -214,3 +214,20 @@ def test_asyncio_polls_cancelled_at_any_moment_lose_and_repeat_nothing(server):
             assert sorted(received) == sorted(sent), f"{count - len(set(received))} lost"
 
     asyncio.run(main())
+
+
+def test_an_asyncio_take_for_good_stays_taken_when_the_client_closes_at_once(server):
+    """A take for good is acknowledged after it returns: closing the client right after waits for
+    that, or the server would give the message back as the connection ends."""
+
+    async def main():
+        async with petrel.AsyncClient(server) as producer:
+            await producer.create_queue("once", durable=False)
+            await producer.offer_many("once", [b"a", b"b", b"c"])
+            for expected in [b"a", b"b", b"c"]:
+                async with petrel.AsyncClient(server) as c:
+                    got = await c.poll("once", timeout=5)
+                    assert got is not None and got.payload == expected
+            assert await producer.poll("once", timeout=0.3) is None, "none came back"
+
+    asyncio.run(main())
