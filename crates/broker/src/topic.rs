@@ -312,7 +312,7 @@ impl Topic {
         log.groups()
             .into_iter()
             .map(|g| GroupStats {
-                lag: next_offset.saturating_sub(g.committed),
+                lag: g.unacknowledged(next_offset),
                 name: g.name,
                 committed: g.committed,
                 next_offset,

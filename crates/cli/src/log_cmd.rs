@@ -205,7 +205,7 @@ fn groups(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let groups = verify::list_groups(&dir)?;
     println!("{:<24} {:>14} {:>14} {:>12} {:>6}", "group", "committed", "lag", "acked ahead", "held");
     for g in groups {
-        let lag = end.saturating_sub(g.committed);
+        let lag = g.unacknowledged(end);
         println!("{:<24} {:>14} {:>14} {:>12} {:>6}", g.name, g.committed, lag, g.acked_above, g.held);
     }
     Ok(ExitCode::SUCCESS)

@@ -60,15 +60,30 @@ pub struct GroupInfo {
     /// Records the group went on past while they stayed delivered and unacknowledged (held long
     /// by a consumer): `committed` is the lowest of them.
     pub held: usize,
+    /// Where the group's window of delivered records starts: `committed` unless records are
+    /// held; `acked_above` counts from here.
+    pub window_start: u64,
     /// Whether a handle to the group is open in this process.
     pub open: bool,
     /// Records the group lost to retention caps before it read them.
     pub skipped: u64,
 }
 
+impl GroupInfo {
+    /// Records of a log ending at `end` the group has not acknowledged (those it holds among
+    /// them): its lag.
+    pub fn unacknowledged(&self, end: u64) -> u64 {
+        end.saturating_sub(self.window_start).saturating_sub(self.acked_above as u64) + self.held as u64
+    }
+}
+
 /// A group's entry in the log's registry: what retention and listings need to know.
 pub(crate) struct GroupEntry {
+    /// The lowest unacknowledged offset: what retention keeps.
     pub committed: AtomicU64,
+    /// Where the window of delivered records starts (`committed` unless records are held):
+    /// what retention counts as lost when it removes records the group had not read.
+    pub window_start: AtomicU64,
     pub open: AtomicBool,
     pub skipped: AtomicU64,
     /// The offset up to which `skipped` counts what retention removed before this group read
@@ -84,6 +99,7 @@ impl GroupEntry {
     fn closed(state: &CursorState) -> Arc<GroupEntry> {
         Arc::new(GroupEntry {
             committed: AtomicU64::new(state.lowest_unacknowledged()),
+            window_start: AtomicU64::new(state.committed),
             open: AtomicBool::new(false),
             skipped: AtomicU64::new(0),
             skipped_to: AtomicU64::new(0),
@@ -107,6 +123,7 @@ pub(crate) fn infos(log: &LogState) -> Vec<GroupInfo> {
             committed: e.committed.load(Ordering::Acquire),
             acked_above: e.acked_above.load(Ordering::Relaxed) as usize,
             held: e.held.load(Ordering::Relaxed) as usize,
+            window_start: e.window_start.load(Ordering::Acquire),
             open: e.open.load(Ordering::Acquire),
             skipped: e.skipped.load(Ordering::Relaxed),
         })
@@ -276,6 +293,7 @@ impl CursorFile {
         self.seq += 1;
         cursor::write(&mut self.map, self.seq, committed, &self.bitmap, held.iter().copied());
         let lowest = held.first().map_or(committed, |&h| h.min(committed));
+        self.entry.window_start.store(committed, Ordering::Release);
         self.entry.committed.store(lowest, Ordering::Release);
         self.entry.acked_above.store(count as u64, Ordering::Relaxed);
         self.entry.held.store(held.len() as u64, Ordering::Relaxed);
@@ -348,6 +366,7 @@ impl ConsumerGroup {
         entry.skipped.fetch_add(first.saturating_sub(counted), Ordering::Relaxed);
         let state = state.within(first, u64::MAX);
         let committed = state.committed;
+        entry.window_start.store(committed, Ordering::Release);
         entry.committed.store(state.lowest_unacknowledged(), Ordering::Release);
         entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
         entry.held.store(state.held.len() as u64, Ordering::Relaxed);
@@ -440,9 +459,14 @@ impl ConsumerGroup {
     pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Batch<'_>> {
         self.shared.check_poison()?;
         self.catch_up_with_retention()?;
-        if let Some(offset) = self.redeliver.pop_first() {
+        while let Some(offset) = self.redeliver.pop_first() {
             self.redelivery.seek(offset);
-            return self.redelivery.read_batch(1);
+            if self.redelivery.next_readable()? == Some(offset) {
+                return self.redelivery.read_batch(1);
+            }
+            // Retention removed it since the catch-up above (held records are the oldest):
+            // caught up with again, the next one.
+            self.catch_up_with_retention()?;
         }
         let deadline = Instant::now() + timeout;
         loop {
@@ -555,7 +579,10 @@ impl ConsumerGroup {
         if self.committed() >= first {
             return Ok(());
         }
+        let held = self.held.len();
         self.held.retain(|&o| o >= first);
+        // (Retention counts what it removes from the window on; held records it removed, here.)
+        self.cursor.entry.skipped.fetch_add((held - self.held.len()) as u64, Ordering::Relaxed);
         if self.committed < first {
             let gone = (first - self.committed) as usize;
             if gone >= self.acked.len() {

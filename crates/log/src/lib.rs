@@ -153,7 +153,8 @@ pub mod fuzzing {
         file[..4].copy_from_slice(b"PCUR");
         file[8..8 + body.len()].copy_from_slice(body);
         let len = u32::from_le_bytes(file[24..28].try_into().unwrap()) as usize;
-        let end = (32 + len).min(LEN / 2);
+        let held = u32::from_le_bytes(file[28..32].try_into().unwrap()) as usize;
+        let end = 32usize.saturating_add(len).saturating_add(held.saturating_mul(8)).min(LEN / 2);
         let crc = crate::checksum::crc32c(&file[8..end]);
         file[4..8].copy_from_slice(&crc.to_le_bytes());
         (raw, check(&file))

@@ -81,13 +81,15 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
     // Groups behind the new start lose records: count them, and move closed groups' cursors
     // (open ones move themselves on their next poll).
     for (name, entry) in groups.iter() {
-        let committed = entry.committed.load(Ordering::Acquire);
-        if committed >= first {
+        if entry.committed.load(Ordering::Acquire) >= first {
             continue;
         }
         // An open group's cursor moves only when it next polls (or, closed before that, when it
-        // is opened again): count each record once.
-        let counted = committed.max(old_first).max(entry.skipped_to.fetch_max(first, Ordering::AcqRel));
+        // is opened again): count each record once. (From the window's start: what a group
+        // acknowledged after a record it holds is not lost; a held record is counted when the
+        // group steps over it.)
+        let window_start = entry.window_start.load(Ordering::Acquire);
+        let counted = window_start.max(old_first).max(entry.skipped_to.fetch_max(first, Ordering::AcqRel));
         let lost = first.saturating_sub(counted);
         entry.skipped.fetch_add(lost, Ordering::Relaxed);
         report.records_skipped += lost;
@@ -100,12 +102,16 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
             // segments go all the same.
             let path = crate::group::cursor_path(shared.dir(), name);
             let durable = shared.options().durability != Durability::None;
-            let moved = crate::group::read_cursor(&path).map(|state| state.within(first, u64::MAX)).and_then(|state| {
+            let moved = crate::group::read_cursor(&path).and_then(|state| {
+                let held_lost = state.held.iter().filter(|&&o| o < first).count() as u64;
+                entry.skipped.fetch_add(held_lost, Ordering::Relaxed);
+                let state = state.within(first, u64::MAX);
                 crate::group::create_cursor(shared.dir(), name, &state, durable)?;
                 Ok(state)
             });
             match moved {
                 Ok(state) => {
+                    entry.window_start.store(state.committed, Ordering::Release);
                     entry.committed.store(state.lowest_unacknowledged(), Ordering::Release);
                     entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
                     entry.held.store(state.held.len() as u64, Ordering::Relaxed);

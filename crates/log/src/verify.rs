@@ -74,6 +74,7 @@ pub fn list_groups(dir: impl AsRef<Path>) -> Result<Vec<crate::GroupInfo>> {
             committed: state.lowest_unacknowledged(),
             acked_above: state.acked_above.len(),
             held: state.held.len(),
+            window_start: state.committed,
             open: false,
             skipped: 0,
         })

@@ -433,3 +433,17 @@ fn held_records_are_bounded_by_what_a_cursor_holds() {
     let g = log.group("g", GroupOptions { max_pending, ..GroupOptions::default() }).unwrap();
     assert_eq!(g.committed(), kept[1], "what was held is there after a restart");
 }
+
+#[test]
+fn a_groups_lag_counts_what_it_has_not_acknowledged_while_it_holds_a_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 1000);
+    let mut g = log.group("g", GroupOptions { max_pending: 16, ..GroupOptions::default() }).unwrap();
+    assert_eq!(offsets(g.poll(1, NOW).unwrap()), [0]);
+    poll_and_ack(&mut g, 600);
+    let info = &log.groups()[0];
+    assert_eq!((info.committed, info.held), (0, 1));
+    assert!(info.window_start > 500, "{}", info.window_start);
+    assert_eq!(info.unacknowledged(log.next_offset()), g.unacknowledged());
+    assert_eq!(g.unacknowledged(), 1000 - 600);
+}

@@ -264,3 +264,32 @@ fn a_held_record_keeps_its_segment_until_it_is_acknowledged() {
     log.apply_retention().unwrap();
     assert!(log.first_offset() > 0, "acknowledged, it goes with the rest");
 }
+
+/// A byte cap that removes a held record counts that record lost, not every record the group
+/// acknowledged after it; the group's lag counts only what it has not acknowledged.
+#[test]
+fn a_cap_removing_a_held_record_counts_one_loss_and_lag_counts_what_is_unacknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 4 * MIN_SEGMENT_BYTES;
+    let mut log = Log::open(dir.path(), opts(Retention { max_bytes: Some(cap), ..Default::default() })).unwrap();
+    let mut g = log.group("g", GroupOptions { max_pending: 16, ..Default::default() }).unwrap();
+    log.append(&[0u8; 64]).unwrap();
+    assert_eq!(g.poll(1, Duration::ZERO).unwrap().into_iter().next().map(|r| r.offset), Some(0), "held");
+    let last = loop {
+        let last = log.append(&[1u8; 64]).unwrap();
+        if log.first_offset() > 0 {
+            break last;
+        }
+        let offset = g.poll(1, Duration::ZERO).unwrap().into_iter().next().unwrap().offset;
+        g.ack(offset).unwrap();
+    };
+    let info = &log.groups()[0];
+    assert_eq!((info.committed, info.held, info.skipped), (0, 1, 0), "nothing it had not read was removed");
+    assert_eq!(info.unacknowledged(log.next_offset()), 2, "the held one and the newest");
+    // Its next poll steps over the held record retention took: one loss.
+    let next = g.poll(1, Duration::ZERO).unwrap().into_iter().next().unwrap().offset;
+    assert_eq!(next, last);
+    let info = &log.groups()[0];
+    assert_eq!((info.held, info.skipped), (0, 1));
+    assert_eq!(g.committed(), last);
+}
