@@ -799,7 +799,12 @@ impl Broker {
 
     /// Removes a queue and its contents.
     pub fn remove_queue(&self, name: &str) -> Result<(), BrokerError> {
-        self.remove_queue_locked(name)?;
+        self.remove_queue_if(name, None)
+    }
+
+    /// Removes queue `name` if it is `only` (when given): not another made under its name since.
+    fn remove_queue_if(&self, name: &str, only: Option<&Arc<Queue>>) -> Result<(), BrokerError> {
+        self.remove_queue_locked(name, only)?;
         let mut created = self.created_by.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(user) = created.creator.remove(name)
             && let Some(n) = created.count.get_mut(&user)
@@ -812,9 +817,15 @@ impl Broker {
         Ok(())
     }
 
-    fn remove_queue_locked(&self, name: &str) -> Result<(), BrokerError> {
+    fn remove_queue_locked(&self, name: &str, only: Option<&Arc<Queue>>) -> Result<(), BrokerError> {
         let _guard = self.definitions_unless_creating(name);
-        let queue = self.write().remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?;
+        let queue = {
+            let mut registry = self.write();
+            if only.is_some_and(|only| !registry.queues.get(name).is_some_and(|q| Arc::ptr_eq(q, only))) {
+                return Err(BrokerError::NotFound(name.to_owned()));
+            }
+            registry.remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?
+        };
         // Release: whoever reads the new count (`queues_removed`) finds the queue gone.
         self.removed.fetch_add(1, Ordering::Release);
         // Whoever waits on it (for messages, or for room) learns that it is gone.
@@ -1229,7 +1240,9 @@ impl Broker {
         let queues: Vec<Arc<Queue>> = self.read().queues.values().cloned().collect();
         for q in queues {
             if q.owner == Some(consumer) {
-                let _ = self.remove_queue(&q.name);
+                // This one: a queue of the name made since (after an admin removed this one)
+                // is someone else's.
+                let _ = self.remove_queue_if(&q.name, Some(&q));
             } else {
                 match q.release(consumer, now_ns) {
                     Ok(returned) => self.dead_letter(&q, returned.over_limit, DeadReason::MaxDeliveries, now_ns),

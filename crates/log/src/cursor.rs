@@ -69,13 +69,7 @@ impl CursorState {
 
 /// Encodes a state (`committed`, its `bitmap`, and the `held` offsets below it, ascending) with
 /// `seq` into the slot `seq` selects; returns the slot's range in the file.
-pub(crate) fn write(
-    file: &mut [u8],
-    seq: u64,
-    committed: u64,
-    bitmap: &[u8],
-    held: impl ExactSizeIterator<Item = u64>,
-) -> std::ops::Range<usize> {
+pub(crate) fn write(file: &mut [u8], seq: u64, committed: u64, bitmap: &[u8], held: &[u64]) -> std::ops::Range<usize> {
     assert!(bitmap.len() <= MAX_BITMAP_BYTES, "cursor bitmap too long");
     assert!(held.len() <= MAX_HELD, "too many held records for a slot");
     let start = (seq % 2) as usize * SLOT_LEN;
@@ -86,7 +80,7 @@ pub(crate) fn write(
     slot[24..28].copy_from_slice(&(bitmap.len() as u32).to_le_bytes());
     slot[28..32].copy_from_slice(&(held.len() as u32).to_le_bytes());
     slot[SLOT_HEADER..held_at].copy_from_slice(bitmap);
-    for (i, offset) in held.enumerate() {
+    for (i, &offset) in held.iter().enumerate() {
         debug_assert!(offset < committed, "a held record is below committed");
         slot[held_at + 8 * i..held_at + 8 * (i + 1)].copy_from_slice(&offset.to_le_bytes());
     }
@@ -176,10 +170,10 @@ mod tests {
     fn the_newest_valid_slot_wins_and_a_torn_one_is_ignored() {
         let mut file = vec![0u8; CURSOR_FILE_LEN];
         assert_eq!(read(&file), None);
-        write(&mut file, 1, 10, &[], std::iter::empty());
+        write(&mut file, 1, 10, &[], &[]);
         let mut bm = Vec::new();
         bitmap(12, [14, 20], &mut bm);
-        let range = write(&mut file, 2, 12, &bm, std::iter::empty());
+        let range = write(&mut file, 2, 12, &bm, &[]);
         assert_eq!(read(&file), Some((2, CursorState { committed: 12, acked_above: vec![14, 20], held: vec![] })));
         // Tear the newest slot at every byte: the previous state comes back.
         for at in range.clone() {
@@ -192,10 +186,10 @@ mod tests {
     #[test]
     fn a_slot_whose_acknowledgements_pass_the_last_offset_is_not_valid() {
         let mut file = vec![0u8; CURSOR_FILE_LEN];
-        write(&mut file, 1, 10, &[], std::iter::empty());
-        write(&mut file, 2, u64::MAX - 3, &[0xff], std::iter::empty());
+        write(&mut file, 1, 10, &[], &[]);
+        write(&mut file, 2, u64::MAX - 3, &[0xff], &[]);
         assert_eq!(read(&file).map(|(s, c)| (s, c.committed)), Some((1, 10)), "the other slot");
-        write(&mut file, 4, u64::MAX - 8, &[0xff], std::iter::empty()); // the last bit: offset 2⁶⁴ − 1
+        write(&mut file, 4, u64::MAX - 8, &[0xff], &[]); // the last bit: offset 2⁶⁴ − 1
         assert_eq!(read(&file).map(|(s, c)| (s, c.acked_above.len())), Some((4, 8)), "just fits");
     }
 
@@ -204,17 +198,18 @@ mod tests {
         let mut file = vec![0u8; CURSOR_FILE_LEN];
         let mut bm = Vec::new();
         bitmap(100, [103], &mut bm);
-        write(&mut file, 1, 100, &bm, [7u64, 40, 99].into_iter());
+        write(&mut file, 1, 100, &bm, &[7u64, 40, 99]);
         let held = CursorState { committed: 100, acked_above: vec![103], held: vec![7, 40, 99] };
         assert_eq!(read(&file), Some((1, held.clone())));
         assert_eq!(held.lowest_unacknowledged(), 7);
         assert_eq!(held.clone().within(40, 200).held, vec![40, 99], "retention took the first");
         // A slot as files before held records were written it: the field is 0, read as none.
-        write(&mut file, 2, 5, &[], std::iter::empty());
+        write(&mut file, 2, 5, &[], &[]);
         assert_eq!(read(&file), Some((2, CursorState { committed: 5, acked_above: vec![], held: vec![] })));
         // As many as a slot holds beside the longest bitmap.
         let full = vec![0xffu8; MAX_BITMAP_BYTES];
-        let range = write(&mut file, 3, 1_000, &full, (0..MAX_HELD).map(|i| i as u64));
+        let held: Vec<u64> = (0..MAX_HELD as u64).collect();
+        let range = write(&mut file, 3, 1_000, &full, &held);
         assert_eq!(range.len(), SLOT_LEN, "the slot is full");
         let (_, state) = read(&file).expect("a valid slot");
         assert_eq!((state.held.len(), state.acked_above.len()), (MAX_HELD, MAX_PENDING));
@@ -223,7 +218,7 @@ mod tests {
     #[test]
     fn a_slot_naming_held_records_out_of_order_or_above_committed_is_not_valid() {
         let mut file = vec![0u8; CURSOR_FILE_LEN];
-        write(&mut file, 1, 10, &[], std::iter::empty());
+        write(&mut file, 1, 10, &[], &[]);
         // (Written by hand: `write` asserts what a reader checks.)
         for held in [[3u64, 3], [5, 4], [4, 10]] {
             let mut bad = file.clone();

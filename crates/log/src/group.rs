@@ -220,7 +220,7 @@ pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable
     let mut bytes = vec![0u8; CURSOR_FILE_LEN];
     let mut bitmap = Vec::new();
     cursor::bitmap(state.committed, state.acked_above.iter().copied(), &mut bitmap);
-    cursor::write(&mut bytes, 1, state.committed, &bitmap, state.held.iter().copied());
+    cursor::write(&mut bytes, 1, state.committed, &bitmap, &state.held);
     fs::write(&tmp, &bytes).map_err(io_err("write cursor", &tmp))?;
     if durable {
         File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("sync cursor", &tmp))?;
@@ -257,7 +257,8 @@ pub struct ConsumerGroup {
     /// Offsets below `committed` delivered and not acknowledged: the window moved over them
     /// when they held it full (`poll`). At most `MAX_HELD`; after a restart they are delivered
     /// again first.
-    held: BTreeSet<u64>,
+    /// (Ascending: a slice for the cursor, and few enough that a search is quick.)
+    held: Vec<u64>,
 }
 
 /// The open cursor file of a group and what keeps it durable.
@@ -283,7 +284,7 @@ impl CursorFile {
         committed: u64,
         acked_above: impl Iterator<Item = u64>,
         count: usize,
-        held: &BTreeSet<u64>,
+        held: &[u64],
     ) -> Result<()> {
         if count == 0 {
             self.bitmap.clear();
@@ -291,7 +292,7 @@ impl CursorFile {
             cursor::bitmap(committed, acked_above, &mut self.bitmap);
         }
         self.seq += 1;
-        cursor::write(&mut self.map, self.seq, committed, &self.bitmap, held.iter().copied());
+        cursor::write(&mut self.map, self.seq, committed, &self.bitmap, held);
         let lowest = held.first().map_or(committed, |&h| h.min(committed));
         self.entry.window_start.store(committed, Ordering::Release);
         self.entry.committed.store(lowest, Ordering::Release);
@@ -371,7 +372,7 @@ impl ConsumerGroup {
         entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
         entry.held.store(state.held.len() as u64, Ordering::Relaxed);
         let skip: BTreeSet<u64> = state.acked_above.into_iter().collect();
-        let held: BTreeSet<u64> = state.held.into_iter().collect();
+        let held = state.held; // (ascending: `cursor::read` checks)
         let on_sync = shared.commit().on_sync().clone();
         let syncer = match options.durability {
             Durability::Interval(every) => Some(CursorSyncer::start(&file, every, on_sync.clone())?),
@@ -402,7 +403,7 @@ impl ConsumerGroup {
             acked: VecDeque::new(),
             acked_above: 0,
             // Held before the restart: the oldest records, delivered again first.
-            redeliver: held.clone(),
+            redeliver: held.iter().copied().collect(),
             skip,
             held,
         })
@@ -441,7 +442,7 @@ impl ConsumerGroup {
     /// Whether the group has acknowledged `offset` (before a restart or since).
     pub fn is_acknowledged(&self, offset: u64) -> bool {
         if offset < self.committed {
-            return !self.held.contains(&offset);
+            return self.held.binary_search(&offset).is_err();
         }
         if offset < self.next {
             return self.acked[(offset - self.committed) as usize];
@@ -562,7 +563,7 @@ impl ConsumerGroup {
         let before = self.held.len();
         while (self.next - self.committed) as usize >= self.options.max_pending && self.held.len() < MAX_HELD {
             assert_eq!(self.acked.pop_front(), Some(false), "the window starts at an unacknowledged record");
-            self.held.insert(self.committed);
+            self.held.push(self.committed); // (above every one held before: ascending)
             self.committed += 1;
             self.advance_committed();
         }
@@ -632,9 +633,8 @@ impl ConsumerGroup {
             return self.cursor.persist(self.committed, std::iter::empty(), 0, &self.held);
         }
         if offset < self.committed {
-            if !self.held.remove(&offset) {
-                return Ok(());
-            }
+            let Ok(i) = self.held.binary_search(&offset) else { return Ok(()) };
+            self.held.remove(i);
             self.redeliver.remove(&offset);
             return self.persist();
         }
@@ -656,7 +656,8 @@ impl ConsumerGroup {
     /// Returns a delivered, unacknowledged record to be delivered again before newer records.
     pub fn nack(&mut self, offset: u64) -> Result<()> {
         let in_window = offset >= self.committed && offset < self.next;
-        let pending = self.held.contains(&offset) || in_window && !self.acked[(offset - self.committed) as usize];
+        let pending =
+            self.held.binary_search(&offset).is_ok() || in_window && !self.acked[(offset - self.committed) as usize];
         if !pending {
             return Err(Error::NotDelivered { group: self.name.clone(), offset });
         }
