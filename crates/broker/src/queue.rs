@@ -253,16 +253,21 @@ impl TickAlarm {
 #[derive(Debug)]
 struct Due {
     at: AtomicU64,
+    /// After a tick the disk failed, none before this (`TICK_RETRY_NS` later), whatever asks
+    /// for one sooner: a failing disk is retried, not spun on. 0 once a tick went through.
+    not_before: AtomicU64,
     alarm: Arc<TickAlarm>,
 }
 
 impl Due {
     fn lower(&self, due_ns: u64) {
+        let due_ns = due_ns.max(self.not_before.load(Ordering::Relaxed));
         self.at.fetch_min(due_ns, Ordering::Relaxed);
         self.alarm.ring_for(due_ns);
     }
 
     fn set(&self, due_ns: u64) {
+        let due_ns = due_ns.max(self.not_before.load(Ordering::Relaxed));
         self.at.store(due_ns, Ordering::Relaxed);
         self.alarm.ring_for(due_ns);
     }
@@ -755,7 +760,11 @@ impl Queue {
             available: Notify::new(),
             room: Notify::new(),
             waiters: AtomicU64::new(0),
-            due_ns: Due { at: AtomicU64::new(u64::MAX), alarm: Arc::new(TickAlarm::default()) },
+            due_ns: Due {
+                at: AtomicU64::new(u64::MAX),
+                not_before: AtomicU64::new(0),
+                alarm: Arc::new(TickAlarm::default()),
+            },
             logs: Vec::new(),
             syncs_every_offer: false,
             delayed_log: Arc::new(OnceLock::new()),
@@ -1270,11 +1279,10 @@ impl Queue {
         for h in handles {
             if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
                 let f = inner.in_flight.remove(h).expect("just seen");
+                // A settle that fails has still acknowledged in memory (the log's group
+                // writes its cursor, then syncs it): acknowledged, with the error reported.
                 if let Err(e) = inner.settle(&f.item) {
-                    // Still open (not lost from the queue): it times out or is returned.
-                    inner.in_flight.insert(*h, f);
-                    failed = Some(e);
-                    break;
+                    failed.get_or_insert(e);
                 }
                 counting::subtract(&mut inner.bytes, f.bytes, "a queue's bytes");
                 inner.counters.acked += 1;
@@ -1432,12 +1440,13 @@ impl Queue {
             now_ns
         });
         let mut due = next.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX));
-        if failed.is_some() {
-            due = due.max(now_ns.saturating_add(TICK_RETRY_NS));
-        }
+        let not_before = if failed.is_some() { now_ns.saturating_add(TICK_RETRY_NS) } else { 0 };
+        self.due_ns.not_before.store(not_before, Ordering::Relaxed);
+        due = due.max(not_before);
         self.due_ns.planned(due);
         drop(inner);
-        if !overdue.is_empty() || moved > 0 {
+        // (A failed step may have made messages waiting without counting them as moved.)
+        if !overdue.is_empty() || moved > 0 || failed.is_some() {
             self.available.notify_waiters();
         }
         if !expired.is_empty() || !over_limit.is_empty() {
@@ -1902,15 +1911,21 @@ impl Inner {
                 Taken::Log { level, offset } => self.read_stored(*level, *offset),
                 Taken::Released { level, ready } => self.released(*level, *ready),
             };
-            let settled = message.and_then(|m| self.settle(&read.item).map(|()| m));
-            match settled {
-                Ok(message) => {
-                    counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
-                    self.counters.dead_lettered += 1;
-                    over_limit.push(Message { deliveries, ..message });
+            let message = match message {
+                Ok(message) => message,
+                Err(e) => {
+                    self.put_back_anyway(queue, read.item, &e);
+                    continue;
                 }
-                Err(e) => self.put_back_anyway(queue, read.item, &e),
+            };
+            // A settle that fails has still acknowledged in memory (see `ack`): the message
+            // goes to the dead letters all the same.
+            if let Err(e) = self.settle(&read.item) {
+                tracing::error!(queue, error = %e, "a dead-lettered message's acknowledgement is not durable");
             }
+            counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
+            self.counters.dead_lettered += 1;
+            over_limit.push(Message { deliveries, ..message });
         }
         if let Err((e, refused)) = self.delay_returned(queue, later) {
             for taken in refused {
@@ -1972,8 +1987,14 @@ impl Inner {
                 }
             }
             Store::Log { .. } => {
-                if let Err(e) = self.copy_to_delayed(&later) {
-                    return Err((e, later.into_iter().map(|(taken, _)| taken).collect()));
+                match self.copy_to_delayed(&later) {
+                    Ok(()) => {}
+                    Err((e, false)) => return Err((e, later.into_iter().map(|(taken, _)| taken).collect())),
+                    // In the delayed log, not synced: they stand for their originals (put back
+                    // too, each would come twice).
+                    Err((e, true)) => {
+                        tracing::error!(queue, error = %e, "delayed copies of returned messages are not synced");
+                    }
                 }
                 for (taken, _) in &later {
                     if let Err(e) = self.settle(taken) {
@@ -1988,8 +2009,19 @@ impl Inner {
         Ok(())
     }
 
-    /// Copies the returned messages `later` to the delayed log, each due at its time.
-    fn copy_to_delayed(&mut self, later: &[(Taken, u64)]) -> Result<(), BrokerError> {
+    /// Copies the returned messages `later` to the delayed log, each due at its time. Fails with
+    /// whether the copies were appended all the same (only their sync failed).
+    fn copy_to_delayed(&mut self, later: &[(Taken, u64)]) -> Result<(), (BrokerError, bool)> {
+        self.append_delayed_copies(later).map_err(|e| (e, false))?;
+        let delay = self.released_from();
+        if delay.log.durability() != Durability::None {
+            // On disk before the originals are acknowledged: a crash keeps one or the other.
+            delay.log.sync().map_err(|e| (e.into(), true))?;
+        }
+        Ok(())
+    }
+
+    fn append_delayed_copies(&mut self, later: &[(Taken, u64)]) -> Result<(), BrokerError> {
         let mut copies = Vec::with_capacity(later.len());
         let mut placements = Vec::with_capacity(later.len());
         for (taken, due) in later {
@@ -2014,12 +2046,7 @@ impl Inner {
                 ..Placement::default()
             });
         }
-        let delay = self.delay_log()?;
-        delay.append(&copies, &placements)?;
-        if delay.log.durability() != Durability::None {
-            // On disk before the originals are acknowledged: a crash keeps one or the other.
-            delay.log.sync()?;
-        }
+        self.delay_log()?.append(&copies, &placements)?;
         Ok(())
     }
 
@@ -2050,6 +2077,7 @@ impl Inner {
         // A moved message joins its level now: stamped as an offer would be, so that its level
         // stays in time order (the share's turn picks the head that waited longest).
         let stamp = now_ns.max(self.last_stamp + 1);
+        let mut after: Result<(), BrokerError> = Ok(());
         match &mut self.store {
             Store::Memory { levels, next_id, delayed } => {
                 while let Some(entry) = delayed.first_entry()
@@ -2126,13 +2154,17 @@ impl Inner {
                         }
                     }
                 }
-                delay.refill_step(delay::REFILL_SLICE)?;
                 let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
-                delay.repin(oldest_key.map(|(_, offset)| offset))?;
+                // (What was released is counted whatever these do.)
+                after = delay.refill_step(delay::REFILL_SLICE).and_then(|_| {
+                    delay.repin(oldest_key.map(|(_, offset)| offset))?;
+                    Ok(())
+                });
             }
             Store::Log { delayed: None, .. } => {}
         }
-        Ok(self.count_moved(moved_at, stamp))
+        let moved = self.count_moved(moved_at, stamp);
+        after.map(|()| moved)
     }
 
     /// Counts messages `move_due` moved (`moved_at`: per level) as waiting at their levels.

@@ -25,6 +25,13 @@ fn due_messages_whose_copies_cannot_be_stored_move_at_a_later_tick() {
     assert_eq!((status.delayed, status.items), (1, 1), "the copy was not stored: still delayed");
     let got = b.poll("q", 10, None, 1, 2 * MS).unwrap();
     assert_eq!(got.iter().map(|d| d.message.payload[0]).collect::<Vec<_>>(), [2]);
+    // What asks for a tick sooner (a returned read) waits for the retry too: a failing disk is
+    // not ticked every millisecond.
+    b.offer("q", vec![Message::new(vec![3])], 2 * MS).unwrap();
+    let taken = b.poll("q", 1, Some(std::time::Duration::from_secs(60)), 1, 2 * MS).unwrap();
+    assert_eq!(b.abort("q", &[taken[0].handle], 1, 0, 2 * MS).unwrap(), 1);
+    assert!(q.next_due() >= 2 * MS + petrel_broker::TICK_RETRY_NS, "due at {}", q.next_due());
+    assert_eq!(b.poll("q", 1, None, 1, 2 * MS).unwrap()[0].message.payload[0], 3);
 
     std::fs::remove_dir(&blocker).unwrap();
     b.tick(3 * MS);
