@@ -120,14 +120,20 @@ impl Events {
     /// The text of every series, those of functions `shows` refuses left out.
     fn render(&self, shows: impl Fn(&str) -> bool) -> String {
         let text = self.recorder.handle().render();
-        let hidden = |line: &str| {
-            // (Function names are plain characters: their label value needs no unescaping.)
-            let Some(at) = line.find("function=\"") else { return false };
-            let value = &line[at + "function=\"".len()..];
-            value.find('"').is_some_and(|end| !shows(&value[..end]))
-        };
+        // Asked once per function, not per line (a histogram has a line per bucket).
+        let mut shows_function = std::collections::HashMap::<&str, bool>::new();
         let mut shown = String::with_capacity(text.len());
-        for line in text.lines().filter(|l| !hidden(l)) {
+        for line in text.lines() {
+            // (Function names are plain characters, `check_name`'s: no escapes to undo.)
+            let function = line.find("function=\"").and_then(|at| {
+                let value = &line[at + "function=\"".len()..];
+                value.find('"').map(|end| &value[..end])
+            });
+            if let Some(name) = function
+                && !*shows_function.entry(name).or_insert_with(|| shows(name))
+            {
+                continue;
+            }
             shown.push_str(line);
             shown.push('\n');
         }
@@ -251,5 +257,24 @@ impl Scrape {
                 "Messages stored but not yet due (delayed offers and redeliveries), not in petrel_queue_messages.";
             self.gauge("petrel_queue_delayed", help, labels(), q.delayed);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scrape_leaves_out_the_call_histograms_of_functions_its_user_may_not_name() {
+        let events = Events::new();
+        for function in ["billing.charge", "secret.rotate"] {
+            let key = Key::from_parts(CALL_SECONDS, vec![Label::new("function", function)]);
+            events.recorder.register_histogram(&key, &METADATA).record(0.001);
+        }
+        events.upkeep();
+        assert!(events.render(|_| true).contains("function=\"secret.rotate\""));
+        let text = events.render(|function| function != "secret.rotate");
+        assert!(text.contains("function=\"billing.charge\""), "{text}");
+        assert!(!text.contains("secret"), "{text}");
     }
 }
