@@ -31,6 +31,13 @@ pub fn checked(mut config: QueueConfig) -> Result<QueueConfig, String> {
     if !config.dead_letter.is_empty() {
         crate::check_name(&config.dead_letter).map_err(|e| format!("dead_letter: {e}"))?;
     }
+    if !config.durable && !config.durability.is_empty() {
+        // Else it would read as durable and keep nothing across a restart.
+        return Err(format!(
+            "durability {:?} is for a queue on disk: add durable (a queue in memory keeps nothing across a restart)",
+            config.durability
+        ));
+    }
     if config.max_deliveries != 0 && config.dead_letter.is_empty() {
         // A message at its limit would otherwise be dropped: say where it goes.
         return Err("max_deliveries needs a dead_letter queue for the messages that reach it".into());
@@ -59,6 +66,16 @@ pub fn checked(mut config: QueueConfig) -> Result<QueueConfig, String> {
         return Err(
             "redelivery_delay_max_ms caps redelivery_delay_ms as it doubles: set both, the cap the larger".into()
         );
+    }
+    Ok(config)
+}
+
+/// `checked`, for the queue `name`: nor may it be its own dead-letter queue (an expired
+/// message would come back to it, expire, and come back, for ever).
+pub fn checked_for(name: &str, config: QueueConfig) -> Result<QueueConfig, String> {
+    let config = checked(config)?;
+    if config.dead_letter == name {
+        return Err("dead_letter: a queue cannot be its own dead-letter queue".into());
     }
     Ok(config)
 }
@@ -138,7 +155,7 @@ mod tests {
     fn kestrel_names_and_durability_parse() {
         let c: QueueConfig = serde_json::from_str(
             r#"{"max_size": 10, "max_item_size": 5, "discard_old_when_full": true, "expire_to_queue": "late",
-                "durability": "interval:10"}"#,
+                "durability": "interval:10", "durable": true}"#,
         )
         .unwrap();
         assert_eq!((c.max_bytes, c.max_item_bytes, c.circular), (10, 5, true));
@@ -152,6 +169,11 @@ mod tests {
         assert!(checked(QueueConfig { durability: "sometimes".into(), ..QueueConfig::default() }).is_err());
         assert!(serde_json::from_str::<QueueConfig>(r#"{"max_itms": 1}"#).is_err());
         assert!(checked(QueueConfig { dead_letter: "a/b".into(), ..QueueConfig::default() }).is_err());
+        let in_memory = QueueConfig { durable: false, ..c.clone() };
+        assert!(checked(in_memory).unwrap_err().contains("add durable"), "a durability for a queue that keeps nothing");
+        let own = QueueConfig { dead_letter: "late".into(), ttl_ms: 100, ..QueueConfig::default() };
+        assert!(checked_for("late", own.clone()).unwrap_err().contains("its own dead-letter queue"));
+        assert!(checked_for("early", own).is_ok());
         assert_eq!(checked(QueueConfig { priorities: 1, ..QueueConfig::default() }).unwrap(), QueueConfig::default());
         for bad in [
             QueueConfig { priorities: 11, ..QueueConfig::default() },

@@ -86,6 +86,9 @@ pub enum BrokerError {
     Full(String),
     #[error("queue {:?} exists with another configuration", shown(.0))]
     Exists(String),
+    /// A topic asked for with the other durability than the one of its name.
+    #[error("topic {:?} exists and is {}: remove it first to make it anew", shown(.0), if *.1 { "durable" } else { "not durable" })]
+    TopicExists(String, bool),
     /// Something held by another that is let go in a moment (a consumer group subscribed).
     #[error("{0}")]
     Held(String),
@@ -130,7 +133,7 @@ impl BrokerError {
         match self {
             BrokerError::NotFound(_) => Status::QueueNotFound,
             BrokerError::Full(_) => Status::QueueFull,
-            BrokerError::Exists(_) | BrokerError::Held(_) => Status::Exists,
+            BrokerError::Exists(_) | BrokerError::TopicExists(..) | BrokerError::Held(_) => Status::Exists,
             BrokerError::BadRequest(_) => Status::BadRequest,
             BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
             BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
@@ -381,8 +384,8 @@ impl Configured {
         let mut queues = BTreeMap::new();
         for (name, config) in self.queues {
             check_name(&name)?;
-            let config =
-                config::checked(config).map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
+            let config = config::checked_for(&name, config)
+                .map_err(|e| BrokerError::BadRequest(format!("queue {name:?}: {e}")))?;
             queues.insert(name, config);
         }
         let defaults =
@@ -659,7 +662,7 @@ impl Broker {
         owner: Option<ConnId>,
     ) -> Result<Arc<Queue>, BrokerError> {
         check_name(name)?;
-        let config = config::checked(config).map_err(BrokerError::BadRequest)?;
+        let config = config::checked_for(name, config).map_err(BrokerError::BadRequest)?;
         if config.temporary && owner.is_none() {
             return Err(BrokerError::BadRequest("a temporary queue needs an owning connection".into()));
         }
@@ -1058,7 +1061,7 @@ impl Broker {
             return if t.is_durable() == durable {
                 Ok(Arc::clone(t))
             } else {
-                Err(BrokerError::Exists(name.to_owned()))
+                Err(BrokerError::TopicExists(name.to_owned(), t.is_durable()))
             };
         }
         let log = if durable { Some(self.open_topic_log(name)?) } else { None };

@@ -168,7 +168,7 @@ fn a_durable_topic_keeps_its_messages_for_groups_that_resume_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
     b.create_topic("orders", true).unwrap();
-    assert!(matches!(b.create_topic("orders", false), Err(BrokerError::Exists(_))));
+    assert!(matches!(b.create_topic("orders", false), Err(BrokerError::TopicExists(_, true))));
     b.publish("orders", (0..10).map(|i| Message::new(format!("o{i}"))).collect(), 0).unwrap();
     let topic = b.topic("orders").unwrap();
     let mut billing = topic.group("billing", Some(SeekTo::Oldest), 100).unwrap();

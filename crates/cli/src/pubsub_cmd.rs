@@ -14,7 +14,7 @@ type Res = Result<ExitCode, Box<dyn std::error::Error>>;
 
 #[derive(Subcommand)]
 pub enum TopicCommand {
-    /// Create a topic (no-op if it exists).
+    /// Create a topic (no-op if it exists with the same durability).
     Create {
         name: String,
         #[command(flatten)]
@@ -23,6 +23,7 @@ pub enum TopicCommand {
         #[arg(long)]
         durable: bool,
     },
+    /// List the topics.
     List {
         #[command(flatten)]
         server: ServerArg,
@@ -58,7 +59,8 @@ pub enum TopicCommand {
         #[arg(long)]
         group: Option<String>,
         /// With --group: where to start: oldest, newest, an offset, or a time (RFC 3339);
-        /// default: where the group stands.
+        /// default: where the group stands (a new group: the newest, so that only messages
+        /// published from now on come; `--from oldest` reads what the log holds).
         #[arg(long, value_parser = parse_from)]
         from: Option<StartFrom>,
         /// One JSON object per message, with every field (payload and headers in base64).

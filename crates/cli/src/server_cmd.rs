@@ -156,9 +156,9 @@ async fn shutdown_signal() {
 /// `PETREL_PASSWORD`, never from the command line (which other users can see).
 #[derive(Args)]
 pub struct ServerArg {
-    /// Server address; a comma list (A,B,C) is a cluster of independent servers: offers go to
-    /// each in turn, reads take from all of them.
-    #[arg(long, default_value = DEFAULT_NATIVE_ADDR)]
+    /// Server address (HOST or HOST:PORT; the port 22134 when not given); a comma list (A,B,C)
+    /// is a cluster of independent servers: offers go to each in turn, reads take from all.
+    #[arg(long, default_value = DEFAULT_NATIVE_ADDR, value_parser = with_default_ports)]
     pub server: String,
     /// Authenticate as this user (password from $PETREL_PASSWORD).
     #[arg(long)]
@@ -172,6 +172,27 @@ pub struct ServerArg {
     /// The client certificate's private key (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+}
+
+/// `--server`'s addresses, each with the native protocol's port if it names none.
+fn with_default_ports(list: &str) -> Result<String, String> {
+    let port = DEFAULT_NATIVE_ADDR.rsplit(':').next().expect("a default address with a port");
+    let with_port = |addr: &str| -> Result<String, String> {
+        let addr = addr.trim();
+        if addr.is_empty() {
+            return Err("an empty address".into());
+        }
+        if addr.parse::<std::net::Ipv6Addr>().is_ok() {
+            return Ok(format!("[{addr}]:{port}"));
+        }
+        // A port: after the last ':' of a name or IPv4 address, or after an IPv6 literal's ']'.
+        let has_port = match addr.rsplit_once(':') {
+            Some((host, _)) => !host.is_empty() && (addr.starts_with('[') == host.ends_with(']')),
+            None => false,
+        };
+        Ok(if has_port { addr.to_owned() } else { format!("{addr}:{port}") })
+    };
+    Ok(list.split(',').map(with_port).collect::<Result<Vec<_>, _>>()?.join(","))
 }
 
 impl ServerArg {
@@ -390,6 +411,10 @@ pub struct ConsumeArgs {
     /// Keep waiting for messages instead of stopping when the queue is empty.
     #[arg(long)]
     follow: bool,
+    /// When the queue is empty, wait this long for a message before stopping (e.g. 5s, 500ms;
+    /// default: stop at once).
+    #[arg(long, visible_alias = "timeout", value_parser = humantime::parse_duration, conflicts_with = "follow")]
+    wait: Option<Duration>,
     /// One JSON object per message, with every field (payload and headers in base64, as
     /// `petrel log dump --json` prints them).
     #[arg(long)]
@@ -409,12 +434,17 @@ pub fn consume(args: ConsumeArgs) -> Res {
     let mut left = args.count.unwrap_or(u64::MAX);
     let stdout = io::stdout();
     let mut out = stdout.lock();
+    // With --wait: since the last message came (or the start), in polls of a second at most.
+    let mut last_came = std::time::Instant::now();
     while left > 0 {
-        let options = PollOptions {
-            max: left.min(256) as u32,
-            timeout: if args.follow { Duration::from_secs(1) } else { Duration::ZERO },
-            visibility: args.ack.then_some(Duration::from_secs(60)),
+        let waited = last_came.elapsed();
+        let timeout = match (args.follow, args.wait) {
+            (true, _) => Duration::from_secs(1),
+            (false, Some(wait)) => wait.saturating_sub(waited).min(Duration::from_secs(1)),
+            (false, None) => Duration::ZERO,
         };
+        let options =
+            PollOptions { max: left.min(256) as u32, timeout, visibility: args.ack.then_some(Duration::from_secs(60)) };
         let deliveries = match reader.poll(&args.queue, options) {
             Err(ClientError::Unavailable(why)) if args.follow => {
                 if !std::mem::replace(&mut unavailable, true) {
@@ -428,11 +458,12 @@ pub fn consume(args: ConsumeArgs) -> Res {
             eprintln!("petrel: a server is back");
         }
         if deliveries.is_empty() {
-            if args.follow {
+            if args.follow || args.wait.is_some_and(|wait| last_came.elapsed() < wait) {
                 continue;
             }
             break;
         }
+        last_came = std::time::Instant::now();
         for d in &deliveries {
             if args.json {
                 writeln!(out, "{}", crate::output::message_json(&d.message))?;
@@ -489,6 +520,8 @@ pub enum QueueCommand {
         name: String,
         #[command(flatten)]
         server: ServerArg,
+        /// Keep the queue's messages on disk (a log): without it the queue is in memory and
+        /// keeps nothing across a restart.
         #[arg(long)]
         durable: bool,
         #[arg(long, default_value_t = 0)]
@@ -500,13 +533,15 @@ pub enum QueueCommand {
         circular: bool,
         #[arg(long, default_value_t = 0)]
         ttl_ms: u64,
-        #[arg(long, default_value = "")]
+        /// Where expired messages go, and those at --max-deliveries (a queue; not this one).
+        #[arg(long, default_value = "", hide_default_value = true)]
         dead_letter: String,
         /// Refuse messages bigger than this (0: the server's limit only).
         #[arg(long, default_value_t = 0)]
         max_item_bytes: u64,
-        /// A durable queue's log: none, always, interval:MS (default: the server's policy).
-        #[arg(long, default_value = "")]
+        /// With --durable, when its log reaches the disk: none, always, interval:MS (default: the
+        /// server's policy).
+        #[arg(long, default_value = "", hide_default_value = true)]
         durability: String,
         /// A message handed out this many times that comes back again goes to --dead-letter
         /// (0: no limit).
@@ -606,4 +641,19 @@ pub fn queue(cmd: QueueCommand) -> Res {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_server_without_a_port_gets_the_native_one() {
+        let ports = |s| super::with_default_ports(s).unwrap();
+        assert_eq!(ports("localhost"), "localhost:22134");
+        assert_eq!(ports("db1:9000,db2"), "db1:9000,db2:22134");
+        assert_eq!(ports("10.0.0.7"), "10.0.0.7:22134");
+        assert_eq!(ports("[::1]"), "[::1]:22134");
+        assert_eq!(ports("[::1]:7000"), "[::1]:7000");
+        assert_eq!(ports("::1"), "[::1]:22134");
+        assert!(super::with_default_ports("a,,b").is_err());
+    }
 }

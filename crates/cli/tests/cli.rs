@@ -306,3 +306,30 @@ fn a_bench_against_a_server_never_removes_a_queue_that_holds_messages() {
     let (_, out, _) = run(&["queue", "list", "--server", s], "");
     assert!(!out.contains("orders"), "{out}");
 }
+
+#[test]
+fn consume_waits_for_a_message_as_long_as_asked_and_queue_settings_that_lose_messages_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    assert!(run(&["queue", "create", "later", "--server", s], "").0);
+    let started = std::time::Instant::now();
+    let (ok, out, _) = run(&["consume", "later", "--wait", "1500ms", "--server", s], "");
+    assert!(ok && out.is_empty());
+    assert!(started.elapsed() >= Duration::from_millis(1500), "waited {:?}", started.elapsed());
+    let consumer = Command::new(PETREL)
+        .args(["consume", "later", "--count", "1", "--timeout", "20s", "--server", s])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(run(&["produce", "later", "--server", s], "came\n").0);
+    let out = consumer.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "came\n");
+    // A durability for a queue in memory is refused: it would keep nothing across a restart.
+    let (ok, _, err) = run(&["queue", "create", "mem", "--durability", "always", "--server", s], "");
+    assert!(!ok && err.contains("add durable"), "{err}");
+    // A queue that is its own dead-letter queue is refused.
+    let (ok, _, err) = run(&["queue", "create", "loop", "--ttl-ms", "100", "--dead-letter", "loop", "--server", s], "");
+    assert!(!ok && err.contains("its own dead-letter queue"), "{err}");
+}

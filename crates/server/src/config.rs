@@ -223,7 +223,7 @@ impl SecurityConfig {
             }
             return Ok(None);
         };
-        let users = Users::load(path)?;
+        let users = Users::load(path).map_err(|e| format!("security.users_file: {e}"))?;
         if users.is_empty() {
             return Err(format!("{}: no users (add one with `petrel user add`)", path.display()));
         }
@@ -322,9 +322,22 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The configuration in the file at `path`. The files `[security]` names (users, TLS
+    /// certificates and keys) are found from the configuration file's directory when relative,
+    /// whatever directory the server starts in.
     pub fn load(path: &Path) -> Result<Config, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+        let mut config: Config = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let dir = path.parent().unwrap_or(Path::new(""));
+        let security = &mut config.security;
+        for file in
+            [&mut security.users_file, &mut security.tls_cert, &mut security.tls_key, &mut security.tls_client_ca]
+        {
+            if let Some(file) = file.as_mut().filter(|f| f.is_relative()) {
+                *file = dir.join(&*file);
+            }
+        }
+        Ok(config)
     }
 
     pub fn durability(&self) -> Result<Durability, String> {
@@ -459,6 +472,12 @@ mod tests {
         c.validate().unwrap();
         std::fs::write(&path, "natve_addr = \"x\"\n").unwrap();
         assert!(Config::load(&path).unwrap_err().contains("natve_addr"));
+        // The files [security] names: from the configuration file's directory when relative.
+        let text = "[security]\nusers_file = \"users.toml\"\ntls_cert = \"/etc/petrel/cert.pem\"\n";
+        std::fs::write(&path, text).unwrap();
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.security.users_file, Some(dir.join("users.toml")));
+        assert_eq!(c.security.tls_cert, Some(PathBuf::from("/etc/petrel/cert.pem")));
         let bad = Config { max_message_bytes: 17 << 20, ..Config::default() };
         assert!(bad.validate().is_err(), "a message must fit in a frame");
         std::fs::remove_dir_all(dir).unwrap();

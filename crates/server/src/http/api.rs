@@ -33,7 +33,7 @@ fn broker_error(e: BrokerError) -> Response {
         BrokerError::NotFound(_) | BrokerError::TopicNotFound(_) | BrokerError::FunctionNotFound(_) => {
             StatusCode::NOT_FOUND
         }
-        BrokerError::Exists(_) | BrokerError::Held(_) => StatusCode::CONFLICT,
+        BrokerError::Exists(_) | BrokerError::TopicExists(..) | BrokerError::Held(_) => StatusCode::CONFLICT,
         BrokerError::BadRequest(_) => StatusCode::BAD_REQUEST,
         BrokerError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
         BrokerError::Unauthorized(_) => StatusCode::UNAUTHORIZED,

@@ -665,6 +665,7 @@ fn server_error(e: &BrokerError) -> String {
         | BrokerError::NeverFits(_)
         | BrokerError::Limit(_)
         | BrokerError::Exists(_)
+        | BrokerError::TopicExists(..)
         | BrokerError::Held(_) => {
             format!("SERVER_ERROR {e}")
         }

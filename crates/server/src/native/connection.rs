@@ -154,8 +154,10 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                         return Ok(None); // read the header first, to know whom to answer
                     }
                     self.skip = 4 + len as u64;
+                    // Named by the settings a user can look up: a message that big never fits.
+                    let limit = format!("max_frame_bytes {max}, for messages up to max_message_bytes and their fields");
                     let r =
-                        Response::error(Status::TooLarge, format!("frame of {len} bytes exceeds the limit of {max}"));
+                        Response::error(Status::TooLarge, format!("frame of {len} bytes exceeds the limit ({limit})"));
                     self.answer(&r, opcode.unwrap_or(0), request_id.unwrap_or(0));
                     continue;
                 }
