@@ -125,7 +125,7 @@ pub fn topic(cmd: TopicCommand) -> Res {
                 while left > 0 {
                     let Some(d) = subscription.next_delivery() else { break };
                     let d = d?;
-                    print_message(&mut out, &d.message, json)?;
+                    print_message(&mut out, &d.message, json, group.is_some())?;
                     left -= 1;
                     if group.is_some() {
                         subscription.ack(&[d.handle])?;
@@ -141,7 +141,7 @@ pub fn topic(cmd: TopicCommand) -> Res {
             while left > 0 {
                 let Some(m) = subscription.next() else { break };
                 let m = m?;
-                print_message(&mut out, &m, json)?;
+                print_message(&mut out, &m, json, group.is_some())?;
                 left -= 1;
                 if group.is_some() {
                     subscription.ack(&[m.id])?;
@@ -152,10 +152,15 @@ pub fn topic(cmd: TopicCommand) -> Res {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prints a message's payload as a line, or the whole message as JSON.
-fn print_message(out: &mut impl Write, m: &Message, json: bool) -> io::Result<()> {
+/// Prints a message's payload as a line, or the whole message as JSON; one a group read from
+/// the topic's log with its `offset` (what `--from` takes; its id is the offset + 1).
+fn print_message(out: &mut impl Write, m: &Message, json: bool, from_log: bool) -> io::Result<()> {
     if json {
-        writeln!(out, "{}", crate::output::message_json(m))?;
+        let mut j = crate::output::message_json(m);
+        if from_log {
+            j["offset"] = m.id.saturating_sub(1).into();
+        }
+        writeln!(out, "{j}")?;
     } else {
         out.write_all(&m.payload)?;
         out.write_all(b"\n")?;

@@ -63,6 +63,13 @@ fn counts_in_words_json_in_base64_and_subscribers_reached() {
     assert!(run(&["topic", "create", "audit", "--durable", "--server", s], "").0);
     let (ok, _, err) = run(&["topic", "publish", "audit", "--server", s], "a\nb\n");
     assert!(ok && err.contains("2 messages published to audit, kept in its log, each to 0 subscribers"), "{err}");
+    // A group reads them with their offsets, which --from takes.
+    let (ok, out, _) = run(
+        &["topic", "subscribe", "audit", "--group", "g", "--from", "1", "--count", "1", "--json", "--server", s],
+        "",
+    );
+    let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert!(ok && json["offset"] == 1 && json["payload_base64"] == "Yg==", "{out}");
 }
 
 #[test]
