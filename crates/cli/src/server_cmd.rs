@@ -402,7 +402,9 @@ pub struct ConsumeArgs {
     #[command(flatten)]
     server: ServerArg,
     /// Take each message tentatively and acknowledge it after printing it (at-least-once);
-    /// without it, messages are removed as they are taken.
+    /// without it, messages are removed as they are taken. Printed means written to stdout:
+    /// what a reader downstream never reads (`| head -1`) is acknowledged too, so bound the
+    /// take with --count there.
     #[arg(long)]
     ack: bool,
     /// Stop after this many messages.
