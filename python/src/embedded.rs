@@ -369,10 +369,11 @@ impl Group {
         py.detach(|| self.with(|g| Ok(g.committed())))
     }
 
-    /// Records from `committed` on, not yet acknowledged (delivered or not).
+    /// Records not yet acknowledged (delivered or not): those from `committed` on, less those
+    /// acknowledged out of order.
     #[getter]
     fn lag(&self, py: Python<'_>) -> PyResult<u64> {
-        py.detach(|| self.with(|g| Ok(g.lag())))
+        py.detach(|| self.with(|g| Ok(g.unacknowledged())))
     }
 
     /// The group's name.

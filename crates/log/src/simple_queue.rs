@@ -69,7 +69,7 @@ impl SimpleQueue {
 
     /// Records enqueued and not dequeued.
     pub fn len(&self) -> u64 {
-        self.log.next_offset() - self.head.committed()
+        self.head.unacknowledged()
     }
 
     pub fn is_empty(&self) -> bool {
