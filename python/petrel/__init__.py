@@ -148,14 +148,7 @@ class _Requests:
         cancelled wait aborts the request. What a cancelled request took (a poll's messages) is
         given back whenever its outcome comes: natively if it was not drained yet, else by
         ``give_back(value)`` here."""
-        token = next(self.tokens)
-        future = self.loop.create_future()
-        self.waiting[token] = (future, give_back)
-        try:
-            start(token, *args, **kwargs)
-        except BaseException:
-            del self.waiting[token]
-            raise
+        token, future = self._begin(start, args, kwargs, give_back)
         try:
             return await future
         except asyncio.CancelledError:
@@ -169,15 +162,25 @@ class _Requests:
 
     def start(self, start: Callable[..., None], *args: Any) -> "asyncio.Future[Any]":
         """Starts a native request now, not awaited here: its future resolves with the outcome."""
+        return self._begin(start, args, {}, None)[1]
+
+    def _begin(
+        self,
+        start: Callable[..., None],
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+        give_back: Optional[Callable[[Any], None]],
+    ) -> Tuple[int, "asyncio.Future[Any]"]:
+        """Registers a request's future under a new token, then starts it natively."""
         token = next(self.tokens)
         future = self.loop.create_future()
-        self.waiting[token] = (future, None)
+        self.waiting[token] = (future, give_back)
         try:
-            start(token, *args)
+            start(token, *args, **kwargs)
         except BaseException:
             del self.waiting[token]
             raise
-        return future
+        return token, future
 
     def close(self) -> None:
         """Stops watching once the requests in flight have their outcomes."""

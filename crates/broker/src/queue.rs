@@ -1411,20 +1411,7 @@ impl Queue {
         // Kestrel.
         let mut expired = Vec::new();
         for level in 0..inner.waiting_at.len() {
-            let dropped = loop {
-                match inner.head_at(level) {
-                    Ok(Some(head)) if head.is_expired(now_ns) => match inner.drop_head(level) {
-                        Ok(_) => {
-                            inner.counters.expired += 1;
-                            expired.push(head);
-                        }
-                        Err(e) => break Err(e),
-                    },
-                    Ok(_) => break Ok(()),
-                    Err(e) => break Err(e),
-                }
-            };
-            if let Err(e) = dropped {
+            if let Err(e) = inner.drop_expired_heads(level, now_ns, &mut expired) {
                 failed.get_or_insert(e);
             }
         }
@@ -2156,10 +2143,9 @@ impl Inner {
                 }
                 let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
                 // (What was released is counted whatever these do.)
-                after = delay.refill_step(delay::REFILL_SLICE).and_then(|_| {
-                    delay.repin(oldest_key.map(|(_, offset)| offset))?;
-                    Ok(())
-                });
+                after = delay
+                    .refill_step(delay::REFILL_SLICE)
+                    .and_then(|_| delay.repin(oldest_key.map(|(_, offset)| offset)));
             }
             Store::Log { delayed: None, .. } => {}
         }
@@ -2256,11 +2242,14 @@ impl Inner {
                 let lane = &mut lanes[level];
                 // The marker first: a crash after it counts the delivery, one before it
                 // redelivers anyway (nothing in flight survives a restart).
-                let marker = if delivered { message::append_returned(&lane.log, offset).map(|_| ()) } else { Ok(()) };
-                if delivered {
+                let marker = if delivered {
+                    let marker = message::append_returned(&lane.log, offset).map(|_| ());
                     lane.markers_unread += u64::from(marker.is_ok());
                     *lane.returns.entry(offset).or_default() += 1;
-                }
+                    marker
+                } else {
+                    Ok(())
+                };
                 lane.group.nack(offset)?;
                 marker.map_err(BrokerError::from)
             }
@@ -2272,6 +2261,18 @@ impl Inner {
         self.waiting += 1;
         self.waiting_at[level] += 1;
         marker
+    }
+
+    /// Drops the messages at the head of `level` that expired by `now_ns` into `expired`.
+    fn drop_expired_heads(&mut self, level: usize, now_ns: u64, expired: &mut Vec<Message>) -> Result<(), BrokerError> {
+        while let Some(head) = self.head_at(level)?
+            && head.is_expired(now_ns)
+        {
+            self.drop_head(level)?;
+            self.counters.expired += 1;
+            expired.push(head);
+        }
+        Ok(())
     }
 
     /// Drops the oldest waiting message of the lowest level that has one (a full circular

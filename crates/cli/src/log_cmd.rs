@@ -195,9 +195,7 @@ fn parse_time(s: &str) -> Result<u64, String> {
     if let Ok(ns) = s.parse::<u64>() {
         return Ok(ns);
     }
-    let t = humantime::parse_rfc3339_weak(s).map_err(|e| format!("{s:?} is neither RFC 3339 nor nanoseconds: {e}"))?;
-    let ns = t.duration_since(std::time::UNIX_EPOCH).map_err(|e| e.to_string())?.as_nanos();
-    u64::try_from(ns).map_err(|_| format!("{s:?}: past the last time a record can hold (2554)"))
+    crate::output::unix_ns(s).map_err(|e| format!("{e} (nor nanoseconds)"))
 }
 
 fn groups(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {

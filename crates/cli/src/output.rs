@@ -11,6 +11,14 @@ pub fn count(n: u64, noun: &str) -> String {
     if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
 }
 
+/// A time given as `text` (RFC 3339), in ns since the Unix epoch, as records and messages hold
+/// it: refused before 1970 and past 2554.
+pub fn unix_ns(text: &str) -> Result<u64, String> {
+    let t = humantime::parse_rfc3339_weak(text).map_err(|e| format!("{text:?} is not a time (RFC 3339): {e}"))?;
+    let ns = t.duration_since(std::time::UNIX_EPOCH).map_err(|e| format!("{text:?}: {e}"))?.as_nanos();
+    u64::try_from(ns).map_err(|_| format!("{text:?}: past the last time a record can hold (2554)"))
+}
+
 /// A message as one JSON object: every field; bytes in base64.
 pub fn message_json(m: &Message) -> serde_json::Value {
     let headers: serde_json::Map<String, serde_json::Value> =

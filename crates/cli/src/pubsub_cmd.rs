@@ -174,14 +174,9 @@ fn parse_from(text: &str) -> Result<StartFrom, String> {
         "newest" => StartFrom::Newest,
         _ => match text.parse::<u64>() {
             Ok(offset) => StartFrom::Offset(offset),
-            Err(_) => {
-                let t = humantime::parse_rfc3339_weak(text)
-                    .map_err(|e| format!("{text:?}: not oldest, newest, an offset or a time ({e})"))?;
-                let ns = t.duration_since(std::time::UNIX_EPOCH).map_err(|e| e.to_string())?.as_nanos();
-                let ns =
-                    u64::try_from(ns).map_err(|_| format!("{text:?}: past the last time a message can hold (2554)"))?;
-                StartFrom::Time(ns)
-            }
+            Err(_) => StartFrom::Time(
+                crate::output::unix_ns(text).map_err(|e| format!("{e} (nor oldest, newest, an offset)"))?,
+            ),
         },
     })
 }

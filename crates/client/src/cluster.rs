@@ -1279,9 +1279,8 @@ impl FollowTopic {
     ) {
         let (shared, i) = (Arc::clone(&self.shared), self.i);
         let mut ready = Some(ready);
-        // Between tries of a group still held by the connection this one replaces (the server
-        // has not yet seen it end).
-        let mut held_pause = Duration::from_millis(100);
+        // Between tries of a group still held by the connection this one replaces.
+        let mut held = crate::follow::HeldPause::new();
         loop {
             let changed = shared.changed.notified();
             tokio::pin!(changed);
@@ -1306,8 +1305,7 @@ impl FollowTopic {
                 Ok(s) => s,
                 Err(e) if e.is_connection_lost() => continue,
                 Err(e) if ready.is_none() && e.status() == Some(Status::Exists) => {
-                    tokio::time::sleep(held_pause).await;
-                    held_pause = (held_pause * 2).min(Duration::from_secs(5));
+                    held.sleep().await;
                     continue;
                 }
                 Err(e) => {
@@ -1322,7 +1320,7 @@ impl FollowTopic {
             if let Some((_, from)) = &mut self.group {
                 *from = StartFrom::Resume; // after a loss, where the group stands
             }
-            held_pause = Duration::from_millis(100);
+            held = crate::follow::HeldPause::new();
             lock(&self.current)[i] = Some(Following { client, connection, subscription: subscription.id });
             if let Some(ready) = ready.take() {
                 let _ = ready.send(Ok(())).await;

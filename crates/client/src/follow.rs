@@ -31,6 +31,22 @@ impl Default for Reconnect {
     }
 }
 
+/// The pause between tries of a consumer group another connection still holds (the server has
+/// not yet seen that connection end): doubling from 100 ms up to 5 s.
+pub(crate) struct HeldPause(Duration);
+
+impl HeldPause {
+    pub(crate) fn new() -> HeldPause {
+        HeldPause(Duration::from_millis(100))
+    }
+
+    /// Sleeps the pause, and doubles it for the next try.
+    pub(crate) async fn sleep(&mut self) {
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 2).min(Duration::from_secs(5));
+    }
+}
+
 impl std::fmt::Debug for Reconnect {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Reconnect")
@@ -190,9 +206,8 @@ impl FollowedSubscription {
     /// A live subscription that fell behind (`SLOW_CONSUMER`) says so, and the next call
     /// subscribes again: what is published from then on comes.
     pub async fn next(&mut self) -> Option<Result<Message, ClientError>> {
-        // Between tries of a consumer group still held by the connection the reconnect replaced
-        // (the server has not yet seen it end).
-        let mut held_pause = Duration::from_millis(100);
+        // Between tries of a consumer group still held by the connection the reconnect replaced.
+        let mut held = HeldPause::new();
         loop {
             if let Some(subscription) = &mut self.subscription {
                 match subscription.next().await {
@@ -213,10 +228,7 @@ impl FollowedSubscription {
             match self.subscribe(StartFrom::Resume).await {
                 Ok(subscription) => self.subscription = Some(subscription),
                 Err(e) if e.is_connection_lost() => self.follower.lost = Some(e),
-                Err(e) if e.status() == Some(Status::Exists) && self.group.is_some() => {
-                    tokio::time::sleep(held_pause).await;
-                    held_pause = (held_pause * 2).min(Duration::from_secs(5));
-                }
+                Err(e) if e.status() == Some(Status::Exists) && self.group.is_some() => held.sleep().await,
                 Err(e) => return Some(Err(e)),
             }
         }

@@ -60,11 +60,16 @@ impl CursorState {
         self
     }
 
-    /// The lowest offset not acknowledged: where the group resumes after a restart, and what
-    /// retention keeps.
+    /// The lowest offset not acknowledged (`lowest_unacknowledged`).
     pub(crate) fn lowest_unacknowledged(&self) -> u64 {
-        self.held.first().map_or(self.committed, |&h| h.min(self.committed))
+        lowest_unacknowledged(self.committed, &self.held)
     }
+}
+
+/// The lowest offset not acknowledged of a group at `committed` that holds `held` (ascending,
+/// each below it): where the group resumes after a restart, and what retention keeps.
+pub(crate) fn lowest_unacknowledged(committed: u64, held: &[u64]) -> u64 {
+    held.first().copied().unwrap_or(committed)
 }
 
 /// Encodes a state (`committed`, its `bitmap`, and the `held` offsets below it, ascending) with

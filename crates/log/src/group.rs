@@ -97,15 +97,26 @@ pub(crate) type Registry = Mutex<BTreeMap<String, Arc<GroupEntry>>>;
 
 impl GroupEntry {
     fn closed(state: &CursorState) -> Arc<GroupEntry> {
-        Arc::new(GroupEntry {
-            committed: AtomicU64::new(state.lowest_unacknowledged()),
-            window_start: AtomicU64::new(state.committed),
+        let entry = GroupEntry {
+            committed: AtomicU64::new(0),
+            window_start: AtomicU64::new(0),
             open: AtomicBool::new(false),
             skipped: AtomicU64::new(0),
             skipped_to: AtomicU64::new(0),
-            acked_above: AtomicU64::new(state.acked_above.len() as u64),
-            held: AtomicU64::new(state.held.len() as u64),
-        })
+            acked_above: AtomicU64::new(0),
+            held: AtomicU64::new(0),
+        };
+        entry.show(state.committed, state.acked_above.len(), &state.held);
+        Arc::new(entry)
+    }
+
+    /// Makes a group's position known as its cursor records it: the window's start
+    /// `committed`, `acked_above` acknowledgements above it, and the `held` records below it.
+    pub(crate) fn show(&self, committed: u64, acked_above: usize, held: &[u64]) {
+        self.window_start.store(committed, Ordering::Release);
+        self.committed.store(cursor::lowest_unacknowledged(committed, held), Ordering::Release);
+        self.acked_above.store(acked_above as u64, Ordering::Relaxed);
+        self.held.store(held.len() as u64, Ordering::Relaxed);
     }
 }
 
@@ -293,11 +304,7 @@ impl CursorFile {
         }
         self.seq += 1;
         cursor::write(&mut self.map, self.seq, committed, &self.bitmap, held);
-        let lowest = held.first().map_or(committed, |&h| h.min(committed));
-        self.entry.window_start.store(committed, Ordering::Release);
-        self.entry.committed.store(lowest, Ordering::Release);
-        self.entry.acked_above.store(count as u64, Ordering::Relaxed);
-        self.entry.held.store(held.len() as u64, Ordering::Relaxed);
+        self.entry.show(committed, count, held);
         match (&self.durability, &self.syncer) {
             (Durability::Always, _) => self.sync(),
             (Durability::Interval(_), Some(syncer)) => syncer.mark_dirty(),
@@ -367,10 +374,7 @@ impl ConsumerGroup {
         entry.skipped.fetch_add(first.saturating_sub(counted), Ordering::Relaxed);
         let state = state.within(first, u64::MAX);
         let committed = state.committed;
-        entry.window_start.store(committed, Ordering::Release);
-        entry.committed.store(state.lowest_unacknowledged(), Ordering::Release);
-        entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
-        entry.held.store(state.held.len() as u64, Ordering::Relaxed);
+        entry.show(committed, state.acked_above.len(), &state.held);
         let skip: BTreeSet<u64> = state.acked_above.into_iter().collect();
         let held = state.held; // (ascending: `cursor::read` checks)
         let on_sync = shared.commit().on_sync().clone();
@@ -415,8 +419,7 @@ impl ConsumerGroup {
 
     /// Lowest unacknowledged offset: where the group resumes after a restart.
     pub fn committed(&self) -> u64 {
-        // (A held record is below the window's start.)
-        self.held.first().copied().unwrap_or(self.committed)
+        cursor::lowest_unacknowledged(self.committed, &self.held)
     }
 
     /// Records delivered and not acknowledged.

@@ -110,12 +110,7 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
                 Ok(state)
             });
             match moved {
-                Ok(state) => {
-                    entry.window_start.store(state.committed, Ordering::Release);
-                    entry.committed.store(state.lowest_unacknowledged(), Ordering::Release);
-                    entry.acked_above.store(state.acked_above.len() as u64, Ordering::Relaxed);
-                    entry.held.store(state.held.len() as u64, Ordering::Relaxed);
-                }
+                Ok(state) => entry.show(state.committed, state.acked_above.len(), &state.held),
                 Err(e) => {
                     tracing::warn!(group = %name, error = %e, "could not move the group's cursor past removed records")
                 }
