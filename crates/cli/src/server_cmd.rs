@@ -266,11 +266,12 @@ pub struct ProduceArgs {
     queue: String,
     #[command(flatten)]
     server: ServerArg,
-    /// Create the queue in memory if it does not exist (without it or --durable, a queue that
-    /// does not exist is an error: a typo creates nothing).
+    /// Create the queue if it does not exist, on disk as `petrel queue create` makes it
+    /// (without it or --durable, a queue that does not exist is an error: a typo creates
+    /// nothing).
     #[arg(long)]
     create: bool,
-    /// Create the queue on disk if it does not exist; an existing in-memory queue is an error.
+    /// As --create, and an existing queue that is in memory only is an error.
     #[arg(long)]
     durable: bool,
     /// How long to wait for room in a full bounded queue, e.g. "10s" (said on stderr meanwhile).
@@ -338,7 +339,7 @@ pub fn produce(args: ProduceArgs) -> Res {
         let n = batch.len() as u64;
         let offered = match offer_all(&client, &args, batch.clone()) {
             Err((0, ClientError::Status { status: Status::QueueNotFound, .. })) if args.create || args.durable => {
-                client.create_queue(&args.queue, QueueConfig { durable: args.durable, ..QueueConfig::default() })?;
+                client.create_queue(&args.queue, QueueConfig { durable: true, ..QueueConfig::default() })?;
                 offer_all(&client, &args, batch)
             }
             Err((0, ClientError::Status { status: Status::QueueNotFound, .. })) => {
@@ -522,9 +523,13 @@ pub enum QueueCommand {
         name: String,
         #[command(flatten)]
         server: ServerArg,
-        /// Keep the queue's messages on disk (a log): without it the queue is in memory and
-        /// keeps nothing across a restart.
-        #[arg(long)]
+        /// Keep the queue in memory only: faster, but it keeps nothing across a restart.
+        /// Without it the queue's messages are kept on disk (a log), as a queue made by first
+        /// use or a `[queues.NAME]` block is.
+        #[arg(long, conflicts_with_all = ["durable", "durability"])]
+        in_memory: bool,
+        /// On disk: the default (kept so that scripts which say it go on working).
+        #[arg(long, hide = true)]
         durable: bool,
         #[arg(long, default_value_t = 0)]
         max_items: u64,
@@ -541,8 +546,8 @@ pub enum QueueCommand {
         /// Refuse messages bigger than this (0: the server's limit only).
         #[arg(long, default_value_t = 0)]
         max_item_bytes: u64,
-        /// With --durable, when its log reaches the disk: none, always, interval:MS (default: the
-        /// server's policy).
+        /// When its log reaches the disk: none, always, interval:MS (default: the server's
+        /// policy).
         #[arg(long, default_value = "", hide_default_value = true)]
         durability: String,
         /// A message handed out this many times that comes back again goes to --dead-letter
@@ -595,7 +600,8 @@ pub fn queue(cmd: QueueCommand) -> Res {
         QueueCommand::Create {
             name,
             server,
-            durable,
+            in_memory,
+            durable: _,
             max_items,
             max_bytes,
             circular,
@@ -615,7 +621,7 @@ pub fn queue(cmd: QueueCommand) -> Res {
                 max_items,
                 max_bytes,
                 circular,
-                durable,
+                durable: !in_memory,
                 temporary: false,
                 ttl_ms,
                 dead_letter,

@@ -158,7 +158,8 @@ fn produce_into_a_bounded_queue_takes_what_fits_and_waits_for_room() {
     assert!(run(&["produce", "ring", "--server", s], "1\n2\n3\n").0);
     assert_eq!(run(&["consume", "ring", "--server", s], "").1, "2\n3\n");
 
-    let (ok, _, err) = run(&["produce", "small", "--durable", "--server", s], "d\n");
+    assert!(run(&["queue", "create", "fast", "--in-memory", "--server", s], "").0);
+    let (ok, _, err) = run(&["produce", "fast", "--durable", "--server", s], "d\n");
     assert!(!ok && err.contains("exists in memory"), "{err}");
 }
 
@@ -333,9 +334,15 @@ fn consume_waits_for_a_message_as_long_as_asked_and_queue_settings_that_lose_mes
     assert!(run(&["produce", "later", "--server", s], "came\n").0);
     let out = consumer.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "came\n");
+    // Made on disk unless asked otherwise, as a queue made by first use is.
+    let (_, status, _) = run(&["queue", "status", "later", "--server", s], "");
+    assert!(status.contains("\"durable\": true"), "{status}");
+    assert!(run(&["queue", "create", "fast", "--in-memory", "--server", s], "").0);
+    let (_, status, _) = run(&["queue", "status", "fast", "--server", s], "");
+    assert!(status.contains("\"durable\": false"), "{status}");
     // A durability for a queue in memory is refused: it would keep nothing across a restart.
-    let (ok, _, err) = run(&["queue", "create", "mem", "--durability", "always", "--server", s], "");
-    assert!(!ok && err.contains("add durable"), "{err}");
+    let (ok, _, err) = run(&["queue", "create", "mem", "--in-memory", "--durability", "always", "--server", s], "");
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
     // A queue that is its own dead-letter queue is refused.
     let (ok, _, err) = run(&["queue", "create", "loop", "--ttl-ms", "100", "--dead-letter", "loop", "--server", s], "");
     assert!(!ok && err.contains("its own dead-letter queue"), "{err}");

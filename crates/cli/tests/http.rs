@@ -173,6 +173,15 @@ fn the_admin_api_lists_creates_purges_and_removes_queues() {
     let (status, _, body) = request("PUT", http, "/api/v1/queues/bad", None, r#"{"max_itemz": 3}"#);
     assert_eq!(status, 400, "{body}");
     assert!(json(&body)["reason"].as_str().unwrap().contains("max_itemz"), "{body}");
+    // What the body leaves out comes from the server's queue defaults, as for a queue made by
+    // first use (durable, unless `[queue_defaults]` says otherwise), under either name.
+    let (status, _, body) = request("PUT", http, "/api/v1/queues/plain", None, "{}");
+    assert_eq!((status, json(&body)["config"]["durable"].as_bool()), (201, Some(true)), "{body}");
+    let (status, _, body) = request("PUT", http, "/api/v1/queues/kept", None, r#"{"keep_journal": false}"#);
+    assert_eq!((status, json(&body)["config"]["durable"].as_bool()), (201, Some(false)), "{body}");
+    for name in ["plain", "kept"] {
+        assert_eq!(request("DELETE", http, &format!("/api/v1/queues/{name}"), None, "").0, 200);
+    }
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {

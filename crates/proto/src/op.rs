@@ -106,6 +106,26 @@ pub struct QueueConfig {
     pub redelivery_delay_max_ms: u32,
 }
 
+impl QueueConfig {
+    /// Kestrel's names for settings (the serde aliases above), each beside the setting it names.
+    pub const KESTREL_NAMES: [(&'static str, &'static str); 6] = [
+        ("max_size", "max_bytes"),
+        ("discard_old_when_full", "circular"),
+        ("keep_journal", "durable"),
+        ("max_age_ms", "ttl_ms"),
+        ("expire_to_queue", "dead_letter"),
+        ("max_item_size", "max_item_bytes"),
+    ];
+
+    /// The setting a configuration key names: Kestrel's name for it taken to ours. Layers of
+    /// configuration (the built-in defaults, `[queue_defaults]`, a queue's block, an HTTP body)
+    /// are merged by setting, so that an upper layer overrides a lower one however either spells
+    /// it (merged by key, `durable` below and `keep_journal` above are one field given twice).
+    pub fn setting_name(key: &str) -> &str {
+        Self::KESTREL_NAMES.iter().find(|(kestrel, _)| *kestrel == key).map_or(key, |(_, ours)| ours)
+    }
+}
+
 /// Items a list's decoding makes room for before it has read any: a count is checked against
 /// the bytes left (`Reader::count`), but an item in memory is larger than its least encoding.
 const LIST_PREALLOCATED: usize = 1024;
@@ -1066,5 +1086,27 @@ impl Response {
         };
         r.finish()?;
         Ok(response)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::QueueConfig;
+
+    #[test]
+    fn each_kestrel_name_sets_the_setting_it_is_said_to() {
+        let value = |key: &str| match key {
+            "circular" | "durable" | "discard_old_when_full" | "keep_journal" => serde_json::json!(true),
+            "dead_letter" | "expire_to_queue" => serde_json::json!("dead"),
+            _ => serde_json::json!(7),
+        };
+        for (kestrel, ours) in QueueConfig::KESTREL_NAMES {
+            let by =
+                |key: &str| -> QueueConfig { serde_json::from_value(serde_json::json!({ key: value(key) })).unwrap() };
+            assert_eq!(by(kestrel), by(ours), "{kestrel} names {ours}");
+            assert_ne!(by(ours), QueueConfig::default(), "{ours} is a setting");
+            assert_eq!(QueueConfig::setting_name(kestrel), ours);
+        }
+        assert_eq!(QueueConfig::setting_name("max_items"), "max_items");
     }
 }

@@ -361,29 +361,29 @@ impl Config {
     }
 
     /// The `[queue_defaults]` table over Kestrel's defaults (durable).
-    fn defaults_table(&self) -> toml::Table {
+    fn defaults_table(&self) -> Result<toml::Table, String> {
         let mut table = toml::Table::new();
         table.insert("durable".into(), toml::Value::Boolean(true));
-        table.extend(self.queue_defaults.clone());
-        table
+        layer(&mut table, &self.queue_defaults).map_err(|e| format!("queue_defaults: {e}"))?;
+        Ok(table)
     }
 
     /// The configuration of queues created by first use.
     pub fn queue_defaults(&self) -> Result<QueueConfig, String> {
-        toml::Value::Table(self.defaults_table()).try_into().map_err(|e| format!("queue_defaults: {e}"))
+        toml::Value::Table(self.defaults_table()?).try_into().map_err(|e| format!("queue_defaults: {e}"))
     }
 
     /// Every `[queues.NAME]` block over the defaults.
     pub fn queues(&self) -> Result<BTreeMap<String, QueueConfig>, String> {
-        let defaults = self.defaults_table();
+        let defaults = self.defaults_table()?;
         let mut out = BTreeMap::new();
         for (name, block) in &self.queues {
             let mut table = defaults.clone();
             // A child inherits its parent's block, then applies its own.
             if let Some(parent) = petrel_broker::fanout_parent(name).and_then(|p| self.queues.get(p)) {
-                table.extend(parent.clone());
+                layer(&mut table, parent).map_err(|e| format!("queues.{name}: {e}"))?;
             }
-            table.extend(block.clone());
+            layer(&mut table, block).map_err(|e| format!("queues.{name}: {e}"))?;
             let config: QueueConfig =
                 toml::Value::Table(table).try_into().map_err(|e| format!("queues.{name}: {e}"))?;
             out.insert(name.clone(), config);
@@ -449,6 +449,22 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Sets each of `upper`'s queue settings in `table`, replacing what `table` had for that setting
+/// under either of its names (`QueueConfig::setting_name`). A setting given twice in `upper` (by
+/// both names) is an error, as serde says of one given twice under one name.
+fn layer(table: &mut toml::Table, upper: &toml::Table) -> Result<(), String> {
+    let mut seen = std::collections::HashSet::new();
+    for (key, value) in upper {
+        let setting = QueueConfig::setting_name(key);
+        if !seen.insert(setting) {
+            return Err(format!("{setting} is set twice (once as {key})"));
+        }
+        table.retain(|k, _| QueueConfig::setting_name(k) != setting);
+        table.insert(setting.to_string(), value.clone());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -533,5 +549,30 @@ max_itemz = 1
         )
         .unwrap();
         assert!(typo.validate().unwrap_err().contains("max_itemz"));
+    }
+
+    #[test]
+    fn kestrel_names_override_the_defaults_under_either_name() {
+        // Kestrel's names for settings that a layer below spells the other way (the built-in
+        // `durable`, a `[queue_defaults]` `max_bytes`): the upper layer wins, no "duplicate field".
+        let c: Config = toml::from_str(
+            r#"
+            [queue_defaults]
+            keep_journal = false
+            max_bytes = 1000
+            [queues.jobs]
+            max_size = 10
+            [queues.kept]
+            keep_journal = true
+            "#,
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(!c.queue_defaults().unwrap().durable);
+        let queues = c.queues().unwrap();
+        assert_eq!((queues["jobs"].max_bytes, queues["jobs"].durable), (10, false));
+        assert_eq!((queues["kept"].max_bytes, queues["kept"].durable), (1000, true));
+        let twice: Config = toml::from_str("[queues.q]\nmax_size = 1\nmax_bytes = 2\n").unwrap();
+        assert!(twice.validate().unwrap_err().contains("max_bytes is set twice"));
     }
 }
