@@ -347,3 +347,17 @@ fn consume_waits_for_a_message_as_long_as_asked_and_queue_settings_that_lose_mes
     let (ok, _, err) = run(&["queue", "create", "loop", "--ttl-ms", "100", "--dead-letter", "loop", "--server", s], "");
     assert!(!ok && err.contains("its own dead-letter queue"), "{err}");
 }
+
+/// A server that cannot start (its port is taken) leaves no data directory behind: a mistyped
+/// `--data` that did not start does not become a directory to find later.
+#[test]
+fn a_server_that_cannot_start_makes_no_data_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let data = dir.path().join("fresh");
+    let args = ["serve", "--data", data.to_str().unwrap(), "--native-addr", &port, "--memcache-addr", "off"];
+    let (ok, _, err) = run(&[&args[..], &["--http-addr", "off"]].concat(), "");
+    assert!(!ok && err.contains(&format!("bind {port}")), "{err}");
+    assert!(!data.exists(), "no directory made");
+}

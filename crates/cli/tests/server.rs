@@ -565,7 +565,49 @@ async fn the_unix_socket_serves_the_same_queues() {
     over_unix.create_queue("both", QueueConfig::default()).await.unwrap();
     over_tcp.offer("both", vec![msg("hi")], None).await.unwrap();
     assert_eq!(texts(&over_unix.poll("both", TAKE).await.unwrap()), ["hi"]);
+    // A second server (another data directory) does not take a live server's socket.
+    let second = |data: &str| {
+        Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off"])
+            .arg("--data")
+            .arg(dir.path().join(data))
+            .arg("--unix-socket")
+            .arg(&socket)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut refused = second("other");
+    let started = std::time::Instant::now();
+    while refused.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = refused.kill(); // (one that took the socket runs on)
+    let refused = refused.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("another server listens on it"), "{err}");
+    over_unix.ping().await.unwrap();
+    assert!(Client::connect_unix(&socket).await.is_ok(), "still the first server's");
     drop((over_unix, over_tcp));
+    Command::new("kill").args(["-KILL", &child.id().to_string()]).status().unwrap();
+    child.wait().unwrap();
+    assert!(socket.exists(), "left behind by a kill -9");
+    // A socket file that nobody answers on is replaced.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off"])
+        .arg("--data")
+        .arg(dir.path().join("data"))
+        .arg("--unix-socket")
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(lines.next().unwrap().unwrap().starts_with("native "));
+    assert_eq!(lines.next().unwrap().unwrap(), format!("unix {}", socket.display()));
+    Client::connect_unix(&socket).await.unwrap().ping().await.unwrap();
     Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     assert!(child.wait().unwrap().success());
     assert!(!socket.exists(), "the socket file is removed on shutdown");

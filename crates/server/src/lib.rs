@@ -205,22 +205,23 @@ impl Server {
                 tracing::warn!(listener = name, %addr, "listening beyond loopback with authentication off: anyone who can reach this port may read, write and remove every queue");
             }
         }
-        let broker = Broker::open(&config.data, options).map_err(|e| format!("{}: {e}", config.data.display()))?;
+        // The listeners first: a port that is taken ends the start before the data directory
+        // is made or recovered. (Connections that come during recovery wait in the backlog.)
         let tcp =
             TcpListener::bind(config.native_addr).await.map_err(|e| format!("bind {}: {e}", config.native_addr))?;
-        let unix = match &config.unix_socket {
-            Some(path) => {
-                let _ = std::fs::remove_file(path);
-                Some(UnixListener::bind(path).map_err(|e| format!("bind {}: {e}", path.display()))?)
-            }
-            None => None,
-        };
         let memcache = match config.memcache_addr {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
             None => None,
         };
         let http = match config.http_addr {
             Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
+            None => None,
+        };
+        let broker = Broker::open(&config.data, options).map_err(|e| format!("{}: {e}", config.data.display()))?;
+        // After the data directory's lock is held: a second server on the same directory stops
+        // there, before it could take the first one's socket.
+        let unix = match &config.unix_socket {
+            Some(path) => Some(bind_unix(path)?),
             None => None,
         };
         let limits = reload::LiveLimits::new(&config);
@@ -610,4 +611,14 @@ pub(crate) async fn blocking<T: Send + 'static>(
             Err(_) => Err(petrel_broker::BrokerError::Timeout("the server is shutting down".into())),
         },
     }
+}
+
+/// Listens on the Unix socket `path`. A socket file left by a server that is gone is replaced;
+/// one that a live server answers on is not taken from it.
+fn bind_unix(path: &std::path::Path) -> Result<UnixListener, String> {
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        return Err(format!("bind {}: another server listens on it", path.display()));
+    }
+    let _ = std::fs::remove_file(path);
+    UnixListener::bind(path).map_err(|e| format!("bind {}: {e}", path.display()))
 }
