@@ -303,8 +303,24 @@ pub struct Broker {
     alarm: Arc<TickAlarm>,
 }
 
+/// What an offer did (`Broker::offer_unsynced`).
+#[must_use = "an offer is answered only after its wait"]
+pub struct Offered {
+    /// The id the offer is answered with: its first stored message's, or the first original's
+    /// for an offer of repeats only (it gets the answer the originals got).
+    pub first_id: u64,
+    /// Messages stored; the offer's count for one of repeats only.
+    pub count: u32,
+    /// Messages not stored because their idempotency key repeats one the queue remembers (or
+    /// one earlier in the offer).
+    pub repeats: u32,
+    /// What the answer waits for.
+    pub unsynced: UnsyncedOffer,
+}
+
 /// An offer stored and not yet known to be on disk (`Broker::offer_unsynced`).
 #[must_use = "an offer is answered only after its wait"]
+#[derive(Default)]
 pub struct UnsyncedOffer {
     /// The queue offered to and its last record, if its log syncs every offer.
     queue: Option<(Arc<Queue>, queue::Unsynced)>,
@@ -927,9 +943,9 @@ impl Broker {
         messages: &mut Vec<Message>,
         now_ns: u64,
     ) -> Result<(u64, u32), BrokerError> {
-        let (first, count, unsynced) = self.offer_unsynced(queue, messages, now_ns)?;
-        unsynced.wait()?;
-        Ok((first, count))
+        let offered = self.offer_unsynced(queue, messages, now_ns)?;
+        offered.unsynced.wait()?;
+        Ok((offered.first_id, offered.count))
     }
 
     /// `offer_to` without waiting for the disk: the answer to the offer waits for
@@ -941,7 +957,7 @@ impl Broker {
         queue: &Arc<Queue>,
         messages: &mut Vec<Message>,
         now_ns: u64,
-    ) -> Result<(u64, u32, UnsyncedOffer), BrokerError> {
+    ) -> Result<Offered, BrokerError> {
         for m in messages.iter() {
             if m.size() as usize > self.options.max_message_bytes {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
@@ -957,13 +973,14 @@ impl Broker {
         queue: &Arc<Queue>,
         messages: &mut Vec<Message>,
         now_ns: u64,
-    ) -> Result<(u64, u32, UnsyncedOffer), BrokerError> {
+    ) -> Result<Offered, BrokerError> {
         let children = self.read().children.get(&queue.name).cloned();
         // Copies only of what the parent stores: an offer retried while the parent is full, or
         // a repeat of a keyed offer it stored before, must not give the children duplicates.
         let mut copies = children.as_ref().map(|_| messages.clone());
-        let (first, count, last) = queue.offer_unsynced(messages, copies.as_mut(), now_ns)?;
-        let mut unsynced = UnsyncedOffer { queue: last.map(|last| (Arc::clone(queue), last)), children: Vec::new() };
+        let stored = queue.offer_unsynced(messages, copies.as_mut(), now_ns)?;
+        let mut unsynced =
+            UnsyncedOffer { queue: stored.last.map(|last| (Arc::clone(queue), last)), children: Vec::new() };
         if let (Some(children), Some(copies)) = (children, copies.filter(|c| !c.is_empty())) {
             for child in children {
                 let mut copies = copies.clone();
@@ -973,7 +990,7 @@ impl Broker {
                     copies.iter_mut().for_each(|m| m.durable = false);
                 }
                 match child.offer_unsynced(&mut copies, None, now_ns) {
-                    Ok((_, _, Some(last))) => unsynced.children.push((child, last)),
+                    Ok(queue::Stored { last: Some(last), .. }) => unsynced.children.push((child, last)),
                     Ok(_) => {}
                     Err(e) => {
                         child.count_dropped(copies.len() as u64);
@@ -982,7 +999,7 @@ impl Broker {
                 }
             }
         }
-        Ok((first, count, unsynced))
+        Ok(Offered { first_id: stored.first, count: stored.count, repeats: stored.repeats, unsynced })
     }
 
     /// Takes up to `max` messages (tentatively, with a visibility timeout). Expired messages it
@@ -1395,7 +1412,7 @@ impl Broker {
             let run = moved.iter().take_while(|m| m.priority == moved[0].priority).count();
             let mut batch: Vec<Message> = moved.drain(..run).collect();
             let offered =
-                self.offer_sized_unsynced(&to, &mut batch, now_ns).and_then(|(_, _, unsynced)| unsynced.wait());
+                self.offer_sized_unsynced(&to, &mut batch, now_ns).and_then(|offered| offered.unsynced.wait());
             if let Err(e) = offered {
                 tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
             }

@@ -401,6 +401,20 @@ struct Inner {
     counters: QueueCounters,
 }
 
+/// What `Queue::offer_unsynced` did.
+#[derive(Debug)]
+pub(crate) struct Stored {
+    /// The id the offer is answered with: its first stored message's, or the first original's
+    /// for an offer of repeats only.
+    pub first: u64,
+    /// Messages stored; the offer's count for one of repeats only.
+    pub count: u32,
+    /// Messages not stored because their idempotency key repeats one (`Repeats`).
+    pub repeats: u32,
+    /// The last record the answer waits for, if the queue syncs each offer.
+    pub last: Option<Unsynced>,
+}
+
 /// An offer's last record, not yet known to be on disk: `Queue::wait_durable` waits for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Unsynced {
@@ -870,11 +884,11 @@ impl Queue {
     /// messages stores the new ones and answers for them; if it is then refused, the repeats are
     /// gone from `messages`, which changes nothing for a retry.
     pub fn offer(&self, messages: &mut Vec<Message>, now_ns: u64) -> Result<(u64, u32), BrokerError> {
-        let (first, count, unsynced) = self.offer_unsynced(messages, None, now_ns)?;
-        if let Some(last) = unsynced {
+        let stored = self.offer_unsynced(messages, None, now_ns)?;
+        if let Some(last) = stored.last {
             self.wait_durable(last)?;
         }
-        Ok((first, count))
+        Ok((stored.first, stored.count))
     }
 
     /// `offer` without waiting for the disk. The messages are stored and counted at once, but
@@ -890,7 +904,7 @@ impl Queue {
         messages: &mut Vec<Message>,
         mut mirror: Option<&mut Vec<Message>>,
         now_ns: u64,
-    ) -> Result<(u64, u32, Option<Unsynced>), BrokerError> {
+    ) -> Result<Stored, BrokerError> {
         debug_assert!(mirror.as_ref().is_none_or(|m| m.len() == messages.len()));
         let config = self.config();
         let durable_asked = messages.iter().any(|m| m.durable);
@@ -1005,6 +1019,7 @@ impl Queue {
         let mut inner = self.lock();
         // Logs holding originals of repeats among new messages: the answer waits for them too.
         let mut repeated_in = 0;
+        let mut repeats = 0;
         if keyed {
             inner.dedup.evict(max_keys, window_ns, now_ns);
             match inner.repeats(&hashes) {
@@ -1027,11 +1042,12 @@ impl Queue {
                             let level = if level == message::DELAYED_TAG { levels } else { level };
                             Unsynced { level, offset, also: logs_holding(&originals, levels) & !(1 << level) }
                         });
-                    return Ok((originals[0], n, unsynced));
+                    return Ok(Stored { first: originals[0], count: n, repeats: n, last: unsynced });
                 }
                 Repeats::Some(repeated, originals) => {
                     repeated_in = logs_holding(&originals, levels);
-                    inner.counters.deduplicated += repeated.iter().filter(|r| **r).count() as u64;
+                    repeats = repeated.iter().filter(|r| **r).count() as u32;
+                    inner.counters.deduplicated += u64::from(repeats);
                     let mut it = repeated.iter();
                     messages.retain(|_| !*it.next().expect("one flag per message"));
                     let mut it = repeated.iter();
@@ -1169,7 +1185,7 @@ impl Queue {
         if !self.syncs_every_offer && !delayed {
             self.available.notify_waiters();
         }
-        Ok((first, n as u32, unsynced))
+        Ok(Stored { first, count: n as u32, repeats, last: unsynced })
     }
 
     /// Returns once the log's record `last` (an `offer_unsynced`'s) is on disk, and hands it
@@ -1473,7 +1489,7 @@ impl Queue {
 
     /// The queue's figures and configuration as QUEUE_STATUS answers them.
     pub fn status(&self) -> QueueStats {
-        let c = self.counters();
+        let (c, config) = (self.counters(), self.config());
         QueueStats {
             items: c.items,
             bytes: c.bytes,
@@ -1483,8 +1499,18 @@ impl Queue {
             expired: c.expired,
             dropped: c.dropped,
             waiters: c.waiters,
-            config: (*self.config()).clone(),
+            config: (*config).clone(),
             delayed: c.delayed,
+            acked: c.acked,
+            aborted: c.aborted,
+            dead_lettered: c.dead_lettered,
+            deduplicated: c.deduplicated,
+            dedup_keys: c.dedup_keys,
+            durability_in_force: self.logs.first().map(|log| log.durability().to_string()).unwrap_or_default(),
+            max_bytes_in_force: match (&self.memory, config.max_bytes) {
+                (Some((_, default)), 0) => *default,
+                _ => 0,
+            },
         }
     }
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use petrel_broker::{Broker, BrokerError, BrokerOptions, Message, QueueChanges, QueueConfig};
+use petrel_broker::{Broker, BrokerError, BrokerOptions, Message, Offered, QueueChanges, QueueConfig};
 
 const MS: u64 = 1_000_000;
 const VIS: Option<Duration> = Some(Duration::from_millis(100));
@@ -581,7 +581,7 @@ fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_o
     let q = b.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
 
     // Stored and counted, but not handed out before the wait.
-    let (first, count, unsynced) = b.offer_unsynced(&q, &mut msgs(&["a", "b"]), 0).unwrap();
+    let Offered { first_id: first, count, unsynced, .. } = b.offer_unsynced(&q, &mut msgs(&["a", "b"]), 0).unwrap();
     assert_eq!((first, count, unsynced.is_durable()), (1, 2, false));
     assert_eq!(q.counters().items, 2);
     assert!(b.poll("jobs", 5, None, 1, 0).unwrap().is_empty(), "not yet on disk");
@@ -647,11 +647,12 @@ fn a_repeat_of_originals_in_two_levels_waits_for_both_logs() {
     let config = QueueConfig { durable: true, priorities: 2, ..QueueConfig::default() };
     let q = b.create_queue("jobs", config, None).unwrap();
     let keyed = |key: &str, priority| Message { idempotency_key: key.into(), priority, ..Message::new(&b"x"[..]) };
-    let (low_id, _, low) = b.offer_unsynced(&q, &mut vec![keyed("k1", 0)], 0).unwrap();
-    let (_, _, high) = b.offer_unsynced(&q, &mut vec![keyed("k2", 1)], 0).unwrap();
+    let Offered { first_id: low_id, unsynced: low, .. } = b.offer_unsynced(&q, &mut vec![keyed("k1", 0)], 0).unwrap();
+    let high = b.offer_unsynced(&q, &mut vec![keyed("k2", 1)], 0).unwrap().unsynced;
     let syncs = q.log_stats().unwrap().syncs;
-    let (first, count, again) = b.offer_unsynced(&q, &mut vec![keyed("k1", 1), keyed("k2", 1)], 0).unwrap();
-    assert_eq!((first, count), (low_id, 2), "answered with the originals");
+    let Offered { first_id, count, repeats, unsynced: again } =
+        b.offer_unsynced(&q, &mut vec![keyed("k1", 1), keyed("k2", 1)], 0).unwrap();
+    assert_eq!((first_id, count, repeats), (low_id, 2, 2), "answered with the originals");
     again.wait().unwrap();
     assert_eq!(q.log_stats().unwrap().syncs - syncs, 2, "both levels' logs synced before the answer");
     low.wait().unwrap();
@@ -659,10 +660,11 @@ fn a_repeat_of_originals_in_two_levels_waits_for_both_logs() {
     assert_eq!(q.counters().items, 2, "stored once");
 
     // A repeat beside a new message: the new one's log and the original's.
-    let (_, _, low) = b.offer_unsynced(&q, &mut vec![keyed("k3", 0)], 0).unwrap();
+    let low = b.offer_unsynced(&q, &mut vec![keyed("k3", 0)], 0).unwrap().unsynced;
     let syncs = q.log_stats().unwrap().syncs;
-    let (_, count, mixed) = b.offer_unsynced(&q, &mut vec![keyed("k3", 1), keyed("k4", 1)], 0).unwrap();
-    assert_eq!(count, 1, "the new message alone stored");
+    let Offered { count, repeats, unsynced: mixed, .. } =
+        b.offer_unsynced(&q, &mut vec![keyed("k3", 1), keyed("k4", 1)], 0).unwrap();
+    assert_eq!((count, repeats), (1, 1), "the new message alone stored");
     mixed.wait().unwrap();
     assert_eq!(q.log_stats().unwrap().syncs - syncs, 2, "both levels' logs synced before the answer");
     low.wait().unwrap();
@@ -676,7 +678,7 @@ fn a_message_that_becomes_visible_after_a_tick_still_expires_on_time() {
     let b = Broker::open(dir.path(), options).unwrap();
     let config = QueueConfig { durable: true, ttl_ms: 10, dead_letter: "dead".into(), ..QueueConfig::default() };
     let q = b.create_queue("q", config, None).unwrap();
-    let (_, _, unsynced) = b.offer_unsynced(&q, &mut msgs(&["soon stale"]), 0).unwrap();
+    let unsynced = b.offer_unsynced(&q, &mut msgs(&["soon stale"]), 0).unwrap().unsynced;
     b.tick(MS); // sees no head yet: the message waits for the disk
     unsynced.wait().unwrap();
     b.tick(20 * MS);

@@ -320,7 +320,7 @@ pub fn produce(args: ProduceArgs) -> Res {
     };
     let mut input = crate::lines::StdinLines::new(1024);
     let mut lines = Vec::new();
-    let mut sent = 0u64;
+    let (mut sent, mut repeats) = (0u64, 0u64);
     loop {
         input.next_batch(&mut lines)?;
         if lines.is_empty() {
@@ -351,39 +351,53 @@ pub fn produce(args: ProduceArgs) -> Res {
             }
             other => other,
         };
-        if let Err((accepted, e)) = offered {
-            // Say what is stored, so that a rerun does not offer it again.
-            let stored = sent + accepted;
-            eprintln!(
-                "{} offered to {} (the first {stored} lines) before line {} failed",
-                crate::output::count(stored, "message"),
-                args.queue,
-                stored + 1
-            );
-            return Err(e.into());
+        match offered {
+            Ok(repeated) => repeats += repeated,
+            Err((accepted, e)) => {
+                // Say what is stored, so that a rerun does not offer it again.
+                let stored = sent + accepted;
+                eprintln!(
+                    "{} offered to {} (the first {stored} lines) before line {} failed",
+                    crate::output::count(stored, "message"),
+                    args.queue,
+                    stored + 1
+                );
+                return Err(e.into());
+            }
         }
         sent += n;
     }
-    eprintln!("{} offered to {}", crate::output::count(sent, "message"), args.queue);
+    match repeats {
+        0 => eprintln!("{} offered to {}", crate::output::count(sent, "message"), args.queue),
+        _ => eprintln!(
+            "{} offered to {}: {} stored, {repeats} not stored again (their keys were offered before)",
+            crate::output::count(sent, "message"),
+            args.queue,
+            sent - repeats
+        ),
+    }
     Ok(ExitCode::SUCCESS)
 }
 
 /// Offers `batch`: as one request, or, if the queue can never hold so many at once, one message
 /// at a time. An error comes with how many of the batch were stored before it (in order).
-fn offer_all(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), (u64, ClientError)> {
+/// Returns how many were repeats of keys the queue remembers (not stored again).
+fn offer_all(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<u64, (u64, ClientError)> {
     match offer_waiting(client, args, batch.clone()) {
         Err(ClientError::Status { status: Status::TooLarge, .. }) if batch.len() > 1 => {
+            let mut repeats = 0;
             for (stored, m) in batch.into_iter().enumerate() {
-                offer_waiting(client, args, vec![m]).map_err(|e| (stored as u64, e))?;
+                repeats += u64::from(offer_waiting(client, args, vec![m]).map_err(|e| (stored as u64, e))?);
             }
-            Ok(())
+            Ok(repeats)
         }
-        other => other.map_err(|e| (0, e)),
+        other => other.map(u64::from).map_err(|e| (0, e)),
     }
 }
 
 /// Offers `batch`; if the queue is full, says so on stderr and waits up to --timeout for room.
-fn offer_waiting(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<(), ClientError> {
+/// Returns how many were repeats.
+fn offer_waiting(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<u32, ClientError> {
     match client.offer(&args.queue, batch.clone(), None) {
         Err(ClientError::Status { status: Status::QueueFull, .. }) => {
             eprintln!(

@@ -35,8 +35,13 @@ macro_rules! on_either {
 }
 
 impl Target {
-    pub fn offer(&self, queue: &str, messages: Vec<Message>, timeout: Option<Duration>) -> Result<(), ClientError> {
-        on_either!(self, c => c.offer(queue, messages, timeout).map(|_| ()))
+    /// Offers `messages` (all or none); returns how many repeat an idempotency key the queue
+    /// remembers, and so were not stored again.
+    pub fn offer(&self, queue: &str, messages: Vec<Message>, timeout: Option<Duration>) -> Result<u32, ClientError> {
+        match self {
+            Target::One(c) => c.offer_stored(queue, messages, timeout).map(|stored| stored.repeats),
+            Target::Many(c) => c.offer(queue, messages, timeout).map(|offered| offered.repeats),
+        }
     }
 
     pub fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<Taken>, ClientError> {

@@ -478,18 +478,29 @@ async fn repeated_offers_with_one_key_are_stored_once_across_kill_9() {
     }
     let status = c.queue_status("orders").await.unwrap();
     assert_eq!((status.items, status.total_offered), (50, 0), "nothing stored twice");
+    assert_eq!((status.deduplicated, status.dedup_keys), (100, 100), "{status:?}");
+    // The answer says which were repeats: here one of two.
+    let stored = c.offer_stored("orders", vec![keyed(3), keyed(200)], None).await.unwrap();
+    assert_eq!(stored.repeats, 1);
+    let taken = c.poll("orders", PollOptions { max: 1, ..TAKE }).await.unwrap();
+    assert_eq!(texts(&taken), ["order 50"]);
     assert!(c.offer("orders", vec![keyed(100)], None).await.unwrap() > ids[99], "a new key is stored");
     let rest = c.poll("orders", PollOptions { max: 100, ..TAKE }).await.unwrap();
-    let expected: Vec<String> = (50..=100).map(|i| format!("order {i}")).collect();
+    let expected: Vec<String> = (51..100).chain([200, 100]).map(|i| format!("order {i}")).collect();
     assert_eq!(texts(&rest), expected);
 
     let produce = |addr: &str| {
         common::petrel(&["produce", "lines", "--server", addr, "--durable", "--key", "import-7"], b"a\nb\nc\n")
     };
-    for _ in 0..2 {
-        let out = produce(&server.addr);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    }
+    let said: Vec<String> = (0..2)
+        .map(|_| {
+            let out = produce(&server.addr);
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8_lossy(&out.stderr).trim().to_string()
+        })
+        .collect();
+    assert_eq!(said[0], "3 messages offered to lines");
+    assert_eq!(said[1], "3 messages offered to lines: 0 stored, 3 not stored again (their keys were offered before)");
     assert_eq!(c.queue_status("lines").await.unwrap().items, 3, "the second run stored nothing");
 }
 
@@ -1016,5 +1027,58 @@ async fn a_followed_subscription_that_fell_behind_is_told_and_goes_on() {
             Ok(None) => panic!("the subscription ended"),
         }
         assert!(std::time::Instant::now() < deadline, "nothing after the notice");
+    }
+}
+
+/// A client that did not ask for OFFERED's `repeats` and QUEUE_STATUS's later figures in HELLO
+/// (one written before they existed) gets the answers as they were; one that asked gets them.
+#[test]
+fn answers_carry_repeats_and_figures_only_for_clients_that_asked() {
+    use petrel_proto::{Request, Response, features};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    // An answer's body, raw.
+    let body = |c: &mut std::net::TcpStream, request: Request| {
+        c.write_all(&common::request_frame(&request, 2)).unwrap();
+        let mut len = [0u8; 4];
+        c.read_exact(&mut len).unwrap();
+        let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
+        c.read_exact(&mut frame).unwrap();
+        frame.split_off(12)
+    };
+    let keyed = || Message { idempotency_key: "k".into(), ..msg("x") };
+    let offer = || Request::Offer { queue: "q".into(), timeout_ms: 0, messages: vec![keyed(), keyed()] };
+    let status = || Request::QueueStatus { name: "q".into() };
+    for wanted in [0, features::OFFER_REPEATS | features::QUEUE_FIGURES] {
+        let mut c = std::net::TcpStream::connect(&server.addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let hello = body(&mut c, Request::Hello { client: "test".into(), features: wanted });
+        let Response::Hello { features: granted, .. } =
+            Response::decode(petrel_proto::opcode::HELLO, hello.into()).unwrap()
+        else {
+            panic!("not a hello")
+        };
+        assert_eq!(granted & (features::OFFER_REPEATS | features::QUEUE_FIGURES), wanted);
+        if wanted == 0 {
+            let create = Request::QueueCreate { name: "q".into(), config: Box::new(QueueConfig::default()) };
+            body(&mut c, create);
+        }
+        // Two messages with one key: the second repeats the first (and, the second time, both
+        // repeat the first time's).
+        let offered = body(&mut c, offer());
+        let status_body = body(&mut c, status());
+        let stats = match Response::decode(petrel_proto::opcode::QUEUE_STATUS, status_body.clone().into()).unwrap() {
+            Response::QueueStatus { stats } => stats,
+            other => panic!("{other:?}"),
+        };
+        if wanted == 0 {
+            assert_eq!(offered.len(), 1 + 8 + 4, "first_id and count only");
+            assert_eq!(stats.deduplicated, 0, "not sent");
+        } else {
+            assert_eq!(offered.len(), 1 + 8 + 4 + 4, "then repeats");
+            assert_eq!(&offered[13..], &2u32.to_be_bytes(), "both repeat the first offer's key");
+            assert_eq!((stats.deduplicated, stats.dedup_keys), (3, 1));
+            assert_eq!(stats.max_bytes_in_force, 256 << 20, "a queue in memory: the server's memory_queue_max_bytes");
+        }
     }
 }

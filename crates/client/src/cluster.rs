@@ -65,6 +65,8 @@ pub struct Offered {
     pub server: usize,
     /// The id of the first message, on that server.
     pub first_id: u64,
+    /// Messages not stored there because they repeat an idempotency key it remembers.
+    pub repeats: u32,
 }
 
 /// What acknowledges a delivery: its server, the connection it came on, and the server's handle.
@@ -1229,7 +1231,7 @@ impl Cluster {
 /// An offer's answer from server `server`.
 fn offered(server: usize, response: Response) -> Result<Offered, ClientError> {
     match response {
-        Response::Offered { first_id, .. } => Ok(Offered { server, first_id }),
+        Response::Offered { first_id, repeats, .. } => Ok(Offered { server, first_id, repeats }),
         other => Err(crate::unexpected(other)),
     }
 }

@@ -297,6 +297,16 @@ impl Drop for Inner {
     }
 }
 
+/// What a queue stored of an offer (`Client::offer_stored`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The first message's id; for an offer of repeats only, the first original's.
+    pub first_id: u64,
+    /// Messages not stored because they repeat an idempotency key the queue remembers (or one
+    /// earlier in the offer): the others were stored.
+    pub repeats: u32,
+}
+
 /// How to poll.
 #[derive(Clone, Copy, Debug)]
 pub struct PollOptions {
@@ -505,7 +515,8 @@ impl Client {
 
     /// Says HELLO, asking for compressed payloads if `compress_min_bytes` is set.
     async fn hello(&self, compress_min_bytes: Option<usize>) -> Result<(), ClientError> {
-        let wanted = if compress_min_bytes.is_some() { petrel_proto::features::ZSTD } else { 0 };
+        use petrel_proto::features::{OFFER_REPEATS, QUEUE_FIGURES, ZSTD};
+        let wanted = if compress_min_bytes.is_some() { ZSTD } else { 0 } | OFFER_REPEATS | QUEUE_FIGURES;
         let client = format!("petrel-client/{}", env!("CARGO_PKG_VERSION"));
         let answer = self.call_op(Request::Hello { client, features: wanted }).await?;
         if let Response::Hello { max_frame, .. } = &answer {
@@ -553,9 +564,20 @@ impl Client {
         messages: Vec<Message>,
         timeout: Option<Duration>,
     ) -> Result<u64, ClientError> {
+        self.offer_stored(queue, messages, timeout).await.map(|stored| stored.first_id)
+    }
+
+    /// `offer`, saying what the queue stored of it: which messages repeat an idempotency key it
+    /// remembers, and so were not stored again.
+    pub async fn offer_stored(
+        &self,
+        queue: &str,
+        messages: Vec<Message>,
+        timeout: Option<Duration>,
+    ) -> Result<Stored, ClientError> {
         let timeout_ms = timeout.map_or(0, |t| t.as_millis().min(u32::MAX as u128) as u32);
         match self.call_op(Request::Offer { queue: queue.into(), timeout_ms, messages }).await? {
-            Response::Offered { first_id, .. } => Ok(first_id),
+            Response::Offered { first_id, repeats, .. } => Ok(Stored { first_id, repeats }),
             other => Err(unexpected(other)),
         }
     }
@@ -1102,6 +1124,14 @@ pub mod blocking {
             timeout: Option<Duration>,
         ) -> Result<u64, ClientError> {
             self.rt.block_on(self.inner.offer(queue, messages, timeout))
+        }
+        pub fn offer_stored(
+            &self,
+            queue: &str,
+            messages: Vec<Message>,
+            timeout: Option<Duration>,
+        ) -> Result<Stored, ClientError> {
+            self.rt.block_on(self.inner.offer_stored(queue, messages, timeout))
         }
         pub fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<Delivery>, ClientError> {
             self.rt.block_on(self.inner.poll(queue, options))

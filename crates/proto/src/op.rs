@@ -16,6 +16,11 @@ pub mod features {
     pub const AUTH_REQUIRED: u32 = 1;
     /// Request: the client reads zstd-compressed payloads. Response: both sides may send them.
     pub const ZSTD: u32 = 2;
+    /// Request: the client reads OFFERED's `repeats`. Response: the server sends it.
+    pub const OFFER_REPEATS: u32 = 4;
+    /// Request: the client reads QUEUE_STATUS's figures after `delayed` (bits 1–7 of their
+    /// extensions byte). Response: the server sends them.
+    pub const QUEUE_FIGURES: u32 = 8;
 }
 
 pub mod opcode {
@@ -287,12 +292,36 @@ pub struct QueueStats {
     pub config: QueueConfig,
     /// Messages stored but not yet due (delayed offers, delayed redeliveries): not in `items`.
     pub delayed: u64,
+    /// The figures below go only to a client that asked for them (`features::QUEUE_FIGURES`).
+    /// Tentative reads acknowledged.
+    pub acked: u64,
+    /// Tentative reads returned (aborted, visibility timeout passed, consumer gone).
+    pub aborted: u64,
+    /// Moved to the dead-letter queue at `max_deliveries`.
+    pub dead_lettered: u64,
+    /// Offered messages not stored: their idempotency key was remembered.
+    pub deduplicated: u64,
+    /// Idempotency keys remembered now.
+    pub dedup_keys: u64,
+    /// A durable queue's log durability in force (its own, or the server's when its
+    /// configuration's is empty); empty for a queue in memory.
+    pub durability_in_force: String,
+    /// The byte limit in force when the configuration's `max_bytes` is 0 but one applies (a
+    /// queue in memory: the server's `memory_queue_max_bytes`); else 0.
+    pub max_bytes_in_force: u64,
 }
 
 /// The extensions byte after a queue's figures and configuration: which optional figures
-/// follow, each present exactly when not zero; the byte itself only when one is (so that a
-/// queue's figures without any encode as they did before it).
+/// follow, in bit order, each present exactly when not zero; the byte itself only when one is
+/// (so that a queue's figures without any encode as they did before it).
 const STATS_EXT_DELAYED: u8 = 1;
+const STATS_EXT_ACKED: u8 = 2;
+const STATS_EXT_ABORTED: u8 = 4;
+const STATS_EXT_DEAD_LETTERED: u8 = 8;
+const STATS_EXT_DEDUPLICATED: u8 = 16;
+const STATS_EXT_DEDUP_KEYS: u8 = 32;
+const STATS_EXT_DURABILITY: u8 = 64;
+const STATS_EXT_MAX_BYTES: u8 = 128;
 
 impl QueueStats {
     fn encode(&self, w: &mut Writer<'_>) -> Result<(), EncodeError> {
@@ -309,15 +338,53 @@ impl QueueStats {
             w.u64(v);
         }
         self.config.encode(w)?;
-        if self.delayed != 0 {
-            w.u8(STATS_EXT_DELAYED);
-            w.u64(self.delayed);
+        let figures = [
+            (STATS_EXT_DELAYED, self.delayed),
+            (STATS_EXT_ACKED, self.acked),
+            (STATS_EXT_ABORTED, self.aborted),
+            (STATS_EXT_DEAD_LETTERED, self.dead_lettered),
+            (STATS_EXT_DEDUPLICATED, self.deduplicated),
+            (STATS_EXT_DEDUP_KEYS, self.dedup_keys),
+        ];
+        let mut bits = figures.iter().filter(|(_, v)| *v != 0).fold(0, |bits, (bit, _)| bits | bit);
+        if !self.durability_in_force.is_empty() {
+            bits |= STATS_EXT_DURABILITY;
+        }
+        if self.max_bytes_in_force != 0 {
+            bits |= STATS_EXT_MAX_BYTES;
+        }
+        if bits != 0 {
+            w.u8(bits);
+        }
+        for (_, v) in figures.iter().filter(|(_, v)| *v != 0) {
+            w.u64(*v);
+        }
+        if !self.durability_in_force.is_empty() {
+            w.str(&self.durability_in_force)?;
+        }
+        if self.max_bytes_in_force != 0 {
+            w.u64(self.max_bytes_in_force);
         }
         Ok(())
     }
 
+    /// These figures without those only a client that asked for them reads
+    /// (`features::QUEUE_FIGURES`).
+    pub fn without_later_figures(self) -> QueueStats {
+        QueueStats {
+            acked: 0,
+            aborted: 0,
+            dead_lettered: 0,
+            deduplicated: 0,
+            dedup_keys: 0,
+            durability_in_force: String::new(),
+            max_bytes_in_force: 0,
+            ..self
+        }
+    }
+
     fn decode(r: &mut Reader) -> Result<QueueStats, DecodeError> {
-        Ok(QueueStats {
+        QueueStats {
             items: r.u64("items")?,
             bytes: r.u64("bytes")?,
             in_flight: r.u64("in_flight")?,
@@ -327,14 +394,40 @@ impl QueueStats {
             dropped: r.u64("dropped")?,
             waiters: r.u64("waiters")?,
             config: QueueConfig::decode(r)?,
-            delayed: match r.is_empty() {
-                true => 0,
-                false => match r.u8("queue figures extensions")? {
-                    STATS_EXT_DELAYED => present(r.u64("delayed")?, "delayed (present, so not 0)")?,
-                    _ => return Err(DecodeError::BadValue("queue figures extensions")),
-                },
-            },
-        })
+            ..QueueStats::default()
+        }
+        .decode_figures(r)
+    }
+
+    /// The optional figures after the configuration (`STATS_EXT_*`), if any.
+    fn decode_figures(mut self, r: &mut Reader) -> Result<QueueStats, DecodeError> {
+        if r.is_empty() {
+            return Ok(self);
+        }
+        let bits = r.u8("queue figures extensions")?;
+        if bits == 0 {
+            return Err(DecodeError::BadValue("queue figures extensions (present, so not 0)"));
+        }
+        for (bit, figure, what) in [
+            (STATS_EXT_DELAYED, &mut self.delayed, "delayed (present, so not 0)"),
+            (STATS_EXT_ACKED, &mut self.acked, "acked (present, so not 0)"),
+            (STATS_EXT_ABORTED, &mut self.aborted, "aborted (present, so not 0)"),
+            (STATS_EXT_DEAD_LETTERED, &mut self.dead_lettered, "dead_lettered (present, so not 0)"),
+            (STATS_EXT_DEDUPLICATED, &mut self.deduplicated, "deduplicated (present, so not 0)"),
+            (STATS_EXT_DEDUP_KEYS, &mut self.dedup_keys, "dedup_keys (present, so not 0)"),
+        ] {
+            if bits & bit != 0 {
+                *figure = present(r.u64(what)?, what)?;
+            }
+        }
+        if bits & STATS_EXT_DURABILITY != 0 {
+            self.durability_in_force =
+                present(r.str("durability_in_force")?, "durability_in_force (present, so not empty)")?;
+        }
+        if bits & STATS_EXT_MAX_BYTES != 0 {
+            self.max_bytes_in_force = present(r.u64("max_bytes_in_force")?, "max_bytes_in_force (present, so not 0)")?;
+        }
+        Ok(self)
     }
 }
 
@@ -846,6 +939,11 @@ pub enum Response {
     Offered {
         first_id: u64,
         count: u32,
+        /// Messages of the offer not stored because they repeat an idempotency key (remembered,
+        /// or earlier in the same offer). Sent only to a client that asked for it
+        /// (`features::OFFER_REPEATS`), and only when not 0.
+        #[serde(default)]
+        repeats: u32,
     },
     Polled {
         deliveries: Vec<Delivery>,
@@ -1022,9 +1120,12 @@ impl Response {
                     Response::Reply { message } => message.encode(w),
                     Response::QueueStatus { stats } => stats.encode(w)?,
                     Response::TopicStatus { stats } => stats.encode(w)?,
-                    Response::Offered { first_id, count } => {
+                    Response::Offered { first_id, count, repeats } => {
                         w.u64(*first_id);
                         w.u32(*count);
+                        if *repeats != 0 {
+                            w.u32(*repeats);
+                        }
                     }
                     Response::Polled { deliveries } => {
                         w.u32(deliveries.len() as u32);
@@ -1061,7 +1162,14 @@ impl Response {
                     Response::QueueList { names: (0..n).map(|_| r.str("name")).collect::<Result<_, _>>()? }
                 }
                 QUEUE_STATUS => Response::QueueStatus { stats: Box::new(QueueStats::decode(&mut r)?) },
-                OFFER => Response::Offered { first_id: r.u64("first_id")?, count: r.u32("count")? },
+                OFFER => Response::Offered {
+                    first_id: r.u64("first_id")?,
+                    count: r.u32("count")?,
+                    repeats: match r.is_empty() {
+                        true => 0,
+                        false => present(r.u32("repeats")?, "repeats (present, so not 0)")?,
+                    },
+                },
                 POLL => {
                     let n = r.count(8 + MESSAGE_MIN_LEN, "delivery count")?;
                     let deliveries = decode_list(n, || {

@@ -242,7 +242,7 @@ fn cases() -> Vec<Vector> {
                     dropped: 0,
                     waiters: 2,
                     config: QueueConfig { max_items: 1000, ..QueueConfig::default() },
-                    delayed: 0,
+                    ..QueueStats::default()
                 }),
             },
         ),
@@ -260,6 +260,43 @@ fn cases() -> Vec<Vector> {
                     delayed: 40,
                     ..QueueStats::default()
                 }),
+            },
+        ),
+        request(
+            "hello_answer_fields",
+            "a client that reads the optional fields at the end of OFFERED (repeats) and QUEUE_STATUS (the figures after delayed): features 4 | 8",
+            1,
+            Request::Hello { client: q("my-client/2"), features: features::OFFER_REPEATS | features::QUEUE_FIGURES },
+        ),
+        response(
+            "queue_status_figures",
+            "for a client that asked for them (features 8): a durable queue's figures after the configuration, extensions 2|4|8|16|32|64 = 126 (acked, aborted, dead_lettered, deduplicated, dedup_keys, then the durability in force as a string)",
+            opcode::QUEUE_STATUS,
+            6,
+            Response::QueueStatus {
+                stats: Box::new(QueueStats {
+                    items: 5,
+                    bytes: 40,
+                    total_offered: 9,
+                    total_polled: 4,
+                    config: QueueConfig { durable: true, max_deliveries: 3, ..QueueConfig::default() },
+                    acked: 3,
+                    aborted: 2,
+                    dead_lettered: 1,
+                    deduplicated: 7,
+                    dedup_keys: 9,
+                    durability_in_force: q("always"),
+                    ..QueueStats::default()
+                }),
+            },
+        ),
+        response(
+            "queue_status_memory_limit",
+            "for a client that asked for the figures (features 8): a queue in memory with max_bytes 0 under the server's limit for such queues (64 MiB): extensions 128, then that limit",
+            opcode::QUEUE_STATUS,
+            6,
+            Response::QueueStatus {
+                stats: Box::new(QueueStats { max_bytes_in_force: 64 << 20, ..QueueStats::default() }),
             },
         ),
         request(
@@ -321,7 +358,14 @@ fn cases() -> Vec<Vector> {
             "ids of the accepted messages: first and count",
             opcode::OFFER,
             8,
-            Response::Offered { first_id: 41, count: 2 },
+            Response::Offered { first_id: 41, count: 2, repeats: 0 },
+        ),
+        response(
+            "offered_repeats",
+            "for a client that asked for it (features 4): an offer of three keyed messages of which one repeats a key the queue remembers, so two were stored (ids 41, 42) and repeats 1 follows the count",
+            opcode::OFFER,
+            8,
+            Response::Offered { first_id: 41, count: 2, repeats: 1 },
         ),
         response(
             "offer_queue_full",

@@ -354,7 +354,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             .and_then(|q| self.ctx.broker.offer_unsynced(&q, &mut vec![message], now));
         // A queue that syncs each offer: STORED once on disk, waited for off the runtime.
         let synced = match offered {
-            Ok((_, _, unsynced)) => crate::wait_durable(unsynced).await,
+            Ok(offered) => crate::wait_durable(offered.unsynced).await,
             Err(e) => Err(e),
         };
         match synced {

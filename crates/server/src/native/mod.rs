@@ -234,7 +234,7 @@ async fn dispatch(
         Request::QueueCreate { name, config } => now(queues::create(ctx, session, name, *config).await),
         Request::QueueRemove { name } => now(queues::remove(ctx, name).await),
         Request::QueueList => now(queues::list(ctx, session)),
-        Request::QueueStatus { name } => now(queues::status(ctx, name)),
+        Request::QueueStatus { name } => now(queues::status(ctx, session, name)),
         Request::Offer { queue, timeout_ms, messages } => {
             queues::offer(ctx, session, queue, timeout_ms, messages, arrived_ns)
         }

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use petrel_broker::security::{Action, Kind};
-use petrel_broker::{BrokerError, MemoryHold, Queue, WaitFor, Waited};
-use petrel_proto::{Delivery, Message, Response, Status};
+use petrel_broker::{BrokerError, MemoryHold, Offered, Queue, WaitFor, Waited};
+use petrel_proto::{Delivery, Message, Response, Status, features};
 
 use super::session::Session;
 use super::{Answer, WaitsFor, error, outgoing};
@@ -33,11 +33,19 @@ pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
     Response::QueueList { names: broker.queue_names().into_iter().filter(may).collect() }
 }
 
-pub(super) fn status(ctx: &Ctx, name: String) -> Response {
-    match ctx.broker.queue(&name) {
-        Some(q) => Response::QueueStatus { stats: Box::new(q.status()) },
-        None => error(BrokerError::NotFound(name)),
-    }
+pub(super) fn status(ctx: &Ctx, session: &Session, name: String) -> Response {
+    let Some(q) = ctx.broker.queue(&name) else { return error(BrokerError::NotFound(name)) };
+    let stats = match session.reads & features::QUEUE_FIGURES {
+        0 => q.status().without_later_figures(),
+        _ => q.status(),
+    };
+    Response::QueueStatus { stats: Box::new(stats) }
+}
+
+/// OFFERED for `offered`, with its repeats for a client that reads them.
+fn offered(offered: &Offered, reads: u32) -> Response {
+    let repeats = if reads & features::OFFER_REPEATS != 0 { offered.repeats } else { 0 };
+    Response::Offered { first_id: offered.first_id, count: offered.count, repeats }
 }
 
 /// Offers `messages` now; a full queue is waited on for up to `timeout_ms`, and an offer to a
@@ -64,15 +72,19 @@ pub(super) fn offer(
                 ))));
             };
             let gave_up = until_or_closed(timeout_ms, session.closed.clone());
-            Answer::later(WaitsFor::Other, offer_when_room(Arc::clone(ctx), queue, messages, (held, bytes), gave_up))
+            let waits = offer_when_room(Arc::clone(ctx), queue, messages, (held, bytes), gave_up, session.reads);
+            Answer::later(WaitsFor::Other, waits)
         }
-        Ok((first_id, count, unsynced)) if !unsynced.is_durable() => Answer::later(WaitsFor::Disk, async move {
-            match wait_durable(unsynced).await {
-                Ok(()) => Response::Offered { first_id, count },
-                Err(e) => error(e),
-            }
-        }),
-        Ok((first_id, count, _)) => Answer::Now(Response::Offered { first_id, count }),
+        Ok(mut done) if !done.unsynced.is_durable() => {
+            let (unsynced, reads) = (std::mem::take(&mut done.unsynced), session.reads);
+            Answer::later(WaitsFor::Disk, async move {
+                match wait_durable(unsynced).await {
+                    Ok(()) => offered(&done, reads),
+                    Err(e) => error(e),
+                }
+            })
+        }
+        Ok(done) => Answer::Now(offered(&done, session.reads)),
         Err(e) => Answer::Now(error(e)),
     }
 }
@@ -96,6 +108,7 @@ async fn offer_when_room(
     mut messages: Vec<Message>,
     (held, bytes): (MemoryHold, u64),
     gave_up: impl Future<Output = ()>,
+    reads: u32,
 ) -> Response {
     let broker = &ctx.broker;
     let mut held = Some(held);
@@ -112,8 +125,8 @@ async fn offer_when_room(
     };
     let name = queue.name.clone();
     match broker.wait_on_queue(queue, WaitFor::Room, attempt, gave_up).await {
-        Ok(Waited::Ready((first_id, count, unsynced))) => match wait_durable(unsynced).await {
-            Ok(()) => Response::Offered { first_id, count },
+        Ok(Waited::Ready(mut done)) => match wait_durable(std::mem::take(&mut done.unsynced)).await {
+            Ok(()) => offered(&done, reads),
             Err(e) => error(e),
         },
         Ok(Waited::Stopped(())) => error(BrokerError::Full(name)),

@@ -20,6 +20,9 @@ pub(super) struct Session {
     denials: auth::Denials,
     /// Negotiated in HELLO: payloads of at least this many bytes go out zstd-compressed.
     pub compress: Option<usize>,
+    /// Negotiated in HELLO: the optional fields this client reads at the end of answers
+    /// (`features::OFFER_REPEATS`, `features::QUEUE_FIGURES`).
+    pub reads: u32,
     /// The queue this connection named last, and `Broker::queues_removed` when it was found:
     /// found again without the broker's lock and hash while no queue has been removed since.
     /// Weak, so that a removed queue's log closes with its last request, not with this session.
@@ -45,6 +48,7 @@ impl Session {
             authenticated: None,
             denials: auth::Denials::default(),
             compress: None,
+            reads: 0,
             last_queue: None,
             closed,
         };
@@ -109,6 +113,8 @@ impl Session {
         if ctx.broker.auth_enabled() && self.authenticated.is_none() {
             features |= features::AUTH_REQUIRED;
         }
+        self.reads = wanted & (features::OFFER_REPEATS | features::QUEUE_FIGURES);
+        features |= self.reads;
         Response::Hello {
             server: format!("petrel/{}", env!("CARGO_PKG_VERSION")),
             max_frame: ctx.config.max_frame_bytes,
