@@ -152,7 +152,7 @@ fn dump(args: DumpArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let stdout = io::stdout();
     let mut out = io::BufWriter::new(stdout.lock());
     if !args.json {
-        writeln!(out, "{:>12}  {:<30}  {:<16}  {:>9}  first bytes", "offset", "time", "key", "size")?;
+        writeln!(out, "{:>12}  {:<30}  {:<16}  {:>9}  first bytes  [headers]", "offset", "time", "key", "size")?;
     }
     while left > 0 {
         let batch = reader.read_batch(left.min(1024) as usize)?;
@@ -244,8 +244,12 @@ fn consume(args: ConsumeArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 fn record_row(r: &Record<'_>) -> String {
     let time = humantime::format_rfc3339_micros(std::time::UNIX_EPOCH + std::time::Duration::from_nanos(r.timestamp));
     let key = r.key.map(|k| printable(k, 16)).unwrap_or_else(|| "-".into());
+    // The headers' names: what tells a queue's control records (a `ctl.returned` marker, no
+    // payload) from its messages, and a message's fields kept as headers.
+    let names: Vec<String> = r.headers.iter().map(|(name, _)| printable(name.as_bytes(), 24)).collect();
+    let headers = if names.is_empty() { String::new() } else { format!("  [{}]", names.join(", ")) };
     format!(
-        "{:>12}  {:<30}  {:<16}  {:>9}  {}",
+        "{:>12}  {:<30}  {:<16}  {:>9}  {}{headers}",
         r.offset,
         time.to_string(),
         key,

@@ -138,7 +138,21 @@ fn log_commands_that_write_keep_off_a_running_servers_logs_and_make_no_log() {
         assert!(text(&out.stderr).contains("running petrel server"), "{args:?}: {}", text(&out.stderr));
         assert!(out.stdout.is_empty(), "{args:?} acknowledged nothing");
     }
+    // A read opened and given back: the queue's log gets a control record for it, which a dump
+    // shows by its header's name (it has no payload).
+    for (ask, answer) in
+        [("get jobs/open\r\n", "VALUE jobs/open 0 2\r\nhi\r\nEND\r\n"), ("get jobs/abort\r\n", "END\r\n")]
+    {
+        std::io::Write::write_all(&mut mc, ask.as_bytes()).unwrap();
+        let mut got = vec![0u8; answer.len()];
+        std::io::Read::read_exact(&mut mc, &mut got).unwrap();
+        assert_eq!(text(&got), answer);
+    }
     drop(server);
+    let out = petrel(&["log", "dump", queue_log], b"");
+    let rows: Vec<String> = text(&out.stdout).lines().skip(1).map(str::to_owned).collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert!(rows[0].contains(" hi") && rows[1].ends_with("  [ctl.returned]"), "{rows:?}");
     // Stopped: the same append goes in.
     let out = petrel(&["log", "append", queue_log], b"zz\n");
     assert!(out.status.success(), "{}", text(&out.stderr));
