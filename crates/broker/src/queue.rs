@@ -1487,6 +1487,14 @@ impl Queue {
         Ok(n)
     }
 
+    /// Makes the next sync of each of the queue's logs (its levels' and its delayed log, if it
+    /// has them) fail as a disk's would, for tests (`tests/sync_failures.rs`).
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn fail_next_syncs(&self) {
+        self.logs.iter().chain(self.delayed_log.get()).for_each(SharedLog::fail_next_sync);
+    }
+
     /// The queue's figures and configuration as QUEUE_STATUS answers them.
     pub fn status(&self) -> QueueStats {
         let (c, config) = (self.counters(), self.config());

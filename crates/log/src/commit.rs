@@ -32,7 +32,7 @@ pub(crate) struct Commit {
     syncs: AtomicU64,
     poisoned: AtomicBool,
     poison_reason: Mutex<Option<String>>,
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fault-injection"))]
     pub fail_next_sync: AtomicBool,
 }
 
@@ -71,7 +71,7 @@ impl Commit {
             syncs: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
             poison_reason: Mutex::new(None),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "fault-injection"))]
             fail_next_sync: AtomicBool::new(false),
         }
     }
@@ -201,7 +201,7 @@ impl Commit {
         let seg = Arc::clone(&self.active.lock().unwrap_or_else(|e| e.into_inner()));
         let (pos, records) = seg.tail();
         let _one_at_a_time = self.sync_file.lock().unwrap_or_else(|e| e.into_inner());
-        #[cfg(test)]
+        #[cfg(any(test, feature = "fault-injection"))]
         if self.fail_next_sync.swap(false, Ordering::Relaxed) {
             return Err(self.poison(dir, format!("fdatasync {}: injected failure", seg.path.display())));
         }

@@ -89,6 +89,14 @@ impl SharedLog {
         self.shared.options().durability
     }
 
+    /// Makes the next sync of the active segment fail as a disk's would (poisoning the log),
+    /// for the tests of what is built on the log.
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn fail_next_sync(&self) {
+        self.shared.commit().fail_next_sync.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Makes every record appended so far durable.
     pub fn sync(&self) -> Result<()> {
         let next = self.next_offset();
