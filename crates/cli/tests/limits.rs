@@ -339,7 +339,16 @@ fn requests_being_read_count_in_the_memory_budget_on_both_ports() {
     let mut held = connect();
     let six = request_frame(&offer(6 << 20), 2);
     held.write_all(&six[..six.len() - 1]).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // Once the server counts it (a fixed pause was too short on a loaded machine once).
+    common::wait_until("the held request counted in the budget", || {
+        mc.write_all(b"stats\r\n").unwrap();
+        let (mut stats, mut reader) = (String::new(), std::io::BufReader::new(&mut mc));
+        while !stats.ends_with("END\r\n") {
+            std::io::BufRead::read_line(&mut reader, &mut stats).unwrap();
+        }
+        let queued = stats.lines().find_map(|l| l.strip_prefix("STAT memory_queued_bytes "));
+        queued.and_then(|v| v.trim().parse::<u64>().ok()).is_some_and(|v| v >= 6 << 20)
+    });
     // Another 6 MiB request does not fit beside it: refused when its header arrives, not held.
     let mut refused = connect();
     let other = request_frame(&offer(6 << 20), 3);
