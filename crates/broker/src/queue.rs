@@ -881,8 +881,8 @@ impl Queue {
     /// (nor one whose key an earlier message of the same offer carries). An offer of repeats
     /// only is answered with the originals: the first one's id and the offer's count (a batch
     /// offered again gets the answer it got the first time). An offer mixing repeats and new
-    /// messages stores the new ones and answers for them; if it is then refused, the repeats are
-    /// gone from `messages`, which changes nothing for a retry.
+    /// messages stores the new ones and answers for them; if it is refused, `messages` is left
+    /// whole, so that a retry is answered (and counted) for its repeats as the first try would be.
     pub fn offer(&self, messages: &mut Vec<Message>, now_ns: u64) -> Result<(u64, u32), BrokerError> {
         let stored = self.offer_unsynced(messages, None, now_ns)?;
         if let Some(last) = stored.last {
@@ -1018,8 +1018,7 @@ impl Queue {
         let (max_keys, window_ns) = config::dedup_window_of(&config);
         let mut inner = self.lock();
         // Logs holding originals of repeats among new messages: the answer waits for them too.
-        let mut repeated_in = 0;
-        let mut repeats = 0;
+        let (mut repeated_in, mut repeats, mut repeated) = (0, 0, None);
         if keyed {
             inner.dedup.evict(max_keys, window_ns, now_ns);
             match inner.repeats(&hashes) {
@@ -1044,23 +1043,18 @@ impl Queue {
                         });
                     return Ok(Stored { first: originals[0], count: n, repeats: n, last: unsynced });
                 }
-                Repeats::Some(repeated, originals) => {
+                Repeats::Some(flags, originals) => {
                     repeated_in = logs_holding(&originals, levels);
-                    repeats = repeated.iter().filter(|r| **r).count() as u32;
-                    inner.counters.deduplicated += u64::from(repeats);
-                    let mut it = repeated.iter();
-                    messages.retain(|_| !*it.next().expect("one flag per message"));
-                    let mut it = repeated.iter();
-                    hashes.retain(|_| !*it.next().expect("one flag per message"));
-                    if let Some(mirror) = mirror.as_mut() {
-                        let mut it = repeated.iter();
-                        mirror.retain(|_| !*it.next().expect("one flag per message"));
-                    }
-                    size = messages.iter().map(Message::size).sum();
+                    repeats = flags.iter().filter(|r| **r).count() as u32;
+                    size = messages.iter().zip(&flags).filter(|(_, r)| !**r).map(|(m, _)| m.size()).sum();
+                    repeated = Some(flags);
                 }
             }
         }
-        let n = messages.len() as u64;
+        // The messages stored, without the repeats: these are taken out of the offer only once
+        // it fits, so that an offer refused as full (and retried, waiting for room) is retried
+        // whole, and answered and counted for its repeats once.
+        let n = messages.len() as u64 - u64::from(repeats);
         let fits = |inner: &Inner| {
             (max_items == 0 || inner.items() + inner.delayed + n <= max_items)
                 && (max_bytes == 0 || inner.bytes + size <= max_bytes)
@@ -1074,6 +1068,17 @@ impl Queue {
             }
             if !fits(&inner) {
                 return Err(BrokerError::Full(self.name.clone()));
+            }
+        }
+        if let Some(repeated) = repeated {
+            inner.counters.deduplicated += u64::from(repeats);
+            let mut it = repeated.iter();
+            messages.retain(|_| !*it.next().expect("one flag per message"));
+            let mut it = repeated.iter();
+            hashes.retain(|_| !*it.next().expect("one flag per message"));
+            if let Some(mirror) = mirror.as_mut() {
+                let mut it = repeated.iter();
+                mirror.retain(|_| !*it.next().expect("one flag per message"));
             }
         }
         let ttl_deadline = match config.ttl_ms {

@@ -1522,3 +1522,25 @@ fn a_read_held_long_does_not_stop_a_durable_queue_for_the_others() {
     let all = b.poll("q", 10, None, 1, 0).unwrap();
     assert_eq!(payloads(&all), [b"held".to_vec()], "it alone comes back");
 }
+
+/// An offer mixing a repeat with a new message, refused while the queue is full, is left whole:
+/// retried once there is room, it is answered for its repeat, which is counted once.
+#[test]
+fn a_keyed_offer_refused_as_full_is_retried_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    for durable in [false, true] {
+        let name = format!("q{durable}");
+        let q = b.create_queue(&name, QueueConfig { durable, max_items: 2, ..QueueConfig::default() }, None).unwrap();
+        let keyed = |key: &str| Message { idempotency_key: key.into(), ..Message::new(key.as_bytes().to_vec()) };
+        b.offer(&name, vec![keyed("a"), Message::new(&b"x"[..])], 0).unwrap();
+        let mut offer = vec![keyed("a"), keyed("b")];
+        assert!(matches!(b.offer_unsynced(&q, &mut offer, 0), Err(BrokerError::Full(_))));
+        assert_eq!((offer.len(), q.counters().deduplicated), (2, 0), "left whole, nothing counted");
+        assert_eq!(payloads(&b.poll(&name, 1, None, 1, 0).unwrap()), [b"a".to_vec()]);
+        let offered = b.offer_unsynced(&q, &mut offer, 0).unwrap();
+        assert_eq!((offered.count, offered.repeats, q.counters().deduplicated), (1, 1, 1), "durable {durable}");
+        offered.unsynced.wait().unwrap();
+        assert_eq!(payloads(&b.poll(&name, 5, None, 1, 0).unwrap()), [b"x".to_vec(), b"b".to_vec()]);
+    }
+}
