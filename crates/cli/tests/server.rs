@@ -598,6 +598,24 @@ async fn the_unix_socket_serves_the_same_queues() {
     let refused = refused.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && err.contains("another server listens on it"), "{err}");
+    assert!(!dir.path().join("other").exists(), "refused before its data directory was made");
+    // Nor is a file that is not a socket taken for one, nor a socket made where no directory is.
+    std::fs::write(dir.path().join("notes"), b"mine").unwrap();
+    for (path, says) in [(dir.path().join("notes"), "not a socket"), (dir.path().join("no/such.sock"), "no directory")]
+    {
+        let out = Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off"])
+            .arg("--data")
+            .arg(dir.path().join("third"))
+            .arg("--unix-socket")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{err}");
+    }
+    assert_eq!(std::fs::read(dir.path().join("notes")).unwrap(), b"mine");
+    assert!(!dir.path().join("third").exists());
     over_unix.ping().await.unwrap();
     assert!(Client::connect_unix(&socket).await.is_ok(), "still the first server's");
     drop((over_unix, over_tcp));

@@ -205,25 +205,24 @@ impl Server {
                 tracing::warn!(listener = name, %addr, "listening beyond loopback with authentication off: anyone who can reach this port may read, write and remove every queue");
             }
         }
-        // The listeners first: a port that is taken ends the start before the data directory
-        // is made or recovered. (Connections that come during recovery wait in the backlog.)
-        let tcp =
-            TcpListener::bind(config.native_addr).await.map_err(|e| format!("bind {}: {e}", config.native_addr))?;
-        let memcache = match config.memcache_addr {
-            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
-            None => None,
-        };
-        let http = match config.http_addr {
-            Some(addr) => Some(TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?),
-            None => None,
-        };
+        // The ports are taken first, and listened on only once the data directory is open and
+        // recovered: a port in use ends the start before the directory is made or touched, and
+        // until the server can answer, a connection is refused rather than left in a backlog.
+        let tcp = reserve(config.native_addr)?;
+        let memcache = config.memcache_addr.map(reserve).transpose()?;
+        let http = config.http_addr.map(reserve).transpose()?;
+        // Likewise a Unix socket a live server answers on (taken again below, under the lock).
+        if let Some(path) = &config.unix_socket {
+            unix_socket_free(path)?;
+        }
         let broker = Broker::open(&config.data, options).map_err(|e| format!("{}: {e}", config.data.display()))?;
-        // After the data directory's lock is held: a second server on the same directory stops
-        // there, before it could take the first one's socket.
         let unix = match &config.unix_socket {
             Some(path) => Some(bind_unix(path)?),
             None => None,
         };
+        let tcp = listen(tcp, config.native_addr)?;
+        let memcache = memcache.zip(config.memcache_addr).map(|(s, addr)| listen(s, addr)).transpose()?;
+        let http = http.zip(config.http_addr).map(|(s, addr)| listen(s, addr)).transpose()?;
         let limits = reload::LiveLimits::new(&config);
         let ctx = Ctx {
             broker: Arc::new(broker),
@@ -613,12 +612,48 @@ pub(crate) async fn blocking<T: Send + 'static>(
     }
 }
 
-/// Listens on the Unix socket `path`. A socket file left by a server that is gone is replaced;
-/// one that a live server answers on is not taken from it.
-fn bind_unix(path: &std::path::Path) -> Result<UnixListener, String> {
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(format!("bind {}: another server listens on it", path.display()));
+/// Takes the port of `addr` (as a listener would, address reuse included) without listening yet.
+fn reserve(addr: SocketAddr) -> Result<tokio::net::TcpSocket, String> {
+    let failed = |e: std::io::Error| format!("bind {addr}: {e}");
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
     }
+    .map_err(failed)?;
+    socket.set_reuseaddr(true).map_err(failed)?;
+    socket.bind(addr).map_err(failed)?;
+    Ok(socket)
+}
+
+/// Listens on a port `reserve` took.
+fn listen(socket: tokio::net::TcpSocket, addr: SocketAddr) -> Result<TcpListener, String> {
+    socket.listen(1024).map_err(|e| format!("listen {addr}: {e}"))
+}
+
+/// Whether `path` can be a new Unix socket: nothing there, or a socket file nobody answers on (a
+/// server that is gone left it). Not a live server's socket, nor a file of another kind.
+fn unix_socket_free(path: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.is_dir()) {
+        return Err(format!("bind {}: no directory {}", path.display(), dir.display()));
+    }
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("bind {}: {e}", path.display())),
+        Ok(m) if !m.file_type().is_socket() => {
+            Err(format!("bind {}: a file that is not a socket is there", path.display()))
+        }
+        Ok(_) if std::os::unix::net::UnixStream::connect(path).is_ok() => {
+            Err(format!("bind {}: another server listens on it", path.display()))
+        }
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Listens on the Unix socket `path`, replacing a socket file left by a server that is gone
+/// (`unix_socket_free`).
+fn bind_unix(path: &std::path::Path) -> Result<UnixListener, String> {
+    unix_socket_free(path)?;
     let _ = std::fs::remove_file(path);
     UnixListener::bind(path).map_err(|e| format!("bind {}: {e}", path.display()))
 }
