@@ -963,22 +963,24 @@ impl Broker {
                 return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
             }
         }
-        self.offer_sized_unsynced(queue, messages, now_ns)
+        self.offer_sized_unsynced(queue, messages, now_ns, false)
     }
 
     /// `offer_unsynced` of messages whose size was checked (or that the server moves itself: a
     /// dead letter carries a few headers more than the message it was, which was accepted).
+    /// `moved`: see `Queue::offer_unsynced`.
     fn offer_sized_unsynced(
         &self,
         queue: &Arc<Queue>,
         messages: &mut Vec<Message>,
         now_ns: u64,
+        moved: bool,
     ) -> Result<Offered, BrokerError> {
         let children = self.read().children.get(&queue.name).cloned();
         // Copies only of what the parent stores: an offer retried while the parent is full, or
         // a repeat of a keyed offer it stored before, must not give the children duplicates.
         let mut copies = children.as_ref().map(|_| messages.clone());
-        let stored = queue.offer_unsynced(messages, copies.as_mut(), now_ns)?;
+        let stored = queue.offer_unsynced(messages, copies.as_mut(), now_ns, moved)?;
         let mut unsynced =
             UnsyncedOffer { queue: stored.last.map(|last| (Arc::clone(queue), last)), children: Vec::new() };
         if let (Some(children), Some(copies)) = (children, copies.filter(|c| !c.is_empty())) {
@@ -989,7 +991,7 @@ impl Broker {
                     // its copy as it keeps every message.
                     copies.iter_mut().for_each(|m| m.durable = false);
                 }
-                match child.offer_unsynced(&mut copies, None, now_ns) {
+                match child.offer_unsynced(&mut copies, None, now_ns, moved) {
                     Ok(queue::Stored { last: Some(last), .. }) => unsynced.children.push((child, last)),
                     Ok(_) => {}
                     Err(e) => {
@@ -1400,21 +1402,22 @@ impl Broker {
                 Message { expires_at: 0, idempotency_key: String::new(), ..m }
             })
             .collect::<Vec<_>>();
+        let lost = |n: usize, e: &BrokerError| {
+            from.count_dead_letters_lost(n as u64);
+            tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), messages = n, "dead letters lost");
+        };
         let to = match self.queue_or_create(dead_letter) {
             Ok(to) => to,
-            Err(e) => {
-                tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
-                return;
-            }
+            Err(e) => return lost(moved.len(), &e),
         };
         // One offer per run of one priority (a queue with levels takes one priority per offer).
         while !moved.is_empty() {
             let run = moved.iter().take_while(|m| m.priority == moved[0].priority).count();
             let mut batch: Vec<Message> = moved.drain(..run).collect();
             let offered =
-                self.offer_sized_unsynced(&to, &mut batch, now_ns).and_then(|offered| offered.unsynced.wait());
+                self.offer_sized_unsynced(&to, &mut batch, now_ns, true).and_then(|offered| offered.unsynced.wait());
             if let Err(e) = offered {
-                tracing::warn!(queue = %from.name, %dead_letter, error = %e, reason = why.as_str(), "dead letters lost");
+                lost(run, &e);
             }
         }
     }

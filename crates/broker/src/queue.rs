@@ -42,6 +42,9 @@ pub struct QueueCounters {
     pub dead_lettered: u64,
     /// Offered messages not stored because their idempotency key was remembered (repeats).
     pub deduplicated: u64,
+    /// Expired or over `max_deliveries`, and not taken by the dead-letter queue (full, or
+    /// failing): gone, each logged as a warning.
+    pub dead_letters_lost: u64,
     /// Idempotency keys remembered now.
     pub dedup_keys: u64,
     /// Messages stored but not yet due: delayed offers and delayed redeliveries (not in
@@ -863,6 +866,11 @@ impl Queue {
         self.lock().counters.dropped += n;
     }
 
+    /// Counts messages of this queue that its dead-letter queue did not take (`dead_letters_lost`).
+    pub(crate) fn count_dead_letters_lost(&self, n: u64) {
+        self.lock().counters.dead_letters_lost += n;
+    }
+
     fn lock(&self) -> Locked<'_> {
         let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let budget = self.memory.as_ref().map(|(budget, _)| &**budget);
@@ -884,7 +892,7 @@ impl Queue {
     /// messages stores the new ones and answers for them; if it is refused, `messages` is left
     /// whole, so that a retry is answered (and counted) for its repeats as the first try would be.
     pub fn offer(&self, messages: &mut Vec<Message>, now_ns: u64) -> Result<(u64, u32), BrokerError> {
-        let stored = self.offer_unsynced(messages, None, now_ns)?;
+        let stored = self.offer_unsynced(messages, None, now_ns, false)?;
         if let Some(last) = stored.last {
             self.wait_durable(last)?;
         }
@@ -899,11 +907,16 @@ impl Queue {
     ///
     /// `mirror`, if given, holds copies of `messages` (a fanout's): it is left with the copies
     /// of those the queue stores, without those of repeats or of what a circular queue drops.
+    ///
+    /// `moved`: messages the server moves itself (dead letters), which the queue's
+    /// `max_item_bytes` does not refuse: each was accepted once, and the headers the move adds
+    /// must not make it lost.
     pub(crate) fn offer_unsynced(
         &self,
         messages: &mut Vec<Message>,
         mut mirror: Option<&mut Vec<Message>>,
         now_ns: u64,
+        moved: bool,
     ) -> Result<Stored, BrokerError> {
         debug_assert!(mirror.as_ref().is_none_or(|m| m.len() == messages.len()));
         let config = self.config();
@@ -965,7 +978,7 @@ impl Queue {
             }
         }
         let delayed = delayed.unwrap_or(false);
-        let max_item = config.max_item_bytes;
+        let max_item = if moved { 0 } else { config.max_item_bytes };
         if let Some(m) = messages.iter().find(|m| max_item != 0 && m.size() > max_item) {
             return Err(BrokerError::TooLarge { size: m.size() as usize, max: max_item as usize });
         }

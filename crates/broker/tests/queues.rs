@@ -138,6 +138,30 @@ fn expired_messages_go_to_the_dead_letter_queue() {
     }
 }
 
+/// A dead-letter queue's `max_item_bytes` does not refuse a dead letter (the headers the move
+/// adds made one larger than the limit, and it was lost); what a full one cannot take is counted
+/// as lost in the source queue.
+#[test]
+fn dead_letters_pass_their_queue_s_item_limit_and_what_a_full_one_refuses_is_counted() {
+    for config in both() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("dead", QueueConfig { max_item_bytes: 10, max_items: 1, ..QueueConfig::default() }, None)
+            .unwrap();
+        let q = b.create_queue("q", QueueConfig { ttl_ms: 50, dead_letter: "dead".into(), ..config.clone() }, None);
+        let q = q.unwrap();
+        b.offer("q", vec![Message::new(&b"ten bytes!"[..])], 0).unwrap();
+        b.tick(60 * MS);
+        let dead = b.poll("dead", 5, VIS, 1, 60 * MS).unwrap();
+        assert_eq!(payloads(&dead), [b"ten bytes!".to_vec()], "{config:?}");
+        assert_eq!(q.counters().dead_letters_lost, 0);
+        // "dead" holds one (taken, not acknowledged) and takes no more.
+        b.offer("q", vec![Message::new(&b"a"[..]), Message::new(&b"b"[..])], 70 * MS).unwrap();
+        b.tick(200 * MS);
+        assert_eq!((q.counters().expired, q.counters().dead_letters_lost), (3, 2), "{config:?}");
+    }
+}
+
 /// Kestrel's delay queue: items expire into another queue without anyone reading the first. The
 /// broker's tick moves them, for durable queues as for those in memory, and after a reopen.
 #[test]

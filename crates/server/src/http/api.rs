@@ -66,6 +66,7 @@ fn queue_json(name: &str, config: &QueueConfig, st: &QueueCounters) -> Value {
         "dropped": st.dropped,
         "aborted": st.aborted,
         "dead_lettered": st.dead_lettered,
+        "dead_letters_lost": st.dead_letters_lost,
         "deduplicated": st.deduplicated,
         "dedup_keys": st.dedup_keys,
         "delayed": st.delayed,

@@ -249,6 +249,9 @@ impl Scrape {
             self.counter("petrel_queue_returned_total", help, labels(), q.aborted);
             let help = "Messages moved to the dead-letter queue at max_deliveries.";
             self.counter("petrel_queue_dead_lettered_total", help, labels(), q.dead_lettered);
+            let help =
+                "Expired or over max_deliveries, and not taken by the dead-letter queue (full, or failing): lost.";
+            self.counter("petrel_queue_dead_letters_lost_total", help, labels(), q.dead_letters_lost);
             let help = "Offered messages not stored: their idempotency key was remembered (repeats).";
             self.counter("petrel_queue_deduplicated_total", help, labels(), q.deduplicated);
             let help = "Idempotency keys the queue remembers now (its dedup window).";
