@@ -453,8 +453,10 @@ impl Config {
 
 /// Sets each of `upper`'s queue settings in `table`, replacing what `table` had for that setting
 /// under either of its names (`QueueConfig::setting_name`). A setting given twice in `upper` (by
-/// both names) is an error, as serde says of one given twice under one name.
-fn layer(table: &mut toml::Table, upper: &toml::Table) -> Result<(), String> {
+/// both names) is an error, as serde says of one given twice under one name. An `upper` that makes
+/// the queue one in memory (`durable = false`) without a `durability` of its own drops the one
+/// from below, which only a queue on disk takes.
+pub(crate) fn layer(table: &mut toml::Table, upper: &toml::Table) -> Result<(), String> {
     let mut seen = std::collections::HashSet::new();
     for (key, value) in upper {
         let setting = QueueConfig::setting_name(key);
@@ -464,7 +466,28 @@ fn layer(table: &mut toml::Table, upper: &toml::Table) -> Result<(), String> {
         table.retain(|k, _| QueueConfig::setting_name(k) != setting);
         table.insert(setting.to_string(), value.clone());
     }
+    if upper.iter().any(|(k, v)| QueueConfig::setting_name(k) == "durable" && v.as_bool() == Some(false))
+        && !seen.contains("durability")
+    {
+        table.remove("durability");
+    }
     Ok(())
+}
+
+/// A queue's configuration: `upper` (a JSON object: an HTTP request's body) over `lower`, as
+/// `layer` puts a block over the defaults. `upper` alone must be a valid configuration (no key
+/// unknown, none given twice).
+pub(crate) fn queue_over(lower: &QueueConfig, upper: &[u8]) -> Result<QueueConfig, String> {
+    let upper: toml::Table = match upper.iter().all(u8::is_ascii_whitespace) {
+        true => toml::Table::new(),
+        false => {
+            serde_json::from_slice::<QueueConfig>(upper).map_err(|e| e.to_string())?;
+            serde_json::from_slice(upper).map_err(|e| e.to_string())?
+        }
+    };
+    let mut table = toml::Table::try_from(lower).map_err(|e| e.to_string())?;
+    layer(&mut table, &upper)?;
+    toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| e.to_string())
 }
 
 #[cfg(test)]
@@ -574,5 +597,35 @@ max_itemz = 1
         assert_eq!((queues["kept"].max_bytes, queues["kept"].durable), (1000, true));
         let twice: Config = toml::from_str("[queues.q]\nmax_size = 1\nmax_bytes = 2\n").unwrap();
         assert!(twice.validate().unwrap_err().contains("max_bytes is set twice"));
+        // A block that makes its queue one in memory drops the defaults' durability (only a
+        // queue on disk takes one); given in the block too, it stays (and is refused later).
+        let c: Config = toml::from_str(
+            "[queue_defaults]\ndurability = \"always\"\n[queues.fast]\nkeep_journal = false\n[queues.kept]\nmax_items = 1\n",
+        )
+        .unwrap();
+        let queues = c.queues().unwrap();
+        assert_eq!((queues["fast"].durable, queues["fast"].durability.as_str()), (false, ""));
+        assert_eq!((queues["kept"].durable, queues["kept"].durability.as_str()), (true, "always"));
+    }
+
+    #[test]
+    fn an_http_body_goes_over_the_defaults_as_a_block_does() {
+        let defaults =
+            QueueConfig { durable: true, durability: "always".into(), max_items: 5, ..QueueConfig::default() };
+        let over = |body: &str| queue_over(&defaults, body.as_bytes());
+        assert_eq!(over("").unwrap(), defaults);
+        assert_eq!(over(" {} ").unwrap(), defaults);
+        let memory = over(r#"{"keep_journal": false}"#).unwrap();
+        assert_eq!((memory.durable, memory.durability.as_str(), memory.max_items), (false, "", 5));
+        assert_eq!(over(r#"{"max_size": 9}"#).unwrap().max_bytes, 9);
+        for (bad, says) in [
+            (r#"{"max_bytes": 1, "max_bytes": 2}"#, "duplicate field"),
+            (r#"{"max_size": 1, "max_bytes": 2}"#, "duplicate field"),
+            (r#"{"max_itemz": 1}"#, "max_itemz"),
+            ("[1]", "invalid type"),
+        ] {
+            let err = over(bad).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 }

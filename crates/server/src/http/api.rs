@@ -170,7 +170,8 @@ pub(super) async fn create_queue(
     if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("create this queue");
     }
-    let config = match over_defaults(ctx.broker.config_for(&name), &body) {
+    // What the body leaves out: what a queue of that name made by first use gets.
+    let config = match crate::config::queue_over(&ctx.broker.config_for(&name), &body) {
         Ok(c) => c,
         Err(e) => return refusal(StatusCode::BAD_REQUEST, format!("queue configuration: {e}")),
     };
@@ -188,28 +189,6 @@ pub(super) async fn create_queue(
         }
         Err(e) => broker_error(e),
     }
-}
-
-/// A PUT's queue configuration: the JSON object `body` (empty: `{}`) over `defaults` (what a
-/// queue of that name made by first use gets), setting by setting under either of a setting's
-/// names (`QueueConfig::setting_name`).
-fn over_defaults(defaults: QueueConfig, body: &[u8]) -> Result<QueueConfig, String> {
-    let given: serde_json::Map<String, Value> = match body.iter().all(u8::is_ascii_whitespace) {
-        true => serde_json::Map::new(),
-        false => serde_json::from_slice(body).map_err(|e| e.to_string())?,
-    };
-    let Ok(Value::Object(mut merged)) = serde_json::to_value(defaults) else {
-        unreachable!("a queue configuration is a JSON object")
-    };
-    let mut seen = std::collections::HashSet::new();
-    for (key, value) in given {
-        let setting = QueueConfig::setting_name(&key).to_string();
-        if !seen.insert(setting.clone()) {
-            return Err(format!("{setting} is set twice (once as {key})"));
-        }
-        merged.insert(setting, value);
-    }
-    serde_json::from_value(Value::Object(merged)).map_err(|e| e.to_string())
 }
 
 pub(super) async fn remove_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
