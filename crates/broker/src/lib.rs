@@ -1600,9 +1600,8 @@ fn remove_dir(parent: &Path, name: &str) -> Result<(), BrokerError> {
 
 /// Whether the queue directory `dir` holds segment files (a durable queue's log).
 fn holds_a_log(dir: &Path) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries.flatten().any(|e| e.path().extension().is_some_and(|x| x == "log"))
-    })
+    std::fs::read_dir(dir)
+        .is_ok_and(|entries| entries.flatten().any(|e| e.path().extension().is_some_and(|x| x == "log")))
 }
 
 /// A path as errors show it to clients: its last components (`queues/NAME/FILE`), not where the

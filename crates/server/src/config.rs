@@ -394,8 +394,18 @@ impl Config {
     pub fn validate(&self) -> Result<(), String> {
         self.durability()?;
         self.topic_max_age()?;
-        self.queue_defaults()?;
-        self.queues()?;
+        // A queue of the file belongs to no connection: a temporary one could never be made.
+        if self.queue_defaults()?.temporary {
+            return Err("queue_defaults: temporary is for a connection's own queues, made by QUEUE_CREATE".into());
+        }
+        if let Some(name) = self.queues()?.iter().find(|(_, q)| q.temporary).map(|(name, _)| name) {
+            return Err(format!("queues.{name}: temporary is for a connection's own queues, made by QUEUE_CREATE"));
+        }
+        let log = petrel_log::Options { segment_bytes: self.segment_bytes, ..petrel_log::Options::default() };
+        log.validate().map_err(|e| e.to_string())?;
+        if self.max_message_bytes == 0 {
+            return Err("max_message_bytes must be at least 1".into());
+        }
         self.shutdown_grace()?;
         self.idle_timeout()?;
         self.security.validate()?;
@@ -595,6 +605,16 @@ max_itemz = 1
         let queues = c.queues().unwrap();
         assert_eq!((queues["jobs"].max_bytes, queues["jobs"].durable), (10, false));
         assert_eq!((queues["kept"].max_bytes, queues["kept"].durable), (1000, true));
+        for (text, says) in [
+            ("[queue_defaults]\ntemporary = true\n", "queue_defaults: temporary"),
+            ("[queues.t]\ntemporary = true\n", "queues.t: temporary"),
+            ("segment_bytes = 1000\n", "segment_bytes must be a multiple of 4096"),
+            ("max_message_bytes = 0\n", "max_message_bytes must be at least 1"),
+        ] {
+            let c: Config = toml::from_str(text).unwrap();
+            let err = c.validate().unwrap_err();
+            assert!(err.contains(says), "{text}: {err}");
+        }
         let twice: Config = toml::from_str("[queues.q]\nmax_size = 1\nmax_bytes = 2\n").unwrap();
         assert!(twice.validate().unwrap_err().contains("max_bytes is set twice"));
         // A block that makes its queue one in memory drops the defaults' durability (only a
