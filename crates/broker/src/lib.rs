@@ -82,6 +82,9 @@ pub type ConnId = u64;
 pub enum BrokerError {
     #[error("no queue named {:?}", shown(.0))]
     NotFound(String),
+    /// A durable topic's consumer group that does not exist (named by an admin request).
+    #[error("topic {:?} has no consumer group {:?}", shown(.topic), shown(.group))]
+    GroupNotFound { topic: String, group: String },
     #[error("queue {:?} is full", shown(.0))]
     Full(String),
     #[error("queue {:?} exists with another configuration", shown(.0))]
@@ -139,7 +142,7 @@ impl BrokerError {
             BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
                 Status::ServerError
             }
-            BrokerError::TopicNotFound(_) => Status::TopicNotFound,
+            BrokerError::TopicNotFound(_) | BrokerError::GroupNotFound { .. } => Status::TopicNotFound,
             BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
             BrokerError::Handler(_) => Status::HandlerError,
             BrokerError::Timeout(_) => Status::Timeout,

@@ -326,7 +326,7 @@ impl Topic {
     pub fn reset_group(&self, group: &str, to: SeekTo) -> Result<u64, BrokerError> {
         let log = self.log_of_groups()?;
         match log.groups().iter().find(|g| g.name == group) {
-            None => return Err(BrokerError::NotFound(format!("topic {} has no consumer group {group}", self.name))),
+            None => return Err(self.no_group(group)),
             Some(g) if g.open => return Err(self.group_in_use(group)),
             Some(_) => {}
         }
@@ -338,11 +338,15 @@ impl Topic {
         Ok(g.seek(to)?)
     }
 
+    fn no_group(&self, group: &str) -> BrokerError {
+        BrokerError::GroupNotFound { topic: self.name.clone(), group: group.to_owned() }
+    }
+
     /// Deletes a group (not while subscribed): its position is forgotten.
     pub fn remove_group(&self, group: &str) -> Result<(), BrokerError> {
         let log = self.log_of_groups()?;
         match log.groups().iter().find(|g| g.name == group) {
-            None => Err(BrokerError::NotFound(format!("topic {} has no consumer group {group}", self.name))),
+            None => Err(self.no_group(group)),
             Some(g) if g.open => Err(self.group_in_use(group)),
             Some(_) => Ok(log.delete_group(group)?),
         }

@@ -453,6 +453,7 @@ fn the_admin_api_shows_and_moves_consumer_groups() {
     let (status, _, body) =
         request("PUT", http, "/api/v1/topics/events/groups/nobody/reset", None, r#"{"to": "oldest"}"#);
     assert_eq!(status, 404, "{body}");
+    assert_eq!(json(&body)["reason"], "topic \"events\" has no consumer group \"nobody\"", "{body}");
     assert_eq!(request("PUT", http, "/api/v1/topics/ghost/groups/billing/reset", None, r#"{"to": "oldest"}"#).0, 404);
     // The group's new place is where a subscriber resuming it starts.
     rt.block_on(async {

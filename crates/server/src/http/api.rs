@@ -30,9 +30,10 @@ pub(super) const ANY_FUNCTION_RIGHT: &[Action] = &[Action::Exec, Action::Serve, 
 /// The answer to a broker error: its HTTP status and its text.
 fn broker_error(e: BrokerError) -> Response {
     let status = match &e {
-        BrokerError::NotFound(_) | BrokerError::TopicNotFound(_) | BrokerError::FunctionNotFound(_) => {
-            StatusCode::NOT_FOUND
-        }
+        BrokerError::NotFound(_)
+        | BrokerError::TopicNotFound(_)
+        | BrokerError::GroupNotFound { .. }
+        | BrokerError::FunctionNotFound(_) => StatusCode::NOT_FOUND,
         BrokerError::Exists(_) | BrokerError::TopicExists(..) | BrokerError::Held(_) => StatusCode::CONFLICT,
         BrokerError::BadRequest(_) => StatusCode::BAD_REQUEST,
         BrokerError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,

@@ -670,6 +670,7 @@ fn server_error(e: &BrokerError) -> String {
             format!("SERVER_ERROR {e}")
         }
         BrokerError::TopicNotFound(_)
+        | BrokerError::GroupNotFound { .. }
         | BrokerError::FunctionNotFound(_)
         | BrokerError::Handler(_)
         | BrokerError::Timeout(_) => {
