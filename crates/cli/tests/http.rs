@@ -259,6 +259,14 @@ fn open_reads_are_listed_with_who_holds_them_and_an_operator_can_return_one() {
         let again = consumer.poll("jobs", PollOptions { max: 1, ..PollOptions::default() }).await.unwrap();
         assert_eq!(again[0].message.payload, &b"one"[..]);
     });
+    // A memcache read held open has no visibility timeout: no time to return in.
+    let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+    mc.write_all(b"get jobs/open\r\n").unwrap();
+    let mut got = vec![0u8; "VALUE jobs/open 0 5\r\nthree\r\nEND\r\n".len()];
+    std::io::Read::read_exact(&mut mc, &mut got).unwrap();
+    let reads = json(&get(http, "/api/v1/queues/jobs/reads", None).2);
+    let held = reads["reads"].as_array().unwrap().iter().find(|r| r["protocol"] == "memcache").cloned();
+    assert!(held.as_ref().is_some_and(|r| r["returns_in_ms"].is_null()), "{reads}");
 }
 
 #[test]

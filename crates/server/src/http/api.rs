@@ -257,7 +257,9 @@ pub(super) async fn open_reads(
                 "connection": r.consumer,
                 "taken_at_ms": r.taken_at_ns / 1_000_000,
                 "open_ms": now.saturating_sub(r.taken_at_ns) / 1_000_000,
-                "returns_in_ms": r.deadline_ns.saturating_sub(now) / 1_000_000,
+                // None for a read without a visibility timeout (a memcache `/open`): it is held
+                // until its consumer closes, aborts or goes.
+                "returns_in_ms": (r.deadline_ns != u64::MAX).then(|| r.deadline_ns.saturating_sub(now) / 1_000_000),
             });
             if admin && let Some(c) = ctx.connections.get(r.consumer) {
                 read["peer"] = json!(c.peer);
