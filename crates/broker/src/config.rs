@@ -80,6 +80,21 @@ pub fn checked_for(name: &str, config: QueueConfig) -> Result<QueueConfig, Strin
     Ok(config)
 }
 
+/// How `wanted` differs from `existing`, setting by setting: "max_items is 2, not 0, …".
+pub fn differences(existing: &QueueConfig, wanted: &QueueConfig) -> String {
+    let as_map = |c: &QueueConfig| match serde_json::to_value(c) {
+        Ok(serde_json::Value::Object(map)) => map,
+        _ => unreachable!("a queue configuration is a JSON object"),
+    };
+    let (existing, wanted) = (as_map(existing), as_map(wanted));
+    let differing: Vec<String> = existing
+        .iter()
+        .filter(|(key, value)| wanted.get(*key) != Some(*value))
+        .map(|(key, value)| format!("{key} is {value}, not {}", wanted.get(key).unwrap_or(&serde_json::Value::Null)))
+        .collect();
+    differing.join(", ")
+}
+
 /// The priority levels of a queue configured so (1: no levels).
 pub fn levels_of(config: &QueueConfig) -> usize {
     config.priorities.max(1) as usize

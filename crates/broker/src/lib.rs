@@ -87,8 +87,10 @@ pub enum BrokerError {
     GroupNotFound { topic: String, group: String },
     #[error("queue {:?} is full", shown(.0))]
     Full(String),
-    #[error("queue {:?} exists with another configuration", shown(.0))]
-    Exists(String),
+    /// The queue (named first) exists as another (how, second: its settings that differ, or
+    /// that it belongs to another connection).
+    #[error("queue {:?} exists with another configuration: {}", shown(.0), .1)]
+    Exists(String, String),
     /// A topic asked for with the other durability than the one of its name.
     #[error("topic {:?} exists and is {}: remove it first to make it anew", shown(.0), if *.1 { "durable" } else { "not durable" })]
     TopicExists(String, bool),
@@ -136,7 +138,7 @@ impl BrokerError {
         match self {
             BrokerError::NotFound(_) => Status::QueueNotFound,
             BrokerError::Full(_) => Status::QueueFull,
-            BrokerError::Exists(_) | BrokerError::TopicExists(..) | BrokerError::Held(_) => Status::Exists,
+            BrokerError::Exists(..) | BrokerError::TopicExists(..) | BrokerError::Held(_) => Status::Exists,
             BrokerError::BadRequest(_) => Status::BadRequest,
             BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
             BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
@@ -603,7 +605,7 @@ impl Broker {
             return Ok(q);
         }
         match self.create_queue(name, self.config_for(name), None) {
-            Err(BrokerError::Exists(_)) => self.get(name),
+            Err(BrokerError::Exists(..)) => self.get(name),
             other => other,
         }
     }
@@ -693,8 +695,10 @@ impl Broker {
             // The same queue again is fine; not another connection's temporary queue.
             return if *q.config() == config && q.owner == owner {
                 Ok(q)
+            } else if *q.config() == config {
+                Err(BrokerError::Exists(name.to_owned(), "it is another connection's temporary queue".into()))
             } else {
-                Err(BrokerError::Exists(name.to_owned()))
+                Err(BrokerError::Exists(name.to_owned(), config::differences(&q.config(), &config)))
             };
         }
         let (count, limit) = (self.read().queues.len() + creating.len(), self.options.max_queues);

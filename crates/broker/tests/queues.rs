@@ -239,7 +239,13 @@ fn durable_queues_and_definitions_survive_a_restart_with_tentative_reads_back() 
     assert!(b.poll("mem", 5, None, 1, 0).unwrap().is_empty(), "in-memory contents do not survive");
     let left = b.poll("jobs", 5, None, 1, 0).unwrap();
     assert_eq!(payloads(&left), [b"job-2".to_vec(), b"job-3".to_vec()]);
-    assert!(matches!(b.create_queue("jobs", QueueConfig::default(), None), Err(BrokerError::Exists(_))));
+    let Err(err) = b.create_queue("jobs", QueueConfig::default(), None) else { panic!("made again") };
+    assert!(matches!(err, BrokerError::Exists(..)));
+    // Saying how: each setting that differs.
+    assert!(
+        err.to_string().ends_with("another configuration: durable is true, not false, max_items is 100, not 0"),
+        "{err}"
+    );
     b.remove_queue("jobs").unwrap();
     assert!(matches!(b.poll("jobs", 1, None, 1, 0), Err(BrokerError::NotFound(_))));
     assert!(!dir.path().join("queues/jobs").exists());
@@ -1510,7 +1516,7 @@ fn a_connection_cannot_take_over_another_connections_temporary_queue() {
     let temporary = QueueConfig { temporary: true, ..QueueConfig::default() };
     b.create_queue("reply", temporary.clone(), Some(42)).unwrap();
     assert!(b.create_queue("reply", temporary.clone(), Some(42)).is_ok(), "its owner again: fine");
-    assert!(matches!(b.create_queue("reply", temporary, Some(43)), Err(BrokerError::Exists(_))));
+    assert!(matches!(b.create_queue("reply", temporary, Some(43)), Err(BrokerError::Exists(..))));
 }
 
 /// One consumer keeps a read open (an hour's visibility) while others take far more than a

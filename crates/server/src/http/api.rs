@@ -34,7 +34,7 @@ fn broker_error(e: BrokerError) -> Response {
         | BrokerError::TopicNotFound(_)
         | BrokerError::GroupNotFound { .. }
         | BrokerError::FunctionNotFound(_) => StatusCode::NOT_FOUND,
-        BrokerError::Exists(_) | BrokerError::TopicExists(..) | BrokerError::Held(_) => StatusCode::CONFLICT,
+        BrokerError::Exists(..) | BrokerError::TopicExists(..) | BrokerError::Held(_) => StatusCode::CONFLICT,
         BrokerError::BadRequest(_) => StatusCode::BAD_REQUEST,
         BrokerError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
         BrokerError::Unauthorized(_) => StatusCode::UNAUTHORIZED,

@@ -664,7 +664,7 @@ fn server_error(e: &BrokerError) -> String {
         | BrokerError::TooLarge { .. }
         | BrokerError::NeverFits(_)
         | BrokerError::Limit(_)
-        | BrokerError::Exists(_)
+        | BrokerError::Exists(..)
         | BrokerError::TopicExists(..)
         | BrokerError::Held(_) => {
             format!("SERVER_ERROR {e}")
