@@ -1643,7 +1643,13 @@ pub fn check_name(name: &str) -> Result<(), BrokerError> {
         && name.len() <= 200
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-+".contains(&b))
         && !name.starts_with(['.', '+']);
-    if ok { Ok(()) } else { Err(BrokerError::BadRequest(format!("invalid queue name {:?}", shown(name)))) }
+    match ok {
+        true => Ok(()),
+        false => Err(BrokerError::BadRequest(format!(
+            "invalid queue name {:?}: 1 to 200 of the letters a-z and A-Z, the digits, '.', '_', '-' and '+' (a fanout child: parent+child), not starting with '.' or '+'",
+            shown(name)
+        ))),
+    }
 }
 
 #[cfg(test)]

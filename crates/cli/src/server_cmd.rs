@@ -294,16 +294,23 @@ pub struct ProduceArgs {
 /// takes what fits; the rest waits for room (up to --timeout) as consumers take messages.
 pub fn produce(args: ProduceArgs) -> Res {
     let client = args.server.target()?;
-    if args.durable {
+    if args.durable || args.priority > 0 {
         let statuses = match &client {
             Target::One(c) => vec![c.queue_status(&args.queue)],
             Target::Many(c) => c.queue_status(&args.queue).into_iter().map(|(_, s)| s).collect(),
         };
+        let mut warned = false;
         for status in statuses {
             match status {
-                Ok(s) if !s.config.durable => {
+                Ok(s) if args.durable && !s.config.durable => {
                     return Err(
                         format!("queue {} exists in memory: --durable cannot make it durable", args.queue).into()
+                    );
+                }
+                Ok(s) if args.priority > 0 && s.config.priorities < 2 && !std::mem::replace(&mut warned, true) => {
+                    eprintln!(
+                        "petrel: queue {} has no priority levels: --priority is ignored (a queue made with --priorities N has them)",
+                        args.queue
                     );
                 }
                 Ok(_) | Err(ClientError::Status { status: Status::QueueNotFound, .. }) => {}
@@ -353,6 +360,7 @@ pub fn produce(args: ProduceArgs) -> Res {
         };
         match offered {
             Ok(repeated) => repeats += repeated,
+            Err((0, e)) if sent == 0 => return Err(e.into()),
             Err((accepted, e)) => {
                 // Say what is stored, so that a rerun does not offer it again.
                 let stored = sent + accepted;
@@ -545,13 +553,18 @@ pub enum QueueCommand {
         /// On disk: the default (kept so that scripts which say it go on working).
         #[arg(long, hide = true)]
         durable: bool,
+        /// The queue is full at this many messages (0: no limit).
         #[arg(long, default_value_t = 0)]
         max_items: u64,
+        /// The queue is full at this many bytes of payload, headers and text fields (0: no limit;
+        /// a queue in memory then has the server's memory_queue_max_bytes).
         #[arg(long, default_value_t = 0)]
         max_bytes: u64,
         /// When full, drop the oldest message instead of refusing new ones.
         #[arg(long)]
         circular: bool,
+        /// Messages expire this many ms after they are offered (0: never), moving to
+        /// --dead-letter if given.
         #[arg(long, default_value_t = 0)]
         ttl_ms: u64,
         /// Where expired messages go, and those at --max-deliveries (a queue; not this one).

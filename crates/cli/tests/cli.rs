@@ -361,3 +361,20 @@ fn a_server_that_cannot_start_makes_no_data_directory() {
     assert!(!ok && err.contains(&format!("bind {port}")), "{err}");
     assert!(!data.exists(), "no directory made");
 }
+
+/// What a new user got wrong, said plainly: a priority on a queue without levels, a name that
+/// breaks the rules (which are given), and a first offer that fails (no "0 messages offered").
+#[test]
+fn mistakes_get_plain_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    assert!(run(&["queue", "create", "jobs", "--server", s], "").0);
+    let (ok, _, err) = run(&["produce", "jobs", "--priority", "5", "--server", s], "hi\n");
+    assert!(ok && err.contains("has no priority levels: --priority is ignored"), "{err}");
+    let (ok, _, err) = run(&["queue", "create", ".x", "--server", s], "");
+    assert!(!ok && err.contains("not starting with '.' or '+'"), "{err}");
+    assert!(run(&["queue", "create", "tiny", "--max-item-bytes", "2", "--server", s], "").0);
+    let (ok, _, err) = run(&["produce", "tiny", "--server", s], "too long\n");
+    assert!(!ok && !err.contains("0 messages offered") && err.contains("exceeds the limit of 2"), "{err}");
+}

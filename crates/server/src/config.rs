@@ -345,7 +345,7 @@ impl Config {
     }
 
     pub fn topic_max_age(&self) -> Result<std::time::Duration, String> {
-        humantime::parse_duration(&self.topic_max_age).map_err(|e| format!("topic_max_age: {e}"))
+        duration("topic_max_age", &self.topic_max_age)
     }
 
     /// `None`: connections are never closed for idleness.
@@ -353,11 +353,11 @@ impl Config {
         if self.idle_timeout.trim() == "0" {
             return Ok(None);
         }
-        humantime::parse_duration(&self.idle_timeout).map(Some).map_err(|e| format!("idle_timeout: {e}"))
+        duration("idle_timeout", &self.idle_timeout).map(Some)
     }
 
     pub fn shutdown_grace(&self) -> Result<std::time::Duration, String> {
-        humantime::parse_duration(&self.shutdown_grace).map_err(|e| format!("shutdown_grace: {e}"))
+        duration("shutdown_grace", &self.shutdown_grace)
     }
 
     /// The `[queue_defaults]` table over Kestrel's defaults (durable).
@@ -459,6 +459,12 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// The duration a configuration key `key` gives as `text` ("30s", "5m", "1h 30m", "7d").
+fn duration(key: &str, text: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(text)
+        .map_err(|e| format!("{key}: {text:?} is not a duration like \"500ms\", \"30s\", \"5m\" or \"7d\" ({e})"))
 }
 
 /// Sets each of `upper`'s queue settings in `table`, replacing what `table` had for that setting
@@ -610,6 +616,7 @@ max_itemz = 1
             ("[queues.t]\ntemporary = true\n", "queues.t: temporary"),
             ("segment_bytes = 1000\n", "segment_bytes must be a multiple of 4096"),
             ("max_message_bytes = 0\n", "max_message_bytes must be at least 1"),
+            ("idle_timeout = \"abc\"\n", "idle_timeout: \"abc\" is not a duration like"),
         ] {
             let c: Config = toml::from_str(text).unwrap();
             let err = c.validate().unwrap_err();

@@ -237,7 +237,7 @@ impl Scrape {
             let Some(q) = broker.queue(name).map(|q| q.counters()) else { continue };
             let labels = || vec![Label::new("queue", name.clone())];
             self.gauge("petrel_queue_messages", "Messages waiting (not taken).", labels(), q.items);
-            self.gauge("petrel_queue_bytes", "Bytes of messages waiting and in flight.", labels(), q.bytes);
+            self.gauge("petrel_queue_bytes", "Bytes of messages waiting, delayed and in flight.", labels(), q.bytes);
             let help = "Messages taken tentatively, not yet acknowledged.";
             self.gauge("petrel_queue_open_reads", help, labels(), q.in_flight);
             self.gauge("petrel_queue_waiters", "Consumers waiting for a message.", labels(), q.waiters);
