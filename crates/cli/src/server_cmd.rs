@@ -24,8 +24,9 @@ pub struct ServeArgs {
     /// TOML configuration file; flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Native protocol address (default 127.0.0.1:22134; port 0 picks a free one).
-    #[arg(long)]
+    /// Native protocol address (default 127.0.0.1:22134; port 0 picks a free one; a host name
+    /// is resolved).
+    #[arg(long, value_parser = petrel_server::listen_address)]
     native_addr: Option<SocketAddr>,
     /// Also listen on this Unix socket.
     #[arg(long)]

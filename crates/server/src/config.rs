@@ -16,6 +16,7 @@ pub struct Config {
     /// Where queues and their definitions live.
     pub data: PathBuf,
     /// Native protocol over TCP; port 0 picks a free one.
+    #[serde(deserialize_with = "listen_addr")]
     pub native_addr: SocketAddr,
     /// Native protocol over a Unix socket too, if set.
     pub unix_socket: Option<PathBuf>,
@@ -263,8 +264,25 @@ pub const DEFAULT_HTTP_ADDR: &str = "127.0.0.1:22135";
 pub fn parse_listener(text: &str) -> Result<Option<SocketAddr>, String> {
     match text {
         "off" | "" => Ok(None),
-        _ => text.parse().map(Some).map_err(|e| format!("{text:?}: {e}")),
+        _ => listen_address(text).map(Some),
     }
+}
+
+/// An address to listen on: `IP:PORT`, or `HOST:PORT` with a name the host resolves (its first
+/// address: `localhost:22134` is 127.0.0.1's or ::1's, as the resolver orders them).
+pub fn listen_address(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    let wrong = |why: String| format!("{text:?}: {why} (an address like 127.0.0.1:22134 or localhost:22134)");
+    std::net::ToSocketAddrs::to_socket_addrs(text)
+        .map_err(|e| wrong(e.to_string()))?
+        .next()
+        .ok_or_else(|| wrong("the name has no address".into()))
+}
+
+fn listen_addr<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+    listen_address(&String::deserialize(d)?).map_err(serde::de::Error::custom)
 }
 
 fn listener<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
@@ -633,6 +651,16 @@ max_itemz = 1
         let queues = c.queues().unwrap();
         assert_eq!((queues["fast"].durable, queues["fast"].durability.as_str()), (false, ""));
         assert_eq!((queues["kept"].durable, queues["kept"].durability.as_str()), (true, "always"));
+    }
+
+    #[test]
+    fn listeners_take_host_names() {
+        let c: Config = toml::from_str("native_addr = \"localhost:0\"\nmemcache_addr = \"localhost:7\"\n").unwrap();
+        assert!(c.native_addr.ip().is_loopback() && c.native_addr.port() == 0);
+        assert_eq!(c.memcache_addr.map(|a| a.port()), Some(7));
+        let err = listen_address("nowhere.invalid:1").unwrap_err();
+        assert!(err.contains("an address like 127.0.0.1:22134"), "{err}");
+        assert!(listen_address("localhost").is_err(), "a port is needed");
     }
 
     #[test]

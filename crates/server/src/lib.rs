@@ -43,7 +43,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 pub use config::{
-    AclConfig, Config, DEFAULT_HTTP_ADDR, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, SecurityConfig, parse_listener,
+    AclConfig, Config, DEFAULT_HTTP_ADDR, DEFAULT_MEMCACHE_ADDR, DEFAULT_NATIVE_ADDR, SecurityConfig, listen_address,
+    parse_listener,
 };
 use petrel_broker::{Broker, BrokerOptions};
 pub use reload::{ReloadSummary, Reloader};
