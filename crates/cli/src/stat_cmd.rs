@@ -129,6 +129,11 @@ fn add_queue(sum: &mut QueueStats, one: &QueueStats) {
     sum.dropped += one.dropped;
     sum.waiters += one.waiters;
     sum.delayed += one.delayed;
+    sum.acked += one.acked;
+    sum.aborted += one.aborted;
+    sum.dead_lettered += one.dead_lettered;
+    sum.deduplicated += one.deduplicated;
+    sum.dedup_keys += one.dedup_keys;
 }
 
 /// Adds one server's figures of a topic to the sum; a consumer group's offsets and lag are
