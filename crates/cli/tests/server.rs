@@ -576,20 +576,15 @@ async fn the_unix_socket_serves_the_same_queues() {
     over_unix.create_queue("both", QueueConfig::default()).await.unwrap();
     over_tcp.offer("both", vec![msg("hi")], None).await.unwrap();
     assert_eq!(texts(&over_unix.poll("both", TAKE).await.unwrap()), ["hi"]);
-    // A second server (another data directory) does not take a live server's socket.
-    let second = |data: &str| {
-        Command::new(env!("CARGO_BIN_EXE_petrel"))
-            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off"])
-            .arg("--data")
-            .arg(dir.path().join(data))
-            .arg("--unix-socket")
-            .arg(&socket)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+    // A server on the data directory `data` and the Unix socket `path`.
+    let serve = |data: &str, path: &std::path::Path| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_petrel"));
+        command.args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off"]);
+        command.arg("--data").arg(dir.path().join(data)).arg("--unix-socket").arg(path);
+        command
     };
-    let mut refused = second("other");
+    // A second server (another data directory) does not take a live server's socket.
+    let mut refused = serve("other", &socket).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let started = std::time::Instant::now();
     while refused.try_wait().unwrap().is_none() && started.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(20));
@@ -603,14 +598,7 @@ async fn the_unix_socket_serves_the_same_queues() {
     std::fs::write(dir.path().join("notes"), b"mine").unwrap();
     for (path, says) in [(dir.path().join("notes"), "not a socket"), (dir.path().join("no/such.sock"), "no directory")]
     {
-        let out = Command::new(env!("CARGO_BIN_EXE_petrel"))
-            .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off"])
-            .arg("--data")
-            .arg(dir.path().join("third"))
-            .arg("--unix-socket")
-            .arg(&path)
-            .output()
-            .unwrap();
+        let out = serve("third", &path).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "{err}");
     }
@@ -623,16 +611,7 @@ async fn the_unix_socket_serves_the_same_queues() {
     child.wait().unwrap();
     assert!(socket.exists(), "left behind by a kill -9");
     // A socket file that nobody answers on is replaced.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(["serve", "--native-addr", "127.0.0.1:0", "--memcache-addr", "off", "--http-addr", "off"])
-        .arg("--data")
-        .arg(dir.path().join("data"))
-        .arg("--unix-socket")
-        .arg(&socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = serve("data", &socket).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     assert!(lines.next().unwrap().unwrap().starts_with("native "));
     assert_eq!(lines.next().unwrap().unwrap(), format!("unix {}", socket.display()));
