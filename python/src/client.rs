@@ -637,11 +637,13 @@ impl Drop for Taken {
     }
 }
 
-/// Puts tentative takes no one will see back at the head of `queue`.
+/// Puts tentative takes no one will see back at the head of `queue`, unseen: their delivery is
+/// not counted (no redelivery delay, no step towards the delivery limit), on a server that
+/// takes them so.
 async fn give_back(client: &petrel_client::Client, queue: &str, handles: Vec<u64>) {
     if !handles.is_empty() {
         // Failed (the connection closed), they come back when their visibility ends.
-        let _ = client.abort(queue, &handles).await;
+        let _ = client.give_back_unseen(queue, &handles).await;
     }
 }
 

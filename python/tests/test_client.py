@@ -169,6 +169,26 @@ def test_a_cancelled_asyncio_poll_loses_nothing(server):
     asyncio.run(main())
 
 
+def test_a_cancelled_asyncio_poll_does_not_count_a_delivery(server):
+    """What a cancelled poll took is given back unseen: with max_deliveries 1 the message is not
+    dead-lettered before the application ever had it, and its delivery count is its first."""
+
+    async def main():
+        async with petrel.AsyncClient(server) as c:
+            await c.create_queue("dead1")
+            await c.create_queue("work1", max_deliveries=1, dead_letter="dead1", redelivery_delay=30.0)
+            for _ in range(3):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(c.poll("work1", timeout=None), 0.2)
+            await c.offer("work1", b"important")
+            got = await c.take("work1", visibility=30, timeout=5)
+            assert got is not None and got.payload == b"important" and got.deliveries == 1
+            await c.ack("work1", [got.handle])
+            assert await c.poll("dead1", timeout=0.2) is None
+
+    asyncio.run(main())
+
+
 def test_asyncio_polls_cancelled_at_any_moment_lose_and_repeat_nothing(server):
     """Polls cut short by timeouts of every length, while messages flow: a cancellation may land
     while the poll waits, while its answer is on the way, or as it arrives. Every message offered

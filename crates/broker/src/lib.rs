@@ -1073,6 +1073,12 @@ impl Broker {
         Ok(returned.count)
     }
 
+    /// Puts tentative deliveries of `consumer` back as if never handed out: its client never
+    /// saw them (`Queue::give_back_unseen`). Returns how many were known.
+    pub fn give_back_unseen(&self, name: &str, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
+        self.get(name)?.give_back_unseen(handles, consumer)
+    }
+
     /// Puts an open read of `queue` back whoever took it (an operator's hand on a stuck
     /// consumer; at the delivery limit, to the dead-letter queue). Returns whether it was open.
     pub fn return_read(&self, queue: &Arc<Queue>, handle: u64, now_ns: u64) -> Result<bool, BrokerError> {

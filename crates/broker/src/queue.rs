@@ -1344,7 +1344,15 @@ impl Queue {
         delay_ms: u32,
         now_ns: u64,
     ) -> Result<Returned, BrokerError> {
-        self.put_back_reads(handles, Some(consumer), delay_ms, now_ns)
+        self.put_back_reads(handles, Some(consumer), Some(delay_ms), now_ns)
+    }
+
+    /// Puts tentative deliveries of `consumer` back at the head as if they were never handed
+    /// out: their consumer never saw them (a client library's poll cancelled while its answer
+    /// was on the way). Their delivery is not counted, so neither a redelivery delay nor the
+    /// delivery limit applies.
+    pub(crate) fn give_back_unseen(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
+        Ok(self.put_back_reads(handles, Some(consumer), None, 0)?.count)
     }
 
     /// The open reads, oldest first: `limit` of them, and how many there are.
@@ -1373,15 +1381,16 @@ impl Queue {
     /// a stuck consumer); its consumer's acknowledgement then finds nothing, as after a
     /// visibility timeout (see `Broker::return_read`).
     pub(crate) fn return_read(&self, handle: u64, now_ns: u64) -> Result<Returned, BrokerError> {
-        self.put_back_reads(&[handle], None, 0, now_ns)
+        self.put_back_reads(&[handle], None, Some(0), now_ns)
     }
 
-    /// Puts open reads back: those of `consumer` among `handles`, or any of them.
+    /// Puts open reads back: those of `consumer` among `handles`, or any of them. `delay_ms`:
+    /// as ABORT's (`return_reads`); `None`: unseen, as if never handed out.
     fn put_back_reads(
         &self,
         handles: &[u64],
         consumer: Option<ConnId>,
-        delay_ms: u32,
+        delay_ms: Option<u32>,
         now_ns: u64,
     ) -> Result<Returned, BrokerError> {
         let config = self.config();
@@ -1393,7 +1402,18 @@ impl Queue {
             }
         }
         let n = returned.len() as u32;
-        let over_limit = inner.return_reads(&self.name, returned, &config, delay_ms, now_ns);
+        let over_limit = match delay_ms {
+            Some(delay_ms) => inner.return_reads(&self.name, returned, &config, delay_ms, now_ns),
+            None => {
+                for read in returned {
+                    inner.counters.aborted += 1;
+                    if let Err(e) = inner.put_back(read.item, false) {
+                        tracing::warn!(queue = %self.name, error = %e, "a message given back unseen");
+                    }
+                }
+                Vec::new()
+            }
+        };
         if n > 0 {
             // A returned message may carry an expiry: let the next tick look.
             self.due_ns.set(0);

@@ -1079,3 +1079,36 @@ fn answers_carry_repeats_and_figures_only_for_clients_that_asked() {
         }
     }
 }
+
+/// A delivery given back unseen (a client's poll cancelled while its answer came) goes back as
+/// if never handed out: with `max_deliveries` 1 it is not dead-lettered, its next delivery is
+/// its first, and a redelivery delay does not hold it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_given_back_unseen_is_not_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    for durable in [false, true] {
+        let (name, dead) = (format!("work{durable}"), format!("dead{durable}"));
+        let config = QueueConfig {
+            durable,
+            max_deliveries: 1,
+            dead_letter: dead.clone(),
+            redelivery_delay_ms: 60_000,
+            ..QueueConfig::default()
+        };
+        c.create_queue(&name, config).await.unwrap();
+        c.offer(&name, vec![msg("important")], None).await.unwrap();
+        let open = PollOptions { max: 1, visibility: Some(Duration::from_secs(30)), ..PollOptions::default() };
+        for _ in 0..3 {
+            let taken = c.poll(&name, open.clone()).await.unwrap();
+            assert_eq!((texts(&taken), taken[0].message.deliveries), (vec!["important".into()], 1), "{name}");
+            assert_eq!(c.give_back_unseen(&name, &[taken[0].handle]).await.unwrap(), 1);
+        }
+        assert!(c.queue_status(&dead).await.is_err_and(|e| e.status() == Some(Status::QueueNotFound)), "none dead");
+        // An ordinary abort counts: at the limit, it goes.
+        let taken = c.poll(&name, open.clone()).await.unwrap();
+        c.abort(&name, &[taken[0].handle]).await.unwrap();
+        assert_eq!(texts(&c.poll(&dead, TAKE).await.unwrap()), ["important"]);
+    }
+}

@@ -458,6 +458,7 @@ impl Settle {
                 queue: queue.into(),
                 handles,
                 delay_ms: delay.as_millis().min(u128::from(u32::MAX)) as u32,
+                unseen: false,
             },
         }
     }

@@ -286,6 +286,8 @@ struct Inner {
     next_id: AtomicU64,
     /// Payloads of at least this many bytes are sent compressed; 0: not negotiated.
     compress_min_bytes: std::sync::atomic::AtomicUsize,
+    /// The server takes deliveries given back unseen (`features::RETURN_UNSEEN`).
+    returns_unseen: std::sync::atomic::AtomicBool,
     reader: tokio::task::JoinHandle<()>,
     writer: tokio::task::JoinHandle<()>,
 }
@@ -406,6 +408,7 @@ impl Client {
             room,
             next_id: AtomicU64::new(1),
             compress_min_bytes: std::sync::atomic::AtomicUsize::new(0),
+            returns_unseen: std::sync::atomic::AtomicBool::new(false),
             reader,
             writer,
         };
@@ -515,12 +518,14 @@ impl Client {
 
     /// Says HELLO, asking for compressed payloads if `compress_min_bytes` is set.
     async fn hello(&self, compress_min_bytes: Option<usize>) -> Result<(), ClientError> {
-        use petrel_proto::features::{OFFER_REPEATS, QUEUE_FIGURES, ZSTD};
-        let wanted = if compress_min_bytes.is_some() { ZSTD } else { 0 } | OFFER_REPEATS | QUEUE_FIGURES;
+        use petrel_proto::features::{OFFER_REPEATS, QUEUE_FIGURES, RETURN_UNSEEN, ZSTD};
+        let wanted =
+            if compress_min_bytes.is_some() { ZSTD } else { 0 } | OFFER_REPEATS | QUEUE_FIGURES | RETURN_UNSEEN;
         let client = format!("petrel-client/{}", env!("CARGO_PKG_VERSION"));
         let answer = self.call_op(Request::Hello { client, features: wanted }).await?;
-        if let Response::Hello { max_frame, .. } = &answer {
+        if let Response::Hello { max_frame, features, .. } = &answer {
             self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).max_unfold = *max_frame as usize;
+            self.inner.returns_unseen.store(features & RETURN_UNSEEN != 0, Ordering::Relaxed);
         }
         if let (Response::Hello { features, .. }, Some(min)) = (answer, compress_min_bytes)
             && features & petrel_proto::features::ZSTD != 0
@@ -616,7 +621,20 @@ impl Client {
     /// retry that should wait); rounded down to ms, at most `u32::MAX` ms.
     pub async fn abort_delayed(&self, queue: &str, handles: &[u64], delay: Duration) -> Result<u32, ClientError> {
         let delay_ms = delay.as_millis().min(u32::MAX as u128) as u32;
-        match self.call_op(Request::Abort { queue: queue.into(), handles: handles.to_vec(), delay_ms }).await? {
+        self.settle_abort(Request::Abort { queue: queue.into(), handles: handles.to_vec(), delay_ms, unseen: false })
+            .await
+    }
+
+    /// Gives back tentative deliveries the application never saw (a poll whose caller stopped
+    /// waiting while its answer came): they go back to the head as if never handed out, their
+    /// delivery not counted, on a server that takes them so; on an older server, as `abort`.
+    pub async fn give_back_unseen(&self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
+        let unseen = self.inner.returns_unseen.load(Ordering::Relaxed);
+        self.settle_abort(Request::Abort { queue: queue.into(), handles: handles.to_vec(), delay_ms: 0, unseen }).await
+    }
+
+    async fn settle_abort(&self, abort: Request) -> Result<u32, ClientError> {
+        match self.call_op(abort).await? {
             Response::Acked { count } => Ok(count),
             other => Err(unexpected(other)),
         }

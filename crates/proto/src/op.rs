@@ -21,6 +21,9 @@ pub mod features {
     /// Request: the client reads QUEUE_STATUS's figures after `delayed` (bits 1–7 of their
     /// extensions byte). Response: the server sends them.
     pub const QUEUE_FIGURES: u32 = 8;
+    /// Request: the client may give deliveries back unseen (ABORT's flags). Response: the
+    /// server takes them so.
+    pub const RETURN_UNSEEN: u32 = 16;
 }
 
 pub mod opcode {
@@ -145,6 +148,9 @@ fn decode_list<T>(n: usize, mut item: impl FnMut() -> Result<T, DecodeError>) ->
     }
     Ok(items)
 }
+
+/// ABORT's flags byte: the deliveries go back unseen (`Request::Abort::unseen`).
+const ABORT_UNSEEN: u8 = 1;
 
 const FLAG_CIRCULAR: u8 = 1;
 const FLAG_DURABLE: u8 = 2;
@@ -607,6 +613,11 @@ pub enum Request {
         queue: String,
         handles: Vec<u64>,
         delay_ms: u32,
+        /// The client never saw these deliveries (its poll was cancelled while the answer came):
+        /// they go back as if never handed out, their delivery not counted. Only to a server
+        /// that granted `features::RETURN_UNSEEN`; never with a `delay_ms`.
+        #[serde(default)]
+        unseen: bool,
     },
     /// A durable topic keeps a log that consumer groups read and replay.
     TopicCreate {
@@ -804,14 +815,19 @@ impl Request {
                     w.u64(*h);
                 }
             }
-            Request::Abort { queue, handles, delay_ms } => {
+            Request::Abort { queue, handles, delay_ms, unseen } => {
                 w.str(queue)?;
                 w.u32(handles.len() as u32);
                 for h in handles {
                     w.u64(*h);
                 }
-                if *delay_ms != 0 {
-                    w.u32(*delay_ms); // an optional last field: present only when not 0
+                // Optional last fields: delay_ms present when not 0 or when flags follow, flags
+                // present when not 0.
+                if *delay_ms != 0 || *unseen {
+                    w.u32(*delay_ms);
+                }
+                if *unseen {
+                    w.u8(ABORT_UNSEEN);
                 }
             }
         }
@@ -852,11 +868,21 @@ impl Request {
                 if opcode == ACK {
                     Request::Ack { queue, handles }
                 } else {
-                    let delay_ms = match r.is_empty() {
+                    let delay_ms = if r.is_empty() { None } else { Some(r.u32("delay_ms")?) };
+                    let flags = match r.is_empty() {
                         true => 0,
-                        false => present(r.u32("delay_ms")?, "delay_ms (present, so not 0)")?,
+                        false => present(r.u8("abort flags")?, "abort flags (present, so not 0)")?,
                     };
-                    Request::Abort { queue, handles, delay_ms }
+                    if flags & !ABORT_UNSEEN != 0 {
+                        return Err(DecodeError::BadValue("abort flags"));
+                    }
+                    let unseen = flags & ABORT_UNSEEN != 0;
+                    match (delay_ms, unseen) {
+                        (Some(0), false) => return Err(DecodeError::BadValue("delay_ms (present, so not 0)")),
+                        (Some(1..), true) => return Err(DecodeError::BadValue("an unseen return takes no delay_ms")),
+                        _ => {}
+                    }
+                    Request::Abort { queue, handles, delay_ms: delay_ms.unwrap_or(0), unseen }
                 }
             }
             TOPIC_CREATE => Request::TopicCreate {
@@ -1216,5 +1242,33 @@ mod tests {
             assert_eq!(QueueConfig::setting_name(kestrel), ours);
         }
         assert_eq!(QueueConfig::setting_name("max_items"), "max_items");
+    }
+}
+
+#[cfg(test)]
+mod abort_tests {
+    use bytes::Bytes;
+
+    use super::{Request, opcode};
+
+    #[test]
+    fn an_abort_s_optional_fields_have_one_encoding_each() {
+        let body = |tail: &[u8]| {
+            let mut b = vec![0, 1, b'q', 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 8];
+            b.extend_from_slice(tail);
+            Request::decode(opcode::ABORT, Bytes::from(b))
+        };
+        let abort = |delay_ms, unseen| Request::Abort { queue: "q".into(), handles: vec![8], delay_ms, unseen };
+        assert_eq!(body(&[]).unwrap(), abort(0, false));
+        assert_eq!(body(&[0, 0, 0, 5]).unwrap(), abort(5, false));
+        assert_eq!(body(&[0, 0, 0, 0, 1]).unwrap(), abort(0, true));
+        for refused in [&[0, 0, 0, 0][..], &[0, 0, 0, 5, 1], &[0, 0, 0, 0, 0], &[0, 0, 0, 0, 2]] {
+            assert!(body(refused).is_err(), "{refused:?}");
+        }
+        for request in [abort(0, false), abort(5, false), abort(0, true)] {
+            let mut out = Vec::new();
+            request.encode(1, &mut out).unwrap();
+            assert_eq!(Request::decode(opcode::ABORT, Bytes::copy_from_slice(&out[16..])).unwrap(), request);
+        }
     }
 }

@@ -449,13 +449,19 @@ fn cases() -> Vec<Vector> {
             "abort",
             "return a tentative delivery to the head",
             12,
-            Request::Abort { queue: q("orders"), handles: vec![8], delay_ms: 0 },
+            Request::Abort { queue: q("orders"), handles: vec![8], delay_ms: 0, unseen: false },
         ),
         request(
             "abort_delayed",
             "return a tentative delivery to be handed out again no earlier than 30 s from now: delay_ms after the handles",
             12,
-            Request::Abort { queue: q("orders"), handles: vec![8], delay_ms: 30_000 },
+            Request::Abort { queue: q("orders"), handles: vec![8], delay_ms: 30_000, unseen: false },
+        ),
+        request(
+            "abort_unseen",
+            "give back a delivery the client never saw (its poll was cancelled), to a server that granted features 16: delay_ms 0 then flags 1; its delivery is not counted",
+            12,
+            Request::Abort { queue: q("orders"), handles: vec![8], delay_ms: 0, unseen: true },
         ),
         response(
             "unsupported_opcode",

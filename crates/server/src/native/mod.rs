@@ -242,7 +242,9 @@ async fn dispatch(
             queues::poll(ctx, session, queue, max, timeout_ms, visibility_ms)
         }
         Request::Ack { queue, handles } => now(queues::ack(ctx, session, &queue, &handles)),
-        Request::Abort { queue, handles, delay_ms } => now(queues::abort(ctx, session, &queue, &handles, delay_ms)),
+        Request::Abort { queue, handles, delay_ms, unseen } => {
+            now(queues::abort(ctx, session, &queue, &handles, delay_ms, unseen))
+        }
         Request::TopicCreate { name, durable } => now(topics::create(ctx, name, durable).await),
         Request::TopicRemove { name } => now(topics::remove(ctx, name).await),
         Request::TopicList => now(topics::list(ctx, session)),

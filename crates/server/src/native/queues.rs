@@ -186,7 +186,19 @@ pub(super) fn ack(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64]) ->
     ctx.broker.ack(queue, handles, session.conn).map_or_else(error, |count| Response::Acked { count })
 }
 
-pub(super) fn abort(ctx: &Ctx, session: &Session, queue: &str, handles: &[u64], delay_ms: u32) -> Response {
-    let aborted = ctx.broker.abort(queue, handles, session.conn, delay_ms, now_ns());
+/// ABORT: the deliveries come back (`delay_ms` as the broker's `abort`), or, `unseen`, as if
+/// never handed out (`Broker::give_back_unseen`).
+pub(super) fn abort(
+    ctx: &Ctx,
+    session: &Session,
+    queue: &str,
+    handles: &[u64],
+    delay_ms: u32,
+    unseen: bool,
+) -> Response {
+    let aborted = match unseen {
+        true => ctx.broker.give_back_unseen(queue, handles, session.conn),
+        false => ctx.broker.abort(queue, handles, session.conn, delay_ms, now_ns()),
+    };
     aborted.map_or_else(error, |count| Response::Acked { count })
 }

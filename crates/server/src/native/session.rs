@@ -114,7 +114,7 @@ impl Session {
             features |= features::AUTH_REQUIRED;
         }
         self.reads = wanted & (features::OFFER_REPEATS | features::QUEUE_FIGURES);
-        features |= self.reads;
+        features |= self.reads | (wanted & features::RETURN_UNSEEN);
         Response::Hello {
             server: format!("petrel/{}", env!("CARGO_PKG_VERSION")),
             max_frame: ctx.config.max_frame_bytes,
