@@ -1101,13 +1101,13 @@ async fn a_delivery_given_back_unseen_is_not_counted() {
         c.offer(&name, vec![msg("important")], None).await.unwrap();
         let open = PollOptions { max: 1, visibility: Some(Duration::from_secs(30)), ..PollOptions::default() };
         for _ in 0..3 {
-            let taken = c.poll(&name, open.clone()).await.unwrap();
+            let taken = c.poll(&name, open).await.unwrap();
             assert_eq!((texts(&taken), taken[0].message.deliveries), (vec!["important".into()], 1), "{name}");
             assert_eq!(c.give_back_unseen(&name, &[taken[0].handle]).await.unwrap(), 1);
         }
         assert!(c.queue_status(&dead).await.is_err_and(|e| e.status() == Some(Status::QueueNotFound)), "none dead");
         // An ordinary abort counts: at the limit, it goes.
-        let taken = c.poll(&name, open.clone()).await.unwrap();
+        let taken = c.poll(&name, open).await.unwrap();
         c.abort(&name, &[taken[0].handle]).await.unwrap();
         assert_eq!(texts(&c.poll(&dead, TAKE).await.unwrap()), ["important"]);
     }
