@@ -325,6 +325,9 @@ pub(crate) fn poll_in_waits<T>(
     }
 }
 
+/// How often a blocking request looks at Python's signals (`Client::wait`).
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
 /// How long an asyncio poll that takes for good holds its messages tentatively before it
 /// acknowledges them (they come back after it if the acknowledgement never comes).
 const ASYNC_TAKE_VISIBILITY: Duration = Duration::from_secs(30);
@@ -337,12 +340,25 @@ pub struct Client {
 }
 
 impl Client {
+    /// Runs `call` without the GIL, looking at Python's signals every `SIGNAL_CHECK` meanwhile:
+    /// Ctrl-C interrupts a call, an offer waiting for room or any other long request (the
+    /// request is given up; what the server does with it is as for a lost connection's).
     fn wait<T: Send>(
         &self,
         py: Python<'_>,
         call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
     ) -> PyResult<T> {
-        py.detach(|| runtime().block_on(call)).map_err(client_error)
+        py.detach(|| {
+            runtime().block_on(async {
+                tokio::pin!(call);
+                loop {
+                    tokio::select! {
+                        result = &mut call => return result.map_err(client_error),
+                        _ = tokio::time::sleep(SIGNAL_CHECK) => Python::attach(|py| py.check_signals())?,
+                    }
+                }
+            })
+        })
     }
 }
 

@@ -251,3 +251,34 @@ def test_an_asyncio_take_for_good_stays_taken_when_the_client_closes_at_once(ser
             assert await producer.poll("once", timeout=0.3) is None, "none came back"
 
     asyncio.run(main())
+
+
+def test_ctrl_c_interrupts_a_blocking_request(server):
+    """A sync call waiting on the server (an offer waiting for room) stops at SIGINT with
+    KeyboardInterrupt, as polls do, instead of running to its timeout."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import petrel
+c = petrel.Client({server!r})
+c.create_queue("full", max_items=1)
+c.offer("full", b"x")
+print("ready", flush=True)
+try:
+    c.offer("full", b"y", timeout=30)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        started = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=10)
+        assert out.strip() == "interrupted" and time.monotonic() - started < 5
+    finally:
+        child.kill()
