@@ -25,7 +25,7 @@ import builtins
 import inspect
 import itertools
 import time
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Set, Tuple, Union
 
 from ._petrel import (
     AsyncCalls as _AsyncCalls,
@@ -194,8 +194,10 @@ class AsyncSubscription:
 
     Made by :meth:`AsyncClient.subscribe` (live messages from now on) or
     :meth:`AsyncClient.subscribe_group` (a durable topic's consumer group: acknowledge with
-    :meth:`ack`). It subscribes on first use; ``async with`` ends it on leaving, and so does
-    dropping it. Ends with an error (``ServerError`` naming ``SLOW_CONSUMER``) if the server
+    :meth:`ack`). It subscribes on first use, or when awaited (``sub = await
+    client.subscribe(t)``) or entered (``async with``): await or enter it before publishing what
+    it must get, since a live subscription gets only what is published after it is made.
+    ``async with`` ends it on leaving, and so does dropping it. Ends with an error (``ServerError`` naming ``SLOW_CONSUMER``) if the server
     dropped a live subscriber too slow to keep up.
     """
 
@@ -217,6 +219,15 @@ class AsyncSubscription:
 
     def __aiter__(self) -> "AsyncSubscription":
         return self
+
+    def __await__(self) -> Generator[Any, None, "AsyncSubscription"]:
+        """Subscribes now (if not yet): ``sub = await client.subscribe(t)``."""
+
+        async def subscribed() -> "AsyncSubscription":
+            await self._subscription()
+            return self
+
+        return subscribed().__await__()
 
     async def __anext__(self) -> Message:
         requests, core = await self._subscription()
@@ -429,7 +440,8 @@ class AsyncClient:
         return await self._run("publish", topic, payload, subject)
 
     def subscribe(self, topic: str, buffer: int = 0) -> AsyncSubscription:
-        """The topic's messages from now on: ``async for message in client.subscribe(t)``.
+        """The topic's messages from when it subscribes (at its first use, or ``await``:
+        ``sub = await client.subscribe(t)``): ``async for message in client.subscribe(t)``.
         ``buffer``: how many the server holds for this subscriber before it ends the
         subscription as too slow (0: the server's default)."""
 

@@ -153,6 +153,20 @@ def test_asyncio_group_subscription_acks_and_a_timed_get(server):
     asyncio.run(main())
 
 
+def test_an_awaited_asyncio_subscription_gets_what_is_published_next(server):
+    async def main():
+        async with petrel.AsyncClient(server) as c:
+            await c.create_topic("live")
+            sub = await c.subscribe("live")
+            assert sub.id is not None
+            assert await c.publish("live", b"first") == 1
+            got = await sub.get(timeout=5)
+            assert got is not None and got.payload == b"first"
+            await sub.unsubscribe()
+
+    asyncio.run(main())
+
+
 def test_tls_with_a_password_or_a_client_certificate(secure_server):
     address, certs = secure_server
     ca = certs / "ca.pem"
