@@ -234,7 +234,9 @@ pub(crate) fn queue_config(
 /// what acknowledges or aborts a tentative take (0 when taken for good).
 #[pyclass(module = "petrel", frozen, get_all)]
 pub struct Message {
-    /// Its id in its queue (1, 2, …), or in a durable topic (its offset + 1).
+    /// Its id: in a queue, increasing in offer order within a priority level and unique in the
+    /// queue (1, 2, … in a queue without levels or delays; a level or a delayed message sets
+    /// high bits); in a durable topic, its offset + 1.
     id: u64,
     /// What acknowledges or aborts a tentative take (from a `Cluster`, a `ClusterHandle`); 0 when
     /// taken for good.

@@ -227,7 +227,8 @@ impl Log {
         Ok(self.shared()?.reader().first_offset())
     }
 
-    /// Opens (creating at the log's newest record if new) the consumer group `name`. Its
+    /// Opens the consumer group `name`, creating it if new at the log's oldest record (it then
+    /// reads everything the log holds; `seek("newest")` to read only what comes next). Its
     /// position is as durable as `durability` (default: the log's).
     #[pyo3(signature = (name, durability = None))]
     fn group(&self, py: Python<'_>, name: &str, durability: Option<&str>) -> PyResult<Group> {
