@@ -661,3 +661,26 @@ access = "poll"
         Command::new(PETREL).args(["acl", "check", "--config", config, "nobody", "queue", "q"]).output().unwrap();
     assert!(!unknown.status.success());
 }
+
+/// What a client sends as a user name reaches the log escaped, and an unknown name not at all (it
+/// may be a password typed in its place): `security.md` promises passwords are never logged.
+#[test]
+fn a_failed_login_logs_no_password_and_no_control_characters() {
+    let setup = Setup::new("");
+    let log = setup.dir.path().join("server.log");
+    let server =
+        Server::start_logged(&setup.dir.path().join("data"), &["--config", setup.config.to_str().unwrap()], &log);
+    for login in ["ph$54-secret", "tom \x1b[31mFAKE", "tom\nforged line"] {
+        // (A connection whose login failed is closed: one each.)
+        let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+        mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(mc, "set login 0 0 {}\r\n{login}\r\n", login.len()).unwrap();
+        let mut answer = String::new();
+        BufReader::new(&mut mc).read_line(&mut answer).unwrap();
+        assert!(answer.contains("ERROR"), "{answer:?}");
+    }
+    drop(server);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("authentication failed"), "{text}");
+    assert!(!text.contains("ph$54-secret") && !text.contains('\x1b') && !text.contains("\nforged"), "{text}");
+}

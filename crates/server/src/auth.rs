@@ -34,7 +34,8 @@ pub(crate) fn authorize(
     let Err(e) = ctx.broker.authorize(principal, kind, name, actions) else { return Ok(()) };
     if denials.0.len() < MAX_LOGGED_DENIALS && denials.0.insert((kind, name.to_owned())) {
         let user = principal.map(|p| p.user.clone());
-        tracing::warn!(conn, user, %kind, name = %petrel_broker::shown(name), reason = %e, "request denied");
+        // Names as the client sent them, escaped (`?`): control characters do not reach the log.
+        tracing::warn!(conn, user, %kind, name = ?petrel_broker::shown(name), reason = %e, "request denied");
     }
     Err(e)
 }
@@ -140,11 +141,17 @@ pub(crate) async fn with_password(
         add(&ctx.stats.auth_rate_limited, 1);
         return Err("too many authentication attempts from this address; try again in a minute".into());
     }
-    let name = user.clone();
+    let (name, known) = (user.clone(), security.users.get(&user).is_some());
     let verified = tokio::task::spawn_blocking(move || security.users.verify(&name, &password)).await;
     if !matches!(verified, Ok(Some(_))) {
         add(&ctx.stats.auth_failures, 1);
-        tracing::info!(conn, user = %petrel_broker::shown(&user), peer = ?peer.addr, "authentication failed");
+        // An unknown name is not logged: it may be a password typed in its place.
+        match known {
+            true => {
+                tracing::info!(conn, user = ?petrel_broker::shown(&user), peer = ?peer.addr, "authentication failed: wrong password")
+            }
+            false => tracing::info!(conn, peer = ?peer.addr, "authentication failed: no such user"),
+        }
         tokio::time::sleep(settings.auth_failure_delay().unwrap_or(Duration::from_millis(250))).await;
         return Err(INVALID.into());
     }
@@ -157,7 +164,7 @@ pub(crate) fn with_certificate(ctx: &Arc<Ctx>, peer: &Peer, conn: ConnId) -> Opt
     let security = ctx.broker.security()?;
     if security.users.get(&user).is_none() {
         add(&ctx.stats.auth_failures, 1);
-        tracing::info!(conn, user = %petrel_broker::shown(&user), "client certificate names no known user");
+        tracing::info!(conn, user = ?petrel_broker::shown(&user), "client certificate names no known user");
         return Some(Err(format!(
             "the client certificate's user {:?} is not in the users file",
             petrel_broker::shown(&user)

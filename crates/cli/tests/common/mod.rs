@@ -49,7 +49,17 @@ impl Server {
         Server::spawn(&[], addr, data, &[])
     }
 
+    /// Starts with more flags, its log (at `info`) written to `log`.
+    #[allow(dead_code)]
+    pub fn start_logged(data: &Path, args: &[&str], log: &Path) -> Server {
+        Server::spawn_logging(&[], "127.0.0.1:0", data, args, Some(log))
+    }
+
     fn spawn(wrapper: &[&str], native_addr: &str, data: &Path, args: &[&str]) -> Server {
+        Server::spawn_logging(wrapper, native_addr, data, args, None)
+    }
+
+    fn spawn_logging(wrapper: &[&str], native_addr: &str, data: &Path, args: &[&str], log: Option<&Path>) -> Server {
         // PETREL_BIN: another build of the server (a release one, to measure it).
         let petrel = std::env::var("PETREL_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_petrel").to_owned());
         let petrel = petrel.as_str();
@@ -75,7 +85,11 @@ impl Server {
             .arg(data)
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(match log {
+                Some(path) => Stdio::from(std::fs::File::create(path).expect("the log file")),
+                None => Stdio::null(),
+            })
+            .envs(log.map(|_| ("RUST_LOG", "info")))
             .spawn()
             .expect("start petrel serve");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
