@@ -450,6 +450,52 @@ async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
     tom.ping().await.unwrap();
 }
 
+/// A reload that takes a right away ends what the old rules granted and still runs: a
+/// subscription of a user now denied the topic stops getting messages (its connection ends; the
+/// client logs in again under the new rules), and a removed user's connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_ends_subscriptions_and_connections_the_new_rules_do_not_allow() {
+    let setup = Setup::new("");
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    max.create_topic("news", false).await.unwrap();
+    let tom = login(&server, "tom").await.unwrap();
+    let mut sub = tom.subscribe("news", 0).await.unwrap();
+    let jak = login(&server, "jak").await.unwrap();
+    let pax = login(&server, "pax").await.unwrap();
+    max.publish("news", vec![msg("m1")]).await.unwrap();
+    assert_eq!(sub.next().await.unwrap().unwrap().payload, &b"m1"[..]);
+
+    setup.write_config("[[security.acl]]\nkind = \"topic\"\nname = \"news\"\nuser = \"tom\"\naccess = \"deny\"\n");
+    let users = setup.dir.path().join("users.toml");
+    assert!(Command::new(PETREL).args(["user", "remove"]).arg(&users).arg("jak").status().unwrap().success());
+    let tom_again = login(&server, "tom").await.unwrap();
+    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    // Once the new rules decide tom's requests (and the connections have had a moment to look).
+    common::wait_until_async("the reload in force", || async {
+        tom_again.publish("news", vec![msg("x")]).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let _ = max.publish("news", vec![msg("m2")]).await;
+            match tokio::time::timeout(Duration::from_millis(50), sub.next()).await {
+                Ok(Some(Ok(m))) => assert_ne!(m.payload, &b"m2"[..], "delivered after the reload took the right away"),
+                Ok(None | Some(Err(_))) => return,
+                Err(_) => {}
+            }
+        }
+    });
+    ended.await.expect("the subscription ended");
+    common::wait_until_async("jak's connection closed", || async { jak.ping().await.is_err() }).await;
+    pax.ping().await.unwrap(); // untouched
+    assert_eq!(
+        login(&server, "tom").await.unwrap().subscribe("news", 0).await.unwrap_err().status(),
+        Some(Status::Forbidden)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_per_user_are_limited() {
     let setup = Setup::new("max_connections_per_user = 2");

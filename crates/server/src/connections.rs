@@ -28,9 +28,24 @@ pub(crate) struct Connection {
     pub requests: AtomicU64,
     pub received_bytes: AtomicU64,
     pub sent_bytes: AtomicU64,
+    /// Moved on by a reload that changed its user's rights (or removed the user). Each request
+    /// is decided by the rules in force, but what a connection holds (its subscriptions, the
+    /// functions it serves) was granted by the old ones: the connection looks again, and ends if
+    /// its user is gone or it holds any (its client logs in again under the new rules).
+    rights: tokio::sync::watch::Sender<u64>,
 }
 
 impl Connection {
+    /// Tells the connection that its user's rights changed (`rights`).
+    pub fn rights_changed(&self) {
+        self.rights.send_modify(|generation| *generation += 1);
+    }
+
+    /// What `rights_changed` moves on.
+    pub fn rights(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.rights.subscribe()
+    }
+
     pub fn set_user(&self, user: &str) {
         *self.user.lock().unwrap_or_else(|e| e.into_inner()) = Some(user.to_owned());
     }
@@ -70,6 +85,7 @@ impl Registry {
             requests: AtomicU64::new(0),
             received_bytes: AtomicU64::new(0),
             sent_bytes: AtomicU64::new(0),
+            rights: tokio::sync::watch::Sender::new(0),
         });
         ctx.stats.curr_connections.fetch_add(1, Ordering::Relaxed);
         ctx.stats.total_connections.fetch_add(1, Ordering::Relaxed);

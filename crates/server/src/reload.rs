@@ -159,7 +159,18 @@ impl Reloader {
         let queues =
             ctx.broker.reconfigure_queues(config.queue_defaults()?, config.queues()?).map_err(|e| e.to_string())?;
         if let Some(security) = security {
+            let before = ctx.broker.security();
             ctx.broker.set_security(security);
+            // Connections whose user the new rules treat otherwise look at what they hold.
+            if let (Some(before), Some(now)) = (before, ctx.broker.security()) {
+                for conn in ctx.connections.list() {
+                    if let Some(user) = conn.user()
+                        && !before.same_rights(&now, &user)
+                    {
+                        conn.rights_changed();
+                    }
+                }
+            }
         }
         ctx.http_logins.clear();
         *ctx.tls.write().unwrap_or_else(|e| e.into_inner()) = tls;

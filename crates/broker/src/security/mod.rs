@@ -259,6 +259,20 @@ pub struct Security {
     pub acl: Acl,
 }
 
+impl Security {
+    /// Whether `user` has the same rights under `other` as under these rules: the same entry in
+    /// the users file (role and password), the same defaults, and the same ACL entries naming
+    /// it or every user. A reload closes the connections of users for whom it is not so.
+    pub fn same_rights(&self, other: &Security, user: &str) -> bool {
+        let theirs =
+            |acl: &Acl| acl.entries.iter().filter(|e| e.user == "*" || e.user == user).cloned().collect::<Vec<_>>();
+        self.users.get(user) == other.users.get(user)
+            && (self.acl.default_queue, self.acl.default_topic, self.acl.default_function)
+                == (other.acl.default_queue, other.acl.default_topic, other.acl.default_function)
+            && theirs(&self.acl) == theirs(&other.acl)
+    }
+}
+
 /// Who a connection is, once authenticated. The role is looked up at each decision, so a reload
 /// that demotes or removes a user takes effect on connections already open.
 #[derive(Clone, Debug, PartialEq, Eq)]

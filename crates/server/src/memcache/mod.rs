@@ -96,6 +96,7 @@ where
     let idle_timeout = s.ctx.limits.idle_timeout();
     // With users, a login must come within the handshake timeout of the connection's start.
     let log_in_by = tokio::time::Instant::now() + s.ctx.handshake_timeout();
+    let mut rights = s.connection.entry().rights();
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input.buf) {
             let flow = match request {
@@ -142,6 +143,14 @@ where
                 }
             },
             _ = s.shutdown.changed() => break,
+            _ = rights.changed() => {
+                // A memcache connection holds no grants: it ends only if its user is gone.
+                let who = s.authenticated.as_ref().map(|a| &a.principal);
+                if s.ctx.broker.authenticated(who).is_err() {
+                    tracing::info!(conn, "closing a memcache connection whose user a reload removed");
+                    break;
+                }
+            }
             // Silent for too long, or no login in time (open items go back to their queues as
             // on any close).
             _ = crate::sleep_until_or_never(quiet_until) => {

@@ -112,6 +112,7 @@ where
     // connection's start, however the client spreads its bytes.
     let greet_by = tokio::time::Instant::now() + ctx.handshake_timeout();
     let idle_timeout = ctx.limits.idle_timeout();
+    let mut rights = registered.entry().rights();
     'read: loop {
         let mut gave_back = false;
         // Whole frames already buffered first.
@@ -172,6 +173,13 @@ where
         tokio::select! {
             read = connection.read(session.trusted(&ctx)) => if read.is_err() { break },
             _ = shutdown.changed() => break,
+            _ = rights.changed() => {
+                // Requests are decided by the new rules; what the old ones granted is not kept.
+                if ctx.broker.authenticated(session.principal()).is_err() || pushes.holds_grants() {
+                    tracing::info!(conn, "closing a connection whose user a reload removed or whose subscriptions or served functions its old rights granted");
+                    break;
+                }
+            }
             _ = crate::sleep_until_or_never(quiet_until) => {
                 // Before HELLO (and a login, when the server has users), closed at the deadline
                 // whatever is under way (else a past deadline would wake this loop at once,

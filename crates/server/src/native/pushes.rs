@@ -25,6 +25,12 @@ pub(super) struct Pushes {
 }
 
 impl Pushes {
+    /// Whether the connection holds something its rights granted once and that runs on: a
+    /// subscription, a group subscription, calls of served functions.
+    pub fn holds_grants(&self) -> bool {
+        !self.subscriptions.is_empty() || !self.groups.is_empty() || self.invocations.is_some()
+    }
+
     /// A gate for a new subscription's task: opened once the answers before it have gone to the
     /// writer.
     pub fn after_answers(&mut self) -> oneshot::Receiver<()> {
