@@ -730,3 +730,50 @@ fn a_failed_login_logs_no_password_and_no_control_characters() {
     assert!(text.contains("authentication failed"), "{text}");
     assert!(!text.contains("ph$54-secret") && !text.contains('\x1b') && !text.contains("\nforged"), "{text}");
 }
+
+/// A client that sends and never reads its answers (so that the server's writes stall) is closed
+/// at the handshake timeout all the same, on both ports, and does not hold up a shutdown.
+#[test]
+fn a_client_that_never_reads_is_closed_at_the_handshake_timeout_and_does_not_hold_a_shutdown() {
+    use petrel_proto::Request;
+    let setup = Setup::new("handshake_timeout = \"2s\"");
+    let mut server = setup.start();
+    // Each floods requests that need no login, never reading what comes back.
+    let flood = |addr: &str, request: Vec<u8>| {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_write_timeout(Some(Duration::from_millis(200))).unwrap();
+        let burst = request.repeat(1024);
+        let started = std::time::Instant::now();
+        // Until the server stops taking them (its buffers and ours are full), or closes.
+        while started.elapsed() < Duration::from_secs(3) && c.write_all(&burst).is_ok() {}
+        c
+    };
+    let mut ping = Vec::new();
+    Request::Hello { client: "t".into(), features: 0 }.encode(1, &mut ping).unwrap();
+    let mut pings = Vec::new();
+    Request::Ping.encode(2, &mut pings).unwrap();
+    let mut native = flood(&server.addr, [ping.clone(), pings.repeat(64)].concat());
+    let mut memcache = flood(&server.memcache, b"version\r\n".to_vec());
+    // Closed by the server: reading what it sent ends (EOF or a reset) within the timeout and a
+    // margin, counted from the connection's start.
+    for (name, conn) in [("native", &mut native), ("memcache", &mut memcache)] {
+        conn.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let started = std::time::Instant::now();
+        let mut sink = vec![0u8; 1 << 16];
+        while let Ok(n) = conn.read(&mut sink) {
+            if n == 0 {
+                break;
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(15), "{name}: closed after {:?}", started.elapsed());
+    }
+    // A shutdown with one more such client connected ends within the grace and a margin.
+    let _stalled = flood(&server.memcache, b"version\r\n".to_vec());
+    let started = std::time::Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap().success());
+    while server.child.try_wait().unwrap().is_none() {
+        // (The default shutdown grace is 5 s: each connection gets that long at most.)
+        assert!(started.elapsed() < Duration::from_secs(15), "still running {:?} after SIGTERM", started.elapsed());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -171,11 +171,25 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     }
 
     /// Writes the answers waiting; `false` if the client is gone.
+    /// Writes the answers out. A client that does not read them holds this no longer than it may
+    /// be silent (before a login, the handshake timeout), nor more than the shutdown grace past a
+    /// shutdown: then the connection ends.
     async fn flush(&mut self) -> bool {
         if self.out.is_empty() {
             return true;
         }
-        let ok = self.stream.write_all(&self.out).await.is_ok();
+        let stall = match self.ctx.trusts(self.authenticated.is_some()) {
+            true => self.ctx.limits.idle_timeout(),
+            false => Some(self.ctx.handshake_timeout()),
+        };
+        let grace = self.ctx.config.shutdown_grace().unwrap_or(std::time::Duration::from_secs(5));
+        let write = self.stream.write_all(&self.out);
+        tokio::pin!(write);
+        let ok = tokio::select! {
+            written = &mut write => written.is_ok(),
+            _ = crate::sleep_until_or_never(stall.map(|d| tokio::time::Instant::now() + d)) => false,
+            _ = self.shutdown.changed() => tokio::time::timeout(grace, &mut write).await.is_ok_and(|w| w.is_ok()),
+        };
         add(&self.ctx.stats.bytes_written, self.out.len() as u64);
         self.connection.sent(self.out.len());
         self.out.clear();

@@ -113,12 +113,23 @@ where
     let greet_by = tokio::time::Instant::now() + ctx.handshake_timeout();
     let idle_timeout = ctx.limits.idle_timeout();
     let mut rights = registered.entry().rights();
+    // A client that does not read its answers holds the loop where it waits to hand them on (to
+    // the writer, for a permit): it waits no longer than the client may be silent (before HELLO
+    // and a login, the handshake's deadline), nor past a shutdown.
+    let stall_deadline = |session: &Session| match session.greeted && session.trusted(&ctx) {
+        true => idle_timeout.map(|d| tokio::time::Instant::now() + d),
+        false => Some(greet_by),
+    };
     'read: loop {
         let mut gave_back = false;
         // Whole frames already buffered first.
         loop {
-            if connection.answers_are_many() && pushes.flush(&mut connection).await.is_err() {
-                break 'read;
+            if connection.answers_are_many() {
+                let deadline = stall_deadline(&session);
+                match unless_stalled(pushes.flush(&mut connection), &mut shutdown, deadline).await {
+                    Some(Ok(())) => {}
+                    Some(Err(Closed)) | None => break 'read,
+                }
             }
             let Incoming { opcode, request_id, request } = match connection.next_request() {
                 Ok(Some(incoming)) => incoming,
@@ -136,7 +147,11 @@ where
             match answer {
                 Answer::Now(response) => connection.answer(&response, opcode, request_id),
                 Answer::Later { waits_for, answer } => {
-                    let Some(permit) = permits.acquire(waits_for).await else { break 'read };
+                    let deadline = stall_deadline(&session);
+                    let Some(Some(permit)) = unless_stalled(permits.acquire(waits_for), &mut shutdown, deadline).await
+                    else {
+                        break 'read;
+                    };
                     let outbox = connection.outbox().clone();
                     tokio::spawn(async move {
                         let response = answer.await;
@@ -147,7 +162,12 @@ where
                     });
                 }
                 Answer::Call(call) => {
-                    let Some(permit) = permits.acquire(WaitsFor::Other).await else { break 'read };
+                    let deadline = stall_deadline(&session);
+                    let Some(Some(permit)) =
+                        unless_stalled(permits.acquire(WaitsFor::Other), &mut shutdown, deadline).await
+                    else {
+                        break 'read;
+                    };
                     let reply_to = functions::ReplyTo { outbox: connection.outbox().clone(), opcode, request_id };
                     if let Some(response) = functions::call(&ctx, &session, call, reply_to, permit) {
                         connection.answer(&response, opcode, request_id);
@@ -160,7 +180,8 @@ where
         if gave_back {
             tokio::task::yield_now().await;
         }
-        if pushes.flush(&mut connection).await.is_err() {
+        let deadline = stall_deadline(&session);
+        if !matches!(unless_stalled(pushes.flush(&mut connection), &mut shutdown, deadline).await, Some(Ok(()))) {
             break;
         }
         // Silent too long, with nothing under way: closed (before HELLO, at the handshake
@@ -194,11 +215,28 @@ where
     }
     // Requests still waiting (a poll for a message, an offer for room) stop waiting.
     drop(reading);
-    let _ = pushes.flush(&mut connection).await;
+    let _ = tokio::time::timeout(grace, pushes.flush(&mut connection)).await;
     pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
     let _ = tokio::time::timeout(grace, permits.all_returned()).await;
     connection.close(grace).await;
+}
+
+/// `work`, unless the server shuts down or `deadline` passes first (`None` then): what holds a
+/// connection's loop for a client that does not read.
+async fn unless_stalled<T>(
+    work: impl Future<Output = T>,
+    shutdown: &mut watch::Receiver<bool>,
+    deadline: Option<tokio::time::Instant>,
+) -> Option<T> {
+    if *shutdown.borrow() {
+        return None;
+    }
+    tokio::select! {
+        done = work => Some(done),
+        _ = shutdown.changed() => None,
+        _ = crate::sleep_until_or_never(deadline) => None,
+    }
 }
 
 /// Answers one request (AUTH aside): at once, or with what it waits for. `arrived_ns`: when the
