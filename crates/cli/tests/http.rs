@@ -796,3 +796,43 @@ fn stalled_http_clients_take_a_bounded_number_of_connections() {
         other => Err(format!("{other}")),
     });
 }
+
+/// Slow clients do not shut the HTTP port: a request sent a byte at a time is cut off 10 s
+/// after its first byte (each byte used to restart the idle minute), and one address holds at
+/// most 64 connections, so that a probe from elsewhere, or once they end, is answered.
+#[test]
+fn slow_http_clients_are_cut_off_and_one_address_holds_at_most_64() {
+    use std::io::Read as _;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    let mut slow = TcpStream::connect(http).unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let started = std::time::Instant::now();
+    let mut cut = false;
+    slow.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+    while started.elapsed() < Duration::from_secs(20) {
+        let _ = slow.write_all(b"X");
+        let mut byte = [0u8; 1];
+        match slow.read(&mut byte) {
+            Ok(0) => {
+                cut = true;
+                break;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {}
+            _ => {
+                cut = true;
+                break;
+            }
+        }
+    }
+    assert!(cut && (9..15).contains(&started.elapsed().as_secs()), "cut after {:?}", started.elapsed());
+
+    let held: Vec<TcpStream> = (0..64).map(|_| TcpStream::connect(http).unwrap()).collect();
+    let mut one_more = TcpStream::connect(http).unwrap();
+    one_more.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut byte = [0u8; 1];
+    assert!(matches!(one_more.read(&mut byte), Ok(0) | Err(_)), "the 65th from one address is closed");
+    drop(held);
+    common::wait_until("room again", || get(http, "/healthz", None).0 == 200);
+}

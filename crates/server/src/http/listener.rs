@@ -3,6 +3,7 @@
 //! their own, so a slow one holds up nobody; finished connections reach axum through a bounded
 //! channel.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -28,6 +29,13 @@ const MAX_CONNECTIONS: usize = 512;
 /// A connection that moves no byte either way for this long is closed: one that stopped in the
 /// middle of a request, or a kept-alive one left idle.
 const IDLE: Duration = Duration::from_secs(60);
+/// A request is answered within this long of its first byte, or its connection is closed: a
+/// client that sends a request a byte at a time (each byte restarting `IDLE`) holds its place
+/// no longer. Every answer of this API comes at once; none waits.
+const REQUEST: Duration = Duration::from_secs(10);
+/// HTTP connections one address holds at most (handshakes included): one host's slow clients
+/// leave room for the others' (a probe, a scrape).
+const MAX_PER_ADDRESS: usize = 64;
 /// Connections accepted and not yet taken by axum.
 const ACCEPTED_QUEUE: usize = 64;
 
@@ -48,12 +56,15 @@ enum Stream {
 pub(super) struct HttpIo {
     stream: Stream,
     idle: Pin<Box<tokio::time::Sleep>>,
+    /// Since bytes came that no byte written has answered yet: `REQUEST` from then.
+    unanswered: Option<Pin<Box<tokio::time::Sleep>>>,
     _open: OwnedSemaphorePermit,
+    _address: AddressSlot,
 }
 
 impl HttpIo {
-    fn new(stream: Stream, open: OwnedSemaphorePermit) -> HttpIo {
-        HttpIo { stream, idle: Box::pin(tokio::time::sleep(IDLE)), _open: open }
+    fn new(stream: Stream, open: OwnedSemaphorePermit, address: AddressSlot) -> HttpIo {
+        HttpIo { stream, idle: Box::pin(tokio::time::sleep(IDLE)), unanswered: None, _open: open, _address: address }
     }
 
     /// `polled`, the stream's answer: a byte moved restarts the idle time; waiting past it is
@@ -74,6 +85,9 @@ impl HttpIo {
             Poll::Pending if self.idle.as_mut().poll(cx).is_ready() => {
                 Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "an HTTP connection idle too long")))
             }
+            Poll::Pending if self.unanswered.as_mut().is_some_and(|late| late.as_mut().poll(cx).is_ready()) => {
+                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "an HTTP request not complete in time")))
+            }
             other => other,
         }
     }
@@ -88,6 +102,9 @@ impl AsyncRead for HttpIo {
             Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         };
         let read = buf.filled().len() > before;
+        if read && this.unanswered.is_none() {
+            this.unanswered = Some(Box::pin(tokio::time::sleep(REQUEST)));
+        }
         this.watch(cx, polled, |_| read)
     }
 }
@@ -99,6 +116,9 @@ impl AsyncWrite for HttpIo {
             Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
             Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         };
+        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
+            this.unanswered = None; // answered (a TLS handshake's bytes went before it was made)
+        }
         this.watch(cx, polled, |&n| n > 0)
     }
 
@@ -119,6 +139,39 @@ impl AsyncWrite for HttpIo {
     }
 }
 
+/// An address's place among its `MAX_PER_ADDRESS` connections, given back when dropped.
+struct AddressSlot {
+    counts: Arc<std::sync::Mutex<HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl AddressSlot {
+    fn take(
+        counts: &Arc<std::sync::Mutex<HashMap<std::net::IpAddr, usize>>>,
+        ip: std::net::IpAddr,
+    ) -> Option<AddressSlot> {
+        let mut map = counts.lock().unwrap_or_else(|e| e.into_inner());
+        let count = map.entry(ip).or_insert(0);
+        if *count >= MAX_PER_ADDRESS {
+            return None;
+        }
+        *count += 1;
+        Some(AddressSlot { counts: Arc::clone(counts), ip })
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut map = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = map.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                map.remove(&self.ip);
+            }
+        }
+    }
+}
+
 pub(super) struct HttpListener {
     accepted: mpsc::Receiver<(HttpIo, Remote)>,
     local: SocketAddr,
@@ -131,6 +184,7 @@ impl HttpListener {
         let (tx, accepted) = mpsc::channel(ACCEPTED_QUEUE);
         let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
         let open_connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let per_address = Arc::new(std::sync::Mutex::new(HashMap::new()));
         tokio::spawn(async move {
             loop {
                 let (stream, addr) = tokio::select! {
@@ -145,12 +199,13 @@ impl HttpListener {
                     },
                     _ = stop.changed() => return,
                 };
+                let Some(address) = AddressSlot::take(&per_address, addr.ip()) else { continue };
                 let Ok(open_permit) = Arc::clone(&open_connections).try_acquire_owned() else { continue };
                 let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else { continue };
                 let (ctx, tx) = (Arc::clone(&ctx), tx.clone());
                 tokio::spawn(async move {
                     if let Some((stream, remote)) = open(stream, addr, &ctx).await {
-                        let _ = tx.send((HttpIo::new(stream, open_permit), remote)).await;
+                        let _ = tx.send((HttpIo::new(stream, open_permit, address), remote)).await;
                     }
                     drop(permit);
                 });
