@@ -642,12 +642,27 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
         drop(second);
     });
 
+    // segment_bytes set back as the server started with it needs no restart any more; the queue
+    // block still differs from the queue running.
+    std::fs::write(
+        &config,
+        "max_connections_per_address = 2\nmax_memory_bytes = 2000000\n\
+         [queues.orders]\nmax_items = 3\n[queues.cache]\ndurable = true\n[queues.fresh]\nttl_ms = 60000\n",
+    )
+    .unwrap();
+    hup();
+    eventually("the second reload is reported", || {
+        let r = reload()["reload"].clone();
+        if r["count"] == 2 { Ok(()) } else { Err(r.to_string()) }
+    });
+    assert_eq!(reload()["reload"]["needs_restart"], serde_json::json!(["queues.cache"]));
+
     // A file that does not parse changes nothing, and says why.
     std::fs::write(&config, "max_connections_per_address = \"many\"\n").unwrap();
     hup();
     eventually("the failed reload is reported", || {
         let r = reload()["reload"].clone();
-        if r["count"] == 2 { Ok(()) } else { Err(r.to_string()) }
+        if r["count"] == 3 { Ok(()) } else { Err(r.to_string()) }
     });
     let server_now = reload();
     assert!(server_now["reload"]["outcome"].as_str().unwrap().contains("max_connections_per_address"));

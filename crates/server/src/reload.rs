@@ -104,6 +104,9 @@ pub(crate) struct ReloadState {
     pub status: ReloadStatus,
     /// The file as last read: what the next reload compares with.
     file: Option<toml::Table>,
+    /// The file as the server started with it: what a key that needs a restart is compared
+    /// with (a key changed and then set back needs none).
+    started: Option<toml::Table>,
 }
 
 /// Reloads the configuration file while the server runs. Connections stay open; their next
@@ -176,7 +179,10 @@ impl Reloader {
         *ctx.tls.write().unwrap_or_else(|e| e.into_inner()) = tls;
         ctx.limits.set(&config);
         ctx.broker.set_max_memory_bytes(config.max_memory_bytes);
-        let before = ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).file.clone().unwrap_or_default();
+        let (before, started) = {
+            let state = ctx.reload.lock().unwrap_or_else(|e| e.into_inner());
+            (state.file.clone().unwrap_or_default(), state.started.clone().unwrap_or_default())
+        };
         let mut summary = ReloadSummary::default();
         let queue_key = |name: &String| format!("queues.{name}");
         // Queues waiting for a restart are listed until it comes, changed by this file or an earlier one.
@@ -196,7 +202,13 @@ impl Reloader {
                 }
             } else if live {
                 summary.applied.push(key);
-            } else {
+            }
+        }
+        // Keys that need a restart: those that differ from the file the server started with,
+        // listed by every reload until the restart comes.
+        for key in changed_keys(&started, &table) {
+            let table_name = key.split_once('.').map_or(key.as_str(), |(t, _)| t);
+            if table_name != "queues" && !LIVE_KEYS.contains(&key.as_str()) && !LIVE_TABLES.contains(&table_name) {
                 summary.needs_restart.push(key);
             }
         }
@@ -209,7 +221,9 @@ impl Reloader {
     pub(crate) fn remember_file(&self) {
         let Some(path) = &self.path else { return };
         let table = std::fs::read_to_string(path).ok().and_then(|text| toml::from_str::<toml::Table>(&text).ok());
-        self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).file = table;
+        let mut state = self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner());
+        state.started = table.clone();
+        state.file = table;
     }
 }
 
