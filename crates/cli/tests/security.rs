@@ -317,6 +317,14 @@ async fn unauthenticated_wrong_passwords_rate_limits_and_plaintext() {
     // Four attempts a minute from this address: the fifth is refused without a check.
     let limited = login(&server, "pax").await.unwrap_err();
     assert!(limited.to_string().contains("too many"), "{limited}");
+    // HTTP says it as a limit: 429.
+    let mut http = std::net::TcpStream::connect(&server.http).unwrap();
+    http.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // (base64 of "pax:ph$54")
+    http.write_all(b"GET /api/v1/server HTTP/1.1\r\nHost: localhost\r\nAuthorization: Basic cGF4OnBoJDU0\r\nConnection: close\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    let _ = http.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
 
     // Without allow_plaintext_auth, a password is refused outside TLS even on loopback.
     drop(server);
@@ -351,9 +359,15 @@ async fn tls_required_and_mutual_tls_names_the_user() {
         p("ca.pem")
     ));
     let server = setup.start();
-    // Plaintext: refused with a reason.
+    // Plaintext: refused with a reason (on the HTTP port, in HTTP).
     let plain = Client::connect(server.addr.as_str()).await;
     assert!(plain.is_err(), "plaintext is refused");
+    let mut http = std::net::TcpStream::connect(&server.http).unwrap();
+    http.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    http.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    let _ = http.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 403") && answer.contains("requires TLS"), "{answer:?}");
     let tls = TlsOptions { ca: certs.join("ca.pem"), server_name: Some("localhost".into()), ..TlsOptions::default() };
     let options = |user: Option<&str>, tls: TlsOptions| ClientOptions {
         user: user.map(str::to_owned),

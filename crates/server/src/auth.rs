@@ -121,6 +121,9 @@ pub(crate) struct Authenticated {
     pub _held: UserConnection,
 }
 
+/// The refusal of a login past `auth_attempts_per_minute` (HTTP answers it `429`).
+pub(crate) const RATE_LIMITED: &str = "too many authentication attempts from this address; try again in a minute";
+
 /// Checks `user`/`password` for the connection `conn` from `peer`. `Err` is the reason to give
 /// the client; failures are counted, rate-limited per address, and answered after a delay.
 pub(crate) async fn with_password(
@@ -139,7 +142,7 @@ pub(crate) async fn with_password(
     }
     if !ctx.auth_attempts.admit(peer.addr.map(|a| a.ip()), settings.auth_attempts_per_minute) {
         add(&ctx.stats.auth_rate_limited, 1);
-        return Err("too many authentication attempts from this address; try again in a minute".into());
+        return Err(RATE_LIMITED.into());
     }
     let (name, known) = (user.clone(), security.users.get(&user).is_some());
     let verified = tokio::task::spawn_blocking(move || security.users.verify(&name, &password)).await;

@@ -239,6 +239,14 @@ async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(Stream,
     }
     if ctx.config.security.require_tls {
         stats::add(&ctx.stats.tls_refused, 1);
+        // Said in HTTP, as the other ports say it in their protocols, then closed.
+        let mut stream = stream;
+        let reason = "this server requires TLS: use https://\n";
+        let answer = format!(
+            "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reason}",
+            reason.len()
+        );
+        let _ = tokio::time::timeout(limit, tokio::io::AsyncWriteExt::write_all(&mut stream, answer.as_bytes())).await;
         return None;
     }
     Some((Stream::Plain(stream), Remote { addr, tls: false }))

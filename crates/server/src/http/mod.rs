@@ -196,6 +196,7 @@ async fn authenticate(
             );
             Ok(Some(authenticated.principal.clone()))
         }
+        Err(reason) if reason == auth::RATE_LIMITED => Err(refusal(StatusCode::TOO_MANY_REQUESTS, &reason)),
         Err(reason) => Err(ask(&reason)),
     }
 }
