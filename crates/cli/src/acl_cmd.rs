@@ -72,7 +72,9 @@ pub fn acl(cmd: AclCommand) -> Res {
                         None => (acl.allows(&user, kind, &name, action), format!("the default for a {kind}")),
                     },
                 };
-                println!("{:<10} {:<8} ({why})", action.to_string(), if allowed { "allowed" } else { "denied" });
+                // The verb alone ("offer", not the sentence's "offer to"), as the docs list them.
+                let verb = action.to_string().trim_end_matches(" to").to_owned();
+                println!("{verb:<10} {:<8} ({why})", if allowed { "allowed" } else { "denied" });
             }
             let manage = matches!(role, None | Some(Role::Admin));
             println!("{:<10} {:<8} (admins only)", "manage", if manage { "allowed" } else { "denied" });
