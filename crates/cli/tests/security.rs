@@ -708,7 +708,10 @@ access = "poll"
         String::from_utf8(out.stdout).unwrap()
     };
     let tom = check("tom", "queue", "orders.eu");
-    assert!(tom.starts_with("offer      denied   (") && tom.contains("\npoll       allowed  ("), "as the docs show: {tom}");
+    assert!(
+        tom.starts_with("offer      denied   (") && tom.contains("\npoll       allowed  ("),
+        "as the docs show: {tom}"
+    );
     assert!(tom.lines().nth(1).unwrap().contains("allowed") && tom.contains("an ACL entry"), "{tom}");
     assert!(tom.contains("manage") && tom.lines().nth(2).unwrap().contains("denied"), "{tom}");
     let other = check("tom", "queue", "jobs");
