@@ -187,7 +187,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         tokio::pin!(write);
         let ok = tokio::select! {
             written = &mut write => written.is_ok(),
-            _ = crate::sleep_until_or_never(stall.map(|d| tokio::time::Instant::now() + d)) => false,
+            _ = crate::sleep_until_or_never(stall.map(|d| tokio::time::Instant::now() + d)) => {
+                add(&self.ctx.stats.idle_closed, 1); // closed for silence, as the loop closes it
+                false
+            }
             _ = self.shutdown.changed() => tokio::time::timeout(grace, &mut write).await.is_ok_and(|w| w.is_ok()),
         };
         add(&self.ctx.stats.bytes_written, self.out.len() as u64);

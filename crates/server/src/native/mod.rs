@@ -126,7 +126,7 @@ where
         loop {
             if connection.answers_are_many() {
                 let deadline = stall_deadline(&session);
-                match unless_stalled(pushes.flush(&mut connection), &mut shutdown, deadline).await {
+                match unless_stalled(&ctx, pushes.flush(&mut connection), &mut shutdown, deadline).await {
                     Some(Ok(())) => {}
                     Some(Err(Closed)) | None => break 'read,
                 }
@@ -148,7 +148,8 @@ where
                 Answer::Now(response) => connection.answer(&response, opcode, request_id),
                 Answer::Later { waits_for, answer } => {
                     let deadline = stall_deadline(&session);
-                    let Some(Some(permit)) = unless_stalled(permits.acquire(waits_for), &mut shutdown, deadline).await
+                    let Some(Some(permit)) =
+                        unless_stalled(&ctx, permits.acquire(waits_for), &mut shutdown, deadline).await
                     else {
                         break 'read;
                     };
@@ -164,7 +165,7 @@ where
                 Answer::Call(call) => {
                     let deadline = stall_deadline(&session);
                     let Some(Some(permit)) =
-                        unless_stalled(permits.acquire(WaitsFor::Other), &mut shutdown, deadline).await
+                        unless_stalled(&ctx, permits.acquire(WaitsFor::Other), &mut shutdown, deadline).await
                     else {
                         break 'read;
                     };
@@ -181,7 +182,7 @@ where
             tokio::task::yield_now().await;
         }
         let deadline = stall_deadline(&session);
-        if !matches!(unless_stalled(pushes.flush(&mut connection), &mut shutdown, deadline).await, Some(Ok(()))) {
+        if !matches!(unless_stalled(&ctx, pushes.flush(&mut connection), &mut shutdown, deadline).await, Some(Ok(()))) {
             break;
         }
         // Silent too long, with nothing under way: closed (before HELLO, at the handshake
@@ -225,6 +226,7 @@ where
 /// `work`, unless the server shuts down or `deadline` passes first (`None` then): what holds a
 /// connection's loop for a client that does not read.
 async fn unless_stalled<T>(
+    ctx: &Ctx,
     work: impl Future<Output = T>,
     shutdown: &mut watch::Receiver<bool>,
     deadline: Option<tokio::time::Instant>,
@@ -235,7 +237,11 @@ async fn unless_stalled<T>(
     tokio::select! {
         done = work => Some(done),
         _ = shutdown.changed() => None,
-        _ = crate::sleep_until_or_never(deadline) => None,
+        _ = crate::sleep_until_or_never(deadline) => {
+            // Closed for silence as the connection's loop closes it (`idle_closed`).
+            crate::stats::add(&ctx.stats.idle_closed, 1);
+            None
+        }
     }
 }
 
