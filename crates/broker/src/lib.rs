@@ -507,7 +507,7 @@ impl Broker {
             let config = match configured.queues.get(&def.name) {
                 Some(configured) if *configured != def.config => {
                     tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
-                    if def.config.durable && !configured.durable && holds_a_log(dir) {
+                    if def.config.durable && !configured.durable && petrel_log::verify::holds_segments(dir) {
                         tracing::warn!(queue = %def.name, "the configuration file makes this durable queue one in memory: its log stays on disk, unread, and its messages out of reach until the queue is durable again");
                     }
                     broker.save_definition(&def.name, configured)?;
@@ -1609,12 +1609,6 @@ fn remove_dir(parent: &Path, name: &str) -> Result<(), BrokerError> {
     let _ = std::fs::remove_dir_all(&doomed); // a leftover of an earlier removal
     std::fs::rename(&dir, &doomed).map_err(failed)?;
     std::fs::remove_dir_all(&doomed).map_err(failed)
-}
-
-/// Whether the queue directory `dir` holds segment files (a durable queue's log).
-fn holds_a_log(dir: &Path) -> bool {
-    std::fs::read_dir(dir)
-        .is_ok_and(|entries| entries.flatten().any(|e| e.path().extension().is_some_and(|x| x == "log")))
 }
 
 /// A path as errors show it to clients: its last components (`queues/NAME/FILE`), not where the

@@ -65,6 +65,11 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     Ok(Reader::new(LogState::new(dir.to_path_buf(), options, segments, scan.next_offset, cursors)))
 }
 
+/// Whether `dir` holds segment files: a log's records (an unreadable directory holds none).
+pub fn holds_segments(dir: impl AsRef<Path>) -> bool {
+    crate::directory::list_segments(dir.as_ref(), false).is_ok_and(|(bases, _)| !bases.is_empty())
+}
+
 /// The consumer groups of the log in `dir`, read from their cursor files (no lock taken).
 pub fn list_groups(dir: impl AsRef<Path>) -> Result<Vec<crate::GroupInfo>> {
     Ok(crate::group::load_all(dir.as_ref())?

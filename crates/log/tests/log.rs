@@ -923,3 +923,15 @@ fn a_reader_waiting_in_a_replaced_segment_reads_on_after_its_successors_came() {
     }
     assert_eq!(expected, 3000);
 }
+
+#[test]
+fn a_directory_holds_segments_once_a_log_writes_one() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(!verify::holds_segments(dir.path()), "empty");
+    std::fs::write(dir.path().join("notes.log.txt"), b"x").unwrap();
+    assert!(!verify::holds_segments(dir.path()), "not a segment's name");
+    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    log.append(b"r").unwrap();
+    assert!(verify::holds_segments(dir.path()));
+    assert!(!verify::holds_segments(dir.path().join("missing")));
+}

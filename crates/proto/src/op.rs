@@ -1225,7 +1225,9 @@ impl Response {
 
 #[cfg(test)]
 mod tests {
-    use super::QueueConfig;
+    use bytes::Bytes;
+
+    use super::{QueueConfig, Request, opcode};
 
     #[test]
     fn each_kestrel_name_sets_the_setting_it_is_said_to() {
@@ -1243,13 +1245,6 @@ mod tests {
         }
         assert_eq!(QueueConfig::setting_name("max_items"), "max_items");
     }
-}
-
-#[cfg(test)]
-mod abort_tests {
-    use bytes::Bytes;
-
-    use super::{Request, opcode};
 
     #[test]
     fn an_abort_s_optional_fields_have_one_encoding_each() {

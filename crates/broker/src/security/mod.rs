@@ -262,7 +262,8 @@ pub struct Security {
 impl Security {
     /// Whether `user` has the same rights under `other` as under these rules: the same entry in
     /// the users file (role and password), the same defaults, and the same ACL entries naming
-    /// it or every user. A reload closes the connections of users for whom it is not so.
+    /// it or every user. A reload tells the connections of users for whom it is not so, which
+    /// end if their user is gone or they hold a subscription or serve a function.
     pub fn same_rights(&self, other: &Security, user: &str) -> bool {
         let theirs =
             |acl: &Acl| acl.entries.iter().filter(|e| e.user == "*" || e.user == user).cloned().collect::<Vec<_>>();
