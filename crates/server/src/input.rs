@@ -51,8 +51,7 @@ impl Input {
                 }
             }
             _ => {
-                // The large request was taken (its message, if kept, counts in the budget now).
-                self.held = None;
+                self.taken();
                 let want = request.unwrap_or(0).max(self.buf.len() + self.read_size);
                 if self.buf.is_empty() && self.buf.capacity() > 2 * self.read_size {
                     // Quiet again after a burst: give the large buffer back.
@@ -64,6 +63,13 @@ impl Input {
         }
         self.room = self.buf.capacity() - self.buf.len();
         Ok(())
+    }
+
+    /// The request at the front of the buffer was taken whole: the budget's bytes for it go
+    /// back before it is handled, so its answer never reaches a client ahead of them (a
+    /// message kept from it counts in the budget on its own).
+    pub(crate) fn taken(&mut self) {
+        self.held = None;
     }
 
     /// A read brought `n` bytes.

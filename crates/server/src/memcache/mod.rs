@@ -99,6 +99,7 @@ where
     let mut rights = s.connection.entry().rights();
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input.buf) {
+            s.input.taken();
             let flow = match request {
                 Ok(command) => s.execute(command).await,
                 Err(reject) => {

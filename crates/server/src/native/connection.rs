@@ -172,6 +172,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                     return Err(Closed);
                 }
             };
+            self.input.taken();
             self.entry.request();
             self.ctx.stats.native_request(f.opcode);
             let refused = match f.kind {
