@@ -18,7 +18,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::completions::{Completions, Inner, outcome, outcome_with};
 use crate::functions::{AsyncCalls, IncomingCall};
 use crate::subscription::{AsyncSubscriptionCore, Subscription, start_from};
-use crate::{ClosedError, ConnectionError, ServerError};
+use crate::{ClosedError, ConnectionError, ServerError, TooLargeError};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Message>()?;
@@ -82,9 +82,24 @@ pub(crate) fn stop_at_exit(serving: Stoppable) {
     all.push(serving);
 }
 
+/// The Python exception for `e`. The server's refusals carry their status's name as `status`
+/// (`"QUEUE_FULL"`), for code that handles one of them; `TOO_LARGE` is a `TooLargeError`, as an
+/// embedded log's record too large is.
 pub(crate) fn client_error(e: petrel_client::ClientError) -> PyErr {
     match &e {
-        petrel_client::ClientError::Status { .. } => ServerError::new_err(e.to_string()),
+        petrel_client::ClientError::Status { status, .. } => {
+            let (text, status) = (e.to_string(), *status);
+            Python::attach(|py| {
+                let err = match status {
+                    petrel_client::Status::TooLarge => TooLargeError::new_err(text),
+                    _ => ServerError::new_err(text),
+                };
+                match err.value(py).setattr("status", status.name()) {
+                    Ok(()) => err,
+                    Err(failed) => failed,
+                }
+            })
+        }
         petrel_client::ClientError::Closed => ClosedError::new_err(e.to_string()),
         _ => ConnectionError::new_err(e.to_string()),
     }
@@ -123,6 +138,15 @@ impl Connect {
     }
 }
 
+/// The messages of an `offer_many`: at least one (an offer of none would store nothing and
+/// still be answered with an id).
+pub(crate) fn messages_of(payloads: Vec<PyBackedBytes>) -> PyResult<Vec<petrel_client::Message>> {
+    if payloads.is_empty() {
+        return Err(PyValueError::new_err("offer_many: no payloads to offer"));
+    }
+    Ok(payloads.into_iter().map(message_of).collect())
+}
+
 /// A message of `payload`, kept (not copied) until written.
 pub(crate) fn message_of(payload: PyBackedBytes) -> petrel_client::Message {
     petrel_client::Message::new(bytes::Bytes::from_owner(payload))
@@ -132,11 +156,18 @@ pub(crate) fn message_of(payload: PyBackedBytes) -> petrel_client::Message {
 /// (seconds) or a time to be handed out at (seconds since the epoch, as `time.time()`).
 pub(crate) fn offered(
     payload: PyBackedBytes,
-    priority: u8,
+    priority: i64,
     key: Option<String>,
     delay: Option<f64>,
     deliver_at: Option<f64>,
 ) -> PyResult<petrel_client::Message> {
+    // Taken as any int, so that a wrong one is a ValueError that says why (not OverflowError).
+    let priority = u8::try_from(priority).map_err(|_| {
+        PyValueError::new_err(format!("priority {priority}: 0 to 255 (a queue of N levels files higher ones at N - 1)"))
+    })?;
+    if delay.is_some() && deliver_at.is_some() {
+        return Err(PyValueError::new_err("give delay or deliver_at, not both"));
+    }
     let delay_ms = millis(delay, "delay")?;
     let delay_ms = u32::try_from(delay_ms).map_err(|_| PyValueError::new_err("delay: at most 49 days"))?;
     let deliver_at = match deliver_at {
@@ -425,7 +456,7 @@ impl Client {
         queue: &str,
         payload: PyBackedBytes,
         timeout: Option<f64>,
-        priority: u8,
+        priority: i64,
         key: Option<String>,
         delay: Option<f64>,
         deliver_at: Option<f64>,
@@ -443,7 +474,7 @@ impl Client {
         payloads: Vec<PyBackedBytes>,
         timeout: Option<f64>,
     ) -> PyResult<u64> {
-        let messages = payloads.into_iter().map(message_of).collect();
+        let messages = messages_of(payloads)?;
         self.wait(py, self.inner.offer(queue, messages, crate::timeout_from(timeout)))
     }
 
@@ -735,7 +766,7 @@ impl AsyncCore {
         queue: String,
         payload: PyBackedBytes,
         timeout: Option<f64>,
-        priority: u8,
+        priority: i64,
         key: Option<String>,
         delay: Option<f64>,
         deliver_at: Option<f64>,
@@ -746,10 +777,11 @@ impl AsyncCore {
     }
 
     #[pyo3(signature = (token, queue, payloads, timeout = None))]
-    fn offer_many(&self, token: u64, queue: String, payloads: Vec<PyBackedBytes>, timeout: Option<f64>) {
-        let messages: Vec<_> = payloads.into_iter().map(message_of).collect();
+    fn offer_many(&self, token: u64, queue: String, payloads: Vec<PyBackedBytes>, timeout: Option<f64>) -> PyResult<()> {
+        let messages = messages_of(payloads)?;
         let timeout = crate::timeout_from(timeout);
         self.run(token, |c| async move { c.offer(&queue, messages, timeout).await });
+        Ok(())
     }
 
     /// One server-side poll waiting up to `wait` seconds (at most about a second: the Python

@@ -16,7 +16,7 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
 use crate::client::{
-    Message, QueueOptions, Stoppable, client_error, connect_options, message_of, millis, offered, outgoing,
+    Message, QueueOptions, Stoppable, client_error, connect_options, messages_of, millis, offered, outgoing,
     poll_in_waits, poll_options, queue_config, runtime,
 };
 use crate::subscription::{Next, wait_for_next};
@@ -194,7 +194,7 @@ impl Cluster {
         payload: PyBackedBytes,
         timeout: Option<f64>,
         route: Option<Route>,
-        priority: u8,
+        priority: i64,
         key: Option<String>,
         delay: Option<f64>,
         deliver_at: Option<f64>,
@@ -214,7 +214,7 @@ impl Cluster {
         timeout: Option<f64>,
         route: Option<Route>,
     ) -> PyResult<(String, u64)> {
-        let messages = payloads.into_iter().map(message_of).collect();
+        let messages = messages_of(payloads)?;
         self.offer_messages(py, queue, messages, timeout, route)
     }
 

@@ -58,6 +58,9 @@ fn _petrel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("ServerError", py.get_type::<ServerError>())?;
     m.add("ConnectionError", py.get_type::<ConnectionError>())?;
+    // The server's status name on its refusals (`client::client_error`); none on the others.
+    py.get_type::<ServerError>().setattr("status", py.None())?;
+    py.get_type::<TooLargeError>().setattr("status", py.None())?;
     embedded::register(m)?;
     client::register(m)?;
     cluster::register(m)?;

@@ -85,8 +85,33 @@ def test_delays_priorities_and_a_redelivery_delay_from_python(server):
 
 def test_errors_name_what_went_wrong(server):
     with petrel.Client(server) as c:
-        with pytest.raises(petrel.ServerError, match="QUEUE_NOT_FOUND"):
+        with pytest.raises(petrel.ServerError, match="QUEUE_NOT_FOUND") as refused:
             c.offer("nowhere", b"x")
+        assert refused.value.status == "QUEUE_NOT_FOUND", "the status, for code that handles one"
+        c.create_queue("errors", durable=True)
+        # Larger than the server's max_message_bytes (16 MiB): the embedded log's error too.
+        with pytest.raises(petrel.TooLargeError, match="TOO_LARGE") as too_large:
+            c.offer("errors", bytes(17 << 20))
+        assert too_large.value.status == "TOO_LARGE"
+        # Arguments the client cannot send are refused here, saying why.
+        with pytest.raises(ValueError, match="no payloads"):
+            c.offer_many("errors", [])
+        with pytest.raises(ValueError, match="not both"):
+            c.offer("errors", b"x", delay=5, deliver_at=1)
+        for priority in (-1, 256):
+            with pytest.raises(ValueError, match=f"priority {priority}: 0 to 255"):
+                c.offer("errors", b"x", priority=priority)
+        assert c.poll("errors") is None, "nothing refused was stored"
+
+    async def asynchronously():
+        async with petrel.AsyncClient(server) as a:
+            with pytest.raises(ValueError, match="no payloads"):
+                await a.offer_many("errors", [])
+            with pytest.raises(petrel.ServerError) as refused:
+                await a.poll("nowhere")
+            return refused.value.status
+
+    assert asyncio.run(asynchronously()) == "QUEUE_NOT_FOUND"
     with pytest.raises(petrel.ConnectionError):
         petrel.Client("127.0.0.1:1")
 
