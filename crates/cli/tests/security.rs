@@ -393,6 +393,34 @@ async fn tls_required_and_mutual_tls_names_the_user() {
     assert!(matches!(e, ClientError::Tls(_)), "{e}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_client_refused_past_the_connection_limit_reads_why() {
+    // It was answered in plaintext, which a TLS client cannot read: "corrupt message".
+    let setup = Setup::new("");
+    let certs = setup.dir.path().join("certs");
+    cert_dev(&certs, "jak");
+    let p = |f: &str| certs.join(f).to_str().unwrap().to_owned();
+    let text = format!(
+        "max_connections_per_address = 2\n[security]\ntls_cert = {:?}\ntls_key = {:?}\n",
+        p("server.pem"),
+        p("server.key")
+    );
+    std::fs::write(&setup.config, text).unwrap();
+    let server = setup.start();
+    let tls = TlsOptions { ca: certs.join("ca.pem"), server_name: Some("localhost".into()), ..TlsOptions::default() };
+    let options = ClientOptions { tls: Some(tls), ..ClientOptions::default() };
+    let _held = [
+        Client::connect_with(&server.addr, &options).await.unwrap(),
+        Client::connect_with(&server.addr, &options).await.unwrap(),
+    ];
+    let refused = Client::connect_with(&server.addr, &options).await.unwrap_err();
+    assert_eq!(refused.status(), Some(Status::LimitReached), "{refused}");
+    assert!(refused.to_string().contains("max_connections_per_address"), "{refused}");
+    // A plaintext client beside it is still answered in plaintext.
+    let plain = Client::connect(server.addr.as_str()).await.unwrap_err();
+    assert_eq!(plain.status(), Some(Status::LimitReached), "{plain}");
+}
+
 /// One memcache exchange on a raw socket: sends `request`, returns the first line of the answer.
 fn exchange(stream: &mut std::net::TcpStream, request: &str) -> String {
     stream.write_all(request.as_bytes()).unwrap();

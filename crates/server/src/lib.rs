@@ -344,7 +344,8 @@ impl Server {
                     stats::add(&ctx.stats.connections_refused, 1);
                     tracing::debug!(%peer, reason, "connection refused");
                     if refusals.len() < MAX_REFUSALS_UNDER_WAY {
-                        refusals.spawn(refuse(stream, protocol, petrel_proto::Status::LimitReached, reason));
+                        let refusal = refuse(stream, ctx.tls(), protocol, petrel_proto::Status::LimitReached, reason);
+                        refusals.spawn(refusal);
                     }
                 }
             }
@@ -441,7 +442,7 @@ async fn open(
     if ctx.config.security.require_tls {
         stats::add(&ctx.stats.tls_refused, 1);
         let reason = "this server requires TLS".to_owned();
-        return refuse(stream, protocol, petrel_proto::Status::Unauthorized, reason).await;
+        return refuse(stream, None, protocol, petrel_proto::Status::Unauthorized, reason).await;
     }
     let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
     match protocol {
@@ -450,21 +451,54 @@ async fn open(
     }
 }
 
-/// Tells a plaintext client, in its own protocol, why it is not served; then closes. Takes a
-/// second at most.
-async fn refuse(mut stream: TcpStream, protocol: Protocol, status: petrel_proto::Status, reason: String) {
-    use tokio::io::AsyncWriteExt;
+/// Tells a client, in its own protocol, why it is not served; then closes. A client that opens
+/// with a TLS handshake (and the server has TLS) is answered inside TLS, the only way it can
+/// read the reason. Takes a few seconds at most; the refusals under way are bounded
+/// (`MAX_REFUSALS_UNDER_WAY`), and so are the handshakes they make.
+async fn refuse(
+    stream: TcpStream,
+    tls: Option<Arc<tls::Tls>>,
+    protocol: Protocol,
+    status: petrel_proto::Status,
+    reason: String,
+) {
+    const PATIENCE: Duration = Duration::from_secs(2);
+    let mut first = [0u8; 1];
+    if let Some(tls) = tls
+        && let Ok(Ok(1)) = tokio::time::timeout(PATIENCE, stream.peek(&mut first)).await
+        && first[0] == tls::HANDSHAKE_RECORD
+    {
+        if let Ok(Ok(stream)) = tokio::time::timeout(PATIENCE, tls.acceptor.accept(stream)).await {
+            answer_refusal(stream, protocol, status, reason).await;
+        }
+        return;
+    }
+    answer_refusal(stream, protocol, status, reason).await;
+}
+
+/// `refuse`'s answer: to whatever came first (a HELLO, for any client that follows the
+/// protocol), or a memcache error line.
+async fn answer_refusal<S>(mut stream: S, protocol: Protocol, status: petrel_proto::Status, reason: String)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut out = Vec::new();
     match protocol {
-        // The answer to whatever came first (a HELLO, for any client that follows the protocol).
         Protocol::Native => {
             let mut head = [0u8; 16];
-            let n =
-                tokio::time::timeout(Duration::from_secs(1), stream.peek(&mut head)).await.ok().and_then(|r| r.ok());
-            let (opcode, request_id) = match n {
-                Some(16) => {
-                    (u16::from_be_bytes([head[6], head[7]]), u64::from_be_bytes(head[8..16].try_into().unwrap()))
+            let mut got = 0;
+            let read_head = async {
+                while got < head.len() {
+                    match stream.read(&mut head[got..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => got += n,
+                    }
                 }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(1), read_head).await;
+            let (opcode, request_id) = match got {
+                16 => (u16::from_be_bytes([head[6], head[7]]), u64::from_be_bytes(head[8..16].try_into().unwrap())),
                 _ => (petrel_proto::opcode::HELLO, 0),
             };
             petrel_proto::Response::error(status, reason).encode(opcode, request_id, &mut out);
@@ -472,7 +506,12 @@ async fn refuse(mut stream: TcpStream, protocol: Protocol, status: petrel_proto:
         Protocol::Memcache => out.extend_from_slice(format!("SERVER_ERROR {reason}\r\n").as_bytes()),
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), stream.write_all(&out)).await;
-    let _ = stream.shutdown().await;
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.shutdown()).await;
+    // Until the client closes: closed with its bytes unread, the socket would be reset, and a
+    // reset can discard the answer before the client reads it.
+    let mut rest = [0u8; 1024];
+    let drain = async { while matches!(stream.read(&mut rest).await, Ok(n) if n > 0) {} };
+    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
 }
 
 async fn accept_unix(listener: Option<&UnixListener>) -> std::io::Result<tokio::net::UnixStream> {
