@@ -777,7 +777,13 @@ impl AsyncCore {
     }
 
     #[pyo3(signature = (token, queue, payloads, timeout = None))]
-    fn offer_many(&self, token: u64, queue: String, payloads: Vec<PyBackedBytes>, timeout: Option<f64>) -> PyResult<()> {
+    fn offer_many(
+        &self,
+        token: u64,
+        queue: String,
+        payloads: Vec<PyBackedBytes>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
         let messages = messages_of(payloads)?;
         let timeout = crate::timeout_from(timeout);
         self.run(token, |c| async move { c.offer(&queue, messages, timeout).await });

@@ -141,7 +141,8 @@ impl Subscription {
     /// loop). Unacknowledged messages of a group come again to its next subscriber.
     fn unsubscribe(&self, py: Python<'_>) -> PyResult<()> {
         match py.detach(|| runtime().block_on(self.client.unsubscribe(self.id))) {
-            Ok(()) | Err(petrel_client::ClientError::Closed) => Ok(()),
+            Ok(()) => Ok(()),
+            Err(e) if e.is_connection_lost() => Ok(()),
             Err(e) => Err(client_error(e)),
         }
     }
@@ -236,7 +237,8 @@ impl AsyncSubscriptionCore {
         let (client, id) = (self.client.clone(), self.id);
         self.completions.spawn(token, async move {
             outcome(match client.unsubscribe(id).await {
-                Ok(()) | Err(petrel_client::ClientError::Closed) => Ok(()),
+                Ok(()) => Ok(()),
+                Err(e) if e.is_connection_lost() => Ok(()),
                 Err(e) => Err(client_error(e)),
             })
         });

@@ -388,9 +388,14 @@ async fn tls_required_and_mutual_tls_names_the_user() {
     // The wrong CA: the handshake fails.
     let other = setup.dir.path().join("other");
     cert_dev(&other, "x");
-    let wrong = TlsOptions { ca: other.join("ca.pem"), ..tls };
+    let wrong = TlsOptions { ca: other.join("ca.pem"), ..tls.clone() };
     let e = Client::connect_with(&server.addr, &options(None, wrong)).await.unwrap_err();
     assert!(matches!(e, ClientError::Tls(_)), "{e}");
+    // A client certificate the server does not trust: a TLS error that says so (it was "closed
+    // the connection at HELLO: it does not speak the Petrel protocol").
+    let untrusted = TlsOptions { cert: Some(other.join("client.pem")), key: Some(other.join("client.key")), ..tls };
+    let e = Client::connect_with(&server.addr, &options(None, untrusted)).await.unwrap_err();
+    assert!(matches!(e, ClientError::Tls(_)) && e.to_string().contains("tls_client_ca"), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

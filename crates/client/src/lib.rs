@@ -423,6 +423,16 @@ impl Client {
             Ok(Err(ClientError::Closed | ClientError::Protocol(_))) => {
                 Err(not_petrel("closed the connection at HELLO"))
             }
+            // TLS 1.3 checks a client certificate after the client's side of the handshake is
+            // done: a refusal arrives as an alert on the first read, the HELLO's answer.
+            Ok(Err(ClientError::Io(e)))
+                if e.kind() == std::io::ErrorKind::InvalidData
+                    && options.tls.as_ref().is_some_and(|tls| tls.cert.is_some()) =>
+            {
+                Err(ClientError::Tls(format!(
+                    "{addr} ended the connection ({e}): does it trust the client certificate's CA (its tls_client_ca)?"
+                )))
+            }
             Ok(Err(e)) => Err(e),
             Ok(Ok(())) => Ok(client),
         }
@@ -948,8 +958,19 @@ async fn read_responses<R: AsyncRead + Unpin>(
             buf.reserve(len - buf.len());
         }
         match rd.read_buf(&mut buf).await {
-            Ok(0) | Err(_) => break,
+            Ok(0) => break,
             Ok(_) => {}
+            Err(e) => {
+                // Why, for whoever waits: a TLS alert (a client certificate the server refused)
+                // or a reset says more than "closed".
+                let (kind, why) = (e.kind(), e.to_string());
+                pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .close(|| std::io::Error::new(kind, why.clone()).into());
+                room.notify_waiters();
+                return;
+            }
         }
     }
     pending.lock().unwrap_or_else(|e| e.into_inner()).close(|| ClientError::Closed);
