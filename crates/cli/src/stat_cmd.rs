@@ -279,9 +279,20 @@ pub fn stat(args: StatArgs) -> Res {
 }
 
 fn queue_json(s: &Sample, rates: Option<(f64, f64)>) -> Value {
-    let st = &s.stats;
-    let mut q = json!({
-        "name": s.name,
+    let mut q = queue_figures(&s.name, &s.stats);
+    if let Some((offered, delivered)) = rates {
+        q["offered_per_sec"] = json!(offered);
+        q["delivered_per_sec"] = json!(delivered);
+    }
+    q
+}
+
+/// A queue's figures as `petrel queue status` and `stat --json` print them: named as the HTTP
+/// API's `/api/v1/queues/NAME` names them (`docs/http.md`), one vocabulary wherever a user looks.
+pub(crate) fn queue_figures(name: &str, st: &QueueStats) -> Value {
+    json!({
+        "name": name,
+        "config": st.config,
         "messages": st.items,
         "bytes": st.bytes,
         "open_reads": st.in_flight,
@@ -290,13 +301,15 @@ fn queue_json(s: &Sample, rates: Option<(f64, f64)>) -> Value {
         "delivered": st.total_polled,
         "expired": st.expired,
         "dropped": st.dropped,
+        "aborted": st.aborted,
+        "acked": st.acked,
+        "dead_lettered": st.dead_lettered,
+        "deduplicated": st.deduplicated,
+        "dedup_keys": st.dedup_keys,
         "delayed": st.delayed,
-    });
-    if let Some((offered, delivered)) = rates {
-        q["offered_per_sec"] = json!(offered);
-        q["delivered_per_sec"] = json!(delivered);
-    }
-    q
+        "durability_in_force": st.durability_in_force,
+        "max_bytes_in_force": st.max_bytes_in_force,
+    })
 }
 
 fn topic_json(t: &TopicSample, published_per_sec: Option<f64>) -> Value {

@@ -90,13 +90,13 @@ impl Target {
     /// as `{"error": …}`).
     pub fn queue_status(&self, name: &str) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
         Ok(match self {
-            Target::One(c) => serde_json::to_value(c.queue_status(name)?)?,
+            Target::One(c) => crate::stat_cmd::queue_figures(name, &c.queue_status(name)?),
             Target::Many(c) => {
                 let mut each = serde_json::Map::new();
                 let mut first_error = None;
                 for (addr, stats) in c.queue_status(name) {
                     let value = match stats {
-                        Ok(s) => serde_json::to_value(s)?,
+                        Ok(s) => crate::stat_cmd::queue_figures(name, &s),
                         Err(e) => {
                             let value = serde_json::json!({ "error": e.to_string() });
                             first_error.get_or_insert(e);

@@ -235,8 +235,8 @@ fn followers_reconnect_when_the_server_comes_back() {
         let (_, stat, _) = run(&["stat", "--once", "--server", &addr], "");
         let group_lag =
             stat.lines().map(|l| l.split_whitespace().collect::<Vec<_>>()).find(|w| w.first() == Some(&"g"));
-        if queue.contains("\"total_polled\": 1")
-            && queue.contains("\"in_flight\": 0")
+        if queue.contains("\"delivered\": 1")
+            && queue.contains("\"open_reads\": 0")
             && group_lag.is_some_and(|w| w.get(2) == Some(&"0"))
         {
             break;
@@ -337,6 +337,11 @@ fn consume_waits_for_a_message_as_long_as_asked_and_queue_settings_that_lose_mes
     // Made on disk unless asked otherwise, as a queue made by first use is.
     let (_, status, _) = run(&["queue", "status", "later", "--server", s], "");
     assert!(status.contains("\"durable\": true"), "{status}");
+    // Its figures are named as the HTTP API names them (it printed `items`, `in_flight`…).
+    let figures: serde_json::Value = serde_json::from_str(&status).unwrap();
+    for name in ["messages", "open_reads", "offered", "delivered", "acked", "delayed", "durability_in_force"] {
+        assert!(figures.get(name).is_some(), "{name} in {status}");
+    }
     assert!(run(&["queue", "create", "fast", "--in-memory", "--server", s], "").0);
     let (_, status, _) = run(&["queue", "status", "fast", "--server", s], "");
     assert!(status.contains("\"durable\": false"), "{status}");

@@ -425,7 +425,7 @@ fn client_commands_take_a_list_of_servers() {
         lines.extend(input.lines().map(str::to_owned));
     }
     let status: serde_json::Value = serde_json::from_str(&run(&["queue", "status", "jobs"], b"")).unwrap();
-    let items: Vec<u64> = servers.iter().map(|s| status[&s.addr]["items"].as_u64().unwrap()).collect();
+    let items: Vec<u64> = servers.iter().map(|s| status[&s.addr]["messages"].as_u64().unwrap()).collect();
     assert_eq!(items.iter().sum::<u64>(), 300, "{status}");
     assert!(
         items.iter().filter(|&&n| n > 0).count() >= 2,
