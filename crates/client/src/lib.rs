@@ -418,20 +418,19 @@ impl Client {
                 "{addr} {what}: it does not speak the Petrel protocol (is it the memcache port, or another service?)"
             ))
         };
+        let client_cert = options.tls.as_ref().is_some_and(|tls| tls.cert.is_some());
         match tokio::time::timeout(options.connect_timeout, client.hello(options.compress_min_bytes)).await {
             Err(_) => Err(not_petrel("did not answer HELLO in time")),
+            // TLS 1.3 checks a client certificate after the client's side of the handshake is
+            // done: a refusal arrives as an alert on the first read, the HELLO's answer, or (when
+            // the connection's reset overtakes the alert) as the connection's end.
+            Ok(Err(e @ (ClientError::Io(_) | ClientError::Closed | ClientError::Protocol(_)))) if client_cert => {
+                Err(ClientError::Tls(format!(
+                    "{addr} ended the connection at HELLO ({e}): does it trust the client certificate's CA (its tls_client_ca)?"
+                )))
+            }
             Ok(Err(ClientError::Closed | ClientError::Protocol(_))) => {
                 Err(not_petrel("closed the connection at HELLO"))
-            }
-            // TLS 1.3 checks a client certificate after the client's side of the handshake is
-            // done: a refusal arrives as an alert on the first read, the HELLO's answer.
-            Ok(Err(ClientError::Io(e)))
-                if e.kind() == std::io::ErrorKind::InvalidData
-                    && options.tls.as_ref().is_some_and(|tls| tls.cert.is_some()) =>
-            {
-                Err(ClientError::Tls(format!(
-                    "{addr} ended the connection ({e}): does it trust the client certificate's CA (its tls_client_ca)?"
-                )))
             }
             Ok(Err(e)) => Err(e),
             Ok(Ok(())) => Ok(client),
