@@ -292,6 +292,10 @@ pub struct Broker {
     next_handle: AtomicU64,
     created: AtomicU64,
     removed: AtomicU64,
+    /// What the queues removed since open had counted (`total_offered`, `total_polled` at their
+    /// removal): server-wide totals add them, so that they never go back.
+    removed_offered: AtomicU64,
+    removed_polled: AtomicU64,
     /// Topics live in memory: at most once, gone with the server.
     topics: RwLock<HashMap<String, Arc<Topic>>>,
     functions: function::Functions,
@@ -488,6 +492,8 @@ impl Broker {
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
+            removed_offered: AtomicU64::new(0),
+            removed_polled: AtomicU64::new(0),
             topics: RwLock::new(HashMap::new()),
             functions: function::Functions::new(on_call),
             security: RwLock::new(None),
@@ -855,6 +861,9 @@ impl Broker {
             }
             registry.remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?
         };
+        let counted = queue.counters();
+        self.removed_offered.fetch_add(counted.total_offered, Ordering::Relaxed);
+        self.removed_polled.fetch_add(counted.total_polled, Ordering::Relaxed);
         // Release: whoever reads the new count (`queues_removed`) finds the queue gone.
         self.removed.fetch_add(1, Ordering::Release);
         // Whoever waits on it (for messages, or for room) learns that it is gone.
@@ -899,6 +908,12 @@ impl Broker {
     /// the one of that name (connections keep the last one they named on that promise).
     pub fn queues_removed(&self) -> u64 {
         self.removed.load(Ordering::Acquire)
+    }
+
+    /// Messages offered to and taken from the queues removed since open (their counts at their
+    /// removal), for totals over the server's life: add the live queues' to them.
+    pub fn removed_queues_totals(&self) -> (u64, u64) {
+        (self.removed_offered.load(Ordering::Relaxed), self.removed_polled.load(Ordering::Relaxed))
     }
 
     /// Changes `max_memory_bytes` (a reload): new offers see it at once.
@@ -1638,15 +1653,21 @@ fn storage_text(e: &petrel_log::Error) -> String {
 }
 
 /// Queue names: 1–200 characters of `A-Z a-z 0-9 . _ - +` (`+` separates a fanout child).
+/// The punctuation a name may hold besides letters and digits: what names in other queues use
+/// as separators (`jobs:high`, `user@host`, `region=eu`), and each safe unescaped in a file name,
+/// a URL's path, a metric's label and a memcache key. Not `*` (ACL entries' wildcard), `/` (a
+/// memcache read option), `%`, `?`, `#` (URLs) or quotes and brackets (HTML, TOML).
+const NAME_PUNCTUATION: &[u8] = b"._-+:@=,";
+
 pub fn check_name(name: &str) -> Result<(), BrokerError> {
     let ok = !name.is_empty()
         && name.len() <= 200
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-+".contains(&b))
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || NAME_PUNCTUATION.contains(&b))
         && !name.starts_with(['.', '+']);
     match ok {
         true => Ok(()),
         false => Err(BrokerError::BadRequest(format!(
-            "invalid queue name {:?}: 1 to 200 of the letters a-z and A-Z, the digits, '.', '_', '-' and '+' (a fanout child: parent+child), not starting with '.' or '+'",
+            "invalid queue name {:?}: 1 to 200 of the letters a-z and A-Z, the digits and . _ - + : @ = , (a fanout child: parent+child), not starting with '.' or '+'",
             shown(name)
         ))),
     }

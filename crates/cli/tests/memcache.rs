@@ -489,3 +489,41 @@ fn stats_has_every_name_kestrel_printed_with_figures_that_follow_the_traffic() {
         assert!(dump.contains(&format!("\r\n  {s}=")), "no {s} in {dump}");
     }
 }
+
+#[test]
+fn kestrel_style_names_sets_nobody_hears_of_and_meta_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("server.log");
+    let server = Server::start_logged(&dir.path().join("data"), &[], &log);
+    let mut c = Conn::open(&server);
+    // Names other queues use with separators are queue names (`jobs:high` was refused).
+    for name in ["jobs:high", "user@host", "region=eu,tier=1"] {
+        let set = format!("set {name} 0 0 2\r\nok\r\n");
+        assert_eq!(c.ask(set.as_bytes(), b"\r\n"), "STORED\r\n", "{name}");
+        let got = c.ask(format!("get {name}\r\n").as_bytes(), b"END\r\n");
+        assert_eq!(got, format!("VALUE {name} 0 2\r\nok\r\nEND\r\n"));
+    }
+    // A set that is not stored is counted, and logged when it said noreply (nobody else hears).
+    c.send(b"set bad#name 0 0 1 noreply\r\nx\r\nset bad#name 0 0 1 noreply\r\ny\r\n");
+    let stat = |c: &mut Conn, name: &str| -> u64 {
+        let stats = c.ask(b"stats\r\n", b"END\r\n");
+        let prefix = format!("STAT {name} ");
+        stats.lines().find_map(|l| l.strip_prefix(prefix.as_str())).unwrap().trim().parse().unwrap()
+    };
+    assert_eq!(stat(&mut c, "set_refused"), 2);
+    common::wait_until("the warning logged", || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("noreply set was not stored") && text.contains("bad#name")
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.matches("noreply set was not stored").count(), 1, "once a connection: {text}");
+    // total_items counts over the server's life: a deleted queue's items stay in it.
+    assert_eq!(stat(&mut c, "total_items"), 3);
+    assert_eq!(c.ask(b"delete jobs:high\r\n", b"\r\n"), "DELETED\r\n");
+    assert_eq!(stat(&mut c, "total_items"), 3);
+    // A meta set's data block is skipped, never run as commands (it deleted the queue).
+    assert_eq!(c.ask(b"set kept 0 0 1\r\nk\r\n", b"\r\n"), "STORED\r\n");
+    let meta = c.ask(b"ms kept 11 T0\r\ndelete kept\r\n", b"\r\n");
+    assert_eq!(meta, "CLIENT_ERROR meta commands are not supported: use set and get\r\n");
+    assert_eq!(c.ask(b"get kept\r\n", b"END\r\n"), "VALUE kept 0 1\r\nk\r\nEND\r\n");
+}

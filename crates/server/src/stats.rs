@@ -10,6 +10,8 @@ pub(crate) struct ServerStats {
     /// Memcache `get`s that tried to remove an item (peeks excluded).
     pub cmd_get: AtomicU64,
     pub cmd_set: AtomicU64,
+    /// Memcache `set`s not stored (refused, or failed), answered or sent with `noreply`.
+    pub set_refused: AtomicU64,
     pub cmd_peek: AtomicU64,
     pub get_hits: AtomicU64,
     pub get_misses: AtomicU64,
@@ -86,6 +88,7 @@ impl ServerStats {
             total_connections: AtomicU64::new(0),
             cmd_get: AtomicU64::new(0),
             cmd_set: AtomicU64::new(0),
+            set_refused: AtomicU64::new(0),
             cmd_peek: AtomicU64::new(0),
             get_hits: AtomicU64::new(0),
             get_misses: AtomicU64::new(0),

@@ -33,10 +33,6 @@ pub(crate) struct Sample {
 #[derive(Default)]
 struct Ring {
     samples: VecDeque<Sample>,
-    /// The queues' summed counters at the last sample: a removed queue makes the sum drop,
-    /// which the sample's counters do not follow.
-    last_offered: u64,
-    last_delivered: u64,
 }
 
 #[derive(Default)]
@@ -47,7 +43,9 @@ pub(crate) struct Samples {
 impl Samples {
     /// Takes a sample of the server now (reads every queue's figures: run it off the runtime).
     pub fn take(&self, ctx: &Ctx) {
-        let (mut messages, mut bytes, mut offered, mut delivered) = (0, 0, 0, 0);
+        // Removed queues' counts stay in the totals.
+        let (mut offered, mut delivered) = ctx.broker.removed_queues_totals();
+        let (mut messages, mut bytes) = (0, 0);
         for name in ctx.broker.queue_names() {
             if let Some(q) = ctx.broker.queue(&name) {
                 let st = q.counters();
@@ -58,19 +56,16 @@ impl Samples {
             }
         }
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        let last = ring.samples.back().copied().unwrap_or_default();
         let sample = Sample {
             at_ms: crate::now_ns() / 1_000_000,
             messages,
             bytes,
-            offered: last.offered + offered.saturating_sub(ring.last_offered),
-            delivered: last.delivered + delivered.saturating_sub(ring.last_delivered),
+            offered,
+            delivered,
             connections: read(&ctx.stats.curr_connections),
             received_bytes: read(&ctx.stats.bytes_read),
             sent_bytes: read(&ctx.stats.bytes_written),
         };
-        ring.last_offered = offered;
-        ring.last_delivered = delivered;
         if ring.samples.len() == SAMPLES_KEPT {
             ring.samples.pop_front();
         }

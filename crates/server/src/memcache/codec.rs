@@ -190,6 +190,20 @@ impl Decoder {
                 }
             };
         }
+        if matches!(verb.as_str(), "ms" | "mg" | "md" | "ma" | "mn" | "me") {
+            // memcached's meta commands: refused, and a meta set's data block (`ms KEY LEN …`)
+            // thrown away, so that it is never read as commands.
+            let len = tokens.get(2).and_then(|t| number::<u64>(t)).and_then(|n| usize::try_from(n).ok());
+            buf.advance(line_len);
+            let reject = Reject::keep("CLIENT_ERROR meta commands are not supported: use set and get");
+            if verb != "ms" {
+                return Some(Err(reject));
+            }
+            let Some(len) = len else { return Some(Err(Reject::close("CLIENT_ERROR bad data chunk"))) };
+            self.skipping = len.saturating_add(2);
+            self.after_skip = Some(reject);
+            return self.decode(buf);
+        }
         let result = command(&verb, &tokens);
         buf.advance(line_len);
         Some(result)
@@ -424,6 +438,12 @@ mod tests {
         assert_eq!(decode_all(b"get\r\n", 100), vec![keep("CLIENT_ERROR get needs a key")]);
         assert_eq!(decode_all(b"\r\n", 100), vec![keep("ERROR")]);
         assert_eq!(decode_all(b"frobnicate q\r\n", 100), vec![Ok(Command::Unknown { verb: "frobnicate".into() })]);
+        // memcached's meta commands are refused; a meta set's data block is skipped, never read
+        // as commands (it was: `ms q 11 T0` then `delete jobs` deleted the queue).
+        let meta = "CLIENT_ERROR meta commands are not supported: use set and get";
+        let got = decode_all(b"ms q 11 T0\r\ndelete jobs\r\nmg q v\r\nversion\r\n", 100);
+        assert_eq!(got, vec![keep(meta), keep(meta), Ok(Command::Version)]);
+        assert_eq!(decode_all(b"ms q\r\n", 100), vec![close("CLIENT_ERROR bad data chunk")]);
         assert_eq!(decode_all(&[b'g'; MAX_LINE + 1], 100), vec![close("CLIENT_ERROR line too long")]);
         assert_eq!(decode_all(&[b'g'; MAX_LINE], 100), vec![], "not too long yet: wait for the end");
     }

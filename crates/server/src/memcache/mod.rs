@@ -60,6 +60,8 @@ struct Session<S> {
     /// client certificate).
     authenticated: Option<Authenticated>,
     denials: auth::Denials,
+    /// A `noreply` set on this connection was not stored and logged as a warning.
+    warned_noreply: bool,
 }
 
 /// Serves one connection until the client quits or goes away, a request makes the stream
@@ -83,6 +85,7 @@ where
         peer,
         authenticated: None,
         denials: auth::Denials::default(),
+        warned_noreply: false,
     };
     if let Some(certified) = auth::with_certificate(&s.ctx, &s.peer, conn) {
         match certified {
@@ -217,6 +220,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         false
     }
 
+    /// Counts a `set` not stored. Sent with `noreply`, nobody else learns of it: the first such
+    /// on a connection is logged as a warning (later ones at debug, so a client cannot flood
+    /// the log).
+    fn not_stored(&mut self, queue: &str, why: &str, noreply: bool) {
+        add(&self.ctx.stats.set_refused, 1);
+        let queue = petrel_broker::shown(queue);
+        match noreply && !std::mem::replace(&mut self.warned_noreply, true) {
+            true => {
+                tracing::warn!(conn = self.conn, %queue, why, "a noreply set was not stored (later ones on this connection are logged at debug level)")
+            }
+            false => tracing::debug!(conn = self.conn, %queue, why, noreply, "a set was not stored"),
+        }
+    }
+
     /// Whether this connection may see the queue `name` (in `stats`).
     fn may_see(&self, name: &str) -> bool {
         let principal = self.authenticated.as_ref().map(|a| &a.principal);
@@ -276,12 +293,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         if let Some((name, action)) = needs
             && !self.authorize(Kind::Queue, name, &[action], command.noreply())
         {
+            if let Command::Set { queue, noreply, .. } = &command {
+                self.not_stored(queue, "not allowed", *noreply);
+            }
             return Flow::Continue;
         }
         match command {
             Command::Get { key, queue, options, cas } => return self.get(key, &queue, options, cas).await,
             Command::Set { queue, flags, exptime, data, noreply } => {
                 let reply = self.set(&queue, flags, exptime, data).await;
+                if reply != "STORED" {
+                    self.not_stored(&queue, &reply, noreply);
+                }
                 if !noreply {
                     self.line(&reply);
                 }
@@ -545,7 +568,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("time", &now.as_secs());
         put("version", &format!("petrel-{}", env!("CARGO_PKG_VERSION")));
         put("curr_items", &per_queue.iter().map(|(_, st)| st.items).sum::<u64>());
-        put("total_items", &per_queue.iter().map(|(_, st)| st.total_offered).sum::<u64>());
+        // Over the server's life: removed queues' items stay counted (as Kestrel's did); with
+        // authentication on they are left out, as the queues a connection may not see are.
+        let removed_offered = if broker.auth_enabled() { 0 } else { broker.removed_queues_totals().0 };
+        put("total_items", &(removed_offered + per_queue.iter().map(|(_, st)| st.total_offered).sum::<u64>()));
         put("bytes", &per_queue.iter().map(|(_, st)| st.bytes - st.in_flight_bytes).sum::<u64>());
         put("reserved_memory_ratio", &format!("{:.3}", reserved_memory_ratio(broker, &queues)));
         put("curr_connections", &get(&s.curr_connections));
@@ -568,6 +594,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("acl_denials", &broker.denials());
         put("connections_refused", &get(&s.connections_refused));
         put("idle_closed", &get(&s.idle_closed));
+        put("set_refused", &get(&s.set_refused));
         // The limits a reload changes as they are now; the rest as the server started.
         let limits = &ctx.config;
         put("limit_max_connections", &ctx.limits.max_connections());
