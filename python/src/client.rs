@@ -18,7 +18,7 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::completions::{Completions, Inner, outcome, outcome_with};
 use crate::functions::{AsyncCalls, IncomingCall};
 use crate::subscription::{AsyncSubscriptionCore, Subscription, start_from};
-use crate::{ClosedError, ConnectionError, ServerError, TooLargeError};
+use crate::{ClosedError, ConnectionError, ServerError};
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Message>()?;
@@ -83,23 +83,11 @@ pub(crate) fn stop_at_exit(serving: Stoppable) {
 }
 
 /// The Python exception for `e`. The server's refusals carry their status's name as `status`
-/// (`"QUEUE_FULL"`), for code that handles one of them; `TOO_LARGE` is a `TooLargeError`, as an
-/// embedded log's record too large is.
+/// (`"QUEUE_FULL"`), for code that handles one of them: made without the GIL (this runs on the
+/// runtime's threads too), as the exception's second argument, which `status` reads (`lib.rs`).
 pub(crate) fn client_error(e: petrel_client::ClientError) -> PyErr {
     match &e {
-        petrel_client::ClientError::Status { status, .. } => {
-            let (text, status) = (e.to_string(), *status);
-            Python::attach(|py| {
-                let err = match status {
-                    petrel_client::Status::TooLarge => TooLargeError::new_err(text),
-                    _ => ServerError::new_err(text),
-                };
-                match err.value(py).setattr("status", status.name()) {
-                    Ok(()) => err,
-                    Err(failed) => failed,
-                }
-            })
-        }
+        petrel_client::ClientError::Status { status, .. } => ServerError::new_err((e.to_string(), status.name())),
         petrel_client::ClientError::Closed => ClosedError::new_err(e.to_string()),
         _ => ConnectionError::new_err(e.to_string()),
     }

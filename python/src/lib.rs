@@ -58,9 +58,16 @@ fn _petrel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("ServerError", py.get_type::<ServerError>())?;
     m.add("ConnectionError", py.get_type::<ConnectionError>())?;
-    // The server's status name on its refusals (`client::client_error`); none on the others.
-    py.get_type::<ServerError>().setattr("status", py.None())?;
-    py.get_type::<TooLargeError>().setattr("status", py.None())?;
+    // A server's refusal is `ServerError(text, status name)` (`client::client_error`): it reads
+    // as its text, and `status` is the name (None for one made with the text alone).
+    let server_error = py.get_type::<ServerError>();
+    let locals = pyo3::types::PyDict::new(py);
+    locals.set_item("ServerError", &server_error)?;
+    py.run(
+        c"ServerError.status = property(lambda e: e.args[1] if len(e.args) > 1 else None, doc='The status name, as \"QUEUE_FULL\".')\nServerError.__str__ = lambda e: str(e.args[0]) if e.args else ''",
+        None,
+        Some(&locals),
+    )?;
     embedded::register(m)?;
     client::register(m)?;
     cluster::register(m)?;

@@ -1652,13 +1652,14 @@ fn storage_text(e: &petrel_log::Error) -> String {
     }
 }
 
-/// Queue names: 1–200 characters of `A-Z a-z 0-9 . _ - +` (`+` separates a fanout child).
 /// The punctuation a name may hold besides letters and digits: what names in other queues use
 /// as separators (`jobs:high`, `user@host`, `region=eu`), and each safe unescaped in a file name,
 /// a URL's path, a metric's label and a memcache key. Not `*` (ACL entries' wildcard), `/` (a
 /// memcache read option), `%`, `?`, `#` (URLs) or quotes and brackets (HTML, TOML).
 const NAME_PUNCTUATION: &[u8] = b"._-+:@=,";
 
+/// Queue, topic and function names: 1–200 letters, digits and `NAME_PUNCTUATION`, not starting
+/// with `.` or `+` (`+` separates a fanout child from its parent).
 pub fn check_name(name: &str) -> Result<(), BrokerError> {
     let ok = !name.is_empty()
         && name.len() <= 200

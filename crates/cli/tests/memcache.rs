@@ -505,12 +505,13 @@ fn kestrel_style_names_sets_nobody_hears_of_and_meta_commands() {
     }
     // A set that is not stored is counted, and logged when it said noreply (nobody else hears).
     c.send(b"set bad#name 0 0 1 noreply\r\nx\r\nset bad#name 0 0 1 noreply\r\ny\r\n");
+    c.send(b"set fine 0 never 1 noreply\r\nz\r\n"); // refused as it is read: a bad exptime
     let stat = |c: &mut Conn, name: &str| -> u64 {
         let stats = c.ask(b"stats\r\n", b"END\r\n");
         let prefix = format!("STAT {name} ");
         stats.lines().find_map(|l| l.strip_prefix(prefix.as_str())).unwrap().trim().parse().unwrap()
     };
-    assert_eq!(stat(&mut c, "set_refused"), 2);
+    assert_eq!(stat(&mut c, "set_refused"), 3);
     common::wait_until("the warning logged", || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         text.contains("noreply set was not stored") && text.contains("bad#name")

@@ -426,7 +426,7 @@ impl Client {
             // the connection's reset overtakes the alert) as the connection's end.
             Ok(Err(e @ (ClientError::Io(_) | ClientError::Closed | ClientError::Protocol(_)))) if client_cert => {
                 Err(ClientError::Tls(format!(
-                    "{addr} ended the connection at HELLO ({e}): does it trust the client certificate's CA (its tls_client_ca)?"
+                    "{addr} ended the connection at HELLO ({e}): it refused the client certificate (is the certificate's CA in its tls_client_ca?), or it is not a Petrel native port"
                 )))
             }
             Ok(Err(ClientError::Closed | ClientError::Protocol(_))) => {
@@ -920,7 +920,8 @@ fn unexpected(r: Response) -> ClientError {
 }
 
 /// Reads responses and hands each to the request waiting for it. When the connection ends,
-/// every waiting request fails with `Closed`, and so does every later one.
+/// every waiting request fails (`Closed` at the stream's end, `Io` with the reason for a failed
+/// read: a reset, a TLS alert), and so does every later one.
 async fn read_responses<R: AsyncRead + Unpin>(
     mut rd: R,
     pending: Arc<Mutex<Pending>>,

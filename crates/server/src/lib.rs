@@ -117,6 +117,33 @@ impl Drop for AddressSlot {
 /// excess connection is closed without a word (a flood gets no more of the server's time).
 const MAX_REFUSALS_UNDER_WAY: usize = 64;
 
+/// TLS handshakes made a second to answer refused connections inside TLS (`refuse`): past it, a
+/// refusal is answered in plaintext, so that a flood of refused connections from one address
+/// costs the server no more than this many handshakes a second.
+const REFUSAL_HANDSHAKES_PER_SECOND: u32 = 16;
+
+/// How many refusal handshakes this second has left.
+struct RefusalHandshakes {
+    second: std::time::Instant,
+    left: u32,
+}
+
+impl RefusalHandshakes {
+    fn new(now: std::time::Instant) -> RefusalHandshakes {
+        RefusalHandshakes { second: now, left: REFUSAL_HANDSHAKES_PER_SECOND }
+    }
+
+    /// Whether a refusal at `now` may make a handshake.
+    fn take(&mut self, now: std::time::Instant) -> bool {
+        if now.duration_since(self.second) >= Duration::from_secs(1) {
+            *self = RefusalHandshakes { second: now, left: REFUSAL_HANDSHAKES_PER_SECOND };
+        }
+        let some_left = self.left > 0;
+        self.left = self.left.saturating_sub(1);
+        some_left
+    }
+}
+
 impl Ctx {
     fn tls(&self) -> Option<Arc<tls::Tls>> {
         self.tls.read().unwrap_or_else(|e| e.into_inner()).clone()
@@ -278,6 +305,7 @@ impl Server {
         let next_conn = AtomicU64::new(1);
         let mut connections = JoinSet::new();
         let mut refusals = JoinSet::new();
+        let mut handshakes = RefusalHandshakes::new(std::time::Instant::now());
         tokio::pin!(shutdown);
         loop {
             // Reap finished connections so the sets stay bounded by the live ones.
@@ -344,7 +372,8 @@ impl Server {
                     stats::add(&ctx.stats.connections_refused, 1);
                     tracing::debug!(%peer, reason, "connection refused");
                     if refusals.len() < MAX_REFUSALS_UNDER_WAY {
-                        let refusal = refuse(stream, ctx.tls(), protocol, petrel_proto::Status::LimitReached, reason);
+                        let tls = ctx.tls().filter(|_| handshakes.take(std::time::Instant::now()));
+                        let refusal = refuse(stream, tls, protocol, petrel_proto::Status::LimitReached, reason);
                         refusals.spawn(refusal);
                     }
                 }
@@ -454,7 +483,7 @@ async fn open(
 /// Tells a client, in its own protocol, why it is not served; then closes. A client that opens
 /// with a TLS handshake (and the server has TLS) is answered inside TLS, the only way it can
 /// read the reason. Takes a few seconds at most; the refusals under way are bounded
-/// (`MAX_REFUSALS_UNDER_WAY`), and so are the handshakes they make.
+/// (`MAX_REFUSALS_UNDER_WAY`), and their handshakes a second (`REFUSAL_HANDSHAKES_PER_SECOND`).
 async fn refuse(
     stream: TcpStream,
     tls: Option<Arc<tls::Tls>>,
@@ -696,4 +725,21 @@ fn bind_unix(path: &std::path::Path) -> Result<UnixListener, String> {
     unix_socket_free(path)?;
     let _ = std::fs::remove_file(path);
     UnixListener::bind(path).map_err(|e| format!("bind {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_make_at_most_their_handshakes_a_second() {
+        let start = std::time::Instant::now();
+        let mut handshakes = RefusalHandshakes::new(start);
+        let at = |ms| start + Duration::from_millis(ms);
+        let first: Vec<bool> = (0..20).map(|i| handshakes.take(at(i * 10))).collect();
+        assert_eq!(first.iter().filter(|t| **t).count(), REFUSAL_HANDSHAKES_PER_SECOND as usize);
+        assert!(first[..REFUSAL_HANDSHAKES_PER_SECOND as usize].iter().all(|t| *t), "the first ones");
+        assert!(!handshakes.take(at(999)));
+        assert!(handshakes.take(at(1000)), "a new second");
+    }
 }

@@ -118,14 +118,16 @@ pub struct Reject {
     pub reply: String,
     pub close: bool,
     pub noreply: bool,
+    /// The refusal of a `set` (its item is not stored): counted as the server's refusals are.
+    pub set: bool,
 }
 
 impl Reject {
     pub(crate) fn keep(reply: impl Into<String>) -> Reject {
-        Reject { reply: reply.into(), close: false, noreply: false }
+        Reject { reply: reply.into(), close: false, noreply: false, set: false }
     }
     fn close(reply: impl Into<String>) -> Reject {
-        Reject { reply: reply.into(), close: true, noreply: false }
+        Reject { reply: reply.into(), close: true, noreply: false, set: false }
     }
 
     /// Whether the client is to read this reject's line.
@@ -218,9 +220,9 @@ impl Decoder {
 
     /// Refuses the data block being waited for: its bytes are skipped as they come, then `reject`.
     pub fn refuse_incomplete(&mut self, reject: Reject) {
-        if let Some((_, line)) = self.pending.take() {
+        if let Some((verb, line)) = self.pending.take() {
             self.skipping = line.len + 2;
-            self.after_skip = Some(Reject { noreply: line.noreply, ..reject });
+            self.after_skip = Some(Reject { noreply: line.noreply, set: verb == "set", ..reject });
         }
     }
 
@@ -274,7 +276,9 @@ fn storage_line(verb: &str, tokens: &[&[u8]], max_data: usize) -> Result<Storage
     let flags = number::<i64>(tokens[2]).filter(|f| (i64::from(i32::MIN)..=i64::from(u32::MAX)).contains(f));
     let exptime = number::<i64>(tokens[3]);
     let noreply = tokens.get(min_tokens).is_some_and(|t| t.eq_ignore_ascii_case(b"noreply"));
-    let refuse = |reply: &str| Err(StorageError { reject: Reject { noreply, ..Reject::keep(reply) }, skip: Some(len) });
+    let set = verb == "set";
+    let refuse =
+        |reply: &str| Err(StorageError { reject: Reject { noreply, set, ..Reject::keep(reply) }, skip: Some(len) });
     if len > max_data {
         return refuse("SERVER_ERROR object too large for cache");
     }

@@ -102,10 +102,19 @@ where
     let mut rights = s.connection.entry().rights();
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input.buf) {
-            s.input.taken();
             let flow = match request {
-                Ok(command) => s.execute(command).await,
+                // The memory budget's hold on a large item goes once it is handled (a set may
+                // wait for its queue's making meanwhile) and before its answer goes out.
+                Ok(command) => {
+                    let flow = s.execute(command).await;
+                    s.input.taken();
+                    flow
+                }
                 Err(reject) => {
+                    if reject.set {
+                        let why = reject.reply.clone();
+                        s.not_stored(None, &why, reject.noreply);
+                    }
                     if reject.answered() {
                         s.line(&reject.reply);
                     }
@@ -223,9 +232,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     /// Counts a `set` not stored. Sent with `noreply`, nobody else learns of it: the first such
     /// on a connection is logged as a warning (later ones at debug, so a client cannot flood
     /// the log).
-    fn not_stored(&mut self, queue: &str, why: &str, noreply: bool) {
+    fn not_stored(&mut self, queue: Option<&str>, why: &str, noreply: bool) {
         add(&self.ctx.stats.set_refused, 1);
-        let queue = petrel_broker::shown(queue);
+        let queue = petrel_broker::shown(queue.unwrap_or("(refused before it was read)"));
         match noreply && !std::mem::replace(&mut self.warned_noreply, true) {
             true => {
                 tracing::warn!(conn = self.conn, %queue, why, "a noreply set was not stored (later ones on this connection are logged at debug level)")
@@ -294,7 +303,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             && !self.authorize(Kind::Queue, name, &[action], command.noreply())
         {
             if let Command::Set { queue, noreply, .. } = &command {
-                self.not_stored(queue, "not allowed", *noreply);
+                self.not_stored(Some(queue), "not allowed", *noreply);
             }
             return Flow::Continue;
         }
@@ -303,7 +312,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             Command::Set { queue, flags, exptime, data, noreply } => {
                 let reply = self.set(&queue, flags, exptime, data).await;
                 if reply != "STORED" {
-                    self.not_stored(&queue, &reply, noreply);
+                    self.not_stored(Some(&queue), &reply, noreply);
                 }
                 if !noreply {
                     self.line(&reply);
