@@ -453,7 +453,8 @@ impl Client {
         self.wait(py, self.inner.offer(queue, vec![message], crate::timeout_from(timeout)))
     }
 
-    /// Adds messages at the tail together, all or none; returns the first id.
+    /// Adds messages at the tail together, all or none (a crash while it is written can leave
+    /// the first part of an offer never answered: docs/protocol.md); returns the first id.
     #[pyo3(signature = (queue, payloads, timeout = None))]
     fn offer_many(
         &self,

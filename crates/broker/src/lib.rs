@@ -510,18 +510,24 @@ impl Broker {
         let dirs = broker.queue_dirs()?;
         let opened = on_threads(OPENING_THREADS, &dirs, |dir| {
             let Some(def) = read_definition(dir)? else { return Ok(None) };
-            let config = match configured.queues.get(&def.name) {
+            let (config, changed) = match configured.queues.get(&def.name) {
                 Some(configured) if *configured != def.config => {
                     tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
                     if def.config.durable && !configured.durable && petrel_log::verify::holds_segments(dir) {
                         tracing::warn!(queue = %def.name, "the configuration file makes this durable queue one in memory: its log stays on disk, unread, and its messages out of reach until the queue is durable again");
                     }
-                    broker.save_definition(&def.name, configured)?;
-                    configured.clone()
+                    (configured.clone(), true)
                 }
-                _ => def.config,
+                _ => (def.config, false),
             };
-            broker.build(def.name, config, None, false).map(|queue| Some(Arc::new(queue)))
+            let queue = broker.build(def.name.clone(), config.clone(), None, false)?;
+            // Stored only once the queue opened with it: a configuration the queue refuses (fewer
+            // priority levels than its messages use) leaves the stored one, and the queue can
+            // start again as it was once the file is put back.
+            if changed {
+                broker.save_definition(&def.name, &config)?;
+            }
+            Ok::<_, BrokerError>(Some(Arc::new(queue)))
         })?;
         for queue in opened.into_iter().flatten() {
             broker.write().insert(queue);

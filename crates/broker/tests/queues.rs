@@ -924,6 +924,31 @@ fn a_durable_queue_reopened_with_fewer_levels_than_its_logs_is_refused_with_a_re
 }
 
 #[test]
+fn a_start_refused_for_a_configuration_keeps_the_stored_one() {
+    // A configuration file with fewer levels than the queue's messages use is refused; the
+    // stored definition was rewritten all the same, so the queue could not start again without
+    // that very block put back exactly.
+    let dir = tempfile::tempdir().unwrap();
+    let three = QueueConfig { durable: true, priorities: 3, ..QueueConfig::default() };
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("work", three.clone(), None).unwrap();
+        b.offer("work", at(2, &["urgent"]), 1).unwrap();
+    }
+    let fewer = QueueConfig { priorities: 2, ..three.clone() };
+    let configured = |config: &QueueConfig| BrokerOptions {
+        queues: [("work".to_owned(), config.clone())].into_iter().collect(),
+        ..BrokerOptions::default()
+    };
+    let Err(refused) = Broker::open(dir.path(), configured(&fewer)) else { panic!("opened with fewer levels") };
+    assert!(refused.to_string().contains("priority 2"), "{refused}");
+    // Without the block (the stored definition applies), the queue opens as it was.
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(*b.queue("work").unwrap().config(), three);
+    assert_eq!(payloads(&b.poll("work", 10, None, 1, 2).unwrap()), [b"urgent".to_vec()]);
+}
+
+#[test]
 fn a_repeated_idempotency_key_is_stored_once_and_answered_with_the_original_id_across_a_restart() {
     // Real time: a durable queue's records carry the log's clock, and keys rebuilt from them too.
     let t0 = now_ns();

@@ -73,6 +73,7 @@ pub fn serve(args: ServeArgs) -> Res {
     let config_file = args.config.clone();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
+        let _file_size_signal = handle_file_size_signal();
         let unix = config.unix_socket.clone();
         let server = Server::bind(config).await?;
         tokio::spawn(reload_on_sighup(server.reloader(config_file)));
@@ -98,6 +99,15 @@ pub fn serve(args: ServeArgs) -> Res {
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A write past the file-size limit (`ulimit -f`, RLIMIT_FSIZE) raises SIGXFSZ, whose default
+/// action ends the process without a word. Handled (the signal itself is ignored), the write
+/// fails with EFBIG instead: an error of that one write, which the log reports (a segment that
+/// cannot grow is made smaller, or the offer refused), as it does for a full disk.
+fn handle_file_size_signal() -> Option<tokio::signal::unix::Signal> {
+    let xfsz = tokio::signal::unix::SignalKind::from_raw(rustix::process::Signal::XFSZ.as_raw());
+    tokio::signal::unix::signal(xfsz).inspect_err(|e| tracing::warn!(error = %e, "SIGXFSZ not handled")).ok()
 }
 
 /// Every connection and every durable queue (its lock, segments and cursor) holds files open: take
