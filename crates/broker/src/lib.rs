@@ -1634,9 +1634,12 @@ fn remove_dir(parent: &Path, name: &str) -> Result<(), BrokerError> {
 
 /// A path as errors show it to clients: its last components (`queues/NAME/FILE`), not where the
 /// data directory is.
+/// `path` as it is under the data directory (from its `queues/` or `topics/` on), or its last
+/// three parts.
 fn in_data_dir(path: &Path) -> String {
-    let parts: Vec<_> = path.components().rev().take(3).collect();
-    parts.iter().rev().map(|c| c.as_os_str().to_string_lossy()).collect::<Vec<_>>().join("/")
+    let parts: Vec<_> = path.components().map(|c| c.as_os_str().to_string_lossy()).collect();
+    let from = parts.iter().rposition(|p| p == "queues" || p == "topics").unwrap_or(parts.len().saturating_sub(3));
+    parts[from..].join("/")
 }
 
 fn storage_text(e: &petrel_log::Error) -> String {
@@ -1647,7 +1650,15 @@ fn storage_text(e: &petrel_log::Error) -> String {
             format!("cannot allocate segment {} ({size} bytes): {source} — is the disk full?", in_data_dir(path))
         }
         Corrupt { file, position, reason, .. } => {
-            format!("corrupt log: {} at byte {position}: {reason}", in_data_dir(file))
+            // The log's directory (a cursor file is in its `groups/`), for the offline tools.
+            let dir = file.parent().map(|d| if d.ends_with("groups") { d.parent().unwrap_or(d) } else { d });
+            let tools = dir.map_or_else(String::new, |d| {
+                format!(
+                    " (`petrel log verify {0}` says what is damaged, `petrel log repair {0}` what it would do)",
+                    d.display()
+                )
+            });
+            format!("corrupt log: {} at byte {position}: {reason}{tools}", in_data_dir(file))
         }
         Locked { path } => format!("log {} is open in another process", in_data_dir(path)),
         NotALog { path, reason } => format!("{} is not a Petrel log: {reason}", in_data_dir(path)),

@@ -118,6 +118,8 @@ fn verify_cmd(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let kind = match p.kind {
             ProblemKind::Corrupt => "CORRUPT",
             ProblemKind::TornTail => "torn tail",
+            ProblemKind::Header => "BAD HEADER",
+            ProblemKind::Cursor => "BAD CURSOR",
         };
         let offset = p.offset.map(|o| format!(" record {o}")).unwrap_or_default();
         println!("{kind}: {} byte {}{offset}: {}", p.file.display(), p.position, p.detail);
@@ -126,7 +128,7 @@ fn verify_cmd(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
         println!("ok");
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("corrupt: run `petrel log repair {} --yes` to truncate at the first bad frame", dir.display());
+        println!("corrupt: `petrel log repair {}` says what it would do; with --yes it does it", dir.display());
         Ok(ExitCode::from(1))
     }
 }
@@ -328,16 +330,35 @@ fn append(args: AppendArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if !yes {
         let report = verify::verify(&dir, |_, _| {})?;
-        match report.problems.first() {
-            None => println!("{}: nothing to repair", dir.display()),
-            Some(p) => println!(
-                "would truncate {} at byte {} (record {}) and delete everything after it; run again with --yes",
+        if report.problems.is_empty() {
+            println!("{}: nothing to repair", dir.display());
+            return Ok(ExitCode::SUCCESS);
+        }
+        // What `verify::repair` does, problem by problem: headers and cursors are written again;
+        // the log is cut at its first bad frame.
+        for p in &report.problems {
+            match p.kind {
+                ProblemKind::Header => println!("would rewrite the header of {} (its records stay)", p.file.display()),
+                ProblemKind::Cursor => println!(
+                    "would start the group of {} again at record {} (records after its lost position come again)",
+                    p.file.display(),
+                    report.first_offset
+                ),
+                ProblemKind::Corrupt | ProblemKind::TornTail => {}
+            }
+        }
+        let cut = report.problems.iter().find(|p| matches!(p.kind, ProblemKind::Corrupt | ProblemKind::TornTail));
+        if let Some(p) = cut {
+            let from = p.offset.map_or("an unknown record".into(), |o| format!("record {o}"));
+            println!(
+                "would truncate {} at byte {} and delete everything from {from} to the log's end (record {}), later segments included",
                 p.file.display(),
                 p.position,
-                p.offset.map_or("-".into(), |o| o.to_string())
-            ),
+                report.next_offset
+            );
         }
-        return Ok(ExitCode::from(if report.problems.is_empty() { 0 } else { 1 }));
+        println!("run again with --yes to do it");
+        return Ok(ExitCode::from(1));
     }
     let _server_kept_out = not_served(&dir)?;
     let report = verify::repair(&dir)?;
@@ -350,6 +371,12 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
             report.next_offset
         ),
         None => println!("no bad frames; {} segment headers rewritten", report.headers_rewritten),
+    }
+    if report.cut_at.is_some() && report.headers_rewritten > 0 {
+        println!("{} segment headers rewritten", report.headers_rewritten);
+    }
+    for group in &report.groups_restarted {
+        println!("group {group:?} starts again at the oldest record on disk (its cursor was unreadable)");
     }
     Ok(ExitCode::SUCCESS)
 }

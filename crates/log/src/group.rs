@@ -17,7 +17,7 @@ use crate::state::LogState;
 use crate::syncer::{self, IntervalSync, Registration};
 
 pub(crate) const GROUPS_DIR: &str = "groups";
-const CURSOR_SUFFIX: &str = ".cursor";
+pub(crate) const CURSOR_SUFFIX: &str = ".cursor";
 
 /// Where a group (re)starts reading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

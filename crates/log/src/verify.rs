@@ -100,10 +100,16 @@ pub struct Problem {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ProblemKind {
-    /// A bad header, a bad frame before the end, or missing records: data is damaged.
+    /// A bad frame before the end, or missing records: data is damaged.
     Corrupt,
     /// An interrupted last append at the very end of the log; the next open cuts it.
     TornTail,
+    /// A segment's header is damaged (its frames are checked all the same): `repair` writes it
+    /// again from the file's name and its frames.
+    Header,
+    /// A consumer group's cursor file has no valid slot: the group's position is lost, and the
+    /// log does not open. `repair` starts the group again at the oldest record on disk.
+    Cursor,
 }
 
 /// What `verify` saw.
@@ -155,7 +161,7 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
             detail,
         };
         if let Err(reason) = &header {
-            report.problems.push(problem(0, None, ProblemKind::Corrupt, format!("segment header: {reason}")));
+            report.problems.push(problem(0, None, ProblemKind::Header, format!("segment header: {reason}")));
         }
         if base != expected && !offsets_unknown {
             let detail = if base > expected {
@@ -226,7 +232,38 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
         progress(done, total);
     }
     report.next_offset = expected;
+    report.problems.extend(unreadable_cursors(dir)?);
     Ok(report)
+}
+
+/// The cursor files under `dir/groups` that have no valid slot (each names its group).
+fn unreadable_cursors(dir: &Path) -> Result<Vec<Problem>> {
+    let groups = dir.join(crate::group::GROUPS_DIR);
+    let entries = match fs::read_dir(&groups) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("list groups", &groups)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(io_err("list groups", &groups))?.path();
+        let is_cursor =
+            path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(crate::group::CURSOR_SUFFIX));
+        if is_cursor && crate::group::read_cursor(&path).is_err() {
+            let detail = "no valid cursor slot: the group's position is lost and the log does not open; \
+                          repair starts the group again at the oldest record on disk (records after its lost \
+                          position come again)";
+            out.push(Problem {
+                file: path,
+                position: 0,
+                offset: None,
+                kind: ProblemKind::Cursor,
+                detail: detail.into(),
+            });
+        }
+    }
+    out.sort_by(|a, b| a.file.cmp(&b.file));
+    Ok(out)
 }
 
 /// What `repair` did.
@@ -239,6 +276,8 @@ pub struct RepairReport {
     pub cut_at: Option<(PathBuf, u64)>,
     /// Segment headers rewritten from the file name (the frames were fine).
     pub headers_rewritten: usize,
+    /// Groups whose unreadable cursor was written again at the oldest record on disk.
+    pub groups_restarted: Vec<String>,
     pub next_offset: u64,
 }
 
@@ -252,12 +291,23 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     let mut out = RepairReport { next_offset: before.next_offset, ..RepairReport::default() };
     let (bases, _) = list_segments(dir, false)?;
     for problem in &before.problems {
-        if problem.position == 0 {
-            rewrite_header(&problem.file)?;
-            out.headers_rewritten += 1;
+        match problem.kind {
+            ProblemKind::Header => {
+                rewrite_header(&problem.file)?;
+                out.headers_rewritten += 1;
+            }
+            ProblemKind::Cursor => {
+                let file = problem.file.file_name().unwrap_or_default().to_string_lossy().into_owned();
+                let name = file.strip_suffix(crate::group::CURSOR_SUFFIX).unwrap_or(&file).to_owned();
+                let restart = crate::cursor::CursorState { committed: before.first_offset, ..Default::default() };
+                crate::group::create_cursor(dir, &name, &restart, true)?;
+                out.groups_restarted.push(name);
+            }
+            ProblemKind::Corrupt | ProblemKind::TornTail => {}
         }
     }
-    let Some(first) = before.problems.iter().find(|p| p.position != 0) else {
+    let Some(first) = before.problems.iter().find(|p| matches!(p.kind, ProblemKind::Corrupt | ProblemKind::TornTail))
+    else {
         return Ok(out);
     };
     let cut_base = segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())

@@ -296,6 +296,39 @@ fn a_damaged_header_of_the_last_segment_is_rewritten_and_nothing_is_lost() {
 }
 
 #[test]
+fn an_unreadable_cursor_is_reported_by_verify_and_its_group_restarted_by_repair() {
+    // Both slots of a cursor damaged: the log does not open. verify said "ok" and repair "no bad
+    // frames", so nothing but deleting the file by hand brought the log back.
+    let dir = tempfile::tempdir().unwrap();
+    fixed_log(dir.path(), 50, 20);
+    {
+        let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+        let mut group = log.group("workers", petrel_log::GroupOptions::default()).unwrap();
+        let taken: Vec<u64> =
+            group.poll(10, std::time::Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+        for offset in taken {
+            group.ack(offset).unwrap();
+        }
+        assert_eq!(group.committed(), 10);
+    }
+    let cursor = dir.path().join("groups").join("workers.cursor");
+    fs::write(&cursor, vec![0u8; 4096]).unwrap();
+    assert!(Log::open(dir.path(), small(Durability::None)).is_err());
+    let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+    assert!(!report.is_clean());
+    assert_eq!(report.problems.len(), 1);
+    assert_eq!((report.problems[0].kind, &report.problems[0].file), (ProblemKind::Cursor, &cursor));
+    let repaired = verify::repair(dir.path()).unwrap();
+    assert_eq!((repaired.groups_restarted.as_slice(), repaired.records_removed), (&["workers".to_owned()][..], 0));
+    assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
+    // At the oldest record on disk: what it had acknowledged comes again, nothing is lost.
+    let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let mut group = log.group("workers", petrel_log::GroupOptions::default()).unwrap();
+    assert_eq!(group.committed(), 0);
+    assert_eq!(group.poll(100, std::time::Duration::ZERO).unwrap().len(), 50);
+}
+
+#[test]
 fn a_segment_of_an_unknown_format_version_is_refused_and_left_as_it_is() {
     // A newer build's segment: its header intact, its version unknown here. Taking it for a
     // damaged header would rescan its frames in a format they are not in and cut them.
