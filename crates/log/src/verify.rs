@@ -132,9 +132,36 @@ impl VerifyReport {
 }
 
 /// Checks every frame of every segment (magic, length, CRC, flags, offsets dense across
-/// segments) and lists each problem. `progress(done, total)` is called with segment bytes.
+/// segments) and each cursor, and lists each problem. `progress(done, total)` is called with
+/// segment bytes.
+///
+/// Beside a server writing the log, a record being written can look damaged for a moment (its
+/// frame half there while the one after it is whole). Damage stays where it is; a write moves
+/// on. So problems are reported only when a second look finds the same ones, at the same places
+/// (up to `LOOKS` looks; a log nobody writes costs one more, and only when it is damaged).
 pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport> {
+    const LOOKS: usize = 5;
     let dir = dir.as_ref();
+    let places = |r: &VerifyReport| -> Vec<(PathBuf, u64, ProblemKind)> {
+        r.problems.iter().map(|p| (p.file.clone(), p.position, p.kind)).collect()
+    };
+    let mut report = verify_once(dir, &mut progress)?;
+    for _ in 1..LOOKS {
+        if report.is_clean() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let again = verify_once(dir, &mut progress)?;
+        let same = places(&again) == places(&report);
+        report = again;
+        if same {
+            break;
+        }
+    }
+    Ok(report)
+}
+
+fn verify_once(dir: &Path, progress: &mut impl FnMut(u64, u64)) -> Result<VerifyReport> {
     let (bases, _) = list_segments(dir, false)?;
     if bases.is_empty() {
         return Err(Error::NotALog { path: dir.to_path_buf(), reason: "no segment files".into() });

@@ -296,6 +296,35 @@ fn a_damaged_header_of_the_last_segment_is_rewritten_and_nothing_is_lost() {
 }
 
 #[test]
+fn verify_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
+    // A record half written while the next one is whole looked like damage before valid frames
+    // ("CORRUPT … bad magic; records from N on lost"), in a few runs of 30 beside a server.
+    let dir = tempfile::tempdir().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (path, stop) = (dir.path().to_path_buf(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut log = Log::open(&path, small(Durability::None)).unwrap();
+            let batch: Vec<Vec<u8>> = (0..20).map(|i| vec![i as u8; 40 + i * 13]).collect();
+            while !stop.load(Ordering::Relaxed) {
+                log.append_batch(&batch).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(20)); // tens of MB, not GBs
+            }
+        })
+    };
+    while !verify::holds_segments(dir.path()) {
+        std::thread::yield_now();
+    }
+    let started = std::time::Instant::now();
+    for run in (0..40).take_while(|_| started.elapsed() < std::time::Duration::from_secs(3)) {
+        let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+        assert!(report.is_clean(), "run {run}: {:?}", report.problems);
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+}
+
+#[test]
 fn an_unreadable_cursor_is_reported_by_verify_and_its_group_restarted_by_repair() {
     // Both slots of a cursor damaged: the log does not open. verify said "ok" and repair "no bad
     // frames", so nothing but deleting the file by hand brought the log back.
