@@ -113,6 +113,47 @@ impl Drop for AddressSlot {
     }
 }
 
+/// Logs a request that failed in the server (storage, definitions): with the error's whole
+/// paths, which the client's answer leaves out. At most one line a second: a full disk fails
+/// every request, and a line each flooded the log; the next line counts those left out.
+pub(crate) fn log_request_failure(protocol: &'static str, e: &petrel_broker::BrokerError) {
+    static LINES: std::sync::Mutex<FailureLines> = std::sync::Mutex::new(FailureLines { last: None, left_out: 0 });
+    let error = match e {
+        petrel_broker::BrokerError::Storage(inner) => inner.to_string(),
+        other => other.to_string(),
+    };
+    let mut lines = LINES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(left_out) = lines.take(std::time::Instant::now()) {
+        drop(lines);
+        match left_out {
+            0 => tracing::error!(protocol, %error, "request failed"),
+            n => tracing::error!(protocol, %error, left_out = n, "request failed (and {n} more since the last line)"),
+        }
+    }
+}
+
+/// When the last request failure was logged, and how many were left out since.
+struct FailureLines {
+    last: Option<std::time::Instant>,
+    left_out: u64,
+}
+
+impl FailureLines {
+    /// Whether a failure at `now` is logged, and if so how many were left out before it.
+    fn take(&mut self, now: std::time::Instant) -> Option<u64> {
+        match self.last {
+            Some(last) if now.duration_since(last) < Duration::from_secs(1) => {
+                self.left_out += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.left_out))
+            }
+        }
+    }
+}
+
 /// Refusals answered at once, each on a short task of its own; past this many under way, an
 /// excess connection is closed without a word (a flood gets no more of the server's time).
 const MAX_REFUSALS_UNDER_WAY: usize = 64;
@@ -741,5 +782,16 @@ mod tests {
         assert!(first[..REFUSAL_HANDSHAKES_PER_SECOND as usize].iter().all(|t| *t), "the first ones");
         assert!(!handshakes.take(at(999)));
         assert!(handshakes.take(at(1000)), "a new second");
+    }
+
+    #[test]
+    fn request_failures_are_logged_at_most_once_a_second_with_a_count_of_the_rest() {
+        let start = std::time::Instant::now();
+        let at = |ms| start + Duration::from_millis(ms);
+        let mut lines = FailureLines { last: None, left_out: 0 };
+        assert_eq!(lines.take(at(0)), Some(0));
+        assert_eq!((0..500).filter_map(|i| lines.take(at(1 + i))).count(), 0);
+        assert_eq!(lines.take(at(1000)), Some(500), "the line after says how many were left out");
+        assert_eq!(lines.take(at(2500)), Some(0));
     }
 }

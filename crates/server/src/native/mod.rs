@@ -334,7 +334,7 @@ fn outgoing(mut m: petrel_proto::Message, compress: Option<usize>) -> petrel_pro
 fn error(e: BrokerError) -> Response {
     let status = e.status();
     if status == Status::ServerError {
-        tracing::error!(error = ?e, "request failed"); // with the paths the client is not shown
+        crate::log_request_failure("native", &e);
     }
     Response::error(status, e.to_string())
 }
