@@ -740,7 +740,7 @@ fn server_error(e: &BrokerError) -> String {
             format!("SERVER_ERROR {e}")
         }
         BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
-            crate::log_request_failure("memcache", &e);
+            crate::log_request_failure("memcache", e);
             format!("SERVER_ERROR {e}")
         }
     }
