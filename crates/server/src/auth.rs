@@ -12,6 +12,7 @@ use petrel_broker::security::{Action, Kind, Principal};
 
 use crate::Ctx;
 use crate::stats::add;
+use crate::window::FixedWindow;
 
 /// Destinations whose denial a connection logged already: each once per connection, at most
 /// `MAX_LOGGED_DENIALS` of them (a client probing names cannot flood the log).
@@ -66,7 +67,7 @@ pub(crate) const INVALID: &str = "invalid user name or password";
 
 /// Authentication attempts per address per minute (a fixed window each).
 pub(crate) struct AttemptLimiter {
-    windows: Mutex<HashMap<Option<IpAddr>, (Instant, u32)>>,
+    windows: Mutex<HashMap<Option<IpAddr>, FixedWindow>>,
 }
 
 /// Addresses remembered at most; past it, windows that ended are dropped (and, if none has, all).
@@ -83,17 +84,12 @@ impl AttemptLimiter {
         let minute = Duration::from_secs(60);
         let mut windows = self.windows.lock().unwrap_or_else(|e| e.into_inner());
         if windows.len() >= MAX_TRACKED_ADDRESSES && !windows.contains_key(&addr) {
-            windows.retain(|_, (start, _)| now.duration_since(*start) < minute);
+            windows.retain(|_, window| !window.ended(now, minute));
             if windows.len() >= MAX_TRACKED_ADDRESSES {
                 windows.clear();
             }
         }
-        let (start, count) = windows.entry(addr).or_insert((now, 0));
-        if now.duration_since(*start) >= minute {
-            (*start, *count) = (now, 0);
-        }
-        *count += 1;
-        *count <= per_minute
+        windows.entry(addr).or_insert(FixedWindow::new(now)).admit(now, minute, per_minute)
     }
 }
 

@@ -35,6 +35,7 @@ mod reload;
 mod stats;
 mod ticker;
 mod tls;
+mod window;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -117,39 +118,35 @@ impl Drop for AddressSlot {
 /// paths, which the client's answer leaves out. At most one line a second: a full disk fails
 /// every request, and a line each flooded the log; the next line counts those left out.
 pub(crate) fn log_request_failure(protocol: &'static str, e: &petrel_broker::BrokerError) {
-    static LINES: std::sync::Mutex<FailureLines> = std::sync::Mutex::new(FailureLines { last: None, left_out: 0 });
+    static LINES: std::sync::Mutex<FailureLines> = std::sync::Mutex::new(FailureLines { window: None, left_out: 0 });
+    let Some(left_out) = LINES.lock().unwrap_or_else(|e| e.into_inner()).take(std::time::Instant::now()) else {
+        return;
+    };
     let error = match e {
         petrel_broker::BrokerError::Storage(inner) => inner.to_string(),
         other => other.to_string(),
     };
-    let mut lines = LINES.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(left_out) = lines.take(std::time::Instant::now()) {
-        drop(lines);
-        match left_out {
-            0 => tracing::error!(protocol, %error, "request failed"),
-            n => tracing::error!(protocol, %error, left_out = n, "request failed (and {n} more since the last line)"),
-        }
+    match left_out {
+        0 => tracing::error!(protocol, %error, "request failed"),
+        n => tracing::error!(protocol, %error, left_out = n, "request failed (and {n} more since the last line)"),
     }
 }
 
-/// When the last request failure was logged, and how many were left out since.
+/// The window of the last request failure logged, and how many were left out since.
 struct FailureLines {
-    last: Option<std::time::Instant>,
+    window: Option<window::FixedWindow>,
     left_out: u64,
 }
 
 impl FailureLines {
     /// Whether a failure at `now` is logged, and if so how many were left out before it.
     fn take(&mut self, now: std::time::Instant) -> Option<u64> {
-        match self.last {
-            Some(last) if now.duration_since(last) < Duration::from_secs(1) => {
-                self.left_out += 1;
-                None
-            }
-            _ => {
-                self.last = Some(now);
-                Some(std::mem::take(&mut self.left_out))
-            }
+        let window = self.window.get_or_insert(window::FixedWindow::new(now));
+        if window.admit(now, Duration::from_secs(1), 1) {
+            Some(std::mem::take(&mut self.left_out))
+        } else {
+            self.left_out += 1;
+            None
         }
     }
 }
@@ -162,28 +159,6 @@ const MAX_REFUSALS_UNDER_WAY: usize = 64;
 /// refusal is answered in plaintext, so that a flood of refused connections from one address
 /// costs the server no more than this many handshakes a second.
 const REFUSAL_HANDSHAKES_PER_SECOND: u32 = 16;
-
-/// How many refusal handshakes this second has left.
-struct RefusalHandshakes {
-    second: std::time::Instant,
-    left: u32,
-}
-
-impl RefusalHandshakes {
-    fn new(now: std::time::Instant) -> RefusalHandshakes {
-        RefusalHandshakes { second: now, left: REFUSAL_HANDSHAKES_PER_SECOND }
-    }
-
-    /// Whether a refusal at `now` may make a handshake.
-    fn take(&mut self, now: std::time::Instant) -> bool {
-        if now.duration_since(self.second) >= Duration::from_secs(1) {
-            *self = RefusalHandshakes { second: now, left: REFUSAL_HANDSHAKES_PER_SECOND };
-        }
-        let some_left = self.left > 0;
-        self.left = self.left.saturating_sub(1);
-        some_left
-    }
-}
 
 impl Ctx {
     fn tls(&self) -> Option<Arc<tls::Tls>> {
@@ -346,7 +321,8 @@ impl Server {
         let next_conn = AtomicU64::new(1);
         let mut connections = JoinSet::new();
         let mut refusals = JoinSet::new();
-        let mut handshakes = RefusalHandshakes::new(std::time::Instant::now());
+        // Refusal handshakes this second (`REFUSAL_HANDSHAKES_PER_SECOND`).
+        let mut handshakes = window::FixedWindow::new(std::time::Instant::now());
         tokio::pin!(shutdown);
         loop {
             // Reap finished connections so the sets stay bounded by the live ones.
@@ -413,7 +389,10 @@ impl Server {
                     stats::add(&ctx.stats.connections_refused, 1);
                     tracing::debug!(%peer, reason, "connection refused");
                     if refusals.len() < MAX_REFUSALS_UNDER_WAY {
-                        let tls = ctx.tls().filter(|_| handshakes.take(std::time::Instant::now()));
+                        let tls = ctx.tls().filter(|_| {
+                            let second = Duration::from_secs(1);
+                            handshakes.admit(std::time::Instant::now(), second, REFUSAL_HANDSHAKES_PER_SECOND)
+                        });
                         let refusal = refuse(stream, tls, protocol, petrel_proto::Status::LimitReached, reason);
                         refusals.spawn(refusal);
                     }
@@ -773,22 +752,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn refusals_make_at_most_their_handshakes_a_second() {
-        let start = std::time::Instant::now();
-        let mut handshakes = RefusalHandshakes::new(start);
-        let at = |ms| start + Duration::from_millis(ms);
-        let first: Vec<bool> = (0..20).map(|i| handshakes.take(at(i * 10))).collect();
-        assert_eq!(first.iter().filter(|t| **t).count(), REFUSAL_HANDSHAKES_PER_SECOND as usize);
-        assert!(first[..REFUSAL_HANDSHAKES_PER_SECOND as usize].iter().all(|t| *t), "the first ones");
-        assert!(!handshakes.take(at(999)));
-        assert!(handshakes.take(at(1000)), "a new second");
-    }
-
-    #[test]
     fn request_failures_are_logged_at_most_once_a_second_with_a_count_of_the_rest() {
         let start = std::time::Instant::now();
         let at = |ms| start + Duration::from_millis(ms);
-        let mut lines = FailureLines { last: None, left_out: 0 };
+        let mut lines = FailureLines { window: None, left_out: 0 };
         assert_eq!(lines.take(at(0)), Some(0));
         assert_eq!((0..500).filter_map(|i| lines.take(at(1 + i))).count(), 0);
         assert_eq!(lines.take(at(1000)), Some(500), "the line after says how many were left out");
