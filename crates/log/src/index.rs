@@ -96,9 +96,18 @@ impl SparseIndex {
     }
 }
 
+/// What a walk over a segment's frame headers built, and where it stopped.
+pub(crate) struct Walk {
+    pub entries: Vec<Entry>,
+    /// Position (relative to `SEGMENT_HEADER_LEN`) where no further frame header was found.
+    pub end: usize,
+    /// The record after the last frame walked.
+    pub next_offset: u64,
+}
+
 /// Builds the entries for the frames in `data` (a segment's published bytes from `SEGMENT_HEADER_LEN`),
 /// starting at record `base`, walking frame headers only.
-pub(crate) fn build(format: Format, data: &[u8], base: u64) -> Vec<Entry> {
+pub(crate) fn build(format: Format, data: &[u8], base: u64) -> Walk {
     let mut entries = Vec::with_capacity(data.len() / INDEX_STEP + 1);
     let mut at = 0;
     let mut offset = base;
@@ -115,7 +124,7 @@ pub(crate) fn build(format: Format, data: &[u8], base: u64) -> Vec<Entry> {
         at += len;
         offset += 1;
     }
-    entries
+    Walk { entries, end: at, next_offset: offset }
 }
 
 pub(crate) fn file_path(dir: &Path, base: u64) -> PathBuf {

@@ -110,11 +110,27 @@ impl Log {
             true => active.map.set_allocated(pos.next_multiple_of(segment::PAGE).min(active.map.len())),
             false => active.allocate(pos)?,
         }
-        active.index.set(crate::index::build(
-            active.format,
-            active.map.published().from(SEGMENT_HEADER_LEN),
-            active.base,
-        ));
+        let walk = crate::index::build(active.format, active.map.published().from(SEGMENT_HEADER_LEN), active.base);
+        // Recovery checked the frames from the durable checkpoint on; the walk covers those before
+        // it, and must end where recovery did. A segment cut short and extended again reads as
+        // zeros up to its checkpoint, which recovery does not read.
+        let walked_to = SEGMENT_HEADER_LEN + walk.end;
+        if (walked_to, walk.next_offset) != (pos, next_offset) {
+            return Err(match active.header() {
+                Ok(h) if h.checkpoint_pos > walked_to as u64 => {
+                    crate::recovery::cut_below_checkpoint(&active, walked_to, walk.next_offset, &h)
+                }
+                _ => corrupt(
+                    &active.path,
+                    walked_to as u64,
+                    Some(walk.next_offset),
+                    Reason::Other(format!(
+                        "the frames end here, yet recovery found them valid up to byte {pos} (record {next_offset})"
+                    )),
+                ),
+            });
+        }
+        active.index.set(walk.entries);
         let positions = active.positions();
 
         let mut cursors = crate::group::load_all(&dir)?;

@@ -361,6 +361,11 @@ pub(crate) fn recover_active(seg: &Segment, writer: &mut DataWriter, report: &mu
             return Err(corrupt_undecided(seg, end, scan.next_offset, error, searched_to));
         }
     }
+    if let Ok(h) = &header
+        && h.checkpoint_pos > end as u64
+    {
+        return Err(cut_below_checkpoint(seg, end, scan.next_offset, h));
+    }
     if header.is_err() {
         seg.write_checkpoint(0, seg.base);
     }
@@ -368,6 +373,34 @@ pub(crate) fn recover_active(seg: &Segment, writer: &mut DataWriter, report: &mu
     // the whole file as data (an empty hole at its end), and so does an error (`0..0`).
     let end_page_on_disk = !file_hole.is_empty() && file_hole.start >= end.next_multiple_of(segment::PAGE);
     Ok(Recovered { end, next_offset: scan.next_offset, end_page_on_disk })
+}
+
+/// The valid frames of a segment end at `end`, before its durable checkpoint: records that were
+/// synced and acknowledged are gone (the file was cut short or its end overwritten after the
+/// fact). A crash cannot do this, so it is never taken for a torn tail.
+pub(crate) fn cut_below_checkpoint(
+    seg: &Segment,
+    end: usize,
+    next_offset: u64,
+    header: &segment::SegmentHeader,
+) -> Error {
+    Error::Corrupt {
+        file: seg.path.clone(),
+        position: end as u64,
+        offset: Some(next_offset),
+        reason: Reason::Other(below_checkpoint(end, next_offset, header)),
+        before_tail: true,
+    }
+}
+
+/// Says what a segment cut below its checkpoint lost.
+pub(crate) fn below_checkpoint(end: usize, next_offset: u64, header: &segment::SegmentHeader) -> String {
+    format!(
+        "the valid records end at byte {end}, before the segment's durable checkpoint at byte {} (record {}): \
+         records {next_offset}..{} were synced and acknowledged, and the file no longer holds them (cut short or \
+         overwritten)",
+        header.checkpoint_pos, header.checkpoint_offset, header.checkpoint_offset
+    )
 }
 
 pub(crate) fn corrupt_before_valid(

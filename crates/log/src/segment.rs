@@ -325,7 +325,8 @@ impl Segment {
             self.index.set(entries);
             return;
         }
-        let entries = crate::index::build(self.format, self.map.published().from(SEGMENT_HEADER_LEN), self.base);
+        let entries =
+            crate::index::build(self.format, self.map.published().from(SEGMENT_HEADER_LEN), self.base).entries;
         if self.map.is_writable() || fs::metadata(dir.join(crate::index::INDEX_DIR)).is_ok() {
             crate::index::save(dir, self.base, &entries);
         }

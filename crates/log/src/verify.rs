@@ -208,16 +208,30 @@ fn verify_once(dir: &Path, progress: &mut impl FnMut(u64, u64)) -> Result<Verify
             report.records += scan.records;
             report.frame_bytes += (scan.end - pos) as u64;
             expected = scan.next_offset;
+            // Valid records that end before the durable checkpoint lost acknowledged ones: damage,
+            // never a torn tail (a crash cannot take back what a sync wrote).
+            let end = SEGMENT_HEADER_LEN + scan.end;
+            let cut_below = header.as_ref().ok().filter(|h| h.checkpoint_pos > end as u64);
+            let lost = cut_below.map(|h| recovery::below_checkpoint(end, expected, h));
             match scan.stop {
-                Stop::Clean => break,
+                Stop::Clean => {
+                    if let Some(lost) = lost {
+                        report.problems.push(problem(end, known(expected), ProblemKind::Corrupt, lost));
+                    }
+                    break;
+                }
                 Stop::Torn { error, .. } => {
-                    let kind = if is_last { ProblemKind::TornTail } else { ProblemKind::Corrupt };
-                    let detail = if is_last {
-                        format!("{error}: an interrupted last append, cut on the next open")
-                    } else {
-                        format!("{error}: the rest of this sealed segment is unreadable")
+                    let (kind, detail) = match (is_last, lost) {
+                        (_, Some(lost)) => (ProblemKind::Corrupt, format!("{error}; {lost}")),
+                        (true, None) => (
+                            ProblemKind::TornTail,
+                            format!("{error}: an interrupted last append, cut on the next open"),
+                        ),
+                        (false, None) => {
+                            (ProblemKind::Corrupt, format!("{error}: the rest of this sealed segment is unreadable"))
+                        }
                     };
-                    report.problems.push(problem(SEGMENT_HEADER_LEN + scan.end, known(expected), kind, detail));
+                    report.problems.push(problem(end, known(expected), kind, detail));
                     break;
                 }
                 Stop::Undecided { error, searched_to } => {

@@ -279,6 +279,53 @@ fn damage_before_valid_frames_in_the_last_segment_fails_the_open() {
 }
 
 #[test]
+fn a_last_segment_cut_below_its_durable_checkpoint_is_damage_not_a_torn_tail() {
+    // Under `always` every record was synced and acknowledged, and the checkpoint says so: a file
+    // that ends inside those records lost them after the fact. Open and verify took it for a torn
+    // tail before, and the log opened without them.
+    for truncate in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = Log::open(dir.path(), small(Durability::Always)).unwrap();
+        for i in 0..50u64 {
+            log.append(&[i as u8 + 1; 20]).unwrap();
+        }
+        drop(log);
+        let seg = segments(dir.path()).pop().unwrap();
+        let starts = frame_starts(&seg);
+        let cut = starts[30] + 3; // inside record 30
+        if truncate {
+            fs::OpenOptions::new().write(true).open(&seg).unwrap().set_len(cut).unwrap();
+        } else {
+            let mut bytes = fs::read(&seg).unwrap();
+            bytes[cut as usize..starts[50] as usize].fill(0);
+            fs::write(&seg, bytes).unwrap();
+        }
+        // Recovery reads from the checkpoint on (where the file is zeros now); the records
+        // before it must still be found missing.
+        for _ in 0..2 {
+            let err = Log::open(dir.path(), small(Durability::Always)).err().expect("must not open");
+            let Error::Corrupt { file, position, offset, before_tail: true, .. } = &err else { panic!("{err}") };
+            assert_eq!((file, *position, *offset), (&seg, starts[30], Some(30)), "truncate: {truncate}");
+            assert!(err.to_string().contains("records 30..50"), "{err}");
+        }
+        let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+        assert!(!report.is_clean(), "truncate: {truncate}: {:?}", report.problems);
+        let problem = &report.problems[0];
+        assert_eq!((problem.kind, &problem.file, problem.offset), (ProblemKind::Corrupt, &seg, Some(30)));
+        assert_eq!(problem.position, starts[30]);
+        assert!(problem.detail.contains("records 30..50"), "{}", problem.detail);
+
+        let repaired = verify::repair(dir.path()).unwrap();
+        assert_eq!(repaired.next_offset, 30);
+        assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
+        let mut log = Log::open(dir.path(), small(Durability::Always)).unwrap();
+        assert_eq!(log.next_offset(), 30);
+        assert!(read_all(&mut log.reader()).iter().all(|r| r.payload == vec![r.offset as u8 + 1; 20]));
+        assert_eq!(log.append(b"resumed").unwrap(), 30);
+    }
+}
+
+#[test]
 fn a_damaged_header_of_the_last_segment_is_rewritten_and_nothing_is_lost() {
     let dir = tempfile::tempdir().unwrap();
     fixed_log(dir.path(), 50, 20);
