@@ -39,6 +39,7 @@ mod queue;
 pub mod security;
 mod topic;
 mod waiting;
+mod waitlist;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -873,8 +874,7 @@ impl Broker {
         // Release: whoever reads the new count (`queues_removed`) finds the queue gone.
         self.removed.fetch_add(1, Ordering::Release);
         // Whoever waits on it (for messages, or for room) learns that it is gone.
-        queue.available.notify_waiters();
-        queue.room.notify_waiters();
+        queue.mark_removed();
         if !queue.config().temporary {
             drop(queue);
             remove_dir(&self.dir.join("queues"), name)?;

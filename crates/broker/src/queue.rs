@@ -2,12 +2,12 @@
 //! back unless acknowledged, and expiry.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
+use crate::waitlist::Waitlist;
 use petrel_log::{ConsumerGroup, Durability, GroupOptions, MAX_PENDING, SharedLog};
-use tokio::sync::Notify;
 
 use crate::dedup::DedupWindow;
 use crate::delay::{self, DelayLog, Ready};
@@ -344,10 +344,13 @@ pub struct Queue {
     /// and so may offer their replies to it (at most `MAX_REPLIERS`, the latest kept).
     repliers: Mutex<Vec<ConnId>>,
     inner: Mutex<Inner>,
-    /// Woken when messages may have become available.
-    pub available: Notify,
-    /// Woken when room may have become free.
-    pub room: Notify,
+    /// Consumers waiting for messages, first come, first served.
+    pub(crate) available: Waitlist,
+    /// Offers waiting for room, first come, first served.
+    pub(crate) room: Waitlist,
+    /// Set once the queue is removed, before its waiters are woken: a waiter that joins the
+    /// line after that wake-up sees it instead.
+    removed: AtomicBool,
     waiters: AtomicU64,
     /// The earliest time `tick` may have work (a visibility deadline, an expiry); changed only
     /// under the lock. The server ticks every queue every few milliseconds: most return at once.
@@ -774,8 +777,9 @@ impl Queue {
                 delayed: 0,
                 counters: QueueCounters::default(),
             }),
-            available: Notify::new(),
-            room: Notify::new(),
+            available: Waitlist::default(),
+            room: Waitlist::default(),
+            removed: AtomicBool::new(false),
             waiters: AtomicU64::new(0),
             due_ns: Due {
                 at: AtomicU64::new(u64::MAX),
@@ -803,7 +807,7 @@ impl Queue {
         assert!(config::changes_live(&self.config(), &new), "a queue's kind never changes while it lives");
         *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(new);
         // A raised limit may let waiting offers in.
-        self.room.notify_waiters();
+        self.room.wake_all();
     }
 
     /// Lets `conn` offer replies to this temporary queue.
@@ -819,6 +823,18 @@ impl Queue {
 
     pub(crate) fn is_replier(&self, conn: ConnId) -> bool {
         self.repliers.lock().unwrap_or_else(|e| e.into_inner()).contains(&conn)
+    }
+
+    /// Marks the queue removed and wakes everyone waiting on it.
+    pub(crate) fn mark_removed(&self) {
+        self.removed.store(true, Ordering::SeqCst);
+        self.available.wake_all();
+        self.room.wake_all();
+    }
+
+    /// Whether the queue was removed (a waiter then looks its name up again).
+    pub(crate) fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::SeqCst)
     }
 
     /// Marks a consumer as waiting until the guard is dropped.
@@ -1201,7 +1217,7 @@ impl Queue {
         drop(inner);
         let unsynced = if self.syncs_every_offer || durable_asked { last } else { None };
         if !self.syncs_every_offer && !delayed {
-            self.available.notify_waiters();
+            self.available.wake_one();
         }
         Ok(Stored { first, count: n as u32, repeats, last: unsynced })
     }
@@ -1240,7 +1256,7 @@ impl Queue {
         // between saw no head and may have set no time to look).
         inner.head_taken = true;
         drop(inner);
-        self.available.notify_waiters();
+        self.available.wake_one();
         Ok(())
     }
 
@@ -1301,7 +1317,7 @@ impl Queue {
         }
         drop(guard);
         if !out.deliveries.is_empty() || !out.expired.is_empty() {
-            self.room.notify_waiters();
+            self.room.wake_one();
         }
         Ok(out)
     }
@@ -1327,9 +1343,9 @@ impl Queue {
         // unacknowledged (`ConsumerGroup::poll`): pollers look again.
         let waiting = inner.waiting > 0;
         drop(inner);
-        self.room.notify_waiters();
+        self.room.wake_one();
         if n > 0 && waiting {
-            self.available.notify_waiters();
+            self.available.wake_one();
         }
         failed.map_or(Ok(n), Err)
     }
@@ -1420,9 +1436,9 @@ impl Queue {
         }
         drop(inner);
         if n > 0 {
-            self.available.notify_waiters();
+            self.available.wake_one();
             if !over_limit.is_empty() {
-                self.room.notify_waiters();
+                self.room.wake_one();
             }
         }
         Ok(Returned { count: n, over_limit })
@@ -1488,10 +1504,10 @@ impl Queue {
         drop(inner);
         // (A failed step may have made messages waiting without counting them as moved.)
         if !overdue.is_empty() || moved > 0 || failed.is_some() {
-            self.available.notify_waiters();
+            self.available.wake_one();
         }
         if !expired.is_empty() || !over_limit.is_empty() {
-            self.room.notify_waiters();
+            self.room.wake_one();
         }
         (DeadLetters { expired, over_limit }, failed)
     }
@@ -1521,7 +1537,7 @@ impl Queue {
         inner.bytes = inner.in_flight.values().map(|f| f.bytes).sum();
         inner.counters.flushes += 1;
         drop(inner);
-        self.room.notify_waiters();
+        self.room.wake_one();
         Ok(n)
     }
 
@@ -1592,7 +1608,7 @@ impl Queue {
         };
         drop(inner);
         if !expired.is_empty() {
-            self.room.notify_waiters();
+            self.room.wake_one();
         }
         Ok((head, expired))
     }

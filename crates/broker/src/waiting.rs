@@ -1,7 +1,8 @@
 //! Waiting on a queue: for a message to take, or for room to offer into. Every protocol that
 //! blocks (a native POLL or OFFER with a timeout, a memcache `get` with `/t=`) waits here, so the
-//! one subtle part — registering for the wake-up *before* looking, so that a change between the
-//! look and the wait is never missed — is written once.
+//! one subtle part — joining the line (`waitlist.rs`) *before* looking, so that a change between
+//! the look and the wait is never missed — is written once. Waiters are served in the order
+//! they came.
 //!
 //! The broker runs no timers: the caller says when to give up with a future of its own (a
 //! deadline, a shutdown, a closed socket), and learns which of its reasons ended the wait.
@@ -35,8 +36,9 @@ impl Broker {
     /// Calls `attempt` on `queue` until it returns something, waking only when the queue may
     /// have changed in the way `what` names, or until `stop` finishes.
     ///
-    /// After each wake-up the queue is looked up afresh by name: it may have been removed (then
-    /// `NotFound`) or made anew while the caller waited. An error from `attempt` ends the wait.
+    /// Waiters are woken one at a time, oldest first (`waitlist.rs`). A queue removed while the
+    /// caller waits is looked up again by name: `NotFound`, or the queue made anew under it. An
+    /// error from `attempt` ends the wait.
     pub async fn wait_on_queue<T, Why>(
         &self,
         queue: Arc<Queue>,
@@ -48,28 +50,41 @@ impl Broker {
         let mut queue = queue;
         loop {
             {
-                let notify = match what {
+                let line = match what {
                     WaitFor::Messages => &queue.available,
                     WaitFor::Room => &queue.room,
                 };
-                let mut changed = pin!(notify.notified());
-                // Registered before the attempt: a notification sent after it still wakes us.
-                changed.as_mut().enable();
-                if let Some(ready) = attempt(&queue)? {
-                    return Ok(Waited::Ready(ready));
-                }
-                let _counted = (what == WaitFor::Messages).then(|| queue.waiting());
-                let stopped = std::future::poll_fn(|cx| {
-                    if let Poll::Ready(why) = stop.as_mut().poll(cx) {
-                        return Poll::Ready(Some(why));
+                // In line before the first look, and kept across looks that find nothing: a
+                // change after a look still wakes this ticket, and it stays ahead of later ones.
+                let ticket = line.register();
+                if !queue.is_removed() {
+                    let mut counted = None;
+                    loop {
+                        ticket.arm();
+                        if let Some(ready) = attempt(&queue)? {
+                            ticket.took();
+                            return Ok(Waited::Ready(ready));
+                        }
+                        if what == WaitFor::Messages && counted.is_none() {
+                            counted = Some(queue.waiting());
+                        }
+                        let stopped = std::future::poll_fn(|cx| {
+                            if let Poll::Ready(why) = stop.as_mut().poll(cx) {
+                                return Poll::Ready(Some(why));
+                            }
+                            ticket.poll_woken(cx).map(|()| None)
+                        })
+                        .await;
+                        if let Some(why) = stopped {
+                            return Ok(Waited::Stopped(why));
+                        }
+                        if queue.is_removed() {
+                            break;
+                        }
                     }
-                    changed.as_mut().poll(cx).map(|()| None)
-                })
-                .await;
-                if let Some(why) = stopped {
-                    return Ok(Waited::Stopped(why));
                 }
             }
+            // Removed while waiting: gone (`NotFound`), or made anew under its name.
             queue = self.get(&queue.name)?;
         }
     }
@@ -146,6 +161,51 @@ mod tests {
         );
         assert!(matches!(waited.await, Err(BrokerError::NotFound(_))));
         removing.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn offers_waiting_for_room_get_in_in_the_order_they_came() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
+        broker.create_queue("full", QueueConfig { max_items: 1, ..QueueConfig::default() }, None).unwrap();
+        broker.offer("full", vec![Message::new(&b"first"[..])], 0).unwrap();
+        let waiting_offer = |payload: &'static [u8]| {
+            let broker = Arc::clone(&broker);
+            tokio::spawn(async move {
+                let mut messages = vec![Message::new(payload)];
+                let offer = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut messages, 0) {
+                    Err(BrokerError::Full(_)) => Ok(None),
+                    other => other.map(Some),
+                };
+                let waited = broker.wait_on_queue(
+                    broker.queue("full").unwrap(),
+                    WaitFor::Room,
+                    offer,
+                    std::future::pending::<()>(),
+                );
+                assert!(matches!(waited.await, Ok(Waited::Ready(_))));
+            })
+        };
+        // One thread: each task runs to its wait before the next is spawned.
+        let mut offers = Vec::new();
+        for payload in [&b"a"[..], b"b", b"c"] {
+            offers.push(waiting_offer(payload));
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            let polled = broker.poll_from(&broker.queue("full").unwrap(), 1, None, 1, 0).unwrap();
+            got.extend(polled.into_iter().map(|d| d.message.payload.to_vec()));
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+        }
+        assert_eq!(got, [&b"first"[..], b"a", b"b", b"c"]);
+        for offer in offers {
+            offer.await.unwrap();
+        }
     }
 
     #[tokio::test]

@@ -170,6 +170,49 @@ async fn items_cross_between_the_memcache_and_native_protocols() {
     offer.await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_gets_are_served_oldest_first_and_a_batch_reaches_as_many_waiters() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let native = server.client().await;
+    let waiters = |n: u64| {
+        let native = &native;
+        async move {
+            common::wait_until_async(&format!("{n} gets to wait"), || async {
+                native.queue_status("line").await.unwrap().waiters == n
+            })
+            .await
+        }
+    };
+    let mut maker = Conn::open(&server);
+    assert_eq!(maker.ask(b"get line\r\n", b"END\r\n"), "END\r\n", "the queue is made by its first use");
+    // Six gets wait, each counted before the next one asks: their order is known.
+    let mut line = Vec::new();
+    for i in 0..6 {
+        let mut c = Conn::open(&server);
+        c.0.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        c.send(b"get line/t=30000\r\n");
+        waiters(i + 1).await;
+        line.push(c);
+    }
+    // One message at a time: each goes to the get that has waited longest. (All were woken for
+    // each before, and which one won was the scheduler's choice.)
+    for (i, mut c) in line.drain(..3).enumerate() {
+        native.offer("line", vec![Message::new(format!("m{i}").into_bytes())], None).await.unwrap();
+        waiters(5 - i as u64).await;
+        let got = tokio::task::spawn_blocking(move || String::from_utf8_lossy(&c.until(b"END\r\n")).into_owned());
+        assert_eq!(got.await.unwrap(), format!("VALUE line/t=30000 0 2\r\nm{i}\r\nEND\r\n"), "waiter {i}");
+    }
+    // Three messages in one offer reach the three left, in their order.
+    let batch = (3..6).map(|i| Message::new(format!("m{i}").into_bytes())).collect();
+    native.offer("line", batch, None).await.unwrap();
+    for (i, mut c) in line.into_iter().enumerate().map(|(i, c)| (i + 3, c)) {
+        let got = tokio::task::spawn_blocking(move || String::from_utf8_lossy(&c.until(b"END\r\n")).into_owned());
+        assert_eq!(got.await.unwrap(), format!("VALUE line/t=30000 0 2\r\nm{i}\r\nEND\r\n"), "waiter {i}");
+    }
+    waiters(0).await;
+}
+
 #[test]
 fn items_set_and_items_left_open_survive_kill_9_and_fanout_goes_on() {
     let dir = tempfile::tempdir().unwrap();
