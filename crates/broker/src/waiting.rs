@@ -164,6 +164,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_wait_on_a_queue_removed_before_it_began_ends_with_not_found() {
+        // The caller looked the queue up, then it was removed before the wait joined its line:
+        // the removal's wake-up came too early for this waiter.
+        let (_dir, broker) = broker();
+        let stale = broker.queue("q").unwrap();
+        broker.remove_queue("q").unwrap();
+        let waited = broker.wait_on_queue(stale, WaitFor::Messages, |_| Ok(None::<()>), async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            "deadline"
+        });
+        let waited = tokio::time::timeout(Duration::from_secs(2), waited).await.expect("not left to its deadline");
+        assert!(matches!(waited, Err(BrokerError::NotFound(_))));
+    }
+
+    #[tokio::test]
     async fn offers_waiting_for_room_get_in_in_the_order_they_came() {
         let dir = tempfile::tempdir().unwrap();
         let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
