@@ -403,6 +403,49 @@ fn a_queue_falls_back_to_smaller_segments_when_a_grown_one_does_not_fit() {
 }
 
 #[test]
+fn requests_that_fail_in_the_server_are_counted_on_metrics_and_in_stats() {
+    // Files of at most 300 KiB: a record of 400 KB fits no segment, a storage error, not the
+    // client's (the server's message limit is higher). Each protocol's failure is counted.
+    let dir = tempfile::tempdir().unwrap();
+    let limit = ["bash", "-c", "ulimit -f 300; exec \"$0\" \"$@\""];
+    let server = Server::start_under(&limit, &dir.path().join("data"), &[]);
+    let failures = |server: &Server| {
+        let mut http = TcpStream::connect(&server.http).unwrap();
+        http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        http.read_to_string(&mut text).unwrap();
+        let count = |protocol: &str| -> u64 {
+            let prefix = format!("petrel_request_failures_total{{protocol=\"{protocol}\"}} ");
+            let line = text.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("{prefix} in {text}"));
+            line[prefix.len()..].parse().unwrap()
+        };
+        (count("native"), count("memcache"))
+    };
+    assert_eq!(failures(&server), (0, 0));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+        let big = petrel_client::Message::new(vec![b'x'; 400_000]);
+        let err = c.offer("q", vec![big], None).await.unwrap_err();
+        assert!(err.to_string().contains("SERVER_ERROR") || err.to_string().contains("server error"), "{err}");
+        c.offer("q", vec![petrel_client::Message::new(&b"small"[..])], None).await.unwrap();
+    });
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let set = format!("set q 0 0 400000\r\n{}\r\n", "y".repeat(400_000));
+    assert!(ask(&mut mc, &set).starts_with("SERVER_ERROR"));
+    assert_eq!(failures(&server), (1, 1));
+    mc.write_all(b"stats\r\n").unwrap();
+    let mut text = String::new();
+    let mut reader = std::io::BufReader::new(&mut mc);
+    while !text.ends_with("END\r\n") {
+        std::io::BufRead::read_line(&mut reader, &mut text).unwrap();
+    }
+    assert!(text.contains("STAT request_failures 2\r\n"), "{text}");
+}
+
+#[test]
 fn stats_show_every_limit_the_memory_in_use_and_the_free_disk() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data"));

@@ -118,6 +118,7 @@ impl Drop for AddressSlot {
 /// paths, which the client's answer leaves out. At most one line a second: a full disk fails
 /// every request, and a line each flooded the log; the next line counts those left out.
 pub(crate) fn log_request_failure(protocol: &'static str, e: &petrel_broker::BrokerError) {
+    stats::count_request_failure(protocol);
     static LINES: std::sync::Mutex<FailureLines> = std::sync::Mutex::new(FailureLines { window: None, left_out: 0 });
     let Some(left_out) = LINES.lock().unwrap_or_else(|e| e.into_inner()).take(std::time::Instant::now()) else {
         return;

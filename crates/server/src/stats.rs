@@ -33,6 +33,23 @@ pub(crate) struct ServerStats {
     pub memcache_requests: [AtomicU64; MEMCACHE_COMMANDS.len()],
 }
 
+/// Requests that failed in the server itself (storage errors: a full disk, a failed sync, a
+/// definition that could not be written), answered `SERVER_ERROR` and logged (at most a line a
+/// second), by `FAILURE_PROTOCOLS`. Process-wide, as the log lines' limit is: counted where a
+/// failure is logged, which knows no server (one server per process outside tests).
+static REQUEST_FAILURES: [AtomicU64; FAILURE_PROTOCOLS.len()] = [const { AtomicU64::new(0) }; 2];
+pub(crate) const FAILURE_PROTOCOLS: [&str; 2] = ["native", "memcache"];
+
+pub(crate) fn count_request_failure(protocol: &str) {
+    let i = FAILURE_PROTOCOLS.iter().position(|p| *p == protocol).expect("a protocol that logs failures");
+    REQUEST_FAILURES[i].fetch_add(1, Ordering::Relaxed);
+}
+
+/// Requests that failed in the server, by `FAILURE_PROTOCOLS`.
+pub(crate) fn request_failures() -> [u64; FAILURE_PROTOCOLS.len()] {
+    std::array::from_fn(|i| REQUEST_FAILURES[i].load(Ordering::Relaxed))
+}
+
 /// The native protocol's request opcodes and their names in `petrel_requests_total`.
 pub(crate) const NATIVE_COMMANDS: [(u16, &str); 23] = {
     use petrel_proto::opcode::*;

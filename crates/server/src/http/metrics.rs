@@ -176,6 +176,10 @@ impl Scrape {
         self.counter("petrel_sent_bytes_total", "Bytes written to clients.", none(), read(&s.bytes_written));
         self.counter("petrel_auth_failures_total", "Failed authentications.", none(), read(&s.auth_failures));
         self.counter("petrel_acl_denials_total", "Requests an ACL refused.", none(), broker.denials());
+        let help = "Requests that failed in the server (storage errors such as a full disk), each answered SERVER_ERROR and logged.";
+        for (protocol, n) in crate::stats::FAILURE_PROTOCOLS.iter().zip(crate::stats::request_failures()) {
+            self.counter("petrel_request_failures_total", help, vec![Label::new("protocol", *protocol)], n);
+        }
         let (memory_used, memory_max) = broker.memory();
         self.gauge("petrel_memory_queued_bytes", "Bytes held against max_memory_bytes.", none(), memory_used);
         self.gauge("petrel_memory_budget_bytes", "max_memory_bytes (0: no limit).", none(), memory_max);

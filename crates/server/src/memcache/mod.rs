@@ -604,6 +604,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("connections_refused", &get(&s.connections_refused));
         put("idle_closed", &get(&s.idle_closed));
         put("set_refused", &get(&s.set_refused));
+        let [native_failures, memcache_failures] = crate::stats::request_failures();
+        put("request_failures", &(native_failures + memcache_failures));
         // The limits a reload changes as they are now; the rest as the server started.
         let limits = &ctx.config;
         put("limit_max_connections", &ctx.limits.max_connections());
