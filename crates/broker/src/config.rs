@@ -154,6 +154,22 @@ pub fn durability_of(config: &QueueConfig) -> Result<Option<Durability>, String>
     }
 }
 
+/// The configuration a queue made by first use, configured as `current`, takes from `wanted`
+/// (the server's for its name: its block, its parent's, or the defaults): all of it but where
+/// and how its messages are kept, which its files depend on (in memory or on disk, temporary,
+/// its priority levels, and its durability if it is kept elsewhere than `wanted` says).
+pub fn following(current: &QueueConfig, wanted: &QueueConfig) -> QueueConfig {
+    let durability =
+        if current.durable == wanted.durable { wanted.durability.clone() } else { current.durability.clone() };
+    QueueConfig {
+        durable: current.durable,
+        temporary: current.temporary,
+        priorities: current.priorities,
+        durability,
+        ..wanted.clone()
+    }
+}
+
 /// Whether a queue configured as `from` may take `to` while it lives: the same kind of queue
 /// (where its messages are kept, how durably, in how many priority levels), other limits,
 /// expiry, dead letters, priority share or dedup window.

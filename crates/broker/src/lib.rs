@@ -269,6 +269,10 @@ pub const INITIAL_SEGMENT_BYTES: u64 = 128 << 10;
 struct Definition {
     name: String,
     config: QueueConfig,
+    /// Made by first use (`Queue::follows_defaults`); absent (false) in definitions written
+    /// before it was recorded, which keep their configuration as they did.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    follows_defaults: bool,
 }
 
 pub struct Broker {
@@ -519,14 +523,23 @@ impl Broker {
                     }
                     (configured.clone(), true)
                 }
-                _ => (def.config, false),
+                Some(_) => (def.config, false),
+                None if def.follows_defaults => match broker.followed(&def.name, &def.config) {
+                    Some(followed) => {
+                        tracing::info!(queue = %def.name, "configuration changed by the server's queue defaults");
+                        (followed, true)
+                    }
+                    None => (def.config, false),
+                },
+                None => (def.config, false),
             };
-            let queue = broker.build(def.name.clone(), config.clone(), None, false)?;
+            let mut queue = broker.build(def.name.clone(), config.clone(), None, false)?;
+            queue.follows_defaults = def.follows_defaults;
             // Stored only once the queue opened with it: a configuration the queue refuses (fewer
             // priority levels than its messages use) leaves the stored one, and the queue can
             // start again as it was once the file is put back.
             if changed {
-                broker.save_definition(&def.name, &config)?;
+                broker.save_definition(&def.name, &config, def.follows_defaults)?;
             }
             Ok::<_, BrokerError>(Some(Arc::new(queue)))
         })?;
@@ -535,7 +548,7 @@ impl Broker {
         }
         for (name, config) in &configured.queues {
             if broker.queue(name).is_none() {
-                let made = broker.save_definition(name, config)?;
+                let made = broker.save_definition(name, config, false)?;
                 let queue = broker.build(name.clone(), config.clone(), None, made)?;
                 broker.write().insert(Arc::new(queue));
             }
@@ -563,13 +576,31 @@ impl Broker {
             .clone()
     }
 
+    /// What queue `name`, made by first use and configured as `current`, takes from the server's
+    /// configuration for its name now (`config::following`); `None` if that is what it has, or if
+    /// the result is not a valid configuration (then it keeps its own, and the log says why).
+    fn followed(&self, name: &str, current: &QueueConfig) -> Option<QueueConfig> {
+        let wanted = config::following(current, &self.config_for(name));
+        if wanted == *current {
+            return None;
+        }
+        match config::checked_for(name, wanted) {
+            Ok(wanted) => Some(wanted),
+            Err(e) => {
+                tracing::warn!(queue = %shown(name), error = %e, "the server's queue defaults do not fit this queue made by first use; it keeps its configuration");
+                None
+            }
+        }
+    }
+
     /// Puts a reloaded server configuration's queue blocks and defaults in force. Each named
     /// queue that exists takes its block at once if it stays the same kind of queue (limits,
     /// expiry, dead letters change live; see `Queue::reconfigure`), else at the next start; a
     /// named queue that does not exist is created. Queues made by first use from now on take
-    /// the new defaults; existing ones keep their configuration, as across a restart. A queue
-    /// whose block was removed keeps its configuration too. Nothing changes if any block is
-    /// invalid.
+    /// the new defaults, and so do those made by first use before (`Queue::follows_defaults`),
+    /// as across a restart; queues created explicitly keep their configuration. A queue whose
+    /// block was removed keeps its configuration too, unless made by first use. Nothing changes
+    /// if any block is invalid.
     pub fn reconfigure_queues(
         &self,
         defaults: QueueConfig,
@@ -578,7 +609,16 @@ impl Broker {
         let configured = Configured { defaults, queues }.checked()?;
         *self.configured.write().unwrap_or_else(|e| e.into_inner()) = configured.clone();
         let mut changes = QueueChanges::default();
-        for (name, config) in configured.queues {
+        // Queues made by first use without a block of their own follow the defaults (or their
+        // parent's block) as they are now.
+        let followers: Vec<(String, QueueConfig)> = self
+            .read()
+            .queues
+            .values()
+            .filter(|q| q.follows_defaults && !configured.queues.contains_key(&q.name))
+            .filter_map(|q| Some((q.name.clone(), self.followed(&q.name, &q.config())?)))
+            .collect();
+        for (name, config) in configured.queues.into_iter().chain(followers) {
             // Held while the queue is looked at and changed, so that a removal cannot come between
             // (taken once a creation of it under way has ended: the block applies to that queue).
             let guard = self.definitions_unless_creating(&name);
@@ -600,7 +640,7 @@ impl Broker {
             }
             // The definition first, as at creation: a restart finds what is in force.
             if !config.temporary
-                && let Err(e) = self.save_definition(&name, &config)
+                && let Err(e) = self.save_definition(&name, &config, queue.follows_defaults)
             {
                 changes.failed.push((name, e.to_string()));
                 continue;
@@ -617,7 +657,7 @@ impl Broker {
         if let Some(q) = self.queue(name) {
             return Ok(q);
         }
-        match self.create_queue(name, self.config_for(name), None) {
+        match self.create(name, self.config_for(name), None, true) {
             Err(BrokerError::Exists(..)) => self.get(name),
             other => other,
         }
@@ -698,6 +738,17 @@ impl Broker {
         config: QueueConfig,
         owner: Option<ConnId>,
     ) -> Result<Arc<Queue>, BrokerError> {
+        self.create(name, config, owner, false)
+    }
+
+    /// `create_queue`; `follows_defaults`: made by first use (`Queue::follows_defaults`).
+    fn create(
+        &self,
+        name: &str,
+        config: QueueConfig,
+        owner: Option<ConnId>,
+        follows_defaults: bool,
+    ) -> Result<Arc<Queue>, BrokerError> {
         check_name(name)?;
         let config = config::checked_for(name, config).map_err(BrokerError::BadRequest)?;
         if config.temporary && owner.is_none() {
@@ -728,12 +779,15 @@ impl Broker {
         let built = match config.temporary {
             true => self.build(name.to_owned(), config.clone(), owner, false),
             false => self
-                .save_definition(name, &config)
+                .save_definition(name, &config, follows_defaults)
                 .and_then(|made| self.build(name.to_owned(), config.clone(), owner, made)),
         };
         let _creating = creation.end();
         let queue = match built {
-            Ok(queue) => Arc::new(queue),
+            Ok(mut queue) => {
+                queue.follows_defaults = follows_defaults;
+                Arc::new(queue)
+            }
             Err(e) => {
                 // A creation that failed (a full disk, no descriptors) leaves nothing behind.
                 if !config.temporary
@@ -1467,7 +1521,7 @@ impl Broker {
 
     /// Writes a queue's definition (file, then rename); synced unless its durability is none.
     /// Returns whether it made the queue's directory (which then holds the definition alone).
-    fn save_definition(&self, name: &str, config: &QueueConfig) -> Result<bool, BrokerError> {
+    fn save_definition(&self, name: &str, config: &QueueConfig, follows_defaults: bool) -> Result<bool, BrokerError> {
         let dir = self.dir.join("queues").join(name);
         let path = dir.join(DEFINITION);
         let failed = |e: std::io::Error| BrokerError::Definitions(format!("{}: {e}", in_data_dir(&path)));
@@ -1477,7 +1531,7 @@ impl Broker {
             Err(_) => std::fs::create_dir_all(&dir).map(|()| true).map_err(failed)?,
         };
         let tmp = path.with_extension("json.tmp");
-        let def = Definition { name: name.to_owned(), config: config.clone() };
+        let def = Definition { name: name.to_owned(), config: config.clone(), follows_defaults };
         std::fs::write(&tmp, serde_json::to_vec_pretty(&def).expect("definitions serialize")).map_err(failed)?;
         let sync = self.durability_of(config)? != Durability::None;
         if sync {

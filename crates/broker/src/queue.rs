@@ -340,6 +340,9 @@ pub struct Queue {
     memory: Option<(std::sync::Arc<MemoryBudget>, u64)>,
     /// For temporary queues: the connection that owns it.
     pub owner: Option<ConnId>,
+    /// Made by first use: its configuration is the server's for its name (its block, its
+    /// parent's, or the defaults), taken again at each start and reload (`config::following`).
+    pub(crate) follows_defaults: bool,
     /// For temporary queues: connections that served a call naming this queue as its `reply_to`,
     /// and so may offer their replies to it (at most `MAX_REPLIERS`, the latest kept).
     repliers: Mutex<Vec<ConnId>>,
@@ -763,6 +766,7 @@ impl Queue {
             config: RwLock::new(Arc::new(config)),
             memory: None,
             owner,
+            follows_defaults: false,
             repliers: Mutex::new(Vec::new()),
             inner: Mutex::new(Inner {
                 store,
@@ -791,6 +795,12 @@ impl Queue {
             delayed_log: Arc::new(OnceLock::new()),
             key_hasher,
         }
+    }
+
+    /// Whether the queue was made by first use, and so takes the server's configuration for
+    /// its name at each start and reload (not its own, as a queue created explicitly has).
+    pub fn follows_defaults(&self) -> bool {
+        self.follows_defaults
     }
 
     /// The configuration in force (a reload may replace it between two calls).

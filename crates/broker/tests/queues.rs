@@ -331,6 +331,49 @@ fn queues_made_by_first_use_take_their_configuration_from_the_options() {
 }
 
 #[test]
+fn queues_made_by_first_use_follow_the_defaults_across_restarts_and_reloads_created_ones_keep_theirs() {
+    let dir = tempfile::tempdir().unwrap();
+    let defaults = |max_items| QueueConfig { durable: true, max_items, ..QueueConfig::default() };
+    let options = |d: QueueConfig| BrokerOptions { queue_defaults: d, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options(defaults(2))).unwrap();
+    assert!(b.queue_or_create("auto").unwrap().follows_defaults());
+    let pinned = b.create_queue("pinned", defaults(2), None).unwrap();
+    assert!(!pinned.follows_defaults(), "created explicitly, even with the defaults' values");
+    b.offer("auto", msgs(&["a", "b"]), 0).unwrap();
+    assert!(matches!(b.offer("auto", msgs(&["c"]), 0), Err(BrokerError::Full(_))));
+    drop((pinned, b));
+
+    // A restart with other defaults: the queue made by first use takes them, contents kept;
+    // where and how its messages are kept (in memory, levels) stays as it was.
+    let changed = QueueConfig { durable: false, priorities: 3, ttl_ms: 60_000, ..defaults(5) };
+    let b = Broker::open(dir.path(), options(changed.clone())).unwrap();
+    let auto = b.queue("auto").unwrap();
+    assert!(auto.follows_defaults(), "still, after a restart");
+    assert_eq!((auto.config().max_items, auto.config().ttl_ms), (5, 60_000));
+    assert_eq!((auto.config().durable, auto.config().priorities), (true, 0), "its files depend on these");
+    assert_eq!(b.queue("pinned").unwrap().config().max_items, 2, "created explicitly: its own");
+    b.offer("auto", msgs(&["c"]), 0).unwrap();
+    assert_eq!(payloads(&b.poll("auto", 5, None, 1, 0).unwrap()), [b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+
+    // A reload: the limits change live; a durability, only at the next start.
+    let changes = b.reconfigure_queues(QueueConfig { max_items: 7, ..changed.clone() }, Default::default()).unwrap();
+    assert_eq!(changes.applied, ["auto"]);
+    assert_eq!(b.queue("auto").unwrap().config().max_items, 7);
+    assert_eq!(b.queue("pinned").unwrap().config().max_items, 2);
+    let always = QueueConfig { durable: true, durability: "always".into(), ..defaults(7) };
+    let changes = b.reconfigure_queues(always.clone(), Default::default()).unwrap();
+    assert_eq!((changes.applied.len(), changes.needs_restart.clone()), (0, vec!["auto".to_owned()]));
+    drop(b);
+    let b = Broker::open(dir.path(), options(always)).unwrap();
+    assert_eq!(b.queue("auto").unwrap().config().durability, "always");
+    // Defaults that do not fit the queue (its own dead-letter queue) leave it as it was.
+    drop(b);
+    let own = QueueConfig { dead_letter: "auto".into(), ..defaults(9) };
+    let b = Broker::open(dir.path(), options(own)).unwrap();
+    assert_eq!(b.queue("auto").unwrap().config().max_items, 7);
+}
+
+#[test]
 fn a_reload_changes_queue_limits_live_and_waits_for_a_restart_to_change_their_kind() {
     let dir = tempfile::tempdir().unwrap();
     let jobs = QueueConfig { durable: true, max_items: 2, ..QueueConfig::default() };

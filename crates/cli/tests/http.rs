@@ -565,6 +565,55 @@ fn the_admin_api_shows_connections_functions_and_samples() {
 }
 
 #[test]
+fn queues_made_by_first_use_follow_queue_defaults_across_a_restart_and_a_reload() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    let data = dir.path().join("data");
+    let args = ["--config", config.to_str().unwrap()];
+    let set = |server: &Server, queue: &str| {
+        let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+        mc.write_all(format!("set {queue} 0 0 1\r\nx\r\n").as_bytes()).unwrap();
+        let mut answer = [0u8; 64];
+        let n = mc.read(&mut answer).unwrap();
+        String::from_utf8_lossy(&answer[..n]).into_owned()
+    };
+    let queue = |server: &Server, name: &str| json(&get(&server.http, &format!("/api/v1/queues/{name}"), None).2);
+    std::fs::write(&config, "[queue_defaults]\nmax_items = 2\n").unwrap();
+    let server = Server::start_with(&data, &args);
+    for _ in 0..2 {
+        assert_eq!(set(&server, "auto"), "STORED\r\n");
+    }
+    assert_eq!(set(&server, "auto"), "NOT_STORED\r\n", "full at 2");
+    let (status, _, _) = request("PUT", &server.http, "/api/v1/queues/pinned", None, "{}");
+    assert_eq!(status, 201);
+    assert_eq!(queue(&server, "auto")["follows_defaults"], true);
+    assert_eq!(queue(&server, "pinned")["follows_defaults"], false);
+    server.kill9();
+
+    // A restart with other defaults: the queue made by first use takes them, its items kept.
+    std::fs::write(&config, "[queue_defaults]\nmax_items = 3\n").unwrap();
+    let server = Server::start_with(&data, &args);
+    assert_eq!(queue(&server, "auto")["config"]["max_items"], 3);
+    assert_eq!(queue(&server, "auto")["messages"], 2);
+    assert_eq!(queue(&server, "pinned")["config"]["max_items"], 2, "created explicitly: its own");
+    assert_eq!(set(&server, "auto"), "STORED\r\n");
+
+    // A reload: at once.
+    std::fs::write(&config, "[queue_defaults]\nmax_items = 4\n").unwrap();
+    let sent = Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
+    assert!(sent.success());
+    eventually("the reload applies the defaults to the queue", || {
+        let q = queue(&server, "auto");
+        if q["config"]["max_items"] == 4 { Ok(()) } else { Err(q.to_string()) }
+    });
+    assert_eq!(set(&server, "auto"), "STORED\r\n");
+    assert_eq!(queue(&server, "pinned")["config"]["max_items"], 2);
+    let reload = json(&get(&server.http, "/api/v1/server", None).2)["reload"].clone();
+    assert_eq!(reload["applied"], serde_json::json!(["queue_defaults.max_items"]), "{reload}");
+}
+
+#[test]
 fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("petrel.toml");

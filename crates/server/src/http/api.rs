@@ -14,7 +14,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use petrel_broker::security::{Action, Kind, Principal};
-use petrel_broker::{BrokerError, QueueConfig, QueueCounters, SeekTo, Topic};
+use petrel_broker::{BrokerError, Queue, SeekTo, Topic};
 use serde_json::{Value, json};
 
 use super::{Caller, refusal};
@@ -52,10 +52,12 @@ fn forbidden(what: &str) -> Response {
     refusal(StatusCode::FORBIDDEN, format!("this user may not {what}"))
 }
 
-fn queue_json(name: &str, config: &QueueConfig, st: &QueueCounters) -> Value {
+fn queue_json(q: &Queue) -> Value {
+    let (config, st) = (q.config(), q.counters());
     json!({
-        "name": name,
-        "config": config,
+        "name": q.name,
+        "config": *config,
+        "follows_defaults": q.follows_defaults(),
         "messages": st.items,
         "bytes": st.bytes,
         "open_reads": st.in_flight,
@@ -145,7 +147,7 @@ pub(super) async fn queues(State(ctx): Ctxt, Caller(who): Caller) -> Response {
         .iter()
         .filter(|n| may(&ctx, who.as_ref(), Kind::Queue, n, ANY_QUEUE_RIGHT))
         .filter_map(|n| ctx.broker.queue(n))
-        .map(|q| queue_json(&q.name, &q.config(), &q.counters()))
+        .map(|q| queue_json(&q))
         .collect();
     Json(json!({ "queues": list })).into_response()
 }
@@ -155,7 +157,7 @@ pub(super) async fn queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Pat
         return forbidden("see this queue");
     }
     match ctx.broker.queue(&name) {
-        Some(q) => Json(queue_json(&q.name, &q.config(), &q.counters())).into_response(),
+        Some(q) => Json(queue_json(&q)).into_response(),
         None => broker_error(BrokerError::NotFound(name)),
     }
 }
@@ -186,7 +188,7 @@ pub(super) async fn create_queue(
     match made {
         Ok(q) => {
             let status = if existed { StatusCode::OK } else { StatusCode::CREATED };
-            (status, Json(queue_json(&q.name, &q.config(), &q.counters()))).into_response()
+            (status, Json(queue_json(&q))).into_response()
         }
         Err(e) => broker_error(e),
     }
