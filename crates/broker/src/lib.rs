@@ -108,6 +108,10 @@ pub enum BrokerError {
     Storage(#[from] petrel_log::Error),
     #[error("definitions file: {0}")]
     Definitions(String),
+    /// A queue whose files could not be opened at start (or at the last reload): not served,
+    /// and not made anew under its name, until it is repaired and the server reloads.
+    #[error("queue {:?} is not served: its files could not be opened ({}); an admin may repair its logs in place (POST /api/v1/queues/NAME/repair: each is cut at its first bad record), or fix its files and reload (SIGHUP) or restart", shown(.0), .1)]
+    Damaged(String, String),
     #[error("no topic named {:?}", shown(.0))]
     TopicNotFound(String),
     #[error("no server for function {:?}", shown(.0))]
@@ -142,9 +146,10 @@ impl BrokerError {
             BrokerError::Exists(..) | BrokerError::TopicExists(..) | BrokerError::Held(_) => Status::Exists,
             BrokerError::BadRequest(_) => Status::BadRequest,
             BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
-            BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
-                Status::ServerError
-            }
+            BrokerError::Storage(_)
+            | BrokerError::Definitions(_)
+            | BrokerError::Damaged(..)
+            | BrokerError::DataDirLocked(_) => Status::ServerError,
             BrokerError::TopicNotFound(_) | BrokerError::GroupNotFound { .. } => Status::TopicNotFound,
             BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
             BrokerError::Handler(_) => Status::HandlerError,
@@ -294,6 +299,9 @@ pub struct Broker {
     creation_ended: Condvar,
     /// The options' `queue_defaults` and `queues`, as a reload last set them.
     configured: RwLock<Configured>,
+    /// Queues whose files could not be opened (a damaged definition or log), by name, with why:
+    /// the others are served meanwhile (`BrokerError::Damaged`); a reload tries them again.
+    damaged: RwLock<BTreeMap<String, String>>,
     next_handle: AtomicU64,
     created: AtomicU64,
     removed: AtomicU64,
@@ -316,6 +324,9 @@ pub struct Broker {
     /// Rung by a queue whose work comes due before the next tick (`tick`'s caller waits on it).
     alarm: Arc<TickAlarm>,
 }
+
+/// A queue opened from its directory, or the name of one that could not be, and why.
+type Opened = Result<Arc<Queue>, (String, BrokerError)>;
 
 /// What an offer did (`Broker::offer_unsynced`).
 #[must_use = "an offer is answered only after its wait"]
@@ -374,8 +385,10 @@ impl UnsyncedOffer {
 /// Where a durable queue keeps priority `level`'s log, under its own directory (level 0's is the
 /// queue's directory itself, as for a queue without levels).
 fn level_dir(level: usize) -> String {
-    format!("priority-{level}")
+    format!("{LEVEL_DIR_PREFIX}{level}")
 }
+
+const LEVEL_DIR_PREFIX: &str = "priority-";
 
 /// Where a durable queue keeps its delayed messages' log, under its own directory.
 const DELAYED_DIR: &str = "delayed";
@@ -399,6 +412,8 @@ pub struct QueueChanges {
     pub needs_restart: Vec<String>,
     /// Queues that could not be created, and why.
     pub failed: Vec<(String, String)>,
+    /// Queues not served since their files could not be opened, opened now (repaired).
+    pub reopened: Vec<String>,
 }
 
 /// Which user created which live queue, and how many each has.
@@ -494,6 +509,7 @@ impl Broker {
             definitions: Mutex::new(HashSet::new()),
             creation_ended: Condvar::new(),
             configured: RwLock::new(configured.clone()),
+            damaged: RwLock::new(BTreeMap::new()),
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
@@ -513,41 +529,13 @@ impl Broker {
         // system's reads (a definition, a directory, a segment's header, a cursor per queue),
         // which overlap when several are asked for at once.
         let dirs = broker.queue_dirs()?;
-        let opened = on_threads(OPENING_THREADS, &dirs, |dir| {
-            let Some(def) = read_definition(dir)? else { return Ok(None) };
-            let (config, changed) = match configured.queues.get(&def.name) {
-                Some(configured) if *configured != def.config => {
-                    tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
-                    if def.config.durable && !configured.durable && petrel_log::verify::holds_segments(dir) {
-                        tracing::warn!(queue = %def.name, "the configuration file makes this durable queue one in memory: its log stays on disk, unread, and its messages out of reach until the queue is durable again");
-                    }
-                    (configured.clone(), true)
-                }
-                Some(_) => (def.config, false),
-                None if def.follows_defaults => match broker.followed(&def.name, &def.config) {
-                    Some(followed) => {
-                        tracing::info!(queue = %def.name, "configuration changed by the server's queue defaults");
-                        (followed, true)
-                    }
-                    None => (def.config, false),
-                },
-                None => (def.config, false),
-            };
-            let mut queue = broker.build(def.name.clone(), config.clone(), None, false)?;
-            queue.follows_defaults = def.follows_defaults;
-            // Stored only once the queue opened with it: a configuration the queue refuses (fewer
-            // priority levels than its messages use) leaves the stored one, and the queue can
-            // start again as it was once the file is put back.
-            if changed {
-                broker.save_definition(&def.name, &config, def.follows_defaults)?;
-            }
-            Ok::<_, BrokerError>(Some(Arc::new(queue)))
-        })?;
-        for queue in opened.into_iter().flatten() {
-            broker.write().insert(queue);
+        let opened = on_threads(OPENING_THREADS, &dirs, |dir| broker.open_queue(dir, &configured))?;
+        for opened in opened.into_iter().flatten() {
+            broker.adopt(opened);
         }
         for (name, config) in &configured.queues {
-            if broker.queue(name).is_none() {
+            // (Not over a damaged queue of that name: its files are kept for repair.)
+            if broker.queue(name).is_none() && !broker.is_damaged(name) {
                 let made = broker.save_definition(name, config, false)?;
                 let queue = broker.build(name.clone(), config.clone(), None, made)?;
                 broker.write().insert(Arc::new(queue));
@@ -555,6 +543,163 @@ impl Broker {
         }
         broker.load_topics()?;
         Ok(broker)
+    }
+
+    /// Opens the queue whose directory is `dir`, with its configuration from `configured` where
+    /// that names it (see `Broker::open`). A queue whose files cannot be opened (its definition
+    /// or its log damaged, unreadable) comes back as `Err` with its name, to be listed as
+    /// damaged while the others are served; a configuration it refuses fails the start.
+    fn open_queue(&self, dir: &Path, configured: &Configured) -> Result<Option<Opened>, BrokerError> {
+        let dir_name = || dir.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let def = match read_definition(dir) {
+            Ok(Some(def)) => def,
+            Ok(None) => return Ok(None),
+            Err(e) => return Ok(Some(Err((dir_name(), e)))),
+        };
+        let (config, changed) = match configured.queues.get(&def.name) {
+            Some(configured) if *configured != def.config => {
+                tracing::info!(queue = %def.name, "configuration changed by the server's configuration file");
+                if def.config.durable && !configured.durable && petrel_log::verify::holds_segments(dir) {
+                    tracing::warn!(queue = %def.name, "the configuration file makes this durable queue one in memory: its log stays on disk, unread, and its messages out of reach until the queue is durable again");
+                }
+                (configured.clone(), true)
+            }
+            Some(_) => (def.config, false),
+            None if def.follows_defaults => match self.followed(&def.name, &def.config) {
+                Some(followed) => {
+                    tracing::info!(queue = %def.name, "configuration changed by the server's queue defaults");
+                    (followed, true)
+                }
+                None => (def.config, false),
+            },
+            None => (def.config, false),
+        };
+        let mut queue = match self.build(def.name.clone(), config.clone(), None, false) {
+            Ok(queue) => queue,
+            Err(e @ BrokerError::Storage(_)) => return Ok(Some(Err((def.name, e)))),
+            Err(e) => return Err(e),
+        };
+        queue.follows_defaults = def.follows_defaults;
+        // Stored only once the queue opened with it: a configuration the queue refuses (fewer
+        // priority levels than its messages use) leaves the stored one, and the queue can
+        // start again as it was once the file is put back.
+        if changed {
+            self.save_definition(&def.name, &config, def.follows_defaults)?;
+        }
+        Ok(Some(Ok(Arc::new(queue))))
+    }
+
+    /// Serves a queue `open_queue` opened, or lists it as damaged (and says so in the log).
+    fn adopt(&self, opened: Opened) {
+        match opened {
+            Ok(queue) => {
+                self.damaged.write().unwrap_or_else(|e| e.into_inner()).remove(&queue.name);
+                self.write().insert(queue);
+            }
+            Err((name, e)) => {
+                tracing::error!(queue = %shown(&name), error = %e, "queue not served: its files could not be opened; repair them (`petrel log verify`, `petrel log repair`), then reload or restart");
+                self.damaged.write().unwrap_or_else(|e| e.into_inner()).insert(name, e.to_string());
+            }
+        }
+    }
+
+    /// Tries again to open the queues listed as damaged (after an operator repaired them): those
+    /// now served go in `changes.reopened`, those the configuration refuses in `changes.failed`.
+    fn reopen_damaged(&self, changes: &mut QueueChanges) {
+        let names: Vec<String> = self.damaged.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
+        let configured = self.configured.read().unwrap_or_else(|e| e.into_inner()).clone();
+        for name in names {
+            let _guard = self.definitions_unless_creating(&name);
+            let opened = match self.open_queue(&self.dir.join("queues").join(&name), &configured) {
+                Ok(opened) => opened,
+                Err(e) => {
+                    changes.failed.push((name, e.to_string()));
+                    continue;
+                }
+            };
+            match opened {
+                // Gone meanwhile (its directory removed by hand): nothing to serve, nor to keep.
+                None => drop(self.damaged.write().unwrap_or_else(|e| e.into_inner()).remove(&name)),
+                Some(Ok(queue)) => {
+                    tracing::info!(queue = %shown(&name), "queue opened again and served");
+                    changes.reopened.push(name);
+                    self.adopt(Ok(queue));
+                }
+                Some(Err((_, e))) => {
+                    self.damaged.write().unwrap_or_else(|e| e.into_inner()).insert(name, e.to_string());
+                }
+            }
+        }
+    }
+
+    /// Repairs the logs of damaged queue `name` in place, as `petrel log repair` does (each log
+    /// is cut at its first bad record; damaged segment headers and cursors are written again),
+    /// then serves it. Returns what each repair did, by log directory under the queue's (`""`:
+    /// its first level's). A queue that is served is refused: its logs are open.
+    pub fn repair_damaged(&self, name: &str) -> Result<Vec<(String, petrel_log::verify::RepairReport)>, BrokerError> {
+        let _guard = self.definitions_unless_creating(name);
+        if !self.is_damaged(name) {
+            return Err(match self.queue(name) {
+                Some(_) => BrokerError::BadRequest(format!(
+                    "queue {:?} is served: only a damaged queue is repaired",
+                    shown(name)
+                )),
+                None => BrokerError::NotFound(name.to_owned()),
+            });
+        }
+        let dir = self.dir.join("queues").join(name);
+        let mut logs = vec![(String::new(), dir.clone())];
+        let entries = std::fs::read_dir(&dir)
+            .map_err(|e| BrokerError::Definitions(format!("list {}: {e}", in_data_dir(&dir))))?;
+        let mut subdirs: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n == DELAYED_DIR || n.starts_with(LEVEL_DIR_PREFIX))
+            .collect();
+        subdirs.sort();
+        logs.extend(subdirs.into_iter().map(|n| (n.clone(), dir.join(n))));
+        let mut repaired = Vec::new();
+        for (log, path) in logs {
+            if !petrel_log::verify::holds_segments(&path) {
+                continue;
+            }
+            let report = petrel_log::verify::repair(&path)?;
+            tracing::warn!(queue = %shown(name), log = %log, records_removed = report.records_removed,
+                cut_at = ?report.cut_at.as_ref().map(|(file, pos)| format!("{} byte {pos}", in_data_dir(file))),
+                "repaired a damaged queue's log");
+            repaired.push((log, report));
+        }
+        let configured = self.configured.read().unwrap_or_else(|e| e.into_inner()).clone();
+        match self.open_queue(&dir, &configured)? {
+            Some(Ok(queue)) => self.adopt(Ok(queue)),
+            Some(Err((_, e))) => {
+                self.damaged.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned(), e.to_string());
+                return Err(self.missing(name));
+            }
+            None => {
+                self.damaged.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+                return Err(BrokerError::NotFound(name.to_owned()));
+            }
+        }
+        Ok(repaired)
+    }
+
+    /// Queues not served because their files could not be opened, with why, by name.
+    pub fn damaged_queues(&self) -> Vec<(String, String)> {
+        self.damaged.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(n, r)| (n.clone(), r.clone())).collect()
+    }
+
+    fn is_damaged(&self, name: &str) -> bool {
+        self.damaged.read().unwrap_or_else(|e| e.into_inner()).contains_key(name)
+    }
+
+    /// The error for a queue `name` that is not served: damaged, or not there.
+    pub fn missing(&self, name: &str) -> BrokerError {
+        match self.damaged.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+            Some(reason) => BrokerError::Damaged(name.to_owned(), reason.clone()),
+            None => BrokerError::NotFound(name.to_owned()),
+        }
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
@@ -593,7 +738,8 @@ impl Broker {
         }
     }
 
-    /// Puts a reloaded server configuration's queue blocks and defaults in force. Each named
+    /// Puts a reloaded server configuration's queue blocks and defaults in force, after opening
+    /// again the queues listed as damaged (`damaged_queues`: repaired meanwhile). Each named
     /// queue that exists takes its block at once if it stays the same kind of queue (limits,
     /// expiry, dead letters change live; see `Queue::reconfigure`), else at the next start; a
     /// named queue that does not exist is created. Queues made by first use from now on take
@@ -609,6 +755,7 @@ impl Broker {
         let configured = Configured { defaults, queues }.checked()?;
         *self.configured.write().unwrap_or_else(|e| e.into_inner()) = configured.clone();
         let mut changes = QueueChanges::default();
+        self.reopen_damaged(&mut changes);
         // Queues made by first use without a block of their own follow the defaults (or their
         // parent's block) as they are now.
         let followers: Vec<(String, QueueConfig)> = self
@@ -755,6 +902,9 @@ impl Broker {
             return Err(BrokerError::BadRequest("a temporary queue needs an owning connection".into()));
         }
         let mut creating = self.definitions_unless_creating(name);
+        if self.is_damaged(name) {
+            return Err(self.missing(name));
+        }
         if let Some(q) = self.queue(name) {
             // The same queue again is fine; not another connection's temporary queue.
             return if *q.config() == config && q.owner == owner {
@@ -918,9 +1068,9 @@ impl Broker {
         let queue = {
             let mut registry = self.write();
             if only.is_some_and(|only| !registry.queues.get(name).is_some_and(|q| Arc::ptr_eq(q, only))) {
-                return Err(BrokerError::NotFound(name.to_owned()));
+                return Err(self.missing(name));
             }
-            registry.remove(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))?
+            registry.remove(name).ok_or_else(|| self.missing(name))?
         };
         let counted = queue.counters();
         self.removed_offered.fetch_add(counted.total_offered, Ordering::Relaxed);
@@ -950,7 +1100,7 @@ impl Broker {
     }
 
     fn get(&self, name: &str) -> Result<Arc<Queue>, BrokerError> {
-        self.queue(name).ok_or_else(|| BrokerError::NotFound(name.to_owned()))
+        self.queue(name).ok_or_else(|| self.missing(name))
     }
 
     pub fn queue_names(&self) -> Vec<String> {

@@ -278,12 +278,38 @@ fn many_queues_come_back_after_a_restart_and_a_damaged_definition_is_named() {
             assert_eq!(payloads(&b.poll(name, 100, None, 1, 2).unwrap()), expected, "{name}");
         }
     }
+    // Damaged definitions: those queues are not served, the others are.
+    Broker::open(dir.path(), BrokerOptions::default()).unwrap().offer("q07", msgs(&["kept"]), 3).unwrap();
+    let definition = |name: &str| dir.path().join("queues").join(name).join("queue.json");
+    let good = std::fs::read(definition("q07")).unwrap();
     for damaged in ["q31", "q07"] {
-        std::fs::write(dir.path().join("queues").join(damaged).join("queue.json"), b"{\"name\": ").unwrap();
+        std::fs::write(definition(damaged), b"{\"name\": ").unwrap();
     }
-    let error = Broker::open(dir.path(), BrokerOptions::default()).err().expect("a damaged definition");
-    assert!(matches!(error, BrokerError::Definitions(_)), "{error}");
-    assert!(error.to_string().contains("q07/queue.json"), "{error}");
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let damaged: Vec<(String, String)> = b.damaged_queues();
+    assert_eq!(damaged.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["q07", "q31"]);
+    assert!(damaged[0].1.contains("q07/queue.json"), "{damaged:?}");
+    assert_eq!(b.queue_names().len(), 38);
+    b.offer("q08", msgs(&["served"]), 4).unwrap();
+    assert_eq!(payloads(&b.poll("q08", 100, None, 1, 5).unwrap()), [b"served".to_vec()], "the others are served");
+    for e in [
+        b.offer("q07", msgs(&["x"]), 0).unwrap_err(),
+        b.create_queue("q07", QueueConfig::default(), None).err().unwrap(),
+        b.queue_or_create("q07").err().unwrap(),
+        b.remove_queue("q07").unwrap_err(),
+    ] {
+        assert!(
+            matches!(&e, BrokerError::Damaged(name, why) if name == "q07" && why.contains("q07/queue.json")),
+            "{e}"
+        );
+        assert_eq!(e.status(), petrel_proto::Status::ServerError);
+    }
+    // Repaired (one of the two), a reload serves it again, its messages as they were.
+    std::fs::write(definition("q07"), good).unwrap();
+    let changes = b.reconfigure_queues(QueueConfig::default(), Default::default()).unwrap();
+    assert_eq!(changes.reopened, ["q07"]);
+    assert_eq!(b.damaged_queues().len(), 1);
+    assert_eq!(payloads(&b.poll("q07", 100, None, 1, 6).unwrap()), [b"kept".to_vec()]);
 }
 
 #[test]
@@ -405,7 +431,8 @@ fn a_reload_changes_queue_limits_live_and_waits_for_a_restart_to_change_their_ki
             applied: vec!["jobs".into()],
             created: vec!["fresh".into()],
             needs_restart: vec!["mem".into()],
-            failed: vec![]
+            failed: vec![],
+            reopened: vec![]
         }
     );
     // The raised limit lets a third in; the new ttl applies to offers from now on.

@@ -289,7 +289,8 @@ fn not_served(dir: &std::path::Path) -> Result<Vec<std::fs::File>, Box<dyn std::
             Ok(()) => held.push(lock),
             Err(std::fs::TryLockError::WouldBlock) => {
                 return Err(format!(
-                    "a running petrel server holds {} (whose log {} is): stop it first",
+                    "a running petrel server holds {} (whose log {} is): stop it first (a queue the server lists as \
+                     damaged, in /api/v1/server, is repaired in place by POST /api/v1/queues/NAME/repair)",
                     data.display(),
                     dir.display()
                 )

@@ -614,6 +614,117 @@ fn queues_made_by_first_use_follow_queue_defaults_across_a_restart_and_a_reload(
 }
 
 #[test]
+fn a_queue_whose_log_is_damaged_is_not_served_the_others_are_and_a_repair_in_place_serves_it_again() {
+    // One damaged queue used to stop the whole server from starting; now it is listed as damaged,
+    // refused with a reason (never made anew over its files), and served again once repaired.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "").unwrap();
+    let data = dir.path().join("data");
+    let args = ["--config", config.to_str().unwrap()];
+    let server = Server::start_with(&data, &args);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let payload = |q: &str, i: usize| format!("{q} {i:04} {}", "p".repeat(100)).into_bytes();
+    rt.block_on(async {
+        let c = server.client().await;
+        for q in ["good", "bad"] {
+            c.create_queue(q, QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+            for i in 0..50 {
+                c.offer(q, vec![Message::new(payload(q, i))], None).await.unwrap();
+            }
+        }
+    });
+    server.terminate();
+    let segment = data.join("queues/bad/00000000000000000000.log");
+    let mut bytes = std::fs::read(&segment).unwrap();
+    bytes[64 + 20 * 150] ^= 0x5a; // inside a record in the middle: valid records follow it
+    std::fs::write(&segment, &bytes).unwrap();
+
+    let server = Server::start_with(&data, &args);
+    let status = json(&get(&server.http, "/api/v1/server", None).2);
+    let damaged = &status["damaged_queues"];
+    assert_eq!(damaged[0]["name"], "bad", "{status}");
+    assert!(damaged[0]["reason"].as_str().unwrap().contains("queues/bad/00000000000000000000.log"), "{damaged}");
+    let (_, _, scrape) = get(&server.http, "/metrics", None);
+    assert!(scrape.lines().any(|l| l == "petrel_queues_damaged 1"), "{scrape}");
+    let (code, _, body) = get(&server.http, "/api/v1/queues/bad", None);
+    assert_eq!(code, 503, "{body}");
+    rt.block_on(async {
+        let c = server.client().await;
+        let good = c.poll("good", PollOptions { max: 100, ..Default::default() }).await.unwrap();
+        assert_eq!(good.len(), 50, "the other queue is served");
+        let err = c.poll("bad", PollOptions { max: 100, ..Default::default() }).await.unwrap_err().to_string();
+        assert!(err.contains("not served") && err.contains("reload"), "{err}");
+    });
+    // Nor does a memcache set make a new queue over the damaged one's files.
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.write_all(b"set bad 0 0 1\r\nx\r\n").unwrap();
+    let mut answer = [0u8; 512];
+    let n = mc.read(&mut answer).unwrap();
+    assert!(answer[..n].starts_with(b"SERVER_ERROR"), "{}", String::from_utf8_lossy(&answer[..n]));
+    assert_eq!(std::fs::read(&segment).unwrap(), bytes, "its files are as they were");
+
+    // The offline tool refuses a data directory a server holds, and says where to go instead.
+    let offline = common::petrel(&["log", "repair", data.join("queues/bad").to_str().unwrap(), "--yes"], b"");
+    assert!(!offline.status.success());
+    assert!(String::from_utf8_lossy(&offline.stderr).contains("/api/v1/queues/NAME/repair"));
+    // Repaired in place by the running server: served again, every record before the damage.
+    let (code, _, body) = request("POST", &server.http, "/api/v1/queues/good/repair", None, "");
+    assert_eq!(code, 400, "a served queue is not repaired: {body}");
+    let (code, _, body) = request("POST", &server.http, "/api/v1/queues/bad/repair", None, "");
+    assert_eq!(code, 200, "{body}");
+    let repaired = json(&body);
+    let kept = repaired["logs"][0]["next_offset"].as_u64().unwrap();
+    assert!(kept > 0 && kept < 50, "{repaired}");
+    assert!(repaired["logs"][0]["records_removed"].as_u64().unwrap() > 0, "{repaired}");
+    rt.block_on(async {
+        let c = server.client().await;
+        let bad = c.poll("bad", PollOptions { max: 100, ..Default::default() }).await.unwrap();
+        assert_eq!(bad.len() as u64, kept, "every record before the damage");
+        assert!(bad.iter().enumerate().all(|(i, d)| d.message.payload == payload("bad", i)));
+    });
+    let (_, _, scrape) = get(&server.http, "/metrics", None);
+    assert!(scrape.lines().any(|l| l == "petrel_queues_damaged 0"), "{scrape}");
+    assert_eq!(json(&get(&server.http, "/api/v1/server", None).2)["damaged_queues"], serde_json::json!([]));
+}
+
+#[test]
+fn a_damaged_queue_fixed_by_hand_is_served_again_by_a_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "").unwrap();
+    let data = dir.path().join("data");
+    let args = ["--config", config.to_str().unwrap()];
+    let server = Server::start_with(&data, &args);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+        c.offer("q", vec![Message::new(&b"kept"[..])], None).await.unwrap();
+    });
+    server.terminate();
+    let definition = data.join("queues/q/queue.json");
+    let good = std::fs::read(&definition).unwrap();
+    std::fs::write(&definition, b"{\"name\": ").unwrap();
+    let server = Server::start_with(&data, &args);
+    let status = json(&get(&server.http, "/api/v1/server", None).2);
+    assert!(status["damaged_queues"][0]["reason"].as_str().unwrap().contains("q/queue.json"), "{status}");
+    std::fs::write(&definition, good).unwrap();
+    let sent = Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
+    assert!(sent.success());
+    eventually("the reload opens the queue fixed by hand", || {
+        let r = json(&get(&server.http, "/api/v1/server", None).2);
+        if r["reload"]["reopened"] == serde_json::json!(["q"]) { Ok(()) } else { Err(r.to_string()) }
+    });
+    rt.block_on(async {
+        let c = server.client().await;
+        let got = c.poll("q", PollOptions { max: 10, ..Default::default() }).await.unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(&got[0].message.payload[..], b"kept");
+    });
+}
+
+#[test]
 fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("petrel.toml");

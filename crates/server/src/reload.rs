@@ -97,6 +97,9 @@ pub(crate) struct ReloadStatus {
     pub needs_restart: Vec<String>,
     /// Keys that could not be applied, with why (a queue that could not be created).
     pub failed: Vec<String>,
+    /// Queues not served since their files could not be opened, opened by this reload (repaired
+    /// meanwhile).
+    pub reopened: Vec<String>,
 }
 
 #[derive(Default)]
@@ -134,6 +137,7 @@ impl Reloader {
                 state.status.applied = summary.applied.clone();
                 state.status.needs_restart = summary.needs_restart.clone();
                 state.status.failed = summary.failed.clone();
+                state.status.reopened = summary.reopened.clone();
                 Ok(summary)
             }
             Err(e) => {
@@ -141,6 +145,7 @@ impl Reloader {
                 state.status.applied.clear();
                 state.status.needs_restart.clear();
                 state.status.failed.clear();
+                state.status.reopened.clear();
                 Err(e)
             }
         }
@@ -188,6 +193,7 @@ impl Reloader {
         // Queues waiting for a restart are listed until it comes, changed by this file or an earlier one.
         summary.needs_restart.extend(queues.needs_restart.iter().map(queue_key));
         summary.failed.extend(queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}")));
+        summary.reopened = queues.reopened;
         for key in changed_keys(&before, &table) {
             let (table_name, entry) = key.split_once('.').unwrap_or((&key, ""));
             let live = LIVE_KEYS.contains(&key.as_str()) || LIVE_TABLES.contains(&table_name);
@@ -233,6 +239,8 @@ pub struct ReloadSummary {
     pub applied: Vec<String>,
     pub needs_restart: Vec<String>,
     pub failed: Vec<String>,
+    /// Damaged queues opened again (by name).
+    pub reopened: Vec<String>,
 }
 
 /// Dotted keys whose values differ: top-level keys, and the entries of top-level tables

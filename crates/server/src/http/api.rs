@@ -39,6 +39,7 @@ fn broker_error(e: BrokerError) -> Response {
         BrokerError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
         BrokerError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
         BrokerError::Forbidden(_) => StatusCode::FORBIDDEN,
+        BrokerError::Damaged(..) => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     refusal(status, e.to_string())
@@ -122,6 +123,8 @@ pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
         "uptime_secs": s.started.elapsed().as_secs(),
         "connections": read(&s.curr_connections),
         "queues": ctx.broker.queue_names().len(),
+        "damaged_queues": ctx.broker.damaged_queues().into_iter()
+            .map(|(name, reason)| json!({"name": name, "reason": reason})).collect::<Vec<_>>(),
         "topics": ctx.broker.topic_names().len(),
         "authentication": ctx.broker.auth_enabled(),
         "memory": { "queued_bytes": memory, "max_memory_bytes": memory_max },
@@ -158,7 +161,7 @@ pub(super) async fn queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Pat
     }
     match ctx.broker.queue(&name) {
         Some(q) => Json(queue_json(&q)).into_response(),
-        None => broker_error(BrokerError::NotFound(name)),
+        None => broker_error(ctx.broker.missing(&name)),
     }
 }
 
@@ -211,12 +214,46 @@ pub(super) async fn purge_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name
     if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("purge this queue");
     }
-    let Some(q) = ctx.broker.queue(&name) else { return broker_error(BrokerError::NotFound(name)) };
+    let Some(q) = ctx.broker.queue(&name) else { return broker_error(ctx.broker.missing(&name)) };
     let flushed = tokio::task::spawn_blocking(move || q.flush()).await;
     match flushed {
         Ok(Ok(n)) => Json(json!({ "purged": n })).into_response(),
         Ok(Err(e)) => broker_error(e),
         Err(e) => refusal(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// `POST /api/v1/queues/NAME/repair`: repairs a damaged queue's logs in place and serves it
+/// again (`Broker::repair_damaged`); what each repair cut is in the answer and the log.
+pub(super) async fn repair_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
+        return forbidden("repair this queue");
+    }
+    // Off the runtime's threads: a repair reads every record of the queue's logs.
+    let broker = Arc::clone(&ctx.broker);
+    let repairing = name.clone();
+    match crate::blocking(move || broker.repair_damaged(&repairing)).await {
+        Ok(logs) => {
+            let logs: Vec<Value> = logs
+                .iter()
+                .map(|(log, r)| {
+                    json!({
+                        "log": log,
+                        "records_removed": r.records_removed,
+                        "segments_removed": r.segments_removed,
+                        "cut_at": r.cut_at.as_ref().map(|(file, position)| json!({
+                            "file": file.file_name().map(|f| f.to_string_lossy().into_owned()),
+                            "position": position,
+                        })),
+                        "headers_rewritten": r.headers_rewritten,
+                        "groups_restarted": r.groups_restarted,
+                        "next_offset": r.next_offset,
+                    })
+                })
+                .collect();
+            Json(json!({ "queue": name, "served": true, "logs": logs })).into_response()
+        }
+        Err(e) => broker_error(e),
     }
 }
 
@@ -245,7 +282,7 @@ pub(super) async fn open_reads(
         Ok(q) => q.limit.unwrap_or(100).min(MAX_LISTED_READS),
         Err(e) => return refusal(StatusCode::BAD_REQUEST, e.body_text()),
     };
-    let Some(q) = ctx.broker.queue(&name) else { return broker_error(BrokerError::NotFound(name)) };
+    let Some(q) = ctx.broker.queue(&name) else { return broker_error(ctx.broker.missing(&name)) };
     let admin = may(&ctx, who.as_ref(), Kind::Queue, "*", &[Action::Manage]);
     let now = crate::now_ns();
     let (total, reads) = q.open_reads(limit);
@@ -287,7 +324,7 @@ pub(super) async fn return_read(
     let Ok(handle) = handle.parse::<u64>() else {
         return refusal(StatusCode::BAD_REQUEST, format!("{handle:?} is not a read's handle (a number)"));
     };
-    let Some(q) = ctx.broker.queue(&name) else { return broker_error(BrokerError::NotFound(name)) };
+    let Some(q) = ctx.broker.queue(&name) else { return broker_error(ctx.broker.missing(&name)) };
     match ctx.broker.return_read(&q, handle, crate::now_ns()) {
         Ok(true) => Json(json!({ "returned": handle })).into_response(),
         Ok(false) => refusal(StatusCode::NOT_FOUND, format!("queue {name:?} has no open read {handle}")),

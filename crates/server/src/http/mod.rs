@@ -50,6 +50,7 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         .route("/api/v1/queues", get(api::queues))
         .route("/api/v1/queues/{name}", get(api::queue).put(api::create_queue).delete(api::remove_queue))
         .route("/api/v1/queues/{name}/purge", post(api::purge_queue))
+        .route("/api/v1/queues/{name}/repair", post(api::repair_queue))
         .route("/api/v1/queues/{name}/reads", get(api::open_reads))
         .route("/api/v1/queues/{name}/reads/{handle}", axum::routing::delete(api::return_read))
         .route("/api/v1/topics", get(api::topics))

@@ -606,6 +606,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("set_refused", &get(&s.set_refused));
         let [native_failures, memcache_failures] = crate::stats::request_failures();
         put("request_failures", &(native_failures + memcache_failures));
+        put("queues_damaged", &broker.damaged_queues().len());
         // The limits a reload changes as they are now; the rest as the server started.
         let limits = &ctx.config;
         put("limit_max_connections", &ctx.limits.max_connections());
@@ -741,7 +742,10 @@ fn server_error(e: &BrokerError) -> String {
         | BrokerError::Timeout(_) => {
             format!("SERVER_ERROR {e}")
         }
-        BrokerError::Storage(_) | BrokerError::Definitions(_) | BrokerError::DataDirLocked(_) => {
+        BrokerError::Storage(_)
+        | BrokerError::Definitions(_)
+        | BrokerError::Damaged(..)
+        | BrokerError::DataDirLocked(_) => {
             crate::log_request_failure("memcache", e);
             format!("SERVER_ERROR {e}")
         }

@@ -34,7 +34,7 @@ pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
 }
 
 pub(super) fn status(ctx: &Ctx, session: &Session, name: String) -> Response {
-    let Some(q) = ctx.broker.queue(&name) else { return error(BrokerError::NotFound(name)) };
+    let Some(q) = ctx.broker.queue(&name) else { return error(ctx.broker.missing(&name)) };
     let stats = match session.reads & features::QUEUE_FIGURES {
         0 => q.status().without_later_figures(),
         _ => q.status(),
@@ -61,7 +61,7 @@ pub(super) fn offer(
     arrived_ns: u64,
 ) -> Answer {
     let broker = &ctx.broker;
-    let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
+    let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(ctx.broker.missing(&queue))) };
     match broker.offer_unsynced(&queue, &mut messages, arrived_ns) {
         Err(BrokerError::Full(_)) if timeout_ms > 0 => {
             // What waits for room counts in the memory budget while it waits.
@@ -146,7 +146,7 @@ pub(super) fn poll(
     let visibility = (visibility_ms > 0).then(|| Duration::from_millis(u64::from(visibility_ms)));
     let max = (max as usize).clamp(1, ctx.config.max_poll_messages);
     let (conn, compress) = (session.conn, session.compress);
-    let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(BrokerError::NotFound(queue))) };
+    let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(ctx.broker.missing(&queue))) };
     match ctx.broker.poll_from(&queue, max, visibility, conn, now_ns()) {
         Ok(d) if d.is_empty() && timeout_ms > 0 => {
             let ctx = Arc::clone(ctx);
