@@ -860,7 +860,10 @@ fn durable_offers_from_many_connections_share_syncs_and_keep_each_connections_or
     });
     let offers = (connections * each) as u64;
     let syncs = fsyncs() - before;
-    assert!(syncs > 0 && syncs <= offers / 2, "{syncs} syncs for {offers} offers");
+    // Without group commit each offer has its sync (640). Alone this run shares about 4 offers a
+    // sync; beside the whole suite on two cores, once 640 offers took 321 syncs: the bound
+    // says they share, not how well (that is `bench/durable_offers.sh`'s).
+    assert!(syncs > 0 && syncs * 4 <= offers * 3, "{syncs} syncs for {offers} offers");
     let taken = rt.block_on(async {
         let c = server.client().await;
         c.poll("jobs", PollOptions { max: 10_000, ..PollOptions::default() }).await.unwrap()
