@@ -348,8 +348,16 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
                 ProblemKind::Corrupt | ProblemKind::TornTail => {}
             }
         }
-        let cut = report.problems.iter().find(|p| matches!(p.kind, ProblemKind::Corrupt | ProblemKind::TornTail));
-        if let Some(p) = cut {
+        let plan = verify::plan(&dir, &report)?;
+        for r in &plan.replace {
+            println!(
+                "would write record {} in {} at byte {} again as a record of zeros (every consumer group has passed it; the records after it stay)",
+                r.offset,
+                r.file.display(),
+                r.position
+            );
+        }
+        if let Some(p) = &plan.cut {
             let from = p.offset.map_or("an unknown record".into(), |o| format!("record {o}"));
             println!(
                 "would truncate {} at byte {} and delete everything from {from} to the log's end (record {}), later segments included",
@@ -363,6 +371,9 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
     }
     let _server_kept_out = not_served(&dir)?;
     let report = verify::repair(&dir)?;
+    for offset in &report.records_replaced {
+        println!("record {offset} written again as a record of zeros (every consumer group had passed it)");
+    }
     match &report.cut_at {
         Some((file, pos)) => println!(
             "truncated {} at byte {pos}: removed {} records ({} later segments); the log now ends before record {}",
@@ -371,7 +382,10 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
             report.segments_removed,
             report.next_offset
         ),
-        None => println!("no bad frames; {} segment headers rewritten", report.headers_rewritten),
+        None if report.records_replaced.is_empty() => {
+            println!("no bad frames; {} segment headers rewritten", report.headers_rewritten)
+        }
+        None => println!("no records removed; {} segment headers rewritten", report.headers_rewritten),
     }
     if report.cut_at.is_some() && report.headers_rewritten > 0 {
         println!("{} segment headers rewritten", report.headers_rewritten);

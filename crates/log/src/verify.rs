@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::directory::{list_segments, lock_dir};
 use crate::error::corrupt;
 use crate::error::{Error, Reason, Result, io_err};
+use crate::frame;
 use crate::mmap::SEGMENT_HEADER_LEN;
 use crate::options::Options;
 use crate::reader::Reader;
@@ -96,6 +97,12 @@ pub struct Problem {
     pub offset: Option<u64>,
     pub kind: ProblemKind,
     pub detail: String,
+    /// Where valid records start again after a bad frame (`Corrupt` only, when one was found).
+    pub resumes_at: Option<u64>,
+    /// How many records the damage took, when that is known: a format-1 frame says its offset;
+    /// a later one is one record when the bad frame's own length ends exactly where the first
+    /// valid frame after it starts.
+    pub records_lost: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -186,6 +193,8 @@ fn verify_once(dir: &Path, progress: &mut impl FnMut(u64, u64)) -> Result<Verify
             offset,
             kind,
             detail,
+            resumes_at: None,
+            records_lost: None,
         };
         if let Err(reason) = &header {
             report.problems.push(problem(0, None, ProblemKind::Header, format!("segment header: {reason}")));
@@ -250,17 +259,20 @@ fn verify_once(dir: &Path, progress: &mut impl FnMut(u64, u64)) -> Result<Verify
                     break;
                 }
                 Stop::Corrupt { error, later_pos, later_offset } => {
+                    // A frame whose length still ends at the next valid frame was one record.
+                    let one_frame = frame::peek_len(seg.format, &data[scan.end..]) == Some(later_pos - scan.end);
+                    let later_offset = later_offset.or((one_frame && !offsets_unknown).then_some(expected + 1));
                     let lost = match later_offset {
+                        Some(later) if later == expected + 1 => format!("record {expected} lost"),
                         Some(later) => format!("records {expected}..{later} lost"),
                         None => format!("records from {expected} on lost (how many is not known)"),
                     };
                     let detail = format!("{error}; {lost}, reading resumes at byte {}", SEGMENT_HEADER_LEN + later_pos);
-                    report.problems.push(problem(
-                        SEGMENT_HEADER_LEN + scan.end,
-                        known(expected),
-                        ProblemKind::Corrupt,
-                        detail,
-                    ));
+                    report.problems.push(Problem {
+                        resumes_at: Some((SEGMENT_HEADER_LEN + later_pos) as u64),
+                        records_lost: later_offset.filter(|_| !offsets_unknown).map(|later| later - expected),
+                        ..problem(SEGMENT_HEADER_LEN + scan.end, known(expected), ProblemKind::Corrupt, detail)
+                    });
                     pos = later_pos;
                     match later_offset {
                         Some(later) => expected = later,
@@ -300,6 +312,8 @@ fn unreadable_cursors(dir: &Path) -> Result<Vec<Problem>> {
                 offset: None,
                 kind: ProblemKind::Cursor,
                 detail: detail.into(),
+                resumes_at: None,
+                records_lost: None,
             });
         }
     }
@@ -319,11 +333,17 @@ pub struct RepairReport {
     pub headers_rewritten: usize,
     /// Groups whose unreadable cursor was written again at the oldest record on disk.
     pub groups_restarted: Vec<String>,
+    /// Damaged records that every consumer group had passed, each written again under its
+    /// offset as a record of zeros, so that the intact records after it stay.
+    pub records_replaced: Vec<u64>,
     pub next_offset: u64,
 }
 
 /// Truncates the log at its first bad frame: that frame, everything after it in its segment and
 /// every later segment are removed. A bad segment header over good frames is rewritten instead.
+/// A bad frame that is one record (`Problem::records_lost`) every consumer group has passed (a
+/// queue's consumed records, which nobody reads again) is replaced instead: the same bytes hold a
+/// valid record of zeros under its offset, and the records after it stay.
 /// Takes the directory lock, so the log must not be open for writing.
 pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     let dir = dir.as_ref();
@@ -347,8 +367,22 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
             ProblemKind::Corrupt | ProblemKind::TornTail => {}
         }
     }
-    let Some(first) = before.problems.iter().find(|p| matches!(p.kind, ProblemKind::Corrupt | ProblemKind::TornTail))
-    else {
+    let plan = plan(dir, &before)?;
+    for r in &plan.replace {
+        use std::os::unix::fs::FileExt;
+        let file = fs::OpenOptions::new().write(true).open(&r.file).map_err(io_err("open segment", &r.file))?;
+        file.write_all_at(&r.frame, r.position).map_err(io_err("write segment", &r.file))?;
+        file.sync_data().map_err(io_err("sync segment", &r.file))?;
+        // Its index file (if sealed) is made again from the frames.
+        let base = segment::parse_name(&r.file.file_name().unwrap_or_default().to_string_lossy())
+            .expect("problems name segment files");
+        crate::index::remove(dir, base);
+        out.records_replaced.push(r.offset);
+    }
+    let Some(first) = &plan.cut else {
+        if !out.records_replaced.is_empty() {
+            segment::sync_dir(dir)?;
+        }
         return Ok(out);
     };
     let cut_base = segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())
@@ -366,9 +400,125 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     segment::sync_dir(dir)?;
     // Counted again rather than computed, so the number printed is what is really on disk.
     let after = verify(dir, |_, _| {})?;
-    out.records_removed = before.records - after.records;
+    out.records_removed = (before.records + out.records_replaced.len() as u64).saturating_sub(after.records);
     out.next_offset = cut_offset;
     Ok(out)
+}
+
+/// What `repair` does with the damaged frames `verify` found (`report`): the records it
+/// replaces with zeros, and where it cuts the log.
+#[derive(Clone, Debug, Default)]
+pub struct RepairPlan {
+    pub replace: Vec<Replacement>,
+    /// The first bad frame that is not replaced: the log is cut there.
+    pub cut: Option<Problem>,
+}
+
+/// A damaged record every consumer group has passed, and the valid frame of zeros that takes
+/// its place.
+#[derive(Clone, Debug)]
+pub struct Replacement {
+    pub offset: u64,
+    pub file: PathBuf,
+    pub position: u64,
+    frame: Vec<u8>,
+}
+
+/// What `repair` would do with the frame problems of `report` (`verify(dir)`'s), changing nothing.
+pub fn plan(dir: &Path, report: &VerifyReport) -> Result<RepairPlan> {
+    let passed = passed_by_every_group(dir);
+    let mut plan = RepairPlan::default();
+    for problem in report.problems.iter().filter(|p| matches!(p.kind, ProblemKind::Corrupt | ProblemKind::TornTail)) {
+        let frame = match (problem.kind, problem.records_lost, problem.offset, problem.resumes_at) {
+            (ProblemKind::Corrupt, Some(1), Some(offset), Some(resumes_at)) if passed(offset) => {
+                zeros_frame(&problem.file, problem.position, resumes_at)?
+            }
+            _ => None,
+        };
+        match (frame, problem.offset) {
+            (Some(frame), Some(offset)) => {
+                plan.replace.push(Replacement { offset, file: problem.file.clone(), position: problem.position, frame })
+            }
+            _ => {
+                plan.cut = Some(problem.clone());
+                break;
+            }
+        }
+    }
+    Ok(plan)
+}
+
+/// Whether record `offset` is one that every consumer group of the log in `dir` has passed
+/// (acknowledged, and not held back): false when the log has no group, or one is unreadable.
+fn passed_by_every_group(dir: &Path) -> impl Fn(u64) -> bool {
+    let groups = dir.join(crate::group::GROUPS_DIR);
+    let cursors: Option<Vec<crate::cursor::CursorState>> = fs::read_dir(&groups).ok().and_then(|entries| {
+        entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(crate::group::CURSOR_SUFFIX))
+            })
+            .map(|p| crate::group::read_cursor(&p).ok())
+            .collect()
+    });
+    let cursors = cursors.filter(|c| !c.is_empty());
+    move |offset| {
+        cursors
+            .as_ref()
+            .is_some_and(|all| all.iter().all(|c| offset < c.committed && c.held.binary_search(&offset).is_err()))
+    }
+}
+
+/// A valid record of zeros to write over the bad frame at `position` of segment `path`, filling
+/// `[position, resumes_at)` exactly, so that the frames after it stay where they are. Its
+/// timestamp is the bad frame's own if that lies between its neighbours', else the previous
+/// frame's (a frame after it without one of its own takes it). `None` where that cannot be
+/// done: a segment of an earlier format, a gap too short for a frame with a timestamp.
+fn zeros_frame(path: &Path, position: u64, resumes_at: u64) -> Result<Option<Vec<u8>>> {
+    let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
+        .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
+    let (seg, _) = Segment::open(path, base, false)?;
+    let gap = (resumes_at - position) as usize;
+    let with_time = frame::FRAME_HEADER_LEN + frame::TIMESTAMP_LEN;
+    if seg.format != frame::Format::CURRENT || gap < with_time || !gap.is_multiple_of(frame::FRAME_ALIGN) {
+        return Ok(None);
+    }
+    let data = seg.map.published().from(SEGMENT_HEADER_LEN);
+    let (at, resume) = (position as usize - SEGMENT_HEADER_LEN, resumes_at as usize - SEGMENT_HEADER_LEN);
+    // The time in force before it: walk the frames from the segment's start.
+    let (mut walked, mut before) = (0, 0);
+    while walked < at {
+        let Some(len) = frame::peek_len(seg.format, &data[walked..]) else { return Ok(None) };
+        before = frame::own_timestamp(seg.format, &data[walked..]).unwrap_or(before);
+        walked += len;
+    }
+    if walked != at {
+        return Ok(None);
+    }
+    // The first time a frame after it holds of its own (the frames between take the new one's).
+    let mut after = u64::MAX;
+    let mut next = resume;
+    while let Some(len) = frame::peek_len(seg.format, &data[next..]) {
+        if let Some(t) = frame::own_timestamp(seg.format, &data[next..]) {
+            after = t;
+            break;
+        }
+        next += len;
+    }
+    // (A segment's first frame has none before it: the next one's, else the segment's birth.)
+    let fallback = match at {
+        0 if after != u64::MAX => after,
+        0 => seg.header_or_stand_in().created,
+        _ => before,
+    };
+    let time =
+        frame::own_timestamp(seg.format, &data[at..]).filter(|t| (before..=after).contains(t)).unwrap_or(fallback);
+    let zeros = vec![0u8; gap - with_time];
+    let input = frame::Input::payload(&zeros);
+    let mut bytes = vec![0u8; gap];
+    let written = frame::encode(&mut bytes, gap, Some(time), &input);
+    assert_eq!(written, gap, "a frame of zeros fills the bad frame's place exactly");
+    Ok(Some(bytes))
 }
 
 /// Writes the header a damaged one stands in for: the format judged by the frames, the base

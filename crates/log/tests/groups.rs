@@ -337,13 +337,16 @@ fn acknowledgements_past_the_end_of_a_repaired_log_do_not_hide_new_records() {
     assert_eq!(got, [b"r0".to_vec(), b"new 0".to_vec(), b"new 1".to_vec(), b"new 2".to_vec()]);
 }
 
-/// Damages record 4 of a log made by `log_with` and cuts the log back to the 4 records before it,
-/// as `petrel log repair` does.
+/// Damages records 4 and 5 of a log made by `log_with` and cuts the log back to the 4 records
+/// before them, as `petrel log repair` does. (Damage in one record that every group has passed
+/// is replaced instead of cut: two records are needed for a cut.)
 fn cut_back_to_four_records(dir: &std::path::Path) {
     let seg = dir.join("00000000000000000000.log");
     let mut bytes = std::fs::read(&seg).unwrap();
-    let at = bytes.windows(2).position(|w| w == b"r4").unwrap();
-    bytes[at] ^= 1;
+    for record in [&b"r4"[..], b"r5"] {
+        let at = bytes.windows(2).position(|w| w == record).unwrap();
+        bytes[at] ^= 1;
+    }
     std::fs::write(&seg, bytes).unwrap();
     assert_eq!(petrel_log::verify::repair(dir).unwrap().next_offset, 4);
 }

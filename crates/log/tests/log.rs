@@ -326,6 +326,81 @@ fn a_last_segment_cut_below_its_durable_checkpoint_is_damage_not_a_torn_tail() {
 }
 
 #[test]
+fn a_damaged_record_every_group_has_passed_is_replaced_and_the_records_after_it_stay() {
+    // Record 10 of 50 damaged (a flipped payload byte), after the only group acknowledged 30:
+    // repair used to cut the log there, taking the 20 records nobody had read yet with it.
+    let dir = tempfile::tempdir().unwrap();
+    let starts = fixed_log(dir.path(), 50, 20);
+    {
+        let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+        let mut g = log.group("g", petrel_log::GroupOptions::default()).unwrap();
+        let offsets: Vec<u64> = g.poll(30, std::time::Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+        for o in offsets {
+            g.ack(o).unwrap();
+        }
+        assert_eq!(g.committed(), 30);
+    }
+    let seg = segments(dir.path()).pop().unwrap();
+    let mut bytes = fs::read(&seg).unwrap();
+    bytes[starts[11] as usize - 5] ^= 0x04; // the end of record 10's payload
+    fs::write(&seg, &bytes).unwrap();
+
+    let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+    let problem = &report.problems[0];
+    assert_eq!((problem.kind, problem.offset, problem.records_lost), (ProblemKind::Corrupt, Some(10), Some(1)));
+    assert!(problem.detail.contains("record 10 lost"), "{}", problem.detail);
+    assert_eq!(report.next_offset, 50, "the records after it are counted under their offsets");
+    let plan = verify::plan(dir.path(), &report).unwrap();
+    assert_eq!((plan.replace.len(), plan.cut.is_none()), (1, true));
+    let repaired = verify::repair(dir.path()).unwrap();
+    assert_eq!((repaired.records_replaced, repaired.records_removed, repaired.cut_at), (vec![10], 0, None));
+    assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
+    let after = fs::read(&seg).unwrap();
+    assert_eq!(after[starts[11] as usize..], bytes[starts[11] as usize..], "the frames after it are as they were");
+
+    let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert_eq!(log.next_offset(), 50);
+    let records = read_all(&mut log.reader());
+    assert_eq!(records.len(), 50);
+    for r in &records {
+        match r.offset {
+            10 => assert!(r.payload.iter().all(|&b| b == 0), "a record of zeros in its place"),
+            o => assert_eq!(r.payload, vec![o as u8 + 1; 20]),
+        }
+    }
+    assert!(records.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+    let mut g = log.group("g", petrel_log::GroupOptions::default()).unwrap();
+    let next: Vec<u64> = g.poll(100, std::time::Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+    assert_eq!(next, (30..50).collect::<Vec<_>>(), "the group goes on where it was");
+}
+
+#[test]
+fn damage_in_a_record_a_group_has_not_passed_or_across_two_records_is_still_cut() {
+    for (acked, two_records) in [(5, false), (30, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let starts = fixed_log(dir.path(), 50, 20);
+        {
+            let log = Log::open(dir.path(), small(Durability::None)).unwrap();
+            let mut g = log.group("g", petrel_log::GroupOptions::default()).unwrap();
+            let offsets: Vec<u64> =
+                g.poll(acked, std::time::Duration::ZERO).unwrap().into_iter().map(|r| r.offset).collect();
+            offsets.into_iter().for_each(|o| g.ack(o).unwrap());
+        }
+        let seg = segments(dir.path()).pop().unwrap();
+        let mut bytes = fs::read(&seg).unwrap();
+        bytes[starts[11] as usize - 5] ^= 0x04;
+        if two_records {
+            bytes[starts[11] as usize + 6] ^= 0x01; // record 11's length word too
+        }
+        fs::write(&seg, &bytes).unwrap();
+        let repaired = verify::repair(dir.path()).unwrap();
+        assert!(repaired.records_replaced.is_empty(), "acked {acked}, two records {two_records}");
+        assert_eq!(repaired.next_offset, 10);
+        assert_eq!(Log::open(dir.path(), small(Durability::None)).unwrap().next_offset(), 10);
+    }
+}
+
+#[test]
 fn a_damaged_header_of_the_last_segment_is_rewritten_and_nothing_is_lost() {
     let dir = tempfile::tempdir().unwrap();
     fixed_log(dir.path(), 50, 20);

@@ -240,6 +240,7 @@ pub(super) async fn repair_queue(State(ctx): Ctxt, Caller(who): Caller, Path(nam
                     json!({
                         "log": log,
                         "records_removed": r.records_removed,
+                        "records_replaced": r.records_replaced,
                         "segments_removed": r.segments_removed,
                         "cut_at": r.cut_at.as_ref().map(|(file, position)| json!({
                             "file": file.file_name().map(|f| f.to_string_lossy().into_owned()),
