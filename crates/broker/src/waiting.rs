@@ -104,6 +104,17 @@ mod tests {
         (dir, Arc::new(broker))
     }
 
+    /// An attempt that offers `messages`, `None` while the queue is full.
+    fn offer_into<'a>(
+        broker: &'a Broker,
+        messages: &'a mut Vec<Message>,
+    ) -> impl FnMut(&Arc<Queue>) -> Result<Option<crate::Offered>, BrokerError> + 'a {
+        move |q| match broker.offer_unsynced(q, messages, 0) {
+            Err(BrokerError::Full(_)) => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
     fn take_one(broker: &Broker) -> impl FnMut(&Arc<Queue>) -> Result<Option<Message>, BrokerError> + '_ {
         move |q| Ok(broker.poll_from(q, 1, None, 1, 0)?.pop().map(|d| d.message))
     }
@@ -188,14 +199,10 @@ mod tests {
             let broker = Arc::clone(&broker);
             tokio::spawn(async move {
                 let mut messages = vec![Message::new(payload)];
-                let offer = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut messages, 0) {
-                    Err(BrokerError::Full(_)) => Ok(None),
-                    other => other.map(Some),
-                };
                 let waited = broker.wait_on_queue(
                     broker.queue("full").unwrap(),
                     WaitFor::Room,
-                    offer,
+                    offer_into(&broker, &mut messages),
                     std::future::pending::<()>(),
                 );
                 assert!(matches!(waited.await, Ok(Waited::Ready(_))));
@@ -236,14 +243,10 @@ mod tests {
             remover.remove_queue("full").unwrap();
         });
         let mut second = vec![Message::new(&b"second"[..])];
-        let offer = |q: &Arc<Queue>| match broker.offer_unsynced(q, &mut second, 0) {
-            Err(BrokerError::Full(_)) => Ok(None),
-            other => other.map(Some),
-        };
         let waited = broker.wait_on_queue(
             broker.queue("full").unwrap(),
             WaitFor::Room,
-            offer,
+            offer_into(&broker, &mut second),
             tokio::time::sleep(Duration::from_secs(10)),
         );
         let waited = tokio::time::timeout(Duration::from_secs(5), waited).await.expect("woken by the removal");
