@@ -121,8 +121,48 @@ pub(crate) fn connect_options(
 }
 
 impl Connect {
-    async fn connect(self) -> PyResult<petrel_client::Client> {
+    async fn connect(&self) -> PyResult<petrel_client::Client> {
         petrel_client::Client::connect_with(&self.address, &self.options).await.map_err(client_error)
+    }
+}
+
+/// A client's connection to its server, made again by the first request after it was lost (the
+/// server restarted, the network dropped it): the request that found it lost fails with
+/// `ConnectionError` (what it sent may have arrived, so it is not sent again); the next one
+/// connects first. Tentative takes, subscriptions and served functions belong to the connection
+/// they were made on and end with it. Never after `close`.
+pub(crate) struct Connection {
+    connect: Connect,
+    /// Held while a lost connection is made again, so that one request does it.
+    current: tokio::sync::Mutex<petrel_client::Client>,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Connection {
+    fn new(connect: Connect, client: petrel_client::Client) -> Connection {
+        Connection { connect, current: tokio::sync::Mutex::new(client), closed: Default::default() }
+    }
+
+    /// The connection, made again first if it was lost.
+    async fn client(&self) -> Result<petrel_client::Client, petrel_client::ClientError> {
+        let mut current = self.current.lock().await;
+        if current.is_closed() && !self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            let connect = &self.connect;
+            *current = petrel_client::Client::connect_with(&connect.address, &connect.options).await?;
+        }
+        Ok(current.clone())
+    }
+
+    /// The connection as it is, unless one is being made again (then `None`: the one before
+    /// is gone).
+    fn now(&self) -> Option<petrel_client::Client> {
+        self.current.try_lock().ok().map(|c| c.clone())
+    }
+
+    fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::Release);
+        // Outside the runtime (a Python thread): waits for a reconnection under way to end.
+        self.current.blocking_lock().close();
     }
 }
 
@@ -357,7 +397,7 @@ const ASYNC_TAKE_VISIBILITY: Duration = Duration::from_secs(30);
 /// from many threads share the connection, their requests in flight together.
 #[pyclass(module = "petrel", frozen)]
 pub struct Client {
-    inner: petrel_client::Client,
+    conn: Connection,
 }
 
 impl Client {
@@ -398,7 +438,7 @@ impl Client {
     ) -> PyResult<Client> {
         let connect = connect_options(address, user, password, tls_ca, tls_cert, tls_key)?;
         let inner = py.detach(|| runtime().block_on(connect.connect()))?;
-        Ok(Client { inner })
+        Ok(Client { conn: Connection::new(connect, inner) })
     }
 
     /// Creates a queue (nothing if it exists with this configuration): on disk unless
@@ -418,17 +458,17 @@ impl Client {
         settings: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
         let config = queue_config(durable, max_items, max_bytes, ttl, QueueOptions::from_kwargs(settings)?)?;
-        self.wait(py, self.inner.create_queue(name, config))
+        self.wait(py, async { self.conn.client().await?.create_queue(name, config).await })
     }
 
     /// Removes a queue and the messages in it.
     fn remove_queue(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        self.wait(py, self.inner.remove_queue(name))
+        self.wait(py, async { self.conn.client().await?.remove_queue(name).await })
     }
 
     /// The names of the queues this user may see.
     fn list_queues(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        self.wait(py, self.inner.list_queues())
+        self.wait(py, async { self.conn.client().await?.list_queues().await })
     }
 
     /// Adds a message at the queue's tail; returns its id. Waits up to `timeout` seconds for
@@ -450,7 +490,9 @@ impl Client {
         deliver_at: Option<f64>,
     ) -> PyResult<u64> {
         let message = offered(payload, priority, key, delay, deliver_at)?;
-        self.wait(py, self.inner.offer(queue, vec![message], crate::timeout_from(timeout)))
+        self.wait(py, async {
+            self.conn.client().await?.offer(queue, vec![message], crate::timeout_from(timeout)).await
+        })
     }
 
     /// Adds messages at the tail together, all or none (a crash while it is written can leave
@@ -464,7 +506,7 @@ impl Client {
         timeout: Option<f64>,
     ) -> PyResult<u64> {
         let messages = messages_of(payloads)?;
-        self.wait(py, self.inner.offer(queue, messages, crate::timeout_from(timeout)))
+        self.wait(py, async { self.conn.client().await?.offer(queue, messages, crate::timeout_from(timeout)).await })
     }
 
     /// Takes the message at the head for good, waiting up to `timeout` seconds (`None`: until one
@@ -486,7 +528,7 @@ impl Client {
         visibility: Option<f64>,
     ) -> PyResult<Vec<Message>> {
         let delivered = poll_in_waits(py, timeout, |wait| {
-            self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))
+            self.wait(py, async { self.conn.client().await?.poll(queue, poll_options(max, wait, visibility)).await })
         })?;
         Ok(delivered.into_iter().map(|d| Message::new(py, d.handle, d.message)).collect())
     }
@@ -500,7 +542,7 @@ impl Client {
 
     /// Acknowledges tentative takes by handle; returns how many were still open.
     fn ack(&self, py: Python<'_>, queue: &str, handles: Vec<u64>) -> PyResult<u32> {
-        self.wait(py, self.inner.ack(queue, &handles))
+        self.wait(py, async { self.conn.client().await?.ack(queue, &handles).await })
     }
 
     /// Puts tentative takes back at the head, or, with `delay` (seconds), to be handed out again
@@ -509,26 +551,26 @@ impl Client {
     #[pyo3(signature = (queue, handles, delay = None))]
     fn abort(&self, py: Python<'_>, queue: &str, handles: Vec<u64>, delay: Option<f64>) -> PyResult<u32> {
         let delay = Duration::from_millis(millis(delay, "delay")?);
-        self.wait(py, self.inner.abort_delayed(queue, &handles, delay))
+        self.wait(py, async { self.conn.client().await?.abort_delayed(queue, &handles, delay).await })
     }
 
     /// Creates a topic (nothing if it exists); a durable one keeps a log that consumer groups
     /// read and replay (`subscribe_group`).
     #[pyo3(signature = (name, durable = false))]
     fn create_topic(&self, py: Python<'_>, name: &str, durable: bool) -> PyResult<()> {
-        self.wait(py, self.inner.create_topic(name, durable))
+        self.wait(py, async { self.conn.client().await?.create_topic(name, durable).await })
     }
 
     /// Removes a topic; its subscriptions end.
     fn remove_topic(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        self.wait(py, self.inner.remove_topic(name))
+        self.wait(py, async { self.conn.client().await?.remove_topic(name).await })
     }
 
     /// Publishes to every current subscriber (and, for a durable topic, to its log); returns how
     /// many subscribers it reached.
     #[pyo3(signature = (topic, payload, subject = String::new()))]
     fn publish(&self, py: Python<'_>, topic: &str, payload: PyBackedBytes, subject: String) -> PyResult<u32> {
-        self.wait(py, self.inner.publish(topic, vec![outgoing(payload, subject)]))
+        self.wait(py, async { self.conn.client().await?.publish(topic, vec![outgoing(payload, subject)]).await })
     }
 
     /// Subscribes to the topic's messages from now on: iterate the returned `Subscription`.
@@ -536,8 +578,9 @@ impl Client {
     /// as too slow (0: the server's default).
     #[pyo3(signature = (topic, buffer = 0))]
     fn subscribe(&self, py: Python<'_>, topic: &str, buffer: u32) -> PyResult<Subscription> {
-        let sub = self.wait(py, self.inner.subscribe(topic, buffer))?;
-        Ok(Subscription::new(self.inner.clone(), sub))
+        let client = self.wait(py, self.conn.client())?;
+        let sub = self.wait(py, client.subscribe(topic, buffer))?;
+        Ok(Subscription::new(client, sub))
     }
 
     /// Reads a durable topic as consumer group `group`: from where the group stands (`start`
@@ -555,8 +598,9 @@ impl Client {
         max_unacked: u32,
     ) -> PyResult<Subscription> {
         let from = start_from(start.as_ref(), time)?;
-        let sub = self.wait(py, self.inner.subscribe_group(topic, group, from, max_unacked))?;
-        Ok(Subscription::new(self.inner.clone(), sub))
+        let client = self.wait(py, self.conn.client())?;
+        let sub = self.wait(py, client.subscribe_group(topic, group, from, max_unacked))?;
+        Ok(Subscription::new(client, sub))
     }
 
     /// Calls `function` with `payload` and returns the reply, waiting up to `timeout` seconds
@@ -571,15 +615,16 @@ impl Client {
         timeout: Option<f64>,
         subject: String,
     ) -> PyResult<Message> {
-        let reply =
-            self.wait(py, self.inner.call(function, outgoing(payload, subject), crate::timeout_from(timeout)))?;
+        let reply = self.wait(py, async {
+            self.conn.client().await?.call(function, outgoing(payload, subject), crate::timeout_from(timeout)).await
+        })?;
         Ok(Message::new(py, 0, reply))
     }
 
     /// Calls `function` without waiting for a reply: done once the server has the call.
     #[pyo3(signature = (function, payload, subject = String::new()))]
     fn call_oneway(&self, py: Python<'_>, function: &str, payload: PyBackedBytes, subject: String) -> PyResult<()> {
-        self.wait(py, self.inner.call_oneway(function, outgoing(payload, subject)))
+        self.wait(py, async { self.conn.client().await?.call_oneway(function, outgoing(payload, subject)).await })
     }
 
     /// Serves `function` with `handler`, a callable taking the request `Message` and returning
@@ -591,26 +636,27 @@ impl Client {
             return Err(pyo3::exceptions::PyTypeError::new_err("the handler must be callable"));
         }
         let handler = Arc::new(handler);
+        let client = self.wait(py, self.conn.client())?;
         let serving =
-            self.inner.serve(function, move |request| crate::functions::run_handler(Arc::clone(&handler), request));
+            client.serve(function, move |request| crate::functions::run_handler(Arc::clone(&handler), request));
         self.wait(py, serving)?;
-        stop_at_exit(Stoppable::Client(self.inner.clone()));
+        stop_at_exit(Stoppable::Client(client));
         Ok(())
     }
 
     /// Stops serving `function`; calls already running still reply.
     fn unserve(&self, py: Python<'_>, function: &str) -> PyResult<()> {
-        self.wait(py, self.inner.unserve(function))
+        self.wait(py, async { self.conn.client().await?.unserve(function).await })
     }
 
     /// A round trip to the server.
     fn ping(&self, py: Python<'_>) -> PyResult<()> {
-        self.wait(py, self.inner.ping())
+        self.wait(py, async { self.conn.client().await?.ping().await })
     }
 
     /// Ends the connection; tentative takes not acknowledged go back to their queues.
     fn close(&self) {
-        self.inner.close();
+        self.conn.close();
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -628,8 +674,14 @@ impl Client {
 /// `Completions` under that token (`completions.rs`).
 #[pyclass(module = "petrel", frozen)]
 pub struct AsyncCore {
-    inner: petrel_client::Client,
+    conn: Arc<Connection>,
     completions: Arc<Inner>,
+}
+
+/// The connection of `conn` (made again if it was lost), or the outcome that says why there is
+/// none.
+async fn connected(conn: &Connection) -> Result<petrel_client::Client, crate::completions::Outcome> {
+    conn.client().await.map_err(|e| outcome::<()>(Err(client_error(e))))
 }
 
 /// Polls once on the server (it waits up to `wait`), on a task of its own: if the awaiting
@@ -692,13 +744,19 @@ fn into_messages(py: Python<'_>, delivered: Vec<(u64, petrel_client::Message)>) 
 impl AsyncCore {
     /// Runs one request with a clone of the connection; its value, converted as it is, is the
     /// outcome for `token`.
-    fn run<T, F>(&self, token: u64, request: impl FnOnce(petrel_client::Client) -> F)
+    fn run<T, F>(&self, token: u64, request: impl FnOnce(petrel_client::Client) -> F + Send + 'static)
     where
         F: Future<Output = Result<T, petrel_client::ClientError>> + Send + 'static,
         T: for<'py> IntoPyObject<'py> + Send + 'static,
     {
-        let request = request(self.inner.clone());
-        self.completions.spawn(token, async move { outcome(request.await.map_err(client_error)) });
+        let conn = Arc::clone(&self.conn);
+        self.completions.spawn(token, async move {
+            let client = match connected(&conn).await {
+                Ok(client) => client,
+                Err(none) => return none,
+            };
+            outcome(request(client).await.map_err(client_error))
+        });
     }
 }
 
@@ -721,7 +779,11 @@ impl AsyncCore {
         let connect = connect_options(&address, user, password, tls_ca, tls_cert, tls_key)?;
         let done = Arc::clone(&completions.inner);
         completions.inner.spawn(token, async move {
-            outcome(connect.connect().await.map(|inner| AsyncCore { inner, completions: done }))
+            let connected = connect.connect().await;
+            outcome(
+                connected
+                    .map(|client| AsyncCore { conn: Arc::new(Connection::new(connect, client)), completions: done }),
+            )
         });
         Ok(())
     }
@@ -739,12 +801,12 @@ impl AsyncCore {
         settings: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<()> {
         let config = queue_config(durable, max_items, max_bytes, ttl, QueueOptions::from_kwargs(settings)?)?;
-        self.run(token, |c| async move { c.create_queue(&name, config).await });
+        self.run(token, move |c| async move { c.create_queue(&name, config).await });
         Ok(())
     }
 
     fn remove_queue(&self, token: u64, name: String) {
-        self.run(token, |c| async move { c.remove_queue(&name).await });
+        self.run(token, move |c| async move { c.remove_queue(&name).await });
     }
 
     #[pyo3(signature = (token, queue, payload, timeout = None, priority = 0, key = None, delay = None, deliver_at = None))]
@@ -761,7 +823,7 @@ impl AsyncCore {
         deliver_at: Option<f64>,
     ) -> PyResult<()> {
         let (message, timeout) = (offered(payload, priority, key, delay, deliver_at)?, crate::timeout_from(timeout));
-        self.run(token, |c| async move { c.offer(&queue, vec![message], timeout).await });
+        self.run(token, move |c| async move { c.offer(&queue, vec![message], timeout).await });
         Ok(())
     }
 
@@ -775,7 +837,7 @@ impl AsyncCore {
     ) -> PyResult<()> {
         let messages = messages_of(payloads)?;
         let timeout = crate::timeout_from(timeout);
-        self.run(token, |c| async move { c.offer(&queue, messages, timeout).await });
+        self.run(token, move |c| async move { c.offer(&queue, messages, timeout).await });
         Ok(())
     }
 
@@ -785,11 +847,15 @@ impl AsyncCore {
     /// handle 0).
     #[pyo3(signature = (token, queue, max = 1, wait = 0.0, visibility = None))]
     fn poll_once(&self, token: u64, queue: String, max: u32, wait: f64, visibility: Option<f64>) {
-        let client = self.inner.clone();
+        let conn = Arc::clone(&self.conn);
         let wait = crate::timeout_from(Some(wait)).unwrap_or(LONG_POLL).min(LONG_POLL);
         let options = poll_options(max, wait, visibility);
         let for_good = visibility.is_none();
         self.completions.spawn(token, async move {
+            let client = match connected(&conn).await {
+                Ok(client) => client,
+                Err(none) => return none,
+            };
             match poll_once(client, queue, options).await {
                 Ok(taken) => outcome_with(move |py| {
                     let delivered = taken.keep();
@@ -806,42 +872,48 @@ impl AsyncCore {
     /// Gives back tentative takes no one will see, without waiting (a poll whose coroutine was
     /// cancelled as its answer came).
     fn abort_detached(&self, queue: String, handles: Vec<u64>) {
-        let client = self.inner.clone();
-        runtime().spawn(async move { give_back(&client, &queue, handles).await });
+        // On the connection that took them (if it was lost, the server gave them back).
+        if let Some(client) = self.conn.now() {
+            runtime().spawn(async move { give_back(&client, &queue, handles).await });
+        }
     }
 
     fn ack(&self, token: u64, queue: String, handles: Vec<u64>) {
-        self.run(token, |c| async move { c.ack(&queue, &handles).await });
+        self.run(token, move |c| async move { c.ack(&queue, &handles).await });
     }
 
     #[pyo3(signature = (token, queue, handles, delay = None))]
     fn abort(&self, token: u64, queue: String, handles: Vec<u64>, delay: Option<f64>) -> PyResult<()> {
         let delay = Duration::from_millis(millis(delay, "delay")?);
-        self.run(token, |c| async move { c.abort_delayed(&queue, &handles, delay).await });
+        self.run(token, move |c| async move { c.abort_delayed(&queue, &handles, delay).await });
         Ok(())
     }
 
     #[pyo3(signature = (token, name, durable = false))]
     fn create_topic(&self, token: u64, name: String, durable: bool) {
-        self.run(token, |c| async move { c.create_topic(&name, durable).await });
+        self.run(token, move |c| async move { c.create_topic(&name, durable).await });
     }
 
     fn remove_topic(&self, token: u64, name: String) {
-        self.run(token, |c| async move { c.remove_topic(&name).await });
+        self.run(token, move |c| async move { c.remove_topic(&name).await });
     }
 
     #[pyo3(signature = (token, topic, payload, subject = String::new()))]
     fn publish(&self, token: u64, topic: String, payload: PyBackedBytes, subject: String) {
         let message = outgoing(payload, subject);
-        self.run(token, |c| async move { c.publish(&topic, vec![message]).await });
+        self.run(token, move |c| async move { c.publish(&topic, vec![message]).await });
     }
 
     /// Subscribes to a topic's live messages; the outcome is an `AsyncSubscriptionCore`.
     #[pyo3(signature = (token, topic, buffer = 0))]
     fn subscribe(&self, token: u64, topic: String, buffer: u32) {
-        let client = self.inner.clone();
+        let conn = Arc::clone(&self.conn);
         let done = Arc::clone(&self.completions);
         self.completions.spawn(token, async move {
+            let client = match connected(&conn).await {
+                Ok(client) => client,
+                Err(none) => return none,
+            };
             let sub = client.subscribe(&topic, buffer).await.map_err(client_error);
             outcome(sub.map(|sub| AsyncSubscriptionCore::new(client, sub, done)))
         });
@@ -861,9 +933,13 @@ impl AsyncCore {
         max_unacked: u32,
     ) -> PyResult<()> {
         let from = start_from(start.as_ref(), time)?;
-        let client = self.inner.clone();
+        let conn = Arc::clone(&self.conn);
         let done = Arc::clone(&self.completions);
         self.completions.spawn(token, async move {
+            let client = match connected(&conn).await {
+                Ok(client) => client,
+                Err(none) => return none,
+            };
             let sub = client.subscribe_group(&topic, &group, from, max_unacked).await.map_err(client_error);
             outcome(sub.map(|sub| AsyncSubscriptionCore::new(client, sub, done)))
         });
@@ -873,9 +949,13 @@ impl AsyncCore {
     /// Calls a function; the outcome is the reply `Message`.
     #[pyo3(signature = (token, function, payload, timeout = None, subject = String::new()))]
     fn call(&self, token: u64, function: String, payload: PyBackedBytes, timeout: Option<f64>, subject: String) {
-        let client = self.inner.clone();
+        let conn = Arc::clone(&self.conn);
         let (message, timeout) = (outgoing(payload, subject), crate::timeout_from(timeout));
         self.completions.spawn(token, async move {
+            let client = match connected(&conn).await {
+                Ok(client) => client,
+                Err(none) => return none,
+            };
             match client.call(&function, message, timeout).await {
                 Ok(reply) => outcome_with(move |py| Message::new(py, 0, reply).into_py_any(py)),
                 Err(e) => outcome::<()>(Err(client_error(e))),
@@ -886,24 +966,28 @@ impl AsyncCore {
     #[pyo3(signature = (token, function, payload, subject = String::new()))]
     fn call_oneway(&self, token: u64, function: String, payload: PyBackedBytes, subject: String) {
         let message = outgoing(payload, subject);
-        self.run(token, |c| async move { c.call_oneway(&function, message).await });
+        self.run(token, move |c| async move { c.call_oneway(&function, message).await });
     }
 
     /// Serves `function`; the outcome is the `AsyncCalls` stream of its calls.
     fn serve(&self, token: u64, function: String) {
-        let client = self.inner.clone();
+        let conn = Arc::clone(&self.conn);
         let done = Arc::clone(&self.completions);
         self.completions.spawn(token, async move {
+            let client = match connected(&conn).await {
+                Ok(client) => client,
+                Err(none) => return none,
+            };
             let (handler, calls) = crate::functions::async_calls(done);
             outcome(client.serve(&function, handler).await.map_err(client_error).map(|()| calls))
         });
     }
 
     fn unserve(&self, token: u64, function: String) {
-        self.run(token, |c| async move { c.unserve(&function).await });
+        self.run(token, move |c| async move { c.unserve(&function).await });
     }
 
     fn close(&self) {
-        self.inner.close();
+        self.conn.close();
     }
 }

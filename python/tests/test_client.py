@@ -307,3 +307,53 @@ except KeyboardInterrupt:
         assert out.strip() == "interrupted" and time.monotonic() - started < 5
     finally:
         child.kill()
+
+
+def test_clients_connect_again_after_the_server_restarts(tmp_path):
+    """A server restart used to leave a client failing every request for good. Now the request
+    that finds the connection lost fails (what it sent may have arrived: it is not sent again),
+    and the next one connects first, for the blocking and the asyncio client alike."""
+    from conftest import restartable_addr, start, stop
+
+    def again(request):
+        try:
+            return request()
+        except petrel.ConnectionError:
+            return request()
+
+    process, address = start(tmp_path, restartable_addr())
+    try:
+        blocking = petrel.Client(address)
+        blocking.create_queue("jobs")
+        blocking.offer("jobs", b"before")
+
+        async def before():
+            c = petrel.AsyncClient(address)
+            await c.offer("jobs", b"async before")
+            return c
+
+        loop = asyncio.new_event_loop()
+        async_client = loop.run_until_complete(before())
+        stop(process)
+        process, _ = start(tmp_path, address)
+
+        again(lambda: blocking.offer("jobs", b"after"))
+        blocking.offer("jobs", b"and on")
+
+        async def after():
+            try:
+                await async_client.offer("jobs", b"async after")
+            except petrel.ConnectionError:
+                await async_client.offer("jobs", b"async after")
+            await async_client.offer("jobs", b"async and on")
+            await async_client.close()
+
+        loop.run_until_complete(after())
+        loop.close()
+        got = [m.payload for m in blocking.poll_many("jobs", max=10)]
+        assert got == [b"before", b"async before", b"after", b"and on", b"async after", b"async and on"]
+        blocking.close()
+        with pytest.raises(petrel.PetrelError):
+            blocking.offer("jobs", b"closed")  # closed by its user: never connected again
+    finally:
+        stop(process)
