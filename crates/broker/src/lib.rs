@@ -605,7 +605,8 @@ impl Broker {
 
     /// Tries again to open the queues listed as damaged (after an operator repaired them): those
     /// now served go in `changes.reopened`, those the configuration refuses in `changes.failed`.
-    fn reopen_damaged(&self, changes: &mut QueueChanges) {
+    /// (A reload does this first; a server without a configuration file calls it on its own.)
+    pub fn reopen_damaged(&self, changes: &mut QueueChanges) {
         let names: Vec<String> = self.damaged.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
         let configured = self.configured.read().unwrap_or_else(|e| e.into_inner()).clone();
         for name in names {

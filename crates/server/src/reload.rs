@@ -79,6 +79,10 @@ const LIVE_KEYS: &[&str] = &[
     "security.tls_client_ca",
 ];
 
+/// A reload's outcome in a server started without a configuration file.
+const NO_FILE: &str = "the server was started without --config: there is no file to read again \
+    (damaged queues were looked at again)";
+
 /// Tables whose every entry a reload applies.
 const LIVE_TABLES: &[&str] = &["queue_defaults"];
 
@@ -123,10 +127,23 @@ pub struct Reloader {
 impl Reloader {
     /// Reads the file again and applies it; the outcome is logged and kept for the API.
     pub fn reload(&self) -> Result<ReloadSummary, String> {
-        let Some(path) = &self.path else {
-            return Err("the server was started without --config: there is no file to read again".into());
+        let result = match &self.path {
+            Some(path) => self.apply(path),
+            None => {
+                // No file to read again; damaged queues fixed by hand are still looked at.
+                let mut queues = petrel_broker::QueueChanges::default();
+                self.ctx.broker.reopen_damaged(&mut queues);
+                let mut state = self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner());
+                state.status.count += 1;
+                state.status.at_ms = crate::now_ns() / 1_000_000;
+                state.status.outcome = NO_FILE.into();
+                state.status.applied.clear();
+                state.status.needs_restart.clear();
+                state.status.failed = queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}")).collect();
+                state.status.reopened = queues.reopened;
+                return Err(NO_FILE.into());
+            }
         };
-        let result = self.apply(path);
         let mut state = self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner());
         state.status.count += 1;
         state.status.at_ms = crate::now_ns() / 1_000_000;
