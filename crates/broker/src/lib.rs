@@ -108,10 +108,13 @@ pub enum BrokerError {
     Storage(#[from] petrel_log::Error),
     #[error("definitions file: {0}")]
     Definitions(String),
-    /// A queue whose files could not be opened at start (or at the last reload): not served,
-    /// and not made anew under its name, until it is repaired and the server reloads.
-    #[error("queue {:?} is not served: its files could not be opened ({}); an admin may repair its logs in place (POST /api/v1/queues/NAME/repair: each is cut at its first bad record), or fix its files and reload (SIGHUP) or restart", shown(.0), .1)]
-    Damaged(String, String),
+    /// A queue or a durable topic (`kind`) whose files could not be opened at start (or at the
+    /// last reload): not served, and not made anew under its name, until it is repaired.
+    #[error(
+        "{kind} {:?} is not served: its files could not be opened ({reason}); an admin may repair its logs in place (POST /api/v1/{kind}s/NAME/repair: each is cut at its first bad record), or fix its files and restart (or reload, for a queue)",
+        shown(name)
+    )]
+    Damaged { kind: &'static str, name: String, reason: String },
     #[error("no topic named {:?}", shown(.0))]
     TopicNotFound(String),
     #[error("no server for function {:?}", shown(.0))]
@@ -148,7 +151,7 @@ impl BrokerError {
             BrokerError::TooLarge { .. } | BrokerError::NeverFits(_) => Status::TooLarge,
             BrokerError::Storage(_)
             | BrokerError::Definitions(_)
-            | BrokerError::Damaged(..)
+            | BrokerError::Damaged { .. }
             | BrokerError::DataDirLocked(_) => Status::ServerError,
             BrokerError::TopicNotFound(_) | BrokerError::GroupNotFound { .. } => Status::TopicNotFound,
             BrokerError::FunctionNotFound(_) => Status::FunctionNotFound,
@@ -302,6 +305,9 @@ pub struct Broker {
     /// Queues whose files could not be opened (a damaged definition or log), by name, with why:
     /// the others are served meanwhile (`BrokerError::Damaged`); a reload tries them again.
     damaged: RwLock<BTreeMap<String, String>>,
+    /// Durable topics whose logs could not be opened, likewise (repaired through
+    /// `repair_damaged_topic`, or at a restart).
+    damaged_topics: RwLock<BTreeMap<String, String>>,
     next_handle: AtomicU64,
     created: AtomicU64,
     removed: AtomicU64,
@@ -510,6 +516,7 @@ impl Broker {
             creation_ended: Condvar::new(),
             configured: RwLock::new(configured.clone()),
             damaged: RwLock::new(BTreeMap::new()),
+            damaged_topics: RwLock::new(BTreeMap::new()),
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
@@ -698,9 +705,55 @@ impl Broker {
     /// The error for a queue `name` that is not served: damaged, or not there.
     pub fn missing(&self, name: &str) -> BrokerError {
         match self.damaged.read().unwrap_or_else(|e| e.into_inner()).get(name) {
-            Some(reason) => BrokerError::Damaged(name.to_owned(), reason.clone()),
+            Some(reason) => BrokerError::Damaged { kind: "queue", name: name.to_owned(), reason: reason.clone() },
             None => BrokerError::NotFound(name.to_owned()),
         }
+    }
+
+    /// The error for a topic `name` that is not served: damaged, or not there.
+    pub fn missing_topic(&self, name: &str) -> BrokerError {
+        match self.damaged_topics.read().unwrap_or_else(|e| e.into_inner()).get(name) {
+            Some(reason) => BrokerError::Damaged { kind: "topic", name: name.to_owned(), reason: reason.clone() },
+            None => BrokerError::TopicNotFound(name.to_owned()),
+        }
+    }
+
+    /// Durable topics not served because their logs could not be opened, with why, by name.
+    pub fn damaged_topics(&self) -> Vec<(String, String)> {
+        self.damaged_topics
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(n, r)| (n.clone(), r.clone()))
+            .collect()
+    }
+
+    /// Repairs the log of damaged durable topic `name` in place (as `repair_damaged` does a
+    /// queue's) and serves it again.
+    pub fn repair_damaged_topic(&self, name: &str) -> Result<petrel_log::verify::RepairReport, BrokerError> {
+        let Some(reason) = self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).remove(name) else {
+            return Err(match self.topic(name) {
+                Some(_) => BrokerError::BadRequest(format!(
+                    "topic {:?} is served: only a damaged topic is repaired",
+                    shown(name)
+                )),
+                None => BrokerError::TopicNotFound(name.to_owned()),
+            });
+        };
+        let dir = self.dir.join("topics").join(name);
+        let repaired = petrel_log::verify::repair(&dir).inspect(|report| {
+            tracing::warn!(topic = %shown(name), records_removed = report.records_removed, "repaired a damaged topic's log");
+        });
+        let opened =
+            repaired.map_err(BrokerError::from).and_then(|report| self.create_topic(name, true).map(|_| report));
+        if let Err(e) = &opened {
+            let why = match e {
+                BrokerError::Storage(_) => e.to_string(),
+                _ => reason,
+            };
+            self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned(), why);
+        }
+        opened
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
@@ -1317,6 +1370,9 @@ impl Broker {
     /// A durable topic keeps a log in `topics/<name>/` and comes back after a restart.
     pub fn create_topic(&self, name: &str, durable: bool) -> Result<Arc<Topic>, BrokerError> {
         check_name(name)?;
+        if self.damaged_topics.read().unwrap_or_else(|e| e.into_inner()).contains_key(name) {
+            return Err(self.missing_topic(name));
+        }
         let mut topics = self.topics.write().unwrap_or_else(|e| e.into_inner());
         if let Some(t) = topics.get(name) {
             return if t.is_durable() == durable {
@@ -1365,7 +1421,18 @@ impl Broker {
             if name.starts_with(REMOVED) {
                 std::fs::remove_dir_all(dir.join(&*name)).map_err(|e| BrokerError::Definitions(e.to_string()))?;
             } else if check_name(&name).is_ok() {
-                self.create_topic(&name, true)?;
+                match self.create_topic(&name, true) {
+                    Ok(_) => {}
+                    // Its log damaged: listed, not served, kept for repair; the others go on.
+                    Err(e @ BrokerError::Storage(_)) => {
+                        tracing::error!(topic = %shown(&name), error = %e, "topic not served: its log could not be opened; repair it (POST /api/v1/topics/NAME/repair, or `petrel log repair` with the server stopped)");
+                        self.damaged_topics
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(name.into_owned(), e.to_string());
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
         Ok(())
@@ -1374,7 +1441,7 @@ impl Broker {
     /// Removes a topic (and a durable topic's log); its subscriptions end.
     pub fn remove_topic(&self, name: &str) -> Result<(), BrokerError> {
         let topic = self.topics.write().unwrap_or_else(|e| e.into_inner()).remove(name);
-        let topic = topic.ok_or_else(|| BrokerError::TopicNotFound(name.to_owned()))?;
+        let topic = topic.ok_or_else(|| self.missing_topic(name))?;
         topic.remove(|_, _| true, Some(Ended::TopicRemoved(format!("topic {name} was removed"))));
         if topic.is_durable() {
             drop(topic);
@@ -1395,7 +1462,7 @@ impl Broker {
 
     /// Hands the messages to every current subscriber of `topic`; returns how many got them.
     pub fn publish(&self, topic: &str, messages: Vec<Message>, now_ns: u64) -> Result<u32, BrokerError> {
-        let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
+        let t = self.topic(topic).ok_or_else(|| self.missing_topic(topic))?;
         self.publish_to(&t, messages, now_ns)
     }
 
@@ -1418,7 +1485,7 @@ impl Broker {
 
     /// Subscribes `conn` to `topic`, the broker holding up to `buffer` messages for it.
     pub fn subscribe(&self, topic: &str, conn: ConnId, buffer: usize) -> Result<Subscription, BrokerError> {
-        let t = self.topic(topic).ok_or_else(|| BrokerError::TopicNotFound(topic.to_owned()))?;
+        let t = self.topic(topic).ok_or_else(|| self.missing_topic(topic))?;
         Ok(t.subscribe(
             self.next_handle.fetch_add(1, Ordering::Relaxed),
             conn,

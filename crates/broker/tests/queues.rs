@@ -299,7 +299,7 @@ fn many_queues_come_back_after_a_restart_and_a_damaged_definition_is_named() {
         b.remove_queue("q07").unwrap_err(),
     ] {
         assert!(
-            matches!(&e, BrokerError::Damaged(name, why) if name == "q07" && why.contains("q07/queue.json")),
+            matches!(&e, BrokerError::Damaged { kind: "queue", name, reason } if name == "q07" && reason.contains("q07/queue.json")),
             "{e}"
         );
         assert_eq!(e.status(), petrel_proto::Status::ServerError);

@@ -215,3 +215,47 @@ fn a_durable_topic_keeps_no_more_than_its_cap() {
     let first = g.poll(1, std::time::Duration::ZERO).unwrap();
     assert!(first[0].id > 1, "the oldest messages are gone");
 }
+
+#[test]
+fn a_durable_topic_whose_log_is_damaged_is_not_served_the_rest_is_and_a_repair_serves_it_again() {
+    use petrel_broker::SeekTo;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_topic("orders", true).unwrap();
+    b.create_topic("audit", true).unwrap();
+    let payload = |i: usize| format!("order {i:04} {}", "x".repeat(100));
+    b.publish("orders", (0..50).map(|i| Message::new(payload(i))).collect(), 0).unwrap();
+    drop(b);
+    let segment = dir.path().join("topics/orders/00000000000000000000.log");
+    let mut bytes = std::fs::read(&segment).unwrap();
+    bytes[64 + 20 * 150] ^= 0x5a; // a record in the middle, valid ones after it
+    std::fs::write(&segment, &bytes).unwrap();
+
+    // It stopped the whole start before.
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.topic_names(), ["audit"]);
+    let damaged = b.damaged_topics();
+    assert_eq!(damaged.len(), 1);
+    assert!(damaged[0].0 == "orders" && damaged[0].1.contains("topics/orders"), "{damaged:?}");
+    for e in [
+        b.publish("orders", vec![Message::new("x")], 1).unwrap_err(),
+        b.create_topic("orders", true).err().unwrap(),
+        b.create_topic("orders", false).err().unwrap(),
+        b.remove_topic("orders").unwrap_err(),
+    ] {
+        assert!(matches!(&e, BrokerError::Damaged { kind: "topic", name, .. } if name == "orders"), "{e}");
+    }
+    assert_eq!(std::fs::read(&segment).unwrap(), bytes, "its files are as they were");
+    b.publish("audit", vec![Message::new("served")], 1).unwrap();
+
+    let report = b.repair_damaged_topic("orders").unwrap();
+    assert!(report.next_offset > 0 && report.next_offset < 50, "{report:?}");
+    assert!(b.damaged_topics().is_empty());
+    let topic = b.topic("orders").unwrap();
+    let mut all = topic.group("all", Some(SeekTo::Oldest), 100).unwrap();
+    let got = all.poll(100, Duration::ZERO).unwrap();
+    assert_eq!(got.len() as u64, report.next_offset, "every record before the damage");
+    assert!(got.iter().enumerate().all(|(i, m)| m.payload == payload(i).as_bytes()));
+    assert!(matches!(b.repair_damaged_topic("orders"), Err(BrokerError::BadRequest(_))), "served: not repaired");
+}

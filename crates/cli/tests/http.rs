@@ -614,7 +614,7 @@ fn queues_made_by_first_use_follow_queue_defaults_across_a_restart_and_a_reload(
 }
 
 #[test]
-fn a_queue_whose_log_is_damaged_is_not_served_the_others_are_and_a_repair_in_place_serves_it_again() {
+fn a_queue_or_topic_whose_log_is_damaged_is_not_served_the_others_are_and_a_repair_in_place_serves_it_again() {
     // One damaged queue used to stop the whole server from starting; now it is listed as damaged,
     // refused with a reason (never made anew over its files), and served again once repaired.
     let dir = tempfile::tempdir().unwrap();
@@ -633,12 +633,18 @@ fn a_queue_whose_log_is_damaged_is_not_served_the_others_are_and_a_repair_in_pla
                 c.offer(q, vec![Message::new(payload(q, i))], None).await.unwrap();
             }
         }
+        c.create_topic("news", true).await.unwrap();
+        c.publish("news", (0..50).map(|i| Message::new(payload("news", i))).collect()).await.unwrap();
     });
     server.terminate();
     let segment = data.join("queues/bad/00000000000000000000.log");
     let mut bytes = std::fs::read(&segment).unwrap();
     bytes[64 + 20 * 150] ^= 0x5a; // inside a record in the middle: valid records follow it
     std::fs::write(&segment, &bytes).unwrap();
+    let news = data.join("topics/news/00000000000000000000.log");
+    let mut news_bytes = std::fs::read(&news).unwrap();
+    news_bytes[64 + 20 * 150] ^= 0x5a;
+    std::fs::write(&news, &news_bytes).unwrap();
 
     let server = Server::start_with(&data, &args);
     let status = json(&get(&server.http, "/api/v1/server", None).2);
@@ -647,6 +653,8 @@ fn a_queue_whose_log_is_damaged_is_not_served_the_others_are_and_a_repair_in_pla
     assert!(damaged[0]["reason"].as_str().unwrap().contains("queues/bad/00000000000000000000.log"), "{damaged}");
     let (_, _, scrape) = get(&server.http, "/metrics", None);
     assert!(scrape.lines().any(|l| l == "petrel_queues_damaged 1"), "{scrape}");
+    assert!(scrape.lines().any(|l| l == "petrel_topics_damaged 1"), "{scrape}");
+    assert_eq!(status["damaged_topics"][0]["name"], "news", "{status}");
     let (code, _, body) = get(&server.http, "/api/v1/queues/bad", None);
     assert_eq!(code, 503, "{body}");
     rt.block_on(async {
@@ -683,9 +691,23 @@ fn a_queue_whose_log_is_damaged_is_not_served_the_others_are_and_a_repair_in_pla
         assert_eq!(bad.len() as u64, kept, "every record before the damage");
         assert!(bad.iter().enumerate().all(|(i, d)| d.message.payload == payload("bad", i)));
     });
+    // The damaged topic likewise, through its own endpoint.
+    let (code, _, body) = request("POST", &server.http, "/api/v1/topics/news/repair", None, "");
+    assert_eq!(code, 200, "{body}");
+    let kept = json(&body)["logs"][0]["next_offset"].as_u64().unwrap();
+    assert!(kept > 0 && kept < 50, "{body}");
+    rt.block_on(async {
+        let c = server.client().await;
+        assert_eq!(c.publish("news", vec![Message::new(&b"again"[..])]).await.unwrap(), 0, "served: no subscriber yet");
+    });
     let (_, _, scrape) = get(&server.http, "/metrics", None);
     assert!(scrape.lines().any(|l| l == "petrel_queues_damaged 0"), "{scrape}");
-    assert_eq!(json(&get(&server.http, "/api/v1/server", None).2)["damaged_queues"], serde_json::json!([]));
+    assert!(scrape.lines().any(|l| l == "petrel_topics_damaged 0"), "{scrape}");
+    let status = json(&get(&server.http, "/api/v1/server", None).2);
+    assert_eq!(
+        (&status["damaged_queues"], &status["damaged_topics"]),
+        (&serde_json::json!([]), &serde_json::json!([]))
+    );
 }
 
 #[test]

@@ -39,7 +39,7 @@ fn broker_error(e: BrokerError) -> Response {
         BrokerError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
         BrokerError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
         BrokerError::Forbidden(_) => StatusCode::FORBIDDEN,
-        BrokerError::Damaged(..) => StatusCode::SERVICE_UNAVAILABLE,
+        BrokerError::Damaged { .. } => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     refusal(status, e.to_string())
@@ -124,6 +124,8 @@ pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
         "connections": read(&s.curr_connections),
         "queues": ctx.broker.queue_names().len(),
         "damaged_queues": ctx.broker.damaged_queues().into_iter()
+            .map(|(name, reason)| json!({"name": name, "reason": reason})).collect::<Vec<_>>(),
+        "damaged_topics": ctx.broker.damaged_topics().into_iter()
             .map(|(name, reason)| json!({"name": name, "reason": reason})).collect::<Vec<_>>(),
         "topics": ctx.broker.topic_names().len(),
         "authentication": ctx.broker.auth_enabled(),
@@ -223,6 +225,23 @@ pub(super) async fn purge_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name
     }
 }
 
+/// What a repair of one log did, as the repair endpoints answer it.
+fn repair_json(log: &str, r: &petrel_log::verify::RepairReport) -> Value {
+    json!({
+        "log": log,
+        "records_removed": r.records_removed,
+        "records_replaced": r.records_replaced,
+        "segments_removed": r.segments_removed,
+        "cut_at": r.cut_at.as_ref().map(|(file, position)| json!({
+            "file": file.file_name().map(|f| f.to_string_lossy().into_owned()),
+            "position": position,
+        })),
+        "headers_rewritten": r.headers_rewritten,
+        "groups_restarted": r.groups_restarted,
+        "next_offset": r.next_offset,
+    })
+}
+
 /// `POST /api/v1/queues/NAME/repair`: repairs a damaged queue's logs in place and serves it
 /// again (`Broker::repair_damaged`); what each repair cut is in the answer and the log.
 pub(super) async fn repair_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
@@ -234,26 +253,23 @@ pub(super) async fn repair_queue(State(ctx): Ctxt, Caller(who): Caller, Path(nam
     let repairing = name.clone();
     match crate::blocking(move || broker.repair_damaged(&repairing)).await {
         Ok(logs) => {
-            let logs: Vec<Value> = logs
-                .iter()
-                .map(|(log, r)| {
-                    json!({
-                        "log": log,
-                        "records_removed": r.records_removed,
-                        "records_replaced": r.records_replaced,
-                        "segments_removed": r.segments_removed,
-                        "cut_at": r.cut_at.as_ref().map(|(file, position)| json!({
-                            "file": file.file_name().map(|f| f.to_string_lossy().into_owned()),
-                            "position": position,
-                        })),
-                        "headers_rewritten": r.headers_rewritten,
-                        "groups_restarted": r.groups_restarted,
-                        "next_offset": r.next_offset,
-                    })
-                })
-                .collect();
+            let logs: Vec<Value> = logs.iter().map(|(log, r)| repair_json(log, r)).collect();
             Json(json!({ "queue": name, "served": true, "logs": logs })).into_response()
         }
+        Err(e) => broker_error(e),
+    }
+}
+
+/// `POST /api/v1/topics/NAME/repair`: repairs a damaged durable topic's log in place and serves
+/// it again (`Broker::repair_damaged_topic`).
+pub(super) async fn repair_topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
+    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+        return forbidden("repair this topic");
+    }
+    let broker = Arc::clone(&ctx.broker);
+    let repairing = name.clone();
+    match crate::blocking(move || broker.repair_damaged_topic(&repairing)).await {
+        Ok(r) => Json(json!({ "topic": name, "served": true, "logs": [repair_json("", &r)] })).into_response(),
         Err(e) => broker_error(e),
     }
 }
@@ -350,7 +366,7 @@ pub(super) async fn topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Pat
     }
     match ctx.broker.topic(&name) {
         Some(t) => Json(topic_json(&name, &t)).into_response(),
-        None => broker_error(BrokerError::TopicNotFound(name)),
+        None => broker_error(ctx.broker.missing_topic(&name)),
     }
 }
 
@@ -439,7 +455,7 @@ pub(super) async fn reset_group(
         Ok(to) => to,
         Err(reason) => return refusal(StatusCode::BAD_REQUEST, reason),
     };
-    let Some(t) = ctx.broker.topic(&name) else { return broker_error(BrokerError::TopicNotFound(name)) };
+    let Some(t) = ctx.broker.topic(&name) else { return broker_error(ctx.broker.missing_topic(&name)) };
     let moved = tokio::task::spawn_blocking(move || t.reset_group(&group, to).map(|_| t)).await;
     match moved {
         Ok(Ok(t)) => Json(topic_json(&name, &t)).into_response(),
@@ -456,7 +472,7 @@ pub(super) async fn remove_group(
     if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
         return forbidden("remove this topic's consumer groups");
     }
-    let Some(t) = ctx.broker.topic(&name) else { return broker_error(BrokerError::TopicNotFound(name)) };
+    let Some(t) = ctx.broker.topic(&name) else { return broker_error(ctx.broker.missing_topic(&name)) };
     match t.remove_group(&group) {
         Ok(()) => Json(json!({ "removed": group })).into_response(),
         Err(e) => broker_error(e),

@@ -178,6 +178,8 @@ impl Scrape {
         self.counter("petrel_acl_denials_total", "Requests an ACL refused.", none(), broker.denials());
         let help = "Queues not served because their files could not be opened (see /api/v1/server and the log).";
         self.gauge("petrel_queues_damaged", help, none(), broker.damaged_queues().len() as u64);
+        let help = "Durable topics not served because their logs could not be opened (see /api/v1/server and the log).";
+        self.gauge("petrel_topics_damaged", help, none(), broker.damaged_topics().len() as u64);
         let help = "Requests that failed in the server (storage errors such as a full disk), each answered SERVER_ERROR and logged.";
         for (protocol, n) in crate::stats::FAILURE_PROTOCOLS.iter().zip(crate::stats::request_failures()) {
             self.counter("petrel_request_failures_total", help, vec![Label::new("protocol", *protocol)], n);

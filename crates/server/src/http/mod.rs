@@ -55,6 +55,7 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         .route("/api/v1/queues/{name}/reads/{handle}", axum::routing::delete(api::return_read))
         .route("/api/v1/topics", get(api::topics))
         .route("/api/v1/topics/{name}", get(api::topic).put(api::create_topic).delete(api::remove_topic))
+        .route("/api/v1/topics/{name}/repair", post(api::repair_topic))
         .route("/api/v1/topics/{name}/groups/{group}", axum::routing::delete(api::remove_group))
         .route("/api/v1/topics/{name}/groups/{group}/reset", put(api::reset_group).post(api::reset_group))
         .route("/api/v1/connections", get(api::connections))

@@ -744,7 +744,7 @@ fn server_error(e: &BrokerError) -> String {
         }
         BrokerError::Storage(_)
         | BrokerError::Definitions(_)
-        | BrokerError::Damaged(..)
+        | BrokerError::Damaged { .. }
         | BrokerError::DataDirLocked(_) => {
             crate::log_request_failure("memcache", e);
             format!("SERVER_ERROR {e}")

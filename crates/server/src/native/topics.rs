@@ -37,7 +37,7 @@ pub(super) fn list(ctx: &Ctx, session: &Session) -> Response {
 pub(super) fn status(ctx: &Ctx, name: String) -> Response {
     match ctx.broker.topic(&name) {
         Some(t) => Response::TopicStatus { stats: Box::new(t.status()) },
-        None => error(BrokerError::TopicNotFound(name)),
+        None => error(ctx.broker.missing_topic(&name)),
     }
 }
 
@@ -45,7 +45,7 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
 /// the disk.
 pub(super) fn publish(ctx: &Arc<Ctx>, topic: String, messages: Vec<petrel_proto::Message>) -> Answer {
     let published = |subscribers| Response::Published { subscribers };
-    let Some(t) = ctx.broker.topic(&topic) else { return Answer::Now(error(BrokerError::TopicNotFound(topic))) };
+    let Some(t) = ctx.broker.topic(&topic) else { return Answer::Now(error(ctx.broker.missing_topic(&topic))) };
     if !t.is_durable() {
         return Answer::Now(ctx.broker.publish_to(&t, messages, now_ns()).map_or_else(error, published));
     }
@@ -116,7 +116,7 @@ pub(super) async fn subscribe_group(
     if let Err(e) = room_for_a_subscription(ctx, pushes) {
         return error(e);
     }
-    let Some(t) = ctx.broker.topic(&topic) else { return error(BrokerError::TopicNotFound(topic)) };
+    let Some(t) = ctx.broker.topic(&topic) else { return error(ctx.broker.missing_topic(&topic)) };
     let max_pending = match buffer {
         0 => ctx.config.default_subscriber_buffer_messages.min(petrel_log::MAX_PENDING),
         n => (n as usize).min(petrel_log::MAX_PENDING),
