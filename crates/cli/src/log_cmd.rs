@@ -289,8 +289,9 @@ fn not_served(dir: &std::path::Path) -> Result<Vec<std::fs::File>, Box<dyn std::
             Ok(()) => held.push(lock),
             Err(std::fs::TryLockError::WouldBlock) => {
                 return Err(format!(
-                    "a running petrel server holds {} (whose log {} is): stop it first (a queue the server lists as \
-                     damaged, in /api/v1/server, is repaired in place by POST /api/v1/queues/NAME/repair)",
+                    "a running petrel server holds {} (whose log {} is): stop it first (a queue or topic the server \
+                     lists as damaged, in /api/v1/server, is repaired in place by POST /api/v1/queues/NAME/repair \
+                     or /api/v1/topics/NAME/repair)",
                     data.display(),
                     dir.display()
                 )
