@@ -420,6 +420,8 @@ pub struct QueueChanges {
     pub failed: Vec<(String, String)>,
     /// Queues not served since their files could not be opened, opened now (repaired).
     pub reopened: Vec<String>,
+    /// Durable topics likewise.
+    pub reopened_topics: Vec<String>,
 }
 
 /// Which user created which live queue, and how many each has.
@@ -610,8 +612,9 @@ impl Broker {
         }
     }
 
-    /// Tries again to open the queues listed as damaged (after an operator repaired them): those
-    /// now served go in `changes.reopened`, those the configuration refuses in `changes.failed`.
+    /// Tries again to open the queues and durable topics listed as damaged (after an operator
+    /// repaired them): those now served go in `changes.reopened` (`reopened_topics`), queues the
+    /// configuration refuses in `changes.failed`.
     /// (A reload does this first; a server without a configuration file calls it on its own.)
     pub fn reopen_damaged(&self, changes: &mut QueueChanges) {
         let names: Vec<String> = self.damaged.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
@@ -635,6 +638,23 @@ impl Broker {
                 }
                 Some(Err((_, e))) => {
                     self.damaged.write().unwrap_or_else(|e| e.into_inner()).insert(name, e.to_string());
+                }
+            }
+        }
+        let topics: Vec<String> =
+            self.damaged_topics.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
+        for name in topics {
+            let Some(reason) = self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).remove(&name) else {
+                continue;
+            };
+            match self.create_topic(&name, true) {
+                Ok(_) => {
+                    tracing::info!(topic = %shown(&name), "topic opened again and served");
+                    changes.reopened_topics.push(name);
+                }
+                Err(e) => {
+                    let why = if matches!(e, BrokerError::Storage(_)) { e.to_string() } else { reason };
+                    self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).insert(name, why);
                 }
             }
         }

@@ -432,7 +432,8 @@ fn a_reload_changes_queue_limits_live_and_waits_for_a_restart_to_change_their_ki
             created: vec!["fresh".into()],
             needs_restart: vec!["mem".into()],
             failed: vec![],
-            reopened: vec![]
+            reopened: vec![],
+            reopened_topics: vec![]
         }
     );
     // The raised limit lets a third in; the new ttl applies to offers from now on.

@@ -249,6 +249,9 @@ fn a_durable_topic_whose_log_is_damaged_is_not_served_the_rest_is_and_a_repair_s
     assert_eq!(std::fs::read(&segment).unwrap(), bytes, "its files are as they were");
     b.publish("audit", vec![Message::new("served")], 1).unwrap();
 
+    // Fixed by hand (the bytes put back) it would be opened by a reload; here it stays damaged.
+    let changes = b.reconfigure_queues(Default::default(), Default::default()).unwrap();
+    assert!(changes.reopened_topics.is_empty() && b.damaged_topics().len() == 1);
     let report = b.repair_damaged_topic("orders").unwrap();
     assert!(report.next_offset > 0 && report.next_offset < 50, "{report:?}");
     assert!(b.damaged_topics().is_empty());
@@ -258,4 +261,26 @@ fn a_durable_topic_whose_log_is_damaged_is_not_served_the_rest_is_and_a_repair_s
     assert_eq!(got.len() as u64, report.next_offset, "every record before the damage");
     assert!(got.iter().enumerate().all(|(i, m)| m.payload == payload(i).as_bytes()));
     assert!(matches!(b.repair_damaged_topic("orders"), Err(BrokerError::BadRequest(_))), "served: not repaired");
+}
+
+#[test]
+fn a_durable_topic_fixed_by_hand_is_opened_again_by_a_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_topic("orders", true).unwrap();
+    b.publish("orders", (0..50).map(|i| Message::new(format!("order {i:04} {}", "x".repeat(100)))).collect(), 0)
+        .unwrap();
+    drop(b);
+    let segment = dir.path().join("topics/orders/00000000000000000000.log");
+    let good = std::fs::read(&segment).unwrap();
+    let mut bad = good.clone();
+    bad[64 + 20 * 150] ^= 0x5a;
+    std::fs::write(&segment, &bad).unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.damaged_topics().len(), 1);
+    std::fs::write(&segment, &good).unwrap();
+    let changes = b.reconfigure_queues(Default::default(), Default::default()).unwrap();
+    assert_eq!(changes.reopened_topics, ["orders"]);
+    assert!(b.damaged_topics().is_empty());
+    assert_eq!(b.topic_names(), ["orders"]);
 }

@@ -104,6 +104,8 @@ pub(crate) struct ReloadStatus {
     /// Queues not served since their files could not be opened, opened by this reload (repaired
     /// meanwhile).
     pub reopened: Vec<String>,
+    /// Durable topics likewise.
+    pub reopened_topics: Vec<String>,
 }
 
 #[derive(Default)]
@@ -141,6 +143,7 @@ impl Reloader {
                 state.status.needs_restart.clear();
                 state.status.failed = queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}")).collect();
                 state.status.reopened = queues.reopened;
+                state.status.reopened_topics = queues.reopened_topics;
                 return Err(NO_FILE.into());
             }
         };
@@ -155,6 +158,7 @@ impl Reloader {
                 state.status.needs_restart = summary.needs_restart.clone();
                 state.status.failed = summary.failed.clone();
                 state.status.reopened = summary.reopened.clone();
+                state.status.reopened_topics = summary.reopened_topics.clone();
                 Ok(summary)
             }
             Err(e) => {
@@ -163,6 +167,7 @@ impl Reloader {
                 state.status.needs_restart.clear();
                 state.status.failed.clear();
                 state.status.reopened.clear();
+                state.status.reopened_topics.clear();
                 Err(e)
             }
         }
@@ -211,6 +216,7 @@ impl Reloader {
         summary.needs_restart.extend(queues.needs_restart.iter().map(queue_key));
         summary.failed.extend(queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}")));
         summary.reopened = queues.reopened;
+        summary.reopened_topics = queues.reopened_topics;
         for key in changed_keys(&before, &table) {
             let (table_name, entry) = key.split_once('.').unwrap_or((&key, ""));
             let live = LIVE_KEYS.contains(&key.as_str()) || LIVE_TABLES.contains(&table_name);
@@ -258,6 +264,8 @@ pub struct ReloadSummary {
     pub failed: Vec<String>,
     /// Damaged queues opened again (by name).
     pub reopened: Vec<String>,
+    /// Damaged durable topics opened again (by name).
+    pub reopened_topics: Vec<String>,
 }
 
 /// Dotted keys whose values differ: top-level keys, and the entries of top-level tables
