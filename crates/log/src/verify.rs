@@ -22,6 +22,29 @@ use crate::state::LogState;
 /// tail is hidden, as the next open would cut it.
 pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     let dir = dir.as_ref();
+    // Beside a running writer a record being written can look like damage before valid frames:
+    // damage is reported only when another look finds it at the same place (as `verify` does;
+    // a damaged log nobody writes costs one more look).
+    let mut last: Option<(PathBuf, u64)> = None;
+    for _ in 1..LOOKS {
+        match open_read_only_once(dir) {
+            Err(Error::Corrupt { file, position, before_tail: true, .. })
+                if last.as_ref() != Some(&(file.clone(), position)) =>
+            {
+                last = Some((file, position));
+                std::thread::sleep(LOOK_AGAIN_AFTER);
+            }
+            other => return other,
+        }
+    }
+    open_read_only_once(dir)
+}
+
+/// How many times `verify` and `open_read_only` look at damage before they report it.
+const LOOKS: usize = 5;
+const LOOK_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
+
+fn open_read_only_once(dir: &Path) -> Result<Reader> {
     let (bases, _) = list_segments(dir, false)?;
     let Some((&last, sealed)) = bases.split_last() else {
         return Err(Error::NotALog { path: dir.to_path_buf(), reason: "no segment files".into() });
@@ -147,7 +170,6 @@ impl VerifyReport {
 /// on. So problems are reported only when a second look finds the same ones, at the same places
 /// (up to `LOOKS` looks; a log nobody writes costs one more, and only when it is damaged).
 pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport> {
-    const LOOKS: usize = 5;
     let dir = dir.as_ref();
     let places = |r: &VerifyReport| -> Vec<(PathBuf, u64, ProblemKind)> {
         r.problems.iter().map(|p| (p.file.clone(), p.position, p.kind)).collect()
@@ -157,7 +179,7 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
         if report.is_clean() {
             break;
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(LOOK_AGAIN_AFTER);
         let again = verify_once(dir, &mut progress)?;
         let same = places(&again) == places(&report);
         report = again;

@@ -447,6 +447,38 @@ fn verify_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
 }
 
 #[test]
+fn reading_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
+    // What `petrel log dump` and `groups` open: a read-only log of what is written so far.
+    let dir = tempfile::tempdir().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (path, stop) = (dir.path().to_path_buf(), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut log = Log::open(&path, small(Durability::None)).unwrap();
+            let batch: Vec<Vec<u8>> = (0..20).map(|i| vec![i as u8; 40 + i * 13]).collect();
+            while !stop.load(Ordering::Relaxed) {
+                log.append_batch(&batch).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        })
+    };
+    while !verify::holds_segments(dir.path()) {
+        std::thread::yield_now();
+    }
+    let started = std::time::Instant::now();
+    let mut runs = 0;
+    while started.elapsed() < std::time::Duration::from_secs(3) {
+        let mut reader = verify::open_read_only(dir.path()).unwrap_or_else(|e| panic!("run {runs}: {e}"));
+        let records = read_all(&mut reader);
+        assert!(records.iter().all(|r| r.payload == vec![(r.offset % 20) as u8; 40 + (r.offset % 20) as usize * 13]));
+        runs += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+    assert!(runs > 0);
+}
+
+#[test]
 fn an_unreadable_cursor_is_reported_by_verify_and_its_group_restarted_by_repair() {
     // Both slots of a cursor damaged: the log does not open. verify said "ok" and repair "no bad
     // frames", so nothing but deleting the file by hand brought the log back.
