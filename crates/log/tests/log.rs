@@ -417,14 +417,13 @@ fn a_damaged_header_of_the_last_segment_is_rewritten_and_nothing_is_lost() {
     assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
 }
 
-#[test]
-fn verify_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
-    // A record half written while the next one is whole looked like damage before valid frames
-    // ("CORRUPT … bad magic; records from N on lost"), in a few runs of 30 beside a server.
-    let dir = tempfile::tempdir().unwrap();
+/// A writer appending batches of 20 records (record `o` is `o % 20` repeated `40 + o % 20 * 13`
+/// times) to the log in `dir` on a thread of its own, until told to stop; returns once the log
+/// has a segment.
+fn appending_beside(dir: &Path) -> (Arc<AtomicBool>, std::thread::JoinHandle<()>) {
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
-        let (path, stop) = (dir.path().to_path_buf(), Arc::clone(&stop));
+        let (path, stop) = (dir.to_path_buf(), Arc::clone(&stop));
         std::thread::spawn(move || {
             let mut log = Log::open(&path, small(Durability::None)).unwrap();
             let batch: Vec<Vec<u8>> = (0..20).map(|i| vec![i as u8; 40 + i * 13]).collect();
@@ -434,9 +433,18 @@ fn verify_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
             }
         })
     };
-    while !verify::holds_segments(dir.path()) {
+    while !verify::holds_segments(dir) {
         std::thread::yield_now();
     }
+    (stop, writer)
+}
+
+#[test]
+fn verify_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
+    // A record half written while the next one is whole looked like damage before valid frames
+    // ("CORRUPT … bad magic; records from N on lost"), in a few runs of 30 beside a server.
+    let dir = tempfile::tempdir().unwrap();
+    let (stop, writer) = appending_beside(dir.path());
     let started = std::time::Instant::now();
     for run in (0..40).take_while(|_| started.elapsed() < std::time::Duration::from_secs(3)) {
         let report = verify::verify(dir.path(), |_, _| {}).unwrap();
@@ -450,21 +458,7 @@ fn verify_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
 fn reading_beside_a_writer_does_not_take_a_write_in_progress_for_damage() {
     // What `petrel log dump` and `groups` open: a read-only log of what is written so far.
     let dir = tempfile::tempdir().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (path, stop) = (dir.path().to_path_buf(), Arc::clone(&stop));
-        std::thread::spawn(move || {
-            let mut log = Log::open(&path, small(Durability::None)).unwrap();
-            let batch: Vec<Vec<u8>> = (0..20).map(|i| vec![i as u8; 40 + i * 13]).collect();
-            while !stop.load(Ordering::Relaxed) {
-                log.append_batch(&batch).unwrap();
-                std::thread::sleep(std::time::Duration::from_micros(20));
-            }
-        })
-    };
-    while !verify::holds_segments(dir.path()) {
-        std::thread::yield_now();
-    }
+    let (stop, writer) = appending_beside(dir.path());
     let started = std::time::Instant::now();
     let mut runs = 0;
     while started.elapsed() < std::time::Duration::from_secs(3) {
