@@ -122,7 +122,11 @@ pub(crate) fn connect_options(
 
 impl Connect {
     async fn connect(&self) -> PyResult<petrel_client::Client> {
-        petrel_client::Client::connect_with(&self.address, &self.options).await.map_err(client_error)
+        self.connect_client().await.map_err(client_error)
+    }
+
+    async fn connect_client(&self) -> Result<petrel_client::Client, petrel_client::ClientError> {
+        petrel_client::Client::connect_with(&self.address, &self.options).await
     }
 }
 
@@ -147,8 +151,7 @@ impl Connection {
     async fn client(&self) -> Result<petrel_client::Client, petrel_client::ClientError> {
         let mut current = self.current.lock().await;
         if current.is_closed() && !self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            let connect = &self.connect;
-            *current = petrel_client::Client::connect_with(&connect.address, &connect.options).await?;
+            *current = self.connect.connect_client().await?;
         }
         Ok(current.clone())
     }

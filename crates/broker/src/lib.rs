@@ -302,12 +302,11 @@ pub struct Broker {
     creation_ended: Condvar,
     /// The options' `queue_defaults` and `queues`, as a reload last set them.
     configured: RwLock<Configured>,
-    /// Queues whose files could not be opened (a damaged definition or log), by name, with why:
-    /// the others are served meanwhile (`BrokerError::Damaged`); a reload tries them again.
-    damaged: RwLock<BTreeMap<String, String>>,
-    /// Durable topics whose logs could not be opened, likewise (repaired through
-    /// `repair_damaged_topic`, or at a restart).
-    damaged_topics: RwLock<BTreeMap<String, String>>,
+    /// Queues whose files could not be opened (a damaged definition or log): the others are
+    /// served meanwhile (`BrokerError::Damaged`); a repair or a reload tries them again.
+    damaged: DamagedList,
+    /// Durable topics whose logs could not be opened, likewise.
+    damaged_topics: DamagedList,
     next_handle: AtomicU64,
     created: AtomicU64,
     removed: AtomicU64,
@@ -333,6 +332,49 @@ pub struct Broker {
 
 /// A queue opened from its directory, or the name of one that could not be, and why.
 type Opened = Result<Arc<Queue>, (String, BrokerError)>;
+
+/// Names (of queues, or of topics) whose files could not be opened, each with why: not served,
+/// and not made anew over those files.
+#[derive(Default)]
+struct DamagedList(RwLock<BTreeMap<String, String>>);
+
+impl DamagedList {
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, String>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, String>> {
+        self.0.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn insert(&self, name: &str, why: String) {
+        self.write().insert(name.to_owned(), why);
+    }
+
+    fn remove(&self, name: &str) -> Option<String> {
+        self.write().remove(name)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.read().contains_key(name)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.read().keys().cloned().collect()
+    }
+
+    fn list(&self) -> Vec<(String, String)> {
+        self.read().iter().map(|(n, why)| (n.clone(), why.clone())).collect()
+    }
+
+    /// `Damaged` for `name` if it is listed (`kind`: what it is), else `missing`.
+    fn error(&self, kind: &'static str, name: &str, missing: impl FnOnce() -> BrokerError) -> BrokerError {
+        match self.read().get(name) {
+            Some(reason) => BrokerError::Damaged { kind, name: name.to_owned(), reason: reason.clone() },
+            None => missing(),
+        }
+    }
+}
 
 /// What an offer did (`Broker::offer_unsynced`).
 #[must_use = "an offer is answered only after its wait"]
@@ -517,8 +559,8 @@ impl Broker {
             definitions: Mutex::new(HashSet::new()),
             creation_ended: Condvar::new(),
             configured: RwLock::new(configured.clone()),
-            damaged: RwLock::new(BTreeMap::new()),
-            damaged_topics: RwLock::new(BTreeMap::new()),
+            damaged: DamagedList::default(),
+            damaged_topics: DamagedList::default(),
             next_handle: AtomicU64::new(1),
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
@@ -544,7 +586,7 @@ impl Broker {
         }
         for (name, config) in &configured.queues {
             // (Not over a damaged queue of that name: its files are kept for repair.)
-            if broker.queue(name).is_none() && !broker.is_damaged(name) {
+            if broker.queue(name).is_none() && !broker.damaged.contains(name) {
                 let made = broker.save_definition(name, config, false)?;
                 let queue = broker.build(name.clone(), config.clone(), None, made)?;
                 broker.write().insert(Arc::new(queue));
@@ -602,12 +644,12 @@ impl Broker {
     fn adopt(&self, opened: Opened) {
         match opened {
             Ok(queue) => {
-                self.damaged.write().unwrap_or_else(|e| e.into_inner()).remove(&queue.name);
+                self.damaged.remove(&queue.name);
                 self.write().insert(queue);
             }
             Err((name, e)) => {
-                tracing::error!(queue = %shown(&name), error = %e, "queue not served: its files could not be opened; repair them (`petrel log verify`, `petrel log repair`), then reload or restart");
-                self.damaged.write().unwrap_or_else(|e| e.into_inner()).insert(name, e.to_string());
+                tracing::error!(queue = %shown(&name), error = %e, "queue not served: its files could not be opened; repair them in place (POST /api/v1/queues/NAME/repair), or fix them and reload");
+                self.damaged.insert(&name, e.to_string());
             }
         }
     }
@@ -617,47 +659,54 @@ impl Broker {
     /// configuration refuses in `changes.failed`.
     /// (A reload does this first; a server without a configuration file calls it on its own.)
     pub fn reopen_damaged(&self, changes: &mut QueueChanges) {
-        let names: Vec<String> = self.damaged.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
         let configured = self.configured.read().unwrap_or_else(|e| e.into_inner()).clone();
-        for name in names {
-            let _guard = self.definitions_unless_creating(&name);
-            let opened = match self.open_queue(&self.dir.join("queues").join(&name), &configured) {
-                Ok(opened) => opened,
-                Err(e) => {
-                    changes.failed.push((name, e.to_string()));
-                    continue;
-                }
-            };
-            match opened {
-                // Gone meanwhile (its directory removed by hand): nothing to serve, nor to keep.
-                None => drop(self.damaged.write().unwrap_or_else(|e| e.into_inner()).remove(&name)),
-                Some(Ok(queue)) => {
-                    tracing::info!(queue = %shown(&name), "queue opened again and served");
-                    changes.reopened.push(name);
-                    self.adopt(Ok(queue));
-                }
-                Some(Err((_, e))) => {
-                    self.damaged.write().unwrap_or_else(|e| e.into_inner()).insert(name, e.to_string());
-                }
+        for name in self.damaged.names() {
+            match self.reopen_queue(&name, &configured) {
+                Ok(()) => changes.reopened.push(name),
+                Err(BrokerError::Damaged { .. } | BrokerError::NotFound(_)) => {}
+                Err(e) => changes.failed.push((name, e.to_string())),
             }
         }
-        let topics: Vec<String> =
-            self.damaged_topics.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect();
-        for name in topics {
-            let Some(reason) = self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).remove(&name) else {
-                continue;
-            };
-            match self.create_topic(&name, true) {
-                Ok(_) => {
-                    tracing::info!(topic = %shown(&name), "topic opened again and served");
-                    changes.reopened_topics.push(name);
-                }
-                Err(e) => {
-                    let why = if matches!(e, BrokerError::Storage(_)) { e.to_string() } else { reason };
-                    self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).insert(name, why);
-                }
+        for name in self.damaged_topics.names() {
+            if self.reopen_topic(&name).is_ok() {
+                changes.reopened_topics.push(name);
             }
         }
+    }
+
+    /// Opens damaged queue `name` again (its definition lock held): served (`Ok`), still
+    /// damaged (`Damaged`, with why now), gone by hand (`NotFound`: no longer listed), or refused
+    /// by its configuration (that error; still listed).
+    fn reopen_queue(&self, name: &str, configured: &Configured) -> Result<(), BrokerError> {
+        let _guard = self.definitions_unless_creating(name);
+        match self.open_queue(&self.dir.join("queues").join(name), configured)? {
+            Some(Ok(queue)) => {
+                tracing::info!(queue = %shown(name), "queue opened again and served");
+                self.adopt(Ok(queue));
+                Ok(())
+            }
+            Some(Err((_, e))) => {
+                self.damaged.insert(name, e.to_string());
+                Err(self.missing(name))
+            }
+            None => {
+                self.damaged.remove(name);
+                Err(BrokerError::NotFound(name.to_owned()))
+            }
+        }
+    }
+
+    /// Opens damaged durable topic `name` again: served, or still listed (with why now, if its
+    /// log is what failed).
+    fn reopen_topic(&self, name: &str) -> Result<Arc<Topic>, BrokerError> {
+        let Some(reason) = self.damaged_topics.remove(name) else { return Err(self.missing_topic(name)) };
+        let opened = self.create_topic(name, true);
+        match &opened {
+            Ok(_) => tracing::info!(topic = %shown(name), "topic opened again and served"),
+            Err(e @ BrokerError::Storage(_)) => self.damaged_topics.insert(name, e.to_string()),
+            Err(_) => self.damaged_topics.insert(name, reason),
+        }
+        opened
     }
 
     /// Repairs the logs of damaged queue `name` in place, as `petrel log repair` does (each log
@@ -665,8 +714,7 @@ impl Broker {
     /// then serves it. Returns what each repair did, by log directory under the queue's (`""`:
     /// its first level's). A queue that is served is refused: its logs are open.
     pub fn repair_damaged(&self, name: &str) -> Result<Vec<(String, petrel_log::verify::RepairReport)>, BrokerError> {
-        let _guard = self.definitions_unless_creating(name);
-        if !self.is_damaged(name) {
+        if !self.damaged.contains(name) {
             return Err(match self.queue(name) {
                 Some(_) => BrokerError::BadRequest(format!(
                     "queue {:?} is served: only a damaged queue is repaired",
@@ -699,59 +747,34 @@ impl Broker {
             repaired.push((log, report));
         }
         let configured = self.configured.read().unwrap_or_else(|e| e.into_inner()).clone();
-        match self.open_queue(&dir, &configured)? {
-            Some(Ok(queue)) => self.adopt(Ok(queue)),
-            Some(Err((_, e))) => {
-                self.damaged.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned(), e.to_string());
-                return Err(self.missing(name));
-            }
-            None => {
-                self.damaged.write().unwrap_or_else(|e| e.into_inner()).remove(name);
-                return Err(BrokerError::NotFound(name.to_owned()));
-            }
-        }
+        self.reopen_queue(name, &configured)?;
         Ok(repaired)
     }
 
     /// Queues not served because their files could not be opened, with why, by name.
     pub fn damaged_queues(&self) -> Vec<(String, String)> {
-        self.damaged.read().unwrap_or_else(|e| e.into_inner()).iter().map(|(n, r)| (n.clone(), r.clone())).collect()
-    }
-
-    fn is_damaged(&self, name: &str) -> bool {
-        self.damaged.read().unwrap_or_else(|e| e.into_inner()).contains_key(name)
+        self.damaged.list()
     }
 
     /// The error for a queue `name` that is not served: damaged, or not there.
     pub fn missing(&self, name: &str) -> BrokerError {
-        match self.damaged.read().unwrap_or_else(|e| e.into_inner()).get(name) {
-            Some(reason) => BrokerError::Damaged { kind: "queue", name: name.to_owned(), reason: reason.clone() },
-            None => BrokerError::NotFound(name.to_owned()),
-        }
+        self.damaged.error("queue", name, || BrokerError::NotFound(name.to_owned()))
     }
 
     /// The error for a topic `name` that is not served: damaged, or not there.
     pub fn missing_topic(&self, name: &str) -> BrokerError {
-        match self.damaged_topics.read().unwrap_or_else(|e| e.into_inner()).get(name) {
-            Some(reason) => BrokerError::Damaged { kind: "topic", name: name.to_owned(), reason: reason.clone() },
-            None => BrokerError::TopicNotFound(name.to_owned()),
-        }
+        self.damaged_topics.error("topic", name, || BrokerError::TopicNotFound(name.to_owned()))
     }
 
     /// Durable topics not served because their logs could not be opened, with why, by name.
     pub fn damaged_topics(&self) -> Vec<(String, String)> {
-        self.damaged_topics
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(n, r)| (n.clone(), r.clone()))
-            .collect()
+        self.damaged_topics.list()
     }
 
     /// Repairs the log of damaged durable topic `name` in place (as `repair_damaged` does a
     /// queue's) and serves it again.
     pub fn repair_damaged_topic(&self, name: &str) -> Result<petrel_log::verify::RepairReport, BrokerError> {
-        let Some(reason) = self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).remove(name) else {
+        if !self.damaged_topics.contains(name) {
             return Err(match self.topic(name) {
                 Some(_) => BrokerError::BadRequest(format!(
                     "topic {:?} is served: only a damaged topic is repaired",
@@ -759,21 +782,11 @@ impl Broker {
                 )),
                 None => BrokerError::TopicNotFound(name.to_owned()),
             });
-        };
-        let dir = self.dir.join("topics").join(name);
-        let repaired = petrel_log::verify::repair(&dir).inspect(|report| {
-            tracing::warn!(topic = %shown(name), records_removed = report.records_removed, "repaired a damaged topic's log");
-        });
-        let opened =
-            repaired.map_err(BrokerError::from).and_then(|report| self.create_topic(name, true).map(|_| report));
-        if let Err(e) = &opened {
-            let why = match e {
-                BrokerError::Storage(_) => e.to_string(),
-                _ => reason,
-            };
-            self.damaged_topics.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned(), why);
         }
-        opened
+        let report = petrel_log::verify::repair(self.dir.join("topics").join(name))?;
+        tracing::warn!(topic = %shown(name), records_removed = report.records_removed, "repaired a damaged topic's log");
+        self.reopen_topic(name)?;
+        Ok(report)
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Registry> {
@@ -976,7 +989,7 @@ impl Broker {
             return Err(BrokerError::BadRequest("a temporary queue needs an owning connection".into()));
         }
         let mut creating = self.definitions_unless_creating(name);
-        if self.is_damaged(name) {
+        if self.damaged.contains(name) {
             return Err(self.missing(name));
         }
         if let Some(q) = self.queue(name) {
@@ -1390,7 +1403,7 @@ impl Broker {
     /// A durable topic keeps a log in `topics/<name>/` and comes back after a restart.
     pub fn create_topic(&self, name: &str, durable: bool) -> Result<Arc<Topic>, BrokerError> {
         check_name(name)?;
-        if self.damaged_topics.read().unwrap_or_else(|e| e.into_inner()).contains_key(name) {
+        if self.damaged_topics.contains(name) {
             return Err(self.missing_topic(name));
         }
         let mut topics = self.topics.write().unwrap_or_else(|e| e.into_inner());
@@ -1446,10 +1459,7 @@ impl Broker {
                     // Its log damaged: listed, not served, kept for repair; the others go on.
                     Err(e @ BrokerError::Storage(_)) => {
                         tracing::error!(topic = %shown(&name), error = %e, "topic not served: its log could not be opened; repair it (POST /api/v1/topics/NAME/repair, or `petrel log repair` with the server stopped)");
-                        self.damaged_topics
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .insert(name.into_owned(), e.to_string());
+                        self.damaged_topics.insert(&name, e.to_string());
                     }
                     Err(e) => return Err(e),
                 }

@@ -104,6 +104,15 @@ mod tests {
         (dir, Arc::new(broker))
     }
 
+    /// A broker with queue "full": one item, at its limit.
+    fn full_queue() -> (tempfile::TempDir, Arc<Broker>) {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
+        broker.create_queue("full", QueueConfig { max_items: 1, ..QueueConfig::default() }, None).unwrap();
+        broker.offer("full", vec![Message::new(&b"first"[..])], 0).unwrap();
+        (dir, broker)
+    }
+
     /// An attempt that offers `messages`, `None` while the queue is full.
     fn offer_into<'a>(
         broker: &'a Broker,
@@ -191,10 +200,7 @@ mod tests {
 
     #[tokio::test]
     async fn offers_waiting_for_room_get_in_in_the_order_they_came() {
-        let dir = tempfile::tempdir().unwrap();
-        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
-        broker.create_queue("full", QueueConfig { max_items: 1, ..QueueConfig::default() }, None).unwrap();
-        broker.offer("full", vec![Message::new(&b"first"[..])], 0).unwrap();
+        let (_dir, broker) = full_queue();
         let waiting_offer = |payload: &'static [u8]| {
             let broker = Arc::clone(&broker);
             tokio::spawn(async move {
@@ -232,10 +238,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_offer_waiting_for_room_in_a_queue_removed_meanwhile_ends_with_not_found() {
-        let dir = tempfile::tempdir().unwrap();
-        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
-        broker.create_queue("full", QueueConfig { max_items: 1, ..QueueConfig::default() }, None).unwrap();
-        broker.offer("full", vec![Message::new(&b"first"[..])], 0).unwrap();
+        let (_dir, broker) = full_queue();
         let remover = Arc::clone(&broker);
         let removing = tokio::spawn(async move {
             // Once the offer below has found the queue full and waits.

@@ -1670,3 +1670,38 @@ fn a_keyed_offer_refused_as_full_is_retried_whole() {
         assert_eq!(payloads(&b.poll(&name, 5, None, 1, 0).unwrap()), [b"x".to_vec(), b"b".to_vec()]);
     }
 }
+
+#[test]
+fn a_damaged_priority_level_is_repaired_in_place_with_the_queues_other_logs() {
+    // `repair_damaged` finds every log of a queue: its first level's in its directory, the
+    // others' in `priority-N`.
+    let dir = tempfile::tempdir().unwrap();
+    let config = QueueConfig { durable: true, priorities: 2, ..QueueConfig::default() };
+    let payload = |i: usize| format!("urgent {i:04} {}", "u".repeat(100));
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("work", config, None).unwrap();
+        b.offer("work", at(0, &["low"]), 1).unwrap();
+        for i in 0..50 {
+            b.offer("work", vec![Message { priority: 1, ..Message::new(payload(i)) }], 2).unwrap();
+        }
+    }
+    let segment = dir.path().join("queues/work/priority-1/00000000000000000000.log");
+    let mut bytes = std::fs::read(&segment).unwrap();
+    bytes[64 + 20 * 150] ^= 0x5a; // a record in the middle, valid ones after it
+    std::fs::write(&segment, &bytes).unwrap();
+
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.damaged_queues().len(), 1);
+    let repaired = b.repair_damaged("work").unwrap();
+    let logs: Vec<&str> = repaired.iter().map(|(log, _)| log.as_str()).collect();
+    assert_eq!(logs, ["", "priority-1"], "each log of the queue, the damaged one cut");
+    assert_eq!(repaired[0].1.cut_at, None, "the first level's log was whole");
+    let kept = repaired[1].1.next_offset as usize;
+    assert!(kept > 0 && kept < 50, "{repaired:?}");
+    let got = payloads(&b.poll("work", 100, None, 1, 3).unwrap());
+    let (low, urgent): (Vec<Vec<u8>>, Vec<Vec<u8>>) = got.into_iter().partition(|p| p == b"low");
+    assert_eq!(low.len(), 1, "the first level's message is there");
+    let before_the_damage = (0..kept).map(|i| payload(i).into_bytes()).collect::<Vec<_>>();
+    assert!(urgent == before_the_damage, "the urgent ones before the damage, in order: {} of {kept}", urgent.len());
+}

@@ -671,6 +671,13 @@ fn a_queue_or_topic_whose_log_is_damaged_is_not_served_the_others_are_and_a_repa
     let n = mc.read(&mut answer).unwrap();
     assert!(answer[..n].starts_with(b"SERVER_ERROR"), "{}", String::from_utf8_lossy(&answer[..n]));
     assert_eq!(std::fs::read(&segment).unwrap(), bytes, "its files are as they were");
+    mc.write_all(b"stats\r\n").unwrap();
+    let mut stats = String::new();
+    while !stats.ends_with("END\r\n") {
+        let n = mc.read(&mut answer).unwrap();
+        stats.push_str(&String::from_utf8_lossy(&answer[..n]));
+    }
+    assert!(stats.contains("STAT queues_damaged 1\r\n"), "{stats}");
 
     // The offline tool refuses a data directory a server holds, and says where to go instead.
     let offline = common::petrel(&["log", "repair", data.join("queues/bad").to_str().unwrap(), "--yes"], b"");

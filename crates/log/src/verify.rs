@@ -473,21 +473,11 @@ pub fn plan(dir: &Path, report: &VerifyReport) -> Result<RepairPlan> {
 /// Whether record `offset` is one that every consumer group of the log in `dir` has passed
 /// (acknowledged, and not held back): false when the log has no group, or one is unreadable.
 fn passed_by_every_group(dir: &Path) -> impl Fn(u64) -> bool {
-    let groups = dir.join(crate::group::GROUPS_DIR);
-    let cursors: Option<Vec<crate::cursor::CursorState>> = fs::read_dir(&groups).ok().and_then(|entries| {
-        entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(crate::group::CURSOR_SUFFIX))
-            })
-            .map(|p| crate::group::read_cursor(&p).ok())
-            .collect()
-    });
-    let cursors = cursors.filter(|c| !c.is_empty());
+    let cursors = crate::group::load_all(dir).ok().filter(|c| !c.is_empty());
     move |offset| {
         cursors
             .as_ref()
-            .is_some_and(|all| all.iter().all(|c| offset < c.committed && c.held.binary_search(&offset).is_err()))
+            .is_some_and(|all| all.values().all(|c| offset < c.committed && c.held.binary_search(&offset).is_err()))
     }
 }
 

@@ -129,22 +129,14 @@ pub struct Reloader {
 impl Reloader {
     /// Reads the file again and applies it; the outcome is logged and kept for the API.
     pub fn reload(&self) -> Result<ReloadSummary, String> {
-        let result = match &self.path {
-            Some(path) => self.apply(path),
+        // Without a file there is nothing to read again; damaged queues fixed by hand are still
+        // looked at.
+        let (result, without_file) = match &self.path {
+            Some(path) => (self.apply(path), None),
             None => {
-                // No file to read again; damaged queues fixed by hand are still looked at.
                 let mut queues = petrel_broker::QueueChanges::default();
                 self.ctx.broker.reopen_damaged(&mut queues);
-                let mut state = self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner());
-                state.status.count += 1;
-                state.status.at_ms = crate::now_ns() / 1_000_000;
-                state.status.outcome = NO_FILE.into();
-                state.status.applied.clear();
-                state.status.needs_restart.clear();
-                state.status.failed = queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}")).collect();
-                state.status.reopened = queues.reopened;
-                state.status.reopened_topics = queues.reopened_topics;
-                return Err(NO_FILE.into());
+                (Err(NO_FILE.to_owned()), Some(queues))
             }
         };
         let mut state = self.ctx.reload.lock().unwrap_or_else(|e| e.into_inner());
@@ -168,6 +160,11 @@ impl Reloader {
                 state.status.failed.clear();
                 state.status.reopened.clear();
                 state.status.reopened_topics.clear();
+                if let Some(queues) = without_file {
+                    state.status.failed = failed_keys(&queues).collect();
+                    state.status.reopened = queues.reopened;
+                    state.status.reopened_topics = queues.reopened_topics;
+                }
                 Err(e)
             }
         }
@@ -214,7 +211,7 @@ impl Reloader {
         let queue_key = |name: &String| format!("queues.{name}");
         // Queues waiting for a restart are listed until it comes, changed by this file or an earlier one.
         summary.needs_restart.extend(queues.needs_restart.iter().map(queue_key));
-        summary.failed.extend(queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}")));
+        summary.failed.extend(failed_keys(&queues));
         summary.reopened = queues.reopened;
         summary.reopened_topics = queues.reopened_topics;
         for key in changed_keys(&before, &table) {
@@ -254,6 +251,11 @@ impl Reloader {
         state.started = table.clone();
         state.file = table;
     }
+}
+
+/// The queues a reload could not apply, as `queues.NAME: why`.
+fn failed_keys(queues: &petrel_broker::QueueChanges) -> impl Iterator<Item = String> + '_ {
+    queues.failed.iter().map(|(name, why)| format!("queues.{name}: {why}"))
 }
 
 /// The keys a reload found changed.

@@ -37,7 +37,7 @@ pub(crate) struct ServerStats {
 /// definition that could not be written), answered `SERVER_ERROR` and logged (at most a line a
 /// second), by `FAILURE_PROTOCOLS`. Process-wide, as the log lines' limit is: counted where a
 /// failure is logged, which knows no server (one server per process outside tests).
-static REQUEST_FAILURES: [AtomicU64; FAILURE_PROTOCOLS.len()] = [const { AtomicU64::new(0) }; 2];
+static REQUEST_FAILURES: [AtomicU64; FAILURE_PROTOCOLS.len()] = [const { AtomicU64::new(0) }; FAILURE_PROTOCOLS.len()];
 pub(crate) const FAILURE_PROTOCOLS: [&str; 2] = ["native", "memcache"];
 
 pub(crate) fn count_request_failure(protocol: &str) {

@@ -123,10 +123,8 @@ pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
         "uptime_secs": s.started.elapsed().as_secs(),
         "connections": read(&s.curr_connections),
         "queues": ctx.broker.queue_names().len(),
-        "damaged_queues": ctx.broker.damaged_queues().into_iter()
-            .map(|(name, reason)| json!({"name": name, "reason": reason})).collect::<Vec<_>>(),
-        "damaged_topics": ctx.broker.damaged_topics().into_iter()
-            .map(|(name, reason)| json!({"name": name, "reason": reason})).collect::<Vec<_>>(),
+        "damaged_queues": damaged_json(ctx.broker.damaged_queues()),
+        "damaged_topics": damaged_json(ctx.broker.damaged_topics()),
         "topics": ctx.broker.topic_names().len(),
         "authentication": ctx.broker.auth_enabled(),
         "memory": { "queued_bytes": memory, "max_memory_bytes": memory_max },
@@ -223,6 +221,11 @@ pub(super) async fn purge_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name
         Ok(Err(e)) => broker_error(e),
         Err(e) => refusal(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
+}
+
+/// Damaged queues or topics as `/api/v1/server` lists them.
+fn damaged_json(list: Vec<(String, String)>) -> Value {
+    list.into_iter().map(|(name, reason)| json!({ "name": name, "reason": reason })).collect()
 }
 
 /// What a repair of one log did, as the repair endpoints answer it.
