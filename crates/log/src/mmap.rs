@@ -17,6 +17,12 @@
 //! 3. **Happens-before.** The writer stores `published` with `Release` after writing the bytes;
 //!    readers load it with `Acquire` before reading, so they see every byte below it.
 //!
+//! A read-only mapping (`new_read_only`) is of a sealed segment, or of a file that another
+//! process may still be writing: the offline tools beside a running server. Invariant 2 does
+//! not hold for the second beyond the other writer's end, which this process cannot know; such
+//! bytes are only ever taken as a frame once its checksum holds, and a frame that reads as
+//! damaged there is read again before it is judged (`recovery::scan_beside_writer`).
+//!
 //! Access through the mapping never faults for lack of disk space. A segment file has its full
 //! length before it is mapped and is never shrunk while mapped, so no access lies past its end.
 //! Its disk blocks are reserved as the writer needs them (`fallocate`, `Segment::allocate`), not

@@ -97,6 +97,42 @@ pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64)
     scan_with_hole(format, data, start, start_offset, 0..0)
 }
 
+/// `scan` of the last segment of a log that another process may be appending to (the read-only
+/// tools beside a running server). That writer writes frames in order, so a frame read half
+/// written can have whole frames after it by the time the search for them reads on: a frame
+/// that reads as damaged before a valid one is read again, from `data()` called anew, and the
+/// scan goes on if it has become whole. Damage stays where it is; a write moves on. A frame
+/// still damaged after `REREADS` looks is reported (a writer does not stop inside a frame).
+pub(crate) fn scan_beside_writer<'a>(
+    format: Format,
+    data: impl Fn() -> &'a [u8],
+    start: usize,
+    start_offset: u64,
+) -> Scan {
+    const REREADS: usize = 3;
+    let mut whole = scan(format, data(), start, start_offset);
+    let mut rereads = 0;
+    while matches!(whole.stop, Stop::Corrupt { .. }) && rereads < REREADS {
+        // The frames after it were read after this one: what the writer wrote before them is
+        // to be seen now (the fence keeps the compiler from reusing the first reading).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let again = scan(format, data(), whole.end, whole.next_offset);
+        if again.end == whole.end {
+            rereads += 1;
+            std::thread::yield_now();
+            continue;
+        }
+        rereads = 0;
+        whole = Scan {
+            end: again.end,
+            next_offset: again.next_offset,
+            records: whole.records + again.records,
+            stop: again.stop,
+        };
+    }
+    whole
+}
+
 /// `scan`, told that `hole` (relative to `data`) is a hole of the file: it reads as zeros, and
 /// the check for bytes after the last frame does not read it (a read would fault its pages in,
 /// and the kernel read ahead around them: a whole small segment for each idle queue a server
@@ -517,6 +553,31 @@ mod tests {
         data[starts[1] + 20] ^= 1;
         let s = scan(Format::V3, &data, 0, 0);
         assert_eq!(s.end, starts[1]);
+        assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
+    }
+
+    #[test]
+    fn beside_a_writer_a_frame_read_half_written_is_read_again_and_damage_stays_damage() {
+        // The first reading caught record 1 half written and records 2..5 whole after it; the
+        // next reading finds record 1 whole: the scan goes on to the end.
+        let (whole, starts) = segment(5, b"hello world");
+        let mut caught = whole.clone();
+        caught[starts[1]..starts[2]].fill(0);
+        caught[starts[1] + 20] = 7;
+        let readings = std::cell::Cell::new(0);
+        let data = || {
+            readings.set(readings.get() + 1);
+            if readings.get() == 1 { &caught[..] } else { &whole[..] }
+        };
+        let s = scan_beside_writer(Format::V3, data, 0, 0);
+        assert_eq!((s.end, s.next_offset, s.records, &s.stop), (starts[5], 5, 5, &Stop::Clean));
+        assert_eq!(readings.get(), 2);
+
+        // Damage reads the same every time: reported where it is, after a few more looks.
+        let mut damaged = whole.clone();
+        damaged[starts[1] + 20] ^= 1;
+        let s = scan_beside_writer(Format::V3, || &damaged[..], 0, 0);
+        assert_eq!((s.end, s.next_offset), (starts[1], 1));
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
 

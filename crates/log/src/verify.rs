@@ -22,29 +22,6 @@ use crate::state::LogState;
 /// tail is hidden, as the next open would cut it.
 pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     let dir = dir.as_ref();
-    // Beside a running writer a record being written can look like damage before valid frames:
-    // damage is reported only when another look finds it at the same place (as `verify` does;
-    // a damaged log nobody writes costs one more look).
-    let mut last: Option<(PathBuf, u64)> = None;
-    for _ in 1..LOOKS {
-        match open_read_only_once(dir) {
-            Err(Error::Corrupt { file, position, before_tail: true, .. })
-                if last.as_ref() != Some(&(file.clone(), position)) =>
-            {
-                last = Some((file, position));
-                std::thread::sleep(LOOK_AGAIN_AFTER);
-            }
-            other => return other,
-        }
-    }
-    open_read_only_once(dir)
-}
-
-/// How many times `verify` and `open_read_only` look at damage before they report it.
-const LOOKS: usize = 5;
-const LOOK_AGAIN_AFTER: std::time::Duration = std::time::Duration::from_millis(20);
-
-fn open_read_only_once(dir: &Path) -> Result<Reader> {
     let (bases, _) = list_segments(dir, false)?;
     let Some((&last, sealed)) = bases.split_last() else {
         return Err(Error::NotALog { path: dir.to_path_buf(), reason: "no segment files".into() });
@@ -59,9 +36,9 @@ fn open_read_only_once(dir: &Path) -> Result<Reader> {
     }
     let (seg, header) = Segment::open(&dir.join(segment::file_name(last)), last, false)?;
     let (start, start_offset) = scan_start(&seg, &header);
-    let scan = recovery::scan(
+    let scan = recovery::scan_beside_writer(
         seg.format,
-        seg.map.published().from(SEGMENT_HEADER_LEN),
+        || seg.map.published().from(SEGMENT_HEADER_LEN),
         start - SEGMENT_HEADER_LEN,
         start_offset,
     );
@@ -166,31 +143,10 @@ impl VerifyReport {
 /// segment bytes.
 ///
 /// Beside a server writing the log, a record being written can look damaged for a moment (its
-/// frame half there while the one after it is whole). Damage stays where it is; a write moves
-/// on. So problems are reported only when a second look finds the same ones, at the same places
-/// (up to `LOOKS` looks; a log nobody writes costs one more, and only when it is damaged).
+/// frame half there while the one after it is whole): the last segment is read as
+/// `recovery::scan_beside_writer` reads it.
 pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Result<VerifyReport> {
     let dir = dir.as_ref();
-    let places = |r: &VerifyReport| -> Vec<(PathBuf, u64, ProblemKind)> {
-        r.problems.iter().map(|p| (p.file.clone(), p.position, p.kind)).collect()
-    };
-    let mut report = verify_once(dir, &mut progress)?;
-    for _ in 1..LOOKS {
-        if report.is_clean() {
-            break;
-        }
-        std::thread::sleep(LOOK_AGAIN_AFTER);
-        let again = verify_once(dir, &mut progress)?;
-        let same = places(&again) == places(&report);
-        report = again;
-        if same {
-            break;
-        }
-    }
-    Ok(report)
-}
-
-fn verify_once(dir: &Path, progress: &mut impl FnMut(u64, u64)) -> Result<VerifyReport> {
     let (bases, _) = list_segments(dir, false)?;
     if bases.is_empty() {
         return Err(Error::NotALog { path: dir.to_path_buf(), reason: "no segment files".into() });
@@ -234,7 +190,15 @@ fn verify_once(dir: &Path, progress: &mut impl FnMut(u64, u64)) -> Result<Verify
         let data = seg.map.published().from(SEGMENT_HEADER_LEN);
         let mut pos = 0;
         loop {
-            let scan = recovery::scan(seg.format, data, pos, expected);
+            let scan = match is_last {
+                true => recovery::scan_beside_writer(
+                    seg.format,
+                    || seg.map.published().from(SEGMENT_HEADER_LEN),
+                    pos,
+                    expected,
+                ),
+                false => recovery::scan(seg.format, data, pos, expected),
+            };
             let known = |offset: u64| (!offsets_unknown).then_some(offset);
             report.records += scan.records;
             report.frame_bytes += (scan.end - pos) as u64;
