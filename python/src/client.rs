@@ -54,7 +54,7 @@ fn stop_serving() -> bool {
 /// A blocking client or cluster that `petrel` ends at exit, so that no handler starts while the
 /// interpreter finalizes.
 pub(crate) enum Stoppable {
-    Client(petrel_client::Client),
+    Client(Arc<Connection>),
     Cluster(petrel_client::Cluster),
 }
 
@@ -68,7 +68,7 @@ impl Stoppable {
 
     pub(crate) fn is_closed(&self) -> bool {
         match self {
-            Stoppable::Client(c) => c.is_closed(),
+            Stoppable::Client(c) => c.closed.load(std::sync::atomic::Ordering::Acquire),
             Stoppable::Cluster(c) => c.is_closed(),
         }
     }
@@ -133,25 +133,58 @@ impl Connect {
 /// A client's connection to its server, made again by the first request after it was lost (the
 /// server restarted, the network dropped it): the request that found it lost fails with
 /// `ConnectionError` (what it sent may have arrived, so it is not sent again); the next one
-/// connects first. Tentative takes, subscriptions and served functions belong to the connection
-/// they were made on and end with it. Never after `close`.
+/// connects first. Tentative takes and subscriptions belong to the connection they were made on
+/// and end with it. Functions served belong to the client: while it serves any, a task of its own
+/// (`keep_serving`) notices a loss, connects again (pausing longer after each failure, up to
+/// `MAX_PAUSE`) and serves them all on the new connection. Never after `close`.
 pub(crate) struct Connection {
     connect: Connect,
-    /// Held while a lost connection is made again, so that one request does it.
-    current: tokio::sync::Mutex<petrel_client::Client>,
+    /// Held while a lost connection is made again, so that one request does it; with the
+    /// number of connections made before it (which connection a function was served on).
+    current: tokio::sync::Mutex<(petrel_client::Client, u64)>,
     closed: std::sync::atomic::AtomicBool,
+    /// The functions served, and on which connection they all were last (held while serving, so
+    /// that each connection serves each once).
+    served: tokio::sync::Mutex<Served>,
 }
 
+/// A served function's handler, kept to serve it again on a new connection.
+pub(crate) type Handler = Arc<dyn Fn(petrel_client::Message) -> crate::functions::HandlerFuture + Send + Sync>;
+
+#[derive(Default)]
+pub(crate) struct Served {
+    functions: Vec<(String, Handler)>,
+    /// The connection (its number) every function in `functions` is served on.
+    on: u64,
+    /// `keep_serving` runs.
+    kept: bool,
+}
+
+/// The first pause before a lost connection that serves functions is made again, doubled after
+/// each failure up to `MAX_PAUSE`.
+const FIRST_PAUSE: Duration = Duration::from_millis(100);
+const MAX_PAUSE: Duration = Duration::from_secs(5);
+
 impl Connection {
-    fn new(connect: Connect, client: petrel_client::Client) -> Connection {
-        Connection { connect, current: tokio::sync::Mutex::new(client), closed: Default::default() }
+    fn new(connect: Connect, client: petrel_client::Client) -> Arc<Connection> {
+        Arc::new(Connection {
+            connect,
+            current: tokio::sync::Mutex::new((client, 0)),
+            closed: Default::default(),
+            served: Default::default(),
+        })
     }
 
     /// The connection, made again first if it was lost.
     async fn client(&self) -> Result<petrel_client::Client, petrel_client::ClientError> {
+        self.numbered().await.map(|(client, _)| client)
+    }
+
+    /// `client`, and its number.
+    async fn numbered(&self) -> Result<(petrel_client::Client, u64), petrel_client::ClientError> {
         let mut current = self.current.lock().await;
-        if current.is_closed() && !self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            *current = self.connect.connect_client().await?;
+        if current.0.is_closed() && !self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            *current = (self.connect.connect_client().await?, current.1 + 1);
         }
         Ok(current.clone())
     }
@@ -159,13 +192,80 @@ impl Connection {
     /// The connection as it is, unless one is being made again (then `None`: the one before
     /// is gone).
     fn now(&self) -> Option<petrel_client::Client> {
-        self.current.try_lock().ok().map(|c| c.clone())
+        self.current.try_lock().ok().map(|c| c.0.clone())
+    }
+
+    /// Serves `function` with `handler` on the connection, and on every later one.
+    async fn serve(self: &Arc<Self>, function: &str, handler: Handler) -> Result<(), petrel_client::ClientError> {
+        let mut served = self.served.lock().await;
+        let (client, number) = self.numbered().await?;
+        Self::serve_all_on(&client, number, &mut served).await;
+        let h = Arc::clone(&handler);
+        client.serve(function, move |m| h(m)).await?;
+        served.functions.retain(|(f, _)| f != function);
+        served.functions.push((function.to_owned(), handler));
+        if !std::mem::replace(&mut served.kept, true) {
+            runtime().spawn(keep_serving(Arc::downgrade(self)));
+        }
+        Ok(())
+    }
+
+    async fn unserve(&self, function: &str) -> Result<(), petrel_client::ClientError> {
+        let mut served = self.served.lock().await;
+        served.functions.retain(|(f, _)| f != function);
+        self.client().await?.unserve(function).await
+    }
+
+    /// Serves every function of `served` on connection `number` unless they all are already.
+    /// A refusal leaves that function unserved there (the server's log says why).
+    async fn serve_all_on(client: &petrel_client::Client, number: u64, served: &mut Served) {
+        if served.on == number {
+            return;
+        }
+        for (function, handler) in &served.functions {
+            let h = Arc::clone(handler);
+            let _ = client.serve(function, move |m| h(m)).await;
+        }
+        served.on = number;
     }
 
     fn close(&self) {
         self.closed.store(true, std::sync::atomic::Ordering::Release);
         // Outside the runtime (a Python thread): waits for a reconnection under way to end.
-        self.current.blocking_lock().close();
+        self.current.blocking_lock().0.close();
+        // The handlers go: an asyncio client's streams of calls end.
+        self.served.blocking_lock().functions.clear();
+    }
+}
+
+/// Serves a client's functions again on each new connection after a loss, until the client is
+/// closed or gone.
+async fn keep_serving(conn: std::sync::Weak<Connection>) {
+    let mut pause = FIRST_PAUSE;
+    loop {
+        let Some(c) = conn.upgrade() else { return };
+        if c.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        let client = {
+            let mut served = c.served.lock().await;
+            match c.numbered().await {
+                Ok((client, number)) => {
+                    Connection::serve_all_on(&client, number, &mut served).await;
+                    pause = FIRST_PAUSE;
+                    Some(client)
+                }
+                Err(_) => None,
+            }
+        };
+        drop(c);
+        match client {
+            Some(client) => client.closed().await,
+            None => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MAX_PAUSE);
+            }
+        }
     }
 }
 
@@ -400,7 +500,7 @@ const ASYNC_TAKE_VISIBILITY: Duration = Duration::from_secs(30);
 /// from many threads share the connection, their requests in flight together.
 #[pyclass(module = "petrel", frozen)]
 pub struct Client {
-    conn: Connection,
+    conn: Arc<Connection>,
 }
 
 impl Client {
@@ -633,23 +733,22 @@ impl Client {
     /// Serves `function` with `handler`, a callable taking the request `Message` and returning
     /// the reply's payload (bytes-like or `None`); an exception it raises is the caller's
     /// `HANDLER_ERROR`. Handlers run on native threads, several at once. Serving lasts until
-    /// `unserve`, `close` or the connection's end.
+    /// `unserve` or `close`: after a lost connection the client serves it again on a new one.
     fn serve(&self, py: Python<'_>, function: &str, handler: Py<PyAny>) -> PyResult<()> {
         if !handler.bind(py).is_callable() {
             return Err(pyo3::exceptions::PyTypeError::new_err("the handler must be callable"));
         }
         let handler = Arc::new(handler);
-        let client = self.wait(py, self.conn.client())?;
-        let serving =
-            client.serve(function, move |request| crate::functions::run_handler(Arc::clone(&handler), request));
-        self.wait(py, serving)?;
-        stop_at_exit(Stoppable::Client(client));
+        let handler: Handler =
+            Arc::new(move |request| Box::pin(crate::functions::run_handler(Arc::clone(&handler), request)));
+        self.wait(py, self.conn.serve(function, handler))?;
+        stop_at_exit(Stoppable::Client(Arc::clone(&self.conn)));
         Ok(())
     }
 
     /// Stops serving `function`; calls already running still reply.
     fn unserve(&self, py: Python<'_>, function: &str) -> PyResult<()> {
-        self.wait(py, async { self.conn.client().await?.unserve(function).await })
+        self.wait(py, self.conn.unserve(function))
     }
 
     /// A round trip to the server.
@@ -783,10 +882,7 @@ impl AsyncCore {
         let done = Arc::clone(&completions.inner);
         completions.inner.spawn(token, async move {
             let connected = connect.connect().await;
-            outcome(
-                connected
-                    .map(|client| AsyncCore { conn: Arc::new(Connection::new(connect, client)), completions: done }),
-            )
+            outcome(connected.map(|client| AsyncCore { conn: Connection::new(connect, client), completions: done }))
         });
         Ok(())
     }
@@ -977,17 +1073,14 @@ impl AsyncCore {
         let conn = Arc::clone(&self.conn);
         let done = Arc::clone(&self.completions);
         self.completions.spawn(token, async move {
-            let client = match connected(&conn).await {
-                Ok(client) => client,
-                Err(none) => return none,
-            };
             let (handler, calls) = crate::functions::async_calls(done);
-            outcome(client.serve(&function, handler).await.map_err(client_error).map(|()| calls))
+            outcome(conn.serve(&function, Arc::new(handler)).await.map_err(client_error).map(|()| calls))
         });
     }
 
     fn unserve(&self, token: u64, function: String) {
-        self.run(token, move |c| async move { c.unserve(&function).await });
+        let conn = Arc::clone(&self.conn);
+        self.completions.spawn(token, async move { outcome(conn.unserve(&function).await.map_err(client_error)) });
     }
 
     fn close(&self) {

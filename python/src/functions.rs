@@ -100,7 +100,7 @@ pub struct AsyncCalls {
 }
 
 /// A boxed handler future, as `petrel_client::Client::serve` takes it.
-type HandlerFuture = std::pin::Pin<Box<dyn Future<Output = Reply> + Send>>;
+pub(crate) type HandlerFuture = std::pin::Pin<Box<dyn Future<Output = Reply> + Send>>;
 
 /// A handler for `petrel_client::Client::serve` that queues each call for the event loop, and the
 /// stream the loop takes them from.

@@ -309,6 +309,73 @@ except KeyboardInterrupt:
         child.kill()
 
 
+def test_functions_are_served_again_after_the_server_restarts(tmp_path):
+    """A client that only serves sends nothing, so no request of its own finds the connection
+    lost: its functions used to stay unserved after a server restart. Now the client notices the
+    loss, connects again and serves them all again, the blocking and the asyncio client alike."""
+    import time
+    from conftest import restartable_addr, start, stop
+
+    def call_until_served(caller, function, payload, deadline=10.0):
+        started = time.monotonic()
+        while True:
+            try:
+                return caller.call(function, payload, timeout=2.0)
+            except (petrel.ConnectionError, petrel.ServerError) as e:
+                if time.monotonic() - started > deadline:
+                    raise AssertionError(f"{function} not served again: {e}")
+                time.sleep(0.05)
+
+    process, address = start(tmp_path, restartable_addr())
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    try:
+        server = petrel.Client(address)
+        server.serve("upper", lambda m: m.payload.upper())
+        server.serve("twice", lambda m: m.payload * 2)
+
+        async def serving():
+            c = petrel.AsyncClient(address)
+
+            async def lower(m):
+                return m.payload.lower()
+
+            await c.serve("lower", lower)
+            ready.set()
+            return c
+
+        thread = threading.Thread(target=lambda: (asyncio.set_event_loop(loop), loop.run_forever()))
+        thread.start()
+        async_server = asyncio.run_coroutine_threadsafe(serving(), loop).result(10)
+        assert ready.wait(10)
+        caller = petrel.Client(address)
+        assert caller.call("upper", b"a").payload == b"A"
+        assert caller.call("lower", b"A").payload == b"a"
+
+        stop(process)
+        process, _ = start(tmp_path, address)
+        caller = petrel.Client(address)
+        assert call_until_served(caller, "upper", b"abc").payload == b"ABC"
+        assert call_until_served(caller, "twice", b"ab").payload == b"abab"
+        assert call_until_served(caller, "lower", b"XY").payload == b"xy"
+
+        # Unserved before a restart: not served again after it.
+        server.unserve("twice")
+        stop(process)
+        process, _ = start(tmp_path, address)
+        caller = petrel.Client(address)
+        assert call_until_served(caller, "upper", b"q").payload == b"Q"
+        with pytest.raises(petrel.ServerError) as refused:
+            caller.call("twice", b"x", timeout=1.0)
+        assert refused.value.status == "FUNCTION_NOT_FOUND"
+
+        server.close()
+        asyncio.run_coroutine_threadsafe(async_server.close(), loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        stop(process)
+
+
 def test_clients_connect_again_after_the_server_restarts(tmp_path):
     """A server restart used to leave a client failing every request for good. Now the request
     that finds the connection lost fails (what it sent may have arrived: it is not sent again),

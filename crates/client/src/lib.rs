@@ -176,6 +176,8 @@ struct Pending {
     outbox: Outbox,
     /// The connection is gone: new requests fail at once instead of waiting forever.
     closed: bool,
+    /// Told `true` when `closed` is set (`Client::closed`).
+    ended: tokio::sync::watch::Sender<bool>,
     /// Ids of requests no caller waits for the answer of (the client's own, and those sent
     /// unanswered): counted down from the top, apart from callers' (counted up from 1).
     own_ids: u64,
@@ -193,6 +195,7 @@ impl Default for Pending {
             functions: HashMap::new(),
             outbox: Outbox::default(),
             closed: false,
+            ended: tokio::sync::watch::Sender::new(false),
             own_ids: u64::MAX,
             max_unfold: petrel_proto::DEFAULT_MAX_FRAME as usize,
         }
@@ -264,6 +267,7 @@ impl Pending {
     /// The connection is gone: every request waiting fails with `error()`, and so will new ones.
     fn close(&mut self, error: impl Fn() -> ClientError) {
         self.closed = true;
+        self.ended.send_replace(true);
         self.outbox.clear();
         // A subscription's last item says why it ended (unless its buffer is full).
         for (_, tx) in self.subscriptions.drain() {
@@ -449,6 +453,14 @@ impl Client {
     /// The connection is gone (closed here, by the server, or lost).
     pub fn is_closed(&self) -> bool {
         self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).closed
+    }
+
+    /// Waits until the connection is gone (`is_closed`): what a client that only serves
+    /// functions or holds subscriptions, and so sends nothing, learns a loss from.
+    pub async fn closed(&self) {
+        let mut ended = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).ended.subscribe();
+        // An error: the sender is gone with the connection's state, so the connection too.
+        let _ = ended.wait_for(|ended| *ended).await;
     }
 
     /// Sends a request without waiting for (or keeping) its answer.
@@ -1462,6 +1474,30 @@ mod tests {
         let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
         s.read_exact(&mut frame).await.unwrap();
         (u16::from_be_bytes([frame[2], frame[3]]), u64::from_be_bytes(frame[4..12].try_into().unwrap()))
+    }
+
+    /// `closed` ends when the server hangs up, with nothing sent meanwhile (a client that only
+    /// serves learns a loss so), and at once on a client already closed.
+    #[tokio::test]
+    async fn closed_ends_when_the_server_hangs_up() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (hang_up, hung_up) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let (opcode, id) = read_request(&mut s).await;
+            let mut out = Vec::new();
+            Response::Hello { server: "fake".into(), max_frame: 64 << 10, features: 0 }.encode(opcode, id, &mut out);
+            s.write_all(&out).await.unwrap();
+            let _ = hung_up.await;
+        });
+        let client = Client::connect(addr).await.unwrap();
+        let waiting = tokio::time::timeout(Duration::from_millis(100), client.closed()).await;
+        assert!(waiting.is_err() && !client.is_closed(), "open while the server is");
+        drop(hang_up);
+        tokio::time::timeout(Duration::from_secs(10), client.closed()).await.expect("closed once hung up");
+        assert!(client.is_closed());
+        tokio::time::timeout(Duration::from_secs(1), client.closed()).await.expect("and at once after");
     }
 
     /// A server that says its frames hold 64 KiB, then answers a poll with a compressed payload
