@@ -377,7 +377,7 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
     }
     match &report.cut_at {
         Some((file, pos)) => println!(
-            "truncated {} at byte {pos}: removed {} records ({} later segments); the log now ends before record {}",
+            "truncated {} at byte {pos}: removed the damaged records there and {} intact records after them ({} later segments); the log now ends before record {}",
             file.display(),
             report.records_removed,
             report.segments_removed,

@@ -310,7 +310,9 @@ fn unreadable_cursors(dir: &Path) -> Result<Vec<Problem>> {
 /// What `repair` did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RepairReport {
-    /// Records removed: everything from the first bad frame to the end of the log.
+    /// Intact records removed: the valid ones after the first bad frame, to the end of the log.
+    /// The records the bad frames held are not in it (how many is not always known: see
+    /// `Problem::records_lost` in the report before the repair).
     pub records_removed: u64,
     pub segments_removed: usize,
     /// Where the log was cut, if it was.
