@@ -944,8 +944,13 @@ impl Broker {
             }
             let mut logs = Vec::with_capacity(levels);
             for level in 0..levels {
-                let dir = if level == 0 { dir.clone() } else { dir.join(level_dir(level)) };
-                logs.push(Log::open(dir, options.clone())?.into_shared());
+                let log = match level {
+                    // Its directory was made just now (`save_definition`): nothing to look for.
+                    0 if made => Log::open_made(&dir, options.clone())?,
+                    0 => Log::open(&dir, options.clone())?,
+                    _ => Log::open(dir.join(level_dir(level)), options.clone())?,
+                };
+                logs.push(log.into_shared());
             }
             // The delayed messages' log: opened if the queue has one, else made at its first.
             let delayed_dir = dir.join(DELAYED_DIR);

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::{self, File, OpenOptions};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -222,8 +223,9 @@ pub(crate) fn read_cursor(path: &Path) -> Result<CursorState> {
     }
 }
 
-/// Writes a new cursor file for `name` with `state`, atomically (temporary file, rename).
-pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable: bool) -> Result<()> {
+/// Writes a new cursor file for `name` with `state`, atomically (temporary file, rename), and
+/// returns it open for reading and writing.
+pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable: bool) -> Result<File> {
     let groups = dir.join(GROUPS_DIR);
     fs::create_dir_all(&groups).map_err(io_err("create directory", &groups))?;
     let path = cursor_path(dir, name);
@@ -232,15 +234,22 @@ pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable
     let mut bitmap = Vec::new();
     cursor::bitmap(state.committed, state.acked_above.iter().copied(), &mut bitmap);
     cursor::write(&mut bytes, 1, state.committed, &bitmap, &state.held);
-    fs::write(&tmp, &bytes).map_err(io_err("write cursor", &tmp))?;
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(io_err("write cursor", &tmp))?;
+    file.write_all(&bytes).map_err(io_err("write cursor", &tmp))?;
     if durable {
-        File::open(&tmp).and_then(|f| f.sync_all()).map_err(io_err("sync cursor", &tmp))?;
+        file.sync_all().map_err(io_err("sync cursor", &tmp))?;
     }
     fs::rename(&tmp, &path).map_err(io_err("rename cursor", &path))?;
     if durable {
         crate::segment::sync_dir(&groups)?;
     }
-    Ok(())
+    Ok(file)
 }
 
 /// A named consumer group, open for reading. One handle per group at a time; use it from one
@@ -350,21 +359,27 @@ impl ConsumerGroup {
     fn open_file(shared: Arc<LogState>, name: &str, options: GroupOptions, entry: Arc<GroupEntry>) -> Result<Self> {
         let path = cursor_path(shared.dir(), name);
         let durable = options.durability != Durability::None;
-        if !path.exists() {
-            let start = resolve(&shared, options.start)?;
-            create_cursor(shared.dir(), name, &CursorState { committed: start, ..CursorState::default() }, durable)?;
-        }
-        let file = OpenOptions::new().read(true).write(true).open(&path).map_err(io_err("open cursor", &path))?;
-        let len = file.metadata().map_err(io_err("stat cursor", &path))?.len();
-        if len != CURSOR_FILE_LEN as u64 {
-            return Err(corrupt(
-                &path,
-                0,
-                None,
-                Reason::Other(format!("cursor file is {len} bytes, not {CURSOR_FILE_LEN}")),
-            ));
-        }
-        let map = crate::mmap::map_private_file(&file).map_err(io_err("map cursor", &path))?;
+        let file = match OpenOptions::new().read(true).write(true).open(&path) {
+            Ok(file) => {
+                let len = file.metadata().map_err(io_err("stat cursor", &path))?.len();
+                if len != CURSOR_FILE_LEN as u64 {
+                    return Err(corrupt(
+                        &path,
+                        0,
+                        None,
+                        Reason::Other(format!("cursor file is {len} bytes, not {CURSOR_FILE_LEN}")),
+                    ));
+                }
+                file
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let start = resolve(&shared, options.start)?;
+                let state = CursorState { committed: start, ..CursorState::default() };
+                create_cursor(shared.dir(), name, &state, durable)?
+            }
+            Err(e) => return Err(io_err("open cursor", &path)(e)),
+        };
+        let map = crate::mmap::map_private_file(&file, CURSOR_FILE_LEN).map_err(io_err("map cursor", &path))?;
         let Some((seq, state)) = cursor::read(&map) else {
             return Err(corrupt(&path, 0, None, Reason::Other("no valid cursor slot".into())));
         };

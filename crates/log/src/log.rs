@@ -54,14 +54,29 @@ pub struct Log {
 impl Log {
     /// Opens the log in `dir`, creating it if allowed, and recovers it.
     pub fn open(dir: impl AsRef<Path>, options: Options) -> Result<Log> {
+        Self::open_in(dir.as_ref(), options, false)
+    }
+
+    /// Makes a new log in `dir`, a directory its caller made just now for it (other files may be
+    /// in it; no log is): nothing is listed or recovered, which saves a server the system calls
+    /// of both for each queue made by first use. A segment already there is an error, never
+    /// written over.
+    pub fn open_made(dir: impl AsRef<Path>, options: Options) -> Result<Log> {
+        Self::open_in(dir.as_ref(), options, true)
+    }
+
+    fn open_in(dir: &Path, options: Options, made_dir: bool) -> Result<Log> {
         options.validate()?;
-        let dir = dir.as_ref().to_path_buf();
-        if options.create {
+        let dir = dir.to_path_buf();
+        if options.create && !made_dir {
             fs::create_dir_all(&dir).map_err(io_err("create directory", &dir))?;
         }
         let lock = if options.lock_directory { Some(lock_dir(&dir)?) } else { None };
         let mut report = RecoveryReport::default();
-        let (bases, leftovers) = list_segments(&dir, true)?;
+        let (bases, leftovers) = match made_dir {
+            true => (Vec::new(), 0),
+            false => list_segments(&dir, true)?,
+        };
         report.leftovers_removed = leftovers;
         if bases.is_empty() && !options.create {
             // Told not to create a log: a directory without one is refused, not made one.
@@ -82,7 +97,8 @@ impl Log {
             // Its header is checked by recovery, which can do without it.
             Segment::open(&dir.join(segment::file_name(last)), last, true)?.0
         } else {
-            Segment::create(&dir, 0, options.first_segment_bytes(), now, durable)?
+            let place = if made_dir { segment::Place::New } else { segment::Place::Any };
+            Segment::create(&dir, 0, options.first_segment_bytes(), now, durable, place)?
         };
         let mut writer = active.map.writer().expect("a new mapping has its writer");
         let recovered = match made {
@@ -133,7 +149,10 @@ impl Log {
         active.index.set(walk.entries);
         let positions = active.positions();
 
-        let mut cursors = crate::group::load_all(&dir)?;
+        let mut cursors = match made_dir {
+            true => Default::default(),
+            false => crate::group::load_all(&dir)?,
+        };
         for (name, state) in cursors.iter_mut() {
             // The log was cut back (`petrel log repair`, or a crash that lost a tail the cursor
             // had seen) past where this group stood or what it acknowledged: records appended
@@ -536,7 +555,7 @@ impl Log {
         // When the disk cannot hold the grown segment, halve it down to what this frame needs
         // (and the log's first size): a nearly full disk still takes small appends.
         let next = loop {
-            match Segment::create(self.shared.dir(), self.next_offset, len, now_ns(), durable) {
+            match Segment::create(self.shared.dir(), self.next_offset, len, now_ns(), durable, segment::Place::Any) {
                 Ok(next) => break next,
                 Err(Error::SegmentAllocation { .. }) if len > smallest => {
                     len = (len / 2).next_multiple_of(4096).max(smallest);

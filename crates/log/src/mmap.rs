@@ -305,10 +305,11 @@ impl DataWriter {
 /// is that nobody else writes the file while it is mapped. That holds because cursor files are
 /// written only by the process holding the log directory's lock, through the one open handle of
 /// that group (the group registry refuses a second), and offline tools only read them.
-pub(crate) fn map_private_file(file: &File) -> io::Result<memmap2::MmapMut> {
+/// `len` is the file's length, as the caller checked or wrote it.
+pub(crate) fn map_private_file(file: &File, len: usize) -> io::Result<memmap2::MmapMut> {
     // SAFETY: see above — no other writer exists while the mapping lives, and the file is never
-    // truncated while mapped (its length is fixed when it is created).
-    unsafe { MmapOptions::new().map_mut(file) }
+    // truncated while mapped (its length is fixed when it is created, and is `len`).
+    unsafe { MmapOptions::new().len(len).map_mut(file) }
 }
 
 impl Mapping {

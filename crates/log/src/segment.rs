@@ -162,13 +162,24 @@ pub(crate) struct Segment {
     pub replaced: std::sync::atomic::AtomicBool,
 }
 
+/// Where `Segment::create` may put its file.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Place {
+    /// Under its name, in place of an empty segment there.
+    Any,
+    /// Under its name only if nothing is there.
+    New,
+}
+
 impl Segment {
     /// Creates and maps a new segment of `len` bytes with the first `FIRST_ALLOCATION` of them
     /// (or its first page, on a nearly full disk) reserved on disk; the writer reserves the rest
     /// as it goes (`allocate`). The file appears under its final name only once sized, reserved
     /// and headed, so a crash or a full disk never leaves a half-made segment where the next
-    /// open would trip on it. With `durable`, file and directory are synced too.
-    pub(crate) fn create(dir: &Path, base: u64, len: u64, now: u64, durable: bool) -> Result<Segment> {
+    /// open would trip on it. With `durable`, file and directory are synced too. It takes the
+    /// place of an empty segment of the same base (a roll whose first record did not fit),
+    /// unless `Place::New`: then a segment already there is an error, never written over.
+    pub(crate) fn create(dir: &Path, base: u64, len: u64, now: u64, durable: bool, place: Place) -> Result<Segment> {
         let path = dir.join(file_name(base));
         let tmp = dir.join(format!("{base:020}{TMP_SUFFIX}"));
         let file = OpenOptions::new()
@@ -202,7 +213,14 @@ impl Segment {
             if durable {
                 rustix::fs::fdatasync(&file).map_err(|e| io_err("sync segment", &tmp)(e.into()))?;
             }
-            fs::rename(&tmp, &path).map_err(io_err("rename segment", &path))?;
+            match place {
+                Place::Any => fs::rename(&tmp, &path).map_err(io_err("rename segment", &path))?,
+                Place::New => {
+                    use rustix::fs::{CWD, RenameFlags, renameat_with};
+                    renameat_with(CWD, &tmp, CWD, &path, RenameFlags::NOREPLACE)
+                        .map_err(|e| io_err("rename segment", &path)(e.into()))?
+                }
+            }
             if durable {
                 sync_dir(dir)?;
             }

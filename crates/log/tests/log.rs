@@ -1145,3 +1145,36 @@ fn a_directory_holds_segments_once_a_log_writes_one() {
     assert!(verify::holds_segments(dir.path()));
     assert!(!verify::holds_segments(dir.path().join("missing")));
 }
+
+#[test]
+fn a_log_made_in_a_directory_just_made_is_a_log_and_never_replaces_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let made = dir.path().join("q");
+    fs::create_dir(&made).unwrap();
+    fs::write(made.join("queue.json"), b"{}").unwrap(); // the caller's own file beside it
+    let mut log = Log::open_made(&made, small(Durability::None)).unwrap();
+    log.append_batch(&[b"one".as_slice(), b"two"]).unwrap();
+    let mut group = log.group("workers", Default::default()).unwrap();
+    let polled: Vec<Vec<u8>> =
+        group.poll(10, std::time::Duration::ZERO).unwrap().into_iter().map(|r| r.payload.to_vec()).collect();
+    assert_eq!(polled, vec![b"one".to_vec(), b"two".to_vec()]);
+    group.ack(0).unwrap();
+    drop(group);
+    log.close().unwrap();
+
+    // Opened the ordinary way, it is the same log, its group where it was.
+    let log = Log::open(&made, small(Durability::None)).unwrap();
+    assert_eq!(
+        read_all(&mut log.reader()).iter().map(|r| r.payload.clone()).collect::<Vec<_>>(),
+        [b"one".to_vec(), b"two".to_vec()]
+    );
+    assert_eq!(log.groups().iter().map(|g| (g.name.as_str(), g.committed)).collect::<Vec<_>>(), [("workers", 1)]);
+    drop(log);
+
+    // Told wrongly that the directory is new, it refuses rather than write over the log.
+    let before = fs::read(made.join("00000000000000000000.log")).unwrap();
+    assert!(Log::open_made(&made, small(Durability::None)).is_err());
+    assert_eq!(fs::read(made.join("00000000000000000000.log")).unwrap(), before);
+    let log = Log::open(&made, small(Durability::None)).unwrap();
+    assert_eq!(log.next_offset(), 2);
+}
