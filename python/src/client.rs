@@ -66,6 +66,14 @@ impl Stoppable {
         }
     }
 
+    /// The same client (a client serving several functions is listed once).
+    fn same(&self, other: &Stoppable) -> bool {
+        match (self, other) {
+            (Stoppable::Client(a), Stoppable::Client(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
     pub(crate) fn is_closed(&self) -> bool {
         match self {
             Stoppable::Client(c) => c.closed.load(std::sync::atomic::Ordering::Acquire),
@@ -79,7 +87,9 @@ pub(crate) fn stop_at_exit(serving: Stoppable) {
     let mut all = SERVING.lock().unwrap_or_else(|e| e.into_inner());
     // Bounded by the clients alive and the functions they serve: closed ones are dropped.
     all.retain(|c| !c.is_closed());
-    all.push(serving);
+    if !all.iter().any(|c| c.same(&serving)) {
+        all.push(serving);
+    }
 }
 
 /// The Python exception for `e`. The server's refusals carry their status's name as `status`
@@ -229,12 +239,22 @@ impl Connection {
         served.on = number;
     }
 
-    fn close(&self) {
+    /// Ends the connection for good. Called without the GIL (a thread waiting for a lock this
+    /// waits for may need it); from inside the runtime (a signal handler run while a request
+    /// waits) it is done on a task, as a runtime thread must not block.
+    fn close(self: &Arc<Self>) {
         self.closed.store(true, std::sync::atomic::Ordering::Release);
-        // Outside the runtime (a Python thread): waits for a reconnection under way to end.
-        self.current.blocking_lock().0.close();
-        // The handlers go: an asyncio client's streams of calls end.
-        self.served.blocking_lock().functions.clear();
+        let conn = Arc::clone(self);
+        let closing = async move {
+            // Waits for a reconnection under way to end.
+            conn.current.lock().await.0.close();
+            // The handlers go: an asyncio client's streams of calls end.
+            conn.served.lock().await.functions.clear();
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(_) => drop(runtime().spawn(closing)),
+            Err(_) => runtime().block_on(closing),
+        }
     }
 }
 
@@ -260,7 +280,11 @@ async fn keep_serving(conn: std::sync::Weak<Connection>) {
         };
         drop(c);
         match client {
-            Some(client) => client.closed().await,
+            Some(client) => {
+                client.closed().await;
+                // A connection that ends as soon as it is made is not made again at once.
+                tokio::time::sleep(FIRST_PAUSE).await;
+            }
             None => {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(MAX_PAUSE);
@@ -757,16 +781,16 @@ impl Client {
     }
 
     /// Ends the connection; tentative takes not acknowledged go back to their queues.
-    fn close(&self) {
-        self.conn.close();
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.conn.close());
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
 
-    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
-        self.close();
+    fn __exit__(&self, py: Python<'_>, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close(py);
         false
     }
 }
@@ -1083,7 +1107,7 @@ impl AsyncCore {
         self.completions.spawn(token, async move { outcome(conn.unserve(&function).await.map_err(client_error)) });
     }
 
-    fn close(&self) {
-        self.conn.close();
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.conn.close());
     }
 }

@@ -102,14 +102,15 @@ pub(crate) fn scan(format: Format, data: &[u8], start: usize, start_offset: u64)
 /// written can have whole frames after it by the time the search for them reads on: a frame
 /// that reads as damaged before a valid one is read again, from `data()` called anew, and the
 /// scan goes on if it has become whole. Damage stays where it is; a write moves on. A frame
-/// still damaged after `REREADS` looks is reported (a writer does not stop inside a frame).
+/// still damaged after `REREADS` more looks, a few milliseconds apart (a writer descheduled or
+/// faulting in the middle of a large frame), is reported.
 pub(crate) fn scan_beside_writer<'a>(
     format: Format,
     data: impl Fn() -> &'a [u8],
     start: usize,
     start_offset: u64,
 ) -> Scan {
-    const REREADS: usize = 3;
+    const REREADS: usize = 5;
     let mut whole = scan(format, data(), start, start_offset);
     let mut rereads = 0;
     while matches!(whole.stop, Stop::Corrupt { .. }) && rereads < REREADS {
@@ -119,7 +120,7 @@ pub(crate) fn scan_beside_writer<'a>(
         let again = scan(format, data(), whole.end, whole.next_offset);
         if again.end == whole.end {
             rereads += 1;
-            std::thread::yield_now();
+            std::thread::sleep(std::time::Duration::from_millis(rereads as u64 * 2));
             continue;
         }
         rereads = 0;

@@ -162,6 +162,9 @@ pub(crate) struct Segment {
     pub replaced: std::sync::atomic::AtomicBool,
 }
 
+/// How many more times a read-only open reads a header that did not decode.
+const HEADER_REREADS: usize = 3;
+
 /// Where `Segment::create` may put its file.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Place {
@@ -217,8 +220,18 @@ impl Segment {
                 Place::Any => fs::rename(&tmp, &path).map_err(io_err("rename segment", &path))?,
                 Place::New => {
                     use rustix::fs::{CWD, RenameFlags, renameat_with};
-                    renameat_with(CWD, &tmp, CWD, &path, RenameFlags::NOREPLACE)
-                        .map_err(|e| io_err("rename segment", &path)(e.into()))?
+                    match renameat_with(CWD, &tmp, CWD, &path, RenameFlags::NOREPLACE) {
+                        Ok(()) => {}
+                        // A file system without it (NFS, some FUSE ones): looked at first, then
+                        // renamed (nothing else writes in a log's directory meanwhile).
+                        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP) => {
+                            if path.exists() {
+                                return Err(io_err("rename segment", &path)(io::ErrorKind::AlreadyExists.into()));
+                            }
+                            fs::rename(&tmp, &path).map_err(io_err("rename segment", &path))?
+                        }
+                        Err(e) => return Err(io_err("rename segment", &path)(e.into())),
+                    }
                 }
             }
             if durable {
@@ -276,6 +289,16 @@ impl Segment {
         // it too (zeros, in a server's idle queue). Advice only: errors are ignored.
         let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random);
         read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
+        // Read-only, beside a writer that rewrites the header's checkpoint after each sync (a
+        // durable log): a read during that write is torn. The header is read again before it
+        // is judged damaged.
+        for _ in 0..HEADER_REREADS {
+            if writable || SegmentHeader::decode_for(&header_bytes, base).is_ok() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
+        }
         let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Normal);
         let header = match SegmentHeader::decode_for(&header_bytes, base) {
             Err(HeaderError::Unsupported(what)) => {
