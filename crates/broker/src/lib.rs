@@ -1781,7 +1781,10 @@ impl Broker {
         let made = match std::fs::create_dir(&dir) {
             Ok(()) => true,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
-            Err(_) => std::fs::create_dir_all(&dir).map(|()| true).map_err(failed)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir_all(&dir).map(|()| true).map_err(failed)?
+            }
+            Err(e) => return Err(failed(e)),
         };
         let tmp = path.with_extension("json.tmp");
         let def = Definition { name: name.to_owned(), config: config.clone(), follows_defaults };
