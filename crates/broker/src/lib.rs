@@ -661,7 +661,11 @@ impl Broker {
     pub fn reopen_damaged(&self, changes: &mut QueueChanges) {
         let configured = self.configured.read().unwrap_or_else(|e| e.into_inner()).clone();
         for name in self.damaged.names() {
-            match self.reopen_queue(&name, &configured) {
+            let held = self.definitions_unless_creating(&name);
+            if !self.damaged.contains(&name) {
+                continue; // repaired meanwhile
+            }
+            match self.reopen_queue(&held, &name, &configured) {
                 Ok(()) => changes.reopened.push(name),
                 Err(BrokerError::Damaged { .. } | BrokerError::NotFound(_)) => {}
                 Err(e) => changes.failed.push((name, e.to_string())),
@@ -674,11 +678,16 @@ impl Broker {
         }
     }
 
-    /// Opens damaged queue `name` again (its definition lock held): served (`Ok`), still
-    /// damaged (`Damaged`, with why now), gone by hand (`NotFound`: no longer listed), or refused
-    /// by its configuration (that error; still listed).
-    fn reopen_queue(&self, name: &str, configured: &Configured) -> Result<(), BrokerError> {
-        let _guard = self.definitions_unless_creating(name);
+    /// Opens damaged queue `name` again, under the definitions' lock (`_held`: the caller found
+    /// it listed under it, so that no one else opens it meanwhile): served (`Ok`), still damaged
+    /// (`Damaged`, with why now), gone by hand (`NotFound`: no longer listed), or refused by its
+    /// configuration (that error; still listed).
+    fn reopen_queue(
+        &self,
+        _held: &MutexGuard<'_, HashSet<String>>,
+        name: &str,
+        configured: &Configured,
+    ) -> Result<(), BrokerError> {
         match self.open_queue(&self.dir.join("queues").join(name), configured)? {
             Some(Ok(queue)) => {
                 tracing::info!(queue = %shown(name), "queue opened again and served");
@@ -714,6 +723,7 @@ impl Broker {
     /// then serves it. Returns what each repair did, by log directory under the queue's (`""`:
     /// its first level's). A queue that is served is refused: its logs are open.
     pub fn repair_damaged(&self, name: &str) -> Result<Vec<(String, petrel_log::verify::RepairReport)>, BrokerError> {
+        let held = self.definitions_unless_creating(name);
         if !self.damaged.contains(name) {
             return Err(match self.queue(name) {
                 Some(_) => BrokerError::BadRequest(format!(
@@ -747,7 +757,7 @@ impl Broker {
             repaired.push((log, report));
         }
         let configured = self.configured.read().unwrap_or_else(|e| e.into_inner()).clone();
-        self.reopen_queue(name, &configured)?;
+        self.reopen_queue(&held, name, &configured)?;
         Ok(repaired)
     }
 

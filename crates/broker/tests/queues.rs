@@ -1705,3 +1705,32 @@ fn a_damaged_priority_level_is_repaired_in_place_with_the_queues_other_logs() {
     let before_the_damage = (0..kept).map(|i| payload(i).into_bytes()).collect::<Vec<_>>();
     assert!(urgent == before_the_damage, "the urgent ones before the damage, in order: {} of {kept}", urgent.len());
 }
+
+#[test]
+fn two_repairs_of_one_damaged_queue_at_once_open_it_once() {
+    // The repair holds the definitions' lock from its check to the queue's opening: the second
+    // finds the queue served, rather than open its logs a second time.
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("work", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+        for i in 0..50 {
+            b.offer("work", at(0, &[&format!("job {i:04} {}", "j".repeat(100))]), 1).unwrap();
+        }
+    }
+    let segment = dir.path().join("queues/work/00000000000000000000.log");
+    let mut bytes = std::fs::read(&segment).unwrap();
+    bytes[64 + 20 * 150] ^= 0x5a;
+    std::fs::write(&segment, &bytes).unwrap();
+
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.damaged_queues().len(), 1);
+    let outcomes: Vec<bool> = std::thread::scope(|s| {
+        let repairs: Vec<_> = (0..2).map(|_| s.spawn(|| b.repair_damaged("work").is_ok())).collect();
+        repairs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    assert_eq!(outcomes.iter().filter(|ok| **ok).count(), 1, "{outcomes:?}");
+    assert!(b.damaged_queues().is_empty());
+    let kept = b.poll("work", 100, None, 1, 3).unwrap().len();
+    assert!(kept > 0 && kept < 50, "{kept}");
+}

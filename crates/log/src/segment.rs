@@ -292,8 +292,8 @@ impl Segment {
         // Read-only, beside a writer that rewrites the header's checkpoint after each sync (a
         // durable log): a read during that write is torn. The header is read again before it
         // is judged damaged.
-        for _ in 0..HEADER_REREADS {
-            if writable || SegmentHeader::decode_for(&header_bytes, base).is_ok() {
+        for _ in 0..if writable { 0 } else { HEADER_REREADS } {
+            if SegmentHeader::decode_for(&header_bytes, base).is_ok() {
                 break;
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
