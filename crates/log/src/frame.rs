@@ -1,9 +1,12 @@
 //! The record frame: how one record is laid out inside a segment. Pure byte work, no I/O.
 //!
-//! Three formats, chosen per segment by its header's version; the writer writes only the current
-//! one (3) and readers read all three.
+//! Four formats, chosen per segment by its header's version; the writer writes only the current
+//! one (4) and readers read all four.
 //!
 //! ```text
+//! format 4: the frames of format 3; only the writer's promise differs (a frame holds a
+//!           timestamp when its time moved, never also for the sake of readers walking back)
+//!
 //! format 3 (8-byte header, 16 with a timestamp; frames are dense from the segment's base)
 //! 0   4  crc32c       of bytes [4, frame_len): everything after this field, padding excluded
 //! 4   4  frame_len    bits 0-29: header + body, without padding (u32 LE); bit 30: timestamp;
@@ -43,18 +46,24 @@ use crate::error::FrameError;
 pub(crate) enum Format {
     V1,
     V2,
+    /// Frames of format 3 also promised a timestamp at least once in 16 frames, so that a
+    /// reader landing on one without could walk back to it; format 4 drops the promise (readers
+    /// find a record's time through the dense index, the sparse index, or a walk from the
+    /// segment's start) and so leaves out timestamps that only kept it.
     V3,
+    V4,
 }
 
 impl Format {
     /// What the writer writes.
-    pub(crate) const CURRENT: Format = Format::V3;
+    pub(crate) const CURRENT: Format = Format::V4;
 
     pub(crate) fn version(self) -> u32 {
         match self {
             Format::V1 => 1,
             Format::V2 => 2,
             Format::V3 => 3,
+            Format::V4 => 4,
         }
     }
 
@@ -63,6 +72,7 @@ impl Format {
             1 => Some(Format::V1),
             2 => Some(Format::V2),
             3 => Some(Format::V3),
+            4 => Some(Format::V4),
             _ => None,
         }
     }
@@ -71,7 +81,7 @@ impl Format {
     pub(crate) fn checked_from(self) -> usize {
         match self {
             Format::V1 => 8,
-            Format::V2 | Format::V3 => 4,
+            Format::V2 | Format::V3 | Format::V4 => 4,
         }
     }
 
@@ -80,13 +90,13 @@ impl Format {
         match self {
             Format::V1 => V1_HEADER_LEN,
             Format::V2 => V2_HEADER_LEN,
-            Format::V3 => FRAME_HEADER_LEN,
+            Format::V3 | Format::V4 => FRAME_HEADER_LEN,
         }
     }
 
     /// Whether a frame may leave its timestamp out and take the previous frame's.
     pub(crate) fn inherits_time(self) -> bool {
-        self == Format::V3
+        matches!(self, Format::V3 | Format::V4)
     }
 }
 
@@ -106,11 +116,6 @@ const V2_LEN_MASK: u32 = !EXTRAS;
 /// Format 3: bit 30 of the length word says the header holds a timestamp.
 const TIME: u32 = 1 << 30;
 const V3_LEN_MASK: u32 = !(EXTRAS | TIME);
-
-/// A format-3 writer gives a frame its timestamp at least once in this many frames, even when the
-/// time has not moved, so that a reader landing on a frame without one finds it in a few steps
-/// back.
-pub(crate) const MAX_FRAMES_WITHOUT_TIME: u32 = 16;
 
 pub(crate) const FLAG_HEADERS: u8 = 1;
 pub(crate) const FLAG_KEY: u8 = 2;
@@ -353,7 +358,7 @@ pub(crate) enum Decoded<'a> {
 /// Decodes and checks the frame at the start of `buf`. `max_len` bounds `frame_len`. `offset` is
 /// the record expected there: a format-2 or 3 frame takes it (its offset is its place), a format-1
 /// frame reports its own, which the caller compares. `prev_timestamp` is the timestamp of the
-/// frame before, which a format-3 frame without its own takes (callers that cannot know it pass
+/// frame before, which a format-3 or 4 frame without its own takes (callers that cannot know it pass
 /// 0 and do not use the record's timestamp, or resolve it with `own_timestamp` walks).
 #[inline]
 pub(crate) fn decode(
@@ -364,7 +369,7 @@ pub(crate) fn decode(
     prev_timestamp: u64,
 ) -> Result<Decoded<'_>, FrameError> {
     match format {
-        Format::V3 | Format::V2 => decode_v2_v3(format, buf, max_len, offset, prev_timestamp),
+        Format::V2 | Format::V3 | Format::V4 => decode_v2_v3(format, buf, max_len, offset, prev_timestamp),
         Format::V1 => decode_v1(buf, max_len, Checks::All),
     }
 }
@@ -386,8 +391,10 @@ fn head(format: Format, buf: &[u8]) -> Option<Head> {
     let word = u32::from_le_bytes(buf.get(4..8)?.try_into().unwrap());
     let extras = word & EXTRAS != 0;
     let (len, body) = match format {
-        Format::V3 if word & TIME != 0 => ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN + TIMESTAMP_LEN),
-        Format::V3 => ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN),
+        Format::V3 | Format::V4 if word & TIME != 0 => {
+            ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN + TIMESTAMP_LEN)
+        }
+        Format::V3 | Format::V4 => ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN),
         _ => ((word & V2_LEN_MASK) as usize, V2_HEADER_LEN),
     };
     if len < body {
@@ -542,7 +549,7 @@ pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<Candidate> {
             let candidate = Candidate { len: u32_at(8)? as usize, crc: u32_at(4)? };
             (candidate.len >= V1_HEADER_LEN && candidate.len <= buf.len()).then_some(candidate)
         }
-        Format::V2 | Format::V3 => {
+        Format::V2 | Format::V3 | Format::V4 => {
             let head = head(format, buf)?;
             let candidate = Candidate { len: head.len, crc: u32_at(0)? };
             let padding = buf.get(candidate.len..align_up(candidate.len).min(buf.len()))?;
@@ -575,7 +582,7 @@ pub(crate) fn peek_len(format: Format, buf: &[u8]) -> Option<usize> {
 pub(crate) fn peek_key(format: Format, buf: &[u8]) -> Option<&[u8]> {
     let len = peek_len(format, buf)?;
     match format {
-        Format::V2 | Format::V3 => {
+        Format::V2 | Format::V3 | Format::V4 => {
             let head = head(format, buf)?;
             let flags = *buf.get(head.body).filter(|_| head.extras)?;
             if flags & FLAG_KEY == 0 {
@@ -612,13 +619,13 @@ pub(crate) fn peek_timestamp(format: Format, buf: &[u8], prev: u64) -> Option<u6
 }
 
 /// The timestamp the frame at the start of `buf` holds itself (every frame of formats 1 and 2;
-/// `None` for a format-3 frame that takes the previous frame's, or if `buf` is too short). Reads
+/// `None` for a format-3 or 4 frame that takes the previous frame's, or if `buf` is too short). Reads
 /// the header only, no CRC: for frames that were checked or whose length `peek_len` accepted.
 #[inline]
 pub(crate) fn own_timestamp(format: Format, buf: &[u8]) -> Option<u64> {
     match format {
         Format::V1 => Some(u64::from_le_bytes(buf.get(24..32)?.try_into().unwrap())),
-        Format::V2 | Format::V3 => head(format, buf)?.timestamp,
+        Format::V2 | Format::V3 | Format::V4 => head(format, buf)?.timestamp,
     }
 }
 
@@ -667,22 +674,24 @@ mod tests {
         for own in [Some(7), None] {
             let (buf, len) = encoded(&input, own);
             let aligned = align_up(len);
-            let Decoded::Frame(rec, n) = decode(Format::V3, &buf, 1 << 20, 42, 5).unwrap() else { panic!("empty") };
+            let Decoded::Frame(rec, n) = decode(Format::CURRENT, &buf, 1 << 20, 42, 5).unwrap() else {
+                panic!("empty")
+            };
             assert_eq!(n, aligned);
             assert_eq!((rec.offset, rec.timestamp), (42, own.unwrap_or(5)));
             assert_eq!(rec.key, input.key);
             assert_eq!(rec.payload, input.payload);
             assert_eq!(rec.headers.iter().collect::<Vec<_>>(), input.headers.to_vec());
-            assert_eq!(decode_checked_frame(Format::V3, &buf, 42, 5), (rec, n));
-            assert_eq!(peek_len(Format::V3, &buf), Some(aligned));
-            assert_eq!(peek_key(Format::V3, &buf), input.key);
-            assert_eq!(peek_timestamp(Format::V3, &buf, 5), Some(own.unwrap_or(5)));
-            assert_eq!(own_timestamp(Format::V3, &buf), own);
+            assert_eq!(decode_checked_frame(Format::CURRENT, &buf, 42, 5), (rec, n));
+            assert_eq!(peek_len(Format::CURRENT, &buf), Some(aligned));
+            assert_eq!(peek_key(Format::CURRENT, &buf), input.key);
+            assert_eq!(peek_timestamp(Format::CURRENT, &buf, 5), Some(own.unwrap_or(5)));
+            assert_eq!(own_timestamp(Format::CURRENT, &buf), own);
             assert_eq!(
-                may_start(Format::V3, &buf),
+                may_start(Format::CURRENT, &buf),
                 Some(Candidate { len, crc: u32::from_le_bytes(buf[..4].try_into().unwrap()) })
             );
-            assert_eq!(decode(Format::V3, &buf[aligned..], 1 << 20, 43, 5).unwrap(), Decoded::Empty);
+            assert_eq!(decode(Format::CURRENT, &buf[aligned..], 1 << 20, 43, 5).unwrap(), Decoded::Empty);
         }
     }
 
@@ -754,7 +763,7 @@ mod tests {
                 for bit in 0..8 {
                     let mut bad = buf.clone();
                     bad[i] ^= 1 << bit;
-                    let decoded = decode(Format::V3, &bad, 1 << 20, 9, 0);
+                    let decoded = decode(Format::CURRENT, &bad, 1 << 20, 9, 0);
                     assert!(decoded.is_err(), "flip of byte {i} bit {bit} went unnoticed");
                 }
             }
@@ -769,8 +778,8 @@ mod tests {
             for cut in 1..len {
                 let mut torn = buf.clone();
                 torn[cut..].fill(0);
-                assert!(decode(Format::V3, &torn, 1 << 20, 1, 0).is_err(), "zeroed from {cut} went unnoticed");
-                assert!(decode(Format::V3, &buf[..cut], 1 << 20, 1, 0).is_err(), "cut at {cut} went unnoticed");
+                assert!(decode(Format::CURRENT, &torn, 1 << 20, 1, 0).is_err(), "zeroed from {cut} went unnoticed");
+                assert!(decode(Format::CURRENT, &buf[..cut], 1 << 20, 1, 0).is_err(), "cut at {cut} went unnoticed");
             }
         }
     }
@@ -779,6 +788,6 @@ mod tests {
     fn oversized_length_is_rejected_before_reading() {
         let input = Input::payload(&[1u8; 64]);
         let (buf, _) = encoded(&input, Some(1));
-        assert_eq!(decode(Format::V3, &buf, 40, 1, 0), Err(FrameError::BadLength));
+        assert_eq!(decode(Format::CURRENT, &buf, 40, 1, 0), Err(FrameError::BadLength));
     }
 }

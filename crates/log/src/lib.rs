@@ -96,7 +96,7 @@ pub mod fuzzing {
     /// never panic; returns the aligned length of a valid frame.
     pub fn decode_frame(bytes: &[u8]) -> Option<usize> {
         let mut found = None;
-        for format in [Format::V1, Format::V2, Format::V3] {
+        for format in [Format::V1, Format::V2, Format::V3, Format::V4] {
             if let Ok(Decoded::Frame(record, len)) = frame::decode(format, bytes, bytes.len(), 7, 3) {
                 // What decode accepted, the trusted decoder must read back the same.
                 let (again, len_again) = frame::decode_checked_frame(format, bytes, 7, 3);
@@ -111,12 +111,12 @@ pub mod fuzzing {
 
     /// Scans arbitrary bytes as a segment's data region of each format, and judges their format,
     /// the way recovery does. Must never panic; returns the end of the valid frames and the next
-    /// offset (format 3).
+    /// offset (the current format).
     pub fn scan_segment(data: &[u8], start_offset: u64) -> (usize, u64) {
-        for format in [Format::V1, Format::V2] {
+        for format in [Format::V1, Format::V2, Format::V3] {
             assert!(crate::recovery::scan(format, data, 0, start_offset).end <= data.len());
         }
-        let scan = crate::recovery::scan(Format::V3, data, 0, start_offset);
+        let scan = crate::recovery::scan(Format::CURRENT, data, 0, start_offset);
         assert!(scan.end <= data.len());
         // As for a segment whose header is damaged.
         crate::recovery::judge_format(data, start_offset);

@@ -22,6 +22,22 @@ use crate::segment::{self, Segment};
 use crate::state::{LogState, LogStats};
 use crate::syncer::{self, Registration};
 
+/// Where a record's time comes from.
+#[derive(Clone, Copy)]
+enum Stamp {
+    /// The caller's (`Input::timestamp`): stored as it is (raised only to keep times in order).
+    Given(u64),
+    /// The log's clock.
+    Clock(u64),
+}
+
+/// How far the clock must move past the time the last frames take before a record takes a
+/// time of its own (and its frame 8 bytes more): a busy writer then writes a timestamp a few
+/// times a millisecond instead of every few records (a 32-byte record takes 40 bytes, not 40.5).
+/// So a record appended without a time of its own is stamped up to this much early, besides
+/// the clock's own lag (`Clock`).
+pub(crate) const CLOCK_RESOLUTION_NS: u64 = 100_000;
+
 /// An open log with its single writer. Appends need `&mut self` and take no lock; for many
 /// producer threads, convert it with [`Log::into_shared`].
 pub struct Log {
@@ -32,10 +48,9 @@ pub struct Log {
     pos: usize,
     next_offset: u64,
     last_timestamp: u64,
-    /// The timestamp of the last frame written to the active segment, which a frame without one
-    /// takes, and how many frames since the last that holds one (`u32::MAX`: the next must).
-    frame_time: u64,
-    frames_without_time: u32,
+    /// The time the frames since the last that holds one take (`None`: the next frame must hold
+    /// its own, as a segment's first does).
+    frame_time: Option<u64>,
     clock: Clock,
     /// The next frame starting at or after this position gets an index entry.
     next_index_pos: usize,
@@ -187,8 +202,7 @@ impl Log {
             pos,
             next_offset,
             last_timestamp: 0,
-            frame_time: 0,
-            frames_without_time: u32::MAX,
+            frame_time: None,
             clock: Clock::default(),
             prefault_trigger: pos + prefault::STEP,
             next_index_pos,
@@ -346,7 +360,14 @@ impl Log {
     pub(crate) fn append_unsynced(&mut self, input: &Input<'_>) -> Result<u64> {
         self.shared.check_poison()?;
         let len = self.check(input)?;
-        let timestamp = self.timestamp(input.timestamp);
+        let stamp = match input.timestamp {
+            Some(t) => Stamp::Given(t),
+            None => {
+                let group_start = (self.next_offset - self.active.base).is_multiple_of(crate::index::TIME_GROUP as u64);
+                Stamp::Clock(self.clock.now(group_start))
+            }
+        };
+        let timestamp = self.timestamp(stamp);
         let offset = self.write(input, len, timestamp)?;
         self.publish();
         if let (Some(keys), Some(key)) = (self.shared.keys(), input.key) {
@@ -376,11 +397,11 @@ impl Log {
         let mut clock = None;
         for i in 0..n {
             let input = input(i);
-            let requested = match input.timestamp {
-                Some(t) => t,
-                None => *clock.get_or_insert_with(|| self.clock.now(false)),
+            let stamp = match input.timestamp {
+                Some(t) => Stamp::Given(t),
+                None => Stamp::Clock(*clock.get_or_insert_with(|| self.clock.now(false))),
             };
-            let timestamp = self.timestamp(Some(requested));
+            let timestamp = self.timestamp(stamp);
             if let Err(e) = self.write(&input, frame::frame_len(&input), timestamp) {
                 self.discard_unpublished();
                 return Err(e);
@@ -405,11 +426,21 @@ impl Log {
         Ok(len)
     }
 
-    /// Current time, or `requested`, raised to the previous record's time if earlier.
+    /// A record's timestamp: `stamp`, raised to the previous record's if earlier. A clock
+    /// reading less than `CLOCK_RESOLUTION_NS` past the time the last frames take is taken as
+    /// that time, so that its frame leaves the timestamp out; a caller's time is kept exactly.
     #[inline]
-    fn timestamp(&mut self, requested: Option<u64>) -> u64 {
-        let group_start = (self.next_offset - self.active.base).is_multiple_of(crate::index::TIME_GROUP as u64);
-        let t = requested.unwrap_or_else(|| self.clock.now(group_start)).max(self.last_timestamp);
+    fn timestamp(&mut self, stamp: Stamp) -> u64 {
+        let t = match stamp {
+            Stamp::Given(t) => t.max(self.last_timestamp),
+            Stamp::Clock(t) => {
+                let t = t.max(self.last_timestamp);
+                match self.frame_time {
+                    Some(held) if t.saturating_sub(held) < CLOCK_RESOLUTION_NS => held.max(self.last_timestamp),
+                    _ => t,
+                }
+            }
+        };
         self.last_timestamp = t;
         t
     }
@@ -430,18 +461,13 @@ impl Log {
             // write faults one in.
             self.shared.options().page_budget.touch(&self.active, Use::Active);
         }
-        // A frame leaves its timestamp out when it is the previous frame's, but at least one in
-        // `MAX_FRAMES_WITHOUT_TIME` holds one, and so does a segment's first.
-        let own_time = timestamp != self.frame_time || self.frames_without_time >= frame::MAX_FRAMES_WITHOUT_TIME - 1;
-        let (len, own_time) = match own_time {
-            true => {
-                self.frame_time = timestamp;
-                self.frames_without_time = 0;
-                (len, Some(timestamp))
-            }
+        // A frame leaves its timestamp out when it is the previous frame's; a segment's first
+        // holds one.
+        let (len, own_time) = match self.frame_time == Some(timestamp) {
+            true => (len - frame::TIMESTAMP_LEN, None),
             false => {
-                self.frames_without_time += 1;
-                (len - frame::TIMESTAMP_LEN, None)
+                self.frame_time = Some(timestamp);
+                (len, Some(timestamp))
             }
         };
         let start = self.writer.published_end();
@@ -526,7 +552,7 @@ impl Log {
         self.pos = start;
         self.next_offset = self.shared.next_offset();
         // The discarded frames may have set the time the next frame would take.
-        self.frames_without_time = u32::MAX;
+        self.frame_time = None;
         self.active.index.truncate_from(self.next_offset);
         self.next_index_pos = index_resume_pos(&self.active);
     }
@@ -626,7 +652,7 @@ impl Log {
         self.writer = writer;
         self.shared.options().page_budget.touch(&self.active, Use::Active);
         self.pos = SEGMENT_HEADER_LEN;
-        self.frames_without_time = u32::MAX;
+        self.frame_time = None;
         self.prefault_trigger = SEGMENT_HEADER_LEN;
         self.next_index_pos = SEGMENT_HEADER_LEN;
     }

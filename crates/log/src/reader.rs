@@ -25,7 +25,7 @@ pub struct Reader {
     pos: usize,
     next: u64,
     /// Timestamp of the record before `next` in `seg`, once known: what a frame without its own
-    /// (format 3) takes.
+    /// (formats 3 and 4) takes.
     time: Option<u64>,
 }
 
@@ -411,7 +411,7 @@ pub struct Batch<'a> {
     data: &'a [u8],
     format: Format,
     first: u64,
-    /// The time the first frame takes if it holds none (format 3).
+    /// The time the first frame takes if it holds none (formats 3 and 4).
     first_time: u64,
     count: usize,
 }

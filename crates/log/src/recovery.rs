@@ -297,18 +297,18 @@ impl Search<'_> {
             self.found = match self.format {
                 Format::V1 if record.offset < self.min_offset => continue,
                 Format::V1 => Some((start, Some(record.offset))),
-                Format::V2 | Format::V3 => Some((start, None)),
+                Format::V2 | Format::V3 | Format::V4 => Some((start, None)),
             };
         }
     }
 }
 
 /// The format of a segment whose header is damaged, judged by its data region `data` (whose
-/// first record would be `base`): format 3 if it starts with a valid format-3 frame holding its
-/// timestamp (a segment's first always does, and a format-2 frame never sets that bit), format 2
-/// if with a valid format-2 frame; else format 1 if a valid format-1 frame of a record from
-/// `base` on is anywhere in it (they start with a magic, so the search is cheap); else format 3,
-/// the current one.
+/// first record would be `base`): the current format if it starts with a valid format-3 frame
+/// holding its timestamp (a segment's first always does, and a format-2 frame never sets that
+/// bit; formats 3 and 4 have the same frames, so either reads it alike), format 2 if with a valid
+/// format-2 frame; else format 1 if a valid format-1 frame of a record from `base` on is anywhere
+/// in it (they start with a magic, so the search is cheap); else the current format.
 ///
 /// Judging by the first bytes alone would take a format-1 segment whose first frame is damaged
 /// too for format 3, and cut all its records as a torn tail. A wrong judgement the other way
@@ -316,16 +316,16 @@ impl Search<'_> {
 /// segment whose first frame is damaged too: read as format 3, a bad frame followed by valid
 /// ones is corruption, never a cut).
 pub(crate) fn judge_format(data: &[u8], base: u64) -> Format {
-    if let Ok(Decoded::Frame(..)) = frame::decode(Format::V3, data, data.len(), base, 0)
-        && frame::own_timestamp(Format::V3, data).is_some()
+    if let Ok(Decoded::Frame(..)) = frame::decode(Format::CURRENT, data, data.len(), base, 0)
+        && frame::own_timestamp(Format::CURRENT, data).is_some()
     {
-        return Format::V3;
+        return Format::CURRENT;
     }
     if let Ok(Decoded::Frame(..)) = frame::decode(Format::V2, data, data.len(), base, 0) {
         return Format::V2;
     }
     match find_valid_after(Format::V1, data, 0, base, MAX_OPEN_CANDIDATES) {
-        Later::Nothing => Format::V3,
+        Later::Nothing => Format::CURRENT,
         // Too many format-1 magics to check is taken as format 1: its scan refuses rather
         // than cuts what it cannot decide.
         Later::Found { .. } | Later::GaveUp { .. } => Format::V1,
@@ -521,9 +521,9 @@ mod tests {
     #[test]
     fn clean_segment_scans_to_its_end() {
         let (data, starts) = segment(10, b"abc");
-        let s = scan(Format::V3, &data, 0, 0);
+        let s = scan(Format::CURRENT, &data, 0, 0);
         assert_eq!(s, Scan { end: starts[10], next_offset: 10, records: 10, stop: Stop::Clean });
-        let s = scan(Format::V3, &data, starts[4], 4);
+        let s = scan(Format::CURRENT, &data, starts[4], 4);
         assert_eq!((s.end, s.next_offset, s.records), (starts[10], 10, 6));
     }
 
@@ -533,7 +533,7 @@ mod tests {
         for cut in starts[4] + 1..starts[5] {
             let mut torn = data.clone();
             torn[cut..].fill(0);
-            let s = scan(Format::V3, &torn, 0, 0);
+            let s = scan(Format::CURRENT, &torn, 0, 0);
             assert_eq!((s.end, s.next_offset), (starts[4], 4), "cut at {cut}");
             assert!(matches!(s.stop, Stop::Torn { .. }), "cut at {cut}: {:?}", s.stop);
         }
@@ -543,7 +543,7 @@ mod tests {
     fn body_without_header_is_a_torn_tail() {
         let (mut data, starts) = segment(3, &[9u8; 100]);
         data[starts[2]..starts[2] + 16].fill(0);
-        let s = scan(Format::V3, &data, 0, 0);
+        let s = scan(Format::CURRENT, &data, 0, 0);
         assert_eq!(s.end, starts[2]);
         assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] - 4 });
     }
@@ -552,7 +552,7 @@ mod tests {
     fn damage_before_a_valid_frame_is_corruption() {
         let (mut data, starts) = segment(5, b"hello world");
         data[starts[1] + 20] ^= 1;
-        let s = scan(Format::V3, &data, 0, 0);
+        let s = scan(Format::CURRENT, &data, 0, 0);
         assert_eq!(s.end, starts[1]);
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
@@ -570,14 +570,14 @@ mod tests {
             readings.set(readings.get() + 1);
             if readings.get() == 1 { &caught[..] } else { &whole[..] }
         };
-        let s = scan_beside_writer(Format::V3, data, 0, 0);
+        let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
         assert_eq!((s.end, s.next_offset, s.records, &s.stop), (starts[5], 5, 5, &Stop::Clean));
         assert_eq!(readings.get(), 2);
 
         // Damage reads the same every time: reported where it is, after a few more looks.
         let mut damaged = whole.clone();
         damaged[starts[1] + 20] ^= 1;
-        let s = scan_beside_writer(Format::V3, || &damaged[..], 0, 0);
+        let s = scan_beside_writer(Format::CURRENT, || &damaged[..], 0, 0);
         assert_eq!((s.end, s.next_offset), (starts[1], 1));
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
@@ -605,7 +605,7 @@ mod tests {
     /// garbage it left, and keeps the three records before it.
     fn assert_torn_tail(segment_bytes: usize, written: usize) {
         let (data, starts) = torn_large_record(segment_bytes, written);
-        let s = scan(Format::V3, &data, 0, 0);
+        let s = scan(Format::CURRENT, &data, 0, 0);
         assert_eq!((s.end, s.next_offset), (starts[3], 3));
         assert_eq!(s.stop, Stop::Torn { error: FrameError::BadMagic, garbage_end: starts[3] + 16 + written });
     }
@@ -638,7 +638,7 @@ mod tests {
             pos += encode(&mut data[pos..], frame_len(&input), Some(off), &input);
         }
         data[starts[1] + 1000] ^= 0x40;
-        let s = scan(Format::V3, &data, 0, 0);
+        let s = scan(Format::CURRENT, &data, 0, 0);
         assert_eq!(s.end, starts[1]);
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
@@ -652,9 +652,9 @@ mod tests {
             data[at + 4..at + 8].copy_from_slice(&len.to_le_bytes());
             data[at] = 1; // a CRC that does not match
         }
-        assert_eq!(find_valid_after(Format::V3, &data, 0, 0, 100), Later::GaveUp { pos: 100 * 16 });
-        assert_eq!(find_valid_after(Format::V3, &data, 0, 0, 256), Later::Nothing);
-        assert_eq!(find_valid_after(Format::V3, &data, 8192, 0, 1), Later::Nothing);
+        assert_eq!(find_valid_after(Format::CURRENT, &data, 0, 0, 100), Later::GaveUp { pos: 100 * 16 });
+        assert_eq!(find_valid_after(Format::CURRENT, &data, 0, 0, 256), Later::Nothing);
+        assert_eq!(find_valid_after(Format::CURRENT, &data, 8192, 0, 1), Later::Nothing);
     }
 
     /// The search as it would be without the running checksum: each candidate checked on its
@@ -662,8 +662,8 @@ mod tests {
     fn first_valid_by_rereading(data: &[u8], from: usize) -> Later {
         let mut pos = from.next_multiple_of(FRAME_ALIGN);
         while pos + FRAME_ALIGN <= data.len() {
-            if frame::may_start(Format::V3, &data[pos..]).is_some()
-                && let Ok(Decoded::Frame(..)) = frame::decode(Format::V3, &data[pos..], data.len() - pos, 0, 0)
+            if frame::may_start(Format::CURRENT, &data[pos..]).is_some()
+                && let Ok(Decoded::Frame(..)) = frame::decode(Format::CURRENT, &data[pos..], data.len() - pos, 0, 0)
             {
                 return Later::Found { pos, offset: None };
             }
@@ -751,7 +751,7 @@ mod tests {
             data.resize(data.len() + 4096, 0);
             let hole = hole_start.min(data.len())..(hole_start + hole_len).min(data.len());
             data[hole.clone()].fill(0);
-            proptest::prop_assert_eq!(scan_with_hole(Format::V3, &data, 0, 0, hole), scan(Format::V3, &data, 0, 0));
+            proptest::prop_assert_eq!(scan_with_hole(Format::CURRENT, &data, 0, 0, hole), scan(Format::CURRENT, &data, 0, 0));
         }
 
         #[test]
@@ -762,7 +762,7 @@ mod tests {
             let data = made_up_segment(&pieces);
             let from = from.min(data.len());
             proptest::prop_assert_eq!(
-                find_valid_after(Format::V3, &data, from, 0, usize::MAX),
+                find_valid_after(Format::CURRENT, &data, from, 0, usize::MAX),
                 first_valid_by_rereading(&data, from)
             );
         }

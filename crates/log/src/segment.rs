@@ -4,7 +4,7 @@
 //! ```text
 //! header, 64 bytes, little-endian:
 //! 0   8  magic             b"PETRELSG"
-//! 8   4  format version    3 (1 and 2: segments written by earlier versions; still read)
+//! 8   4  format version    4 (1, 2 and 3: segments written by earlier versions; still read)
 //! 12  4  header length     64 (frames start here)
 //! 16  8  base offset       offset of the first record; also in the file name
 //! 24  8  segment length    the file's length (its blocks reserved as the writer reaches them)
@@ -397,7 +397,7 @@ impl Segment {
         Some(own.unwrap_or_else(|| self.time_before(&positions, offset)))
     }
 
-    /// The timestamp that record `offset`'s frame takes when it holds none (format 3): that of
+    /// The timestamp that record `offset`'s frame takes when it holds none (formats 3 and 4): that of
     /// the nearest frame before it in this segment that holds one, which `positions` (this
     /// segment's dense index) knows or marks. 0 for the segment's first record (whose frame
     /// always holds its own) and in earlier formats.
@@ -600,7 +600,7 @@ mod tests {
         }
         assert!(matches!(SegmentHeader::decode_for(&b, 8), Err(HeaderError::Damaged(_))), "another base");
         // Intact, but of a format or a header length this build does not know.
-        for (at, value, what) in [(8, 4u32, "format version 4"), (12, 128, "header length 128")] {
+        for (at, value, what) in [(8, 5u32, "format version 5"), (12, 128, "header length 128")] {
             let mut newer = b;
             newer[at..at + 4].copy_from_slice(&value.to_le_bytes());
             let crc = crate::checksum::crc32c(&newer[0..60]);

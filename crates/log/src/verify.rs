@@ -451,14 +451,15 @@ fn passed_by_every_group(dir: &Path) -> impl Fn(u64) -> bool {
 /// `[position, resumes_at)` exactly, so that the frames after it stay where they are. Its
 /// timestamp is the bad frame's own if that lies between its neighbours', else the previous
 /// frame's (a frame after it without one of its own takes it). `None` where that cannot be
-/// done: a segment of an earlier format, a gap too short for a frame with a timestamp.
+/// done: a segment of format 1 or 2, a gap too short for a frame with a timestamp.
 fn zeros_frame(path: &Path, position: u64, resumes_at: u64) -> Result<Option<Vec<u8>>> {
     let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
         .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
     let (seg, _) = Segment::open(path, base, false)?;
     let gap = (resumes_at - position) as usize;
     let with_time = frame::FRAME_HEADER_LEN + frame::TIMESTAMP_LEN;
-    if seg.format != frame::Format::CURRENT || gap < with_time || !gap.is_multiple_of(frame::FRAME_ALIGN) {
+    // Formats 3 and 4 have today's frames; earlier ones are only cut.
+    if !seg.format.inherits_time() || gap < with_time || !gap.is_multiple_of(frame::FRAME_ALIGN) {
         return Ok(None);
     }
     let data = seg.map.published().from(SEGMENT_HEADER_LEN);

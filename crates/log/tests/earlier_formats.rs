@@ -1,8 +1,9 @@
 //! Logs written by earlier formats are read, recovered, verified and appended to by today's code:
 //! format 1 (`tests/fixtures/v1-log`, made by the writer of commit 70a0f89: 1,500 records over
 //! four 64 KiB segments, some with keys and headers, and a group "g" that acknowledged the first
-//! 100) and format 2 (`tests/fixtures/v2-log`, the same records and group made by the writer of
-//! commit 94eb0b8, over three segments).
+//! 100), format 2 (`tests/fixtures/v2-log`, the same records and group made by the writer of
+//! commit 94eb0b8, over three segments) and format 3 (`tests/fixtures/v3-log`, the same made by
+//! the writer of commit 1cfb774).
 
 mod common;
 
@@ -24,14 +25,16 @@ struct Earlier {
 
 const V1: Earlier = Earlier { dir: "v1-log", version: 1 };
 const V2: Earlier = Earlier { dir: "v2-log", version: 2 };
+const V3: Earlier = Earlier { dir: "v3-log", version: 3 };
 /// What today's writer writes.
-const CURRENT_VERSION: u32 = 3;
+const CURRENT_VERSION: u32 = 4;
 
 /// Each test runs on each fixture.
 macro_rules! on_each_fixture {
     ($($test:ident),* $(,)?) => {
         mod format_one { $(#[test] fn $test() { super::$test(super::V1) })* }
         mod format_two { $(#[test] fn $test() { super::$test(super::V2) })* }
+        mod format_three { $(#[test] fn $test() { super::$test(super::V3) })* }
     };
 }
 
@@ -150,9 +153,10 @@ fn a_last_segment_with_a_damaged_header_is_judged_by_its_frames(earlier: Earlier
     assert_eq!(read_all(&mut log.reader()), (0..RECORDS).map(expected).collect::<Vec<_>>());
     drop(log);
 
-    // The first frame's magic (format 1; format 2: its CRC) damaged too: the damage is
+    // The first frame's magic (format 1; formats 2 and 3: its CRC) damaged too: the damage is
     // corruption before valid records, not a torn tail to cut. (A format-2 segment is then
-    // judged format 3, whose frames its frames also are: still valid frames after a bad one.)
+    // judged of the current format, whose frames its frames also are: still valid frames after
+    // a bad one.)
     let dir = fixture(earlier);
     let last = segments(dir.path()).pop().unwrap();
     let mut bytes = fs::read(&last).unwrap();

@@ -515,11 +515,11 @@ fn a_segment_of_an_unknown_format_version_is_refused_and_left_as_it_is() {
         let all = segments(dir.path());
         assert!(which == "last" || all.len() > 1);
         let seg = if which == "last" { all.last() } else { all.first() }.unwrap().clone();
-        set_format_version(&seg, 4);
+        set_format_version(&seg, 5);
         let before = fs::read(&seg).unwrap();
         let err = Log::open(dir.path(), small(Durability::None)).err().expect("must not open");
         let Error::UnsupportedFormat { file, what } = &err else { panic!("{which}: {err}") };
-        assert_eq!((file, what.as_str()), (&seg, "format version 4"), "{which}");
+        assert_eq!((file, what.as_str()), (&seg, "format version 5"), "{which}");
         assert!(err.to_string().contains("newer Petrel"), "{err}");
         assert!(matches!(verify::verify(dir.path(), |_, _| {}), Err(Error::UnsupportedFormat { .. })));
         assert!(matches!(verify::repair(dir.path()), Err(Error::UnsupportedFormat { .. })));
@@ -980,8 +980,8 @@ fn many_writing_logs_share_one_prefault_thread() {
 
 #[test]
 fn timestamps_shared_by_frames_read_back_by_every_path() {
-    // Runs of records with one timestamp: format 3 stores it in the first frame of a run (and at
-    // least every 16th), and the others take it from the frame before.
+    // Runs of records with one timestamp: the first frame of a run stores it, and the others
+    // take it from the frame before.
     let dir = tempfile::tempdir().unwrap();
     let time = |i: u64| 1_700_000_000_000_000_000 + (i / 40) * 1000;
     let opts = || Options { segment_bytes: MIN_SEGMENT_BYTES, initial_segment_bytes: None, ..small(Durability::None) };
@@ -993,11 +993,13 @@ fn timestamps_shared_by_frames_read_back_by_every_path() {
     }
     assert!(segments(dir.path()).len() > 2, "sealed segments too");
     let starts = frame_starts(&segments(dir.path())[0]);
-    // A 4-byte payload: 16 bytes without a timestamp, 24 with one (3 frames of a run of 40).
+    // A 4-byte payload: 16 bytes without a timestamp, 24 with one (the first frame of a run of
+    // 40, and the segment's first).
     let sizes: Vec<u64> = starts.windows(2).map(|w| w[1] - w[0]).collect();
     let with_time = sizes.iter().filter(|&&s| s == 24).count();
     assert_eq!(with_time + sizes.iter().filter(|&&s| s == 16).count(), sizes.len());
-    assert!((with_time as f64 / sizes.len() as f64 - 3.0 / 40.0).abs() < 0.01, "{with_time} of {}", sizes.len());
+    let runs = (0..sizes.len() as u64).filter(|&i| i == 0 || time(i) != time(i - 1)).count();
+    assert_eq!(with_time, runs, "{with_time} of {}", sizes.len());
     for reopened in [false, true] {
         if reopened {
             drop(log);
@@ -1031,6 +1033,39 @@ fn timestamps_shared_by_frames_read_back_by_every_path() {
 }
 
 #[test]
+fn records_stamped_by_the_clock_share_a_stored_time_within_its_resolution() {
+    // A busy writer's records less than 100 µs after the time the frames before them take are
+    // stamped with that time, and their frames leave it out: a 32-byte record takes 40 bytes.
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let n = 1000;
+    let before = now();
+    for i in 0..n {
+        log.append(&[i as u8; 32]).unwrap();
+    }
+    let after = now();
+    let times: Vec<u64> = read_all(&mut log.reader()).iter().map(|r| r.timestamp).collect();
+    assert_eq!(times.len(), n);
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "times in order");
+    assert!(times[0] >= before && times[n - 1] <= after, "{before} <= {times:?} <= {after}");
+    let starts = frame_starts(&segments(dir.path())[0]);
+    let sizes: Vec<u64> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+    let stored = sizes.iter().filter(|&&s| s == 48).count();
+    assert_eq!(stored + sizes.iter().filter(|&&s| s == 40).count(), n, "{sizes:?}");
+    // A frame holds each distinct time once, and distinct times are 100 µs apart at least.
+    let mut distinct = times.clone();
+    distinct.dedup();
+    assert_eq!(stored, distinct.len());
+    assert!(distinct.windows(2).all(|w| w[1] - w[0] >= 100_000), "{distinct:?}");
+    assert!(stored as u64 <= 1 + (after - before) / 100_000, "{stored} times stored in {} ns", after - before);
+    // A caller's own time is stored as it is, however close to the one before.
+    let given = times[n - 1] + 1;
+    log.append_with(&Input { timestamp: Some(given), ..Input::payload(b"x") }).unwrap();
+    assert_eq!(log.reader().get(n as u64).unwrap().unwrap().timestamp, given);
+}
+
+#[test]
 fn a_reader_seeking_past_a_failed_batch_finds_the_records_written_later() {
     let dir = tempfile::tempdir().unwrap();
     let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
@@ -1042,11 +1077,11 @@ fn a_reader_seeking_past_a_failed_batch_finds_the_records_written_later() {
     assert_eq!(reader.read_next().unwrap().unwrap().offset, 0);
     // A batch that overflows the segment, whose roll cannot make the next segment (a
     // directory in the way of every file it could create).
-    let blockers: Vec<_> = (10..2000u64).map(|base| dir.path().join(format!("{base:020}.log.tmp"))).collect();
+    let blockers: Vec<_> = (10..2200u64).map(|base| dir.path().join(format!("{base:020}.log.tmp"))).collect();
     for b in &blockers {
         fs::create_dir(b).unwrap();
     }
-    let many = vec![[7u8; 24]; 2000];
+    let many = vec![[7u8; 24]; 2100]; // 32 bytes a frame: more than the segment's 64 KiB
     assert!(log.append_batch(&many).is_err());
     assert_eq!(log.next_offset(), 10, "a failed batch appends nothing");
     for b in &blockers {
