@@ -296,11 +296,14 @@ impl Reader {
         };
         while offset < limit {
             let bytes = published.from(pos);
-            match (frame::peek_timestamp(seg.format, bytes, time), frame::peek_len(seg.format, bytes)) {
-                (Some(ts), _) if ts >= t => return Ok(offset),
-                (Some(ts), Some(len)) => (pos, time) = (pos + len, ts),
-                _ => return Err(corrupt(&seg.path, pos as u64, Some(offset), Reason::Missing { expected: offset })),
+            let Some(len) = frame::peek_len(seg.format, bytes) else {
+                return Err(corrupt(&seg.path, pos as u64, Some(offset), Reason::Missing { expected: offset }));
+            };
+            time = frame::own_timestamp(seg.format, bytes).unwrap_or(time);
+            if time >= t {
+                return Ok(offset);
             }
+            pos += len;
             offset += 1;
         }
         Ok(limit)
