@@ -205,6 +205,12 @@ print(f"Host: {cpu}, {cores} vCPUs. Medians of {rounds} rounds, each system's fi
       "ratio = Petrel / peer, same run.\n")
 print("| workload | Petrel | peer | peer's figure | ratio | target | met |")
 print("|---|---|---|---|---|---|---|")
+def shown_ratio(ratio):
+    # Two decimals, more where two would hide which side of 1 a ratio is on.
+    if ratio is None:
+        return ""
+    return f"{ratio:.4f}×" if ratio != 1 and round(ratio, 2) == 1 else f"{ratio:.2f}×"
+
 for row, what, unit, peer, peer_name, targets in rows:
     p = med(row, "petrel")
     q = med(*peer) if isinstance(peer, tuple) else med(row, peer) if peer else None
@@ -219,6 +225,6 @@ for row, what, unit, peer, peer_name, targets in rows:
             words.append(f"≥ {fmt(value, unit)}"); checks.append(p is not None and p >= value)
     met = "" if not targets else ("yes" if all(checks) else "no")
     print(f"| {what} | {fmt(p, unit)} | {peer_name} | {fmt(q, unit) if q else ''} | "
-          f"{f'{ratio:.2f}×' if ratio else ''} | {', '.join(words)} | {met} |")
+          f"{shown_ratio(ratio)} | {', '.join(words)} | {met} |")
 PY
 cat "$out"
