@@ -8,8 +8,9 @@ pub(crate) fn now_ns() -> u64 {
 /// so it is read only when the coarse clock (a few ns; it moves once per kernel tick, 1–4 ms)
 /// has moved, when the caller asks (the writer does at the start of each of the dense index's
 /// time groups, so that a group's records mostly share its first one's time), or after every
-/// `PRECISE_EVERY` uses within a tick. A timestamp is therefore never more than one tick
-/// behind, and under load within a few appends of exact.
+/// `PRECISE_EVERY` uses within a tick. A reading is therefore never more than one tick behind,
+/// and under load within a few appends of exact (the writer may then stamp a record up to
+/// `log::CLOCK_RESOLUTION_NS` earlier still, with the time the frames before it take).
 #[derive(Default)]
 pub(crate) struct Clock {
     coarse: u64,
