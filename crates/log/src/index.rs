@@ -74,6 +74,14 @@ impl SparseIndex {
         i.checked_sub(1).map(|i| entries[i])
     }
 
+    /// The offset of the first entry after the last with a timestamp before `t` (where a walk
+    /// from that one can stop), if there is one.
+    pub(crate) fn end_of_stretch_before_time(&self, t: u64) -> Option<u64> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        let entries = entries.as_ref()?;
+        entries.get(entries.partition_point(|e| e.timestamp < t)).map(|e| e.offset)
+    }
+
     /// The last entry with a timestamp before `t`.
     pub(crate) fn before_time(&self, t: u64) -> Option<Entry> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
@@ -378,6 +386,11 @@ impl DenseIndex {
                 i += 1;
             }
         });
+    }
+
+    /// Whether the index holds every published record (`build_once` ran, or the writer fills it).
+    pub(crate) fn is_built(&self) -> bool {
+        self.built.get().is_some()
     }
 
     /// Marks the index as complete (the writer maintains it from here on).

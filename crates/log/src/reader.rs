@@ -294,6 +294,32 @@ impl Reader {
             Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset, e.timestamp),
             _ => (SEGMENT_HEADER_LEN, seg.base, 0),
         };
+        // With the dense index built, a binary search over the records of the stretch: a few
+        // index lines (and a frame or two) instead of a walk over up to `INDEX_STEP` bytes.
+        if let Some(positions) = seg.positions_if_built() {
+            let stop = seg.index.end_of_stretch_before_time(t).unwrap_or(limit).min(limit);
+            let time_of = |o: u64| -> Option<u64> {
+                let i = (o - seg.base) as usize;
+                let at = published.from(positions.get(i).filter(|&p| p < published.end())?);
+                Some(frame::own_timestamp(seg.format, at).unwrap_or_else(|| seg.time_before(&positions, o)))
+            };
+            let (mut lo, mut hi) = (offset, stop);
+            let mut known = true;
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                match time_of(mid) {
+                    Some(ts) if ts < t => lo = mid + 1,
+                    Some(_) => hi = mid,
+                    None => {
+                        known = false; // a record the index does not hold: walk instead
+                        break;
+                    }
+                }
+            }
+            if known {
+                return Ok(lo);
+            }
+        }
         while offset < limit {
             let bytes = published.from(pos);
             let Some(len) = frame::peek_len(seg.format, bytes) else {

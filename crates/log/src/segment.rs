@@ -384,6 +384,13 @@ impl Segment {
         positions
     }
 
+    /// The dense position index if it is built already (the active segment's always is; a
+    /// sealed one's after its first random read): for lookups that have a cheaper way without.
+    pub(crate) fn positions_if_built(&self) -> Option<Arc<crate::index::DenseIndex>> {
+        let slot = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+        slot.as_ref().filter(|p| p.is_built()).map(Arc::clone)
+    }
+
     /// Position of record `offset`, from the dense index.
     pub(crate) fn position_of(&self, offset: u64) -> Option<usize> {
         self.positions().get(offset.checked_sub(self.base)? as usize)

@@ -1033,6 +1033,37 @@ fn timestamps_shared_by_frames_read_back_by_every_path() {
 }
 
 #[test]
+fn a_time_lookup_finds_the_same_record_with_and_without_the_dense_index() {
+    // Times in runs of uneven length: the lookup walks frame headers from a sparse index entry
+    // in a segment whose dense index is not built, and searches the dense index where it is.
+    let dir = tempfile::tempdir().unwrap();
+    let opts = || Options { segment_bytes: MIN_SEGMENT_BYTES, initial_segment_bytes: None, ..small(Durability::None) };
+    let time = |i: u64| 1_700_000_000_000_000_000 + (i / 7 + i / 13) * 1000;
+    let mut log = Log::open(dir.path(), opts()).unwrap();
+    let n = 6_000u64;
+    for i in 0..n {
+        log.append_with(&Input { timestamp: Some(time(i)), ..Input::payload(&[i as u8; 20]) }).unwrap();
+    }
+    assert!(segments(dir.path()).len() > 2);
+    drop(log);
+    let expected = |t: u64| (0..n).find(|&i| time(i) >= t).unwrap_or(n);
+    let probes: Vec<u64> =
+        (0..n).step_by(5).flat_map(|i| [time(i) - 1, time(i), time(i) + 1]).chain([0, u64::MAX]).collect();
+    let log = Log::open(dir.path(), opts()).unwrap();
+    let mut reader = log.reader();
+    for &t in &probes {
+        assert_eq!(reader.offset_at_time(t).unwrap(), expected(t), "walked, t {t}");
+    }
+    // A read by offset in each segment builds its dense index.
+    for i in (0..n).step_by(500) {
+        reader.get(i).unwrap().unwrap();
+    }
+    for &t in &probes {
+        assert_eq!(reader.offset_at_time(t).unwrap(), expected(t), "searched, t {t}");
+    }
+}
+
+#[test]
 fn records_stamped_by_the_clock_share_a_stored_time_within_its_resolution() {
     // A busy writer's records less than 100 µs after the time the frames before them take are
     // stamped with that time, and their frames leave it out: a 32-byte record takes 40 bytes.
