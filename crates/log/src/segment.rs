@@ -218,21 +218,10 @@ impl Segment {
             }
             match place {
                 Place::Any => fs::rename(&tmp, &path).map_err(io_err("rename segment", &path))?,
-                Place::New => {
+                Place::New => rename_new(&tmp, &path, |from, to| {
                     use rustix::fs::{CWD, RenameFlags, renameat_with};
-                    match renameat_with(CWD, &tmp, CWD, &path, RenameFlags::NOREPLACE) {
-                        Ok(()) => {}
-                        // A file system without it (NFS, some FUSE ones): looked at first, then
-                        // renamed (nothing else writes in a log's directory meanwhile).
-                        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP) => {
-                            if path.exists() {
-                                return Err(io_err("rename segment", &path)(io::ErrorKind::AlreadyExists.into()));
-                            }
-                            fs::rename(&tmp, &path).map_err(io_err("rename segment", &path))?
-                        }
-                        Err(e) => return Err(io_err("rename segment", &path)(e.into())),
-                    }
-                }
+                    renameat_with(CWD, from, CWD, to, RenameFlags::NOREPLACE)
+                })?,
             }
             if durable {
                 sync_dir(dir)?;
@@ -564,6 +553,22 @@ fn pack(pos: usize, records: u64) -> u64 {
     (pos as u64) << 32 | records
 }
 
+/// Renames `tmp` to `path`, never over a file already there: with `no_replace` (renameat2's
+/// `RENAME_NOREPLACE`), or, on a file system without it (NFS, some FUSE ones), by looking first
+/// (nothing else writes in a log's directory meanwhile).
+fn rename_new(tmp: &Path, path: &Path, no_replace: impl FnOnce(&Path, &Path) -> rustix::io::Result<()>) -> Result<()> {
+    match no_replace(tmp, path) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS | rustix::io::Errno::OPNOTSUPP) => {
+            if path.exists() {
+                return Err(io_err("rename segment", path)(io::ErrorKind::AlreadyExists.into()));
+            }
+            fs::rename(tmp, path).map_err(io_err("rename segment", path))
+        }
+        Err(e) => Err(io_err("rename segment", path)(e.into())),
+    }
+}
+
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     let d = File::open(dir).map_err(io_err("open directory", dir))?;
     d.sync_all().map_err(io_err("sync directory", dir))
@@ -577,6 +582,35 @@ fn read_exact_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_segment_never_replaces_a_file_with_or_without_renameat2_noreplace() {
+        let dir = tempfile::tempdir().unwrap();
+        let (tmp, path) = (dir.path().join("a.log.tmp"), dir.path().join("a.log"));
+        let without = |_: &Path, _: &Path| Err(rustix::io::Errno::INVAL);
+        for (which, no_replace) in [("renameat2", None), ("a file system without it", Some(without))] {
+            let rename = |tmp: &Path, path: &Path| match no_replace {
+                Some(f) => rename_new(tmp, path, f),
+                None => rename_new(tmp, path, |from, to| {
+                    use rustix::fs::{CWD, RenameFlags, renameat_with};
+                    renameat_with(CWD, from, CWD, to, RenameFlags::NOREPLACE)
+                }),
+            };
+            let _ = fs::remove_file(&path);
+            fs::write(&tmp, b"new").unwrap();
+            rename(&tmp, &path).unwrap();
+            assert_eq!(fs::read(&path).unwrap(), b"new", "{which}");
+            assert!(!tmp.exists(), "{which}");
+            fs::write(&tmp, b"newer").unwrap();
+            let err = rename(&tmp, &path).unwrap_err();
+            assert!(err.to_string().contains("rename segment"), "{which}: {err}");
+            assert_eq!(fs::read(&path).unwrap(), b"new", "{which}: replaced");
+        }
+        // Any other error is reported as it is, nothing renamed.
+        let err = rename_new(&tmp, &dir.path().join("b.log"), |_, _| Err(rustix::io::Errno::ACCESS)).unwrap_err();
+        assert!(err.to_string().contains("rename segment"), "{err}");
+        assert!(tmp.exists() && !dir.path().join("b.log").exists());
+    }
 
     #[test]
     fn names_round_trip() {
