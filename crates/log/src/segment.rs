@@ -273,21 +273,15 @@ impl Segment {
                 before_tail: false,
             });
         }
-        let mut header_bytes = [0u8; SEGMENT_HEADER_LEN];
         // The header alone: the kernel's read-ahead for a first read would take the pages after
         // it too (zeros, in a server's idle queue). Advice only: errors are ignored.
         let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random);
-        read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
         // Read-only, beside a writer that rewrites the header's checkpoint after each sync (a
         // durable log): a read during that write is torn. The header is read again before it
         // is judged damaged.
-        for _ in 0..if writable { 0 } else { HEADER_REREADS } {
-            if SegmentHeader::decode_for(&header_bytes, base).is_ok() {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            read_exact_at(&file, &mut header_bytes, 0).map_err(io_err("read segment header", path))?;
-        }
+        let rereads = if writable { 0 } else { HEADER_REREADS };
+        let header_bytes = read_header(|buf| read_exact_at(&file, buf, 0), base, rereads)
+            .map_err(io_err("read segment header", path))?;
         let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Normal);
         let header = match SegmentHeader::decode_for(&header_bytes, base) {
             Err(HeaderError::Unsupported(what)) => {
@@ -553,6 +547,26 @@ fn pack(pos: usize, records: u64) -> u64 {
     (pos as u64) << 32 | records
 }
 
+/// A segment's header as `read` gives it, read up to `rereads` more times, 1 ms apart, while it
+/// does not decode as segment `base`'s (a read torn by a writer rewriting it): the last read is
+/// what is judged.
+fn read_header(
+    mut read: impl FnMut(&mut [u8]) -> io::Result<()>,
+    base: u64,
+    rereads: usize,
+) -> io::Result<[u8; SEGMENT_HEADER_LEN]> {
+    let mut header = [0u8; SEGMENT_HEADER_LEN];
+    read(&mut header)?;
+    for _ in 0..rereads {
+        if SegmentHeader::decode_for(&header, base).is_ok() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        read(&mut header)?;
+    }
+    Ok(header)
+}
+
 /// Renames `tmp` to `path`, never over a file already there: with `no_replace` (renameat2's
 /// `RENAME_NOREPLACE`), or, on a file system without it (NFS, some FUSE ones), by looking first
 /// (nothing else writes in a log's directory meanwhile).
@@ -582,6 +596,51 @@ fn read_exact_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_torn_header_is_read_again_and_a_damaged_one_is_given_up_on() {
+        let good = SegmentHeader {
+            format: Format::CURRENT,
+            base_offset: 7,
+            len: 1 << 20,
+            created: 1,
+            checkpoint_pos: 64,
+            checkpoint_offset: 7,
+        }
+        .encode();
+        let mut torn = good;
+        torn[40..48].fill(0xff); // the checkpoint half rewritten: its CRC no longer holds
+        // Torn twice, then whole: read until it decodes.
+        let mut reads = 0;
+        let read = read_header(
+            |buf| {
+                reads += 1;
+                buf.copy_from_slice(if reads <= 2 { &torn } else { &good });
+                Ok(())
+            },
+            7,
+            HEADER_REREADS,
+        )
+        .unwrap();
+        assert_eq!((read, reads), (good, 3));
+        // Damaged for good: given up on after the rereads, the last read returned to be judged.
+        let mut reads = 0;
+        let read = read_header(
+            |buf| {
+                reads += 1;
+                buf.copy_from_slice(&torn);
+                Ok(())
+            },
+            7,
+            HEADER_REREADS,
+        )
+        .unwrap();
+        assert_eq!((read, reads), (torn, 1 + HEADER_REREADS));
+        // A writable open (no writer beside it) reads once.
+        let mut reads = 0;
+        read_header(|_| Ok(reads += 1), 7, 0).unwrap();
+        assert_eq!(reads, 1);
+    }
 
     #[test]
     fn a_new_segment_never_replaces_a_file_with_or_without_renameat2_noreplace() {
