@@ -638,7 +638,15 @@ mod tests {
         assert_eq!((read, reads), (torn, 1 + HEADER_REREADS));
         // A writable open (no writer beside it) reads once.
         let mut reads = 0;
-        read_header(|_| Ok(reads += 1), 7, 0).unwrap();
+        read_header(
+            |_| {
+                reads += 1;
+                Ok(())
+            },
+            7,
+            0,
+        )
+        .unwrap();
         assert_eq!(reads, 1);
     }
 
