@@ -274,15 +274,19 @@ impl Reader {
 
     /// Offset of the first record with a timestamp at or after `t` (ns since the Unix epoch), or
     /// the end of the log if there is none. Timestamps never decrease along the log, so this is
-    /// a binary search over segments, then a walk over frame headers within one.
+    /// a binary search over segments, then one over the segment's dense index if it is built,
+    /// else a walk over frame headers from the sparse index's entry.
     pub fn offset_at_time(&mut self, t: u64) -> Result<u64> {
+        // The end first: every record below it is in a segment of the list taken after it (the
+        // list only grows at its end), so a roll meanwhile cannot put `limit` past the records
+        // of the segment searched.
+        let end = self.end_offset();
         let segments: Vec<Arc<Segment>> = self.shared.segments().clone();
         let first_ts =
             |seg: &Segment| frame::peek_timestamp(seg.format, seg.map.published().from(SEGMENT_HEADER_LEN), 0);
         // Segments whose first record is older than `t`; the answer is in the last of them, or is
         // the first record of the segment after.
         let older = segments.partition_point(|s| first_ts(s).is_some_and(|ts| ts < t));
-        let end = self.end_offset();
         let Some(seg) = older.checked_sub(1).map(|i| &segments[i]) else {
             return Ok(self.first_offset());
         };
@@ -296,7 +300,9 @@ impl Reader {
         };
         // With the dense index built, a binary search over the records of the stretch: a few
         // index lines (and a frame or two) instead of a walk over up to `INDEX_STEP` bytes.
-        if let Some(positions) = seg.positions_if_built() {
+        // (An entry of a record published after `end` was read starts at or past `limit`: the
+        // walk below answers `limit`, as it would without the entry.)
+        if let Some(positions) = seg.positions_if_built().filter(|_| offset < limit) {
             let stop = seg.index.end_of_stretch_before_time(t).unwrap_or(limit).min(limit);
             let time_of = |o: u64| -> Option<u64> {
                 let i = (o - seg.base) as usize;
