@@ -221,7 +221,9 @@ impl Reader {
     /// The first record at or after time `t` (ns since the Unix epoch).
     pub fn get_by_time(&mut self, t: u64) -> Result<Option<Record<'_>>> {
         let offset = self.offset_at_time(t)?;
-        self.get(offset)
+        // Where the lookup answered "the end", a record the writer put there since may be older
+        // than `t`: none was at or after `t` when the lookup began, so none is the answer then.
+        Ok(self.get(offset)?.filter(|r| r.timestamp >= t))
     }
 
     /// Up to `max` consecutive records, all from one segment (so possibly fewer than `max` even

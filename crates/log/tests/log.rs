@@ -541,6 +541,39 @@ fn a_segment_file_longer_than_any_segment_is_refused_not_a_panic() {
 }
 
 #[test]
+fn a_lookup_by_time_beside_the_writer_never_returns_an_older_record() {
+    // Looks for times just past the log's end while the writer appends: a record written at
+    // the end after the lookup found none there must not be returned as the first at or after.
+    const N: u64 = 300_000;
+    let time = |i: u64| 1_000_000 + 10 * i;
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let looker = {
+        let mut reader = log.reader();
+        let done = Arc::clone(&done);
+        std::thread::spawn(move || {
+            let (mut lookups, mut found) = (0u64, 0u64);
+            while !done.load(Ordering::Acquire) {
+                let t = time(reader.end_offset()) + 5 + 10 * (lookups % 4);
+                if let Some(r) = reader.get_by_time(t).unwrap() {
+                    assert!(r.timestamp >= t, "record {} at {} for a lookup of {t}", r.offset, r.timestamp);
+                    found += 1;
+                }
+                lookups += 1;
+            }
+            (lookups, found)
+        })
+    };
+    for i in 0..N {
+        log.append_with(&Input { timestamp: Some(time(i)), ..Input::payload(&i.to_le_bytes()) }).unwrap();
+    }
+    done.store(true, Ordering::Release);
+    let (lookups, _found) = looker.join().unwrap();
+    assert!(lookups > 0);
+}
+
+#[test]
 fn readers_on_other_threads_see_every_record_while_the_writer_appends() {
     const N: u64 = 100_000;
     let dir = tempfile::tempdir().unwrap();
