@@ -74,20 +74,14 @@ impl SparseIndex {
         i.checked_sub(1).map(|i| entries[i])
     }
 
-    /// The offset of the first entry after the last with a timestamp before `t` (where a walk
-    /// from that one can stop), if there is one.
-    pub(crate) fn end_of_stretch_before_time(&self, t: u64) -> Option<u64> {
+    /// The stretch that holds the first record at or after time `t`: the last entry with a
+    /// timestamp before `t`, and the offset of the entry after it (that record's, at the latest),
+    /// each if there is one.
+    pub(crate) fn stretch_before_time(&self, t: u64) -> (Option<Entry>, Option<u64>) {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        let entries = entries.as_ref()?;
-        entries.get(entries.partition_point(|e| e.timestamp < t)).map(|e| e.offset)
-    }
-
-    /// The last entry with a timestamp before `t`.
-    pub(crate) fn before_time(&self, t: u64) -> Option<Entry> {
-        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
-        let entries = entries.as_ref()?;
+        let Some(entries) = entries.as_ref() else { return (None, None) };
         let i = entries.partition_point(|e| e.timestamp < t);
-        i.checked_sub(1).map(|i| entries[i])
+        (i.checked_sub(1).map(|i| entries[i]), entries.get(i).map(|e| e.offset))
     }
 
     /// Forgets the entries (a sealed segment giving back memory); `ensure_index` reloads them.

@@ -436,6 +436,7 @@ impl Log {
             Stamp::Clock(t) => {
                 let t = t.max(self.last_timestamp);
                 match self.frame_time {
+                    // (Raised: a record whose write failed may have moved the last time past it.)
                     Some(held) if t.saturating_sub(held) < CLOCK_RESOLUTION_NS => held.max(self.last_timestamp),
                     _ => t,
                 }

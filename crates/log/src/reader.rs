@@ -296,7 +296,8 @@ impl Reader {
         seg.ensure_index(self.shared.dir());
         let published = seg.map.published();
         // The entry's timestamp is its frame's, which that frame may take from the one before.
-        let (mut pos, mut offset, mut time) = match seg.index.before_time(t) {
+        let (before, next_entry) = seg.index.stretch_before_time(t);
+        let (mut pos, mut offset, mut time) = match before {
             Some(e) if (e.pos as usize) < published.end() => (e.pos as usize, e.offset, e.timestamp),
             _ => (SEGMENT_HEADER_LEN, seg.base, 0),
         };
@@ -305,27 +306,10 @@ impl Reader {
         // (An entry of a record published after `end` was read starts at or past `limit`: the
         // walk below answers `limit`, as it would without the entry.)
         if let Some(positions) = seg.positions_if_built().filter(|_| offset < limit) {
-            let stop = seg.index.end_of_stretch_before_time(t).unwrap_or(limit).min(limit);
-            let time_of = |o: u64| -> Option<u64> {
-                let i = (o - seg.base) as usize;
-                let at = published.from(positions.get(i).filter(|&p| p < published.end())?);
-                Some(frame::own_timestamp(seg.format, at).unwrap_or_else(|| seg.time_before(&positions, o)))
-            };
-            let (mut lo, mut hi) = (offset, stop);
-            let mut known = true;
-            while lo < hi {
-                let mid = lo + (hi - lo) / 2;
-                match time_of(mid) {
-                    Some(ts) if ts < t => lo = mid + 1,
-                    Some(_) => hi = mid,
-                    None => {
-                        known = false; // a record the index does not hold: walk instead
-                        break;
-                    }
-                }
-            }
-            if known {
-                return Ok(lo);
+            let stop = next_entry.unwrap_or(limit).min(limit);
+            // (A record the index does not hold: the walk instead.)
+            if let Some(found) = first_at_or_after(offset, stop, t, |o| seg.timestamp_in(&positions, o)) {
+                return Ok(found);
             }
         }
         while offset < limit {
@@ -409,6 +393,20 @@ impl Drop for Reader {
     fn drop(&mut self) {
         self.leave();
     }
+}
+
+/// The first of records `lo..hi` (their times non-decreasing) whose time is at or after `t`, or
+/// `hi` if none is: a binary search; `None` if `time_of` does not know a record it is asked for.
+fn first_at_or_after(mut lo: u64, mut hi: u64, t: u64, time_of: impl Fn(u64) -> Option<u64>) -> Option<u64> {
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if time_of(mid)? < t {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
 }
 
 /// Position of record `offset` in `seg`: from the sparse index entry at or before it, a walk

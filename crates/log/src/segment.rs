@@ -381,10 +381,16 @@ impl Segment {
 
     /// Timestamp of record `offset`, if it is in this segment.
     pub(crate) fn timestamp_of(&self, offset: u64) -> Option<u64> {
-        let positions = self.positions();
-        let pos = positions.get(offset.checked_sub(self.base)? as usize)?;
-        let own = frame::own_timestamp(self.format, self.map.published().from(pos));
-        Some(own.unwrap_or_else(|| self.time_before(&positions, offset)))
+        self.timestamp_in(&self.positions(), offset)
+    }
+
+    /// Timestamp of record `offset` through `positions` (this segment's dense index), if the
+    /// index holds it among the published records.
+    pub(crate) fn timestamp_in(&self, positions: &crate::index::DenseIndex, offset: u64) -> Option<u64> {
+        let published = self.map.published();
+        let pos = positions.get(offset.checked_sub(self.base)? as usize).filter(|&p| p < published.end())?;
+        let own = frame::own_timestamp(self.format, published.from(pos));
+        Some(own.unwrap_or_else(|| self.time_before(positions, offset)))
     }
 
     /// The timestamp that record `offset`'s frame takes when it holds none (formats 3 and 4): that of

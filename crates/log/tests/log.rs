@@ -553,24 +553,22 @@ fn a_lookup_by_time_beside_the_writer_never_returns_an_older_record() {
         let mut reader = log.reader();
         let done = Arc::clone(&done);
         std::thread::spawn(move || {
-            let (mut lookups, mut found) = (0u64, 0u64);
+            let mut lookups = 0u64;
             while !done.load(Ordering::Acquire) {
                 let t = time(reader.end_offset()) + 5 + 10 * (lookups % 4);
                 if let Some(r) = reader.get_by_time(t).unwrap() {
                     assert!(r.timestamp >= t, "record {} at {} for a lookup of {t}", r.offset, r.timestamp);
-                    found += 1;
                 }
                 lookups += 1;
             }
-            (lookups, found)
+            lookups
         })
     };
     for i in 0..N {
         log.append_with(&Input { timestamp: Some(time(i)), ..Input::payload(&i.to_le_bytes()) }).unwrap();
     }
     done.store(true, Ordering::Release);
-    let (lookups, _found) = looker.join().unwrap();
-    assert!(lookups > 0);
+    assert!(looker.join().unwrap() > 0);
 }
 
 #[test]
