@@ -622,8 +622,8 @@ impl Client {
         })
     }
 
-    /// Adds messages at the tail together, all or none (a crash while it is written can leave
-    /// the first part of an offer never answered: docs/protocol.md); returns the first id.
+    /// Adds messages at the tail together, all or none, across a crash of the server too
+    /// (docs/protocol.md); returns the first id.
     #[pyo3(signature = (queue, payloads, timeout = None))]
     fn offer_many(
         &self,

@@ -355,6 +355,93 @@ async fn durable_messages_survive_kill_9_and_sigterm_exits_cleanly() {
     let _ = ClientError::Closed;
 }
 
+/// An OFFER of many messages is stored whole or not at all, across `kill -9` too: producers
+/// offer batches of 1 to 300 messages (each saying its batch and place) until the server is
+/// killed; after a restart the queue holds whole batches only, each in one piece, every
+/// answered one among them. (`crates/log/tests/crash_batches.rs` kills a writer mid-batch far
+/// more often; this is the same guarantee seen through the server.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offer_of_many_messages_survives_kill_9_whole_or_not_at_all() {
+    fn batch_len(producer: u64, k: u64) -> usize {
+        1 + ((producer * 7919 + k).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as usize % 300
+    }
+    fn payload(producer: u64, k: u64, i: usize) -> Vec<u8> {
+        let mut p = format!("{producer}:{k}:{i}/{}:", batch_len(producer, k)).into_bytes();
+        p.resize(p.len() + (k as usize * 131 + i * 17) % 2000, b'a' + (i % 26) as u8);
+        p
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    server
+        .client()
+        .await
+        .create_queue("batches", QueueConfig { durable: true, ..QueueConfig::default() })
+        .await
+        .unwrap();
+    let mut next = [0u64; 4];
+    for round in 0..8u64 {
+        let mut producers = Vec::new();
+        for producer in 0..4u64 {
+            let (addr, first) = (server.addr.clone(), next[producer as usize]);
+            producers.push(tokio::spawn(async move {
+                let c = Client::connect(addr.as_str()).await.unwrap();
+                let mut answered = Vec::new();
+                for k in first.. {
+                    let batch = (0..batch_len(producer, k)).map(|i| Message::new(payload(producer, k, i))).collect();
+                    match c.offer("batches", batch, None).await {
+                        Ok(_) => answered.push(k),
+                        Err(_) => return answered,
+                    }
+                }
+                unreachable!()
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(100 + round * 40)).await;
+        server.kill9();
+        let mut answered = Vec::new();
+        for p in producers {
+            answered.push(p.await.unwrap());
+        }
+        server = Server::start(dir.path());
+        let c = server.client().await;
+        let mut got = Vec::new();
+        loop {
+            let batch = c.poll("batches", PollOptions { max: 1000, ..TAKE }).await.unwrap();
+            if batch.is_empty() {
+                break;
+            }
+            got.extend(batch.into_iter().map(|d| d.message.payload.to_vec()));
+        }
+        // Whole batches, each in one piece: record i of a batch follows record i - 1.
+        let mut at = 0;
+        let mut stored = HashSet::new();
+        while at < got.len() {
+            let head =
+                String::from_utf8_lossy(&got[at][..got[at].iter().position(|&b| b == b'/').unwrap()]).into_owned();
+            let [producer, k, _]: [u64; 3] =
+                head.split(':').map(|n| n.parse().unwrap()).collect::<Vec<_>>().try_into().unwrap();
+            for i in 0..batch_len(producer, k) {
+                assert!(
+                    got.get(at + i) == Some(&payload(producer, k, i)),
+                    "round {round}: message {i} of producer {producer}'s batch {k} is not where the batch's first was followed"
+                );
+            }
+            at += batch_len(producer, k);
+            stored.insert((producer, k));
+            next[producer as usize] = next[producer as usize].max(k + 1);
+        }
+        for (producer, ks) in answered.iter().enumerate() {
+            for &k in ks {
+                assert!(
+                    stored.contains(&(producer as u64, k)),
+                    "round {round}: producer {producer}'s answered batch {k} is lost"
+                );
+                next[producer] = next[producer].max(k + 1);
+            }
+        }
+    }
+}
+
 /// A poison message on a durable queue with `max_deliveries` 4: its consumers take it and go
 /// away (each a return), the server is killed with `kill -9` between returns, and the message
 /// reaches the dead-letter queue after exactly four deliveries, its count carried across the

@@ -50,7 +50,7 @@ fn a_data_directory_of_format_one_is_served_and_appended_to() {
     let out = petrel(&["produce", "--server", &server.addr, "orders"], b"after 1\nafter 2\n");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     server.kill9();
-    assert_eq!(segment_versions(&queue), [1, 4], "new offers go to a segment of the current format");
+    assert_eq!(segment_versions(&queue), [1, 5], "new offers go to a segment of the current format");
 
     let server = Server::start(dir.path());
     let mut expected: Vec<String> = (16..=50).map(|i| format!("message {i}")).collect();

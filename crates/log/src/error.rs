@@ -23,6 +23,8 @@ pub enum FrameError {
     KeyTooLong,
     #[error("header name longer than 65535 bytes or value longer than 4 GiB")]
     HeaderTooLong,
+    #[error("a batch's last frame is missing")]
+    UnfinishedBatch,
 }
 
 /// Everything that can go wrong in the log. Each variant says what to do about it in its text.

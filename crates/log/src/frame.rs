@@ -1,9 +1,14 @@
 //! The record frame: how one record is laid out inside a segment. Pure byte work, no I/O.
 //!
-//! Four formats, chosen per segment by its header's version; the writer writes only the current
-//! one (4) and readers read all four.
+//! Five formats, chosen per segment by its header's version; the writer writes only the current
+//! one (5) and readers read all five.
 //!
 //! ```text
+//! format 5: the frames of format 4, and bit 29 of frame_len says the next frame belongs to the
+//!           same batch (one append call): every frame of a batch but its last has it, so that
+//!           recovery cuts a batch whose last frame a crash kept from being written whole.
+//!           frame_len's length has 29 bits.
+//!
 //! format 4: the frames of format 3; only the writer's promise differs (a frame holds a
 //!           timestamp when its time moved, never also for the sake of readers walking back)
 //!
@@ -51,12 +56,15 @@ pub(crate) enum Format {
     /// find a record's time through the dense index, the sparse index, or a walk from the
     /// segment's start) and so leaves out timestamps that only kept it.
     V3,
+    /// Frames of format 4 are one record each as far as recovery knows; format 5 marks the
+    /// frames of a batch, so that a batch is kept or cut whole.
     V4,
+    V5,
 }
 
 impl Format {
     /// What the writer writes.
-    pub(crate) const CURRENT: Format = Format::V4;
+    pub(crate) const CURRENT: Format = Format::V5;
 
     pub(crate) fn version(self) -> u32 {
         match self {
@@ -64,6 +72,7 @@ impl Format {
             Format::V2 => 2,
             Format::V3 => 3,
             Format::V4 => 4,
+            Format::V5 => 5,
         }
     }
 
@@ -73,6 +82,7 @@ impl Format {
             2 => Some(Format::V2),
             3 => Some(Format::V3),
             4 => Some(Format::V4),
+            5 => Some(Format::V5),
             _ => None,
         }
     }
@@ -81,7 +91,7 @@ impl Format {
     pub(crate) fn checked_from(self) -> usize {
         match self {
             Format::V1 => 8,
-            Format::V2 | Format::V3 | Format::V4 => 4,
+            Format::V2 | Format::V3 | Format::V4 | Format::V5 => 4,
         }
     }
 
@@ -90,13 +100,18 @@ impl Format {
         match self {
             Format::V1 => V1_HEADER_LEN,
             Format::V2 => V2_HEADER_LEN,
-            Format::V3 | Format::V4 => FRAME_HEADER_LEN,
+            Format::V3 | Format::V4 | Format::V5 => FRAME_HEADER_LEN,
         }
     }
 
     /// Whether a frame may leave its timestamp out and take the previous frame's.
     pub(crate) fn inherits_time(self) -> bool {
-        matches!(self, Format::V3 | Format::V4)
+        matches!(self, Format::V3 | Format::V4 | Format::V5)
+    }
+
+    /// Whether its frames say which belong to one batch.
+    pub(crate) fn marks_batches(self) -> bool {
+        self == Format::V5
     }
 }
 
@@ -116,6 +131,11 @@ const V2_LEN_MASK: u32 = !EXTRAS;
 /// Format 3: bit 30 of the length word says the header holds a timestamp.
 const TIME: u32 = 1 << 30;
 const V3_LEN_MASK: u32 = !(EXTRAS | TIME);
+/// Format 5: bit 29 of the length word says the next frame is of the same batch.
+const CONTINUES: u32 = 1 << 29;
+const V5_LEN_MASK: u32 = !(EXTRAS | TIME | CONTINUES);
+/// Longest frame the current format can say (its length has 29 bits).
+pub const MAX_FRAME_LEN: usize = V5_LEN_MASK as usize;
 
 pub(crate) const FLAG_HEADERS: u8 = 1;
 pub(crate) const FLAG_KEY: u8 = 2;
@@ -191,28 +211,31 @@ const SMALL_FRAME: usize = 256;
 /// Writes the frame for `input` (current format) at the start of `buf` (which must hold
 /// `align_up(len)` bytes and be zero past the frame: segments are zero-filled) and returns the
 /// aligned length. `len` is `frame_len(input)` with a timestamp, `TIMESTAMP_LEN` less without
-/// (the frame then has the previous frame's).
+/// (the frame then has the previous frame's). `continues`: the next frame is of the same batch.
 #[inline]
-pub(crate) fn encode(buf: &mut [u8], len: usize, timestamp: Option<u64>, input: &Input<'_>) -> usize {
+pub(crate) fn encode(buf: &mut [u8], len: usize, timestamp: Option<u64>, continues: bool, input: &Input<'_>) -> usize {
     let aligned = align_up(len);
     if aligned <= SMALL_FRAME {
         // Checksumming bytes just stored to mapped memory stalls on store forwarding; a small
         // frame is checksummed where it is built, on the stack.
         let mut frame = [0u8; SMALL_FRAME];
-        encode_in_place(&mut frame[..aligned], len, timestamp, input);
+        encode_in_place(&mut frame[..aligned], len, timestamp, continues, input);
         buf[..aligned].copy_from_slice(&frame[..aligned]);
     } else {
-        encode_in_place(&mut buf[..aligned], len, timestamp, input);
+        encode_in_place(&mut buf[..aligned], len, timestamp, continues, input);
     }
     aligned
 }
 
 #[inline]
-fn encode_in_place(buf: &mut [u8], len: usize, timestamp: Option<u64>, input: &Input<'_>) {
+fn encode_in_place(buf: &mut [u8], len: usize, timestamp: Option<u64>, continues: bool, input: &Input<'_>) {
     let header = FRAME_HEADER_LEN + timestamp.map_or(0, |_| TIMESTAMP_LEN);
     debug_assert!(len == frame_len(input) - (FRAME_HEADER_LEN + TIMESTAMP_LEN - header));
-    debug_assert!(len as u32 & !V3_LEN_MASK == 0);
+    assert!(len <= MAX_FRAME_LEN, "a frame's length fits its field (max_record_bytes keeps it so)");
     let mut word = len as u32;
+    if continues {
+        word |= CONTINUES;
+    }
     let mut at = header;
     if let Some(timestamp) = timestamp {
         word |= TIME;
@@ -369,33 +392,38 @@ pub(crate) fn decode(
     prev_timestamp: u64,
 ) -> Result<Decoded<'_>, FrameError> {
     match format {
-        Format::V2 | Format::V3 | Format::V4 => decode_v2_v3(format, buf, max_len, offset, prev_timestamp),
+        Format::V2 | Format::V3 | Format::V4 | Format::V5 => decode_v2_v3(format, buf, max_len, offset, prev_timestamp),
         Format::V1 => decode_v1(buf, max_len, Checks::All),
     }
 }
 
-/// The header of a format-2 or 3 frame: its unpadded length, whether a flags byte starts its
-/// body, where the body starts, and its own timestamp if it has one.
+/// The header of a frame of format 2 on: its unpadded length, whether a flags byte starts its
+/// body, where the body starts, its own timestamp if it has one, and (format 5) whether the next
+/// frame is of the same batch.
 #[derive(Clone, Copy)]
 struct Head {
     len: usize,
     extras: bool,
     body: usize,
     timestamp: Option<u64>,
+    continues: bool,
 }
 
-/// Reads the header of a format-2 or 3 frame (no CRC); `None` if its length is shorter than
+/// Reads the header of a frame of format 2 on (no CRC); `None` if its length is shorter than
 /// its header, or `buf` shorter than the header.
 #[inline]
 fn head(format: Format, buf: &[u8]) -> Option<Head> {
     let word = u32::from_le_bytes(buf.get(4..8)?.try_into().unwrap());
     let extras = word & EXTRAS != 0;
-    let (len, body) = match format {
-        Format::V3 | Format::V4 if word & TIME != 0 => {
-            ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN + TIMESTAMP_LEN)
-        }
-        Format::V3 | Format::V4 => ((word & V3_LEN_MASK) as usize, FRAME_HEADER_LEN),
-        _ => ((word & V2_LEN_MASK) as usize, V2_HEADER_LEN),
+    let (len, continues) = match format {
+        Format::V5 => ((word & V5_LEN_MASK) as usize, word & CONTINUES != 0),
+        Format::V3 | Format::V4 => ((word & V3_LEN_MASK) as usize, false),
+        _ => ((word & V2_LEN_MASK) as usize, false),
+    };
+    let body = match format {
+        Format::V3 | Format::V4 | Format::V5 if word & TIME != 0 => FRAME_HEADER_LEN + TIMESTAMP_LEN,
+        Format::V3 | Format::V4 | Format::V5 => FRAME_HEADER_LEN,
+        _ => V2_HEADER_LEN,
     };
     if len < body {
         return None;
@@ -404,7 +432,28 @@ fn head(format: Format, buf: &[u8]) -> Option<Head> {
         true => Some(u64::from_le_bytes(buf.get(8..16)?.try_into().unwrap())),
         false => None,
     };
-    Some(Head { len, extras, body, timestamp })
+    Some(Head { len, extras, body, timestamp, continues })
+}
+
+/// The first 8 bytes (checksum and length word) of the frame at the start of `buf` made the last
+/// of its batch, if it says the next frame is of its batch (format 5); `None` otherwise. For
+/// frames already checked: what `repair` keeps before the place it cuts the log is then whole.
+pub(crate) fn ending_batch(format: Format, buf: &[u8]) -> Option<[u8; 8]> {
+    let head = head(format, buf).filter(|h| format.marks_batches() && h.continues && h.len <= buf.len())?;
+    let word = u32::from_le_bytes(buf[4..8].try_into().unwrap()) & !CONTINUES;
+    let mut checked = buf[4..head.len].to_vec();
+    checked[..4].copy_from_slice(&word.to_le_bytes());
+    let mut first = [0u8; 8];
+    first[..4].copy_from_slice(&crate::checksum::crc32c(&checked).to_le_bytes());
+    first[4..].copy_from_slice(&word.to_le_bytes());
+    Some(first)
+}
+
+/// Whether the frame at the start of `buf` says the next frame is of its batch (format 5; never
+/// in earlier formats). Reads the header only, no CRC: for frames already checked.
+#[inline]
+pub(crate) fn continues_batch(format: Format, buf: &[u8]) -> bool {
+    format.marks_batches() && head(format, buf).is_some_and(|h| h.continues)
 }
 
 #[inline]
@@ -549,7 +598,7 @@ pub(crate) fn may_start(format: Format, buf: &[u8]) -> Option<Candidate> {
             let candidate = Candidate { len: u32_at(8)? as usize, crc: u32_at(4)? };
             (candidate.len >= V1_HEADER_LEN && candidate.len <= buf.len()).then_some(candidate)
         }
-        Format::V2 | Format::V3 | Format::V4 => {
+        Format::V2 | Format::V3 | Format::V4 | Format::V5 => {
             let head = head(format, buf)?;
             let candidate = Candidate { len: head.len, crc: u32_at(0)? };
             let padding = buf.get(candidate.len..align_up(candidate.len).min(buf.len()))?;
@@ -582,7 +631,7 @@ pub(crate) fn peek_len(format: Format, buf: &[u8]) -> Option<usize> {
 pub(crate) fn peek_key(format: Format, buf: &[u8]) -> Option<&[u8]> {
     let len = peek_len(format, buf)?;
     match format {
-        Format::V2 | Format::V3 | Format::V4 => {
+        Format::V2 | Format::V3 | Format::V4 | Format::V5 => {
             let head = head(format, buf)?;
             let flags = *buf.get(head.body).filter(|_| head.extras)?;
             if flags & FLAG_KEY == 0 {
@@ -625,7 +674,7 @@ pub(crate) fn peek_timestamp(format: Format, buf: &[u8], prev: u64) -> Option<u6
 pub(crate) fn own_timestamp(format: Format, buf: &[u8]) -> Option<u64> {
     match format {
         Format::V1 => Some(u64::from_le_bytes(buf.get(24..32)?.try_into().unwrap())),
-        Format::V2 | Format::V3 | Format::V4 => head(format, buf)?.timestamp,
+        Format::V2 | Format::V3 | Format::V4 | Format::V5 => head(format, buf)?.timestamp,
     }
 }
 
@@ -661,7 +710,7 @@ mod tests {
     fn encoded(input: &Input<'_>, timestamp: Option<u64>) -> (Vec<u8>, usize) {
         let len = frame_len(input) - timestamp.map_or(TIMESTAMP_LEN, |_| 0);
         let mut buf = vec![0u8; align_up(len) + 8];
-        let aligned = encode(&mut buf, len, timestamp, input);
+        let aligned = encode(&mut buf, len, timestamp, false, input);
         buf.truncate(aligned + 8);
         (buf, len)
     }
@@ -716,11 +765,27 @@ mod tests {
     fn the_documented_examples_are_exact() {
         let input = Input::payload(b"hello");
         let mut buf = [0u8; 24];
-        assert_eq!(encode(&mut buf, frame_len(&input), Some(1_700_000_000_000_000_000), &input), 24);
+        assert_eq!(encode(&mut buf, frame_len(&input), Some(1_700_000_000_000_000_000), false, &input), 24);
         assert_eq!(hex(&buf), "4b c3 7a 1c 15 00 00 40 00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00");
         let mut buf = [0u8; 16];
-        assert_eq!(encode(&mut buf, frame_len(&input) - TIMESTAMP_LEN, None, &input), 16);
+        assert_eq!(encode(&mut buf, frame_len(&input) - TIMESTAMP_LEN, None, false, &input), 16);
         assert_eq!(hex(&buf), "36 43 64 f6 0d 00 00 00 68 65 6c 6c 6f 00 00 00");
+        // The first of a batch of two (bit 29: the next frame is of its batch), then its last.
+        let mut buf = [0u8; 24];
+        assert_eq!(encode(&mut buf, frame_len(&input), Some(1_700_000_000_000_000_000), true, &input), 24);
+        assert_eq!(hex(&buf), "e1 31 2b b8 15 00 00 60 00 00 2a 36 fe 9c 97 17 68 65 6c 6c 6f 00 00 00");
+        assert!(continues_batch(Format::V5, &buf));
+        let Decoded::Frame(rec, 24) = decode(Format::V5, &buf, 1 << 20, 3, 0).unwrap() else { panic!("not whole") };
+        assert_eq!((rec.payload, rec.timestamp), (&b"hello"[..], 1_700_000_000_000_000_000));
+        // Made the last of its batch, it is the frame written as one.
+        let mut last = buf;
+        last[..8].copy_from_slice(&ending_batch(Format::V5, &buf).unwrap());
+        let mut alone = [0u8; 24];
+        encode(&mut alone, frame_len(&input), Some(1_700_000_000_000_000_000), false, &input);
+        assert_eq!(last, alone);
+        assert_eq!(ending_batch(Format::V5, &alone), None);
+        // Read as version 4, whose length has 30 bits, it claims 512 MiB more than it holds.
+        assert_eq!(decode(Format::V4, &buf, 1 << 30, 3, 0), Err(FrameError::Truncated));
     }
 
     #[test]

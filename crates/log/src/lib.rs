@@ -76,8 +76,8 @@ pub use frame::{FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LE
 pub use group::{ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
 pub use log::Log;
 pub use options::{
-    DEFAULT_MAX_RECORD_BYTES, DEFAULT_PAGE_BUDGET_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_SEGMENT_BYTES,
-    MIN_SEGMENT_BYTES, Options, SyncObserver,
+    DEFAULT_MAX_RECORD_BYTES, DEFAULT_PAGE_BUDGET_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_MAX_RECORD_BYTES,
+    MAX_SEGMENT_BYTES, MIN_SEGMENT_BYTES, Options, SyncObserver,
 };
 pub use reader::{Batch, BatchIter, Reader};
 pub use recovery::RecoveryReport;
@@ -96,7 +96,7 @@ pub mod fuzzing {
     /// never panic; returns the aligned length of a valid frame.
     pub fn decode_frame(bytes: &[u8]) -> Option<usize> {
         let mut found = None;
-        for format in [Format::V1, Format::V2, Format::V3, Format::V4] {
+        for format in [Format::V1, Format::V2, Format::V3, Format::V4, Format::V5] {
             if let Ok(Decoded::Frame(record, len)) = frame::decode(format, bytes, bytes.len(), 7, 3) {
                 // What decode accepted, the trusted decoder must read back the same.
                 let (again, len_again) = frame::decode_checked_frame(format, bytes, 7, 3);
@@ -113,7 +113,7 @@ pub mod fuzzing {
     /// the way recovery does. Must never panic; returns the end of the valid frames and the next
     /// offset (the current format).
     pub fn scan_segment(data: &[u8], start_offset: u64) -> (usize, u64) {
-        for format in [Format::V1, Format::V2, Format::V3] {
+        for format in [Format::V1, Format::V2, Format::V3, Format::V4] {
             assert!(crate::recovery::scan(format, data, 0, start_offset).end <= data.len());
         }
         let scan = crate::recovery::scan(Format::CURRENT, data, 0, start_offset);

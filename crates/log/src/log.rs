@@ -51,6 +51,8 @@ pub struct Log {
     /// The time the frames since the last that holds one take (`None`: the next frame must hold
     /// its own, as a segment's first does).
     frame_time: Option<u64>,
+    /// The last frame written says the next is of its batch: a batch is being written.
+    continued: bool,
     clock: Clock,
     /// The next frame starting at or after this position gets an index entry.
     next_index_pos: usize,
@@ -203,6 +205,7 @@ impl Log {
             next_offset,
             last_timestamp: 0,
             frame_time: None,
+            continued: false,
             clock: Clock::default(),
             prefault_trigger: pos + prefault::STEP,
             next_index_pos,
@@ -276,9 +279,11 @@ impl Log {
     /// Readers see the whole batch at once, and a full disk fails it whole: a batch that does
     /// not fit the active segment's room starts a new segment, and its disk blocks are reserved
     /// before any of it is written. The one exception is a batch larger than a segment: it is
-    /// published up to each segment boundary it crosses, and a full disk leaves those parts. A
-    /// batch is not atomic across a crash: its complete frames survive it, like any
-    /// unacknowledged append may.
+    /// published up to each segment boundary it crosses, and a full disk leaves those parts.
+    ///
+    /// A crash keeps a batch whole or cuts it whole: its frames say they are one batch, and
+    /// recovery cuts a batch whose last frame is missing or torn. (A batch larger than a segment
+    /// is not marked: a crash keeps its complete frames, as it may any unacknowledged append.)
     pub fn append_batch<P: AsRef<[u8]>>(&mut self, payloads: &[P]) -> Result<Range<u64>> {
         self.batch(payloads.len(), |i| Input::payload(payloads[i].as_ref()))
     }
@@ -368,7 +373,7 @@ impl Log {
             }
         };
         let timestamp = self.timestamp(stamp);
-        let offset = self.write(input, len, timestamp)?;
+        let offset = self.write(input, len, timestamp, false)?;
         self.publish();
         if let (Some(keys), Some(key)) = (self.shared.keys(), input.key) {
             keys.point([(key, offset)]);
@@ -390,7 +395,9 @@ impl Log {
         for i in 0..n {
             bytes += frame::align_up(self.check(&input(i))?);
         }
-        self.make_room(bytes)?;
+        // A batch that fits in one segment is marked as one (each frame but the last says the
+        // next is of its batch), so that recovery keeps it whole or cuts it whole.
+        let one_segment = self.make_room(bytes)?;
         let first = self.next_offset;
         // The clock is read once per batch, and only for records that bring no time of their
         // own (a record's own time is not raised to the clock's).
@@ -402,7 +409,8 @@ impl Log {
                 None => Stamp::Clock(*clock.get_or_insert_with(|| self.clock.now(false))),
             };
             let timestamp = self.timestamp(stamp);
-            if let Err(e) = self.write(&input, frame::frame_len(&input), timestamp) {
+            let continues = one_segment && i + 1 < n;
+            if let Err(e) = self.write(&input, frame::frame_len(&input), timestamp, continues) {
                 self.discard_unpublished();
                 return Err(e);
             }
@@ -447,11 +455,15 @@ impl Log {
     }
 
     /// Writes one frame after the current position, rolling to a new segment if it does not
-    /// fit. Not visible to readers until `publish`. `len` is `frame::frame_len(input)`.
+    /// fit. Not visible to readers until `publish`. `len` is `frame::frame_len(input)`;
+    /// `continues`: the next frame is of the same batch.
     #[inline]
-    fn write(&mut self, input: &Input<'_>, len: usize, timestamp: u64) -> Result<u64> {
+    fn write(&mut self, input: &Input<'_>, len: usize, timestamp: u64, continues: bool) -> Result<u64> {
         let aligned = frame::align_up(len);
         if self.pos + aligned > self.active.map.len() {
+            // A batch marked as one was given room in one segment (`make_room`): a segment never
+            // ends on a frame that says more of its batch follows.
+            assert!(!self.continued, "a marked batch does not cross segments");
             self.roll(aligned)?;
         }
         if self.pos + aligned > self.active.map.allocated() {
@@ -474,7 +486,8 @@ impl Log {
         let start = self.writer.published_end();
         let buf = &mut self.writer.unpublished_mut()[self.pos - start..];
         let offset = self.next_offset;
-        let aligned = frame::encode(buf, len, own_time, input);
+        let aligned = frame::encode(buf, len, own_time, continues, input);
+        self.continued = continues;
         let holds_time = own_time.is_some() || !self.active.format.inherits_time();
         self.positions.set((offset - self.active.base) as usize, self.pos, holds_time, timestamp);
         if self.pos >= self.next_index_pos {
@@ -499,8 +512,9 @@ impl Log {
 
     /// Makes room for a batch of frames taking up to `bytes` before any is written, so that a
     /// full disk fails the batch whole: a new segment when the active one has too little room
-    /// left (unless a segment could not hold it either), and the blocks reserved.
-    fn make_room(&mut self, bytes: usize) -> Result<()> {
+    /// left (unless a segment could not hold it either), and the blocks reserved. Returns whether
+    /// the batch fits in the active segment now.
+    fn make_room(&mut self, bytes: usize) -> Result<bool> {
         let fits_a_segment = (SEGMENT_HEADER_LEN + bytes) as u64 <= self.shared.options().segment_bytes;
         if self.pos + bytes > self.active.map.len() && fits_a_segment {
             self.roll(bytes)?;
@@ -509,7 +523,7 @@ impl Log {
         if end <= self.active.map.len() && end > self.active.map.allocated() {
             self.allocate(end)?;
         }
-        Ok(())
+        Ok(end <= self.active.map.len())
     }
 
     /// Reserves the active segment's disk blocks for a frame ending at `needed`:
@@ -541,6 +555,7 @@ impl Log {
     /// Makes everything written so far visible to readers.
     #[inline]
     fn publish(&mut self) {
+        debug_assert!(!self.continued, "readers see whole batches");
         self.writer.publish(self.pos);
         self.active.set_tail(self.pos, self.next_offset - self.active.base);
         self.shared.publish(self.next_offset);
@@ -554,6 +569,7 @@ impl Log {
         self.next_offset = self.shared.next_offset();
         // The discarded frames may have set the time the next frame would take.
         self.frame_time = None;
+        self.continued = false;
         self.active.index.truncate_from(self.next_offset);
         self.next_index_pos = index_resume_pos(&self.active);
     }

@@ -116,8 +116,9 @@ pub const MIN_SEGMENT_BYTES: u64 = 64 << 10;
 /// Frame positions are stored in 32 bits (see `docs/format.md`).
 pub const MAX_SEGMENT_BYTES: u64 = (4 << 30) - 4096;
 pub const DEFAULT_MAX_RECORD_BYTES: usize = 16 << 20;
-/// A frame's length has 30 bits (formats 3 and 4): a record of this size and its header fit.
-pub const MAX_MAX_RECORD_BYTES: usize = (1 << 30) - 64;
+/// A frame's length has 29 bits (format 5): a record of this size and its header fit.
+pub const MAX_MAX_RECORD_BYTES: usize = (1 << 29) - 64;
+const _: () = assert!(MAX_MAX_RECORD_BYTES + 64 <= crate::frame::MAX_FRAME_LEN + 1);
 
 impl Default for Options {
     fn default() -> Self {

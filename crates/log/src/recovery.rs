@@ -9,6 +9,9 @@
 //! * A bad frame is a **torn tail** when no valid frame (in format 1, of a later offset) follows it
 //!   anywhere in the segment: an append that was cut short by a crash. Its bytes are never acknowledged
 //!   (acknowledgement follows the write, and for `Always` the sync), so they are cut.
+//! * A batch (format 5: frames that say the next is of their batch) whose last frame is not
+//!   there whole is part of the torn tail, from its first frame on: its append did not return, and
+//!   a batch is kept whole or not at all.
 //! * A bad frame followed by a valid later frame is **corruption**, never silently cut: open fails
 //!   with an error naming the file and byte position, and `petrel log repair` is the explicit way
 //!   out.
@@ -57,13 +60,13 @@ pub(crate) enum Stop {
 
 /// Candidate frames the search after a bad frame may have open (claimed, not yet checksummed to
 /// their end) at once before it gives up and fails safe. In a 256 MiB segment uniformly random
-/// bytes make about one format-3 candidate per 500 bytes (a length that fits: 1 in 4; zero
-/// padding: 1 in 8; no flags byte or a known one: 1 in 2), each claiming up to the rest of the
-/// segment, so this covers about 512 MiB of them (128 MiB in a segment of 2 GiB or more, where
-/// every length fits).
-/// It bounds the search's memory (16 bytes a candidate: 32 MiB at most with the heap's growth), as
-/// one pass over the segment bounds its time.
-const MAX_OPEN_CANDIDATES: usize = 1 << 20;
+/// bytes make about one format-5 candidate per 250 bytes (a length that fits: 1 in 2, its length
+/// having 29 bits; zero padding: 1 in 8; no flags byte or a known one: 1 in 2), each claiming up
+/// to the rest of the segment, so this covers about 512 MiB of them (1 GiB in formats 3 and 4,
+/// whose lengths have 30 bits; 256 MiB in a segment of 512 MiB or more, where every length
+/// fits). It bounds the search's memory (16 bytes a candidate: 64 MiB at most with the heap's
+/// growth), as one pass over the segment bounds its time.
+const MAX_OPEN_CANDIDATES: usize = 2 << 20;
 
 /// What the search after a bad frame found.
 #[derive(Debug, PartialEq, Eq)]
@@ -89,6 +92,18 @@ pub(crate) struct Scan {
     /// Valid records seen by this scan.
     pub records: u64,
     pub stop: Stop,
+    /// With a `Corrupt` or `Undecided` stop: where the batch that the frames before `end` are
+    /// of started, if its last frame was not among them (with the other stops, such frames are
+    /// in the torn tail already).
+    pub unfinished: Option<Mark>,
+}
+
+/// A place in a scan: its position, the record expected there, and the records seen before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Mark {
+    pub pos: usize,
+    pub offset: u64,
+    pub records: u64,
 }
 
 /// Scans `data` (a segment's data region) from relative position `start`, where record
@@ -117,19 +132,15 @@ pub(crate) fn scan_beside_writer<'a>(
         // The frames after it were read after this one: what the writer wrote before them is
         // to be seen now (the fence keeps the compiler from reusing the first reading).
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        let again = scan(format, data(), whole.end, whole.next_offset);
-        if again.end == whole.end {
+        let at = Mark { pos: whole.end, offset: whole.next_offset, records: whole.records };
+        let again = scan_on(format, data(), at, whole.unfinished, 0..0);
+        if again.end == whole.end && again.next_offset == whole.next_offset {
             rereads += 1;
             std::thread::sleep(std::time::Duration::from_millis(rereads as u64 * 2));
             continue;
         }
         rereads = 0;
-        whole = Scan {
-            end: again.end,
-            next_offset: again.next_offset,
-            records: whole.records + again.records,
-            stop: again.stop,
-        };
+        whole = again;
     }
     whole
 }
@@ -139,13 +150,16 @@ pub(crate) fn scan_beside_writer<'a>(
 /// and the kernel read ahead around them: a whole small segment for each idle queue a server
 /// opens).
 pub(crate) fn scan_with_hole(format: Format, data: &[u8], start: usize, start_offset: u64, hole: Range<usize>) -> Scan {
-    let mut pos = start;
-    let mut next = start_offset;
-    let mut records = 0;
-    loop {
+    scan_on(format, data, Mark { pos: start, offset: start_offset, records: 0 }, None, hole)
+}
+
+/// Scans on from `at`, inside the batch that started at `unfinished` if one is given.
+fn scan_on(format: Format, data: &[u8], at: Mark, mut unfinished: Option<Mark>, hole: Range<usize>) -> Scan {
+    let Mark { mut pos, offset: mut next, mut records } = at;
+    let stop = loop {
         let rest = &data[pos.min(data.len())..];
         if rest.is_empty() {
-            return Scan { end: pos, next_offset: next, records, stop: Stop::Clean };
+            break Stop::Clean;
         }
         // A first word in the hole is zeros, as a read would find: records that end on a page
         // boundary leave the check to `nonzero_extent` without a read.
@@ -155,6 +169,10 @@ pub(crate) fn scan_with_hole(format: Format, data: &[u8], start: usize, start_of
         };
         let error = match decoded {
             Ok(Decoded::Frame(rec, len)) if rec.offset == next => {
+                match frame::continues_batch(format, rest) {
+                    true => _ = unfinished.get_or_insert(Mark { pos, offset: next, records }),
+                    false => unfinished = None,
+                }
                 pos += len;
                 next += 1;
                 records += 1;
@@ -165,18 +183,36 @@ pub(crate) fn scan_with_hole(format: Format, data: &[u8], start: usize, start_of
                 // Nothing was written here — unless a crash left a frame's body without its
                 // header, which shows as non-zero bytes further on.
                 let garbage_end = nonzero_extent(data, pos, hole);
-                let stop = if garbage_end == pos {
-                    Stop::Clean
-                } else {
-                    classify(format, data, pos, next, garbage_end, FrameError::BadMagic)
+                break match garbage_end == pos {
+                    true => Stop::Clean,
+                    false => classify(format, data, pos, next, garbage_end, FrameError::BadMagic),
                 };
-                return Scan { end: pos, next_offset: next, records, stop };
             }
             Err(e) => e,
         };
         let garbage_end = nonzero_extent(data, pos, hole).max(pos + FRAME_ALIGN).min(data.len());
-        let stop = classify(format, data, pos, next, garbage_end, error);
-        return Scan { end: pos, next_offset: next, records, stop };
+        break classify(format, data, pos, next, garbage_end, error);
+    };
+    let scan = Scan { end: pos, next_offset: next, records, stop, unfinished: None };
+    match (unfinished, &scan.stop) {
+        (None, _) => scan,
+        // Damage after them stays damage: the frames before it are reported as they are.
+        (Some(_), Stop::Corrupt { .. } | Stop::Undecided { .. }) => Scan { unfinished, ..scan },
+        // The frames of a batch whose last frame is missing are part of the torn tail: the
+        // append that wrote them did not return, and a batch is kept whole or not at all.
+        (Some(batch), Stop::Clean) => cut_to(batch, scan.end),
+        (Some(batch), &Stop::Torn { garbage_end, .. }) => cut_to(batch, garbage_end),
+    }
+}
+
+/// A scan that ends at `batch`, with what follows up to `garbage_end` a torn tail.
+fn cut_to(batch: Mark, garbage_end: usize) -> Scan {
+    Scan {
+        end: batch.pos,
+        next_offset: batch.offset,
+        records: batch.records,
+        stop: Stop::Torn { error: FrameError::UnfinishedBatch, garbage_end },
+        unfinished: None,
     }
 }
 
@@ -297,7 +333,7 @@ impl Search<'_> {
             self.found = match self.format {
                 Format::V1 if record.offset < self.min_offset => continue,
                 Format::V1 => Some((start, Some(record.offset))),
-                Format::V2 | Format::V3 | Format::V4 => Some((start, None)),
+                Format::V2 | Format::V3 | Format::V4 | Format::V5 => Some((start, None)),
             };
         }
     }
@@ -306,7 +342,8 @@ impl Search<'_> {
 /// The format of a segment whose header is damaged, judged by its data region `data` (whose
 /// first record would be `base`): the current format if it starts with a valid format-3 frame
 /// holding its timestamp (a segment's first always does, and a format-2 frame never sets that
-/// bit; formats 3 and 4 have the same frames, so either reads it alike), format 2 if with a valid
+/// bit; formats 3, 4 and 5 have the same frames, but for format 5's batch bit, which an earlier
+/// format's frame of less than 512 MiB never sets, so either reads it alike), format 2 if with a valid
 /// format-2 frame; else format 1 if a valid format-1 frame of a record from `base` on is anywhere
 /// in it (they start with a magic, so the search is cheap); else the current format.
 ///
@@ -512,7 +549,7 @@ mod tests {
         for off in 0..n {
             let input = Input::payload(payload);
             starts.push(pos);
-            pos += encode(&mut data[pos..], frame_len(&input), Some(off), &input);
+            pos += encode(&mut data[pos..], frame_len(&input), Some(off), false, &input);
         }
         starts.push(pos);
         (data, starts)
@@ -522,7 +559,7 @@ mod tests {
     fn clean_segment_scans_to_its_end() {
         let (data, starts) = segment(10, b"abc");
         let s = scan(Format::CURRENT, &data, 0, 0);
-        assert_eq!(s, Scan { end: starts[10], next_offset: 10, records: 10, stop: Stop::Clean });
+        assert_eq!(s, Scan { end: starts[10], next_offset: 10, records: 10, stop: Stop::Clean, unfinished: None });
         let s = scan(Format::CURRENT, &data, starts[4], 4);
         assert_eq!((s.end, s.next_offset, s.records), (starts[10], 10, 6));
     }
@@ -582,6 +619,78 @@ mod tests {
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
 
+    /// A segment of batches of the sizes given, each frame `payload`; and where each frame
+    /// starts, with the end after the last.
+    fn batches(sizes: &[usize], payload: &[u8]) -> (Vec<u8>, Vec<usize>) {
+        let mut data = vec![0u8; 1 << 16];
+        let (mut pos, mut starts, mut off) = (0, vec![], 0);
+        for &n in sizes {
+            for i in 0..n {
+                let input = Input::payload(payload);
+                starts.push(pos);
+                // (A time with no zero byte: a frame cut anywhere short of its end is changed.)
+                pos += encode(&mut data[pos..], frame_len(&input), Some(u64::MAX - off), i + 1 < n, &input);
+                off += 1;
+            }
+        }
+        starts.push(pos);
+        (data, starts)
+    }
+
+    #[test]
+    fn a_batch_whose_last_frame_is_missing_is_cut_whole() {
+        // Batches of 1, 3 and 4 records (0; 1..4; 4..8).
+        let (data, starts) = batches(&[1, 3, 4], b"a record of a batch");
+        let s = scan(Format::CURRENT, &data, 0, 0);
+        assert_eq!((s.end, s.next_offset, s.records, &s.stop), (starts[8], 8, 8, &Stop::Clean));
+        // Written up to record 5, 6 or 7 of the last batch, or torn inside record 7: the batch
+        // goes, the ones before it stay.
+        for cut in [starts[5], starts[6], starts[7], starts[7] + 9, starts[8] - 8] {
+            let mut torn = data.clone();
+            torn[cut..].fill(0);
+            let s = scan(Format::CURRENT, &torn, 0, 0);
+            assert_eq!((s.end, s.next_offset, s.records), (starts[4], 4, 4), "cut at {cut}");
+            let Stop::Torn { error: FrameError::UnfinishedBatch, garbage_end } = s.stop else { panic!("{:?}", s.stop) };
+            assert!(garbage_end > torn.iter().rposition(|&b| b != 0).unwrap(), "cut at {cut}");
+        }
+        // From a checkpoint inside the first batches, the same.
+        let mut torn = data.clone();
+        torn[starts[6]..].fill(0);
+        let s = scan(Format::CURRENT, &torn, starts[1], 1);
+        assert_eq!((s.end, s.next_offset, s.records), (starts[4], 4, 3));
+    }
+
+    #[test]
+    fn damage_after_an_unfinished_batch_stays_damage_and_says_where_the_batch_began() {
+        let (mut data, starts) = batches(&[2, 3, 1], b"hello world");
+        data[starts[3] + 20] ^= 1; // inside the second batch, valid frames after it
+        let s = scan(Format::CURRENT, &data, 0, 0);
+        assert_eq!((s.end, s.next_offset), (starts[3], 3));
+        assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[4], later_offset: None });
+        assert_eq!(s.unfinished, Some(Mark { pos: starts[2], offset: 2, records: 2 }));
+    }
+
+    #[test]
+    fn beside_a_writer_a_batch_read_half_written_is_cut_from_its_start() {
+        // The first reading caught record 3 (of the batch 2..5) half written and record 4 whole;
+        // by the next one the writer had died in record 5: the batch goes from record 2 on.
+        let (whole, starts) = batches(&[2, 4], b"hello world");
+        let mut caught = whole.clone();
+        caught[starts[3]..starts[4]].fill(0);
+        caught[starts[3] + 20] = 7;
+        caught[starts[5]..].fill(0);
+        let mut later = whole.clone();
+        later[starts[5] + 8..].fill(0);
+        let readings = std::cell::Cell::new(0);
+        let data = || {
+            readings.set(readings.get() + 1);
+            if readings.get() == 1 { &caught[..] } else { &later[..] }
+        };
+        let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
+        assert_eq!((s.end, s.next_offset, s.records), (starts[2], 2, 2));
+        assert!(matches!(s.stop, Stop::Torn { error: FrameError::UnfinishedBatch, .. }), "{:?}", s.stop);
+    }
+
     fn random_bytes(out: &mut [u8], seed: u64) {
         let mut x = seed | 1;
         for b in out {
@@ -635,7 +744,7 @@ mod tests {
         for off in 0..6u64 {
             let input = if off == 1 { Input::payload(&payload) } else { Input::payload(b"small") };
             starts.push(pos);
-            pos += encode(&mut data[pos..], frame_len(&input), Some(off), &input);
+            pos += encode(&mut data[pos..], frame_len(&input), Some(off), false, &input);
         }
         data[starts[1] + 1000] ^= 0x40;
         let s = scan(Format::CURRENT, &data, 0, 0);
@@ -676,6 +785,8 @@ mod tests {
     #[derive(Clone, Debug)]
     enum Piece {
         Frame(Vec<u8>),
+        /// A frame that says the next is of its batch.
+        Continued(Vec<u8>),
         /// A frame whose payload is a frame: the inner one ends first, the outer starts first.
         Nested(Vec<u8>),
         /// A frame with one bit flipped.
@@ -689,6 +800,7 @@ mod tests {
         use proptest::prelude::*;
         prop_oneof![
             prop::collection::vec(any::<u8>(), 0..300).prop_map(Piece::Frame),
+            prop::collection::vec(any::<u8>(), 0..300).prop_map(Piece::Continued),
             prop::collection::vec(any::<u8>(), 0..300).prop_map(Piece::Nested),
             (prop::collection::vec(any::<u8>(), 0..300), any::<usize>()).prop_map(|(p, at)| Piece::Damaged(p, at)),
             prop::collection::vec((any::<u32>(), prop_oneof![any::<u32>(), 16u32..2000]), 1..100)
@@ -702,7 +814,7 @@ mod tests {
         let mut data = Vec::new();
         for piece in pieces {
             match piece {
-                Piece::Frame(payload) | Piece::Damaged(payload, _) => {
+                Piece::Frame(payload) | Piece::Continued(payload) | Piece::Damaged(payload, _) => {
                     let input = Input::payload(payload);
                     // Frames with and without their own timestamp.
                     let (len, time) = match payload.len() % 2 {
@@ -711,7 +823,7 @@ mod tests {
                     };
                     let at = data.len();
                     data.resize(at + align_up(len), 0);
-                    encode(&mut data[at..], len, time, &input);
+                    encode(&mut data[at..], len, time, matches!(piece, Piece::Continued(_)), &input);
                     if let Piece::Damaged(_, bit) = piece {
                         let bit = bit % (len * 8);
                         data[at + bit / 8] ^= 1 << (bit % 8);
@@ -720,11 +832,11 @@ mod tests {
                 Piece::Nested(payload) => {
                     let inner = Input::payload(payload);
                     let mut bytes = vec![0u8; align_up(frame_len(&inner))];
-                    encode(&mut bytes, frame_len(&inner), Some(1), &inner);
+                    encode(&mut bytes, frame_len(&inner), Some(1), false, &inner);
                     let outer = Input::payload(&bytes);
                     let at = data.len();
                     data.resize(at + align_up(frame_len(&outer)), 0);
-                    encode(&mut data[at..], frame_len(&outer), Some(1), &outer);
+                    encode(&mut data[at..], frame_len(&outer), Some(1), false, &outer);
                 }
                 Piece::Garbage(words) => {
                     for (a, b) in words {
@@ -766,6 +878,36 @@ mod tests {
                 first_valid_by_rereading(&data, from)
             );
         }
+
+        /// Wherever a crash stops the writer, a scan keeps the batches written whole and
+        /// nothing of the one it stopped in.
+        #[test]
+        fn a_scan_keeps_whole_batches_wherever_the_writing_stopped(
+            sizes in proptest::collection::vec(1usize..6, 1..12),
+            payload_len in 0usize..60,
+            cut in 0usize..1 << 16,
+        ) {
+            let (data, starts) = batches(&sizes, &vec![0xa5; payload_len]);
+            let cut = cut % (starts[starts.len() - 1] + 1);
+            let mut torn = data.clone();
+            torn[cut..].fill(0);
+            // The batches whose every frame ends by the cut (its padding is zeros anyway).
+            let (mut kept, mut first) = (0, 0);
+            for &n in &sizes {
+                if unpadded_end(&data, starts[first + n - 1]) > cut {
+                    break;
+                }
+                first += n;
+                kept = first;
+            }
+            let s = scan(Format::CURRENT, &torn, 0, 0);
+            proptest::prop_assert_eq!((s.end, s.next_offset), (starts[kept], kept as u64));
+        }
+    }
+
+    /// Where the frame at `pos` of `data` ends, without its padding.
+    fn unpadded_end(data: &[u8], pos: usize) -> usize {
+        pos + (u32::from_le_bytes(data[pos + 4..pos + 8].try_into().unwrap()) & ((1 << 29) - 1)) as usize
     }
 
     #[test]

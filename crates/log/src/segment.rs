@@ -714,7 +714,7 @@ mod tests {
         }
         assert!(matches!(SegmentHeader::decode_for(&b, 8), Err(HeaderError::Damaged(_))), "another base");
         // Intact, but of a format or a header length this build does not know.
-        for (at, value, what) in [(8, 5u32, "format version 5"), (12, 128, "header length 128")] {
+        for (at, value, what) in [(8, 6u32, "format version 6"), (12, 128, "header length 128")] {
             let mut newer = b;
             newer[at..at + 4].copy_from_slice(&value.to_le_bytes());
             let crc = crate::checksum::crc32c(&newer[0..60]);

@@ -377,6 +377,7 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
         .expect("problems name segment files");
     let cut_offset = first.offset.expect("frame problems name the expected record");
     zero_from(&first.file, first.position)?;
+    end_batch_before(&first.file, first.position)?;
     crate::index::remove(dir, cut_base);
     out.cut_at = Some((first.file.clone(), first.position));
     for &base in bases.iter().filter(|&&b| b > cut_base) {
@@ -458,7 +459,8 @@ fn zeros_frame(path: &Path, position: u64, resumes_at: u64) -> Result<Option<Vec
     let (seg, _) = Segment::open(path, base, false)?;
     let gap = (resumes_at - position) as usize;
     let with_time = frame::FRAME_HEADER_LEN + frame::TIMESTAMP_LEN;
-    // Formats 3 and 4 have today's frames; earlier ones are only cut.
+    // Formats 3, 4 and 5 have today's frames (a frame not of a batch is alike in all three);
+    // earlier ones are only cut.
     if !seg.format.inherits_time() || gap < with_time || !gap.is_multiple_of(frame::FRAME_ALIGN) {
         return Ok(None);
     }
@@ -495,7 +497,8 @@ fn zeros_frame(path: &Path, position: u64, resumes_at: u64) -> Result<Option<Vec
     let zeros = vec![0u8; gap - with_time];
     let input = frame::Input::payload(&zeros);
     let mut bytes = vec![0u8; gap];
-    let written = frame::encode(&mut bytes, gap, Some(time), &input);
+    // (It ends whatever batch it was of: the records before it stay, whole or not.)
+    let written = frame::encode(&mut bytes, gap, Some(time), false, &input);
     assert_eq!(written, gap, "a frame of zeros fills the bad frame's place exactly");
     Ok(Some(bytes))
 }
@@ -516,6 +519,30 @@ fn rewrite_header(path: &Path) -> Result<()> {
 
 /// Zeroes `path` from `position` to its end (keeping the space allocated) and resets its
 /// checkpoint so the next open scans it from the start.
+/// Makes the frame before `position` (where `repair` cut the log) the last of its batch if it
+/// said more of its batch followed: the records kept before the cut are whole, and the next open
+/// would otherwise take them for a batch a crash interrupted and cut them too.
+fn end_batch_before(path: &Path, position: u64) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
+        .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
+    let (seg, _) = Segment::open(path, base, false)?;
+    let data = seg.map.published().from(SEGMENT_HEADER_LEN);
+    let at = position as usize - SEGMENT_HEADER_LEN;
+    // The frames before the cut are valid (the cut is at the first bad one): walk them.
+    let (mut walked, mut last) = (0, None);
+    while walked < at {
+        let Some(len) = frame::peek_len(seg.format, &data[walked..]) else { return Ok(()) };
+        last = Some(walked);
+        walked += len;
+    }
+    let Some(last) = last.filter(|_| walked == at) else { return Ok(()) };
+    let Some(first_bytes) = frame::ending_batch(seg.format, &data[last..]) else { return Ok(()) };
+    let file = fs::OpenOptions::new().write(true).open(path).map_err(io_err("open segment", path))?;
+    file.write_all_at(&first_bytes, (SEGMENT_HEADER_LEN + last) as u64).map_err(io_err("write segment", path))?;
+    file.sync_data().map_err(io_err("sync segment", path))
+}
+
 fn zero_from(path: &Path, position: u64) -> Result<()> {
     use std::os::unix::fs::FileExt;
     let file = fs::OpenOptions::new().read(true).write(true).open(path).map_err(io_err("open segment", path))?;

@@ -2,8 +2,9 @@
 //! format 1 (`tests/fixtures/v1-log`, made by the writer of commit 70a0f89: 1,500 records over
 //! four 64 KiB segments, some with keys and headers, and a group "g" that acknowledged the first
 //! 100), format 2 (`tests/fixtures/v2-log`, the same records and group made by the writer of
-//! commit 94eb0b8, over three segments) and format 3 (`tests/fixtures/v3-log`, the same made by
-//! the writer of commit 1cfb774).
+//! commit 94eb0b8, over three segments), format 3 (`tests/fixtures/v3-log`, the same made by
+//! the writer of commit 1cfb774) and format 4 (`tests/fixtures/v4-log`, the same made by the
+//! writer of commit 657f772).
 
 mod common;
 
@@ -26,8 +27,9 @@ struct Earlier {
 const V1: Earlier = Earlier { dir: "v1-log", version: 1 };
 const V2: Earlier = Earlier { dir: "v2-log", version: 2 };
 const V3: Earlier = Earlier { dir: "v3-log", version: 3 };
+const V4: Earlier = Earlier { dir: "v4-log", version: 4 };
 /// What today's writer writes.
-const CURRENT_VERSION: u32 = 4;
+const CURRENT_VERSION: u32 = 5;
 
 /// Each test runs on each fixture.
 macro_rules! on_each_fixture {
@@ -35,6 +37,7 @@ macro_rules! on_each_fixture {
         mod format_one { $(#[test] fn $test() { super::$test(super::V1) })* }
         mod format_two { $(#[test] fn $test() { super::$test(super::V2) })* }
         mod format_three { $(#[test] fn $test() { super::$test(super::V3) })* }
+        mod format_four { $(#[test] fn $test() { super::$test(super::V4) })* }
     };
 }
 

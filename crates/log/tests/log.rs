@@ -203,6 +203,37 @@ fn a_torn_last_frame_is_cut_at_every_byte_position() {
     }
 }
 
+/// A repair that cuts the log inside a batch keeps the batch's records before the damage: they
+/// were appended and acknowledged whole, and only a crash's unfinished batch is cut whole.
+#[test]
+fn a_repair_inside_a_batch_keeps_its_records_before_the_damage() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    let batches: [Vec<Vec<u8>>; 2] = [
+        (0..10).map(|i| format!("first batch, record {i}").into_bytes()).collect(),
+        (0..50).map(|i| format!("second batch, record {i:02}: {}", "x".repeat(40)).into_bytes()).collect(),
+    ];
+    for batch in &batches {
+        log.append_batch(batch).unwrap();
+    }
+    drop(log);
+    // Damage record 30 of the second batch (offset 40): valid records follow it.
+    let seg = &segments(dir.path())[0];
+    let mut bytes = fs::read(seg).unwrap();
+    let at = bytes.windows(26).position(|w| w == b"second batch, record 30: x").unwrap();
+    bytes[at + 3] ^= 0x20;
+    fs::write(seg, &bytes).unwrap();
+    assert!(matches!(Log::open(dir.path(), Options::default()), Err(Error::Corrupt { .. })));
+
+    let report = verify::repair(dir.path()).unwrap();
+    assert_eq!(report.next_offset, 40, "{report:?}");
+    let mut log = Log::open(dir.path(), Options::default()).unwrap();
+    assert_eq!(log.next_offset(), 40, "the 30 records before the damage stay");
+    let kept: Vec<Vec<u8>> = read_all(&mut log.reader()).into_iter().map(|r| r.payload).collect();
+    assert_eq!(kept, batches.iter().flatten().take(40).cloned().collect::<Vec<_>>());
+    assert_eq!(log.append_batch(&[b"after the repair"]).unwrap(), 40..41);
+}
+
 #[test]
 fn a_flipped_byte_in_a_sealed_segment_is_reported_then_repaired() {
     let dir = tempfile::tempdir().unwrap();
@@ -515,11 +546,11 @@ fn a_segment_of_an_unknown_format_version_is_refused_and_left_as_it_is() {
         let all = segments(dir.path());
         assert!(which == "last" || all.len() > 1);
         let seg = if which == "last" { all.last() } else { all.first() }.unwrap().clone();
-        set_format_version(&seg, 5);
+        set_format_version(&seg, 6);
         let before = fs::read(&seg).unwrap();
         let err = Log::open(dir.path(), small(Durability::None)).err().expect("must not open");
         let Error::UnsupportedFormat { file, what } = &err else { panic!("{which}: {err}") };
-        assert_eq!((file, what.as_str()), (&seg, "format version 5"), "{which}");
+        assert_eq!((file, what.as_str()), (&seg, "format version 6"), "{which}");
         assert!(err.to_string().contains("newer Petrel"), "{err}");
         assert!(matches!(verify::verify(dir.path(), |_, _| {}), Err(Error::UnsupportedFormat { .. })));
         assert!(matches!(verify::repair(dir.path()), Err(Error::UnsupportedFormat { .. })));

@@ -421,8 +421,10 @@ impl Config {
         }
         let log = petrel_log::Options { segment_bytes: self.segment_bytes, ..petrel_log::Options::default() };
         log.validate().map_err(|e| e.to_string())?;
-        if self.max_message_bytes == 0 {
-            return Err("max_message_bytes must be at least 1".into());
+        // A durable queue's record holds a message and up to 64 KiB of its fields.
+        let most = petrel_log::MAX_MAX_RECORD_BYTES - 64 * 1024;
+        if !(1..=most).contains(&self.max_message_bytes) {
+            return Err(format!("max_message_bytes must be between 1 and {most}"));
         }
         self.shutdown_grace()?;
         self.idle_timeout()?;
@@ -633,7 +635,8 @@ max_itemz = 1
             ("[queue_defaults]\ntemporary = true\n", "queue_defaults: temporary"),
             ("[queues.t]\ntemporary = true\n", "queues.t: temporary"),
             ("segment_bytes = 1000\n", "segment_bytes must be a multiple of 4096"),
-            ("max_message_bytes = 0\n", "max_message_bytes must be at least 1"),
+            ("max_message_bytes = 0\n", "max_message_bytes must be between 1 and 536805312"),
+            ("max_message_bytes = 536805313\n", "max_message_bytes must be between 1 and 536805312"),
             ("idle_timeout = \"abc\"\n", "idle_timeout: \"abc\" is not a duration like"),
         ] {
             let c: Config = toml::from_str(text).unwrap();
