@@ -227,14 +227,21 @@ impl Connection {
     }
 
     /// Serves every function of `served` on connection `number` unless they all are already.
-    /// A refusal leaves that function unserved there (the server's log says why).
+    /// A refusal leaves that function unserved there and is told to the application as a
+    /// warning of the `petrel` logger (`warn`); a lost connection is made again by
+    /// `keep_serving`, which serves them again on the next.
     async fn serve_all_on(client: &petrel_client::Client, number: u64, served: &mut Served) {
         if served.on == number {
             return;
         }
         for (function, handler) in &served.functions {
             let h = Arc::clone(handler);
-            let _ = client.serve(function, move |m| h(m)).await;
+            if let Err(e @ petrel_client::ClientError::Status { .. }) = client.serve(function, move |m| h(m)).await {
+                warn(format!(
+                    "function {function:?} is not served any more: serving it again after a reconnection was \
+                     refused ({e}); serve() it again once the server allows it"
+                ));
+            }
         }
         served.on = number;
     }
@@ -258,10 +265,28 @@ impl Connection {
     }
 }
 
+/// Tells the application what it would not see otherwise, with Python's `logging`: a warning of
+/// the `petrel` logger. On a blocking thread: a runtime thread must not wait for the GIL.
+fn warn(message: String) {
+    drop(tokio::task::spawn_blocking(move || {
+        Python::attach(|py| {
+            let logged = py
+                .import("logging")
+                .and_then(|logging| logging.call_method1("getLogger", ("petrel",)))
+                .and_then(|logger| logger.call_method1("warning", (message,)));
+            if let Err(e) = logged {
+                e.print(py);
+            }
+        })
+    }));
+}
+
 /// Serves a client's functions again on each new connection after a loss, until the client is
-/// closed or gone.
+/// closed or gone. A server that refuses the login is tried again like one that is down, and
+/// said once (`warn`) until a login succeeds.
 async fn keep_serving(conn: std::sync::Weak<Connection>) {
     let mut pause = FIRST_PAUSE;
+    let mut refused = false;
     loop {
         let Some(c) = conn.upgrade() else { return };
         if c.closed.load(std::sync::atomic::Ordering::Acquire) {
@@ -272,8 +297,19 @@ async fn keep_serving(conn: std::sync::Weak<Connection>) {
             match c.numbered().await {
                 Ok((client, number)) => {
                     Connection::serve_all_on(&client, number, &mut served).await;
-                    pause = FIRST_PAUSE;
+                    (pause, refused) = (FIRST_PAUSE, false);
                     Some(client)
+                }
+                Err(e @ petrel_client::ClientError::Status { .. }) => {
+                    if !std::mem::replace(&mut refused, true) {
+                        let functions: Vec<&str> = served.functions.iter().map(|(f, _)| f.as_str()).collect();
+                        warn(format!(
+                            "functions {functions:?} are not served while the server refuses this client's \
+                             connection ({e}); trying again every {} s at most",
+                            MAX_PAUSE.as_secs()
+                        ));
+                    }
+                    None
                 }
                 Err(_) => None,
             }

@@ -376,6 +376,55 @@ def test_functions_are_served_again_after_the_server_restarts(tmp_path):
         stop(process)
 
 
+def test_a_function_the_server_will_not_serve_again_is_told_by_a_warning(tmp_path, caplog):
+    """A client serving a function serves it again on each new connection. When the server
+    refused that (its rights changed while it was down), the function silently stopped being
+    served; and a login refused on reconnection was retried forever without a word. Now the
+    `petrel` logger says each, with the function and the server's answer."""
+    import subprocess
+    import time
+    from conftest import BINARY, restartable_addr, start, stop
+
+    users = tmp_path / "users.toml"
+    subprocess.run([BINARY, "user", "add", str(users), "tom"], input="S3cret-tom\n", text=True,
+                   check=True, capture_output=True)
+    config = tmp_path / "petrel.toml"
+    security = f'[security]\nusers_file = "{users}"\nallow_plaintext_auth = true\n'
+    may_serve = '[[security.acl]]\nkind = "function"\nname = "upper"\nuser = "tom"\naccess = "serve"\n'
+
+    def warned(*words, deadline=10.0):
+        started = time.monotonic()
+        while time.monotonic() - started < deadline:
+            said = [r.getMessage() for r in caplog.records if r.name == "petrel"]
+            if any(all(w in m for w in words) for m in said):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"no warning saying {words}: {said}")
+
+    config.write_text(security + may_serve)
+    process, address = start(tmp_path, restartable_addr(), "--config", str(config))
+    try:
+        server = petrel.Client(address, user="tom", password="S3cret-tom")
+        server.serve("upper", lambda m: m.payload.upper())
+        assert not [r for r in caplog.records if r.name == "petrel"]
+
+        # Restarted without the right to serve: the client reconnects, and is refused.
+        stop(process)
+        config.write_text(security)
+        process, _ = start(tmp_path, address, "--config", str(config))
+        warned('"upper"', "not served any more", "FORBIDDEN")
+
+        # Restarted with tom's password changed: the login is refused.
+        stop(process)
+        subprocess.run([BINARY, "user", "passwd", str(users), "tom"], input="N3w-secret-tom\n", text=True,
+                       check=True, capture_output=True)
+        process, _ = start(tmp_path, address, "--config", str(config))
+        warned('["upper"]', "refuses this client's connection", "UNAUTHORIZED")
+        server.close()
+    finally:
+        stop(process)
+
+
 def test_clients_connect_again_after_the_server_restarts(tmp_path):
     """A server restart used to leave a client failing every request for good. Now the request
     that finds the connection lost fails (what it sent may have arrived: it is not sent again),
