@@ -134,7 +134,9 @@ pub(crate) fn scan_beside_writer<'a>(
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         let at = Mark { pos: whole.end, offset: whole.next_offset, records: whole.records };
         let again = scan_on(format, data(), at, whole.unfinished, 0..0);
-        if again.end == whole.end && again.next_offset == whole.next_offset {
+        // Still damaged where it was. (A frame now whole that begins a batch whose end is not
+        // written yet ends the scan where it did too, but as a torn tail: that is news.)
+        if matches!(again.stop, Stop::Corrupt { .. }) && again.end == whole.end {
             rereads += 1;
             std::thread::sleep(std::time::Duration::from_millis(rereads as u64 * 2));
             continue;
@@ -342,8 +344,8 @@ impl Search<'_> {
 /// The format of a segment whose header is damaged, judged by its data region `data` (whose
 /// first record would be `base`): the current format if it starts with a valid format-3 frame
 /// holding its timestamp (a segment's first always does, and a format-2 frame never sets that
-/// bit; formats 3, 4 and 5 have the same frames, but for format 5's batch bit, which an earlier
-/// format's frame of less than 512 MiB never sets, so either reads it alike), format 2 if with a valid
+/// bit; or format 4, for a segment of format 3 or 4 holding a frame of 512 MiB or more, below),
+/// format 2 if with a valid
 /// format-2 frame; else format 1 if a valid format-1 frame of a record from `base` on is anywhere
 /// in it (they start with a magic, so the search is cheap); else the current format.
 ///
@@ -353,10 +355,19 @@ impl Search<'_> {
 /// segment whose first frame is damaged too: read as format 3, a bad frame followed by valid
 /// ones is corruption, never a cut).
 pub(crate) fn judge_format(data: &[u8], base: u64) -> Format {
-    if let Ok(Decoded::Frame(..)) = frame::decode(Format::CURRENT, data, data.len(), base, 0)
-        && frame::own_timestamp(Format::CURRENT, data).is_some()
-    {
-        return Format::CURRENT;
+    let starts_with_timed_frame = |format| {
+        matches!(frame::decode(format, data, data.len(), base, 0), Ok(Decoded::Frame(..)))
+            && frame::own_timestamp(format, data).is_some()
+    };
+    if starts_with_timed_frame(Format::CURRENT) || starts_with_timed_frame(Format::V4) {
+        // Formats 3 to 5 share their frames but for format 5's batch bit, which is part of the
+        // length of an earlier format's frame of 512 MiB or more: each reads the other's such
+        // frames as damaged. The format whose frames read further is the segment's (format 5 if
+        // neither: then they read alike).
+        return match valid_frames_end(Format::V4, data, base) > valid_frames_end(Format::CURRENT, data, base) {
+            true => Format::V4,
+            false => Format::CURRENT,
+        };
     }
     if let Ok(Decoded::Frame(..)) = frame::decode(Format::V2, data, data.len(), base, 0) {
         return Format::V2;
@@ -367,6 +378,15 @@ pub(crate) fn judge_format(data: &[u8], base: u64) -> Format {
         // than cuts what it cannot decide.
         Later::Found { .. } | Later::GaveUp { .. } => Format::V1,
     }
+}
+
+/// Where the valid frames of `format` from the start of `data` end (no search past a bad one).
+fn valid_frames_end(format: Format, data: &[u8], base: u64) -> usize {
+    let (mut pos, mut offset) = (0, base);
+    while let Ok(Decoded::Frame(_, len)) = frame::decode(format, &data[pos..], data.len() - pos, offset, 0) {
+        (pos, offset) = (pos + len, offset + 1);
+    }
+    pos
 }
 
 /// End of the run of non-zero data starting at `pos`: the first 4 KiB-aligned page boundary after
@@ -689,6 +709,47 @@ mod tests {
         let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
         assert_eq!((s.end, s.next_offset, s.records), (starts[2], 2, 2));
         assert!(matches!(s.stop, Stop::Torn { error: FrameError::UnfinishedBatch, .. }), "{:?}", s.stop);
+    }
+
+    #[test]
+    fn beside_a_writer_a_half_written_first_frame_of_a_batch_is_read_again_and_cut_with_it() {
+        // The first reading caught record 2, the first of the batch 2..5, half written and record
+        // 3 whole; by the next one records 2 and 3 are whole and 4 not written: the batch is cut
+        // from record 2, as recovery would cut it, not reported as damage.
+        let (whole, starts) = batches(&[2, 3], b"hello world");
+        let mut caught = whole.clone();
+        caught[starts[2]..starts[3]].fill(0);
+        caught[starts[2] + 20] = 7;
+        caught[starts[4]..].fill(0);
+        let mut later = whole.clone();
+        later[starts[4]..].fill(0);
+        let readings = std::cell::Cell::new(0);
+        let data = || {
+            readings.set(readings.get() + 1);
+            if readings.get() == 1 { &caught[..] } else { &later[..] }
+        };
+        let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
+        assert_eq!((s.end, s.next_offset, s.records), (starts[2], 2, 2));
+        assert!(matches!(s.stop, Stop::Torn { error: FrameError::UnfinishedBatch, .. }), "{:?}", s.stop);
+        assert_eq!(readings.get(), 2, "read again once, not until it gives up");
+    }
+
+    #[test]
+    fn a_segment_whose_header_is_damaged_is_judged_by_how_far_each_format_reads_its_frames() {
+        // Format 5's batches read as damage in format 4 (bit 29 is a length bit there).
+        let (data, _) = batches(&[1, 3, 1], b"judged");
+        assert_eq!(judge_format(&data, 0), Format::V5);
+        // A format-4 frame of 512 MiB or more has that bit in its length: format 5 reads it as
+        // damaged, format 4 whole.
+        let input = Input::payload(b"");
+        let len = frame::MAX_FRAME_LEN + 1 + 64;
+        let mut data = vec![0u8; frame::align_up(len) + 4096];
+        encode(&mut data, frame_len(&input), Some(1), false, &input);
+        data[4..8].copy_from_slice(&((len as u32) | 1 << 30).to_le_bytes()); // a timestamp, and `len`
+        let crc = crate::checksum::crc32c(&data[4..len]);
+        data[..4].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(judge_format(&data, 0), Format::V4);
+        assert_eq!(scan(Format::V4, &data, 0, 0).next_offset, 1);
     }
 
     fn random_bytes(out: &mut [u8], seed: u64) {

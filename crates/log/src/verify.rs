@@ -220,7 +220,10 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
                         (_, Some(lost)) => (ProblemKind::Corrupt, format!("{error}; {lost}")),
                         (true, None) => (
                             ProblemKind::TornTail,
-                            format!("{error}: an interrupted last append, cut on the next open"),
+                            format!(
+                                "{error}: an interrupted last append (or, beside a running writer, one being \
+                                 written), cut on the next open"
+                            ),
                         ),
                         (false, None) => {
                             (ProblemKind::Corrupt, format!("{error}: the rest of this sealed segment is unreadable"))
@@ -461,7 +464,9 @@ fn zeros_frame(path: &Path, position: u64, resumes_at: u64) -> Result<Option<Vec
     let with_time = frame::FRAME_HEADER_LEN + frame::TIMESTAMP_LEN;
     // Formats 3, 4 and 5 have today's frames (a frame not of a batch is alike in all three);
     // earlier ones are only cut.
-    if !seg.format.inherits_time() || gap < with_time || !gap.is_multiple_of(frame::FRAME_ALIGN) {
+    // (A frame of 512 MiB or more, which formats 3 and 4 allowed, is more than today's can say.)
+    let fits = (with_time..=frame::MAX_FRAME_LEN).contains(&gap);
+    if !seg.format.inherits_time() || !fits || !gap.is_multiple_of(frame::FRAME_ALIGN) {
         return Ok(None);
     }
     let data = seg.map.published().from(SEGMENT_HEADER_LEN);
@@ -517,8 +522,6 @@ fn rewrite_header(path: &Path) -> Result<()> {
     file.sync_data().map_err(io_err("sync segment", path))
 }
 
-/// Zeroes `path` from `position` to its end (keeping the space allocated) and resets its
-/// checkpoint so the next open scans it from the start.
 /// Makes the frame before `position` (where `repair` cut the log) the last of its batch if it
 /// said more of its batch followed: the records kept before the cut are whole, and the next open
 /// would otherwise take them for a batch a crash interrupted and cut them too.
@@ -543,6 +546,8 @@ fn end_batch_before(path: &Path, position: u64) -> Result<()> {
     file.sync_data().map_err(io_err("sync segment", path))
 }
 
+/// Zeroes `path` from `position` to its end (keeping the space allocated) and resets its
+/// checkpoint so the next open scans it from the start.
 fn zero_from(path: &Path, position: u64) -> Result<()> {
     use std::os::unix::fs::FileExt;
     let file = fs::OpenOptions::new().read(true).write(true).open(path).map_err(io_err("open segment", path))?;
