@@ -129,7 +129,8 @@ impl Cluster {
     }
 
     /// Which servers are up and the cluster's own counts: a dict with `servers` (a list of dicts:
-    /// `address`, `up`, `failures`, `last_error`), `offers_retried` (offers sent again after
+    /// `address`, `up`, `failures`, `last_error`, and `unserved`: the functions this client
+    /// serves that the server refused to serve, each with its answer), `offers_retried` (offers sent again after
     /// their answer was lost) and `copies_dropped` (deliveries dropped as copies of a message
     /// already delivered from another server).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -143,6 +144,7 @@ impl Cluster {
                 d.set_item("up", s.up)?;
                 d.set_item("failures", s.failures)?;
                 d.set_item("last_error", s.last_error)?;
+                d.set_item("unserved", s.unserved.into_iter().collect::<std::collections::HashMap<_, _>>())?;
                 Ok(d)
             })
             .collect::<PyResult<Vec<_>>>()?;

@@ -87,6 +87,7 @@ def test_offers_spread_routes_stay_and_acks_go_to_their_server(servers):
         with pytest.raises(ValueError):
             petrel.Cluster([])
         assert c.stats()["servers"][0]["up"] is True
+        assert c.stats()["servers"][0]["unserved"] == {}
 
 
 def test_a_killed_server_is_routed_around_and_its_messages_wait_for_it(servers):

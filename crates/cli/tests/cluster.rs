@@ -518,6 +518,57 @@ fn client_commands_take_a_list_of_servers() {
     assert!(table.lines().any(|l| l.starts_with("jobs ")), "{table}");
 }
 
+/// A function the cluster serves that a server refuses to serve (its user has no right to serve
+/// there) is named in that server's state with the refusal: when served, and as it stands after
+/// the server comes back from a loss. It used to go unsaid (`serve` answered `Ok` for the others).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_refuses_to_serve_a_function_is_named_in_the_cluster_state() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users.toml");
+    assert!(common::petrel(&["user", "add", users.to_str().unwrap(), "tom"], b"S3cret-tom\n").status.success());
+    let security = format!("[security]\nusers_file = {users:?}\nallow_plaintext_auth = true\n");
+    let may_serve =
+        "[[security.acl]]\nkind = \"function\"\nname = \"upper\"\nuser = \"tom\"\naccess = \"exec-serve\"\n";
+    let (allows, refuses) = (dir.path().join("allows.toml"), dir.path().join("refuses.toml"));
+    std::fs::write(&allows, format!("{security}{may_serve}")).unwrap();
+    std::fs::write(&refuses, &security).unwrap();
+    let config = |file: &PathBuf| ["--config".to_owned(), file.to_str().unwrap().to_owned()];
+    let start = |k: usize, file: &PathBuf| {
+        let args = config(file);
+        Server::start_with(&dir.path().join(format!("s{k}")), &[&args[0], &args[1]])
+    };
+    let mut servers = vec![start(0, &allows), start(1, &refuses)];
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
+    let mut options = ClusterOptions::default();
+    options.client.user = Some("tom".into());
+    options.client.password = Some("S3cret-tom".into());
+    let cluster = Cluster::connect(&addrs, options).await.unwrap();
+    cluster.serve("upper", |m| async move { Ok(Message::new(m.payload.to_ascii_uppercase())) }).await.unwrap();
+    let unserved = |cluster: &Cluster, k: usize| cluster.stats().servers[k].unserved.clone();
+    assert!(unserved(&cluster, 0).is_empty());
+    let refused = unserved(&cluster, 1);
+    assert!(refused.len() == 1 && refused[0].0 == "upper" && refused[0].1.contains("FORBIDDEN"), "{refused:?}");
+
+    // Each server comes back with the other's rules: the state follows.
+    for (k, file) in [(1, &allows), (0, &refuses)] {
+        let failures = cluster.stats().servers[k].failures;
+        servers.remove(k).kill9();
+        let args = config(file);
+        servers.insert(k, Server::start_at_with(&addrs[k], &dir.path().join(format!("s{k}")), &[&args[0], &args[1]]));
+        common::wait_until_async("the server to come back", || async {
+            let state = &cluster.stats().servers[k];
+            state.up && state.failures > failures
+        })
+        .await;
+    }
+    assert!(unserved(&cluster, 1).is_empty(), "{:?}", unserved(&cluster, 1));
+    let refused = unserved(&cluster, 0);
+    assert!(refused.len() == 1 && refused[0].0 == "upper" && refused[0].1.contains("FORBIDDEN"), "{refused:?}");
+    let reply = cluster.call("upper", Message::new(&b"served on 1"[..]), Some(Duration::from_secs(5))).await.unwrap();
+    assert_eq!(&reply.payload[..], b"SERVED ON 1");
+}
+
 /// A poll of a queue no server has is an error, as on one server; one that only some servers
 /// have is read from those, waiting without asking the others again and again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -94,6 +94,10 @@ pub struct ServerState {
     pub last_error: Option<String>,
     /// How many times it was marked down.
     pub failures: u64,
+    /// Functions the cluster serves that this server refused to serve (a user without the
+    /// right there, say), each with its answer: when `serve` was called, or when the server
+    /// last came back after a loss (each is asked again then).
+    pub unserved: Vec<(String, String)>,
 }
 
 /// The cluster's own counts.
@@ -119,6 +123,18 @@ struct Link {
     reconnecting: bool,
     last_error: Option<String>,
     failures: u64,
+    /// `ServerState::unserved`.
+    unserved: Vec<(String, String)>,
+}
+
+impl Link {
+    /// Notes how serving `function` here went (`refusal`: why it is not served, if it is not).
+    fn served(&mut self, function: &str, refusal: Option<String>) {
+        self.unserved.retain(|(f, _)| f != function);
+        if let Some(why) = refusal {
+            self.unserved.push((function.to_owned(), why));
+        }
+    }
 }
 
 struct Member {
@@ -399,6 +415,16 @@ fn rank<'a>(key: &[u8], addrs: impl Iterator<Item = &'a str>) -> Vec<usize> {
     ranked.into_iter().map(|(_, i)| i).collect()
 }
 
+/// Marks server `i` down as soon as its connection `connection` ends, whether a request of
+/// this client finds it lost or not: a client that only serves functions sends nothing, and its
+/// functions would stay unserved there after the server restarted.
+async fn watch(shared: Weak<Shared>, i: usize, connection: u64, client: Client) {
+    client.closed().await;
+    if let Some(shared) = shared.upgrade() {
+        shared.mark_down(i, connection, &ClientError::Closed);
+    }
+}
+
 /// Tries server `i` again with a doubling pause until it answers HELLO (and AUTH), then serves
 /// the cluster's functions on it. Ends when the cluster is dropped.
 async fn reconnect(shared: Weak<Shared>, i: usize) {
@@ -416,11 +442,16 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
             Ok(_) if shared.closed.load(Ordering::Acquire) => return,
             Ok(client) => {
                 let served = lock(&shared.served).clone();
+                let mut outcomes = Vec::with_capacity(served.len());
                 for (function, handler) in served {
-                    let _ = client.serve(&function, move |m| handler(m)).await;
+                    let outcome = client.serve(&function, move |m| handler(m)).await;
+                    outcomes.push((function, outcome.err().map(|e| e.to_string())));
                 }
                 {
                     let mut link = lock(&shared.members[i].link);
+                    for (function, refusal) in outcomes {
+                        link.served(&function, refusal);
+                    }
                     // `close` takes the links' connections under this lock, so a connection
                     // made as it closed is closed here rather than kept.
                     if shared.closed.load(Ordering::Acquire) {
@@ -428,6 +459,7 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
                         return;
                     }
                     link.connection += 1;
+                    tokio::spawn(watch(Arc::downgrade(&shared), i, link.connection, client.clone()));
                     link.client = Some(client);
                     link.reconnecting = false;
                 }
@@ -629,6 +661,11 @@ impl Cluster {
         for i in down {
             tokio::spawn(reconnect(Arc::downgrade(&shared), i));
         }
+        for i in 0..shared.members.len() {
+            if let Some((client, connection)) = shared.current(i) {
+                tokio::spawn(watch(Arc::downgrade(&shared), i, connection, client));
+            }
+        }
         Ok(Cluster { shared })
     }
 
@@ -670,6 +707,7 @@ impl Cluster {
                     up: link.client.is_some(),
                     last_error: link.last_error.clone(),
                     failures: link.failures,
+                    unserved: link.unserved.clone(),
                 }
             })
             .collect();
@@ -1167,6 +1205,8 @@ impl Cluster {
     }
 
     /// Serves `function` on every server, and again on each one that comes back after a loss.
+    /// `Ok` once one server serves it; the servers that refused are named with their answers
+    /// in `stats()` (`ServerState::unserved`).
     pub async fn serve<F, Fut>(&self, function: &str, handler: F) -> Result<(), ClientError>
     where
         F: Fn(Message) -> Fut + Send + Sync + 'static,
@@ -1179,7 +1219,9 @@ impl Cluster {
         for i in 0..self.shared.members.len() {
             let Some((client, _)) = self.shared.current(i) else { continue };
             let handler = Arc::clone(&handler);
-            match client.serve(function, move |m| handler(m)).await {
+            let outcome = client.serve(function, move |m| handler(m)).await;
+            lock(&self.shared.members[i].link).served(function, outcome.as_ref().err().map(ToString::to_string));
+            match outcome {
                 Ok(()) => served += 1,
                 Err(e) => last = Some(e),
             }

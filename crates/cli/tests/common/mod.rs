@@ -49,6 +49,12 @@ impl Server {
         Server::spawn(&[], addr, data, &[])
     }
 
+    /// `start_at`, with more flags.
+    #[allow(dead_code)] // not every test file uses it
+    pub fn start_at_with(addr: &str, data: &Path, args: &[&str]) -> Server {
+        Server::spawn(&[], addr, data, args)
+    }
+
     /// Starts with more flags, its log (at `info`) written to `log`.
     #[allow(dead_code)]
     pub fn start_logged(data: &Path, args: &[&str], log: &Path) -> Server {
