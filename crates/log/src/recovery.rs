@@ -614,6 +614,18 @@ mod tests {
         assert_eq!(s.stop, Stop::Corrupt { error: FrameError::BadChecksum, later_pos: starts[2], later_offset: None });
     }
 
+    /// `scan_beside_writer` over `first` at its first reading and `then` at every later one;
+    /// with how many readings it took.
+    fn scan_reading_twice(first: &[u8], then: &[u8]) -> (Scan, usize) {
+        let readings = std::cell::Cell::new(0);
+        let data = || {
+            readings.set(readings.get() + 1);
+            if readings.get() == 1 { first } else { then }
+        };
+        let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
+        (s, readings.get())
+    }
+
     #[test]
     fn beside_a_writer_a_frame_read_half_written_is_read_again_and_damage_stays_damage() {
         // The first reading caught record 1 half written and records 2..5 whole after it; the
@@ -622,14 +634,9 @@ mod tests {
         let mut caught = whole.clone();
         caught[starts[1]..starts[2]].fill(0);
         caught[starts[1] + 20] = 7;
-        let readings = std::cell::Cell::new(0);
-        let data = || {
-            readings.set(readings.get() + 1);
-            if readings.get() == 1 { &caught[..] } else { &whole[..] }
-        };
-        let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
+        let (s, readings) = scan_reading_twice(&caught, &whole);
         assert_eq!((s.end, s.next_offset, s.records, &s.stop), (starts[5], 5, 5, &Stop::Clean));
-        assert_eq!(readings.get(), 2);
+        assert_eq!(readings, 2);
 
         // Damage reads the same every time: reported where it is, after a few more looks.
         let mut damaged = whole.clone();
@@ -701,12 +708,7 @@ mod tests {
         caught[starts[5]..].fill(0);
         let mut later = whole.clone();
         later[starts[5] + 8..].fill(0);
-        let readings = std::cell::Cell::new(0);
-        let data = || {
-            readings.set(readings.get() + 1);
-            if readings.get() == 1 { &caught[..] } else { &later[..] }
-        };
-        let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
+        let (s, readings) = scan_reading_twice(&caught, &later);
         assert_eq!((s.end, s.next_offset, s.records), (starts[2], 2, 2));
         assert!(matches!(s.stop, Stop::Torn { error: FrameError::UnfinishedBatch, .. }), "{:?}", s.stop);
     }
@@ -723,15 +725,10 @@ mod tests {
         caught[starts[4]..].fill(0);
         let mut later = whole.clone();
         later[starts[4]..].fill(0);
-        let readings = std::cell::Cell::new(0);
-        let data = || {
-            readings.set(readings.get() + 1);
-            if readings.get() == 1 { &caught[..] } else { &later[..] }
-        };
-        let s = scan_beside_writer(Format::CURRENT, data, 0, 0);
+        let (s, readings) = scan_reading_twice(&caught, &later);
         assert_eq!((s.end, s.next_offset, s.records), (starts[2], 2, 2));
         assert!(matches!(s.stop, Stop::Torn { error: FrameError::UnfinishedBatch, .. }), "{:?}", s.stop);
-        assert_eq!(readings.get(), 2, "read again once, not until it gives up");
+        assert_eq!(readings, 2, "read again once, not until it gives up");
     }
 
     #[test]
