@@ -709,7 +709,7 @@ mod tests {
         let mut later = whole.clone();
         later[starts[5] + 8..].fill(0);
         let (s, readings) = scan_reading_twice(&caught, &later);
-        assert_eq!((s.end, s.next_offset, s.records), (starts[2], 2, 2));
+        assert_eq!((s.end, s.next_offset, s.records, readings), (starts[2], 2, 2, 2));
         assert!(matches!(s.stop, Stop::Torn { error: FrameError::UnfinishedBatch, .. }), "{:?}", s.stop);
     }
 
