@@ -744,7 +744,9 @@ impl Client {
 
     /// Serves calls of `function` with `handler` until `unserve`,
     /// `close` or the end of the connection; serving keeps the connection open meanwhile. Calls
-    /// run concurrently on one task: a handler with heavy work to do should spawn it.
+    /// run concurrently on one task: a handler with heavy work to do should spawn it. A lost
+    /// connection is not made again here (`closed` says when it ends); `Cluster`, of one server
+    /// or more, connects again and serves its functions again by itself.
     pub async fn serve<F, Fut>(&self, function: &str, handler: F) -> Result<(), ClientError>
     where
         F: Fn(Message) -> Fut + Send + Sync + 'static,
