@@ -518,6 +518,49 @@ fn client_commands_take_a_list_of_servers() {
     assert!(table.lines().any(|l| l.starts_with("jobs ")), "{table}");
 }
 
+/// `petrel reply` serves its function again after its server restarts: a client that only serves
+/// sends nothing, and it used to learn of the loss never (every call answered FUNCTION_NOT_FOUND
+/// until the replier was restarted too).
+#[test]
+fn petrel_reply_serves_again_after_its_server_restarts() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("s"));
+    let addr = server.addr.clone();
+    /// The replier, ended however the test ends (it serves until stopped).
+    struct Replier(Child);
+    impl Drop for Replier {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _replier = Replier(
+        Command::new(env!("CARGO_BIN_EXE_petrel"))
+            .args(["reply", "ping", "--text", "pong", "--server", &addr])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let answered = |what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let out = common::petrel(&["call", "ping", "--data", "x", "--server", &addr], b"");
+            if out.status.success() {
+                assert_eq!(String::from_utf8_lossy(&out.stdout), "pong\n");
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}: {}", String::from_utf8_lossy(&out.stderr));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    answered("served at first");
+    server.kill9();
+    let _server = Server::start_at(&addr, &dir.path().join("s"));
+    answered("served again after the restart");
+}
+
 /// A function the cluster serves that a server refuses to serve (its user has no right to serve
 /// there) is named in that server's state with the refusal: when served, and as it stands after
 /// the server comes back from a loss. It used to go unsaid (`serve` answered `Ok` for the others).
