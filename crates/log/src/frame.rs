@@ -381,7 +381,7 @@ pub(crate) enum Decoded<'a> {
 /// Decodes and checks the frame at the start of `buf`. `max_len` bounds `frame_len`. `offset` is
 /// the record expected there: a format-2 or 3 frame takes it (its offset is its place), a format-1
 /// frame reports its own, which the caller compares. `prev_timestamp` is the timestamp of the
-/// frame before, which a format-3 or 4 frame without its own takes (callers that cannot know it pass
+/// frame before, which a frame of format 3 on without its own takes (callers that cannot know it pass
 /// 0 and do not use the record's timestamp, or resolve it with `own_timestamp` walks).
 #[inline]
 pub(crate) fn decode(
@@ -439,7 +439,7 @@ fn head(format: Format, buf: &[u8]) -> Option<Head> {
 /// of its batch, if it says the next frame is of its batch (format 5); `None` otherwise. For
 /// frames already checked: what `repair` keeps before the place it cuts the log is then whole.
 pub(crate) fn ending_batch(format: Format, buf: &[u8]) -> Option<[u8; 8]> {
-    let head = head(format, buf).filter(|h| format.marks_batches() && h.continues && h.len <= buf.len())?;
+    let head = head(format, buf).filter(|h| h.continues && h.len <= buf.len())?;
     let word = u32::from_le_bytes(buf[4..8].try_into().unwrap()) & !CONTINUES;
     let mut checked = buf[4..head.len].to_vec();
     checked[..4].copy_from_slice(&word.to_le_bytes());
@@ -668,7 +668,7 @@ pub(crate) fn peek_timestamp(format: Format, buf: &[u8], prev: u64) -> Option<u6
 }
 
 /// The timestamp the frame at the start of `buf` holds itself (every frame of formats 1 and 2;
-/// `None` for a format-3 or 4 frame that takes the previous frame's, or if `buf` is too short). Reads
+/// `None` for a frame of format 3 on that takes the previous frame's, or if `buf` is too short). Reads
 /// the header only, no CRC: for frames that were checked or whose length `peek_len` accepted.
 #[inline]
 pub(crate) fn own_timestamp(format: Format, buf: &[u8]) -> Option<u64> {

@@ -285,7 +285,7 @@ pub(crate) enum TimeOf {
 /// Chunks are allocated as records arrive, so memory follows the records, not the segment size.
 ///
 /// Frames start on `FRAME_ALIGN` boundaries, so an entry's low bit is free: it is set when the
-/// frame holds its own timestamp. A format-3 or 4 frame without one takes the time of the nearest
+/// frame holds its own timestamp. A frame of format 3 on without one takes the time of the nearest
 /// frame before it that has one. To find that time without reading frames, the index also
 /// keeps the time of every `TIME_GROUP`-th record (in the same line): a record whose group
 /// has no frame holding a time between its first and the record takes that group's time;

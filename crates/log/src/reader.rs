@@ -25,7 +25,7 @@ pub struct Reader {
     pos: usize,
     next: u64,
     /// Timestamp of the record before `next` in `seg`, once known: what a frame without its own
-    /// (formats 3 and 4) takes.
+    /// (format 3 on) takes.
     time: Option<u64>,
 }
 
@@ -446,7 +446,7 @@ pub struct Batch<'a> {
     data: &'a [u8],
     format: Format,
     first: u64,
-    /// The time the first frame takes if it holds none (formats 3 and 4).
+    /// The time the first frame takes if it holds none (format 3 on).
     first_time: u64,
     count: usize,
 }

@@ -4,7 +4,7 @@
 //! ```text
 //! header, 64 bytes, little-endian:
 //! 0   8  magic             b"PETRELSG"
-//! 8   4  format version    4 (1, 2 and 3: segments written by earlier versions; still read)
+//! 8   4  format version    5 (1 to 4: segments written by earlier versions; still read)
 //! 12  4  header length     64 (frames start here)
 //! 16  8  base offset       offset of the first record; also in the file name
 //! 24  8  segment length    the file's length (its blocks reserved as the writer reaches them)
@@ -393,7 +393,7 @@ impl Segment {
         Some(own.unwrap_or_else(|| self.time_before(positions, offset)))
     }
 
-    /// The timestamp that record `offset`'s frame takes when it holds none (formats 3 and 4): that of
+    /// The timestamp that record `offset`'s frame takes when it holds none (format 3 on): that of
     /// the nearest frame before it in this segment that holds one, which `positions` (this
     /// segment's dense index) knows or marks. 0 for the segment's first record (whose frame
     /// always holds its own) and in earlier formats.

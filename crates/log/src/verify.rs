@@ -457,9 +457,7 @@ fn passed_by_every_group(dir: &Path) -> impl Fn(u64) -> bool {
 /// frame's (a frame after it without one of its own takes it). `None` where that cannot be
 /// done: a segment of format 1 or 2, a gap too short for a frame with a timestamp.
 fn zeros_frame(path: &Path, position: u64, resumes_at: u64) -> Result<Option<Vec<u8>>> {
-    let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
-        .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
-    let (seg, _) = Segment::open(path, base, false)?;
+    let seg = open_segment_file(path)?;
     let gap = (resumes_at - position) as usize;
     let with_time = frame::FRAME_HEADER_LEN + frame::TIMESTAMP_LEN;
     // Formats 3, 4 and 5 have today's frames (a frame not of a batch is alike in all three);
@@ -512,9 +510,7 @@ fn zeros_frame(path: &Path, position: u64, resumes_at: u64) -> Result<Option<Vec
 /// from the file name, no checkpoint.
 fn rewrite_header(path: &Path) -> Result<()> {
     use std::os::unix::fs::FileExt;
-    let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
-        .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
-    let (seg, _) = Segment::open(path, base, false)?;
+    let seg = open_segment_file(path)?;
     let header = seg.header_or_stand_in();
     drop(seg);
     let file = fs::OpenOptions::new().write(true).open(path).map_err(io_err("open segment", path))?;
@@ -522,14 +518,19 @@ fn rewrite_header(path: &Path) -> Result<()> {
     file.sync_data().map_err(io_err("sync segment", path))
 }
 
+/// The segment file `path` opened read-only as its name says (its header as it may be).
+fn open_segment_file(path: &Path) -> Result<Segment> {
+    let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
+        .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
+    Ok(Segment::open(path, base, false)?.0)
+}
+
 /// Makes the frame before `position` (where `repair` cut the log) the last of its batch if it
 /// said more of its batch followed: the records kept before the cut are whole, and the next open
 /// would otherwise take them for a batch a crash interrupted and cut them too.
 fn end_batch_before(path: &Path, position: u64) -> Result<()> {
     use std::os::unix::fs::FileExt;
-    let base = segment::parse_name(&path.file_name().unwrap_or_default().to_string_lossy())
-        .ok_or_else(|| Error::Config(format!("{} is not a segment file", path.display())))?;
-    let (seg, _) = Segment::open(path, base, false)?;
+    let seg = open_segment_file(path)?;
     let data = seg.map.published().from(SEGMENT_HEADER_LEN);
     let at = position as usize - SEGMENT_HEADER_LEN;
     // The frames before the cut are valid (the cut is at the first bad one): walk them.

@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime};
 
 use petrel_log::{Durability, Log, Options};
 
@@ -112,7 +112,8 @@ fn check_whole_batches(log: &Log) -> u64 {
 #[test]
 fn a_batch_survives_kill_9_whole_or_not_at_all() {
     let kills: usize = std::env::var("PETREL_CRASH_ITERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(24);
-    let mut x = Instant::now().elapsed().as_nanos() as u64 | 1;
+    // The kills' moments differ from run to run.
+    let mut x = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().subsec_nanos() as u64 | 1;
     let (mut cut, mut acknowledged) = (0, 0);
     for round in 0..kills.div_ceil(KILLS_PER_LOG) {
         let dir = tempfile::tempdir().unwrap();
