@@ -169,7 +169,8 @@ class AsyncCore:
 def _stop_serving() -> bool: ...
 
 class Client:
-    """A blocking, thread-safe connection to ``petrel serve``."""
+    """A blocking, thread-safe connection to ``petrel serve``: ``address`` is ``HOST:PORT``, or
+    its Unix socket as ``unix:PATH`` (or a path that starts with ``/``)."""
 
     def __init__(
         self,

@@ -27,6 +27,22 @@ def test_queue_offer_poll_and_reliable_reads(server):
         assert c.poll("jobs", timeout=0) is None
 
 
+def test_a_client_reaches_the_server_over_its_unix_socket(tmp_path):
+    from conftest import start, stop
+    socket = tmp_path / "petrel.sock"
+    process, address = start(tmp_path, "127.0.0.1:0", "--unix-socket", str(socket))
+    try:
+        with petrel.Client(f"unix:{socket}") as c:
+            c.create_queue("local", durable=True)
+            c.offer("local", b"over the socket")
+        with petrel.Client(address) as c:
+            assert c.poll("local", timeout=1).payload == b"over the socket"
+        with petrel.Client(str(socket)) as c:
+            assert c.list_queues() == ["local"]
+    finally:
+        stop(process)
+
+
 def test_a_retried_offer_with_a_key_is_stored_once(server):
     with petrel.Client(server) as c:
         c.create_queue("orders", durable=True)

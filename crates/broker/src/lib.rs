@@ -648,7 +648,9 @@ impl Broker {
                 self.write().insert(queue);
             }
             Err((name, e)) => {
-                tracing::error!(queue = %shown(&name), error = %e, "queue not served: its files could not be opened; repair them in place (POST /api/v1/queues/NAME/repair), or fix them and reload");
+                // Clients are told paths under the data directory (`DATA/queues/…`); the log says
+                // where that is.
+                tracing::error!(queue = %shown(&name), data = %self.dir.display(), error = %e, "queue not served: its files could not be opened; repair them in place (POST /api/v1/queues/NAME/repair), or fix them and reload");
                 self.damaged.insert(&name, e.to_string());
             }
         }
@@ -1473,7 +1475,7 @@ impl Broker {
                     Ok(_) => {}
                     // Its log damaged: listed, not served, kept for repair; the others go on.
                     Err(e @ BrokerError::Storage(_)) => {
-                        tracing::error!(topic = %shown(&name), error = %e, "topic not served: its log could not be opened; repair it (POST /api/v1/topics/NAME/repair, or `petrel log repair` with the server stopped)");
+                        tracing::error!(topic = %shown(&name), data = %self.dir.display(), error = %e, "topic not served: its log could not be opened; repair it (POST /api/v1/topics/NAME/repair, or `petrel log repair` with the server stopped)");
                         self.damaged_topics.insert(&name, e.to_string());
                     }
                     Err(e) => return Err(e),
@@ -1952,10 +1954,8 @@ fn remove_dir(parent: &Path, name: &str) -> Result<(), BrokerError> {
     std::fs::remove_dir_all(&doomed).map_err(failed)
 }
 
-/// A path as errors show it to clients: its last components (`queues/NAME/FILE`), not where the
-/// data directory is.
-/// `path` as it is under the data directory (from its `queues/` or `topics/` on), or its last
-/// three parts.
+/// A path as errors show it to clients: as it is under the data directory (from its `queues/` or
+/// `topics/` on), or its last three parts; never where the data directory is.
 fn in_data_dir(path: &Path) -> String {
     let parts: Vec<_> = path.components().map(|c| c.as_os_str().to_string_lossy()).collect();
     let from = parts.iter().rposition(|p| p == "queues" || p == "topics").unwrap_or(parts.len().saturating_sub(3));
@@ -1970,12 +1970,13 @@ fn storage_text(e: &petrel_log::Error) -> String {
             format!("cannot allocate segment {} ({size} bytes): {source} — is the disk full?", in_data_dir(path))
         }
         Corrupt { file, position, reason, .. } => {
-            // The log's directory (a cursor file is in its `groups/`), for the offline tools.
+            // The log's directory (a cursor file is in its `groups/`), for the offline tools: under
+            // the data directory, which clients are not told.
             let dir = file.parent().map(|d| if d.ends_with("groups") { d.parent().unwrap_or(d) } else { d });
             let tools = dir.map_or_else(String::new, |d| {
                 format!(
-                    " (`petrel log verify {0}` says what is damaged, `petrel log repair {0}` what it would do)",
-                    d.display()
+                    " (`petrel log verify DATA/{0}` says what is damaged, `petrel log repair DATA/{0}` what it would do)",
+                    in_data_dir(d)
                 )
             });
             format!("corrupt log: {} at byte {position}: {reason}{tools}", in_data_dir(file))

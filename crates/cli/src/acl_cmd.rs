@@ -22,8 +22,11 @@ pub enum AclCommand {
         /// The server's configuration file.
         #[arg(long)]
         config: PathBuf,
+        /// The user's name.
         user: String,
+        /// What NAME is.
         kind: KindArg,
+        /// The queue's, topic's or function's name.
         name: String,
     },
 }
@@ -40,6 +43,11 @@ pub fn acl(cmd: AclCommand) -> Res {
         AclCommand::List { config } => {
             let config = petrel_server::Config::load(&config)?;
             let acl = config.security.acl()?;
+            if config.security.users_file.is_none() {
+                eprintln!(
+                    "petrel: authentication is off in this file (no security.users_file): everyone may do everything; these rules apply once it is on"
+                );
+            }
             println!("default queue     {}", acl.default_queue);
             println!("default topic     {}", acl.default_topic);
             println!("default function  {}", acl.default_function);

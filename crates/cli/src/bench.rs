@@ -26,8 +26,10 @@ pub struct LogBench {
     /// Data directory; the benchmark works in a fresh subdirectory and removes it afterwards.
     #[arg(long, default_value_os_t = crate::default_data_dir())]
     data: PathBuf,
+    /// Bytes of each record's payload.
     #[arg(long, default_value_t = 32)]
     payload_bytes: usize,
+    /// Records to append.
     #[arg(long, default_value_t = 10_000_000)]
     count: u64,
     /// none, always, or interval:MS.
@@ -39,6 +41,7 @@ pub struct LogBench {
     /// Records per append call (1 = one `append` per record).
     #[arg(long, default_value_t = 1)]
     batch: usize,
+    /// Largest segment file of the log, bytes.
     #[arg(long, default_value_t = petrel_log::DEFAULT_SEGMENT_BYTES)]
     segment_bytes: u64,
     /// Give records keys `k0`…`k{N-1}` (round robin) and measure get-by-key (0 = no keys).
@@ -78,7 +81,8 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if let Some(dir) = &args.consume {
         return consume_existing(&args, dir);
     }
-    let dir = args.data.join(format!("bench-log-{}", std::process::id()));
+    let bench_dir = crate::BenchDir::new(&args.data, "bench-log");
+    let dir = bench_dir.path.clone();
     if dir.exists() {
         std::fs::remove_dir_all(&dir)?;
     }
@@ -214,7 +218,7 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     drop(log);
     let bytes_on_disk = disk_usage(&dir)?;
     if !args.keep {
-        std::fs::remove_dir_all(&dir)?;
+        bench_dir.remove()?;
     }
 
     let mb = (appended * args.payload_bytes as u64) as f64 / 1e6;

@@ -33,6 +33,11 @@ pub enum Mode {
     Connect,
 }
 
+/// A value as the command line spells it (`offer-poll`).
+fn value_name(value: impl ValueEnum) -> String {
+    value.to_possible_value().map_or_else(String::new, |v| v.get_name().to_owned())
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Protocol {
     Native,
@@ -79,11 +84,13 @@ pub struct QueueBench {
     /// Leave the queue and what it holds when done (to look at the server's memory).
     #[arg(long)]
     pub(crate) keep: bool,
+    /// Bytes of each message's payload.
     #[arg(long, default_value_t = 32)]
     pub(crate) payload_bytes: usize,
     /// Messages in all.
     #[arg(long, default_value_t = 1_000_000)]
     pub(crate) count: u64,
+    /// Connections, each driven by its own task.
     #[arg(long, default_value_t = 1)]
     pub(crate) connections: usize,
     /// Requests in flight per connection.
@@ -92,6 +99,7 @@ pub struct QueueBench {
     /// Messages per offer request (and most per poll).
     #[arg(long, default_value_t = 1)]
     pub(crate) batch: usize,
+    /// Print the result as one JSON object on the last line.
     #[arg(long)]
     pub(crate) json: bool,
     /// Payloads of English-like text instead of one repeated byte (for --compress-min-bytes).
@@ -245,9 +253,9 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let (addr, local) = match &args.server {
             Some(a) => (a.clone(), None),
             None => {
-                let dir = args.data.join(format!("bench-server-{}", std::process::id()));
+                let dir = crate::BenchDir::new(&args.data, "bench-server");
                 let mut config = petrel_server::Config {
-                    data: dir.clone(),
+                    data: dir.path.clone(),
                     native_addr: "127.0.0.1:0".parse()?,
                     memcache_addr: Some("127.0.0.1:0".parse()?),
                     http_addr: None,
@@ -287,12 +295,21 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         if let Some((dir, stop, task)) = local {
             let _ = stop.send(());
             let _ = task.await;
-            let _ = std::fs::remove_dir_all(dir);
+            let _ = dir.remove();
         }
         let result = result?;
+        let (mode, protocol) = (value_name(args.mode), value_name(args.protocol));
+        let servers = match cluster.len() {
+            n if n > 1 => format!(" to each of {n} servers"),
+            _ => String::new(),
+        };
+        let connections = match args.connections {
+            1 => "1 connection".to_owned(),
+            n => format!("{n} connections"),
+        };
         println!(
-            "{:?} {} × {} B over {} {:?} connection(s), pipeline {}, batch {}: {:.0} msg/s, {:.1} MB/s; request latency p50 {:.1} µs, p99 {:.1} µs, p999 {:.1} µs",
-            args.mode, result.messages, args.payload_bytes, args.connections, args.protocol, args.pipeline, args.batch,
+            "{mode}: {} × {} B over {connections}{servers} ({protocol}), pipeline {}, batch {}: {:.0} msg/s, {:.1} MB/s; request latency p50 {:.1} µs, p99 {:.1} µs, p999 {:.1} µs",
+            result.messages, args.payload_bytes, args.pipeline, args.batch,
             result.msgs_per_sec, result.mb_per_sec, result.p50_us, result.p99_us, result.p999_us
         );
         let client_cpu_us_per_msg = client_cpu_us / result.messages.max(1) as f64;
@@ -305,8 +322,8 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         if args.json {
             println!("{}", serde_json::json!({
                 "bench": "queue",
-                "mode": format!("{:?}", args.mode).to_lowercase(),
-                "protocol": format!("{:?}", args.protocol).to_lowercase(),
+                "mode": mode,
+                "protocol": protocol,
                 "keys": args.keys,
                 "requests": result.requests,
                 "requests_per_sec": result.requests as f64 / result.secs,

@@ -48,6 +48,7 @@ pub struct SoakBench {
     /// The server's data directory goes in a fresh subdirectory here, removed afterwards.
     #[arg(long, default_value_os_t = crate::default_data_dir())]
     data: PathBuf,
+    /// Print the report as one JSON object on the last line.
     #[arg(long)]
     json: bool,
 }
@@ -67,14 +68,15 @@ pub fn run(args: SoakBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         return Err("--connections: at most 125,000".into());
     }
     crate::server_cmd::raise_open_files_limit();
-    let dir = args.data.join(format!("bench-soak-{}", std::process::id()));
+    let bench_dir = crate::BenchDir::new(&args.data, "bench-soak");
+    let dir = bench_dir.path.clone();
     std::fs::create_dir_all(&dir)?;
     let result = (|| -> Res<Report> {
         let server = ServerProcess::start(&dir, &args)?;
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
         rt.block_on(soak(&args, &server.addr, server.child.id()))
     })();
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = bench_dir.remove();
     let report = result.map_err(|e| e as Box<dyn std::error::Error>)?;
     report.print(&args);
     Ok(ExitCode::SUCCESS)

@@ -26,6 +26,7 @@ pub enum LogCommand {
     Consume(ConsumeArgs),
     /// Truncate the log at its first bad frame (needs --yes).
     Repair {
+        /// The log's directory (a server's queue keeps its log in DATA/queues/NAME).
         dir: PathBuf,
         /// Confirm: records from the first bad frame to the end are deleted.
         #[arg(long)]
@@ -35,6 +36,7 @@ pub enum LogCommand {
 
 #[derive(Args)]
 pub struct DumpArgs {
+    /// The log's directory (a server's queue keeps its log in DATA/queues/NAME).
     dir: PathBuf,
     /// First offset to print (default: the oldest).
     #[arg(long)]
@@ -59,7 +61,9 @@ pub struct DumpArgs {
 
 #[derive(Args)]
 pub struct ConsumeArgs {
+    /// The log's directory (a server's queue keeps its log in DATA/queues/NAME).
     dir: PathBuf,
+    /// The consumer group (made, at the oldest record, if the log has none of this name).
     #[arg(long)]
     group: String,
     /// Stop after this many records (default: when the log has no more).
@@ -72,12 +76,14 @@ pub struct ConsumeArgs {
     /// Wait this long for new records before stopping (e.g. 500ms, 10s).
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     wait: std::time::Duration,
+    /// One JSON object per record (payload in base64), as `petrel log dump --json` prints them.
     #[arg(long)]
     json: bool,
 }
 
 #[derive(Args)]
 pub struct AppendArgs {
+    /// The log's directory (a server's queue keeps its log in DATA/queues/NAME).
     dir: PathBuf,
     /// none, always, or interval:MS.
     #[arg(long, default_value = "none")]
@@ -383,6 +389,9 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
             report.segments_removed,
             report.next_offset
         ),
+        None if report.records_replaced.is_empty() && report.headers_rewritten == 0 => {
+            println!("{}: nothing to repair", dir.display())
+        }
         None if report.records_replaced.is_empty() => {
             println!("no bad frames; {} segment headers rewritten", report.headers_rewritten)
         }

@@ -150,3 +150,31 @@ fn exit_quietly_on_broken_pipe() {
 pub fn default_data_dir() -> PathBuf {
     PathBuf::from(DEFAULT_DATA_DIR)
 }
+
+/// A benchmark's own directory, `DATA/NAME-PID`. Removing it removes `DATA` too if the run made
+/// it and nothing else is in it: a benchmark leaves no empty `./petrel-data` behind.
+pub(crate) struct BenchDir {
+    pub path: PathBuf,
+    data: PathBuf,
+    made_data: bool,
+}
+
+impl BenchDir {
+    pub fn new(data: &std::path::Path, name: &str) -> BenchDir {
+        BenchDir {
+            path: data.join(format!("{name}-{}", std::process::id())),
+            data: data.to_owned(),
+            made_data: !data.exists(),
+        }
+    }
+
+    pub fn remove(&self) -> std::io::Result<()> {
+        if self.path.exists() {
+            std::fs::remove_dir_all(&self.path)?;
+        }
+        if self.made_data {
+            let _ = std::fs::remove_dir(&self.data); // only if empty
+        }
+        Ok(())
+    }
+}

@@ -16,6 +16,7 @@ type Res = Result<ExitCode, Box<dyn std::error::Error>>;
 pub enum TopicCommand {
     /// Create a topic (no-op if it exists with the same durability).
     Create {
+        /// The topic's name.
         name: String,
         #[command(flatten)]
         server: ServerArg,
@@ -30,18 +31,21 @@ pub enum TopicCommand {
     },
     /// Remove a topic; its subscriptions end.
     Remove {
+        /// The topic's name.
         name: String,
         #[command(flatten)]
         server: ServerArg,
     },
     /// Publish each line of stdin to every current subscriber.
     Publish {
+        /// The topic's name.
         name: String,
         #[command(flatten)]
         server: ServerArg,
     },
     /// Print the topic's messages as they are published, one payload per line.
     Subscribe {
+        /// The topic's name.
         name: String,
         #[command(flatten)]
         server: ServerArg,
@@ -95,14 +99,18 @@ pub fn topic(cmd: TopicCommand) -> Res {
             }
             let subscribers = match reached {
                 Some((lo, hi)) if lo == hi => {
-                    format!(", each to {}", crate::output::count(u64::from(hi), "subscriber"))
+                    format!(", each to {}", crate::output::count(u64::from(hi), "live subscriber"))
                 }
-                Some((lo, hi)) => format!(", each to {lo} to {hi} subscribers"),
+                Some((lo, hi)) => format!(", each to {lo} to {hi} live subscribers"),
                 None => String::new(),
             };
-            // A durable topic keeps what is published whoever listens: "0 subscribers" alone would
-            // read as lost.
-            let kept = if sent > 0 && client.topic_is_durable(&name) == Some(true) { ", kept in its log" } else { "" };
+            // A durable topic keeps what is published whoever listens, and its consumer groups read
+            // it there (they are not counted as live subscribers): "0 subscribers" alone would read
+            // as lost.
+            let kept = match sent > 0 && client.topic_is_durable(&name) == Some(true) {
+                true => ", kept in its log for its consumer groups",
+                false => "",
+            };
             eprintln!("{} published to {name}{kept}{subscribers}", crate::output::count(sent, "message"));
         }
         TopicCommand::Subscribe { name, server, count, buffer, json, group, from } => {
@@ -183,6 +191,7 @@ fn parse_from(text: &str) -> Result<StartFrom, String> {
 
 #[derive(clap::Args)]
 pub struct CallArgs {
+    /// The function's name.
     function: String,
     #[command(flatten)]
     server: ServerArg,

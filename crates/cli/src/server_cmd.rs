@@ -148,6 +148,8 @@ async fn reload_on_sighup(reloader: petrel_server::Reloader) {
                     tracing::error!(%failed, "not applied by the reload");
                 }
             }
+            // Started without a file: damaged queues were looked at again, and nothing failed.
+            Err(e) if !reloader.has_file() => tracing::info!("{e}"),
             Err(e) => tracing::error!(error = %e, "reload failed; the previous settings stay"),
         }
     }
@@ -167,9 +169,10 @@ async fn shutdown_signal() {
 /// `PETREL_PASSWORD`, never from the command line (which other users can see).
 #[derive(Args)]
 pub struct ServerArg {
-    /// Server address (HOST or HOST:PORT; the port 22134 when not given); a comma list (A,B,C)
-    /// is a cluster of independent servers: offers go to each in turn, reads take from all.
-    #[arg(long, default_value = DEFAULT_NATIVE_ADDR, value_parser = with_default_ports)]
+    /// Server address: HOST or HOST:PORT (the port 22134 when not given), or a Unix socket's
+    /// path (unix:PATH, or a path starting with /); a comma list (A,B,C) is a cluster of
+    /// independent servers: offers go to each in turn, reads take from all.
+    #[arg(long, env = "PETREL_SERVER", default_value = DEFAULT_NATIVE_ADDR, value_parser = with_default_ports)]
     pub server: String,
     /// Authenticate as this user (password from $PETREL_PASSWORD).
     #[arg(long)]
@@ -177,7 +180,8 @@ pub struct ServerArg {
     /// Speak TLS, trusting the server's certificate if it chains to this CA (PEM).
     #[arg(long, value_name = "FILE")]
     pub tls_ca: Option<PathBuf>,
-    /// A client certificate (PEM) for mutual TLS: it names the user. Needs --tls-key.
+    /// A client certificate (PEM) for mutual TLS: it names the user. Needs --tls-key and
+    /// --tls-ca.
     #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
     pub tls_cert: Option<PathBuf>,
     /// The client certificate's private key (PEM).
@@ -192,6 +196,9 @@ fn with_default_ports(list: &str) -> Result<String, String> {
         let addr = addr.trim();
         if addr.is_empty() {
             return Err("an empty address".into());
+        }
+        if petrel_client::unix_socket_path(addr).is_some() {
+            return Ok(addr.to_owned());
         }
         if addr.parse::<std::net::Ipv6Addr>().is_ok() {
             return Ok(format!("[{addr}]:{port}"));
@@ -274,6 +281,7 @@ impl ServerArg {
 
 #[derive(Args)]
 pub struct ProduceArgs {
+    /// The queue's name.
     queue: String,
     #[command(flatten)]
     server: ServerArg,
@@ -432,6 +440,7 @@ fn offer_waiting(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Re
 
 #[derive(Args)]
 pub struct ConsumeArgs {
+    /// The queue's name.
     queue: String,
     #[command(flatten)]
     server: ServerArg,
@@ -553,6 +562,7 @@ impl Reader {
 pub enum QueueCommand {
     /// Create a queue (no-op if it exists with the same configuration).
     Create {
+        /// The queue's name.
         name: String,
         #[command(flatten)]
         server: ServerArg,
@@ -621,12 +631,14 @@ pub enum QueueCommand {
     },
     /// Remove a queue and every message in it.
     Remove {
+        /// The queue's name.
         name: String,
         #[command(flatten)]
         server: ServerArg,
     },
     /// Show a queue's figures and configuration.
     Status {
+        /// The queue's name.
         name: String,
         #[command(flatten)]
         server: ServerArg,

@@ -290,6 +290,7 @@ fn queue_json(s: &Sample, rates: Option<(f64, f64)>) -> Value {
 /// A queue's figures as `petrel queue status` and `stat --json` print them: named as the HTTP
 /// API's `/api/v1/queues/NAME` names them (`docs/http.md`), one vocabulary wherever a user looks.
 pub(crate) fn queue_figures(name: &str, st: &QueueStats) -> Value {
+    let (dedup_keys, dedup_ns) = petrel_broker::config::dedup_window_of(&st.config);
     json!({
         "name": name,
         "config": st.config,
@@ -309,6 +310,15 @@ pub(crate) fn queue_figures(name: &str, st: &QueueStats) -> Value {
         "delayed": st.delayed,
         "durability_in_force": st.durability_in_force,
         "max_bytes_in_force": st.max_bytes_in_force,
+        // What the configuration's 0s ("the default") stand for: the broker's defaults, which
+        // are this build's and the server's (one binary).
+        "dedup_window_in_force": dedup_keys,
+        "dedup_window_ms_in_force": dedup_ns / 1_000_000,
+        "priority_share_in_force": match st.config.priorities {
+            0 | 1 => 0,
+            _ if st.config.priority_share == 0 => petrel_broker::config::DEFAULT_PRIORITY_SHARE,
+            _ => st.config.priority_share,
+        },
     })
 }
 

@@ -21,17 +21,31 @@ pub enum UserCommand {
     Add {
         /// The users file (TOML; `security.users_file` in the server's configuration).
         file: PathBuf,
+        /// The user's name.
         name: String,
         /// An administrator: may do everything, including create and remove destinations.
         #[arg(long)]
         admin: bool,
     },
     /// Change a user's password; the new one is one line on stdin.
-    Passwd { file: PathBuf, name: String },
+    Passwd {
+        /// The users file.
+        file: PathBuf,
+        /// The user's name.
+        name: String,
+    },
     /// Remove a user.
-    Remove { file: PathBuf, name: String },
+    Remove {
+        /// The users file.
+        file: PathBuf,
+        /// The user's name.
+        name: String,
+    },
     /// List the users and their roles.
-    List { file: PathBuf },
+    List {
+        /// The users file.
+        file: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]

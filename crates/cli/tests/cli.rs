@@ -29,6 +29,9 @@ fn counts_in_words_json_in_base64_and_subscribers_reached() {
     assert!(ok);
     let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(json["payload_base64"], "aGVsbG8=", "{out}");
+    // $PETREL_SERVER names the server when --server does not.
+    let listed = Command::new(PETREL).args(["queue", "list"]).env("PETREL_SERVER", s).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&listed.stdout), "jobs\n", "{}", String::from_utf8_lossy(&listed.stderr));
 
     // The same field names and encoding as `log dump --json`.
     let log = dir.path().join("log");
@@ -49,11 +52,11 @@ fn counts_in_words_json_in_base64_and_subscribers_reached() {
         let (ok, _, e) = run(&["topic", "publish", "news", "--server", s], "a\n");
         assert!(ok);
         err = e;
-        if err.contains("each to 1 subscriber") {
+        if err.contains("each to 1 live subscriber") {
             reached = true;
             break;
         }
-        assert!(err.contains("1 message published to news, each to 0 subscribers"), "{err}");
+        assert!(err.contains("1 message published to news, each to 0 live subscribers"), "{err}");
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(reached, "{err}");
@@ -62,7 +65,12 @@ fn counts_in_words_json_in_base64_and_subscribers_reached() {
     // A durable topic keeps what no one listens to: said so, not only "0 subscribers".
     assert!(run(&["topic", "create", "audit", "--durable", "--server", s], "").0);
     let (ok, _, err) = run(&["topic", "publish", "audit", "--server", s], "a\nb\n");
-    assert!(ok && err.contains("2 messages published to audit, kept in its log, each to 0 subscribers"), "{err}");
+    assert!(
+        ok && err.contains(
+            "2 messages published to audit, kept in its log for its consumer groups, each to 0 live subscribers"
+        ),
+        "{err}"
+    );
     // A group reads them with their offsets, which --from takes.
     let (ok, out, _) = run(
         &["topic", "subscribe", "audit", "--group", "g", "--from", "1", "--count", "1", "--json", "--server", s],

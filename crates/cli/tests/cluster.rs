@@ -516,6 +516,14 @@ fn client_commands_take_a_list_of_servers() {
     assert!(table.starts_with("3 servers, 2 up"), "{table}");
     assert!(table.contains(&format!("down: {down_addr}")), "{table}");
     assert!(table.lines().any(|l| l.starts_with("jobs ")), "{table}");
+
+    // A queue made while one server is down: made on the others, and the error says which.
+    let out = petrel(&["queue", "create", "later", "--durable", "--server", &list], b"");
+    assert!(!out.status.success());
+    let said = String::from_utf8_lossy(&out.stderr);
+    let done = format!("(done on {}, {})", servers[0].addr, servers[1].addr);
+    assert!(said.contains(&down_addr) && said.contains(&done), "{said}");
+    assert!(run(&["queue", "list"], b"").lines().any(|l| l == "later"));
 }
 
 /// `petrel reply` serves its function again after its server restarts: a client that only serves

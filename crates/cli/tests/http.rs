@@ -655,14 +655,18 @@ fn a_queue_or_topic_whose_log_is_damaged_is_not_served_the_others_are_and_a_repa
     assert!(scrape.lines().any(|l| l == "petrel_queues_damaged 1"), "{scrape}");
     assert!(scrape.lines().any(|l| l == "petrel_topics_damaged 1"), "{scrape}");
     assert_eq!(status["damaged_topics"][0]["name"], "news", "{status}");
+    // What clients are told names the files under the data directory, never where it is.
+    let hidden = data.to_str().unwrap();
     let (code, _, body) = get(&server.http, "/api/v1/queues/bad", None);
     assert_eq!(code, 503, "{body}");
+    assert!(body.contains("petrel log verify DATA/queues/bad") && !body.contains(hidden), "{body}");
     rt.block_on(async {
         let c = server.client().await;
         let good = c.poll("good", PollOptions { max: 100, ..Default::default() }).await.unwrap();
         assert_eq!(good.len(), 50, "the other queue is served");
         let err = c.poll("bad", PollOptions { max: 100, ..Default::default() }).await.unwrap_err().to_string();
         assert!(err.contains("not served") && err.contains("reload"), "{err}");
+        assert!(!err.contains(hidden), "{err}");
     });
     // Nor does a memcache set make a new queue over the damaged one's files.
     let mut mc = TcpStream::connect(&server.memcache).unwrap();
@@ -670,6 +674,7 @@ fn a_queue_or_topic_whose_log_is_damaged_is_not_served_the_others_are_and_a_repa
     let mut answer = [0u8; 512];
     let n = mc.read(&mut answer).unwrap();
     assert!(answer[..n].starts_with(b"SERVER_ERROR"), "{}", String::from_utf8_lossy(&answer[..n]));
+    assert!(!String::from_utf8_lossy(&answer[..n]).contains(hidden), "{}", String::from_utf8_lossy(&answer[..n]));
     assert_eq!(std::fs::read(&segment).unwrap(), bytes, "its files are as they were");
     mc.write_all(b"stats\r\n").unwrap();
     let mut stats = String::new();

@@ -663,6 +663,19 @@ async fn the_unix_socket_serves_the_same_queues() {
     over_unix.create_queue("both", QueueConfig::default()).await.unwrap();
     over_tcp.offer("both", vec![msg("hi")], None).await.unwrap();
     assert_eq!(texts(&over_unix.poll("both", TAKE).await.unwrap()), ["hi"]);
+    // The command line reaches it by its path, as `unix:PATH` or a path, alone or in a list;
+    // TLS is refused there, said before connecting.
+    let path = socket.to_str().unwrap();
+    let cli = |args: &[&str], stdin: &[u8]| common::petrel(args, stdin);
+    let out = cli(&["produce", "both", "--server", &format!("unix:{path}")], b"one\ntwo\n");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&["consume", "both", "--server", path], b"");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "one\ntwo\n", "{}", String::from_utf8_lossy(&out.stderr));
+    let tcp = native.strip_prefix("native ").unwrap();
+    let out = cli(&["queue", "list", "--server", &format!("{path},{tcp}")], b"");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "both\n", "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&["queue", "list", "--server", path, "--tls-ca", path], b"");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("TLS on TCP only"));
     // A server on the data directory `data` and the Unix socket `path`.
     let serve = |data: &str, path: &std::path::Path| {
         let mut command = Command::new(env!("CARGO_BIN_EXE_petrel"));

@@ -309,7 +309,7 @@ impl Shared {
                 format!("{}: {}", m.addr, link.last_error.as_deref().unwrap_or("down"))
             })
             .collect();
-        ClientError::Unavailable(reasons.join("; "))
+        ClientError::Unavailable(format!("no server is up ({})", reasons.join("; ")))
     }
 
     /// Sends `request` to the first server in `order` that answers; a server that fails before
@@ -626,7 +626,7 @@ impl Cluster {
             }
             let reasons: Vec<String> =
                 results.iter().zip(&addrs).map(|(r, a)| format!("{a}: {}", r.as_ref().expect_err("failed"))).collect();
-            return Err(ClientError::Unavailable(reasons.join("; ")));
+            return Err(ClientError::Unavailable(format!("no server is up ({})", reasons.join("; "))));
         }
         let mut down = Vec::new();
         let members = results
@@ -1234,19 +1234,47 @@ impl Cluster {
     }
 
     /// Sends `request` to every server; the first failure (naming its server) is the error.
+    /// An error names the servers that failed and those that did the request anyway (a queue
+    /// created on two servers of three is there on two, whatever the third said).
     async fn on_all(&self, request: &Request) -> Result<(), ClientError> {
+        let mut done = Vec::new();
+        let mut failed: Option<ClientError> = None;
         for (i, result) in self.shared.to_all(request).await {
             let addr = &self.shared.members[i].addr;
-            match result {
-                Ok(_) => {}
-                Err(ClientError::Status { status, message }) => {
-                    return Err(ClientError::Status { status, message: format!("{addr}: {message}") });
+            let error = match result {
+                Ok(_) => {
+                    done.push(addr.as_str());
+                    continue;
                 }
-                Err(e @ ClientError::Unavailable(_)) => return Err(e),
-                Err(e) => return Err(ClientError::Unavailable(format!("{addr}: {e}"))),
-            }
+                Err(ClientError::Status { status, message }) => {
+                    ClientError::Status { status, message: format!("{addr}: {message}") }
+                }
+                Err(ClientError::Unavailable(why)) => ClientError::Unavailable(why),
+                Err(e) => ClientError::Unavailable(format!("{addr}: {e}")),
+            };
+            failed = Some(match failed {
+                None => error,
+                // The first error keeps its kind; the others' texts join it.
+                Some(ClientError::Status { status, message }) => {
+                    ClientError::Status { status, message: format!("{message}; {}", shown_error(&error)) }
+                }
+                Some(ClientError::Unavailable(why)) => {
+                    ClientError::Unavailable(format!("{why}; {}", shown_error(&error)))
+                }
+                Some(other) => other,
+            });
         }
-        Ok(())
+        match failed {
+            None => Ok(()),
+            Some(error) if done.is_empty() => Err(error),
+            Some(ClientError::Status { status, message }) => {
+                Err(ClientError::Status { status, message: format!("{message} (done on {})", done.join(", ")) })
+            }
+            Some(ClientError::Unavailable(why)) => {
+                Err(ClientError::Unavailable(format!("{why} (done on {})", done.join(", "))))
+            }
+            Some(other) => Err(other),
+        }
     }
 
     /// The names every server that is up lists, once each, sorted.
@@ -1268,6 +1296,15 @@ impl Cluster {
             return Err(self.shared.unavailable());
         }
         Ok(names.into_iter().collect())
+    }
+}
+
+/// One server's part of an error that joins several.
+fn shown_error(e: &ClientError) -> String {
+    match e {
+        ClientError::Status { status, message } => format!("{status}: {message}"),
+        ClientError::Unavailable(why) => why.clone(),
+        other => other.to_string(),
     }
 }
 

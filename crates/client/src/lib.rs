@@ -61,9 +61,16 @@ pub enum ClientError {
     Closed,
     #[error("TLS: {0}")]
     Tls(String),
-    /// No server of a cluster could take the request (each one's reason is in the text).
-    #[error("no server available: {0}")]
+    /// A server of a cluster could not take the request (each one's reason is in the text, and
+    /// for a request to every server, those that did it).
+    #[error("unavailable: {0}")]
     Unavailable(String),
+}
+
+/// The path of the Unix socket `addr` names (`unix:PATH`, or a path that starts with `/`), if
+/// it names one rather than a TCP address.
+pub fn unix_socket_path(addr: &str) -> Option<&str> {
+    addr.strip_prefix("unix:").or_else(|| addr.starts_with('/').then_some(addr))
 }
 
 /// How to reach a server: TLS, credentials, patience.
@@ -348,12 +355,28 @@ impl Client {
         Client::over(stream).await
     }
 
-    /// Connects to `addr` (`host:port`) with `options`: TLS if `options.tls` is set, then HELLO,
-    /// then AUTH if `options.user` is set. Errors name the address.
+    /// Connects to `addr` with `options`: TLS if `options.tls` is set, then HELLO, then AUTH if
+    /// `options.user` is set. `addr` is `host:port`, or a Unix socket's path (`unix:PATH`, or a
+    /// path that starts with `/`), where TLS is refused: the server speaks it on TCP only. Errors
+    /// name the address.
     pub async fn connect_with(addr: &str, options: &ClientOptions) -> Result<Client, ClientError> {
         let failed = |what: &str, e: std::io::Error| {
             ClientError::Io(std::io::Error::new(e.kind(), format!("{what} {addr}: {e}")))
         };
+        if let Some(path) = unix_socket_path(addr) {
+            if options.tls.is_some() {
+                return Err(ClientError::Tls(format!(
+                    "{addr}: a Unix socket is local; the server speaks TLS on TCP only"
+                )));
+            }
+            let connecting = tokio::net::UnixStream::connect(path);
+            let stream = match tokio::time::timeout(options.connect_timeout, connecting).await {
+                Ok(connected) => connected.map_err(|e| failed("connect to", e))?,
+                Err(_) => return Err(failed("connect to", std::io::ErrorKind::TimedOut.into())),
+            };
+            let client = Client::start(stream, addr, options).await?;
+            return client.log_in(options).await;
+        }
         let connecting = tokio::net::TcpStream::connect(addr);
         let stream = match tokio::time::timeout(options.connect_timeout, connecting).await {
             Ok(connected) => connected.map_err(|e| failed("connect to", e))?,
@@ -376,11 +399,16 @@ impl Client {
             }
             None => Client::start(stream, addr, options).await?,
         };
+        client.log_in(options).await
+    }
+
+    /// AUTH as `options.user`, if it names one.
+    async fn log_in(self, options: &ClientOptions) -> Result<Client, ClientError> {
         if let Some(user) = &options.user {
             let password = options.password.clone().unwrap_or_default();
-            client.call_op(Request::Auth { user: user.clone(), password }).await?;
+            self.call_op(Request::Auth { user: user.clone(), password }).await?;
         }
-        Ok(client)
+        Ok(self)
     }
 
     /// Connects over a Unix socket and says hello.

@@ -30,12 +30,12 @@ pub struct Config {
     pub http_addr: Option<SocketAddr>,
     /// `/metrics` answers without authentication even when authentication is on.
     pub http_open_metrics: bool,
-    /// `/metrics` has series per queue (13 each); off, only server-wide ones (for servers with
+    /// `/metrics` has series per queue (14 each); off, only server-wide ones (for servers with
     /// very many queues).
     pub metrics_per_queue: bool,
     /// Largest frame accepted (the length field), bytes.
     pub max_frame_bytes: u32,
-    /// Largest message (payload + headers) accepted, bytes.
+    /// Largest message accepted, bytes: payload, headers and text fields (`Message::size`).
     pub max_message_bytes: usize,
     /// Payloads of at least this many bytes go out zstd-compressed to clients that asked for it
     /// in HELLO (0: never; compressed payloads from clients are always accepted).

@@ -127,6 +127,12 @@ pub struct Reloader {
 }
 
 impl Reloader {
+    /// The server was started with a configuration file (without one, a reload only opens
+    /// damaged queues again, and its `Err` says so: nothing failed).
+    pub fn has_file(&self) -> bool {
+        self.path.is_some()
+    }
+
     /// Reads the file again and applies it; the outcome is logged and kept for the API.
     pub fn reload(&self) -> Result<ReloadSummary, String> {
         // Without a file there is nothing to read again; damaged queues fixed by hand are still
@@ -172,8 +178,10 @@ impl Reloader {
 
     fn apply(&self, path: &Path) -> Result<(toml::Table, ReloadSummary), String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let table: toml::Table = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let config: Config = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        // (toml's messages end with a newline: trimmed, for the log's line and the API's field.)
+        let failed = |e: toml::de::Error| format!("{}: {}", path.display(), e.to_string().trim_end());
+        let table: toml::Table = toml::from_str(&text).map_err(failed)?;
+        let config: Config = toml::from_str(&text).map_err(failed)?;
         config.validate()?;
         // Everything is checked before anything is applied: a bad file changes nothing.
         let security = config.security.load()?;
