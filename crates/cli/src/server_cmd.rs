@@ -236,7 +236,13 @@ impl ServerArg {
         if self.is_cluster() {
             return Err(format!("--server {}: this command takes one server", self.server).into());
         }
-        Ok(Client::connect_with(&self.server, &self.options()?)?)
+        let client = Client::connect_with(&self.server, &self.options()?)?;
+        if let Some(user) = &self.user
+            && !client.auth_required()
+        {
+            eprintln!("petrel: {} has authentication off: --user {user} was not checked", self.server);
+        }
+        Ok(client)
     }
 
     /// `--server` lists more than one server.

@@ -32,6 +32,14 @@ fn counts_in_words_json_in_base64_and_subscribers_reached() {
     // $PETREL_SERVER names the server when --server does not.
     let listed = Command::new(PETREL).args(["queue", "list"]).env("PETREL_SERVER", s).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&listed.stdout), "jobs\n", "{}", String::from_utf8_lossy(&listed.stderr));
+    // A user named to a server without users is said to be unchecked, not silently taken.
+    let unchecked = Command::new(PETREL)
+        .args(["queue", "list", "--user", "ann", "--server", s])
+        .env("PETREL_PASSWORD", "wrong")
+        .output()
+        .unwrap();
+    assert!(unchecked.status.success());
+    assert!(String::from_utf8_lossy(&unchecked.stderr).contains("authentication off: --user ann was not checked"));
 
     // The same field names and encoding as `log dump --json`.
     let log = dir.path().join("log");

@@ -299,6 +299,8 @@ struct Inner {
     compress_min_bytes: std::sync::atomic::AtomicUsize,
     /// The server takes deliveries given back unseen (`features::RETURN_UNSEEN`).
     returns_unseen: std::sync::atomic::AtomicBool,
+    /// The server has users (`features::AUTH_REQUIRED` in HELLO's answer).
+    auth_required: std::sync::atomic::AtomicBool,
     reader: tokio::task::JoinHandle<()>,
     writer: tokio::task::JoinHandle<()>,
 }
@@ -441,6 +443,7 @@ impl Client {
             next_id: AtomicU64::new(1),
             compress_min_bytes: std::sync::atomic::AtomicUsize::new(0),
             returns_unseen: std::sync::atomic::AtomicBool::new(false),
+            auth_required: std::sync::atomic::AtomicBool::new(false),
             reader,
             writer,
         };
@@ -575,6 +578,8 @@ impl Client {
         if let Response::Hello { max_frame, features, .. } = &answer {
             self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).max_unfold = *max_frame as usize;
             self.inner.returns_unseen.store(features & RETURN_UNSEEN != 0, Ordering::Relaxed);
+            let auth_required = features & petrel_proto::features::AUTH_REQUIRED != 0;
+            self.inner.auth_required.store(auth_required, Ordering::Relaxed);
         }
         if let (Response::Hello { features, .. }, Some(min)) = (answer, compress_min_bytes)
             && features & petrel_proto::features::ZSTD != 0
@@ -582,6 +587,12 @@ impl Client {
             self.inner.compress_min_bytes.store(min.max(1), Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// The server has users: its requests need a login. When it has none, a user and password
+    /// given are accepted unchecked.
+    pub fn auth_required(&self) -> bool {
+        self.inner.auth_required.load(Ordering::Relaxed)
     }
 
     pub async fn ping(&self) -> Result<(), ClientError> {
@@ -1228,6 +1239,10 @@ pub mod blocking {
         }
         pub fn ping(&self) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.ping())
+        }
+        /// See the async `Client::auth_required`.
+        pub fn auth_required(&self) -> bool {
+            self.inner.auth_required()
         }
         pub fn create_topic(&self, name: &str, durable: bool) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.create_topic(name, durable))
