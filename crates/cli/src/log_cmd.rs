@@ -94,14 +94,32 @@ pub struct AppendArgs {
 }
 
 pub fn run(cmd: LogCommand) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    match cmd {
+    let dir = match &cmd {
+        LogCommand::Verify { dir } | LogCommand::Groups { dir } | LogCommand::Repair { dir, .. } => dir.clone(),
+        LogCommand::Dump(args) => args.dir.clone(),
+        LogCommand::Append(args) => args.dir.clone(),
+        LogCommand::Consume(args) => args.dir.clone(),
+    };
+    let result = match cmd {
         LogCommand::Verify { dir } => verify_cmd(dir),
         LogCommand::Dump(args) => dump(args),
         LogCommand::Append(args) => append(args),
         LogCommand::Groups { dir } => groups(dir),
         LogCommand::Consume(args) => consume(args),
         LogCommand::Repair { dir, yes } => repair(dir, yes),
+    };
+    result.map_err(|e| point_into_data_dir(e, &dir))
+}
+
+/// A server's data directory is not a log, but holds one per queue and durable topic: an error
+/// about it says where they are.
+fn point_into_data_dir(e: Box<dyn std::error::Error>, dir: &std::path::Path) -> Box<dyn std::error::Error> {
+    let not_a_log = matches!(e.downcast_ref::<petrel_log::Error>(), Some(petrel_log::Error::NotALog { .. }));
+    if not_a_log && (dir.join("queues").is_dir() || dir.join("topics").is_dir()) {
+        let at = dir.display();
+        return format!("{e}; {at} looks like a server's data directory: each durable queue's log is {at}/queues/NAME, each durable topic's {at}/topics/NAME").into();
     }
+    e
 }
 
 fn verify_cmd(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {

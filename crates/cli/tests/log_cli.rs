@@ -156,6 +156,10 @@ fn log_commands_that_write_keep_off_a_running_servers_logs_and_make_no_log() {
     // Stopped: the same append goes in.
     let out = petrel(&["log", "append", queue_log], b"zz\n");
     assert!(out.status.success(), "{}", text(&out.stderr));
+    // The data directory itself is not a log: the error says where the logs are.
+    let out = petrel(&["log", "verify", data.to_str().unwrap()], b"");
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("/queues/NAME"), "{}", text(&out.stderr));
 
     let plain = dir.path().join("notes");
     std::fs::create_dir(&plain).unwrap();
