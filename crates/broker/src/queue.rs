@@ -328,6 +328,9 @@ impl Drop for Locked<'_> {
                 self.due_ns.lower(expiry);
             }
         }
+        if let Some(due) = self.guard.give_back_due() {
+            self.due_ns.lower(due);
+        }
     }
 }
 
@@ -407,6 +410,10 @@ struct Inner {
     last_stamp: u64,
     /// Messages stored but not yet due (neither waiting nor in flight).
     delayed: u64,
+    /// A durable queue's message left for good since its logs last gave their disk back (or
+    /// since it was opened): once the queue is drained and offered nothing for
+    /// `GIVE_BACK_IDLE_NS`, the tick gives the disk back (`Inner::give_back`).
+    give_back: bool,
     counters: QueueCounters,
 }
 
@@ -599,6 +606,10 @@ const GROUP: &str = "broker";
 /// How long after a tick the disk failed a queue's next tick comes at the soonest: not every
 /// millisecond, with an error each time.
 pub const TICK_RETRY_NS: u64 = 100_000_000;
+/// How long a drained durable queue is offered nothing before its logs give their disk back
+/// (`Inner::give_back`): long enough that a queue its consumers keep up with, drained between
+/// most offers, does not start a new segment each time.
+const GIVE_BACK_IDLE_NS: u64 = 2_000_000_000;
 /// The group that trails the idempotency keys a durable queue remembers.
 const DEDUP_GROUP: &str = "dedup";
 /// Offsets one `moved` marker of a flush names at most (a marker is one record).
@@ -745,6 +756,8 @@ impl Queue {
         inner.waiting_at = waiting_at;
         inner.last_stamp = last_stamp;
         inner.delayed = delayed_count;
+        // A queue drained before a restart gives back what its logs kept.
+        inner.give_back = true;
         inner.move_dedup_cursors()?;
         // What it holds may expire: the first tick looks, and sets when to look again.
         queue.due_ns.set(0);
@@ -779,6 +792,7 @@ impl Queue {
                 dedup,
                 last_stamp: 0,
                 delayed: 0,
+                give_back: false,
                 counters: QueueCounters::default(),
             }),
             available: Waitlist::default(),
@@ -1502,11 +1516,15 @@ impl Queue {
         {
             failed.get_or_insert(e);
         }
+        if let Err(e) = inner.give_back(&self.name, now_ns) {
+            failed.get_or_insert(e);
+        }
         let next = inner.next_due().unwrap_or_else(|e| {
             failed.get_or_insert(e);
             now_ns
         });
-        let mut due = next.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX));
+        let give_back = inner.give_back_due().unwrap_or(u64::MAX);
+        let mut due = next.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX)).min(give_back);
         let not_before = if failed.is_some() { now_ns.saturating_add(TICK_RETRY_NS) } else { 0 };
         self.due_ns.not_before.store(not_before, Ordering::Relaxed);
         due = due.max(not_before);
@@ -1644,6 +1662,40 @@ enum Repeats {
 }
 
 impl Inner {
+    /// When the tick is to give the logs' disk back (`give_back`): a message left for good
+    /// since they last did, and nothing waits, is in flight or is delayed, nor is a key
+    /// remembered (its record must stay); then once nothing was offered for
+    /// `GIVE_BACK_IDLE_NS`. `None`: not now (a settle or the window's expiry looks again).
+    fn give_back_due(&self) -> Option<u64> {
+        let drained = self.waiting == 0 && self.in_flight.is_empty() && self.delayed == 0 && self.dedup.len() == 0;
+        (self.give_back && drained).then(|| self.last_stamp.saturating_add(GIVE_BACK_IDLE_NS))
+    }
+
+    /// A drained durable queue that has been offered nothing for a while gives back the disk
+    /// its logs hold: the segments its consumers emptied since the last roll, and the active
+    /// segment when it has grown past the first size (`SharedLog::give_back_consumed`). Before,
+    /// they stayed until the next offers filled the active segment: a queue drained and left
+    /// idle kept up to twice `segment_bytes`, and a restart gave nothing back.
+    fn give_back(&mut self, queue: &str, now_ns: u64) -> Result<(), BrokerError> {
+        let Some(due) = self.give_back_due() else { return Ok(()) };
+        if now_ns < due {
+            return Ok(());
+        }
+        self.give_back = false;
+        let Store::Log { lanes, delayed, .. } = &self.store else { return Ok(()) };
+        let logs = lanes.iter().map(|lane| &lane.log).chain(delayed.as_deref().map(|d| &d.log));
+        let mut given = petrel_log::RetentionReport::default();
+        for log in logs {
+            let report = log.give_back_consumed()?;
+            given.segments_removed += report.segments_removed;
+            given.bytes_removed += report.bytes_removed;
+        }
+        if given.segments_removed > 0 {
+            tracing::debug!(queue = %crate::shown(queue), segments = given.segments_removed, bytes = given.bytes_removed, "drained and idle: its disk given back");
+        }
+        Ok(())
+    }
+
     /// Which messages of an offer are repeats, by their keys (hashed; `None`: no key): their key
     /// is remembered, or an earlier message of the same offer carries it.
     fn repeats(&self, keys: &[Option<crate::dedup::KeyHash>]) -> Repeats {
@@ -1939,6 +1991,7 @@ impl Inner {
 
     /// A taken message is gone for good.
     fn settle(&mut self, taken: &Taken) -> Result<(), BrokerError> {
+        self.give_back |= matches!(self.store, Store::Log { .. });
         match (&mut self.store, taken) {
             (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
                 let lane = &mut lanes[*level];

@@ -1212,3 +1212,45 @@ async fn a_delivery_given_back_unseen_is_not_counted() {
         assert_eq!(texts(&c.poll(&dead, TAKE).await.unwrap()), ["important"]);
     }
 }
+
+/// Bytes of the segment files under `dir`, by the blocks they hold.
+fn segment_blocks(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            total += segment_blocks(&path);
+        } else if path.extension().is_some_and(|e| e == "log") {
+            total += std::fs::metadata(&path).unwrap().blocks() * 512;
+        }
+    }
+    total
+}
+
+/// A durable queue its consumers drained, left idle, gives its disk back by itself (the
+/// server's tick), and takes offers as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_idle_queue_gives_its_disk_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_queue("spent", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+    for _ in 0..40 {
+        c.offer("spent", (0..100).map(|_| Message::new(vec![1u8; 1000])).collect(), None).await.unwrap();
+    }
+    let files = dir.path().join("queues/spent");
+    let full = segment_blocks(&files);
+    assert!(full > 2 << 20, "{full}");
+    let mut got = 0;
+    while got < 4000 {
+        got += c.poll("spent", PollOptions { max: 1000, ..PollOptions::default() }).await.unwrap().len();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while segment_blocks(&files) > 256 << 10 {
+        assert!(std::time::Instant::now() < deadline, "still {} bytes of {full}", segment_blocks(&files));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.offer("spent", vec![msg("again")], None).await.unwrap();
+    assert_eq!(texts(&c.poll("spent", TAKE).await.unwrap()), ["again"]);
+}

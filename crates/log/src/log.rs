@@ -222,7 +222,7 @@ impl Log {
         if log.active.format != frame::Format::CURRENT {
             // A last segment of an earlier format with records in it is sealed as it is:
             // appends go on in a new segment of the current format.
-            log.roll(0)?;
+            log.roll_to(0, NextSize::Grown)?;
         }
         Ok(log)
     }
@@ -311,6 +311,37 @@ impl Log {
     /// call it to apply an age cap to a log that is not being written.
     pub fn apply_retention(&self) -> Result<crate::RetentionReport> {
         crate::retention::apply(&self.shared)
+    }
+
+    /// Gives back the disk of a log that every consumer group has read and acknowledged to its
+    /// end (a drained queue), as `Retention::delete_consumed` allows: its active segment, if
+    /// larger than the log's first size, is sealed and the next starts at that size; then the
+    /// segments every group has passed are deleted, the sealed one with them. Without it a
+    /// drained log keeps its active segment (up to `segment_bytes`, blocks reserved ahead of the
+    /// writer included) and the segments emptied since its last roll until appends fill the
+    /// active one. Does nothing for a log with records a group has not acknowledged, or no group.
+    pub fn give_back_consumed(&mut self) -> Result<crate::RetentionReport> {
+        self.shared.check_poison()?;
+        let opts = self.shared.options();
+        let drained = crate::retention::min_committed(&self.shared.groups()).is_some_and(|c| c >= self.next_offset);
+        if !opts.retention.delete_consumed || !drained {
+            return Ok(crate::RetentionReport::default());
+        }
+        debug_assert!(!self.continued, "appends end their batches before they return");
+        // The sealed segments go first: on a full disk, their space is what the new segment
+        // takes.
+        let mut report = crate::retention::apply(&self.shared)?;
+        let holds_records = self.next_offset > self.active.base;
+        if holds_records && self.active.map.len() as u64 > opts.first_segment_bytes() {
+            self.roll_to(0, NextSize::First)?;
+            // Every group has passed the segment just sealed too.
+            let sealed = crate::retention::apply(&self.shared)?;
+            report.segments_removed += sealed.segments_removed;
+            report.bytes_removed += sealed.bytes_removed;
+            report.records_removed += sealed.records_removed;
+            report.records_skipped += sealed.records_skipped;
+        }
+        Ok(report)
     }
 
     /// Every consumer group of the log.
@@ -464,7 +495,7 @@ impl Log {
             // A batch marked as one was given room in one segment (`make_room`): a segment never
             // ends on a frame that says more of its batch follows.
             assert!(!self.continued, "a marked batch does not cross segments");
-            self.roll(aligned)?;
+            self.roll_to(aligned, NextSize::Grown)?;
         }
         if self.pos + aligned > self.active.map.allocated() {
             self.allocate(self.pos + aligned)?;
@@ -517,7 +548,7 @@ impl Log {
     fn make_room(&mut self, bytes: usize) -> Result<bool> {
         let fits_a_segment = (SEGMENT_HEADER_LEN + bytes) as u64 <= self.shared.options().segment_bytes;
         if self.pos + bytes > self.active.map.len() && fits_a_segment {
-            self.roll(bytes)?;
+            self.roll_to(bytes, NextSize::Grown)?;
         }
         let end = self.pos + bytes;
         if end <= self.active.map.len() && end > self.active.map.allocated() {
@@ -575,15 +606,16 @@ impl Log {
     }
 
     /// Seals the active segment and starts a new one that fits a frame of `needed` bytes (or
-    /// replaces the active segment when it holds no record). Frames written but unpublished in
-    /// the old segment are published only once the new segment exists, so a failed roll (a
-    /// full disk) leaves the batch unappended.
-    fn roll(&mut self, needed: usize) -> Result<()> {
+    /// replaces the active segment when it holds no record), of the size `next` says. Frames
+    /// written but unpublished in the old segment are published only once the new segment
+    /// exists, so a failed roll (a full disk) leaves the batch unappended.
+    fn roll_to(&mut self, needed: usize, size: NextSize) -> Result<()> {
         let opts = self.shared.options();
         let durable = opts.durability != Durability::None;
-        let grown = match opts.initial_segment_bytes {
-            Some(_) => (self.active.map.len() as u64 * 2).min(opts.segment_bytes),
-            None => opts.segment_bytes,
+        let grown = match (opts.initial_segment_bytes, size) {
+            (Some(_), NextSize::Grown) => (self.active.map.len() as u64 * 2).min(opts.segment_bytes),
+            (Some(_), NextSize::First) => opts.first_segment_bytes(),
+            (None, _) => opts.segment_bytes,
         };
         let smallest = (opts.first_segment_bytes()).max(((SEGMENT_HEADER_LEN + needed) as u64).next_multiple_of(4096));
         let mut len = grown.max(smallest);
@@ -631,7 +663,10 @@ impl Log {
         self.shared.segments_mut().push(Arc::new(next));
         self.start_active();
         self.shared.count_roll();
-        if let Err(e) = crate::retention::apply(&self.shared) {
+        // (`give_back_consumed` applies it itself, to report what it deleted.)
+        if size == NextSize::Grown
+            && let Err(e) = crate::retention::apply(&self.shared)
+        {
             tracing::warn!(error = %e, "retention failed; will try again at the next roll");
         }
         Ok(())
@@ -681,6 +716,15 @@ impl Drop for Log {
             tracing::error!(dir = %self.shared.dir().display(), error = %e, "final sync failed on close");
         }
     }
+}
+
+/// How large a roll makes the next segment (with `Options::initial_segment_bytes`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum NextSize {
+    /// Twice the one it seals, up to `segment_bytes`: a log being written grows its segments.
+    Grown,
+    /// The log's first size: a drained log starts again small (`give_back_consumed`).
+    First,
 }
 
 /// Where the writer's next index entry may start, given the entries the active segment has.

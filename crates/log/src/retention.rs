@@ -32,6 +32,15 @@ pub struct RetentionReport {
     pub records_skipped: u64,
 }
 
+/// The offset every consumer group has acknowledged everything below; `None` without a group
+/// whose position is known. A group whose position is not known yet (being opened, or one that
+/// failed to open) holds nothing back, and does not count as having consumed everything either:
+/// alone, it leaves the log as a log without groups is left.
+pub(crate) fn min_committed(groups: &std::collections::BTreeMap<String, Arc<crate::group::GroupEntry>>) -> Option<u64> {
+    let committed = groups.values().map(|g| g.committed.load(Ordering::Acquire));
+    committed.filter(|&c| c != u64::MAX).min()
+}
+
 /// Deletes what the policy allows, oldest segment first, stopping at the first segment that
 /// must stay (so the log stays contiguous).
 pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
@@ -41,11 +50,7 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
         return Ok(report);
     }
     let groups = shared.groups();
-    // A group whose position is not known yet (being opened, or one that failed to open) holds
-    // nothing back, and does not count as having consumed everything either: alone, it leaves
-    // the log as a log without groups is left.
-    let committed = groups.values().map(|g| g.committed.load(Ordering::Acquire));
-    let min_committed = committed.filter(|&c| c != u64::MAX).min();
+    let min_committed = min_committed(&groups);
     let mut segments = shared.segments_mut();
     let old_first = segments[0].base;
     let mut total: u64 = segments.iter().map(|s| s.map.len() as u64).sum();

@@ -124,6 +124,11 @@ impl SharedLog {
         crate::retention::apply(&self.shared)
     }
 
+    /// See `Log::give_back_consumed`.
+    pub fn give_back_consumed(&self) -> Result<crate::RetentionReport> {
+        self.lock().give_back_consumed()
+    }
+
     pub fn groups(&self) -> Vec<crate::GroupInfo> {
         crate::group::infos(&self.shared)
     }

@@ -293,3 +293,53 @@ fn a_cap_removing_a_held_record_counts_one_loss_and_lag_counts_what_is_unacknowl
     assert_eq!((info.held, info.skipped), (0, 1));
     assert_eq!(g.committed(), last);
 }
+
+/// A log that every group has read and acknowledged to its end gives its disk back at once: its
+/// grown active segment is sealed and deleted with the others, the next one starts at the first
+/// size, and appends and the group go on where they were, across a reopen too. Before, a drained
+/// log kept its active segment (and what it had emptied since its last roll) until appends
+/// filled that segment.
+#[test]
+fn a_drained_log_gives_back_its_active_segment_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = Options {
+        segment_bytes: 4 << 20,
+        initial_segment_bytes: Some(MIN_SEGMENT_BYTES),
+        retention: Retention { delete_consumed: true, ..Default::default() },
+        ..Options::default()
+    };
+    let mut log = Log::open(dir.path(), options.clone()).unwrap();
+    let mut group = log.group("g", GroupOptions { max_pending: 8192, ..Default::default() }).unwrap();
+    let count = 40_000u64; // 200 bytes each: segments grow to 4 MiB
+    for i in 0..count {
+        log.append(&i.to_le_bytes().repeat(25)).unwrap();
+    }
+    let (segments, grown) = (log.stats().segments, du(dir.path()));
+    assert!(segments > 3 && grown > 4 << 20, "{segments} segments, {grown} bytes");
+    let report = log.give_back_consumed().unwrap();
+    assert_eq!((report.segments_removed, log.stats().segments), (0, segments), "nothing read: nothing goes");
+    // All but the last record: still not drained.
+    for n in 0..count - 1 {
+        assert_eq!(group.take(Duration::ZERO).unwrap().unwrap().offset, n);
+    }
+    log.give_back_consumed().unwrap();
+    assert!(log.stats().segments >= 1 && du(dir.path()) > 4 << 20, "the active segment stays while a record waits");
+    assert_eq!(group.take(Duration::ZERO).unwrap().unwrap().offset, count - 1);
+    let report = log.give_back_consumed().unwrap();
+    assert_eq!(log.stats().segments, 1, "only the new, small active segment: {report:?}");
+    assert!(report.segments_removed >= 1 && report.records_removed > 0, "{report:?}");
+    assert!(du(dir.path()) <= MIN_SEGMENT_BYTES, "{} bytes of segments left", du(dir.path()));
+    assert_eq!(log.first_offset(), count);
+    let again = log.give_back_consumed().unwrap();
+    assert_eq!((again.segments_removed, log.stats().segments), (0, 1), "a small active segment stays");
+    // Appends and the group go on.
+    assert_eq!(log.append(b"after").unwrap(), count);
+    assert_eq!(group.take(Duration::ZERO).unwrap().unwrap().payload, b"after");
+    assert!(group.take(Duration::ZERO).unwrap().is_none());
+    drop(group);
+    drop(log);
+    let log = Log::open(dir.path(), options).unwrap();
+    assert_eq!((log.first_offset(), log.next_offset()), (count, count + 1));
+    let mut group = log.group("g", GroupOptions::default()).unwrap();
+    assert!(group.take(Duration::ZERO).unwrap().is_none(), "everything was acknowledged");
+}
