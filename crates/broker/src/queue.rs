@@ -328,7 +328,11 @@ impl Drop for Locked<'_> {
                 self.due_ns.lower(expiry);
             }
         }
-        if let Some(due) = self.guard.give_back_due() {
+        // Once per plan: the tick plans the next itself.
+        if !self.guard.give_back_planned
+            && let Some(due) = self.guard.give_back_due()
+        {
+            self.guard.give_back_planned = true;
             self.due_ns.lower(due);
         }
     }
@@ -410,10 +414,15 @@ struct Inner {
     last_stamp: u64,
     /// Messages stored but not yet due (neither waiting nor in flight).
     delayed: u64,
-    /// A durable queue's message left for good since its logs last gave their disk back (or
-    /// since it was opened): once the queue is drained and offered nothing for
-    /// `GIVE_BACK_IDLE_NS`, the tick gives the disk back (`Inner::give_back`).
+    /// A durable queue's message left for good (or a remembered key was forgotten) since its
+    /// logs last gave their disk back, or since it was opened: the tick gives back what its
+    /// consumers emptied (`Inner::give_back`).
     give_back: bool,
+    /// `give_back_due` is in the tick's plan (set when the lock lowers the queue's due time
+    /// for it, cleared by the tick, which plans it itself).
+    give_back_planned: bool,
+    /// When the tick last deleted what the consumers of a queue with a backlog emptied.
+    retention_at: u64,
     counters: QueueCounters,
 }
 
@@ -610,6 +619,9 @@ pub const TICK_RETRY_NS: u64 = 100_000_000;
 /// (`Inner::give_back`): long enough that a queue its consumers keep up with, drained between
 /// most offers, does not start a new segment each time.
 const GIVE_BACK_IDLE_NS: u64 = 2_000_000_000;
+/// How often, at most, the segments the consumers of a queue with a backlog emptied are looked
+/// for and deleted (`Inner::give_back`).
+const RETENTION_EVERY_NS: u64 = 1_000_000_000;
 /// The group that trails the idempotency keys a durable queue remembers.
 const DEDUP_GROUP: &str = "dedup";
 /// Offsets one `moved` marker of a flush names at most (a marker is one record).
@@ -793,6 +805,8 @@ impl Queue {
                 last_stamp: 0,
                 delayed: 0,
                 give_back: false,
+                give_back_planned: false,
+                retention_at: 0,
                 counters: QueueCounters::default(),
             }),
             available: Waitlist::default(),
@@ -1511,10 +1525,12 @@ impl Queue {
         }
         let (max_keys, window_ns) = config::dedup_window_of(&config);
         inner.dedup.evict(max_keys, window_ns, now_ns);
-        if inner.dedup.take_forgotten()
-            && let Err(e) = inner.move_dedup_cursors()
-        {
-            failed.get_or_insert(e);
+        if inner.dedup.take_forgotten() {
+            // The records of forgotten keys may be all that kept segments.
+            inner.give_back |= matches!(inner.store, Store::Log { .. });
+            if let Err(e) = inner.move_dedup_cursors() {
+                failed.get_or_insert(e);
+            }
         }
         if let Err(e) = inner.give_back(&self.name, now_ns) {
             failed.get_or_insert(e);
@@ -1523,7 +1539,9 @@ impl Queue {
             failed.get_or_insert(e);
             now_ns
         });
-        let give_back = inner.give_back_due().unwrap_or(u64::MAX);
+        let give_back = inner.give_back_due();
+        inner.give_back_planned = give_back.is_some();
+        let give_back = give_back.unwrap_or(u64::MAX);
         let mut due = next.min(inner.dedup_expiry(&config).unwrap_or(u64::MAX)).min(give_back);
         let not_before = if failed.is_some() { now_ns.saturating_add(TICK_RETRY_NS) } else { 0 };
         self.due_ns.not_before.store(not_before, Ordering::Relaxed);
@@ -1662,31 +1680,46 @@ enum Repeats {
 }
 
 impl Inner {
-    /// When the tick is to give the logs' disk back (`give_back`): a message left for good
-    /// since they last did, and nothing waits, is in flight or is delayed, nor is a key
-    /// remembered (its record must stay); then once nothing was offered for
-    /// `GIVE_BACK_IDLE_NS`. `None`: not now (a settle or the window's expiry looks again).
-    fn give_back_due(&self) -> Option<u64> {
-        let drained = self.waiting == 0 && self.in_flight.is_empty() && self.delayed == 0 && self.dedup.len() == 0;
-        (self.give_back && drained).then(|| self.last_stamp.saturating_add(GIVE_BACK_IDLE_NS))
+    /// Nothing waits, is in flight or is delayed, and no key is remembered (its record must
+    /// stay): every record of the queue's logs can go.
+    fn drained(&self) -> bool {
+        self.waiting == 0 && self.in_flight.is_empty() && self.delayed == 0 && self.dedup.len() == 0
     }
 
-    /// A drained durable queue that has been offered nothing for a while gives back the disk
-    /// its logs hold: the segments its consumers emptied since the last roll, and the active
-    /// segment when it has grown past the first size (`SharedLog::give_back_consumed`). Before,
-    /// they stayed until the next offers filled the active segment: a queue drained and left
-    /// idle kept up to twice `segment_bytes`, and a restart gave nothing back.
+    /// When the tick is to give back the disk the queue's consumers emptied (`give_back`), if
+    /// a message left for good since it last did: drained, once nothing was offered for
+    /// `GIVE_BACK_IDLE_NS`; else `RETENTION_EVERY_NS` after it last looked. `None`: not now (a
+    /// settle, or a key the window forgets, asks again).
+    fn give_back_due(&self) -> Option<u64> {
+        let due = match self.drained() {
+            true => self.last_stamp.saturating_add(GIVE_BACK_IDLE_NS),
+            false => self.retention_at.saturating_add(RETENTION_EVERY_NS),
+        };
+        self.give_back.then_some(due)
+    }
+
+    /// Gives back the disk the queue's consumers emptied. A queue with a backlog deletes the
+    /// segments every message of which has left (`SharedLog::apply_retention`); a drained one
+    /// that has been offered nothing for a while, those and its active segment when it has
+    /// grown past the first size (`SharedLog::give_back_consumed`). Before, both waited until
+    /// offers filled the active segment: a drained, idle queue kept up to twice
+    /// `segment_bytes`, a restart gave nothing back, and consuming a backlog on a full disk
+    /// (where a new segment cannot be made) freed nothing.
     fn give_back(&mut self, queue: &str, now_ns: u64) -> Result<(), BrokerError> {
         let Some(due) = self.give_back_due() else { return Ok(()) };
         if now_ns < due {
             return Ok(());
         }
         self.give_back = false;
+        let drained = self.drained();
+        if !drained {
+            self.retention_at = now_ns;
+        }
         let Store::Log { lanes, delayed, .. } = &self.store else { return Ok(()) };
         let logs = lanes.iter().map(|lane| &lane.log).chain(delayed.as_deref().map(|d| &d.log));
         let mut given = petrel_log::RetentionReport::default();
         for log in logs {
-            let report = log.give_back_consumed()?;
+            let report = if drained { log.give_back_consumed()? } else { log.apply_retention()? };
             given.segments_removed += report.segments_removed;
             given.bytes_removed += report.bytes_removed;
         }
