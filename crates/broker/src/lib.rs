@@ -328,7 +328,13 @@ pub struct Broker {
     created_by: Mutex<CreatedBy>,
     /// Rung by a queue whose work comes due before the next tick (`tick`'s caller waits on it).
     alarm: Arc<TickAlarm>,
+    /// When `tick` last applied the durable topics' caps to their active segments.
+    topics_given_back_at: AtomicU64,
 }
+
+/// How often `tick` applies the durable topics' age caps to their active segments, which a topic
+/// nobody publishes to would otherwise keep for ever (`SharedLog::give_back`).
+const TOPIC_GIVE_BACK_EVERY_NS: u64 = 10_000_000_000;
 
 /// A queue opened from its directory, or the name of one that could not be, and why.
 type Opened = Result<Arc<Queue>, (String, BrokerError)>;
@@ -573,6 +579,7 @@ impl Broker {
             denials: AtomicU64::new(0),
             created_by: Mutex::new(CreatedBy::default()),
             alarm: Arc::new(TickAlarm::default()),
+            topics_given_back_at: AtomicU64::new(0),
         };
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         broker.secured.store(broker.options.security.is_some(), Ordering::Release);
@@ -1636,6 +1643,17 @@ impl Broker {
     /// sooner rings `alarm`. Call it then, or at the next regular beat, whichever is first.
     pub fn tick(&self, now_ns: u64) -> u64 {
         self.functions.expire(now_ns);
+        let last = self.topics_given_back_at.load(Ordering::Relaxed);
+        if now_ns >= last.saturating_add(TOPIC_GIVE_BACK_EVERY_NS) {
+            self.topics_given_back_at.store(now_ns, Ordering::Relaxed);
+            let topics: Vec<Arc<Topic>> =
+                self.topics.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+            for topic in &topics {
+                if let Some(Err(e)) = topic.log.as_ref().map(|log| log.give_back()) {
+                    tracing::warn!(topic = %shown(&topic.name), error = %e, "a durable topic's caps could not be applied; trying again in 10 s");
+                }
+            }
+        }
         let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now_ns)).cloned().collect();
         for q in &queues {
             let (dead, failed) = q.tick(now_ns);

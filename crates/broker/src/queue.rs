@@ -1701,7 +1701,7 @@ impl Inner {
     /// Gives back the disk the queue's consumers emptied. A queue with a backlog deletes the
     /// segments every message of which has left (`SharedLog::apply_retention`); a drained one
     /// that has been offered nothing for a while, those and its active segment when it has
-    /// grown past the first size (`SharedLog::give_back_consumed`). Before, both waited until
+    /// grown past the first size (`SharedLog::give_back`). Before, both waited until
     /// offers filled the active segment: a drained, idle queue kept up to twice
     /// `segment_bytes`, a restart gave nothing back, and consuming a backlog on a full disk
     /// (where a new segment cannot be made) freed nothing.
@@ -1719,7 +1719,7 @@ impl Inner {
         let logs = lanes.iter().map(|lane| &lane.log).chain(delayed.as_deref().map(|d| &d.log));
         let mut given = petrel_log::RetentionReport::default();
         for log in logs {
-            let report = if drained { log.give_back_consumed()? } else { log.apply_retention()? };
+            let report = if drained { log.give_back()? } else { log.apply_retention()? };
             given.segments_removed += report.segments_removed;
             given.bytes_removed += report.bytes_removed;
         }

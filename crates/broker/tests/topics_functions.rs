@@ -284,3 +284,36 @@ fn a_durable_topic_fixed_by_hand_is_opened_again_by_a_reload() {
     assert!(b.damaged_topics().is_empty());
     assert_eq!(b.topic_names(), ["orders"]);
 }
+
+/// The segment files of a durable topic's log, by name.
+fn segment_files(dir: &std::path::Path, topic: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.join("topics").join(topic))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".log"))
+        .collect();
+    names.sort();
+    names
+}
+
+/// A durable topic nobody publishes to any more lets its messages go once they are past
+/// `topic_max_age`, those in its active segment too (before, only segments sealed by later
+/// publishes were looked at, so an idle topic kept its last messages for ever).
+#[test]
+fn an_idle_durable_topic_lets_its_messages_past_their_age_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { topic_max_age: std::time::Duration::from_secs(3600), ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    b.create_topic("old", true).unwrap();
+    b.publish("old", (0..100).map(|i| Message::new(format!("m{i}"))).collect(), now - 7200 * 1_000_000_000).unwrap();
+    b.create_topic("fresh", true).unwrap();
+    b.publish("fresh", vec![Message::new("new")], now).unwrap();
+    assert_eq!(segment_files(dir.path(), "old"), ["00000000000000000000.log"]);
+    b.tick(now);
+    assert_eq!(segment_files(dir.path(), "old"), ["00000000000000000100.log"], "past their age: gone");
+    assert_eq!(segment_files(dir.path(), "fresh"), ["00000000000000000000.log"], "young: kept");
+    // Published to again, it goes on from where it was.
+    assert_eq!(b.publish("old", vec![Message::new("again")], now).unwrap(), 0);
+    assert_eq!(segment_files(dir.path(), "old"), ["00000000000000000100.log"]);
+}

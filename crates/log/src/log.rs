@@ -313,28 +313,31 @@ impl Log {
         crate::retention::apply(&self.shared)
     }
 
-    /// Gives back the disk of a log that every consumer group has read and acknowledged to its
-    /// end (a drained queue), as `Retention::delete_consumed` allows: its active segment, if
-    /// larger than the log's first size, is sealed and the next starts at that size; then the
-    /// segments every group has passed are deleted, the sealed one with them. Without it a
-    /// drained log keeps its active segment (up to `segment_bytes`, blocks reserved ahead of the
-    /// writer included) and the segments emptied since its last roll until appends fill the
-    /// active one. Does nothing for a log with records a group has not acknowledged, or no group.
-    pub fn give_back_consumed(&mut self) -> Result<crate::RetentionReport> {
+    /// Applies retention to the active segment too, which `apply_retention` never deletes: when
+    /// every record in it may go, it is sealed (the next starts at the log's first size) and
+    /// retention deletes it with the others it allows. Its records may go when every consumer
+    /// group has acknowledged them (`delete_consumed`: a drained queue; only a segment grown past
+    /// the first size is worth a new one), or when the newest is older than `max_age` (a topic
+    /// no longer published to). Without it, a drained log kept its active segment, up to
+    /// `segment_bytes`, and an idle one records past their age, until appends filled the
+    /// segment.
+    pub fn give_back(&mut self) -> Result<crate::RetentionReport> {
         self.shared.check_poison()?;
         let opts = self.shared.options();
-        let drained = crate::retention::min_committed(&self.shared.groups()).is_some_and(|c| c >= self.next_offset);
-        if !opts.retention.delete_consumed || !drained {
-            return Ok(crate::RetentionReport::default());
-        }
+        let policy = opts.retention;
         debug_assert!(!self.continued, "appends end their batches before they return");
         // The sealed segments go first: on a full disk, their space is what the new segment
         // takes.
         let mut report = crate::retention::apply(&self.shared)?;
         let holds_records = self.next_offset > self.active.base;
-        if holds_records && self.active.map.len() as u64 > opts.first_segment_bytes() {
+        let drained = policy.delete_consumed
+            && crate::retention::min_committed(&self.shared.groups()).is_some_and(|c| c >= self.next_offset)
+            && self.active.map.len() as u64 > opts.first_segment_bytes();
+        let aged = policy.max_age.is_some_and(|age| {
+            self.last_timestamp.saturating_add(u64::try_from(age.as_nanos()).unwrap_or(u64::MAX)) < now_ns()
+        });
+        if holds_records && (drained || aged) {
             self.roll_to(0, NextSize::First)?;
-            // Every group has passed the segment just sealed too.
             let sealed = crate::retention::apply(&self.shared)?;
             report.segments_removed += sealed.segments_removed;
             report.bytes_removed += sealed.bytes_removed;
@@ -663,7 +666,7 @@ impl Log {
         self.shared.segments_mut().push(Arc::new(next));
         self.start_active();
         self.shared.count_roll();
-        // (`give_back_consumed` applies it itself, to report what it deleted.)
+        // (`give_back` applies it itself, to report what it deleted.)
         if size == NextSize::Grown
             && let Err(e) = crate::retention::apply(&self.shared)
         {
@@ -723,7 +726,7 @@ impl Drop for Log {
 enum NextSize {
     /// Twice the one it seals, up to `segment_bytes`: a log being written grows its segments.
     Grown,
-    /// The log's first size: a drained log starts again small (`give_back_consumed`).
+    /// The log's first size: a drained log starts again small (`give_back`).
     First,
 }
 

@@ -124,9 +124,9 @@ impl SharedLog {
         crate::retention::apply(&self.shared)
     }
 
-    /// See `Log::give_back_consumed`.
-    pub fn give_back_consumed(&self) -> Result<crate::RetentionReport> {
-        self.lock().give_back_consumed()
+    /// See `Log::give_back`.
+    pub fn give_back(&self) -> Result<crate::RetentionReport> {
+        self.lock().give_back()
     }
 
     pub fn groups(&self) -> Vec<crate::GroupInfo> {

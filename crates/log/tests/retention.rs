@@ -316,21 +316,25 @@ fn a_drained_log_gives_back_its_active_segment_and_goes_on() {
     }
     let (segments, grown) = (log.stats().segments, du(dir.path()));
     assert!(segments > 3 && grown > 4 << 20, "{segments} segments, {grown} bytes");
-    let report = log.give_back_consumed().unwrap();
+    let report = log.give_back().unwrap();
     assert_eq!((report.segments_removed, log.stats().segments), (0, segments), "nothing read: nothing goes");
     // All but the last record: still not drained.
     for n in 0..count - 1 {
         assert_eq!(group.take(Duration::ZERO).unwrap().unwrap().offset, n);
     }
-    log.give_back_consumed().unwrap();
-    assert!(log.stats().segments >= 1 && du(dir.path()) > 4 << 20, "the active segment stays while a record waits");
+    log.give_back().unwrap();
+    assert_eq!(log.stats().segments, 1, "the emptied sealed segments go");
+    assert!(
+        log.first_offset() < count - 1 && du(dir.path()) > 1 << 20,
+        "the active segment stays while a record waits"
+    );
     assert_eq!(group.take(Duration::ZERO).unwrap().unwrap().offset, count - 1);
-    let report = log.give_back_consumed().unwrap();
+    let report = log.give_back().unwrap();
     assert_eq!(log.stats().segments, 1, "only the new, small active segment: {report:?}");
     assert!(report.segments_removed >= 1 && report.records_removed > 0, "{report:?}");
     assert!(du(dir.path()) <= MIN_SEGMENT_BYTES, "{} bytes of segments left", du(dir.path()));
     assert_eq!(log.first_offset(), count);
-    let again = log.give_back_consumed().unwrap();
+    let again = log.give_back().unwrap();
     assert_eq!((again.segments_removed, log.stats().segments), (0, 1), "a small active segment stays");
     // Appends and the group go on.
     assert_eq!(log.append(b"after").unwrap(), count);
@@ -342,4 +346,35 @@ fn a_drained_log_gives_back_its_active_segment_and_goes_on() {
     assert_eq!((log.first_offset(), log.next_offset()), (count, count + 1));
     let mut group = log.group("g", GroupOptions::default()).unwrap();
     assert!(group.take(Duration::ZERO).unwrap().is_none(), "everything was acknowledged");
+}
+
+/// A log no longer written to whose newest record is past the age cap gives its active segment
+/// back too (a topic nobody publishes to); a group that had not read its records counts them as
+/// skipped, and appends go on after.
+#[test]
+fn an_idle_log_past_its_age_cap_gives_back_its_active_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = Options {
+        segment_bytes: 1 << 20,
+        initial_segment_bytes: Some(MIN_SEGMENT_BYTES),
+        retention: Retention { max_age: Some(Duration::from_secs(3600)), ..Default::default() },
+        ..Options::default()
+    };
+    let mut log = Log::open(dir.path(), options).unwrap();
+    let group = log.group("reader", GroupOptions::default()).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let two_hours_ago = now - 7200 * 1_000_000_000;
+    for _ in 0..100 {
+        log.append_with(&Input { timestamp: Some(two_hours_ago), ..Input::payload(&[1; 100]) }).unwrap();
+    }
+    assert_eq!(log.apply_retention().unwrap().segments_removed, 0, "the active segment is not retention's");
+    let report = log.give_back().unwrap();
+    assert_eq!((report.records_removed, report.records_skipped), (100, 100), "{report:?}");
+    assert_eq!((log.first_offset(), log.next_offset(), log.stats().segments), (100, 100, 1));
+    assert_eq!(log.give_back().unwrap().segments_removed, 0, "an empty active segment stays");
+    drop(group);
+    assert_eq!(log.groups()[0].skipped, 100);
+    assert_eq!(log.append(b"new").unwrap(), 100);
+    assert_eq!(log.give_back().unwrap().segments_removed, 0, "a recent record stays");
+    assert_eq!(log.reader().read_next().unwrap().unwrap().payload, b"new");
 }
