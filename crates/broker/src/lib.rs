@@ -1646,9 +1646,10 @@ impl Broker {
         let last = self.topics_given_back_at.load(Ordering::Relaxed);
         if now_ns >= last.saturating_add(TOPIC_GIVE_BACK_EVERY_NS) {
             self.topics_given_back_at.store(now_ns, Ordering::Relaxed);
-            let topics: Vec<Arc<Topic>> =
-                self.topics.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
-            for topic in &topics {
+            // Under the registry's lock, which a removal takes before it renames the topic's
+            // directory away: a topic made again under the name is never worked on as the old.
+            let topics = self.topics.read().unwrap_or_else(|e| e.into_inner());
+            for topic in topics.values() {
                 if let Some(Err(e)) = topic.log.as_ref().map(|log| log.give_back()) {
                     tracing::warn!(topic = %shown(&topic.name), error = %e, "a durable topic's caps could not be applied; trying again in 10 s");
                 }

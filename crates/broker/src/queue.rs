@@ -865,7 +865,13 @@ impl Queue {
 
     /// Marks the queue removed and wakes everyone waiting on it.
     pub(crate) fn mark_removed(&self) {
-        self.removed.store(true, Ordering::SeqCst);
+        {
+            // Under the queue's lock: a tick working on the queue's files (`Inner::give_back`)
+            // ends before the queue's directory is renamed away and a new queue of its name may
+            // be made, and a later one sees the mark.
+            let _inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            self.removed.store(true, Ordering::SeqCst);
+        }
         self.available.wake_all();
         self.room.wake_all();
     }
@@ -1505,6 +1511,10 @@ impl Queue {
         }
         let config = self.config();
         let mut inner = self.lock();
+        if self.is_removed() {
+            // Its directory may be another queue's by now (see `mark_removed`).
+            return (DeadLetters::default(), None);
+        }
         let mut failed = None;
         let moved = inner.move_due(now_ns).unwrap_or_else(|e| {
             failed.get_or_insert(e);
@@ -1580,6 +1590,7 @@ impl Queue {
         while inner.drop_oldest()? {
             n += 1;
         }
+        inner.give_back |= n > 0 && matches!(inner.store, Store::Log { .. });
         inner.bytes = inner.in_flight.values().map(|f| f.bytes).sum();
         inner.counters.flushes += 1;
         drop(inner);
@@ -1715,13 +1726,56 @@ impl Inner {
         if !drained {
             self.retention_at = now_ns;
         }
-        let Store::Log { lanes, delayed, .. } = &self.store else { return Ok(()) };
-        let logs = lanes.iter().map(|lane| &lane.log).chain(delayed.as_deref().map(|d| &d.log));
+        let Store::Log { lanes, delayed, .. } = &mut self.store else { return Ok(()) };
+        // Every log is tried, whatever one of them says. A failure (a full disk refusing the new
+        // segment) is reported once and tried again at the next settle or start, not at every
+        // tick: a retry loop would log it ten times a second.
         let mut given = petrel_log::RetentionReport::default();
-        for log in logs {
-            let report = if drained { log.give_back()? } else { log.apply_retention()? };
-            given.segments_removed += report.segments_removed;
-            given.bytes_removed += report.bytes_removed;
+        let mut failed = None;
+        // Whether `report` removed segments; counted in `given`, or its error kept.
+        fn count(
+            given: &mut petrel_log::RetentionReport,
+            failed: &mut Option<BrokerError>,
+            report: Result<petrel_log::RetentionReport, petrel_log::Error>,
+        ) -> bool {
+            match report {
+                Ok(report) => {
+                    given.segments_removed += report.segments_removed;
+                    given.bytes_removed += report.bytes_removed;
+                    report.segments_removed > 0
+                }
+                Err(e) => {
+                    failed.get_or_insert(BrokerError::from(e));
+                    false
+                }
+            }
+        }
+        for lane in lanes.iter_mut() {
+            if drained {
+                // A return marker left at the tail (its message was delivered again and
+                // acknowledged) is all that could keep the group from the log's end.
+                if let Err(e) = skip_markers(&mut lane.group, &mut lane.markers_unread) {
+                    failed.get_or_insert(e);
+                    continue;
+                }
+            }
+            let log = &lane.log;
+            if count(&mut given, &mut failed, if drained { log.give_back() } else { log.apply_retention() }) {
+                // Its readers may stand in a segment just deleted: let go, so that its disk goes.
+                lane.group.let_go_of_segments();
+                if let Some(dedup) = &mut lane.dedup {
+                    dedup.let_go_of_segments();
+                }
+            }
+        }
+        if let Some(delay) = delayed.as_deref_mut() {
+            let log = &delay.log;
+            if count(&mut given, &mut failed, if drained { log.give_back() } else { log.apply_retention() }) {
+                delay.let_go_of_segments();
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
         }
         if given.segments_removed > 0 {
             tracing::debug!(queue = %crate::shown(queue), segments = given.segments_removed, bytes = given.bytes_removed, "drained and idle: its disk given back");
@@ -2482,6 +2536,8 @@ impl Inner {
         counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
         counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
         self.head_taken = true;
+        // Gone for good (expired, dropped for room, flushed), as a settled message is.
+        self.give_back |= matches!(self.store, Store::Log { .. });
         Ok(true)
     }
 

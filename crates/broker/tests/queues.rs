@@ -1816,3 +1816,46 @@ fn segments_a_backlog_s_consumers_emptied_go_while_the_rest_waits() {
     assert!(left < full / 2, "{left} bytes of segments left of {full}, a quarter waiting");
     assert_eq!(b.poll("q", 2000, None, 1, now).unwrap().len(), 1000, "what waits is all there");
 }
+
+/// Segment files of `dir` that this process still maps after they were deleted: their disk is
+/// not given back until they are unmapped.
+fn deleted_but_mapped(dir: &std::path::Path) -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let dir = dir.canonicalize().unwrap();
+    maps.lines().filter(|l| l.contains(dir.to_str().unwrap()) && l.ends_with("(deleted)")).map(str::to_owned).collect()
+}
+
+/// Drained by expiry, or with its last message returned once (a marker at the log's tail)
+/// before it was taken for good, a queue gives its disk back all the same, and no deleted
+/// segment stays mapped (a consumer group's reader, or the prefault thread, kept the last one).
+#[test]
+fn a_queue_drained_by_expiry_or_after_a_return_gives_its_disk_back_unmapped() {
+    for case in ["expiry", "return"] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions { segment_bytes: 4 << 20, ..BrokerOptions::default() }).unwrap();
+        let ttl_ms = if case == "expiry" { 10 } else { 0 };
+        b.create_queue("q", QueueConfig { durable: true, ttl_ms, ..QueueConfig::default() }, None).unwrap();
+        let files = dir.path().join("queues/q");
+        let t0 = 1_000 * MS;
+        for i in 0..4000 {
+            b.offer("q", vec![Message::new(vec![7u8; 1000])], t0 + i).unwrap();
+        }
+        let full = segment_blocks(&files);
+        let last_offer = t0 + 3999;
+        if case == "expiry" {
+            b.tick(last_offer + 20 * MS);
+            assert_eq!(b.queue("q").unwrap().counters().expired, 4000);
+        } else {
+            assert_eq!(b.poll("q", 3999, None, 1, last_offer).unwrap().len(), 3999);
+            let open = b.poll("q", 1, VIS, 1, last_offer).unwrap();
+            assert_eq!(b.abort("q", &[open[0].handle], 1, 0, last_offer).unwrap(), 1);
+            let again = b.poll("q", 10, VIS, 1, last_offer).unwrap();
+            assert_eq!(again.len(), 1);
+            assert_eq!(b.ack("q", &[again[0].handle], 1).unwrap(), 1);
+        }
+        b.tick(last_offer + 2_100 * MS);
+        let left = segment_blocks(&files);
+        assert!(left <= 128 << 10, "{case}: {left} bytes of segments left of {full}");
+        assert_eq!(deleted_but_mapped(&files), Vec::<String>::new(), "{case}");
+    }
+}

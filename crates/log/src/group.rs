@@ -563,6 +563,16 @@ impl ConsumerGroup {
         Ok(record)
     }
 
+    /// Lets go of the segments this group's readers stand in; they find their place again at
+    /// their next read. For a group that read a log to its end when retention then deleted the
+    /// segment it ended in (`Log::give_back`): a file still mapped keeps its disk, until the
+    /// group's next poll otherwise.
+    pub fn let_go_of_segments(&mut self) {
+        self.reader = Reader::new(Arc::clone(&self.shared));
+        self.reader.seek(self.next);
+        self.redelivery = Reader::new(Arc::clone(&self.shared));
+    }
+
     /// The record `take` would return now, without taking it (and without waiting).
     pub fn peek(&mut self) -> Result<Option<Record<'_>>> {
         self.shared.check_poison()?;

@@ -322,7 +322,10 @@ impl Log {
     /// `segment_bytes`, and an idle one records past their age, until appends filled the
     /// segment.
     pub fn give_back(&mut self) -> Result<crate::RetentionReport> {
-        self.shared.check_poison()?;
+        if self.shared.commit().is_poisoned() {
+            // It takes no more appends (its error is reported where they fail): left as it is.
+            return Ok(crate::RetentionReport::default());
+        }
         let opts = self.shared.options();
         let policy = opts.retention;
         debug_assert!(!self.continued, "appends end their batches before they return");
@@ -655,9 +658,10 @@ impl Log {
             self.active.write_checkpoint(pos as u64, self.active.base + records);
         }
         crate::index::save(self.shared.dir(), self.active.base, &self.active.index.entries());
-        if self.active.map.allocated() > self.pos + segment::ALLOCATION_STEP {
-            // Sealed well before its end (a record larger than what was left): its unused
-            // blocks go back, as a closing log's do.
+        if size == NextSize::First || self.active.map.allocated() > self.pos + segment::ALLOCATION_STEP {
+            // Sealed well before its end (a record larger than what was left, or a log giving
+            // its disk back): its unused blocks go back, as a closing log's do, and the prefault
+            // thread lets go of it.
             self.release_past_end();
         }
         self.shared.options().page_budget.touch(&self.active, Use::Sealed);
