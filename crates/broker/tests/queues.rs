@@ -1750,6 +1750,15 @@ fn segment_blocks(dir: &std::path::Path) -> u64 {
     total
 }
 
+/// Offers 4,000 messages of 1,000 bytes to `q`, one a nanosecond from `t0`; returns the bytes
+/// its segment files (in `files`) then hold.
+fn offer_4_mb(b: &Broker, files: &std::path::Path, t0: u64) -> u64 {
+    for i in 0..4000 {
+        b.offer("q", vec![Message::new(vec![7u8; 1000])], t0 + i).unwrap();
+    }
+    segment_blocks(files)
+}
+
 /// A durable queue that its consumers drained, and that is then offered nothing for two
 /// seconds, gives its disk back: the segments emptied since its last roll and its grown active
 /// segment go, and offers go on after. One that still holds a message keeps the segment it is
@@ -1761,12 +1770,8 @@ fn a_drained_idle_durable_queue_gives_its_disk_back() {
     let options = || BrokerOptions { segment_bytes: 4 << 20, ..BrokerOptions::default() };
     let b = Broker::open(dir.path(), options()).unwrap();
     b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
-    let files = dir.path().join("queues/q");
-    let t0 = 1_000 * MS;
-    for i in 0..4000 {
-        b.offer("q", vec![Message::new(vec![7u8; 1000])], t0 + i).unwrap();
-    }
-    let full = segment_blocks(&files);
+    let (files, t0) = (dir.path().join("queues/q"), 1_000 * MS);
+    let full = offer_4_mb(&b, &files, t0);
     assert!(full > 3 << 20, "{full}");
     let last_offer = t0 + 3999;
     assert_eq!(b.poll("q", 3999, None, 1, last_offer).unwrap().len(), 3999);
@@ -1800,12 +1805,8 @@ fn segments_a_backlog_s_consumers_emptied_go_while_the_rest_waits() {
     let dir = tempfile::tempdir().unwrap();
     let b = Broker::open(dir.path(), BrokerOptions { segment_bytes: 1 << 20, ..BrokerOptions::default() }).unwrap();
     b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
-    let files = dir.path().join("queues/q");
-    let t0 = 1_000 * MS;
-    for i in 0..4000 {
-        b.offer("q", vec![Message::new(vec![7u8; 1000])], t0 + i).unwrap();
-    }
-    let full = segment_blocks(&files);
+    let (files, t0) = (dir.path().join("queues/q"), 1_000 * MS);
+    let full = offer_4_mb(&b, &files, t0);
     // Three quarters consumed, one message at a time (each poll its own lock).
     for i in 0..3000 {
         assert_eq!(b.poll("q", 1, None, 1, t0 + 4000 + i).unwrap().len(), 1);
@@ -1835,12 +1836,8 @@ fn a_queue_drained_by_expiry_or_after_a_return_gives_its_disk_back_unmapped() {
         let b = Broker::open(dir.path(), BrokerOptions { segment_bytes: 4 << 20, ..BrokerOptions::default() }).unwrap();
         let ttl_ms = if case == "expiry" { 10 } else { 0 };
         b.create_queue("q", QueueConfig { durable: true, ttl_ms, ..QueueConfig::default() }, None).unwrap();
-        let files = dir.path().join("queues/q");
-        let t0 = 1_000 * MS;
-        for i in 0..4000 {
-            b.offer("q", vec![Message::new(vec![7u8; 1000])], t0 + i).unwrap();
-        }
-        let full = segment_blocks(&files);
+        let (files, t0) = (dir.path().join("queues/q"), 1_000 * MS);
+        let full = offer_4_mb(&b, &files, t0);
         let last_offer = t0 + 3999;
         if case == "expiry" {
             b.tick(last_offer + 20 * MS);
