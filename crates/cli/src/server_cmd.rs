@@ -242,6 +242,13 @@ impl ServerArg {
         {
             eprintln!("petrel: {} has authentication off: --user {user} was not checked", self.server);
         }
+        if self.tls_cert.is_some() && self.user.is_none() && client.auth_required() {
+            // A certificate it verified would have logged the connection in.
+            eprintln!(
+                "petrel: {} did not take the client certificate as a login (does its [security] set tls_client_ca?)",
+                self.server
+            );
+        }
         Ok(client)
     }
 

@@ -53,11 +53,15 @@ pub enum CertCommand {
     /// Write a self-signed CA and a server and a client certificate signed by it, for development:
     /// ca.pem, server.pem, server.key (localhost, 127.0.0.1, ::1), client.pem, client.key.
     Dev {
-        /// Where to write them (created if missing; files there of the same names are replaced).
+        /// Where to write them (created if missing).
         dir: PathBuf,
         /// The client certificate's subject CN: the user a connection presenting it is.
         #[arg(long, default_value = "client")]
         client_name: String,
+        /// Replace the files of those names already in DIR (a new CA: certificates signed by the
+        /// old one are no longer trusted by what trusts the new one).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -126,9 +130,19 @@ fn read_password(name: &str) -> Result<String, String> {
 }
 
 pub fn cert(cmd: CertCommand) -> Res {
-    let CertCommand::Dev { dir, client_name } = cmd;
+    let CertCommand::Dev { dir, client_name, force } = cmd;
     // The CN names a user: one the users file could never hold would authenticate no one.
     Users::check_name(&client_name).map_err(|e| format!("--client-name: {e}"))?;
+    const NAMES: [&str; 5] = ["ca.pem", "server.pem", "server.key", "client.pem", "client.key"];
+    let present: Vec<&str> = NAMES.into_iter().filter(|name| dir.join(name).exists()).collect();
+    if !force && !present.is_empty() {
+        return Err(format!(
+            "{} already holds {}: --force replaces them (with a new CA, whose trust certificates signed by the old one lose)",
+            dir.display(),
+            present.join(", ")
+        )
+        .into());
+    }
     fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
 
     let now = rcgen::date_time_ymd(1970, 1, 1) + SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?;

@@ -426,6 +426,26 @@ async fn a_tls_client_refused_past_the_connection_limit_reads_why() {
     assert_eq!(plain.status(), Some(Status::LimitReached), "{plain}");
 }
 
+/// A client certificate sent to a server that does not take certificates as logins (no
+/// `tls_client_ca`) is said to be unused, where the first request used to answer only
+/// "UNAUTHORIZED: authenticate first".
+#[test]
+fn a_client_certificate_the_server_does_not_take_is_said_to_be_unused() {
+    let setup = Setup::new("");
+    let certs = setup.dir.path().join("certs");
+    cert_dev(&certs, "jak");
+    let p = |f: &str| certs.join(f).to_str().unwrap().to_owned();
+    setup.write_config(&format!("tls_cert = {:?}\ntls_key = {:?}\n", p("server.pem"), p("server.key")));
+    let server = setup.start();
+    let out = Command::new(PETREL)
+        .args(["queue", "list", "--server", &server.addr, "--tls-ca", &p("ca.pem")])
+        .args(["--tls-cert", &p("client.pem"), "--tls-key", &p("client.key")])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("did not take the client certificate") && said.contains("tls_client_ca"), "{said}");
+}
+
 /// One memcache exchange on a raw socket: sends `request`, returns the first line of the answer.
 fn exchange(stream: &mut std::net::TcpStream, request: &str) -> String {
     stream.write_all(request.as_bytes()).unwrap();

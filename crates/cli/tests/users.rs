@@ -194,6 +194,16 @@ fn cert_dev_writes_certificates_rustls_accepts_for_mutual_tls() {
     let mut client = Connection::from(ClientConnection::new(client_config, name).unwrap());
     let mut server = Connection::from(ServerConnection::new(server_config).unwrap());
     assert!(handshake(&mut client, &mut server).is_err());
+
+    // A second run does not replace the CA (what it signed would no longer be trusted) unless
+    // told to.
+    let ca = std::fs::read(p("ca.pem")).unwrap();
+    let again = petrel(&["cert", "dev", certs_dir.to_str().unwrap()], b"");
+    assert!(!again.status.success() && text(&again.stderr).contains("--force"), "{}", text(&again.stderr));
+    assert_eq!(std::fs::read(p("ca.pem")).unwrap(), ca, "left as it was");
+    let forced = petrel(&["cert", "dev", certs_dir.to_str().unwrap(), "--force"], b"");
+    assert!(forced.status.success(), "{}", text(&forced.stderr));
+    assert_ne!(std::fs::read(p("ca.pem")).unwrap(), ca, "a new CA");
 }
 
 #[test]
