@@ -1206,14 +1206,14 @@ impl DelayLog {
         (marked, None)
     }
 
-    /// Lets retention take what is before the oldest record still needed: the oldest pending,
-    /// or `oldest_key` (the oldest offset holding a remembered idempotency key), the earlier.
     /// Lets go of the segments its readers stand in (see `ConsumerGroup::let_go_of_segments`).
     pub fn let_go_of_segments(&mut self) {
         self.reader = self.log.reader();
         self.pin.let_go_of_segments();
     }
 
+    /// Lets retention take what is before the oldest record still needed: the oldest pending,
+    /// or `oldest_key` (the oldest offset holding a remembered idempotency key), the earlier.
     pub fn repin(&mut self, oldest_key: Option<u64>) -> Result<(), BrokerError> {
         let needed = self.done.first_pending().min(oldest_key.unwrap_or(u64::MAX));
         if needed > self.pin.committed() {

@@ -1778,7 +1778,8 @@ impl Inner {
             return Err(e);
         }
         if given.segments_removed > 0 {
-            tracing::debug!(queue = %crate::shown(queue), segments = given.segments_removed, bytes = given.bytes_removed, "drained and idle: its disk given back");
+            let why = if drained { "drained and idle" } else { "emptied by its consumers" };
+            tracing::debug!(queue = %crate::shown(queue), segments = given.segments_removed, bytes = given.bytes_removed, "segments deleted: {why}");
         }
         Ok(())
     }

@@ -612,7 +612,7 @@ impl Log {
     }
 
     /// Seals the active segment and starts a new one that fits a frame of `needed` bytes (or
-    /// replaces the active segment when it holds no record), of the size `next` says. Frames
+    /// replaces the active segment when it holds no record), of the size `size` says. Frames
     /// written but unpublished in the old segment are published only once the new segment
     /// exists, so a failed roll (a full disk) leaves the batch unappended.
     fn roll_to(&mut self, needed: usize, size: NextSize) -> Result<()> {
