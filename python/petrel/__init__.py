@@ -267,7 +267,8 @@ Handler = Callable[[Message], Union[Optional[bytes], Awaitable[Optional[bytes]]]
 
 
 class AsyncClient:
-    """An asyncio connection to ``petrel serve`` (the native protocol, default port 22134).
+    """An asyncio connection to ``petrel serve`` (the native protocol, default port 22134; or its
+    Unix socket, ``"unix:PATH"``).
 
     It connects on first use (or ``await client.connect()``, or ``async with``). Coroutines
     may call it concurrently: their requests share the connection, in flight together.

@@ -407,7 +407,10 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
             report.segments_removed,
             report.next_offset
         ),
-        None if report.records_replaced.is_empty() && report.headers_rewritten == 0 => {
+        None if report.records_replaced.is_empty()
+            && report.headers_rewritten == 0
+            && report.groups_restarted.is_empty() =>
+        {
             println!("{}: nothing to repair", dir.display())
         }
         None if report.records_replaced.is_empty() => {

@@ -170,7 +170,7 @@ async fn shutdown_signal() {
 #[derive(Args)]
 pub struct ServerArg {
     /// Server address: HOST or HOST:PORT (the port 22134 when not given), or a Unix socket's
-    /// path (unix:PATH, or a path starting with /); a comma list (A,B,C) is a cluster of
+    /// path (unix:PATH, or a path starting with /, ./ or ../); a comma list (A,B,C) is a cluster of
     /// independent servers: offers go to each in turn, reads take from all.
     #[arg(long, env = "PETREL_SERVER", default_value = DEFAULT_NATIVE_ADDR, value_parser = with_default_ports)]
     pub server: String,
@@ -237,7 +237,9 @@ impl ServerArg {
             return Err(format!("--server {}: this command takes one server", self.server).into());
         }
         let client = Client::connect_with(&self.server, &self.options()?)?;
+        // (A client certificate that logged the connection in clears the flag too.)
         if let Some(user) = &self.user
+            && self.tls_cert.is_none()
             && !client.auth_required()
         {
             eprintln!("petrel: {} has authentication off: --user {user} was not checked", self.server);
@@ -245,7 +247,7 @@ impl ServerArg {
         if self.tls_cert.is_some() && self.user.is_none() && client.auth_required() {
             // A certificate it verified would have logged the connection in.
             eprintln!(
-                "petrel: {} did not take the client certificate as a login (does its [security] set tls_client_ca?)",
+                "petrel: {} did not take the client certificate as a login (its [security] tls_client_ca must be the CA that signed it, and the certificate's name a user)",
                 self.server
             );
         }
@@ -506,7 +508,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
         let deliveries = match reader.poll(&args.queue, options) {
             Err(ClientError::Unavailable(why)) if args.follow => {
                 if !std::mem::replace(&mut unavailable, true) {
-                    eprintln!("petrel: no server available ({why}); waiting");
+                    eprintln!("petrel: {why}; waiting");
                 }
                 continue;
             }

@@ -384,6 +384,20 @@ async fn tls_required_and_mutual_tls_names_the_user() {
     let mtls = TlsOptions { cert: Some(certs.join("client.pem")), key: Some(certs.join("client.key")), ..tls.clone() };
     let jak = Client::connect_with(&server.addr, &options(None, mtls)).await.unwrap();
     jak.offer("q", vec![msg("by certificate")], None).await.unwrap();
+    // The command line says nothing of a certificate that logged it in, nor of a user beside it.
+    let (max_password, cert_flags) = (
+        USERS.iter().find(|u| u.0 == "max").unwrap().1,
+        ["--tls-cert", &p("client.pem"), "--tls-key", &p("client.key")],
+    );
+    for user in [None, Some("max")] {
+        let mut command = Command::new(PETREL);
+        command.args(["queue", "list", "--server", &server.addr, "--tls-ca", &p("ca.pem")]).args(cert_flags);
+        if let Some(user) = user {
+            command.args(["--user", user]).env("PETREL_PASSWORD", max_password);
+        }
+        let out = command.output().unwrap();
+        assert!(out.status.success() && out.stderr.is_empty(), "{user:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
     assert_eq!(max.poll("q", TAKE).await.unwrap()[0].message.payload, b"by certificate"[..]);
     // The wrong CA: the handshake fails.
     let other = setup.dir.path().join("other");

@@ -1061,7 +1061,7 @@ impl Cluster {
     }
 
     /// Creates the queue on every server (a no-op where it exists alike). An error names the
-    /// first server that failed; the others have it.
+    /// servers that failed and those that made it (`on_all`).
     pub async fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
         self.on_all(&Request::QueueCreate { name: name.into(), config: Box::new(config) }).await
     }
@@ -1233,9 +1233,9 @@ impl Cluster {
         }
     }
 
-    /// Sends `request` to every server; the first failure (naming its server) is the error.
-    /// An error names the servers that failed and those that did the request anyway (a queue
-    /// created on two servers of three is there on two, whatever the third said).
+    /// Sends `request` to every server. An error (of the kind of the first failure) names every
+    /// server that failed and those that did the request anyway, "(done on A, B)": a queue
+    /// created on two servers of three is there on two, whatever the third said.
     async fn on_all(&self, request: &Request) -> Result<(), ClientError> {
         let mut done = Vec::new();
         let mut failed: Option<ClientError> = None;

@@ -67,10 +67,11 @@ pub enum ClientError {
     Unavailable(String),
 }
 
-/// The path of the Unix socket `addr` names (`unix:PATH`, or a path that starts with `/`), if
-/// it names one rather than a TCP address.
+/// The path of the Unix socket `addr` names (`unix:PATH`, or a path that starts with `/`, `./`
+/// or `../`), if it names one rather than a TCP address.
 pub fn unix_socket_path(addr: &str) -> Option<&str> {
-    addr.strip_prefix("unix:").or_else(|| addr.starts_with('/').then_some(addr))
+    let a_path = addr.starts_with('/') || addr.starts_with("./") || addr.starts_with("../");
+    addr.strip_prefix("unix:").or_else(|| a_path.then_some(addr))
 }
 
 /// How to reach a server: TLS, credentials, patience.
@@ -589,8 +590,9 @@ impl Client {
         Ok(())
     }
 
-    /// The server has users: its requests need a login. When it has none, a user and password
-    /// given are accepted unchecked.
+    /// This connection must log in (HELLO's `AUTH_REQUIRED`): the server has users, and no
+    /// client certificate logged the connection in. When the server has no users, a user and
+    /// password given are accepted unchecked.
     pub fn auth_required(&self) -> bool {
         self.inner.auth_required.load(Ordering::Relaxed)
     }
