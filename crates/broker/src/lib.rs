@@ -330,6 +330,8 @@ pub struct Broker {
     alarm: Arc<TickAlarm>,
     /// When `tick` last applied the durable topics' caps to their active segments.
     topics_given_back_at: AtomicU64,
+    /// Bytes of segment files `tick` deleted (`given_back_bytes`).
+    given_back: AtomicU64,
 }
 
 /// How often `tick` applies the durable topics' age caps to their active segments, which a topic
@@ -580,6 +582,7 @@ impl Broker {
             created_by: Mutex::new(CreatedBy::default()),
             alarm: Arc::new(TickAlarm::default()),
             topics_given_back_at: AtomicU64::new(0),
+            given_back: AtomicU64::new(0),
         };
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         broker.secured.store(broker.options.security.is_some(), Ordering::Release);
@@ -1650,14 +1653,19 @@ impl Broker {
             // directory away: a topic made again under the name is never worked on as the old.
             let topics = self.topics.read().unwrap_or_else(|e| e.into_inner());
             for topic in topics.values() {
-                if let Some(Err(e)) = topic.log.as_ref().map(|log| log.give_back()) {
-                    tracing::warn!(topic = %shown(&topic.name), error = %e, "a durable topic's caps could not be applied; trying again in 10 s");
+                match topic.log.as_ref().map(|log| log.give_back()) {
+                    Some(Ok(report)) => drop(self.given_back.fetch_add(report.bytes_removed, Ordering::Relaxed)),
+                    Some(Err(e)) => {
+                        tracing::warn!(topic = %shown(&topic.name), error = %e, "a durable topic's caps could not be applied; trying again in 10 s");
+                    }
+                    None => {}
                 }
             }
         }
         let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now_ns)).cloned().collect();
         for q in &queues {
-            let (dead, failed) = q.tick(now_ns);
+            let (dead, failed, given_back) = q.tick(now_ns);
+            self.given_back.fetch_add(given_back, Ordering::Relaxed);
             self.dead_letter(q, dead.over_limit, DeadReason::MaxDeliveries, now_ns);
             self.dead_letter(q, dead.expired, DeadReason::Expired, now_ns);
             if let Some(e) = failed {
@@ -1693,6 +1701,13 @@ impl Broker {
     }
 
     /// Requests refused by `authorize` since open.
+    /// Bytes of segment files the tick deleted since open: what queues' consumers emptied, a
+    /// drained queue's active segment, a durable topic's past its age cap (not those deleted at
+    /// a segment roll).
+    pub fn given_back_bytes(&self) -> u64 {
+        self.given_back.load(Ordering::Relaxed)
+    }
+
     pub fn denials(&self) -> u64 {
         self.denials.load(Ordering::Relaxed)
     }

@@ -1505,15 +1505,15 @@ impl Queue {
     /// cannot be moved does not keep reads from timing out), and what they give back is given
     /// back with the first error; after one, the queue's next tick is `TICK_RETRY_NS` later at
     /// the soonest.
-    pub(crate) fn tick(&self, now_ns: u64) -> (DeadLetters, Option<BrokerError>) {
+    pub(crate) fn tick(&self, now_ns: u64) -> (DeadLetters, Option<BrokerError>, u64) {
         if !self.is_due(now_ns) {
-            return (DeadLetters::default(), None);
+            return (DeadLetters::default(), None, 0);
         }
         let config = self.config();
         let mut inner = self.lock();
         if self.is_removed() {
             // Its directory may be another queue's by now (see `mark_removed`).
-            return (DeadLetters::default(), None);
+            return (DeadLetters::default(), None, 0);
         }
         let mut failed = None;
         let moved = inner.move_due(now_ns).unwrap_or_else(|e| {
@@ -1542,7 +1542,8 @@ impl Queue {
                 failed.get_or_insert(e);
             }
         }
-        if let Err(e) = inner.give_back(&self.name, now_ns) {
+        let (given_back, give_back_failed) = inner.give_back(&self.name, now_ns);
+        if let Some(e) = give_back_failed {
             failed.get_or_insert(e);
         }
         let next = inner.next_due().unwrap_or_else(|e| {
@@ -1565,7 +1566,7 @@ impl Queue {
         if !expired.is_empty() || !over_limit.is_empty() {
             self.room.wake_one();
         }
-        (DeadLetters { expired, over_limit }, failed)
+        (DeadLetters { expired, over_limit }, failed, given_back)
     }
 
     /// When `tick` next has work (`u64::MAX`: none known).
@@ -1716,17 +1717,19 @@ impl Inner {
     /// offers filled the active segment: a drained, idle queue kept up to twice
     /// `segment_bytes`, a restart gave nothing back, and consuming a backlog on a full disk
     /// (where a new segment cannot be made) freed nothing.
-    fn give_back(&mut self, queue: &str, now_ns: u64) -> Result<(), BrokerError> {
-        let Some(due) = self.give_back_due() else { return Ok(()) };
+    ///
+    /// Returns the bytes of segment files deleted, and the first failure.
+    fn give_back(&mut self, queue: &str, now_ns: u64) -> (u64, Option<BrokerError>) {
+        let Some(due) = self.give_back_due() else { return (0, None) };
         if now_ns < due {
-            return Ok(());
+            return (0, None);
         }
         self.give_back = false;
         let drained = self.drained();
         if !drained {
             self.retention_at = now_ns;
         }
-        let Store::Log { lanes, delayed, .. } = &mut self.store else { return Ok(()) };
+        let Store::Log { lanes, delayed, .. } = &mut self.store else { return (0, None) };
         // Every log is tried, whatever one of them says. A failure (a full disk refusing the new
         // segment) is reported once and tried again at the next settle or start, not at every
         // tick: a retry loop would log it ten times a second.
@@ -1774,14 +1777,11 @@ impl Inner {
                 delay.let_go_of_segments();
             }
         }
-        if let Some(e) = failed {
-            return Err(e);
-        }
         if given.segments_removed > 0 {
             let why = if drained { "drained and idle" } else { "emptied by its consumers" };
             tracing::debug!(queue = %crate::shown(queue), segments = given.segments_removed, bytes = given.bytes_removed, "segments deleted: {why}");
         }
-        Ok(())
+        (given.bytes_removed, failed)
     }
 
     /// Which messages of an offer are repeats, by their keys (hashed; `None`: no key): their key

@@ -1253,4 +1253,16 @@ async fn a_drained_idle_queue_gives_its_disk_back() {
     }
     c.offer("spent", vec![msg("again")], None).await.unwrap();
     assert_eq!(texts(&c.poll("spent", TAKE).await.unwrap()), ["again"]);
+    // Counted on /metrics.
+    let mut http = std::net::TcpStream::connect(&server.http).unwrap();
+    http.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").unwrap();
+    let mut scrape = String::new();
+    http.read_to_string(&mut scrape).unwrap();
+    let given_back: u64 = scrape
+        .lines()
+        .find_map(|l| l.strip_prefix("petrel_given_back_bytes_total "))
+        .unwrap_or_else(|| panic!("no petrel_given_back_bytes_total in {scrape}"))
+        .parse()
+        .unwrap();
+    assert!(given_back >= full - (256 << 10), "{given_back} bytes counted, {full} held");
 }

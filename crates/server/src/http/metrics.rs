@@ -191,6 +191,8 @@ impl Scrape {
         let help = "Mapped segment bytes counted against max_resident_bytes.";
         self.gauge("petrel_resident_counted_bytes", help, none(), resident);
         self.counter("petrel_resident_releases_total", "Segments that gave their pages back.", none(), releases);
+        let help = "Bytes of segment files deleted between segment rolls: emptied by queues' consumers, a drained queue's active segment, a durable topic's past its age cap.";
+        self.counter("petrel_given_back_bytes_total", help, none(), broker.given_back_bytes());
         if let Ok(fs) = rustix::fs::statvfs(&ctx.config.data) {
             self.gauge(
                 "petrel_disk_free_bytes",
