@@ -78,6 +78,14 @@ impl GroupReader {
     /// are unacknowledged.
     pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Vec<Message>, BrokerError> {
         match self.group.poll(max, timeout) {
+            Ok(batch) if batch.is_empty() => {
+                drop(batch);
+                // Read to the end: the segment it ends in may be one retention deleted (an idle
+                // topic past its age cap, `Topic::wake_group_readers`), kept mapped, and its disk
+                // with it, until a reader lets go.
+                self.group.let_go_of_segments();
+                Ok(Vec::new())
+            }
             Ok(batch) => Ok(batch
                 .into_iter()
                 .map(|r| Message { destination: self.topic.clone(), ..message::from_record(&r) })
@@ -226,6 +234,34 @@ mod tests {
 
     fn payloads(messages: &[Message]) -> Vec<String> {
         messages.iter().map(|m| String::from_utf8(m.payload.to_vec()).unwrap()).collect()
+    }
+
+    /// A subscription through a group that read an idle topic to its end is woken when the
+    /// topic's age cap deletes its segment, and lets go of it: its disk goes back at once.
+    #[tokio::test]
+    async fn a_feed_lets_go_of_a_segment_the_age_cap_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = BrokerOptions { topic_max_age: Duration::from_secs(3600), ..BrokerOptions::default() };
+        let broker = Broker::open(dir.path(), options).unwrap();
+        broker.create_topic("t", true).unwrap();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let old = now - 7200 * 1_000_000_000;
+        broker.publish("t", (0..10).map(|i| Message::new(format!("m{i}").into_bytes())).collect(), old).unwrap();
+        let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 64).unwrap();
+        let (mut feed, _acks) = GroupFeed::new(reader, 64, 4);
+        let read = feed.step(256).unwrap().expect("the ten messages");
+        assert_eq!(read.len(), 10, "read, not acknowledged: the age cap deletes them all the same");
+        let topic_dir = dir.path().join("topics/t").canonicalize().unwrap();
+        let deleted_but_mapped = || {
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            maps.lines().filter(|l| l.contains(topic_dir.to_str().unwrap()) && l.ends_with("(deleted)")).count()
+        };
+        broker.tick(now);
+        assert!(deleted_but_mapped() > 0, "the feed's group still stands in the deleted segment");
+        let woken = tokio::time::timeout(Duration::from_secs(10), feed.wait()).await;
+        assert_eq!(woken.ok(), Some(true), "the deletion wakes the feed");
+        assert!(feed.step(256).unwrap().is_none(), "nothing new");
+        assert_eq!(deleted_but_mapped(), 0, "and it let go of the segment");
     }
 
     #[tokio::test]

@@ -1654,7 +1654,12 @@ impl Broker {
             let topics = self.topics.read().unwrap_or_else(|e| e.into_inner());
             for topic in topics.values() {
                 match topic.log.as_ref().map(|log| log.give_back()) {
-                    Some(Ok(report)) => drop(self.given_back.fetch_add(report.bytes_removed, Ordering::Relaxed)),
+                    Some(Ok(report)) => {
+                        self.given_back.fetch_add(report.bytes_removed, Ordering::Relaxed);
+                        if report.segments_removed > 0 {
+                            topic.wake_group_readers();
+                        }
+                    }
                     Some(Err(e)) => {
                         tracing::warn!(topic = %shown(&topic.name), error = %e, "a durable topic's caps could not be applied; trying again in 10 s");
                     }

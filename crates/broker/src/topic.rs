@@ -143,6 +143,13 @@ impl Drop for Subscription {
 }
 
 impl Topic {
+    /// Wakes the topic's consumer-group readers as an append would: after retention deleted
+    /// segments, so that one standing in a deleted segment moves on and lets go of it (a file
+    /// still mapped keeps its disk) rather than at the next publish.
+    pub(crate) fn wake_group_readers(&self) {
+        self.appends.happened();
+    }
+
     pub(crate) fn new(name: String, log: Option<SharedLog>) -> Topic {
         Topic {
             name,
