@@ -79,7 +79,6 @@ impl GroupReader {
     pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Vec<Message>, BrokerError> {
         match self.group.poll(max, timeout) {
             Ok(batch) if batch.is_empty() => {
-                drop(batch);
                 // Read to the end: the segment it ends in may be one retention deleted (an idle
                 // topic past its age cap, `Topic::wake_group_readers`), kept mapped, and its disk
                 // with it, until a reader lets go.
