@@ -74,6 +74,9 @@ pub fn serve(args: ServeArgs) -> Res {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let _file_size_signal = handle_file_size_signal();
+        // Before the listeners are announced: a SIGTERM sent as soon as they are (a supervisor's
+        // stop right after a start) ends the server gracefully, not by the signal's default.
+        let stop = shutdown_signal()?;
         let unix = config.unix_socket.clone();
         let server = Server::bind(config).await?;
         tokio::spawn(reload_on_sighup(server.reloader(config_file)));
@@ -94,7 +97,7 @@ pub fn serve(args: ServeArgs) -> Res {
             Some(memcache) => tracing::info!(native = %server.native_addr(), %memcache, "listening"),
             None => tracing::info!(native = %server.native_addr(), "listening"),
         }
-        server.run(shutdown_signal()).await?;
+        server.run(stop).await?;
         tracing::info!("stopped");
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
@@ -155,14 +158,17 @@ async fn reload_on_sighup(reloader: petrel_server::Reloader) {
     }
 }
 
-async fn shutdown_signal() {
+/// SIGTERM or SIGINT, handled from now on: the returned future ends at the first.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 /// Where the server is and how to reach it. The password comes from the environment variable
