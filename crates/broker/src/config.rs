@@ -100,13 +100,19 @@ pub fn levels_of(config: &QueueConfig) -> usize {
     config.priorities.max(1) as usize
 }
 
+/// The percentage of takes that go to the lower priority levels while they have messages (0
+/// for a queue without levels).
+pub fn priority_share_of(config: &QueueConfig) -> u8 {
+    match (config.priorities, config.priority_share) {
+        (0 | 1, _) => 0,
+        (_, 0) => DEFAULT_PRIORITY_SHARE,
+        (_, share) => share,
+    }
+}
+
 /// One take in this many goes to the lower priority levels while they have messages.
 pub fn lower_level_period(config: &QueueConfig) -> u32 {
-    let share = match config.priority_share {
-        0 => DEFAULT_PRIORITY_SHARE,
-        share => share,
-    };
-    100 / share as u32
+    100 / u32::from(priority_share_of(config).max(1))
 }
 
 /// The keys a queue remembers at most, and for how long (ns).

@@ -314,11 +314,7 @@ pub(crate) fn queue_figures(name: &str, st: &QueueStats) -> Value {
         // are this build's and the server's (one binary).
         "dedup_window_in_force": dedup_keys,
         "dedup_window_ms_in_force": dedup_ns / 1_000_000,
-        "priority_share_in_force": match st.config.priorities {
-            0 | 1 => 0,
-            _ if st.config.priority_share == 0 => petrel_broker::config::DEFAULT_PRIORITY_SHARE,
-            _ => st.config.priority_share,
-        },
+        "priority_share_in_force": petrel_broker::config::priority_share_of(&st.config),
     })
 }
 

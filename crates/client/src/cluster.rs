@@ -1238,43 +1238,33 @@ impl Cluster {
     /// created on two servers of three is there on two, whatever the third said.
     async fn on_all(&self, request: &Request) -> Result<(), ClientError> {
         let mut done = Vec::new();
-        let mut failed: Option<ClientError> = None;
+        // Each failure's status (`None`: the server could not be reached) and text.
+        let mut failures: Vec<(Option<petrel_proto::Status>, String)> = Vec::new();
         for (i, result) in self.shared.to_all(request).await {
             let addr = &self.shared.members[i].addr;
-            let error = match result {
-                Ok(_) => {
-                    done.push(addr.as_str());
-                    continue;
-                }
+            match result {
+                Ok(_) => done.push(addr.as_str()),
                 Err(ClientError::Status { status, message }) => {
-                    ClientError::Status { status, message: format!("{addr}: {message}") }
+                    failures.push((Some(status), format!("{addr}: {message}")))
                 }
-                Err(ClientError::Unavailable(why)) => ClientError::Unavailable(why),
-                Err(e) => ClientError::Unavailable(format!("{addr}: {e}")),
-            };
-            failed = Some(match failed {
-                None => error,
-                // The first error keeps its kind; the others' texts join it.
-                Some(ClientError::Status { status, message }) => {
-                    ClientError::Status { status, message: format!("{message}; {}", shown_error(&error)) }
-                }
-                Some(ClientError::Unavailable(why)) => {
-                    ClientError::Unavailable(format!("{why}; {}", shown_error(&error)))
-                }
-                Some(other) => other,
-            });
-        }
-        match failed {
-            None => Ok(()),
-            Some(error) if done.is_empty() => Err(error),
-            Some(ClientError::Status { status, message }) => {
-                Err(ClientError::Status { status, message: format!("{message} (done on {})", done.join(", ")) })
+                Err(ClientError::Unavailable(why)) => failures.push((None, why)),
+                Err(e) => failures.push((None, format!("{addr}: {e}"))),
             }
-            Some(ClientError::Unavailable(why)) => {
-                Err(ClientError::Unavailable(format!("{why} (done on {})", done.join(", "))))
-            }
-            Some(other) => Err(other),
         }
+        let Some(&(first, _)) = failures.first() else { return Ok(()) };
+        // The first failure's kind; every failure's text, the later ones with their status.
+        let texts = failures.iter().enumerate().map(|(i, (status, text))| match status {
+            Some(status) if i > 0 => format!("{status}: {text}"),
+            _ => text.clone(),
+        });
+        let mut text = texts.collect::<Vec<_>>().join("; ");
+        if !done.is_empty() {
+            text.push_str(&format!(" (done on {})", done.join(", ")));
+        }
+        Err(match first {
+            Some(status) => ClientError::Status { status, message: text },
+            None => ClientError::Unavailable(text),
+        })
     }
 
     /// The names every server that is up lists, once each, sorted.
@@ -1296,15 +1286,6 @@ impl Cluster {
             return Err(self.shared.unavailable());
         }
         Ok(names.into_iter().collect())
-    }
-}
-
-/// One server's part of an error that joins several.
-fn shown_error(e: &ClientError) -> String {
-    match e {
-        ClientError::Status { status, message } => format!("{status}: {message}"),
-        ClientError::Unavailable(why) => why.clone(),
-        other => other.to_string(),
     }
 }
 

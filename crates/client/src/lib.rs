@@ -74,6 +74,19 @@ pub fn unix_socket_path(addr: &str) -> Option<&str> {
     addr.strip_prefix("unix:").or_else(|| a_path.then_some(addr))
 }
 
+/// `connecting`, given up after `timeout`; its error names `addr`.
+async fn connect_within<S>(
+    addr: &str,
+    timeout: Duration,
+    connecting: impl std::future::Future<Output = std::io::Result<S>>,
+) -> Result<S, ClientError> {
+    let failed = |e: std::io::Error| ClientError::Io(std::io::Error::new(e.kind(), format!("connect to {addr}: {e}")));
+    match tokio::time::timeout(timeout, connecting).await {
+        Ok(connected) => connected.map_err(failed),
+        Err(_) => Err(failed(std::io::ErrorKind::TimedOut.into())),
+    }
+}
+
 /// How to reach a server: TLS, credentials, patience.
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
@@ -300,7 +313,7 @@ struct Inner {
     compress_min_bytes: std::sync::atomic::AtomicUsize,
     /// The server takes deliveries given back unseen (`features::RETURN_UNSEEN`).
     returns_unseen: std::sync::atomic::AtomicBool,
-    /// The server has users (`features::AUTH_REQUIRED` in HELLO's answer).
+    /// This connection must log in (`features::AUTH_REQUIRED` in HELLO's answer).
     auth_required: std::sync::atomic::AtomicBool,
     reader: tokio::task::JoinHandle<()>,
     writer: tokio::task::JoinHandle<()>,
@@ -359,13 +372,9 @@ impl Client {
     }
 
     /// Connects to `addr` with `options`: TLS if `options.tls` is set, then HELLO, then AUTH if
-    /// `options.user` is set. `addr` is `host:port`, or a Unix socket's path (`unix:PATH`, or a
-    /// path that starts with `/`), where TLS is refused: the server speaks it on TCP only. Errors
-    /// name the address.
+    /// `options.user` is set. `addr` is `host:port`, or a Unix socket's path (`unix_socket_path`),
+    /// where TLS is refused: the server speaks it on TCP only. Errors name the address.
     pub async fn connect_with(addr: &str, options: &ClientOptions) -> Result<Client, ClientError> {
-        let failed = |what: &str, e: std::io::Error| {
-            ClientError::Io(std::io::Error::new(e.kind(), format!("{what} {addr}: {e}")))
-        };
         if let Some(path) = unix_socket_path(addr) {
             if options.tls.is_some() {
                 return Err(ClientError::Tls(format!(
@@ -373,18 +382,11 @@ impl Client {
                 )));
             }
             let connecting = tokio::net::UnixStream::connect(path);
-            let stream = match tokio::time::timeout(options.connect_timeout, connecting).await {
-                Ok(connected) => connected.map_err(|e| failed("connect to", e))?,
-                Err(_) => return Err(failed("connect to", std::io::ErrorKind::TimedOut.into())),
-            };
-            let client = Client::start(stream, addr, options).await?;
-            return client.log_in(options).await;
+            let stream = connect_within(addr, options.connect_timeout, connecting).await?;
+            return Client::start(stream, addr, options).await?.log_in(options).await;
         }
         let connecting = tokio::net::TcpStream::connect(addr);
-        let stream = match tokio::time::timeout(options.connect_timeout, connecting).await {
-            Ok(connected) => connected.map_err(|e| failed("connect to", e))?,
-            Err(_) => return Err(failed("connect to", std::io::ErrorKind::TimedOut.into())),
-        };
+        let stream = connect_within(addr, options.connect_timeout, connecting).await?;
         stream.set_nodelay(true)?;
         let client = match &options.tls {
             Some(tls) => {
