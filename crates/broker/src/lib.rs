@@ -67,7 +67,7 @@ pub use held::HELD_OVERHEAD;
 pub use message::{Message, MessageKind, Status, answer_len_bound, id_of, offset_of};
 pub use petrel_log::SeekTo;
 pub use petrel_proto::{Delivery, GroupStats, QueueStats, TopicStats};
-pub use queue::{MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters, TICK_RETRY_NS, TickAlarm};
+pub use queue::{Leaving, MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters, TICK_RETRY_NS, TickAlarm};
 pub use topic::{Delivered, Ended, Subscription, Topic};
 pub use waiting::{WaitFor, Waited};
 
@@ -1780,7 +1780,16 @@ impl Broker {
     /// dead-letter queue, made by first use like Kestrel's `expire_to_queue`. Each carries why
     /// in the header `petrel-dead-letter-reason` and, at the delivery limit, its count in
     /// `petrel-deliveries`; without a dead-letter queue, expired messages just go.
-    fn dead_letter(&self, from: &Queue, messages: Vec<Message>, why: DeadReason, now_ns: u64) {
+    ///
+    /// Only once the dead-letter queue has them are they settled in `from` (see `Leaving`): a
+    /// crash in between leaves them in `from`, to be handed out or dead-lettered again.
+    fn dead_letter(&self, from: &Queue, leaving: Leaving, why: DeadReason, now_ns: u64) {
+        let (messages, unsettled) = leaving.into_parts();
+        self.hand_to_dead_letter_queue(from, messages, why, now_ns);
+        from.settle_left(unsettled);
+    }
+
+    fn hand_to_dead_letter_queue(&self, from: &Queue, messages: Vec<Message>, why: DeadReason, now_ns: u64) {
         let dead_letter = &from.config().dead_letter;
         if messages.is_empty() || dead_letter.is_empty() {
             return;
@@ -2054,6 +2063,72 @@ pub fn check_name(name: &str) -> Result<(), BrokerError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn durable_with_dead_letters(dir: &Path, q: QueueConfig) -> Broker {
+        let b = Broker::open(dir, BrokerOptions::default()).unwrap();
+        let durable = QueueConfig { durable: true, ..QueueConfig::default() };
+        b.create_queue("dlq", durable.clone(), None).unwrap();
+        b.create_queue("q", QueueConfig { dead_letter: "dlq".into(), ..QueueConfig { ..q } }, None).unwrap();
+        b
+    }
+
+    fn payloads_in(b: &Broker, queue: &str, now_ns: u64) -> Vec<Vec<u8>> {
+        b.poll(queue, 10, None, 9, now_ns).unwrap().iter().map(|d| d.message.payload.to_vec()).collect()
+    }
+
+    /// A message at its delivery limit stays in its durable queue, unacknowledged, until the
+    /// dead-letter queue has it: a crash in between (here the broker is dropped after the
+    /// queue's half of an abort, before the hand-over) leaves it in the queue, never in neither.
+    #[test]
+    fn a_message_at_its_delivery_limit_is_in_one_queue_or_the_other_across_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = QueueConfig { durable: true, max_deliveries: 1, ..QueueConfig::default() };
+        {
+            let b = durable_with_dead_letters(dir.path(), config.clone());
+            b.offer("q", vec![Message::new(&b"poison"[..])], MS).unwrap();
+            let got = b.poll("q", 1, Some(Duration::from_secs(60)), 1, 2 * MS).unwrap();
+            let returned = b.get("q").unwrap().abort(&[got[0].handle], 1, 0, 3 * MS).unwrap();
+            assert_eq!(returned.over_limit.messages.len(), 1, "at its limit");
+        }
+        let b = durable_with_dead_letters(dir.path(), config.clone());
+        assert_eq!(payloads_in(&b, "dlq", 4 * MS), Vec::<Vec<u8>>::new(), "the hand-over never happened");
+        let got = b.poll("q", 1, Some(Duration::from_secs(60)), 1, 5 * MS).unwrap();
+        assert_eq!(got.len(), 1, "still in its queue");
+        // The whole abort this time: in the dead-letter queue, and settled in its own.
+        b.abort("q", &[got[0].handle], 1, 0, 6 * MS).unwrap();
+        drop(b);
+        let b = durable_with_dead_letters(dir.path(), config);
+        assert_eq!(payloads_in(&b, "q", 7 * MS), Vec::<Vec<u8>>::new(), "settled once handed over");
+        assert_eq!(payloads_in(&b, "dlq", 8 * MS), [b"poison".to_vec()]);
+    }
+
+    /// The same for a message that expired: taken out by the tick, it stays unacknowledged in
+    /// its queue until the dead-letter queue has it.
+    #[test]
+    fn an_expired_message_is_in_one_queue_or_the_other_across_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = QueueConfig { durable: true, ..QueueConfig::default() };
+        {
+            let b = durable_with_dead_letters(dir.path(), config.clone());
+            let mut m = Message::new(&b"stale"[..]);
+            m.expires_at = 10 * MS;
+            b.offer("q", vec![m, Message::new(&b"fresh"[..])], MS).unwrap();
+            let (dead, failed, _) = b.get("q").unwrap().tick(20 * MS);
+            assert!(failed.is_none());
+            assert_eq!(dead.expired.messages.len(), 1, "expired");
+        }
+        let b = durable_with_dead_letters(dir.path(), config.clone());
+        assert_eq!(payloads_in(&b, "dlq", 30 * MS), Vec::<Vec<u8>>::new(), "the hand-over never happened");
+        // Met again by the next tick (or poll), and handed over this time.
+        b.tick(40 * MS);
+        assert_eq!(payloads_in(&b, "q", 50 * MS), [b"fresh".to_vec()]);
+        drop(b);
+        let b = durable_with_dead_letters(dir.path(), config);
+        assert_eq!(payloads_in(&b, "q", 60 * MS), Vec::<Vec<u8>>::new());
+        assert_eq!(payloads_in(&b, "dlq", 70 * MS), [b"stale".to_vec()]);
+    }
 
     #[test]
     fn work_on_threads_comes_back_in_order_and_stops_at_the_first_failure() {

@@ -73,7 +73,7 @@ pub struct OpenRead {
 #[derive(Debug, Default)]
 pub struct Polled {
     pub deliveries: Vec<Delivery>,
-    pub expired: Vec<Message>,
+    pub expired: Leaving,
 }
 
 /// Tentative reads put back: how many, and those that reached the queue's `max_deliveries` and
@@ -81,15 +81,49 @@ pub struct Polled {
 #[derive(Debug, Default)]
 pub(crate) struct Returned {
     pub count: u32,
-    pub over_limit: Vec<Message>,
+    pub over_limit: Leaving,
 }
 
 /// What a tick takes out of a queue for its dead-letter queue.
 #[derive(Debug, Default)]
 pub(crate) struct DeadLetters {
-    pub expired: Vec<Message>,
-    pub over_limit: Vec<Message>,
+    pub expired: Leaving,
+    pub over_limit: Leaving,
 }
+
+/// Messages taken out of a queue for its dead-letter queue (expired, or at the delivery limit),
+/// and, when it has one, what settles them in this queue once the dead-letter queue holds them
+/// (`Queue::settle_left`). Until then a durable queue's records stay unacknowledged: a crash
+/// between the two leaves a message where it was (handed out again, or dead-lettered twice),
+/// never in neither queue.
+#[derive(Default)]
+pub struct Leaving {
+    pub(crate) messages: Vec<Message>,
+    takings: Vec<Taken>,
+}
+
+impl std::fmt::Debug for Leaving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leaving")
+            .field("messages", &self.messages.len())
+            .field("unsettled", &self.takings.len())
+            .finish()
+    }
+}
+
+impl Leaving {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.messages.is_empty() && self.takings.is_empty()
+    }
+
+    /// The messages, and what settles them (`Queue::settle_left`).
+    pub(crate) fn into_parts(self) -> (Vec<Message>, Unsettled) {
+        (self.messages, Unsettled(self.takings))
+    }
+}
+
+/// Messages on their way to a dead-letter queue, still unacknowledged in their own.
+pub(crate) struct Unsettled(Vec<Taken>);
 
 /// Function servers remembered per temporary queue as allowed to reply to it.
 const MAX_REPLIERS: usize = 64;
@@ -1317,7 +1351,9 @@ impl Queue {
         next_handle: &mut dyn FnMut() -> u64,
     ) -> Result<Polled, BrokerError> {
         let mut out = Polled::default();
-        let period = config::lower_level_period(&self.config());
+        let config = self.config();
+        let period = config::lower_level_period(&config);
+        let dead_letter = !config.dead_letter.is_empty();
         let mut guard = self.lock();
         let inner = &mut *guard;
         let mut answer_bytes = 0u64;
@@ -1325,10 +1361,9 @@ impl Queue {
             let Some((message, taken)) = inner.next(period)? else { break };
             let size = message.size();
             if message.is_expired(now_ns) {
-                inner.settle(&taken)?;
                 counting::subtract(&mut inner.bytes, size, "a queue's bytes");
                 inner.counters.expired += 1;
-                out.expired.push(message);
+                inner.leave(&mut out.expired, message, taken, dead_letter)?;
                 continue;
             }
             // What the message adds to an answer: its bytes, its fields, its handle.
@@ -1471,7 +1506,7 @@ impl Queue {
                         tracing::warn!(queue = %self.name, error = %e, "a message given back unseen");
                     }
                 }
-                Vec::new()
+                Leaving::default()
             }
         };
         if n > 0 {
@@ -1486,6 +1521,24 @@ impl Queue {
             }
         }
         Ok(Returned { count: n, over_limit })
+    }
+
+    /// Settles messages taken out for the dead-letter queue, now that it holds them (or has
+    /// refused them, which the broker counts as lost): see `Leaving`.
+    pub(crate) fn settle_left(&self, unsettled: Unsettled) {
+        if unsettled.0.is_empty() {
+            return;
+        }
+        let mut inner = self.lock();
+        if self.is_removed() {
+            // Its directory may be another queue's by now (see `mark_removed`).
+            return;
+        }
+        for taken in &unsettled.0 {
+            if let Err(e) = inner.settle(taken) {
+                tracing::error!(queue = %self.name, error = %e, "a dead-lettered message's acknowledgement is not durable");
+            }
+        }
     }
 
     /// Returns every tentative delivery of `consumer` (its connection closed).
@@ -1527,9 +1580,10 @@ impl Queue {
         // Expired messages at the head of each level go (to the dead-letter queue), in memory
         // and on disk alike; ones behind an unexpired head wait until they reach it, as in
         // Kestrel.
-        let mut expired = Vec::new();
+        let mut expired = Leaving::default();
+        let dead_letter = !config.dead_letter.is_empty();
         for level in 0..inner.waiting_at.len() {
-            if let Err(e) = inner.drop_expired_heads(level, now_ns, &mut expired) {
+            if let Err(e) = inner.drop_expired_heads(level, now_ns, &mut expired, dead_letter) {
                 failed.get_or_insert(e);
             }
         }
@@ -1650,16 +1704,15 @@ impl Queue {
 
     /// The message at the head of the highest level that has one, left in place; expired
     /// messages before it are removed and returned (for the dead-letter queue).
-    pub fn peek(&self, now_ns: u64) -> Result<(Option<Message>, Vec<Message>), BrokerError> {
-        let mut expired = Vec::new();
+    pub fn peek(&self, now_ns: u64) -> Result<(Option<Message>, Leaving), BrokerError> {
+        let mut expired = Leaving::default();
+        let dead_letter = !self.config().dead_letter.is_empty();
         let mut inner = self.lock();
         let head = loop {
             let Some(level) = inner.highest_level()? else { break None };
             match inner.head_at(level)? {
                 Some(m) if m.is_expired(now_ns) => {
-                    inner.drop_head(level)?;
-                    inner.counters.expired += 1;
-                    expired.push(m);
+                    inner.expire_head(level, m, &mut expired, dead_letter)?;
                 }
                 other => break other.map(|m| Message { destination: self.name.clone(), ..m }),
             }
@@ -2108,9 +2161,10 @@ impl Inner {
         config: &QueueConfig,
         delay_ms: u32,
         now_ns: u64,
-    ) -> Vec<Message> {
+    ) -> Leaving {
         let max_deliveries = config.max_deliveries;
-        let mut over_limit = Vec::new();
+        let dead_letter = !config.dead_letter.is_empty();
+        let mut over_limit = Leaving::default();
         let mut later = Vec::new();
         for read in reads {
             let deliveries = match self.deliveries(&read.item) {
@@ -2144,14 +2198,13 @@ impl Inner {
                     continue;
                 }
             };
-            // A settle that fails has still acknowledged in memory (see `ack`): the message
-            // goes to the dead letters all the same.
-            if let Err(e) = self.settle(&read.item) {
-                tracing::error!(queue, error = %e, "a dead-lettered message's acknowledgement is not durable");
-            }
             counting::subtract(&mut self.bytes, read.bytes, "a queue's bytes");
             self.counters.dead_lettered += 1;
-            over_limit.push(Message { deliveries, ..message });
+            // A settle that fails has still acknowledged in memory (see `ack`): the message
+            // goes to the dead letters all the same.
+            if let Err(e) = self.leave(&mut over_limit, Message { deliveries, ..message }, read.item, dead_letter) {
+                tracing::error!(queue, error = %e, "a dead-lettered message's acknowledgement is not durable");
+            }
         }
         if let Err((e, refused)) = self.delay_returned(queue, later) {
             for taken in refused {
@@ -2502,16 +2555,62 @@ impl Inner {
         marker
     }
 
-    /// Drops the messages at the head of `level` that expired by `now_ns` into `expired`.
-    fn drop_expired_heads(&mut self, level: usize, now_ns: u64, expired: &mut Vec<Message>) -> Result<(), BrokerError> {
+    /// Takes the messages at the head of `level` that expired by `now_ns` out into `expired`.
+    fn drop_expired_heads(
+        &mut self,
+        level: usize,
+        now_ns: u64,
+        expired: &mut Leaving,
+        dead_letter: bool,
+    ) -> Result<(), BrokerError> {
         while let Some(head) = self.head_at(level)?
             && head.is_expired(now_ns)
         {
-            self.drop_head(level)?;
-            self.counters.expired += 1;
-            expired.push(head);
+            self.expire_head(level, head, expired, dead_letter)?;
         }
         Ok(())
+    }
+
+    /// Takes `head`, expired at the head of `level`, out into `expired`: with a dead-letter
+    /// queue, taken and left unsettled until that queue has it (`Leaving`); without one, or when
+    /// the level cannot hand out another record now (as many out as its log allows), dropped.
+    fn expire_head(
+        &mut self,
+        level: usize,
+        head: Message,
+        expired: &mut Leaving,
+        dead_letter: bool,
+    ) -> Result<(), BrokerError> {
+        if dead_letter && let Some((message, taken)) = self.next_at(level)? {
+            counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
+            counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
+            self.head_taken = true;
+            counting::subtract(&mut self.bytes, message.size(), "a queue's bytes");
+            self.counters.expired += 1;
+            return self.leave(expired, head, taken, true);
+        }
+        if self.drop_head(level)? {
+            self.counters.expired += 1;
+            expired.messages.push(head);
+        }
+        Ok(())
+    }
+
+    /// `message`, taken for the dead-letter queue, into `leaving`: settled at once when the
+    /// queue has no dead-letter queue (it just goes), else when that queue has it.
+    fn leave(
+        &mut self,
+        leaving: &mut Leaving,
+        message: Message,
+        taken: Taken,
+        dead_letter: bool,
+    ) -> Result<(), BrokerError> {
+        leaving.messages.push(message);
+        if dead_letter {
+            leaving.takings.push(taken);
+            return Ok(());
+        }
+        self.settle(&taken)
     }
 
     /// Drops the oldest waiting message of the lowest level that has one (a full circular
