@@ -571,3 +571,56 @@ fn kestrel_style_names_sets_nobody_hears_of_and_meta_commands() {
     assert_eq!(meta, "CLIENT_ERROR meta commands are not supported: use set and get\r\n");
     assert_eq!(c.ask(b"get kept\r\n", b"END\r\n"), "VALUE kept 0 1\r\nk\r\nEND\r\n");
 }
+
+/// What stock clients do that a Kestrel server never saw: a pool that connects at its program's
+/// start and sends its first command later than the handshake timeout (kept: a plain memcache
+/// connection has no handshake); a command the server does not know sent with `noreply`
+/// (pymemcache's `touch`: no `ERROR`, which the client would read as its next command's answer);
+/// and Kestrel client libraries that take a per-queue stat's queue name as what comes before a
+/// suffix they know (no stat of Petrel's own ends in one).
+#[test]
+fn early_connections_unknown_noreply_commands_and_stats_kestrel_clients_parse() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "[security]\nhandshake_timeout = \"200ms\"\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let mut early = Conn::open(&server);
+    std::thread::sleep(Duration::from_millis(700));
+    assert!(early.ask(b"version\r\n", b"\r\n").starts_with("VERSION "), "kept past the handshake timeout");
+    assert_eq!(early.ask(b"set jobs 0 0 2\r\nok\r\n", b"\r\n"), "STORED\r\n");
+    // The server stays one answer per answered request.
+    let answers = early.ask(b"touch jobs 10 noreply\r\nverbosity 1 noreply\r\nget jobs\r\n", b"END\r\n");
+    assert_eq!(answers, "VALUE jobs 0 2\r\nok\r\nEND\r\n");
+    assert_eq!(early.ask(b"touch jobs 10\r\n", b"\r\n"), "ERROR\r\n", "answered without noreply");
+    // The per-queue stats' names end in Kestrel's suffixes only where they are Kestrel's stats.
+    let kestrel = [
+        "items",
+        "bytes",
+        "total_items",
+        "logsize",
+        "expired_items",
+        "mem_items",
+        "mem_bytes",
+        "age",
+        "discarded",
+        "waiters",
+        "open_transactions",
+        "transactions",
+        "canceled_transactions",
+        "total_flushes",
+        "journal_rewrites",
+        "journal_rotations",
+        "create_time",
+    ];
+    let stats = early.ask(b"stats\r\n", b"END\r\n");
+    for line in stats.lines().filter_map(|l| l.strip_prefix("STAT queue_jobs_")) {
+        let name = line.split(' ').next().unwrap();
+        if !kestrel.contains(&name) {
+            assert!(
+                !kestrel.iter().any(|k| name.ends_with(&format!("_{k}"))),
+                "queue_jobs_{name} would be read as a queue jobs_… by Kestrel's clients"
+            );
+        }
+    }
+    assert!(stats.contains("STAT queue_jobs_delayed 0\r\n"), "{stats}");
+}

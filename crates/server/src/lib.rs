@@ -461,13 +461,20 @@ async fn open(
     conn: petrel_broker::ConnId,
     stop: watch::Receiver<bool>,
 ) {
+    let tls = ctx.tls();
+    if protocol == Protocol::Memcache && tls.is_none() && !ctx.config.security.require_tls {
+        // No handshake to wait for: a memcache client may open its connections long before it
+        // uses them (a pool, at its program's start), and its silence is the idle timeout's to
+        // end (or, on a server with users, the login's deadline: `memcache::serve`).
+        let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
+        return memcache::serve(stream, ctx, conn, stop, peer).await;
+    }
     let handshake = ctx.handshake_timeout();
     let mut first = [0u8; 1];
     match tokio::time::timeout(handshake, stream.peek(&mut first)).await {
         Ok(Ok(1)) => {}
         _ => return, // closed, failed, or silent for too long
     }
-    let tls = ctx.tls();
     if let Some(tls) = tls.filter(|_| first[0] == tls::HANDSHAKE_RECORD) {
         let stream = match tokio::time::timeout(handshake, tls.acceptor.accept(stream)).await {
             Ok(Ok(stream)) => stream,

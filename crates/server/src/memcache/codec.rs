@@ -62,6 +62,8 @@ pub enum Command {
     },
     Unknown {
         verb: String,
+        /// Its last word was `noreply`: the client reads no `ERROR` for it either.
+        noreply: bool,
     },
 }
 
@@ -73,7 +75,8 @@ impl Command {
             | Command::OtherStorage { noreply, .. }
             | Command::Delete { noreply, .. }
             | Command::Flush { noreply, .. }
-            | Command::FlushAll { noreply, .. } => *noreply,
+            | Command::FlushAll { noreply, .. }
+            | Command::Unknown { noreply, .. } => *noreply,
             _ => false,
         }
     }
@@ -325,7 +328,7 @@ fn command(verb: &str, tokens: &[&[u8]]) -> Result<Command, Reject> {
         "quit" => Command::Quit,
         "stats" => Command::Stats,
         "dump_stats" => Command::DumpStats { queues: tokens[1..].iter().map(|t| text(t)).collect() },
-        _ => Command::Unknown { verb: verb.to_owned() },
+        _ => Command::Unknown { verb: verb.to_owned(), noreply },
     })
 }
 
@@ -444,7 +447,16 @@ mod tests {
         assert_eq!(decode_all(b"get q/opne\r\n", 100), vec![keep("CLIENT_ERROR unknown option \"opne\"")]);
         assert_eq!(decode_all(b"get\r\n", 100), vec![keep("CLIENT_ERROR get needs a key")]);
         assert_eq!(decode_all(b"\r\n", 100), vec![keep("ERROR")]);
-        assert_eq!(decode_all(b"frobnicate q\r\n", 100), vec![Ok(Command::Unknown { verb: "frobnicate".into() })]);
+        assert_eq!(
+            decode_all(b"frobnicate q\r\n", 100),
+            vec![Ok(Command::Unknown { verb: "frobnicate".into(), noreply: false })]
+        );
+        // A command this server does not know, sent with `noreply` (pymemcache's `touch`):
+        // the client reads no answer, so none is sent.
+        assert_eq!(
+            decode_all(b"touch q 10 noreply\r\n", 100),
+            vec![Ok(Command::Unknown { verb: "touch".into(), noreply: true })]
+        );
         // memcached's meta commands are refused; a meta set's data block is skipped, never read
         // as commands (it was: `ms q 11 T0` then `delete jobs` deleted the queue).
         let meta = "CLIENT_ERROR meta commands are not supported: use set and get";

@@ -388,9 +388,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             Command::Quit => return Flow::Close,
             Command::Stats => self.stats(),
             Command::DumpStats { queues } => self.dump_stats(&queues),
-            Command::Unknown { verb } => {
+            Command::Unknown { verb, noreply } => {
                 tracing::debug!(conn = self.conn, verb, "unknown memcache command");
-                self.line("ERROR");
+                if !noreply {
+                    self.line("ERROR");
+                }
             }
         }
         Flow::Continue
@@ -685,7 +687,9 @@ fn queue_stats(
         ("waiters", st.waiters.to_string()),
         ("open_transactions", st.in_flight.to_string()),
         // Not Kestrel's: stored, not yet due (a native offer's delay, a redelivery delay).
-        ("delayed_items", st.delayed.to_string()),
+        // Not `delayed_items`: Kestrel clients take a stat's queue name as what comes before a
+        // suffix they know (`_items`), and would list a queue `NAME_delayed`.
+        ("delayed", st.delayed.to_string()),
         ("transactions", st.opened.to_string()),
         ("canceled_transactions", st.aborted.to_string()),
         ("total_flushes", st.flushes.to_string()),
