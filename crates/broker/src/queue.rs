@@ -786,6 +786,24 @@ impl Queue {
         for &(at, id, level, key) in &keys {
             window.restore(key, id, level, at, max_keys);
         }
+        // Keys come back from every record not yet consumed, also from before a log's `dedup`
+        // group (a key forgotten before a larger window was configured, or a group whose
+        // cursor a power loss took): each group goes back to the oldest key taken back from its
+        // log, so that retention keeps that record and the next start finds the key again
+        // however far the queue is consumed meanwhile.
+        for (level, lane) in lanes.iter_mut().enumerate() {
+            let Some((_, oldest)) = window.oldest_id_at(level).and_then(message::queue_position) else { continue };
+            match &mut lane.dedup {
+                Some(group) if group.committed() > oldest => {
+                    group.seek(petrel_log::SeekTo::Offset(oldest))?;
+                }
+                Some(_) => {}
+                None => {
+                    let options = GroupOptions { start: petrel_log::SeekTo::Offset(oldest), ..GroupOptions::default() };
+                    lane.dedup = Some(Box::new(lane.log.group(DEDUP_GROUP, options)?));
+                }
+            }
+        }
         let made = Arc::clone(&delayed_log_handle);
         let open_delayed: OpenDelayedLog = Box::new(move || {
             let log = open_delayed()?;

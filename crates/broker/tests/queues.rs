@@ -1064,6 +1064,33 @@ fn a_repeated_idempotency_key_is_stored_once_and_answered_with_the_original_id_a
     }
 }
 
+/// A key a start took back from the log stays remembered at the next: a larger window
+/// configured after the window forgot a key brings it back from its record at a restart, and
+/// from then on the record is kept for it, so that consuming the queue does not make a later
+/// start forget a key still inside the window.
+#[test]
+fn a_key_a_restart_took_back_from_the_log_is_remembered_at_the_next_one_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let short = QueueConfig { durable: true, dedup_window_ms: 50, ..QueueConfig::default() };
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_queue("orders", short.clone(), None).unwrap();
+    assert_eq!(b.offer("orders", keyed(&[("a", "A")]), now_ns()).unwrap(), (1, 1));
+    std::thread::sleep(Duration::from_millis(100));
+    b.offer("orders", keyed(&[("b", "B"), ("c", "C")]), now_ns()).unwrap();
+    b.tick(now_ns());
+    assert_eq!(b.queue("orders").unwrap().counters().dedup_keys, 2, "a forgotten by time");
+    let longer = QueueConfig { dedup_window_ms: 60_000, ..short };
+    b.reconfigure_queues(QueueConfig::default(), [("orders".to_owned(), longer)].into()).unwrap();
+    drop(b);
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.queue("orders").unwrap().counters().dedup_keys, 3, "a, back from its record");
+    assert_eq!(b.poll("orders", 10, None, 1, now_ns()).unwrap().len(), 3, "all consumed");
+    drop(b);
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    assert_eq!(b.queue("orders").unwrap().counters().dedup_keys, 3, "a still remembered");
+    assert_eq!(b.offer("orders", keyed(&[("a", "A")]), now_ns()).unwrap(), (1, 1), "a repeat of a");
+}
+
 #[test]
 fn a_key_twice_in_a_large_offer_is_stored_once() {
     // Past 32 keys an offer's own repeats are found by a set rather than a scan.
