@@ -708,7 +708,15 @@ pub(crate) struct Reopened {
     /// The time of its last record (0: none): a `released` marker's is the time its messages
     /// joined their level.
     pub last_stamp: u64,
+    /// Released runs held at most while the markers were read (what opening it took in memory
+    /// besides its bits: `RUNS_HELD_WHILE_OPENING`).
+    pub runs_held_at_most: usize,
 }
+
+/// Released runs an open holds before it lets go of those a later marker named done: a log
+/// pinned by one old message holds every run released since (each 40 bytes here, most long
+/// done), and an open keeps at most about this many, or twice those still waiting.
+const RUNS_HELD_WHILE_OPENING: usize = 65_536;
 
 impl DelayLog {
     /// A new, empty delayed log for a queue of `levels` priority levels.
@@ -749,7 +757,8 @@ impl DelayLog {
         let mut done = Done::starting_at(start);
         let mut returns = NumberMap::<u32>::default();
         // Released runs in the order they were released: (level, after, stamp, start, end).
-        let mut released = Vec::new();
+        let mut released: Vec<(usize, u64, u64, u64, u64)> = Vec::new();
+        let (mut let_go_at, mut runs_held_at_most) = (RUNS_HELD_WHILE_OPENING, 0);
         // First the markers (each follows the records it names), then the messages.
         for_each_record(&log, start, |r| {
             assert_eq!(r.offset, done.end(), "a log's offsets are dense");
@@ -775,6 +784,21 @@ impl DelayLog {
                             released.push((usize::from(level).min(top), after, stamp, start, next));
                         }
                     }
+                    runs_held_at_most = runs_held_at_most.max(released.len());
+                    if released.len() >= let_go_at {
+                        // Done offsets at either end of a run go (the runs are rebuilt from the
+                        // offsets not done below), and with them the runs done whole.
+                        released.retain_mut(|(_, _, _, start, end)| {
+                            while *start < *end && done.is_done(*start) {
+                                *start += 1;
+                            }
+                            while *end > *start && done.is_done(*end - 1) {
+                                *end -= 1;
+                            }
+                            start < end
+                        });
+                        let_go_at = RUNS_HELD_WHILE_OPENING.max(2 * released.len());
+                    }
                     done.push(true);
                 }
                 // (A copy a level's log holds is found below, and written down as repaired.)
@@ -782,7 +806,7 @@ impl DelayLog {
             }
         })?;
         let keys = crate::dedup::RecentKeys::new(keep_keys);
-        let mut reopened = Reopened { released_at: vec![0; levels], keys, ..Reopened::default() };
+        let mut reopened = Reopened { released_at: vec![0; levels], keys, runs_held_at_most, ..Reopened::default() };
         let mut timers = Timers::new(cap);
         let mut repaired = Vec::new();
         for_each_record(&log, start, |r| {
@@ -1431,6 +1455,39 @@ mod tests {
         drop(delay);
         let (delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false, 100).unwrap();
         assert_eq!((reopened.pending, reopened.released_at, delay.ready_len()), (1, vec![0], 0), "written down");
+    }
+
+    /// A log pinned by one message not yet due holds every release since; opening it holds
+    /// the runs of those not done, not all of them (and the released ones waiting come back).
+    #[test]
+    fn an_open_lets_go_of_released_runs_a_later_marker_named_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = || petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(open(), 8, 1).unwrap();
+        let message = |due: u64| Message { deliver_at: due, timestamp: 500, ..Message::new(&b"m"[..]) };
+        delay.append(&[message(u64::MAX / 2)], &[Placement::default()]).unwrap(); // the pin
+        const N: u64 = 3 * RUNS_HELD_WHILE_OPENING as u64 / 2;
+        let mut taken = Vec::new();
+        for due in 1..=N {
+            delay.append(&[message(due)], &[Placement::default()]).unwrap();
+            assert!(delay.release_due(due, 100, &[0], due).unwrap().is_some(), "one run a release");
+            taken.push(delay.take_ready(0).unwrap().offset);
+            if taken.len() == 1_000 || due == N {
+                let mut batch = std::mem::take(&mut taken);
+                if due == N {
+                    batch.truncate(batch.len() - 2); // the last two stay handed out
+                }
+                delay.mark_done(&batch).unwrap();
+            }
+        }
+        drop(delay);
+        let (delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false, 100).unwrap();
+        assert!(
+            reopened.runs_held_at_most <= RUNS_HELD_WHILE_OPENING,
+            "{} runs held for {N} releases",
+            reopened.runs_held_at_most
+        );
+        assert_eq!((reopened.pending, reopened.released_at, delay.ready_len()), (1, vec![2], 2), "the last two wait");
     }
 
     /// A release writes at most `MAX_RUNS_PER_RELEASE` runs; the rest is released next, in order.

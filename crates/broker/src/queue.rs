@@ -776,6 +776,7 @@ impl Queue {
             }
             bytes += reopened.bytes;
             delayed_count = reopened.pending;
+            tracing::debug!(queue = %name, pending = reopened.pending, runs_held_at_most = reopened.runs_held_at_most, "delayed log opened");
             last_stamp = last_stamp.max(reopened.last_stamp);
             let _ = delayed_log_handle.set(log);
             delayed = Some(Box::new(delay));
