@@ -435,6 +435,9 @@ struct Inner {
     waiting: u64,
     /// Bytes of the messages waiting and in flight.
     bytes: u64,
+    /// Records of the levels' logs taken out for the dead-letter queue and not yet settled
+    /// (`Leaving`): neither waiting nor in flight, but not acknowledged.
+    leaving_records: u64,
     /// `waiting` per priority level (one entry without levels).
     waiting_at: Vec<u64>,
     /// Takes from the highest level in a row while a lower level had messages: one in every
@@ -851,6 +854,7 @@ impl Queue {
                 in_flight: OpenReads::default(),
                 waiting: 0,
                 bytes,
+                leaving_records: 0,
                 waiting_at: vec![0; levels],
                 takes_from_top: 0,
                 head_taken: false,
@@ -1554,6 +1558,8 @@ impl Queue {
             return;
         }
         for taken in &unsettled.0 {
+            let record = u64::from(matches!(taken, Taken::Log { .. }));
+            counting::subtract(&mut inner.leaving_records, record, "a queue's records leaving");
             if let Err(e) = inner.settle(taken) {
                 tracing::error!(queue = %self.name, error = %e, "a dead-lettered message's acknowledgement is not durable");
             }
@@ -2078,6 +2084,7 @@ impl Inner {
                         + delayed.as_ref().map_or(0, |d| d.ready_len())
                         + released_out
                         - self.in_flight.len() as u64
+                        - self.leaving_records
                 }
             },
             "a queue's count matches its store"
@@ -2626,6 +2633,7 @@ impl Inner {
     ) -> Result<(), BrokerError> {
         leaving.messages.push(message);
         if dead_letter {
+            self.leaving_records += u64::from(matches!(taken, Taken::Log { .. }));
             leaving.takings.push(taken);
             return Ok(());
         }
