@@ -112,6 +112,13 @@ impl GroupReader {
     pub fn pending(&self) -> usize {
         self.group.pending()
     }
+
+    /// Messages out with this reader's subscriber: those delivered and not acknowledged, less
+    /// those to be handed out again (an earlier subscription's, which may have been allowed more
+    /// out than this one: they count here once handed out again).
+    pub fn out(&self) -> usize {
+        self.group.pending() - self.group.redeliveries()
+    }
 }
 
 /// Acknowledgements sent to a feed, and where to say how many counted.
@@ -175,13 +182,12 @@ impl GroupFeed {
             let n = self.reader.ack(&ids)?;
             let _ = counted.send(n);
         }
-        let pending = self.reader.pending();
-        assert!(pending <= self.max_pending, "the group delivered past its limit");
-        self.at_limit = pending == self.max_pending;
+        let out = self.reader.out();
+        self.at_limit = out >= self.max_pending;
         if self.at_limit {
             return Ok(None);
         }
-        let messages = self.reader.poll((self.max_pending - pending).min(max_batch), Duration::ZERO)?;
+        let messages = self.reader.poll((self.max_pending - out).min(max_batch), Duration::ZERO)?;
         Ok((!messages.is_empty()).then_some(messages))
     }
 
@@ -282,6 +288,39 @@ mod tests {
         assert_eq!(payloads(&next), ["m2"]);
         drop(acks);
         assert!(!feed.wait().await, "the subscriber's end dropped: the feed is over");
+    }
+
+    /// Messages a subscription left unacknowledged with a larger buffer, some held by the group
+    /// (acknowledged around), are handed out again to the next subscription with a smaller one,
+    /// one buffer's worth at a time (its limit was asserted, and the feed ended).
+    #[test]
+    fn a_smaller_buffer_hands_out_again_what_a_larger_one_left() {
+        let (_dir, broker) = topic_with(7);
+        let topic = broker.topic("t").unwrap();
+        {
+            let (mut feed, acks) = GroupFeed::new(topic.group("g", Some(SeekTo::Oldest), 3).unwrap(), 3, 4);
+            let mut step = |ack: &[usize]| {
+                let got = feed.step(256).unwrap().unwrap();
+                let ids: Vec<u64> = ack.iter().map(|&i| got[i].id).collect();
+                if !ids.is_empty() {
+                    acks.send(ids).unwrap();
+                }
+                payloads(&got)
+            };
+            assert_eq!(step(&[1, 2]), ["m0", "m1", "m2"]);
+            assert_eq!(step(&[1]), ["m3", "m4"]);
+            assert_eq!(step(&[0]), ["m5"]);
+            assert_eq!(step(&[]), ["m6"]);
+        }
+        let (mut feed, acks) = GroupFeed::new(topic.group("g", None, 1).unwrap(), 1, 4);
+        let mut again = Vec::new();
+        while let Some(got) = feed.step(256).unwrap() {
+            assert_eq!(got.len(), 1, "one out at a time");
+            acks.send(vec![got[0].id]).unwrap();
+            again.extend(payloads(&got));
+        }
+        again.sort();
+        assert_eq!(again, ["m0", "m3", "m6"], "each left unacknowledged, handed out again");
     }
 
     #[test]

@@ -442,6 +442,13 @@ impl ConsumerGroup {
         (self.next - self.committed) as usize - self.acked_above + self.held.len()
     }
 
+    /// Of the `pending` records, those `poll` hands out again before any new one: returned
+    /// with `nack`, or held by the group before it was last opened (whoever read them then is
+    /// gone). A reader that limits what it has out counts `pending` less these.
+    pub fn redeliveries(&self) -> usize {
+        self.redeliver.len()
+    }
+
     /// Records in the log from the lowest unacknowledged one on (acknowledged ones among them
     /// included: see `unacknowledged`).
     pub fn lag(&self) -> u64 {
