@@ -39,9 +39,17 @@ pub fn decompress(m: &mut Message, max_bytes: usize) -> Result<(), DecodeError> 
     if !m.compressed {
         return Ok(());
     }
-    // The frame's recorded size is checked against `max_bytes` before anything is allocated.
-    let plain = DECOMPRESSOR
-        .with_borrow_mut(|d| d.as_mut().and_then(|d| d.decompress(&m.payload, max_bytes).ok()))
+    // The frame must record its size (the protocol says so), and the room made is that size,
+    // checked against `max_bytes` first: room for `max_bytes` for every frame that did not say
+    // would let many small payloads hold the limit each. The decoder refuses a frame whose
+    // content is not the size it recorded.
+    let declared = zstd::zstd_safe::get_frame_content_size(&m.payload)
+        .ok()
+        .flatten()
+        .ok_or(DecodeError::BadValue("compressed payload (not a zstd frame that records its content size)"))?;
+    let room = usize::try_from(declared).ok().filter(|&n| n <= max_bytes);
+    let plain = room
+        .and_then(|n| DECOMPRESSOR.with_borrow_mut(|d| d.as_mut().and_then(|d| d.decompress(&m.payload, n).ok())))
         .ok_or(DecodeError::BadValue("compressed payload (not zstd, or larger than the limit)"))?;
     m.payload = Bytes::from(plain);
     m.compressed = false;
@@ -125,6 +133,17 @@ mod tests {
         assert!(!random.compressed || random.payload.len() < 4096);
         let mut forged = Message { compressed: true, ..Message::new(&b"not zstd"[..]) };
         assert!(decompress(&mut forged, 1 << 20).is_err());
+        // A frame that does not record its size (a streaming encoder's: the one-byte payload
+        // "x", raw) is refused: room for the whole limit would be made for it.
+        let unsized_frame = [0x28, 0xB5, 0x2F, 0xFD, 0x00, 0x00, 0x09, 0x00, 0x00, 0x78];
+        let mut unsized_message = Message { compressed: true, ..Message::new(unsized_frame.to_vec()) };
+        assert!(zstd::stream::decode_all(&unsized_frame[..]).unwrap() == b"x", "a valid frame");
+        assert!(decompress(&mut unsized_message, 16 << 20).is_err());
+        // One that records a size and holds more (a second frame after it) is refused too.
+        let mut first = zstd::bulk::compress(b"ab", 3).unwrap();
+        first.extend_from_slice(&unsized_frame);
+        let mut two_frames = Message { compressed: true, ..Message::new(first) };
+        assert!(decompress(&mut two_frames, 16 << 20).is_err());
         // Many small bombs: each within the per-message limit, all together over the total.
         let mut bomb = Message::new(vec![0u8; 1 << 20]);
         compress(&mut bomb, 1);
