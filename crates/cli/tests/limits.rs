@@ -753,6 +753,43 @@ fn greeted(server: &Server) -> TcpStream {
     c
 }
 
+/// An offer of many empty messages waiting for room counts what the messages take, not only
+/// their bytes (none): 100,000 of them hold ~30 MB while they wait, and an 8 MiB budget refuses
+/// them at once; ten wait as before.
+#[test]
+fn offers_of_many_small_messages_waiting_for_room_count_what_they_hold() {
+    use petrel_proto::Response;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_memory_bytes = 8388608\n[queues.full]\ndurable = true\nmax_items = 100000\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut c = greeted(&server);
+    let offer = |n: usize, timeout_ms: u32| petrel_proto::Request::Offer {
+        queue: "full".into(),
+        timeout_ms,
+        messages: vec![petrel_proto::Message::default(); n],
+    };
+    for (id, n) in [(2, 1), (3, 99_999)] {
+        c.write_all(&request_frame(&offer(n, 0), id)).unwrap();
+        assert!(matches!(read_response(&mut c), (_, Response::Offered { .. })), "filled");
+    }
+    c.write_all(&request_frame(&offer(100_000, 5_000), 4)).unwrap();
+    match read_response(&mut c) {
+        (4, Response::Error { status: Status::LimitReached, message }) => {
+            assert!(message.contains("max_memory_bytes"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Ten wait for room, and go in when it comes.
+    c.write_all(&request_frame(&offer(10, 60_000), 5)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    for _ in 0..10 {
+        assert_eq!(ask(&mut mc, "get full\r\n"), "VALUE full 0 0\r\n\r\nEND\r\n");
+    }
+    assert!(matches!(read_response(&mut c), (5, Response::Offered { count: 10, .. })));
+}
+
 /// An offer of one message to `queue`, its `payload` compressed.
 fn compressed_offer(queue: &str, payload: Vec<u8>, timeout_ms: u32) -> petrel_proto::Request {
     let mut message = petrel_proto::Message { payload: payload.into(), ..Default::default() };
