@@ -100,6 +100,9 @@ struct Servers {
 struct PendingCall {
     function: String,
     server: ConnId,
+    /// The connection that made the call: when it goes, so does the call (nobody reads the
+    /// reply, and it would otherwise wait its whole timeout, up to 49 days).
+    caller: ConnId,
     started: Instant,
     deadline_ns: u64,
     reply: Replier,
@@ -195,6 +198,8 @@ impl Functions {
                 self.settle(&w.function, Outcome::Failed, None);
                 (w.reply)(Err(BrokerError::Handler("the function's server disconnected".into())));
             }
+            // Its own calls: their replier finds nobody when it answers.
+            drop(self.take_waiting(|w| w.caller == conn));
         }
     }
 
@@ -217,7 +222,7 @@ impl Functions {
     /// which connection took the call (none for a server in this process).
     pub(crate) fn call(
         &self,
-        function: &str,
+        (caller, function): (ConnId, &str),
         message: Message,
         oneway: bool,
         call: u64,
@@ -257,6 +262,7 @@ impl Functions {
                         let w = PendingCall {
                             function: function.to_owned(),
                             server: *conn,
+                            caller,
                             started: Instant::now(),
                             deadline_ns,
                             reply: r,

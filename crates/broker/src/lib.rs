@@ -1604,7 +1604,7 @@ impl Broker {
         let deadline_ns = now_ns.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
         // The caller's own temporary reply queue becomes writable by the server that takes the call.
         let reply_queue = self.queue(&message.reply_to).filter(|q| q.owner == Some(caller));
-        let (called, server) = self.functions.call(function, message, oneway, call, (reply, deadline_ns))?;
+        let (called, server) = self.functions.call((caller, function), message, oneway, call, (reply, deadline_ns))?;
         if let (Some(q), Some(server)) = (reply_queue, server) {
             q.grant_replier(server);
         }

@@ -141,6 +141,15 @@ async fn calls_go_round_robin_to_servers_and_replies_come_back() {
     assert!(matches!(late.await.unwrap(), Err(BrokerError::Timeout(_))));
     assert!(early.try_recv().is_err(), "not before its deadline");
     assert!(!b.reply(c, 3, Ok(Message::new("too late"))), "a reply after the timeout finds nobody");
+
+    // A caller that disconnects takes its calls with it: none waits out its timeout.
+    let (r, _gone) = replier();
+    let Ok(Called::Pending { call: c }) = b.call(7, "slow", Message::new("z"), false, 0, LONG, r) else { panic!() };
+    let waiting = |b: &Broker| b.functions().iter().find(|f| f.name == "slow").map(|f| f.waiting);
+    assert_eq!(waiting(&b), Some(2), "the one above, and this one");
+    b.disconnect(7, 20_000_000);
+    assert_eq!(waiting(&b), Some(1), "its caller's call is gone");
+    assert!(!b.reply(c, 3, Ok(Message::new("for nobody"))), "its reply finds nobody");
 }
 
 #[test]
