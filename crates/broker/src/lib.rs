@@ -1308,11 +1308,20 @@ impl Broker {
         now_ns: u64,
     ) -> Result<Offered, BrokerError> {
         for m in messages.iter() {
-            if m.size() as usize > self.options.max_message_bytes {
-                return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
-            }
+            self.check_size(m)?;
         }
         self.offer_sized_unsynced(queue, messages, now_ns, false)
+    }
+
+    /// `TooLarge` for a message over `max_message_bytes` (its payload, texts and headers): what
+    /// any message a client hands the broker is held to, offered, published, called or replied.
+    pub fn check_size(&self, m: &Message) -> Result<(), BrokerError> {
+        match m.size() as usize {
+            size if size > self.options.max_message_bytes => {
+                Err(BrokerError::TooLarge { size, max: self.options.max_message_bytes })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// `offer_unsynced` of messages whose size was checked (or that the server moves itself: a
@@ -1527,9 +1536,7 @@ impl Broker {
     pub fn publish_to(&self, topic: &Topic, messages: Vec<Message>, now_ns: u64) -> Result<u32, BrokerError> {
         let mut stamped = Vec::with_capacity(messages.len());
         for m in messages {
-            if m.size() as usize > self.options.max_message_bytes {
-                return Err(BrokerError::TooLarge { size: m.size() as usize, max: self.options.max_message_bytes });
-            }
+            self.check_size(&m)?;
             stamped.push(Message { timestamp: now_ns, destination: topic.name.clone(), ..m });
         }
         topic.publish(stamped)
@@ -1598,6 +1605,7 @@ impl Broker {
                 "a call is handed to its server, never stored: it cannot be marked durable".into(),
             ));
         }
+        self.check_size(&message)?;
         let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let message =
             Message { timestamp: now_ns, destination: function.to_owned(), kind: MessageKind::Request, ..message };
@@ -1611,8 +1619,16 @@ impl Broker {
         Ok(called)
     }
 
-    /// A server's answer to `call`; `false` if nobody waits for it any more.
+    /// A server's answer to `call`; `false` if nobody waits for it any more. A reply over
+    /// `max_message_bytes` reaches its caller as a handler error saying so.
     pub fn reply(&self, call: u64, conn: ConnId, result: Result<Message, String>) -> bool {
+        let result = match result {
+            Ok(m) => match self.check_size(&m) {
+                Ok(()) => Ok(m),
+                Err(e) => Err(format!("the function's reply was refused: {e}")),
+            },
+            failed => failed,
+        };
         self.functions.reply(call, conn, result)
     }
 

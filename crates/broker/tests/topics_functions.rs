@@ -326,3 +326,23 @@ fn an_idle_durable_topic_lets_its_messages_past_their_age_go() {
     assert_eq!(b.publish("old", vec![Message::new("again")], now).unwrap(), 0);
     assert_eq!(segment_files(dir.path(), "old"), ["00000000000000000100.log"]);
 }
+
+/// A call and a reply are held to `max_message_bytes` as offers are: a call over it is refused,
+/// and a reply over it reaches its caller as a handler error that says so.
+#[tokio::test]
+async fn calls_and_replies_over_the_message_limit_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions { max_message_bytes: 1024, ..BrokerOptions::default() }).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+    b.serve("echo", 1, tx);
+    let (r, _never) = replier();
+    let big = Message::new(vec![7u8; 2048]);
+    assert!(matches!(b.call(0, "echo", big.clone(), false, 0, LONG, r), Err(BrokerError::TooLarge { .. })));
+    assert!(rx.try_recv().is_err(), "not handed to the server");
+    let (Ok(Called::Pending { call }), reply) = call(&b, "echo", "small", false) else { panic!() };
+    assert!(b.reply(call, 1, Ok(big)), "its caller is told");
+    match reply.await.unwrap() {
+        Err(BrokerError::Handler(why)) => assert!(why.contains("max_message_bytes") || why.contains("1024"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+}

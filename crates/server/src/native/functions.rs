@@ -111,6 +111,13 @@ pub(super) fn give_back(
         ctx.broker.reply(call, session.conn, Err(why.into()));
         return Response::error(Status::BadRequest, why);
     }
+    if status == Status::Ok
+        && let Err(e) = ctx.broker.check_size(&message)
+    {
+        // Refused, and the caller told at once.
+        ctx.broker.reply(call, session.conn, Err(format!("the function's reply was refused: {e}")));
+        return error(e);
+    }
     let result = if status == Status::Ok { Ok(*message) } else { Err(reason) };
     if ctx.broker.reply(call, session.conn, result) {
         Response::Done
