@@ -873,6 +873,13 @@ impl DelayLog {
         self.scan.is_some()
     }
 
+    /// Whether `refill_step` has work now: a refill under way, or one to begin (the held timers
+    /// ran low while some are spilled, as after a flush or a refill the disk cut short, when no
+    /// held timer may be left to bring the next tick).
+    pub fn refill_wanted(&self) -> bool {
+        self.refilling() || self.timers.wants_refill()
+    }
+
     /// Delayed messages not yet due (or not yet released).
     pub fn pending(&self) -> u64 {
         self.timers.len()
@@ -1455,6 +1462,23 @@ mod tests {
         drop(delay);
         let (delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false, 100).unwrap();
         assert_eq!((reopened.pending, reopened.released_at, delay.ready_len()), (1, vec![0], 0), "written down");
+    }
+
+    /// Every held timer released while later ones are spilled: no held timer says when to look
+    /// again, and the refill that finds the spilled ones asks for a tick itself (a queue ticks at
+    /// once while `refill_wanted`), or they would wait for an unrelated offer.
+    #[test]
+    fn a_refill_is_wanted_when_the_held_timers_ran_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(log, 8, 1).unwrap();
+        let messages: Vec<Message> =
+            (1..=20).map(|due| Message { deliver_at: due, timestamp: 500, ..Message::new(&b"m"[..]) }).collect();
+        delay.append(&messages, &vec![Placement::default(); 20]).unwrap();
+        assert_eq!(delay.release_due(8, 100, &[0], 8).unwrap().map(|v| v.iter().sum::<u64>()), Some(8));
+        assert_eq!((delay.next_due(), delay.refill_wanted()), (None, true), "none held, twelve spilled");
+        while delay.refill_step(std::time::Duration::from_millis(10)).unwrap() {}
+        assert_eq!((delay.next_due(), delay.refill_wanted()), (Some(9), false));
     }
 
     /// A log pinned by one message not yet due holds every release since; opening it holds

@@ -1936,8 +1936,8 @@ impl Inner {
         let expiry = self.head_expiry()?;
         let delayed = match &self.store {
             Store::Memory { delayed, .. } => delayed.first_key_value().map(|((due, _), _)| *due),
-            // A refill under way goes on at the next tick, at once.
-            Store::Log { delayed: Some(d), .. } if d.refilling() => Some(0),
+            // A refill under way (or to begin) goes on at the next tick, at once.
+            Store::Log { delayed: Some(d), .. } if d.refill_wanted() => Some(0),
             Store::Log { delayed, .. } => delayed.as_ref().and_then(|d| d.next_due()),
         };
         Ok(self.in_flight.values().map(|f| f.deadline_ns).chain(expiry).chain(delayed).min().unwrap_or(u64::MAX))
