@@ -37,6 +37,23 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     pyo3_async_runtimes::tokio::get_runtime()
 }
 
+/// Runs `work` on the runtime until it is done, from any thread. A call made inside another's
+/// wait (a Python signal handler runs inside the waiting call's `check_signals`, on a thread
+/// that is running the runtime already) cannot block that thread on the runtime again: it runs
+/// on a thread of its own while the handler waits for it.
+pub(crate) fn block_on<F: Future + Send>(work: F) -> F::Output
+where
+    F::Output: Send,
+{
+    if tokio::runtime::Handle::try_current().is_err() {
+        return runtime().block_on(work);
+    }
+    std::thread::scope(|scope| {
+        let waited = scope.spawn(|| runtime().block_on(work)).join();
+        waited.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
 /// Blocking clients and clusters that serve a function: their handlers run on native threads,
 /// which must not start Python code while the interpreter finalizes.
 static SERVING: std::sync::Mutex<Vec<Stoppable>> = std::sync::Mutex::new(Vec::new());
@@ -573,7 +590,7 @@ impl Client {
         call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
     ) -> PyResult<T> {
         py.detach(|| {
-            runtime().block_on(async {
+            crate::client::block_on(async {
                 tokio::pin!(call);
                 loop {
                     tokio::select! {
@@ -600,7 +617,7 @@ impl Client {
         tls_key: Option<PathBuf>,
     ) -> PyResult<Client> {
         let connect = connect_options(address, user, password, tls_ca, tls_cert, tls_key)?;
-        let inner = py.detach(|| runtime().block_on(connect.connect()))?;
+        let inner = py.detach(|| crate::client::block_on(connect.connect()))?;
         Ok(Client { conn: Connection::new(connect, inner) })
     }
 

@@ -68,7 +68,7 @@ impl Cluster {
         py: Python<'_>,
         call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
     ) -> PyResult<T> {
-        py.detach(|| runtime().block_on(call)).map_err(client_error)
+        py.detach(|| crate::client::block_on(call)).map_err(client_error)
     }
 
     fn handles(handles: Vec<PyRef<'_, ClusterHandle>>) -> Vec<petrel_client::ClusterHandle> {
@@ -118,7 +118,7 @@ impl Cluster {
         let defaults = ClusterOptions::default();
         let client = petrel_client::ClientOptions { connect_timeout: defaults.client.connect_timeout, ..client };
         let options = ClusterOptions { client, request_timeout, ..defaults };
-        let inner = py.detach(|| runtime().block_on(petrel_client::Cluster::connect(&addrs, options)));
+        let inner = py.detach(|| crate::client::block_on(petrel_client::Cluster::connect(&addrs, options)));
         Ok(Cluster { inner: inner.map_err(client_error)?, addrs })
     }
 
@@ -440,7 +440,7 @@ impl ClusterSubscription {
         py.detach(|| {
             let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
             let Some(sub) = stream.as_mut() else { return Next::Ended };
-            match runtime().block_on(async { tokio::time::timeout(wait, sub.next_delivery()).await }) {
+            match crate::client::block_on(async { tokio::time::timeout(wait, sub.next_delivery()).await }) {
                 Err(_elapsed) => Next::TimedOut,
                 Ok(Some(Ok(d))) => Next::Message(d),
                 // One server's part said something: it fell behind (messages missed there; it
@@ -492,7 +492,7 @@ impl ClusterSubscription {
     fn ack(&self, py: Python<'_>, handles: Vec<PyRef<'_, ClusterHandle>>) -> PyResult<u32> {
         let handles = Cluster::handles(handles);
         let Some(acks) = &self.acks else { return Ok(0) };
-        py.detach(|| runtime().block_on(acks.ack(&handles))).map_err(client_error)
+        py.detach(|| crate::client::block_on(acks.ack(&handles))).map_err(client_error)
     }
 
     /// Whether messages may still come.

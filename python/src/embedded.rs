@@ -244,16 +244,18 @@ impl Log {
 
     /// Closes the log (what was appended stays, as durable as its durability says). Groups and
     /// iterators opened from it keep it open until they go.
-    fn close(&self) {
-        lock(&self.log).take();
+    fn close(&self, py: Python<'_>) {
+        let log = lock(&self.log).take();
+        // The last handle's drop syncs the log and trims its segment: without the GIL.
+        py.detach(|| drop(log));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
 
-    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
-        self.close();
+    fn __exit__(&self, py: Python<'_>, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
+        self.close(py);
         false
     }
 

@@ -102,7 +102,7 @@ impl Subscription {
         py.detach(|| {
             let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
             let Some(sub) = stream.as_mut() else { return Next::Ended };
-            let next = match runtime().block_on(async { tokio::time::timeout(wait, sub.next()).await }) {
+            let next = match crate::client::block_on(async { tokio::time::timeout(wait, sub.next()).await }) {
                 Err(_elapsed) => return Next::TimedOut,
                 Ok(Some(Ok(m))) => return Next::Message(Box::new(m)),
                 Ok(Some(Err(e))) => Next::Failed(e),
@@ -134,13 +134,13 @@ impl Subscription {
     /// Acknowledges messages of a group subscription by id (`Message.id`); returns how many
     /// counted. The group's position moves past them once everything before is acknowledged.
     fn ack(&self, py: Python<'_>, ids: Vec<u64>) -> PyResult<u32> {
-        py.detach(|| runtime().block_on(self.client.ack_subscription(self.id, &ids))).map_err(client_error)
+        py.detach(|| crate::client::block_on(self.client.ack_subscription(self.id, &ids))).map_err(client_error)
     }
 
     /// Ends the subscription; a reader waiting in another thread gets `None` (or the end of its
     /// loop). Unacknowledged messages of a group come again to its next subscriber.
     fn unsubscribe(&self, py: Python<'_>) -> PyResult<()> {
-        match py.detach(|| runtime().block_on(self.client.unsubscribe(self.id))) {
+        match py.detach(|| crate::client::block_on(self.client.unsubscribe(self.id))) {
             Ok(()) => Ok(()),
             Err(e) if e.is_connection_lost() => Ok(()),
             Err(e) => Err(client_error(e)),

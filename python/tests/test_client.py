@@ -325,6 +325,34 @@ except KeyboardInterrupt:
         child.kill()
 
 
+def test_a_signal_handler_may_use_the_client_a_waiting_call_uses(server):
+    """A signal handler runs inside the waiting call's check for signals; a call it makes on
+    the same client (an ack, an offer, a ping) runs on a thread of its own. It raised
+    PanicException ("Cannot start a runtime from within a runtime"), which `except Exception`
+    does not catch."""
+    import signal
+
+    seen = []
+
+    def on_alarm(signum, frame):
+        with petrel.Client(server) as other:
+            other.ping()
+        c.offer("wake", b"from the handler")
+        seen.append("handled")
+
+    with petrel.Client(server) as c:
+        c.create_queue("wake")
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            message = c.poll("wake", timeout=10)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert seen == ["handled"]
+        assert message is not None and message.payload == b"from the handler"
+
+
 def test_functions_are_served_again_after_the_server_restarts(tmp_path):
     """A client that only serves sends nothing, so no request of its own finds the connection
     lost: its functions used to stay unserved after a server restart. Now the client notices the
