@@ -321,6 +321,12 @@ fn the_admin_api_follows_each_users_acls() {
     assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a/reads/1", worker, "").0, 403);
     assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a/reads/1", root, "").0, 404);
     assert_eq!(request("DELETE", http, "/api/v1/queues/jobs.a", root, "").0, 200);
+    // Each refusal counted, as the protocols' are (lists and scrapes that leave out what a user
+    // may not see refuse nothing).
+    let denials = scraped(root)
+        .lines()
+        .find_map(|l| l.strip_prefix("petrel_acl_denials_total ").map(|v| v.trim().parse::<u64>().unwrap()));
+    assert_eq!(denials, Some(6), "the six 403s above");
 }
 
 #[test]

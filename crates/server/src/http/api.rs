@@ -45,8 +45,21 @@ fn broker_error(e: BrokerError) -> Response {
     refusal(status, e.to_string())
 }
 
+/// Whether `who` may see `name` in a list (not a refusal: not counted).
 fn may(ctx: &Ctx, who: Option<&Principal>, kind: Kind, name: &str, actions: &[Action]) -> bool {
     ctx.broker.may(who, kind, name, actions)
+}
+
+/// Whether the request may go on; a refusal is counted in `acl_denials`, as the protocols' are,
+/// and logged at debug level (a script refused again and again would flood the log otherwise).
+fn allowed(ctx: &Ctx, who: Option<&Principal>, kind: Kind, name: &str, actions: &[Action]) -> bool {
+    match ctx.broker.authorize(who, kind, name, actions) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, "an HTTP request refused by the ACL");
+            false
+        }
+    }
 }
 
 fn forbidden(what: &str) -> Response {
@@ -156,7 +169,7 @@ pub(super) async fn queues(State(ctx): Ctxt, Caller(who): Caller) -> Response {
 }
 
 pub(super) async fn queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, &name, ANY_QUEUE_RIGHT) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, &name, ANY_QUEUE_RIGHT) {
         return forbidden("see this queue");
     }
     match ctx.broker.queue(&name) {
@@ -173,7 +186,7 @@ pub(super) async fn create_queue(
     Path(name): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("create this queue");
     }
     // What the body leaves out: what a queue of that name made by first use gets.
@@ -198,7 +211,7 @@ pub(super) async fn create_queue(
 }
 
 pub(super) async fn remove_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("remove this queue");
     }
     // Off the runtime's threads: removing a queue deletes its files.
@@ -211,7 +224,7 @@ pub(super) async fn remove_queue(State(ctx): Ctxt, Caller(who): Caller, Path(nam
 
 /// `POST /api/v1/queues/NAME/purge`: every waiting message goes; open reads stay open.
 pub(super) async fn purge_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("purge this queue");
     }
     let Some(q) = ctx.broker.queue(&name) else { return broker_error(ctx.broker.missing(&name)) };
@@ -248,7 +261,7 @@ fn repair_json(log: &str, r: &petrel_log::verify::RepairReport) -> Value {
 /// `POST /api/v1/queues/NAME/repair`: repairs a damaged queue's logs in place and serves it
 /// again (`Broker::repair_damaged`); what each repair cut is in the answer and the log.
 pub(super) async fn repair_queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("repair this queue");
     }
     // Off the runtime's threads: a repair reads every record of the queue's logs.
@@ -266,7 +279,7 @@ pub(super) async fn repair_queue(State(ctx): Ctxt, Caller(who): Caller, Path(nam
 /// `POST /api/v1/topics/NAME/repair`: repairs a damaged durable topic's log in place and serves
 /// it again (`Broker::repair_damaged_topic`).
 pub(super) async fn repair_topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
         return forbidden("repair this topic");
     }
     let broker = Arc::clone(&ctx.broker);
@@ -295,7 +308,7 @@ pub(super) async fn open_reads(
     Path(name): Path<String>,
     query: Result<axum::extract::Query<ReadsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, &name, ANY_QUEUE_RIGHT) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, &name, ANY_QUEUE_RIGHT) {
         return forbidden("see this queue");
     }
     let limit = match query {
@@ -338,7 +351,7 @@ pub(super) async fn return_read(
     Caller(who): Caller,
     Path((name, handle)): Path<(String, String)>,
 ) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, &name, &[Action::Manage]) {
         return forbidden("return this queue's open reads");
     }
     let Ok(handle) = handle.parse::<u64>() else {
@@ -364,7 +377,7 @@ pub(super) async fn topics(State(ctx): Ctxt, Caller(who): Caller) -> Response {
 }
 
 pub(super) async fn topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Topic, &name, ANY_TOPIC_RIGHT) {
+    if !allowed(&ctx, who.as_ref(), Kind::Topic, &name, ANY_TOPIC_RIGHT) {
         return forbidden("see this topic");
     }
     match ctx.broker.topic(&name) {
@@ -387,7 +400,7 @@ pub(super) async fn create_topic(
     Path(name): Path<String>,
     body: axum::body::Bytes,
 ) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
         return forbidden("create this topic");
     }
     let config: TopicConfig = match body_json(&body, "topic configuration") {
@@ -411,7 +424,7 @@ pub(super) async fn create_topic(
 }
 
 pub(super) async fn remove_topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
         return forbidden("remove this topic");
     }
     // Off the runtime's threads: removing a durable topic deletes its files.
@@ -451,7 +464,7 @@ pub(super) async fn reset_group(
     Path((name, group)): Path<(String, String)>,
     body: axum::body::Bytes,
 ) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
         return forbidden("move this topic's consumer groups");
     }
     let to = match body_json::<GroupReset>(&body, "group reset").and_then(|r| r.seek_to()) {
@@ -472,7 +485,7 @@ pub(super) async fn remove_group(
     Caller(who): Caller,
     Path((name, group)): Path<(String, String)>,
 ) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Topic, &name, &[Action::Manage]) {
         return forbidden("remove this topic's consumer groups");
     }
     let Some(t) = ctx.broker.topic(&name) else { return broker_error(ctx.broker.missing_topic(&name)) };
@@ -484,7 +497,7 @@ pub(super) async fn remove_group(
 
 /// `GET /api/v1/connections`: every open connection (an admin's view: peers and users).
 pub(super) async fn connections(State(ctx): Ctxt, Caller(who): Caller) -> Response {
-    if !may(&ctx, who.as_ref(), Kind::Queue, "*", &[Action::Manage]) {
+    if !allowed(&ctx, who.as_ref(), Kind::Queue, "*", &[Action::Manage]) {
         return forbidden("list connections (an admin's)");
     }
     let list: Vec<Value> = ctx
