@@ -528,8 +528,13 @@ class AsyncClient:
                 task.cancel()
 
     async def unserve(self, function: str) -> None:
-        """Stops serving ``function``; calls already taken still get their replies."""
-        calls, answering = self._serving.pop(function)
+        """Stops serving ``function``; calls already taken still get their replies. A function
+        this client does not serve is left as it is (as with ``Client.unserve``)."""
+        serving = self._serving.pop(function, None)
+        if serving is None:
+            await self._run("unserve", function)
+            return
+        calls, answering = serving
         try:
             await self._run("unserve", function)
         finally:

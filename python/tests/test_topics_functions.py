@@ -129,6 +129,9 @@ def test_asyncio_serves_coroutines_with_many_calls_in_flight(server):
             assert (await slow).payload == b"tsal"
             with pytest.raises(petrel.ServerError, match="FUNCTION_NOT_FOUND"):
                 await c.call("reverse", b"x")
+            # Again, or a function it never served: nothing to stop (it was a KeyError).
+            await worker.unserve("reverse")
+            await worker.unserve("never-served")
 
     asyncio.run(main())
 
