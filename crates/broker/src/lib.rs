@@ -1094,8 +1094,9 @@ impl Broker {
     /// temporary queue needs none): a fanout child gets copies of its parent's messages, so
     /// its creator must be allowed to poll the parent; a dead-letter queue receives messages,
     /// so its creator must be allowed to offer to it; and a temporary queue may not take a
-    /// name an ACL entry refuses its creator (one meant for others; a reply queue under
-    /// default-deny matches no entry and is allowed).
+    /// name meant for others: one an ACL entry refuses its creator, one the entries name for
+    /// other users only, or one the configuration or a queue names as a dead-letter queue (a
+    /// reply queue's name matches no entry and is allowed).
     fn may_create(
         &self,
         who: Option<&Principal>,
@@ -1122,7 +1123,26 @@ impl Broker {
                 )));
             }
         }
+        if temporary
+            && (security.acl.meant_for_others(&principal.user, Kind::Queue, name) || self.is_dead_letter_queue(name))
+        {
+            return Err(BrokerError::Forbidden(format!(
+                "queue {:?} is meant for others (the ACL names it for other users, or it is a dead-letter queue): user {:?} may not make a temporary queue of that name",
+                shown(name),
+                principal.user
+            )));
+        }
         Ok(())
+    }
+
+    /// Whether `name` is the dead-letter queue of the configuration's defaults, of a configured
+    /// queue, or of a queue that exists.
+    fn is_dead_letter_queue(&self, name: &str) -> bool {
+        let configured = self.configured.read().unwrap_or_else(|e| e.into_inner());
+        let named = |config: &QueueConfig| config.dead_letter == name;
+        named(&configured.defaults)
+            || configured.queues.values().any(named)
+            || self.read().queues.values().any(|q| named(&q.config()))
     }
 
     fn counted(
@@ -1785,7 +1805,17 @@ impl Broker {
         {
             return Ok(());
         }
-        if actions.iter().any(|&a| a != Action::Manage && security.acl.allows(&who.user, kind, name, a)) {
+        // A fanout child holds copies of its parent's messages: taking them needs the right to
+        // take the parent's as well (asked at every poll, not only when the child is made, so
+        // that an ACL on the parent covers children made before it, or by an admin).
+        let parent_allows = |a: Action| match (kind, a, fanout_parent(name)) {
+            (Kind::Queue, Action::Poll, Some(parent)) => security.acl.allows(&who.user, kind, parent, a),
+            _ => true,
+        };
+        if actions
+            .iter()
+            .any(|&a| a != Action::Manage && security.acl.allows(&who.user, kind, name, a) && parent_allows(a))
+        {
             return Ok(());
         }
         let action = actions.first().copied().unwrap_or(Action::Manage);

@@ -695,6 +695,21 @@ access = "poll"
     assert_eq!(status(tom.create_queue("mine", temporary("payments")).await), Some(Status::Forbidden));
     // A name tom may not use (another's dead-letter queue to be, say).
     assert_eq!(status(tom.create_queue("orders", temporary("")).await), Some(Status::Forbidden));
+    // Nor a name the ACL sets aside for others only (payments: tom's), nor another queue's
+    // dead-letter queue before its first use: the first to make it would read what others
+    // offer to it, and what goes dead there.
+    let jak = login(&server, "jak").await.unwrap();
+    assert_eq!(status(jak.create_queue("payments", temporary("")).await), Some(Status::Forbidden));
+    max.create_queue("billing", QueueConfig { dead_letter: "billing.dead".into(), ..QueueConfig::default() })
+        .await
+        .unwrap();
+    assert_eq!(status(jak.create_queue("billing.dead", temporary("")).await), Some(Status::Forbidden));
+    // A child of orders made by an admin: tom may not take its copies either.
+    max.create_queue("orders+audit", QueueConfig::default()).await.unwrap();
+    max.offer("orders", vec![msg("copied")], None).await.unwrap();
+    assert_eq!(status(tom.poll("orders+audit", TAKE).await), Some(Status::Forbidden));
+    assert_eq!(max.poll("orders+audit", TAKE).await.unwrap().len(), 1);
+    assert_eq!(max.poll("orders", TAKE).await.unwrap().len(), 1);
     // What he may use, he may make.
     tom.create_queue("mine", temporary("mine.dlq")).await.unwrap();
     max.offer("orders", vec![msg("secret")], None).await.unwrap();

@@ -65,13 +65,28 @@ impl Peer {
 /// One answer for every failure, so a client cannot tell a wrong name from a wrong password.
 pub(crate) const INVALID: &str = "invalid user name or password";
 
-/// Authentication attempts per address per minute (a fixed window each).
+/// Authentication attempts per source per minute (a fixed window each): an IPv4 address, or an
+/// IPv6 /64 (what one host is given: counting its addresses one by one would give it 2⁶⁴ tries a
+/// minute).
 pub(crate) struct AttemptLimiter {
     windows: Mutex<HashMap<Option<IpAddr>, FixedWindow>>,
 }
 
-/// Addresses remembered at most; past it, windows that ended are dropped (and, if none has, all).
+/// Sources remembered at most; past it, windows that ended are dropped, then those with the
+/// fewest attempts (never the busiest: a guesser's own window outlives the addresses it spends
+/// to fill the table).
 const MAX_TRACKED_ADDRESSES: usize = 10_000;
+
+/// The source an attempt from `ip` counts against.
+fn source(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from(u128::from(v6) & !((1u128 << 64) - 1))),
+        },
+        v4 => v4,
+    }
+}
 
 impl AttemptLimiter {
     pub fn new() -> AttemptLimiter {
@@ -82,11 +97,15 @@ impl AttemptLimiter {
     fn admit(&self, addr: Option<IpAddr>, per_minute: u32) -> bool {
         let now = Instant::now();
         let minute = Duration::from_secs(60);
+        let addr = addr.map(source);
         let mut windows = self.windows.lock().unwrap_or_else(|e| e.into_inner());
         if windows.len() >= MAX_TRACKED_ADDRESSES && !windows.contains_key(&addr) {
             windows.retain(|_, window| !window.ended(now, minute));
             if windows.len() >= MAX_TRACKED_ADDRESSES {
-                windows.clear();
+                // All of the fewest attempts at once: a table filled one attempt an address at a
+                // time empties in one pass, not one address per new one.
+                let fewest = windows.values().map(FixedWindow::count).min().unwrap_or(0);
+                windows.retain(|_, window| window.count() > fewest);
             }
         }
         windows.entry(addr).or_insert(FixedWindow::new(now)).admit(now, minute, per_minute)
@@ -186,4 +205,38 @@ fn admit(ctx: &Arc<Ctx>, conn: ConnId, user: String) -> Result<Authenticated, St
     tracing::debug!(conn, user = %user, "authenticated");
     let held = UserConnection { ctx: Arc::clone(ctx), user: user.clone() };
     Ok(Authenticated { principal: Principal { user, conn }, _held: held })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(text: &str) -> Option<IpAddr> {
+        Some(text.parse().unwrap())
+    }
+
+    /// An IPv6 host's /64 is one source; a table filled from many addresses keeps the busiest
+    /// source's count (it was cleared, which let a guesser start again).
+    #[test]
+    fn attempts_count_per_ipv6_64_and_a_full_table_keeps_the_busiest() {
+        let limiter = AttemptLimiter::new();
+        for _ in 0..5 {
+            assert!(limiter.admit(ip("2001:db8::1"), 5));
+        }
+        assert!(!limiter.admit(ip("2001:db8::2"), 5), "the same /64");
+        assert!(!limiter.admit(ip("2001:db8:0:0:ffff::9"), 5), "the same /64");
+        assert!(limiter.admit(ip("2001:db8:0:1::1"), 5), "another /64");
+        assert!(!limiter.admit(ip("2001:db8::3"), 5));
+        for i in 0..2 * MAX_TRACKED_ADDRESSES as u32 {
+            let v4 = std::net::Ipv4Addr::from(0x0a00_0000 + i);
+            limiter.admit(Some(IpAddr::V4(v4)), 5);
+        }
+        assert!(!limiter.admit(ip("2001:db8::1"), 5), "still over its limit");
+        assert!(limiter.windows.lock().unwrap().len() <= MAX_TRACKED_ADDRESSES);
+        // An IPv4 address seen as IPv6 (a dual-stack listener) is the IPv4 source.
+        for _ in 0..5 {
+            assert!(limiter.admit(ip("192.0.2.7"), 5));
+        }
+        assert!(!limiter.admit(ip("::ffff:192.0.2.7"), 5));
+    }
 }

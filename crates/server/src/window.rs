@@ -24,6 +24,11 @@ impl FixedWindow {
         self.count <= max
     }
 
+    /// Events counted in the window.
+    pub(crate) fn count(&self) -> u32 {
+        self.count
+    }
+
     /// Whether the window of `length` has passed at `now`.
     pub(crate) fn ended(&self, now: Instant, length: Duration) -> bool {
         now.duration_since(self.start) >= length

@@ -179,8 +179,12 @@ impl AclEntry {
     }
 
     fn matches(&self, user: &str, kind: Kind, name: &str) -> bool {
+        (self.user == "*" || self.user == user) && self.names(kind, name)
+    }
+
+    /// Whether the entry is about `name`, whoever it is for.
+    fn names(&self, kind: Kind, name: &str) -> bool {
         self.kind == kind
-            && (self.user == "*" || self.user == user)
             && match self.name.strip_suffix('*') {
                 Some(prefix) => name.starts_with(prefix),
                 None => self.name == name,
@@ -225,6 +229,13 @@ impl Acl {
 
     /// What the entries matching `user`, `kind` and `name` decide for `action` (a deny among
     /// them wins); `None` when none matches (the kind's default decides).
+    /// Whether the entries name `name` for other users only: some entry is about it, none for
+    /// `user` (or for everyone). A name set aside for them, which `user` may not take first.
+    pub fn meant_for_others(&self, user: &str, kind: Kind, name: &str) -> bool {
+        let about: Vec<&AclEntry> = self.entries.iter().filter(|e| e.names(kind, name)).collect();
+        !about.is_empty() && !about.iter().any(|e| e.user == "*" || e.user == user)
+    }
+
     pub fn by_entries(&self, user: &str, kind: Kind, name: &str, action: Action) -> Option<bool> {
         let mut matched = false;
         let mut allowed = false;
