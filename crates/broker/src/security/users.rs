@@ -76,7 +76,17 @@ impl Users {
     }
 
     fn parse(text: &str) -> Result<Users, String> {
-        let file: UsersFile = toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())?;
+        // Where and why, not toml's usual quote of the line: the line may hold a password hash,
+        // and the error reaches whoever reads the server's reload status.
+        let file: UsersFile = toml::from_str(text).map_err(|e| {
+            let at = e.span().map(|span| {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                format!("line {line}, column {column}: ")
+            });
+            format!("{}{}", at.unwrap_or_default(), e.message().trim_end())
+        })?;
         let mut users = Users::default();
         for user in file.user {
             Users::check_name(&user.name)?;
@@ -238,6 +248,16 @@ fn sync_directory_of(path: &Path) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    /// A users file that does not parse is said to be bad where it is, without its text: the
+    /// line may hold a hash, and the error reaches the server's reload status.
+    #[test]
+    fn a_file_that_does_not_parse_is_named_without_its_lines() {
+        let text = "[[user]]\nname = \"tom\"\nhash = \"$argon2id$v=19$m=256,t=1,p=1$c2VjcmV0c2FsdA$aGFzaGhhc2g\n";
+        let error = Users::parse(text).unwrap_err();
+        assert!(error.starts_with("line 3, column"), "{error}");
+        assert!(!error.contains("c2VjcmV0c2FsdA") && !error.contains("hash = "), "{error}");
+    }
+
     /// Users with cheap hashes (Argon2id, 256 KiB, one pass), for tests that are not about the
     /// hashing: unoptimized (without the dev profile's opt-level for argon2), a hash with the
     /// default parameters takes most of a second.
@@ -380,7 +400,10 @@ mod tests {
                 "unknown field",
             ),
             (&format!("[[users]]\nname = \"max\"\nrole = \"admin\"\nhash = \"{hash}\"\n"), "unknown field"),
-            (&format!("[[user]]\nname = \"max\"\nrole = \"root\"\nhash = \"{hash}\"\n"), "role"),
+            (
+                &format!("[[user]]\nname = \"max\"\nrole = \"root\"\nhash = \"{hash}\"\n"),
+                "line 3, column 8: unknown variant `root`",
+            ),
             ("[[user]]\nname = \"max\"\nrole = \"admin\"\nhash = \"hunter2\"\n", "not an Argon2id"),
             (
                 "[[user]]\nname = \"max\"\nrole = \"admin\"\nhash = \"$argon2i$v=19$m=19456,t=2,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA\"\n",
