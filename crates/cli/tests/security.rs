@@ -682,6 +682,11 @@ kind = "queue"
 name = "payments"
 user = "tom"
 access = "poll"
+[[security.acl]]
+kind = "queue"
+name = "orders+audit"
+user = "jak"
+access = "deny"
 "#,
     );
     let server = setup.start();
@@ -720,6 +725,20 @@ access = "poll"
     assert_eq!(exchange(&mut mc, "set login 0 0 9\r\ntom 3-kio\r\n"), "STORED\r\n");
     assert!(exchange(&mut mc, "get orders+x\r\n").starts_with("CLIENT_ERROR"), "no child of orders for tom");
     assert!(!max.list_queues().await.unwrap().contains(&"orders+x".to_string()));
+    // stats names to jak the children of orders he may see only (as it does the queues).
+    let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    assert_eq!(exchange(&mut mc, "set login 0 0 9\r\njak io-96\r\n"), "STORED\r\n");
+    mc.write_all(b"stats\r\n").unwrap();
+    let mut stats = String::new();
+    while !stats.ends_with("END\r\n") {
+        let mut buf = [0u8; 65536];
+        let n = std::io::Read::read(&mut mc, &mut buf).unwrap();
+        assert!(n > 0, "closed: {stats}");
+        stats.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert!(stats.contains("STAT queue_orders_items"), "{stats}");
+    assert!(!stats.contains("orders+audit"), "{stats}");
 }
 
 /// Until it logs in, a client holds little of the server: no request larger than 64 KiB is read

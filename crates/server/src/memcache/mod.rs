@@ -243,6 +243,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         }
     }
 
+    /// The fanout children of `parent` this connection may see.
+    fn visible_children(&self, parent: &str) -> Vec<String> {
+        self.ctx.broker.fanout_children(parent).into_iter().filter(|c| self.may_see(c)).collect()
+    }
+
     /// Whether this connection may see the queue `name` (in `stats`).
     fn may_see(&self, name: &str) -> bool {
         let principal = self.authenticated.as_ref().map(|a| &a.principal);
@@ -568,7 +573,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         let broker = &ctx.broker;
         let queues: Vec<Arc<Queue>> =
             broker.queue_names().iter().filter(|n| self.may_see(n)).filter_map(|n| broker.queue(n)).collect();
-        let per_queue: Vec<_> = queues.iter().map(|q| (q, q.counters())).collect();
+        // Children this connection may not see are left out of `children` as the queues are.
+        let per_queue: Vec<_> = queues.iter().map(|q| (q, q.counters(), self.visible_children(&q.name))).collect();
         let s = &ctx.stats;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
@@ -578,12 +584,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("uptime", &s.started.elapsed().as_secs());
         put("time", &now.as_secs());
         put("version", &format!("petrel-{}", env!("CARGO_PKG_VERSION")));
-        put("curr_items", &per_queue.iter().map(|(_, st)| st.items).sum::<u64>());
+        put("curr_items", &per_queue.iter().map(|(_, st, _)| st.items).sum::<u64>());
         // Over the server's life: removed queues' items stay counted (as Kestrel's did); with
         // authentication on they are left out, as the queues a connection may not see are.
         let removed_offered = if broker.auth_enabled() { 0 } else { broker.removed_queues_totals().0 };
-        put("total_items", &(removed_offered + per_queue.iter().map(|(_, st)| st.total_offered).sum::<u64>()));
-        put("bytes", &per_queue.iter().map(|(_, st)| st.bytes - st.in_flight_bytes).sum::<u64>());
+        put("total_items", &(removed_offered + per_queue.iter().map(|(_, st, _)| st.total_offered).sum::<u64>()));
+        put("bytes", &per_queue.iter().map(|(_, st, _)| st.bytes - st.in_flight_bytes).sum::<u64>());
         put("reserved_memory_ratio", &format!("{:.3}", reserved_memory_ratio(broker, &queues)));
         put("curr_connections", &get(&s.curr_connections));
         put("total_connections", &get(&s.total_connections));
@@ -635,8 +641,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_auth_attempts_per_minute", &limits.security.auth_attempts_per_minute);
         // Whole seconds: a stats value is one token.
         put("limit_idle_timeout_seconds", &ctx.limits.idle_timeout().map_or(0, |d| d.as_secs()));
-        for (q, st) in &per_queue {
-            for (stat, value) in queue_stats(broker, q, st) {
+        for (q, st, children) in &per_queue {
+            for (stat, value) in queue_stats(q, st, children) {
                 put(&format!("queue_{}_{stat}", q.name), &value);
             }
         }
@@ -650,7 +656,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         for name in names {
             let Some(q) = broker.queue(&name) else { continue };
             let _ = write!(self.out, "queue '{name}' {{\r\n");
-            for (stat, value) in queue_stats(&broker, &q, &q.counters()) {
+            let children = self.visible_children(&name);
+            for (stat, value) in queue_stats(&q, &q.counters(), &children) {
                 let _ = write!(self.out, "  {stat}={value}\r\n");
             }
             self.line("}");
@@ -659,12 +666,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
     }
 }
 
-/// A queue's figures under Kestrel's names.
-fn queue_stats(
-    broker: &petrel_broker::Broker,
-    q: &Queue,
-    st: &petrel_broker::QueueCounters,
-) -> Vec<(&'static str, String)> {
+/// A queue's figures under Kestrel's names (`children`: its fanout children to name).
+fn queue_stats(q: &Queue, st: &petrel_broker::QueueCounters, children: &[String]) -> Vec<(&'static str, String)> {
     let age_ms = if st.items == 0 || st.last_taken_offered_at == 0 {
         0
     } else {
@@ -699,7 +702,6 @@ fn queue_stats(
         // Kestrel moved on to a new journal file; a log to a new segment.
         ("journal_rotations", log.rolls.to_string()),
     ];
-    let children = broker.fanout_children(&q.name);
     if !children.is_empty() {
         out.push(("children", children.join(",")));
     }
