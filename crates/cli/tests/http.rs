@@ -1072,3 +1072,27 @@ fn slow_http_clients_are_cut_off_and_one_address_holds_at_most_64() {
     };
     common::wait_until("room again", || healthz().is_ok_and(|a| a.starts_with("HTTP/1.1 200")));
 }
+
+/// Every error is JSON, also those the HTTP layer gives before a handler runs: a body over the
+/// API's 64 KiB, a path that does not decode, a method a route does not take (they were plain
+/// text, or nothing).
+#[test]
+fn errors_before_a_handler_are_json_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    let big = format!("{{\"max_items\": 1, \"pad\": \"{}\"}}", "x".repeat(100 << 10));
+    for (method, path, body, status) in [
+        ("PUT", "/api/v1/queues/big", big.as_str(), 413),
+        ("GET", "/api/v1/queues/%FF", "", 400),
+        ("PATCH", "/api/v1/queues", "", 405),
+        ("PUT", "/api/v1/queues/bad", "{not json", 400),
+    ] {
+        let (got, _, text) = request(method, http, path, None, body);
+        assert_eq!(got, status, "{method} {path}: {text}");
+        let answer = json(&text);
+        assert_eq!(answer["status"], status, "{text}");
+        assert!(answer["reason"].as_str().is_some_and(|r| !r.is_empty()), "{text}");
+    }
+    assert_eq!(get(http, "/api/v1/queues/big", None).0, 404, "not made");
+}

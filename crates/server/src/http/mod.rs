@@ -65,6 +65,8 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         .route("/dashboard.js", get(dashboard::script))
         .route("/dashboard.css", get(dashboard::style))
         .fallback(api::not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::map_response(json_errors))
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&ctx), from_this_site))
         .with_state(ctx);
     let served = axum::serve(listener, app.into_make_service_with_connect_info::<listener::Remote>())
@@ -139,6 +141,32 @@ pub(crate) async fn sample(ctx: Arc<Ctx>, mut stop: watch::Receiver<bool>) {
         })
         .await;
     }
+}
+
+/// Largest request body the API reads (a queue's configuration, a group's reset: a few hundred
+/// bytes); a larger one is `413`.
+const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Errors are JSON, the API's own and axum's alike: a body over `MAX_BODY_BYTES`, a path that
+/// does not decode, a body that is not the JSON asked for were plain text.
+async fn json_errors(response: Response) -> Response {
+    let status = response.status();
+    let is_json =
+        response.headers().get(header::CONTENT_TYPE).is_some_and(|t| t.as_bytes().starts_with(b"application/json"));
+    if is_json || !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.map(|b| String::from_utf8_lossy(&b).trim().to_owned());
+    let reason =
+        text.ok().filter(|t| !t.is_empty()).unwrap_or_else(|| status.canonical_reason().unwrap_or("error").into());
+    let mut json = refusal(status, reason);
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            json.headers_mut().insert(name, value.clone());
+        }
+    }
+    json
 }
 
 /// A JSON error with its status and reason.
