@@ -116,6 +116,7 @@ pub(crate) fn client_error(e: petrel_client::ClientError) -> PyErr {
     match &e {
         petrel_client::ClientError::Status { status, .. } => ServerError::new_err((e.to_string(), status.name())),
         petrel_client::ClientError::Closed => ClosedError::new_err(e.to_string()),
+        petrel_client::ClientError::Invalid(_) => PyValueError::new_err(e.to_string()),
         _ => ConnectionError::new_err(e.to_string()),
     }
 }

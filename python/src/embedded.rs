@@ -37,6 +37,7 @@ pub(crate) fn log_error(e: petrel_log::Error) -> PyErr {
         E::Locked { .. } => LockedError::new_err(text),
         E::Poisoned(_) => PoisonedError::new_err(text),
         E::RecordTooLarge { .. } => TooLargeError::new_err(text),
+        E::Config(_) => PyValueError::new_err(text),
         _ => PetrelError::new_err(text),
     }
 }

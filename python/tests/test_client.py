@@ -517,3 +517,17 @@ def test_clients_connect_again_after_the_server_restarts(tmp_path):
             blocking.offer("jobs", b"closed")  # closed by its user: never connected again
     finally:
         stop(process)
+
+
+def test_arguments_the_client_cannot_send_are_value_errors(server, tmp_path):
+    """Nothing is sent for them, and the connection is fine: they were ConnectionError (and a bad
+    segment size a PetrelError)."""
+    with petrel.Client(server) as c:
+        c.create_queue("args")
+        with pytest.raises(ValueError):
+            c.offer("args", b"x", key="k" * 70_000)
+        c.ping()
+    with pytest.raises(ValueError):
+        petrel.Cluster([server, server])
+    with pytest.raises(ValueError):
+        petrel.Log(str(tmp_path / "log"), segment_bytes=1000)

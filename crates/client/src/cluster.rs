@@ -601,10 +601,10 @@ impl Cluster {
     pub async fn connect(servers: &[impl AsRef<str>], options: ClusterOptions) -> Result<Cluster, ClientError> {
         let addrs: Vec<String> = servers.iter().map(|s| s.as_ref().trim().to_owned()).collect();
         if addrs.is_empty() || addrs.iter().any(String::is_empty) {
-            return Err(ClientError::Unavailable("no server address given".into()));
+            return Err(ClientError::Invalid("no server address given".into()));
         }
         if addrs.iter().collect::<HashSet<_>>().len() != addrs.len() {
-            return Err(ClientError::Unavailable(format!("a server is listed twice in {}", addrs.join(","))));
+            return Err(ClientError::Invalid(format!("a server is listed twice in {}", addrs.join(","))));
         }
         let connects = addrs.iter().map(|addr| Client::connect_with(addr, &options.client));
         let mut results = join_all(connects).await;

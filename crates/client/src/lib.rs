@@ -65,6 +65,10 @@ pub enum ClientError {
     /// for a request to every server, those that did it).
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The request cannot be sent as it is (a text field longer than the protocol carries), or
+    /// the client was given a bad argument: nothing was sent.
+    #[error("invalid request: {0}")]
+    Invalid(String),
 }
 
 /// The path of the Unix socket `addr` names (`unix:PATH`, or a path that starts with `/`, `./`
@@ -532,7 +536,7 @@ impl Client {
                         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
                         let compressed = compressed(r, self.inner.compress_min_bytes.load(Ordering::Relaxed));
                         if let Err(e) = pending.outbox.push(compressed.as_ref().unwrap_or(r), id) {
-                            waiting.push(Err(ClientError::Protocol(e.to_string())));
+                            waiting.push(Err(ClientError::Invalid(e.to_string())));
                             continue;
                         }
                         let (tx, rx) = oneshot::channel();
