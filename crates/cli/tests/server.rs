@@ -808,7 +808,7 @@ async fn a_long_multibyte_name_is_answered_and_the_connection_goes_on() {
     assert!(other.list_queues().await.unwrap().contains(&"reply.own".to_string()));
     // Too long for the protocol: the client refuses to send it.
     let e = c.queue_status(&"a".repeat(70_000)).await.unwrap_err();
-    assert!(matches!(e, ClientError::Protocol(_)), "{e}");
+    assert!(matches!(e, ClientError::Invalid(_)), "{e}");
     drop(c);
     for _ in 0..500 {
         if !other.list_queues().await.unwrap().contains(&"reply.own".to_string()) {
