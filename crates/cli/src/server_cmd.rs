@@ -386,7 +386,12 @@ pub fn produce(args: ProduceArgs) -> Res {
         let n = batch.len() as u64;
         let offered = match offer_all(&client, &args, batch.clone()) {
             Err((0, ClientError::Status { status: Status::QueueNotFound, .. })) if args.create || args.durable => {
-                client.create_queue(&args.queue, QueueConfig { durable: true, ..QueueConfig::default() })?;
+                match client.create_queue(&args.queue, QueueConfig { durable: true, ..QueueConfig::default() }) {
+                    Ok(()) => {}
+                    // A cluster with a server down: made on those up, where the lines go.
+                    Err(e @ ClientError::Unavailable(_)) => eprintln!("petrel: warning: {e}"),
+                    Err(e) => return Err(e.into()),
+                }
                 offer_all(&client, &args, batch)
             }
             Err((0, ClientError::Status { status: Status::QueueNotFound, .. })) => {
@@ -446,14 +451,16 @@ fn offer_all(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result
 /// Offers `batch`; if the queue is full, says so on stderr and waits up to --timeout for room.
 /// Returns how many were repeats.
 fn offer_waiting(client: &Target, args: &ProduceArgs, batch: Vec<Message>) -> Result<u32, ClientError> {
-    match client.offer(&args.queue, batch.clone(), None) {
+    // Keyed lines go where the same command's went before (`--key` names the run).
+    let route = args.key.as_deref();
+    match client.offer(&args.queue, batch.clone(), None, route) {
         Err(ClientError::Status { status: Status::QueueFull, .. }) => {
             eprintln!(
                 "petrel: queue {} is full; waiting up to {} for a consumer to make room",
                 args.queue,
                 humantime::format_duration(args.timeout)
             );
-            client.offer(&args.queue, batch, Some(args.timeout))
+            client.offer(&args.queue, batch, Some(args.timeout), route)
         }
         other => other,
     }

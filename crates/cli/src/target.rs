@@ -36,11 +36,22 @@ macro_rules! on_either {
 
 impl Target {
     /// Offers `messages` (all or none); returns how many repeat an idempotency key the queue
-    /// remembers, and so were not stored again.
-    pub fn offer(&self, queue: &str, messages: Vec<Message>, timeout: Option<Duration>) -> Result<u32, ClientError> {
-        match self {
-            Target::One(c) => c.offer_stored(queue, messages, timeout).map(|stored| stored.repeats),
-            Target::Many(c) => c.offer(queue, messages, timeout).map(|offered| offered.repeats),
+    /// remembers, and so were not stored again. On a cluster, offers with the same `route` go
+    /// to the same server while it is up (a queue remembers the keys it stored itself: the
+    /// same keyed offers again must reach the same server to be known), others in turn.
+    pub fn offer(
+        &self,
+        queue: &str,
+        messages: Vec<Message>,
+        timeout: Option<Duration>,
+        route: Option<&str>,
+    ) -> Result<u32, ClientError> {
+        match (self, route) {
+            (Target::One(c), _) => c.offer_stored(queue, messages, timeout).map(|stored| stored.repeats),
+            (Target::Many(c), None) => c.offer(queue, messages, timeout).map(|offered| offered.repeats),
+            (Target::Many(c), Some(route)) => {
+                c.offer_by_key(route.as_bytes(), queue, messages, timeout).map(|offered| offered.repeats)
+            }
         }
     }
 

@@ -402,6 +402,43 @@ async fn a_cut_off_server_is_routed_around_and_its_messages_consumed_after() {
     run_case(Fault::Cut).await;
 }
 
+/// `produce --key` on a cluster: the same command on the same input again stores no line twice
+/// (the run's lines go to the server its key ranks first, which remembers their keys; they went
+/// to servers in turn, and the other server stored them again); `--create` with a server of the
+/// list down makes the queue on the others and offers there (it failed and offered nothing).
+#[test]
+fn produce_on_a_cluster_keys_its_lines_to_one_server_and_creates_past_a_server_down() {
+    use common::{Server, petrel};
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    let list = servers.iter().map(|s| s.addr.as_str()).collect::<Vec<_>>().join(",");
+    let run = |args: &[&str], stdin: &[u8], on: &str| {
+        let out = petrel(&[args, &["--server", on]].concat(), stdin);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        (String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    };
+    run(&["queue", "create", "jobs", "--durable"], b"", &list);
+    for round in 0..6 {
+        for key in ["nightly", "hourly"] {
+            run(&["produce", "jobs", "--key", key], b"a\nb\nc\n", &list);
+            let status: serde_json::Value =
+                serde_json::from_str(&run(&["queue", "status", "jobs"], b"", &list).0).unwrap();
+            let stored: u64 = servers.iter().map(|s| status[&s.addr]["messages"].as_u64().unwrap()).sum();
+            assert!(stored <= 6, "round {round}: {stored} stored for two keyed runs of three lines: {status}");
+        }
+    }
+    // A third address where no server listens.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let down = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let with_down = format!("{list},{down}");
+    let (_, err) = run(&["produce", "fresh", "--create"], b"x\ny\n", &with_down);
+    assert!(err.contains(&down), "the server down is named: {err}");
+    let status: serde_json::Value = serde_json::from_str(&run(&["queue", "status", "fresh"], b"", &list).0).unwrap();
+    let stored: u64 = servers.iter().map(|s| status[&s.addr]["messages"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(stored, 2, "{status}");
+}
+
 /// `--server A,B,C` on the client commands: a queue made on every server, lines offered across
 /// them and all consumed, figures per server; a topic subscribed on all; a function served on all.
 #[test]

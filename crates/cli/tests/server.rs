@@ -998,9 +998,13 @@ fn the_cli_at_the_wrong_port_says_what_answered() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let closed = listener.local_addr().unwrap().to_string();
     drop(listener);
+    // A port that takes connections and never answers (a server stopped with SIGSTOP, say).
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
     for (addr, expected) in [
-        (server.memcache.as_str(), "does not speak the Petrel protocol (is it the memcache port"),
+        (server.memcache.as_str(), "is it a Petrel native port (not the memcache port"),
         (closed.as_str(), "refused"),
+        (silent_addr.as_str(), "did not answer HELLO within"),
     ] {
         let child = Command::new(env!("CARGO_BIN_EXE_petrel"))
             .args(["queue", "list", "--server", addr])

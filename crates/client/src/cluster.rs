@@ -535,15 +535,15 @@ async fn settle(shared: &Arc<Shared>, queue: &str, handles: &[ClusterHandle], ho
     {
         return send((first.server, (first.connection, handles.iter().map(|h| h.handle).collect()))).await;
     }
-    let mut by_server: HashMap<usize, (u64, Vec<u64>)> = HashMap::new();
+    // By server and connection: a server's handles from an earlier connection count nothing
+    // (`send`), and must not keep those of its current one from being sent.
+    let mut by_connection: HashMap<(usize, u64), Vec<u64>> = HashMap::new();
     for h in handles {
-        let entry = by_server.entry(h.server).or_insert((h.connection, Vec::new()));
-        if entry.0 == h.connection {
-            entry.1.push(h.handle);
-        }
+        by_connection.entry((h.server, h.connection)).or_default().push(h.handle);
     }
     let mut total = 0;
-    for result in join_all(by_server.into_iter().map(send)).await {
+    let requests = by_connection.into_iter().map(|((server, connection), handles)| (server, (connection, handles)));
+    for result in join_all(requests.map(send)).await {
         total += result?;
     }
     Ok(total)
@@ -798,6 +798,9 @@ impl Cluster {
     ) -> Result<Offered, ClientError> {
         let order = self.shared.order(key);
         let full = |e: &ClientError| e.status() == Some(Status::QueueFull);
+        // A server without the queue passes the offer on too (one made while it was down): the
+        // offer fails for it only if no server has it.
+        let passes_on = |e: &ClientError| full(e) || e.status() == Some(Status::QueueNotFound);
         // Every server but the last is asked without waiting, so a full one passes the offer on.
         let mut request = Request::Offer { queue: queue.into(), timeout_ms: 0, messages };
         // One server alone waits for room itself, and its answer is waited for as long.
@@ -808,7 +811,7 @@ impl Cluster {
             set_offer_timeout(&mut request, t);
             wait = t;
         }
-        match self.shared.first_answer(&order, &request, wait, full).await {
+        match self.shared.first_answer(&order, &request, wait, passes_on).await {
             Ok((server, response)) => offered(server, response),
             Err(e) if full(&e) && timeout.is_some() && order.len() > 1 => {
                 // All full: wait for room on one of them (the first in the order that is up).

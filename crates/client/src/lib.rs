@@ -402,7 +402,14 @@ impl Client {
                 let handshake = tokio::time::timeout(options.connect_timeout, connector.connect(name, stream)).await;
                 let stream = match handshake {
                     Ok(done) => done.map_err(|e| ClientError::Tls(format!("handshake with {addr}: {e}")))?,
-                    Err(_) => return Err(ClientError::Tls(format!("handshake with {addr}: timed out"))),
+                    // No answer is a server that cannot be reached (stopped, hung, overloaded):
+                    // a cluster goes on with the others; a refused handshake is `Tls`.
+                    Err(_) => {
+                        return Err(ClientError::Io(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("TLS handshake with {addr}: no answer within {:?}", options.connect_timeout),
+                        )));
+                    }
                 };
                 Client::start(stream, addr, options).await?
             }
@@ -462,7 +469,15 @@ impl Client {
         };
         let client_cert = options.tls.as_ref().is_some_and(|tls| tls.cert.is_some());
         match tokio::time::timeout(options.connect_timeout, client.hello(options.compress_min_bytes)).await {
-            Err(_) => Err(not_petrel("did not answer HELLO in time")),
+            // Silence: a server stopped, hung or overloaded more often than another service (which
+            // answers something else, or closes); a connection not made, for whoever retries.
+            Err(_) => Err(ClientError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "{addr} did not answer HELLO within {:?}: is it a Petrel native port (not the memcache port or another service), and is its server running normally (not stopped or overloaded)?",
+                    options.connect_timeout
+                ),
+            ))),
             // TLS 1.3 checks a client certificate after the client's side of the handshake is
             // done: a refusal arrives as an alert on the first read, the HELLO's answer, or (when
             // the connection's reset overtakes the alert) as the connection's end.
