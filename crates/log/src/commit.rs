@@ -11,7 +11,7 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::error::{Error, Result};
 use crate::options::SyncObserver;
@@ -21,8 +21,13 @@ pub(crate) struct Commit {
     on_sync: SyncObserver,
     state: Mutex<CommitState>,
     /// The segment a sync must cover; changed by the writer only when it rolls (sealed segments
-    /// were synced when they were sealed).
+    /// were synced when they were sealed, unless they are in `unsynced`).
     active: Mutex<Arc<Segment>>,
+    /// Segments sealed without a sync (durability `none`, and those found at open), and whether
+    /// a new segment's name may not be on disk yet: a sync (`make_durable`) covers them first,
+    /// before it calls anything below the active segment durable. Weak: retention may delete
+    /// one meanwhile (its records are gone then, consumed), and it is not held open for this.
+    unsynced: Mutex<(Vec<Weak<Segment>>, bool)>,
     /// Held across each sync of a segment and its poisoning on a failure: the writer sealing the
     /// active segment syncs it outside the group commit, and the kernel reports a writeback
     /// error to one of two syncs of a file only, so two at once could see one fail and the other
@@ -62,11 +67,19 @@ const COVERED: u8 = 1;
 const LOOK_AGAIN: u8 = 2;
 
 impl Commit {
-    pub(crate) fn new(active: Arc<Segment>, on_sync: SyncObserver) -> Commit {
+    /// `unsynced`: segments before `active` that a crash may have left unsynced; `names_unsynced`:
+    /// so may the directory's entries be (both synced at the first `make_durable`).
+    pub(crate) fn new(
+        active: Arc<Segment>,
+        unsynced: &[Arc<Segment>],
+        names_unsynced: bool,
+        on_sync: SyncObserver,
+    ) -> Commit {
         Commit {
             on_sync,
             state: Mutex::new(CommitState { durable: 0, syncing: false, waiters: Vec::new() }),
             active: Mutex::new(active),
+            unsynced: Mutex::new((unsynced.iter().map(Arc::downgrade).collect(), names_unsynced)),
             sync_file: Mutex::new(()),
             syncs: AtomicU64::new(0),
             poisoned: AtomicBool::new(false),
@@ -113,6 +126,18 @@ impl Commit {
     /// Called by the writer when it rolls, after syncing the segment it sealed.
     pub(crate) fn set_active(&self, seg: Arc<Segment>) {
         *self.active.lock().unwrap_or_else(|e| e.into_inner()) = seg;
+    }
+
+    /// The writer made a segment without syncing its name (durability `none`), and sealed
+    /// `sealed` without syncing it: the next `make_durable` syncs them first.
+    pub(crate) fn made_without_sync(&self, sealed: Option<&Arc<Segment>>) {
+        let mut unsynced = self.unsynced.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(sealed) = sealed {
+            // Those retention deleted go: the list holds at most the log's segments.
+            unsynced.0.retain(|s| s.strong_count() > 0);
+            unsynced.0.push(Arc::downgrade(sealed));
+        }
+        unsynced.1 = true;
     }
 
     /// Syncs a segment being sealed, poisoning the log if that fails.
@@ -196,8 +221,35 @@ impl Commit {
         }
     }
 
+    /// Syncs the segments sealed without a sync, and the directory (the names of segments made
+    /// since), so that what is below the active segment is durable too.
+    fn sync_sealed_unsynced(&self, dir: &Path) -> Result<()> {
+        let (sealed, names) = {
+            let mut unsynced = self.unsynced.lock().unwrap_or_else(|e| e.into_inner());
+            (std::mem::take(&mut unsynced.0), std::mem::take(&mut unsynced.1))
+        };
+        let put_back = |left: &[Weak<Segment>]| {
+            let mut unsynced = self.unsynced.lock().unwrap_or_else(|e| e.into_inner());
+            unsynced.0.splice(0..0, left.iter().cloned());
+            unsynced.1 |= names;
+        };
+        for (i, seg) in sealed.iter().enumerate() {
+            let Some(seg) = seg.upgrade() else { continue };
+            if let Err(e) = self.sync_sealed(dir, &seg) {
+                put_back(&sealed[i..]);
+                return Err(e);
+            }
+        }
+        if names && let Err(e) = crate::segment::sync_dir(dir) {
+            put_back(&[]);
+            return Err(self.poison(dir, format!("sync of the log's directory: {e}")));
+        }
+        Ok(())
+    }
+
     /// Syncs the active segment and returns the offset below which everything is durable.
     fn sync_active(&self, dir: &Path) -> Result<u64> {
+        self.sync_sealed_unsynced(dir)?;
         let seg = Arc::clone(&self.active.lock().unwrap_or_else(|e| e.into_inner()));
         let (pos, records) = seg.tail();
         let _one_at_a_time = self.sync_file.lock().unwrap_or_else(|e| e.into_inner());

@@ -644,6 +644,11 @@ impl Log {
                 Err(e) => return Err(e),
             }
         };
+        if !durable {
+            // Nothing synced here: a durable record's sync (`make_durable`) syncs what this
+            // sealed and the new segment's name first.
+            self.shared.commit().made_without_sync(sealing.then_some(&self.active));
+        }
         if !sealing {
             // No record fitted the active segment: the new one, of the same base, took its file's
             // name (`Segment::create` renames over it) and takes its place.

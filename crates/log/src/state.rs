@@ -71,7 +71,13 @@ impl LogState {
         let first = segments.first().map_or(0, |s| s.base);
         Arc::new(LogState {
             dir,
-            commit: Commit::new(active, options.on_sync.clone()),
+            // Under `none` a crash may have left sealed segments, and segment names, unsynced
+            // (under the others each was synced before its successor was made).
+            commit: if options.durability == crate::Durability::None {
+                Commit::new(active, &segments[..segments.len() - 1], true, options.on_sync.clone())
+            } else {
+                Commit::new(active, &[], false, options.on_sync.clone())
+            },
             options,
             keys,
             segments: RwLock::new(segments),

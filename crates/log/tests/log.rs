@@ -1306,3 +1306,34 @@ fn a_log_made_in_a_directory_just_made_is_a_log_and_never_replaces_one() {
     let log = Log::open(&made, small(Durability::None)).unwrap();
     assert_eq!(log.next_offset(), 2);
 }
+
+/// Under `none`, a sync asked for a record (`make_durable`, `sync`: a message marked durable)
+/// syncs the segments sealed since the last one too, and the directory (their successors'
+/// names): it synced the active segment alone and called every earlier record durable, so a
+/// record in a segment sealed meanwhile was answered durable though never synced.
+#[test]
+fn a_sync_under_none_covers_the_segments_sealed_since_the_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let syncs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&syncs);
+    let options = Options {
+        on_sync: petrel_log::SyncObserver::new(move |_| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }),
+        initial_segment_bytes: None,
+        ..small(Durability::None)
+    };
+    let log = Log::open(dir.path(), options).unwrap().into_shared();
+    let first = log.append(b"the durable one").unwrap();
+    while log.stats().segments < 3 {
+        log.append(&[7u8; 1024]).unwrap();
+    }
+    assert_eq!(syncs.load(std::sync::atomic::Ordering::Relaxed), 0, "none syncs nothing by itself");
+    log.make_durable(first).unwrap();
+    let after = syncs.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(after, 3, "the two sealed segments and the active one");
+    // Once synced, not again.
+    let last = log.append(b"another").unwrap();
+    log.make_durable(last).unwrap();
+    assert_eq!(syncs.load(std::sync::atomic::Ordering::Relaxed), after + 1, "the active segment alone");
+}
