@@ -214,11 +214,19 @@ pub(crate) fn load_all(dir: &Path) -> Result<BTreeMap<String, CursorState>> {
     Ok(out)
 }
 
-/// What the cursor file at `path` holds.
+/// What the cursor file at `path` holds. One that is empty or all zeros never reached the disk
+/// (a power loss soon after its group was made: it is written unsynced unless the group's
+/// durability says otherwise, and a file system may keep its name and not its bytes): the group
+/// starts again at the log's oldest record, its messages delivered again (at least once), as
+/// for any position a power loss took.
 pub(crate) fn read_cursor(path: &Path) -> Result<CursorState> {
     let bytes = fs::read(path).map_err(io_err("read cursor", path))?;
     match cursor::read(&bytes) {
         Some((_, state)) => Ok(state),
+        None if bytes.iter().all(|&b| b == 0) => {
+            tracing::warn!(cursor = %path.display(), "a consumer group's cursor never reached the disk: the group starts again at the oldest record");
+            Ok(CursorState::default())
+        }
         None => Err(corrupt(path, 0, None, Reason::Other("no valid cursor slot".into()))),
     }
 }
@@ -362,15 +370,21 @@ impl ConsumerGroup {
         let file = match OpenOptions::new().read(true).write(true).open(&path) {
             Ok(file) => {
                 let len = file.metadata().map_err(io_err("stat cursor", &path))?.len();
-                if len != CURSOR_FILE_LEN as u64 {
+                let bytes = fs::read(&path).map_err(io_err("read cursor", &path))?;
+                if bytes.iter().all(|&b| b == 0) {
+                    // Never reached the disk (`read_cursor`): made again, from the oldest record.
+                    drop(file);
+                    create_cursor(shared.dir(), name, &CursorState::default(), durable)?
+                } else if len != CURSOR_FILE_LEN as u64 {
                     return Err(corrupt(
                         &path,
                         0,
                         None,
                         Reason::Other(format!("cursor file is {len} bytes, not {CURSOR_FILE_LEN}")),
                     ));
+                } else {
+                    file
                 }
-                file
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let start = resolve(&shared, options.start)?;

@@ -450,3 +450,29 @@ fn a_groups_lag_counts_what_it_has_not_acknowledged_while_it_holds_a_record() {
     assert_eq!(info.unacknowledged(log.next_offset()), g.unacknowledged());
     assert_eq!(g.unacknowledged(), 1000 - 600);
 }
+
+/// A cursor file whose bytes never reached the disk (a power loss soon after its group was
+/// made: empty, or zeros where the file system allocated it) does not keep the log from
+/// opening: the group starts again at the oldest record (delivered again, at least once). A
+/// cursor with other bytes and no valid slot is still corruption.
+#[test]
+fn a_cursor_that_never_reached_the_disk_starts_its_group_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 20);
+    let mut g = log.group("workers", GroupOptions::default()).unwrap();
+    let got = offsets(g.poll(5, NOW).unwrap());
+    got.iter().for_each(|&o| g.ack(o).unwrap());
+    drop(g);
+    drop(log);
+    let cursor = dir.path().join("groups/workers.cursor");
+    let len = std::fs::metadata(&cursor).unwrap().len();
+    for bytes in [Vec::new(), vec![0u8; len as usize]] {
+        std::fs::write(&cursor, &bytes).unwrap();
+        let log = log_with(dir.path(), 20);
+        let mut g = log.group("workers", GroupOptions::default()).unwrap();
+        assert_eq!(g.committed(), 0, "{} bytes", bytes.len());
+        assert_eq!(offsets(g.poll(3, NOW).unwrap()), [0, 1, 2]);
+    }
+    std::fs::write(&cursor, vec![0xA5u8; len as usize]).unwrap();
+    assert!(matches!(Log::open(dir.path(), Options::default()), Err(Error::Corrupt { .. })));
+}
