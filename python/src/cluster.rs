@@ -369,6 +369,12 @@ impl Cluster {
         Ok(())
     }
 
+    /// Stops serving `function` on every server, and on those that come back (calls already
+    /// running still reply), as `Client.unserve`.
+    fn unserve(&self, py: Python<'_>, function: &str) -> PyResult<()> {
+        self.wait(py, self.inner.unserve(function))
+    }
+
     /// Ends every connection and the background work; tentative takes not acknowledged go back
     /// to their queues.
     fn close(&self) {

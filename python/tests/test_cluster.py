@@ -161,6 +161,9 @@ def test_topics_and_functions_on_every_server(servers):
         assert [c.call("upper", b"x%d" % i, timeout=5).payload for i in range(6)] == [b"X%d" % i for i in range(6)]
         with pytest.raises(petrel.ServerError, match="FUNCTION_NOT_FOUND"):
             c.call("lower", b"x", timeout=1)
+        c.unserve("upper")
+        with pytest.raises(petrel.ServerError, match="FUNCTION_NOT_FOUND"):
+            c.call("upper", b"x", timeout=1)
 
 
 def test_a_group_resumes_where_it_stands_on_a_restarted_server(servers):

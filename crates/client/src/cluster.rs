@@ -1236,6 +1236,22 @@ impl Cluster {
         }
     }
 
+    /// Stops serving `function` on every server that is up, and on those that come back (calls
+    /// already running still reply). A server down is not an error: it serves nothing of this
+    /// client's when it is back.
+    pub async fn unserve(&self, function: &str) -> Result<(), ClientError> {
+        lock(&self.shared.served).retain(|(f, _)| f != function);
+        for i in 0..self.shared.members.len() {
+            let Some((client, _)) = self.shared.current(i) else { continue };
+            match client.unserve(function).await {
+                Ok(()) => lock(&self.shared.members[i].link).served(function, None),
+                Err(e) if e.is_connection_lost() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Sends `request` to every server. An error (of the kind of the first failure) names every
     /// server that failed and those that did the request anyway, "(done on A, B)": a queue
     /// created on two servers of three is there on two, whatever the third said.
