@@ -131,6 +131,13 @@ impl Log {
             // current format in place, as a new segment under its name could not.
             active.adopt_current_format(durable).map_err(io_err("sync segment", &active.path))?;
         }
+        if !made {
+            // Past the last frame every byte is zero (format.md): a crash can leave frames there
+            // (appends after a page the disk lost, or blocks a prefault wrote), which appends
+            // would write between and a later open read as records. Their blocks go, as a
+            // closed log's do; the writer reserves what it needs again.
+            active.release_unwritten(pos);
+        }
         let active = Arc::new(active);
         segments.push(Arc::clone(&active));
         report.segments = segments.len();
