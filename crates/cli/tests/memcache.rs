@@ -11,6 +11,26 @@ use petrel_client::{Message, PollOptions};
 mod common;
 use common::Server;
 
+/// Kestrel's per-queue `stats` names, in its order.
+const KESTREL_QUEUE_STATS: [&str; 16] = [
+    "items",
+    "bytes",
+    "total_items",
+    "logsize",
+    "expired_items",
+    "mem_items",
+    "mem_bytes",
+    "age",
+    "discarded",
+    "waiters",
+    "open_transactions",
+    "transactions",
+    "canceled_transactions",
+    "total_flushes",
+    "journal_rewrites",
+    "journal_rotations",
+];
+
 /// A raw memcache connection.
 struct Conn(TcpStream);
 
@@ -476,24 +496,7 @@ fn stats_has_every_name_kestrel_printed_with_figures_that_follow_the_traffic() {
     assert_eq!((num("queue_creates"), num("queue_deletes"), num("queue_expires")), (2, 0, 0));
 
     // Kestrel's per-queue names, in Kestrel's order, for durable and in-memory queues alike.
-    let per_queue = [
-        "items",
-        "bytes",
-        "total_items",
-        "logsize",
-        "expired_items",
-        "mem_items",
-        "mem_bytes",
-        "age",
-        "discarded",
-        "waiters",
-        "open_transactions",
-        "transactions",
-        "canceled_transactions",
-        "total_flushes",
-        "journal_rewrites",
-        "journal_rotations",
-    ];
+    let per_queue = KESTREL_QUEUE_STATS;
     for q in ["rolling", "rolling+copy", "scratch"] {
         let at: Vec<usize> = per_queue
             .iter()
@@ -593,25 +596,7 @@ fn early_connections_unknown_noreply_commands_and_stats_kestrel_clients_parse() 
     assert_eq!(answers, "VALUE jobs 0 2\r\nok\r\nEND\r\n");
     assert_eq!(early.ask(b"touch jobs 10\r\n", b"\r\n"), "ERROR\r\n", "answered without noreply");
     // The per-queue stats' names end in Kestrel's suffixes only where they are Kestrel's stats.
-    let kestrel = [
-        "items",
-        "bytes",
-        "total_items",
-        "logsize",
-        "expired_items",
-        "mem_items",
-        "mem_bytes",
-        "age",
-        "discarded",
-        "waiters",
-        "open_transactions",
-        "transactions",
-        "canceled_transactions",
-        "total_flushes",
-        "journal_rewrites",
-        "journal_rotations",
-        "create_time",
-    ];
+    let kestrel = KESTREL_QUEUE_STATS;
     let stats = early.ask(b"stats\r\n", b"END\r\n");
     for line in stats.lines().filter_map(|l| l.strip_prefix("STAT queue_jobs_")) {
         let name = line.split(' ').next().unwrap();
