@@ -1807,9 +1807,12 @@ impl Broker {
         }
         // A fanout child holds copies of its parent's messages: taking them needs the right to
         // take the parent's as well (asked at every poll, not only when the child is made, so
-        // that an ACL on the parent covers children made before it, or by an admin).
+        // that an ACL on the parent covers children made before it, or by an admin), unless an
+        // entry gives the child by its own name (a consumer of one child only).
         let parent_allows = |a: Action| match (kind, a, fanout_parent(name)) {
-            (Kind::Queue, Action::Poll, Some(parent)) => security.acl.allows(&who.user, kind, parent, a),
+            (Kind::Queue, Action::Poll, Some(parent)) => {
+                security.acl.allows(&who.user, kind, parent, a) || security.acl.names_exactly(&who.user, kind, name, a)
+            }
             _ => true,
         };
         if actions
@@ -2148,6 +2151,35 @@ mod tests {
         let b = durable_with_dead_letters(dir.path(), config);
         assert_eq!(payloads_in(&b, "q", 7 * MS), Vec::<Vec<u8>>::new(), "settled once handed over");
         assert_eq!(payloads_in(&b, "dlq", 8 * MS), [b"poison".to_vec()]);
+    }
+
+    /// An expired head that cannot be taken out now (its level has as many records out as its
+    /// log allows) stays where it is, and a peek or a tick says nothing is wrong: it fell back
+    /// to dropping it, which failed the same way, and lost what it had taken out before.
+    #[test]
+    fn an_expired_head_at_the_limit_of_records_out_waits_for_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = durable_with_dead_letters(dir.path(), QueueConfig { durable: true, ..QueueConfig::default() });
+        let q = b.get("q").unwrap();
+        let n = petrel_log::MAX_PENDING;
+        b.offer("q", (0..n).map(|i| Message::new(format!("m{i}").into_bytes())).collect(), MS).unwrap();
+        let mut m = Message::new(&b"stale"[..]);
+        m.expires_at = 10 * MS;
+        b.offer("q", vec![m], MS).unwrap();
+        let mut out = Vec::new();
+        while out.len() < n {
+            let got = b.poll("q", n - out.len(), Some(Duration::from_secs(60)), 1, 2 * MS).unwrap();
+            assert!(!got.is_empty());
+            out.extend(got.into_iter().map(|d| d.handle));
+        }
+        assert_eq!(b.peek(&q, 20 * MS).unwrap(), None, "nothing to show, and no error");
+        let (_, failed, _) = q.tick(20 * MS);
+        assert!(failed.is_none(), "{failed:?}");
+        assert_eq!(q.status().items, 1, "the expired one waits");
+        b.ack("q", &out, 1).unwrap();
+        b.tick(30 * MS);
+        assert_eq!(payloads_in(&b, "dlq", 40 * MS), [b"stale".to_vec()]);
+        assert_eq!(q.status().items, 0);
     }
 
     /// The same for a message that expired: taken out by the tick, it stays unacknowledged in

@@ -1380,42 +1380,50 @@ impl Queue {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let mut answer_bytes = 0u64;
-        while out.deliveries.len() < max {
-            let Some((message, taken)) = inner.next(period)? else { break };
-            let size = message.size();
-            if message.is_expired(now_ns) {
-                counting::subtract(&mut inner.bytes, size, "a queue's bytes");
-                inner.counters.expired += 1;
-                inner.leave(&mut out.expired, message, taken, dead_letter)?;
-                continue;
-            }
-            // What the message adds to an answer: its bytes, its fields, its handle.
-            let cost = message::answer_len_bound(&message) + self.name.len() as u64;
-            if !out.deliveries.is_empty() && answer_bytes + cost > max_bytes {
-                inner.put_back(taken, false)?; // the head it was, not delivered; the next poll takes it
-                break;
-            }
-            answer_bytes += cost;
-            inner.counters.last_taken_offered_at = message.timestamp;
-            let handle = match visibility {
-                Some(v) => {
-                    let handle = next_handle();
-                    let deadline_ns = now_ns.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
-                    inner.counters.opened += 1;
-                    let read = InFlight { consumer, taken_at_ns: now_ns, deadline_ns, bytes: size, item: taken };
-                    inner.in_flight.insert(handle, read);
-                    self.due_ns.lower(deadline_ns);
-                    handle
-                }
-                None => {
-                    inner.settle(&taken)?;
+        // (What goes wrong midway still settles the expired messages taken out: `settle_now`.)
+        let taking = (|| -> Result<(), BrokerError> {
+            while out.deliveries.len() < max {
+                let Some((message, taken)) = inner.next(period)? else { break };
+                let size = message.size();
+                if message.is_expired(now_ns) {
                     counting::subtract(&mut inner.bytes, size, "a queue's bytes");
-                    0
+                    inner.counters.expired += 1;
+                    inner.leave(&mut out.expired, message, taken, dead_letter)?;
+                    continue;
                 }
-            };
-            inner.counters.total_polled += 1;
-            let message = Message { destination: self.name.clone(), ..message };
-            out.deliveries.push(Delivery { handle, message });
+                // What the message adds to an answer: its bytes, its fields, its handle.
+                let cost = message::answer_len_bound(&message) + self.name.len() as u64;
+                if !out.deliveries.is_empty() && answer_bytes + cost > max_bytes {
+                    inner.put_back(taken, false)?; // the head it was, not delivered; the next poll takes it
+                    break;
+                }
+                answer_bytes += cost;
+                inner.counters.last_taken_offered_at = message.timestamp;
+                let handle = match visibility {
+                    Some(v) => {
+                        let handle = next_handle();
+                        let deadline_ns = now_ns.saturating_add(u64::try_from(v.as_nanos()).unwrap_or(u64::MAX));
+                        inner.counters.opened += 1;
+                        let read = InFlight { consumer, taken_at_ns: now_ns, deadline_ns, bytes: size, item: taken };
+                        inner.in_flight.insert(handle, read);
+                        self.due_ns.lower(deadline_ns);
+                        handle
+                    }
+                    None => {
+                        inner.settle(&taken)?;
+                        counting::subtract(&mut inner.bytes, size, "a queue's bytes");
+                        0
+                    }
+                };
+                inner.counters.total_polled += 1;
+                let message = Message { destination: self.name.clone(), ..message };
+                out.deliveries.push(Delivery { handle, message });
+            }
+            Ok(())
+        })();
+        if let Err(e) = taking {
+            inner.settle_now(&mut out.expired);
+            return Err(e);
         }
         drop(guard);
         if !out.deliveries.is_empty() || !out.expired.is_empty() {
@@ -1733,15 +1741,21 @@ impl Queue {
         let mut expired = Leaving::default();
         let dead_letter = !self.config().dead_letter.is_empty();
         let mut inner = self.lock();
-        let head = loop {
-            let Some(level) = inner.highest_level()? else { break None };
-            match inner.head_at(level)? {
-                Some(m) if m.is_expired(now_ns) => {
-                    inner.expire_head(level, m, &mut expired, dead_letter)?;
+        let head = (|| -> Result<Option<Message>, BrokerError> {
+            loop {
+                let Some(level) = inner.highest_level()? else { return Ok(None) };
+                match inner.head_at(level)? {
+                    // (One that cannot be taken now hides what is behind it until a tick takes it.)
+                    Some(m) if m.is_expired(now_ns) => {
+                        if !inner.expire_head(level, m, &mut expired, dead_letter)? {
+                            return Ok(None);
+                        }
+                    }
+                    other => return Ok(other.map(|m| Message { destination: self.name.clone(), ..m })),
                 }
-                other => break other.map(|m| Message { destination: self.name.clone(), ..m }),
             }
-        };
+        })();
+        let head = head.inspect_err(|_| inner.settle_now(&mut expired))?;
         drop(inner);
         if !expired.is_empty() {
             self.room.wake_one();
@@ -2592,34 +2606,53 @@ impl Inner {
         while let Some(head) = self.head_at(level)?
             && head.is_expired(now_ns)
         {
-            self.expire_head(level, head, expired, dead_letter)?;
+            if !self.expire_head(level, head, expired, dead_letter)? {
+                break;
+            }
         }
         Ok(())
     }
 
     /// Takes `head`, expired at the head of `level`, out into `expired`: with a dead-letter
-    /// queue, taken and left unsettled until that queue has it (`Leaving`); without one, or when
-    /// the level cannot hand out another record now (as many out as its log allows), dropped.
+    /// queue, taken and left unsettled until that queue has it (`Leaving`); without one,
+    /// dropped. `false`: it stays where it is for now (the level has as many records out as its
+    /// log allows, or an offer of it still waits for its sync): a later tick takes it.
     fn expire_head(
         &mut self,
         level: usize,
         head: Message,
         expired: &mut Leaving,
         dead_letter: bool,
-    ) -> Result<(), BrokerError> {
-        if dead_letter && let Some((message, taken)) = self.next_at(level)? {
-            counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
-            counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
-            self.head_taken = true;
-            counting::subtract(&mut self.bytes, message.size(), "a queue's bytes");
-            self.counters.expired += 1;
-            return self.leave(expired, head, taken, true);
+    ) -> Result<bool, BrokerError> {
+        if !dead_letter {
+            let dropped = self.drop_head(level)?;
+            if dropped {
+                self.counters.expired += 1;
+                expired.messages.push(head);
+            }
+            return Ok(dropped);
         }
-        if self.drop_head(level)? {
-            self.counters.expired += 1;
-            expired.messages.push(head);
+        let Some((message, taken)) = self.next_at(level)? else { return Ok(false) };
+        counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
+        counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
+        self.head_taken = true;
+        counting::subtract(&mut self.bytes, message.size(), "a queue's bytes");
+        self.counters.expired += 1;
+        self.leave(expired, head, taken, true)?;
+        Ok(true)
+    }
+
+    /// Settles now what `leaving` left unsettled: what goes wrong on the way to the dead-letter
+    /// queue drops its messages, as without one (the error says why), and must not leave their
+    /// records taken for good.
+    fn settle_now(&mut self, leaving: &mut Leaving) {
+        for taken in std::mem::take(&mut leaving.takings) {
+            let record = u64::from(matches!(taken, Taken::Log { .. }));
+            counting::subtract(&mut self.leaving_records, record, "a queue's records leaving");
+            if let Err(e) = self.settle(&taken) {
+                tracing::error!(error = %e, "an expired message's acknowledgement is not durable");
+            }
         }
-        Ok(())
     }
 
     /// `message`, taken for the dead-letter queue, into `leaving`: settled at once when the

@@ -687,6 +687,21 @@ kind = "queue"
 name = "orders+audit"
 user = "jak"
 access = "deny"
+[[security.acl]]
+kind = "queue"
+name = "orders"
+user = "pax"
+access = "deny"
+[[security.acl]]
+kind = "queue"
+name = "orders+audit"
+user = "pax"
+access = "poll"
+[[security.acl]]
+kind = "queue"
+name = "*"
+user = "jon"
+access = "poll"
 "#,
     );
     let server = setup.start();
@@ -713,9 +728,12 @@ access = "deny"
     max.create_queue("orders+audit", QueueConfig::default()).await.unwrap();
     max.offer("orders", vec![msg("copied")], None).await.unwrap();
     assert_eq!(status(tom.poll("orders+audit", TAKE).await), Some(Status::Forbidden));
-    assert_eq!(max.poll("orders+audit", TAKE).await.unwrap().len(), 1);
+    // pax may not take orders, but the entry that names orders+audit for him gives him that one.
+    let pax = login(&server, "pax").await.unwrap();
+    assert_eq!(pax.poll("orders+audit", TAKE).await.unwrap().len(), 1);
+    assert_eq!(status(pax.poll("orders", TAKE).await), Some(Status::Forbidden));
     assert_eq!(max.poll("orders", TAKE).await.unwrap().len(), 1);
-    // What he may use, he may make.
+    // What he may use, he may make (an entry for every name, jon's, sets none aside).
     tom.create_queue("mine", temporary("mine.dlq")).await.unwrap();
     max.offer("orders", vec![msg("secret")], None).await.unwrap();
     assert_eq!(max.poll("orders", TAKE).await.unwrap().len(), 1);

@@ -811,13 +811,15 @@ impl Cluster {
             set_offer_timeout(&mut request, t);
             wait = t;
         }
+        let missing = |e: &ClientError| e.status() == Some(Status::QueueNotFound);
         match self.shared.first_answer(&order, &request, wait, passes_on).await {
             Ok((server, response)) => offered(server, response),
-            Err(e) if full(&e) && timeout.is_some() && order.len() > 1 => {
-                // All full: wait for room on one of them (the first in the order that is up).
+            // All full, or full where the others lack the queue (the last answer may be either):
+            // wait for room on the first in the order that has the queue.
+            Err(e) if passes_on(&e) && timeout.is_some() && order.len() > 1 => {
                 let wait = timeout.unwrap_or_default();
                 set_offer_timeout(&mut request, wait);
-                let (server, response) = Box::pin(self.shared.first_answer(&order, &request, wait, |_| false)).await?;
+                let (server, response) = Box::pin(self.shared.first_answer(&order, &request, wait, missing)).await?;
                 offered(server, response)
             }
             Err(e) => Err(e),

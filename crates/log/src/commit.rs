@@ -249,8 +249,10 @@ impl Commit {
 
     /// Syncs the active segment and returns the offset below which everything is durable.
     fn sync_active(&self, dir: &Path) -> Result<u64> {
-        self.sync_sealed_unsynced(dir)?;
+        // The active segment first: the writer lists a segment it seals unsynced before it makes
+        // its successor active, so the list taken after holds every segment before this one.
         let seg = Arc::clone(&self.active.lock().unwrap_or_else(|e| e.into_inner()));
+        self.sync_sealed_unsynced(dir)?;
         let (pos, records) = seg.tail();
         let _one_at_a_time = self.sync_file.lock().unwrap_or_else(|e| e.into_inner());
         #[cfg(any(test, feature = "fault-injection"))]

@@ -227,15 +227,30 @@ impl Acl {
         default.allows(action)
     }
 
-    /// What the entries matching `user`, `kind` and `name` decide for `action` (a deny among
-    /// them wins); `None` when none matches (the kind's default decides).
-    /// Whether the entries name `name` for other users only: some entry is about it, none for
-    /// `user` (or for everyone). A name set aside for them, which `user` may not take first.
+    /// Whether the entries set `name` aside for other users: an entry allows it to another user
+    /// by this very name (not by a prefix, not `*`), and none names it for `user` or everyone.
+    /// A name that `user` may not take first.
     pub fn meant_for_others(&self, user: &str, kind: Kind, name: &str) -> bool {
-        let about: Vec<&AclEntry> = self.entries.iter().filter(|e| e.names(kind, name)).collect();
-        !about.is_empty() && !about.iter().any(|e| e.user == "*" || e.user == user)
+        let exactly = |e: &&AclEntry| e.kind == kind && e.name == name;
+        let mut for_others = false;
+        for e in self.entries.iter().filter(exactly) {
+            if e.user == "*" || e.user == user {
+                return false;
+            }
+            for_others |= e.access != Access::Deny;
+        }
+        for_others
     }
 
+    /// Whether an entry allows `action` on `name` to `user` (or everyone) by this very name.
+    pub fn names_exactly(&self, user: &str, kind: Kind, name: &str, action: Action) -> bool {
+        self.entries
+            .iter()
+            .any(|e| e.kind == kind && e.name == name && (e.user == "*" || e.user == user) && e.access.allows(action))
+    }
+
+    /// What the entries matching `user`, `kind` and `name` decide for `action` (a deny among
+    /// them wins); `None` when none matches (the kind's default decides).
     pub fn by_entries(&self, user: &str, kind: Kind, name: &str, action: Action) -> Option<bool> {
         let mut matched = false;
         let mut allowed = false;
