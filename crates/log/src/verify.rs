@@ -379,17 +379,23 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     let cut_base = segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())
         .expect("problems name segment files");
     let cut_offset = first.offset.expect("frame problems name the expected record");
-    zero_from(&first.file, first.position)?;
+    // In the order that leaves, wherever a crash stops it, a log a second repair finishes and
+    // open never reads wrongly: the kept batch's end marked first (zeroing first would leave an
+    // intact batch that continues into zeros, cut as a torn tail), the later segments removed
+    // newest first (oldest first would leave a gap in the offsets), the cut zeroed last.
     end_batch_before(&first.file, first.position)?;
     crate::index::remove(dir, cut_base);
     out.cut_at = Some((first.file.clone(), first.position));
-    for &base in bases.iter().filter(|&&b| b > cut_base) {
+    let mut later: Vec<u64> = bases.iter().copied().filter(|&b| b > cut_base).collect();
+    later.sort_unstable();
+    for &base in later.iter().rev() {
         let path = dir.join(segment::file_name(base));
         fs::remove_file(&path).map_err(io_err("remove segment", &path))?;
         crate::index::remove(dir, base);
         out.segments_removed += 1;
     }
     segment::sync_dir(dir)?;
+    zero_from(&first.file, first.position)?;
     // Counted again rather than computed, so the number printed is what is really on disk.
     let after = verify(dir, |_, _| {})?;
     out.records_removed = (before.records + out.records_replaced.len() as u64).saturating_sub(after.records);
