@@ -552,6 +552,14 @@ pub fn consume(args: ConsumeArgs) -> Res {
         }
         left -= deliveries.len() as u64;
     }
+    // A cluster read to its end with servers down read only the others: said, so that a script
+    // draining a queue does not take it for empty.
+    if let Reader::Once(target) = &reader {
+        let down = target.servers_down();
+        if !down.is_empty() {
+            eprintln!("petrel: warning: not read, servers down: {}", down.join("; "));
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

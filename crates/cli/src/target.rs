@@ -85,6 +85,24 @@ impl Target {
         }
     }
 
+    /// The servers of a cluster that are down now, with why (none for one server: its loss is
+    /// an error of the call itself).
+    pub fn servers_down(&self) -> Vec<String> {
+        match self {
+            Target::One(_) => Vec::new(),
+            Target::Many(c) => c
+                .stats()
+                .servers
+                .into_iter()
+                .filter(|s| !s.up)
+                .map(|s| match s.last_error {
+                    Some(why) => format!("{} ({why})", s.addr),
+                    None => s.addr,
+                })
+                .collect(),
+        }
+    }
+
     pub fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
         on_either!(self, c => c.create_queue(name, config))
     }
