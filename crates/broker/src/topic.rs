@@ -20,6 +20,9 @@ use crate::group_feed::{Appends, GroupReader};
 use crate::{BrokerError, ConnId, MemoryBudget, Message, message};
 use petrel_proto::{GroupStats, TopicStats};
 
+/// Consumer groups a durable topic keeps at most (`Topic::group`).
+pub const MAX_GROUPS_PER_TOPIC: usize = 1024;
+
 pub struct Topic {
     pub name: String,
     /// A durable topic's log.
@@ -271,6 +274,17 @@ impl Topic {
             )));
         };
         crate::check_name(group)?;
+        // Each group is a cursor file, a row of the topic's status and series on /metrics, kept
+        // until an admin removes it: a client naming new groups again and again is stopped.
+        let groups = log.groups();
+        if groups.len() >= MAX_GROUPS_PER_TOPIC && !groups.iter().any(|g| g.name == group) {
+            return Err(BrokerError::Limit(format!(
+                "topic {} has {} consumer groups, the most a topic keeps: remove some (DELETE /api/v1/topics/{}/groups/NAME) before naming a new one",
+                self.name,
+                groups.len(),
+                self.name
+            )));
+        }
         let options = GroupOptions { max_pending, start: SeekTo::Newest, ..GroupOptions::default() };
         let mut g = log.group(group, options)?;
         if let Some(to) = from {

@@ -346,3 +346,21 @@ async fn calls_and_replies_over_the_message_limit_are_refused() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A durable topic keeps at most `MAX_GROUPS_PER_TOPIC` consumer groups: a new name past it is
+/// refused (`Limit`, saying how to remove some), one it has already opens as before.
+#[test]
+fn a_topic_keeps_a_bounded_number_of_consumer_groups() {
+    let (b, _dir) = broker();
+    let topic = b.create_topic("events", true).unwrap();
+    let max = petrel_broker::MAX_GROUPS_PER_TOPIC;
+    for i in 0..max {
+        drop(topic.group(&format!("g{i}"), None, 16).unwrap());
+    }
+    match topic.group("one-more", None, 16) {
+        Err(BrokerError::Limit(why)) => assert!(why.contains("consumer groups"), "{why}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    drop(topic.group("g7", None, 16).unwrap());
+    assert_eq!(topic.groups().len(), max);
+}
