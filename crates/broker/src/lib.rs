@@ -2117,9 +2117,8 @@ mod tests {
 
     fn durable_with_dead_letters(dir: &Path, q: QueueConfig) -> Broker {
         let b = Broker::open(dir, BrokerOptions::default()).unwrap();
-        let durable = QueueConfig { durable: true, ..QueueConfig::default() };
-        b.create_queue("dlq", durable.clone(), None).unwrap();
-        b.create_queue("q", QueueConfig { dead_letter: "dlq".into(), ..QueueConfig { ..q } }, None).unwrap();
+        b.create_queue("dlq", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+        b.create_queue("q", QueueConfig { dead_letter: "dlq".into(), ..q }, None).unwrap();
         b
     }
 

@@ -1565,13 +1565,7 @@ impl Queue {
             // Its directory may be another queue's by now (see `mark_removed`).
             return;
         }
-        for taken in &unsettled.0 {
-            let record = u64::from(matches!(taken, Taken::Log { .. }));
-            counting::subtract(&mut inner.leaving_records, record, "a queue's records leaving");
-            if let Err(e) = inner.settle(taken) {
-                tracing::error!(queue = %self.name, error = %e, "a dead-lettered message's acknowledgement is not durable");
-            }
-        }
+        inner.settle_leaving(unsettled.0);
     }
 
     /// Returns every tentative delivery of `consumer` (its connection closed).
@@ -2124,6 +2118,11 @@ impl Inner {
                 None => return Ok(None),
             },
         };
+        self.take_at(level)
+    }
+
+    /// `next_at`, counted: the message taken is no longer waiting.
+    fn take_at(&mut self, level: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
         let next = self.next_at(level)?;
         if next.is_some() {
             counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
@@ -2632,10 +2631,7 @@ impl Inner {
             }
             return Ok(dropped);
         }
-        let Some((message, taken)) = self.next_at(level)? else { return Ok(false) };
-        counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
-        counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
-        self.head_taken = true;
+        let Some((message, taken)) = self.take_at(level)? else { return Ok(false) };
         counting::subtract(&mut self.bytes, message.size(), "a queue's bytes");
         self.counters.expired += 1;
         self.leave(expired, head, taken, true)?;
@@ -2646,11 +2642,16 @@ impl Inner {
     /// queue drops its messages, as without one (the error says why), and must not leave their
     /// records taken for good.
     fn settle_now(&mut self, leaving: &mut Leaving) {
-        for taken in std::mem::take(&mut leaving.takings) {
+        self.settle_leaving(std::mem::take(&mut leaving.takings));
+    }
+
+    /// Settles messages that were leaving for the dead-letter queue (`leave` counted them).
+    fn settle_leaving(&mut self, takings: Vec<Taken>) {
+        for taken in takings {
             let record = u64::from(matches!(taken, Taken::Log { .. }));
             counting::subtract(&mut self.leaving_records, record, "a queue's records leaving");
             if let Err(e) = self.settle(&taken) {
-                tracing::error!(error = %e, "an expired message's acknowledgement is not durable");
+                tracing::error!(error = %e, "a dead-lettered message's acknowledgement is not durable");
             }
         }
     }
