@@ -796,3 +796,32 @@ fn compressed_offer(queue: &str, payload: Vec<u8>, timeout_ms: u32) -> petrel_pr
     petrel_proto::compression::compress(&mut message, 1);
     petrel_proto::Request::Offer { queue: queue.into(), timeout_ms, messages: vec![message] }
 }
+
+#[test]
+fn one_connection_serves_at_most_its_limit_of_functions() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_functions_per_connection = 2\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        let echo = |m: petrel_client::Message| async move { Ok(m) };
+        c.serve("f1", echo).await.unwrap();
+        c.serve("f2", echo).await.unwrap();
+        // Serving a name again is no new name.
+        c.serve("f2", echo).await.unwrap();
+        let e = c.serve("f3", echo).await.expect_err("a third name is refused");
+        assert_eq!(e.status(), Some(Status::LimitReached), "{e}");
+        assert!(e.to_string().contains("max_functions_per_connection"), "{e}");
+        // What was served goes on; one given back makes room.
+        let caller = server.client().await;
+        let reply = caller.call("f2", petrel_client::Message::new(&b"hi"[..]), None).await.unwrap();
+        assert_eq!(&reply.payload[..], b"hi");
+        let e = caller.call("f3", petrel_client::Message::new(&b"hi"[..]), None).await.expect_err("f3 is not served");
+        assert_eq!(e.status(), Some(Status::FunctionNotFound), "{e}");
+        c.unserve("f1").await.unwrap();
+        c.serve("f3", echo).await.unwrap();
+        let reply = caller.call("f3", petrel_client::Message::new(&b"again"[..]), None).await.unwrap();
+        assert_eq!(&reply.payload[..], b"again");
+    });
+}

@@ -815,7 +815,8 @@ impl Client {
         Fut: std::future::Future<Output = Result<Message, String>> + Send + 'static,
     {
         let (tx, mut rx) = mpsc::channel::<(u64, Message)>(SUBSCRIPTION_BUFFER);
-        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).functions.insert(function.to_owned(), tx);
+        let before =
+            self.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).functions.insert(function.to_owned(), tx);
         let client = self.clone();
         tokio::spawn(async move {
             // Handlers run concurrently within this one task (no task per call), at most
@@ -846,7 +847,17 @@ impl Client {
                 client.send_unanswered(&ret);
             }
         });
-        self.call_op(Request::Serve { function: function.into() }).await.map(|_| ())
+        let served = self.call_op(Request::Serve { function: function.into() }).await.map(|_| ());
+        if served.is_err() {
+            // Refused (a limit, the ACL): the server goes on as before, and so do the handlers
+            // here (this one's task ends with its channel).
+            let mut pending = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
+            match before {
+                Some(before) => pending.functions.insert(function.to_owned(), before),
+                None => pending.functions.remove(function),
+            };
+        }
+        served
     }
 
     pub async fn unserve(&self, function: &str) -> Result<(), ClientError> {

@@ -101,6 +101,9 @@ pub struct Config {
     /// Topic subscriptions (live or through a consumer group) one connection may hold; past it
     /// a SUBSCRIBE is answered LIMIT_REACHED.
     pub max_subscriptions_per_connection: usize,
+    /// Function names one connection may serve at once; past it a SERVE is answered
+    /// LIMIT_REACHED.
+    pub max_functions_per_connection: usize,
     /// Batches of TOPIC_ACK a group subscription holds before its task applies them; past it a
     /// TOPIC_ACK is answered LIMIT_REACHED (retry).
     pub max_group_acks_waiting: usize,
@@ -328,6 +331,7 @@ impl Default for Config {
             default_subscriber_buffer_messages: 1024,
             max_subscriber_buffer_messages: 1 << 20,
             max_subscriptions_per_connection: 1024,
+            max_functions_per_connection: 1024,
             max_group_acks_waiting: 1024,
             group_release_wait_ms: 200,
             max_push_messages: 256,
@@ -449,6 +453,7 @@ impl Config {
             ("default_subscriber_buffer_messages", self.default_subscriber_buffer_messages),
             ("max_subscriber_buffer_messages", self.max_subscriber_buffer_messages),
             ("max_subscriptions_per_connection", self.max_subscriptions_per_connection),
+            ("max_functions_per_connection", self.max_functions_per_connection),
             ("max_group_acks_waiting", self.max_group_acks_waiting),
             ("max_push_messages", self.max_push_messages),
             ("max_push_bytes", self.max_push_bytes as usize),

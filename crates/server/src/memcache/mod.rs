@@ -637,6 +637,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_max_queues_per_user", &limits.security.max_queues_per_user);
         put("limit_max_in_flight_per_connection", &limits.max_in_flight_per_connection);
         put("limit_max_subscriptions_per_connection", &limits.max_subscriptions_per_connection);
+        put("limit_max_functions_per_connection", &limits.max_functions_per_connection);
         put("limit_max_message_bytes", &limits.max_message_bytes);
         put("limit_auth_attempts_per_minute", &limits.security.auth_attempts_per_minute);
         // Whole seconds: a stats value is one token.

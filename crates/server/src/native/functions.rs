@@ -86,12 +86,23 @@ pub(super) fn serve(ctx: &Ctx, session: &Session, pushes: &mut Pushes, outbox: &
     if let Err(e) = petrel_broker::check_name(function) {
         return error(e);
     }
+    // Each name served is an entry in the broker's table every call looks up, and a
+    // disconnect walks: bounded per connection, as subscriptions are.
+    let max = ctx.config.max_functions_per_connection;
+    if !pushes.served.contains(function) && pushes.served.len() >= max {
+        return Response::error(
+            Status::LimitReached,
+            format!("this connection serves {max} functions, its limit (max_functions_per_connection)"),
+        );
+    }
+    pushes.served.insert(function.to_owned());
     let invocations = invocations(pushes, outbox, ctx.config.max_in_flight_per_connection, session.compress);
     ctx.broker.serve(function, session.conn, invocations);
     Response::Done
 }
 
-pub(super) fn unserve(ctx: &Ctx, session: &Session, function: &str) -> Response {
+pub(super) fn unserve(ctx: &Ctx, session: &Session, pushes: &mut Pushes, function: &str) -> Response {
+    pushes.served.remove(function);
     ctx.broker.unserve(function, session.conn);
     Response::Done
 }

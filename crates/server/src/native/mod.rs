@@ -311,7 +311,7 @@ async fn dispatch(
         Request::TopicAck { subscription, ids } => topics::ack(pushes, subscription, ids),
         Request::Unsubscribe { subscription } => topics::unsubscribe(ctx, session, pushes, subscription),
         Request::Serve { function } => now(functions::serve(ctx, session, pushes, outbox, &function)),
-        Request::Unserve { function } => now(functions::unserve(ctx, session, &function)),
+        Request::Unserve { function } => now(functions::unserve(ctx, session, pushes, &function)),
         Request::Call { function, timeout_ms, oneway, message } => {
             functions::prepare_call(ctx, function, timeout_ms, oneway, message)
         }

@@ -4,7 +4,7 @@
 //! waits, and its own bounded channel from the broker fills (a live subscriber is then ended by
 //! the broker with SLOW_CONSUMER, a call goes to another server or fails).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use petrel_broker::{GroupAcks, Invocation};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -19,6 +19,8 @@ pub(super) struct Pushes {
     /// Group subscriptions: the feed's acknowledgements (dropping them ends the task), its task.
     pub groups: HashMap<u64, (GroupAcks, JoinHandle<()>)>,
     pub invocations: Option<(mpsc::Sender<Invocation>, JoinHandle<()>)>,
+    /// The function names this connection serves (at most `max_functions_per_connection`).
+    pub served: HashSet<String>,
     /// New subscriptions wait for these before their first push, so that the client has the
     /// SUBSCRIBE answer (still in the connection's answers) before any delivery.
     answered: Vec<oneshot::Sender<()>>,
@@ -64,6 +66,7 @@ impl Pushes {
         if let Some((_, task)) = self.invocations.take() {
             task.abort();
         }
+        self.served.clear();
     }
 }
 
