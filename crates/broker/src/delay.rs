@@ -1022,11 +1022,17 @@ impl DelayLog {
         // Back in its place whether or not the marker that counts the delivery could be
         // written (without it, the count is kept in memory only; the error is reported).
         self.ready.put_back(level, ready);
-        if !delivered {
-            return Ok(());
+        match delivered {
+            true => self.count_delivery(ready.offset),
+            false => Ok(()),
         }
-        *self.returns.entry(ready.offset).or_default() += 1;
-        let marker = message::append_returned(&self.log, ready.offset)?;
+    }
+
+    /// Counts a delivery of the released message at `offset`: in memory, and in a return
+    /// marker (the error if that could not be written).
+    pub fn count_delivery(&mut self, offset: u64) -> Result<(), BrokerError> {
+        *self.returns.entry(offset).or_default() += 1;
+        let marker = message::append_returned(&self.log, offset)?;
         assert_eq!(marker, self.done.end(), "only the queue appends to its delayed log");
         self.done.push(true);
         Ok(())

@@ -2181,6 +2181,42 @@ mod tests {
         assert_eq!(q.status().items, 0);
     }
 
+    /// A message returned with a redelivery delay is copied to the delayed log and then
+    /// acknowledged where it was; a crash between the two drops the copy at the next open (its
+    /// original still waits), and the original keeps the delivery counted: dead-lettered after
+    /// exactly `max_deliveries` deliveries all the same. Both for a message in its level's log
+    /// and for one released from the delayed log.
+    #[test]
+    fn a_delivery_returned_with_a_delay_is_counted_across_a_crash_before_its_copy_stands() {
+        for released in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let config = QueueConfig { durable: true, max_deliveries: 2, ..QueueConfig::default() };
+            let hour = Duration::from_secs(3600);
+            {
+                let b = durable_with_dead_letters(dir.path(), config.clone());
+                let mut m = Message::new(&b"poison"[..]);
+                if released {
+                    m.delay_ms = 1; // due at once, then handed out from the delayed log
+                }
+                b.offer("q", vec![m], MS).unwrap();
+                b.tick(10 * MS);
+                let got = b.poll("q", 1, Some(hour), 1, 20 * MS).unwrap();
+                assert_eq!(got.len(), 1);
+                queue::CRASH_AFTER_DELAYED_COPIES.set(true);
+                b.abort("q", &[got[0].handle], 1, 5, 30 * MS).unwrap();
+                queue::CRASH_AFTER_DELAYED_COPIES.set(false);
+            }
+            let b = durable_with_dead_letters(dir.path(), config.clone());
+            b.tick(100 * MS);
+            let got = b.poll("q", 1, Some(hour), 1, 110 * MS).unwrap();
+            assert_eq!(got.len(), 1, "released {released}: one of original and copy");
+            assert_eq!(got[0].message.deliveries, 2, "released {released}: the delivery before the crash counts");
+            b.abort("q", &[got[0].handle], 1, 0, 120 * MS).unwrap();
+            assert_eq!(payloads_in(&b, "dlq", 130 * MS), [b"poison".to_vec()], "released {released}");
+            assert_eq!(payloads_in(&b, "q", 140 * MS), Vec::<Vec<u8>>::new(), "released {released}");
+        }
+    }
+
     /// The same for a message that expired: taken out by the tick, it stays unacknowledged in
     /// its queue until the dead-letter queue has it.
     #[test]

@@ -501,6 +501,22 @@ fn with_record<T>(
     Ok(f(&record.expect("an unacknowledged record is in the log")))
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: `delay_returned` stops once the copies are made, as a crash there would (what the
+    /// queue holds in memory is then wrong: its broker is only to be dropped and opened again).
+    pub(crate) static CRASH_AFTER_DELAYED_COPIES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Counts a delivery of the message at `offset` of `lane`: in memory, and in a return marker
+/// after it in the lane's log (the error if that could not be written).
+fn count_in_lane(lane: &mut Lane, offset: u64) -> Result<(), BrokerError> {
+    *lane.returns.entry(offset).or_default() += 1;
+    let marker = message::append_returned(&lane.log, offset);
+    lane.markers_unread += u64::from(marker.is_ok());
+    marker.map(|_| ()).map_err(BrokerError::from)
+}
+
 /// The deliveries of a level's record `r` handed out now or last, this one included: those
 /// before it was delayed (its record's), and those since (its return markers, in `returns`).
 fn lane_deliveries(returns: &NumberMap<u32>, r: &petrel_log::Record<'_>) -> u32 {
@@ -2245,11 +2261,7 @@ impl Inner {
                 tracing::error!(queue, error = %e, "a dead-lettered message's acknowledgement is not durable");
             }
         }
-        if let Err((e, refused)) = self.delay_returned(queue, later) {
-            for taken in refused {
-                self.put_back_anyway(queue, taken, &e);
-            }
-        }
+        self.delay_returned(queue, later);
         over_limit
     }
 
@@ -2283,55 +2295,83 @@ impl Inner {
     }
 
     /// Returned messages wait among the delayed ones until they are due, each with the
-    /// deliveries it had. On disk: copied to the delayed log (synced unless the policy is
-    /// `none`), then acknowledged in their level's. When the copies cannot be made, none is
-    /// delayed: the error, and the reads to put back.
-    fn delay_returned(&mut self, queue: &str, mut later: Vec<(Taken, u64)>) -> Result<(), (BrokerError, Vec<Taken>)> {
+    /// deliveries it had. On disk: each original's delivery counted by a marker, the copies
+    /// appended to the delayed log (synced unless the policy is `none`), then the originals
+    /// acknowledged in their level's log. A crash before the acknowledgements drops the copies
+    /// at the next open (their originals still wait) and the markers keep the count; a crash
+    /// after them keeps the copies, which carry it. What the disk refuses goes back to the head.
+    fn delay_returned(&mut self, queue: &str, mut later: Vec<(Taken, u64)>) {
         if later.is_empty() {
-            return Ok(());
+            return;
         }
         // Those returned together are delayed in their levels' order (as they were waiting), so
         // that those due at one time come back in it: not in the order a map lists them.
         later.sort_by_key(|(taken, _)| taken.place());
         let n = later.len() as u64;
-        match &mut self.store {
-            Store::Memory { delayed, next_id, .. } => {
-                for (taken, due) in later {
-                    let Taken::Memory(mut m) = taken else { unreachable!("a queue's takings match its store") };
-                    m.deliver_at = due;
-                    // Among those due at one time, in the order they were delayed (as on disk).
-                    delayed.insert((due, *next_id), *m);
-                    *next_id += 1;
-                }
+        if let Store::Memory { delayed, next_id, .. } = &mut self.store {
+            for (taken, due) in later {
+                let Taken::Memory(mut m) = taken else { unreachable!("a queue's takings match its store") };
+                m.deliver_at = due;
+                // Among those due at one time, in the order they were delayed (as on disk).
+                delayed.insert((due, *next_id), *m);
+                *next_id += 1;
             }
-            Store::Log { .. } => {
-                match self.copy_to_delayed(&later) {
-                    Ok(()) => {}
-                    Err((e, false)) => return Err((e, later.into_iter().map(|(taken, _)| taken).collect())),
-                    // In the delayed log, not synced: they stand for their originals (put back
-                    // too, each would come twice).
-                    Err((e, true)) => {
-                        tracing::error!(queue, error = %e, "delayed copies of returned messages are not synced");
+            self.delayed += n;
+            return;
+        }
+        let copies = match self.delayed_copies(&later) {
+            Ok(copies) => copies,
+            Err(e) => {
+                for (taken, _) in later {
+                    self.put_back_anyway(queue, taken, &e);
+                }
+                return;
+            }
+        };
+        // Counted before the copies exist (they were read with the count before this one).
+        for (taken, _) in &later {
+            if let Err(e) = self.count_delivery(taken) {
+                tracing::warn!(queue, error = %e, "a delayed message's delivery is counted in its copy only");
+            }
+        }
+        match self.copy_to_delayed(copies) {
+            Ok(()) => {}
+            Err((e, false)) => {
+                for (taken, _) in later {
+                    tracing::warn!(queue, error = %e, "a returned message goes back to the head instead");
+                    // Its delivery counted already.
+                    if let Err(e) = self.put_back(taken, false) {
+                        tracing::warn!(queue, error = %e, "a returned message could not be put back");
                     }
                 }
-                for (taken, _) in &later {
-                    if let Err(e) = self.settle(taken) {
-                        // Its copy is delayed; the original comes back after a restart (a copy
-                        // whose original is unacknowledged is dropped on open).
-                        tracing::error!(queue, error = %e, "a delayed message's original could not be acknowledged");
-                    }
-                }
+                return;
+            }
+            // In the delayed log, not synced: they stand for their originals (put back too,
+            // each would come twice).
+            Err((e, true)) => tracing::error!(queue, error = %e, "delayed copies of returned messages are not synced"),
+        }
+        #[cfg(test)]
+        if CRASH_AFTER_DELAYED_COPIES.get() {
+            return;
+        }
+        for (taken, _) in &later {
+            if let Err(e) = self.settle(taken) {
+                // Its copy is delayed; the original comes back after a restart (a copy whose
+                // original is unacknowledged is dropped on open).
+                tracing::error!(queue, error = %e, "a delayed message's original could not be acknowledged");
             }
         }
         self.delayed += n;
-        Ok(())
     }
 
-    /// Copies the returned messages `later` to the delayed log, each due at its time. Fails with
-    /// whether the copies were appended all the same (only their sync failed).
-    fn copy_to_delayed(&mut self, later: &[(Taken, u64)]) -> Result<(), (BrokerError, bool)> {
-        self.append_delayed_copies(later).map_err(|e| (e, false))?;
-        let delay = self.released_from();
+    /// Appends `copies` to the delayed log. Fails with whether they were appended all the same
+    /// (only their sync failed).
+    fn copy_to_delayed(
+        &mut self,
+        (copies, placements): (Vec<Message>, Vec<Placement>),
+    ) -> Result<(), (BrokerError, bool)> {
+        let delay = self.delay_log().map_err(|e| (e, false))?;
+        delay.append(&copies, &placements).map_err(|e| (e, false))?;
         if delay.log.durability() != Durability::None {
             // On disk before the originals are acknowledged: a crash keeps one or the other.
             delay.log.sync().map_err(|e| (e.into(), true))?;
@@ -2339,7 +2379,9 @@ impl Inner {
         Ok(())
     }
 
-    fn append_delayed_copies(&mut self, later: &[(Taken, u64)]) -> Result<(), BrokerError> {
+    /// The delayed copies of the returned messages `later`, each due at its time, with the
+    /// deliveries its original had (this one included).
+    fn delayed_copies(&mut self, later: &[(Taken, u64)]) -> Result<(Vec<Message>, Vec<Placement>), BrokerError> {
         let mut copies = Vec::with_capacity(later.len());
         let mut placements = Vec::with_capacity(later.len());
         for (taken, due) in later {
@@ -2364,8 +2406,7 @@ impl Inner {
                 ..Placement::default()
             });
         }
-        self.delay_log()?.append(&copies, &placements)?;
-        Ok(())
+        Ok((copies, placements))
     }
 
     /// The delayed log that released messages are handed out from (a queue with one taken
@@ -2570,19 +2611,11 @@ impl Inner {
                 Ok(())
             }
             (Store::Log { lanes, .. }, Taken::Log { offset, .. }) => {
-                let lane = &mut lanes[level];
                 // The marker first: a crash after it counts the delivery, one before it
                 // redelivers anyway (nothing in flight survives a restart).
-                let marker = if delivered {
-                    let marker = message::append_returned(&lane.log, offset).map(|_| ());
-                    lane.markers_unread += u64::from(marker.is_ok());
-                    *lane.returns.entry(offset).or_default() += 1;
-                    marker
-                } else {
-                    Ok(())
-                };
-                lane.group.nack(offset)?;
-                marker.map_err(BrokerError::from)
+                let marker = if delivered { count_in_lane(&mut lanes[level], offset) } else { Ok(()) };
+                lanes[level].group.nack(offset)?;
+                marker
             }
             (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
                 delay.put_back_ready(level, ready, delivered)
@@ -2592,6 +2625,18 @@ impl Inner {
         self.waiting += 1;
         self.waiting_at[level] += 1;
         marker
+    }
+
+    /// Counts a delivery of `taken`, still out, in a marker in its log (in memory as well,
+    /// whether or not the marker could be written).
+    fn count_delivery(&mut self, taken: &Taken) -> Result<(), BrokerError> {
+        match (&mut self.store, taken) {
+            (Store::Log { lanes, .. }, Taken::Log { level, offset }) => count_in_lane(&mut lanes[*level], *offset),
+            (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
+                delay.count_delivery(ready.offset)
+            }
+            _ => unreachable!("only a log's takings are counted in markers"),
+        }
     }
 
     /// Takes the messages at the head of `level` that expired by `now_ns` out into `expired`.
