@@ -217,7 +217,7 @@ pub struct BrokerOptions {
     /// replaces the stored one.
     pub queues: BTreeMap<String, QueueConfig>,
     /// What a durable topic's log keeps (its oldest segments go past these; groups that had not
-    /// read them skip them, counted).
+    /// read them skip them, counted); 0: no cap.
     pub topic_max_bytes: u64,
     pub topic_max_age: Duration,
     /// Users and ACLs; `None`: authentication is off and every connection may do everything.
@@ -1485,8 +1485,10 @@ impl Broker {
             max_record_bytes: self.options.max_message_bytes + 64 * 1024,
             retention: petrel_log::Retention {
                 delete_consumed: false,
-                max_bytes: Some(self.options.topic_max_bytes),
-                max_age: Some(self.options.topic_max_age),
+                // 0: none, as for every other limit (a cap of 0 would delete all but the
+                // active segment).
+                max_bytes: Some(self.options.topic_max_bytes).filter(|&b| b != 0),
+                max_age: Some(self.options.topic_max_age).filter(|a| !a.is_zero()),
             },
             lock_directory: false, // as for queues: the data directory's lock covers it
             page_budget: self.pages.clone(),

@@ -225,6 +225,37 @@ fn a_durable_topic_keeps_no_more_than_its_cap() {
     assert!(first[0].id > 1, "the oldest messages are gone");
 }
 
+/// A cap of 0 is no cap, as for every other limit (it kept only the active segment).
+#[test]
+fn a_durable_topic_with_caps_of_zero_keeps_everything() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions {
+        segment_bytes: 64 << 10,
+        topic_max_bytes: 0,
+        topic_max_age: std::time::Duration::ZERO,
+        ..BrokerOptions::default()
+    };
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.create_topic("firehose", true).unwrap();
+    let payload = "x".repeat(1000);
+    for _ in 0..20 {
+        b.publish("firehose", (0..50).map(|_| Message::new(payload.clone())).collect(), 0).unwrap();
+    }
+    let topic = b.topic("firehose").unwrap();
+    let mut g = topic.group("late", Some(petrel_broker::SeekTo::Oldest), 1000).unwrap();
+    let (mut first, mut count) = (None, 0);
+    loop {
+        let batch = g.poll(1000, std::time::Duration::ZERO).unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        first = first.or(Some(batch[0].id));
+        count += batch.len();
+        g.ack(&batch.iter().map(|m| m.id).collect::<Vec<_>>()).unwrap();
+    }
+    assert_eq!((first, count), (Some(1), 1000), "every message published is kept");
+}
+
 #[test]
 fn a_durable_topic_whose_log_is_damaged_is_not_served_the_rest_is_and_a_repair_serves_it_again() {
     use petrel_broker::SeekTo;

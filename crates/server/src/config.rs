@@ -239,7 +239,18 @@ impl SecurityConfig {
     }
 
     pub fn handshake_timeout(&self) -> Result<std::time::Duration, String> {
-        humantime::parse_duration(&self.handshake_timeout).map_err(|e| format!("security.handshake_timeout: {e}"))
+        let timeout = humantime::parse_duration(&self.handshake_timeout)
+            .map_err(|e| format!("security.handshake_timeout: {e}"))?;
+        // Zero would close every connection before its HELLO; an hour lets a socket sit idle
+        // long enough, and more would overflow the deadline's clock.
+        let (least, most) = (std::time::Duration::from_millis(100), std::time::Duration::from_secs(3600));
+        if !(least..=most).contains(&timeout) {
+            return Err(format!(
+                "security.handshake_timeout must be between 100ms and 1h, not {:?}",
+                self.handshake_timeout
+            ));
+        }
+        Ok(timeout)
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -575,6 +586,10 @@ mod tests {
         let over = "default_subscriber_buffer_messages = 10\nmax_subscriber_buffer_messages = 5";
         assert!(error(over).contains("must not exceed max_subscriber_buffer_messages"));
         assert!(error("default_call_timeout_ms = 4294967296").contains("u32 ms"));
+        for timeout in ["0", "10ms", "300000000000y"] {
+            let e = error(&format!("[security]\nhandshake_timeout = \"{timeout}\""));
+            assert!(e.contains("handshake_timeout must be between"), "{e}");
+        }
         let c: Config = toml::from_str("tick_ms = 5\nmax_poll_messages = 100").unwrap();
         c.validate().unwrap();
         assert_eq!((c.tick_ms, c.max_poll_messages), (5, 100));
