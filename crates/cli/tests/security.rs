@@ -531,6 +531,30 @@ async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
     tom.ping().await.unwrap();
 }
 
+/// A reload finds the users file a relative path names from the configuration file's
+/// directory, as the start does, not from the server's working directory (where it failed to
+/// find it, and the old users stayed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_finds_a_relative_users_file_beside_the_configuration() {
+    let setup = Setup::new("");
+    std::fs::write(&setup.config, "[security]\nusers_file = \"users.toml\"\nallow_plaintext_auth = true\n").unwrap();
+    let server = setup.start();
+    assert!(std::env::current_dir().unwrap() != setup.dir.path(), "the server runs elsewhere");
+    login(&server, "max").await.unwrap();
+    add_user(&setup.dir.path().join("users.toml"), "ann", "an-12", false);
+    let hup = Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
+    assert!(hup.success());
+    let mut logged_in = None;
+    for _ in 0..500 {
+        logged_in = login_with(&server, "ann", "an-12").await.ok();
+        if logged_in.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(logged_in.is_some(), "the reload read the users file beside the configuration");
+}
+
 /// A reload that takes a right away ends what the old rules granted and still runs: a
 /// subscription of a user now denied the topic stops getting messages (its connection ends; the
 /// client logs in again under the new rules), and a removed user's connection ends.

@@ -360,7 +360,15 @@ impl Config {
     /// whatever directory the server starts in.
     pub fn load(path: &Path) -> Result<Config, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut config: Config = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        Config::from_file_text(path, &text)
+    }
+
+    /// The configuration `text`, read from the file at `path` (`load`; a reload reads the text
+    /// once for this and for the table it compares).
+    pub fn from_file_text(path: &Path, text: &str) -> Result<Config, String> {
+        // (toml's messages end with a newline: trimmed, for the log's line and the API's field.)
+        let mut config: Config =
+            toml::from_str(text).map_err(|e| format!("{}: {}", path.display(), e.to_string().trim_end()))?;
         let dir = path.parent().unwrap_or(Path::new(""));
         let security = &mut config.security;
         for file in

@@ -181,7 +181,8 @@ impl Reloader {
         // (toml's messages end with a newline: trimmed, for the log's line and the API's field.)
         let failed = |e: toml::de::Error| format!("{}: {}", path.display(), e.to_string().trim_end());
         let table: toml::Table = toml::from_str(&text).map_err(failed)?;
-        let config: Config = toml::from_str(&text).map_err(failed)?;
+        // Its `[security]` files found from the file's directory, as at the start.
+        let config = Config::from_file_text(path, &text)?;
         config.validate()?;
         // Everything is checked before anything is applied: a bad file changes nothing.
         let security = config.security.load()?;
