@@ -250,11 +250,10 @@ impl Functions {
                     return Ok((if oneway { Called::Sent } else { Called::Replied(Box::new(answer)) }, None));
                 }
                 Server::Remote { conn, invocations } => {
-                    let invocation = Invocation {
-                        call,
-                        function: function.to_owned(),
-                        message: message.take().expect("not yet sent"),
-                    };
+                    // Its place in the server's channel first: once the call is registered,
+                    // a timeout or a reply may take it at any moment, so nothing after that
+                    // may fail and hand it to another server.
+                    let Ok(place) = invocations.try_reserve() else { continue };
                     // Registered before it is sent: the reply may come back at once.
                     if !oneway {
                         let (r, deadline_ns) = reply.take().expect("registered once");
@@ -269,18 +268,9 @@ impl Functions {
                         };
                         waiting.insert(call, w);
                     }
-                    match invocations.try_send(invocation) {
-                        Ok(()) => {
-                            return Ok((if oneway { Called::Sent } else { Called::Pending { call } }, Some(*conn)));
-                        }
-                        Err(e) => {
-                            if !oneway {
-                                let w = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&call);
-                                reply = w.map(|w| (w.reply, w.deadline_ns));
-                            }
-                            message = Some(e.into_inner().message);
-                        }
-                    }
+                    let message = message.take().expect("not yet sent");
+                    place.send(Invocation { call, function: function.to_owned(), message });
+                    return Ok((if oneway { Called::Sent } else { Called::Pending { call } }, Some(*conn)));
                 }
             }
         }

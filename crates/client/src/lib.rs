@@ -1028,7 +1028,11 @@ async fn read_responses<R: AsyncRead + Unpin>(
                 let _ = tx.send(response);
             }
             match next {
-                Ok(Some((request_id, push))) => route(&pending, request_id, push).await,
+                Ok(Some((request_id, push))) => {
+                    if route(&pending, request_id, push) {
+                        written.notify_one();
+                    }
+                }
                 Ok(None) => break,
                 Err(()) => break 'read,
             }
@@ -1123,13 +1127,16 @@ fn take_responses(
 /// Hands a push to the subscription or function it is for. A subscription whose buffer is full
 /// (its reader fell behind) is ended here with `SLOW_CONSUMER` rather than waited for: waiting
 /// would stop the connection's reading, and with it the answers its reader may be waiting for.
-/// (Dropping the `Subscription` then unsubscribes.) A function's calls wait for room (its
-/// handlers run `MAX_RUNNING` at a time, and as many calls more wait for them).
-async fn route(pending: &Mutex<Pending>, id: u64, push: Push) {
+/// (Dropping the `Subscription` then unsubscribes.) A function's call that finds its handlers'
+/// queue full (they run `MAX_RUNNING` at a time, and as many calls more wait for them), or its
+/// function no longer served here, is answered HANDLER_ERROR at once: waiting would stop the
+/// reading too, and a handler that uses this client would wait for an answer never read.
+/// Returns whether it queued an answer of its own to send.
+fn route(pending: &Mutex<Pending>, id: u64, push: Push) -> bool {
     match push {
         Push::Deliver { messages } => {
             let Some(tx) = pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.get(&id).cloned() else {
-                return;
+                return false;
             };
             for m in messages {
                 let sent = match tx.capacity() {
@@ -1140,21 +1147,37 @@ async fn route(pending: &Mutex<Pending>, id: u64, push: Push) {
                     pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&id);
                     let behind = format!("the client's buffer of {} deliveries is full", tx.max_capacity() - 1);
                     let _ = tx.try_send(Err(ClientError::Status { status: Status::SlowConsumer, message: behind }));
-                    return;
+                    return false;
                 }
             }
+            false
         }
         Push::SubscriptionEnd { status, reason } => {
             let tx = pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&id);
             if let Some(tx) = tx {
                 let _ = tx.try_send(Err(ClientError::Status { status, message: reason }));
             }
+            false
         }
         Push::Invoke { function, message } => {
-            let tx = pending.lock().unwrap_or_else(|e| e.into_inner()).functions.get(&function).cloned();
-            if let Some(tx) = tx {
-                let _ = tx.send((id, *message)).await;
-            }
+            let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+            let error = match pending.functions.get(&function).map(|tx| tx.try_reserve()) {
+                Some(Ok(place)) => {
+                    place.send((id, *message));
+                    return false;
+                }
+                Some(Err(mpsc::error::TrySendError::Full(()))) => {
+                    format!("{function}: every handler of the serving client is busy and its queue of calls is full")
+                }
+                _ => format!("{function} is no longer served by this connection"),
+            };
+            pending.send_own(&Request::Return {
+                call: id,
+                status: Status::HandlerError,
+                error,
+                message: Box::default(),
+            });
+            true
         }
     }
 }

@@ -67,9 +67,13 @@ impl Outbox {
     /// Queues `chunk`, waiting for room.
     pub(crate) async fn send(&self, chunk: impl Into<Chunk>) -> Result<(), Closed> {
         let chunk = chunk.into();
+        // The chunk's place, then its bytes, and nothing to wait for after the bytes are
+        // taken: a send cancelled while it waits (its task aborted) gives back all it took.
+        let place = self.tx.reserve().await.map_err(|_| Closed)?;
         let permits = self.room.acquire_many(cost(&chunk, self.max_bytes)).await.map_err(|_| Closed)?;
         permits.forget();
-        self.tx.send(chunk).await.map_err(|_| Closed)
+        place.send(chunk);
+        Ok(())
     }
 
     /// Nothing is queued or being written: bytes written to the connection now come after all
@@ -156,5 +160,28 @@ mod tests {
         let waited = tokio::time::timeout(std::time::Duration::from_secs(5), outbox.send(vec![0; 100])).await;
         assert!(matches!(waited, Ok(Err(Closed))), "{waited:?}");
         assert!(matches!(outbox.try_send(vec![0; 100]), Err(TrySendError::Closed(_))));
+    }
+
+    /// A send aborted while it waits (a subscription's task ended by UNSUBSCRIBE) takes no room
+    /// with it: the outbox empties whole, and a chunk as large as it still goes.
+    #[tokio::test]
+    async fn a_send_cancelled_while_it_waits_gives_its_room_back() {
+        let (outbox, mut outgoing) = outbox(8, 100);
+        for _ in 0..8 {
+            outbox.try_send(vec![0; 1]).unwrap();
+        }
+        let waiting = tokio::spawn({
+            let outbox = outbox.clone();
+            async move { outbox.send(vec![0; 10]).await }
+        });
+        tokio::task::yield_now().await;
+        waiting.abort();
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        while let Some(chunk) = outgoing.try_recv() {
+            outgoing.written(&chunk);
+        }
+        assert!(outbox.is_idle(), "every byte back");
+        outbox.send(vec![0; 100]).await.unwrap();
+        assert_eq!(outgoing.recv().await.unwrap().len(), 100);
     }
 }
