@@ -263,6 +263,8 @@ pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable
 /// A named consumer group, open for reading. One handle per group at a time; use it from one
 /// thread (it is `Send`). Dropping it syncs its cursor (unless durability is `None`).
 pub struct ConsumerGroup {
+    /// The directory's lock, while the group lives (its cursor file is written only under it).
+    _lock: Option<Arc<std::fs::File>>,
     shared: Arc<LogState>,
     name: String,
     options: GroupOptions,
@@ -341,6 +343,7 @@ impl CursorFile {
 impl ConsumerGroup {
     pub(crate) fn open(shared: Arc<LogState>, name: &str, options: GroupOptions) -> Result<ConsumerGroup> {
         check_name(name)?;
+        options.durability.check()?;
         if options.max_pending == 0 || options.max_pending > MAX_PENDING {
             return Err(Error::Config(format!("max_pending must be between 1 and {MAX_PENDING}")));
         }
@@ -416,6 +419,7 @@ impl ConsumerGroup {
         reader.seek(committed);
         let redelivery = Reader::new(Arc::clone(&shared));
         Ok(ConsumerGroup {
+            _lock: shared.lock(),
             shared,
             name: name.to_owned(),
             options,

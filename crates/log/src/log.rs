@@ -2,7 +2,7 @@
 //! What the writer shares with readers and groups is in `state.rs`; durability in `commit.rs`;
 //! recovery in `recovery.rs`.
 
-use std::fs::{self, File};
+use std::fs;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -64,8 +64,9 @@ pub struct Log {
     report: RecoveryReport,
     /// The background sync, under `Durability::Interval`.
     interval_sync: Option<Registration>,
-    /// Held (flock) for as long as the writer lives, unless `Options::lock_directory` is off.
-    _lock: Option<File>,
+    /// Held (flock) for as long as the writer, or a consumer group opened from it, lives
+    /// (`LogState::lock`), unless `Options::lock_directory` is off.
+    _lock: Option<Arc<std::fs::File>>,
 }
 
 impl Log {
@@ -88,7 +89,7 @@ impl Log {
         if options.create && !made_dir {
             fs::create_dir_all(&dir).map_err(io_err("create directory", &dir))?;
         }
-        let lock = if options.lock_directory { Some(lock_dir(&dir)?) } else { None };
+        let lock = if options.lock_directory { Some(Arc::new(lock_dir(&dir)?)) } else { None };
         let mut report = RecoveryReport::default();
         let (bases, leftovers) = match made_dir {
             true => (Vec::new(), 0),
@@ -188,7 +189,7 @@ impl Log {
                 crate::group::create_cursor(&dir, name, state, durable)?;
             }
         }
-        let shared = LogState::new(dir, options, segments, next_offset, cursors);
+        let shared = LogState::new(dir, options, segments, next_offset, cursors, lock.as_ref());
         // Whatever recovery kept was written before the crash; make it durable now if the
         // policy asks for durability, so the checkpoint covers it.
         if durable && next_offset > 0 {

@@ -165,11 +165,23 @@ impl Options {
                 self.max_record_bytes
             )));
         }
-        if let Durability::Interval(d) = self.durability
-            && d.is_zero()
-        {
-            return Err(Error::Config("a durability interval must be longer than zero".into()));
+        self.durability.check()
+    }
+}
+
+/// The shortest `interval` durability: shorter, the one sync thread of the process would do
+/// nothing but sync (zero made it spin).
+pub const MIN_SYNC_INTERVAL: Duration = Duration::from_micros(10);
+
+impl Durability {
+    /// Whether a log or a consumer group may have this durability.
+    pub(crate) fn check(self) -> Result<()> {
+        match self {
+            Durability::Interval(d) if d < MIN_SYNC_INTERVAL => Err(Error::Config(format!(
+                "a durability interval must be at least {} µs (interval:0.01)",
+                MIN_SYNC_INTERVAL.as_micros()
+            ))),
+            _ => Ok(()),
         }
-        Ok(())
     }
 }

@@ -56,6 +56,11 @@ pub(crate) struct LogState {
     rolls: AtomicU64,
     /// Retention passes since open that deleted segments (`LogStats::retention_removals`).
     retention_removals: AtomicU64,
+    /// The writer's lock on the directory (flock), when it takes one: the writer and each
+    /// consumer group opened from it hold it (a group writes its cursor file), so that no
+    /// second writer opens the directory, and its groups, while one of them lives. Readers
+    /// write nothing and do not hold it.
+    lock: std::sync::Weak<std::fs::File>,
 }
 
 impl LogState {
@@ -65,6 +70,7 @@ impl LogState {
         segments: Vec<Arc<Segment>>,
         next_offset: u64,
         cursors: BTreeMap<String, crate::cursor::CursorState>,
+        lock: Option<&Arc<std::fs::File>>,
     ) -> Arc<LogState> {
         let active = Arc::clone(segments.last().expect("a log has at least one segment"));
         let keys = options.key_index.then(|| KeyIndex::build(&segments));
@@ -89,7 +95,14 @@ impl LogState {
             appended: Condvar::new(),
             rolls: AtomicU64::new(0),
             retention_removals: AtomicU64::new(0),
+            lock: lock.map_or_else(std::sync::Weak::new, Arc::downgrade),
         })
+    }
+
+    /// The directory's lock, for a consumer group to hold (`None`: the log takes none, or its
+    /// writer and groups are all gone).
+    pub(crate) fn lock(&self) -> Option<Arc<std::fs::File>> {
+        self.lock.upgrade()
     }
 
     pub(crate) fn dir(&self) -> &Path {

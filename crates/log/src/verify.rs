@@ -63,7 +63,7 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     segments.push(Arc::new(seg));
     let options = Options { create: false, ..Options::default() };
     let cursors = crate::group::load_all(dir)?;
-    Ok(Reader::new(LogState::new(dir.to_path_buf(), options, segments, scan.next_offset, cursors)))
+    Ok(Reader::new(LogState::new(dir.to_path_buf(), options, segments, scan.next_offset, cursors, None)))
 }
 
 /// Whether `dir` holds segment files: a log's records (an unreadable directory holds none).

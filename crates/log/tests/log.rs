@@ -78,6 +78,36 @@ fn a_second_writer_is_refused() {
     verify::open_read_only(dir.path()).unwrap();
 }
 
+/// A consumer group writes its cursor file: it keeps the directory locked after its writer is
+/// dropped, so that a second writer cannot open the group beside it (two mappings writing one
+/// cursor). A reader writes nothing and does not.
+#[test]
+fn a_consumer_group_keeps_the_directory_locked_after_its_writer_is_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Log::open(dir.path(), Options::default()).unwrap();
+    let group = log.group("workers", petrel_log::GroupOptions::default()).unwrap();
+    let reader = log.reader();
+    drop(log);
+    let err = Log::open(dir.path(), Options::default()).err().expect("the group holds the lock");
+    assert!(matches!(err, Error::Locked { .. }), "{err}");
+    drop(group);
+    let log = Log::open(dir.path(), Options::default()).unwrap();
+    drop(reader);
+    // A group syncing every nanosecond would keep the process's sync thread spinning.
+    let spinning = petrel_log::GroupOptions {
+        durability: Durability::Interval(std::time::Duration::from_nanos(1)),
+        ..petrel_log::GroupOptions::default()
+    };
+    let err = log.group("spinning", spinning).err().expect("refused");
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    let every_ms = petrel_log::GroupOptions {
+        durability: Durability::Interval(std::time::Duration::from_millis(1)),
+        ..petrel_log::GroupOptions::default()
+    };
+    drop(log.group("every-ms", every_ms).unwrap());
+    drop(log);
+}
+
 #[test]
 fn limits_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
