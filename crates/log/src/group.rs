@@ -560,9 +560,16 @@ impl ConsumerGroup {
             let Some(offset) = self.poll(1, timeout)?.into_iter().next().map(|r| r.offset) else {
                 return Ok(None);
             };
-            self.ack(offset)?;
+            // Found again before it is acknowledged: the reader then holds its segment, which
+            // retention may delete as soon as the acknowledgement lets it.
             self.redelivery.seek(offset);
-            return Ok(self.redelivery.read_batch(1)?.into_iter().next());
+            let found = self.redelivery.next_readable()?;
+            self.ack(offset)?;
+            if found != Some(offset) {
+                // Removed by a cap since the poll: taken, and gone; the next one instead.
+                return self.take(timeout);
+            }
+            return Ok(self.redelivery.read_batch(1)?.into_iter().next().filter(|r| r.offset == offset));
         }
         let deadline = Instant::now() + timeout;
         while self.shared.next_offset() <= self.next {
