@@ -825,3 +825,21 @@ fn one_connection_serves_at_most_its_limit_of_functions() {
         assert_eq!(&reply.payload[..], b"again");
     });
 }
+
+/// A Unix-socket connection past `max_connections` is told why, as a TCP one is (it was closed
+/// without a word).
+#[test]
+fn a_unix_socket_connection_past_max_connections_is_told_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_connections = 1\n");
+    let socket = dir.path().join("petrel.sock");
+    let server =
+        Server::start_with(&dir.path().join("data"), &["--config", &config, "--unix-socket", socket.to_str().unwrap()]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let _first = server.client().await;
+        let e = petrel_client::Client::connect_unix(&socket).await.expect_err("refused");
+        assert_eq!(e.status(), Some(Status::LimitReached), "{e}");
+        assert!(e.to_string().contains("max_connections"), "{e}");
+    });
+}

@@ -92,10 +92,13 @@ impl AddressSlot {
     /// A slot for one more connection from `ip`, or why there is none.
     fn take(ctx: &Arc<Ctx>, ip: std::net::IpAddr) -> Result<AddressSlot, String> {
         let max = ctx.limits.max_connections_per_address();
+        // An IPv6 address counts with its /64.
+        let ip = auth::source(ip);
         let mut counts = ctx.address_connections.lock().unwrap_or_else(|e| e.into_inner());
         let n = counts.entry(ip).or_insert(0);
         if max != 0 && *n >= max {
-            return Err(format!("{ip} has {max} connections open already (max_connections_per_address)"));
+            let net = if ip.is_ipv6() { "/64" } else { "" };
+            return Err(format!("{ip}{net} has {max} connections open already (max_connections_per_address)"));
         }
         *n += 1;
         Ok(AddressSlot { ctx: Arc::clone(ctx), ip })
@@ -359,7 +362,11 @@ impl Server {
                         }
                         Ok(stream) => {
                             stats::add(&ctx.stats.connections_refused, 1);
-                            drop(stream);
+                            if refusals.len() < MAX_REFUSALS_UNDER_WAY {
+                                let reason = format!("the server has {} connections (max_connections)", connections.len());
+                                let status = petrel_proto::Status::LimitReached;
+                                refusals.spawn(answer_refusal(stream, Protocol::Native, status, reason));
+                            }
                         }
                         Err(e) => tracing::warn!(error = %e, "accept failed"),
                     }

@@ -100,7 +100,9 @@ impl Server {
             .expect("start petrel serve");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let mut next = |kind: &str| {
-            let line = lines.next().expect("a listener line").unwrap();
+            // (A Unix socket's line, when one is asked for, is passed over: its path is known.)
+            let line =
+                lines.find(|l| l.as_ref().map_or(true, |l| !l.starts_with("unix "))).expect("a listener line").unwrap();
             line.strip_prefix(kind).unwrap_or_else(|| panic!("expected {kind:?}, got {line:?}")).trim().to_owned()
         };
         let addr = next("native ");
