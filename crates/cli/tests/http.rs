@@ -817,6 +817,12 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     assert_eq!(cache["config"]["durable"], false, "{cache}");
     assert_eq!(server_now["limits"]["max_connections_per_address"], 2);
     assert_eq!(server_now["memory"]["max_memory_bytes"], 2_000_000);
+    // Every limit, not only some (operations.md: "has them all").
+    assert_eq!(server_now["limits"]["max_memory_bytes"], 2_000_000);
+    assert_eq!(server_now["limits"]["max_in_flight_per_connection"], 256);
+    assert_eq!(server_now["limits"]["max_subscriptions_per_connection"], 1024);
+    assert_eq!(server_now["limits"]["max_functions_per_connection"], 1024);
+    assert_eq!(server_now["limits"]["handshake_timeout_ms"], 10_000);
     // Memcache `stats` shows the limits in force too.
     let mut mc = TcpStream::connect(&server.memcache).unwrap();
     mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
