@@ -1559,7 +1559,9 @@ impl Broker {
         let mut stamped = Vec::with_capacity(messages.len());
         for m in messages {
             self.check_size(&m)?;
-            stamped.push(Message { timestamp: now_ns, destination: topic.name.clone(), ..m });
+            // What the server assigns, or a queue's delivery sets, never the publisher's.
+            let clean = Message { id: 0, deliveries: 0, delay_ms: 0, ..m };
+            stamped.push(Message { timestamp: now_ns, destination: topic.name.clone(), ..clean });
         }
         topic.publish(stamped)
     }

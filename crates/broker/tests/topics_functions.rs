@@ -37,6 +37,20 @@ fn texts(sub: &mut petrel_broker::Subscription) -> Vec<String> {
     out
 }
 
+/// A live topic hands on its publisher's message, but not the fields the server assigns or a
+/// queue's delivery sets (an id, a delivery count, a delay).
+#[test]
+fn a_live_topic_does_not_hand_on_fields_the_server_sets() {
+    let (b, _dir) = broker();
+    b.create_topic("prices", false).unwrap();
+    let mut sub = b.subscribe("prices", 1, 100).unwrap();
+    let forged = Message { id: 77, deliveries: 3, delay_ms: 5, ..Message::new("x") };
+    b.publish("prices", vec![forged], 9).unwrap();
+    let got = sub.try_recv().unwrap();
+    let m = &got.message;
+    assert_eq!((m.id, m.deliveries, m.delay_ms, m.timestamp), (0, 0, 0, 9));
+}
+
 #[test]
 fn every_subscriber_gets_every_message_and_a_slow_one_is_ended_alone() {
     let (b, _dir) = broker();
