@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use crate::{BrokerError, ConnId, Message, MessageKind};
+use crate::{BrokerError, ConnId, MemoryHold, Message, MessageKind};
 
 /// A function served in this process: the request in, the reply (or a handler error) out.
 pub type LocalHandler = Arc<dyn Fn(Message) -> Result<Message, String> + Send + Sync>;
@@ -20,7 +20,13 @@ pub struct Invocation {
     pub call: u64,
     pub function: String,
     pub message: Message,
+    /// The call's bytes in the memory budget, given back when the invocation is dropped (once
+    /// its connection has taken it).
+    pub memory: MemoryHold,
 }
+
+/// What a waiting invocation takes of the memory budget besides its message's bytes.
+pub(crate) const INVOCATION_OVERHEAD: u64 = (std::mem::size_of::<Invocation>() + 64) as u64;
 
 /// Takes a call's outcome: the reply, a handler error, the server gone, or the deadline passed.
 /// Called once, from whichever of those comes first (without the broker's locks held).
@@ -223,7 +229,7 @@ impl Functions {
     pub(crate) fn call(
         &self,
         (caller, function): (ConnId, &str),
-        message: Message,
+        (message, memory): (Message, MemoryHold),
         oneway: bool,
         call: u64,
         reply: (Replier, u64),
@@ -269,7 +275,7 @@ impl Functions {
                         waiting.insert(call, w);
                     }
                     let message = message.take().expect("not yet sent");
-                    place.send(Invocation { call, function: function.to_owned(), message });
+                    place.send(Invocation { call, function: function.to_owned(), message, memory });
                     return Ok((if oneway { Called::Sent } else { Called::Pending { call } }, Some(*conn)));
                 }
             }

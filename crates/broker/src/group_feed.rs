@@ -77,7 +77,17 @@ impl GroupReader {
     /// Up to `max` messages, waiting up to `timeout` for the first; none while `max_pending`
     /// are unacknowledged.
     pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Vec<Message>, BrokerError> {
-        match self.group.poll(max, timeout) {
+        self.poll_within(max, usize::MAX, timeout)
+    }
+
+    /// `poll`, of at most about `max_bytes` (at least one message): what is read is copied.
+    pub fn poll_within(
+        &mut self,
+        max: usize,
+        max_bytes: usize,
+        timeout: Duration,
+    ) -> Result<Vec<Message>, BrokerError> {
+        match self.group.poll_within(max, max_bytes, timeout) {
             Ok(batch) if batch.is_empty() => {
                 // Read to the end: the segment it ends in may be one retention deleted (an idle
                 // topic past its age cap, `Topic::wake_group_readers`), kept mapped, and its disk
@@ -171,8 +181,10 @@ impl GroupFeed {
     }
 
     /// Applies the acknowledgements received, then reads up to `max_batch` messages that may go
-    /// out now (`None`: nothing may; `wait`, then step again). Blocking.
-    pub fn step(&mut self, max_batch: usize) -> Result<Option<Vec<Message>>, BrokerError> {
+    /// out now, of about `max_bytes` at most (at least one message; they are copied, and wait in
+    /// memory for the connection to take them): `None` when nothing may go; `wait`, then step
+    /// again. Blocking.
+    pub fn step(&mut self, max_batch: usize, max_bytes: usize) -> Result<Option<Vec<Message>>, BrokerError> {
         // Read before the poll, so that an append during it is seen by `wait`.
         self.appends_seen = self.reader.appends.seen();
         while let Ok(ack) = self.acks.try_recv() {
@@ -187,7 +199,7 @@ impl GroupFeed {
         if self.at_limit {
             return Ok(None);
         }
-        let messages = self.reader.poll((self.max_pending - out).min(max_batch), Duration::ZERO)?;
+        let messages = self.reader.poll_within((self.max_pending - out).min(max_batch), max_bytes, Duration::ZERO)?;
         Ok((!messages.is_empty()).then_some(messages))
     }
 
@@ -254,7 +266,7 @@ mod tests {
         broker.publish("t", (0..10).map(|i| Message::new(format!("m{i}").into_bytes())).collect(), old).unwrap();
         let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 64).unwrap();
         let (mut feed, _acks) = GroupFeed::new(reader, 64, 4);
-        let read = feed.step(256).unwrap().expect("the ten messages");
+        let read = feed.step(256, usize::MAX).unwrap().expect("the ten messages");
         assert_eq!(read.len(), 10, "read, not acknowledged: the age cap deletes them all the same");
         let topic_dir = dir.path().join("topics/t").canonicalize().unwrap();
         let deleted_but_mapped = || {
@@ -265,8 +277,26 @@ mod tests {
         assert!(deleted_but_mapped() > 0, "the feed's group still stands in the deleted segment");
         let woken = tokio::time::timeout(Duration::from_secs(10), feed.wait()).await;
         assert_eq!(woken.ok(), Some(true), "the deletion wakes the feed");
-        assert!(feed.step(256).unwrap().is_none(), "nothing new");
+        assert!(feed.step(256, usize::MAX).unwrap().is_none(), "nothing new");
         assert_eq!(deleted_but_mapped(), 0, "and it let go of the segment");
+    }
+
+    /// A step copies what it reads and holds it until the connection takes it: large
+    /// messages come a few at a time (at least one), not a whole batch of them.
+    #[tokio::test]
+    async fn a_feed_step_reads_about_max_bytes_at_most() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        broker.create_topic("t", true).unwrap();
+        broker.publish("t", (0..10).map(|_| Message::new(vec![1u8; 100_000])).collect(), 0).unwrap();
+        let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 64).unwrap();
+        let (mut feed, _acks) = GroupFeed::new(reader, 64, 4);
+        let first = feed.step(256, 250_000).unwrap().unwrap();
+        assert_eq!(first.len(), 3, "past 250,000 bytes with the third");
+        let one = feed.step(256, 1).unwrap().unwrap();
+        assert_eq!(one.len(), 1, "one however large");
+        let rest = feed.step(256, usize::MAX).unwrap().unwrap();
+        assert_eq!(rest.len(), 6);
     }
 
     #[tokio::test]
@@ -274,16 +304,16 @@ mod tests {
         let (_dir, broker) = topic_with(5);
         let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 2).unwrap();
         let (mut feed, acks) = GroupFeed::new(reader, 2, 4);
-        let first = feed.step(256).unwrap().expect("two messages may go out");
+        let first = feed.step(256, usize::MAX).unwrap().expect("two messages may go out");
         assert_eq!(payloads(&first), ["m0", "m1"]);
-        assert!(feed.step(256).unwrap().is_none(), "two unacknowledged: nothing more");
+        assert!(feed.step(256, usize::MAX).unwrap().is_none(), "two unacknowledged: nothing more");
         // At the limit, an append does not end the wait; an acknowledgement does.
         broker.publish("t", vec![Message::new(&b"m5"[..])], 0).unwrap();
         let waiting = tokio::time::timeout(Duration::from_millis(50), feed.wait()).await;
         assert!(waiting.is_err(), "an append does not help a group at its limit");
         let counted = acks.send(vec![first[0].id, 999]).unwrap();
         assert!(feed.wait().await, "an acknowledgement ends the wait");
-        let next = feed.step(256).unwrap().expect("room for one");
+        let next = feed.step(256, usize::MAX).unwrap().expect("room for one");
         assert_eq!(counted.await.unwrap(), 1, "the id never delivered does not count");
         assert_eq!(payloads(&next), ["m2"]);
         drop(acks);
@@ -300,7 +330,7 @@ mod tests {
         {
             let (mut feed, acks) = GroupFeed::new(topic.group("g", Some(SeekTo::Oldest), 3).unwrap(), 3, 4);
             let mut step = |ack: &[usize]| {
-                let got = feed.step(256).unwrap().unwrap();
+                let got = feed.step(256, usize::MAX).unwrap().unwrap();
                 let ids: Vec<u64> = ack.iter().map(|&i| got[i].id).collect();
                 if !ids.is_empty() {
                     acks.send(ids).unwrap();
@@ -314,7 +344,7 @@ mod tests {
         }
         let (mut feed, acks) = GroupFeed::new(topic.group("g", None, 1).unwrap(), 1, 4);
         let mut again = Vec::new();
-        while let Some(got) = feed.step(256).unwrap() {
+        while let Some(got) = feed.step(256, usize::MAX).unwrap() {
             assert_eq!(got.len(), 1, "one out at a time");
             acks.send(vec![got[0].id]).unwrap();
             again.extend(payloads(&got));
@@ -328,13 +358,13 @@ mod tests {
         let (_dir, broker) = topic_with(2);
         let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 8).unwrap();
         let (mut feed, acks) = GroupFeed::new(reader, 8, 1);
-        let delivered = feed.step(256).unwrap().unwrap();
+        let delivered = feed.step(256, usize::MAX).unwrap().unwrap();
         let first = acks.send(vec![delivered[0].id]).unwrap();
         assert!(matches!(acks.send(vec![delivered[1].id]), Err(BrokerError::Limit(_))), "one batch waits at most");
-        assert!(feed.step(256).unwrap().is_none(), "nothing new; the acknowledgement is applied");
+        assert!(feed.step(256, usize::MAX).unwrap().is_none(), "nothing new; the acknowledgement is applied");
         assert_eq!(first.blocking_recv().unwrap(), 1);
         let second = acks.send(vec![delivered[1].id]).unwrap();
-        feed.step(256).unwrap();
+        feed.step(256, usize::MAX).unwrap();
         assert_eq!(second.blocking_recv().unwrap(), 1, "room again once the feed took the first");
         drop(feed);
         assert!(matches!(acks.send(vec![1]), Err(BrokerError::BadRequest(_))), "the feed has ended");
@@ -345,11 +375,11 @@ mod tests {
         let (_dir, broker) = topic_with(0);
         let reader = broker.topic("t").unwrap().group("g", None, 16).unwrap();
         let (mut feed, _acks) = GroupFeed::new(reader, 16, 4);
-        assert!(feed.step(256).unwrap().is_none(), "nothing published yet");
+        assert!(feed.step(256, usize::MAX).unwrap().is_none(), "nothing published yet");
         // Published between the step and the wait: the wait must not miss it.
         broker.publish("t", vec![Message::new(&b"late"[..])], 0).unwrap();
         assert!(feed.wait().await);
-        assert_eq!(payloads(&feed.step(256).unwrap().unwrap()), ["late"]);
+        assert_eq!(payloads(&feed.step(256, usize::MAX).unwrap().unwrap()), ["late"]);
     }
 
     #[tokio::test]

@@ -1610,7 +1610,8 @@ impl Broker {
         self.functions.unserve(Some(function), conn);
     }
 
-    /// Calls `function` with `message`: one of its servers, round robin. A call handed to a
+    /// Calls `function` with `message`: one of its servers, round robin. The call's bytes count
+    /// in the memory budget until its server's connection takes it. A call handed to a
     /// connection ends in `reply`: the reply, a handler error, the server gone, or `Timeout`
     /// once `timeout` has passed (checked by `tick`).
     #[allow(clippy::too_many_arguments)] // each is a separate fact of one call; a struct would only rename them
@@ -1630,13 +1631,22 @@ impl Broker {
             ));
         }
         self.check_size(&message)?;
+        // Held in memory until its server's connection takes it (a server that does not read
+        // holds up to its channel's worth of calls): counted in the budget meanwhile.
+        let size = message.size() + function::INVOCATION_OVERHEAD;
+        let Some(memory) = self.hold_memory(size) else {
+            return Err(BrokerError::Limit(format!(
+                "a call of {size} bytes does not fit in the server's memory budget (max_memory_bytes) now"
+            )));
+        };
         let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let message =
             Message { timestamp: now_ns, destination: function.to_owned(), kind: MessageKind::Request, ..message };
         let deadline_ns = now_ns.saturating_add(u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX));
         // The caller's own temporary reply queue becomes writable by the server that takes the call.
         let reply_queue = self.queue(&message.reply_to).filter(|q| q.owner == Some(caller));
-        let (called, server) = self.functions.call((caller, function), message, oneway, call, (reply, deadline_ns))?;
+        let (called, server) =
+            self.functions.call((caller, function), (message, memory), oneway, call, (reply, deadline_ns))?;
         if let (Some(q), Some(server)) = (reply_queue, server) {
             q.grant_replier(server);
         }

@@ -53,8 +53,9 @@ struct Subscriber {
 const SMALL_BACKLOG: u64 = 1 << 20;
 
 /// The bytes waiting for one subscriber, counted in the server's memory budget too. Every
-/// `add` is matched by one `take`: by the receiver, by the publisher when the receiver is gone,
-/// or by the subscription's end for what it never took.
+/// `add` is matched by one `take`: by the receiver once it sent them on (`Subscription::sent`),
+/// by the publisher when the receiver is gone, or by the subscription's end for what it never
+/// took.
 struct Queued {
     bytes: AtomicU64,
     budget: Arc<MemoryBudget>,
@@ -116,21 +117,32 @@ pub struct Subscription {
     messages: mpsc::Receiver<Arc<Delivered>>,
     pub ended: Arc<OnceLock<Ended>>,
     queued: Arc<Queued>,
+    /// Bytes of messages received and not yet `sent`: still counted as queued.
+    received: u64,
 }
 
 impl Subscription {
-    /// The next message, waiting for one; `None` once the subscription ended.
+    /// The next message, waiting for one; `None` once the subscription ended. Its bytes stay
+    /// counted (the subscriber's and the memory budget) until `sent`.
     pub async fn recv(&mut self) -> Option<Arc<Delivered>> {
         let m = self.messages.recv().await?;
-        self.queued.take(m.held_size());
+        self.received += m.held_size();
         Some(m)
     }
 
-    /// The next message if one is waiting.
+    /// The next message if one is waiting (counted until `sent`, as `recv`'s).
     pub fn try_recv(&mut self) -> Option<Arc<Delivered>> {
         let m = self.messages.try_recv().ok()?;
-        self.queued.take(m.held_size());
+        self.received += m.held_size();
         Some(m)
+    }
+
+    /// The messages received so far are on their way (in the connection's bounded outbox):
+    /// their bytes are given back. Until then a subscriber whose connection does not read
+    /// holds them counted, so that many such subscribers cannot hold a large message each
+    /// outside the budget.
+    pub fn sent(&mut self) {
+        self.queued.take(std::mem::take(&mut self.received));
     }
 }
 
@@ -142,6 +154,7 @@ impl Drop for Subscription {
         while let Ok(m) = self.messages.try_recv() {
             self.queued.take(m.held_size());
         }
+        self.sent();
     }
 }
 
@@ -184,7 +197,7 @@ impl Topic {
         let queued = Arc::new(Queued { bytes: AtomicU64::new(0), budget });
         let subscriber = Subscriber { id, conn, tx, ended: Arc::clone(&ended), queued: Arc::clone(&queued), max_bytes };
         self.lock().push(subscriber);
-        Subscription { id, messages, ended, queued }
+        Subscription { id, messages, ended, queued, received: 0 }
     }
 
     pub fn is_durable(&self) -> bool {

@@ -34,6 +34,7 @@ fn texts(sub: &mut petrel_broker::Subscription) -> Vec<String> {
     while let Some(m) = sub.try_recv() {
         out.push(String::from_utf8_lossy(&m.message.payload).into_owned());
     }
+    sub.sent();
     out
 }
 
@@ -78,6 +79,30 @@ fn every_subscriber_gets_every_message_and_a_slow_one_is_ended_alone() {
     assert!(matches!(other.ended.get(), Some(petrel_broker::Ended::TopicRemoved(_))));
 }
 
+/// A message a subscription received stays counted until it is sent on (into its connection's
+/// bounded outbox): subscribers of a connection that does not read each held one received
+/// message outside the budget, however large.
+#[test]
+fn a_received_message_counts_in_the_memory_budget_until_it_is_sent_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { max_memory_bytes: 4 << 20, max_subscriber_bytes: 0, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.create_topic("news", false).unwrap();
+    let mut subs: Vec<_> = (0..8).map(|i| b.subscribe("news", i, 16).unwrap()).collect();
+    b.publish("news", vec![Message::new(vec![7u8; 1 << 20])], 0).unwrap();
+    for sub in &mut subs {
+        assert!(sub.try_recv().is_some());
+    }
+    assert!(b.memory().0 >= 8 << 20, "eight received, none sent on: {:?}", b.memory());
+    let reached = b.publish("news", vec![Message::new(vec![7u8; 1 << 20])], 0).unwrap();
+    assert_eq!(reached, 0, "the budget is full: each subscriber holding a megabyte is ended");
+    for sub in &mut subs {
+        sub.sent();
+    }
+    drop(subs);
+    assert_eq!(b.memory().0, 0, "every byte given back");
+}
+
 /// Messages waiting for subscribers count in the server's memory budget: when it is full, a
 /// subscriber holding much is ended, one that keeps up goes on, and every byte comes back when
 /// messages are taken or a subscription ends.
@@ -94,6 +119,7 @@ fn subscriber_backlogs_count_in_the_memory_budget() {
     for _ in 0..100 {
         reached.push(b.publish("news", chunk(), 0).unwrap());
         assert_eq!(keeping_up.try_recv().map(|m| m.message.payload.len()), Some(64 << 10));
+        keeping_up.sent();
     }
     assert!(b.memory().0 <= 4 << 20, "within the budget: {:?}", b.memory());
     let ended_at = reached.iter().position(|&n| n == 1).expect("the stalled subscriber was ended");
@@ -109,6 +135,31 @@ fn subscriber_backlogs_count_in_the_memory_budget() {
     assert!(b.memory().0 > 0);
     drop(keeping_up);
     assert_eq!(b.memory().0, 0, "an ended subscription gives back what it never took");
+}
+
+/// Calls waiting for a server that does not take them count in the memory budget: oneway
+/// calls (which free their caller at once) cannot pile up past it.
+#[tokio::test]
+async fn calls_waiting_for_their_server_count_in_the_memory_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions { max_memory_bytes: 4 << 20, ..BrokerOptions::default() }).unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::channel(256);
+    b.serve("sink", 1, tx);
+    let big = || Message::new(vec![0u8; 1 << 20]);
+    let mut sent = 0;
+    let refused = loop {
+        let (r, _) = replier();
+        match b.call(0, "sink", big(), true, 0, LONG, r) {
+            Ok(_) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 10, "the budget holds four");
+    };
+    assert!(matches!(&refused, BrokerError::Limit(m) if m.contains("max_memory_bytes")), "{refused}");
+    assert_eq!(sent, 3, "three of a megabyte and a bit fit in four");
+    assert!(b.memory().0 <= 4 << 20);
+    while rx.try_recv().is_ok() {}
+    assert_eq!(b.memory().0, 0, "taken by the server's connection: given back");
 }
 
 #[tokio::test]

@@ -501,6 +501,12 @@ impl ConsumerGroup {
     /// or when the window of records from the oldest unacknowledged one on is `max_pending`
     /// long and `MAX_HELD` records are held already (see `hold_oldest`).
     pub fn poll(&mut self, max: usize, timeout: Duration) -> Result<Batch<'_>> {
+        self.poll_within(max, usize::MAX, timeout)
+    }
+
+    /// `poll`, stopping once the records taken fill `max_bytes` of frames (at least one record):
+    /// for a consumer that copies what it polls, so that a batch of large records is bounded.
+    pub fn poll_within(&mut self, max: usize, max_bytes: usize, timeout: Duration) -> Result<Batch<'_>> {
         self.shared.check_poison()?;
         self.catch_up_with_retention()?;
         while let Some(offset) = self.redeliver.pop_first() {
@@ -538,7 +544,7 @@ impl ConsumerGroup {
                     self.catch_up_with_retention()?;
                     continue;
                 }
-                let batch = self.reader.read_batch(allowed as usize)?;
+                let batch = self.reader.read_batch_within(allowed as usize, max_bytes)?;
                 self.acked.extend(std::iter::repeat_n(false, batch.len()));
                 self.next += batch.len() as u64;
                 return Ok(batch);

@@ -230,6 +230,12 @@ impl Reader {
     /// when more follow). Every record is checked (CRC, offset) before it is returned. An empty
     /// batch means the end of the log.
     pub fn read_batch(&mut self, max: usize) -> Result<Batch<'_>> {
+        self.read_batch_within(max, usize::MAX)
+    }
+
+    /// `read_batch`, stopping once the records read take `max_bytes` of frames (at least one
+    /// record, however large): for a reader that copies what it reads.
+    pub fn read_batch_within(&mut self, max: usize, max_bytes: usize) -> Result<Batch<'_>> {
         self.shared.check_poison()?;
         if max == 0 || !self.advance()? {
             return Ok(Batch::default());
@@ -248,7 +254,11 @@ impl Reader {
         let mut time = first_time;
         let mut at = 0;
         let mut count = 0;
-        while count < max && at + frame::FRAME_ALIGN <= data.len() && data[at..at + 8] != [0; 8] {
+        while count < max
+            && (count == 0 || at < max_bytes)
+            && at + frame::FRAME_ALIGN <= data.len()
+            && data[at..at + 8] != [0; 8]
+        {
             let expected = first + count as u64;
             let reason = match frame::decode(seg.format, &data[at..], data.len() - at, expected, time) {
                 Ok(Decoded::Frame(rec, len)) if rec.offset == expected => {

@@ -238,6 +238,7 @@ async fn deliver_live(
         if outbox.send(out).await.is_err() {
             return;
         }
+        sub.sent();
     }
     let (status, reason) = match sub.ended.get() {
         Some(Ended::TooSlow(reason)) => (Status::SlowConsumer, reason.clone()),
@@ -269,9 +270,9 @@ async fn deliver_group(
         return;
     }
     loop {
-        let max_batch = push.max_messages;
+        let (max_batch, max_bytes) = (push.max_messages, push.max_bytes as usize);
         let stepped = tokio::task::spawn_blocking(move || {
-            let step = feed.step(max_batch);
+            let step = feed.step(max_batch, max_bytes);
             (feed, step)
         })
         .await;
