@@ -10,7 +10,7 @@
 
 use std::pin::pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -19,17 +19,29 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::{BrokerError, Message, message};
 
-/// Counts a durable topic's appends and wakes the readers waiting for one.
+/// Counts a durable topic's appends and wakes the readers waiting for one; says when the topic
+/// was removed (its readers' subscriptions end).
 #[derive(Default)]
 pub(crate) struct Appends {
     count: AtomicU64,
     notify: Notify,
+    removed: AtomicBool,
 }
 
 impl Appends {
     pub(crate) fn happened(&self) {
         self.count.fetch_add(1, Ordering::Release);
         self.notify.notify_waiters();
+    }
+
+    /// The topic is removed: its readers are woken to find it so.
+    pub(crate) fn remove(&self) {
+        self.removed.store(true, Ordering::Release);
+        self.happened();
+    }
+
+    pub(crate) fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Acquire)
     }
 
     fn seen(&self) -> u64 {
@@ -185,6 +197,9 @@ impl GroupFeed {
     /// memory for the connection to take them): `None` when nothing may go; `wait`, then step
     /// again. Blocking.
     pub fn step(&mut self, max_batch: usize, max_bytes: usize) -> Result<Option<Vec<Message>>, BrokerError> {
+        if self.reader.appends.is_removed() {
+            return Err(BrokerError::TopicNotFound(self.reader.topic.clone()));
+        }
         // Read before the poll, so that an append during it is seen by `wait`.
         self.appends_seen = self.reader.appends.seen();
         while let Ok(ack) = self.acks.try_recv() {

@@ -166,6 +166,12 @@ impl Topic {
         self.appends.happened();
     }
 
+    /// The topic is removed: its consumer-group subscriptions end at their next step (woken
+    /// now), and no new one begins.
+    pub(crate) fn end_group_readers(&self) {
+        self.appends.remove();
+    }
+
     pub(crate) fn new(name: String, log: Option<SharedLog>) -> Topic {
         Topic {
             name,
@@ -287,6 +293,9 @@ impl Topic {
             )));
         };
         crate::check_name(group)?;
+        if self.appends.is_removed() {
+            return Err(BrokerError::TopicNotFound(self.name.clone()));
+        }
         // Each group is a cursor file, a row of the topic's status and series on /metrics, kept
         // until an admin removes it: a client naming new groups again and again is stopped.
         let groups = log.groups();

@@ -604,3 +604,22 @@ async fn a_handler_using_its_own_client_under_a_flood_of_calls_never_hangs() {
     assert!(replied > 0, "some calls were answered");
     assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
 }
+
+/// Removing a durable topic ends its consumer-group subscriptions with TOPIC_NOT_FOUND, as it
+/// ends live ones (protocol.md); they waited for appends that never came, holding the deleted
+/// segments' disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_durable_topic_ends_its_group_subscriptions() {
+    use petrel_client::StartFrom;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_topic("orders", true).await.unwrap();
+    c.publish("orders", vec![Message::new("o1")]).await.unwrap();
+    let mut sub = c.subscribe_group("orders", "billing", StartFrom::Oldest, 0).await.unwrap();
+    assert_eq!(text(&take(&mut sub, 1).await[0]), "o1");
+    c.remove_topic("orders").await.unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(10), sub.next()).await.expect("the subscription ends");
+    let e = end.expect("told why").expect_err("an end, not a message");
+    assert_eq!(e.status(), Some(Status::TopicNotFound), "{e}");
+}

@@ -293,7 +293,8 @@ async fn deliver_group(
                     return;
                 }
             }
-            Err(e) => return send_end(id, Status::ServerError, e.to_string(), &outbox).await,
+            // (TOPIC_NOT_FOUND for a topic removed, as a live subscription's end says.)
+            Err(e) => return send_end(id, e.status(), e.to_string(), &outbox).await,
         }
     }
 }
