@@ -228,6 +228,9 @@ pub struct BrokerOptions {
     /// Queues of all kinds the server holds at most (0: no limit); a creation past it is refused.
     /// Queues already on disk are opened at start whatever their number.
     pub max_queues: usize,
+    /// Topics the server holds at most (0: no limit); a creation past it is refused. Durable
+    /// topics already on disk are opened at start whatever their number.
+    pub max_topics: usize,
     /// Bytes all in-memory queues together may hold (0: no limit); past it their offers are
     /// refused with `Limit`.
     pub max_memory_bytes: u64,
@@ -261,6 +264,7 @@ impl Default for BrokerOptions {
             security: None,
             max_queues_per_user: 0,
             max_queues: 0,
+            max_topics: 0,
             max_memory_bytes: 0,
             max_resident_bytes: petrel_log::DEFAULT_PAGE_BUDGET_BYTES,
             on_sync: petrel_log::SyncObserver::default(),
@@ -721,7 +725,7 @@ impl Broker {
     /// log is what failed).
     fn reopen_topic(&self, name: &str) -> Result<Arc<Topic>, BrokerError> {
         let Some(reason) = self.damaged_topics.remove(name) else { return Err(self.missing_topic(name)) };
-        let opened = self.create_topic(name, true);
+        let opened = self.make_topic(name, true, false);
         match &opened {
             Ok(_) => tracing::info!(topic = %shown(name), "topic opened again and served"),
             Err(e @ BrokerError::Storage(_)) => self.damaged_topics.insert(name, e.to_string()),
@@ -1458,6 +1462,12 @@ impl Broker {
     /// Creates a topic, or finds the one of that name (`Exists` if it differs in durability).
     /// A durable topic keeps a log in `topics/<name>/` and comes back after a restart.
     pub fn create_topic(&self, name: &str, durable: bool) -> Result<Arc<Topic>, BrokerError> {
+        self.make_topic(name, durable, true)
+    }
+
+    /// `create_topic`; `limited`: refused past `max_topics` (a topic made anew, not one already
+    /// on disk opened at start or after a repair).
+    fn make_topic(&self, name: &str, durable: bool, limited: bool) -> Result<Arc<Topic>, BrokerError> {
         check_name(name)?;
         if self.damaged_topics.contains(name) {
             return Err(self.missing_topic(name));
@@ -1469,6 +1479,12 @@ impl Broker {
             } else {
                 Err(BrokerError::TopicExists(name.to_owned(), t.is_durable()))
             };
+        }
+        // Each is a map entry, a status row and metric series, and a durable one a directory,
+        // a segment and a mapping: bounded, as queues are.
+        let limit = self.options.max_topics;
+        if limited && limit != 0 && topics.len() >= limit {
+            return Err(BrokerError::Limit(format!("the server has {} topics, its limit (max_topics)", topics.len())));
         }
         let log = if durable { Some(self.open_topic_log(name)?) } else { None };
         let topic = Arc::new(Topic::new(name.to_owned(), log));
@@ -1512,7 +1528,7 @@ impl Broker {
             if name.starts_with(REMOVED) {
                 std::fs::remove_dir_all(dir.join(&*name)).map_err(|e| BrokerError::Definitions(e.to_string()))?;
             } else if check_name(&name).is_ok() {
-                match self.create_topic(&name, true) {
+                match self.make_topic(&name, true, false) {
                     Ok(_) => {}
                     // Its log damaged: listed, not served, kept for repair; the others go on.
                     Err(e @ BrokerError::Storage(_)) => {

@@ -460,3 +460,19 @@ fn a_topic_keeps_a_bounded_number_of_consumer_groups() {
     drop(topic.group("g7", None, 16).unwrap());
     assert_eq!(topic.groups().len(), max);
 }
+
+/// At most `max_topics` topics are made; those already on disk open at start however many.
+#[test]
+fn at_most_max_topics_are_made_and_those_on_disk_always_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = || BrokerOptions { max_topics: 2, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options()).unwrap();
+    b.create_topic("a", true).unwrap();
+    b.create_topic("b", true).unwrap();
+    b.create_topic("a", true).unwrap(); // one that exists is found, not made
+    let e = b.create_topic("c", false).err().expect("a third is refused");
+    assert!(matches!(&e, BrokerError::Limit(m) if m.contains("max_topics")), "{e}");
+    drop(b);
+    let b = Broker::open(dir.path(), BrokerOptions { max_topics: 1, ..options() }).unwrap();
+    assert_eq!(b.topic_names(), ["a", "b"], "opened, past a smaller limit");
+}

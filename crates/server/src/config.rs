@@ -54,6 +54,9 @@ pub struct Config {
     /// Queues of all kinds (durable, in memory, temporary) the server holds at most; creating
     /// one more is refused with LIMIT_REACHED (0: no limit). Queues already on disk always open.
     pub max_queues: usize,
+    /// Topics (live and durable) the server holds at most; creating one more is refused with
+    /// LIMIT_REACHED (0: no limit). Durable topics already on disk always open.
+    pub max_topics: usize,
     /// Bytes all in-memory (and temporary) queues together may hold; past it their offers are
     /// refused with LIMIT_REACHED (memcache: SERVER_ERROR). 0: no limit.
     pub max_memory_bytes: u64,
@@ -323,6 +326,7 @@ impl Default for Config {
             max_connections: 10_000,
             max_connections_per_address: 1_000,
             max_queues: 10_000,
+            max_topics: 10_000,
             max_memory_bytes: 1 << 30,
             memory_queue_max_bytes: 256 << 20,
             max_subscriber_bytes: 64 << 20,

@@ -233,6 +233,7 @@ impl Server {
             security: config.security.load()?,
             max_queues_per_user: config.security.max_queues_per_user,
             max_queues: config.max_queues,
+            max_topics: config.max_topics,
             max_memory_bytes: config.max_memory_bytes,
             memory_queue_max_bytes: config.memory_queue_max_bytes,
             max_subscriber_bytes: config.max_subscriber_bytes,

@@ -149,6 +149,7 @@ pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
             "max_connections_per_user": ctx.limits.max_connections_per_user(),
             "idle_timeout_ms": ctx.limits.idle_timeout().map_or(0, |d| d.as_millis() as u64),
             "max_queues": c.max_queues,
+            "max_topics": c.max_topics,
             "max_queues_per_user": c.security.max_queues_per_user,
             "max_memory_bytes": memory_max,
             "max_resident_bytes": c.max_resident_bytes,

@@ -621,6 +621,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("limit_max_connections_per_address", &ctx.limits.max_connections_per_address());
         put("limit_max_connections_per_user", &ctx.limits.max_connections_per_user());
         put("limit_max_queues", &limits.max_queues);
+        put("limit_max_topics", &limits.max_topics);
         let (memory_queued, memory_max) = ctx.broker.memory();
         put("limit_max_memory_bytes", &memory_max);
         put("memory_queued_bytes", &memory_queued);
