@@ -99,6 +99,14 @@ fn metrics_pass_promtool_and_count_what_a_client_did() {
         assert!(sample(&scrape, "petrel_disk_free_bytes") > 0.0);
         assert!(sample(&scrape, "petrel_fsync_duration_seconds_count") >= 1.0, "{scrape}");
         assert!(sample(&scrape, "petrel_fsync_duration_seconds_bucket{le=\"+Inf\"}") >= 1.0);
+        for quiet in [
+            "petrel_auth_rate_limited_total",
+            "petrel_tls_refused_total",
+            "petrel_tls_connections_total",
+            "petrel_reload_failures_total",
+        ] {
+            assert_eq!(sample(&scrape, quiet), 0.0, "{quiet}");
+        }
 
         promtool_check(&scrape);
     });
@@ -874,6 +882,10 @@ fn sighup_applies_live_limits_and_reports_what_waits_for_a_restart() {
     let server_now = reload();
     assert!(server_now["reload"]["outcome"].as_str().unwrap().contains("max_connections_per_address"));
     assert_eq!(server_now["limits"]["max_connections_per_address"], 2);
+    assert_eq!(server_now["reload"]["failures"], 1, "{server_now}");
+    let scrape = get(&server.http, "/metrics", None).2;
+    let failures = scrape.lines().find_map(|l| l.strip_prefix("petrel_reload_failures_total "));
+    assert_eq!(failures.map(str::trim), Some("1"), "a failed reload is on /metrics");
 }
 
 #[test]

@@ -91,6 +91,8 @@ const LIVE_TABLES: &[&str] = &["queue_defaults"];
 pub(crate) struct ReloadStatus {
     /// Reloads tried since start.
     pub count: u64,
+    /// Reloads of a file that could not be applied (nothing changed), since start.
+    pub failures: u64,
     /// Unix time of the last one, ms (0: none yet).
     pub at_ms: u64,
     /// `ok`, or why nothing was applied.
@@ -160,6 +162,7 @@ impl Reloader {
                 Ok(summary)
             }
             Err(e) => {
+                state.status.failures += u64::from(without_file.is_none());
                 state.status.outcome = e.clone();
                 state.status.applied.clear();
                 state.status.needs_restart.clear();

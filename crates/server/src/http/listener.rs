@@ -200,8 +200,16 @@ impl HttpListener {
                     },
                     _ = stop.changed() => return,
                 };
-                let Some(address) = AddressSlot::take(&per_address, addr.ip()) else { continue };
-                let Ok(open_permit) = Arc::clone(&open_connections).try_acquire_owned() else { continue };
+                // (Refused at a limit: counted with the other ports' refusals.)
+                let refused = || crate::stats::add(&ctx.stats.connections_refused, 1);
+                let Some(address) = AddressSlot::take(&per_address, addr.ip()) else {
+                    refused();
+                    continue;
+                };
+                let Ok(open_permit) = Arc::clone(&open_connections).try_acquire_owned() else {
+                    refused();
+                    continue;
+                };
                 let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else { continue };
                 let (ctx, tx) = (Arc::clone(&ctx), tx.clone());
                 tokio::spawn(async move {

@@ -175,6 +175,14 @@ impl Scrape {
         self.counter("petrel_received_bytes_total", "Bytes read from clients.", none(), read(&s.bytes_read));
         self.counter("petrel_sent_bytes_total", "Bytes written to clients.", none(), read(&s.bytes_written));
         self.counter("petrel_auth_failures_total", "Failed authentications.", none(), read(&s.auth_failures));
+        let help = "Logins refused unchecked: their address (an IPv6 /64) was past auth_attempts_per_minute.";
+        self.counter("petrel_auth_rate_limited_total", help, none(), read(&s.auth_rate_limited));
+        self.counter("petrel_tls_connections_total", "TLS handshakes completed.", none(), read(&s.tls_connections));
+        let help = "Connections refused for TLS: a failed handshake, or plain text where require_tls.";
+        self.counter("petrel_tls_refused_total", help, none(), read(&s.tls_refused));
+        let reloads = ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).status.failures;
+        let help = "Reloads of the configuration file that changed nothing because it could not be applied (see /api/v1/server's reload.outcome).";
+        self.counter("petrel_reload_failures_total", help, none(), reloads);
         self.counter("petrel_acl_denials_total", "Requests an ACL refused.", none(), broker.denials());
         let help = "Queues not served because their files could not be opened (see /api/v1/server and the log).";
         self.gauge("petrel_queues_damaged", help, none(), broker.damaged_queues().len() as u64);
