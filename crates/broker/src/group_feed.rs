@@ -202,13 +202,19 @@ impl GroupFeed {
         }
         // Read before the poll, so that an append during it is seen by `wait`.
         self.appends_seen = self.reader.appends.seen();
-        while let Ok(ack) = self.acks.try_recv() {
-            self.received.push(ack);
+        loop {
+            match self.acks.try_recv() {
+                Ok(ack) => self.received.push(ack),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                // The subscriber is gone (UNSUBSCRIBE, its connection's end): nothing more goes
+                // out, and `wait` says the feed is over.
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    self.apply_received()?;
+                    return Ok(None);
+                }
+            }
         }
-        for GroupAck { ids, counted } in std::mem::take(&mut self.received) {
-            let n = self.reader.ack(&ids)?;
-            let _ = counted.send(n);
-        }
+        self.apply_received()?;
         let out = self.reader.out();
         self.at_limit = out >= self.max_pending;
         if self.at_limit {
@@ -216,6 +222,15 @@ impl GroupFeed {
         }
         let messages = self.reader.poll_within((self.max_pending - out).min(max_batch), max_bytes, Duration::ZERO)?;
         Ok((!messages.is_empty()).then_some(messages))
+    }
+
+    /// Applies the acknowledgements received, answering each with how many counted.
+    fn apply_received(&mut self) -> Result<(), BrokerError> {
+        for GroupAck { ids, counted } in std::mem::take(&mut self.received) {
+            let n = self.reader.ack(&ids)?;
+            let _ = counted.send(n);
+        }
+        Ok(())
     }
 
     /// Waits until a step may hand out more: an acknowledgement arrived, or the topic was
@@ -331,7 +346,11 @@ mod tests {
         let next = feed.step(256, usize::MAX).unwrap().expect("room for one");
         assert_eq!(counted.await.unwrap(), 1, "the id never delivered does not count");
         assert_eq!(payloads(&next), ["m2"]);
+        // The subscriber acknowledges all it has and goes (UNSUBSCRIBE): room, but for nobody.
+        let counted = acks.send(vec![first[1].id, next[0].id]).unwrap();
         drop(acks);
+        assert!(feed.step(256, usize::MAX).unwrap().is_none(), "its subscriber gone, nothing more goes out");
+        assert_eq!(counted.await.unwrap(), 2, "its last acknowledgements applied");
         assert!(!feed.wait().await, "the subscriber's end dropped: the feed is over");
     }
 
