@@ -347,21 +347,31 @@ impl ConsumerGroup {
         if options.max_pending == 0 || options.max_pending > MAX_PENDING {
             return Err(Error::Config(format!("max_pending must be between 1 and {MAX_PENDING}")));
         }
-        let entry = {
+        let (entry, made) = {
             let mut groups = shared.groups();
-            // Its position is not known until its cursor file is read: nothing counts it yet.
-            let entry = groups
-                .entry(name.to_owned())
-                .or_insert_with(|| GroupEntry::closed(&CursorState { committed: u64::MAX, ..CursorState::default() }));
+            // A new group holds the whole log from retention until its cursor says where it
+            // starts: retention, which reads this registry under its lock, could otherwise
+            // delete the records it was about to start at.
+            let made = !groups.contains_key(name);
+            let entry = groups.entry(name.to_owned()).or_insert_with(|| {
+                GroupEntry::closed(&CursorState { committed: shared.first_offset(), ..CursorState::default() })
+            });
             if entry.open.swap(true, Ordering::AcqRel) {
                 return Err(Error::GroupInUse(name.to_owned()));
             }
-            Arc::clone(entry)
+            (Arc::clone(entry), made)
         };
         match Self::open_file(Arc::clone(&shared), name, options, Arc::clone(&entry)) {
             Ok(group) => Ok(group),
             Err(e) => {
                 entry.open.store(false, Ordering::Release);
+                if made {
+                    // Not made after all: it holds nothing back.
+                    let mut groups = shared.groups();
+                    if groups.get(name).is_some_and(|e| Arc::ptr_eq(e, &entry)) {
+                        groups.remove(name);
+                    }
+                }
                 Err(e)
             }
         }
@@ -734,7 +744,14 @@ impl ConsumerGroup {
     /// Moves the group: everything before the new position counts as acknowledged, everything
     /// after it as never delivered. Returns the offset the group now stands at.
     pub fn seek(&mut self, to: SeekTo) -> Result<u64> {
-        let target = resolve(&self.shared, to)?;
+        // Found and shown to retention under the registry's lock, which retention holds while
+        // it decides: what the group is about to read back is not deleted meanwhile.
+        let target = {
+            let _groups = self.shared.groups();
+            let target = resolve(&self.shared, to)?.max(self.shared.first_offset());
+            self.cursor.entry.show(target, 0, &[]);
+            target
+        };
         self.committed = target;
         self.next = target;
         self.acked.clear();

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use crate::clock::now_ns;
 use crate::error::{Result, io_err};
-use crate::options::Durability;
 use crate::state::LogState;
 
 /// What may remove old records. All off by default: a log keeps everything.
@@ -106,12 +105,14 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
             // moved now is moved when the group is next opened (which does the same); the
             // segments go all the same.
             let path = crate::group::cursor_path(shared.dir(), name);
-            let durable = shared.options().durability != Durability::None;
+            // Synced whatever the log's durability: the group's own is not known here, and a
+            // rename that reached the disk before the file's bytes (a power loss) would leave an
+            // empty cursor, read as a group at the oldest record. Rare: only a cap does this.
             let moved = crate::group::read_cursor(&path).and_then(|state| {
                 let held_lost = state.held.iter().filter(|&&o| o < first).count() as u64;
                 entry.skipped.fetch_add(held_lost, Ordering::Relaxed);
                 let state = state.within(first, u64::MAX);
-                crate::group::create_cursor(shared.dir(), name, &state, durable)?;
+                crate::group::create_cursor(shared.dir(), name, &state, true)?;
                 Ok(state)
             });
             match moved {
