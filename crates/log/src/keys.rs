@@ -37,6 +37,16 @@ impl KeyIndex {
         }
     }
 
+    /// Forgets the keys whose last record is before `first` (retention removed it): the index
+    /// holds keys of records in the log only, however many distinct keys a long life appends.
+    pub(crate) fn forget_before(&self, first: u64) {
+        self.0.write().unwrap_or_else(|e| e.into_inner()).retain(|_, offset| *offset >= first);
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     /// The offset of the last record with `key`.
     pub(crate) fn get(&self, key: &[u8]) -> Option<u64> {
         self.0.read().unwrap_or_else(|e| e.into_inner()).get(key).copied()

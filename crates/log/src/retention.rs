@@ -79,6 +79,9 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
     let first = segments[0].base;
     shared.set_first_offset(first);
     drop(segments);
+    if let Some(keys) = shared.keys() {
+        keys.forget_before(first);
+    }
     for seg in &removed {
         shared.options().page_budget.forget(seg);
     }

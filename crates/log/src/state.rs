@@ -33,6 +33,9 @@ pub struct LogStats {
     pub rolls: u64,
     /// Retention passes since open that deleted at least one segment.
     pub retention_removals: u64,
+    /// Keys in the key index (`Options::key_index`; 0 without it): one entry, its bytes and an
+    /// offset in memory each, for keys of records still in the log.
+    pub keys_indexed: usize,
 }
 
 pub(crate) struct LogState {
@@ -192,6 +195,7 @@ impl LogState {
             syncs: self.commit.syncs(),
             rolls: self.rolls.load(Ordering::Relaxed),
             retention_removals: self.retention_removals.load(Ordering::Relaxed),
+            keys_indexed: self.keys.as_ref().map_or(0, KeyIndex::len),
         }
     }
 

@@ -378,3 +378,24 @@ fn an_idle_log_past_its_age_cap_gives_back_its_active_segment() {
     assert_eq!(log.give_back().unwrap().segments_removed, 0, "a recent record stays");
     assert_eq!(log.reader().read_next().unwrap().unwrap().payload, b"new");
 }
+
+/// The key index forgets the keys of records retention removed: a log appending distinct keys
+/// for ever held every one in memory.
+#[test]
+fn the_key_index_forgets_keys_of_removed_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = 4 * MIN_SEGMENT_BYTES;
+    let options = Options { key_index: true, ..opts(Retention { max_bytes: Some(cap), ..Default::default() }) };
+    let mut log = Log::open(dir.path(), options).unwrap();
+    for i in 0..20_000u64 {
+        let key = format!("order-{i}");
+        log.append_with(&Input { key: Some(key.as_bytes()), headers: &[], payload: &[7; 64], timestamp: None })
+            .unwrap();
+    }
+    let stats = log.stats();
+    assert!(stats.retention_removals > 0, "the cap removed segments");
+    let in_log = (stats.next_offset - stats.first_offset) as usize;
+    assert!(stats.keys_indexed <= in_log, "{} keys indexed for {in_log} records", stats.keys_indexed);
+    assert!(log.reader().get_by_key(b"order-0").unwrap().is_none());
+    assert!(log.reader().get_by_key(b"order-19999").unwrap().is_some());
+}
