@@ -149,9 +149,9 @@ pub(crate) fn save(dir: &Path, base: u64, entries: &[Entry]) {
     }
 }
 
-/// Removes the index file of segment `base`, if any.
-pub(crate) fn remove(dir: &Path, base: u64) {
-    let _ = std::fs::remove_file(file_path(dir, base));
+/// Removes the index file of segment `base`, if any; whether there was one.
+pub(crate) fn remove(dir: &Path, base: u64) -> bool {
+    std::fs::remove_file(file_path(dir, base)).is_ok()
 }
 
 pub(crate) fn encode(base: u64, entries: &[Entry]) -> Vec<u8> {

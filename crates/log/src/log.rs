@@ -151,6 +151,13 @@ impl Log {
             true => active.map.set_allocated(pos.next_multiple_of(segment::PAGE).min(active.map.len())),
             false => active.allocate(pos)?,
         }
+        // An index file of the active segment is left from a time it was sealed, before a crash
+        // cut it back: it describes frames the writer will write over, and if the file of its
+        // next seal were lost with a power loss, a later open would read the old one. Removed,
+        // durably (the writer keeps its index in memory until the seal).
+        if crate::index::remove(&dir, active.base) {
+            crate::segment::sync_dir(&dir.join(crate::index::INDEX_DIR))?;
+        }
         let walk = crate::index::build(active.format, active.map.published().from(SEGMENT_HEADER_LEN), active.base);
         // Recovery checked the frames from the durable checkpoint on; the walk covers those before
         // it, and must end where recovery did. A segment cut short and extended again reads as

@@ -130,7 +130,7 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
     for seg in removed {
         // Readers still holding the segment keep its mapping; the space returns when they let go.
         std::fs::remove_file(&seg.path).map_err(io_err("remove segment", &seg.path))?;
-        crate::index::remove(shared.dir(), seg.base);
+        let _ = crate::index::remove(shared.dir(), seg.base);
         drop(Arc::clone(&seg));
     }
     tracing::info!(

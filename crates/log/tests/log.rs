@@ -1411,3 +1411,27 @@ fn frames_a_crash_left_past_the_end_are_gone_after_the_open() {
     drop(log);
     assert_eq!(Log::open(dir.path(), options()).unwrap().next_offset(), 80, "nothing old comes back");
 }
+
+/// A segment that is the active one again (the segments after it lost) has its index file from
+/// its seal removed at open: the writer will write over what it describes, and a later seal's
+/// file lost with a power loss would leave the old one to be read.
+#[test]
+fn the_active_segment_keeps_no_index_file_from_an_earlier_seal() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    while log.stats().segments < 2 {
+        log.append(&[1; 100]).unwrap();
+    }
+    let sealed_at = log.stats().next_offset - 1;
+    drop(log);
+    let index_file = dir.path().join("index").join(format!("{:020}.idx", 0));
+    assert!(index_file.exists(), "the seal wrote the first segment's index");
+    // The second segment lost (as to a crash before it reached the disk).
+    let second = segments(dir.path()).into_iter().max().unwrap();
+    std::fs::remove_file(second).unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert!(!index_file.exists(), "the first segment is active again: its old index file is gone");
+    assert_eq!(log.next_offset(), sealed_at);
+    log.append(b"after").unwrap();
+    assert_eq!(log.reader().get(sealed_at).unwrap().unwrap().payload, b"after");
+}
