@@ -379,7 +379,10 @@ impl ConsumerGroup {
 
     fn open_file(shared: Arc<LogState>, name: &str, options: GroupOptions, entry: Arc<GroupEntry>) -> Result<Self> {
         let path = cursor_path(shared.dir(), name);
-        let durable = options.durability != Durability::None;
+        // A cursor file made now is synced if the group's durability or the log's asks for
+        // syncs: a power loss must not take a durable log's group (as a `dedup` group holding
+        // back idempotency keys) whose records outlive it. Once, at its making.
+        let durable = options.durability != Durability::None || shared.options().durability != Durability::None;
         let file = match OpenOptions::new().read(true).write(true).open(&path) {
             Ok(file) => {
                 let len = file.metadata().map_err(io_err("stat cursor", &path))?.len();
