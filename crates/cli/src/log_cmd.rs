@@ -303,7 +303,9 @@ fn not_served(dir: &std::path::Path) -> Result<Vec<std::fs::File>, Box<dyn std::
     // A queue's log is `DATA/queues/NAME` (or `…/NAME/priority-K`, `…/NAME/delayed`), a
     // topic's `DATA/topics/NAME`: its data directory is two or three levels up, above `queues`
     // or `topics`.
-    let dir = std::path::absolute(dir)?;
+    // Its real path: `..` and symbolic links resolved (`../jobs` from a sibling queue's
+    // directory, or a link to a queue's, named no `queues` among the two levels above).
+    let dir = std::fs::canonicalize(dir).or_else(|_| std::path::absolute(dir))?;
     for kind in dir.ancestors().skip(1).take(2) {
         let Some(data) = kind.parent().filter(|_| kind.ends_with("queues") || kind.ends_with("topics")) else {
             continue;

@@ -68,7 +68,7 @@ pub enum CertCommand {
 pub fn user(cmd: UserCommand) -> Res {
     match cmd {
         UserCommand::Add { file, name, admin } => {
-            let mut users = Users::load_or_empty(&file)?;
+            let users = Users::load_or_empty(&file)?;
             // Checked before asking for a password that could not be used.
             Users::check_name(&name)?;
             if users.get(&name).is_some() {
@@ -78,24 +78,27 @@ pub fn user(cmd: UserCommand) -> Res {
             }
             let password = read_password(&name)?;
             let role = if admin { Role::Admin } else { Role::User };
-            users.add(&name, &password, role)?;
-            users.save(&file)?;
+            // (Added to the file as it is now: another edit may have come meanwhile.)
+            drop(users);
+            Users::edit(&file, |users| users.add(&name, &password, role))?;
             println!("added {name} ({role}) to {}", file.display());
         }
         UserCommand::Passwd { file, name } => {
-            let mut users = Users::load(&file)?;
-            if users.get(&name).is_none() {
+            if Users::load(&file)?.get(&name).is_none() {
                 return Err(format!("{}: no user {name:?}", file.display()).into());
             }
             let password = read_password(&name)?;
-            users.set_password(&name, &password)?;
-            users.save(&file)?;
+            let missing = || format!("{}: no user {name:?}", file.display());
+            Users::edit(&file, |users| match users.get(&name) {
+                Some(_) => users.set_password(&name, &password),
+                None => Err(missing()),
+            })?;
             println!("changed the password of {name} in {}", file.display());
         }
         UserCommand::Remove { file, name } => {
-            let mut users = Users::load(&file)?;
-            users.remove(&name).map_err(|e| format!("{}: {e}", file.display()))?;
-            users.save(&file)?;
+            Users::load(&file)?; // (a missing file is an error here, not an empty set)
+            let users =
+                Users::edit(&file, |users| users.remove(&name).map_err(|e| format!("{}: {e}", file.display())))?;
             println!("removed {name} from {}", file.display());
             if users.is_empty() {
                 eprintln!("petrel: {} has no users left: a server refuses to start with it", file.display());

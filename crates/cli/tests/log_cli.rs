@@ -128,10 +128,17 @@ fn log_commands_that_write_keep_off_a_running_servers_logs_and_make_no_log() {
     assert_eq!(&answer, b"STORED\r\n");
     let queue_log = data.join("queues/jobs");
     let queue_log = queue_log.to_str().unwrap();
+    // The same log by a roundabout path, and by a link: its real path is what counts.
+    let roundabout = format!("{}/queues/jobs/../jobs", data.display());
+    let link = dir.path().join("jobs-link");
+    std::os::unix::fs::symlink(data.join("queues/jobs"), &link).unwrap();
+    let link = link.to_str().unwrap();
     for args in [
         vec!["log", "append", queue_log],
         vec!["log", "consume", queue_log, "--group", "g"],
         vec!["log", "repair", queue_log, "--yes"],
+        vec!["log", "append", &roundabout],
+        vec!["log", "append", link],
     ] {
         let out = petrel(&args, b"zz\n");
         assert!(!out.status.success(), "{args:?}");

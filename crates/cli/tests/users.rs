@@ -214,3 +214,25 @@ fn cert_dev_refuses_a_client_name_no_user_could_have() {
     assert!(text(&out.stderr).contains("--client-name"), "{}", text(&out.stderr));
     assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
 }
+
+/// Edits at once each see the others': eight `petrel user add` run together leave eight users
+/// (each loaded the file, hashed for a while and wrote its own copy over the others').
+#[test]
+fn users_added_at_once_are_all_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("users.toml");
+    let f = file.to_str().unwrap().to_owned();
+    let adds: Vec<_> = (0..8)
+        .map(|i| {
+            let f = f.clone();
+            std::thread::spawn(move || petrel(&["user", "add", &f, &format!("user{i}")], b"pass-word-1\n"))
+        })
+        .collect();
+    for add in adds {
+        let out = add.join().unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let out = petrel(&["user", "list", &f], b"");
+    assert_eq!(text(&out.stdout).lines().count(), 8, "{}", text(&out.stdout));
+    assert_eq!(mode(&file), 0o600);
+}

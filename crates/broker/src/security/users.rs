@@ -99,7 +99,30 @@ impl Users {
         Ok(users)
     }
 
+    /// Changes the users file at `path` with `change` (a missing file is an empty set): loaded,
+    /// changed and written again under an exclusive lock on `FILE.lock`, so that two edits at
+    /// once (two `petrel user add`) each see the other's result instead of the last writing
+    /// over the first's, or renaming the other's half-written temporary file. Returns the users
+    /// as written.
+    pub fn edit(path: &Path, change: impl FnOnce(&mut Users) -> Result<(), String>) -> Result<Users, String> {
+        let mut name = path.as_os_str().to_owned();
+        name.push(".lock");
+        let lock_path = PathBuf::from(name);
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| format!("{}: {e}", lock_path.display()))?;
+        lock.lock().map_err(|e| format!("{}: {e}", lock_path.display()))?;
+        let mut users = Users::load_or_empty(path)?;
+        change(&mut users)?;
+        users.save(path)?;
+        Ok(users)
+    }
+
     /// Writes the file atomically (a temporary file renamed over it), readable by its owner only.
+    /// Two writers at once: `edit`.
     pub fn save(&self, path: &Path) -> Result<(), String> {
         let file = UsersFile { user: self.by_name.values().cloned().collect() };
         let text = format!(
