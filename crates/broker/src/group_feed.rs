@@ -48,6 +48,18 @@ impl Appends {
         self.count.load(Ordering::Acquire)
     }
 
+    /// Returns once the topic is removed.
+    async fn removal(&self) {
+        loop {
+            let mut woken = pin!(self.notify.notified());
+            woken.as_mut().enable();
+            if self.is_removed() {
+                return;
+            }
+            woken.await;
+        }
+    }
+
     /// Returns once an append has happened since the count was `seen`.
     async fn since(&self, seen: u64) {
         loop {
@@ -234,18 +246,25 @@ impl GroupFeed {
     }
 
     /// Waits until a step may hand out more: an acknowledgement arrived, or the topic was
-    /// appended to (unless the group is at its limit). `false`: the subscriber dropped its
-    /// `GroupAcks`, so the subscription is over.
+    /// appended to (unless the group is at its limit), or removed. `false`: the subscriber
+    /// dropped its `GroupAcks`, so the subscription is over.
     pub async fn wait(&mut self) -> bool {
         let at_limit = self.at_limit;
         let appends = Arc::clone(&self.reader.appends);
-        let mut appended = pin!(appends.since(self.appends_seen));
+        let seen = self.appends_seen;
+        // At its limit only an acknowledgement helps, or the topic's removal (its end).
+        let mut woken = pin!(async {
+            match at_limit {
+                true => appends.removal().await,
+                false => appends.since(seen).await,
+            }
+        });
         let acks = &mut self.acks;
         let ack = std::future::poll_fn(|cx| {
             if let Poll::Ready(ack) = acks.poll_recv(cx) {
                 return Poll::Ready(Some(ack));
             }
-            if !at_limit && appended.as_mut().poll(cx).is_ready() {
+            if woken.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(None);
             }
             Poll::Pending
@@ -327,6 +346,29 @@ mod tests {
         assert_eq!(one.len(), 1, "one however large");
         let rest = feed.step(256, usize::MAX).unwrap().unwrap();
         assert_eq!(rest.len(), 6);
+    }
+
+    /// A feed at its limit of unacknowledged messages still ends when its topic is removed (it
+    /// waited for an acknowledgement only).
+    #[tokio::test]
+    async fn a_feed_at_its_limit_ends_when_its_topic_is_removed() {
+        let (_dir, broker) = topic_with(3);
+        let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 1).unwrap();
+        let (mut feed, _acks) = GroupFeed::new(reader, 1, 4);
+        assert_eq!(feed.step(256, usize::MAX).unwrap().unwrap().len(), 1);
+        assert!(feed.step(256, usize::MAX).unwrap().is_none(), "at its limit");
+        let remove = {
+            let broker = Arc::clone(&broker);
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                broker.remove_topic("t").unwrap();
+            })
+        };
+        let woken = tokio::time::timeout(Duration::from_secs(10), feed.wait()).await;
+        assert_eq!(woken.ok(), Some(true), "the removal wakes it");
+        let end = feed.step(256, usize::MAX).err().expect("its topic is gone");
+        assert!(matches!(end, BrokerError::TopicNotFound(_)), "{end}");
+        remove.await.unwrap();
     }
 
     #[tokio::test]

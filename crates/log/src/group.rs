@@ -354,7 +354,11 @@ impl ConsumerGroup {
             // delete the records it was about to start at.
             let made = !groups.contains_key(name);
             let entry = groups.entry(name.to_owned()).or_insert_with(|| {
-                GroupEntry::closed(&CursorState { committed: shared.first_offset(), ..CursorState::default() })
+                let entry =
+                    GroupEntry::closed(&CursorState { committed: shared.first_offset(), ..CursorState::default() });
+                // Not yet anywhere: what a cap removes meanwhile is not counted as its loss.
+                entry.window_start.store(u64::MAX, Ordering::Release);
+                entry
             });
             if entry.open.swap(true, Ordering::AcqRel) {
                 return Err(Error::GroupInUse(name.to_owned()));
@@ -749,9 +753,10 @@ impl ConsumerGroup {
     pub fn seek(&mut self, to: SeekTo) -> Result<u64> {
         // Found and shown to retention under the registry's lock, which retention holds while
         // it decides: what the group is about to read back is not deleted meanwhile.
+        let target = resolve(&self.shared, to)?; // (a time looked up outside the lock)
         let target = {
             let _groups = self.shared.groups();
-            let target = resolve(&self.shared, to)?.max(self.shared.first_offset());
+            let target = target.max(self.shared.first_offset());
             self.cursor.entry.show(target, 0, &[]);
             target
         };
