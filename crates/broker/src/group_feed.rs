@@ -366,7 +366,7 @@ mod tests {
         };
         let woken = tokio::time::timeout(Duration::from_secs(10), feed.wait()).await;
         assert_eq!(woken.ok(), Some(true), "the removal wakes it");
-        let end = feed.step(256, usize::MAX).err().expect("its topic is gone");
+        let end = feed.step(256, usize::MAX).expect_err("its topic is gone");
         assert!(matches!(end, BrokerError::TopicNotFound(_)), "{end}");
         remove.await.unwrap();
     }
