@@ -77,10 +77,9 @@ pub(crate) struct AttemptLimiter {
 /// to fill the table).
 const MAX_TRACKED_ADDRESSES: usize = 10_000;
 
-/// The source an attempt (or a connection) from `ip` counts against: the address, or an IPv6
-/// address's /64 (one host has all of it: counting its addresses one by one would give it 2⁶⁴
-/// tries, and as many connections).
-pub(crate) fn source(ip: IpAddr) -> IpAddr {
+/// The source an attempt from `ip` counts against: the address, or an IPv6 address's /64 (one
+/// host may have all of it: counting its addresses one by one would give it 2⁶⁴ tries).
+fn source(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
             Some(v4) => IpAddr::V4(v4),

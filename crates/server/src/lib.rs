@@ -92,13 +92,12 @@ impl AddressSlot {
     /// A slot for one more connection from `ip`, or why there is none.
     fn take(ctx: &Arc<Ctx>, ip: std::net::IpAddr) -> Result<AddressSlot, String> {
         let max = ctx.limits.max_connections_per_address();
-        // An IPv6 address counts with its /64.
-        let ip = auth::source(ip);
+        // (Each address on its own, an IPv6 one too: a /64 is often a whole network of hosts,
+        // not one. Login attempts, which guess, count per /64: `auth::source`.)
         let mut counts = ctx.address_connections.lock().unwrap_or_else(|e| e.into_inner());
         let n = counts.entry(ip).or_insert(0);
         if max != 0 && *n >= max {
-            let net = if ip.is_ipv6() { "/64" } else { "" };
-            return Err(format!("{ip}{net} has {max} connections open already (max_connections_per_address)"));
+            return Err(format!("{ip} has {max} connections open already (max_connections_per_address)"));
         }
         *n += 1;
         Ok(AddressSlot { ctx: Arc::clone(ctx), ip })
