@@ -4,6 +4,7 @@
 //! fails the calls it had, so no caller waits for nothing.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,8 +44,28 @@ pub enum Called {
 }
 
 enum Server {
-    Remote { conn: ConnId, invocations: mpsc::Sender<Invocation> },
+    Remote {
+        conn: ConnId,
+        invocations: mpsc::Sender<Invocation>,
+        /// Its calls handed out and not yet answered (`MAX_CALLS_WAITING_PER_SERVER`).
+        waiting: Arc<AtomicUsize>,
+    },
     Local(LocalHandler),
+}
+
+/// Calls of a function one connection may have been handed and not yet answered: past it, the
+/// function's other servers take its calls (or they fail as busy), as when its channel is full.
+/// A client whose handlers fall behind is skipped this way rather than handed calls it could
+/// only refuse (the Rust client holds 2,048 of a function: 1,024 running, 1,024 waiting).
+pub const MAX_CALLS_WAITING_PER_SERVER: usize = 1024;
+
+/// One of a server's calls waiting for its answer: counted while it lives.
+struct WaitingCall(Arc<AtomicUsize>);
+
+impl Drop for WaitingCall {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// A function's figures, kept while anything serves it (counting again from zero if it is
@@ -112,6 +133,8 @@ struct PendingCall {
     started: Instant,
     deadline_ns: u64,
     reply: Replier,
+    /// Counts it among its server's waiting calls until it is answered, fails or times out.
+    _counted: WaitingCall,
 }
 
 #[derive(Default)]
@@ -132,6 +155,11 @@ enum Outcome {
 impl Functions {
     pub(crate) fn new(observer: CallObserver) -> Functions {
         Functions { observer, ..Functions::default() }
+    }
+
+    /// Whether anything serves `function` now.
+    pub(crate) fn serves(&self, function: &str) -> bool {
+        self.servers.lock().unwrap_or_else(|e| e.into_inner()).contains_key(function)
     }
 
     /// Every served function, by name.
@@ -180,7 +208,7 @@ impl Functions {
         let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
         let entry = servers.entry(function.to_owned()).or_default();
         if !entry.list.iter().any(|s| matches!(s, Server::Remote { conn: c, .. } if *c == conn)) {
-            entry.list.push(Server::Remote { conn, invocations });
+            entry.list.push(Server::Remote { conn, invocations, waiting: Arc::default() });
         }
     }
 
@@ -255,7 +283,10 @@ impl Functions {
                     let answer = answer.map_err(BrokerError::Handler)?;
                     return Ok((if oneway { Called::Sent } else { Called::Replied(Box::new(answer)) }, None));
                 }
-                Server::Remote { conn, invocations } => {
+                Server::Remote { conn, invocations, waiting: server_waiting } => {
+                    if !oneway && server_waiting.load(Ordering::Relaxed) >= MAX_CALLS_WAITING_PER_SERVER {
+                        continue; // behind with its answers: busy, as a full channel is
+                    }
                     // Its place in the server's channel first: once the call is registered,
                     // a timeout or a reply may take it at any moment, so nothing after that
                     // may fail and hand it to another server.
@@ -271,6 +302,10 @@ impl Functions {
                             started: Instant::now(),
                             deadline_ns,
                             reply: r,
+                            _counted: {
+                                server_waiting.fetch_add(1, Ordering::Relaxed);
+                                WaitingCall(Arc::clone(server_waiting))
+                            },
                         };
                         waiting.insert(call, w);
                     }

@@ -61,7 +61,10 @@ pub(crate) fn deliveries_of(returns: &NumberMap<u32>, offset: u64) -> u32 {
 pub use config::QueueConfig;
 #[doc(hidden)]
 pub use delay::limit_ready_runs;
-pub use function::{CallObserver, Called, FunctionStats, FunctionStatus, Invocation, LocalHandler, Replier};
+pub use function::{
+    CallObserver, Called, FunctionStats, FunctionStatus, Invocation, LocalHandler, MAX_CALLS_WAITING_PER_SERVER,
+    Replier,
+};
 pub use group_feed::{GroupAcks, GroupFeed, GroupReader};
 pub use held::HELD_OVERHEAD;
 pub use message::{Message, MessageKind, Status, answer_len_bound, id_of, offset_of};
@@ -341,6 +344,10 @@ pub struct Broker {
 /// How often `tick` applies the durable topics' age caps to their active segments, which a topic
 /// nobody publishes to would otherwise keep for ever (`SharedLog::give_back`).
 const TOPIC_GIVE_BACK_EVERY_NS: u64 = 10_000_000_000;
+
+/// A call this small (with what holding it takes) goes even when the memory budget is full:
+/// each serving connection's channel holds a bounded number of calls, so small ones hold little.
+const SMALL_CALL_BYTES: u64 = 64 << 10;
 
 /// A queue opened from its directory, or the name of one that could not be, and why.
 type Opened = Result<Arc<Queue>, (String, BrokerError)>;
@@ -1648,10 +1655,16 @@ impl Broker {
             ));
         }
         self.check_size(&message)?;
+        if !self.functions.serves(function) {
+            return Err(BrokerError::FunctionNotFound(function.to_owned()));
+        }
         // Held in memory until its server's connection takes it (a server that does not read
-        // holds up to its channel's worth of calls): counted in the budget meanwhile.
+        // holds up to its channel's worth of calls): counted in the budget meanwhile. A small
+        // call goes even when the budget is full (in-memory queues may fill it): the channel's
+        // bound keeps what small calls hold small.
         let size = message.size() + function::INVOCATION_OVERHEAD;
-        let Some(memory) = self.hold_memory(size) else {
+        let small = size <= SMALL_CALL_BYTES;
+        let Some(memory) = MemoryHold::take(&self.memory, size, small) else {
             return Err(BrokerError::Limit(format!(
                 "a call of {size} bytes does not fit in the server's memory budget (max_memory_bytes) now"
             )));

@@ -158,8 +158,41 @@ async fn calls_waiting_for_their_server_count_in_the_memory_budget() {
     assert!(matches!(&refused, BrokerError::Limit(m) if m.contains("max_memory_bytes")), "{refused}");
     assert_eq!(sent, 3, "three of a megabyte and a bit fit in four");
     assert!(b.memory().0 <= 4 << 20);
+    let (r, _) = replier();
+    b.call(0, "sink", Message::new("tiny"), true, 0, LONG, r).expect("a small call goes all the same");
+    let (r, _) = replier();
+    let unserved = b.call(0, "nobody", big(), true, 0, LONG, r).err().expect("nothing serves it");
+    assert!(matches!(unserved, BrokerError::FunctionNotFound(_)), "{unserved}");
     while rx.try_recv().is_ok() {}
     assert_eq!(b.memory().0, 0, "taken by the server's connection: given back");
+}
+
+/// A server with as many calls waiting for its answers as it may have is skipped: its
+/// function's other servers take the calls, instead of it being handed calls it can only
+/// refuse (a client answers a call past its handlers' queue HANDLER_ERROR).
+#[tokio::test]
+async fn a_server_behind_with_its_answers_is_skipped_for_the_others() {
+    let (b, _dir) = broker();
+    let (behind, mut behind_rx) = tokio::sync::mpsc::channel(4096);
+    let (keeping_up, mut keeping_up_rx) = tokio::sync::mpsc::channel(4096);
+    b.serve("f", 1, behind);
+    b.serve("f", 2, keeping_up);
+    let most = petrel_broker::MAX_CALLS_WAITING_PER_SERVER;
+    let (mut replies, mut to_keeping_up) = (Vec::new(), 0);
+    for _ in 0..3 * most {
+        let (Ok(Called::Pending { .. }), reply) = call(&b, "f", "x", false) else { panic!("a server takes it") };
+        replies.push(reply);
+        // The one keeping up answers as calls come: it never has many waiting.
+        while let Ok(inv) = keeping_up_rx.try_recv() {
+            to_keeping_up += 1;
+            assert!(b.reply(inv.call, 2, Ok(Message::new("done"))));
+        }
+    }
+    let mut to_behind = 0;
+    while behind_rx.try_recv().is_ok() {
+        to_behind += 1;
+    }
+    assert_eq!((to_behind, to_keeping_up), (most, 2 * most));
 }
 
 #[tokio::test]

@@ -558,53 +558,6 @@ async fn a_subscribe_given_up_before_its_answer_leaves_no_subscription() {
     assert_eq!(text(&sub.next().await.unwrap().unwrap()), "one");
 }
 
-/// A handler that uses the client serving it (a ping here; a reply queue's offer in practice)
-/// while more calls come than its handlers and their queue hold: every call ends, answered or
-/// refused as busy. The client's reader waited for room in the handlers' queue before, and the
-/// handlers for answers only that reader could read: every call then timed out.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_using_its_own_client_under_a_flood_of_calls_never_hangs() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(dir.path());
-    let serving = server.client().await;
-    let own = serving.clone();
-    serving
-        .serve("f", move |m| {
-            let own = own.clone();
-            async move {
-                // (Long enough for the calls to fill the handlers and their queue first.)
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                own.ping().await.map_err(|e| e.to_string())?;
-                Ok(m)
-            }
-        })
-        .await
-        .unwrap();
-    let callers = futures_join(16, &server).await;
-    let started = Instant::now();
-    let mut calls = Vec::new();
-    for c in &callers {
-        for i in 0..250 {
-            let c = c.clone();
-            calls.push(tokio::spawn(async move {
-                c.call("f", Message::new(format!("{i}")), Some(Duration::from_secs(20))).await
-            }));
-        }
-    }
-    let mut outcomes = Vec::new();
-    for call in calls {
-        outcomes.push(call.await.unwrap());
-    }
-    let replied = outcomes.iter().filter(|o| o.is_ok()).count();
-    for o in &outcomes {
-        if let Err(e) = o {
-            assert_eq!(e.status(), Some(Status::HandlerError), "answered or refused as busy, never timed out: {e}");
-        }
-    }
-    assert!(replied > 0, "some calls were answered");
-    assert!(started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
-}
-
 /// Removing a durable topic ends its consumer-group subscriptions with TOPIC_NOT_FOUND, as it
 /// ends live ones (protocol.md); they waited for appends that never came, holding the deleted
 /// segments' disk.
