@@ -139,6 +139,10 @@ impl Reject {
     }
 }
 
+/// The longest data block thrown away after a refusal (a frame's 32-bit length, as memcached's
+/// limit): a longer one is a broken stream, and the connection is closed.
+const MAX_SKIPPED: usize = u32::MAX as usize;
+
 /// The decoder's state between calls: a storage command waiting for its data block, or a
 /// refused data block still being thrown away.
 #[derive(Debug)]
@@ -164,7 +168,9 @@ impl Decoder {
             if self.skipping > 0 {
                 return None;
             }
-            return self.after_skip.take().map(Err);
+            if let Some(reject) = self.after_skip.take() {
+                return Some(Err(reject));
+            }
         }
         if let Some((verb, line)) = self.pending.take() {
             return self.data_block(buf, verb, line);
@@ -188,10 +194,11 @@ impl Decoder {
                 Ok(line) => self.data_block(buf, verb, line),
                 Err(StorageError { reject, skip: None }) => Some(Err(reject)),
                 Err(StorageError { reject, skip: Some(len) }) => {
-                    // Throw the data block away so the next line is read as a line.
+                    // Answered at once (as memcached does: a client that waits for the answer
+                    // before it sends a large block is told), and the data block thrown away as
+                    // it comes, so the next line is read as a line.
                     self.skipping = len.saturating_add(2);
-                    self.after_skip = Some(reject);
-                    self.decode(buf)
+                    Some(Err(reject))
                 }
             };
         }
@@ -204,10 +211,11 @@ impl Decoder {
             if verb != "ms" {
                 return Some(Err(reject));
             }
-            let Some(len) = len else { return Some(Err(Reject::close("CLIENT_ERROR bad data chunk"))) };
+            let Some(len) = len.filter(|&len| len <= MAX_SKIPPED) else {
+                return Some(Err(Reject::close("CLIENT_ERROR bad data chunk")));
+            };
             self.skipping = len.saturating_add(2);
-            self.after_skip = Some(reject);
-            return self.decode(buf);
+            return Some(Err(reject));
         }
         let result = command(&verb, &tokens);
         buf.advance(line_len);
@@ -273,7 +281,8 @@ fn storage_line(verb: &str, tokens: &[&[u8]], max_data: usize) -> Result<Storage
     if tokens.len() < min_tokens {
         return Err(StorageError { reject: Reject::close("CLIENT_ERROR bad command line format"), skip: None });
     }
-    let Some(len) = number::<u64>(tokens[4]).and_then(|n| usize::try_from(n).ok()) else {
+    // A length past what any data block may be is no length: the stream cannot be followed.
+    let Some(len) = number::<u64>(tokens[4]).and_then(|n| usize::try_from(n).ok()).filter(|&n| n <= MAX_SKIPPED) else {
         return Err(StorageError { reject: Reject::close("CLIENT_ERROR bad data chunk"), skip: None });
     };
     let flags = number::<i64>(tokens[2]).filter(|f| (i64::from(i32::MIN)..=i64::from(u32::MAX)).contains(f));
@@ -440,6 +449,16 @@ mod tests {
         big.extend_from_slice(b"\r\nversion\r\n");
         let got = decode_all(&big, 100);
         assert_eq!(got, vec![set_refused("SERVER_ERROR object too large for cache"), Ok(Command::Version)]);
+        // Refused as soon as its line is read, not once the whole block came (a client that
+        // waits for the answer first got none); an impossible length closes.
+        let mut d = Decoder::new(100);
+        let mut buf = BytesMut::from(&b"set q 0 0 300\r\nxx"[..]);
+        assert_eq!(d.decode(&mut buf), Some(set_refused("SERVER_ERROR object too large for cache")));
+        assert_eq!(d.decode(&mut buf), None, "the rest of the block is awaited and thrown away");
+        buf.extend_from_slice(&[b'x'; 298]);
+        buf.extend_from_slice(b"\r\nversion\r\n");
+        assert_eq!(d.decode(&mut buf), Some(Ok(Command::Version)));
+        assert_eq!(decode_all(b"set q 0 0 99999999999\r\n", 100), vec![close("CLIENT_ERROR bad data chunk")]);
         assert_eq!(decode_all(b"get /open\r\n", 100), vec![close("CLIENT_ERROR empty queue name")]);
         assert_eq!(decode_all(b"get q/peek/open\r\n", 100), vec![close("CLIENT_ERROR conflicting options")]);
         assert_eq!(decode_all(b"get q/abort/close\r\n", 100), vec![close("CLIENT_ERROR conflicting options")]);

@@ -52,6 +52,8 @@ struct Session<S> {
     stream: S,
     input: Input,
     out: Vec<u8>,
+    /// Bytes at the start of `out` already written (by a flush cut short: see `flush`).
+    out_sent: usize,
     /// This connection's open (tentatively read) item per queue: its broker handle.
     open: HashMap<String, u64>,
     shutdown: watch::Receiver<bool>,
@@ -80,6 +82,7 @@ where
         stream,
         input: Input::new(),
         out: Vec::with_capacity(crate::input::QUIET_BYTES),
+        out_sent: 0,
         open: HashMap::new(),
         shutdown,
         peer,
@@ -196,19 +199,41 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             false => Some(self.ctx.handshake_timeout()),
         };
         let grace = self.ctx.config.shutdown_grace().unwrap_or(std::time::Duration::from_secs(5));
-        let write = self.stream.write_all(&self.out);
-        tokio::pin!(write);
-        let ok = tokio::select! {
-            written = &mut write => written.is_ok(),
-            _ = crate::sleep_until_or_never(stall.map(|d| tokio::time::Instant::now() + d)) => {
-                add(&self.ctx.stats.idle_closed, 1); // closed for silence, as the loop closes it
-                false
+        let mut deadline = stall.map(|d| tokio::time::Instant::now() + d);
+        let mut stopping = false;
+        // A write at a time, what it wrote counted at once (`out_sent`): a flush cancelled
+        // between writes (a blocking get's wait ends when an item comes) leaves only what is
+        // still to go, never bytes sent already (they went out twice).
+        let ok = loop {
+            if self.out_sent == self.out.len() {
+                break true;
             }
-            _ = self.shutdown.changed() => tokio::time::timeout(grace, &mut write).await.is_ok_and(|w| w.is_ok()),
+            let written = tokio::select! {
+                written = self.stream.write(&self.out[self.out_sent..]) => written,
+                _ = crate::sleep_until_or_never(deadline) => {
+                    if !stopping {
+                        add(&self.ctx.stats.idle_closed, 1); // closed for silence, as the loop closes it
+                    }
+                    break false;
+                }
+                _ = self.shutdown.changed(), if !stopping => {
+                    // Stopping: the client has the shutdown's grace to read the rest.
+                    stopping = true;
+                    deadline = Some(tokio::time::Instant::now() + grace);
+                    continue;
+                }
+            };
+            match written {
+                Ok(0) | Err(_) => break false,
+                Ok(n) => {
+                    self.out_sent += n;
+                    add(&self.ctx.stats.bytes_written, n as u64);
+                    self.connection.sent(n);
+                }
+            }
         };
-        add(&self.ctx.stats.bytes_written, self.out.len() as u64);
-        self.connection.sent(self.out.len());
         self.out.clear();
+        self.out_sent = 0;
         if self.out.capacity() > crate::input::STREAMING_BYTES {
             // After a large answer: a quiet connection keeps a small buffer.
             self.out = Vec::with_capacity(crate::input::QUIET_BYTES);
@@ -775,6 +800,50 @@ fn expires_at(exptime: i64, now: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::expires_at;
+
+    /// A blocking get's wait writes the answers before it (here a `stats`) while it waits, and
+    /// ends when an item comes, cancelling that write if the client reads slowly: what was
+    /// written by then must not go out again with the rest (it did, and the client read the
+    /// first part of the stats twice).
+    #[test]
+    fn answers_cut_short_by_an_item_arriving_go_out_once() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let harness = crate::fuzzing::Harness::new();
+        let ctx = std::sync::Arc::clone(harness.ctx());
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let got = rt.block_on(async move {
+            ctx.broker.create_queue("slowq", petrel_broker::QueueConfig::default(), None).unwrap();
+            let (mut client, server) = tokio::io::duplex(64);
+            let (_stop, stop) = tokio::sync::watch::channel(false);
+            let peer = crate::auth::Peer {
+                addr: Some(([127, 0, 0, 1], 1).into()),
+                tls: false,
+                certificate_user: Some("max".into()),
+            };
+            let serving = tokio::spawn(super::serve(server, std::sync::Arc::clone(&ctx), 1, stop, peer));
+            client.write_all(b"stats\r\nget slowq/t=5000\r\n").await.unwrap();
+            // The stats are written 64 bytes at a time as this reads; read a little, then let
+            // an item end the wait in the middle of the write.
+            let mut got = vec![0u8; 100];
+            client.read_exact(&mut got).await.unwrap();
+            ctx.broker.offer("slowq", vec![petrel_broker::Message::new(&b"x"[..])], 0).unwrap();
+            let mut buf = [0u8; 4096];
+            while !String::from_utf8_lossy(&got).contains("VALUE slowq") || !got.ends_with(b"END\r\n") {
+                let n = tokio::time::timeout(std::time::Duration::from_secs(10), client.read(&mut buf))
+                    .await
+                    .expect("the answers come")
+                    .unwrap();
+                assert!(n > 0, "closed: {}", String::from_utf8_lossy(&got));
+                got.extend_from_slice(&buf[..n]);
+            }
+            drop(client);
+            let _ = serving.await;
+            String::from_utf8(got).unwrap()
+        });
+        assert_eq!(got.matches("STAT uptime ").count(), 1, "{got}");
+        assert_eq!(got.matches("\r\nEND\r\n").count(), 2, "{got}");
+        assert!(got.ends_with("END\r\nVALUE slowq/t=5000 0 1\r\nx\r\nEND\r\n"), "{got}");
+    }
 
     #[test]
     fn expiry_follows_memcache_rules() {
