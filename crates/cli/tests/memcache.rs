@@ -130,6 +130,10 @@ fn malformed_input_gets_an_error_line_and_never_hurts_other_clients() {
         String::from_utf8_lossy(&c.until(b"STORED\r\n")),
         "SERVER_ERROR object too large for cache\r\nSTORED\r\n"
     );
+    // An item of exactly the limit with flags (kept beside it, a few bytes more): the same
+    // answer as over the limit, not NOT_STORED.
+    let exactly = [b"set q 16 0 65536\r\n".as_slice(), &[b'w'; 65536], b"\r\n"].concat();
+    assert_eq!(c.ask(&exactly, b"\r\n"), "SERVER_ERROR object too large for cache\r\n");
     // Over the queue's own max_item_size (100 bytes for `tiny`): NOT_STORED, as Kestrel.
     assert_eq!(c.ask(&[b"set tiny 0 0 101\r\n".as_slice(), &[b'y'; 101], b"\r\n"].concat(), b"\r\n"), "NOT_STORED\r\n");
     assert_eq!(c.ask(b"get q\r\n", b"END\r\n"), "VALUE q 0 5\r\nsmall\r\nEND\r\n");

@@ -381,21 +381,30 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             }
             Command::FlushAll { memcached_style, noreply } => {
                 let broker = Arc::clone(&self.ctx.broker);
+                // Every queue is flushed that can be; the first failure is the answer (as a
+                // `flush` of one queue answers its failure).
                 let flushed = crate::blocking(move || {
+                    let mut first_failure = Ok(());
                     for name in broker.queue_names() {
                         if let Some(q) = broker.queue(&name)
                             && let Err(e) = q.flush()
                         {
                             tracing::error!(queue = %name, error = %e, "flush failed");
+                            if first_failure.is_ok() {
+                                first_failure = Err(e);
+                            }
                         }
                     }
-                    Ok(())
+                    first_failure
                 });
-                let _ = flushed.await;
+                let flushed = flushed.await;
                 if !noreply {
-                    // Kestrel's own sentence, unless the client sent memcached's delay argument
-                    // and so expects memcached's `OK`.
-                    self.line(if memcached_style { "OK" } else { "Flushed all queues." });
+                    match flushed {
+                        // Kestrel's own sentence, unless the client sent memcached's delay
+                        // argument and so expects memcached's `OK`.
+                        Ok(()) => self.line(if memcached_style { "OK" } else { "Flushed all queues." }),
+                        Err(e) => self.line(&server_error(&e)),
+                    }
                 }
             }
             Command::FlushExpired { queue } => {
@@ -450,6 +459,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         };
         match synced {
             Ok(()) => "STORED".into(),
+            // Over the server's limit (the flags, kept beside the item, count a few bytes of it):
+            // the line memcached gives, as for a data block over it.
+            Err(BrokerError::TooLarge { max, .. }) if max == self.ctx.config.max_message_bytes => {
+                "SERVER_ERROR object too large for cache".into()
+            }
+            // Over the queue's own limits (Kestrel's answer).
             Err(BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::NeverFits(_)) => "NOT_STORED".into(),
             Err(e) => server_error(&e),
         }
@@ -461,8 +476,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             return Flow::Continue;
         }
         let broker = Arc::clone(&self.ctx.broker);
-        // A close or abort the broker could not apply (a storage error) keeps the item open:
-        // the client may try again, and a second `/open` is still refused.
+        // An abort the broker could not apply (a storage error) keeps the item open: the client
+        // may try again, and a second `/open` is still refused.
         if o.abort {
             if let Some(handle) = self.open.remove(name)
                 && let Err(e) = broker.abort(name, &[handle], self.conn, 0, now_ns())
@@ -476,11 +491,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             return Flow::Continue;
         }
         if o.close {
+            // An acknowledgement whose write failed has still acknowledged the item (in memory:
+            // it is no longer open, and comes back only after a restart): said, and not kept
+            // open (a later `/abort` or disconnect would give back nothing).
             if let Some(handle) = self.open.remove(name)
                 && let Err(e) = broker.ack(name, &[handle], self.conn)
                 && !matches!(e, BrokerError::NotFound(_))
             {
-                self.open.insert(name.to_owned(), handle);
                 self.line(&server_error(&e));
                 return Flow::Continue;
             }
