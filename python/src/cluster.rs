@@ -376,18 +376,25 @@ impl Cluster {
     }
 
     /// Ends every connection and the background work; tentative takes not acknowledged go back
-    /// to their queues.
-    fn close(&self) {
+    /// to their queues (those kept for later polls, never seen, as never handed out).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        if !self.inner.is_closed() {
+            self.wait(py, async {
+                self.inner.give_back_kept().await;
+                Ok::<(), petrel_client::ClientError>(())
+            })?;
+        }
         self.inner.close();
+        Ok(())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
 
-    fn __exit__(&self, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> bool {
-        self.close();
-        false
+    fn __exit__(&self, py: Python<'_>, _kind: Py<PyAny>, _value: Py<PyAny>, _traceback: Py<PyAny>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
     }
 
     fn __repr__(&self) -> String {

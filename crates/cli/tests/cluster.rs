@@ -828,3 +828,50 @@ async fn a_cluster_subscriber_that_fell_behind_is_told_and_goes_on() {
         assert!(Instant::now() < deadline, "nothing after the notice");
     }
 }
+
+/// A server at its connection limit (LIMIT_REACHED to HELLO) is a server down, not a setting to
+/// fix: the cluster connects to the others (it failed whole).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_at_its_connection_limit_is_down_not_fatal() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("one.toml");
+    std::fs::write(&config, "max_connections = 1\n").unwrap();
+    let full = Server::start_with(&dir.path().join("s0"), &["--config", config.to_str().unwrap()]);
+    let free = Server::start(&dir.path().join("s1"));
+    let _holding = full.client().await;
+    let addrs = [full.addr.as_str(), free.addr.as_str()];
+    let cluster = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
+    let stats = cluster.stats();
+    assert!(!stats.servers[0].up && stats.servers[1].up, "{:?}", stats.servers);
+    cluster.create_queue("q", QueueConfig::default()).await.unwrap_err(); // (made on the one up)
+    assert_eq!(cluster.list_queues().await.unwrap(), ["q"]);
+}
+
+/// Messages a cluster poll took beyond what its caller asked for, kept for later polls, go back
+/// unseen when the cluster ends: `consume --count 1` on two servers with `max_deliveries = 1`
+/// dead-lettered the message it kept (its connection's end counted it as a delivery).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_kept_for_later_polls_go_back_unseen_at_the_end() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    let limited = QueueConfig { max_deliveries: 1, dead_letter: "dlq".into(), ..QueueConfig::default() };
+    for s in &servers {
+        let c = s.client().await;
+        c.create_queue("dlq", QueueConfig::default()).await.unwrap();
+        c.create_queue("q", limited.clone()).await.unwrap();
+        c.offer("q", vec![Message::new("a"), Message::new("b")], None).await.unwrap();
+    }
+    let list = format!("{},{}", servers[0].addr, servers[1].addr);
+    let out = common::petrel(&["consume", "q", "--count", "1", "--server", &list], b"");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    let (mut left, mut dead) = (0, 0);
+    for s in &servers {
+        let c = s.client().await;
+        left += c.queue_status("q").await.unwrap().items;
+        dead += c.queue_status("dlq").await.unwrap().items;
+    }
+    assert_eq!((left, dead), (3, 0), "the one printed is gone; the one kept is back, not dead-lettered");
+}

@@ -479,19 +479,24 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
 enum Settle {
     Ack,
     Abort(Duration),
+    /// Back to the head as never handed out (the application never saw them: kept past their
+    /// time, or still kept at the end), on a server that takes them so; else as `Abort`.
+    GiveBack,
 }
 
 impl Settle {
-    /// The request that settles `handles` of `queue` on one server.
-    fn request(self, queue: &str, handles: Vec<u64>) -> Request {
+    /// The request that settles `handles` of `queue` on one server, through `client`.
+    fn request(self, client: &Client, queue: &str, handles: Vec<u64>) -> Request {
+        let delay_ms = match self {
+            Settle::Abort(delay) => delay.as_millis().min(u128::from(u32::MAX)) as u32,
+            _ => 0,
+        };
         match self {
             Settle::Ack => Request::Ack { queue: queue.into(), handles },
-            Settle::Abort(delay) => Request::Abort {
-                queue: queue.into(),
-                handles,
-                delay_ms: delay.as_millis().min(u128::from(u32::MAX)) as u32,
-                unseen: false,
-            },
+            Settle::Abort(_) => Request::Abort { queue: queue.into(), handles, delay_ms, unseen: false },
+            Settle::GiveBack => {
+                Request::Abort { queue: queue.into(), handles, delay_ms, unseen: client.returns_unseen() }
+            }
         }
     }
 }
@@ -510,7 +515,7 @@ fn settle_unanswered(shared: &Shared, queue: &str, deliveries: &[ClusterDelivery
         if current != connection {
             continue;
         }
-        let request = how.request(queue, handles);
+        let request = how.request(&client, queue, handles);
         client.send_unanswered(&request);
     }
 }
@@ -521,7 +526,7 @@ async fn settle(shared: &Arc<Shared>, queue: &str, handles: &[ClusterHandle], ho
         if current != connection {
             return Ok(0);
         }
-        let request = how.request(queue, handles);
+        let request = how.request(&client, queue, handles);
         match shared.on(i, connection, Duration::ZERO, client.request(&request)).await {
             Ok(Response::Acked { count }) => Ok(count),
             Ok(other) => Err(crate::unexpected(other)),
@@ -609,9 +614,13 @@ impl Cluster {
         let connects = addrs.iter().map(|addr| Client::connect_with(addr, &options.client));
         let mut results = join_all(connects).await;
         // A refused password or certificate is a setting to fix, not a server to wait for. (A
-        // server that does not answer HELLO, stopped say, is a server to wait for.)
-        let fatal =
-            |r: &Result<Client, ClientError>| matches!(r, Err(ClientError::Status { .. } | ClientError::Tls(_)));
+        // server that does not answer HELLO, stopped say, is a server to wait for, and so is one
+        // at a connection limit: LIMIT_REACHED.)
+        let fatal = |r: &Result<Client, ClientError>| match r {
+            Err(ClientError::Status { status, .. }) => status != &Status::LimitReached,
+            Err(ClientError::Tls(_)) => true,
+            _ => false,
+        };
         if let Some(at) = results.iter().position(fatal) {
             return Err(match results.swap_remove(at).expect_err("fatal is an error") {
                 ClientError::Status { status, message } => {
@@ -672,6 +681,21 @@ impl Cluster {
     /// Ends every connection and stops reconnecting: requests fail with `Closed` after it;
     /// tentative deliveries not acknowledged go back to their queues, functions stop being
     /// served, subscriptions end.
+    /// Gives back to their queues, as never handed out, the deliveries polls took beyond what
+    /// their callers asked for and kept for the next polls: the application never saw them, so
+    /// their delivery is not counted (closing without this returns them as a consumer gone,
+    /// counted towards `max_deliveries`). The blocking cluster does it when it is dropped.
+    pub async fn give_back_kept(&self) {
+        let kept: Vec<(String, Vec<ClusterHandle>)> = lock(&self.shared.parked)
+            .iter_mut()
+            .map(|((queue, _), p)| (queue.clone(), p.arrived.drain(..).map(|(_, d)| d.handle).collect()))
+            .filter(|(_, handles): &(String, Vec<ClusterHandle>)| !handles.is_empty())
+            .collect();
+        for (queue, handles) in kept {
+            let _ = settle(&self.shared, &queue, &handles, Settle::GiveBack).await;
+        }
+    }
+
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
         for m in &self.shared.members {
@@ -1006,7 +1030,8 @@ impl Cluster {
             }
             taken
         };
-        settle_unanswered(&self.shared, &key.0, &stale, Settle::Abort(Duration::ZERO));
+        // Never seen by the application: their delivery is not counted.
+        settle_unanswered(&self.shared, &key.0, &stale, Settle::GiveBack);
         if taken.is_empty() { taken } else { self.shared.drop_copies(&key.0, taken) }
     }
 
@@ -1173,7 +1198,8 @@ impl Cluster {
         drop(ready_tx);
         // Answer once each server has answered its first SUBSCRIBE (or was down): the first
         // error is the caller's (a topic that does not exist, a forbidden one).
-        let subscription = ClusterSubscription { rx, tasks, current };
+        let request_timeout = self.shared.options.request_timeout;
+        let subscription = ClusterSubscription { rx, tasks, current, request_timeout };
         while let Some(first) = ready_rx.recv().await {
             first?;
         }
@@ -1189,8 +1215,11 @@ impl Cluster {
         message: Message,
         timeout: Option<Duration>,
     ) -> Result<Message, ClientError> {
-        let timeout_ms = timeout.map_or(0, |t| t.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
+        // Always a timeout of its own: the server's default (`default_call_timeout_ms`) may be
+        // longer than what this waits, and a server still running a call would be taken for
+        // down and the call made again elsewhere.
         let wait = timeout.unwrap_or(Duration::from_secs(30));
+        let timeout_ms = wait.as_millis().clamp(1, u128::from(u32::MAX)) as u32;
         let request =
             Request::Call { function: function.into(), timeout_ms, oneway: false, message: Box::new(message) };
         let not_here = |e: &ClientError| e.status() == Some(Status::FunctionNotFound);
@@ -1447,6 +1476,7 @@ pub struct ClusterSubscription {
     rx: mpsc::Receiver<Result<ClusterDelivery, ClientError>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     current: Arc<Mutex<Vec<Option<Following>>>>,
+    request_timeout: Duration,
 }
 
 impl ClusterSubscription {
@@ -1472,7 +1502,7 @@ impl ClusterSubscription {
     /// What acknowledges this subscription's messages, apart from it (so that one task may
     /// acknowledge while another waits for the next message).
     pub fn acks(&self) -> ClusterAcks {
-        ClusterAcks { current: Arc::clone(&self.current) }
+        ClusterAcks { current: Arc::clone(&self.current), request_timeout: self.request_timeout }
     }
 }
 
@@ -1480,6 +1510,10 @@ impl ClusterSubscription {
 #[derive(Clone)]
 pub struct ClusterAcks {
     current: Arc<Mutex<Vec<Option<Following>>>>,
+    /// How long a server's answer is waited for (the cluster's `request_timeout`): one stopped
+    /// server does not hold up the others' messages (its unanswered acknowledgements are as
+    /// lost: its messages come again, at least once).
+    request_timeout: Duration,
 }
 
 impl ClusterAcks {
@@ -1494,7 +1528,8 @@ impl ClusterAcks {
             if ids.is_empty() {
                 continue; // all delivered on a connection since lost
             }
-            match f.client.ack_subscription(f.subscription, &ids).await {
+            let acked = tokio::time::timeout(self.request_timeout, f.client.ack_subscription(f.subscription, &ids));
+            match acked.await.unwrap_or_else(|_| Err(ClientError::Io(std::io::ErrorKind::TimedOut.into()))) {
                 Ok(n) => total += n,
                 Err(e) if e.is_connection_lost() => {}
                 Err(e) => return Err(e),

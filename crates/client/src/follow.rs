@@ -155,8 +155,10 @@ impl Follower {
                     return Ok(());
                 }
                 // Anything but absence (a refused password, another service on the port) is
-                // not waited out.
-                Err(e) if e.is_connection_lost() => pause = (pause * 2).min(self.reconnect.max_pause),
+                // not waited out; a server at a connection limit is waited for as one away.
+                Err(e) if e.is_connection_lost() || e.status() == Some(Status::LimitReached) => {
+                    pause = (pause * 2).min(self.reconnect.max_pause)
+                }
                 Err(e) => return Err(e),
             }
         }

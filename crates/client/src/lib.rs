@@ -716,6 +716,11 @@ impl Client {
         self.settle_abort(Request::Abort { queue: queue.into(), handles: handles.to_vec(), delay_ms: 0, unseen }).await
     }
 
+    /// Whether the server takes deliveries back as unseen (`give_back_unseen`).
+    pub(crate) fn returns_unseen(&self) -> bool {
+        self.inner.returns_unseen.load(Ordering::Relaxed)
+    }
+
     async fn settle_abort(&self, abort: Request) -> Result<u32, ClientError> {
         match self.call_op(abort).await? {
             Response::Acked { count } => Ok(count),
@@ -1349,6 +1354,16 @@ pub mod blocking {
     pub struct Cluster {
         rt: tokio::runtime::Runtime,
         inner: super::Cluster,
+    }
+
+    /// What polls kept for later goes back unseen (`Cluster::give_back_kept`) before the
+    /// connections close.
+    impl Drop for Cluster {
+        fn drop(&mut self) {
+            if !self.inner.is_closed() {
+                self.rt.block_on(self.inner.give_back_kept());
+            }
+        }
     }
 
     impl Cluster {
