@@ -407,7 +407,8 @@ pub fn produce(args: ProduceArgs) -> Res {
             Ok(repeated) => repeats += repeated,
             Err((0, e)) if sent == 0 => return Err(e.into()),
             Err((accepted, e)) => {
-                // Say what is stored, so that a rerun does not offer it again.
+                // Say what is stored, so that a rerun does not offer it again; an offer whose
+                // answer was lost with its connection may have been stored too.
                 let stored = sent + accepted;
                 eprintln!(
                     "{} offered to {} (the first {stored} lines) before line {} failed",
@@ -415,6 +416,14 @@ pub fn produce(args: ProduceArgs) -> Res {
                     args.queue,
                     stored + 1
                 );
+                if e.is_connection_lost() && args.key.is_none() {
+                    eprintln!(
+                        "petrel: the connection was lost before the answer to lines {} to {}: they may be stored \
+                         too; a rerun with --key offers them again without storing them twice",
+                        stored + 1,
+                        sent + n
+                    );
+                }
                 return Err(e.into());
             }
         }
