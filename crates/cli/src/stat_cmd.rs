@@ -58,11 +58,30 @@ struct Watched {
     error: Option<String>,
 }
 
-/// One server's queues and topics at one moment.
+/// How long one server's sample may take: a server that stopped answering (SIGSTOP, a cut
+/// link) is marked down instead of freezing the whole view.
+const SAMPLE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One server's queues and topics at one moment (within `SAMPLE_TIMEOUT`).
 fn sample_server(client: &Client, prefix: &str) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
+    client.block_on(async {
+        match tokio::time::timeout(SAMPLE_TIMEOUT, sample_server_now(client.inner(), prefix)).await {
+            Ok(sampled) => sampled,
+            Err(_) => Err(ClientError::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {SAMPLE_TIMEOUT:?}"),
+            ))),
+        }
+    })
+}
+
+async fn sample_server_now(
+    client: &petrel_client::Client,
+    prefix: &str,
+) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
     let mut samples = Vec::new();
-    for name in client.list_queues()?.into_iter().filter(|n| n.starts_with(prefix)) {
-        match client.queue_status(&name) {
+    for name in client.list_queues().await?.into_iter().filter(|n| n.starts_with(prefix)) {
+        match client.queue_status(&name).await {
             Ok(stats) => samples.push(Sample { name, stats }),
             // Removed between the list and its status.
             Err(e) if e.status() == Some(petrel_client::Status::QueueNotFound) => {}
@@ -70,8 +89,8 @@ fn sample_server(client: &Client, prefix: &str) -> Result<(Vec<Sample>, Vec<Topi
         }
     }
     let mut topics = Vec::new();
-    for name in client.list_topics()?.into_iter().filter(|n| n.starts_with(prefix)) {
-        match client.topic_status(&name) {
+    for name in client.list_topics().await?.into_iter().filter(|n| n.starts_with(prefix)) {
+        match client.topic_status(&name).await {
             Ok(stats) => topics.push(TopicSample { name, stats }),
             Err(e) if e.status() == Some(petrel_client::Status::TopicNotFound) => {}
             Err(e) => return Err(e),

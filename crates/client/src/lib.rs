@@ -1258,6 +1258,14 @@ pub mod blocking {
             let inner = rt.block_on(super::Client::connect_with(addr, options))?;
             Ok(Client { rt, inner })
         }
+        /// The async client, for use on this one's runtime ([`Client::block_on`]): to bound a
+        /// few requests by one timeout, say.
+        pub fn inner(&self) -> &super::Client {
+            &self.inner
+        }
+        pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+            self.rt.block_on(f)
+        }
 
         pub fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.create_queue(name, config))
