@@ -405,23 +405,28 @@ pub fn produce(args: ProduceArgs) -> Res {
         };
         match offered {
             Ok(repeated) => repeats += repeated,
-            Err((0, e)) if sent == 0 => return Err(e.into()),
             Err((accepted, e)) => {
                 // Say what is stored, so that a rerun does not offer it again; an offer whose
                 // answer was lost with its connection may have been stored too.
                 let stored = sent + accepted;
-                eprintln!(
-                    "{} offered to {} (the first {stored} lines) before line {} failed",
-                    crate::output::count(stored, "message"),
-                    args.queue,
-                    stored + 1
-                );
-                if e.is_connection_lost() && args.key.is_none() {
+                if stored > 0 {
+                    eprintln!(
+                        "{} offered to {} (the first {stored} lines) before line {} failed",
+                        crate::output::count(stored, "message"),
+                        args.queue,
+                        stored + 1
+                    );
+                }
+                if e.is_connection_lost() {
                     eprintln!(
                         "petrel: the connection was lost before the answer to lines {} to {}: they may be stored \
-                         too; a rerun with --key offers them again without storing them twice",
+                         too{}",
                         stored + 1,
-                        sent + n
+                        sent + n,
+                        match &args.key {
+                            Some(_) => " (a rerun with the same --key stores none of them twice)",
+                            None => "",
+                        }
                     );
                 }
                 return Err(e.into());

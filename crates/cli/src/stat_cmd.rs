@@ -58,21 +58,24 @@ struct Watched {
     error: Option<String>,
 }
 
-/// How long one server's sample may take: a server that stopped answering (SIGSTOP, a cut
-/// link) is marked down instead of freezing the whole view.
-const SAMPLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one request of a sample may wait for its answer: a server that stopped answering
+/// (SIGSTOP, a cut link) is marked down instead of freezing the whole view. (Per request: a
+/// server with thousands of queues takes a while to sample, and is not down.)
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// One server's queues and topics at one moment (within `SAMPLE_TIMEOUT`).
-fn sample_server(client: &Client, prefix: &str) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
-    client.block_on(async {
-        match tokio::time::timeout(SAMPLE_TIMEOUT, sample_server_now(client.inner(), prefix)).await {
-            Ok(sampled) => sampled,
-            Err(_) => Err(ClientError::Io(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no answer within {SAMPLE_TIMEOUT:?}"),
-            ))),
-        }
+/// `request`'s answer, or a timeout after `REQUEST_TIMEOUT`.
+async fn within<T>(request: impl std::future::Future<Output = Result<T, ClientError>>) -> Result<T, ClientError> {
+    tokio::time::timeout(REQUEST_TIMEOUT, request).await.unwrap_or_else(|_| {
+        Err(ClientError::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer within {REQUEST_TIMEOUT:?}"),
+        )))
     })
+}
+
+/// One server's queues and topics at one moment.
+fn sample_server(client: &Client, prefix: &str) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
+    client.block_on(sample_server_now(client.inner(), prefix))
 }
 
 async fn sample_server_now(
@@ -80,8 +83,8 @@ async fn sample_server_now(
     prefix: &str,
 ) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
     let mut samples = Vec::new();
-    for name in client.list_queues().await?.into_iter().filter(|n| n.starts_with(prefix)) {
-        match client.queue_status(&name).await {
+    for name in within(client.list_queues()).await?.into_iter().filter(|n| n.starts_with(prefix)) {
+        match within(client.queue_status(&name)).await {
             Ok(stats) => samples.push(Sample { name, stats }),
             // Removed between the list and its status.
             Err(e) if e.status() == Some(petrel_client::Status::QueueNotFound) => {}
@@ -89,8 +92,8 @@ async fn sample_server_now(
         }
     }
     let mut topics = Vec::new();
-    for name in client.list_topics().await?.into_iter().filter(|n| n.starts_with(prefix)) {
-        match client.topic_status(&name).await {
+    for name in within(client.list_topics()).await?.into_iter().filter(|n| n.starts_with(prefix)) {
+        match within(client.topic_status(&name)).await {
             Ok(stats) => topics.push(TopicSample { name, stats }),
             Err(e) if e.status() == Some(petrel_client::Status::TopicNotFound) => {}
             Err(e) => return Err(e),

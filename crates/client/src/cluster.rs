@@ -678,9 +678,6 @@ impl Cluster {
         Ok(Cluster { shared })
     }
 
-    /// Ends every connection and stops reconnecting: requests fail with `Closed` after it;
-    /// tentative deliveries not acknowledged go back to their queues, functions stop being
-    /// served, subscriptions end.
     /// Gives back to their queues, as never handed out, the deliveries polls took beyond what
     /// their callers asked for and kept for the next polls: the application never saw them, so
     /// their delivery is not counted (closing without this returns them as a consumer gone,
@@ -696,6 +693,10 @@ impl Cluster {
         }
     }
 
+    /// Ends every connection and stops reconnecting: requests fail with `Closed` after it;
+    /// tentative deliveries not acknowledged go back to their queues (counted as delivered:
+    /// `give_back_kept` first for those the application never saw), functions stop being
+    /// served, subscriptions end.
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
         for m in &self.shared.members {

@@ -1368,7 +1368,9 @@ pub mod blocking {
     /// connections close.
     impl Drop for Cluster {
         fn drop(&mut self) {
-            if !self.inner.is_closed() {
+            // (Not from within a runtime, where `block_on` panics, nor while a panic unwinds:
+            // those connections close as they are, their kept messages counted as delivered.)
+            if !self.inner.is_closed() && tokio::runtime::Handle::try_current().is_err() && !std::thread::panicking() {
                 self.rt.block_on(self.inner.give_back_kept());
             }
         }

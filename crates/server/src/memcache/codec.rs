@@ -4,8 +4,8 @@
 //!
 //! Lines end in LF (CR before it is dropped); tokens are separated by runs of spaces or tabs; the
 //! command word is case-insensitive. A line longer than `MAX_LINE` closes the connection. A data
-//! block longer than the limit is read and thrown away, then refused, so the connection stays
-//! in step with the client.
+//! block longer than the limit is refused as soon as its line is read, and thrown away as it
+//! comes, so the connection stays in step with the client.
 
 use bytes::{Buf, Bytes, BytesMut};
 
