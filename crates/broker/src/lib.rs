@@ -299,6 +299,8 @@ pub struct Broker {
     registry: RwLock<Registry>,
     /// Bytes held by in-memory queues, against `max_memory_bytes`.
     memory: Arc<MemoryBudget>,
+    /// Small calls waiting for their servers while `memory` is full (`SMALL_CALLS_PAST_BUDGET`).
+    small_calls_past_budget: Arc<MemoryBudget>,
     /// Pages of every durable log's segments, against `max_resident_bytes`.
     pages: petrel_log::PageBudget,
     /// Serializes changes to the set of queues and their definitions files; holds the names of
@@ -345,9 +347,11 @@ pub struct Broker {
 /// nobody publishes to would otherwise keep for ever (`SharedLog::give_back`).
 const TOPIC_GIVE_BACK_EVERY_NS: u64 = 10_000_000_000;
 
-/// A call this small (with what holding it takes) goes even when the memory budget is full:
-/// each serving connection's channel holds a bounded number of calls, so small ones hold little.
+/// A call this small (with what holding it takes) goes even when the memory budget is full (in-
+/// memory queues may fill it), within `SMALL_CALLS_PAST_BUDGET` for all such calls together.
 const SMALL_CALL_BYTES: u64 = 64 << 10;
+/// What small calls may hold past a full memory budget, all together.
+const SMALL_CALLS_PAST_BUDGET: u64 = 64 << 20;
 
 /// A queue opened from its directory, or the name of one that could not be, and why.
 type Opened = Result<Arc<Queue>, (String, BrokerError)>;
@@ -574,6 +578,7 @@ impl Broker {
             options,
             registry: RwLock::new(Registry::default()),
             memory,
+            small_calls_past_budget: Arc::new(MemoryBudget::new(SMALL_CALLS_PAST_BUDGET)),
             pages,
             definitions: Mutex::new(HashSet::new()),
             creation_ended: Condvar::new(),
@@ -1660,11 +1665,13 @@ impl Broker {
         }
         // Held in memory until its server's connection takes it (a server that does not read
         // holds up to its channel's worth of calls): counted in the budget meanwhile. A small
-        // call goes even when the budget is full (in-memory queues may fill it): the channel's
-        // bound keeps what small calls hold small.
+        // call goes even when the budget is full (in-memory queues may fill it), within a
+        // bounded allowance of its own.
         let size = message.size() + function::INVOCATION_OVERHEAD;
         let small = size <= SMALL_CALL_BYTES;
-        let Some(memory) = MemoryHold::take(&self.memory, size, small) else {
+        let held = MemoryHold::take(&self.memory, size, false)
+            .or_else(|| small.then(|| MemoryHold::take(&self.small_calls_past_budget, size, false)).flatten());
+        let Some(memory) = held else {
             return Err(BrokerError::Limit(format!(
                 "a call of {size} bytes does not fit in the server's memory budget (max_memory_bytes) now"
             )));
