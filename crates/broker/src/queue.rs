@@ -1206,7 +1206,14 @@ impl Queue {
                 && (max_bytes == 0 || inner.bytes + size <= max_bytes)
         };
         if !fits(&inner) {
-            if !config.circular {
+            // A circular queue drops waiting messages to make room, and only when that makes
+            // it: what is delayed or out with consumers stays, and an offer that would not fit
+            // beside it is refused with nothing dropped.
+            let fits_beside_the_rest = |inner: &Inner| {
+                (max_items == 0 || inner.delayed + n <= max_items)
+                    && (max_bytes == 0 || inner.in_flight_bytes() + size <= max_bytes)
+            };
+            if !config.circular || !fits_beside_the_rest(&inner) {
                 return Err(BrokerError::Full(self.name.clone()));
             }
             while !fits(&inner) && inner.drop_oldest()? {
@@ -2092,6 +2099,11 @@ impl Inner {
     }
 
     /// Messages waiting (not in flight).
+    /// Bytes of the messages out with consumers (counted in `bytes`).
+    fn in_flight_bytes(&self) -> u64 {
+        self.in_flight.values().map(|f| f.bytes).sum()
+    }
+
     fn items(&self) -> u64 {
         debug_assert_eq!(self.waiting, self.waiting_at.iter().sum::<u64>(), "a queue's count is its levels'");
         debug_assert_eq!(

@@ -113,6 +113,31 @@ fn bounded_queues_refuse_and_circular_ones_drop_the_oldest() {
     }
 }
 
+/// A circular queue drops waiting messages only when that makes room: an offer that would not
+/// fit beside what is delayed, or out with consumers, is refused with nothing dropped (the
+/// waiting messages were dropped, and the offer refused all the same).
+#[test]
+fn a_circular_queue_drops_nothing_for_an_offer_it_cannot_take() {
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        let ring = QueueConfig { max_items: 2, circular: true, durable, ..QueueConfig::default() };
+        b.create_queue("ring", ring, None).unwrap();
+        let later = Message { delay_ms: 60_000, ..Message::new(&b"later"[..]) };
+        b.offer("ring", vec![later], MS).unwrap();
+        b.offer("ring", msgs(&["waiting"]), MS).unwrap();
+        let refused = b.offer("ring", msgs(&["x", "y"]), MS);
+        assert!(matches!(refused, Err(BrokerError::Full(_))), "durable {durable}: {refused:?}");
+        assert_eq!(b.queue("ring").unwrap().counters().dropped, 0, "durable {durable}");
+        assert_eq!(payloads(&b.poll("ring", 5, None, 1, 2 * MS).unwrap()), [b"waiting".to_vec()]);
+        // One that fits once the waiting one is dropped goes in, as before.
+        b.offer("ring", msgs(&["w2"]), 3 * MS).unwrap();
+        b.offer("ring", msgs(&["z"]), 4 * MS).unwrap();
+        assert_eq!(b.queue("ring").unwrap().counters().dropped, 1);
+        assert_eq!(payloads(&b.poll("ring", 5, None, 1, 5 * MS).unwrap()), [b"z".to_vec()]);
+    }
+}
+
 #[test]
 fn expired_messages_go_to_the_dead_letter_queue() {
     for config in both() {
