@@ -295,8 +295,9 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     .collect();
                 // Delayed messages count against a bound: they are stored.
                 let over = |model: &Model| max != 0 && model.items() as usize + model.delayed.len() + fresh.len() > max;
-                if over(&model) && config.circular {
-                    // Room first: the oldest of the lowest level that has messages go.
+                // Room first, if dropping every waiting message would make it (what is delayed
+                // stays): the oldest of the lowest level that has messages go.
+                if over(&model) && config.circular && model.delayed.len() + fresh.len() <= max {
                     while over(&model)
                         && let Some(lowest) = model.waiting.iter_mut().find(|l| !l.is_empty())
                     {
