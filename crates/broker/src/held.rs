@@ -21,7 +21,7 @@ pub const HELD_OVERHEAD: u64 = (std::mem::size_of::<Held>() + 40) as u64;
 pub const DELAYED_OVERHEAD: u64 = (2 * (std::mem::size_of::<Held>() + 16) + 40) as u64;
 
 /// Messages a chunk of a `HeldQueue` holds once full (a put-back message may pass it: messages
-/// taken and returned go back to their place, at most as many as are taken at once).
+/// taken and returned go back to their place; a chunk past twice this is split).
 const CHUNK: usize = 1024;
 
 /// A queue's waiting messages in memory, in id order: chunks of `CHUNK`, each grown as it fills,
@@ -79,6 +79,12 @@ impl HeldQueue {
         let i = chunk.partition_point(|waiting| waiting.id < m.id);
         chunk.insert(i, m);
         self.len += 1;
+        if chunk.len() > 2 * CHUNK {
+            // Many put back into one chunk (a disconnect's thousands of reads): split, so that
+            // an insert moves at most a chunk's worth, not the whole backlog's.
+            let tail = chunk.split_off(chunk.len() / 2);
+            self.chunks.insert(at + 1, tail);
+        }
     }
 
     #[cfg(test)]
@@ -247,6 +253,24 @@ mod tests {
         let keyed = Held::new(Message { idempotency_key: "order-17".into(), ..Message::new(&b"x"[..]) });
         assert_eq!(keyed.rare.as_ref().map(|r| r.len()), Some(4 + 7 * 2 + 8));
         assert!(std::mem::size_of::<Held>() <= 88, "{} bytes", std::mem::size_of::<Held>());
+    }
+
+    /// Thousands of messages put back in no order (a disconnect's reads, from a map) keep every
+    /// chunk within twice its size: one chunk took them all, and each insert moved the backlog.
+    #[test]
+    fn many_put_back_in_any_order_keep_chunks_bounded() {
+        let mut q = HeldQueue::default();
+        let n = 20 * CHUNK as u64;
+        let mut ids: Vec<u64> = (1..=n).collect();
+        // A fixed shuffle (a multiplicative step through the ids).
+        ids.sort_by_key(|id| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 20);
+        for id in ids {
+            q.insert_by_id(Held::new(Message { id, ..Message::default() }));
+        }
+        assert_eq!(q.len(), n as usize);
+        assert!(q.iter().map(|m| m.id).eq(1..=n), "in id order");
+        let largest = q.chunks.iter().map(VecDeque::len).max().unwrap();
+        assert!(largest <= 2 * CHUNK, "a chunk of {largest}");
     }
 
     proptest::proptest! {
