@@ -2146,7 +2146,21 @@ impl Inner {
                 None => return Ok(None),
             },
         };
-        self.take_at(level)
+        let taken = self.take_at(level)?;
+        if taken.is_some() || self.waiting_at.len() == 1 {
+            return Ok(taken);
+        }
+        // The level chosen has as many out as its log allows (it waits for acknowledgements):
+        // the other levels' messages still go, highest first, rather than none.
+        for other in (0..self.waiting_at.len()).rev().filter(|&l| l != level) {
+            if self.waiting_at[other] > 0
+                && self.has_head(other)?
+                && let Some(taken) = self.take_at(other)?
+            {
+                return Ok(Some(taken));
+            }
+        }
+        Ok(None)
     }
 
     /// `next_at`, counted: the message taken is no longer waiting.
@@ -2773,12 +2787,14 @@ impl Inner {
             Store::Log { lanes, .. } => {
                 let lane = &mut lanes[level];
                 skip_markers(&mut lane.group, &mut lane.markers_unread)?;
-                match lane.group.take(Duration::ZERO)? {
-                    Some(r) => {
+                match lane.group.take(Duration::ZERO) {
+                    Ok(Some(r)) => {
                         lane.returns.remove(&r.offset);
                         counting::subtract(&mut self.bytes, message::from_record(&r).size(), "a queue's bytes");
                     }
-                    None => return Ok(false),
+                    // As many out as the log allows: nothing to drop here now (not an error).
+                    Ok(None) | Err(petrel_log::Error::TooManyPending { .. }) => return Ok(false),
+                    Err(e) => return Err(e.into()),
                 }
             }
         }

@@ -138,6 +138,27 @@ fn a_circular_queue_drops_nothing_for_an_offer_it_cannot_take() {
     }
 }
 
+/// A level of a durable queue with as many messages out as its log allows (8,192 read and not
+/// yet acknowledged) waits for acknowledgements; the other levels' messages still go (every
+/// poll chose the blocked level and came back empty).
+#[test]
+fn a_level_at_its_limit_of_open_reads_does_not_hold_up_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let config = QueueConfig { durable: true, priorities: 2, ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    let urgent = |n: usize| (0..n).map(|_| Message { priority: 1, ..Message::new(&b"u"[..]) }).collect::<Vec<_>>();
+    b.offer("q", urgent(petrel_log::MAX_PENDING + 100), MS).unwrap();
+    let hour = Some(Duration::from_secs(3600));
+    let mut out = 0;
+    while out < petrel_log::MAX_PENDING {
+        out += b.poll("q", 1000, hour, 1, 2 * MS).unwrap().len();
+    }
+    b.offer("q", (0..5).map(|_| Message::new(&b"plain"[..])).collect(), 3 * MS).unwrap();
+    let got = b.poll("q", 5, hour, 1, 4 * MS).unwrap();
+    assert_eq!(payloads(&got), vec![b"plain".to_vec(); 5], "the lower level's, while the top one waits");
+}
+
 #[test]
 fn expired_messages_go_to_the_dead_letter_queue() {
     for config in both() {
