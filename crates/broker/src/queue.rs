@@ -1403,6 +1403,9 @@ impl Queue {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let mut answer_bytes = 0u64;
+        // A settle that failed: as an acknowledgement's, it has still taken the message in
+        // memory, which is handed out all the same; the poll ends there.
+        let mut settle_failed = None;
         // (What goes wrong midway still settles the expired messages taken out: `settle_now`.)
         let taking = (|| -> Result<(), BrokerError> {
             while out.deliveries.len() < max {
@@ -1433,7 +1436,9 @@ impl Queue {
                         handle
                     }
                     None => {
-                        inner.settle(&taken)?;
+                        if let Err(e) = inner.settle(&taken) {
+                            settle_failed = Some(e);
+                        }
                         counting::subtract(&mut inner.bytes, size, "a queue's bytes");
                         0
                     }
@@ -1441,12 +1446,22 @@ impl Queue {
                 inner.counters.total_polled += 1;
                 let message = Message { destination: self.name.clone(), ..message };
                 out.deliveries.push(Delivery { handle, message });
+                if settle_failed.is_some() {
+                    break;
+                }
             }
             Ok(())
         })();
-        if let Err(e) = taking {
+        let failed = taking.err().or(settle_failed);
+        if let Some(e) = failed {
             inner.settle_now(&mut out.expired);
-            return Err(e);
+            if out.deliveries.is_empty() {
+                return Err(e);
+            }
+            // Messages taken already go to their consumer (taken for good, they would be lost
+            // with the error; taken tentatively, out of reach until their timeout): the error
+            // is logged, and the next poll meets it again if it lasts.
+            tracing::error!(queue = %self.name, error = %e, "a poll stopped early: the messages it took are handed out");
         }
         drop(guard);
         if !out.deliveries.is_empty() || !out.expired.is_empty() {
