@@ -83,6 +83,7 @@ impl HeldQueue {
             // Many put back into one chunk (a disconnect's thousands of reads): split, so that
             // an insert moves at most a chunk's worth, not the whole backlog's.
             let tail = chunk.split_off(chunk.len() / 2);
+            chunk.shrink_to_fit();
             self.chunks.insert(at + 1, tail);
         }
     }

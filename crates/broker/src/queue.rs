@@ -577,6 +577,8 @@ impl Lane {
 struct OpenReads {
     by_handle: NumberMap<InFlight>,
     released: Vec<usize>,
+    /// Their bytes, all together.
+    bytes: u64,
 }
 
 impl OpenReads {
@@ -587,6 +589,7 @@ impl OpenReads {
             }
             self.released[level] += 1;
         }
+        self.bytes += read.bytes;
         let before = self.by_handle.insert(handle, read);
         assert!(before.is_none(), "a handle is given once");
     }
@@ -596,6 +599,7 @@ impl OpenReads {
         if let Taken::Released { level, .. } = read.item {
             self.released[level] -= 1;
         }
+        counting::subtract(&mut self.bytes, read.bytes, "open reads' bytes");
         Some(read)
     }
 
@@ -1711,7 +1715,10 @@ impl Queue {
             n += 1;
         }
         inner.give_back |= n > 0 && matches!(inner.store, Store::Log { .. });
-        inner.bytes = inner.in_flight.values().map(|f| f.bytes).sum();
+        // (Each drop took its bytes off; what a level at its limit of open reads kept stays.)
+        if inner.waiting == 0 && inner.delayed == 0 {
+            inner.bytes = inner.in_flight_bytes();
+        }
         inner.counters.flushes += 1;
         drop(inner);
         self.room.wake_one();
@@ -1759,7 +1766,7 @@ impl Queue {
             items: inner.items(),
             bytes: inner.bytes,
             in_flight: inner.in_flight.len() as u64,
-            in_flight_bytes: inner.in_flight.values().map(|f| f.bytes).sum(),
+            in_flight_bytes: inner.in_flight_bytes(),
             waiters: self.waiters.load(Ordering::Relaxed),
             dedup_keys: inner.dedup.len() as u64,
             delayed: inner.delayed,
@@ -2113,12 +2120,13 @@ impl Inner {
         self.bytes + (self.waiting + self.in_flight.len() as u64) * HELD_OVERHEAD + self.delayed * DELAYED_OVERHEAD
     }
 
-    /// Messages waiting (not in flight).
     /// Bytes of the messages out with consumers (counted in `bytes`).
     fn in_flight_bytes(&self) -> u64 {
-        self.in_flight.values().map(|f| f.bytes).sum()
+        debug_assert_eq!(self.in_flight.bytes, self.in_flight.values().map(|f| f.bytes).sum::<u64>());
+        self.in_flight.bytes
     }
 
+    /// Messages waiting (not in flight).
     fn items(&self) -> u64 {
         debug_assert_eq!(self.waiting, self.waiting_at.iter().sum::<u64>(), "a queue's count is its levels'");
         debug_assert_eq!(
@@ -2166,10 +2174,23 @@ impl Inner {
             return Ok(taken);
         }
         // The level chosen has as many out as its log allows (it waits for acknowledgements):
-        // the other levels' messages still go, highest first, rather than none.
-        for other in (0..self.waiting_at.len()).rev().filter(|&l| l != level) {
-            if self.waiting_at[other] > 0
-                && self.has_head(other)?
+        // the other levels' messages still go rather than none. On a lower level's turn (the
+        // share), the other lower levels first, oldest head first, so that none starves behind
+        // a blocked one; else the highest first.
+        let top = (0..self.waiting_at.len()).rev().find(|&l| self.waiting_at[l] > 0).unwrap_or(level);
+        let mut others = Vec::with_capacity(self.waiting_at.len());
+        let candidates: Vec<usize> =
+            (0..self.waiting_at.len()).filter(|&l| l != level && self.waiting_at[l] > 0).collect();
+        for other in candidates {
+            let order = match level < top && other < top {
+                true => (0, self.head_offered_at(other)?),
+                false => (1, u64::MAX - other as u64),
+            };
+            others.push((order, other));
+        }
+        others.sort_unstable();
+        for (_, other) in others {
+            if self.has_head(other)?
                 && let Some(taken) = self.take_at(other)?
             {
                 return Ok(Some(taken));
@@ -2766,10 +2787,14 @@ impl Inner {
     /// Drops the oldest waiting message of the lowest level that has one (a full circular
     /// queue gives up its least urgent first); `false` if there is none.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
-        match self.waiting_at.iter().position(|&n| n > 0) {
-            Some(level) => self.drop_head(level),
-            None => Ok(false),
+        // The lowest level that has a message to drop: one at its limit of open reads cannot
+        // give its head now, and the next level up drops instead.
+        for level in 0..self.waiting_at.len() {
+            if self.waiting_at[level] > 0 && self.drop_head(level)? {
+                return Ok(true);
+            }
         }
+        Ok(false)
     }
 
     /// Drops the message at the head of `level`; `false` if there is none.

@@ -159,6 +159,30 @@ fn a_level_at_its_limit_of_open_reads_does_not_hold_up_the_others() {
     assert_eq!(payloads(&got), vec![b"plain".to_vec(); 5], "the lower level's, while the top one waits");
 }
 
+/// A flush passes over a level at its limit of open reads (its head cannot be taken now) and
+/// empties the others, and the queue's bytes stay right: they were reset to the open reads'
+/// alone, and taking the level's messages later went below zero.
+#[test]
+fn a_flush_passes_over_a_level_at_its_limit_and_keeps_the_counts_right() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let config = QueueConfig { durable: true, priorities: 2, ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    let low = (0..petrel_log::MAX_PENDING + 5).map(|_| Message::new(&b"low"[..])).collect::<Vec<_>>();
+    b.offer("q", low, MS).unwrap();
+    let hour = Some(Duration::from_secs(3600));
+    let mut open = Vec::new();
+    while open.len() < petrel_log::MAX_PENDING {
+        open.extend(b.poll("q", 1000, hour, 1, 2 * MS).unwrap().into_iter().map(|d| d.handle));
+    }
+    b.offer("q", (0..3).map(|_| Message { priority: 1, ..Message::new(&b"high"[..]) }).collect(), 3 * MS).unwrap();
+    assert_eq!(b.queue("q").unwrap().flush().unwrap(), 3, "the level above, not the one at its limit");
+    b.ack("q", &open, 1).unwrap();
+    let rest = b.poll("q", 10, None, 1, 4 * MS).unwrap();
+    assert_eq!(payloads(&rest), vec![b"low".to_vec(); 5]);
+    assert_eq!(b.queue("q").unwrap().status().bytes, 0);
+}
+
 #[test]
 fn expired_messages_go_to_the_dead_letter_queue() {
     for config in both() {
