@@ -843,3 +843,35 @@ fn a_unix_socket_connection_past_max_connections_is_told_why() {
         assert!(e.to_string().contains("max_connections"), "{e}");
     });
 }
+
+/// With every permit of a connection held by waiting requests (two polls waiting a minute, at
+/// `max_in_flight_per_connection = 2`), the answers already made go out before the reading
+/// stops: a client that waits for one of them (a PONG here; an OFFERED it wants before it makes
+/// what the polls wait for, in practice) got it only when a poll ended. And requests under way
+/// are not idleness: the connection outlives `idle_timeout` while its polls wait.
+#[test]
+fn answers_ready_go_out_while_waiting_requests_hold_every_permit() {
+    use petrel_proto::{Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_in_flight_per_connection = 2\nidle_timeout = \"1s\"\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut c = greeted(&server);
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut requests = request_frame(&Request::QueueCreate { name: "q".into(), config: Default::default() }, 2);
+    let poll =
+        |id| request_frame(&Request::Poll { queue: "q".into(), max: 1, timeout_ms: 3_000, visibility_ms: 0 }, id);
+    requests.extend(poll(3));
+    requests.extend(poll(4));
+    requests.extend(request_frame(&Request::Ping, 5));
+    requests.extend(poll(6)); // a third: its wait for a permit holds the reading
+    c.write_all(&requests).unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(read_response(&mut c).0, 2, "the queue made");
+    let (id, pong) = read_response(&mut c);
+    assert_eq!((id, matches!(pong, Response::Pong)), (5, true), "{pong:?}");
+    assert!(started.elapsed() < Duration::from_secs(2), "the PONG waited {:?}", started.elapsed());
+    // Then the polls end empty (past the 1 s idle timeout: the connection is not idle).
+    let mut rest: Vec<u64> = (0..3).map(|_| read_response(&mut c).0).collect();
+    rest.sort();
+    assert_eq!(rest, [3, 4, 6]);
+}

@@ -83,6 +83,11 @@ impl Permits {
         Arc::clone(semaphore).acquire_owned().await.ok()
     }
 
+    fn try_acquire(&self, waits_for: WaitsFor) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let semaphore = if waits_for == WaitsFor::Disk { &self.disk } else { &self.other };
+        Arc::clone(semaphore).try_acquire_owned().ok()
+    }
+
     fn none_taken(&self) -> bool {
         self.other.available_permits() == self.limit && self.disk.available_permits() == self.limit
     }
@@ -147,10 +152,10 @@ where
             match answer {
                 Answer::Now(response) => connection.answer(&response, opcode, request_id),
                 Answer::Later { waits_for, answer } => {
-                    let deadline = stall_deadline(&session);
-                    let Some(Some(permit)) =
-                        unless_stalled(&ctx, permits.acquire(waits_for), &mut shutdown, deadline).await
-                    else {
+                    let settled = session.greeted && session.trusted(&ctx);
+                    let deadline = || stall_deadline(&session);
+                    let waiting = (&mut pushes, &mut connection, &mut shutdown);
+                    let Some(permit) = permit_for(&ctx, &permits, waits_for, waiting, deadline, settled).await else {
                         break 'read;
                     };
                     let outbox = connection.outbox().clone();
@@ -163,9 +168,10 @@ where
                     });
                 }
                 Answer::Call(call) => {
-                    let deadline = stall_deadline(&session);
-                    let Some(Some(permit)) =
-                        unless_stalled(&ctx, permits.acquire(WaitsFor::Other), &mut shutdown, deadline).await
+                    let settled = session.greeted && session.trusted(&ctx);
+                    let deadline = || stall_deadline(&session);
+                    let waiting = (&mut pushes, &mut connection, &mut shutdown);
+                    let Some(permit) = permit_for(&ctx, &permits, WaitsFor::Other, waiting, deadline, settled).await
                     else {
                         break 'read;
                     };
@@ -221,6 +227,47 @@ where
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
     let _ = tokio::time::timeout(grace, permits.all_returned()).await;
     connection.close(grace).await;
+}
+
+/// A permit for a request answered later (`max_in_flight_per_connection`). When none is free,
+/// the answers ready go out first (a client may wait for one of them before it sends what the
+/// requests under way wait for), then the wait: requests under way are not idleness, so it ends
+/// at a shutdown, or once the client has left answers unread for as long as it may be silent
+/// (`deadline`, looked at again each time it passes; before its login, `settled` is false and
+/// the handshake's deadline ends it whatever).
+async fn permit_for<S>(
+    ctx: &Ctx,
+    permits: &Permits,
+    waits_for: WaitsFor,
+    (pushes, connection, shutdown): (&mut Pushes, &mut Connection<S>, &mut watch::Receiver<bool>),
+    deadline: impl Fn() -> Option<tokio::time::Instant>,
+    settled: bool,
+) -> Option<tokio::sync::OwnedSemaphorePermit>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    if let Some(permit) = permits.try_acquire(waits_for) {
+        return Some(permit);
+    }
+    if !matches!(unless_stalled(ctx, pushes.flush(connection), shutdown, deadline()).await, Some(Ok(()))) {
+        return None;
+    }
+    loop {
+        if *shutdown.borrow() {
+            return None;
+        }
+        tokio::select! {
+            permit = permits.acquire(waits_for) => return permit,
+            _ = shutdown.changed() => return None,
+            _ = crate::sleep_until_or_never(deadline()) => {
+                if settled && connection.outbox().is_idle() {
+                    continue; // every answer read: only requests under way hold the permits
+                }
+                crate::stats::add(&ctx.stats.idle_closed, 1);
+                return None;
+            }
+        }
+    }
 }
 
 /// `work`, unless the server shuts down or `deadline` passes first (`None` then): what holds a

@@ -106,8 +106,12 @@ impl Session {
     pub fn hello(&mut self, ctx: &Ctx, wanted: u32) -> Response {
         self.greeted = true;
         let mut features = 0;
-        if wanted & features::ZSTD != 0 && ctx.config.compress_min_bytes > 0 {
-            self.compress = Some(ctx.config.compress_min_bytes);
+        // What this HELLO asks for is what is in force, a later one's too (a second HELLO
+        // without ZSTD turns compression off for what is answered from now on; subscriptions
+        // and served functions keep what they began with).
+        self.compress = (wanted & features::ZSTD != 0 && ctx.config.compress_min_bytes > 0)
+            .then_some(ctx.config.compress_min_bytes);
+        if self.compress.is_some() {
             features |= features::ZSTD;
         }
         if ctx.broker.auth_enabled() && self.authenticated.is_none() {
