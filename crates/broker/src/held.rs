@@ -215,7 +215,7 @@ impl Held {
     pub fn size(&self) -> u64 {
         let rare = self.rare.as_deref().map_or(0, |r| {
             let headers = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) as usize;
-            r.len() - 4 - 2 * Message::TEXT_FIELDS - 6 * headers
+            r.len() - 4 - 2 * Message::TEXT_FIELDS - 6 * headers + petrel_proto::HEADER_SIZE * headers
         });
         (self.payload.len() + rare) as u64
     }

@@ -710,6 +710,20 @@ fn in_memory_queues_share_a_memory_budget_and_give_it_back() {
     assert_eq!(b.memory().0, 0, "a removed queue gives its bytes back");
 }
 
+/// Empty headers are not free: each counts what holding it takes, in a queue's bytes and the
+/// memory budget (65,535 empty headers a message held megabytes counted as nothing).
+#[test]
+fn empty_headers_count_what_holding_them_takes() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions { max_memory_bytes: 1 << 30, ..BrokerOptions::default() }).unwrap();
+    b.create_queue("q", QueueConfig::default(), None).unwrap();
+    let empty_headers = (0..10_000).map(|_| (String::new(), bytes::Bytes::new())).collect();
+    b.offer("q", vec![Message { headers: empty_headers, ..Message::default() }], 1).unwrap();
+    let counted = b.queue("q").unwrap().status().bytes;
+    assert_eq!(counted, 10_000 * petrel_proto::HEADER_SIZE as u64);
+    assert!(b.memory().0 >= counted);
+}
+
 /// What an offer adds to a queue's bytes and to the memory budget, taking its messages gives back
 /// exactly, whatever fields they carry (a destination, which the queue does not keep, counted
 /// when offered and not when taken, made the budget fill up with nothing in it); a text too long
@@ -731,7 +745,9 @@ fn a_queues_bytes_and_the_memory_budget_come_back_to_zero_whatever_the_messages_
         };
         b.offer(name, vec![full, Message::new(&b"plain"[..])], 1).unwrap();
         let offered = b.queue(name).unwrap().status().bytes;
-        assert_eq!(offered, (7 + 1 + 1 + 1 + 1 + 5) + 5, "{name}: the destination is not the queue's to count");
+        // (A header counts its name, its value and what holding it takes.)
+        let header = 1 + 5 + petrel_proto::HEADER_SIZE as u64;
+        assert_eq!(offered, (7 + 1 + 1 + 1 + header) + 5, "{name}: the destination is not the queue's to count");
         let taken = b.poll(name, 10, VIS, 1, 2).unwrap();
         assert_eq!(taken.len(), 2);
         b.ack(name, &taken.iter().map(|d| d.handle).collect::<Vec<_>>(), 1).unwrap();

@@ -20,7 +20,7 @@ mod op;
 mod wire;
 
 pub use frame::{DEFAULT_MAX_FRAME, Frame, FrameError, FrameKind, PROTOCOL_VERSION};
-pub use message::{Message, MessageKind, Status};
+pub use message::{HEADER_SIZE, Message, MessageKind, Status};
 pub use op::{
     Delivery, GroupStats, Push, QueueConfig, QueueStats, Request, Response, StartFrom, TopicStats, features, opcode,
 };

@@ -158,6 +158,10 @@ pub struct Message {
     pub payload: Bytes,
 }
 
+/// What a header counts in a message's `size` beyond its name and value: about what holding one
+/// takes in memory (its entry and its name's allocation).
+pub const HEADER_SIZE: usize = 64;
+
 /// Fewest bytes an encoded message takes (all strings and the payload empty).
 pub(crate) const MESSAGE_MIN_LEN: usize = 8 + 4 + 8 + 8 + 6 * 2 + 2 + 4;
 
@@ -209,10 +213,13 @@ impl Message {
     }
 
     /// Bytes counted against a queue's limits (`max_bytes`, `max_item_bytes`) and the server's
-    /// memory budget: the payload, the headers' names and values, and the text fields.
+    /// memory budget: the payload, the text fields, and each header's name and value and
+    /// `HEADER_SIZE` more (what holding a header takes: counted as nothing, 65,535 empty headers
+    /// a message held megabytes outside every budget).
     pub fn size(&self) -> u64 {
         let texts = self.texts().iter().map(|t| t.len()).sum::<usize>();
-        (self.payload.len() + texts + self.headers.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>()) as u64
+        let headers = self.headers.iter().map(|(n, v)| n.len() + v.len() + HEADER_SIZE).sum::<usize>();
+        (self.payload.len() + texts + headers) as u64
     }
 
     /// Whether the message's own expiry (`expires_at`, 0: none) has passed at `now_ns`.
