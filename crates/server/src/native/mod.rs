@@ -159,10 +159,15 @@ where
                         break 'read;
                     };
                     let outbox = connection.outbox().clone();
+                    let broker = Arc::clone(&ctx.broker);
                     tokio::spawn(async move {
                         let response = answer.await;
                         let mut out = Vec::with_capacity(64);
                         response.encode(opcode, request_id, &mut out);
+                        // A large answer (a waiting poll's messages) waiting for room in the
+                        // outbox is counted in the memory budget meanwhile: its messages left
+                        // their queue's count when they were taken.
+                        let _held = (out.len() > LARGE_ANSWER).then(|| broker.hold_memory_anyway(out.len() as u64));
                         let _ = outbox.send(out).await;
                         drop(permit);
                     });
@@ -228,6 +233,9 @@ where
     let _ = tokio::time::timeout(grace, permits.all_returned()).await;
     connection.close(grace).await;
 }
+
+/// An answer past this many bytes is counted in the memory budget while it waits for the outbox.
+const LARGE_ANSWER: usize = 64 << 10;
 
 /// A permit for a request answered later (`max_in_flight_per_connection`). When none is free,
 /// the answers ready go out first (a client may wait for one of them before it sends what the
