@@ -125,6 +125,8 @@ where
         true => idle_timeout.map(|d| tokio::time::Instant::now() + d),
         false => Some(greet_by),
     };
+    // An answer on its way without a permit (see `Answer::Later` below): waited for at the end.
+    let mut last_answer = None;
     'read: loop {
         let mut gave_back = false;
         // Whole frames already buffered first.
@@ -155,12 +157,19 @@ where
                     let settled = session.greeted && session.trusted(&ctx);
                     let deadline = || stall_deadline(&session);
                     let waiting = (&mut pushes, &mut connection, &mut shutdown);
-                    let Some(permit) = permit_for(&ctx, &permits, waits_for, waiting, deadline, settled).await else {
+                    let permit = permit_for(&ctx, &permits, waits_for, waiting, deadline, settled).await;
+                    // Stopping (or a client stalled) with no permit: a request waiting only for
+                    // the disk is done already (an offer stored, waiting for its sync) and is
+                    // still answered, before the connection closes (its producer would retry
+                    // it, and store it twice); one not begun (a poll, an offer waiting for
+                    // room) is dropped, and takes or stores nothing.
+                    let stopping = permit.is_none();
+                    if stopping && waits_for != WaitsFor::Disk {
                         break 'read;
-                    };
+                    }
                     let outbox = connection.outbox().clone();
                     let broker = Arc::clone(&ctx.broker);
-                    tokio::spawn(async move {
+                    let answering = tokio::spawn(async move {
                         let response = answer.await;
                         let mut out = Vec::with_capacity(64);
                         response.encode(opcode, request_id, &mut out);
@@ -171,6 +180,10 @@ where
                         let _ = outbox.send(out).await;
                         drop(permit);
                     });
+                    if stopping {
+                        last_answer = Some(answering);
+                        break 'read;
+                    }
                 }
                 Answer::Call(call) => {
                     let settled = session.greeted && session.trusted(&ctx);
@@ -230,7 +243,13 @@ where
     let _ = tokio::time::timeout(grace, pushes.flush(&mut connection)).await;
     pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
-    let _ = tokio::time::timeout(grace, permits.all_returned()).await;
+    let _ = tokio::time::timeout(grace, async {
+        permits.all_returned().await;
+        if let Some(answering) = last_answer {
+            let _ = answering.await;
+        }
+    })
+    .await;
     connection.close(grace).await;
 }
 
