@@ -875,3 +875,33 @@ fn answers_ready_go_out_while_waiting_requests_hold_every_permit() {
     rest.sort();
     assert_eq!(rest, [3, 4, 6]);
 }
+
+/// A client that goes away while its requests wait for a permit is noticed: its waiting polls
+/// stop and take nothing for it (the wait for a permit read nothing, and its polls, taking for
+/// good, took what came next for a client that was gone).
+#[test]
+fn a_client_gone_while_its_requests_wait_for_a_permit_takes_nothing() {
+    use petrel_proto::Request;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_in_flight_per_connection = 2\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut c = greeted(&server);
+    let mut requests = request_frame(&Request::QueueCreate { name: "q".into(), config: Default::default() }, 2);
+    let poll =
+        |id| request_frame(&Request::Poll { queue: "q".into(), max: 1, timeout_ms: 60_000, visibility_ms: 0 }, id);
+    for id in 3..6 {
+        requests.extend(poll(id));
+    }
+    c.write_all(&requests).unwrap();
+    assert_eq!(read_response(&mut c).0, 2, "the queue made");
+    drop(c);
+    std::thread::sleep(Duration::from_millis(300));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let other = server.client().await;
+        other.offer("q", vec![petrel_client::Message::new(&b"kept"[..])], None).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let got = other.poll("q", petrel_client::PollOptions::default()).await.unwrap();
+        assert_eq!(got.len(), 1, "no poll of the gone client took it");
+    });
+}

@@ -38,6 +38,8 @@ pub(crate) struct Outbox {
     /// Permits are bytes of room.
     room: Arc<Semaphore>,
     max_bytes: usize,
+    /// Chunks written so far (`written`): whether the client reads at all.
+    written: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The writer's side.
@@ -45,13 +47,18 @@ pub(crate) struct Outgoing {
     rx: mpsc::Receiver<Chunk>,
     room: Arc<Semaphore>,
     max_bytes: usize,
+    written: Arc<std::sync::atomic::AtomicU64>,
 }
 
 pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) {
     assert!(max_chunks > 0 && max_bytes > 0 && max_bytes <= u32::MAX as usize);
     let (tx, rx) = mpsc::channel(max_chunks);
     let room = Arc::new(Semaphore::new(max_bytes));
-    (Outbox { tx, room: Arc::clone(&room), max_bytes }, Outgoing { rx, room, max_bytes })
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    (
+        Outbox { tx, room: Arc::clone(&room), max_bytes, written: Arc::clone(&written) },
+        Outgoing { rx, room, max_bytes, written },
+    )
 }
 
 /// The bytes of room a chunk takes: its length, at most the whole outbox.
@@ -74,6 +81,12 @@ impl Outbox {
         permits.forget();
         place.send(chunk);
         Ok(())
+    }
+
+    /// Chunks the writer has written so far: unchanged while something waits, the client is
+    /// not reading.
+    pub(crate) fn chunks_written(&self) -> u64 {
+        self.written.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Nothing is queued or being written: bytes written to the connection now come after all
@@ -116,6 +129,7 @@ impl Outgoing {
     /// `chunk`, received, is written: its bytes are room again.
     pub(crate) fn written(&self, chunk: &Chunk) {
         self.room.add_permits(cost(chunk, self.max_bytes) as usize);
+        self.written.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

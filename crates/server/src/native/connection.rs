@@ -130,6 +130,11 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     }
 
     /// Where answers that wait, and pushes, are sent.
+    /// Bytes read and not yet decoded.
+    pub fn buffered(&self) -> usize {
+        self.input.buf.len()
+    }
+
     pub fn outbox(&self) -> &Outbox {
         &self.outbox
     }

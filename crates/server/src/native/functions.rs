@@ -154,7 +154,7 @@ fn invocations(
                 // The frame holds the payload (as sent: compressed or not) unless it is large
                 // enough to go out after it.
                 let left_out = if message.payload.len() < LARGE_PAYLOAD_BYTES { 0 } else { message.payload.len() };
-                let mut frames = Vec::with_capacity(message.size() as usize - left_out + 256);
+                let mut frames = Vec::with_capacity(message.encoded_len() - left_out + 256);
                 let push = Push::Invoke { function: inv.function, message: Box::new(message) };
                 let payload = not_sent_if_too_long(push.encode_split(inv.call, &mut frames)).flatten();
                 if outbox.send(Chunk { frames, payload: payload.unwrap_or_default() }).await.is_err() {

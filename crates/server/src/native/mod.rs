@@ -279,16 +279,31 @@ where
     if !matches!(unless_stalled(ctx, pushes.flush(connection), shutdown, deadline()).await, Some(Ok(()))) {
         return None;
     }
+    let mut until = deadline();
+    let mut written = connection.outbox().chunks_written();
     loop {
         if *shutdown.borrow() {
             return None;
         }
+        // Reading on meanwhile (a little: what is read waits to be decoded) notices a client
+        // that went away: its waiting requests then stop, as its connection ends.
+        let reading = connection.buffered() < READ_AHEAD_WHILE_WAITING;
         tokio::select! {
             permit = permits.acquire(waits_for) => return permit,
             _ = shutdown.changed() => return None,
-            _ = crate::sleep_until_or_never(deadline()) => {
-                if settled && connection.outbox().is_idle() {
-                    continue; // every answer read: only requests under way hold the permits
+            read = connection.read(settled), if reading => {
+                if read.is_err() {
+                    return None;
+                }
+            }
+            _ = crate::sleep_until_or_never(until) => {
+                // Stalled: answers waiting and none written since the last look. A client that
+                // reads (or has read everything) waits on for its requests under way.
+                let now_written = connection.outbox().chunks_written();
+                let reads = connection.outbox().is_idle() || now_written != written;
+                if settled && reads {
+                    (until, written) = (deadline(), now_written);
+                    continue;
                 }
                 crate::stats::add(&ctx.stats.idle_closed, 1);
                 return None;
@@ -296,6 +311,9 @@ where
         }
     }
 }
+
+/// What the reading takes in while a request waits for a permit (`permit_for`).
+const READ_AHEAD_WHILE_WAITING: usize = 64 << 10;
 
 /// `work`, unless the server shuts down or `deadline` passes first (`None` then): what holds a
 /// connection's loop for a client that does not read.
