@@ -374,6 +374,10 @@ class AsyncClient:
         """Takes up to ``max`` messages, waiting up to ``timeout`` seconds for the first
         (``None``: until one comes); with ``visibility`` tentatively (see :meth:`ack`)."""
         loop = asyncio.get_running_loop()
+        # (NaN is zero, as for every other timeout: `max` would keep it, and the loop below
+        # would poll for ever.)
+        if timeout is not None and timeout != timeout:
+            timeout = 0.0
         deadline = None if timeout is None else loop.time() + builtins.max(timeout, 0.0)
         core = await self._client()
         assert self._requests is not None

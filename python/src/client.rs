@@ -672,7 +672,7 @@ impl Client {
     ) -> PyResult<u64> {
         let message = offered(payload, priority, key, delay, deliver_at)?;
         self.wait(py, async {
-            self.conn.client().await?.offer(queue, vec![message], crate::timeout_from(timeout)).await
+            self.conn.client().await?.offer(queue, vec![message], crate::request_timeout_from(timeout)).await
         })
     }
 
@@ -687,7 +687,9 @@ impl Client {
         timeout: Option<f64>,
     ) -> PyResult<u64> {
         let messages = messages_of(payloads)?;
-        self.wait(py, async { self.conn.client().await?.offer(queue, messages, crate::timeout_from(timeout)).await })
+        self.wait(py, async {
+            self.conn.client().await?.offer(queue, messages, crate::request_timeout_from(timeout)).await
+        })
     }
 
     /// Takes the message at the head for good, waiting up to `timeout` seconds (`None`: until one
@@ -797,7 +799,11 @@ impl Client {
         subject: String,
     ) -> PyResult<Message> {
         let reply = self.wait(py, async {
-            self.conn.client().await?.call(function, outgoing(payload, subject), crate::timeout_from(timeout)).await
+            self.conn
+                .client()
+                .await?
+                .call(function, outgoing(payload, subject), crate::request_timeout_from(timeout))
+                .await
         })?;
         Ok(Message::new(py, 0, reply))
     }
@@ -999,7 +1005,8 @@ impl AsyncCore {
         delay: Option<f64>,
         deliver_at: Option<f64>,
     ) -> PyResult<()> {
-        let (message, timeout) = (offered(payload, priority, key, delay, deliver_at)?, crate::timeout_from(timeout));
+        let (message, timeout) =
+            (offered(payload, priority, key, delay, deliver_at)?, crate::request_timeout_from(timeout));
         self.run(token, move |c| async move { c.offer(&queue, vec![message], timeout).await });
         Ok(())
     }
@@ -1013,7 +1020,7 @@ impl AsyncCore {
         timeout: Option<f64>,
     ) -> PyResult<()> {
         let messages = messages_of(payloads)?;
-        let timeout = crate::timeout_from(timeout);
+        let timeout = crate::request_timeout_from(timeout);
         self.run(token, move |c| async move { c.offer(&queue, messages, timeout).await });
         Ok(())
     }
@@ -1127,7 +1134,7 @@ impl AsyncCore {
     #[pyo3(signature = (token, function, payload, timeout = None, subject = String::new()))]
     fn call(&self, token: u64, function: String, payload: PyBackedBytes, timeout: Option<f64>, subject: String) {
         let conn = Arc::clone(&self.conn);
-        let (message, timeout) = (outgoing(payload, subject), crate::timeout_from(timeout));
+        let (message, timeout) = (outgoing(payload, subject), crate::request_timeout_from(timeout));
         self.completions.spawn(token, async move {
             let client = match connected(&conn).await {
                 Ok(client) => client,

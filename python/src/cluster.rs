@@ -345,7 +345,7 @@ impl Cluster {
         subject: String,
     ) -> PyResult<Message> {
         let message = outgoing(payload, subject);
-        let reply = self.wait(py, self.inner.call(function, message, crate::timeout_from(timeout)))?;
+        let reply = self.wait(py, self.inner.call(function, message, crate::request_timeout_from(timeout)))?;
         Ok(Message::new(py, 0, reply))
     }
 
@@ -411,7 +411,7 @@ impl Cluster {
         timeout: Option<f64>,
         route: Option<Route>,
     ) -> PyResult<(String, u64)> {
-        let timeout = crate::timeout_from(timeout);
+        let timeout = crate::request_timeout_from(timeout);
         let offered = match route {
             Some(route) => self.wait(py, self.inner.offer_by_key(route.as_bytes(), queue, messages, timeout))?,
             None => self.wait(py, self.inner.offer(queue, messages, timeout))?,

@@ -6,7 +6,7 @@
 //! raises `ClosedError`. Records cross into Python as copies (`bytes`): the log's mapping may be
 //! unmapped when its segment is retired, so no view into it outlives the call.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -348,8 +348,9 @@ impl Group {
         let target = match (to, time) {
             (None, Some(t)) => SeekTo::Time(t),
             (Some(to), None) => {
-                if let Ok(offset) = to.extract::<u64>() {
-                    SeekTo::Offset(offset)
+                if to.is_instance_of::<pyo3::types::PyInt>() {
+                    // (An int that is no offset, negative or too large: its own OverflowError.)
+                    SeekTo::Offset(to.extract::<u64>()?)
                 } else {
                     match to.extract::<String>()?.as_str() {
                         "oldest" => SeekTo::Oldest,
@@ -403,14 +404,16 @@ impl Group {
 
 /// A persistent FIFO queue in a directory, shaped like `queue.Queue`: `put` at the tail, `get`
 /// from the head. With `auto_ack=False`, a `get` is acknowledged by `task_done()` (the oldest
-/// item got and not yet done), and items got but not done come back after a crash or restart.
+/// item the calling thread got and has not yet done), and items got but not done come back after
+/// a crash or restart.
 #[pyclass(module = "petrel", frozen)]
 pub struct Queue {
     log: Mutex<Option<SharedLog>>,
     head: Mutex<Option<ConsumerGroup>>,
     auto_ack: bool,
-    /// Offsets got and not yet `task_done` (auto_ack off).
-    taken: Mutex<VecDeque<u64>>,
+    /// The items got and not yet done (auto_ack off), per thread that got them (`task_done` acknowledges the
+    /// oldest of its own thread's: a worker pool's threads each finish their own).
+    taken: Mutex<HashMap<std::thread::ThreadId, VecDeque<u64>>>,
     path: PathBuf,
 }
 
@@ -448,7 +451,7 @@ impl Queue {
             log: Mutex::new(Some(log)),
             head: Mutex::new(Some(head)),
             auto_ack,
-            taken: Mutex::new(VecDeque::new()),
+            taken: Mutex::new(HashMap::new()),
             path,
         })
     }
@@ -478,7 +481,7 @@ impl Queue {
                 }
                 let Some(record) = head.poll(1, slice)?.into_iter().next() else { return Ok(None) };
                 // Remembered under the head's lock: `task_done` acknowledges in delivery order.
-                lock(&self.taken).push_back(record.offset);
+                lock(&self.taken).entry(std::thread::current().id()).or_default().push_back(record.offset);
                 Ok(Some(record.payload.to_vec()))
             })
         })?;
@@ -495,6 +498,8 @@ impl Queue {
             self.with_head(|head| {
                 // The head's lock, then the list's, as in `get`.
                 let mut taken = lock(&self.taken);
+                let thread = std::thread::current().id();
+                let Some(taken) = taken.get_mut(&thread) else { return Ok(false) };
                 let Some(&offset) = taken.front() else { return Ok(false) };
                 head.ack(offset)?;
                 taken.pop_front();
@@ -506,7 +511,12 @@ impl Queue {
 
     /// Items waiting to be got.
     fn qsize(&self, py: Python<'_>) -> PyResult<u64> {
-        py.detach(|| self.with_head(|head| Ok(head.unacknowledged().saturating_sub(lock(&self.taken).len() as u64))))
+        py.detach(|| {
+            self.with_head(|head| {
+                let taken: usize = lock(&self.taken).values().map(VecDeque::len).sum();
+                Ok(head.unacknowledged().saturating_sub(taken as u64))
+            })
+        })
     }
 
     /// Whether `qsize()` is 0.

@@ -46,6 +46,14 @@ pub(crate) fn timeout_from(seconds: Option<f64>) -> Option<Duration> {
     }
 }
 
+/// A request's own timeout from Python (an offer's wait for room, a call's deadline): `None`
+/// is none (the server's default: no wait for an offer); infinity, or more than the wire's
+/// 32-bit milliseconds, is the longest the wire carries (~49.7 days), not none.
+pub(crate) fn request_timeout_from(seconds: Option<f64>) -> Option<Duration> {
+    let longest = Duration::from_millis(u64::from(u32::MAX));
+    seconds.map(|s| timeout_from(Some(s)).map_or(longest, |t| t.min(longest)))
+}
+
 #[pymodule]
 fn _petrel(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();

@@ -22,8 +22,9 @@ pub(crate) fn start_from(start: Option<&Bound<'_, PyAny>>, time: Option<u64>) ->
         (None, None) => StartFrom::Resume,
         (None, Some(t)) => StartFrom::Time(t),
         (Some(start), None) => {
-            if let Ok(offset) = start.extract::<u64>() {
-                StartFrom::Offset(offset)
+            if start.is_instance_of::<pyo3::types::PyInt>() {
+                // (An int that is no offset, negative or too large: its own OverflowError.)
+                StartFrom::Offset(start.extract::<u64>()?)
             } else {
                 match start.extract::<String>()?.as_str() {
                     "resume" => StartFrom::Resume,

@@ -531,3 +531,29 @@ def test_arguments_the_client_cannot_send_are_value_errors(server, tmp_path):
         petrel.Cluster([server, server])
     with pytest.raises(ValueError):
         petrel.Log(str(tmp_path / "log"), segment_bytes=1000)
+
+
+def test_an_infinite_offer_timeout_waits_for_room_and_a_nan_poll_timeout_is_zero(server):
+    """`timeout=float("inf")` on an offer waits for room (it was no wait at all, QUEUE_FULL at
+    once), as it waits for ever on a poll; an asyncio poll with a NaN timeout returns at once
+    (it polled for ever)."""
+    import asyncio
+    import threading
+
+    c = petrel.Client(server)
+    c.create_queue("full", max_items=1)
+    c.offer("full", b"x")
+    other = petrel.Client(server)
+    threading.Timer(0.5, lambda: other.poll("full", timeout=0)).start()
+    assert c.offer("full", b"y", timeout=float("inf")) is not None
+
+    async def nan_poll():
+        ac = petrel.AsyncClient(server)
+        try:
+            ac_result = await asyncio.wait_for(ac.poll("empty-nan", timeout=float("nan")), 5)
+        finally:
+            await ac.close()
+        return ac_result
+
+    c.create_queue("empty-nan")
+    assert asyncio.run(nan_poll()) is None

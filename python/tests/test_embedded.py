@@ -141,6 +141,37 @@ def test_queue_without_auto_ack_gives_back_what_was_not_done(tmp_path):
         assert q.get(timeout=0) == b"b"
 
 
+def test_task_done_finishes_the_callers_own_item(tmp_path):
+    path = tmp_path / "q"
+    with petrel.Queue(path, durability="always", auto_ack=False) as q:
+        q.put_many([b"a", b"b"])
+        got = {}
+        first = threading.Thread(target=lambda: got.setdefault("first", q.get(timeout=5)))
+        first.start()
+        first.join()
+        second_done = threading.Event()
+
+        def second():
+            got["second"] = q.get(timeout=5)
+            q.task_done()  # its own item, not the first thread's
+            second_done.set()
+
+        threading.Thread(target=second).start()
+        assert second_done.wait(10)
+        assert (got["first"], got["second"]) == (b"a", b"b")
+    with petrel.Queue(path) as q:
+        assert q.get(timeout=0) == b"a", "the first thread's item was not done: it comes back"
+        assert q.get(timeout=0) is None
+
+
+def test_a_negative_position_is_an_overflow_error(tmp_path):
+    with petrel.Log(tmp_path / "log") as log:
+        log.append(b"x")
+        group = log.group("g")
+        with pytest.raises(OverflowError):
+            group.seek(-1)
+
+
 WRITER = """
 import sys, petrel
 log = petrel.Log(sys.argv[1], durability="always")
