@@ -604,6 +604,57 @@ impl Client {
     }
 }
 
+impl Client {
+    /// A poll that waits on the server, run as a task of its own: a signal that interrupts the
+    /// wait (Ctrl-C, an alarm's handler raising) gives back what it takes when it comes, unseen,
+    /// instead of losing it. So a poll for good is made tentatively (`ASYNC_TAKE_VISIBILITY`)
+    /// and its messages acknowledged, in the background, once they are in hand.
+    fn poll_guarded(
+        &self,
+        py: Python<'_>,
+        queue: &str,
+        options: PollOptions,
+    ) -> PyResult<Vec<petrel_client::Delivery>> {
+        let client = self.wait(py, self.conn.client())?;
+        let for_good = options.visibility.is_none();
+        let options = PollOptions { visibility: options.visibility.or(Some(ASYNC_TAKE_VISIBILITY)), ..options };
+        let (c, q) = (client.clone(), queue.to_owned());
+        let mut polling = runtime().spawn(async move { c.poll(&q, options).await });
+        let delivered = py.detach(|| {
+            crate::client::block_on(async {
+                loop {
+                    tokio::select! {
+                        polled = &mut polling => {
+                            return polled.map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?.map_err(client_error);
+                        }
+                        _ = tokio::time::sleep(SIGNAL_CHECK) => {
+                            if let Err(interrupted) = Python::attach(|py| py.check_signals()) {
+                                let (c, q) = (client.clone(), queue.to_owned());
+                                runtime().spawn(async move {
+                                    if let Ok(Ok(taken)) = polling.await {
+                                        let handles: Vec<u64> = taken.iter().map(|d| d.handle).collect();
+                                        let _ = c.give_back_unseen(&q, &handles).await;
+                                    }
+                                });
+                                return Err(interrupted);
+                            }
+                        }
+                    }
+                }
+            })
+        })?;
+        if for_good && !delivered.is_empty() {
+            let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
+            let q = queue.to_owned();
+            runtime().spawn(async move {
+                // One that fails (the connection lost) is delivered again after its visibility.
+                let _ = client.ack(&q, &handles).await;
+            });
+        }
+        Ok(delivered)
+    }
+}
+
 #[pymethods]
 impl Client {
     #[new]
@@ -711,7 +762,12 @@ impl Client {
         visibility: Option<f64>,
     ) -> PyResult<Vec<Message>> {
         let delivered = poll_in_waits(py, timeout, |wait| {
-            self.wait(py, async { self.conn.client().await?.poll(queue, poll_options(max, wait, visibility)).await })
+            let options = poll_options(max, wait, visibility);
+            match wait.is_zero() {
+                // (Answered at once: nothing a signal could cut short.)
+                true => self.wait(py, async { self.conn.client().await?.poll(queue, options).await }),
+                false => self.poll_guarded(py, queue, options),
+            }
         })?;
         Ok(delivered.into_iter().map(|d| Message::new(py, d.handle, d.message)).collect())
     }

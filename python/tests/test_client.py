@@ -557,3 +557,31 @@ def test_an_infinite_offer_timeout_waits_for_room_and_a_nan_poll_timeout_is_zero
 
     c.create_queue("empty-nan")
     assert asyncio.run(nan_poll()) is None
+
+
+def test_a_signal_that_interrupts_a_waiting_poll_loses_nothing(server):
+    """A poll waiting on the server cut short by a signal whose handler raises (Ctrl-C, an
+    alarm): what the poll takes once given up goes back to the queue, unseen (it was taken for
+    good and dropped with the answer nobody read)."""
+    import signal
+
+    class Alarm(Exception):
+        pass
+
+    def raise_alarm(signum, frame):
+        raise Alarm()
+
+    c = petrel.Client(server)
+    c.create_queue("signalled")
+    before = signal.signal(signal.SIGALRM, raise_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Alarm):
+            c.poll("signalled", timeout=None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    producer = petrel.Client(server)
+    producer.offer("signalled", b"kept")
+    got = producer.poll("signalled", timeout=3)
+    assert got is not None and got.payload == b"kept"
