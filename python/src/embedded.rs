@@ -323,10 +323,19 @@ impl Group {
     #[pyo3(signature = (max = 1, timeout = None))]
     fn poll(&self, py: Python<'_>, max: usize, timeout: Option<f64>) -> PyResult<Vec<Record>> {
         let max = max.max(1);
+        // The wait for records is made without the group's lock: another thread's `ack` or
+        // `close` meanwhile goes at once.
+        let appends = self.with(|g| Ok(g.appends()))?;
         let found = wait_for(py, crate::timeout_from(timeout), |slice| {
-            let batch =
-                self.with(|g| g.poll(max, slice).map(|b| b.into_iter().map(|r| r.to_owned()).collect::<Vec<_>>()))?;
-            Ok((!batch.is_empty()).then_some(batch))
+            let end = appends.end();
+            let batch = self.with(|g| {
+                g.poll(max, Duration::ZERO).map(|b| b.into_iter().map(|r| r.to_owned()).collect::<Vec<_>>())
+            })?;
+            if batch.is_empty() {
+                appends.wait_past(end, slice);
+                return Ok(None);
+            }
+            Ok(Some(batch))
         })?;
         Ok(records(py, found.unwrap_or_default()))
     }
@@ -474,16 +483,23 @@ impl Queue {
     #[pyo3(signature = (timeout = None))]
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyBytes>>> {
         let auto_ack = self.auto_ack;
+        // The wait for items is made without the head's lock (see `Group::poll`).
+        let appends = self.with_head(|head| Ok(head.appends()))?;
         let found = wait_for(py, crate::timeout_from(timeout), |slice| {
-            self.with_head(|head| {
+            let end = appends.end();
+            let found = self.with_head(|head| {
                 if auto_ack {
-                    return Ok(head.take(slice)?.map(|r| r.payload.to_vec()));
+                    return Ok(head.take(Duration::ZERO)?.map(|r| r.payload.to_vec()));
                 }
-                let Some(record) = head.poll(1, slice)?.into_iter().next() else { return Ok(None) };
+                let Some(record) = head.poll(1, Duration::ZERO)?.into_iter().next() else { return Ok(None) };
                 // Remembered under the head's lock: `task_done` acknowledges in delivery order.
                 lock(&self.taken).entry(std::thread::current().id()).or_default().push_back(record.offset);
                 Ok(Some(record.payload.to_vec()))
-            })
+            })?;
+            if found.is_none() {
+                appends.wait_past(end, slice);
+            }
+            Ok(found)
         })?;
         Ok(found.map(|payload| PyBytes::new(py, &payload).unbind()))
     }

@@ -164,6 +164,43 @@ def test_task_done_finishes_the_callers_own_item(tmp_path):
         assert q.get(timeout=0) is None
 
 
+def test_a_waiting_get_ends_at_close_and_a_waiting_poll_at_an_append(tmp_path):
+    """A thread waiting in `get` (or a group's `poll`) waits without the queue's lock: another
+    thread's `qsize` and `close` go meanwhile and end the wait; an append wakes a waiting poll
+    at once. (The lock was held through each 100 ms slice of the wait: this passed then too,
+    a little slower.)"""
+    with petrel.Queue(tmp_path / "q") as q:
+        errors = []
+
+        def getter():
+            try:
+                q.get()
+            except petrel.ClosedError as e:
+                errors.append(e)
+
+        waiting = threading.Thread(target=getter)
+        waiting.start()
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert q.qsize() == 0
+        q.close()
+        assert time.monotonic() - started < 0.5
+        waiting.join(5)
+        assert not waiting.is_alive() and len(errors) == 1
+    with petrel.Log(tmp_path / "log") as log:
+        group = log.group("g")
+        polled = []
+        waiting = threading.Thread(target=lambda: polled.extend(group.poll(1, timeout=5)))
+        waiting.start()
+        time.sleep(0.2)
+        started = time.monotonic()
+        log.append(b"x")
+        waiting.join(5)
+        assert [r.payload for r in polled] == [b"x"]
+        group.ack(polled[0].offset)
+        assert time.monotonic() - started < 0.5
+
+
 def test_a_negative_position_is_an_overflow_error(tmp_path):
     with petrel.Log(tmp_path / "log") as log:
         log.append(b"x")

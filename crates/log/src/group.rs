@@ -340,7 +340,32 @@ impl CursorFile {
     }
 }
 
+/// Waits for records appended to a group's log, without the group (`ConsumerGroup::appends`):
+/// for a caller that keeps its group behind a lock of its own, so that waiting for records
+/// does not hold that lock (another thread's `ack` would wait behind the wait).
+#[derive(Clone)]
+pub struct Appends(Arc<LogState>);
+
+impl Appends {
+    /// The log's end now: what `wait_past` waits beyond. Read it before looking for records,
+    /// so that one appended in between ends the wait.
+    pub fn end(&self) -> u64 {
+        self.0.next_offset()
+    }
+
+    /// Waits up to `timeout` for a record at `end` or after; whether one came (or the log can
+    /// take no more: a failed sync).
+    pub fn wait_past(&self, end: u64, timeout: Duration) -> bool {
+        self.0.wait_for_append(end, Instant::now() + timeout)
+    }
+}
+
 impl ConsumerGroup {
+    /// What waits for records appended to this group's log without the group.
+    pub fn appends(&self) -> Appends {
+        Appends(Arc::clone(&self.shared))
+    }
+
     pub(crate) fn open(shared: Arc<LogState>, name: &str, options: GroupOptions) -> Result<ConsumerGroup> {
         check_name(name)?;
         options.durability.check()?;

@@ -73,7 +73,7 @@ pub mod verify;
 pub use cursor::{MAX_HELD, MAX_PENDING};
 pub use error::{Error, FrameError, Reason, Result};
 pub use frame::{FRAME_HEADER_LEN, Header, HeaderIter, Headers, Input, MAX_KEY_LEN, OwnedRecord, Record};
-pub use group::{ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
+pub use group::{Appends, ConsumerGroup, GroupInfo, GroupOptions, SeekTo};
 pub use log::Log;
 pub use options::{
     DEFAULT_MAX_RECORD_BYTES, DEFAULT_PAGE_BUDGET_BYTES, DEFAULT_SEGMENT_BYTES, Durability, MAX_MAX_RECORD_BYTES,
