@@ -268,6 +268,13 @@ impl Connection {
     /// waits for may need it); from inside the runtime (a signal handler run while a request
     /// waits) it is done on a task, as a runtime thread must not block.
     fn close(self: &Arc<Self>) {
+        self.close_then(false);
+    }
+
+    /// `close`; `in_background`: done on a task even from outside the runtime (an event loop's
+    /// thread must not wait for a reconnection under way, up to its connect timeout). The
+    /// connection is marked closed at once either way: no request or reconnection starts after.
+    fn close_then(self: &Arc<Self>, in_background: bool) {
         self.closed.store(true, std::sync::atomic::Ordering::Release);
         let conn = Arc::clone(self);
         let closing = async move {
@@ -276,9 +283,9 @@ impl Connection {
             // The handlers go: an asyncio client's streams of calls end.
             conn.served.lock().await.functions.clear();
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(_) => drop(runtime().spawn(closing)),
-            Err(_) => runtime().block_on(closing),
+        match in_background || tokio::runtime::Handle::try_current().is_ok() {
+            true => drop(runtime().spawn(closing)),
+            false => runtime().block_on(closing),
         }
     }
 }
@@ -1224,7 +1231,9 @@ impl AsyncCore {
         self.completions.spawn(token, async move { outcome(conn.unserve(&function).await.map_err(client_error)) });
     }
 
+    /// Closes on a task: called from the event loop's thread, which must not wait (a
+    /// reconnection under way holds the connection's locks up to its connect timeout).
     fn close(&self, py: Python<'_>) {
-        py.detach(|| self.conn.close());
+        py.detach(|| self.conn.close_then(true));
     }
 }
