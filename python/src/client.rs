@@ -615,7 +615,7 @@ impl Client {
     /// A poll that waits on the server, run as a task of its own: a signal that interrupts the
     /// wait (Ctrl-C, an alarm's handler raising) gives back what it takes when it comes, unseen,
     /// instead of losing it. So a poll for good is made tentatively (`ASYNC_TAKE_VISIBILITY`)
-    /// and its messages acknowledged, in the background, once they are in hand.
+    /// and its messages acknowledged once they are in hand, before they are returned.
     fn poll_guarded(
         &self,
         py: Python<'_>,
@@ -632,7 +632,19 @@ impl Client {
                 loop {
                     tokio::select! {
                         polled = &mut polling => {
-                            return polled.map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?.map_err(client_error);
+                            let polled = polled.map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+                            let mut delivered = polled.map_err(client_error)?;
+                            if for_good && !delivered.is_empty() {
+                                // Acknowledged before they are handed over: a close right after
+                                // (or the interpreter's exit) would give them back to their
+                                // queue, to be delivered twice. One that fails (the connection
+                                // lost) comes back: at least once.
+                                let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
+                                let _ = client.ack(queue, &handles).await;
+                                // Taken for good: no handle, as a poll for good has.
+                                delivered.iter_mut().for_each(|d| d.handle = 0);
+                            }
+                            return Ok(delivered);
                         }
                         _ = tokio::time::sleep(SIGNAL_CHECK) => {
                             if let Err(interrupted) = Python::attach(|py| py.check_signals()) {
@@ -650,14 +662,6 @@ impl Client {
                 }
             })
         })?;
-        if for_good && !delivered.is_empty() {
-            let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
-            let q = queue.to_owned();
-            runtime().spawn(async move {
-                // One that fails (the connection lost) is delivered again after its visibility.
-                let _ = client.ack(&q, &handles).await;
-            });
-        }
         Ok(delivered)
     }
 }

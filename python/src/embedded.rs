@@ -325,7 +325,7 @@ impl Group {
         let max = max.max(1);
         // The wait for records is made without the group's lock: another thread's `ack` or
         // `close` meanwhile goes at once.
-        let appends = self.with(|g| Ok(g.appends()))?;
+        let appends = py.detach(|| self.with(|g| Ok(g.appends())))?;
         let found = wait_for(py, crate::timeout_from(timeout), |slice| {
             let end = appends.end();
             let batch = self.with(|g| {
@@ -484,7 +484,7 @@ impl Queue {
     fn get(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyBytes>>> {
         let auto_ack = self.auto_ack;
         // The wait for items is made without the head's lock (see `Group::poll`).
-        let appends = self.with_head(|head| Ok(head.appends()))?;
+        let appends = py.detach(|| self.with_head(|head| Ok(head.appends())))?;
         let found = wait_for(py, crate::timeout_from(timeout), |slice| {
             let end = appends.end();
             let found = self.with_head(|head| {
@@ -514,11 +514,25 @@ impl Queue {
             self.with_head(|head| {
                 // The head's lock, then the list's, as in `get`.
                 let mut taken = lock(&self.taken);
-                let thread = std::thread::current().id();
-                let Some(taken) = taken.get_mut(&thread) else { return Ok(false) };
-                let Some(&offset) = taken.front() else { return Ok(false) };
+                // The oldest its own thread got; else (an item handed from the thread that got
+                // it to another, as `asyncio.to_thread(q.get)` does) the oldest of any thread's.
+                let own = std::thread::current().id();
+                let thread = match taken.get(&own).is_some_and(|t| !t.is_empty()) {
+                    true => own,
+                    false => {
+                        let oldest =
+                            taken.iter().filter_map(|(t, got)| got.front().map(|&o| (o, *t))).min_by_key(|(o, _)| *o);
+                        let Some((_, thread)) = oldest else { return Ok(false) };
+                        thread
+                    }
+                };
+                let got = taken.get_mut(&thread).expect("found above");
+                let offset = *got.front().expect("not empty");
                 head.ack(offset)?;
-                taken.pop_front();
+                got.pop_front();
+                if got.is_empty() {
+                    taken.remove(&thread); // (a thread that ended leaves nothing behind)
+                }
                 Ok(true)
             })
         })?;

@@ -585,3 +585,16 @@ def test_a_signal_that_interrupts_a_waiting_poll_loses_nothing(server):
     producer.offer("signalled", b"kept")
     got = producer.poll("signalled", timeout=3)
     assert got is not None and got.payload == b"kept"
+
+
+def test_a_waiting_poll_for_good_then_close_delivers_once(server):
+    """A poll that waited takes its message tentatively and acknowledges it before returning
+    it: a close right after does not give it back to be delivered again."""
+    c = petrel.Client(server)
+    c.create_queue("once")
+    other = petrel.Client(server)
+    other.offer("once", b"only")
+    got = c.poll("once", timeout=1)
+    assert got is not None and got.payload == b"only" and got.handle == 0
+    c.close()
+    assert other.poll("once", timeout=0.3) is None

@@ -201,6 +201,24 @@ def test_a_waiting_get_ends_at_close_and_a_waiting_poll_at_an_append(tmp_path):
         assert time.monotonic() - started < 0.5
 
 
+def test_task_done_finishes_an_item_handed_over_from_another_thread(tmp_path):
+    """An item got on one thread and finished on another (`asyncio.to_thread(q.get)`, a reader
+    handing work out) is finished: the oldest of any thread's, when the caller got none."""
+    path = tmp_path / "q"
+    with petrel.Queue(path, durability="always", auto_ack=False) as q:
+        q.put(b"a")
+        got = []
+        reader = threading.Thread(target=lambda: got.append(q.get(timeout=5)))
+        reader.start()
+        reader.join()
+        assert got == [b"a"]
+        q.task_done()  # on this thread, which got nothing itself
+        with pytest.raises(ValueError):
+            q.task_done()
+    with petrel.Queue(path) as q:
+        assert q.get(timeout=0) is None, "done: it does not come back"
+
+
 def test_a_negative_position_is_an_overflow_error(tmp_path):
     with petrel.Log(tmp_path / "log") as log:
         log.append(b"x")
