@@ -240,10 +240,13 @@ where
     }
     // Requests still waiting (a poll for a message, an offer for room) stop waiting.
     drop(reading);
-    let _ = tokio::time::timeout(grace, pushes.flush(&mut connection)).await;
+    // One grace for the answers ready and the requests in flight together, one more for the
+    // writer (`Connection::close`): two at most, as operations.md says.
+    let finish_by = tokio::time::Instant::now() + grace;
+    let _ = tokio::time::timeout_at(finish_by, pushes.flush(&mut connection)).await;
     pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
-    let _ = tokio::time::timeout(grace, async {
+    let _ = tokio::time::timeout_at(finish_by, async {
         permits.all_returned().await;
         if let Some(answering) = last_answer {
             let _ = answering.await;
