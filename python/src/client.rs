@@ -624,42 +624,28 @@ impl Client {
     ) -> PyResult<Vec<petrel_client::Delivery>> {
         let client = self.wait(py, self.conn.client())?;
         let for_good = options.visibility.is_none();
-        let options = PollOptions { visibility: options.visibility.or(Some(ASYNC_TAKE_VISIBILITY)), ..options };
-        let (c, q) = (client.clone(), queue.to_owned());
-        let mut polling = runtime().spawn(async move { c.poll(&q, options).await });
         let delivered = py.detach(|| {
             crate::client::block_on(async {
-                loop {
+                // Dropped by a signal, its answer is given back when it comes (`Taken`).
+                let polling = poll_once(client.clone(), queue.to_owned(), options);
+                tokio::pin!(polling);
+                let taken = loop {
                     tokio::select! {
-                        polled = &mut polling => {
-                            let polled = polled.map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
-                            let mut delivered = polled.map_err(client_error)?;
-                            if for_good && !delivered.is_empty() {
-                                // Acknowledged before they are handed over: a close right after
-                                // (or the interpreter's exit) would give them back to their
-                                // queue, to be delivered twice. One that fails (the connection
-                                // lost) comes back: at least once.
-                                let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
-                                let _ = client.ack(queue, &handles).await;
-                                // Taken for good: no handle, as a poll for good has.
-                                delivered.iter_mut().for_each(|d| d.handle = 0);
-                            }
-                            return Ok(delivered);
-                        }
-                        _ = tokio::time::sleep(SIGNAL_CHECK) => {
-                            if let Err(interrupted) = Python::attach(|py| py.check_signals()) {
-                                let (c, q) = (client.clone(), queue.to_owned());
-                                runtime().spawn(async move {
-                                    if let Ok(Ok(taken)) = polling.await {
-                                        let handles: Vec<u64> = taken.iter().map(|d| d.handle).collect();
-                                        let _ = c.give_back_unseen(&q, &handles).await;
-                                    }
-                                });
-                                return Err(interrupted);
-                            }
-                        }
+                        taken = &mut polling => break taken?,
+                        _ = tokio::time::sleep(SIGNAL_CHECK) => Python::attach(|py| py.check_signals())?,
                     }
+                };
+                let mut delivered = taken.keep();
+                if for_good && !delivered.is_empty() {
+                    // Acknowledged before they are handed over: a close right after (or the
+                    // interpreter's exit) would give them back to their queue, to be delivered
+                    // twice. One that fails (the connection lost) comes back: at least once.
+                    let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();
+                    let _ = client.ack(queue, &handles).await;
+                    // Taken for good: no handle, as a poll for good has.
+                    delivered.iter_mut().for_each(|d| d.handle = 0);
                 }
+                Ok::<_, PyErr>(delivered)
             })
         })?;
         Ok(delivered)

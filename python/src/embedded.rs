@@ -6,7 +6,7 @@
 //! raises `ClosedError`. Records cross into Python as copies (`bytes`): the log's mapping may be
 //! unmapped when its segment is retired, so no view into it outlives the call.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -422,7 +422,7 @@ pub struct Queue {
     auto_ack: bool,
     /// The items got and not yet done (auto_ack off), per thread that got them (`task_done` acknowledges the
     /// oldest of its own thread's: a worker pool's threads each finish their own).
-    taken: Mutex<HashMap<std::thread::ThreadId, VecDeque<u64>>>,
+    taken: Mutex<VecDeque<(std::thread::ThreadId, u64)>>,
     path: PathBuf,
 }
 
@@ -460,7 +460,7 @@ impl Queue {
             log: Mutex::new(Some(log)),
             head: Mutex::new(Some(head)),
             auto_ack,
-            taken: Mutex::new(HashMap::new()),
+            taken: Mutex::new(VecDeque::new()),
             path,
         })
     }
@@ -493,7 +493,7 @@ impl Queue {
                 }
                 let Some(record) = head.poll(1, Duration::ZERO)?.into_iter().next() else { return Ok(None) };
                 // Remembered under the head's lock: `task_done` acknowledges in delivery order.
-                lock(&self.taken).entry(std::thread::current().id()).or_default().push_back(record.offset);
+                lock(&self.taken).push_back((std::thread::current().id(), record.offset));
                 Ok(Some(record.payload.to_vec()))
             })?;
             if found.is_none() {
@@ -514,25 +514,15 @@ impl Queue {
             self.with_head(|head| {
                 // The head's lock, then the list's, as in `get`.
                 let mut taken = lock(&self.taken);
-                // The oldest its own thread got; else (an item handed from the thread that got
-                // it to another, as `asyncio.to_thread(q.get)` does) the oldest of any thread's.
+                // The oldest its own thread got (the list is in delivery order); else (an item
+                // handed from the thread that got it to another, as `asyncio.to_thread(q.get)`
+                // does) the oldest of all.
                 let own = std::thread::current().id();
-                let thread = match taken.get(&own).is_some_and(|t| !t.is_empty()) {
-                    true => own,
-                    false => {
-                        let oldest =
-                            taken.iter().filter_map(|(t, got)| got.front().map(|&o| (o, *t))).min_by_key(|(o, _)| *o);
-                        let Some((_, thread)) = oldest else { return Ok(false) };
-                        thread
-                    }
+                let Some(i) = taken.iter().position(|(t, _)| *t == own).or((!taken.is_empty()).then_some(0)) else {
+                    return Ok(false);
                 };
-                let got = taken.get_mut(&thread).expect("found above");
-                let offset = *got.front().expect("not empty");
-                head.ack(offset)?;
-                got.pop_front();
-                if got.is_empty() {
-                    taken.remove(&thread); // (a thread that ended leaves nothing behind)
-                }
+                head.ack(taken[i].1)?;
+                taken.remove(i);
                 Ok(true)
             })
         })?;
@@ -541,12 +531,7 @@ impl Queue {
 
     /// Items waiting to be got.
     fn qsize(&self, py: Python<'_>) -> PyResult<u64> {
-        py.detach(|| {
-            self.with_head(|head| {
-                let taken: usize = lock(&self.taken).values().map(VecDeque::len).sum();
-                Ok(head.unacknowledged().saturating_sub(taken as u64))
-            })
-        })
+        py.detach(|| self.with_head(|head| Ok(head.unacknowledged().saturating_sub(lock(&self.taken).len() as u64))))
     }
 
     /// Whether `qsize()` is 0.

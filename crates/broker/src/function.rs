@@ -157,11 +157,6 @@ impl Functions {
         Functions { observer, ..Functions::default() }
     }
 
-    /// Whether anything serves `function` now.
-    pub(crate) fn serves(&self, function: &str) -> bool {
-        self.servers.lock().unwrap_or_else(|e| e.into_inner()).contains_key(function)
-    }
-
     /// Every served function, by name.
     pub(crate) fn list(&self) -> Vec<FunctionStatus> {
         let servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
@@ -257,7 +252,7 @@ impl Functions {
     pub(crate) fn call(
         &self,
         (caller, function): (ConnId, &str),
-        (message, memory): (Message, MemoryHold),
+        (message, hold): (Message, impl FnOnce() -> Result<MemoryHold, BrokerError>),
         oneway: bool,
         call: u64,
         reply: (Replier, u64),
@@ -265,6 +260,8 @@ impl Functions {
         let mut servers = self.servers.lock().unwrap_or_else(|e| e.into_inner());
         let not_found = || BrokerError::FunctionNotFound(function.to_owned());
         let entry = servers.get_mut(function).ok_or_else(not_found)?;
+        // The call's bytes in the memory budget (`Broker::call`), once there is a server for it.
+        let memory = hold()?;
         entry.stats.calls += 1;
         let mut message = Some(message);
         let mut reply = Some(reply);

@@ -1660,21 +1660,20 @@ impl Broker {
             ));
         }
         self.check_size(&message)?;
-        if !self.functions.serves(function) {
-            return Err(BrokerError::FunctionNotFound(function.to_owned()));
-        }
         // Held in memory until its server's connection takes it (a server that does not read
-        // holds up to its channel's worth of calls): counted in the budget meanwhile. A small
-        // call goes even when the budget is full (in-memory queues may fill it), within a
-        // bounded allowance of its own.
+        // holds up to its channel's worth of calls): counted in the budget meanwhile, once the
+        // function is found. A small call goes even when the budget is full (in-memory queues
+        // may fill it), within a bounded allowance of its own.
         let size = message.size() + function::INVOCATION_OVERHEAD;
-        let small = size <= SMALL_CALL_BYTES;
-        let held = MemoryHold::take(&self.memory, size, false)
-            .or_else(|| small.then(|| MemoryHold::take(&self.small_calls_past_budget, size, false)).flatten());
-        let Some(memory) = held else {
-            return Err(BrokerError::Limit(format!(
-                "a call of {size} bytes does not fit in the server's memory budget (max_memory_bytes) now"
-            )));
+        let hold = || {
+            let small = size <= SMALL_CALL_BYTES;
+            MemoryHold::take(&self.memory, size, false)
+                .or_else(|| small.then(|| MemoryHold::take(&self.small_calls_past_budget, size, false)).flatten())
+                .ok_or_else(|| {
+                    BrokerError::Limit(format!(
+                        "a call of {size} bytes does not fit in the server's memory budget (max_memory_bytes) now"
+                    ))
+                })
         };
         let call = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let message =
@@ -1683,7 +1682,7 @@ impl Broker {
         // The caller's own temporary reply queue becomes writable by the server that takes the call.
         let reply_queue = self.queue(&message.reply_to).filter(|q| q.owner == Some(caller));
         let (called, server) =
-            self.functions.call((caller, function), (message, memory), oneway, call, (reply, deadline_ns))?;
+            self.functions.call((caller, function), (message, hold), oneway, call, (reply, deadline_ns))?;
         if let (Some(q), Some(server)) = (reply_queue, server) {
             q.grant_replier(server);
         }

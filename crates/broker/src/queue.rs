@@ -1407,9 +1407,6 @@ impl Queue {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let mut answer_bytes = 0u64;
-        // A settle that failed: as an acknowledgement's, it has still taken the message in
-        // memory, which is handed out all the same; the poll ends there.
-        let mut settle_failed = None;
         // (What goes wrong midway still settles the expired messages taken out: `settle_now`.)
         let taking = (|| -> Result<(), BrokerError> {
             while out.deliveries.len() < max {
@@ -1429,6 +1426,9 @@ impl Queue {
                 }
                 answer_bytes += cost;
                 inner.counters.last_taken_offered_at = message.timestamp;
+                // A settle that fails has still taken the message in memory (as an
+                // acknowledgement's): it is handed out all the same, and the poll ends there.
+                let mut settled = Ok(());
                 let handle = match visibility {
                     Some(v) => {
                         let handle = next_handle();
@@ -1440,9 +1440,7 @@ impl Queue {
                         handle
                     }
                     None => {
-                        if let Err(e) = inner.settle(&taken) {
-                            settle_failed = Some(e);
-                        }
+                        settled = inner.settle(&taken);
                         counting::subtract(&mut inner.bytes, size, "a queue's bytes");
                         0
                     }
@@ -1450,14 +1448,11 @@ impl Queue {
                 inner.counters.total_polled += 1;
                 let message = Message { destination: self.name.clone(), ..message };
                 out.deliveries.push(Delivery { handle, message });
-                if settle_failed.is_some() {
-                    break;
-                }
+                settled?;
             }
             Ok(())
         })();
-        let failed = taking.err().or(settle_failed);
-        if let Some(e) = failed {
+        if let Err(e) = taking {
             inner.settle_now(&mut out.expired);
             if out.deliveries.is_empty() {
                 return Err(e);
@@ -2190,9 +2185,7 @@ impl Inner {
         }
         others.sort_unstable();
         for (_, other) in others {
-            if self.has_head(other)?
-                && let Some(taken) = self.take_at(other)?
-            {
+            if let Some(taken) = self.take_at(other)? {
                 return Ok(Some(taken));
             }
         }

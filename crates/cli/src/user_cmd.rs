@@ -88,10 +88,8 @@ pub fn user(cmd: UserCommand) -> Res {
                 return Err(format!("{}: no user {name:?}", file.display()).into());
             }
             let password = read_password(&name)?;
-            let missing = || format!("{}: no user {name:?}", file.display());
-            Users::edit(&file, |users| match users.get(&name) {
-                Some(_) => users.set_password(&name, &password),
-                None => Err(missing()),
+            Users::edit(&file, |users| {
+                users.set_password(&name, &password).map_err(|e| format!("{}: {e}", file.display()))
             })?;
             println!("changed the password of {name} in {}", file.display());
         }

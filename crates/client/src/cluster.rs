@@ -487,16 +487,14 @@ enum Settle {
 impl Settle {
     /// The request that settles `handles` of `queue` on one server, through `client`.
     fn request(self, client: &Client, queue: &str, handles: Vec<u64>) -> Request {
-        let delay_ms = match self {
-            Settle::Abort(delay) => delay.as_millis().min(u128::from(u32::MAX)) as u32,
-            _ => 0,
-        };
+        let queue = queue.into();
         match self {
-            Settle::Ack => Request::Ack { queue: queue.into(), handles },
-            Settle::Abort(_) => Request::Abort { queue: queue.into(), handles, delay_ms, unseen: false },
-            Settle::GiveBack => {
-                Request::Abort { queue: queue.into(), handles, delay_ms, unseen: client.returns_unseen() }
+            Settle::Ack => Request::Ack { queue, handles },
+            Settle::Abort(delay) => {
+                let delay_ms = delay.as_millis().min(u128::from(u32::MAX)) as u32;
+                Request::Abort { queue, handles, delay_ms, unseen: false }
             }
+            Settle::GiveBack => Request::Abort { queue, handles, delay_ms: 0, unseen: client.returns_unseen() },
         }
     }
 }

@@ -712,7 +712,7 @@ impl Client {
     /// waiting while its answer came): they go back to the head as if never handed out, their
     /// delivery not counted, on a server that takes them so; on an older server, as `abort`.
     pub async fn give_back_unseen(&self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
-        let unseen = self.inner.returns_unseen.load(Ordering::Relaxed);
+        let unseen = self.returns_unseen();
         self.settle_abort(Request::Abort { queue: queue.into(), handles: handles.to_vec(), delay_ms: 0, unseen }).await
     }
 

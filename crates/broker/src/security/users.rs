@@ -105,9 +105,7 @@ impl Users {
     /// over the first's, or renaming the other's half-written temporary file. Returns the users
     /// as written.
     pub fn edit(path: &Path, change: impl FnOnce(&mut Users) -> Result<(), String>) -> Result<Users, String> {
-        let mut name = path.as_os_str().to_owned();
-        name.push(".lock");
-        let lock_path = PathBuf::from(name);
+        let lock_path = beside(path, ".lock");
         let lock = fs::OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -239,8 +237,13 @@ fn check_hash(hash: &str) -> Result<(), String> {
 
 /// `FILE.tmp`, beside `FILE` so that the rename stays on one file system.
 fn temporary_path(path: &Path) -> PathBuf {
+    beside(path, ".tmp")
+}
+
+/// `path` with `suffix` added to its name: a file beside it.
+fn beside(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
-    name.push(".tmp");
+    name.push(suffix);
     PathBuf::from(name)
 }
 

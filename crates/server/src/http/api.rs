@@ -163,7 +163,7 @@ pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
             "max_subscriptions_per_connection": c.max_subscriptions_per_connection,
             "max_functions_per_connection": c.max_functions_per_connection,
             "auth_attempts_per_minute": c.security.auth_attempts_per_minute,
-            "handshake_timeout_ms": c.security.handshake_timeout().map_or(0, |d| d.as_millis() as u64),
+            "handshake_timeout_ms": ctx.handshake_timeout().as_millis() as u64,
         },
     }))
     .into_response()

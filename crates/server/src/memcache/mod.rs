@@ -448,6 +448,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         if flags != 0 {
             message.headers.push((FLAGS_HEADER.into(), Bytes::from(flags.to_string())));
         }
+        // Over the server's limit (the flags, kept beside the item, count some bytes of it): the
+        // line memcached gives, as for a data block over it. (Over a queue's own limits, below:
+        // Kestrel's NOT_STORED.)
+        if self.ctx.broker.check_size(&message).is_err() {
+            return "SERVER_ERROR object too large for cache".into();
+        }
         let who = self.authenticated.as_ref().map(|a| &a.principal);
         let offered = crate::first_use::queue_or_create(&self.ctx, who, queue)
             .await
@@ -459,11 +465,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         };
         match synced {
             Ok(()) => "STORED".into(),
-            // Over the server's limit (the flags, kept beside the item, count a few bytes of it):
-            // the line memcached gives, as for a data block over it.
-            Err(BrokerError::TooLarge { max, .. }) if max == self.ctx.config.max_message_bytes => {
-                "SERVER_ERROR object too large for cache".into()
-            }
             // Over the queue's own limits (Kestrel's answer).
             Err(BrokerError::Full(_) | BrokerError::TooLarge { .. } | BrokerError::NeverFits(_)) => "NOT_STORED".into(),
             Err(e) => server_error(&e),

@@ -129,12 +129,12 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         self.answers += 1;
     }
 
-    /// Where answers that wait, and pushes, are sent.
     /// Bytes read and not yet decoded.
     pub fn buffered(&self) -> usize {
         self.input.buf.len()
     }
 
+    /// Where answers that wait, and pushes, are sent.
     pub fn outbox(&self) -> &Outbox {
         &self.outbox
     }

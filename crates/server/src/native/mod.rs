@@ -78,14 +78,16 @@ impl Permits {
     }
 
     /// Waits for a permit (the reader stops reading meanwhile: TCP pushes back).
+    fn semaphore(&self, waits_for: WaitsFor) -> Arc<Semaphore> {
+        Arc::clone(if waits_for == WaitsFor::Disk { &self.disk } else { &self.other })
+    }
+
     async fn acquire(&self, waits_for: WaitsFor) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let semaphore = if waits_for == WaitsFor::Disk { &self.disk } else { &self.other };
-        Arc::clone(semaphore).acquire_owned().await.ok()
+        self.semaphore(waits_for).acquire_owned().await.ok()
     }
 
     fn try_acquire(&self, waits_for: WaitsFor) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let semaphore = if waits_for == WaitsFor::Disk { &self.disk } else { &self.other };
-        Arc::clone(semaphore).try_acquire_owned().ok()
+        self.semaphore(waits_for).try_acquire_owned().ok()
     }
 
     fn none_taken(&self) -> bool {
@@ -154,10 +156,8 @@ where
             match answer {
                 Answer::Now(response) => connection.answer(&response, opcode, request_id),
                 Answer::Later { waits_for, answer } => {
-                    let settled = session.greeted && session.trusted(&ctx);
-                    let deadline = || stall_deadline(&session);
                     let waiting = (&mut pushes, &mut connection, &mut shutdown);
-                    let permit = permit_for(&ctx, &permits, waits_for, waiting, deadline, settled).await;
+                    let permit = permit_for(&ctx, &permits, waits_for, waiting, &session, &stall_deadline).await;
                     // Stopping (or a client stalled) with no permit: a request waiting only for
                     // the disk is done already (an offer stored, waiting for its sync) and is
                     // still answered, before the connection closes (its producer would retry
@@ -186,13 +186,9 @@ where
                     }
                 }
                 Answer::Call(call) => {
-                    let settled = session.greeted && session.trusted(&ctx);
-                    let deadline = || stall_deadline(&session);
                     let waiting = (&mut pushes, &mut connection, &mut shutdown);
-                    let Some(permit) = permit_for(&ctx, &permits, WaitsFor::Other, waiting, deadline, settled).await
-                    else {
-                        break 'read;
-                    };
+                    let permit = permit_for(&ctx, &permits, WaitsFor::Other, waiting, &session, &stall_deadline);
+                    let Some(permit) = permit.await else { break 'read };
                     let reply_to = functions::ReplyTo { outbox: connection.outbox().clone(), opcode, request_id };
                     if let Some(response) = functions::call(&ctx, &session, call, reply_to, permit) {
                         connection.answer(&response, opcode, request_id);
@@ -263,19 +259,21 @@ const LARGE_ANSWER: usize = 64 << 10;
 /// the answers ready go out first (a client may wait for one of them before it sends what the
 /// requests under way wait for), then the wait: requests under way are not idleness, so it ends
 /// at a shutdown, or once the client has left answers unread for as long as it may be silent
-/// (`deadline`, looked at again each time it passes; before its login, `settled` is false and
-/// the handshake's deadline ends it whatever).
+/// (`stall_deadline`, looked at again each time it passes; before its login, the handshake's
+/// deadline ends it whatever).
 async fn permit_for<S>(
     ctx: &Ctx,
     permits: &Permits,
     waits_for: WaitsFor,
     (pushes, connection, shutdown): (&mut Pushes, &mut Connection<S>, &mut watch::Receiver<bool>),
-    deadline: impl Fn() -> Option<tokio::time::Instant>,
-    settled: bool,
+    session: &Session,
+    stall_deadline: &impl Fn(&Session) -> Option<tokio::time::Instant>,
 ) -> Option<tokio::sync::OwnedSemaphorePermit>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
+    let settled = session.greeted && session.trusted(ctx);
+    let deadline = || stall_deadline(session);
     if let Some(permit) = permits.try_acquire(waits_for) {
         return Some(permit);
     }
