@@ -298,17 +298,19 @@ impl Topic {
         }
         // Each group is a cursor file, a row of the topic's status and series on /metrics, kept
         // until an admin removes it: a client naming new groups again and again is stopped.
-        let groups = log.groups();
-        if groups.len() >= MAX_GROUPS_PER_TOPIC && !groups.iter().any(|g| g.name == group) {
-            return Err(BrokerError::Limit(format!(
-                "topic {} has {} consumer groups, the most a topic keeps: remove some (DELETE /api/v1/topics/{}/groups/NAME) before naming a new one",
-                self.name,
-                groups.len(),
-                self.name
-            )));
-        }
-        let options = GroupOptions { max_pending, start: SeekTo::Newest, ..GroupOptions::default() };
-        let mut g = log.group(group, options)?;
+        let options = GroupOptions {
+            max_pending,
+            start: SeekTo::Newest,
+            max_groups: MAX_GROUPS_PER_TOPIC,
+            ..GroupOptions::default()
+        };
+        let mut g = log.group(group, options).map_err(|e| match e {
+            petrel_log::Error::TooManyGroups { groups, .. } => BrokerError::Limit(format!(
+                "topic {} has {groups} consumer groups, the most a topic keeps: remove some (DELETE /api/v1/topics/{}/groups/NAME) before naming a new one",
+                self.name, self.name
+            )),
+            e => e.into(),
+        })?;
         if let Some(to) = from {
             g.seek(to)?;
         }

@@ -60,6 +60,9 @@ pub enum Error {
     #[error("consumer group {0:?} is already open in this process")]
     GroupInUse(String),
 
+    #[error("the log has {groups} consumer groups, the most it was opened to keep ({max})")]
+    TooManyGroups { groups: usize, max: usize },
+
     #[error("consumer group {0:?} does not exist")]
     NoSuchGroup(String),
 

@@ -42,11 +42,15 @@ pub struct GroupOptions {
     pub max_pending: usize,
     /// Where a group that does not exist yet starts.
     pub start: SeekTo,
+    /// A group that does not exist yet is not made when the log has this many (0: no limit):
+    /// `Error::TooManyGroups`. Checked under the registry's lock, so that openers at the limit
+    /// cannot all pass it at once.
+    pub max_groups: usize,
 }
 
 impl Default for GroupOptions {
     fn default() -> Self {
-        GroupOptions { durability: Durability::None, max_pending: 4096, start: SeekTo::Oldest }
+        GroupOptions { durability: Durability::None, max_pending: 4096, start: SeekTo::Oldest, max_groups: 0 }
     }
 }
 
@@ -378,6 +382,9 @@ impl ConsumerGroup {
             // starts: retention, which reads this registry under its lock, could otherwise
             // delete the records it was about to start at.
             let made = !groups.contains_key(name);
+            if made && options.max_groups != 0 && groups.len() >= options.max_groups {
+                return Err(Error::TooManyGroups { groups: groups.len(), max: options.max_groups });
+            }
             let entry = groups.entry(name.to_owned()).or_insert_with(|| {
                 let entry =
                     GroupEntry::closed(&CursorState { committed: shared.first_offset(), ..CursorState::default() });

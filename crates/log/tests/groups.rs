@@ -476,3 +476,33 @@ fn a_cursor_that_never_reached_the_disk_starts_its_group_again() {
     std::fs::write(&cursor, vec![0xA5u8; len as usize]).unwrap();
     assert!(matches!(Log::open(dir.path(), Options::default()), Err(Error::Corrupt { .. })));
 }
+
+/// `max_groups` bounds the groups a log makes, under the registry's lock: of eight threads each
+/// making a new group with one place left, exactly one does; a group that exists still opens.
+#[test]
+fn max_groups_lets_exactly_one_of_many_openers_take_the_last_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = Arc::new(log_with(dir.path(), 10));
+    let opts = GroupOptions { max_groups: 4, ..GroupOptions::default() };
+    for g in 0..3 {
+        drop(log.group(&format!("g{g}"), opts).unwrap());
+    }
+    let barrier = Arc::new(std::sync::Barrier::new(8));
+    let openers: Vec<_> = (0..8)
+        .map(|t| {
+            let (log, barrier) = (Arc::clone(&log), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                barrier.wait();
+                match log.group(&format!("new{t}"), opts) {
+                    Ok(_) => true,
+                    Err(Error::TooManyGroups { groups: 4, max: 4 }) => false,
+                    Err(e) => panic!("{e}"),
+                }
+            })
+        })
+        .collect();
+    let made = openers.into_iter().map(|t| t.join().unwrap()).filter(|made| *made).count();
+    assert_eq!(made, 1);
+    assert_eq!(log.groups().len(), 4);
+    drop(log.group("g1", opts).expect("a group that exists opens at the limit"));
+}
