@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use petrel_client::blocking::Client;
-use petrel_client::{ClientError, QueueStats, TopicStats};
+use petrel_client::{ClientError, QueueStats, TopicStats, answer_within};
 use serde_json::{Value, json};
 
 use crate::server_cmd::ServerArg;
@@ -63,16 +63,6 @@ struct Watched {
 /// server with thousands of queues takes a while to sample, and is not down.)
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// `request`'s answer, or a timeout after `REQUEST_TIMEOUT`.
-async fn within<T>(request: impl std::future::Future<Output = Result<T, ClientError>>) -> Result<T, ClientError> {
-    tokio::time::timeout(REQUEST_TIMEOUT, request).await.unwrap_or_else(|_| {
-        Err(ClientError::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no answer within {REQUEST_TIMEOUT:?}"),
-        )))
-    })
-}
-
 /// One server's queues and topics at one moment.
 fn sample_server(client: &Client, prefix: &str) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
     client.block_on(sample_server_now(client.inner(), prefix))
@@ -83,8 +73,12 @@ async fn sample_server_now(
     prefix: &str,
 ) -> Result<(Vec<Sample>, Vec<TopicSample>), ClientError> {
     let mut samples = Vec::new();
-    for name in within(client.list_queues()).await?.into_iter().filter(|n| n.starts_with(prefix)) {
-        match within(client.queue_status(&name)).await {
+    for name in answer_within(REQUEST_TIMEOUT, "the server", client.list_queues())
+        .await?
+        .into_iter()
+        .filter(|n| n.starts_with(prefix))
+    {
+        match answer_within(REQUEST_TIMEOUT, "the server", client.queue_status(&name)).await {
             Ok(stats) => samples.push(Sample { name, stats }),
             // Removed between the list and its status.
             Err(e) if e.status() == Some(petrel_client::Status::QueueNotFound) => {}
@@ -92,8 +86,12 @@ async fn sample_server_now(
         }
     }
     let mut topics = Vec::new();
-    for name in within(client.list_topics()).await?.into_iter().filter(|n| n.starts_with(prefix)) {
-        match within(client.topic_status(&name)).await {
+    for name in answer_within(REQUEST_TIMEOUT, "the server", client.list_topics())
+        .await?
+        .into_iter()
+        .filter(|n| n.starts_with(prefix))
+    {
+        match answer_within(REQUEST_TIMEOUT, "the server", client.topic_status(&name)).await {
             Ok(stats) => topics.push(TopicSample { name, stats }),
             Err(e) if e.status() == Some(petrel_client::Status::TopicNotFound) => {}
             Err(e) => return Err(e),

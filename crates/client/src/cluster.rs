@@ -248,13 +248,7 @@ impl Shared {
         request: impl Future<Output = Result<T, ClientError>>,
     ) -> Result<T, ClientError> {
         let limit = self.options.request_timeout + wait;
-        let result = match tokio::time::timeout(limit, request).await {
-            Ok(result) => result,
-            Err(_) => Err(ClientError::Io(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no answer from {} within {limit:?}", self.members[i].addr),
-            ))),
-        };
+        let result = crate::answer_within(limit, &self.members[i].addr, request).await;
         if let Err(e) = &result
             && e.is_connection_lost()
         {
@@ -1364,6 +1358,8 @@ fn deliveries(server: usize, connection: u64, taken: Vec<Delivery>) -> Vec<Clust
 #[derive(Clone)]
 struct Following {
     client: Client,
+    /// The server's address, for errors.
+    addr: String,
     connection: u64,
     subscription: u64,
 }
@@ -1433,7 +1429,8 @@ impl FollowTopic {
                 *from = StartFrom::Resume; // after a loss, where the group stands
             }
             held = crate::follow::HeldPause::new();
-            lock(&self.current)[i] = Some(Following { client, connection, subscription: subscription.id });
+            let addr = self.shared.members[i].addr.clone();
+            lock(&self.current)[i] = Some(Following { client, addr, connection, subscription: subscription.id });
             if let Some(ready) = ready.take() {
                 let _ = ready.send(Ok(())).await;
             }
@@ -1527,8 +1524,8 @@ impl ClusterAcks {
             if ids.is_empty() {
                 continue; // all delivered on a connection since lost
             }
-            let acked = tokio::time::timeout(self.request_timeout, f.client.ack_subscription(f.subscription, &ids));
-            match acked.await.unwrap_or_else(|_| Err(ClientError::Io(std::io::ErrorKind::TimedOut.into()))) {
+            let acked = f.client.ack_subscription(f.subscription, &ids);
+            match crate::answer_within(self.request_timeout, &f.addr, acked).await {
                 Ok(n) => total += n,
                 Err(e) if e.is_connection_lost() => {}
                 Err(e) => return Err(e),

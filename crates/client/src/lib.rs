@@ -91,6 +91,19 @@ async fn connect_within<S>(
     }
 }
 
+/// `request`'s answer, or a `TimedOut` error naming `from` once `limit` passes: for a caller that
+/// must not wait on a server that stopped answering (stopped, hung, a cut link).
+pub async fn answer_within<T>(
+    limit: Duration,
+    from: &str,
+    request: impl std::future::Future<Output = Result<T, ClientError>>,
+) -> Result<T, ClientError> {
+    tokio::time::timeout(limit, request).await.unwrap_or_else(|_| {
+        let why = format!("no answer from {from} within {limit:?}");
+        Err(ClientError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, why)))
+    })
+}
+
 /// How to reach a server: TLS, credentials, patience.
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
