@@ -20,12 +20,13 @@ Every call that touches the disk or the network, or waits, releases the GIL.
 from __future__ import annotations
 
 import asyncio
+import collections
 import atexit
 import builtins
 import inspect
 import itertools
 import time
-from typing import Any, Awaitable, Callable, Dict, Generator, List, Optional, Set, Tuple, Union
+from typing import Any, Awaitable, Callable, Deque, Dict, Generator, List, Optional, Set, Tuple, Union
 
 from ._petrel import (
     AsyncCalls as _AsyncCalls,
@@ -205,6 +206,8 @@ class AsyncSubscription:
         self._subscribing = subscribing
         self._core: Optional[_AsyncSubscriptionCore] = None
         self._requests: Optional[_Requests] = None
+        # Messages that reached a coroutine cancelled before it took them: handed out first.
+        self._kept: Deque[Message] = collections.deque()
 
     async def _subscription(self) -> Tuple[_Requests, _AsyncSubscriptionCore]:
         if self._core is None:
@@ -230,8 +233,7 @@ class AsyncSubscription:
         return subscribed().__await__()
 
     async def __anext__(self) -> Message:
-        requests, core = await self._subscription()
-        message = await requests.run(core.next, None)
+        message = await self.get()
         if message is None:
             raise StopAsyncIteration
         return message
@@ -239,9 +241,16 @@ class AsyncSubscription:
     async def get(self, timeout: Optional[float] = None) -> Optional[Message]:
         """The next message, waiting up to ``timeout`` seconds (``None``: until one comes);
         ``None`` if none came in time or the subscription is over."""
-        # The wait is timed on the native side: a message that arrives as it ends is kept.
+        # The wait is timed on the native side: a message that arrives as it ends is kept, and
+        # so is one that arrives for a coroutine cancelled meanwhile (for the next call).
         requests, core = await self._subscription()
-        return await requests.run(core.next, timeout)
+        if self._kept:
+            return self._kept.popleft()
+        return await requests.run(core.next, timeout, give_back=self._keep)
+
+    def _keep(self, message: Optional[Message]) -> None:
+        if message is not None:
+            self._kept.append(message)
 
     async def ack(self, ids: List[int]) -> int:
         """Acknowledges messages of a group subscription by ``Message.id``; returns how many

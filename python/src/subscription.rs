@@ -3,7 +3,8 @@
 //! `petrel.AsyncSubscription`). Acknowledgements and unsubscribing go by the subscription's id
 //! through the client, so one thread may ack or end a subscription another is reading.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use petrel_client::StartFrom;
@@ -182,7 +183,24 @@ pub struct AsyncSubscriptionCore {
     id: u64,
     client: petrel_client::Client,
     stream: Arc<tokio::sync::Mutex<Option<petrel_client::Subscription>>>,
+    /// Messages a `next` received for a coroutine cancelled before it could take them (its
+    /// outcome dropped unconverted): the next `next` returns them first, oldest first.
+    kept: Arc<Mutex<VecDeque<petrel_client::Message>>>,
     completions: Arc<Inner>,
+}
+
+/// A received message on its way to Python: put back in `kept` if its outcome is dropped.
+struct Receiving {
+    message: Option<petrel_client::Message>,
+    kept: Arc<Mutex<VecDeque<petrel_client::Message>>>,
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        if let Some(m) = self.message.take() {
+            self.kept.lock().unwrap_or_else(|e| e.into_inner()).push_front(m);
+        }
+    }
 }
 
 impl AsyncSubscriptionCore {
@@ -191,7 +209,9 @@ impl AsyncSubscriptionCore {
         sub: petrel_client::Subscription,
         completions: Arc<Inner>,
     ) -> AsyncSubscriptionCore {
-        AsyncSubscriptionCore { id: sub.id, client, stream: Arc::new(tokio::sync::Mutex::new(Some(sub))), completions }
+        let sub_id = sub.id;
+        let stream = Arc::new(tokio::sync::Mutex::new(Some(sub)));
+        AsyncSubscriptionCore { id: sub_id, client, stream, kept: Arc::default(), completions }
     }
 }
 
@@ -199,13 +219,25 @@ impl AsyncSubscriptionCore {
 impl AsyncSubscriptionCore {
     /// The outcome is the next message, or `None` after `timeout` seconds (`None`: no limit) or
     /// once the subscription ended. Timed here rather than by cancelling, so that a message
-    /// arriving as the time runs out is never dropped.
+    /// arriving as the time runs out is never dropped; one received for a coroutine cancelled
+    /// meanwhile is kept for the next.
     #[pyo3(signature = (token, timeout = None))]
     fn next(&self, token: u64, timeout: Option<f64>) {
-        let stream = Arc::clone(&self.stream);
+        let (stream, kept) = (Arc::clone(&self.stream), Arc::clone(&self.kept));
         let timeout = crate::timeout_from(timeout);
+        let deliver = move |m: petrel_client::Message, kept: Arc<Mutex<VecDeque<petrel_client::Message>>>| {
+            let mut receiving = Receiving { message: Some(m), kept };
+            outcome_with(move |py| {
+                let m = receiving.message.take().expect("converted once");
+                Message::new(py, 0, m).into_py_any(py)
+            })
+        };
         self.completions.spawn(token, async move {
             let mut stream = stream.lock().await;
+            let earlier = kept.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+            if let Some(m) = earlier {
+                return deliver(m, kept);
+            }
             let Some(sub) = stream.as_mut() else { return outcome(Ok(None::<()>)) };
             let next = match timeout {
                 Some(t) => match tokio::time::timeout(t, sub.next()).await {
@@ -215,7 +247,7 @@ impl AsyncSubscriptionCore {
                 None => sub.next().await,
             };
             match next {
-                Some(Ok(m)) => outcome_with(move |py| Message::new(py, 0, m).into_py_any(py)),
+                Some(Ok(m)) => deliver(m, kept),
                 Some(Err(e)) => {
                     stream.take();
                     outcome::<()>(Err(client_error(e)))

@@ -170,6 +170,40 @@ def test_an_awaited_asyncio_subscription_gets_what_is_published_next(server):
     asyncio.run(main())
 
 
+def test_an_asyncio_subscription_read_cancelled_as_its_message_arrives_loses_nothing(server):
+    """Reads cut short by `wait_for` again and again while messages arrive: a message that
+    reached a cancelled read is handed to the next, so every one comes, in order."""
+
+    async def main():
+        async with petrel.AsyncClient(server) as c, petrel.AsyncClient(server) as publisher:
+            await c.create_topic("cut")
+            sub = await c.subscribe("cut")
+            count = 300
+
+            async def publish():
+                for i in range(count):
+                    await publisher.publish("cut", b"%d" % i)
+                    if i % 3 == 0:
+                        await asyncio.sleep(0)
+
+            publishing = asyncio.ensure_future(publish())
+            got, cancelled = [], 0
+            deadline = time.monotonic() + 30
+            while len(got) < count and time.monotonic() < deadline:
+                try:
+                    message = await asyncio.wait_for(sub.get(), timeout=0.0002)
+                except asyncio.TimeoutError:
+                    cancelled += 1
+                    continue
+                got.append(int(message.payload))
+            await publishing
+            assert cancelled > 0
+            assert got == list(range(count))
+            await sub.unsubscribe()
+
+    asyncio.run(main())
+
+
 def test_tls_with_a_password_or_a_client_certificate(secure_server):
     address, certs = secure_server
     ca = certs / "ca.pem"
