@@ -186,6 +186,15 @@ impl Decoder {
             buf.advance(line_len);
             return Some(Err(Reject::keep("ERROR")));
         };
+        // Not a text command: a binary-protocol client (its requests start with 0x80), or junk.
+        // What follows cannot be trusted to be lines either (a binary request's value could read
+        // as `delete jobs`), so the connection ends rather than parse on.
+        if !verb.iter().all(|b| b.is_ascii_graphic()) {
+            buf.advance(line_len);
+            return Some(Err(Reject::close(
+                "CLIENT_ERROR not a text-protocol command (binary protocol is not served here)",
+            )));
+        }
         let verb = String::from_utf8_lossy(verb).to_ascii_lowercase();
         if matches!(verb.as_str(), "set" | "add" | "replace" | "append" | "prepend" | "cas") {
             let line = storage_line(&verb, &tokens, self.max_data);
@@ -217,7 +226,7 @@ impl Decoder {
             self.skipping = len.saturating_add(2);
             return Some(Err(reject));
         }
-        let result = command(&verb, &tokens);
+        let result = command(&verb, &tokens, line.last().is_some_and(|b| *b == b' ' || *b == b'\t'));
         buf.advance(line_len);
         Some(result)
     }
@@ -309,7 +318,8 @@ fn storage_line(verb: &str, tokens: &[&[u8]], max_data: usize) -> Result<Storage
 }
 
 /// A command without a data block.
-fn command(verb: &str, tokens: &[&[u8]]) -> Result<Command, Reject> {
+/// `spaced`: the line ends in a space or tab after its last token.
+fn command(verb: &str, tokens: &[&[u8]], spaced: bool) -> Result<Command, Reject> {
     let text = |t: &[u8]| String::from_utf8_lossy(t).into_owned();
     let noreply = tokens.last().is_some_and(|t| t.eq_ignore_ascii_case(b"noreply")) && tokens.len() > 1;
     let queue_arg = || match tokens.get(1) {
@@ -327,9 +337,12 @@ fn command(verb: &str, tokens: &[&[u8]]) -> Result<Command, Reject> {
         }
         "delete" => Command::Delete { queue: queue_arg()?, noreply },
         "flush" => Command::Flush { queue: queue_arg()?, noreply },
-        "flush_all" => {
-            Command::FlushAll { memcached_style: tokens.len() > 1 && !(noreply && tokens.len() == 2), noreply }
-        }
+        // memcached's answer for a delay argument, and for libmemcached's `flush_all \r\n` (it
+        // reads no other); Kestrel's sentence for a bare `flush_all`.
+        "flush_all" => Command::FlushAll {
+            memcached_style: (tokens.len() > 1 && !(noreply && tokens.len() == 2)) || spaced,
+            noreply,
+        },
         "flush_expired" => Command::FlushExpired { queue: queue_arg()? },
         "flush_all_expired" => Command::FlushAllExpired,
         "version" => Command::Version,
@@ -482,13 +495,22 @@ mod tests {
         let got = decode_all(b"ms q 11 T0\r\ndelete jobs\r\nmg q v\r\nversion\r\n", 100);
         assert_eq!(got, vec![keep(meta), keep(meta), Ok(Command::Version)]);
         assert_eq!(decode_all(b"ms q\r\n", 100), vec![close("CLIENT_ERROR bad data chunk")]);
+        // A binary-protocol set of key `k` to `x\r\ndelete jobs\r\n`: its header is no command,
+        // and its value is never read as commands.
+        let mut binary = vec![0x80, 0x01, 0x00, 0x01, 0x08, 0, 0, 0, 0, 0, 0, 0x11];
+        binary.extend_from_slice(&[0; 12]);
+        binary.extend_from_slice(b"kx\r\ndelete jobs\r\n");
+        let not_text = "CLIENT_ERROR not a text-protocol command (binary protocol is not served here)";
+        assert_eq!(decode_all(&binary, 100), vec![close(not_text)]);
+        assert_eq!(decode_all(b"g\x01et q\r\n", 100), vec![close(not_text)]);
         assert_eq!(decode_all(&[b'g'; MAX_LINE + 1], 100), vec![close("CLIENT_ERROR line too long")]);
         assert_eq!(decode_all(&[b'g'; MAX_LINE], 100), vec![], "not too long yet: wait for the end");
     }
 
     #[test]
     fn flush_all_answers_as_the_client_expects() {
-        let got = decode_all(b"flush_all\r\nflush_all 0\r\nflush_all noreply\r\nflush_all 0 noreply\r\n", 10);
+        let got =
+            decode_all(b"flush_all\r\nflush_all 0\r\nflush_all noreply\r\nflush_all 0 noreply\r\nflush_all \r\n", 10);
         let style: Vec<_> = got
             .into_iter()
             .map(|c| match c {
@@ -496,7 +518,7 @@ mod tests {
                 other => panic!("{other:?}"),
             })
             .collect();
-        assert_eq!(style, vec![(false, false), (true, false), (false, true), (true, true)]);
+        assert_eq!(style, vec![(false, false), (true, false), (false, true), (true, true), (true, false)]);
     }
 
     proptest::proptest! {

@@ -177,7 +177,9 @@ where
         }
     }
     s.flush().await;
-    let _ = s.stream.shutdown().await;
+    // Bounded: a TLS close writes its last record, which a client that stopped reading never
+    // takes (the connection's open items go back only once this returns).
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), s.stream.shutdown()).await;
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
@@ -357,13 +359,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 // Off the runtime's threads, as the flushes below: these delete files.
                 let broker = Arc::clone(&self.ctx.broker);
                 let name = queue.clone();
-                match crate::blocking(move || broker.remove_queue(&name)).await {
-                    Ok(()) | Err(BrokerError::NotFound(_)) => {
-                        self.open.remove(&queue);
-                        if !noreply {
-                            self.line("DELETED");
-                        }
-                    }
+                let removed = crate::blocking(move || broker.remove_queue(&name)).await;
+                // Its open item went with it, also when its files could not be deleted after.
+                if self.ctx.broker.queue(&queue).is_none() {
+                    self.open.remove(&queue);
+                }
+                match removed {
+                    Ok(()) | Err(BrokerError::NotFound(_)) if !noreply => self.line("DELETED"),
+                    Ok(()) | Err(BrokerError::NotFound(_)) => {}
                     Err(e) if !noreply => self.line(&server_error(&e)),
                     Err(_) => {}
                 }
@@ -552,7 +555,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 }
                 tokio::select! {
                     _ = tokio::time::sleep_until(deadline.into()) => return GetEnd::Miss,
-                    _ = self.shutdown.changed() => return GetEnd::Miss,
+                    // (The stop's value, not its change: the flush above may have seen the change.)
+                    _ = self.shutdown.wait_for(|stop| *stop) => return GetEnd::Miss,
                     read = self.stream.read_buf(&mut self.input.buf), if reading => match read {
                         // The client went away: stop waiting, so no item is taken for nobody.
                         Ok(0) | Err(_) => return GetEnd::Closed,
