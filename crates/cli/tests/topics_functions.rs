@@ -417,6 +417,27 @@ async fn durable_topics_replay_from_an_offset_or_a_time_and_groups_keep_their_ow
     assert_eq!(text(&take(&mut b, 1).await[0]), "o100");
 }
 
+/// Publishes pipelined on one connection to a durable topic are stored in the order they were
+/// sent (each is stored on a blocking thread of its own, which could start before the last's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_publishes_to_a_durable_topic_are_stored_in_order() {
+    use petrel_client::{Request, StartFrom};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.create_topic("ordered", true).await.unwrap();
+    let n = 400;
+    let requests: Vec<Request> = (0..n)
+        .map(|i| Request::Publish { topic: "ordered".into(), messages: vec![Message::new(format!("m{i}"))] })
+        .collect();
+    for answer in c.pipeline(&requests).await {
+        answer.unwrap();
+    }
+    let mut sub = c.subscribe_group("ordered", "reader", StartFrom::Oldest, 1000).await.unwrap();
+    let got: Vec<String> = take(&mut sub, n).await.iter().map(text).collect();
+    assert_eq!(got, (0..n).map(|i| format!("m{i}")).collect::<Vec<_>>());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_resumes_after_kill_9_with_nothing_acknowledged_delivered_again() {
     use petrel_client::StartFrom;

@@ -394,7 +394,7 @@ async fn dispatch(
         Request::TopicRemove { name } => now(topics::remove(ctx, name).await),
         Request::TopicList => now(topics::list(ctx, session)),
         Request::TopicStatus { name } => now(topics::status(ctx, name)),
-        Request::Publish { topic, messages } => topics::publish(ctx, topic, messages),
+        Request::Publish { topic, messages } => topics::publish(ctx, session, topic, messages),
         Request::Subscribe { topic, buffer, group, from } if !group.is_empty() => {
             now(topics::subscribe_group(ctx, session, pushes, outbox, topic, group, buffer, from).await)
         }

@@ -42,17 +42,29 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
 }
 
 /// Publishes now to a live topic; to a durable one on a blocking thread, as its log may wait for
-/// the disk.
-pub(super) fn publish(ctx: &Arc<Ctx>, topic: String, messages: Vec<petrel_proto::Message>) -> Answer {
+/// the disk, after this connection's publish before it (stored in the order sent).
+pub(super) fn publish(
+    ctx: &Arc<Ctx>,
+    session: &mut Session,
+    topic: String,
+    messages: Vec<petrel_proto::Message>,
+) -> Answer {
     let published = |subscribers| Response::Published { subscribers };
     let Some(t) = ctx.broker.topic(&topic) else { return Answer::Now(error(ctx.broker.missing_topic(&topic))) };
     if !t.is_durable() {
         return Answer::Now(ctx.broker.publish_to(&t, messages, now_ns()).map_or_else(error, published));
     }
     let ctx = Arc::clone(ctx);
+    let (stored, next) = oneshot::channel::<()>();
+    let before = session.last_durable_publish.replace(next);
     Answer::later(WaitsFor::Disk, async move {
+        if let Some(before) = before {
+            let _ = before.await; // (an error: it ended without storing, which is as good)
+        }
         let publish = move || ctx.broker.publish_to(&t, messages, now_ns());
-        crate::blocking(publish).await.map_or_else(error, published)
+        let answer = crate::blocking(publish).await.map_or_else(error, published);
+        drop(stored);
+        answer
     })
 }
 
