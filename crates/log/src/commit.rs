@@ -153,7 +153,20 @@ impl Commit {
     pub(crate) fn make_durable(&self, dir: &Path, offset: u64) -> Result<()> {
         let mut state = self.lock();
         loop {
-            self.check_poison()?;
+            if let Err(e) = self.check_poison() {
+                // A waiter woken to run the next sync that finds the log poisoned (a sealed
+                // segment's sync failed meanwhile) runs none: those still waiting would wait for
+                // ever. They look again, and find the poison too.
+                if !state.syncing {
+                    let waiting = std::mem::take(&mut state.waiters);
+                    drop(state);
+                    for w in waiting {
+                        w.outcome.store(LOOK_AGAIN, Ordering::Release);
+                        w.thread.unpark();
+                    }
+                }
+                return Err(e);
+            }
             if state.durable > offset {
                 return Ok(());
             }
@@ -265,5 +278,43 @@ impl Commit {
         self.syncs.fetch_add(1, Ordering::Relaxed);
         seg.write_checkpoint(pos as u64, seg.base + records);
         Ok(seg.base + records)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A sync ends covering neither of two waiters and wakes one to run the next; before it
+    /// looks, a sealed segment's sync poisons the log. It runs no sync, and must wake the other
+    /// (which waited for ever).
+    #[test]
+    fn waiters_are_woken_when_the_one_to_sync_next_finds_the_log_poisoned() {
+        let dir = tempfile::tempdir().unwrap();
+        let place = crate::segment::Place::New;
+        let seg = Arc::new(Segment::create(dir.path(), 0, 1 << 20, 0, false, place).unwrap());
+        let commit = Arc::new(Commit::new(seg, &[], false, SyncObserver::default()));
+        commit.lock().syncing = true; // a sync under way
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..2 {
+            let (commit, dir, tx) = (Arc::clone(&commit), dir.path().to_owned(), tx.clone());
+            std::thread::spawn(move || tx.send(commit.make_durable(&dir, 5)).unwrap());
+        }
+        while commit.lock().waiters.len() < 2 {
+            std::thread::yield_now();
+        }
+        let next = {
+            let mut state = commit.lock();
+            state.syncing = false;
+            state.waiters.remove(0)
+        };
+        commit.poison(dir.path(), "injected".into());
+        next.outcome.store(LOOK_AGAIN, Ordering::Release);
+        next.thread.unpark();
+        for _ in 0..2 {
+            let result = rx.recv_timeout(Duration::from_secs(10)).expect("every waiter returns");
+            assert!(matches!(result, Err(Error::Poisoned(_))), "{result:?}");
+        }
     }
 }

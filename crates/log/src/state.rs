@@ -80,13 +80,10 @@ impl LogState {
         let first = segments.first().map_or(0, |s| s.base);
         Arc::new(LogState {
             dir,
-            // Under `none` a crash may have left sealed segments, and segment names, unsynced
-            // (under the others each was synced before its successor was made).
-            commit: if options.durability == crate::Durability::None {
-                Commit::new(active, &segments[..segments.len() - 1], true, options.on_sync.clone())
-            } else {
-                Commit::new(active, &[], false, options.on_sync.clone())
-            },
+            // Sealed segments and segment names may be unsynced whatever this open's policy: the
+            // last session may have run under `none` (durability may change at a restart), or
+            // crashed. The first sync covers them (a clean file's sync costs little).
+            commit: Commit::new(active, &segments[..segments.len() - 1], true, options.on_sync.clone()),
             options,
             keys,
             segments: RwLock::new(segments),

@@ -1435,3 +1435,31 @@ fn the_active_segment_keeps_no_index_file_from_an_earlier_seal() {
     log.append(b"after").unwrap();
     assert_eq!(log.reader().get(sealed_at).unwrap().unwrap().payload, b"after");
 }
+
+/// A log written under `none` (its sealed segments and their names never synced) and opened
+/// again under `always`: the open's sync covers those segments, not only the active one, before
+/// any append is acknowledged as durable.
+#[test]
+fn reopening_under_a_syncing_policy_syncs_what_the_last_session_left_unsynced() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), Options { segment_bytes: MIN_SEGMENT_BYTES, ..Options::default() }).unwrap();
+    let payload = vec![7u8; 4096];
+    while log.stats().segments < 3 {
+        log.append(&payload).unwrap();
+    }
+    drop(log);
+    let syncs = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&syncs);
+    let on_sync = petrel_log::SyncObserver::new(move |_| {
+        counter.fetch_add(1, Ordering::Relaxed);
+    });
+    let options =
+        Options { segment_bytes: MIN_SEGMENT_BYTES, durability: Durability::Always, on_sync, ..Options::default() };
+    let log = Log::open(dir.path(), options).unwrap();
+    let sealed = log.stats().segments as u64 - 1;
+    assert!(
+        syncs.load(Ordering::Relaxed) > sealed,
+        "{} syncs for {sealed} sealed segments and the active one",
+        syncs.load(Ordering::Relaxed)
+    );
+}
