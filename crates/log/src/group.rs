@@ -307,9 +307,20 @@ struct CursorFile {
     entry: Arc<GroupEntry>,
     /// The log's observer of syncs: told of this cursor's too.
     on_sync: SyncObserver,
+    /// Why a sync of this cursor under `always` failed: the group takes no more changes (the
+    /// `interval` syncer keeps its own), as a log takes no appends after a failed sync.
+    failed: Option<String>,
 }
 
 impl CursorFile {
+    /// A sync of this cursor failed before: nothing more may change it.
+    fn check(&self) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(Error::Poisoned(format!("cursor sync failed: {e}")));
+        }
+        self.syncer.as_ref().and_then(CursorSyncer::error).map_or(Ok(()), Err)
+    }
+
     /// Writes the cursor (a memory write into the mapped file) and syncs it as the policy says.
     /// `acked_above`: the acknowledged offsets above `committed`, ascending; `count` of them;
     /// `held`: the unacknowledged ones below it.
@@ -320,6 +331,7 @@ impl CursorFile {
         count: usize,
         held: &[u64],
     ) -> Result<()> {
+        self.check()?;
         if count == 0 {
             self.bitmap.clear();
         } else {
@@ -335,12 +347,14 @@ impl CursorFile {
         }
     }
 
-    fn sync(&self) -> Result<()> {
-        if let Some(e) = self.syncer.as_ref().and_then(CursorSyncer::error) {
-            return Err(e);
-        }
+    fn sync(&mut self) -> Result<()> {
+        self.check()?;
         // Through the mapping (msync): the file is not kept open.
-        self.on_sync.time(|| self.map.flush()).map_err(io_err("sync cursor", &self.path))
+        let synced = self.on_sync.time(|| self.map.flush());
+        if let Err(e) = &synced {
+            self.failed = Some(format!("{}: {e}", self.path.display()));
+        }
+        synced.map_err(io_err("sync cursor", &self.path))
     }
 }
 
@@ -481,6 +495,7 @@ impl ConsumerGroup {
                 syncer,
                 entry,
                 on_sync,
+                failed: None,
             },
             reader,
             redelivery,
@@ -608,6 +623,7 @@ impl ConsumerGroup {
     /// queue's dequeue. Waits up to `timeout` for one; `None` if none came.
     pub fn take(&mut self, timeout: Duration) -> Result<Option<Record<'_>>> {
         self.shared.check_poison()?;
+        self.cursor.check()?;
         self.catch_up_with_retention()?;
         self.pass_acknowledged();
         if !self.redeliver.is_empty() || !self.skip.is_empty() || self.next != self.committed {
@@ -733,6 +749,8 @@ impl ConsumerGroup {
     /// Acknowledges a delivered record. Acknowledging one twice, or one below `committed`, is a
     /// no-op; acknowledging one never delivered is an error.
     pub fn ack(&mut self, offset: u64) -> Result<()> {
+        // (Before anything changes: a retry after a failed sync must not pass as done.)
+        self.cursor.check()?;
         if offset == self.committed
             && offset < self.next
             && self.acked_above == 0

@@ -116,7 +116,11 @@ impl Log {
             Segment::open(&dir.join(segment::file_name(last)), last, true)?.0
         } else {
             let place = if made_dir { segment::Place::New } else { segment::Place::Any };
-            Segment::create(&dir, 0, options.first_segment_bytes(), now, durable, place)?
+            let first = Segment::create(&dir, 0, options.first_segment_bytes(), now, durable, place)?;
+            if durable {
+                segment::sync_dir(&dir)?;
+            }
+            first
         };
         let mut writer = active.map.writer().expect("a new mapping has its writer");
         let recovered = match made {
@@ -659,6 +663,12 @@ impl Log {
                 Err(e) => return Err(e),
             }
         };
+        // The new segment is under its name now: if that name cannot be made durable, the log
+        // takes no more appends (continuing in the sealed segment would put records past its
+        // successor's base).
+        if durable && let Err(e) = segment::sync_dir(self.shared.dir()) {
+            return Err(self.shared.commit().poison(self.shared.dir(), format!("sync of the log's directory: {e}")));
+        }
         if !durable {
             // Nothing synced here: a durable record's sync (`make_durable`) syncs what this
             // sealed and the new segment's name first.

@@ -182,6 +182,8 @@ impl Segment {
     /// open would trip on it. With `durable`, file and directory are synced too. It takes the
     /// place of an empty segment of the same base (a roll whose first record did not fit),
     /// unless `Place::New`: then a segment already there is an error, never written over.
+    /// `durable`: its data is synced before it takes its name; the name itself is the caller's
+    /// to sync (`sync_dir`): once the file is under its name, a failure is not undone here.
     pub(crate) fn create(dir: &Path, base: u64, len: u64, now: u64, durable: bool, place: Place) -> Result<Segment> {
         let path = dir.join(file_name(base));
         let tmp = dir.join(format!("{base:020}{TMP_SUFFIX}"));
@@ -222,9 +224,6 @@ impl Segment {
                     use rustix::fs::{CWD, RenameFlags, renameat_with};
                     renameat_with(CWD, from, CWD, to, RenameFlags::NOREPLACE)
                 })?,
-            }
-            if durable {
-                sync_dir(dir)?;
             }
             Ok(map)
         })();
