@@ -610,6 +610,17 @@ async fn connections_per_user_are_limited() {
     let third = login(&server, "tom").await.unwrap_err();
     assert_eq!(third.status(), Some(Status::Unauthorized));
     assert!(third.to_string().contains("max_connections_per_user"), "{third}");
+    // An HTTP request logs in for itself and is no connection of the user's: answered.
+    let mut http = std::net::TcpStream::connect(&server.http).unwrap();
+    http.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // (base64 of "tom:3-kio")
+    http.write_all(
+        b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nAuthorization: Basic dG9tOjMta2lv\r\nConnection: close\r\n\r\n",
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = http.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     login(&server, "jak").await.unwrap();
     drop(first);
     let mut again = None;

@@ -149,6 +149,20 @@ pub(crate) async fn with_password(
     user: String,
     password: String,
 ) -> Result<Authenticated, String> {
+    verify_password(ctx, peer, conn, &user, password).await?;
+    admit(ctx, conn, user)
+}
+
+/// Checks `user`'s password, as `with_password` does, without counting a connection of the
+/// user's (an HTTP request is none: it logs in for itself, and `max_connections_per_user` does
+/// not apply to it). Successes are the caller's to count.
+pub(crate) async fn verify_password(
+    ctx: &Arc<Ctx>,
+    peer: &Peer,
+    conn: ConnId,
+    user: &str,
+    password: String,
+) -> Result<(), String> {
     let Some(security) = ctx.broker.security() else { return Err("authentication is off on this server".into()) };
     let settings = &ctx.config.security;
     let plaintext_allowed = settings.allow_plaintext_auth && peer.is_local();
@@ -160,7 +174,7 @@ pub(crate) async fn with_password(
         add(&ctx.stats.auth_rate_limited, 1);
         return Err(RATE_LIMITED.into());
     }
-    let (name, known) = (user.clone(), security.users.get(&user).is_some());
+    let (name, known) = (user.to_owned(), security.users.get(user).is_some());
     let verified = tokio::task::spawn_blocking(move || security.users.verify(&name, &password)).await;
     if !matches!(verified, Ok(Some(_))) {
         add(&ctx.stats.auth_failures, 1);
@@ -174,7 +188,7 @@ pub(crate) async fn with_password(
         tokio::time::sleep(settings.auth_failure_delay().unwrap_or(Duration::from_millis(250))).await;
         return Err(INVALID.into());
     }
-    admit(ctx, conn, user)
+    Ok(())
 }
 
 /// The user a verified client certificate names, if the users file knows it.
