@@ -121,7 +121,12 @@ fn sample(
             Ok((qs, ts)) => {
                 for q in qs {
                     // The configuration shown is the first server's.
-                    let config = || QueueStats { config: q.stats.config.clone(), ..QueueStats::default() };
+                    let config = || QueueStats {
+                        config: q.stats.config.clone(),
+                        durability_in_force: q.stats.durability_in_force.clone(),
+                        max_bytes_in_force: q.stats.max_bytes_in_force,
+                        ..QueueStats::default()
+                    };
                     add_queue(queues.entry(q.name).or_insert_with(config), &q.stats);
                 }
                 for t in ts {
@@ -196,6 +201,9 @@ pub fn stat(args: StatArgs) -> Res {
     let mut previous: HashMap<String, (u64, u64)> = HashMap::new();
     let mut previous_published: HashMap<String, u64> = HashMap::new();
     let mut previous_at = Instant::now();
+    // Which servers answered the last sample: a rate is a difference of sums over the same
+    // servers only (one coming back would add its whole count to a second's rate).
+    let mut previous_up: Vec<bool> = Vec::new();
     let live = io::stdout().is_terminal() && !args.json && !args.once;
     loop {
         let (samples, topics) = sample(&mut watched, &options, &args.prefix);
@@ -209,15 +217,16 @@ pub fn stat(args: StatArgs) -> Res {
         }
         let now = Instant::now();
         let secs = now.duration_since(previous_at).as_secs_f64();
+        let up: Vec<bool> = watched.iter().map(|w| w.client.is_some()).collect();
+        let same_servers = up == previous_up;
+        // No rate across a change of servers, nor for a counter that went back (a queue removed
+        // and made again, a server restarted): `-` rather than a figure that is not one.
+        let per_sec = |now: u64, before: u64| (same_servers && now >= before).then(|| (now - before) as f64 / secs);
         let rates = |s: &Sample| {
             let (offered, delivered) = previous.get(&s.name)?;
-            let per_sec = |now: u64, before: u64| now.saturating_sub(before) as f64 / secs;
-            Some((per_sec(s.stats.total_offered, *offered), per_sec(s.stats.total_polled, *delivered)))
+            Some((per_sec(s.stats.total_offered, *offered)?, per_sec(s.stats.total_polled, *delivered)?))
         };
-        let published_rate = |t: &TopicSample| {
-            let before = previous_published.get(&t.name)?;
-            Some(t.stats.published.saturating_sub(*before) as f64 / secs)
-        };
+        let published_rate = |t: &TopicSample| per_sec(t.stats.published, *previous_published.get(&t.name)?);
         let mut out = io::stdout().lock();
         if args.json {
             let queues: Vec<Value> = samples.iter().map(|s| queue_json(s, rates(s))).collect();
@@ -294,6 +303,7 @@ pub fn stat(args: StatArgs) -> Res {
         previous = samples.iter().map(|s| (s.name.clone(), (s.stats.total_offered, s.stats.total_polled))).collect();
         previous_published = topics.iter().map(|t| (t.name.clone(), t.stats.published)).collect();
         previous_at = now;
+        previous_up = up;
         std::thread::sleep(args.interval);
     }
 }

@@ -380,6 +380,8 @@ fn petrel_stat_once_json_matches_the_api() {
             }
         }
         assert_eq!((stat[0]["messages"].as_u64(), stat[0]["open_reads"].as_u64()), (Some(3), Some(2)));
+        // What is in force, as `petrel queue status` shows it (it was always "" and 0).
+        assert_eq!(stat[0]["durability_in_force"], "none", "{}", stat[0]);
         // Topics as /api/v1/topics shows them, consumer groups' lag included.
         let (stat_topics, api_topics) = (&stat_json["topics"], &json(&get(http, "/api/v1/topics", None).2)["topics"]);
         assert_eq!(stat_topics, api_topics);

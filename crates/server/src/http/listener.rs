@@ -209,7 +209,10 @@ impl HttpListener {
                     refused();
                     continue;
                 };
-                let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else { continue };
+                let Ok(permit) = Arc::clone(&handshakes).try_acquire_owned() else {
+                    refused();
+                    continue;
+                };
                 let (ctx, tx) = (Arc::clone(&ctx), tx.clone());
                 tokio::spawn(async move {
                     if let Some((stream, remote)) = open(stream, addr, &ctx).await {

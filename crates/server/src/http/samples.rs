@@ -43,6 +43,11 @@ pub(crate) struct Samples {
 impl Samples {
     /// Takes a sample of the server now (reads every queue's figures: run it off the runtime).
     pub fn take(&self, ctx: &Ctx) {
+        // Removed queues' counts stay in the totals; read before the live queues', so that one
+        // removed meanwhile is missed for a sample (the totals are kept from going back) rather
+        // than counted twice: a total raised by a whole queue's count would stand still, the
+        // chart at 0, until the real totals caught up with it.
+        let (removed_offered, removed_delivered) = ctx.broker.removed_queues_totals();
         let (mut messages, mut bytes, mut offered, mut delivered) = (0, 0, 0, 0);
         for name in ctx.broker.queue_names() {
             if let Some(q) = ctx.broker.queue(&name) {
@@ -53,16 +58,13 @@ impl Samples {
                 delivered += st.total_polled;
             }
         }
-        // Removed queues' counts stay in the totals; read after the live queues', so that one
-        // removed meanwhile is counted twice (for a moment) rather than not at all.
-        let (removed_offered, removed_delivered) = ctx.broker.removed_queues_totals();
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         let last = ring.samples.back().copied().unwrap_or_default();
         let sample = Sample {
             at_ms: crate::now_ns() / 1_000_000,
             messages,
             bytes,
-            // Never back, even past such a moment.
+            // Never back, even past such a sample.
             offered: (offered + removed_offered).max(last.offered),
             delivered: (delivered + removed_delivered).max(last.delivered),
             connections: read(&ctx.stats.curr_connections),
