@@ -1639,6 +1639,12 @@ impl Broker {
         self.functions.unserve(Some(function), conn);
     }
 
+    /// Stops `conn` serving every function: calls handed to it and not answered fail at once
+    /// (as at `disconnect`, for a connection that reads no more but is not gone yet).
+    pub fn unserve_all(&self, conn: ConnId) {
+        self.functions.unserve(None, conn);
+    }
+
     /// Calls `function` with `message`: one of its servers, round robin. The call's bytes count
     /// in the memory budget until its server's connection takes it. A call handed to a
     /// connection ends in `reply`: the reply, a handler error, the server gone, or `Timeout`
@@ -1710,7 +1716,7 @@ impl Broker {
         for t in topics {
             t.remove(|_, c| c == consumer, None);
         }
-        self.functions.unserve(None, consumer);
+        self.unserve_all(consumer);
         let queues: Vec<Arc<Queue>> = self.read().queues.values().cloned().collect();
         for q in queues {
             if q.owner == Some(consumer) {

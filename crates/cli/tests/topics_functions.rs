@@ -215,6 +215,43 @@ async fn a_function_server_that_disconnects_fails_its_calls_instead_of_hanging()
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
+/// The same with a call of the serving connection's own still waiting (a handler that calls
+/// another function): the calls it was handed fail at once, not after the connection's graces
+/// for its own call (two of `shutdown_grace`, 5 s each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_server_gone_with_its_own_call_waiting_fails_its_calls_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let never = server.client().await;
+    never.serve("never", |_m: Message| std::future::pending::<Result<Message, String>>()).await.unwrap();
+    let handler_conn = server.client().await;
+    let (got_tx, got) = tokio::sync::oneshot::channel::<()>();
+    let got_tx = std::sync::Mutex::new(Some(got_tx));
+    handler_conn
+        .serve("stuck", move |_m: Message| {
+            if let Some(tx) = got_tx.lock().unwrap().take() {
+                let _ = tx.send(());
+            }
+            std::future::pending::<Result<Message, String>>()
+        })
+        .await
+        .unwrap();
+    let own = handler_conn.clone();
+    let own_call =
+        tokio::spawn(async move { own.call("never", Message::new("y"), Some(Duration::from_secs(30))).await });
+    let caller = server.client().await;
+    let call =
+        tokio::spawn(async move { caller.call("stuck", Message::new("x"), Some(Duration::from_secs(30))).await });
+    got.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await; // its own call is on its way too
+    handler_conn.close();
+    let started = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(20), call).await.unwrap().unwrap().unwrap_err();
+    assert_eq!(err.status(), Some(Status::HandlerError), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    own_call.abort();
+}
+
 async fn futures_join(n: usize, server: &Server) -> Vec<Client> {
     let mut out = Vec::new();
     for _ in 0..n {

@@ -240,6 +240,10 @@ where
     // writer (`Connection::close`): two at most, as operations.md says.
     let finish_by = tokio::time::Instant::now() + grace;
     let _ = tokio::time::timeout_at(finish_by, pushes.flush(&mut connection)).await;
+    // Its replies can no longer be read: calls handed to it fail now, not after the graces.
+    if !pushes.served.is_empty() {
+        ctx.broker.unserve_all(conn);
+    }
     pushes.stop();
     // Let requests in flight finish (bounded by the server's shutdown grace), then close.
     let _ = tokio::time::timeout_at(finish_by, async {
