@@ -48,8 +48,9 @@ struct Subscriber {
     max_bytes: u64,
 }
 
-/// A subscriber whose budget is full is ended only if it holds at least this much: one that
-/// keeps up still gets its messages (the budget may be overshot by this per subscriber).
+/// A subscriber whose budget is full is ended only if it would hold more than this: one that
+/// keeps up still gets its messages (the budget may be overshot by this per subscriber, not by
+/// a large message each: 1,024 subscribers of one stalled connection took 16 MiB each).
 const SMALL_BACKLOG: u64 = 1 << 20;
 
 /// The bytes waiting for one subscriber, counted in the server's memory budget too. Every
@@ -64,7 +65,7 @@ struct Queued {
 impl Queued {
     /// Counts `size` bytes more, if the budget has room or this subscriber holds little.
     fn add(&self, size: u64) -> bool {
-        let small = self.bytes.load(Ordering::Relaxed) < SMALL_BACKLOG;
+        let small = self.bytes.load(Ordering::Relaxed) + size <= SMALL_BACKLOG;
         if !self.budget.reserve(size, small) {
             return false;
         }

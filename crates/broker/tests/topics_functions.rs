@@ -89,18 +89,40 @@ fn a_received_message_counts_in_the_memory_budget_until_it_is_sent_on() {
     let b = Broker::open(dir.path(), options).unwrap();
     b.create_topic("news", false).unwrap();
     let mut subs: Vec<_> = (0..8).map(|i| b.subscribe("news", i, 16).unwrap()).collect();
-    b.publish("news", vec![Message::new(vec![7u8; 1 << 20])], 0).unwrap();
+    // Just under a megabyte each (a subscriber past the budget still takes that much).
+    let almost_a_megabyte = (1 << 20) - 1024;
+    b.publish("news", vec![Message::new(vec![7u8; almost_a_megabyte])], 0).unwrap();
     for sub in &mut subs {
         assert!(sub.try_recv().is_some());
     }
-    assert!(b.memory().0 >= 8 << 20, "eight received, none sent on: {:?}", b.memory());
-    let reached = b.publish("news", vec![Message::new(vec![7u8; 1 << 20])], 0).unwrap();
+    assert!(b.memory().0 >= 8 * almost_a_megabyte as u64, "eight received, none sent on: {:?}", b.memory());
+    let reached = b.publish("news", vec![Message::new(vec![7u8; almost_a_megabyte])], 0).unwrap();
     assert_eq!(reached, 0, "the budget is full: each subscriber holding a megabyte is ended");
     for sub in &mut subs {
         sub.sent();
     }
     drop(subs);
     assert_eq!(b.memory().0, 0, "every byte given back");
+}
+
+/// Past a full budget a subscriber takes at most a megabyte more, not a large message whatever
+/// its size: 1,024 subscriptions of a connection that stopped reading each took a 16 MiB one.
+#[test]
+fn past_a_full_budget_no_subscriber_takes_a_large_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { max_memory_bytes: 4 << 20, max_subscriber_bytes: 0, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.create_topic("news", false).unwrap();
+    let stalled = b.subscribe("news", 1, 64).unwrap();
+    for _ in 0..4 {
+        b.publish("news", vec![Message::new(vec![7u8; 900 << 10])], 0).unwrap();
+    }
+    let fresh: Vec<_> = (2..6).map(|i| b.subscribe("news", i, 64).unwrap()).collect();
+    let before = b.memory().0;
+    assert_eq!(b.publish("news", vec![Message::new(vec![7u8; 2 << 20])], 0).unwrap(), 0);
+    assert_eq!(b.memory().0, before, "none took it");
+    assert!(fresh.iter().all(|s| s.ended.get().is_some()));
+    drop((stalled, fresh));
 }
 
 /// Messages waiting for subscribers count in the server's memory budget: when it is full, a

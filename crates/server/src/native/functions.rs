@@ -54,7 +54,7 @@ pub(super) fn call(
     permit: OwnedSemaphorePermit,
 ) -> Option<Response> {
     let Call { function, message, oneway, timeout } = call;
-    let replier = replier(reply_to, permit, session.compress);
+    let replier = replier(reply_to, permit, session.compress, std::sync::Arc::clone(&ctx.broker));
     match ctx.broker.call(session.conn, &function, *message, oneway, now_ns(), timeout, replier) {
         Ok(Called::Replied(m)) => Some(Response::Reply { message: Box::new(outgoing(*m, session.compress)) }),
         Ok(Called::Sent) => Some(Response::Done),
@@ -64,8 +64,13 @@ pub(super) fn call(
 }
 
 /// Where a call's outcome goes: straight to the caller's outbox (through a task only if it is
-/// full).
-fn replier(to: ReplyTo, permit: OwnedSemaphorePermit, compress: Option<usize>) -> petrel_broker::Replier {
+/// full, a large reply counted in the memory budget while it waits there, as other answers are).
+fn replier(
+    to: ReplyTo,
+    permit: OwnedSemaphorePermit,
+    compress: Option<usize>,
+    broker: std::sync::Arc<petrel_broker::Broker>,
+) -> petrel_broker::Replier {
     Box::new(move |outcome| {
         let response = match outcome {
             Ok(message) => Response::Reply { message: Box::new(outgoing(message, compress)) },
@@ -74,7 +79,10 @@ fn replier(to: ReplyTo, permit: OwnedSemaphorePermit, compress: Option<usize>) -
         let mut frames = Vec::with_capacity(64);
         let payload = response.encode_split(to.opcode, to.request_id, &mut frames).unwrap_or_default();
         if let Err(TrySendError::Full(out)) = to.outbox.try_send(Chunk { frames, payload }) {
+            let bytes = out.frames.len() + out.payload.len();
+            let held = (bytes > super::LARGE_ANSWER).then(|| broker.hold_memory_anyway(bytes as u64));
             tokio::spawn(async move {
+                let _held = held;
                 let _ = to.outbox.send(out).await;
                 drop(permit);
             });

@@ -257,7 +257,7 @@ where
 }
 
 /// An answer past this many bytes is counted in the memory budget while it waits for the outbox.
-const LARGE_ANSWER: usize = 64 << 10;
+pub(super) const LARGE_ANSWER: usize = 64 << 10;
 
 /// A permit for a request answered later (`max_in_flight_per_connection`). When none is free,
 /// the answers ready go out first (a client may wait for one of them before it sends what the
