@@ -181,7 +181,7 @@ pub(crate) async fn verify_password(
         // An unknown name is not logged: it may be a password typed in its place.
         match known {
             true => {
-                tracing::info!(conn, user = ?petrel_broker::shown(&user), peer = ?peer.addr, "authentication failed: wrong password")
+                tracing::info!(conn, user = ?petrel_broker::shown(user), peer = ?peer.addr, "authentication failed: wrong password")
             }
             false => tracing::info!(conn, peer = ?peer.addr, "authentication failed: no such user"),
         }
