@@ -94,8 +94,8 @@ pub struct GroupReader {
 }
 
 impl GroupReader {
-    pub(crate) fn new(group: ConsumerGroup, topic: String, appends: Arc<Appends>, released: Arc<Notify>) -> Self {
-        GroupReader { group, topic, appends, _released: Released(released) }
+    pub(crate) fn new(group: ConsumerGroup, topic: String, appends: Arc<Appends>, released: Released) -> Self {
+        GroupReader { group, topic, appends, _released: released }
     }
 
     /// Up to `max` messages, waiting up to `timeout` for the first; none while `max_pending`

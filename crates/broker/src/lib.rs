@@ -1558,7 +1558,7 @@ impl Broker {
     pub fn remove_topic(&self, name: &str) -> Result<(), BrokerError> {
         let topic = self.topics.write().unwrap_or_else(|e| e.into_inner()).remove(name);
         let topic = topic.ok_or_else(|| self.missing_topic(name))?;
-        topic.remove(|_, _| true, Some(Ended::TopicRemoved(format!("topic {name} was removed"))));
+        topic.end_subscriptions(Ended::TopicRemoved(format!("topic {name} was removed")));
         topic.end_group_readers();
         if topic.is_durable() {
             drop(topic);

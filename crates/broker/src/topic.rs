@@ -36,6 +36,9 @@ pub struct Topic {
     appends: Arc<Appends>,
     /// Woken when a group reader is let go: a subscriber may be waiting for its group.
     released: Arc<Notify>,
+    /// Set (under `subscribers`' lock) when the topic is removed: a subscription made after, by
+    /// a SUBSCRIBE that found the topic just before, ends at once for this reason.
+    removed: OnceLock<Ended>,
 }
 
 struct Subscriber {
@@ -183,6 +186,7 @@ impl Topic {
             slow: AtomicU64::new(0),
             appends: Arc::default(),
             released: Arc::default(),
+            removed: OnceLock::new(),
         }
     }
 
@@ -203,7 +207,12 @@ impl Topic {
         let ended = Arc::new(OnceLock::new());
         let queued = Arc::new(Queued { bytes: AtomicU64::new(0), budget });
         let subscriber = Subscriber { id, conn, tx, ended: Arc::clone(&ended), queued: Arc::clone(&queued), max_bytes };
-        self.lock().push(subscriber);
+        let mut subscribers = self.lock();
+        match self.removed.get() {
+            Some(reason) => drop(ended.set(reason.clone())), // (its sender dropped: it ends)
+            None => subscribers.push(subscriber),
+        }
+        drop(subscribers);
         Subscription { id, messages, ended, queued, received: 0 }
     }
 
@@ -312,10 +321,16 @@ impl Topic {
             )),
             e => e.into(),
         })?;
-        if let Some(to) = from {
-            g.seek(to)?;
+        // From here whoever lets the group go wakes a subscriber waiting for it.
+        let released = crate::group_feed::Released(Arc::clone(&self.released));
+        if let Some(to) = from
+            && let Err(e) = g.seek(to)
+        {
+            drop(g); // let go, then wake
+            drop(released);
+            return Err(e.into());
         }
-        Ok(GroupReader::new(g, self.name.clone(), Arc::clone(&self.appends), Arc::clone(&self.released)))
+        Ok(GroupReader::new(g, self.name.clone(), Arc::clone(&self.appends), released))
     }
 
     /// `group`, waiting while a subscription that is ending still holds it, until `stop`
@@ -381,7 +396,11 @@ impl Topic {
             petrel_log::Error::GroupInUse(_) => self.group_in_use(group),
             e => e.into(),
         })?;
-        Ok(g.seek(to)?)
+        let at = g.seek(to);
+        drop(g);
+        // Let go: a subscriber that waited for the group meanwhile is woken.
+        self.released.notify_waiters();
+        Ok(at?)
     }
 
     fn no_group(&self, group: &str) -> BrokerError {
@@ -408,6 +427,15 @@ impl Topic {
         BrokerError::Held(format!("consumer group {group} of topic {} is subscribed now", self.name))
     }
 
+    /// The topic is removed: every subscription ends for `reason`, and so does any made after.
+    pub(crate) fn end_subscriptions(&self, reason: Ended) {
+        let mut subscribers = self.lock();
+        let _ = self.removed.set(reason.clone());
+        for s in subscribers.drain(..) {
+            let _ = s.ended.set(reason.clone());
+        }
+    }
+
     /// Removes subscriptions matching `which`; they end for `reason` if given.
     pub(crate) fn remove(&self, which: impl Fn(u64, ConnId) -> bool, reason: Option<Ended>) {
         self.lock().retain(|s| {
@@ -429,5 +457,25 @@ impl Topic {
             slow_subscribers_ended: self.slow.load(Ordering::Relaxed),
             groups: self.groups(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SUBSCRIBE that found the topic just before it was removed: its subscription ends at
+    /// once, saying why (it was added to the removed topic and then never heard of again).
+    #[test]
+    fn a_subscription_made_after_its_topic_was_removed_ends_at_once() {
+        let topic = Topic::new("t".into(), None);
+        let budget = Arc::new(MemoryBudget::new(1 << 20));
+        let before = topic.subscribe(1, 1, 8, 0, Arc::clone(&budget));
+        topic.end_subscriptions(Ended::TopicRemoved("topic t was removed".into()));
+        let mut after = topic.subscribe(2, 1, 8, 0, budget);
+        assert!(matches!(before.ended.get(), Some(Ended::TopicRemoved(_))));
+        assert!(matches!(after.ended.get(), Some(Ended::TopicRemoved(_))));
+        assert!(after.try_recv().is_none());
+        assert_eq!(topic.status().subscribers, 0);
     }
 }
