@@ -239,7 +239,12 @@ pub(crate) fn read_cursor(path: &Path) -> Result<CursorState> {
 /// returns it open for reading and writing.
 pub(crate) fn create_cursor(dir: &Path, name: &str, state: &CursorState, durable: bool) -> Result<File> {
     let groups = dir.join(GROUPS_DIR);
+    let made_groups = !groups.is_dir();
     fs::create_dir_all(&groups).map_err(io_err("create directory", &groups))?;
+    if durable && made_groups {
+        // The directory's own name, or a power loss could take it and every cursor in it.
+        crate::segment::sync_dir(dir)?;
+    }
     let path = cursor_path(dir, name);
     let tmp = path.with_extension("cursor.tmp");
     let mut bytes = vec![0u8; CURSOR_FILE_LEN];

@@ -48,8 +48,10 @@ pub(crate) fn parse_name(name: &str) -> Option<u64> {
     (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok())?
 }
 
+/// A segment being made when the writer stopped (`<20 digits>.log.tmp`): nothing else in the
+/// directory is taken for one.
 pub(crate) fn is_leftover_tmp(name: &str) -> bool {
-    name.ends_with(TMP_SUFFIX)
+    name.strip_suffix(TMP_SUFFIX).is_some_and(|digits| digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -692,6 +694,7 @@ mod tests {
         assert_eq!(parse_name("0000000000000000004x.log"), None);
         assert_eq!(parse_name("00000000000000000042.log.tmp"), None);
         assert!(is_leftover_tmp("00000000000000000042.log.tmp"));
+        assert!(!is_leftover_tmp("notes.log.tmp"), "only a segment being made");
     }
 
     #[test]
