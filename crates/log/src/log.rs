@@ -664,9 +664,10 @@ impl Log {
             }
         };
         // The new segment is under its name now: if that name cannot be made durable, the log
-        // takes no more appends (continuing in the sealed segment would put records past its
-        // successor's base).
+        // takes no more appends, and the new file goes (best effort): left, it would start
+        // where records not published yet (a batch's, discarded now) would have ended.
         if durable && let Err(e) = segment::sync_dir(self.shared.dir()) {
+            let _ = std::fs::remove_file(&next.path);
             return Err(self.shared.commit().poison(self.shared.dir(), format!("sync of the log's directory: {e}")));
         }
         if !durable {

@@ -181,11 +181,11 @@ impl Segment {
     /// (or its first page, on a nearly full disk) reserved on disk; the writer reserves the rest
     /// as it goes (`allocate`). The file appears under its final name only once sized, reserved
     /// and headed, so a crash or a full disk never leaves a half-made segment where the next
-    /// open would trip on it. With `durable`, file and directory are synced too. It takes the
+    /// open would trip on it. With `durable`, its data is synced before it takes its name. It takes the
     /// place of an empty segment of the same base (a roll whose first record did not fit),
     /// unless `Place::New`: then a segment already there is an error, never written over.
-    /// `durable`: its data is synced before it takes its name; the name itself is the caller's
-    /// to sync (`sync_dir`): once the file is under its name, a failure is not undone here.
+    /// The name itself is the caller's to sync (`sync_dir`): once the file is under its name, a
+    /// failure is not undone here.
     pub(crate) fn create(dir: &Path, base: u64, len: u64, now: u64, durable: bool, place: Place) -> Result<Segment> {
         let path = dir.join(file_name(base));
         let tmp = dir.join(format!("{base:020}{TMP_SUFFIX}"));
@@ -506,9 +506,15 @@ impl Segment {
         self.tail.store(pack(pos, records), Ordering::Release);
     }
 
-    /// Makes everything written to the mapping so far durable.
+    /// Makes everything written to the segment so far durable. A segment mapped read-only (a
+    /// sealed one found at open, whose pages a session under `none` may have left dirty) is
+    /// synced through a descriptor: Linux makes a mapping of a file opened without write access
+    /// private to the kernel's syncing, and `msync` on it syncs nothing.
     pub(crate) fn sync(&self) -> io::Result<()> {
-        self.map.sync()
+        match self.map.is_writable() {
+            true => self.map.sync(),
+            false => File::open(&self.path)?.sync_data(),
+        }
     }
 
     /// Its header as the mapping holds it now (open refused one of an unsupported format).
