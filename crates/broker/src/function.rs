@@ -227,9 +227,14 @@ impl Functions {
                 self.settle(&w.function, Outcome::Failed, None);
                 (w.reply)(Err(BrokerError::Handler("the function's server disconnected".into())));
             }
-            // Its own calls: their replier finds nobody when it answers.
-            drop(self.take_waiting(|w| w.caller == conn));
         }
+    }
+
+    /// `conn` is gone: it serves nothing (the calls handed to it fail), and its own calls waiting
+    /// for replies are forgotten (their replier finds nobody when it answers).
+    pub(crate) fn disconnect(&self, conn: ConnId) {
+        self.unserve(None, conn);
+        drop(self.take_waiting(|w| w.caller == conn));
     }
 
     /// Calls whose deadline passed are answered `Timeout`.

@@ -1640,7 +1640,8 @@ impl Broker {
     }
 
     /// Stops `conn` serving every function: calls handed to it and not answered fail at once
-    /// (as at `disconnect`, for a connection that reads no more but is not gone yet).
+    /// (as at `disconnect`, for a connection that reads no more but is not gone yet; its own
+    /// calls still get their replies meanwhile).
     pub fn unserve_all(&self, conn: ConnId) {
         self.functions.unserve(None, conn);
     }
@@ -1716,7 +1717,7 @@ impl Broker {
         for t in topics {
             t.remove(|_, c| c == consumer, None);
         }
-        self.unserve_all(consumer);
+        self.functions.disconnect(consumer);
         let queues: Vec<Arc<Queue>> = self.read().queues.values().cloned().collect();
         for q in queues {
             if q.owner == Some(consumer) {

@@ -30,10 +30,12 @@ pub(super) struct Session {
     /// Ends (its sender dropped) when the connection stops reading: a request still waiting
     /// then stops waiting, so that nothing is taken or stored for a client that is gone.
     pub closed: tokio::sync::watch::Receiver<()>,
-    /// Ends when this connection's last publish to a durable topic is stored: the next one waits
-    /// for it, so that pipelined publishes are stored in the order they were sent (each runs on
-    /// a blocking thread of its own, which may start before the one before it).
-    pub last_durable_publish: Option<tokio::sync::oneshot::Receiver<()>>,
+    /// Per durable topic, ends when this connection's last publish to it is stored: the next one
+    /// to that topic waits for it, so that pipelined publishes are stored in the order they were
+    /// sent (each runs on a blocking thread of its own, which may start before the one before
+    /// it); publishes to different topics go on side by side. Entries go once done (at most one
+    /// per publish under way).
+    pub last_durable_publish: std::collections::HashMap<String, tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl Session {
@@ -55,7 +57,7 @@ impl Session {
             reads: 0,
             last_queue: None,
             closed,
-            last_durable_publish: None,
+            last_durable_publish: std::collections::HashMap::new(),
         };
         if let Some(certified) = auth::with_certificate(ctx, &session.peer, conn) {
             match certified {

@@ -42,7 +42,7 @@ pub(super) fn status(ctx: &Ctx, name: String) -> Response {
 }
 
 /// Publishes now to a live topic; to a durable one on a blocking thread, as its log may wait for
-/// the disk, after this connection's publish before it (stored in the order sent).
+/// the disk, after this connection's publish to it before (stored in the order sent).
 pub(super) fn publish(
     ctx: &Arc<Ctx>,
     session: &mut Session,
@@ -56,7 +56,10 @@ pub(super) fn publish(
     }
     let ctx = Arc::clone(ctx);
     let (stored, next) = oneshot::channel::<()>();
-    let before = session.last_durable_publish.replace(next);
+    let chain = &mut session.last_durable_publish;
+    // (Those stored already: a sender dropped.)
+    chain.retain(|_, before| matches!(before.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+    let before = chain.insert(topic, next);
     Answer::later(WaitsFor::Disk, async move {
         if let Some(before) = before {
             let _ = before.await; // (an error: it ended without storing, which is as good)
