@@ -905,3 +905,43 @@ fn a_client_gone_while_its_requests_wait_for_a_permit_takes_nothing() {
         assert_eq!(got.len(), 1, "no poll of the gone client took it");
     });
 }
+
+/// A frame header announcing more than `max_frame_bytes` while the connection's requests hold
+/// every permit (the loop reads on, waiting for one): no room is made for it and nothing is
+/// held of the memory budget (a gigabyte was held while the polls waited); it is refused
+/// TOO_LARGE once its turn comes.
+#[test]
+fn an_oversized_frame_read_while_requests_wait_holds_nothing() {
+    use petrel_proto::{Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_in_flight_per_connection = 2\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut c = greeted(&server);
+    c.write_all(&request_frame(&Request::QueueCreate { name: "w".into(), config: Default::default() }, 2)).unwrap();
+    assert!(matches!(read_response(&mut c), (2, Response::Done)));
+    let poll =
+        |id| request_frame(&Request::Poll { queue: "w".into(), max: 1, timeout_ms: 2_000, visibility_ms: 0 }, id);
+    for id in 3..6 {
+        c.write_all(&poll(id)).unwrap(); // the third waits for a permit
+    }
+    // A header of about a gigabyte (the rest never sent), opcode PING, request id 9.
+    let mut header = (0x3fff_fff0u32).to_be_bytes().to_vec();
+    header.extend_from_slice(&[1, 0, 0, 1]);
+    header.extend_from_slice(&9u64.to_be_bytes());
+    c.write_all(&header).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    mc.write_all(b"stats\r\n").unwrap();
+    let (mut stats, mut reader) = (String::new(), std::io::BufReader::new(&mut mc));
+    while !stats.ends_with("END\r\n") {
+        std::io::BufRead::read_line(&mut reader, &mut stats).unwrap();
+    }
+    let queued = stats.lines().find_map(|l| l.strip_prefix("STAT memory_queued_bytes "));
+    let queued: u64 = queued.unwrap().trim().parse().unwrap();
+    assert!(queued < 1 << 20, "{queued} bytes held");
+    // The polls end empty at their timeout, then the frame is refused.
+    let mut answers: Vec<_> = (0..4).map(|_| read_response(&mut c)).collect();
+    answers.sort_by_key(|a| a.0);
+    assert!(matches!(&answers[3], (9, Response::Error { status: Status::TooLarge, .. })), "{answers:?}");
+}

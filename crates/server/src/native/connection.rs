@@ -262,6 +262,10 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             self.answer(&Response::error(Status::Unauthorized, reason), f.opcode, f.request_id);
             return Ok(());
         }
+        // No room is made for a frame over the limit: it is refused once its header is decoded
+        // (and skipped unread), which a read while a request waits for a permit comes before.
+        let limit = 4 + self.ctx.config.max_frame_bytes as usize;
+        let incomplete = incomplete.filter(|f| f.len <= limit);
         if self.input.prepare(incomplete.map(|f| f.len), &self.ctx.broker).is_err() {
             let f = incomplete.expect("only a large request is refused");
             self.skip = f.len as u64;

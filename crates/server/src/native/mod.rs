@@ -296,7 +296,7 @@ where
         tokio::select! {
             permit = permits.acquire(waits_for) => return permit,
             _ = shutdown.changed() => return None,
-            read = connection.read(settled), if reading => {
+            read = connection.read(session.trusted(ctx)), if reading => {
                 if read.is_err() {
                     return None;
                 }
