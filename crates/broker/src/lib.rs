@@ -172,6 +172,10 @@ pub const DEAD_LETTER_REASON: &str = "petrel-dead-letter-reason";
 /// The header a message moved at its delivery limit carries: how many times it was handed out.
 pub const DEAD_LETTER_DELIVERIES: &str = "petrel-deliveries";
 
+/// Most headers a message may carry: the wire counts them in a `u16`, and a dead letter gets
+/// two more (`DEAD_LETTER_REASON`, `DEAD_LETTER_DELIVERIES`).
+pub const MAX_HEADERS: usize = u16::MAX as usize - 2;
+
 /// Why a message went to its queue's dead-letter queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DeadReason {
@@ -1356,6 +1360,10 @@ impl Broker {
             size if size > self.options.max_message_bytes => {
                 Err(BrokerError::TooLarge { size, max: self.options.max_message_bytes })
             }
+            _ if m.headers.len() > MAX_HEADERS => Err(BrokerError::BadRequest(format!(
+                "a message has {} headers, more than the {MAX_HEADERS} a message may carry",
+                m.headers.len()
+            ))),
             _ => Ok(()),
         }
     }
@@ -1903,6 +1911,9 @@ impl Broker {
         let mut moved = messages
             .into_iter()
             .map(|mut m| {
+                // In place of those of an earlier dead-lettering (a dead-letter queue's own dead
+                // letters): a message carries two at most, within the wire's count (`MAX_HEADERS`).
+                m.headers.retain(|(name, _)| name != DEAD_LETTER_REASON && name != DEAD_LETTER_DELIVERIES);
                 m.headers.push((DEAD_LETTER_REASON.into(), why.as_str().into()));
                 if why == DeadReason::MaxDeliveries {
                     m.headers.push((DEAD_LETTER_DELIVERIES.into(), m.deliveries.to_string().into()));

@@ -1969,3 +1969,29 @@ fn a_queue_drained_by_expiry_or_after_a_return_gives_its_disk_back_unmapped() {
         assert_eq!(deleted_but_mapped(&files), Vec::<String>::new(), "{case}");
     }
 }
+
+/// A message carries at most `MAX_HEADERS` headers (the wire counts them in a `u16`), and a dead
+/// letter moved on again replaces its dead-letter headers instead of adding two more each time:
+/// one with 65,535 headers dead-lettered grew past the count, and its POLL answer could not be
+/// decoded after the message was taken.
+#[test]
+fn headers_stay_within_the_wire_count_through_dead_letter_queues() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let once = |to: &str| QueueConfig { max_deliveries: 1, dead_letter: to.into(), ..QueueConfig::default() };
+    b.create_queue("a", once("b"), None).unwrap();
+    b.create_queue("b", once("c"), None).unwrap();
+    let many = Message { headers: vec![("h".into(), "v".into()); petrel_broker::MAX_HEADERS + 1], ..Message::new("x") };
+    let refused = b.offer("a", vec![many], 1).unwrap_err();
+    assert!(matches!(&refused, BrokerError::BadRequest(m) if m.contains("headers")), "{refused}");
+    let most = Message { headers: vec![("h".into(), "v".into()); petrel_broker::MAX_HEADERS], ..Message::new("x") };
+    b.offer("a", vec![most], 1).unwrap();
+    for (queue, conn) in [("a", 7), ("b", 8)] {
+        assert_eq!(b.poll(queue, 1, VIS, conn, 2).unwrap().len(), 1);
+        b.disconnect(conn, 3); // its one delivery came back: on to the next queue
+    }
+    let moved = b.poll("c", 1, None, 9, 4).unwrap();
+    let headers = &moved[0].message.headers;
+    assert_eq!(headers.len(), petrel_broker::MAX_HEADERS + 2);
+    assert_eq!(headers.iter().filter(|(n, _)| n == petrel_broker::DEAD_LETTER_REASON).count(), 1);
+}
