@@ -39,20 +39,26 @@ pub async fn bench(args: &QueueBench, servers: &[&str]) -> Result<Outcome, Box<d
     let offering = |i: usize| match args.mode {
         Mode::Offer => true,
         Mode::Poll => false,
-        Mode::OfferPoll => i.is_multiple_of(2) || args.connections == 1,
+        Mode::OfferPoll => i.is_multiple_of(2),
         _ => unreachable!("run() sends only queue modes here"),
     };
     let offerers = (0..args.connections).filter(|&i| offering(i)).count() as u64;
+    // Every cluster connected before the clock starts: only the load is timed.
+    let mut clusters = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        clusters.push(Cluster::connect(servers, options.clone()).await?);
+    }
     let bar = progress::bar(args.count, &format!("{:?}", args.mode).to_lowercase(), Unit::Items);
     let polled = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for i in 0..args.connections {
-        let cluster = Cluster::connect(servers, options.clone()).await?;
+    for (i, cluster) in clusters.into_iter().enumerate() {
         let (queue, payload, bar, polled) = (args.queue.clone(), payload.clone(), bar.clone(), Arc::clone(&polled));
         let (pipeline, batch, count, tentative) = (args.pipeline, args.batch, args.count, args.mode == Mode::OfferPoll);
         let offers = offering(i);
-        let share = if offers { count / offerers + u64::from((i as u64) < count % offerers) } else { count };
+        // Its place among the offering connections: the remainder of `count` goes to the first.
+        let rank = (0..i).filter(|&j| offering(j)).count() as u64;
+        let share = if offers { count / offerers + u64::from(rank < count % offerers) } else { count };
         tasks.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds");
             let mut in_flight = FuturesUnordered::new();

@@ -242,6 +242,10 @@ pub fn run(args: QueueBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.protocol == Protocol::Memcache && matches!(args.mode, Mode::Publish | Mode::Call | Mode::Connect) {
         return Err("--mode publish, call and connect are native-protocol modes".into());
     }
+    if args.protocol == Protocol::Native && args.mode == Mode::OfferPoll && args.connections < 2 {
+        // Half the connections offer, half poll: one alone would only offer.
+        return Err("--mode offer-poll needs --connections 2 or more (half offer, half poll)".into());
+    }
     // Subscribers and the function's server are connections of this process too.
     let serving = match args.mode {
         Mode::Publish => args.subscribers,
@@ -420,26 +424,31 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
         .map(|i| match args.mode {
             Mode::Offer => Role::Offer,
             Mode::Poll => Role::Poll,
-            Mode::OfferPoll if i % 2 == 0 || args.connections == 1 => Role::Offer,
+            Mode::OfferPoll if i % 2 == 0 => Role::Offer,
             Mode::OfferPoll => Role::Poll,
             Mode::Publish | Mode::Call | Mode::Connect => unreachable!("bench_pubsub's modes and connects"),
         })
         .collect();
     let offerers = roles.iter().filter(|r| **r == Role::Offer).count() as u64;
     let pollers = roles.iter().filter(|r| **r == Role::Poll).count() as u64;
+    // Every connection made (and logged in) before the clock starts: only the load is timed.
+    let mut clients = Vec::with_capacity(roles.len());
+    for _ in &roles {
+        clients.push(args.connect(addr).await?);
+    }
     let bar = progress::bar(args.count, &format!("{:?}", args.mode).to_lowercase(), Unit::Items);
     let polled = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for (i, role) in roles.iter().copied().enumerate() {
-        let client = args.connect(addr).await?;
+    for ((i, role), client) in roles.iter().copied().enumerate().zip(clients) {
+        // Its place among the offering connections: the remainder of `count` goes to the first.
+        let rank = roles[..i].iter().filter(|r| **r == Role::Offer).count() as u64;
         let (queue, payload, bar, polled) = (args.queue.clone(), payload.clone(), bar.clone(), Arc::clone(&polled));
         let (pipeline, batch, count, mode) = (args.pipeline, args.batch, args.count, args.mode);
         let (levels, keys, delay_ms) = (u64::from(args.priorities.max(1)), args.idempotency_keys, args.delay_ms);
         let mut offers = 0u64;
         // Each offering connection sends its share; pollers together take `count`.
-        let share =
-            if role == Role::Offer { count / offerers + u64::from((i as u64) < count % offerers) } else { count };
+        let share = if role == Role::Offer { count / offerers + u64::from(rank < count % offerers) } else { count };
         tasks.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds");
             let mut in_flight = FuturesUnordered::new();
