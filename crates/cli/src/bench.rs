@@ -78,6 +78,15 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.producers == 0 || args.batch == 0 || args.count == 0 {
         return Err("--producers, --batch and --count must be at least 1".into());
     }
+    if args.producers > 1 && (args.batch > 1 || args.keys > 0) {
+        return Err(
+            "with --producers, each producer appends one record at a time, without keys: leave out --batch and --keys"
+                .into(),
+        );
+    }
+    if args.count < args.producers {
+        return Err("--count must be at least --producers (each producer appends one record or more)".into());
+    }
     if let Some(dir) = &args.consume {
         return consume_existing(&args, dir);
     }
@@ -101,15 +110,28 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let mut log = log;
         let batch: Vec<&[u8]> = vec![&payload; args.batch];
         let mut done = 0u64;
-        let mut key = String::new();
+        let mut keys: Vec<String> = vec![String::new(); args.batch];
         while done < args.count {
             let n = (args.count - done).min(args.batch as u64);
             if args.keys > 0 {
                 use std::fmt::Write;
-                key.clear();
-                write!(key, "k{}", done % args.keys).unwrap();
-                log.append_with(&Input { key: Some(key.as_bytes()), ..Input::payload(&payload) })?;
-                done += 1;
+                for (i, key) in keys[..n as usize].iter_mut().enumerate() {
+                    key.clear();
+                    write!(key, "k{}", (done + i as u64) % args.keys).unwrap();
+                }
+                let inputs: Vec<Input<'_>> = keys[..n as usize]
+                    .iter()
+                    .map(|key| Input { key: Some(key.as_bytes()), ..Input::payload(&payload) })
+                    .collect();
+                if n == 1 {
+                    log.append_with(&inputs[0])?;
+                } else {
+                    log.append_batch_with(&inputs)?;
+                }
+                done += n;
+                if done & 0xFFFF < n {
+                    bar.set_position(done);
+                }
                 continue;
             }
             if n == 1 {
@@ -125,9 +147,10 @@ fn log_bench(args: LogBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
         (log.into_shared(), done)
     } else {
         let log = log.into_shared();
-        let per = args.count / args.producers;
         let threads: Vec<_> = (0..args.producers)
-            .map(|_| {
+            .map(|p| {
+                // The remainder of `count` goes to the first producers.
+                let per = args.count / args.producers + u64::from(p < args.count % args.producers);
                 let log = log.clone();
                 let payload = payload.clone();
                 let bar = bar.clone();
