@@ -1328,3 +1328,38 @@ fn a_sigterm_right_after_the_listeners_are_announced_stops_the_server_gracefully
         assert!(status.success(), "round {round}: {status}");
     }
 }
+
+/// Offers pipelined on one connection that wait for room in a full queue are stored in the
+/// order sent, as room comes (each waited as a task of its own, and the one spawned later could
+/// join the queue's line first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_offers_waiting_for_room_are_stored_in_the_order_sent() {
+    use petrel_client::Request;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    for round in 0..5 {
+        let queue = format!("one{round}");
+        c.create_queue(&queue, QueueConfig { max_items: 1, ..QueueConfig::default() }).await.unwrap();
+        c.offer(&queue, vec![msg("first")], None).await.unwrap();
+        let offers: Vec<Request> = ["a", "b", "c"]
+            .iter()
+            .map(|p| Request::Offer { queue: queue.clone(), timeout_ms: 10_000, messages: vec![msg(p)] })
+            .collect();
+        let offering = {
+            let c = c.clone();
+            tokio::spawn(async move { c.pipeline(&offers).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await; // all three wait
+        let taker = server.client().await;
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            let options = PollOptions { max: 1, timeout: Duration::from_secs(10), visibility: None };
+            got.extend(texts(&taker.poll(&queue, options).await.unwrap()));
+        }
+        assert_eq!(got, ["first", "a", "b", "c"], "round {round}");
+        for answer in offering.await.unwrap() {
+            answer.unwrap();
+        }
+    }
+}

@@ -155,7 +155,7 @@ where
             };
             match answer {
                 Answer::Now(response) => connection.answer(&response, opcode, request_id),
-                Answer::Later { waits_for, answer } => {
+                Answer::Later { waits_for, mut answer } => {
                     let waiting = (&mut pushes, &mut connection, &mut shutdown);
                     let permit = permit_for(&ctx, &permits, waits_for, waiting, &session, &stall_deadline).await;
                     // Stopping (or a client stalled) with no permit: a request waiting only for
@@ -166,6 +166,19 @@ where
                     let stopping = permit.is_none();
                     if stopping && waits_for != WaitsFor::Disk {
                         break 'read;
+                    }
+                    // Its first steps run here, in the order the requests came: a poll or an
+                    // offer that waits joins its queue's line (and a durable publish its topic's
+                    // order) before the requests read after it do. Run first as a task, one
+                    // spawned later could go first (the runtime runs the newest task next).
+                    let mut first = std::task::Context::from_waker(std::task::Waker::noop());
+                    if let std::task::Poll::Ready(response) = answer.as_mut().poll(&mut first) {
+                        connection.answer(&response, opcode, request_id);
+                        drop(permit);
+                        if stopping {
+                            break 'read;
+                        }
+                        continue;
                     }
                     let outbox = connection.outbox().clone();
                     let broker = Arc::clone(&ctx.broker);
