@@ -60,7 +60,11 @@ pub(super) fn publish(
     // (Those stored already: a sender dropped.)
     chain.retain(|_, before| matches!(before.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
     let before = chain.insert(topic, next);
+    // Counted in the memory budget until stored: decompressed, they may be far larger than the
+    // frame that brought them, and they may wait for the publish before them.
+    let held = ctx.broker.hold_memory_anyway(messages.iter().map(|m| m.size()).sum());
     Answer::later(WaitsFor::Disk, async move {
+        let _held = held;
         if let Some(before) = before {
             let _ = before.await; // (an error: it ended without storing, which is as good)
         }
