@@ -148,6 +148,13 @@ impl Subscription {
     pub fn sent(&mut self) {
         self.queued.take(std::mem::take(&mut self.received));
     }
+
+    /// `sent`, but for `kept`, received and held back for the next frame: still counted.
+    pub fn sent_but(&mut self, kept: &Delivered) {
+        let kept = kept.held_size();
+        self.queued.take(self.received - kept);
+        self.received = kept;
+    }
 }
 
 impl Drop for Subscription {

@@ -945,3 +945,42 @@ fn an_oversized_frame_read_while_requests_wait_holds_nothing() {
     answers.sort_by_key(|a| a.0);
     assert!(matches!(&answers[3], (9, Response::Error { status: Status::TooLarge, .. })), "{answers:?}");
 }
+
+/// A DELIVER push holds messages together only while it stays within `max_push_bytes` (one
+/// message alone may be larger): a small message and a large one behind it went out in one
+/// frame longer than the frame size the server advertises, which a client may hold it to.
+#[test]
+fn a_large_message_goes_out_in_a_deliver_of_its_own() {
+    use petrel_proto::{Message, Push, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let mut sub = greeted(&server);
+    sub.write_all(&request_frame(&Request::TopicCreate { name: "t".into(), durable: false }, 2)).unwrap();
+    assert!(matches!(read_response(&mut sub), (2, Response::Done)));
+    let subscribe = Request::Subscribe {
+        topic: "t".into(),
+        buffer: 16,
+        group: String::new(),
+        from: petrel_proto::StartFrom::Resume,
+    };
+    sub.write_all(&request_frame(&subscribe, 3)).unwrap();
+    assert!(matches!(read_response(&mut sub), (3, Response::Subscribed { .. })));
+    let mut publisher = greeted(&server);
+    let message = |bytes: usize| Message { payload: vec![7u8; bytes].into(), ..Message::default() };
+    let publish = Request::Publish { topic: "t".into(), messages: vec![message(60 << 10), message(1 << 20)] };
+    publisher.write_all(&request_frame(&publish, 2)).unwrap();
+    assert!(matches!(read_response(&mut publisher), (2, Response::Published { subscribers: 1 })));
+    let mut per_frame = Vec::new();
+    while per_frame.iter().sum::<usize>() < 2 {
+        let mut len = [0u8; 4];
+        sub.read_exact(&mut len).unwrap();
+        let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
+        sub.read_exact(&mut frame).unwrap();
+        let opcode = u16::from_be_bytes([frame[2], frame[3]]);
+        match Push::decode(opcode, bytes::Bytes::copy_from_slice(&frame[12..])).unwrap() {
+            Push::Deliver { messages } => per_frame.push(messages.len()),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(per_frame, [1, 1]);
+}

@@ -222,11 +222,26 @@ async fn deliver_live(
     }
     let id = sub.id;
     let mut batch = Vec::new();
-    while let Some(first) = sub.recv().await {
+    // A message taken that did not fit the last frame: the next one's first.
+    let mut carried = None;
+    loop {
+        let first = match carried.take() {
+            Some(m) => m,
+            None => match sub.recv().await {
+                Some(m) => m,
+                None => break,
+            },
+        };
         let mut bytes = first.message.size();
         batch.push(first);
-        while batch.len() < push.max_messages && bytes < push.max_bytes {
+        // Others join while the frame stays within `max_push_bytes` (one message alone may be
+        // larger: it fits the frame size the server advertises, which a client may hold it to).
+        while batch.len() < push.max_messages {
             match sub.try_recv() {
+                Some(m) if bytes + m.message.size() > push.max_bytes => {
+                    carried = Some(m);
+                    break;
+                }
                 Some(m) => {
                     bytes += m.message.size();
                     batch.push(m);
@@ -257,7 +272,10 @@ async fn deliver_live(
         if outbox.send(out).await.is_err() {
             return;
         }
-        sub.sent();
+        match &carried {
+            Some(kept) => sub.sent_but(kept),
+            None => sub.sent(),
+        }
     }
     let (status, reason) = match sub.ended.get() {
         Some(Ended::TooSlow(reason)) => (Status::SlowConsumer, reason.clone()),
@@ -329,11 +347,14 @@ async fn send_group_messages(
 ) -> bool {
     let mut frame: Vec<petrel_proto::Message> = Vec::new();
     let mut bytes = 0;
-    let last = messages.len();
-    for (i, m) in messages.into_iter().enumerate() {
+    let mut messages = messages.into_iter().peekable();
+    while let Some(m) = messages.next() {
         bytes += m.size();
         frame.push(outgoing(m, compress));
-        if bytes >= push.max_bytes || i + 1 == last {
+        // The next one joins while the frame stays within `max_push_bytes` (one message alone
+        // may be larger: it fits the frame size the server advertises).
+        let full = messages.peek().is_none_or(|next| bytes + next.size() > push.max_bytes);
+        if full {
             let mut out = Vec::with_capacity(bytes as usize + 64 * frame.len());
             not_sent_if_too_long(Push::Deliver { messages: std::mem::take(&mut frame) }.encode(id, &mut out));
             bytes = 0;
