@@ -550,6 +550,8 @@ impl StartFrom {
         let kind = r.u8("from")?;
         let value = r.u64("from value")?;
         Ok(match kind {
+            // (Their value is unused, so 0.)
+            0..=2 if value != 0 => return Err(DecodeError::BadValue("from value")),
             0 => StartFrom::Resume,
             1 => StartFrom::Oldest,
             2 => StartFrom::Newest,
@@ -1244,6 +1246,22 @@ mod tests {
             assert_eq!(QueueConfig::setting_name(kestrel), ours);
         }
         assert_eq!(QueueConfig::setting_name("max_items"), "max_items");
+    }
+
+    /// A SUBSCRIBE's start with no use for its value (resume, oldest, newest) has it 0; other
+    /// values are refused, as every unused field's are.
+    #[test]
+    fn a_start_without_a_value_has_it_zero() {
+        let subscribe = |kind: u8, value: u64| {
+            let mut b = vec![0, 1, b't', 0, 0, 0, 8, 0, 1, b'g', kind];
+            b.extend_from_slice(&value.to_be_bytes());
+            Request::decode(opcode::SUBSCRIBE, Bytes::from(b))
+        };
+        assert!(subscribe(1, 0).is_ok());
+        assert!(subscribe(3, 7).is_ok());
+        for kind in 0..=2 {
+            assert!(subscribe(kind, 7).is_err(), "kind {kind}");
+        }
     }
 
     #[test]
