@@ -8,6 +8,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -29,10 +30,10 @@ const MAX_CONNECTIONS: usize = 512;
 /// A connection that moves no byte either way for this long is closed: one that stopped in the
 /// middle of a request, or a kept-alive one left idle.
 const IDLE: Duration = Duration::from_secs(60);
-/// A request is answered within this long of its first byte, or its connection is closed: a
-/// client that sends a request a byte at a time (each byte restarting `IDLE`) holds its place
-/// no longer. Every answer of this API comes at once; none waits.
-const REQUEST: Duration = Duration::from_secs(10);
+/// A request is read within this long of its first byte, or its connection is closed: a client
+/// that sends a request a byte at a time (each byte restarting `IDLE`) holds its place no
+/// longer. Its handler's time is not counted (`Working`): a repair of a large log takes longer.
+pub(super) const REQUEST: Duration = Duration::from_secs(10);
 /// HTTP connections one address holds at most (handshakes included): one host's slow clients
 /// leave room for the others' (a probe, a scrape).
 const MAX_PER_ADDRESS: usize = 64;
@@ -40,10 +41,35 @@ const MAX_PER_ADDRESS: usize = 64;
 const ACCEPTED_QUEUE: usize = 64;
 
 /// Who is at the other end of an HTTP connection (axum's connect info).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Remote {
     pub addr: SocketAddr,
     pub tls: bool,
+    /// Requests of the connection whose handler is at work (`Working`): its time limits wait.
+    pub working: Arc<AtomicUsize>,
+}
+
+impl Remote {
+    fn new(addr: SocketAddr, tls: bool) -> Remote {
+        Remote { addr, tls, working: Arc::default() }
+    }
+}
+
+/// A request read whole and being handled: while one lives, its connection is not closed for
+/// silence or slowness (a repair of a large log takes longer than `REQUEST`, and no byte moves).
+pub(crate) struct Working(Arc<AtomicUsize>);
+
+impl Working {
+    pub(crate) fn start(remote: &Remote) -> Working {
+        remote.working.fetch_add(1, Ordering::AcqRel);
+        Working(Arc::clone(&remote.working))
+    }
+}
+
+impl Drop for Working {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 enum Stream {
@@ -55,6 +81,8 @@ enum Stream {
 /// among the `MAX_CONNECTIONS`.
 pub(super) struct HttpIo {
     stream: Stream,
+    /// The connection's `Remote::working`.
+    working: Arc<AtomicUsize>,
     idle: Pin<Box<tokio::time::Sleep>>,
     /// Since bytes came that no byte written has answered yet: `REQUEST` from then.
     unanswered: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -63,8 +91,9 @@ pub(super) struct HttpIo {
 }
 
 impl HttpIo {
-    fn new(stream: Stream, open: OwnedSemaphorePermit, address: AddressSlot) -> HttpIo {
-        HttpIo { stream, idle: Box::pin(tokio::time::sleep(IDLE)), unanswered: None, _open: open, _address: address }
+    fn new(stream: Stream, working: Arc<AtomicUsize>, open: OwnedSemaphorePermit, address: AddressSlot) -> HttpIo {
+        let idle = Box::pin(tokio::time::sleep(IDLE));
+        HttpIo { stream, working, idle, unanswered: None, _open: open, _address: address }
     }
 
     /// `polled`, the stream's answer: a byte moved restarts the idle time; waiting past it is
@@ -75,6 +104,13 @@ impl HttpIo {
         polled: Poll<io::Result<T>>,
         moved: impl Fn(&T) -> bool,
     ) -> Poll<io::Result<T>> {
+        if self.working.load(Ordering::Acquire) > 0 {
+            // A handler at work: its time counts neither as silence nor as a slow request (both
+            // start again from here once it is done).
+            self.idle.as_mut().reset(tokio::time::Instant::now() + IDLE);
+            self.unanswered = None;
+            return polled;
+        }
         match polled {
             Poll::Ready(Ok(done)) => {
                 if moved(&done) {
@@ -216,7 +252,8 @@ impl HttpListener {
                 let (ctx, tx) = (Arc::clone(&ctx), tx.clone());
                 tokio::spawn(async move {
                     if let Some((stream, remote)) = open(stream, addr, &ctx).await {
-                        let _ = tx.send((HttpIo::new(stream, open_permit, address), remote)).await;
+                        let io = HttpIo::new(stream, Arc::clone(&remote.working), open_permit, address);
+                        let _ = tx.send((io, remote)).await;
                     }
                     drop(permit);
                 });
@@ -240,7 +277,7 @@ async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(Stream,
         return match tokio::time::timeout(limit, tls.acceptor.accept(stream)).await {
             Ok(Ok(stream)) => {
                 stats::add(&ctx.stats.tls_connections, 1);
-                Some((Stream::Tls(Box::new(stream)), Remote { addr, tls: true }))
+                Some((Stream::Tls(Box::new(stream)), Remote::new(addr, true)))
             }
             _ => {
                 stats::add(&ctx.stats.tls_refused, 1);
@@ -260,7 +297,7 @@ async fn open(stream: TcpStream, addr: SocketAddr, ctx: &Ctx) -> Option<(Stream,
         let _ = tokio::time::timeout(limit, tokio::io::AsyncWriteExt::write_all(&mut stream, answer.as_bytes())).await;
         return None;
     }
-    Some((Stream::Plain(stream), Remote { addr, tls: false }))
+    Some((Stream::Plain(stream), Remote::new(addr, false)))
 }
 
 impl Listener for HttpListener {
@@ -276,12 +313,12 @@ impl Listener for HttpListener {
     }
 
     fn local_addr(&self) -> io::Result<Remote> {
-        Ok(Remote { addr: self.local, tls: false })
+        Ok(Remote::new(self.local, false))
     }
 }
 
 impl Connected<IncomingStream<'_, HttpListener>> for Remote {
     fn connect_info(stream: IncomingStream<'_, HttpListener>) -> Remote {
-        *stream.remote_addr()
+        stream.remote_addr().clone()
     }
 }

@@ -65,6 +65,7 @@ pub(crate) async fn serve(listener: TcpListener, ctx: Arc<Ctx>, mut stop: watch:
         .route("/dashboard.js", get(dashboard::script))
         .route("/dashboard.css", get(dashboard::style))
         .fallback(api::not_found)
+        .layer(axum::middleware::from_fn(at_work))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::map_response(json_errors))
         .layer(axum::middleware::from_fn_with_state(Arc::clone(&ctx), from_this_site))
@@ -110,6 +111,25 @@ async fn from_this_site(State(ctx): Ctxt, request: axum::extract::Request, next:
         );
     }
     next.run(request).await
+}
+
+/// Reads a request's body within `listener::REQUEST` of now (`408` past it, `413` past
+/// `MAX_BODY_BYTES`), then counts the request at work while its handler runs, so that a long
+/// one (a repair, the removal of a large queue) is not cut by the connection's time limits.
+async fn at_work(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let Some(remote) = request.extensions().get::<ConnectInfo<listener::Remote>>().map(|c| c.0.clone()) else {
+        return next.run(request).await;
+    };
+    let (parts, body) = request.into_parts();
+    let body = match tokio::time::timeout(listener::REQUEST, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
+        Ok(Ok(body)) => body,
+        Ok(Err(_)) => {
+            return refusal(StatusCode::PAYLOAD_TOO_LARGE, format!("a request body is at most {MAX_BODY_BYTES} bytes"));
+        }
+        Err(_) => return refusal(StatusCode::REQUEST_TIMEOUT, "the request's body did not come in time"),
+    };
+    let _working = listener::Working::start(&remote);
+    next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(body))).await
 }
 
 /// Whether a `Host` header names this machine's loopback: `localhost` or a loopback address,
@@ -183,7 +203,7 @@ impl FromRequestParts<Arc<Ctx>> for Caller {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, ctx: &Arc<Ctx>) -> Result<Caller, Response> {
-        let remote = parts.extensions.get::<ConnectInfo<listener::Remote>>().map(|c| c.0);
+        let remote = parts.extensions.get::<ConnectInfo<listener::Remote>>().map(|c| c.0.clone());
         authenticate(ctx, remote, &parts.headers).await.map(Caller)
     }
 }
@@ -210,7 +230,8 @@ async fn authenticate(
     let Some((user, password)) = credentials.as_deref().and_then(|c| c.split_once(':')) else {
         return Err(ask("authentication required (HTTP basic: a user of the server)"));
     };
-    let peer = Peer { addr: remote.map(|r| r.addr), tls: remote.is_some_and(|r| r.tls), certificate_user: None };
+    let peer =
+        Peer { addr: remote.as_ref().map(|r| r.addr), tls: remote.is_some_and(|r| r.tls), certificate_user: None };
     let transport_allows = peer.tls || (ctx.config.security.allow_plaintext_auth && peer.is_local());
     if transport_allows && let Some(user) = ctx.http_logins.get(credentials.as_deref().unwrap_or_default()) {
         return Ok(Some(Principal { user, conn: 0 }));
