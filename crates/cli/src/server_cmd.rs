@@ -566,12 +566,13 @@ pub fn consume(args: ConsumeArgs) -> Res {
         }
         left -= deliveries.len() as u64;
     }
-    // A cluster read to its end with servers down read only the others: said, so that a script
-    // draining a queue does not take it for empty.
+    // A cluster read to its end with servers down read only the others: said, and in the exit
+    // status, so that a script draining a queue does not take it for empty.
     if let Reader::Once(target) = &reader {
         let down = target.servers_down();
         if !down.is_empty() {
-            eprintln!("petrel: warning: not read, servers down: {}", down.join("; "));
+            eprintln!("petrel: not read, servers down: {}", down.join("; "));
+            return Ok(ExitCode::from(3));
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -437,8 +437,11 @@ fn produce_on_a_cluster_keys_its_lines_to_one_server_and_creates_past_a_server_d
     let status: serde_json::Value = serde_json::from_str(&run(&["queue", "status", "fresh"], b"", &list).0).unwrap();
     let stored: u64 = servers.iter().map(|s| status[&s.addr]["messages"].as_u64().unwrap_or(0)).sum();
     assert_eq!(stored, 2, "{status}");
-    // Consumed past the server down, which is named (a script draining the queue is told).
-    let (lines, err) = run(&["consume", "fresh", "--ack"], b"", &with_down);
+    // Consumed past the server down, which is named, and exit status 3 (a script draining the
+    // queue is told).
+    let out = petrel(&["consume", "fresh", "--ack", "--server", &with_down], b"");
+    let (lines, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(3), "{err}");
     assert_eq!(lines.lines().count(), 2, "{lines}");
     assert!(err.contains("servers down") && err.contains(&down), "{err}");
 }
