@@ -67,6 +67,10 @@ pub fn run(args: SoakBench) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.connections.div_ceil(PER_ADDRESS) > 250 {
         return Err("--connections: at most 125,000".into());
     }
+    if args.baseline < Duration::from_millis(100) {
+        // The load's figures are ratios to it.
+        return Err("--baseline must be at least 100ms".into());
+    }
     crate::server_cmd::raise_open_files_limit();
     let bench_dir = crate::BenchDir::new(&args.data, "bench-soak");
     let dir = bench_dir.path.clone();
