@@ -67,8 +67,8 @@ enum Command {
     Serve(server_cmd::ServeArgs),
     /// Offer each line of stdin to a queue.
     Produce(server_cmd::ProduceArgs),
-    /// Print messages taken from a queue (exit status 3: a cluster's servers that were down
-    /// were not read).
+    /// Print messages taken from a queue (exit status 3: read to its end, but a cluster's
+    /// servers that were down were not read).
     Consume(server_cmd::ConsumeArgs),
     /// Create, list, remove and inspect queues.
     #[command(subcommand)]

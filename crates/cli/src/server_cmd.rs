@@ -519,6 +519,8 @@ pub fn consume(args: ConsumeArgs) -> Res {
     };
     let mut unavailable = false;
     let mut left = args.count.unwrap_or(u64::MAX);
+    // Read until nothing came (not until `--count` was reached).
+    let mut drained = false;
     let stdout = io::stdout();
     let mut out = stdout.lock();
     // With --wait: since the last message came (or the start), in polls of a second at most.
@@ -548,6 +550,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
             if args.follow || args.wait.is_some_and(|wait| last_came.elapsed() < wait) {
                 continue;
             }
+            drained = true;
             break;
         }
         last_came = std::time::Instant::now();
@@ -568,7 +571,9 @@ pub fn consume(args: ConsumeArgs) -> Res {
     }
     // A cluster read to its end with servers down read only the others: said, and in the exit
     // status, so that a script draining a queue does not take it for empty.
-    if let Reader::Once(target) = &reader {
+    if let Reader::Once(target) = &reader
+        && drained
+    {
         let down = target.servers_down();
         if !down.is_empty() {
             eprintln!("petrel: not read, servers down: {}", down.join("; "));

@@ -631,13 +631,13 @@ fn bench_queue_runs_every_mode_and_prints_json() {
 
 /// offer-poll with a count the offering connections do not share evenly: every message is
 /// offered and polled (the remainder went by a connection's index among all connections, so
-/// 5 connections and 502 messages offered 501 and the pollers waited for ever); with one
+/// 5 connections and 503 messages offered 502 and the pollers waited for ever); with one
 /// connection, refused (it would only offer).
 #[test]
 fn bench_offer_poll_shares_an_uneven_count_and_needs_two_connections() {
     let dir = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(["bench", "queue", "--mode", "offer-poll", "--connections", "5", "--count", "502", "--json", "--data"])
+        .args(["bench", "queue", "--mode", "offer-poll", "--connections", "5", "--count", "503", "--json", "--data"])
         .arg(dir.path().join("a"))
         .stdout(Stdio::piped())
         .spawn()
@@ -646,7 +646,7 @@ fn bench_offer_poll_shares_an_uneven_count_and_needs_two_connections() {
     while child.try_wait().unwrap().is_none() {
         if started.elapsed() > Duration::from_secs(60) {
             child.kill().unwrap();
-            panic!("bench queue --mode offer-poll --connections 5 --count 502 did not finish");
+            panic!("bench queue --mode offer-poll --connections 5 --count 503 did not finish");
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -654,7 +654,7 @@ fn bench_offer_poll_shares_an_uneven_count_and_needs_two_connections() {
     assert!(out.status.success());
     let last: serde_json::Value =
         serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap()).unwrap();
-    assert_eq!(last["count"], 502, "{last}");
+    assert_eq!(last["count"], 503, "{last}");
     let out = Command::new(env!("CARGO_BIN_EXE_petrel"))
         .args(["bench", "queue", "--mode", "offer-poll", "--connections", "1", "--data"])
         .arg(dir.path().join("b"))

@@ -667,7 +667,10 @@ impl Log {
         // takes no more appends, and the new file goes (best effort): left, it would start
         // where records not published yet (a batch's, discarded now) would have ended.
         if durable && let Err(e) = segment::sync_dir(self.shared.dir()) {
-            let _ = std::fs::remove_file(&next.path);
+            if sealing {
+                // (Not sealing, it took the name of the empty active segment, which keeps it.)
+                let _ = std::fs::remove_file(&next.path);
+            }
             return Err(self.shared.commit().poison(self.shared.dir(), format!("sync of the log's directory: {e}")));
         }
         if !durable {

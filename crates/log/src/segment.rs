@@ -513,7 +513,12 @@ impl Segment {
     pub(crate) fn sync(&self) -> io::Result<()> {
         match self.map.is_writable() {
             true => self.map.sync(),
-            false => File::open(&self.path)?.sync_data(),
+            false => match File::open(&self.path) {
+                Ok(file) => file.sync_data(),
+                // Deleted meanwhile (retention): nothing of it is kept, nothing to make durable.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e),
+            },
         }
     }
 

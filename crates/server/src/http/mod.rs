@@ -121,12 +121,19 @@ async fn at_work(request: axum::extract::Request, next: axum::middleware::Next) 
         return next.run(request).await;
     };
     let (parts, body) = request.into_parts();
+    let late = || refusal(StatusCode::REQUEST_TIMEOUT, "the request's body did not come in time");
     let body = match tokio::time::timeout(listener::REQUEST, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
         Ok(Ok(body)) => body,
-        Ok(Err(_)) => {
-            return refusal(StatusCode::PAYLOAD_TOO_LARGE, format!("a request body is at most {MAX_BODY_BYTES} bytes"));
+        Ok(Err(e)) => {
+            return match e.into_inner().is::<http_body_util::LengthLimitError>() {
+                true => {
+                    refusal(StatusCode::PAYLOAD_TOO_LARGE, format!("a request body is at most {MAX_BODY_BYTES} bytes"))
+                }
+                // Cut by the connection's own limit on a request's time (from its first byte).
+                false => late(),
+            };
         }
-        Err(_) => return refusal(StatusCode::REQUEST_TIMEOUT, "the request's body did not come in time"),
+        Err(_) => return late(),
     };
     let _working = listener::Working::start(&remote);
     next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(body))).await

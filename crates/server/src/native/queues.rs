@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use petrel_broker::security::{Action, Kind};
 use petrel_broker::{BrokerError, MemoryHold, Offered, Queue, WaitFor, Waited};
 use petrel_proto::{Delivery, Message, Response, Status, features};
+use tokio::sync::oneshot;
 
 use super::session::Session;
 use super::{Answer, WaitsFor, error, outgoing};
@@ -62,7 +63,14 @@ pub(super) fn offer(
 ) -> Answer {
     let broker = &ctx.broker;
     let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(ctx.broker.missing(&queue))) };
-    match broker.offer_unsynced(&queue, &mut messages, arrived_ns) {
+    let waiting = &mut session.offers_waiting;
+    waiting.retain(|_, before| matches!(before.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+    let behind_own = timeout_ms > 0 && waiting.contains_key(&queue.name);
+    let offered_now = match behind_own {
+        true => Err(BrokerError::Full(queue.name.clone())),
+        false => broker.offer_unsynced(&queue, &mut messages, arrived_ns),
+    };
+    match offered_now {
         Err(BrokerError::Full(_)) if timeout_ms > 0 => {
             // What waits for room counts in the memory budget while it waits: the messages'
             // bytes, and the messages themselves (a few hundred bytes of fields each, most of
@@ -73,9 +81,22 @@ pub(super) fn offer(
                     "an offer of {bytes} bytes cannot wait for room: it does not fit in the server's memory budget (max_memory_bytes) now"
                 ))));
             };
+            let (done, next) = oneshot::channel::<()>();
+            let before = session.offers_waiting.insert(queue.name.clone(), next);
+            let (ctx, reads) = (Arc::clone(ctx), session.reads);
             let gave_up = until_or_closed(timeout_ms, session.closed.clone());
-            let waits = offer_when_room(Arc::clone(ctx), queue, messages, (held, bytes), gave_up, session.reads);
-            Answer::later(WaitsFor::Other, waits)
+            Answer::later(WaitsFor::Other, async move {
+                let _done = done;
+                let mut gave_up = std::pin::pin!(gave_up);
+                if let Some(before) = before {
+                    // (An error: it ended, which is as good.)
+                    tokio::select! {
+                        _ = before => {}
+                        () = gave_up.as_mut() => return error(BrokerError::Full(queue.name.clone())),
+                    }
+                }
+                offer_when_room(ctx, queue, messages, (held, bytes), gave_up, reads).await
+            })
         }
         Ok(mut done) if !done.unsynced.is_durable() => {
             let (unsynced, reads) = (std::mem::take(&mut done.unsynced), session.reads);

@@ -33,9 +33,14 @@ pub(super) struct Session {
     /// Per durable topic, ends when this connection's last publish to it is stored: the next one
     /// to that topic waits for it, so that pipelined publishes are stored in the order they were
     /// sent (each runs on a blocking thread of its own, which may start before the one before
-    /// it); publishes to different topics go on side by side. Entries go once done (at most one
-    /// per publish under way).
+    /// it); publishes to different topics go on side by side. Entries go once done, at the next
+    /// durable publish (at most one per topic published to).
     pub last_durable_publish: std::collections::HashMap<String, tokio::sync::oneshot::Receiver<()>>,
+    /// Per queue, ends when this connection's last offer waiting for room in it is done: a later
+    /// offer of the connection with a timeout waits for it before it looks for room, rather than
+    /// take room that came for it (pipelined offers are stored in the order sent). Entries go
+    /// once done, at the next wait.
+    pub offers_waiting: std::collections::HashMap<String, tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl Session {
@@ -58,6 +63,7 @@ impl Session {
             last_queue: None,
             closed,
             last_durable_publish: std::collections::HashMap::new(),
+            offers_waiting: std::collections::HashMap::new(),
         };
         if let Some(certified) = auth::with_certificate(ctx, &session.peer, conn) {
             match certified {

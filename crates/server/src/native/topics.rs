@@ -60,14 +60,15 @@ pub(super) fn publish(
     // (Those stored already: a sender dropped.)
     chain.retain(|_, before| matches!(before.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
     let before = chain.insert(topic, next);
-    // Counted in the memory budget until stored: decompressed, they may be far larger than the
-    // frame that brought them, and they may wait for the publish before them.
+    // Counted in the memory budget while they wait for the publish before them: decompressed,
+    // they may be far larger than the frame that brought them. (Not past it: the publish counts
+    // them for each live subscriber itself.)
     let held = ctx.broker.hold_memory_anyway(messages.iter().map(|m| m.size()).sum());
     Answer::later(WaitsFor::Disk, async move {
-        let _held = held;
         if let Some(before) = before {
             let _ = before.await; // (an error: it ended without storing, which is as good)
         }
+        drop(held);
         let publish = move || ctx.broker.publish_to(&t, messages, now_ns());
         let answer = crate::blocking(publish).await.map_or_else(error, published);
         drop(stored);
