@@ -168,11 +168,13 @@ where
                         break 'read;
                     }
                     // Its first steps run here, in the order the requests came: a poll or an
-                    // offer that waits joins its queue's line (and a durable publish its topic's
-                    // order) before the requests read after it do. Run first as a task, one
-                    // spawned later could go first (the runtime runs the newest task next).
+                    // offer that waits joins its queue's line before the requests read after it
+                    // do. Run first as a task, one spawned later could go first (the runtime runs
+                    // the newest task next). (What waits for the disk is stored already, in
+                    // order: looked at here, it would start its sync before more offers joined it.)
                     let mut first = std::task::Context::from_waker(std::task::Waker::noop());
-                    if let std::task::Poll::Ready(response) = answer.as_mut().poll(&mut first) {
+                    let first_steps = waits_for == WaitsFor::Other;
+                    if first_steps && let std::task::Poll::Ready(response) = answer.as_mut().poll(&mut first) {
                         connection.answer(&response, opcode, request_id);
                         drop(permit);
                         if stopping {
