@@ -252,6 +252,40 @@ async fn a_function_server_gone_with_its_own_call_waiting_fails_its_calls_at_onc
     own_call.abort();
 }
 
+/// A connection that serves a function and has as many calls waiting as it may: a handler of
+/// those calls calls the connection's own function back, and its reply (a RETURN, read while
+/// the connection's next CALL waits for a place) is handled, not left unread until every call
+/// timed out (30 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_sent_while_the_connection_waits_for_a_place_is_handled() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "max_in_flight_per_connection = 2\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let x = server.client().await;
+    x.serve("f", |m: Message| async move { Ok(m) }).await.unwrap();
+    let y = server.client().await;
+    let y_calls = server.client().await;
+    y.serve("g", move |m: Message| {
+        let y_calls = y_calls.clone();
+        async move { y_calls.call("f", m, Some(Duration::from_secs(30))).await.map_err(|e| e.to_string()) }
+    })
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let calls: Vec<_> = (0..3)
+        .map(|i| {
+            let x = x.clone();
+            tokio::spawn(async move { x.call("g", Message::new(format!("c{i}")), Some(Duration::from_secs(30))).await })
+        })
+        .collect();
+    for (i, call) in calls.into_iter().enumerate() {
+        let reply = tokio::time::timeout(Duration::from_secs(20), call).await.unwrap().unwrap().unwrap();
+        assert_eq!(text(&reply), format!("c{i}"));
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+}
+
 async fn futures_join(n: usize, server: &Server) -> Vec<Client> {
     let mut out = Vec::new();
     for _ in 0..n {

@@ -129,6 +129,15 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         self.answers += 1;
     }
 
+    /// Whether the next frame is read whole and is a request with `opcode`.
+    pub fn next_is(&self, opcode: u16) -> bool {
+        let buf = &self.input.buf;
+        self.skip == 0
+            && buf.len() >= 4 + frame::HEADER_LEN
+            && 4 + u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) as usize <= buf.len()
+            && u16::from_be_bytes([buf[6], buf[7]]) == opcode
+    }
+
     /// Bytes read and not yet decoded.
     pub fn buffered(&self) -> usize {
         self.input.buf.len()

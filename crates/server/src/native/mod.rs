@@ -157,7 +157,7 @@ where
                 Answer::Now(response) => connection.answer(&response, opcode, request_id),
                 Answer::Later { waits_for, mut answer } => {
                     let waiting = (&mut pushes, &mut connection, &mut shutdown);
-                    let permit = permit_for(&ctx, &permits, waits_for, waiting, &session, &stall_deadline).await;
+                    let permit = permit_for(&ctx, &permits, waits_for, waiting, &mut session, &stall_deadline).await;
                     // Stopping (or a client stalled) with no permit: a request waiting only for
                     // the disk is done already (an offer stored, waiting for its sync) and is
                     // still answered, before the connection closes (its producer would retry
@@ -202,7 +202,7 @@ where
                 }
                 Answer::Call(call) => {
                     let waiting = (&mut pushes, &mut connection, &mut shutdown);
-                    let permit = permit_for(&ctx, &permits, WaitsFor::Other, waiting, &session, &stall_deadline);
+                    let permit = permit_for(&ctx, &permits, WaitsFor::Other, waiting, &mut session, &stall_deadline);
                     let Some(permit) = permit.await else { break 'read };
                     let reply_to = functions::ReplyTo { outbox: connection.outbox().clone(), opcode, request_id };
                     if let Some(response) = functions::call(&ctx, &session, call, reply_to, permit) {
@@ -281,25 +281,24 @@ pub(super) const LARGE_ANSWER: usize = 64 << 10;
 /// (`stall_deadline`, looked at again each time it passes; before its login, the handshake's
 /// deadline ends it whatever).
 async fn permit_for<S>(
-    ctx: &Ctx,
+    ctx: &Arc<Ctx>,
     permits: &Permits,
     waits_for: WaitsFor,
     (pushes, connection, shutdown): (&mut Pushes, &mut Connection<S>, &mut watch::Receiver<bool>),
-    session: &Session,
+    session: &mut Session,
     stall_deadline: &impl Fn(&Session) -> Option<tokio::time::Instant>,
 ) -> Option<tokio::sync::OwnedSemaphorePermit>
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let settled = session.greeted && session.trusted(ctx);
-    let deadline = || stall_deadline(session);
     if let Some(permit) = permits.try_acquire(waits_for) {
         return Some(permit);
     }
-    if !matches!(unless_stalled(ctx, pushes.flush(connection), shutdown, deadline()).await, Some(Ok(()))) {
+    if !matches!(unless_stalled(ctx, pushes.flush(connection), shutdown, stall_deadline(session)).await, Some(Ok(()))) {
         return None;
     }
-    let mut until = deadline();
+    let mut until = stall_deadline(session);
     let mut written = connection.outbox().chunks_written();
     loop {
         if *shutdown.borrow() {
@@ -315,6 +314,16 @@ where
                 if read.is_err() {
                     return None;
                 }
+                // RETURNs read meanwhile need no permit, and the calls they answer may be what
+                // frees one (a handler's own call routed back to this connection, which waited
+                // for its reply until the call timed out): those at the front are handled now.
+                while connection.next_is(petrel_proto::opcode::RETURN) {
+                    let Ok(Some(Incoming { opcode, request_id, request })) = connection.next_request() else { break };
+                    let (outbox, arrived_ns) = (connection.outbox().clone(), connection.read_at_ns());
+                    if let Answer::Now(response) = dispatch(ctx, session, pushes, &outbox, request, arrived_ns).await {
+                        connection.answer(&response, opcode, request_id);
+                    }
+                }
             }
             _ = crate::sleep_until_or_never(until) => {
                 // Stalled: answers waiting and none written since the last look. A client that
@@ -322,7 +331,7 @@ where
                 let now_written = connection.outbox().chunks_written();
                 let reads = connection.outbox().is_idle() || now_written != written;
                 if settled && reads {
-                    (until, written) = (deadline(), now_written);
+                    (until, written) = (stall_deadline(session), now_written);
                     continue;
                 }
                 crate::stats::add(&ctx.stats.idle_closed, 1);
