@@ -173,6 +173,9 @@ class _Requests:
         give_back: Optional[Callable[[Any], None]],
     ) -> Tuple[int, "asyncio.Future[Any]"]:
         """Registers a request's future under a new token, then starts it natively."""
+        if self.closing:
+            # Its outcome would never be looked for: the completions are no longer watched.
+            raise ClosedError("the client was closed")
         token = next(self.tokens)
         future = self.loop.create_future()
         self.waiting[token] = (future, give_back)
@@ -261,7 +264,8 @@ class AsyncSubscription:
     async def unsubscribe(self) -> None:
         """Ends the subscription; unacknowledged messages of a group come again to its next
         subscriber."""
-        if self._core is not None and self._requests is not None:
+        # (Its client closed: the connection, and the subscription with it, are gone.)
+        if self._core is not None and self._requests is not None and not self._requests.closing:
             await self._requests.run(self._core.unsubscribe)
 
     async def __aenter__(self) -> "AsyncSubscription":
@@ -309,10 +313,10 @@ class AsyncClient:
         return self
 
     async def _client(self) -> _AsyncCore:
-        if self._core is not None:
-            return self._core
         if self._closed:
             raise ClosedError("the client was closed")
+        if self._core is not None:
+            return self._core
         if self._requests is None:
             self._requests = _Requests(asyncio.get_running_loop())
         requests = self._requests

@@ -277,6 +277,25 @@ def test_asyncio_polls_cancelled_at_any_moment_lose_and_repeat_nothing(server):
     asyncio.run(main())
 
 
+def test_an_asyncio_client_closed_refuses_new_requests_at_once(server):
+    """After close(), a request (on the client, or on a subscription it made) raises
+    ClosedError: it waited for ever, its outcome never looked for."""
+
+    async def main():
+        c = petrel.AsyncClient(server)
+        await c.create_queue("shut")
+        await c.create_topic("news")
+        sub = await c.subscribe("news")
+        await c.close()
+        with pytest.raises(petrel.ClosedError):
+            await asyncio.wait_for(c.offer("shut", b"x"), timeout=5)
+        with pytest.raises(petrel.ClosedError):
+            await asyncio.wait_for(sub.get(timeout=1), timeout=5)
+        await sub.unsubscribe()  # gone with the connection: nothing to do
+
+    asyncio.run(main())
+
+
 def test_an_asyncio_take_for_good_stays_taken_when_the_client_closes_at_once(server):
     """A take for good is acknowledged after it returns: closing the client right after waits for
     that, or the server would give the message back as the connection ends."""
