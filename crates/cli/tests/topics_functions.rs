@@ -286,6 +286,31 @@ async fn a_reply_sent_while_the_connection_waits_for_a_place_is_handled() {
     assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
 }
 
+/// A Rust handler that panics fails its own call with HANDLER_ERROR; the function goes on being
+/// served (the panic ended the task that ran every call: later calls got "no longer served").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_panics_fails_its_call_and_serving_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let worker = server.client().await;
+    worker
+        .serve("fragile", |m: Message| async move {
+            if m.payload.as_ref() == b"boom" {
+                panic!("a handler's bug");
+            }
+            Ok(m)
+        })
+        .await
+        .unwrap();
+    let caller = server.client().await;
+    let timeout = Some(Duration::from_secs(10));
+    let err = caller.call("fragile", Message::new("boom"), timeout).await.unwrap_err();
+    assert_eq!(err.status(), Some(Status::HandlerError), "{err}");
+    assert!(err.to_string().contains("panicked"), "{err}");
+    let reply = caller.call("fragile", Message::new("fine"), timeout).await.unwrap();
+    assert_eq!(text(&reply), "fine");
+}
+
 async fn futures_join(n: usize, server: &Server) -> Vec<Client> {
     let mut out = Vec::new();
     for _ in 0..n {

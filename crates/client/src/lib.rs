@@ -844,11 +844,23 @@ impl Client {
                 tokio::select! {
                     next = rx.recv(), if running.len() < MAX_RUNNING => {
                         let Some((call, message)) = next else { break };
-                        let reply = handler(message);
+                        // A handler that panics fails its own call (HANDLER_ERROR), not this task:
+                        // its end would leave the calls running unanswered and the function
+                        // served here by nobody while the connection lives.
+                        use futures_util::FutureExt;
+                        let reply = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(message)));
                         running.push(async move {
-                            match reply.await {
-                                Ok(m) => Request::Return { call, status: Status::Ok, error: String::new(), message: Box::new(m) },
-                                Err(error) => {
+                            let replied = match reply {
+                                Ok(reply) => std::panic::AssertUnwindSafe(reply).catch_unwind().await,
+                                Err(panic) => Err(panic),
+                            };
+                            match replied {
+                                Ok(Ok(m)) => Request::Return { call, status: Status::Ok, error: String::new(), message: Box::new(m) },
+                                Ok(Err(error)) => {
+                                    Request::Return { call, status: Status::HandlerError, error, message: Box::default() }
+                                }
+                                Err(_) => {
+                                    let error = "the function's handler panicked".to_owned();
                                     Request::Return { call, status: Status::HandlerError, error, message: Box::default() }
                                 }
                             }
