@@ -597,18 +597,27 @@ impl Client {
         py: Python<'_>,
         call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
     ) -> PyResult<T> {
-        py.detach(|| {
-            crate::client::block_on(async {
-                tokio::pin!(call);
-                loop {
-                    tokio::select! {
-                        result = &mut call => return result.map_err(client_error),
-                        _ = tokio::time::sleep(SIGNAL_CHECK) => Python::attach(|py| py.check_signals())?,
-                    }
-                }
-            })
-        })
+        wait_with_signals(py, call)
     }
+}
+
+/// Runs `call` to its end without the GIL, looking for signals every `SIGNAL_CHECK` (Ctrl-C
+/// raises `KeyboardInterrupt` and drops the call).
+pub(crate) fn wait_with_signals<T: Send>(
+    py: Python<'_>,
+    call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
+) -> PyResult<T> {
+    py.detach(|| {
+        block_on(async {
+            tokio::pin!(call);
+            loop {
+                tokio::select! {
+                    result = &mut call => return result.map_err(client_error),
+                    _ = tokio::time::sleep(SIGNAL_CHECK) => Python::attach(|py| py.check_signals())?,
+                }
+            }
+        })
+    })
 }
 
 impl Client {

@@ -68,7 +68,8 @@ impl Cluster {
         py: Python<'_>,
         call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
     ) -> PyResult<T> {
-        py.detach(|| crate::client::block_on(call)).map_err(client_error)
+        // (Ctrl-C ends a wait, as on `Client`.)
+        crate::client::wait_with_signals(py, call)
     }
 
     fn handles(handles: Vec<PyRef<'_, ClusterHandle>>) -> Vec<petrel_client::ClusterHandle> {

@@ -186,3 +186,34 @@ def test_a_group_resumes_where_it_stands_on_a_restarted_server(servers):
             again = sorted(group.get(timeout=5).payload for _ in range(6))
             assert again == sorted(b"a-%d" % i for i in range(6, 12)), "what was acknowledged did not come again"
             assert group.get(timeout=0.5) is None
+
+
+def test_a_signal_interrupts_a_cluster_call(servers):
+    """A signal's handler that raises ends a cluster request that waits (Ctrl-C did nothing to
+    one: its wait never looked at Python's signals)."""
+
+    class Alarm(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise Alarm()
+
+    with petrel.Cluster(servers.addresses) as c, petrel.Client(servers.addresses[0]) as worker:
+        release = threading.Event()
+
+        def slow(message):
+            release.wait(30)
+            return message.payload
+
+        worker.serve("slow", slow)
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        started = time.monotonic()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            with pytest.raises(Alarm):
+                c.call("slow", b"x", timeout=60)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+            release.set()
+        assert time.monotonic() - started < 10

@@ -437,8 +437,10 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
             Ok(client) => {
                 let served = lock(&shared.served).clone();
                 let mut outcomes = Vec::with_capacity(served.len());
+                let limit = shared.options.request_timeout;
                 for (function, handler) in served {
-                    let outcome = client.serve(&function, move |m| handler(m)).await;
+                    let outcome =
+                        crate::answer_within(limit, &addr, client.serve(&function, move |m| handler(m))).await;
                     outcomes.push((function, outcome.err().map(|e| e.to_string())));
                 }
                 {
@@ -1244,9 +1246,11 @@ impl Cluster {
         let mut served = 0;
         let mut last = None;
         for i in 0..self.shared.members.len() {
-            let Some((client, _)) = self.shared.current(i) else { continue };
+            let Some((client, connection)) = self.shared.current(i) else { continue };
             let handler = Arc::clone(&handler);
-            let outcome = client.serve(function, move |m| handler(m)).await;
+            // Within the request timeout: a server stopped (not gone) is marked down, not waited for.
+            let serving = client.serve(function, move |m| handler(m));
+            let outcome = self.shared.on(i, connection, Duration::ZERO, serving).await;
             lock(&self.shared.members[i].link).served(function, outcome.as_ref().err().map(ToString::to_string));
             match outcome {
                 Ok(()) => served += 1,
@@ -1266,8 +1270,8 @@ impl Cluster {
     pub async fn unserve(&self, function: &str) -> Result<(), ClientError> {
         lock(&self.shared.served).retain(|(f, _)| f != function);
         for i in 0..self.shared.members.len() {
-            let Some((client, _)) = self.shared.current(i) else { continue };
-            match client.unserve(function).await {
+            let Some((client, connection)) = self.shared.current(i) else { continue };
+            match self.shared.on(i, connection, Duration::ZERO, client.unserve(function)).await {
                 Ok(()) => lock(&self.shared.members[i].link).served(function, None),
                 Err(e) if e.is_connection_lost() => {}
                 Err(e) => return Err(e),
