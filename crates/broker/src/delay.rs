@@ -1063,13 +1063,13 @@ impl DelayLog {
     }
 
     /// Drops every released message waiting (a flush), marking them done in markers of at
-    /// most `per_marker`. Returns how many each level had dropped, and the error that stopped
-    /// it with the offsets it had dropped: those not marked then stay released, in their places.
-    pub fn drop_ready(&mut self, per_marker: usize) -> (Vec<u64>, Option<(BrokerError, Vec<u64>)>) {
+    /// most `per_marker`. Returns how many each level had dropped, the offsets dropped, and the
+    /// error that stopped it: those not marked then stay released, in their places.
+    pub fn drop_ready(&mut self, per_marker: usize) -> (Vec<u64>, Vec<u64>, Option<BrokerError>) {
         let before = self.ready.clone();
         let (offsets, per_level) = self.ready.drain();
         let (marked, failed) = self.mark_done_in_markers(&offsets, per_marker);
-        let Some(e) = failed else { return (per_level, None) };
+        let Some(e) = failed else { return (per_level, offsets, None) };
         // The marked ones are the first in level order: taken from the front again.
         self.ready = before;
         let mut dropped = vec![0; per_level.len()];
@@ -1081,7 +1081,7 @@ impl DelayLog {
                 left -= 1;
             }
         }
-        (dropped, Some((e, offsets[..marked].to_vec())))
+        (dropped, offsets[..marked].to_vec(), Some(e))
     }
 
     /// The delayed messages due at `now_ns`, earliest first: at most `max` of them, and as many

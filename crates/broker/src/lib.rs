@@ -1388,6 +1388,9 @@ impl Broker {
         if let (Some(children), Some(copies)) = (children, copies.filter(|c| !c.is_empty())) {
             for child in children {
                 let mut copies = copies.clone();
+                // The parent took out the repeats: a child's own window (its configuration may
+                // remember longer) must not drop a copy of a message the parent stored.
+                copies.iter_mut().for_each(|m| m.idempotency_key.clear());
                 if !child.on_disk() {
                     // Durable before the answer is the parent's promise; a child in memory keeps
                     // its copy as it keeps every message.

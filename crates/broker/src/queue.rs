@@ -563,11 +563,12 @@ struct Lane {
 }
 
 impl Lane {
-    /// The record at the head, if it may be handed out (markers read past first).
+    /// The record at the head, if it may be handed out (markers read past first; one that could
+    /// not be, its group at its limit of open reads, is no message to show).
     fn head(&mut self) -> Result<Option<petrel_log::Record<'_>>, BrokerError> {
         skip_markers(&mut self.group, &mut self.markers_unread)?;
         let visible_end = self.visible_end;
-        Ok(self.group.peek()?.filter(|r| r.offset < visible_end))
+        Ok(self.group.peek()?.filter(|r| r.offset < visible_end && message::control(r).is_none()))
     }
 }
 
@@ -2626,23 +2627,23 @@ impl Inner {
         Ok(n)
     }
 
-    /// Drops every released delayed message waiting (a flush, which then counts the bytes
-    /// left); returns how many.
+    /// Drops every released delayed message waiting (a flush), and their bytes; returns how
+    /// many.
     fn drop_released(&mut self) -> Result<u64, BrokerError> {
         let Store::Log { delayed: Some(delay), .. } = &mut self.store else { return Ok(0) };
         // A failure part way drops only those marked done; the others stay released.
-        let (per_level, failed) = delay.drop_ready(MARKER_OFFSETS);
+        let (per_level, offsets, failed) = delay.drop_ready(MARKER_OFFSETS);
         let dropped = per_level.iter().sum::<u64>();
         for (waiting, n) in self.waiting_at.iter_mut().zip(per_level) {
             counting::subtract(waiting, n, "a priority level's waiting messages");
             counting::subtract(&mut self.waiting, n, "a queue's waiting messages");
         }
         self.head_taken |= dropped > 0;
-        let Some((e, marked)) = failed else { return Ok(dropped) };
-        // The flush stops here, before it counts the bytes left: those dropped go now.
-        let sizes = marked.iter().map(|&o| delay.message_at(o).map(|m| m.size())).sum::<Result<u64, _>>()?;
+        // Their bytes go with them (a flush that leaves messages waiting, behind a level at its
+        // limit of open reads, does not count the bytes afresh).
+        let sizes = offsets.iter().map(|&o| delay.message_at(o).map(|m| m.size())).sum::<Result<u64, _>>()?;
         counting::subtract(&mut self.bytes, sizes, "a queue's bytes");
-        Err(e)
+        failed.map_or(Ok(dropped), Err)
     }
 
     /// The message stored at `offset` of a durable queue's log for `level`.

@@ -1705,6 +1705,22 @@ fn fanout_children_get_no_copy_of_a_repeat_the_parent_did_not_store() {
     }
 }
 
+/// The other way round: a parent that forgets a key sooner than its child stores the key's new
+/// message, and the child gets its copy (its own, longer window dropped it as a repeat).
+#[test]
+fn a_fanout_child_gets_every_message_its_parent_stores_whatever_its_own_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    b.create_queue("orders", QueueConfig { dedup_window_ms: 1_000, ..QueueConfig::default() }, None).unwrap();
+    b.create_queue("orders+audit", QueueConfig::default(), None).unwrap(); // remembers 2 minutes
+    let t0 = now_ns();
+    b.offer("orders", keyed(&[("k", "a")]), t0).unwrap();
+    b.offer("orders", keyed(&[("k", "b")]), t0 + 10_000 * MS).unwrap(); // the parent forgot k
+    let t = t0 + 11_000 * MS;
+    assert_eq!(payloads(&b.poll("orders", 10, None, 1, t).unwrap()), [b"a".to_vec(), b"b".to_vec()]);
+    assert_eq!(payloads(&b.poll("orders+audit", 10, None, 1, t).unwrap()), [b"a".to_vec(), b"b".to_vec()]);
+}
+
 #[test]
 fn a_dead_letter_of_a_message_at_the_size_limit_is_not_lost() {
     let dir = tempfile::tempdir().unwrap();
