@@ -591,6 +591,29 @@ async fn repeated_offers_with_one_key_are_stored_once_across_kill_9() {
     assert_eq!(c.queue_status("lines").await.unwrap().items, 3, "the second run stored nothing");
 }
 
+/// Runs `petrel ARGS MORE --json --data DATA`, which must succeed within a minute; its last line.
+fn bench_json(args: &[&str], more: &[&str], data: &std::path::Path) -> serde_json::Value {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(args)
+        .args(more)
+        .args(["--json", "--data"])
+        .arg(data)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("petrel {args:?} {more:?} did not finish");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "petrel {args:?} {more:?}");
+    serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap()).unwrap()
+}
+
 #[test]
 fn bench_queue_runs_every_mode_and_prints_json() {
     let dir = tempfile::tempdir().unwrap();
@@ -599,25 +622,11 @@ fn bench_queue_runs_every_mode_and_prints_json() {
             if protocol == "memcache" && ["publish", "call", "connect"].contains(&mode) {
                 continue;
             }
-            let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-                .args(["bench", "queue", "--protocol", protocol, "--mode", mode, "--count", "3000"])
-                .args(["--connections", "2", "--batch", "7", "--keys", "5", "--subscribers", "2", "--json", "--data"])
-                .arg(dir.path())
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
-            let started = std::time::Instant::now();
-            while child.try_wait().unwrap().is_none() {
-                if started.elapsed() > Duration::from_secs(60) {
-                    child.kill().unwrap();
-                    panic!("bench queue --protocol {protocol} --mode {mode} did not finish");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let out = child.wait_with_output().unwrap();
-            assert!(out.status.success(), "{protocol} {mode}");
-            let text = String::from_utf8(out.stdout).unwrap();
-            let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+            let last = bench_json(
+                &["bench", "queue", "--protocol", protocol, "--mode", mode, "--count", "3000", "--connections", "2"],
+                &["--batch", "7", "--keys", "5", "--subscribers", "2"],
+                dir.path(),
+            );
             let expected = if mode == "publish" { 3000 * 2 } else { 3000 };
             assert_eq!(last["count"], expected, "{protocol} {mode}: {last}");
             assert!(last["msgs_per_sec"].as_f64().unwrap() > 0.0);
@@ -636,24 +645,8 @@ fn bench_queue_runs_every_mode_and_prints_json() {
 #[test]
 fn bench_offer_poll_shares_an_uneven_count_and_needs_two_connections() {
     let dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(["bench", "queue", "--mode", "offer-poll", "--connections", "5", "--count", "503", "--json", "--data"])
-        .arg(dir.path().join("a"))
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let started = std::time::Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if started.elapsed() > Duration::from_secs(60) {
-            child.kill().unwrap();
-            panic!("bench queue --mode offer-poll --connections 5 --count 503 did not finish");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    let last: serde_json::Value =
-        serde_json::from_str(String::from_utf8(out.stdout).unwrap().lines().last().unwrap()).unwrap();
+    let args = ["bench", "queue", "--mode", "offer-poll", "--connections", "5", "--count", "503"];
+    let last = bench_json(&args, &[], &dir.path().join("a"));
     assert_eq!(last["count"], 503, "{last}");
     let out = Command::new(env!("CARGO_BIN_EXE_petrel"))
         .args(["bench", "queue", "--mode", "offer-poll", "--connections", "1", "--data"])
