@@ -1356,3 +1356,34 @@ async fn pipelined_offers_waiting_for_room_are_stored_in_the_order_sent() {
         }
     }
 }
+
+/// Both ends of a client's connection probe it when silent (TCP keepalive), so that a peer gone
+/// without a word (a host powered off, a cut link) is noticed: an established socket with a
+/// keepalive timer (and nothing unacknowledged) shows timer 2 in /proc/net/tcp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_ends_of_a_connection_keep_it_alive() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let c = server.client().await;
+    c.ping().await.unwrap();
+    let port = server.addr.rsplit_once(':').unwrap().1.parse::<u16>().unwrap();
+    // Established (state 01) sockets with the server's port at one end: (the server's end?, timer).
+    let ends = || -> Vec<(bool, String)> {
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let port_of = |a: &str| u16::from_str_radix(a.rsplit_once(':').unwrap().1, 16).unwrap();
+        table
+            .lines()
+            .skip(1)
+            .map(|line| line.split_whitespace().collect::<Vec<_>>())
+            .filter(|f| f[3] == "01" && (port_of(f[1]) == port || port_of(f[2]) == port))
+            .map(|f| (port_of(f[1]) == port, f[5].split(':').next().unwrap().to_owned()))
+            .collect()
+    };
+    // (Once what the ping sent is acknowledged: until then an end shows its retransmit timer.)
+    common::wait_until("both ends with their keepalive timer", || {
+        let ends = ends();
+        ends.iter().any(|(server_end, _)| *server_end)
+            && ends.iter().any(|(server_end, _)| !server_end)
+            && ends.iter().all(|(_, timer)| timer == "02")
+    });
+}

@@ -380,11 +380,25 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// Sets up a new TCP connection: no delay for small writes, and keepalive probes after 30 s
+/// of silence, so that a server gone without a word (its host powered off, a cut link) is
+/// noticed in about a minute instead of never: a subscriber or a follower waits on a connection
+/// that carries nothing for long, and only then reconnects.
+fn tcp_ready(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
+    use rustix::net::sockopt;
+    stream.set_nodelay(true)?;
+    sockopt::set_socket_keepalive(stream, true)?;
+    sockopt::set_tcp_keepidle(stream, Duration::from_secs(30))?;
+    sockopt::set_tcp_keepintvl(stream, Duration::from_secs(10))?;
+    sockopt::set_tcp_keepcnt(stream, 3)?;
+    Ok(())
+}
+
 impl Client {
     /// Connects over TCP and says hello.
     pub async fn connect(addr: impl tokio::net::ToSocketAddrs) -> Result<Client, ClientError> {
         let stream = tokio::net::TcpStream::connect(addr).await?;
-        stream.set_nodelay(true)?;
+        tcp_ready(&stream)?;
         Client::over(stream).await
     }
 
@@ -404,7 +418,7 @@ impl Client {
         }
         let connecting = tokio::net::TcpStream::connect(addr);
         let stream = connect_within(addr, options.connect_timeout, connecting).await?;
-        stream.set_nodelay(true)?;
+        tcp_ready(&stream)?;
         let client = match &options.tls {
             Some(tls) => {
                 let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h).trim_start_matches('[').trim_end_matches(']');

@@ -445,6 +445,14 @@ async fn accept_tcp(listener: Option<&TcpListener>) -> std::io::Result<(TcpStrea
         Some(l) => {
             let (stream, peer) = l.accept().await?;
             let _ = stream.set_nodelay(true);
+            // Probes after 30 s of silence: a client gone without a word (its host powered off,
+            // a cut link) is noticed in about a minute, and what it held (open reads, a
+            // subscription's backlog, served functions) goes back, even with no idle timeout.
+            use rustix::net::sockopt;
+            let _ = sockopt::set_socket_keepalive(&stream, true);
+            let _ = sockopt::set_tcp_keepidle(&stream, Duration::from_secs(30));
+            let _ = sockopt::set_tcp_keepintvl(&stream, Duration::from_secs(10));
+            let _ = sockopt::set_tcp_keepcnt(&stream, 3);
             Ok((stream, peer))
         }
         None => std::future::pending().await,
