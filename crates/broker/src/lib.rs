@@ -167,6 +167,16 @@ impl BrokerError {
     }
 }
 
+/// Where this broker's handles, subscription ids and call ids start: its start time in ns, so
+/// that a handle a client kept from before a restart (and sends again on its new connection)
+/// is none of this one's (counted from 1, an old handle named a new read of the new connection,
+/// and its ACK settled a message its consumer never saw). The broker before it handed out
+/// fewer ids than nanoseconds passed, so the ranges never meet (until the year 2554).
+fn first_handle() -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    u64::try_from(now.as_nanos()).unwrap_or(1).max(1)
+}
+
 /// The header a dead letter carries: why it was moved (`expired` or `max_deliveries`).
 pub const DEAD_LETTER_REASON: &str = "petrel-dead-letter-reason";
 /// The header a message moved at its delivery limit carries: how many times it was handed out.
@@ -589,7 +599,7 @@ impl Broker {
             configured: RwLock::new(configured.clone()),
             damaged: DamagedList::default(),
             damaged_topics: DamagedList::default(),
-            next_handle: AtomicU64::new(1),
+            next_handle: AtomicU64::new(first_handle()),
             created: AtomicU64::new(0),
             removed: AtomicU64::new(0),
             removed_offered: AtomicU64::new(0),
