@@ -129,13 +129,47 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         self.answers += 1;
     }
 
-    /// Whether the next frame is read whole and is a request with `opcode`.
-    pub fn next_is(&self, opcode: u16) -> bool {
+    /// Takes the RETURN requests read whole out of the buffer, wherever they are among the
+    /// other requests (which stay, in their order): a connection waiting for a permit handles
+    /// them, as they need none. Each with its frame's opcode and request id, decoded or the
+    /// answer that refuses it.
+    pub fn take_returns(&mut self) -> Vec<(u16, u64, Result<Request, Response>)> {
+        let max = self.ctx.config.max_frame_bytes as usize;
         let buf = &self.input.buf;
-        self.skip == 0
-            && buf.len() >= 4 + frame::HEADER_LEN
-            && 4 + u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) as usize <= buf.len()
-            && u16::from_be_bytes([buf[6], buf[7]]) == opcode
+        let (mut at, mut found) = (0, Vec::new());
+        while self.skip == 0 && buf.len() >= at + 4 + frame::HEADER_LEN {
+            let len = u32::from_be_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
+            if !(frame::HEADER_LEN..=max).contains(&len) || at + 4 + len > buf.len() {
+                break; // not whole yet, or refused when decoded in turn
+            }
+            let opcode = u16::from_be_bytes([buf[at + 6], buf[at + 7]]);
+            if buf[at + 4] == frame::PROTOCOL_VERSION && buf[at + 5] == 0 && opcode == petrel_proto::opcode::RETURN {
+                found.push(at..at + 4 + len);
+            }
+            at += 4 + len;
+        }
+        if found.is_empty() {
+            return Vec::new();
+        }
+        let mut rest = bytes::BytesMut::with_capacity(buf.capacity());
+        let mut returns = Vec::with_capacity(found.len());
+        let mut from = 0;
+        for frame in found {
+            rest.extend_from_slice(&buf[from..frame.start]);
+            let request_id = u64::from_be_bytes(buf[frame.start + 8..frame.start + 16].try_into().expect("8 bytes"));
+            let body = bytes::Bytes::copy_from_slice(&buf[frame.start + 16..frame.end]);
+            let request = Request::decode(petrel_proto::opcode::RETURN, body)
+                .map_err(|e| Response::error(Status::BadRequest, e.to_string()));
+            returns.push((petrel_proto::opcode::RETURN, request_id, request));
+            from = frame.end;
+        }
+        rest.extend_from_slice(&buf[from..]);
+        self.input.buf = rest;
+        for _ in &returns {
+            self.entry.request();
+            self.ctx.stats.native_request(petrel_proto::opcode::RETURN);
+        }
+        returns
     }
 
     /// Bytes read and not yet decoded.

@@ -316,13 +316,22 @@ where
                 }
                 // RETURNs read meanwhile need no permit, and the calls they answer may be what
                 // frees one (a handler's own call routed back to this connection, which waited
-                // for its reply until the call timed out): those at the front are handled now.
-                while connection.next_is(petrel_proto::opcode::RETURN) {
-                    let Ok(Some(Incoming { opcode, request_id, request })) = connection.next_request() else { break };
+                // for its reply until the call timed out): handled now, wherever they were read.
+                for (opcode, request_id, request) in connection.take_returns() {
                     let (outbox, arrived_ns) = (connection.outbox().clone(), connection.read_at_ns());
-                    if let Answer::Now(response) = dispatch(ctx, session, pushes, &outbox, request, arrived_ns).await {
-                        connection.answer(&response, opcode, request_id);
-                    }
+                    let response = match request {
+                        Ok(request) => match dispatch(ctx, session, pushes, &outbox, request, arrived_ns).await {
+                            Answer::Now(response) => response,
+                            _ => unreachable!("a RETURN is answered at once"),
+                        },
+                        Err(refused) => refused,
+                    };
+                    connection.answer(&response, opcode, request_id);
+                }
+                if connection.answers_are_many()
+                    && !matches!(unless_stalled(ctx, pushes.flush(connection), shutdown, stall_deadline(session)).await, Some(Ok(())))
+                {
+                    return None;
                 }
             }
             _ = crate::sleep_until_or_never(until) => {
