@@ -62,6 +62,10 @@ pub struct Cluster {
     addrs: Vec<String>,
 }
 
+/// The visibility of a poll for good's messages between their take and their acknowledgement
+/// (seconds): what a signal cuts short comes back after it.
+const TAKEN_FOR_GOOD_VISIBILITY: f64 = 60.0;
+
 impl Cluster {
     fn wait<T: Send>(
         &self,
@@ -239,9 +243,17 @@ impl Cluster {
         timeout: Option<f64>,
         visibility: Option<f64>,
     ) -> PyResult<Vec<Message>> {
-        let delivered = poll_in_waits(py, timeout, |wait| {
-            self.wait(py, self.inner.poll(queue, poll_options(max, wait, visibility)))
-        })?;
+        // For good: taken tentatively (a signal may end the wait: what it takes then comes back
+        // after its visibility, not lost), then acknowledged with no signal cutting that short
+        // (a cut acknowledgement lost its messages: acknowledged, never returned).
+        let held = visibility.or(Some(TAKEN_FOR_GOOD_VISIBILITY));
+        let delivered = poll_in_waits(py, timeout, |wait| self.wait(py, self.inner.poll(queue, poll_options(max, wait, held))))?;
+        if visibility.is_none() && !delivered.is_empty() {
+            let handles: Vec<_> = delivered.iter().map(|d| d.handle).collect();
+            // (One that fails, its server lost, comes back to its queue: at least once, as the
+            // cluster's own poll for good.)
+            let _ = py.detach(|| crate::client::block_on(self.inner.ack(queue, &handles)));
+        }
         delivered
             .into_iter()
             .map(|d| {
@@ -365,9 +377,9 @@ impl Cluster {
         let handler = Arc::new(handler);
         let serving =
             self.inner.serve(function, move |request| crate::functions::run_handler(Arc::clone(&handler), request));
-        self.wait(py, serving)?;
+        // Before the wait: interrupted, it may serve on some servers already.
         crate::client::stop_at_exit(Stoppable::Cluster(self.inner.clone()));
-        Ok(())
+        self.wait(py, serving)
     }
 
     /// Stops serving `function` on every server, and on those that come back (calls already
@@ -379,14 +391,16 @@ impl Cluster {
     /// Ends every connection and the background work; tentative takes not acknowledged go back
     /// to their queues (those kept for later polls, never seen, as never handed out).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        if !self.inner.is_closed() {
-            self.wait(py, async {
+        let gave_back = match self.inner.is_closed() {
+            true => Ok(()),
+            false => self.wait(py, async {
                 self.inner.give_back_kept().await;
                 Ok::<(), petrel_client::ClientError>(())
-            })?;
-        }
+            }),
+        };
+        // Closed whatever: a signal that cut the give-back short does not keep the connections.
         self.inner.close();
-        Ok(())
+        gave_back
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
