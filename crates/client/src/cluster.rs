@@ -438,10 +438,19 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
                 let served = lock(&shared.served).clone();
                 let mut outcomes = Vec::with_capacity(served.len());
                 let limit = shared.options.request_timeout;
+                let mut answers = true;
                 for (function, handler) in served {
                     let outcome =
                         crate::answer_within(limit, &addr, client.serve(&function, move |m| handler(m))).await;
+                    // A server that does not answer (or was lost again) is not up: tried again.
+                    answers &= !outcome.as_ref().is_err_and(ClientError::is_connection_lost);
                     outcomes.push((function, outcome.err().map(|e| e.to_string())));
+                }
+                if !answers {
+                    client.close();
+                    lock(&shared.members[i].link).last_error = Some(format!("{addr} did not answer SERVE"));
+                    pause = (pause * 2).min(max_pause);
+                    continue;
                 }
                 {
                     let mut link = lock(&shared.members[i].link);
