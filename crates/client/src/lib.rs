@@ -387,10 +387,11 @@ impl std::fmt::Debug for Client {
 fn tcp_ready(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
     use rustix::net::sockopt;
     stream.set_nodelay(true)?;
-    sockopt::set_socket_keepalive(stream, true)?;
-    sockopt::set_tcp_keepidle(stream, Duration::from_secs(30))?;
-    sockopt::set_tcp_keepintvl(stream, Duration::from_secs(10))?;
-    sockopt::set_tcp_keepcnt(stream, 3)?;
+    // (A system that refuses these keeps the connection without them.)
+    let _ = sockopt::set_socket_keepalive(stream, true);
+    let _ = sockopt::set_tcp_keepidle(stream, Duration::from_secs(30));
+    let _ = sockopt::set_tcp_keepintvl(stream, Duration::from_secs(10));
+    let _ = sockopt::set_tcp_keepcnt(stream, 3);
     Ok(())
 }
 
