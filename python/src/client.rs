@@ -87,6 +87,7 @@ impl Stoppable {
     fn same(&self, other: &Stoppable) -> bool {
         match (self, other) {
             (Stoppable::Client(a), Stoppable::Client(b)) => Arc::ptr_eq(a, b),
+            (Stoppable::Cluster(a), Stoppable::Cluster(b)) => a.is_same(b),
             _ => false,
         }
     }

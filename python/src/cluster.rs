@@ -62,9 +62,8 @@ pub struct Cluster {
     addrs: Vec<String>,
 }
 
-/// The visibility of a poll for good's messages between their take and their acknowledgement
-/// (seconds): what a signal cuts short comes back after it.
-const TAKEN_FOR_GOOD_VISIBILITY: f64 = 60.0;
+/// How long a poll for good waits, signals aside, for its acknowledgement.
+const ACK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl Cluster {
     fn wait<T: Send>(
@@ -245,14 +244,21 @@ impl Cluster {
     ) -> PyResult<Vec<Message>> {
         // For good: taken tentatively (a signal may end the wait: what it takes then comes back
         // after its visibility, not lost), then acknowledged with no signal cutting that short
-        // (a cut acknowledgement lost its messages: acknowledged, never returned).
-        let held = visibility.or(Some(TAKEN_FOR_GOOD_VISIBILITY));
-        let delivered = poll_in_waits(py, timeout, |wait| self.wait(py, self.inner.poll(queue, poll_options(max, wait, held))))?;
+        // (a cut acknowledgement lost its messages: acknowledged, never returned), for 10 s at
+        // most (a server that does not answer gets its messages back after their visibility).
+        let delivered = poll_in_waits(py, timeout, |wait| {
+            let options = poll_options(max, wait, visibility);
+            match visibility {
+                Some(_) => self.wait(py, self.inner.poll(queue, options)),
+                None => self.wait(py, self.inner.poll_for_good_unacknowledged(queue, options)),
+            }
+        })?;
         if visibility.is_none() && !delivered.is_empty() {
             let handles: Vec<_> = delivered.iter().map(|d| d.handle).collect();
-            // (One that fails, its server lost, comes back to its queue: at least once, as the
-            // cluster's own poll for good.)
-            let _ = py.detach(|| crate::client::block_on(self.inner.ack(queue, &handles)));
+            let acked = petrel_client::answer_within(ACK_WAIT, "the cluster", self.inner.ack(queue, &handles));
+            // (Not acknowledged: back to its queue later, at least once, as the cluster's own
+            // poll for good.)
+            let _ = py.detach(|| crate::client::block_on(acked));
         }
         delivered
             .into_iter()

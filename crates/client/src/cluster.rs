@@ -437,7 +437,9 @@ async fn reconnect(shared: Weak<Shared>, i: usize) {
             Ok(client) => {
                 let served = lock(&shared.served).clone();
                 let mut outcomes = Vec::with_capacity(served.len());
-                let limit = shared.options.request_timeout;
+                // (A server just back may be slow for a moment: some patience before it is
+                // taken for not answering.)
+                let limit = shared.options.request_timeout.max(Duration::from_secs(5));
                 let mut answers = true;
                 for (function, handler) in served {
                     let outcome =
@@ -593,6 +595,13 @@ impl SeenKeys {
 #[derive(Clone)]
 pub struct Cluster {
     shared: Arc<Shared>,
+}
+
+impl Cluster {
+    /// Whether `other` is a handle to this same cluster (clones share everything).
+    pub fn is_same(&self, other: &Cluster) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
 }
 
 impl std::fmt::Debug for Cluster {
@@ -863,13 +872,10 @@ impl Cluster {
     /// refuses is that refusal (`QUEUE_NOT_FOUND`); `Unavailable` if no server was up.
     pub async fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<ClusterDelivery>, ClientError> {
         let for_good = options.visibility.is_none();
-        let taken = self
-            .poll_held(
-                queue,
-                PollOptions { visibility: options.visibility.or(Some(HELD_FOR_GOOD)), ..options },
-                for_good,
-            )
-            .await?;
+        let taken = match for_good {
+            true => self.poll_for_good_unacknowledged(queue, options).await?,
+            false => self.poll_held(queue, options, false).await?,
+        };
         if for_good {
             // Taken for good once this returns (one round trip more; one lost connection's
             // messages went back to their queue and may come again: at least once).
@@ -877,6 +883,18 @@ impl Cluster {
             let _ = settle(&self.shared, queue, &handles, Settle::Ack).await;
         }
         Ok(taken)
+    }
+
+    /// A poll for good's messages, taken tentatively and not yet acknowledged (`options`'
+    /// visibility is not used): for a caller that acknowledges them itself (`ack`) once they are
+    /// in hand, so that being cut short in between (a signal) loses nothing. What it keeps for
+    /// later is kept with what `poll` for good keeps.
+    pub async fn poll_for_good_unacknowledged(
+        &self,
+        queue: &str,
+        options: PollOptions,
+    ) -> Result<Vec<ClusterDelivery>, ClientError> {
+        self.poll_held(queue, PollOptions { visibility: Some(HELD_FOR_GOOD), ..options }, true).await
     }
 
     /// `poll`, under a visibility timeout always (`for_good`: the caller's poll had none, and

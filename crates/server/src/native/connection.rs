@@ -151,6 +151,11 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         if found.is_empty() {
             return Vec::new();
         }
+        if found[0].start == 0 {
+            // The frame at the front, which the memory budget may hold for: taken whole.
+            self.input.taken();
+        }
+        let buf = &self.input.buf;
         let mut rest = bytes::BytesMut::with_capacity(buf.capacity());
         let mut returns = Vec::with_capacity(found.len());
         let mut from = 0;
@@ -170,6 +175,21 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             self.ctx.stats.native_request(petrel_proto::opcode::RETURN);
         }
         returns
+    }
+
+    /// Whether the first frame not read whole yet is a RETURN request (its header read).
+    pub fn reading_a_return(&self) -> bool {
+        let buf = &self.input.buf;
+        let mut at = 0;
+        while self.skip == 0 && buf.len() >= at + 4 + frame::HEADER_LEN {
+            let len = u32::from_be_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
+            if at + 4 + len > buf.len() {
+                return len <= self.ctx.config.max_frame_bytes as usize
+                    && u16::from_be_bytes([buf[at + 6], buf[at + 7]]) == petrel_proto::opcode::RETURN;
+            }
+            at += 4 + len.max(frame::HEADER_LEN);
+        }
+        false
     }
 
     /// Bytes read and not yet decoded.

@@ -304,33 +304,34 @@ where
         if *shutdown.borrow() {
             return None;
         }
+        // RETURNs read need no permit, and the calls they answer may be what frees one (a
+        // handler's own call routed back to this connection, which waited for its reply until
+        // the call timed out): handled now, wherever they are among what was read (those read
+        // with the waiting request too). Their answers go out early only into an idle outbox:
+        // this wait must not wait on a client that does not read.
+        for (opcode, request_id, request) in connection.take_returns() {
+            let (outbox, arrived_ns) = (connection.outbox().clone(), connection.read_at_ns());
+            let response = match request {
+                Ok(request) => match dispatch(ctx, session, pushes, &outbox, request, arrived_ns).await {
+                    Answer::Now(response) => response,
+                    _ => unreachable!("a RETURN is answered at once"),
+                },
+                Err(refused) => refused,
+            };
+            connection.answer(&response, opcode, request_id);
+        }
+        if connection.answers_are_many() && connection.outbox().is_idle() && connection.flush().await.is_err() {
+            return None;
+        }
         // Reading on meanwhile (a little: what is read waits to be decoded) notices a client
-        // that went away: its waiting requests then stop, as its connection ends.
-        let reading = connection.buffered() < READ_AHEAD_WHILE_WAITING;
+        // that went away: its waiting requests then stop, as its connection ends. A RETURN
+        // being read is read whole, however long (see above).
+        let reading = connection.buffered() < READ_AHEAD_WHILE_WAITING || connection.reading_a_return();
         tokio::select! {
             permit = permits.acquire(waits_for) => return permit,
             _ = shutdown.changed() => return None,
             read = connection.read(session.trusted(ctx)), if reading => {
                 if read.is_err() {
-                    return None;
-                }
-                // RETURNs read meanwhile need no permit, and the calls they answer may be what
-                // frees one (a handler's own call routed back to this connection, which waited
-                // for its reply until the call timed out): handled now, wherever they were read.
-                for (opcode, request_id, request) in connection.take_returns() {
-                    let (outbox, arrived_ns) = (connection.outbox().clone(), connection.read_at_ns());
-                    let response = match request {
-                        Ok(request) => match dispatch(ctx, session, pushes, &outbox, request, arrived_ns).await {
-                            Answer::Now(response) => response,
-                            _ => unreachable!("a RETURN is answered at once"),
-                        },
-                        Err(refused) => refused,
-                    };
-                    connection.answer(&response, opcode, request_id);
-                }
-                if connection.answers_are_many()
-                    && !matches!(unless_stalled(ctx, pushes.flush(connection), shutdown, stall_deadline(session)).await, Some(Ok(())))
-                {
                     return None;
                 }
             }
