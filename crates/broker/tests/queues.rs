@@ -2011,3 +2011,25 @@ fn headers_stay_within_the_wire_count_through_dead_letter_queues() {
     assert_eq!(headers.len(), petrel_broker::MAX_HEADERS + 2);
     assert_eq!(headers.iter().filter(|(n, _)| n == petrel_broker::DEAD_LETTER_REASON).count(), 1);
 }
+
+/// A producer's retry made of repeats is answered with the originals' ids when the memory
+/// budget is full: it stores nothing (it was refused LIMIT_REACHED, and the producer could not
+/// learn that its first offer was stored).
+#[test]
+fn a_retry_of_repeats_is_answered_when_the_memory_budget_is_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions { max_memory_bytes: 8192, ..BrokerOptions::default() }).unwrap();
+    b.create_queue("mem", QueueConfig::default(), None).unwrap();
+    let original = || vec![Message { idempotency_key: "k".into(), ..Message::new(vec![7u8; 256]) }];
+    let (first, _) = b.offer("mem", original(), MS).unwrap();
+    let mut filler = 0;
+    while b.offer("mem", vec![Message::new(vec![7u8; 256])], MS).is_ok() {
+        filler += 1;
+    }
+    assert!(filler > 0);
+    let (again, _) = b.offer("mem", original(), 2 * MS).expect("answered, not refused");
+    assert_eq!(again, first);
+    let new = Message { idempotency_key: "new".into(), ..Message::new(vec![7u8; 256]) };
+    let refused = b.offer("mem", vec![new], 3 * MS).unwrap_err();
+    assert!(matches!(refused, BrokerError::Limit(_)), "{refused}");
+}
