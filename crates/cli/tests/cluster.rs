@@ -832,6 +832,37 @@ async fn a_cluster_subscriber_that_fell_behind_is_told_and_goes_on() {
     }
 }
 
+/// A live topic is gone from a server that restarts: the cluster subscription says so once and
+/// looks for it again, and follows it there once it is made again (the server's part ended
+/// for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_subscription_follows_a_live_topic_made_again_after_a_restart() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let addr = Server::free_addr();
+    let server = Server::start_at(&addr, &dir.path().join("s"));
+    server.client().await.create_topic("news", false).await.unwrap();
+    let options = ClusterOptions { max_pause: Duration::from_millis(200), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&[addr.as_str()], options).await.unwrap();
+    let mut sub = cluster.subscribe("news", 16).await.unwrap();
+    server.kill9();
+    let server = Server::start_at(&addr, &dir.path().join("s"));
+    let publisher = server.client().await;
+    let said = tokio::time::timeout(Duration::from_secs(10), sub.next()).await.expect("told").expect("not ended");
+    assert_eq!(said.unwrap_err().status(), Some(petrel_client::Status::TopicNotFound));
+    publisher.create_topic("news", false).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        publisher.publish("news", vec![Message::new(&b"again"[..])]).await.unwrap();
+        match tokio::time::timeout(Duration::from_millis(200), sub.next()).await {
+            Ok(Some(Ok(m))) if &m.payload[..] == b"again" => break,
+            Ok(Some(_)) | Err(_) => {}
+            Ok(None) => panic!("the subscription ended"),
+        }
+        assert!(Instant::now() < deadline, "not followed again");
+    }
+}
+
 /// A server at its connection limit (LIMIT_REACHED to HELLO) is a server down, not a setting to
 /// fix: the cluster connects to the others (it failed whole).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

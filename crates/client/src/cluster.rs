@@ -1213,6 +1213,7 @@ impl Cluster {
                     group: group.clone(),
                     buffer,
                     current: Arc::clone(&current),
+                    missing: false,
                 };
                 tokio::spawn(follow.run(tx.clone(), ready_tx.clone()))
             })
@@ -1407,6 +1408,8 @@ struct FollowTopic {
     /// The live subscription's buffer, or the group's most unacknowledged messages.
     buffer: u32,
     current: Arc<Mutex<Vec<Option<Following>>>>,
+    /// The topic was not found on the server when it came back (said once until found again).
+    missing: bool,
 }
 
 impl FollowTopic {
@@ -1447,6 +1450,19 @@ impl FollowTopic {
                     held.sleep().await;
                     continue;
                 }
+                // Gone from a server that came back (a live topic does not outlive a restart):
+                // said once, then looked for again, so that the server's part resumes when the
+                // topic is made there again (it ended for good, silently in Python).
+                Err(e) if ready.is_none() && e.status() == Some(Status::TopicNotFound) => {
+                    if !std::mem::replace(&mut self.missing, true) && tx.send(Err(e)).await.is_err() {
+                        return;
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(self.shared.options.max_pause) => {}
+                        () = tx.closed() => return,
+                    }
+                    continue;
+                }
                 Err(e) => {
                     if let Some(ready) = ready.take() {
                         let _ = ready.send(Err(e)).await;
@@ -1460,6 +1476,7 @@ impl FollowTopic {
                 *from = StartFrom::Resume; // after a loss, where the group stands
             }
             held = crate::follow::HeldPause::new();
+            self.missing = false;
             let addr = self.shared.members[i].addr.clone();
             lock(&self.current)[i] = Some(Following { client, addr, connection, subscription: subscription.id });
             if let Some(ready) = ready.take() {
