@@ -320,8 +320,12 @@ where
             };
             connection.answer(&response, opcode, request_id);
         }
-        if connection.answers_are_many() && connection.outbox().is_idle() && connection.flush().await.is_err() {
-            return None;
+        if connection.answers_are_many() && connection.outbox().is_idle() {
+            // (A frame half written waits for the client to read: no longer than it may be silent.)
+            let deadline = stall_deadline(session);
+            if !matches!(unless_stalled(ctx, connection.flush(), shutdown, deadline).await, Some(Ok(()))) {
+                return None;
+            }
         }
         // Reading on meanwhile (a little: what is read waits to be decoded) notices a client
         // that went away: its waiting requests then stop, as its connection ends. A RETURN
