@@ -1148,18 +1148,6 @@ impl Queue {
             }
             self.lock().counters.dropped += skip as u64;
         }
-        // What an in-memory queue would hold past the server's budget is refused; looked at once
-        // the repeats are known (a retry made of repeats stores nothing, and is answered).
-        let over_budget = |size: u64, n: u64| match &self.memory {
-            Some((budget, _)) if !budget.fits(size + n * if delayed { DELAYED_OVERHEAD } else { HELD_OVERHEAD }) => {
-                Some(BrokerError::Limit(format!(
-                    "the server holds {} bytes in memory queues, its budget (max_memory_bytes {}): take messages, or use durable queues",
-                    budget.used(),
-                    budget.max()
-                )))
-            }
-            _ => None,
-        };
         // Each key hashed once, before the lock: the hash finds repeats and is what is remembered.
         let keyed = messages.iter().any(|m| !m.idempotency_key.is_empty());
         let mut hashes: Vec<Option<crate::dedup::KeyHash>> = match keyed {
@@ -1209,8 +1197,16 @@ impl Queue {
         // it fits, so that an offer refused as full (and retried, waiting for room) is retried
         // whole, and answered and counted for its repeats once.
         let n = messages.len() as u64 - u64::from(repeats);
-        if let Some(refused) = over_budget(size, n) {
-            return Err(refused);
+        // What an in-memory queue would hold past the server's budget is refused; looked at once
+        // the repeats are known (a retry made of repeats stores nothing, and is answered).
+        if let Some((budget, _)) = &self.memory
+            && !budget.fits(size + n * if delayed { DELAYED_OVERHEAD } else { HELD_OVERHEAD })
+        {
+            return Err(BrokerError::Limit(format!(
+                "the server holds {} bytes in memory queues, its budget (max_memory_bytes {}): take messages, or use durable queues",
+                budget.used(),
+                budget.max()
+            )));
         }
         let fits = |inner: &Inner| {
             (max_items == 0 || inner.items() + inner.delayed + n <= max_items)

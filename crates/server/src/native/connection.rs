@@ -70,6 +70,11 @@ type Stop = (tokio::sync::watch::Receiver<bool>, std::time::Duration);
 
 type Wire<S> = Arc<tokio::sync::Mutex<WriteHalf<S>>>;
 
+/// The opcode of the frame at `at` of `buf` (its header read).
+fn opcode_at(buf: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([buf[at + 6], buf[at + 7]])
+}
+
 /// A frame whose header has arrived and the rest not: its whole length, whom to answer.
 #[derive(Clone, Copy)]
 struct Incomplete {
@@ -83,7 +88,7 @@ fn incomplete_frame(buf: &[u8]) -> Option<Incomplete> {
         return None;
     }
     let len = 4 + u32::from_be_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
-    let opcode = u16::from_be_bytes([buf[6], buf[7]]);
+    let opcode = opcode_at(buf, 0);
     let request_id = u64::from_be_bytes(buf[8..16].try_into().expect("8 bytes"));
     (len > buf.len()).then_some(Incomplete { len, opcode, request_id })
 }
@@ -134,20 +139,13 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     /// them, as they need none. Each with its frame's opcode and request id, decoded or the
     /// answer that refuses it.
     pub fn take_returns(&mut self) -> Vec<(u16, u64, Result<Request, Response>)> {
-        let max = self.ctx.config.max_frame_bytes as usize;
         let buf = &self.input.buf;
-        let (mut at, mut found) = (0, Vec::new());
-        while self.skip == 0 && buf.len() >= at + 4 + frame::HEADER_LEN {
-            let len = u32::from_be_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
-            if !(frame::HEADER_LEN..=max).contains(&len) || at + 4 + len > buf.len() {
-                break; // not whole yet, or refused when decoded in turn
-            }
-            let opcode = u16::from_be_bytes([buf[at + 6], buf[at + 7]]);
-            if buf[at + 4] == frame::PROTOCOL_VERSION && buf[at + 5] == 0 && opcode == petrel_proto::opcode::RETURN {
-                found.push(at..at + 4 + len);
-            }
-            at += 4 + len;
-        }
+        let is_return = |at: usize| {
+            buf[at + 4] == frame::PROTOCOL_VERSION
+                && buf[at + 5] == 0
+                && opcode_at(buf, at) == petrel_proto::opcode::RETURN
+        };
+        let found: Vec<_> = self.whole_frames().0.into_iter().filter(|f| is_return(f.start)).collect();
         if found.is_empty() {
             return Vec::new();
         }
@@ -179,17 +177,27 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
 
     /// Whether the first frame not read whole yet is a RETURN request (its header read).
     pub fn reading_a_return(&self) -> bool {
-        let buf = &self.input.buf;
-        let mut at = 0;
+        self.whole_frames().1.is_some_and(|at| opcode_at(&self.input.buf, at) == petrel_proto::opcode::RETURN)
+    }
+
+    /// The frames read whole at the front of the buffer (up to one too large, or malformed,
+    /// which is refused when decoded in turn), and where the next one starts if its header is
+    /// read and the rest not yet.
+    fn whole_frames(&self) -> (Vec<std::ops::Range<usize>>, Option<usize>) {
+        let (buf, max) = (&self.input.buf, self.ctx.config.max_frame_bytes as usize);
+        let (mut at, mut whole) = (0, Vec::new());
         while self.skip == 0 && buf.len() >= at + 4 + frame::HEADER_LEN {
             let len = u32::from_be_bytes(buf[at..at + 4].try_into().expect("4 bytes")) as usize;
-            if at + 4 + len > buf.len() {
-                return len <= self.ctx.config.max_frame_bytes as usize
-                    && u16::from_be_bytes([buf[at + 6], buf[at + 7]]) == petrel_proto::opcode::RETURN;
+            if !(frame::HEADER_LEN..=max).contains(&len) {
+                break;
             }
-            at += 4 + len.max(frame::HEADER_LEN);
+            if at + 4 + len > buf.len() {
+                return (whole, Some(at));
+            }
+            whole.push(at..at + 4 + len);
+            at += 4 + len;
         }
-        false
+        (whole, None)
     }
 
     /// Bytes read and not yet decoded.

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use petrel_broker::security::{Action, Kind};
 use petrel_broker::{BrokerError, MemoryHold, Offered, Queue, WaitFor, Waited};
 use petrel_proto::{Delivery, Message, Response, Status, features};
-use tokio::sync::oneshot;
 
 use super::session::Session;
 use super::{Answer, WaitsFor, error, outgoing};
@@ -63,9 +62,7 @@ pub(super) fn offer(
 ) -> Answer {
     let broker = &ctx.broker;
     let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(ctx.broker.missing(&queue))) };
-    let waiting = &mut session.offers_waiting;
-    waiting.retain(|_, before| matches!(before.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
-    let behind_own = timeout_ms > 0 && waiting.contains_key(&queue.name);
+    let behind_own = timeout_ms > 0 && session.offers_waiting.busy(&queue.name);
     let offered_now = match behind_own {
         true => Err(BrokerError::Full(queue.name.clone())),
         false => broker.offer_unsynced(&queue, &mut messages, arrived_ns),
@@ -81,8 +78,7 @@ pub(super) fn offer(
                     "an offer of {bytes} bytes cannot wait for room: it does not fit in the server's memory budget (max_memory_bytes) now"
                 ))));
             };
-            let (done, next) = oneshot::channel::<()>();
-            let before = session.offers_waiting.insert(queue.name.clone(), next);
+            let (before, done) = session.offers_waiting.take_turn(&queue.name);
             let (ctx, reads) = (Arc::clone(ctx), session.reads);
             let gave_up = until_or_closed(timeout_ms, session.closed.clone());
             Answer::later(WaitsFor::Other, async move {

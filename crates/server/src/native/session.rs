@@ -30,17 +30,45 @@ pub(super) struct Session {
     /// Ends (its sender dropped) when the connection stops reading: a request still waiting
     /// then stops waiting, so that nothing is taken or stored for a client that is gone.
     pub closed: tokio::sync::watch::Receiver<()>,
-    /// Per durable topic, ends when this connection's last publish to it is stored: the next one
-    /// to that topic waits for it, so that pipelined publishes are stored in the order they were
-    /// sent (each runs on a blocking thread of its own, which may start before the one before
-    /// it); publishes to different topics go on side by side. Entries go once done, at the next
-    /// durable publish (at most one per topic published to).
-    pub last_durable_publish: std::collections::HashMap<String, tokio::sync::oneshot::Receiver<()>>,
-    /// Per queue, ends when this connection's last offer waiting for room in it is done: a later
-    /// offer of the connection with a timeout waits for it before it looks for room, rather than
-    /// take room that came for it (pipelined offers are stored in the order sent). Entries go
-    /// once done, at the next wait.
-    pub offers_waiting: std::collections::HashMap<String, tokio::sync::oneshot::Receiver<()>>,
+    /// Per durable topic, this connection's publishes to it (each runs on a blocking thread of
+    /// its own, which may start before the one before it): stored in the order sent, while
+    /// publishes to different topics go on side by side.
+    pub durable_publishes: InTurn,
+    /// Per queue, this connection's offers waiting for room in it: a later offer of the
+    /// connection with a timeout waits its turn before it looks for room, rather than take room
+    /// that came for an earlier one (pipelined offers are stored in the order sent).
+    pub offers_waiting: InTurn,
+}
+
+/// Requests of one connection that must be done in the order they came, per name (a queue, a
+/// topic): each waits for the one before it under the same name.
+#[derive(Default)]
+pub(super) struct InTurn(std::collections::HashMap<String, tokio::sync::oneshot::Receiver<()>>);
+
+impl InTurn {
+    /// Whether a request under `name` is still under way.
+    pub fn busy(&mut self, name: &str) -> bool {
+        self.forget_done();
+        self.0.contains_key(name)
+    }
+
+    /// A new request's turn under `name`: what ends when the one before it is done (`None`: none
+    /// is), and what it drops once done itself.
+    pub fn take_turn(
+        &mut self,
+        name: &str,
+    ) -> (Option<tokio::sync::oneshot::Receiver<()>>, tokio::sync::oneshot::Sender<()>) {
+        self.forget_done();
+        let (done, next) = tokio::sync::oneshot::channel();
+        (self.0.insert(name.to_owned(), next), done)
+    }
+
+    /// Names whose last request is done (its sender dropped) go: at most one entry per request
+    /// under way.
+    fn forget_done(&mut self) {
+        use tokio::sync::oneshot::error::TryRecvError;
+        self.0.retain(|_, before| matches!(before.try_recv(), Err(TryRecvError::Empty)));
+    }
 }
 
 impl Session {
@@ -62,8 +90,8 @@ impl Session {
             reads: 0,
             last_queue: None,
             closed,
-            last_durable_publish: std::collections::HashMap::new(),
-            offers_waiting: std::collections::HashMap::new(),
+            durable_publishes: InTurn::default(),
+            offers_waiting: InTurn::default(),
         };
         if let Some(certified) = auth::with_certificate(ctx, &session.peer, conn) {
             match certified {

@@ -55,11 +55,7 @@ pub(super) fn publish(
         return Answer::Now(ctx.broker.publish_to(&t, messages, now_ns()).map_or_else(error, published));
     }
     let ctx = Arc::clone(ctx);
-    let (stored, next) = oneshot::channel::<()>();
-    let chain = &mut session.last_durable_publish;
-    // (Those stored already: a sender dropped.)
-    chain.retain(|_, before| matches!(before.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
-    let before = chain.insert(topic, next);
+    let (before, stored) = session.durable_publishes.take_turn(&topic);
     // Counted in the memory budget while they wait for the publish before them: decompressed,
     // they may be far larger than the frame that brought them. (Not past it: the publish counts
     // them for each live subscriber itself.)
