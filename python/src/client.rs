@@ -394,7 +394,7 @@ pub(crate) fn offered(
     };
     Ok(petrel_client::Message {
         priority,
-        idempotency_key: key.unwrap_or_default(),
+        idempotency_key: key.unwrap_or_default().into(),
         delay_ms,
         deliver_at,
         ..message_of(payload)
@@ -527,7 +527,7 @@ impl Message {
             timestamp: m.timestamp,
             deliveries: m.deliveries,
             priority: m.priority,
-            idempotency_key: m.idempotency_key,
+            idempotency_key: m.idempotency_key.into(),
             deliver_at: m.deliver_at,
             headers: m.headers.into_iter().map(|(n, v)| (n, PyBytes::new(py, &v).unbind())).collect(),
         }

@@ -121,6 +121,12 @@ fn live(slot: u64, first_seq: u32, len: usize) -> Option<usize> {
     (slot != 0 && i < len).then_some(i)
 }
 
+/// The slots of `bucket` for which `f` holds, as bits (slot `i`: bit `i`): the seven tests made
+/// without a branch between them, which the compiler turns into a few vector instructions.
+fn slots_where(bucket: &Bucket, f: impl Fn(u64) -> bool) -> u32 {
+    bucket.slots.iter().enumerate().fold(0, |bits, (i, &slot)| bits | (u32::from(f(slot)) << i))
+}
+
 /// Puts `key` with sequence `seq` in the first free slot from its home bucket on, counting it in
 /// each full bucket it passes; returns how many it passed. The index must have a free slot.
 fn place(buckets: &mut [Bucket], key: KeyHash, seq: u32, first_seq: u32, len: usize) -> u32 {
@@ -128,8 +134,9 @@ fn place(buckets: &mut [Bucket], key: KeyHash, seq: u32, first_seq: u32, len: us
     let mut b = home(key, buckets.len());
     for displaced in 0..buckets.len() as u32 {
         let bucket = &mut buckets[b];
-        if let Some(slot) = bucket.slots.iter_mut().find(|s| live(**s, first_seq, len).is_none()) {
-            *slot = (tag(key) << 32) | u64::from(seq);
+        let free = slots_where(bucket, |slot| live(slot, first_seq, len).is_none());
+        if free != 0 {
+            bucket.slots[free.trailing_zeros() as usize] = (tag(key) << 32) | u64::from(seq);
             return displaced;
         }
         bucket.overflow += 1;
@@ -174,13 +181,22 @@ impl DedupWindow {
         self.find(key).map(|i| self.order[i].id)
     }
 
-    /// Reads the home bucket of each of `keys`, all at once, so that their cache misses overlap
-    /// instead of coming one after another as each lookup waits for the last.
-    pub fn touch(&self, keys: impl Iterator<Item = KeyHash>) {
+    /// Reads what an offer of `keys` will use, all at once, so that the cache misses overlap
+    /// instead of coming one after another as each step waits for the last: the home bucket of
+    /// each key, and the oldest keys, which the new ones will push out of a full window.
+    pub fn touch(&self, keys: &[Option<KeyHash>]) {
         if self.buckets.is_empty() {
             return;
         }
-        let folded = keys.fold(0, |acc, key| acc ^ self.buckets[home(key, self.buckets.len())].overflow);
+        let mut folded = 0;
+        let mut new = 0;
+        for key in keys.iter().flatten() {
+            folded ^= self.buckets[home(*key, self.buckets.len())].overflow;
+            new += 1;
+        }
+        for oldest in self.order.range(..new.min(self.order.len())) {
+            folded ^= u64::from(oldest.displaced);
+        }
         std::hint::black_box(folded);
     }
 
@@ -194,9 +210,11 @@ impl DedupWindow {
         let mut b = home(key, self.buckets.len());
         for _ in 0..self.buckets.len() {
             let bucket = &self.buckets[b];
-            for &slot in &bucket.slots {
-                if slot >> 32 == tag
-                    && let Some(i) = live(slot, self.first_seq(), self.order.len())
+            let mut tagged = slots_where(bucket, |slot| slot >> 32 == tag);
+            while tagged != 0 {
+                let slot = bucket.slots[tagged.trailing_zeros() as usize];
+                tagged &= tagged - 1;
+                if let Some(i) = live(slot, self.first_seq(), self.order.len())
                     && self.order[i].key == whole
                 {
                     return Some(i);
@@ -229,6 +247,14 @@ impl DedupWindow {
     pub fn make_room(&mut self, max_keys: usize, new: usize) {
         while !self.order.is_empty() && self.order.len() + new > max_keys {
             self.forget_oldest();
+        }
+        // The ring grows by doubling up to `max_keys` exactly, not past it: once the window is
+        // full, each new key then goes in the place of the key just forgotten, already in the
+        // cache, not in a place last written a whole ring ago.
+        let needed = self.order.len() + new;
+        if needed > self.order.capacity() {
+            let grown = (self.order.len() * 2).min(max_keys).max(needed);
+            self.order.reserve_exact(grown - self.order.len());
         }
     }
 
@@ -381,6 +407,18 @@ mod tests {
         w.evict(3, 5_000, 8_000); // k2 (at 2,000) and k3 (at 3,000) are 5 µs old by 8,000
         assert_eq!((w.len(), w.get("k3"), w.get("k4")), (1, None, Some(104)));
         assert_eq!((w.oldest_id_at(0), w.oldest_id_at(1)), (Some(104), None));
+    }
+
+    #[test]
+    fn a_full_window_holds_its_keys_in_a_ring_no_larger_than_the_window() {
+        // (Doubling alone would have made room for 2,048.)
+        let mut w = DedupWindow::new(1);
+        for i in 0..6_000u64 {
+            w.make_room(1_500, 1);
+            w.remember(w.hash(&format!("k{i}")), i, 0, i);
+        }
+        assert_eq!((w.len(), w.order.capacity()), (1_500, 1_500));
+        assert_eq!((w.get("k4499"), w.get("k4500"), w.get("k5999")), (None, Some(4_500), Some(5_999)));
     }
 
     #[test]

@@ -161,9 +161,7 @@ fn decode_rare(mut rare: &[u8], m: &mut Message) {
         String::from_utf8(take(rare, usize::from(len)).to_vec()).expect("encoded from a String")
     }
     let headers = u32::from_le_bytes(take(&mut rare, 4).try_into().expect("4 bytes"));
-    for field in m.texts_mut() {
-        *field = text(&mut rare);
-    }
+    m.set_texts(std::array::from_fn(|_| text(&mut rare)));
     for _ in 0..headers {
         let name = text(&mut rare);
         let len = u32::from_le_bytes(take(&mut rare, 4).try_into().expect("4 bytes")) as usize;

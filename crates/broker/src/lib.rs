@@ -1933,7 +1933,7 @@ impl Broker {
                 }
                 // Not a producer's offer: a key the dead-letter queue has seen (another message
                 // moved there with it) must not make it drop this one.
-                Message { expires_at: 0, idempotency_key: String::new(), ..m }
+                Message { expires_at: 0, idempotency_key: Default::default(), ..m }
             })
             .collect::<Vec<_>>();
         let lost = |n: usize, e: &BrokerError| {

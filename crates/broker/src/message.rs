@@ -492,7 +492,7 @@ pub(crate) fn from_record(r: &Record<'_>) -> Message {
     };
     let text = |v: &[u8]| String::from_utf8_lossy(v).into_owned();
     if let Some(key) = r.key {
-        m.idempotency_key = text(key);
+        m.idempotency_key = String::from_utf8_lossy(key).into();
     }
     for (name, value) in r.headers.iter() {
         match name {
@@ -505,7 +505,7 @@ pub(crate) fn from_record(r: &Record<'_>) -> Message {
             REPLY_TO => m.reply_to = text(value),
             MIMETYPE => m.mimetype = text(value),
             CHARSET => m.charset = text(value),
-            IDEMPOTENCY_KEY | MOVED_KEY => m.idempotency_key = text(value),
+            IDEMPOTENCY_KEY | MOVED_KEY => m.idempotency_key = String::from_utf8_lossy(value).into(),
             DELIVER_AT => m.deliver_at = value.try_into().map(u64::from_be_bytes).unwrap_or(0),
             other => {
                 if let Some(user) = other.strip_prefix(USER) {

@@ -299,7 +299,10 @@ struct Due {
 impl Due {
     fn lower(&self, due_ns: u64) {
         let due_ns = due_ns.max(self.not_before.load(Ordering::Relaxed));
-        self.at.fetch_min(due_ns, Ordering::Relaxed);
+        // Most calls lower nothing (each offer to a keyed queue asks): a read, no write.
+        if due_ns < self.at.load(Ordering::Relaxed) {
+            self.at.fetch_min(due_ns, Ordering::Relaxed);
+        }
         self.alarm.ring_for(due_ns);
     }
 
@@ -1162,6 +1165,7 @@ impl Queue {
         // Logs holding originals of repeats among new messages: the answer waits for them too.
         let (mut repeated_in, mut repeats, mut repeated) = (0, 0, None);
         if keyed {
+            inner.dedup.touch(&hashes);
             inner.dedup.evict(max_keys, window_ns, now_ns);
             match inner.repeats(&hashes) {
                 Repeats::None => {}
@@ -1916,7 +1920,6 @@ impl Inner {
     /// Which messages of an offer are repeats, by their keys (hashed; `None`: no key): their key
     /// is remembered, or an earlier message of the same offer carries it.
     fn repeats(&self, keys: &[Option<crate::dedup::KeyHash>]) -> Repeats {
-        self.dedup.touch(keys.iter().flatten().copied());
         // Most offers repeat nothing: found without allocating when few keys are carried.
         if keys.len() <= 32
             && keys

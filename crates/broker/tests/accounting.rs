@@ -250,7 +250,7 @@ fn run(config: QueueConfig, steps: Vec<Step>) -> Result<(), TestCaseError> {
                         expires_at,
                         priority,
                         delay_ms: delay_ms.unwrap_or(0),
-                        idempotency_key: key_of(i),
+                        idempotency_key: key_of(i).into(),
                         ..Message::new(payload(k, size))
                     })
                     .collect::<Vec<_>>();

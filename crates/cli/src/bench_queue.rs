@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
-use petrel_client::{Client, Message, PollOptions, QueueConfig, Request, Response};
+use petrel_client::{Client, CompactString, Message, PollOptions, QueueConfig, Request, Response};
 
 use crate::progress::{self, Unit};
 
@@ -473,7 +473,11 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
                                 .map(|seq| Message {
                                     priority,
                                     delay_ms,
-                                    idempotency_key: if keys { bench_key(i as u64, seq) } else { String::new() },
+                                    idempotency_key: if keys {
+                                        bench_key(i as u64, seq)
+                                    } else {
+                                        CompactString::default()
+                                    },
                                     ..Message::new(payload.clone())
                                 })
                                 .collect();
@@ -547,19 +551,22 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
 }
 
 /// The idempotency key of connection `connection`'s message `seq`: "connection.seq" in hex,
-/// written without `format!`, whose machinery costs the client (which shares the machine's cores
-/// with the server) more than the rest of a keyed message.
-fn bench_key(connection: u64, seq: u64) -> String {
-    fn hex(key: &mut String, n: u64) {
+/// written without `format!` and kept inline (at most 24 bytes), whose machinery and allocation
+/// would cost the client (which shares the machine's cores with the server) more than the rest
+/// of a keyed message.
+fn bench_key(connection: u64, seq: u64) -> CompactString {
+    fn hex(key: &mut [u8; 33], len: &mut usize, n: u64) {
         for d in (0..(64 - n.leading_zeros()).div_ceil(4).max(1)).rev() {
-            key.push(char::from(b"0123456789abcdef"[(n >> (4 * d)) as usize & 15]));
+            key[*len] = b"0123456789abcdef"[(n >> (4 * d)) as usize & 15];
+            *len += 1;
         }
     }
-    let mut key = String::with_capacity(24);
-    hex(&mut key, connection);
-    key.push('.');
-    hex(&mut key, seq);
-    key
+    let (mut key, mut len) = ([0u8; 33], 0);
+    hex(&mut key, &mut len, connection);
+    key[len] = b'.';
+    len += 1;
+    hex(&mut key, &mut len, seq);
+    std::str::from_utf8(&key[..len]).expect("hex digits").into()
 }
 
 #[test]
@@ -580,7 +587,11 @@ async fn fill(args: &QueueBench, client: &Client, payload: &bytes::Bytes) -> Res
             .map(|seq| Message {
                 priority,
                 delay_ms: args.delay_ms,
-                idempotency_key: if args.idempotency_keys { format!("fill.{seq}") } else { String::new() },
+                idempotency_key: if args.idempotency_keys {
+                    format!("fill.{seq}").into()
+                } else {
+                    CompactString::default()
+                },
                 ..Message::new(payload.clone())
             })
             .collect();

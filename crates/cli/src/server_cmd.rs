@@ -379,7 +379,11 @@ pub fn produce(args: ProduceArgs) -> Res {
             .map(|(i, line)| Message {
                 priority: args.priority,
                 delay_ms,
-                idempotency_key: args.key.as_ref().map(|k| format!("{k}:{}", sent + i as u64 + 1)).unwrap_or_default(),
+                idempotency_key: args
+                    .key
+                    .as_ref()
+                    .map(|k| format!("{k}:{}", sent + i as u64 + 1).into())
+                    .unwrap_or_default(),
                 ..Message::new(line)
             })
             .collect();

@@ -232,7 +232,7 @@ async fn run_case(fault: Fault) {
                     n += BATCH as u64;
                     let batch: Vec<Message> = keys
                         .iter()
-                        .map(|k| Message { idempotency_key: k.clone(), ..Message::new(k.clone().into_bytes()) })
+                        .map(|k| Message { idempotency_key: k.as_str().into(), ..Message::new(k.clone().into_bytes()) })
                         .collect();
                     produced.lock().unwrap().attempted.extend(keys.iter().cloned());
                     let began = Instant::now();

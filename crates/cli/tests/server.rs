@@ -548,7 +548,7 @@ async fn repeated_offers_with_one_key_are_stored_once_across_kill_9() {
     let server = Server::start(dir.path());
     let c = server.client().await;
     c.create_queue("orders", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
-    let keyed = |i: usize| Message { idempotency_key: format!("order-{i}"), ..msg(&format!("order {i}")) };
+    let keyed = |i: usize| Message { idempotency_key: format!("order-{i}").into(), ..msg(&format!("order {i}")) };
     let mut ids = Vec::new();
     for i in 0..100 {
         ids.push(c.offer("orders", vec![keyed(i)], None).await.unwrap());

@@ -22,8 +22,8 @@ use futures_util::future::join_all;
 use tokio::sync::{Notify, mpsc};
 
 use crate::{
-    Client, ClientError, ClientOptions, Delivery, Message, PollOptions, QueueConfig, QueueStats, Request, Response,
-    StartFrom, Status, Subscription,
+    Client, ClientError, ClientOptions, CompactString, Delivery, Message, PollOptions, QueueConfig, QueueStats,
+    Request, Response, StartFrom, Status, Subscription,
 };
 
 /// How a cluster reaches its servers and how patient it is with them.
@@ -563,8 +563,8 @@ async fn settle(shared: &Arc<Shared>, queue: &str, handles: &[ClusterHandle], ho
 /// and by age (oldest forgotten first).
 #[derive(Default)]
 struct SeenKeys {
-    by_key: HashMap<(String, String), usize>,
-    order: VecDeque<(Instant, (String, String))>,
+    by_key: HashMap<(String, CompactString), usize>,
+    order: VecDeque<(Instant, (String, CompactString))>,
 }
 
 impl SeenKeys {

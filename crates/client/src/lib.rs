@@ -33,8 +33,8 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 pub use petrel_proto::{
-    Delivery, GroupStats, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom, Status,
-    TopicStats, compression,
+    CompactString, Delivery, GroupStats, Message, MessageKind, QueueConfig, QueueStats, Request, Response, StartFrom,
+    Status, TopicStats, compression,
 };
 use petrel_proto::{FrameKind, Push, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};

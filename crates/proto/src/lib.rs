@@ -19,6 +19,7 @@ mod message;
 mod op;
 mod wire;
 
+pub use compact_str::CompactString;
 pub use frame::{DEFAULT_MAX_FRAME, Frame, FrameError, FrameKind, PROTOCOL_VERSION};
 pub use message::{HEADER_SIZE, Message, MessageKind, Status};
 pub use op::{

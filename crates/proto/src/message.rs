@@ -1,6 +1,7 @@
 //! The message every destination carries, and the response statuses.
 
 use bytes::Bytes;
+use compact_str::CompactString;
 use serde::{Deserialize, Serialize};
 
 use crate::DecodeError;
@@ -138,7 +139,7 @@ pub struct Message {
     pub priority: u8,
     /// A producer's key for this offer: a queue stores a message with a key it has seen within
     /// its dedup window once, and answers a repeat with the original's id. Delivered as stored.
-    pub idempotency_key: String,
+    pub idempotency_key: CompactString,
     /// Handed out no earlier than this, ns since the epoch (0: at once). On a delivery: when a
     /// delayed message became due (0 for one that was never delayed).
     pub deliver_at: u64,
@@ -187,7 +188,7 @@ impl Message {
     pub const TEXT_FIELDS: usize = 7;
 
     /// The text fields, always in this order.
-    pub fn texts(&self) -> [&String; Self::TEXT_FIELDS] {
+    pub fn texts(&self) -> [&str; Self::TEXT_FIELDS] {
         [
             &self.idempotency_key,
             &self.request_id,
@@ -199,17 +200,12 @@ impl Message {
         ]
     }
 
-    /// The text fields, in `texts`' order.
-    pub fn texts_mut(&mut self) -> [&mut String; Self::TEXT_FIELDS] {
-        [
-            &mut self.idempotency_key,
-            &mut self.request_id,
-            &mut self.subject,
-            &mut self.destination,
-            &mut self.reply_to,
-            &mut self.mimetype,
-            &mut self.charset,
-        ]
+    /// Sets the text fields, given in `texts`' order.
+    pub fn set_texts(&mut self, texts: [String; Self::TEXT_FIELDS]) {
+        let [key, request_id, subject, destination, reply_to, mimetype, charset] = texts;
+        self.idempotency_key = key.into();
+        (self.request_id, self.subject, self.destination) = (request_id, subject, destination);
+        (self.reply_to, self.mimetype, self.charset) = (reply_to, mimetype, charset);
     }
 
     /// Bytes counted against a queue's limits (`max_bytes`, `max_item_bytes`) and the server's
@@ -337,9 +333,9 @@ impl Message {
             0
         };
         let idempotency_key = if extensions & EXT_IDEMPOTENCY_KEY != 0 {
-            present(r.str("idempotency_key")?, "idempotency_key (present, so not empty)")?
+            present(r.compact_str("idempotency_key")?, "idempotency_key (present, so not empty)")?
         } else {
-            String::new()
+            CompactString::default()
         };
         let deliver_at = if extensions & EXT_DELIVER_AT != 0 {
             present(r.u64("deliver_at")?, "deliver_at (present, so not 0)")?

@@ -130,6 +130,14 @@ impl Reader {
         self.buf.advance(len);
         Ok(text)
     }
+    /// `str`, kept inline when short (`CompactString`): no allocation for most keys.
+    pub fn compact_str(&mut self, what: &'static str) -> Result<compact_str::CompactString, DecodeError> {
+        let len = self.u16(what)? as usize;
+        self.need(len, what)?;
+        let text = std::str::from_utf8(&self.buf[..len]).map_err(|_| DecodeError::BadUtf8(what))?.into();
+        self.buf.advance(len);
+        Ok(text)
+    }
     pub fn bytes(&mut self, what: &'static str) -> Result<Bytes, DecodeError> {
         let len = self.u32(what)? as usize;
         self.need(len, what)?;

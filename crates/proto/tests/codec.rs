@@ -136,7 +136,7 @@ fn message() -> impl Strategy<Value = Message> {
                     expires_at,
                     deliveries,
                     priority,
-                    idempotency_key: key,
+                    idempotency_key: key.into(),
                     deliver_at,
                     delay_ms,
                     request_id: s[0].clone(),

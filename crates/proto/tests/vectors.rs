@@ -44,7 +44,7 @@ fn full_message() -> Message {
         expires_at: 1_700_000_060_000_000_000,
         deliveries: 0,
         priority: 0,
-        idempotency_key: String::new(),
+        idempotency_key: Default::default(),
         deliver_at: 0,
         delay_ms: 0,
         request_id: "req-1".into(),
@@ -312,7 +312,11 @@ fn cases() -> Vec<Vector> {
             Request::Offer {
                 queue: q("work"),
                 timeout_ms: 0,
-                messages: vec![Message { priority: 2, idempotency_key: q("order-1234"), ..Message::new(&b"rush"[..]) }],
+                messages: vec![Message {
+                    priority: 2,
+                    idempotency_key: "order-1234".into(),
+                    ..Message::new(&b"rush"[..])
+                }],
             },
         ),
         request(
