@@ -439,7 +439,8 @@ struct Inner {
     /// Bytes of the messages waiting and in flight.
     bytes: u64,
     /// Records of the levels' logs taken out for the dead-letter queue and not yet settled
-    /// (`Leaving`): neither waiting nor in flight, but not acknowledged.
+    /// (`Leaving`), or to be dropped (`take_out`): neither waiting nor in flight, but not
+    /// acknowledged.
     leaving_records: u64,
     /// `waiting` per priority level (one entry without levels).
     waiting_at: Vec<u64>,
@@ -1212,11 +1213,12 @@ impl Queue {
                 budget.max()
             )));
         }
-        let fits = |inner: &Inner| {
+        // (`freed`: bytes of messages taken out to be dropped, still counted in `bytes`.)
+        let fits = |inner: &Inner, freed: u64| {
             (max_items == 0 || inner.items() + inner.delayed + n <= max_items)
-                && (max_bytes == 0 || inner.bytes + size <= max_bytes)
+                && (max_bytes == 0 || inner.bytes - freed + size <= max_bytes)
         };
-        if !fits(&inner) {
+        if !fits(&inner, 0) {
             // A circular queue drops waiting messages to make room, and only when that makes
             // it: what is delayed or out with consumers stays, and an offer that would not fit
             // beside it is refused with nothing dropped.
@@ -1227,12 +1229,29 @@ impl Queue {
             if !config.circular || !fits_beside_the_rest(&inner) {
                 return Err(BrokerError::Full(self.name.clone()));
             }
-            while !fits(&inner) && inner.drop_oldest()? {
-                inner.counters.dropped += 1;
+            // The oldest are taken out until the offer fits, and dropped only then: when it
+            // cannot (the delayed messages' bytes, which stay, are not known apart from the
+            // rest), every one goes back.
+            let (mut out, mut freed) = (Vec::new(), 0);
+            while !fits(&inner, freed) {
+                match inner.take_oldest() {
+                    Ok(Some((message, taken))) => {
+                        freed += message.size();
+                        out.push((taken, message.size()));
+                    }
+                    Ok(None) => {
+                        inner.put_back_taken(out);
+                        return Err(BrokerError::Full(self.name.clone()));
+                    }
+                    Err(e) => {
+                        inner.put_back_taken(out);
+                        return Err(e);
+                    }
+                }
             }
-            if !fits(&inner) {
-                return Err(BrokerError::Full(self.name.clone()));
-            }
+            let dropped = out.len() as u64;
+            inner.drop_taken(out)?;
+            inner.counters.dropped += dropped;
         }
         if let Some(repeated) = repeated {
             inner.counters.deduplicated += u64::from(repeats);
@@ -2786,58 +2805,71 @@ impl Inner {
     /// Drops the oldest waiting message of the lowest level that has one (a full circular
     /// queue gives up its least urgent first); `false` if there is none.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
-        // The lowest level that has a message to drop: one at its limit of open reads cannot
-        // give its head now, and the next level up drops instead.
+        let Some((message, taken)) = self.take_oldest()? else { return Ok(false) };
+        self.drop_taken(vec![(taken, message.size())])?;
+        Ok(true)
+    }
+
+    /// Takes out the oldest waiting message of the lowest level that has one (`take_out`). A
+    /// level at its limit of open reads cannot give its head now, and the next level up gives
+    /// one instead.
+    fn take_oldest(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
         for level in 0..self.waiting_at.len() {
-            if self.waiting_at[level] > 0 && self.drop_head(level)? {
-                return Ok(true);
+            if self.waiting_at[level] > 0
+                && let Some(taken) = self.take_out(level)?
+            {
+                return Ok(Some(taken));
             }
         }
-        Ok(false)
+        Ok(None)
     }
 
-    /// Drops the message at the head of `level`; `false` if there is none.
+    /// Drops the message at the head of `level`; `false` if there is none now.
     fn drop_head(&mut self, level: usize) -> Result<bool, BrokerError> {
-        if let Some(ready) = self.ready_front(level)? {
-            let size = self.released(level, ready)?.size();
-            let delay = self.released_from();
-            assert_eq!(delay.take_ready(level), Some(ready), "the front is taken");
-            delay.settle(ready.offset);
-            counting::subtract(&mut self.bytes, size, "a queue's bytes");
-        } else if !self.drop_stored_head(level)? {
-            return Ok(false);
-        }
-        counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
-        counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
-        self.head_taken = true;
-        // Gone for good (expired, dropped for room, flushed), as a settled message is.
-        self.give_back |= matches!(self.store, Store::Log { .. });
+        let Some((message, taken)) = self.take_out(level)? else { return Ok(false) };
+        self.drop_taken(vec![(taken, message.size())])?;
         Ok(true)
     }
 
-    /// Drops the message at the head of `level`'s store (its list, or its log) and counts its
-    /// bytes; `false` if there is none.
-    fn drop_stored_head(&mut self, level: usize) -> Result<bool, BrokerError> {
-        match &mut self.store {
-            Store::Memory { levels, .. } => match levels[level].pop_front() {
-                Some(m) => counting::subtract(&mut self.bytes, m.size(), "a queue's bytes"),
-                None => return Ok(false),
-            },
-            Store::Log { lanes, .. } => {
-                let lane = &mut lanes[level];
-                skip_markers(&mut lane.group, &mut lane.markers_unread)?;
-                match lane.group.take(Duration::ZERO) {
-                    Ok(Some(r)) => {
-                        lane.returns.remove(&r.offset);
-                        counting::subtract(&mut self.bytes, message::from_record(&r).size(), "a queue's bytes");
-                    }
-                    // As many out as the log allows: nothing to drop here now (not an error).
-                    Ok(None) | Err(petrel_log::Error::TooManyPending { .. }) => return Ok(false),
-                    Err(e) => return Err(e.into()),
-                }
+    /// `take_at`, for a message to drop (`drop_taken`) or put back (`put_back_taken`) under
+    /// this same lock, not to hand out: its record leaves the queue's count meanwhile.
+    fn take_out(&mut self, level: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
+        let taken = self.take_at(level)?;
+        if let Some((_, Taken::Log { .. })) = &taken {
+            self.leaving_records += 1;
+        }
+        Ok(taken)
+    }
+
+    /// Drops messages `take_out` took, each with its size: gone for good (expired, dropped for
+    /// room, flushed), as settled ones are. Those the log would not let go (an acknowledgement
+    /// failed) go back, and the error says why.
+    fn drop_taken(&mut self, taken: Vec<(Taken, u64)>) -> Result<(), BrokerError> {
+        let mut rest = taken.into_iter();
+        while let Some((taken, size)) = rest.next() {
+            let record = u64::from(matches!(taken, Taken::Log { .. }));
+            counting::subtract(&mut self.leaving_records, record, "a queue's records leaving");
+            if let Err(e) = self.settle(&taken) {
+                self.leaving_records += record;
+                self.put_back_taken(std::iter::once((taken, size)).chain(rest).collect());
+                return Err(e);
+            }
+            counting::subtract(&mut self.bytes, size, "a queue's bytes");
+        }
+        Ok(())
+    }
+
+    /// Puts messages `take_out` took back in their places, undelivered.
+    fn put_back_taken(&mut self, taken: Vec<(Taken, u64)>) {
+        for (taken, _) in taken {
+            let record = u64::from(matches!(taken, Taken::Log { .. }));
+            counting::subtract(&mut self.leaving_records, record, "a queue's records leaving");
+            let id = taken.message_id();
+            if let Err(e) = self.put_back(taken, false) {
+                // (Only counting a delivery can fail, and none is counted here.)
+                tracing::error!(id, error = %e, "a message taken out could not be put back");
             }
         }
-        Ok(true)
     }
 }
 

@@ -138,6 +138,31 @@ fn a_circular_queue_drops_nothing_for_an_offer_it_cannot_take() {
     }
 }
 
+/// A circular queue with `max_bytes` keeps its delayed messages' bytes: an offer that would
+/// fit once every waiting message is dropped, were it not for them, is refused with nothing
+/// dropped (the waiting messages were dropped one by one, and the offer refused all the same).
+#[test]
+fn a_circular_queue_drops_nothing_for_an_offer_its_delayed_bytes_keep_out() {
+    for durable in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        let ring = QueueConfig { max_bytes: 100, circular: true, durable, ..QueueConfig::default() };
+        b.create_queue("ring", ring, None).unwrap();
+        let bytes = |c: u8, n: usize| Message::new(vec![c; n]);
+        b.offer("ring", vec![Message { delay_ms: 60_000, ..bytes(b'd', 60) }], MS).unwrap();
+        b.offer("ring", vec![bytes(b'w', 10), bytes(b'v', 10)], MS).unwrap();
+        // 60 delayed + 45 > 100 whatever is dropped.
+        let refused = b.offer("ring", vec![bytes(b'x', 45)], 2 * MS);
+        assert!(matches!(refused, Err(BrokerError::Full(_))), "durable {durable}: {refused:?}");
+        assert_eq!(b.queue("ring").unwrap().counters().dropped, 0, "durable {durable}");
+        // 60 + 20 + 25 > 100, and 60 + 10 + 25 is not: the oldest goes, and only it.
+        b.offer("ring", vec![bytes(b'y', 25)], 3 * MS).unwrap();
+        assert_eq!(b.queue("ring").unwrap().counters().dropped, 1, "durable {durable}");
+        let got = payloads(&b.poll("ring", 5, None, 1, 4 * MS).unwrap());
+        assert_eq!(got, [vec![b'v'; 10], vec![b'y'; 25]], "durable {durable}");
+    }
+}
+
 /// A level of a durable queue with as many messages out as its log allows (8,192 read and not
 /// yet acknowledged) waits for acknowledgements; the other levels' messages still go (every
 /// poll chose the blocked level and came back empty).
