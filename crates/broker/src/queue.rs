@@ -1216,7 +1216,7 @@ impl Queue {
         // (`freed`: bytes of messages taken out to be dropped, still counted in `bytes`.)
         let fits = |inner: &Inner, freed: u64| {
             (max_items == 0 || inner.items() + inner.delayed + n <= max_items)
-                && (max_bytes == 0 || inner.bytes - freed + size <= max_bytes)
+                && (max_bytes == 0 || inner.bytes.saturating_sub(freed) + size <= max_bytes)
         };
         if !fits(&inner, 0) {
             // A circular queue drops waiting messages to make room, and only when that makes
@@ -1235,9 +1235,18 @@ impl Queue {
             let (mut out, mut freed) = (Vec::new(), 0);
             while !fits(&inner, freed) {
                 match inner.take_oldest() {
-                    Ok(Some((message, taken))) => {
-                        freed += message.size();
-                        out.push((taken, message.size()));
+                    Ok(Some((taken, size))) => {
+                        freed += size;
+                        out.push((taken, size));
+                    }
+                    // A level's log lets no more records out until some are acknowledged
+                    // (`petrel_log::MAX_PENDING`): those taken are dropped now, to take more. An
+                    // offer that needs that many dropped and then does not fit beside the delayed
+                    // messages is refused with them gone (the one case left of the above).
+                    Ok(None) if !out.is_empty() && inner.waiting > 0 => {
+                        inner.counters.dropped += out.len() as u64;
+                        inner.drop_taken(std::mem::take(&mut out))?;
+                        freed = 0;
                     }
                     Ok(None) => {
                         inner.put_back_taken(out);
@@ -2803,17 +2812,17 @@ impl Inner {
     }
 
     /// Drops the oldest waiting message of the lowest level that has one (a full circular
-    /// queue gives up its least urgent first); `false` if there is none.
+    /// queue gives up its least urgent first); `false` if there is none now.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
-        let Some((message, taken)) = self.take_oldest()? else { return Ok(false) };
-        self.drop_taken(vec![(taken, message.size())])?;
+        let Some(taken) = self.take_oldest()? else { return Ok(false) };
+        self.drop_taken(vec![taken])?;
         Ok(true)
     }
 
     /// Takes out the oldest waiting message of the lowest level that has one (`take_out`). A
     /// level at its limit of open reads cannot give its head now, and the next level up gives
     /// one instead.
-    fn take_oldest(&mut self) -> Result<Option<(Message, Taken)>, BrokerError> {
+    fn take_oldest(&mut self) -> Result<Option<(Taken, u64)>, BrokerError> {
         for level in 0..self.waiting_at.len() {
             if self.waiting_at[level] > 0
                 && let Some(taken) = self.take_out(level)?
@@ -2826,32 +2835,77 @@ impl Inner {
 
     /// Drops the message at the head of `level`; `false` if there is none now.
     fn drop_head(&mut self, level: usize) -> Result<bool, BrokerError> {
-        let Some((message, taken)) = self.take_out(level)? else { return Ok(false) };
-        self.drop_taken(vec![(taken, message.size())])?;
+        let Some(taken) = self.take_out(level)? else { return Ok(false) };
+        self.drop_taken(vec![taken])?;
         Ok(true)
     }
 
-    /// `take_at`, for a message to drop (`drop_taken`) or put back (`put_back_taken`) under
-    /// this same lock, not to hand out: its record leaves the queue's count meanwhile.
-    fn take_out(&mut self, level: usize) -> Result<Option<(Message, Taken)>, BrokerError> {
-        let taken = self.take_at(level)?;
-        if let Some((_, Taken::Log { .. })) = &taken {
-            self.leaving_records += 1;
-        }
-        Ok(taken)
+    /// Takes the message at the head of `level` out, with its size, to drop (`drop_taken`) or
+    /// put back (`put_back_taken`) under this same lock: whatever waits there, also a record
+    /// whose offer still waits for its sync and a released message past the level's limit of
+    /// reads out (a drop hands nothing out). `None`: nothing there, or the level's log lets no
+    /// more of its records out until some are acknowledged.
+    fn take_out(&mut self, level: usize) -> Result<Option<(Taken, u64)>, BrokerError> {
+        let taken = if let Some(ready) = self.ready_front(level)? {
+            let size = self.released(level, ready)?.size();
+            assert_eq!(self.released_from().take_ready(level), Some(ready), "the front is taken");
+            (Taken::Released { level, ready }, size)
+        } else {
+            match &mut self.store {
+                Store::Memory { levels, .. } => match levels[level].pop_front() {
+                    Some(mut m) => {
+                        // Counted as a take for a consumer is, which putting it back undoes.
+                        m.deliveries += 1;
+                        let size = m.size();
+                        (Taken::Memory(Box::new(m)), size)
+                    }
+                    None => return Ok(None),
+                },
+                Store::Log { lanes, .. } => {
+                    let lane = &mut lanes[level];
+                    skip_markers(&mut lane.group, &mut lane.markers_unread)?;
+                    let record = match lane.group.poll(1, Duration::ZERO) {
+                        Ok(batch) => batch.into_iter().next().map(|r| (r.offset, message::from_record(&r).size())),
+                        Err(petrel_log::Error::TooManyPending { .. }) => None,
+                        Err(e) => return Err(e.into()),
+                    };
+                    let Some((offset, size)) = record else { return Ok(None) };
+                    // Neither waiting nor out with a consumer until dropped or put back.
+                    self.leaving_records += 1;
+                    (Taken::Log { level, offset }, size)
+                }
+            }
+        };
+        counting::subtract(&mut self.waiting, 1, "a queue's waiting messages");
+        counting::subtract(&mut self.waiting_at[level], 1, "a priority level's waiting messages");
+        self.head_taken = true;
+        Ok(Some(taken))
     }
 
-    /// Drops messages `take_out` took, each with its size: gone for good (expired, dropped for
-    /// room, flushed), as settled ones are. Those the log would not let go (an acknowledgement
-    /// failed) go back, and the error says why.
+    /// Drops messages `take_out` took: gone for good (expired, dropped for room, flushed), as
+    /// settled ones are. One whose acknowledgement failed before it took (the log refuses
+    /// changes) goes back with those after it, and the error says why.
     fn drop_taken(&mut self, taken: Vec<(Taken, u64)>) -> Result<(), BrokerError> {
         let mut rest = taken.into_iter();
         while let Some((taken, size)) = rest.next() {
             let record = u64::from(matches!(taken, Taken::Log { .. }));
             counting::subtract(&mut self.leaving_records, record, "a queue's records leaving");
             if let Err(e) = self.settle(&taken) {
-                self.leaving_records += record;
-                self.put_back_taken(std::iter::once((taken, size)).chain(rest).collect());
+                // An acknowledgement whose cursor could not be made durable took all the same.
+                let gone = match (&self.store, &taken) {
+                    (Store::Log { lanes, .. }, Taken::Log { level, offset }) => {
+                        lanes[*level].group.is_acknowledged(*offset)
+                    }
+                    _ => false,
+                };
+                match gone {
+                    true => counting::subtract(&mut self.bytes, size, "a queue's bytes"),
+                    false => {
+                        self.leaving_records += record;
+                        self.put_back_taken(vec![(taken, size)]);
+                    }
+                }
+                self.put_back_taken(rest.collect());
                 return Err(e);
             }
             counting::subtract(&mut self.bytes, size, "a queue's bytes");
@@ -2866,7 +2920,7 @@ impl Inner {
             counting::subtract(&mut self.leaving_records, record, "a queue's records leaving");
             let id = taken.message_id();
             if let Err(e) = self.put_back(taken, false) {
-                // (Only counting a delivery can fail, and none is counted here.)
+                // (Counting no delivery, only a record the log forgot it gave could fail.)
                 tracing::error!(id, error = %e, "a message taken out could not be put back");
             }
         }

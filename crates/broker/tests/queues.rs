@@ -163,6 +163,25 @@ fn a_circular_queue_drops_nothing_for_an_offer_its_delayed_bytes_keep_out() {
     }
 }
 
+/// A circular queue drops as many of its oldest as an offer needs, more than its log lets out
+/// unacknowledged at once (`MAX_PENDING`) too.
+#[test]
+fn a_circular_queue_drops_more_than_its_log_lets_out_for_one_large_offer() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let ring = QueueConfig { max_bytes: 100_000, circular: true, durable: true, ..QueueConfig::default() };
+    b.create_queue("ring", ring, None).unwrap();
+    let small: Vec<Message> = (0..9_500).map(|i| Message::new(format!("{i:010}").into_bytes())).collect();
+    b.offer("ring", small, MS).unwrap();
+    b.offer("ring", vec![Message::new(vec![b'L'; 90_000])], 2 * MS).unwrap();
+    let q = b.queue("ring").unwrap();
+    assert_eq!(q.counters().dropped, 8_500, "85,000 bytes of the oldest made room");
+    assert!(8_500 > petrel_log::MAX_PENDING);
+    let got = b.poll("ring", 2_000, None, 1, 3 * MS).unwrap();
+    assert_eq!((got.len(), &got[0].message.payload[..]), (1_001, &b"0000008500"[..]));
+    assert_eq!(got[1_000].message.payload.len(), 90_000);
+}
+
 /// A level of a durable queue with as many messages out as its log allows (8,192 read and not
 /// yet acknowledged) waits for acknowledgements; the other levels' messages still go (every
 /// poll chose the blocked level and came back empty).
