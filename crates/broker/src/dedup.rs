@@ -183,8 +183,9 @@ impl DedupWindow {
 
     /// Reads what an offer of `keys` will use, all at once, so that the cache misses overlap
     /// instead of coming one after another as each step waits for the last: the home bucket of
-    /// each key, and the oldest keys, which the new ones will push out of a full window.
-    pub fn touch(&self, keys: &[Option<KeyHash>]) {
+    /// each key, and the oldest keys, which the new ones will push out of a window of
+    /// `max_keys`.
+    pub fn touch(&self, keys: &[Option<KeyHash>], max_keys: usize) {
         if self.buckets.is_empty() {
             return;
         }
@@ -194,7 +195,8 @@ impl DedupWindow {
             folded ^= self.buckets[home(*key, self.buckets.len())].overflow;
             new += 1;
         }
-        for oldest in self.order.range(..new.min(self.order.len())) {
+        let forgotten = (self.order.len() + new).saturating_sub(max_keys).min(self.order.len());
+        for oldest in self.order.range(..forgotten) {
             folded ^= u64::from(oldest.displaced);
         }
         std::hint::black_box(folded);
@@ -277,10 +279,8 @@ impl DedupWindow {
                 self.forget_oldest();
             }
         }
+        self.make_room(max_keys.max(1), 1);
         self.remember(key, id, level, at_ns);
-        while self.order.len() > max_keys {
-            self.forget_oldest();
-        }
     }
 
     /// Forgets the oldest key: its slot is free from now on, as its sequence left the ring; only
@@ -419,6 +419,12 @@ mod tests {
         }
         assert_eq!((w.len(), w.order.capacity()), (1_500, 1_500));
         assert_eq!((w.get("k4499"), w.get("k4500"), w.get("k5999")), (None, Some(4_500), Some(5_999)));
+        // So does one read back from the logs on open.
+        let mut w = DedupWindow::new(1);
+        for i in 0..6_000u64 {
+            w.restore(w.hash(&format!("k{i}")), i, 0, i, 1_500);
+        }
+        assert_eq!((w.len(), w.order.capacity(), w.get("k4500")), (1_500, 1_500, Some(4_500)));
     }
 
     #[test]

@@ -1166,7 +1166,7 @@ impl Queue {
         // Logs holding originals of repeats among new messages: the answer waits for them too.
         let (mut repeated_in, mut repeats, mut repeated) = (0, 0, None);
         if keyed {
-            inner.dedup.touch(&hashes);
+            inner.dedup.touch(&hashes, max_keys);
             inner.dedup.evict(max_keys, window_ns, now_ns);
             match inner.repeats(&hashes) {
                 Repeats::None => {}
