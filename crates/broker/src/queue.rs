@@ -438,6 +438,9 @@ struct Inner {
     waiting: u64,
     /// Bytes of the messages waiting and in flight.
     bytes: u64,
+    /// Bytes of the delayed messages (counted in `bytes`) of a queue in memory; 0 on disk, where
+    /// due messages are released without being read.
+    delayed_bytes: u64,
     /// Records of the levels' logs taken out for the dead-letter queue and not yet settled
     /// (`Leaving`), or to be dropped (`take_out`): neither waiting nor in flight, but not
     /// acknowledged.
@@ -879,6 +882,7 @@ impl Queue {
                 in_flight: OpenReads::default(),
                 waiting: 0,
                 bytes,
+                delayed_bytes: 0,
                 leaving_records: 0,
                 waiting_at: vec![0; levels],
                 takes_from_top: 0,
@@ -1224,43 +1228,45 @@ impl Queue {
             // beside it is refused with nothing dropped.
             let fits_beside_the_rest = |inner: &Inner| {
                 (max_items == 0 || inner.delayed + n <= max_items)
-                    && (max_bytes == 0 || inner.in_flight_bytes() + size <= max_bytes)
+                    && (max_bytes == 0 || inner.in_flight_bytes() + inner.delayed_bytes + size <= max_bytes)
             };
             if !config.circular || !fits_beside_the_rest(&inner) {
                 return Err(BrokerError::Full(self.name.clone()));
             }
-            // The oldest are taken out until the offer fits, and dropped only then: when it
-            // cannot (the delayed messages' bytes, which stay, are not known apart from the
-            // rest), every one goes back.
-            let (mut out, mut freed) = (Vec::new(), 0);
-            while !fits(&inner, freed) {
-                match inner.take_oldest() {
-                    Ok(Some((taken, size))) => {
-                        freed += size;
-                        out.push((taken, size));
+            if max_bytes != 0 && inner.delayed > 0 && self.on_disk() {
+                // A durable queue does not know its delayed messages' bytes apart from the rest
+                // (it releases due ones without reading them): the oldest are taken out until
+                // the offer fits, and dropped only then; if it never does, all go back.
+                let (mut out, mut freed) = (Vec::new(), 0);
+                let refused = loop {
+                    if fits(&inner, freed) {
+                        break None;
                     }
-                    // A level's log lets no more records out until some are acknowledged
-                    // (`petrel_log::MAX_PENDING`): those taken are dropped now, to take more. An
-                    // offer that needs that many dropped and then does not fit beside the delayed
-                    // messages is refused with them gone (the one case left of the above).
-                    Ok(None) if !out.is_empty() && inner.waiting > 0 => {
-                        inner.counters.dropped += out.len() as u64;
-                        inner.drop_taken(std::mem::take(&mut out))?;
-                        freed = 0;
+                    match inner.take_oldest(false) {
+                        Ok(Some((taken, size))) => {
+                            freed += size;
+                            out.push((taken, size));
+                        }
+                        Ok(None) => break Some(BrokerError::Full(self.name.clone())),
+                        Err(e) => break Some(e),
                     }
-                    Ok(None) => {
-                        inner.put_back_taken(out);
-                        return Err(BrokerError::Full(self.name.clone()));
-                    }
-                    Err(e) => {
-                        inner.put_back_taken(out);
-                        return Err(e);
-                    }
+                };
+                if let Some(e) = refused {
+                    inner.put_back_taken(out);
+                    return Err(e);
+                }
+                let dropped = out.len() as u64;
+                inner.drop_taken(out)?;
+                inner.counters.dropped += dropped;
+            } else {
+                // What fits beside the rest is known exactly: dropping makes room.
+                while !fits(&inner, 0) && inner.drop_oldest()? {
+                    inner.counters.dropped += 1;
+                }
+                if !fits(&inner, 0) {
+                    return Err(BrokerError::Full(self.name.clone()));
                 }
             }
-            let dropped = out.len() as u64;
-            inner.drop_taken(out)?;
-            inner.counters.dropped += dropped;
         }
         if let Some(repeated) = repeated {
             inner.counters.deduplicated += u64::from(repeats);
@@ -1367,6 +1373,9 @@ impl Queue {
         }
         if let Some(due) = earliest_due {
             inner.delayed += n;
+            if !self.on_disk() {
+                inner.delayed_bytes += size;
+            }
             self.due_ns.lower(due);
         } else {
             inner.waiting += n;
@@ -2405,6 +2414,7 @@ impl Inner {
                 let Taken::Memory(mut m) = taken else { unreachable!("a queue's takings match its store") };
                 m.deliver_at = due;
                 // Among those due at one time, in the order they were delayed (as on disk).
+                self.delayed_bytes += m.size();
                 delayed.insert((due, *next_id), *m);
                 *next_id += 1;
             }
@@ -2535,6 +2545,7 @@ impl Inner {
                     && entry.key().0 <= now_ns
                 {
                     let mut m = entry.remove();
+                    counting::subtract(&mut self.delayed_bytes, m.size(), "a queue's delayed bytes");
                     // Among the waiting ones from now on: the next id keeps a level in id order.
                     m.timestamp = stamp;
                     m.id = *next_id;
@@ -2639,6 +2650,7 @@ impl Inner {
                 let bytes = delayed.values().map(Held::size).sum();
                 delayed.clear();
                 counting::subtract(&mut self.bytes, bytes, "a queue's bytes");
+                self.delayed_bytes = 0;
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
                 let offsets = delay.delayed_offsets();
@@ -2814,20 +2826,24 @@ impl Inner {
     /// Drops the oldest waiting message of the lowest level that has one (a full circular
     /// queue gives up its least urgent first); `false` if there is none now.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
-        let Some(taken) = self.take_oldest()? else { return Ok(false) };
+        let Some(taken) = self.take_oldest(true)? else { return Ok(false) };
         self.drop_taken(vec![taken])?;
         Ok(true)
     }
 
     /// Takes out the oldest waiting message of the lowest level that has one (`take_out`). A
-    /// level at its limit of open reads cannot give its head now, and the next level up gives
-    /// one instead.
-    fn take_oldest(&mut self) -> Result<Option<(Taken, u64)>, BrokerError> {
+    /// level at its limit of open reads cannot give its head now: with `past_blocked`, the next
+    /// level up gives one instead; without, none is taken (messages taken out and not yet
+    /// dropped count in that limit, and a higher level's must not go for them).
+    fn take_oldest(&mut self, past_blocked: bool) -> Result<Option<(Taken, u64)>, BrokerError> {
         for level in 0..self.waiting_at.len() {
-            if self.waiting_at[level] > 0
-                && let Some(taken) = self.take_out(level)?
-            {
-                return Ok(Some(taken));
+            if self.waiting_at[level] == 0 {
+                continue;
+            }
+            match self.take_out(level)? {
+                Some(taken) => return Ok(Some(taken)),
+                None if !past_blocked => return Ok(None),
+                None => {}
             }
         }
         Ok(None)

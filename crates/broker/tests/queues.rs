@@ -163,6 +163,22 @@ fn a_circular_queue_drops_nothing_for_an_offer_its_delayed_bytes_keep_out() {
     }
 }
 
+/// An in-memory circular queue knows its delayed messages' bytes, and no longer counts a
+/// message's once it is due and waiting: it is dropped for an offer like any waiting one.
+#[test]
+fn a_circular_queue_drops_a_delayed_message_once_it_is_due() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let ring = QueueConfig { max_bytes: 100, circular: true, ..QueueConfig::default() };
+    b.create_queue("ring", ring, None).unwrap();
+    b.offer("ring", vec![Message { delay_ms: 1, ..Message::new(vec![b'd'; 60]) }], MS).unwrap();
+    assert!(matches!(b.offer("ring", vec![Message::new(vec![b'x'; 50])], MS), Err(BrokerError::Full(_))));
+    b.tick(10 * MS);
+    b.offer("ring", vec![Message::new(vec![b'y'; 50])], 11 * MS).unwrap();
+    assert_eq!(b.queue("ring").unwrap().counters().dropped, 1);
+    assert_eq!(payloads(&b.poll("ring", 5, None, 1, 12 * MS).unwrap()), [vec![b'y'; 50]]);
+}
+
 /// A circular queue drops as many of its oldest as an offer needs, more than its log lets out
 /// unacknowledged at once (`MAX_PENDING`) too.
 #[test]
