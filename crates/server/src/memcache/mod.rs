@@ -24,6 +24,11 @@ use crate::stats::add;
 use crate::{Ctx, now_ns};
 use codec::{Command, Decoder, GetOptions, Reject};
 
+/// The server's version as `version` and `stats` give it: numbers only, `major.minor.micro`, as
+/// memcached's and Kestrel's, which client libraries parse (libmemcached reads three integers,
+/// and took `petrel-0.1.0` for a failed read).
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// The header that carries a memcache item's flags (when not 0), so they reach its reader.
 pub const FLAGS_HEADER: &str = "memcache-flags";
 /// Answers are written once this many bytes are waiting, even mid-pipeline.
@@ -305,7 +310,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 }
             }
             Command::Version => {
-                self.line(&format!("VERSION petrel-{}", env!("CARGO_PKG_VERSION")));
+                self.line(&format!("VERSION {VERSION}"));
                 Flow::Continue
             }
             Command::Quit => Flow::Close,
@@ -418,7 +423,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 let n: u64 = self.ctx.broker.queue_names().iter().map(|q| self.flush_expired(q)).sum();
                 self.line(&n.to_string());
             }
-            Command::Version => self.line(&format!("VERSION petrel-{}", env!("CARGO_PKG_VERSION"))),
+            Command::Version => self.line(&format!("VERSION {VERSION}")),
             Command::Shutdown => {
                 if self.ctx.config.memcache_shutdown {
                     tracing::info!(conn = self.conn, "shutdown requested over memcache");
@@ -630,7 +635,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         };
         put("uptime", &s.started.elapsed().as_secs());
         put("time", &now.as_secs());
-        put("version", &format!("petrel-{}", env!("CARGO_PKG_VERSION")));
+        put("version", &VERSION);
         put("curr_items", &per_queue.iter().map(|(_, st, _)| st.items).sum::<u64>());
         // Over the server's life: removed queues' items stay counted (as Kestrel's did); with
         // authentication on they are left out, as the queues a connection may not see are.
