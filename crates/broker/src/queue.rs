@@ -1255,9 +1255,10 @@ impl Queue {
                     inner.put_back_taken(out);
                     return Err(e);
                 }
-                let dropped = out.len() as u64;
-                inner.drop_taken(out)?;
+                let mut dropped = 0;
+                let done = inner.drop_taken(out, &mut dropped);
                 inner.counters.dropped += dropped;
+                done?;
             } else {
                 // What fits beside the rest is known exactly: dropping makes room.
                 while !fits(&inner, 0) && inner.drop_oldest()? {
@@ -2827,7 +2828,7 @@ impl Inner {
     /// queue gives up its least urgent first); `false` if there is none now.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
         let Some(taken) = self.take_oldest(true)? else { return Ok(false) };
-        self.drop_taken(vec![taken])?;
+        self.drop_taken(vec![taken], &mut 0)?;
         Ok(true)
     }
 
@@ -2852,7 +2853,7 @@ impl Inner {
     /// Drops the message at the head of `level`; `false` if there is none now.
     fn drop_head(&mut self, level: usize) -> Result<bool, BrokerError> {
         let Some(taken) = self.take_out(level)? else { return Ok(false) };
-        self.drop_taken(vec![taken])?;
+        self.drop_taken(vec![taken], &mut 0)?;
         Ok(true)
     }
 
@@ -2898,10 +2899,10 @@ impl Inner {
         Ok(Some(taken))
     }
 
-    /// Drops messages `take_out` took: gone for good (expired, dropped for room, flushed), as
-    /// settled ones are. One whose acknowledgement failed before it took (the log refuses
-    /// changes) goes back with those after it, and the error says why.
-    fn drop_taken(&mut self, taken: Vec<(Taken, u64)>) -> Result<(), BrokerError> {
+    /// Drops messages `take_out` took, counting them in `dropped`: gone for good (expired,
+    /// dropped for room, flushed), as settled ones are. One whose acknowledgement failed before
+    /// it took (the log refuses changes) goes back with those after it, and the error says why.
+    fn drop_taken(&mut self, taken: Vec<(Taken, u64)>, dropped: &mut u64) -> Result<(), BrokerError> {
         let mut rest = taken.into_iter();
         while let Some((taken, size)) = rest.next() {
             let record = u64::from(matches!(taken, Taken::Log { .. }));
@@ -2915,7 +2916,10 @@ impl Inner {
                     _ => false,
                 };
                 match gone {
-                    true => counting::subtract(&mut self.bytes, size, "a queue's bytes"),
+                    true => {
+                        counting::subtract(&mut self.bytes, size, "a queue's bytes");
+                        *dropped += 1;
+                    }
                     false => {
                         self.leaving_records += record;
                         self.put_back_taken(vec![(taken, size)]);
@@ -2925,6 +2929,7 @@ impl Inner {
                 return Err(e);
             }
             counting::subtract(&mut self.bytes, size, "a queue's bytes");
+            *dropped += 1;
         }
         Ok(())
     }

@@ -179,6 +179,28 @@ fn a_circular_queue_drops_a_delayed_message_once_it_is_due() {
     assert_eq!(payloads(&b.poll("ring", 5, None, 1, 12 * MS).unwrap()), [vec![b'y'; 50]]);
 }
 
+/// An in-memory circular queue counts a message returned with a delay among its delayed bytes,
+/// and forgets the delayed bytes a flush drops.
+#[test]
+fn a_circular_queue_counts_returned_delayed_messages_and_forgets_flushed_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let ring = QueueConfig { max_bytes: 100, circular: true, ..QueueConfig::default() };
+    b.create_queue("ring", ring, None).unwrap();
+    b.offer("ring", vec![Message::new(vec![b'r'; 60])], MS).unwrap();
+    let d = b.poll("ring", 1, Some(Duration::from_secs(60)), 1, 2 * MS).unwrap();
+    assert_eq!(b.abort("ring", &[d[0].handle], 1, 60_000, 3 * MS).unwrap(), 1);
+    b.offer("ring", vec![Message::new(vec![b'w'; 20])], 4 * MS).unwrap();
+    // 60 returned and delayed + 45 > 100 whatever is dropped.
+    assert!(matches!(b.offer("ring", vec![Message::new(vec![b'x'; 45])], 5 * MS), Err(BrokerError::Full(_))));
+    assert_eq!(b.queue("ring").unwrap().counters().dropped, 0);
+    b.queue("ring").unwrap().flush().unwrap();
+    b.offer("ring", vec![Message::new(vec![b'y'; 30])], 6 * MS).unwrap();
+    b.offer("ring", vec![Message::new(vec![b'z'; 80])], 7 * MS).unwrap();
+    assert_eq!(b.queue("ring").unwrap().counters().dropped, 1);
+    assert_eq!(payloads(&b.poll("ring", 5, None, 1, 8 * MS).unwrap()), [vec![b'z'; 80]]);
+}
+
 /// A circular queue drops as many of its oldest as an offer needs, more than its log lets out
 /// unacknowledged at once (`MAX_PENDING`) too.
 #[test]
