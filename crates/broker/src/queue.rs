@@ -2828,7 +2828,7 @@ impl Inner {
     /// queue gives up its least urgent first); `false` if there is none now.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
         let Some(taken) = self.take_oldest(true)? else { return Ok(false) };
-        self.drop_taken(vec![taken], &mut 0)?;
+        self.drop_taken([taken], &mut 0)?;
         Ok(true)
     }
 
@@ -2853,7 +2853,7 @@ impl Inner {
     /// Drops the message at the head of `level`; `false` if there is none now.
     fn drop_head(&mut self, level: usize) -> Result<bool, BrokerError> {
         let Some(taken) = self.take_out(level)? else { return Ok(false) };
-        self.drop_taken(vec![taken], &mut 0)?;
+        self.drop_taken([taken], &mut 0)?;
         Ok(true)
     }
 
@@ -2902,7 +2902,11 @@ impl Inner {
     /// Drops messages `take_out` took, counting them in `dropped`: gone for good (expired,
     /// dropped for room, flushed), as settled ones are. One whose acknowledgement failed before
     /// it took (the log refuses changes) goes back with those after it, and the error says why.
-    fn drop_taken(&mut self, taken: Vec<(Taken, u64)>, dropped: &mut u64) -> Result<(), BrokerError> {
+    fn drop_taken(
+        &mut self,
+        taken: impl IntoIterator<Item = (Taken, u64)>,
+        dropped: &mut u64,
+    ) -> Result<(), BrokerError> {
         let mut rest = taken.into_iter();
         while let Some((taken, size)) = rest.next() {
             let record = u64::from(matches!(taken, Taken::Log { .. }));
@@ -2922,10 +2926,10 @@ impl Inner {
                     }
                     false => {
                         self.leaving_records += record;
-                        self.put_back_taken(vec![(taken, size)]);
+                        self.put_back_taken([(taken, size)]);
                     }
                 }
-                self.put_back_taken(rest.collect());
+                self.put_back_taken(rest);
                 return Err(e);
             }
             counting::subtract(&mut self.bytes, size, "a queue's bytes");
@@ -2935,7 +2939,7 @@ impl Inner {
     }
 
     /// Puts messages `take_out` took back in their places, undelivered.
-    fn put_back_taken(&mut self, taken: Vec<(Taken, u64)>) {
+    fn put_back_taken(&mut self, taken: impl IntoIterator<Item = (Taken, u64)>) {
         for (taken, _) in taken {
             let record = u64::from(matches!(taken, Taken::Log { .. }));
             counting::subtract(&mut self.leaving_records, record, "a queue's records leaving");

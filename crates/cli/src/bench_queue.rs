@@ -11,7 +11,7 @@ use clap::{Args, ValueEnum};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use hdrhistogram::Histogram;
-use petrel_client::{Client, CompactString, Message, PollOptions, QueueConfig, Request, Response};
+use petrel_client::{Client, Message, PollOptions, QueueConfig, Request, Response};
 
 use crate::progress::{self, Unit};
 
@@ -473,11 +473,7 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
                                 .map(|seq| Message {
                                     priority,
                                     delay_ms,
-                                    idempotency_key: if keys {
-                                        bench_key(i as u64, seq)
-                                    } else {
-                                        CompactString::default()
-                                    },
+                                    idempotency_key: if keys { bench_key(i as u64, seq) } else { Default::default() },
                                     ..Message::new(payload.clone())
                                 })
                                 .collect();
@@ -554,7 +550,7 @@ async fn bench(args: &QueueBench, addr: &str) -> Result<Outcome, Box<dyn std::er
 /// written without `format!` and kept inline (at most 24 bytes), whose machinery and allocation
 /// would cost the client (which shares the machine's cores with the server) more than the rest
 /// of a keyed message.
-fn bench_key(connection: u64, seq: u64) -> CompactString {
+fn bench_key(connection: u64, seq: u64) -> petrel_client::CompactString {
     fn hex(key: &mut [u8; 33], len: &mut usize, n: u64) {
         for d in (0..(64 - n.leading_zeros()).div_ceil(4).max(1)).rev() {
             key[*len] = b"0123456789abcdef"[(n >> (4 * d)) as usize & 15];
@@ -587,11 +583,7 @@ async fn fill(args: &QueueBench, client: &Client, payload: &bytes::Bytes) -> Res
             .map(|seq| Message {
                 priority,
                 delay_ms: args.delay_ms,
-                idempotency_key: if args.idempotency_keys {
-                    format!("fill.{seq}").into()
-                } else {
-                    CompactString::default()
-                },
+                idempotency_key: if args.idempotency_keys { format!("fill.{seq}").into() } else { Default::default() },
                 ..Message::new(payload.clone())
             })
             .collect();

@@ -315,6 +315,9 @@ struct CursorFile {
     /// Why a sync of this cursor under `always` failed: the group takes no more changes (the
     /// `interval` syncer keeps its own), as a log takes no appends after a failed sync.
     failed: Option<String>,
+    /// The next sync fails as a disk's would (tests of the failure above).
+    #[cfg(test)]
+    fail_next_sync: bool,
 }
 
 impl CursorFile {
@@ -356,6 +359,11 @@ impl CursorFile {
         self.check()?;
         // Through the mapping (msync): the file is not kept open.
         let synced = self.on_sync.time(|| self.map.flush());
+        #[cfg(test)]
+        let synced = match std::mem::take(&mut self.fail_next_sync) {
+            true => Err(std::io::Error::other("a failing disk (test)")),
+            false => synced,
+        };
         if let Err(e) = &synced {
             self.failed = Some(format!("{}: {e}", self.path.display()));
         }
@@ -501,6 +509,8 @@ impl ConsumerGroup {
                 entry,
                 on_sync,
                 failed: None,
+                #[cfg(test)]
+                fail_next_sync: false,
             },
             reader,
             redelivery,
@@ -915,5 +925,30 @@ impl CursorSyncer {
     fn error(&self) -> Option<Error> {
         let error = self.target.error.lock().unwrap_or_else(|e| e.into_inner());
         error.as_ref().map(|e| Error::Poisoned(format!("cursor sync failed: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A group whose cursor sync failed under `always` takes no more changes: the failed
+    /// acknowledgement took in memory, but a retry would pass without a sync, and a take would
+    /// go on past the record whose cursor is not on disk.
+    #[test]
+    fn a_group_whose_cursor_sync_failed_takes_no_more_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = crate::Log::open(dir.path(), crate::Options::default()).unwrap();
+        for _ in 0..3 {
+            log.append(b"x").unwrap();
+        }
+        let options = crate::GroupOptions { durability: Durability::Always, ..crate::GroupOptions::default() };
+        let mut g = log.group("g", options).unwrap();
+        assert_eq!(g.poll(2, Duration::ZERO).unwrap().len(), 2);
+        g.cursor.fail_next_sync = true;
+        assert!(matches!(g.ack(0), Err(Error::Io { .. })), "the failed sync is reported");
+        assert!(g.is_acknowledged(0), "it took in memory all the same");
+        assert!(matches!(g.ack(1), Err(Error::Poisoned(_))));
+        assert!(matches!(g.take(Duration::ZERO), Err(Error::Poisoned(_))));
     }
 }

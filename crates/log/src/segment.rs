@@ -44,14 +44,18 @@ pub(crate) fn file_name(base: u64) -> String {
 
 /// The base offset in a segment file name, or `None` for other files.
 pub(crate) fn parse_name(name: &str) -> Option<u64> {
-    let digits = name.strip_suffix(SUFFIX)?;
-    (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok())?
+    name.strip_suffix(SUFFIX).filter(|digits| is_base(digits))?.parse().ok()
 }
 
 /// A segment being made when the writer stopped (`<20 digits>.log.tmp`): nothing else in the
 /// directory is taken for one.
 pub(crate) fn is_leftover_tmp(name: &str) -> bool {
-    name.strip_suffix(TMP_SUFFIX).is_some_and(|digits| digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()))
+    name.strip_suffix(TMP_SUFFIX).is_some_and(is_base)
+}
+
+/// A base offset as file names write it: 20 digits.
+fn is_base(digits: &str) -> bool {
+    digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit())
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -121,18 +121,18 @@ impl Reader {
         Ok(self.buf.get_u64())
     }
     pub fn str(&mut self, what: &'static str) -> Result<String, DecodeError> {
-        let len = self.u16(what)? as usize;
-        if len == 0 {
-            return Ok(String::new()); // most of a message's fields: nothing to check or copy
-        }
-        self.need(len, what)?;
-        let text = std::str::from_utf8(&self.buf[..len]).map_err(|_| DecodeError::BadUtf8(what))?.to_owned();
-        self.buf.advance(len);
-        Ok(text)
+        self.text(what)
     }
     /// `str`, kept inline when short (`CompactString`): no allocation for most keys.
     pub fn compact_str(&mut self, what: &'static str) -> Result<compact_str::CompactString, DecodeError> {
+        self.text(what)
+    }
+    /// A text: u16 length, UTF-8 bytes.
+    fn text<T: for<'a> From<&'a str>>(&mut self, what: &'static str) -> Result<T, DecodeError> {
         let len = self.u16(what)? as usize;
+        if len == 0 {
+            return Ok(T::from("")); // most of a message's fields: nothing to check or copy
+        }
         self.need(len, what)?;
         let text = std::str::from_utf8(&self.buf[..len]).map_err(|_| DecodeError::BadUtf8(what))?.into();
         self.buf.advance(len);

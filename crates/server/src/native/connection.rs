@@ -136,9 +136,9 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
 
     /// Takes the RETURN requests read whole out of the buffer, wherever they are among the
     /// other requests (which stay, in their order): a connection waiting for a permit handles
-    /// them, as they need none. Each with its frame's opcode and request id, decoded or the
-    /// answer that refuses it.
-    pub fn take_returns(&mut self) -> Vec<(u16, u64, Result<Request, Response>)> {
+    /// them, as they need none. Each with its frame's request id, decoded or the answer that
+    /// refuses it.
+    pub fn take_returns(&mut self) -> Vec<(u64, Result<Request, Response>)> {
         let buf = &self.input.buf;
         let is_return = |at: usize| {
             buf[at + 4] == frame::PROTOCOL_VERSION
@@ -163,7 +163,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             let body = bytes::Bytes::copy_from_slice(&buf[frame.start + 16..frame.end]);
             let request = Request::decode(petrel_proto::opcode::RETURN, body)
                 .map_err(|e| Response::error(Status::BadRequest, e.to_string()));
-            returns.push((petrel_proto::opcode::RETURN, request_id, request));
+            returns.push((request_id, request));
             from = frame.end;
         }
         rest.extend_from_slice(&buf[from..]);

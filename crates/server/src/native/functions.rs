@@ -80,7 +80,7 @@ fn replier(
         let payload = response.encode_split(to.opcode, to.request_id, &mut frames).unwrap_or_default();
         if let Err(TrySendError::Full(out)) = to.outbox.try_send(Chunk { frames, payload }) {
             let bytes = out.frames.len() + out.payload.len();
-            let held = (bytes > super::LARGE_ANSWER).then(|| broker.hold_memory_anyway(bytes as u64));
+            let held = super::hold_if_large(&broker, bytes);
             tokio::spawn(async move {
                 let _held = held;
                 let _ = to.outbox.send(out).await;

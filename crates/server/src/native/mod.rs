@@ -77,11 +77,12 @@ impl Permits {
         Permits { limit, other: Arc::new(Semaphore::new(limit)), disk: Arc::new(Semaphore::new(limit)) }
     }
 
-    /// Waits for a permit (the reader stops reading meanwhile: TCP pushes back).
+    /// The semaphore a request that waits for `waits_for` draws from.
     fn semaphore(&self, waits_for: WaitsFor) -> Arc<Semaphore> {
         Arc::clone(if waits_for == WaitsFor::Disk { &self.disk } else { &self.other })
     }
 
+    /// Waits for a permit (the reader stops reading meanwhile: TCP pushes back).
     async fn acquire(&self, waits_for: WaitsFor) -> Option<tokio::sync::OwnedSemaphorePermit> {
         self.semaphore(waits_for).acquire_owned().await.ok()
     }
@@ -191,7 +192,7 @@ where
                         // A large answer (a waiting poll's messages) waiting for room in the
                         // outbox is counted in the memory budget meanwhile: its messages left
                         // their queue's count when they were taken.
-                        let _held = (out.len() > LARGE_ANSWER).then(|| broker.hold_memory_anyway(out.len() as u64));
+                        let _held = hold_if_large(&broker, out.len());
                         let _ = outbox.send(out).await;
                         drop(permit);
                     });
@@ -272,7 +273,12 @@ where
 }
 
 /// An answer past this many bytes is counted in the memory budget while it waits for the outbox.
-pub(super) const LARGE_ANSWER: usize = 64 << 10;
+const LARGE_ANSWER: usize = 64 << 10;
+
+/// The memory budget's hold for an answer of `bytes` waiting for the outbox, if it is large.
+pub(super) fn hold_if_large(broker: &petrel_broker::Broker, bytes: usize) -> Option<petrel_broker::MemoryHold> {
+    (bytes > LARGE_ANSWER).then(|| broker.hold_memory_anyway(bytes as u64))
+}
 
 /// A permit for a request answered later (`max_in_flight_per_connection`). When none is free,
 /// the answers ready go out first (a client may wait for one of them before it sends what the
@@ -309,7 +315,7 @@ where
         // the call timed out): handled now, wherever they are among what was read (those read
         // with the waiting request too). Their answers go out early only into an idle outbox:
         // this wait must not wait on a client that does not read.
-        for (opcode, request_id, request) in connection.take_returns() {
+        for (request_id, request) in connection.take_returns() {
             let (outbox, arrived_ns) = (connection.outbox().clone(), connection.read_at_ns());
             let response = match request {
                 Ok(request) => match dispatch(ctx, session, pushes, &outbox, request, arrived_ns).await {
@@ -318,7 +324,7 @@ where
                 },
                 Err(refused) => refused,
             };
-            connection.answer(&response, opcode, request_id);
+            connection.answer(&response, petrel_proto::opcode::RETURN, request_id);
         }
         if connection.answers_are_many() && connection.outbox().is_idle() {
             // (A frame half written waits for the client to read: no longer than it may be silent.)
