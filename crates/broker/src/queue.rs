@@ -1233,41 +1233,44 @@ impl Queue {
             if !config.circular || !fits_beside_the_rest(&inner) {
                 return Err(BrokerError::Full(self.name.clone()));
             }
-            if max_bytes != 0 && inner.delayed > 0 && self.on_disk() {
-                // A durable queue does not know its delayed messages' bytes apart from the rest
-                // (it releases due ones without reading them): the oldest are taken out until
-                // the offer fits, and dropped only then; if it never does, all go back.
-                let (mut out, mut freed) = (Vec::new(), 0);
-                let refused = loop {
-                    if fits(&inner, freed) {
-                        break None;
+            // The oldest are taken out until the offer fits, and dropped only then; if it never
+            // does, all go back and nothing is dropped. It may not: a durable queue does not know
+            // its delayed messages' bytes apart from the rest (it releases due ones without
+            // reading them), and a level whose consumers hold as many open reads as its log lets
+            // out gives none of its messages now. Where neither is so, the offer fits once
+            // enough are dropped, and those taken are dropped as the level's log stops letting
+            // more out, so that one offer may drop more than that.
+            let known = max_bytes == 0 || inner.delayed == 0 || !self.on_disk();
+            let (mut out, mut freed, mut last, mut passed_over) = (Vec::new(), 0, None, false);
+            let refused = loop {
+                if fits(&inner, freed) {
+                    break None;
+                }
+                match inner.take_oldest(last, &mut passed_over) {
+                    Ok(Some((taken, size, level))) => {
+                        freed += size;
+                        last = Some(level);
+                        out.push((taken, size));
                     }
-                    match inner.take_oldest(false) {
-                        Ok(Some((taken, size))) => {
-                            freed += size;
-                            out.push((taken, size));
-                        }
-                        Ok(None) => break Some(BrokerError::Full(self.name.clone())),
-                        Err(e) => break Some(e),
+                    Ok(None) if known && !passed_over && !out.is_empty() => {
+                        let mut dropped = 0;
+                        let done = inner.drop_taken(out.drain(..), &mut dropped);
+                        inner.counters.dropped += dropped;
+                        done?;
+                        freed = 0;
                     }
-                };
-                if let Some(e) = refused {
-                    inner.put_back_taken(out);
-                    return Err(e);
+                    Ok(None) => break Some(BrokerError::Full(self.name.clone())),
+                    Err(e) => break Some(e),
                 }
-                let mut dropped = 0;
-                let done = inner.drop_taken(out, &mut dropped);
-                inner.counters.dropped += dropped;
-                done?;
-            } else {
-                // What fits beside the rest is known exactly: dropping makes room.
-                while !fits(&inner, 0) && inner.drop_oldest()? {
-                    inner.counters.dropped += 1;
-                }
-                if !fits(&inner, 0) {
-                    return Err(BrokerError::Full(self.name.clone()));
-                }
+            };
+            if let Some(e) = refused {
+                inner.put_back_taken(out);
+                return Err(e);
             }
+            let mut dropped = 0;
+            let done = inner.drop_taken(out, &mut dropped);
+            inner.counters.dropped += dropped;
+            done?;
         }
         if let Some(repeated) = repeated {
             inner.counters.deduplicated += u64::from(repeats);
@@ -2824,27 +2827,32 @@ impl Inner {
         self.settle(&taken)
     }
 
-    /// Drops the oldest waiting message of the lowest level that has one (a full circular
-    /// queue gives up its least urgent first); `false` if there is none now.
+    /// Drops the oldest waiting message of the lowest level that gives one now (a flush passes
+    /// over a level at its limit of open reads); `false` if there is none.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
-        let Some(taken) = self.take_oldest(true)? else { return Ok(false) };
-        self.drop_taken([taken], &mut 0)?;
+        let Some((taken, size, _)) = self.take_oldest(None, &mut false)? else { return Ok(false) };
+        self.drop_taken([(taken, size)], &mut 0)?;
         Ok(true)
     }
 
-    /// Takes out the oldest waiting message of the lowest level that has one (`take_out`). A
-    /// level at its limit of open reads cannot give its head now: with `past_blocked`, the next
-    /// level up gives one instead; without, none is taken (messages taken out and not yet
-    /// dropped count in that limit, and a higher level's must not go for them).
-    fn take_oldest(&mut self, past_blocked: bool) -> Result<Option<(Taken, u64)>, BrokerError> {
+    /// Takes out the oldest waiting message of the lowest level that gives one now (`take_out`),
+    /// with its level. A level at its limit of open reads, which its consumers hold, is passed
+    /// over (and `passed_over` set), but not `own`: the level of the caller's last take, whose
+    /// own takes brought it to its limit; there `None` is the answer, as a more urgent level's
+    /// message must not go while that level's wait.
+    fn take_oldest(
+        &mut self,
+        own: Option<usize>,
+        passed_over: &mut bool,
+    ) -> Result<Option<(Taken, u64, usize)>, BrokerError> {
         for level in 0..self.waiting_at.len() {
             if self.waiting_at[level] == 0 {
                 continue;
             }
             match self.take_out(level)? {
-                Some(taken) => return Ok(Some(taken)),
-                None if !past_blocked => return Ok(None),
-                None => {}
+                Some((taken, size)) => return Ok(Some((taken, size, level))),
+                None if own == Some(level) => return Ok(None),
+                None => *passed_over = true,
             }
         }
         Ok(None)

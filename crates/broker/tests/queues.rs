@@ -220,6 +220,42 @@ fn a_circular_queue_drops_more_than_its_log_lets_out_for_one_large_offer() {
     assert_eq!(got[1_000].message.payload.len(), 90_000);
 }
 
+/// A full circular queue whose least urgent level its consumers hold at its limit of open reads
+/// (its waiting messages cannot go now) drops more urgent ones only if that makes room: it
+/// dropped them one by one, then refused the offer all the same.
+#[test]
+fn a_circular_queue_drops_nothing_for_an_offer_that_a_blocked_level_keeps_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let config = QueueConfig { durable: true, priorities: 2, circular: true, max_items: 8, ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    let at = |level: u8, n: usize| {
+        (0..n)
+            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
+            .collect::<Vec<_>>()
+    };
+    let hour = Some(Duration::from_secs(3600));
+    // Offered 8 at a time (the limit), each batch taken out but the last: the level holds
+    // 8,192 open reads and 5 waiting.
+    let mut open = 0;
+    while open < petrel_log::MAX_PENDING {
+        let n = (petrel_log::MAX_PENDING - open).min(8);
+        b.offer("q", at(0, n), MS).unwrap();
+        open += b.poll("q", n, hour, 1, 2 * MS).unwrap().len();
+    }
+    b.offer("q", at(0, 5), 3 * MS).unwrap();
+    b.offer("q", at(1, 3), 4 * MS).unwrap();
+    // 8 waiting: 4 more fit only if 4 go, and only the 3 urgent ones can.
+    let refused = b.offer("q", at(1, 4), 5 * MS);
+    assert!(matches!(refused, Err(BrokerError::Full(_))), "{refused:?}");
+    assert_eq!(b.queue("q").unwrap().counters().dropped, 0, "nothing dropped for an offer refused");
+    // One more fits once one goes: the oldest of the level that can give one.
+    b.offer("q", vec![Message { priority: 1, ..Message::new(&b"last"[..]) }], 6 * MS).unwrap();
+    assert_eq!(b.queue("q").unwrap().counters().dropped, 1);
+    let got = b.poll("q", 10, None, 1, 7 * MS);
+    assert_eq!(texts(&got.unwrap()[..3]), ["1.1", "1.2", "last"]);
+}
+
 /// A level of a durable queue with as many messages out as its log allows (8,192 read and not
 /// yet acknowledged) waits for acknowledgements; the other levels' messages still go (every
 /// poll chose the blocked level and came back empty).
