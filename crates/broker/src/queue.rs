@@ -1234,22 +1234,28 @@ impl Queue {
                 return Err(BrokerError::Full(self.name.clone()));
             }
             // The oldest are taken out until the offer fits, and dropped only then; if it never
-            // does, all go back and nothing is dropped. It may not: a durable queue does not know
-            // its delayed messages' bytes apart from the rest (it releases due ones without
-            // reading them), and a level whose consumers hold as many open reads as its log lets
-            // out gives none of its messages now. Where neither is so, the offer fits once
-            // enough are dropped, and those taken are dropped as the level's log stops letting
-            // more out, so that one offer may drop more than that.
-            let known = max_bytes == 0 || inner.delayed == 0 || !self.on_disk();
-            let (mut out, mut freed, mut last, mut passed_over) = (Vec::new(), 0, None, false);
+            // does, all go back and nothing is dropped. Where the offer is known to fit once
+            // enough go, those taken are dropped as their level's log stops letting more out
+            // (one offer may need more than that). It is not known for a durable queue with
+            // delayed messages and `max_bytes` (it releases due ones without reading them, so
+            // its delayed bytes are not known apart), nor where a level's consumers may hold it
+            // at its log's limit of open reads (its waiting messages cannot go now) unless the
+            // offer fits beside them by count.
+            let held_back = inner.waiting_held_back();
+            let known = (max_bytes == 0 || inner.delayed == 0 || !self.on_disk())
+                && (held_back == 0 || (max_bytes == 0 && inner.delayed + held_back + n <= max_items));
+            let (mut out, mut freed, mut own, mut passed_over) = (Vec::new(), 0, None, false);
             let refused = loop {
                 if fits(&inner, freed) {
                     break None;
                 }
-                match inner.take_oldest(last, &mut passed_over) {
+                match inner.take_oldest(own, &mut passed_over) {
                     Ok(Some((taken, size, level))) => {
                         freed += size;
-                        last = Some(level);
+                        // (A released message takes none of its level's log's open reads.)
+                        if matches!(taken, Taken::Log { .. }) {
+                            own = Some(level);
+                        }
                         out.push((taken, size));
                     }
                     Ok(None) if known && !passed_over && !out.is_empty() => {
@@ -1264,7 +1270,8 @@ impl Queue {
                 }
             };
             if let Some(e) = refused {
-                inner.put_back_taken(out);
+                // Newest first, so that each is its log's last read (`ConsumerGroup::unpoll`).
+                inner.put_back_taken(out.into_iter().rev());
                 return Err(e);
             }
             let mut dropped = 0;
@@ -2722,7 +2729,11 @@ impl Inner {
                 // The marker first: a crash after it counts the delivery, one before it
                 // redelivers anyway (nothing in flight survives a restart).
                 let marker = if delivered { count_in_lane(&mut lanes[level], offset) } else { Ok(()) };
-                lanes[level].group.nack(offset)?;
+                // One that never left and was the last read is read again in order, taking
+                // none of the log's open reads meanwhile.
+                if delivered || !lanes[level].group.unpoll(offset) {
+                    lanes[level].group.nack(offset)?;
+                }
                 marker
             }
             (Store::Log { delayed: Some(delay), .. }, Taken::Released { ready, .. }) => {
@@ -2827,6 +2838,14 @@ impl Inner {
         self.settle(&taken)
     }
 
+    /// Waiting messages of the levels whose logs may let out no more records now
+    /// (`ConsumerGroup::may_be_at_limit`): consumers' open reads hold them, and they cannot be
+    /// taken to make room.
+    fn waiting_held_back(&self) -> u64 {
+        let Store::Log { lanes, .. } = &self.store else { return 0 };
+        lanes.iter().zip(&self.waiting_at).filter(|(lane, _)| lane.group.may_be_at_limit()).map(|(_, w)| *w).sum()
+    }
+
     /// Drops the oldest waiting message of the lowest level that gives one now (a flush passes
     /// over a level at its limit of open reads); `false` if there is none.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
@@ -2837,9 +2856,9 @@ impl Inner {
 
     /// Takes out the oldest waiting message of the lowest level that gives one now (`take_out`),
     /// with its level. A level at its limit of open reads, which its consumers hold, is passed
-    /// over (and `passed_over` set), but not `own`: the level of the caller's last take, whose
-    /// own takes brought it to its limit; there `None` is the answer, as a more urgent level's
-    /// message must not go while that level's wait.
+    /// over (and `passed_over` set), but not `own`: the level of the caller's last take of a
+    /// record from its log, whose own takes brought it to its limit; there `None` is the answer,
+    /// as a more urgent level's message must not go while that level's wait.
     fn take_oldest(
         &mut self,
         own: Option<usize>,

@@ -256,6 +256,78 @@ fn a_circular_queue_drops_nothing_for_an_offer_that_a_blocked_level_keeps_out() 
     assert_eq!(texts(&got.unwrap()[..3]), ["1.1", "1.2", "last"]);
 }
 
+/// An offer that needs more than a level's log lets out at once, in a circular queue where a
+/// more urgent level's consumers hold theirs at the limit: dropped for only if it fits beside
+/// that level's waiting messages (it dropped 8,192, then refused).
+#[test]
+fn a_circular_queue_drops_past_its_log_s_limit_only_for_an_offer_that_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let limit = petrel_log::MAX_PENDING as u64;
+    let config =
+        QueueConfig { durable: true, priorities: 2, circular: true, max_items: limit + 13, ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    let at = |level: u8, n: u64| {
+        (0..n)
+            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
+            .collect::<Vec<_>>()
+    };
+    // The urgent level's 8,192 out with consumers and 5 waiting; 8,208 waiting below.
+    b.offer("q", at(1, limit), MS).unwrap();
+    let mut open = 0;
+    while open < limit {
+        open += b.poll("q", 1000, Some(Duration::from_secs(3600)), 1, 2 * MS).unwrap().len() as u64;
+    }
+    b.offer("q", at(1, 5), 3 * MS).unwrap();
+    b.offer("q", at(0, limit + 8), 4 * MS).unwrap();
+    // 8,209 fit beside the 5 only with 8,214 waiting: refused, nothing dropped.
+    let refused = b.offer("q", at(1, limit + 9), 5 * MS);
+    assert!(matches!(refused, Err(BrokerError::Full(_))), "{refused:?}");
+    assert_eq!(b.queue("q").unwrap().counters().dropped, 0);
+    assert_eq!(b.queue("q").unwrap().status().items, limit + 13);
+    // 8,208 do: the whole lower level goes for them.
+    b.offer("q", at(1, limit + 8), 6 * MS).unwrap();
+    assert_eq!(b.queue("q").unwrap().counters().dropped, limit + 8);
+    assert_eq!(b.queue("q").unwrap().status().items, limit + 13);
+}
+
+/// A message released at the head of a level its consumers hold at its log's limit goes for an
+/// offer, and so does the next level's oldest, without taking the level for the offer's own
+/// (it dropped the released one, then refused).
+#[test]
+fn a_circular_queue_drops_a_released_message_of_a_blocked_level_and_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let config = QueueConfig { durable: true, priorities: 2, circular: true, max_items: 6, ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    let at = |level: u8, n: usize| {
+        (0..n)
+            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
+            .collect::<Vec<_>>()
+    };
+    let hour = Some(Duration::from_secs(3600));
+    let mut open = Vec::new();
+    while open.len() < petrel_log::MAX_PENDING {
+        let n = (petrel_log::MAX_PENDING - open.len()).min(6);
+        b.offer("q", at(0, n), MS).unwrap();
+        open.extend(b.poll("q", n, hour, 1, 2 * MS).unwrap().into_iter().map(|d| d.handle));
+    }
+    // One returned with a delay (its read closed), another read in its place: the level is held
+    // at its limit again, and the returned one comes due at its head.
+    assert_eq!(b.abort("q", &open[..1], 1, 1, 3 * MS).unwrap(), 1);
+    b.offer("q", at(0, 1), 3 * MS).unwrap();
+    assert_eq!(b.poll("q", 1, hour, 1, 3 * MS).unwrap().len(), 1);
+    b.tick(10 * MS);
+    b.offer("q", at(0, 3), 11 * MS).unwrap();
+    b.offer("q", at(1, 2), 12 * MS).unwrap();
+    let before = b.queue("q").unwrap().counters().dropped;
+    assert_eq!(b.queue("q").unwrap().status().items, 6, "the released one, 3 held back, 2 urgent");
+    b.offer("q", vec![Message { priority: 1, ..Message::new(&b"new"[..]) }; 2], 13 * MS).unwrap();
+    assert_eq!(b.queue("q").unwrap().counters().dropped - before, 2, "the released one and 1.0");
+    let got = b.poll("q", 3, None, 1, 14 * MS).unwrap();
+    assert_eq!(texts(&got), ["1.1", "new", "new"]);
+}
+
 /// A level of a durable queue with as many messages out as its log allows (8,192 read and not
 /// yet acknowledged) waits for acknowledgements; the other levels' messages still go (every
 /// poll chose the blocked level and came back empty).

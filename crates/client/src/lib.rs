@@ -1135,7 +1135,10 @@ fn take_responses(
                         .map_err(|e| ClientError::Protocol(e.to_string()))?;
                     Ok(r)
                 });
-                if let Some(sub) = p.subscribing.remove(&f.request_id)
+                // (Looked for only while a SUBSCRIBE is in flight: hashing each answer's id
+                // would cost a pipelined client's every answer.)
+                if !p.subscribing.is_empty()
+                    && let Some(sub) = p.subscribing.remove(&f.request_id)
                     && let Ok(Response::Subscribed { subscription }) = &response
                 {
                     if sub.is_closed() {

@@ -539,6 +539,14 @@ impl ConsumerGroup {
         (self.next - self.committed) as usize - self.acked_above + self.held.len()
     }
 
+    /// Whether `poll` may refuse new records now (`TooManyPending`): as many delivered and not
+    /// acknowledged as `max_pending`, or a window that long. Errs towards `true`: holding the
+    /// window's oldest may make room, and returned records go out again regardless.
+    pub fn may_be_at_limit(&self) -> bool {
+        let max = self.options.max_pending;
+        self.pending() >= max || (self.next - self.committed) as usize >= max
+    }
+
     /// Of the `pending` records, those `poll` hands out again before any new one: returned
     /// with `nack`, or held by the group before it was last opened (whoever read them then is
     /// gone). A reader that limits what it has out counts `pending` less these.
@@ -811,6 +819,21 @@ impl ConsumerGroup {
         }
         self.redeliver.insert(offset);
         Ok(())
+    }
+
+    /// Takes back the last record `poll` delivered, unacknowledged, as if it had never been
+    /// delivered: unlike `nack`, it stops counting against `max_pending`, and the next poll reads
+    /// it in order with those after it. `false` (nothing changed) unless `offset` is that record.
+    pub fn unpoll(&mut self, offset: u64) -> bool {
+        let last = offset + 1 == self.next
+            && offset >= self.committed
+            && self.acked.back() == Some(&false)
+            && !self.redeliver.contains(&offset);
+        if last {
+            self.acked.pop_back();
+            self.next = offset;
+        }
+        last
     }
 
     /// Moves the group: everything before the new position counts as acknowledged, everything

@@ -92,6 +92,27 @@ fn a_nacked_record_comes_back_before_newer_ones() {
     g.ack(0).unwrap(); // twice is fine
 }
 
+/// A record taken back with `unpoll` is read again in order and holds no open read meanwhile
+/// (a `nack`ed one does until it is read again); only the last one read can be taken back.
+#[test]
+fn an_unpolled_record_is_read_again_in_order_and_frees_its_open_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 10);
+    let mut g = log.group("g", GroupOptions { max_pending: 3, ..GroupOptions::default() }).unwrap();
+    assert_eq!(offsets(g.poll(3, NOW).unwrap()), [0, 1, 2]);
+    assert!(g.may_be_at_limit());
+    assert!(!g.unpoll(1), "not the last read");
+    assert!(g.unpoll(2) && g.unpoll(1));
+    assert!(!g.unpoll(1), "read back once");
+    assert_eq!((g.pending(), g.may_be_at_limit()), (1, false));
+    g.ack(0).unwrap();
+    assert!(!g.unpoll(0), "acknowledged");
+    assert_eq!(offsets(g.poll(10, NOW).unwrap()), [1, 2, 3]);
+    g.nack(3).unwrap();
+    assert!(!g.unpoll(3), "returned to be read again first");
+    assert_eq!(g.pending(), 3);
+}
+
 #[test]
 fn seeking_by_offset_time_oldest_and_newest() {
     let dir = tempfile::tempdir().unwrap();
