@@ -1238,10 +1238,10 @@ impl Queue {
             // enough go, those taken are dropped as their level's log stops letting more out
             // (one offer may need more than that). It is not known for a durable queue with
             // delayed messages and `max_bytes` (it releases due ones without reading them, so
-            // its delayed bytes are not known apart), nor where a level's consumers may hold it
-            // at its log's limit of open reads (its waiting messages cannot go now) unless the
-            // offer fits beside them by count.
-            let held_back = inner.waiting_held_back();
+            // its delayed bytes are not known apart), nor beside levels whose consumers' open
+            // reads may stop their logs letting records out (`held_back`: their waiting
+            // messages may not go) unless the offer fits beside those by count.
+            let (held_back, held_back_levels) = inner.waiting_held_back();
             let known = (max_bytes == 0 || inner.delayed == 0 || !self.on_disk())
                 && (held_back == 0 || (max_bytes == 0 && inner.delayed + held_back + n <= max_items));
             let (mut out, mut freed, mut own, mut passed_over) = (Vec::new(), 0, None, false);
@@ -1249,7 +1249,7 @@ impl Queue {
                 if fits(&inner, freed) {
                     break None;
                 }
-                match inner.take_oldest(own, &mut passed_over) {
+                match inner.take_oldest(own, held_back_levels, &mut passed_over) {
                     Ok(Some((taken, size, level))) => {
                         freed += size;
                         // (A released message takes none of its level's log's open reads.)
@@ -1263,7 +1263,7 @@ impl Queue {
                         let done = inner.drop_taken(out.drain(..), &mut dropped);
                         inner.counters.dropped += dropped;
                         done?;
-                        freed = 0;
+                        (freed, own) = (0, None);
                     }
                     Ok(None) => break Some(BrokerError::Full(self.name.clone())),
                     Err(e) => break Some(e),
@@ -2838,30 +2838,38 @@ impl Inner {
         self.settle(&taken)
     }
 
-    /// Waiting messages of the levels whose logs may let out no more records now
-    /// (`ConsumerGroup::may_be_at_limit`): consumers' open reads hold them, and they cannot be
-    /// taken to make room.
-    fn waiting_held_back(&self) -> u64 {
-        let Store::Log { lanes, .. } = &self.store else { return 0 };
-        lanes.iter().zip(&self.waiting_at).filter(|(lane, _)| lane.group.may_be_at_limit()).map(|(_, w)| *w).sum()
+    /// Waiting messages of the levels whose logs consumers' open reads may stop letting records
+    /// out before all are taken (`ConsumerGroup::may_block`), and those levels (a bit each):
+    /// room for an offer cannot count on them.
+    fn waiting_held_back(&self) -> (u64, u16) {
+        let Store::Log { lanes, .. } = &self.store else { return (0, 0) };
+        let mut held_back = (0, 0);
+        for (level, (lane, waiting)) in lanes.iter().zip(&self.waiting_at).enumerate() {
+            if lane.group.may_block() {
+                held_back = (held_back.0 + waiting, held_back.1 | 1 << level);
+            }
+        }
+        held_back
     }
 
     /// Drops the oldest waiting message of the lowest level that gives one now (a flush passes
     /// over a level at its limit of open reads); `false` if there is none.
     fn drop_oldest(&mut self) -> Result<bool, BrokerError> {
-        let Some((taken, size, _)) = self.take_oldest(None, &mut false)? else { return Ok(false) };
+        let Some((taken, size, _)) = self.take_oldest(None, 0, &mut false)? else { return Ok(false) };
         self.drop_taken([(taken, size)], &mut 0)?;
         Ok(true)
     }
 
     /// Takes out the oldest waiting message of the lowest level that gives one now (`take_out`),
     /// with its level. A level at its limit of open reads, which its consumers hold, is passed
-    /// over (and `passed_over` set), but not `own`: the level of the caller's last take of a
-    /// record from its log, whose own takes brought it to its limit; there `None` is the answer,
-    /// as a more urgent level's message must not go while that level's wait.
+    /// over (`passed_over` set unless it is among `held_back`, a bit a level), but not `own`:
+    /// the level of the caller's last take of a record from its log, whose own takes may have
+    /// brought it to its limit; there `None` is the answer, as a more urgent level's message must
+    /// not go while that level's wait.
     fn take_oldest(
         &mut self,
         own: Option<usize>,
+        held_back: u16,
         passed_over: &mut bool,
     ) -> Result<Option<(Taken, u64, usize)>, BrokerError> {
         for level in 0..self.waiting_at.len() {
@@ -2871,7 +2879,7 @@ impl Inner {
             match self.take_out(level)? {
                 Some((taken, size)) => return Ok(Some((taken, size, level))),
                 None if own == Some(level) => return Ok(None),
-                None => *passed_over = true,
+                None => *passed_over |= held_back & 1 << level == 0,
             }
         }
         Ok(None)
@@ -2956,7 +2964,8 @@ impl Inner {
                         self.put_back_taken([(taken, size)]);
                     }
                 }
-                self.put_back_taken(rest);
+                // Newest first, so that each is its log's last read (`ConsumerGroup::unpoll`).
+                self.put_back_taken(rest.collect::<Vec<_>>().into_iter().rev());
                 return Err(e);
             }
             counting::subtract(&mut self.bytes, size, "a queue's bytes");

@@ -291,6 +291,34 @@ fn a_circular_queue_drops_past_its_log_s_limit_only_for_an_offer_that_fits() {
     assert_eq!(b.queue("q").unwrap().status().items, limit + 13);
 }
 
+/// The same with the held level below the one that makes room: passed over, and the offer that
+/// fits beside its waiting messages by count still gets its room (it was refused).
+#[test]
+fn a_circular_queue_passes_over_a_held_level_below_and_drops_past_its_log_s_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let limit = petrel_log::MAX_PENDING as u64;
+    let config =
+        QueueConfig { durable: true, priorities: 2, circular: true, max_items: limit + 13, ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    let at = |level: u8, n: u64| {
+        (0..n)
+            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
+            .collect::<Vec<_>>()
+    };
+    b.offer("q", at(0, limit), MS).unwrap();
+    let mut open = 0;
+    while open < limit {
+        open += b.poll("q", 1000, Some(Duration::from_secs(3600)), 1, 2 * MS).unwrap().len() as u64;
+    }
+    b.offer("q", at(0, 5), 3 * MS).unwrap();
+    b.offer("q", at(1, limit + 8), 4 * MS).unwrap();
+    b.offer("q", at(1, limit + 8), 5 * MS).unwrap();
+    assert_eq!(b.queue("q").unwrap().counters().dropped, limit + 8);
+    let got = b.poll("q", 1, None, 1, 6 * MS).unwrap();
+    assert_eq!(texts(&got), ["1.0"]);
+}
+
 /// A message released at the head of a level its consumers hold at its log's limit goes for an
 /// offer, and so does the next level's oldest, without taking the level for the offer's own
 /// (it dropped the released one, then refused).

@@ -539,12 +539,14 @@ impl ConsumerGroup {
         (self.next - self.committed) as usize - self.acked_above + self.held.len()
     }
 
-    /// Whether `poll` may refuse new records now (`TooManyPending`): as many delivered and not
-    /// acknowledged as `max_pending`, or a window that long. Errs towards `true`: holding the
-    /// window's oldest may make room, and returned records go out again regardless.
-    pub fn may_be_at_limit(&self) -> bool {
-        let max = self.options.max_pending;
-        self.pending() >= max || (self.next - self.committed) as usize >= max
+    /// Whether the records delivered and not acknowledged may stop `poll` letting more out
+    /// (`TooManyPending`) before every record is read, even as each one read is acknowledged:
+    /// `max_pending` of them, or more than the window can hold as it moves on (`MAX_HELD`).
+    /// Errs towards `true` (the window may move over fewer, and returned ones go out
+    /// regardless).
+    pub fn may_block(&self) -> bool {
+        let (pending, max) = (self.pending(), self.options.max_pending);
+        pending >= max || pending > MAX_HELD || (self.next - self.committed) as usize >= max
     }
 
     /// Of the `pending` records, those `poll` hands out again before any new one: returned
@@ -821,19 +823,25 @@ impl ConsumerGroup {
         Ok(())
     }
 
-    /// Takes back the last record `poll` delivered, unacknowledged, as if it had never been
+    /// Takes back the last unacknowledged record `poll` delivered, as if it had never been
     /// delivered: unlike `nack`, it stops counting against `max_pending`, and the next poll reads
-    /// it in order with those after it. `false` (nothing changed) unless `offset` is that record.
+    /// it in order with those after it. Records read after it and acknowledged (markers a reader
+    /// stepped over) stay acknowledged, to be stepped over again. `false` (nothing changed)
+    /// unless `offset` is that record.
     pub fn unpoll(&mut self, offset: u64) -> bool {
-        let last = offset + 1 == self.next
-            && offset >= self.committed
-            && self.acked.back() == Some(&false)
-            && !self.redeliver.contains(&offset);
-        if last {
-            self.acked.pop_back();
-            self.next = offset;
+        if offset < self.committed || offset >= self.next || self.redeliver.contains(&offset) {
+            return false;
         }
-        last
+        let at = (offset - self.committed) as usize;
+        if self.acked[at] || !self.acked.range(at + 1..).all(|acked| *acked) {
+            return false;
+        }
+        // (Above the new `next`, as `skip` holds: a poll stops at the first, and steps over it.)
+        self.skip.extend(offset + 1..self.next);
+        self.acked_above -= (self.next - offset - 1) as usize;
+        self.acked.truncate(at);
+        self.next = offset;
+        true
     }
 
     /// Moves the group: everything before the new position counts as acknowledged, everything

@@ -100,17 +100,33 @@ fn an_unpolled_record_is_read_again_in_order_and_frees_its_open_read() {
     let log = log_with(dir.path(), 10);
     let mut g = log.group("g", GroupOptions { max_pending: 3, ..GroupOptions::default() }).unwrap();
     assert_eq!(offsets(g.poll(3, NOW).unwrap()), [0, 1, 2]);
-    assert!(g.may_be_at_limit());
+    assert!(g.may_block());
     assert!(!g.unpoll(1), "not the last read");
     assert!(g.unpoll(2) && g.unpoll(1));
     assert!(!g.unpoll(1), "read back once");
-    assert_eq!((g.pending(), g.may_be_at_limit()), (1, false));
+    assert_eq!((g.pending(), g.may_block()), (1, false));
     g.ack(0).unwrap();
     assert!(!g.unpoll(0), "acknowledged");
     assert_eq!(offsets(g.poll(10, NOW).unwrap()), [1, 2, 3]);
     g.nack(3).unwrap();
     assert!(!g.unpoll(3), "returned to be read again first");
     assert_eq!(g.pending(), 3);
+    // Acknowledged after it: stays acknowledged, stepped over once it is read again.
+    let mut g = log.group("h", GroupOptions::default()).unwrap();
+    assert_eq!(offsets(g.poll(3, NOW).unwrap()), [0, 1, 2]);
+    g.ack(2).unwrap();
+    assert!(g.unpoll(1));
+    assert_eq!((g.pending(), g.unacknowledged()), (1, 9));
+    assert_eq!(offsets(g.poll(10, NOW).unwrap()), [1]);
+    assert_eq!(offsets(g.poll(10, NOW).unwrap()), (3..10).collect::<Vec<_>>());
+    // More open reads than the window can hold as it moves on: `poll` may stop before the end.
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 200);
+    let mut g = log.group("j", GroupOptions::default()).unwrap();
+    g.poll(124, NOW).unwrap();
+    assert!(!g.may_block());
+    g.poll(1, NOW).unwrap();
+    assert!(g.may_block());
 }
 
 #[test]
