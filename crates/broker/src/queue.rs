@@ -2954,6 +2954,8 @@ impl Inner {
                     }
                     _ => false,
                 };
+                // Newest first, so that each is its log's last read (`ConsumerGroup::unpoll`).
+                self.put_back_taken(rest.collect::<Vec<_>>().into_iter().rev());
                 match gone {
                     true => {
                         counting::subtract(&mut self.bytes, size, "a queue's bytes");
@@ -2964,8 +2966,6 @@ impl Inner {
                         self.put_back_taken([(taken, size)]);
                     }
                 }
-                // Newest first, so that each is its log's last read (`ConsumerGroup::unpoll`).
-                self.put_back_taken(rest.collect::<Vec<_>>().into_iter().rev());
                 return Err(e);
             }
             counting::subtract(&mut self.bytes, size, "a queue's bytes");

@@ -291,7 +291,8 @@ pub struct ConsumerGroup {
     acked_above: usize,
     /// Pending offsets to deliver again before new records (`nack`).
     redeliver: BTreeSet<u64>,
-    /// Offsets acknowledged before a restart that must not be delivered again.
+    /// Offsets at or above `next` acknowledged (before a restart, or read after a record taken
+    /// back with `unpoll`) that must not be delivered again.
     skip: BTreeSet<u64>,
     /// Offsets below `committed` delivered and not acknowledged: the window moved over them
     /// when they held it full (`poll`). At most `MAX_HELD`; after a restart they are delivered
@@ -545,8 +546,8 @@ impl ConsumerGroup {
     /// Errs towards `true` (the window may move over fewer, and returned ones go out
     /// regardless).
     pub fn may_block(&self) -> bool {
-        let (pending, max) = (self.pending(), self.options.max_pending);
-        pending >= max || pending > MAX_HELD || (self.next - self.committed) as usize >= max
+        let pending = self.pending();
+        pending >= self.options.max_pending || pending > MAX_HELD
     }
 
     /// Of the `pending` records, those `poll` hands out again before any new one: returned
