@@ -220,33 +220,39 @@ fn a_circular_queue_drops_more_than_its_log_lets_out_for_one_large_offer() {
     assert_eq!(got[1_000].message.payload.len(), 90_000);
 }
 
+/// `n` messages at priority `level`, their payloads "level.i".
+fn at_level(level: u8, n: usize) -> Vec<Message> {
+    (0..n).map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) }).collect()
+}
+
+/// A durable circular queue "q" of two levels and `max_items`, whose level `held` its consumers
+/// hold at its log's limit of open reads: 8,192 offered (`max_items` at a time) and read, none
+/// acknowledged. Returns the reads' handles.
+fn circular_with_a_held_level(max_items: u64, held: u8) -> (tempfile::TempDir, Broker, Vec<u64>) {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let config = QueueConfig { durable: true, priorities: 2, circular: true, max_items, ..QueueConfig::default() };
+    b.create_queue("q", config, None).unwrap();
+    let mut open = Vec::new();
+    while open.len() < petrel_log::MAX_PENDING {
+        let n = (petrel_log::MAX_PENDING - open.len()).min(max_items as usize);
+        b.offer("q", at_level(held, n), MS).unwrap();
+        let hour = Some(Duration::from_secs(3600));
+        open.extend(b.poll("q", n, hour, 1, 2 * MS).unwrap().into_iter().map(|d| d.handle));
+    }
+    (dir, b, open)
+}
+
 /// A full circular queue whose least urgent level its consumers hold at its limit of open reads
 /// (its waiting messages cannot go now) drops more urgent ones only if that makes room: it
 /// dropped them one by one, then refused the offer all the same.
 #[test]
 fn a_circular_queue_drops_nothing_for_an_offer_that_a_blocked_level_keeps_out() {
-    let dir = tempfile::tempdir().unwrap();
-    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
-    let config = QueueConfig { durable: true, priorities: 2, circular: true, max_items: 8, ..QueueConfig::default() };
-    b.create_queue("q", config, None).unwrap();
-    let at = |level: u8, n: usize| {
-        (0..n)
-            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
-            .collect::<Vec<_>>()
-    };
-    let hour = Some(Duration::from_secs(3600));
-    // Offered 8 at a time (the limit), each batch taken out but the last: the level holds
-    // 8,192 open reads and 5 waiting.
-    let mut open = 0;
-    while open < petrel_log::MAX_PENDING {
-        let n = (petrel_log::MAX_PENDING - open).min(8);
-        b.offer("q", at(0, n), MS).unwrap();
-        open += b.poll("q", n, hour, 1, 2 * MS).unwrap().len();
-    }
-    b.offer("q", at(0, 5), 3 * MS).unwrap();
-    b.offer("q", at(1, 3), 4 * MS).unwrap();
+    let (_dir, b, _) = circular_with_a_held_level(8, 0);
+    b.offer("q", at_level(0, 5), 3 * MS).unwrap();
+    b.offer("q", at_level(1, 3), 4 * MS).unwrap();
     // 8 waiting: 4 more fit only if 4 go, and only the 3 urgent ones can.
-    let refused = b.offer("q", at(1, 4), 5 * MS);
+    let refused = b.offer("q", at_level(1, 4), 5 * MS);
     assert!(matches!(refused, Err(BrokerError::Full(_))), "{refused:?}");
     assert_eq!(b.queue("q").unwrap().counters().dropped, 0, "nothing dropped for an offer refused");
     // One more fits once one goes: the oldest of the level that can give one.
@@ -261,60 +267,32 @@ fn a_circular_queue_drops_nothing_for_an_offer_that_a_blocked_level_keeps_out() 
 /// that level's waiting messages (it dropped 8,192, then refused).
 #[test]
 fn a_circular_queue_drops_past_its_log_s_limit_only_for_an_offer_that_fits() {
-    let dir = tempfile::tempdir().unwrap();
-    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
-    let limit = petrel_log::MAX_PENDING as u64;
-    let config =
-        QueueConfig { durable: true, priorities: 2, circular: true, max_items: limit + 13, ..QueueConfig::default() };
-    b.create_queue("q", config, None).unwrap();
-    let at = |level: u8, n: u64| {
-        (0..n)
-            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
-            .collect::<Vec<_>>()
-    };
+    let limit = petrel_log::MAX_PENDING;
+    let (_dir, b, _) = circular_with_a_held_level(limit as u64 + 13, 1);
     // The urgent level's 8,192 out with consumers and 5 waiting; 8,208 waiting below.
-    b.offer("q", at(1, limit), MS).unwrap();
-    let mut open = 0;
-    while open < limit {
-        open += b.poll("q", 1000, Some(Duration::from_secs(3600)), 1, 2 * MS).unwrap().len() as u64;
-    }
-    b.offer("q", at(1, 5), 3 * MS).unwrap();
-    b.offer("q", at(0, limit + 8), 4 * MS).unwrap();
+    b.offer("q", at_level(1, 5), 3 * MS).unwrap();
+    b.offer("q", at_level(0, limit + 8), 4 * MS).unwrap();
     // 8,209 fit beside the 5 only with 8,214 waiting: refused, nothing dropped.
-    let refused = b.offer("q", at(1, limit + 9), 5 * MS);
+    let refused = b.offer("q", at_level(1, limit + 9), 5 * MS);
     assert!(matches!(refused, Err(BrokerError::Full(_))), "{refused:?}");
     assert_eq!(b.queue("q").unwrap().counters().dropped, 0);
-    assert_eq!(b.queue("q").unwrap().status().items, limit + 13);
+    assert_eq!(b.queue("q").unwrap().status().items, limit as u64 + 13);
     // 8,208 do: the whole lower level goes for them.
-    b.offer("q", at(1, limit + 8), 6 * MS).unwrap();
-    assert_eq!(b.queue("q").unwrap().counters().dropped, limit + 8);
-    assert_eq!(b.queue("q").unwrap().status().items, limit + 13);
+    b.offer("q", at_level(1, limit + 8), 6 * MS).unwrap();
+    assert_eq!(b.queue("q").unwrap().counters().dropped, limit as u64 + 8);
+    assert_eq!(b.queue("q").unwrap().status().items, limit as u64 + 13);
 }
 
 /// The same with the held level below the one that makes room: passed over, and the offer that
 /// fits beside its waiting messages by count still gets its room (it was refused).
 #[test]
 fn a_circular_queue_passes_over_a_held_level_below_and_drops_past_its_log_s_limit() {
-    let dir = tempfile::tempdir().unwrap();
-    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
-    let limit = petrel_log::MAX_PENDING as u64;
-    let config =
-        QueueConfig { durable: true, priorities: 2, circular: true, max_items: limit + 13, ..QueueConfig::default() };
-    b.create_queue("q", config, None).unwrap();
-    let at = |level: u8, n: u64| {
-        (0..n)
-            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
-            .collect::<Vec<_>>()
-    };
-    b.offer("q", at(0, limit), MS).unwrap();
-    let mut open = 0;
-    while open < limit {
-        open += b.poll("q", 1000, Some(Duration::from_secs(3600)), 1, 2 * MS).unwrap().len() as u64;
-    }
-    b.offer("q", at(0, 5), 3 * MS).unwrap();
-    b.offer("q", at(1, limit + 8), 4 * MS).unwrap();
-    b.offer("q", at(1, limit + 8), 5 * MS).unwrap();
-    assert_eq!(b.queue("q").unwrap().counters().dropped, limit + 8);
+    let limit = petrel_log::MAX_PENDING;
+    let (_dir, b, _) = circular_with_a_held_level(limit as u64 + 13, 0);
+    b.offer("q", at_level(0, 5), 3 * MS).unwrap();
+    b.offer("q", at_level(1, limit + 8), 4 * MS).unwrap();
+    b.offer("q", at_level(1, limit + 8), 5 * MS).unwrap();
+    assert_eq!(b.queue("q").unwrap().counters().dropped, limit as u64 + 8);
     let got = b.poll("q", 1, None, 1, 6 * MS).unwrap();
     assert_eq!(texts(&got), ["1.0"]);
 }
@@ -324,30 +302,16 @@ fn a_circular_queue_passes_over_a_held_level_below_and_drops_past_its_log_s_limi
 /// (it dropped the released one, then refused).
 #[test]
 fn a_circular_queue_drops_a_released_message_of_a_blocked_level_and_goes_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
-    let config = QueueConfig { durable: true, priorities: 2, circular: true, max_items: 6, ..QueueConfig::default() };
-    b.create_queue("q", config, None).unwrap();
-    let at = |level: u8, n: usize| {
-        (0..n)
-            .map(|i| Message { priority: level, ..Message::new(format!("{level}.{i}").into_bytes()) })
-            .collect::<Vec<_>>()
-    };
+    let (_dir, b, open) = circular_with_a_held_level(6, 0);
     let hour = Some(Duration::from_secs(3600));
-    let mut open = Vec::new();
-    while open.len() < petrel_log::MAX_PENDING {
-        let n = (petrel_log::MAX_PENDING - open.len()).min(6);
-        b.offer("q", at(0, n), MS).unwrap();
-        open.extend(b.poll("q", n, hour, 1, 2 * MS).unwrap().into_iter().map(|d| d.handle));
-    }
     // One returned with a delay (its read closed), another read in its place: the level is held
     // at its limit again, and the returned one comes due at its head.
     assert_eq!(b.abort("q", &open[..1], 1, 1, 3 * MS).unwrap(), 1);
-    b.offer("q", at(0, 1), 3 * MS).unwrap();
+    b.offer("q", at_level(0, 1), 3 * MS).unwrap();
     assert_eq!(b.poll("q", 1, hour, 1, 3 * MS).unwrap().len(), 1);
     b.tick(10 * MS);
-    b.offer("q", at(0, 3), 11 * MS).unwrap();
-    b.offer("q", at(1, 2), 12 * MS).unwrap();
+    b.offer("q", at_level(0, 3), 11 * MS).unwrap();
+    b.offer("q", at_level(1, 2), 12 * MS).unwrap();
     let before = b.queue("q").unwrap().counters().dropped;
     assert_eq!(b.queue("q").unwrap().status().items, 6, "the released one, 3 held back, 2 urgent");
     b.offer("q", vec![Message { priority: 1, ..Message::new(&b"new"[..]) }; 2], 13 * MS).unwrap();
