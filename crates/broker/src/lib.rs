@@ -1781,8 +1781,22 @@ impl Broker {
                 }
             }
         }
-        let queues: Vec<Arc<Queue>> = self.read().queues.values().filter(|q| q.is_due(now_ns)).cloned().collect();
-        for q in &queues {
+        // One pass over the queues: those due now, and when the others are (work coming due
+        // sooner after this rings the alarm, which the caller set before the tick began). A
+        // server with thousands of queues and one with delayed messages ticks every millisecond.
+        let mut next = u64::MAX;
+        let due: Vec<Arc<Queue>> = {
+            let registry = self.read();
+            let mut due = Vec::new();
+            for q in registry.queues.values() {
+                match q.next_due() {
+                    at if at <= now_ns => due.push(Arc::clone(q)),
+                    at => next = next.min(at),
+                }
+            }
+            due
+        };
+        for q in &due {
             let (dead, failed, given_back) = q.tick(now_ns);
             self.given_back.fetch_add(given_back, Ordering::Relaxed);
             self.dead_letter(q, dead.over_limit, DeadReason::MaxDeliveries, now_ns);
@@ -1790,8 +1804,9 @@ impl Broker {
             if let Some(e) = failed {
                 tracing::error!(queue = %q.name, error = %e, "tick failed; the queue's next one in 100 ms at the soonest");
             }
+            next = next.min(q.next_due());
         }
-        self.read().queues.values().map(|q| q.next_due()).min().unwrap_or(u64::MAX)
+        next
     }
 
     /// Rung when a queue's work comes due before the time `tick`'s caller last set on it.
