@@ -870,6 +870,11 @@ impl Cluster {
     /// Copies of a message already delivered from another server are dropped (see the module's
     /// notes). An empty answer after the timeout is an empty vector; a queue that every server
     /// refuses is that refusal (`QUEUE_NOT_FOUND`); `Unavailable` if no server was up.
+    ///
+    /// Cancel safety: as `Client::poll`'s. Without a visibility timeout, a poll dropped while its
+    /// messages are taken comes back with them later (they wait out a minute's visibility, or
+    /// their connection's end), but one dropped while they are being acknowledged loses them;
+    /// `poll_for_good_unacknowledged` and `ack` lose nothing.
     pub async fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<ClusterDelivery>, ClientError> {
         let for_good = options.visibility.is_none();
         let taken = match for_good {

@@ -702,6 +702,12 @@ impl Client {
     }
 
     /// Polls; an empty queue (after the timeout) gives an empty vector.
+    ///
+    /// Cancel safety: without a visibility timeout the server takes the messages for good as it
+    /// answers, so a poll dropped after its request went out (its future given up in a
+    /// `select!` or a `timeout`) loses what was taken for it. With one, what a dropped poll took
+    /// goes back to the queue when the visibility timeout passes or the connection closes: poll
+    /// with a visibility timeout and `ack` where a poll may be given up.
     pub async fn poll(&self, queue: &str, options: PollOptions) -> Result<Vec<Delivery>, ClientError> {
         let request = Request::Poll {
             queue: queue.into(),
