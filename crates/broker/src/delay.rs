@@ -829,7 +829,7 @@ impl DelayLog {
                 repaired.push(r.offset);
                 return;
             }
-            reopened.bytes += message::from_record(r).size();
+            reopened.bytes += message::record_size(r);
             if !done.is_released(r.offset) {
                 let level = usize::from(placement.priority).min(top);
                 timers.insert(message::deliver_at(r), slot(level, r.offset));

@@ -770,7 +770,7 @@ impl Queue {
                             let placement = message::placement(&r);
                             moved.extend(placement.moved_from);
                             if !acknowledged {
-                                bytes += message::from_record(&r).size();
+                                bytes += message::record_size(&r);
                             }
                         }
                     }
@@ -2917,7 +2917,7 @@ impl Inner {
                     let lane = &mut lanes[level];
                     skip_markers(&mut lane.group, &mut lane.markers_unread)?;
                     let record = match lane.group.poll(1, Duration::ZERO) {
-                        Ok(batch) => batch.into_iter().next().map(|r| (r.offset, message::from_record(&r).size())),
+                        Ok(batch) => batch.into_iter().next().map(|r| (r.offset, message::record_size(&r))),
                         Err(petrel_log::Error::TooManyPending { .. }) => None,
                         Err(e) => return Err(e.into()),
                     };
