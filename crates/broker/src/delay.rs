@@ -1043,6 +1043,11 @@ impl DelayLog {
         self.with_record(offset, message::from_record)
     }
 
+    /// The size of the delayed message at `offset` (one not done), without decoding it.
+    pub fn size_at(&mut self, offset: u64) -> Result<u64, BrokerError> {
+        self.with_record(offset, message::record_size)
+    }
+
     /// When the delayed message at `offset` (one not done) expires (0: never), without decoding
     /// the rest: the tick and every poll look at the head's expiry.
     pub fn expires_at(&mut self, offset: u64) -> Result<u64, BrokerError> {

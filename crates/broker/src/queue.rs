@@ -2665,7 +2665,7 @@ impl Inner {
             }
             Store::Log { lanes, delayed: Some(delay), .. } => {
                 let offsets = delay.delayed_offsets();
-                let sizes = offsets.iter().map(|&o| delay.message_at(o).map(|m| m.size()));
+                let sizes = offsets.iter().map(|&o| delay.size_at(o));
                 let sizes = sizes.collect::<Result<Vec<u64>, _>>()?;
                 // A failure part way drops only those marked done; the others stay delayed.
                 let (marked, failed) = delay.drop_delayed(&offsets, MARKER_OFFSETS);
@@ -2697,7 +2697,7 @@ impl Inner {
         self.head_taken |= dropped > 0;
         // Their bytes go with them (a flush that leaves messages waiting, behind a level at its
         // limit of open reads, does not count the bytes afresh).
-        let sizes = offsets.iter().map(|&o| delay.message_at(o).map(|m| m.size())).sum::<Result<u64, _>>()?;
+        let sizes = offsets.iter().map(|&o| delay.size_at(o)).sum::<Result<u64, _>>()?;
         counting::subtract(&mut self.bytes, sizes, "a queue's bytes");
         failed.map_or(Ok(dropped), Err)
     }
@@ -2899,7 +2899,7 @@ impl Inner {
     /// more of its records out until some are acknowledged.
     fn take_out(&mut self, level: usize) -> Result<Option<(Taken, u64)>, BrokerError> {
         let taken = if let Some(ready) = self.ready_front(level)? {
-            let size = self.released(level, ready)?.size();
+            let size = self.released_from().size_at(ready.offset)?;
             assert_eq!(self.released_from().take_ready(level), Some(ready), "the front is taken");
             (Taken::Released { level, ready }, size)
         } else {
