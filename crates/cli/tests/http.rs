@@ -1093,6 +1093,29 @@ fn slow_http_clients_are_cut_off_and_one_address_holds_at_most_64() {
     common::wait_until("room again", || healthz().is_ok_and(|a| a.starts_with("HTTP/1.1 200")));
 }
 
+/// A request whose body does not come in time is answered 408, in JSON, and does nothing (its
+/// connection's limit on a request's time, 10 s from its first byte, covers the body too).
+#[test]
+fn a_body_that_does_not_come_in_time_is_answered_408() {
+    use std::io::Read as _;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let http = server.http.as_str();
+    let mut slow = TcpStream::connect(http).unwrap();
+    let head = "PUT /api/v1/queues/slow HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+                Content-Length: 50\r\nConnection: close\r\n\r\n{\"max_items\"";
+    slow.write_all(head.as_bytes()).unwrap();
+    let started = std::time::Instant::now();
+    slow.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut answer = String::new();
+    let _ = slow.read_to_string(&mut answer);
+    assert!(started.elapsed() >= Duration::from_secs(5), "waited for: {answer}");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let body = &answer[answer.find("\r\n\r\n").expect("a body") + 4..];
+    assert_eq!(json(body)["status"], 408, "{answer}");
+    assert_eq!(get(http, "/api/v1/queues/slow", None).0, 404, "not made");
+}
+
 /// Every error is JSON, also those the HTTP layer gives before a handler runs: a body over the
 /// API's 64 KiB, a path that does not decode, a method a route does not take (they were plain
 /// text, or nothing).
