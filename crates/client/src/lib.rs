@@ -384,9 +384,8 @@ impl std::fmt::Debug for Client {
 /// of silence, so that a server gone without a word (its host powered off, a cut link) is
 /// noticed in about a minute instead of never: a subscriber or a follower waits on a connection
 /// that carries nothing for long, and only then reconnects. Probes go only over a silent
-/// connection; one whose requests the server's TCP neither acknowledges (its host gone) nor
-/// takes (a server that stopped reading it: its window shut) gives up after the same minute
-/// (`TCP_USER_TIMEOUT`), not after the kernel's retries of some 15 minutes.
+/// connection; one with a request unanswered by the other end's TCP gives up after the same
+/// minute (`TCP_USER_TIMEOUT`), not after the kernel's retries of some 15 minutes.
 fn tcp_ready(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
     use rustix::net::sockopt;
     stream.set_nodelay(true)?;
@@ -1657,7 +1656,7 @@ mod tests {
     }
 
     /// A connection is probed when silent and given up a minute after the server's TCP stops
-    /// acknowledging or taking requests (keepalive alone waits out the kernel's retries).
+    /// acknowledging a request (keepalive alone waits out the kernel's retries).
     #[tokio::test]
     async fn a_connection_gives_up_on_a_silent_server_in_a_minute() {
         use rustix::net::sockopt;

@@ -339,14 +339,14 @@ impl Server {
             let (protocol, stream, peer) = tokio::select! {
                 _ = &mut shutdown => break,
                 _ = ctx.shutdown.notified() => break,
-                accepted = accept_tcp(self.memcache.as_ref(), ctx.limits.idle_timeout()) => match accepted {
+                accepted = accept_tcp(self.memcache.as_ref()) => match accepted {
                     Ok((stream, peer)) => (Protocol::Memcache, stream, peer),
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
                         continue;
                     }
                 },
-                accepted = accept_tcp(Some(&self.tcp), ctx.limits.idle_timeout()) => match accepted {
+                accepted = accept_tcp(Some(&self.tcp)) => match accepted {
                     Ok((stream, peer)) => (Protocol::Native, stream, peer),
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
@@ -440,12 +440,7 @@ fn log_panic(ended: Result<(), tokio::task::JoinError>) {
     }
 }
 
-/// Accepts a TCP connection; `idle_timeout`: the server's, which bounds how long the kernel keeps
-/// a connection whose bytes the client neither acknowledges nor reads (below).
-async fn accept_tcp(
-    listener: Option<&TcpListener>,
-    idle_timeout: Option<Duration>,
-) -> std::io::Result<(TcpStream, SocketAddr)> {
+async fn accept_tcp(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
     match listener {
         Some(l) => {
             let (stream, peer) = l.accept().await?;
@@ -453,20 +448,15 @@ async fn accept_tcp(
             // Probes after 30 s of silence: a client gone without a word (its host powered off,
             // a cut link) is noticed in about a minute, and what it held (open reads, a
             // subscription's backlog, served functions) goes back, even with no idle timeout.
-            // Probes go only over a silent connection. Answers its TCP neither acknowledges
-            // (a host gone) nor takes (a client that stopped reading: its window shut) end it
-            // after `idle_timeout` (`TCP_USER_TIMEOUT`), the time the server waits for a client
-            // that does not read its answers anyway, not after some 15 minutes of the kernel's
-            // retries; with no idle timeout, never (a minute would override the setting).
+            // Probes go only over a silent connection: answers its TCP never acknowledges end
+            // it after the same minute (`TCP_USER_TIMEOUT`), not after some 15 minutes of the
+            // kernel's retries with its outbox full.
             use rustix::net::sockopt;
             let _ = sockopt::set_socket_keepalive(&stream, true);
             let _ = sockopt::set_tcp_keepidle(&stream, Duration::from_secs(30));
             let _ = sockopt::set_tcp_keepintvl(&stream, Duration::from_secs(10));
             let _ = sockopt::set_tcp_keepcnt(&stream, 3);
-            if let Some(idle) = idle_timeout {
-                let ms = idle.as_millis().clamp(1, u128::from(u32::MAX)) as u32;
-                let _ = sockopt::set_tcp_user_timeout(&stream, ms);
-            }
+            let _ = sockopt::set_tcp_user_timeout(&stream, 60_000);
             Ok((stream, peer))
         }
         None => std::future::pending().await,
@@ -799,18 +789,15 @@ mod tests {
         assert_eq!(lines.take(at(2500)), Some(0));
     }
 
-    /// An accepted connection is probed when silent and given up the idle timeout after the
-    /// client's TCP stops acknowledging or taking what was sent (keepalive alone waits out the
-    /// kernel's retries); with no idle timeout, never.
+    /// An accepted connection is probed when silent and given up a minute after the client's
+    /// TCP stops acknowledging what was sent (keepalive alone waits out the kernel's retries).
     #[tokio::test]
-    async fn an_accepted_connection_gives_up_on_a_silent_client_after_the_idle_timeout() {
+    async fn an_accepted_connection_gives_up_on_a_silent_client_in_a_minute() {
         use rustix::net::sockopt;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        for (idle, expected) in [(Some(Duration::from_secs(600)), 600_000), (None, 0)] {
-            let _client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
-            let (stream, _) = accept_tcp(Some(&listener), idle).await.unwrap();
-            assert!(sockopt::socket_keepalive(&stream).unwrap());
-            assert_eq!(sockopt::tcp_user_timeout(&stream).unwrap(), expected);
-        }
+        let _client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (stream, _) = accept_tcp(Some(&listener)).await.unwrap();
+        assert!(sockopt::socket_keepalive(&stream).unwrap());
+        assert_eq!(sockopt::tcp_user_timeout(&stream).unwrap(), 60_000);
     }
 }
