@@ -1259,10 +1259,7 @@ impl Queue {
                         out.push((taken, size));
                     }
                     Ok(None) if known && !passed_over && !out.is_empty() => {
-                        let mut dropped = 0;
-                        let done = inner.drop_taken(out.drain(..), &mut dropped);
-                        inner.counters.dropped += dropped;
-                        done?;
+                        inner.drop_for_room(out.drain(..))?;
                         (freed, own) = (0, None);
                     }
                     Ok(None) => break Some(BrokerError::Full(self.name.clone())),
@@ -1274,10 +1271,7 @@ impl Queue {
                 inner.put_back_taken(out.into_iter().rev());
                 return Err(e);
             }
-            let mut dropped = 0;
-            let done = inner.drop_taken(out, &mut dropped);
-            inner.counters.dropped += dropped;
-            done?;
+            inner.drop_for_room(out)?;
         }
         if let Some(repeated) = repeated {
             inner.counters.deduplicated += u64::from(repeats);
@@ -2972,6 +2966,15 @@ impl Inner {
             *dropped += 1;
         }
         Ok(())
+    }
+
+    /// `drop_taken` for an offer's room: what goes counts in the queue's `dropped`, also when a
+    /// drop fails part way.
+    fn drop_for_room(&mut self, taken: impl IntoIterator<Item = (Taken, u64)>) -> Result<(), BrokerError> {
+        let mut dropped = 0;
+        let done = self.drop_taken(taken, &mut dropped);
+        self.counters.dropped += dropped;
+        done
     }
 
     /// Puts messages `take_out` took back in their places, undelivered.
