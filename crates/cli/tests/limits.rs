@@ -534,6 +534,46 @@ fn a_client_that_never_reads_its_answers_holds_neither_the_server_nor_its_stop()
     drop(stalled);
 }
 
+/// An answer cut short by the stop goes on from where it was cut: a client that reads again
+/// during the stop's grace gets the whole frame, once. (The server's stop gave up the write of
+/// an answer half sent, and the stop's last flush sent it again from its first byte: the client
+/// read half a frame, then the whole of it, and took the rest for frames of their own.)
+#[test]
+fn an_answer_half_written_when_the_server_stops_is_finished_not_sent_again() {
+    use petrel_proto::{Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "shutdown_grace = \"3s\"\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let payload: Vec<u8> = (0..15u32 << 20).map(|i| (i % 251) as u8).collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("big", QueueConfig::default()).await.unwrap();
+        c.offer("big", vec![petrel_client::Message::new(payload.clone())], None).await.unwrap();
+    });
+    // Its 15 MiB answer, with nobody reading: the server writes what the sockets' buffers take.
+    let mut reader = TcpStream::connect(&server.addr).unwrap();
+    let mut requests = request_frame(&Request::Hello { client: "slow".into(), features: 0 }, 1);
+    requests.extend(request_frame(&Request::Poll { queue: "big".into(), max: 1, timeout_ms: 0, visibility_ms: 0 }, 2));
+    reader.write_all(&requests).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = server.child.id().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // Reading again within the grace: every byte after the hello's answer is the poll's answer.
+    reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = Vec::new();
+    reader.read_to_end(&mut got).unwrap();
+    let mut answers = &got[..];
+    assert!(matches!(read_response(&mut answers), (1, Response::Hello { .. })));
+    let (id, answer) = read_response(&mut answers);
+    let Response::Polled { deliveries: delivered } = answer else { panic!("{answer:?}") };
+    assert_eq!((id, delivered.len()), (2, 1));
+    assert!(delivered[0].message.payload == payload, "the payload came whole");
+    assert!(answers.is_empty(), "{} bytes after the poll's answer", answers.len());
+    drop(server);
+}
+
 /// A call that times out while its caller's answers back up: the tick (a thread of its own, not
 /// the runtime's) hands the TIMEOUT to a task that waits for room in the caller's outbox, and the
 /// caller gets it once it reads again. (With the tick outside the runtime, starting that task

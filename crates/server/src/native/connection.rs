@@ -274,7 +274,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         self.answers = 0;
         self.early_at = self.early_at.saturating_mul(2);
         // Idle is checked holding the write half, so nothing queued can be written meanwhile.
-        if let Ok(mut wr) = self.wire.try_lock()
+        if let Ok(mut wr) = Arc::clone(&self.wire).try_lock_owned()
             && self.outbox.is_idle()
         {
             // What the socket takes now; the reader never waits for a client that does not read
@@ -293,18 +293,37 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 }
             }
             if sent > 0 {
-                if sent < self.out.len() {
-                    // The rest must follow at once: nothing may come between the halves of a frame.
-                    tokio::select! {
-                        biased;
-                        written = wr.write_all(&self.out[sent..]) => written.map_err(|_| Closed)?,
-                        () = past_the_stop(&mut self.stop) => return Err(Closed),
-                    }
-                }
                 add(&self.ctx.stats.bytes_written, self.out.len() as u64);
                 self.entry.sent(self.out.len());
+                if sent == self.out.len() {
+                    self.out.clear();
+                    return Ok(());
+                }
+                // The rest must follow at once: nothing may come between the halves of a frame.
+                // A task of its own writes it, holding the write half, so that this flush given
+                // up meanwhile (a stop, a client stalled) cannot leave half a frame on the wire
+                // with other bytes after it: what is sent later waits in the outbox for the
+                // write half, and goes out after the rest. A rest that cannot be written (the
+                // client gone, or not reading past the stop's grace) ends the stream where it
+                // is, so that nothing follows the half frame.
+                let rest = self.out.split_off(sent);
                 self.out.clear();
-                return Ok(());
+                let mut stop = self.stop.clone();
+                let finishing = tokio::spawn(async move {
+                    let written = tokio::select! {
+                        biased;
+                        written = wr.write_all(&rest) => written.is_ok(),
+                        () = past_the_stop(&mut stop) => false,
+                    };
+                    if !written {
+                        let _ = tokio::time::timeout(stop.1, wr.shutdown()).await;
+                    }
+                    written
+                });
+                return match finishing.await {
+                    Ok(true) => Ok(()),
+                    _ => Err(Closed),
+                };
             }
         }
         // The next read's answers likely need as much room: no growing from empty each time (at
