@@ -534,6 +534,66 @@ fn a_client_that_never_reads_its_answers_holds_neither_the_server_nor_its_stop()
     drop(stalled);
 }
 
+/// A function server that waits for a free request slot and sends RETURNs by the million while
+/// its invocations back up unread: their answers wait for it in the server's memory, so the
+/// server stops reading it until its answers go out. (It read on, answering every RETURN into a
+/// buffer that grew without bound while the outbox was busy.)
+#[test]
+fn returns_from_a_client_that_does_not_read_are_not_answered_without_bound() {
+    use petrel_proto::{Message, Request};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(
+        dir.path(),
+        "max_in_flight_per_connection = 2\nmax_queued_responses = 64\nmax_queued_response_bytes = 4194304\n",
+    );
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut stalled = TcpStream::connect(&server.addr).unwrap();
+    rustix::net::sockopt::set_socket_recv_buffer_size(&stalled, 4096).unwrap();
+    stalled.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut requests = request_frame(&Request::Hello { client: "stalled".into(), features: 0 }, 1);
+    requests.extend(request_frame(&Request::Serve { function: "f".into() }, 2));
+    requests.extend(request_frame(&Request::QueueCreate { name: "empty".into(), config: Default::default() }, 3));
+    stalled.write_all(&requests).unwrap();
+    for id in 1..=3 {
+        assert_eq!(read_response(&mut stalled).0, id);
+    }
+    // Its invocations, unread: they fill the sockets' buffers, then wait in its outbox.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        for _ in 0..64 {
+            c.call_oneway("f", petrel_client::Message::new(vec![7u8; 64 << 10])).await.unwrap();
+        }
+    });
+    // Both slots held by polls waiting on an empty queue, a third poll waiting for a slot, then
+    // RETURNs for calls nobody made (each answered with an error).
+    let mut requests = Vec::new();
+    for id in 4..7 {
+        let poll = Request::Poll { queue: "empty".into(), max: 1, timeout_ms: 600_000, visibility_ms: 0 };
+        requests.extend(request_frame(&poll, id));
+    }
+    let give_back = Request::Return {
+        call: 12_345,
+        status: Status::Ok,
+        error: String::new(),
+        message: Box::new(Message::new(b"r".to_vec())),
+    };
+    let one = request_frame(&give_back, 7);
+    for _ in 0..(64 << 20) / one.len() {
+        requests.extend_from_slice(&one);
+    }
+    let requests_len = requests.len();
+    stalled.set_write_timeout(Some(Duration::from_secs(3))).unwrap();
+    let flood = std::thread::spawn(move || {
+        let sent = stalled.write_all(&requests);
+        (stalled, sent.is_err())
+    });
+    let (stalled, blocked) = flood.join().unwrap();
+    assert!(blocked, "{} MB of RETURNs all taken from a client that reads nothing", requests_len >> 20);
+    drop(stalled);
+    drop(server);
+}
+
 /// An answer cut short by the stop goes on from where it was cut: a client that reads again
 /// during the stop's grace gets the whole frame, once. (The server's stop gave up the write of
 /// an answer half sent, and the stop's last flush sent it again from its first byte: the client

@@ -40,6 +40,8 @@ pub(crate) struct Outbox {
     max_bytes: usize,
     /// Chunks written so far (`written`): whether the client reads at all.
     written: Arc<std::sync::atomic::AtomicU64>,
+    /// Told when the outbox becomes idle (`idle`).
+    emptied: Arc<tokio::sync::Notify>,
 }
 
 /// The writer's side.
@@ -48,6 +50,7 @@ pub(crate) struct Outgoing {
     room: Arc<Semaphore>,
     max_bytes: usize,
     written: Arc<std::sync::atomic::AtomicU64>,
+    emptied: Arc<tokio::sync::Notify>,
 }
 
 pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) {
@@ -55,9 +58,10 @@ pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) 
     let (tx, rx) = mpsc::channel(max_chunks);
     let room = Arc::new(Semaphore::new(max_bytes));
     let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let emptied = Arc::new(tokio::sync::Notify::new());
     (
-        Outbox { tx, room: Arc::clone(&room), max_bytes, written: Arc::clone(&written) },
-        Outgoing { rx, room, max_bytes, written },
+        Outbox { tx, room: Arc::clone(&room), max_bytes, written: Arc::clone(&written), emptied: Arc::clone(&emptied) },
+        Outgoing { rx, room, max_bytes, written, emptied },
     )
 }
 
@@ -95,6 +99,20 @@ impl Outbox {
         self.room.available_permits() == self.max_bytes
     }
 
+    /// Returns once the outbox is idle (never, once its writer is gone with chunks unwritten).
+    pub(crate) async fn idle(&self) {
+        loop {
+            let emptied = self.emptied.notified();
+            let mut emptied = std::pin::pin!(emptied);
+            // Registered before the look, so that an emptying right after it is not missed.
+            emptied.as_mut().enable();
+            if self.is_idle() {
+                return;
+            }
+            emptied.await;
+        }
+    }
+
     /// Queues `chunk` if there is room now.
     pub(crate) fn try_send(&self, chunk: impl Into<Chunk>) -> Result<(), TrySendError<Chunk>> {
         let chunk = chunk.into();
@@ -130,6 +148,9 @@ impl Outgoing {
     pub(crate) fn written(&self, chunk: &Chunk) {
         self.room.add_permits(cost(chunk, self.max_bytes) as usize);
         self.written.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if self.room.available_permits() == self.max_bytes {
+            self.emptied.notify_waiters();
+        }
     }
 }
 

@@ -335,8 +335,13 @@ where
         }
         // Reading on meanwhile (a little: what is read waits to be decoded) notices a client
         // that went away: its waiting requests then stop, as its connection ends. A RETURN
-        // being read is read whole, however long (see above).
-        let reading = connection.buffered() < READ_AHEAD_WHILE_WAITING || connection.reading_a_return();
+        // being read is read whole, however long (see above). But not while the RETURNs'
+        // answers wait for a busy outbox (a client that does not read): read on, the RETURNs
+        // of a client that sends and never reads would grow them without bound. Reading goes
+        // on once the outbox is idle.
+        let piled = connection.answers_are_many() && !connection.outbox().is_idle();
+        let reading = !piled && (connection.buffered() < READ_AHEAD_WHILE_WAITING || connection.reading_a_return());
+        let outbox = connection.outbox().clone();
         tokio::select! {
             permit = permits.acquire(waits_for) => return permit,
             _ = shutdown.changed() => return None,
@@ -345,6 +350,7 @@ where
                     return None;
                 }
             }
+            () = outbox.idle(), if piled => {}
             _ = crate::sleep_until_or_never(until) => {
                 // Stalled: answers waiting and none written since the last look. A client that
                 // reads (or has read everything) waits on for its requests under way.
