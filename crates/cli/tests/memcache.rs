@@ -333,6 +333,44 @@ fn shutdown_over_memcache_stops_the_server_only_when_allowed() {
     assert_eq!(c.ask(b"get kept\r\n", b"END\r\n"), "VALUE kept 0 1\r\nk\r\nEND\r\n");
 }
 
+/// A stop that ends a waiting get gives the client that then stops reading the shutdown's grace,
+/// not its idle timeout: the answers to the requests read behind the get wait for it no longer.
+/// (The get saw the stop, and the flushes after it waited for a change already seen: the
+/// server waited for that client for the idle timeout, 10 minutes.)
+#[test]
+fn a_stop_ending_a_waiting_get_does_not_wait_on_a_client_that_stopped_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "shutdown_grace = \"1s\"\n").unwrap();
+    let mut server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let mut c = Conn::open(&server);
+    let item = vec![b'x'; 1 << 20];
+    let mut set = format!("set big 0 0 {}\r\n", item.len()).into_bytes();
+    set.extend_from_slice(&item);
+    set.extend_from_slice(b"\r\n");
+    assert_eq!(c.ask(&set, b"\r\n"), "STORED\r\n");
+    // A waiting get, then peeks of the megabyte, read ahead while the get waits; nothing read.
+    let mut stalled = Conn::open(&server);
+    rustix::net::sockopt::set_socket_recv_buffer_size(&stalled.0, 4096).unwrap();
+    let mut requests = b"get empty/t=600000\r\n".to_vec();
+    for _ in 0..1000 {
+        requests.extend_from_slice(b"get big/peek\r\n");
+    }
+    stalled.send(&requests);
+    std::thread::sleep(Duration::from_millis(300));
+    let stopping = Instant::now();
+    std::process::Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap();
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(stopping.elapsed() < Duration::from_secs(20), "still running {:?} after the stop", stopping.elapsed());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+    drop(stalled);
+}
+
 /// Making a queue on its first use is file-system work (milliseconds on a busy disk). It must not
 /// hold up connections that want something else, even while more connections than the server has
 /// threads name the queue being made. Here the making is held for as long as the test likes: the

@@ -505,6 +505,68 @@ access = "poll"
     assert_eq!(exchange(&mut jak, "get jobs\r\n"), "VALUE jobs 0 5\r\n");
 }
 
+/// Over memcache as over the native protocol, a reload that takes a user's rights away leaves
+/// what the user's connection holds open closable and abortable (those touch only what the
+/// connection took: refused, the item went back at the disconnect and was handed out twice), and
+/// ends the connection of a user it removes even while a get waits (that get took the next item
+/// for a user no longer there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_waiting_get() {
+    let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"jobs\"\nuser = \"tom\"\naccess = \"poll\"\n";
+    let setup = Setup::new(allow);
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    max.create_queue("jobs", QueueConfig::default()).await.unwrap();
+    max.offer("jobs", vec![msg("a"), msg("b")], None).await.unwrap();
+    let connect = |user: &str, password: &str| {
+        let mut s = std::net::TcpStream::connect(&server.memcache).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let login = format!("{user} {password}");
+        assert_eq!(exchange(&mut s, &format!("set login 0 0 {}\r\n{login}\r\n", login.len())), "STORED\r\n");
+        s
+    };
+    let mut tom = connect("tom", "3-kio");
+    let mut answer = BufReader::new(tom.try_clone().unwrap());
+    tom.write_all(b"get jobs/open\r\n").unwrap();
+    let mut lines = String::new();
+    while !lines.ends_with("END\r\n") {
+        answer.read_line(&mut lines).unwrap();
+    }
+    assert_eq!(lines, "VALUE jobs/open 0 1\r\na\r\nEND\r\n");
+    let mut jon = connect("jon", "ph$54");
+    // The rules change: tom may no longer poll; jon is removed.
+    setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
+    let users = setup.dir.path().join("users.toml");
+    assert!(Command::new(PETREL).args(["user", "remove"]).arg(&users).arg("jon").status().unwrap().success());
+    jon.write_all(b"get other/t=600000\r\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    common::wait_until_async("the reload in force", || async {
+        let mut probe = connect("tom", "3-kio");
+        exchange(&mut probe, "get jobs\r\n").starts_with("CLIENT_ERROR")
+    })
+    .await;
+    // tom closes what he holds: acknowledged, not refused.
+    tom.write_all(b"get jobs/close\r\n").unwrap();
+    let mut line = String::new();
+    answer.read_line(&mut line).unwrap();
+    assert_eq!(line, "END\r\n");
+    drop((tom, answer));
+    // jon's waiting get ended with his connection, and takes nothing offered after.
+    let mut rest = Vec::new();
+    assert_eq!(jon.read_to_end(&mut rest).unwrap(), 0, "jon's connection ended: {:?}", String::from_utf8_lossy(&rest));
+    max.offer("other", vec![msg("c")], None).await.unwrap();
+    let polled = |queue: &'static str| {
+        let max = &max;
+        async move {
+            let got = max.poll(queue, PollOptions { max: 10, ..PollOptions::default() }).await.unwrap();
+            got.iter().map(|d| d.message.payload.clone()).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(polled("other").await, vec![bytes::Bytes::from_static(b"c")]);
+    assert_eq!(polled("jobs").await, vec![bytes::Bytes::from_static(b"b")], "a acknowledged once, b still there");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
     let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"q\"\nuser = \"tom\"\naccess = \"offer\"\n";

@@ -139,6 +139,12 @@ impl Reject {
     }
 }
 
+/// The refusal of a request that is no text-protocol command: the connection ends, as what
+/// follows cannot be trusted to be lines (a binary request's value could read as `delete jobs`).
+fn not_text() -> Reject {
+    Reject::close("CLIENT_ERROR not a text-protocol command (binary protocol is not served here)")
+}
+
 /// The longest data block thrown away after a refusal (a frame's 32-bit length, as memcached's
 /// limit): a longer one is a broken stream, and the connection is closed.
 const MAX_SKIPPED: usize = u32::MAX as usize;
@@ -176,6 +182,14 @@ impl Decoder {
             return self.data_block(buf, verb, line);
         }
         let Some(end) = buf.iter().take(MAX_LINE + 1).position(|&b| b == b'\n') else {
+            // A line that cannot start a command is refused as it comes, not once its end does:
+            // a binary-protocol request (0x80 first) may never hold a newline, and its client
+            // waits for an answer.
+            let first = buf.iter().find(|&&b| b != b' ' && b != b'\t');
+            if first.is_some_and(|&b| !b.is_ascii_graphic() && b != b'\r') {
+                buf.clear();
+                return Some(Err(not_text()));
+            }
             return (buf.len() > MAX_LINE).then(|| Err(Reject::close("CLIENT_ERROR line too long")));
         };
         let line_len = end + 1;
@@ -191,9 +205,7 @@ impl Decoder {
         // as `delete jobs`), so the connection ends rather than parse on.
         if !verb.iter().all(|b| b.is_ascii_graphic()) {
             buf.advance(line_len);
-            return Some(Err(Reject::close(
-                "CLIENT_ERROR not a text-protocol command (binary protocol is not served here)",
-            )));
+            return Some(Err(not_text()));
         }
         let verb = String::from_utf8_lossy(verb).to_ascii_lowercase();
         if matches!(verb.as_str(), "set" | "add" | "replace" | "append" | "prepend" | "cas") {
@@ -503,6 +515,14 @@ mod tests {
         let not_text = "CLIENT_ERROR not a text-protocol command (binary protocol is not served here)";
         assert_eq!(decode_all(&binary, 100), vec![close(not_text)]);
         assert_eq!(decode_all(b"g\x01et q\r\n", 100), vec![close(not_text)]);
+        // A binary request without a newline in it (VERSION) is refused at once, as are leading
+        // bytes no command starts with; a line still arriving that may be one is waited for.
+        let mut version = vec![0x80, 0x0b];
+        version.extend_from_slice(&[0; 22]);
+        assert_eq!(decode_all(&version, 100), vec![close(not_text)]);
+        assert_eq!(decode_all(b" \x00get", 100), vec![close(not_text)]);
+        assert_eq!(decode_all(b" \tget q", 100), vec![]);
+        assert_eq!(decode_all(b"\r", 100), vec![]);
         assert_eq!(decode_all(&[b'g'; MAX_LINE + 1], 100), vec![close("CLIENT_ERROR line too long")]);
         assert_eq!(decode_all(&[b'g'; MAX_LINE], 100), vec![], "not too long yet: wait for the end");
     }

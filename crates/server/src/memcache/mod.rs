@@ -206,8 +206,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             false => Some(self.ctx.handshake_timeout()),
         };
         let grace = self.ctx.config.shutdown_grace().unwrap_or(std::time::Duration::from_secs(5));
-        let mut deadline = stall.map(|d| tokio::time::Instant::now() + d);
-        let mut stopping = false;
+        // A stop seen already (by a waiting get, or an earlier flush) gives the grace from now.
+        let mut stopping = *self.shutdown.borrow();
+        let mut deadline = match stopping {
+            true => Some(tokio::time::Instant::now() + grace),
+            false => stall.map(|d| tokio::time::Instant::now() + d),
+        };
         // A write at a time, what it wrote counted at once (`out_sent`): a flush cancelled
         // between writes (a blocking get's wait ends when an item comes) leaves only what is
         // still to go, never bytes sent already (they went out twice).
@@ -330,6 +334,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             return self.login(command).await;
         }
         let needs = match &command {
+            // Closing or aborting the item this connection holds open needs no right (as the
+            // native ACK and ABORT): it touches only what the connection took.
+            Command::Get { options, .. } if options.abort || (options.close && !options.open) => None,
             Command::Get { queue, .. } | Command::FlushExpired { queue } => Some((queue.as_str(), Action::Poll)),
             Command::Set { queue, .. } => Some((queue.as_str(), Action::Offer)),
             Command::Delete { queue, .. } | Command::Flush { queue, .. } => Some((queue.as_str(), Action::Manage)),
@@ -545,7 +552,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             }
         };
         // While waiting: answers so far go out, and requests pipelined behind this one are read
-        // ahead (what is read is decoded after this get), to notice a client that went away.
+        // ahead (what is read is decoded after this get), to notice a client that went away, or
+        // a user a reload removed (whose connection ends, as between requests).
+        let (mut rights, mut watching_rights) = (self.connection.entry().rights(), true);
         let gave_up = async {
             if Instant::now() >= deadline || *self.shutdown.borrow() {
                 return GetEnd::Miss;
@@ -562,6 +571,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                     _ = tokio::time::sleep_until(deadline.into()) => return GetEnd::Miss,
                     // (The stop's value, not its change: the flush above may have seen the change.)
                     _ = self.shutdown.wait_for(|stop| *stop) => return GetEnd::Miss,
+                    changed = rights.changed(), if watching_rights => {
+                        watching_rights = changed.is_ok(); // (gone with the server only)
+                        let who = self.authenticated.as_ref().map(|a| &a.principal);
+                        if self.ctx.broker.authenticated(who).is_err() {
+                            tracing::info!(conn, "closing a memcache connection whose user a reload removed");
+                            return GetEnd::Closed;
+                        }
+                    }
                     read = self.stream.read_buf(&mut self.input.buf), if reading => match read {
                         // The client went away: stop waiting, so no item is taken for nobody.
                         Ok(0) | Err(_) => return GetEnd::Closed,
