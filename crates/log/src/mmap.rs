@@ -269,17 +269,19 @@ impl DataWriter {
         const PAGE: usize = 4096;
         let start = self.map.published.load(Ordering::Relaxed);
         assert!(from <= to && start + to <= self.map.len, "zeroing out of range");
-        let mut at = from;
-        while at < to {
-            let end = ((start + at) / PAGE + 1) * PAGE - start;
-            let end = end.min(to);
+        // Back to front, a page at a time: a process killed meanwhile leaves the range's front as
+        // it was (a torn tail, or frames of a batch that did not finish, which the next open cuts
+        // again), never zeros before frames left whole, which would read as corruption.
+        let mut end = to;
+        while end > from {
+            let at = (((start + end - 1) / PAGE) * PAGE).saturating_sub(start).max(from);
             // SAFETY: as `unpublished_mut`, for `[start + at, start + end)`, inside the mapping
             // (asserted above). It is written only if it holds data, whose blocks are reserved.
             let bytes = unsafe { std::slice::from_raw_parts_mut(self.map.raw.as_mut_ptr().add(start + at), end - at) };
             if bytes.iter().any(|&b| b != 0) {
                 bytes.fill(0);
             }
-            at = end;
+            end = at;
         }
     }
 

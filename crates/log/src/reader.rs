@@ -103,7 +103,9 @@ impl Reader {
             return Ok(None);
         }
         self.seek(offset);
-        self.read_next()
+        // Retention may have taken it since the look above (the seek then lands on the new first
+        // record): that other record is not the one asked for.
+        Ok(self.read_next()?.filter(|r| r.offset == offset))
     }
 
     /// The records at `offsets`, each passed to `found` with its index in `offsets`, in that

@@ -61,7 +61,9 @@ pub(crate) fn apply(shared: &LogState) -> Result<RetentionReport> {
         let over_bytes = policy.max_bytes.is_some_and(|max| total > max);
         let too_old = policy.max_age.is_some_and(|age| {
             let newest = seg.timestamp_of(next_base - 1);
-            newest.is_some_and(|ts| ts.saturating_add(age.as_nanos() as u64) < now)
+            // (An age past 2^64 ns, ~585 years, is never reached.)
+            let age = u64::try_from(age.as_nanos()).unwrap_or(u64::MAX);
+            newest.is_some_and(|ts| ts.saturating_add(age) < now)
         });
         if !(consumed || over_bytes || too_old) {
             break;

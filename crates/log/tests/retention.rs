@@ -171,6 +171,23 @@ fn an_age_cap_deletes_old_segments() {
     assert!(r.offset >= first);
 }
 
+/// An age cap beyond what 64 bits of nanoseconds hold (about 585 years, a way of saying "never")
+/// deletes nothing: it was cut to its low 64 bits (600 years to about 15), and deleted segments of
+/// records stamped 20 years ago.
+#[test]
+fn an_age_cap_too_long_for_nanoseconds_deletes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let centuries = Duration::from_secs(600 * 365 * 86_400);
+    let mut log = Log::open(dir.path(), opts(Retention { max_age: Some(centuries), ..Default::default() })).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let twenty_years_ago = now - 20 * 365 * 86_400 * 1_000_000_000;
+    for _ in 0..4000 {
+        log.append_with(&Input { timestamp: Some(twenty_years_ago), ..Input::payload(&[1; 100]) }).unwrap();
+    }
+    log.apply_retention().unwrap();
+    assert_eq!(log.first_offset(), 0, "nothing is 600 years old");
+}
+
 /// `count` records of 64 bytes, and group `name` that has acknowledged all but the first.
 fn acked_all_but_the_first(log: &mut Log, name: &str, count: u64) -> petrel_log::ConsumerGroup {
     for i in 0..count {
