@@ -844,6 +844,43 @@ fn an_offer_that_waited_for_room_in_a_memory_queue_is_not_counted_twice_when_it_
 }
 
 /// A native connection to `server` that said HELLO.
+/// A reply the server refuses before it reaches the function's broker (its compressed payload does
+/// not unfold) is refused to its caller too, at once: the caller waited for its call's timeout.
+#[test]
+fn a_reply_refused_as_it_arrives_fails_its_call_at_once() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let mut handler = greeted(&server);
+    handler.write_all(&request_frame(&Request::Serve { function: "f".into() }, 2)).unwrap();
+    assert!(matches!(read_response(&mut handler), (2, Response::Done)));
+    let addr = server.addr.clone();
+    let caller = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let c = petrel_client::Client::connect(&addr).await.unwrap();
+            let started = std::time::Instant::now();
+            let called = c.call("f", petrel_client::Message::new(b"hi".to_vec()), Some(Duration::from_secs(60))).await;
+            (called.map(|m| m.payload), started.elapsed())
+        })
+    });
+    // The invocation's frame: its request id is the call's.
+    let mut len = [0u8; 4];
+    handler.read_exact(&mut len).unwrap();
+    let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
+    handler.read_exact(&mut frame).unwrap();
+    let call = u64::from_be_bytes(frame[4..12].try_into().unwrap());
+    let garbled = Message { payload: b"not zstd at all".to_vec().into(), compressed: true, ..Message::default() };
+    let reply = Request::Return { call, status: Status::Ok, error: String::new(), message: Box::new(garbled) };
+    handler.write_all(&request_frame(&reply, 3)).unwrap();
+    let (id, answer) = read_response(&mut handler);
+    assert!(id == 3 && matches!(answer, Response::Error { status: Status::BadRequest, .. }), "{answer:?}");
+    let (called, took) = caller.join().unwrap();
+    let e = called.unwrap_err();
+    assert!(e.to_string().contains("refused"), "{e}");
+    assert!(took < Duration::from_secs(30), "the caller waited {took:?}");
+}
+
 fn greeted(server: &Server) -> TcpStream {
     use petrel_proto::{Request, Response};
     let mut c = TcpStream::connect(&server.addr).unwrap();

@@ -402,8 +402,20 @@ async fn dispatch(
     request: Request,
     arrived_ns: u64,
 ) -> Answer {
+    // A reply refused here is refused to its caller too, at once (not left to its timeout).
+    let returned = match &request {
+        Request::Return { call, .. } => Some(*call),
+        _ => None,
+    };
+    let conn = session.conn;
+    let refuse = |response: Response| {
+        if let (Some(call), Response::Error { message, .. }) = (returned, &response) {
+            ctx.broker.reply(call, conn, Err(format!("the function's reply was refused: {message}")));
+        }
+        Answer::Now(response)
+    };
     if let Err(refused) = session.admit(ctx, &request) {
-        return Answer::Now(error(refused));
+        return refuse(error(refused));
     }
     // Compressed payloads are restored first: a request unfolds to at most a frame's worth, and
     // only while the memory budget has room for what it grows by.
@@ -416,13 +428,13 @@ async fn dispatch(
             let why = format!(
                 "a request that unfolds by up to {grows_by} bytes does not fit in the server's memory budget (max_memory_bytes) now"
             );
-            return Answer::Now(Response::error(Status::LimitReached, why));
+            return refuse(Response::error(Status::LimitReached, why));
         };
         // Held while the payloads unfold, against others unfolding at the same time; then what
         // keeps the messages counts them (an in-memory queue, a waiting offer).
         let _unfolding = hold;
         if let Err(e) = petrel_proto::compression::decompress_all(messages.iter_mut(), max as usize) {
-            return Answer::Now(Response::error(Status::BadRequest, e.to_string()));
+            return refuse(Response::error(Status::BadRequest, e.to_string()));
         }
     }
     let now = Answer::Now;
