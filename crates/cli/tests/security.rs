@@ -856,6 +856,24 @@ access = "poll"
     assert!(!stats.contains("orders+audit"), "{stats}");
 }
 
+/// The handshake's timeout counts from the connection's start for all its steps together: a
+/// client that sends its first byte just before the timeout, and nothing more, is closed at it.
+/// (The first byte's wait, and the HELLO's, each had a timeout of their own: twice as long.)
+#[test]
+fn a_handshake_spread_out_is_closed_one_timeout_after_the_connection_started() {
+    let setup = Setup::new("handshake_timeout = \"2s\"");
+    let server = setup.start();
+    let mut slow = std::net::TcpStream::connect(&server.addr).unwrap();
+    let started = std::time::Instant::now();
+    slow.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    std::thread::sleep(Duration::from_millis(1_500));
+    slow.write_all(&[0]).unwrap(); // the first byte of a frame's length
+    let mut rest = Vec::new();
+    let _ = slow.read_to_end(&mut rest);
+    let closed_after = started.elapsed();
+    assert!(closed_after < Duration::from_millis(3_000), "closed after {closed_after:?}");
+}
+
 /// Until it logs in, a client holds little of the server: no request larger than 64 KiB is read
 /// into memory (native: refused and skipped; memcache: refused and closed), and a login must
 /// come within the handshake timeout, whatever the client sends meanwhile.

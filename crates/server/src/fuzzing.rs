@@ -113,7 +113,14 @@ impl Harness {
             let (client, server) = tokio::io::duplex(64 * 1024);
             let (_stop_tx, stop) = tokio::sync::watch::channel(false);
             let conn = runs + 1;
-            let serving = tokio::spawn(crate::native::serve(server, Arc::clone(&ctx), conn, stop, peer));
+            let serving = tokio::spawn(crate::native::serve(
+                server,
+                Arc::clone(&ctx),
+                conn,
+                stop,
+                peer,
+                ctx.handshake_deadline(),
+            ));
             let (mut rd, mut wr) = tokio::io::split(client);
             let draining = tokio::spawn(async move {
                 let mut sink = vec![0u8; 64 * 1024];

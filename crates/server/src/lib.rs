@@ -168,10 +168,15 @@ impl Ctx {
         self.tls.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// How long a new connection has for its TLS handshake, and then for HELLO and a login
+    /// How long a new connection has for its TLS handshake, HELLO and a login, together
     /// (`security.handshake_timeout`, checked at start).
     pub(crate) fn handshake_timeout(&self) -> Duration {
         self.config.security.handshake_timeout().unwrap_or(Duration::from_secs(10))
+    }
+
+    /// The handshake's deadline for a connection starting now.
+    pub(crate) fn handshake_deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.handshake_timeout()
     }
 
     /// Whether a connection may send what it likes (within the server's limits): it logged in
@@ -358,7 +363,8 @@ impl Server {
                         // Local and trusted as the file's permissions say: only the total counts.
                         Ok(stream) if connections.len() < ctx.limits.max_connections() => {
                             let conn = next_conn.fetch_add(1, Ordering::Relaxed);
-                            connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix()));
+                            let greet_by = ctx.handshake_deadline();
+                            connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix(), greet_by));
                         }
                         Ok(stream) => {
                             stats::add(&ctx.stats.connections_refused, 1);
@@ -476,22 +482,24 @@ async fn open(
     conn: petrel_broker::ConnId,
     stop: watch::Receiver<bool>,
 ) {
+    // Every step of the handshake (the first byte, TLS, HELLO and a login) within one timeout
+    // of the connection's start: a client that spreads them out holds its place no longer.
+    let greet_by = ctx.handshake_deadline();
     let tls = ctx.tls();
     if protocol == Protocol::Memcache && tls.is_none() && !ctx.config.security.require_tls {
         // No handshake to wait for: a memcache client may open its connections long before it
         // uses them (a pool, at its program's start), and its silence is the idle timeout's to
         // end (or, on a server with users, the login's deadline: `memcache::serve`).
         let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
-        return memcache::serve(stream, ctx, conn, stop, peer).await;
+        return memcache::serve(stream, ctx, conn, stop, peer, greet_by).await;
     }
-    let handshake = ctx.handshake_timeout();
     let mut first = [0u8; 1];
-    match tokio::time::timeout(handshake, stream.peek(&mut first)).await {
+    match tokio::time::timeout_at(greet_by, stream.peek(&mut first)).await {
         Ok(Ok(1)) => {}
         _ => return, // closed, failed, or silent for too long
     }
     if let Some(tls) = tls.filter(|_| first[0] == tls::HANDSHAKE_RECORD) {
-        let stream = match tokio::time::timeout(handshake, tls.acceptor.accept(stream)).await {
+        let stream = match tokio::time::timeout_at(greet_by, tls.acceptor.accept(stream)).await {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => {
                 stats::add(&ctx.stats.tls_refused, 1);
@@ -507,8 +515,8 @@ async fn open(
         let peer =
             auth::Peer { addr: Some(addr), tls: true, certificate_user: tls::certificate_user(stream.get_ref().1) };
         return match protocol {
-            Protocol::Native => native::serve(stream, ctx, conn, stop, peer).await,
-            Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer).await,
+            Protocol::Native => native::serve(stream, ctx, conn, stop, peer, greet_by).await,
+            Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer, greet_by).await,
         };
     }
     if ctx.config.security.require_tls {
@@ -518,8 +526,8 @@ async fn open(
     }
     let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
     match protocol {
-        Protocol::Native => native::serve(stream, ctx, conn, stop, peer).await,
-        Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer).await,
+        Protocol::Native => native::serve(stream, ctx, conn, stop, peer, greet_by).await,
+        Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer, greet_by).await,
     }
 }
 

@@ -73,8 +73,16 @@ struct Session<S> {
 
 /// Serves one connection until the client quits or goes away, a request makes the stream
 /// untrustworthy, or the server shuts down. Items it left open go back to their queues.
-pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, shutdown: watch::Receiver<bool>, peer: Peer)
-where
+/// `log_in_by`: the deadline of a login, on a server with users, counted from the connection's
+/// start (`Ctx::handshake_deadline`).
+pub(crate) async fn serve<S>(
+    stream: S,
+    ctx: Arc<Ctx>,
+    conn: ConnId,
+    shutdown: watch::Receiver<bool>,
+    peer: Peer,
+    log_in_by: tokio::time::Instant,
+) where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let connection = crate::connections::Registry::open(&ctx, conn, &peer, "memcache");
@@ -106,7 +114,6 @@ where
     }
     let idle_timeout = s.ctx.limits.idle_timeout();
     // With users, a login must come within the handshake timeout of the connection's start.
-    let log_in_by = tokio::time::Instant::now() + s.ctx.handshake_timeout();
     let mut rights = s.connection.entry().rights();
     'serve: loop {
         while let Some(request) = decoder.decode(&mut s.input.buf) {
@@ -864,7 +871,14 @@ mod tests {
                 tls: false,
                 certificate_user: Some("max".into()),
             };
-            let serving = tokio::spawn(super::serve(server, std::sync::Arc::clone(&ctx), 1, stop, peer));
+            let serving = tokio::spawn(super::serve(
+                server,
+                std::sync::Arc::clone(&ctx),
+                1,
+                stop,
+                peer,
+                ctx.handshake_deadline(),
+            ));
             client.write_all(b"stats\r\nget slowq/t=5000\r\n").await.unwrap();
             // The stats are written 64 bytes at a time as this reads; read a little, then let
             // an item end the wait in the middle of the write.

@@ -103,9 +103,16 @@ impl Permits {
 }
 
 /// Serves one connection until the client closes it, a protocol error makes it unsafe to go on,
-/// or the server shuts down (then requests in flight finish first).
-pub(crate) async fn serve<S>(stream: S, ctx: Arc<Ctx>, conn: ConnId, mut shutdown: watch::Receiver<bool>, peer: Peer)
-where
+/// or the server shuts down (then requests in flight finish first). `greet_by`: the handshake's
+/// deadline, counted from the connection's start (`Ctx::handshake_deadline`).
+pub(crate) async fn serve<S>(
+    stream: S,
+    ctx: Arc<Ctx>,
+    conn: ConnId,
+    mut shutdown: watch::Receiver<bool>,
+    peer: Peer,
+    greet_by: tokio::time::Instant,
+) where
     S: AsyncRead + AsyncWrite + Send + 'static,
 {
     let registered = crate::connections::Registry::open(&ctx, conn, &peer, "native");
@@ -117,8 +124,7 @@ where
     let mut pushes = Pushes::default();
     let permits = Permits::new(ctx.config.max_in_flight_per_connection);
     // HELLO (and AUTH, when the server has users) must come within the handshake timeout of the
-    // connection's start, however the client spreads its bytes.
-    let greet_by = tokio::time::Instant::now() + ctx.handshake_timeout();
+    // connection's start (`greet_by`), however the client spreads its bytes.
     let idle_timeout = ctx.limits.idle_timeout();
     let mut rights = registered.entry().rights();
     // A client that does not read its answers holds the loop where it waits to hand them on (to
