@@ -17,7 +17,7 @@ use std::time::Duration;
 use petrel_log::ConsumerGroup;
 use tokio::sync::{Notify, mpsc, oneshot};
 
-use crate::{BrokerError, Message, message};
+use crate::{BrokerError, MemoryHold, Message, message};
 
 /// Counts a durable topic's appends and wakes the readers waiting for one; says when the topic
 /// was removed (its readers' subscriptions end).
@@ -159,6 +159,8 @@ impl GroupReader {
 struct GroupAck {
     ids: Vec<u64>,
     counted: oneshot::Sender<u32>,
+    /// The memory budget's hold on `ids` while they wait (up to a frame's worth a batch).
+    _held: Option<MemoryHold>,
 }
 
 /// A subscription through a consumer group: hands out what the group may deliver now.
@@ -181,10 +183,10 @@ pub struct GroupAcks(mpsc::Sender<GroupAck>);
 impl GroupAcks {
     /// Hands `ids` to the feed; the receiver says how many counted once they are applied (it
     /// fails if the feed ended first). At most `max_acks_waiting` batches wait: past that,
-    /// `Limit`.
-    pub fn send(&self, ids: Vec<u64>) -> Result<oneshot::Receiver<u32>, BrokerError> {
+    /// `Limit`. `held`: the memory budget's hold on the ids, let go once they are applied.
+    pub fn send(&self, ids: Vec<u64>, held: Option<MemoryHold>) -> Result<oneshot::Receiver<u32>, BrokerError> {
         let (counted, answer) = oneshot::channel();
-        self.0.try_send(GroupAck { ids, counted }).map_err(|e| match e {
+        self.0.try_send(GroupAck { ids, counted, _held: held }).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => {
                 BrokerError::Limit("too many acknowledgements waiting for this subscription; retry".into())
             }
@@ -238,7 +240,7 @@ impl GroupFeed {
 
     /// Applies the acknowledgements received, answering each with how many counted.
     fn apply_received(&mut self) -> Result<(), BrokerError> {
-        for GroupAck { ids, counted } in std::mem::take(&mut self.received) {
+        for GroupAck { ids, counted, .. } in std::mem::take(&mut self.received) {
             let n = self.reader.ack(&ids)?;
             let _ = counted.send(n);
         }
@@ -383,13 +385,13 @@ mod tests {
         broker.publish("t", vec![Message::new(&b"m5"[..])], 0).unwrap();
         let waiting = tokio::time::timeout(Duration::from_millis(50), feed.wait()).await;
         assert!(waiting.is_err(), "an append does not help a group at its limit");
-        let counted = acks.send(vec![first[0].id, 999]).unwrap();
+        let counted = acks.send(vec![first[0].id, 999], None).unwrap();
         assert!(feed.wait().await, "an acknowledgement ends the wait");
         let next = feed.step(256, usize::MAX).unwrap().expect("room for one");
         assert_eq!(counted.await.unwrap(), 1, "the id never delivered does not count");
         assert_eq!(payloads(&next), ["m2"]);
         // The subscriber acknowledges all it has and goes (UNSUBSCRIBE): room, but for nobody.
-        let counted = acks.send(vec![first[1].id, next[0].id]).unwrap();
+        let counted = acks.send(vec![first[1].id, next[0].id], None).unwrap();
         drop(acks);
         assert!(feed.step(256, usize::MAX).unwrap().is_none(), "its subscriber gone, nothing more goes out");
         assert_eq!(counted.await.unwrap(), 2, "its last acknowledgements applied");
@@ -409,7 +411,7 @@ mod tests {
                 let got = feed.step(256, usize::MAX).unwrap().unwrap();
                 let ids: Vec<u64> = ack.iter().map(|&i| got[i].id).collect();
                 if !ids.is_empty() {
-                    acks.send(ids).unwrap();
+                    acks.send(ids, None).unwrap();
                 }
                 payloads(&got)
             };
@@ -422,7 +424,7 @@ mod tests {
         let mut again = Vec::new();
         while let Some(got) = feed.step(256, usize::MAX).unwrap() {
             assert_eq!(got.len(), 1, "one out at a time");
-            acks.send(vec![got[0].id]).unwrap();
+            acks.send(vec![got[0].id], None).unwrap();
             again.extend(payloads(&got));
         }
         again.sort();
@@ -435,15 +437,15 @@ mod tests {
         let reader = broker.topic("t").unwrap().group("g", Some(SeekTo::Oldest), 8).unwrap();
         let (mut feed, acks) = GroupFeed::new(reader, 8, 1);
         let delivered = feed.step(256, usize::MAX).unwrap().unwrap();
-        let first = acks.send(vec![delivered[0].id]).unwrap();
-        assert!(matches!(acks.send(vec![delivered[1].id]), Err(BrokerError::Limit(_))), "one batch waits at most");
+        let first = acks.send(vec![delivered[0].id], None).unwrap();
+        assert!(matches!(acks.send(vec![delivered[1].id], None), Err(BrokerError::Limit(_))), "one batch waits at most");
         assert!(feed.step(256, usize::MAX).unwrap().is_none(), "nothing new; the acknowledgement is applied");
         assert_eq!(first.blocking_recv().unwrap(), 1);
-        let second = acks.send(vec![delivered[1].id]).unwrap();
+        let second = acks.send(vec![delivered[1].id], None).unwrap();
         feed.step(256, usize::MAX).unwrap();
         assert_eq!(second.blocking_recv().unwrap(), 1, "room again once the feed took the first");
         drop(feed);
-        assert!(matches!(acks.send(vec![1]), Err(BrokerError::BadRequest(_))), "the feed has ended");
+        assert!(matches!(acks.send(vec![1], None), Err(BrokerError::BadRequest(_))), "the feed has ended");
     }
 
     #[tokio::test]

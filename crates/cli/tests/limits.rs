@@ -616,22 +616,51 @@ fn an_answer_half_written_when_the_server_stops_is_finished_not_sent_again() {
     let mut requests = request_frame(&Request::Hello { client: "slow".into(), features: 0 }, 1);
     requests.extend(request_frame(&Request::Poll { queue: "big".into(), max: 1, timeout_ms: 0, visibility_ms: 0 }, 2));
     reader.write_all(&requests).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(matches!(read_response(&mut reader), (1, Response::Hello { .. })));
+    reader.peek(&mut [0u8; 16]).unwrap(); // the poll's answer has begun
     let pid = server.child.id().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     std::thread::sleep(Duration::from_millis(300));
     // Reading again within the grace: every byte after the hello's answer is the poll's answer.
-    reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut got = Vec::new();
     reader.read_to_end(&mut got).unwrap();
     let mut answers = &got[..];
-    assert!(matches!(read_response(&mut answers), (1, Response::Hello { .. })));
     let (id, answer) = read_response(&mut answers);
     let Response::Polled { deliveries: delivered } = answer else { panic!("{answer:?}") };
     assert_eq!((id, delivered.len()), (2, 1));
     assert!(delivered[0].message.payload == payload, "the payload came whole");
     assert!(answers.is_empty(), "{} bytes after the poll's answer", answers.len());
     drop(server);
+}
+
+/// A client that stops reading in the middle of an answer is closed at its idle timeout (and the
+/// grace after it), its socket with it: the task finishing the half-written answer ends with the
+/// connection, and nothing follows the half frame.
+#[test]
+fn a_client_that_stops_reading_mid_answer_is_closed_socket_and_all() {
+    use petrel_proto::{Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "idle_timeout = \"1s\"\nshutdown_grace = \"1s\"\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("big", QueueConfig::default()).await.unwrap();
+        c.offer("big", vec![petrel_client::Message::new(vec![5u8; 15 << 20])], None).await.unwrap();
+    });
+    let mut reader = TcpStream::connect(&server.addr).unwrap();
+    let mut requests = request_frame(&Request::Hello { client: "slow".into(), features: 0 }, 1);
+    requests.extend(request_frame(&Request::Poll { queue: "big".into(), max: 1, timeout_ms: 0, visibility_ms: 0 }, 2));
+    reader.write_all(&requests).unwrap();
+    reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(matches!(read_response(&mut reader), (1, Response::Hello { .. })));
+    reader.peek(&mut [0u8; 16]).unwrap(); // the poll's answer has begun
+    std::thread::sleep(Duration::from_secs(4)); // past the idle timeout and the grace
+    let mut got = Vec::new();
+    let read = reader.read_to_end(&mut got);
+    assert!(read.is_ok(), "the connection was closed: {read:?} after {} bytes", got.len());
+    assert!(got.len() < 15 << 20, "{} bytes: the answer was cut", got.len());
 }
 
 /// A call that times out while its caller's answers back up: the tick (a thread of its own, not
@@ -843,7 +872,6 @@ fn an_offer_that_waited_for_room_in_a_memory_queue_is_not_counted_twice_when_it_
     assert!(matches!(answer, (3, Response::Offered { count: 1, .. })), "{answer:?}");
 }
 
-/// A native connection to `server` that said HELLO.
 /// A reply the server refuses before it reaches the function's broker (its compressed payload does
 /// not unfold) is refused to its caller too, at once: the caller waited for its call's timeout.
 #[test]
@@ -881,6 +909,51 @@ fn a_reply_refused_as_it_arrives_fails_its_call_at_once() {
     assert!(took < Duration::from_secs(30), "the caller waited {took:?}");
 }
 
+/// Acknowledgements of a group subscription wait for its task counted in the memory budget: a
+/// frame of them holds two million ids (16 MB), and up to a thousand batches a subscription wait
+/// while its task waits for a client that does not read. (They waited outside the budget.)
+#[test]
+fn a_group_subscriptions_acknowledgements_count_in_the_memory_budget() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "max_queued_responses = 4\nmax_queued_response_bytes = 65536\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut sub = greeted(&server);
+    rustix::net::sockopt::set_socket_recv_buffer_size(&sub, 4096).unwrap();
+    sub.write_all(&request_frame(&Request::TopicCreate { name: "t".into(), durable: true }, 2)).unwrap();
+    assert!(matches!(read_response(&mut sub), (2, Response::Done)));
+    let subscribe =
+        Request::Subscribe { topic: "t".into(), buffer: 16, group: "g".into(), from: petrel_proto::StartFrom::Resume };
+    sub.write_all(&request_frame(&subscribe, 3)).unwrap();
+    let (_, subscribed) = read_response(&mut sub);
+    let Response::Subscribed { subscription } = subscribed else { panic!("{subscribed:?}") };
+    // Its task stuck behind deliveries the subscriber does not read.
+    let mut publisher = greeted(&server);
+    for round in 0..20 {
+        let publish = Request::Publish { topic: "t".into(), messages: vec![Message::new(vec![7u8; 1 << 20])] };
+        publisher.write_all(&request_frame(&publish, 10 + round)).unwrap();
+        assert!(matches!(read_response(&mut publisher), (_, Response::Published { .. })));
+    }
+    let queued = || {
+        let mut mc = TcpStream::connect(&server.memcache).unwrap();
+        mc.write_all(b"stats\r\n").unwrap();
+        let mut text = String::new();
+        let mut reader = std::io::BufReader::new(&mut mc);
+        while !text.ends_with("END\r\n") {
+            std::io::BufRead::read_line(&mut reader, &mut text).unwrap();
+        }
+        let line = text.lines().find(|l| l.starts_with("STAT memory_queued_bytes ")).unwrap().to_owned();
+        line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
+    };
+    let before = queued();
+    let ids: Vec<u64> = (0..500_000).collect();
+    for id in 0..3 {
+        sub.write_all(&request_frame(&Request::TopicAck { subscription, ids: ids.clone() }, 100 + id)).unwrap();
+    }
+    common::wait_until("the acknowledgements counted", || queued() >= before + 3 * 4_000_000);
+}
+
+/// A native connection to `server` that said HELLO.
 fn greeted(server: &Server) -> TcpStream {
     use petrel_proto::{Request, Response};
     let mut c = TcpStream::connect(&server.addr).unwrap();

@@ -534,23 +534,32 @@ async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_wa
     }
     assert_eq!(lines, "VALUE jobs/open 0 1\r\na\r\nEND\r\n");
     let mut jon = connect("jon", "ph$54");
+    jon.write_all(b"get other/t=600000\r\n").unwrap();
+    let mut admin = connect("max", "zu*67");
+    common::wait_until("jon's get waiting", || {
+        admin.write_all(b"stats\r\n").unwrap();
+        let mut stats = String::new();
+        let mut reader = BufReader::new(admin.try_clone().unwrap());
+        while !stats.ends_with("END\r\n") {
+            reader.read_line(&mut stats).unwrap();
+        }
+        stats.contains("STAT queue_other_waiters 1\r\n")
+    });
     // The rules change: tom may no longer poll; jon is removed.
     setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
     let users = setup.dir.path().join("users.toml");
     assert!(Command::new(PETREL).args(["user", "remove"]).arg(&users).arg("jon").status().unwrap().success());
-    jon.write_all(b"get other/t=600000\r\n").unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
     common::wait_until_async("the reload in force", || async {
         let mut probe = connect("tom", "3-kio");
         exchange(&mut probe, "get jobs\r\n").starts_with("CLIENT_ERROR")
     })
     .await;
-    // tom closes what he holds: acknowledged, not refused.
-    tom.write_all(b"get jobs/close\r\n").unwrap();
+    // tom closes what he holds and asks for the next: the close is done, the open refused.
+    tom.write_all(b"get jobs/close/open\r\n").unwrap();
     let mut line = String::new();
     answer.read_line(&mut line).unwrap();
-    assert_eq!(line, "END\r\n");
+    assert!(line.starts_with("CLIENT_ERROR") && line.contains("may not poll"), "{line}");
     drop((tom, answer));
     // jon's waiting get ended with his connection, and takes nothing offered after.
     let mut rest = Vec::new();

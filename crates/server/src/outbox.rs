@@ -40,8 +40,8 @@ pub(crate) struct Outbox {
     max_bytes: usize,
     /// Chunks written so far (`written`): whether the client reads at all.
     written: Arc<std::sync::atomic::AtomicU64>,
-    /// Told when the outbox becomes idle (`idle`).
-    emptied: Arc<tokio::sync::Notify>,
+    /// Told when written chunks give room back, and when the writer is gone (`room_for`).
+    freed: Arc<tokio::sync::Notify>,
 }
 
 /// The writer's side.
@@ -50,7 +50,7 @@ pub(crate) struct Outgoing {
     room: Arc<Semaphore>,
     max_bytes: usize,
     written: Arc<std::sync::atomic::AtomicU64>,
-    emptied: Arc<tokio::sync::Notify>,
+    freed: Arc<tokio::sync::Notify>,
 }
 
 pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) {
@@ -58,10 +58,10 @@ pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) 
     let (tx, rx) = mpsc::channel(max_chunks);
     let room = Arc::new(Semaphore::new(max_bytes));
     let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let emptied = Arc::new(tokio::sync::Notify::new());
+    let freed = Arc::new(tokio::sync::Notify::new());
     (
-        Outbox { tx, room: Arc::clone(&room), max_bytes, written: Arc::clone(&written), emptied: Arc::clone(&emptied) },
-        Outgoing { rx, room, max_bytes, written, emptied },
+        Outbox { tx, room: Arc::clone(&room), max_bytes, written: Arc::clone(&written), freed: Arc::clone(&freed) },
+        Outgoing { rx, room, max_bytes, written, freed },
     )
 }
 
@@ -99,17 +99,24 @@ impl Outbox {
         self.room.available_permits() == self.max_bytes
     }
 
-    /// Returns once the outbox is idle (never, once its writer is gone with chunks unwritten).
-    pub(crate) async fn idle(&self) {
+    /// The writer is gone.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Returns once a chunk of `bytes` would be taken now (`try_send`), or the writer is gone
+    /// (and `send` says so).
+    pub(crate) async fn room_for(&self, bytes: usize) {
+        let needed = bytes.min(self.max_bytes);
         loop {
-            let emptied = self.emptied.notified();
-            let mut emptied = std::pin::pin!(emptied);
-            // Registered before the look, so that an emptying right after it is not missed.
-            emptied.as_mut().enable();
-            if self.is_idle() {
+            let freed = self.freed.notified();
+            let mut freed = std::pin::pin!(freed);
+            // Registered before the look, so that room given back right after it is not missed.
+            freed.as_mut().enable();
+            if self.tx.is_closed() || (self.room.available_permits() >= needed && self.tx.capacity() > 0) {
                 return;
             }
-            emptied.await;
+            freed.await;
         }
     }
 
@@ -130,6 +137,8 @@ impl Outbox {
 impl Drop for Outgoing {
     fn drop(&mut self) {
         self.room.close();
+        self.rx.close();
+        self.freed.notify_waiters();
     }
 }
 
@@ -148,9 +157,7 @@ impl Outgoing {
     pub(crate) fn written(&self, chunk: &Chunk) {
         self.room.add_permits(cost(chunk, self.max_bytes) as usize);
         self.written.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if self.room.available_permits() == self.max_bytes {
-            self.emptied.notify_waiters();
-        }
+        self.freed.notify_waiters();
     }
 }
 

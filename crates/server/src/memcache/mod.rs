@@ -69,6 +69,9 @@ struct Session<S> {
     denials: auth::Denials,
     /// A `noreply` set on this connection was not stored and logged as a warning.
     warned_noreply: bool,
+    /// Once the server stops: when the client's time to read its answers ends (one grace for
+    /// all the flushes after the stop, however many requests were read ahead).
+    stop_deadline: Option<tokio::time::Instant>,
 }
 
 /// Serves one connection until the client quits or goes away, a request makes the stream
@@ -102,6 +105,7 @@ pub(crate) async fn serve<S>(
         authenticated: None,
         denials: auth::Denials::default(),
         warned_noreply: false,
+        stop_deadline: None,
     };
     if let Some(certified) = auth::with_certificate(&s.ctx, &s.peer, conn) {
         match certified {
@@ -213,10 +217,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             false => Some(self.ctx.handshake_timeout()),
         };
         let grace = self.ctx.config.shutdown_grace().unwrap_or(std::time::Duration::from_secs(5));
-        // A stop seen already (by a waiting get, or an earlier flush) gives the grace from now.
+        // A stop seen already (by a waiting get, or an earlier flush) ends the grace it began.
         let mut stopping = *self.shutdown.borrow();
         let mut deadline = match stopping {
-            true => Some(tokio::time::Instant::now() + grace),
+            true => Some(*self.stop_deadline.get_or_insert_with(|| tokio::time::Instant::now() + grace)),
             false => stall.map(|d| tokio::time::Instant::now() + d),
         };
         // A write at a time, what it wrote counted at once (`out_sent`): a flush cancelled
@@ -237,7 +241,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 _ = self.shutdown.changed(), if !stopping => {
                     // Stopping: the client has the shutdown's grace to read the rest.
                     stopping = true;
-                    deadline = Some(tokio::time::Instant::now() + grace);
+                    deadline = Some(*self.stop_deadline.get_or_insert_with(|| tokio::time::Instant::now() + grace));
                     continue;
                 }
             };
@@ -341,10 +345,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             return self.login(command).await;
         }
         let needs = match &command {
-            // Closing or aborting the item this connection holds open needs no right (as the
-            // native ACK and ABORT): it touches only what the connection took.
-            Command::Get { options, .. } if options.abort || (options.close && !options.open) => None,
-            Command::Get { queue, .. } | Command::FlushExpired { queue } => Some((queue.as_str(), Action::Poll)),
+            // A get's right to poll is checked by `get`, after its `/close` or `/abort`, which need
+            // none.
+            Command::FlushExpired { queue } => Some((queue.as_str(), Action::Poll)),
             Command::Set { queue, .. } => Some((queue.as_str(), Action::Offer)),
             Command::Delete { queue, .. } | Command::Flush { queue, .. } => Some((queue.as_str(), Action::Manage)),
             Command::FlushAll { .. } | Command::FlushAllExpired | Command::Shutdown => Some(("*", Action::Manage)),
@@ -499,6 +502,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
             return Flow::Continue;
         }
         let broker = Arc::clone(&self.ctx.broker);
+        // Watched from here, before the rules are looked at below: a reload from now on is seen
+        // by the wait (a user it removed ends the connection; see `gave_up`).
+        let (mut rights, mut watching_rights) = (self.connection.entry().rights(), true);
+        // Closing or aborting the item this connection holds open needs no right (as the native
+        // ACK and ABORT): it touches only what the connection took. A `/close/open` whose open
+        // is refused has closed its item.
         // An abort the broker could not apply (a storage error) keeps the item open: the client
         // may try again, and a second `/open` is still refused.
         if o.abort {
@@ -528,6 +537,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 self.line("END");
                 return Flow::Continue;
             }
+        }
+        if !self.authorize(Kind::Queue, name, &[Action::Poll], false) {
+            return Flow::Continue;
         }
         if self.open.contains_key(name) && !o.peek {
             // One open item per queue per connection: a second open, or a plain get while one is
@@ -561,7 +573,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         // While waiting: answers so far go out, and requests pipelined behind this one are read
         // ahead (what is read is decoded after this get), to notice a client that went away, or
         // a user a reload removed (whose connection ends, as between requests).
-        let (mut rights, mut watching_rights) = (self.connection.entry().rights(), true);
         let gave_up = async {
             if Instant::now() >= deadline || *self.shutdown.borrow() {
                 return GetEnd::Miss;

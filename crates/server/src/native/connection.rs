@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use crate::Ctx;
 use crate::connections::Registered;
 use crate::input::Input;
-use crate::outbox::{Outbox, outbox};
+use crate::outbox::{Outbox, TrySendError, outbox};
 use crate::stats::add;
 
 /// Answers of one read are sent once this many bytes, or this many answers, wait, mid-read.
@@ -57,6 +57,8 @@ pub(super) struct Connection<S> {
     /// The socket's write half, shared with the writer task.
     wire: Wire<S>,
     writer: JoinHandle<()>,
+    /// The task writing the rest of a frame half written by `flush`, if it has not ended.
+    finishing: Option<JoinHandle<bool>>,
     ctx: Arc<Ctx>,
     entry: Arc<crate::connections::Connection>,
     /// The server's stop and its grace: how long a client that does not read is waited for.
@@ -111,6 +113,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             outbox,
             wire,
             writer,
+            finishing: None,
             ctx: Arc::clone(ctx),
             entry,
             stop,
@@ -126,6 +129,32 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     /// The answers of this read are worth sending before the rest of it is handled.
     pub fn answers_are_many(&self) -> bool {
         self.answers >= self.early_at || self.out.len() >= FLUSH_ANSWERS_AT_BYTES
+    }
+
+    /// Hands the answers waiting to the outbox if it has room for them now (they then go out
+    /// after what it holds); `false`, keeping them, if not.
+    pub fn queue_answers_if_room(&mut self) -> bool {
+        if self.out.is_empty() {
+            return true;
+        }
+        let room = self.out.len().clamp(1024, ANSWERS_START_BYTES);
+        let answers = std::mem::replace(&mut self.out, Vec::with_capacity(room));
+        match self.outbox.try_send(answers) {
+            Ok(()) => {
+                self.answers = 0;
+                self.early_at = self.early_at.saturating_mul(2);
+                true
+            }
+            Err(TrySendError::Full(chunk) | TrySendError::Closed(chunk)) => {
+                self.out = chunk.frames;
+                false
+            }
+        }
+    }
+
+    /// The bytes of the answers waiting.
+    pub fn answers_len(&self) -> usize {
+        self.out.len()
     }
 
     /// Adds `response` to the answers of this read.
@@ -293,8 +322,8 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 }
             }
             if sent > 0 {
-                add(&self.ctx.stats.bytes_written, self.out.len() as u64);
-                self.entry.sent(self.out.len());
+                add(&self.ctx.stats.bytes_written, sent as u64);
+                self.entry.sent(sent);
                 if sent == self.out.len() {
                     self.out.clear();
                     return Ok(());
@@ -303,27 +332,29 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 // A task of its own writes it, holding the write half, so that this flush given
                 // up meanwhile (a stop, a client stalled) cannot leave half a frame on the wire
                 // with other bytes after it: what is sent later waits in the outbox for the
-                // write half, and goes out after the rest. A rest that cannot be written (the
-                // client gone, or not reading past the stop's grace) ends the stream where it
-                // is, so that nothing follows the half frame.
-                let rest = self.out.split_off(sent);
-                self.out.clear();
-                let mut stop = self.stop.clone();
-                let finishing = tokio::spawn(async move {
+                // write half, and goes out after the rest. The task ends once the rest is
+                // written, or past the stop's grace, or when the connection closes (`close`);
+                // a rest not written ends the stream where it is.
+                let out = std::mem::replace(&mut self.out, Vec::with_capacity(ANSWERS_START_BYTES));
+                let (mut stop, ctx, entry) = (self.stop.clone(), Arc::clone(&self.ctx), Arc::clone(&self.entry));
+                let finishing = self.finishing.insert(tokio::spawn(async move {
                     let written = tokio::select! {
                         biased;
-                        written = wr.write_all(&rest) => written.is_ok(),
+                        written = wr.write_all(&out[sent..]) => written.is_ok(),
                         () = past_the_stop(&mut stop) => false,
                     };
-                    if !written {
-                        let _ = tokio::time::timeout(stop.1, wr.shutdown()).await;
+                    match written {
+                        true => {
+                            add(&ctx.stats.bytes_written, (out.len() - sent) as u64);
+                            entry.sent(out.len() - sent);
+                        }
+                        false => drop(tokio::time::timeout(stop.1, wr.shutdown()).await),
                     }
                     written
-                });
-                return match finishing.await {
-                    Ok(true) => Ok(()),
-                    _ => Err(Closed),
-                };
+                }));
+                let written = matches!(finishing.await, Ok(true));
+                self.finishing = None;
+                return if written { Ok(()) } else { Err(Closed) };
             }
         }
         // The next read's answers likely need as much room: no growing from empty each time (at
@@ -378,12 +409,24 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         }
     }
 
-    /// Stops taking answers; the writer sends what it holds (for up to `grace`), then closes.
+    /// Stops taking answers; the rest of a frame half written and then what the writer holds are
+    /// sent (for up to `grace`), then the connection closes.
     pub async fn close(self, grace: std::time::Duration) {
-        let Connection { outbox, mut writer, .. } = self;
+        let Connection { outbox, mut writer, mut finishing, .. } = self;
         drop(outbox);
-        if tokio::time::timeout(grace, &mut writer).await.is_err() {
-            // Requests still waiting (a long call) hold the writer's channel: do not wait for them.
+        let sent = tokio::time::timeout(grace, async {
+            if let Some(finishing) = &mut finishing {
+                let _ = finishing.await;
+            }
+            let _ = (&mut writer).await;
+        });
+        if sent.await.is_err() {
+            // Requests still waiting (a long call) hold the writer's channel: do not wait for
+            // them. A half frame's rest not written ends the stream there: the writer, waiting
+            // for the write half, ends too, so nothing follows the half frame.
+            if let Some(finishing) = finishing {
+                finishing.abort();
+            }
             writer.abort();
         }
     }

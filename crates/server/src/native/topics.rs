@@ -159,11 +159,19 @@ pub(super) async fn subscribe_group(
 }
 
 /// Acknowledges messages of a group subscription: answered once its task has applied them.
-pub(super) fn ack(pushes: &Pushes, subscription: u64, ids: Vec<u64>) -> Answer {
+pub(super) fn ack(ctx: &Ctx, pushes: &Pushes, subscription: u64, ids: Vec<u64>) -> Answer {
     let Some((acks, _)) = pushes.groups.get(&subscription) else {
         return Answer::Now(Response::error(Status::BadRequest, format!("no group subscription {subscription}")));
     };
-    match acks.send(ids) {
+    // The ids wait for the subscription's task (which may wait for a client that does not read)
+    // counted in the memory budget: a frame holds two million of them.
+    let bytes = (ids.capacity() * std::mem::size_of::<u64>()) as u64;
+    let Some(held) = ctx.broker.hold_memory(bytes) else {
+        let why =
+            format!("{} acknowledgements do not fit in the server's memory budget (max_memory_bytes) now", ids.len());
+        return Answer::Now(Response::error(Status::LimitReached, why));
+    };
+    match acks.send(ids, Some(held)) {
         Ok(counted) => Answer::later(WaitsFor::Other, async move {
             match counted.await {
                 Ok(count) => Response::Acked { count },
