@@ -438,7 +438,10 @@ mod tests {
         let (mut feed, acks) = GroupFeed::new(reader, 8, 1);
         let delivered = feed.step(256, usize::MAX).unwrap().unwrap();
         let first = acks.send(vec![delivered[0].id], None).unwrap();
-        assert!(matches!(acks.send(vec![delivered[1].id], None), Err(BrokerError::Limit(_))), "one batch waits at most");
+        assert!(
+            matches!(acks.send(vec![delivered[1].id], None), Err(BrokerError::Limit(_))),
+            "one batch waits at most"
+        );
         assert!(feed.step(256, usize::MAX).unwrap().is_none(), "nothing new; the acknowledgement is applied");
         assert_eq!(first.blocking_recv().unwrap(), 1);
         let second = acks.send(vec![delivered[1].id], None).unwrap();

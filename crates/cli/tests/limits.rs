@@ -650,17 +650,18 @@ fn a_client_that_stops_reading_mid_answer_is_closed_socket_and_all() {
         c.offer("big", vec![petrel_client::Message::new(vec![5u8; 15 << 20])], None).await.unwrap();
     });
     let mut reader = TcpStream::connect(&server.addr).unwrap();
+    rustix::net::sockopt::set_socket_recv_buffer_size(&reader, 4096).unwrap();
     let mut requests = request_frame(&Request::Hello { client: "slow".into(), features: 0 }, 1);
     requests.extend(request_frame(&Request::Poll { queue: "big".into(), max: 1, timeout_ms: 0, visibility_ms: 0 }, 2));
     reader.write_all(&requests).unwrap();
     reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     assert!(matches!(read_response(&mut reader), (1, Response::Hello { .. })));
     reader.peek(&mut [0u8; 16]).unwrap(); // the poll's answer has begun
-    std::thread::sleep(Duration::from_secs(4)); // past the idle timeout and the grace
-    let mut got = Vec::new();
-    let read = reader.read_to_end(&mut got);
-    assert!(read.is_ok(), "the connection was closed: {read:?} after {} bytes", got.len());
-    assert!(got.len() < 15 << 20, "{} bytes: the answer was cut", got.len());
+    let open = descriptors(server.child.id());
+    // Past the idle timeout and the grace, its socket is closed on the server's side.
+    std::thread::sleep(Duration::from_secs(2));
+    common::wait_until("the socket closed", || descriptors(server.child.id()) < open);
+    drop(reader);
 }
 
 /// A call that times out while its caller's answers back up: the tick (a thread of its own, not
@@ -920,6 +921,7 @@ fn a_group_subscriptions_acknowledgements_count_in_the_memory_budget() {
     let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
     let mut sub = greeted(&server);
     rustix::net::sockopt::set_socket_recv_buffer_size(&sub, 4096).unwrap();
+    sub.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
     sub.write_all(&request_frame(&Request::TopicCreate { name: "t".into(), durable: true }, 2)).unwrap();
     assert!(matches!(read_response(&mut sub), (2, Response::Done)));
     let subscribe =
@@ -950,7 +952,7 @@ fn a_group_subscriptions_acknowledgements_count_in_the_memory_budget() {
     for id in 0..3 {
         sub.write_all(&request_frame(&Request::TopicAck { subscription, ids: ids.clone() }, 100 + id)).unwrap();
     }
-    common::wait_until("the acknowledgements counted", || queued() >= before + 3 * 4_000_000);
+    common::wait_until("the acknowledgements counted", || queued() >= before + 3 * 3_900_000);
 }
 
 /// A native connection to `server` that said HELLO.

@@ -279,8 +279,12 @@ impl DataWriter {
             // (asserted above). It is written only if it holds data, whose blocks are reserved.
             let bytes = unsafe { std::slice::from_raw_parts_mut(self.map.raw.as_mut_ptr().add(start + at), end - at) };
             if bytes.iter().any(|&b| b != 0) {
-                // Back to front within the page too, a word at a time.
-                bytes.rchunks_mut(8).for_each(|word| word.fill(0));
+                // Back to front within the page too, with volatile writes: plain ones may be
+                // merged into a forward fill.
+                for byte in bytes.iter_mut().rev() {
+                    // SAFETY: `byte` is a valid, exclusive reference into the slice above.
+                    unsafe { std::ptr::write_volatile(byte, 0) };
+                }
             }
             end = at;
         }

@@ -40,8 +40,6 @@ pub(crate) struct Outbox {
     max_bytes: usize,
     /// Chunks written so far (`written`): whether the client reads at all.
     written: Arc<std::sync::atomic::AtomicU64>,
-    /// Told when written chunks give room back, and when the writer is gone (`room_for`).
-    freed: Arc<tokio::sync::Notify>,
 }
 
 /// The writer's side.
@@ -50,7 +48,6 @@ pub(crate) struct Outgoing {
     room: Arc<Semaphore>,
     max_bytes: usize,
     written: Arc<std::sync::atomic::AtomicU64>,
-    freed: Arc<tokio::sync::Notify>,
 }
 
 pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) {
@@ -58,10 +55,9 @@ pub(crate) fn outbox(max_chunks: usize, max_bytes: usize) -> (Outbox, Outgoing) 
     let (tx, rx) = mpsc::channel(max_chunks);
     let room = Arc::new(Semaphore::new(max_bytes));
     let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let freed = Arc::new(tokio::sync::Notify::new());
     (
-        Outbox { tx, room: Arc::clone(&room), max_bytes, written: Arc::clone(&written), freed: Arc::clone(&freed) },
-        Outgoing { rx, room, max_bytes, written, freed },
+        Outbox { tx, room: Arc::clone(&room), max_bytes, written: Arc::clone(&written) },
+        Outgoing { rx, room, max_bytes, written },
     )
 }
 
@@ -78,13 +74,18 @@ impl Outbox {
     /// Queues `chunk`, waiting for room.
     pub(crate) async fn send(&self, chunk: impl Into<Chunk>) -> Result<(), Closed> {
         let chunk = chunk.into();
-        // The chunk's place, then its bytes, and nothing to wait for after the bytes are
-        // taken: a send cancelled while it waits (its task aborted) gives back all it took.
-        let place = self.tx.reserve().await.map_err(|_| Closed)?;
-        let permits = self.room.acquire_many(cost(&chunk, self.max_bytes)).await.map_err(|_| Closed)?;
-        permits.forget();
-        place.send(chunk);
+        self.reserve(chunk.len()).await?.send(chunk);
         Ok(())
+    }
+
+    /// Room for a chunk of `bytes`, in line with the other senders: the chunk's place, then its
+    /// bytes, and nothing to wait for after the bytes are taken. Dropped (a wait given up),
+    /// all it took is given back.
+    pub(crate) async fn reserve(&self, bytes: usize) -> Result<Reserved<'_>, Closed> {
+        let place = self.tx.reserve().await.map_err(|_| Closed)?;
+        let cost = bytes.min(self.max_bytes) as u32;
+        let room = self.room.acquire_many(cost).await.map_err(|_| Closed)?;
+        Ok(Reserved { place, room, cost, max_bytes: self.max_bytes })
     }
 
     /// Chunks the writer has written so far: unchanged while something waits, the client is
@@ -99,27 +100,6 @@ impl Outbox {
         self.room.available_permits() == self.max_bytes
     }
 
-    /// The writer is gone.
-    pub(crate) fn is_closed(&self) -> bool {
-        self.tx.is_closed()
-    }
-
-    /// Returns once a chunk of `bytes` would be taken now (`try_send`), or the writer is gone
-    /// (and `send` says so).
-    pub(crate) async fn room_for(&self, bytes: usize) {
-        let needed = bytes.min(self.max_bytes);
-        loop {
-            let freed = self.freed.notified();
-            let mut freed = std::pin::pin!(freed);
-            // Registered before the look, so that room given back right after it is not missed.
-            freed.as_mut().enable();
-            if self.tx.is_closed() || (self.room.available_permits() >= needed && self.tx.capacity() > 0) {
-                return;
-            }
-            freed.await;
-        }
-    }
-
     /// Queues `chunk` if there is room now.
     pub(crate) fn try_send(&self, chunk: impl Into<Chunk>) -> Result<(), TrySendError<Chunk>> {
         let chunk = chunk.into();
@@ -132,13 +112,28 @@ impl Outbox {
     }
 }
 
+/// Room taken for a chunk (`Outbox::reserve`).
+pub(crate) struct Reserved<'a> {
+    place: mpsc::Permit<'a, Chunk>,
+    room: tokio::sync::SemaphorePermit<'a>,
+    cost: u32,
+    max_bytes: usize,
+}
+
+impl Reserved<'_> {
+    /// Queues `chunk`, of the bytes reserved: the writer gives back what it took.
+    pub(crate) fn send(self, chunk: Chunk) {
+        assert_eq!(cost(&chunk, self.max_bytes), self.cost, "a chunk of the bytes reserved");
+        self.room.forget();
+        self.place.send(chunk);
+    }
+}
+
 /// The writer is gone: whoever waits for room, or would, is told so rather than left waiting for
 /// chunks that will never be written.
 impl Drop for Outgoing {
     fn drop(&mut self) {
         self.room.close();
-        self.rx.close();
-        self.freed.notify_waiters();
     }
 }
 
@@ -157,7 +152,6 @@ impl Outgoing {
     pub(crate) fn written(&self, chunk: &Chunk) {
         self.room.add_permits(cost(chunk, self.max_bytes) as usize);
         self.written.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.freed.notify_waiters();
     }
 }
 

@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use crate::Ctx;
 use crate::connections::Registered;
 use crate::input::Input;
-use crate::outbox::{Outbox, TrySendError, outbox};
+use crate::outbox::{Outbox, outbox};
 use crate::stats::add;
 
 /// Answers of one read are sent once this many bytes, or this many answers, wait, mid-read.
@@ -131,25 +131,14 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
         self.answers >= self.early_at || self.out.len() >= FLUSH_ANSWERS_AT_BYTES
     }
 
-    /// Hands the answers waiting to the outbox if it has room for them now (they then go out
-    /// after what it holds); `false`, keeping them, if not.
-    pub fn queue_answers_if_room(&mut self) -> bool {
-        if self.out.is_empty() {
-            return true;
-        }
+    /// Hands the answers waiting to the outbox, in the room reserved for them (they then go
+    /// out after what it holds).
+    pub fn queue_answers(&mut self, reserved: crate::outbox::Reserved<'_>) {
         let room = self.out.len().clamp(1024, ANSWERS_START_BYTES);
         let answers = std::mem::replace(&mut self.out, Vec::with_capacity(room));
-        match self.outbox.try_send(answers) {
-            Ok(()) => {
-                self.answers = 0;
-                self.early_at = self.early_at.saturating_mul(2);
-                true
-            }
-            Err(TrySendError::Full(chunk) | TrySendError::Closed(chunk)) => {
-                self.out = chunk.frames;
-                false
-            }
-        }
+        reserved.send(answers.into());
+        self.answers = 0;
+        self.early_at = self.early_at.saturating_mul(2);
     }
 
     /// The bytes of the answers waiting.
@@ -424,10 +413,12 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             // Requests still waiting (a long call) hold the writer's channel: do not wait for
             // them. A half frame's rest not written ends the stream there: the writer, waiting
             // for the write half, ends too, so nothing follows the half frame.
+            // (The writer first: it waits for the write half, which the finishing task lets go
+            // of as it is aborted.)
+            writer.abort();
             if let Some(finishing) = finishing {
                 finishing.abort();
             }
-            writer.abort();
         }
     }
 }

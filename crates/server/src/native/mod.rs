@@ -332,24 +332,20 @@ where
             };
             connection.answer(&response, petrel_proto::opcode::RETURN, request_id);
         }
-        if connection.answers_are_many() {
-            if connection.outbox().is_idle() {
-                // (A frame half written waits for the client to read: no longer than it may be
-                // silent.)
-                let deadline = stall_deadline(session);
-                if !matches!(unless_stalled(ctx, connection.flush(), shutdown, deadline).await, Some(Ok(()))) {
-                    return None;
-                }
-            } else {
-                connection.queue_answers_if_room();
+        if connection.answers_are_many() && connection.outbox().is_idle() {
+            // (A frame half written waits for the client to read: no longer than it may be silent.)
+            let deadline = stall_deadline(session);
+            if !matches!(unless_stalled(ctx, connection.flush(), shutdown, deadline).await, Some(Ok(()))) {
+                return None;
             }
         }
         // Reading on meanwhile (a little: what is read waits to be decoded) notices a client
         // that went away: its waiting requests then stop, as its connection ends. A RETURN
         // being read is read whole, however long (see above). But not while the RETURNs'
         // answers wait for room in the outbox (a client that does not read): read on, the
-        // RETURNs of a client that sends and never reads would grow them without bound. Reading
-        // goes on once there is room for them (or the writer is gone, and the connection ends).
+        // RETURNs of a client that sends and never reads would grow them without bound. They
+        // wait for room in line with the pushes, and reading goes on once they have it (or the
+        // writer is gone, and the connection ends).
         let piled = connection.answers_are_many();
         let reading = !piled && (connection.buffered() < READ_AHEAD_WHILE_WAITING || connection.reading_a_return());
         let (outbox, piled_bytes) = (connection.outbox().clone(), connection.answers_len());
@@ -361,11 +357,10 @@ where
                     return None;
                 }
             }
-            () = outbox.room_for(piled_bytes), if piled => {
-                if outbox.is_closed() {
-                    return None; // the writer is gone: the client cannot be written to
-                }
-            }
+            reserved = outbox.reserve(piled_bytes), if piled => match reserved {
+                Ok(reserved) => connection.queue_answers(reserved),
+                Err(_) => return None, // the writer is gone: the client cannot be written to
+            },
             _ = crate::sleep_until_or_never(until) => {
                 // Stalled: answers waiting and none written since the last look. A client that
                 // reads (or has read everything) waits on for its requests under way.
@@ -417,17 +412,15 @@ async fn dispatch(
     request: Request,
     arrived_ns: u64,
 ) -> Answer {
-    // A reply refused here for good is refused to its caller too, at once (not left to its
-    // timeout); one refused for now (the memory budget full) may be sent again.
+    // A reply refused here is refused to its caller too, at once (not left to its timeout):
+    // repliers do not send a reply again (the Rust client's are sent unanswered).
     let returned = match &request {
         Request::Return { call, .. } => Some(*call),
         _ => None,
     };
     let conn = session.conn;
     let refuse = |response: Response| {
-        if let (Some(call), Response::Error { status, message }) = (returned, &response)
-            && *status != Status::LimitReached
-        {
+        if let (Some(call), Response::Error { message, .. }) = (returned, &response) {
             ctx.broker.reply(call, conn, Err(format!("the function's reply was refused: {message}")));
         }
         Answer::Now(response)

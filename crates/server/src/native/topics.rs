@@ -158,15 +158,25 @@ pub(super) async fn subscribe_group(
     Response::Subscribed { subscription }
 }
 
+/// TOPIC_ACK batches of at most this many bytes of ids are held in the memory budget even past
+/// it (`ack`).
+const SMALL_ACK_BYTES: u64 = 64 << 10;
+
 /// Acknowledges messages of a group subscription: answered once its task has applied them.
 pub(super) fn ack(ctx: &Ctx, pushes: &Pushes, subscription: u64, ids: Vec<u64>) -> Answer {
     let Some((acks, _)) = pushes.groups.get(&subscription) else {
         return Answer::Now(Response::error(Status::BadRequest, format!("no group subscription {subscription}")));
     };
     // The ids wait for the subscription's task (which may wait for a client that does not read)
-    // counted in the memory budget: a frame holds two million of them.
+    // counted in the memory budget: a frame holds two million of them. A small batch is taken
+    // even past the budget (in memory already, it is refused for nothing, and a group stops
+    // at `buffer` unacknowledged); a large one that does not fit is refused.
     let bytes = (ids.capacity() * std::mem::size_of::<u64>()) as u64;
-    let Some(held) = ctx.broker.hold_memory(bytes) else {
+    let held = match bytes <= SMALL_ACK_BYTES {
+        true => Some(ctx.broker.hold_memory_anyway(bytes)),
+        false => ctx.broker.hold_memory(bytes),
+    };
+    let Some(held) = held else {
         let why =
             format!("{} acknowledgements do not fit in the server's memory budget (max_memory_bytes) now", ids.len());
         return Answer::Now(Response::error(Status::LimitReached, why));
