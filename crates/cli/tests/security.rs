@@ -507,9 +507,9 @@ access = "poll"
 
 /// Over memcache as over the native protocol, a reload that takes a user's rights away leaves
 /// what the user's connection holds open closable and abortable (those touch only what the
-/// connection took: refused, the item went back at the disconnect and was handed out twice), and
-/// ends the connection of a user it removes even while a get waits (that get took the next item
-/// for a user no longer there).
+/// connection took: refused, the item went back at the disconnect and was handed out twice),
+/// refuses a get of the user's that waits, and ends the connection of a user it removes even
+/// while a get waits (those gets took the next item for a user no longer allowed, or there).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_waiting_get() {
     let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"jobs\"\nuser = \"tom\"\naccess = \"poll\"\n";
@@ -517,7 +517,7 @@ async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_wa
     let server = setup.start();
     let max = login(&server, "max").await.unwrap();
     max.create_queue("jobs", QueueConfig::default()).await.unwrap();
-    max.offer("jobs", vec![msg("a"), msg("b")], None).await.unwrap();
+    max.offer("jobs", vec![msg("a")], None).await.unwrap();
     let connect = |user: &str, password: &str| {
         let mut s = std::net::TcpStream::connect(&server.memcache).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -535,15 +535,17 @@ async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_wa
     assert_eq!(lines, "VALUE jobs/open 0 1\r\na\r\nEND\r\n");
     let mut jon = connect("jon", "ph$54");
     jon.write_all(b"get other/t=600000\r\n").unwrap();
+    let tom_waiting = connect("tom", "3-kio");
+    (&tom_waiting).write_all(b"get jobs/t=600000\r\n").unwrap();
     let mut admin = connect("max", "zu*67");
-    common::wait_until("jon's get waiting", || {
+    common::wait_until("jon's and tom's gets waiting", || {
         admin.write_all(b"stats\r\n").unwrap();
         let mut stats = String::new();
         let mut reader = BufReader::new(admin.try_clone().unwrap());
         while !stats.ends_with("END\r\n") {
             reader.read_line(&mut stats).unwrap();
         }
-        stats.contains("STAT queue_other_waiters 1\r\n")
+        stats.contains("STAT queue_other_waiters 1\r\n") && stats.contains("STAT queue_jobs_waiters 1\r\n")
     });
     // The rules change: tom may no longer poll; jon is removed.
     setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
@@ -555,6 +557,10 @@ async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_wa
         exchange(&mut probe, "get jobs\r\n").starts_with("CLIENT_ERROR")
     })
     .await;
+    // tom's waiting get is refused.
+    let mut line = String::new();
+    BufReader::new(&tom_waiting).read_line(&mut line).unwrap();
+    assert!(line.starts_with("CLIENT_ERROR") && line.contains("may not poll"), "{line}");
     // tom closes what he holds and asks for the next: the close is done, the open refused.
     tom.write_all(b"get jobs/close/open\r\n").unwrap();
     let mut line = String::new();
@@ -565,6 +571,7 @@ async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_wa
     let mut rest = Vec::new();
     assert_eq!(jon.read_to_end(&mut rest).unwrap(), 0, "jon's connection ended: {:?}", String::from_utf8_lossy(&rest));
     max.offer("other", vec![msg("c")], None).await.unwrap();
+    max.offer("jobs", vec![msg("b")], None).await.unwrap();
     let polled = |queue: &'static str| {
         let max = &max;
         async move {

@@ -40,6 +40,8 @@ enum GetEnd {
     Miss,
     /// The client went away.
     Closed,
+    /// A reload took the right to poll the queue away: answered with the refusal.
+    Refused(BrokerError),
 }
 
 /// Whether the connection goes on after a request.
@@ -596,6 +598,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                             tracing::info!(conn, "closing a memcache connection whose user a reload removed");
                             return GetEnd::Closed;
                         }
+                        if let Err(e) = self.ctx.broker.authorize(who, Kind::Queue, name, &[Action::Poll]) {
+                            return GetEnd::Refused(e);
+                        }
                     }
                     read = self.stream.read_buf(&mut self.input.buf), if reading => match read {
                         // The client went away: stop waiting, so no item is taken for nobody.
@@ -618,6 +623,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 self.value(&key, &message, cas);
             }
             Ok(Waited::Stopped(GetEnd::Closed)) => return Flow::Close,
+            Ok(Waited::Stopped(GetEnd::Refused(e))) => self.line(&server_error(&e)),
             // A queue removed while the get waited is a miss, as an empty one is.
             Ok(Waited::Stopped(GetEnd::Miss)) | Err(BrokerError::NotFound(_)) => {
                 add(&self.ctx.stats.get_misses, 1);

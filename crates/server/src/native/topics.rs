@@ -185,7 +185,8 @@ pub(super) fn ack(ctx: &Ctx, pushes: &Pushes, subscription: u64, ids: Vec<u64>) 
         Ok(counted) => Answer::later(WaitsFor::Other, async move {
             match counted.await {
                 Ok(count) => Response::Acked { count },
-                Err(_) => Response::error(Status::ServerError, "the subscription ended"),
+                // (As when it had ended before the acknowledgement came: not to be retried.)
+                Err(_) => Response::error(Status::BadRequest, "the subscription ended"),
             }
         }),
         Err(e) => Answer::Now(error(e)),
