@@ -594,31 +594,42 @@ fn returns_from_a_client_that_does_not_read_are_not_answered_without_bound() {
     drop(server);
 }
 
-/// An answer cut short by the stop goes on from where it was cut: a client that reads again
-/// during the stop's grace gets the whole frame, once. (The server's stop gave up the write of
-/// an answer half sent, and the stop's last flush sent it again from its first byte: the client
-/// read half a frame, then the whole of it, and took the rest for frames of their own.)
-#[test]
-fn an_answer_half_written_when_the_server_stops_is_finished_not_sent_again() {
+/// A connection that polled for good the one message of queue `big`, `payload` (offered here),
+/// whose answer has begun to arrive, none of it read but the HELLO's answer. Larger than the
+/// sockets' buffers, the answer is written in part. `recv_buffer`: the client's receive buffer.
+fn polling_a_big_message(server: &Server, payload: Vec<u8>, recv_buffer: Option<usize>) -> TcpStream {
     use petrel_proto::{Request, Response};
-    let dir = tempfile::tempdir().unwrap();
-    let config = config(dir.path(), "shutdown_grace = \"3s\"\n");
-    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
-    let payload: Vec<u8> = (0..15u32 << 20).map(|i| (i % 251) as u8).collect();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = server.client().await;
         c.create_queue("big", QueueConfig::default()).await.unwrap();
-        c.offer("big", vec![petrel_client::Message::new(payload.clone())], None).await.unwrap();
+        c.offer("big", vec![petrel_client::Message::new(payload)], None).await.unwrap();
     });
-    // Its 15 MiB answer, with nobody reading: the server writes what the sockets' buffers take.
     let mut reader = TcpStream::connect(&server.addr).unwrap();
+    if let Some(bytes) = recv_buffer {
+        rustix::net::sockopt::set_socket_recv_buffer_size(&reader, bytes).unwrap();
+    }
     let mut requests = request_frame(&Request::Hello { client: "slow".into(), features: 0 }, 1);
     requests.extend(request_frame(&Request::Poll { queue: "big".into(), max: 1, timeout_ms: 0, visibility_ms: 0 }, 2));
     reader.write_all(&requests).unwrap();
     reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     assert!(matches!(read_response(&mut reader), (1, Response::Hello { .. })));
     reader.peek(&mut [0u8; 16]).unwrap(); // the poll's answer has begun
+    reader
+}
+
+/// An answer cut short by the stop goes on from where it was cut: a client that reads again
+/// during the stop's grace gets the whole frame, once. (The server's stop gave up the write of
+/// an answer half sent, and the stop's last flush sent it again from its first byte: the client
+/// read half a frame, then the whole of it, and took the rest for frames of their own.)
+#[test]
+fn an_answer_half_written_when_the_server_stops_is_finished_not_sent_again() {
+    use petrel_proto::Response;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "shutdown_grace = \"3s\"\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let payload: Vec<u8> = (0..15u32 << 20).map(|i| (i % 251) as u8).collect();
+    let mut reader = polling_a_big_message(&server, payload.clone(), None);
     let pid = server.child.id().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     std::thread::sleep(Duration::from_millis(300));
@@ -639,24 +650,10 @@ fn an_answer_half_written_when_the_server_stops_is_finished_not_sent_again() {
 /// connection, and nothing follows the half frame.
 #[test]
 fn a_client_that_stops_reading_mid_answer_is_closed_socket_and_all() {
-    use petrel_proto::{Request, Response};
     let dir = tempfile::tempdir().unwrap();
     let config = config(dir.path(), "idle_timeout = \"1s\"\nshutdown_grace = \"1s\"\n");
     let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let c = server.client().await;
-        c.create_queue("big", QueueConfig::default()).await.unwrap();
-        c.offer("big", vec![petrel_client::Message::new(vec![5u8; 15 << 20])], None).await.unwrap();
-    });
-    let mut reader = TcpStream::connect(&server.addr).unwrap();
-    rustix::net::sockopt::set_socket_recv_buffer_size(&reader, 4096).unwrap();
-    let mut requests = request_frame(&Request::Hello { client: "slow".into(), features: 0 }, 1);
-    requests.extend(request_frame(&Request::Poll { queue: "big".into(), max: 1, timeout_ms: 0, visibility_ms: 0 }, 2));
-    reader.write_all(&requests).unwrap();
-    reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    assert!(matches!(read_response(&mut reader), (1, Response::Hello { .. })));
-    reader.peek(&mut [0u8; 16]).unwrap(); // the poll's answer has begun
+    let reader = polling_a_big_message(&server, vec![5u8; 15 << 20], Some(4096));
     let open = descriptors(server.child.id());
     // Past the idle timeout and the grace, its socket is closed on the server's side.
     std::thread::sleep(Duration::from_secs(2));
