@@ -679,6 +679,35 @@ async fn a_reload_ends_subscriptions_and_connections_the_new_rules_do_not_allow(
     );
 }
 
+/// `/api/v1/server` names no queue a user may not see: its last reload (which lists the queue
+/// blocks it changed) is an admin's to read, and damaged queues are listed to those who may see
+/// them. (Every logged-in user read every name there.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_status_names_no_queue_a_user_may_not_see() {
+    let deny = "[[security.acl]]\nkind = \"queue\"\nname = \"payroll\"\nuser = \"tom\"\naccess = \"deny\"\n";
+    let setup = Setup::new(&format!("{deny}[queues.payroll]\nmax_items = 10\n"));
+    let server = setup.start();
+    setup.write_config(&format!("{deny}[queues.payroll]\nmax_items = 20\n"));
+    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    let status = |credentials: &str| {
+        let mut http = std::net::TcpStream::connect(&server.http).unwrap();
+        http.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let request = format!(
+            "GET /api/v1/server HTTP/1.1\r\nHost: localhost\r\nAuthorization: Basic {credentials}\r\nConnection: close\r\n\r\n"
+        );
+        http.write_all(request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        let _ = http.read_to_string(&mut answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        answer
+    };
+    // (base64 of "max:zu*67" and "tom:3-kio")
+    common::wait_until("the reload applied", || status("bWF4Onp1KjY3").contains("queues.payroll"));
+    let tom = status("dG9tOjMta2lv");
+    assert!(!tom.contains("payroll"), "{tom}");
+    assert!(tom.contains("\"reload\":null"), "{tom}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_per_user_are_limited() {
     let setup = Setup::new("max_connections_per_user = 2");

@@ -126,8 +126,25 @@ fn body_json<T: serde::de::DeserializeOwned + Default>(body: &[u8], what: &str) 
     serde_json::from_slice(body).map_err(|e| format!("{what}: {e}"))
 }
 
-pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
+pub(super) async fn server(State(ctx): Ctxt, Caller(who): Caller) -> Response {
     let s = &ctx.stats;
+    // Names a user may not see stay unseen here too: damaged ones are listed if the user may see
+    // them, and the last reload (which names queues, topics and the configuration's path) is
+    // shown to admins only.
+    let who = who.as_ref();
+    let admin = may(&ctx, who, Kind::Queue, "*", &[Action::Manage]);
+    let visible = |kind: Kind, rights: &'static [Action]| {
+        let ctx = &ctx;
+        move |(name, _): &(String, String)| may(ctx, who, kind, name, rights)
+    };
+    let damaged_queues: Vec<_> =
+        ctx.broker.damaged_queues().into_iter().filter(visible(Kind::Queue, ANY_QUEUE_RIGHT)).collect();
+    let damaged_topics: Vec<_> =
+        ctx.broker.damaged_topics().into_iter().filter(visible(Kind::Topic, ANY_TOPIC_RIGHT)).collect();
+    let reload = match admin {
+        true => json!(ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).status.clone()),
+        false => Value::Null,
+    };
     let (memory, memory_max) = ctx.broker.memory();
     let (resident, _) = ctx.broker.resident_pages();
     let c = &ctx.config;
@@ -136,13 +153,13 @@ pub(super) async fn server(State(ctx): Ctxt, _: Caller) -> Response {
         "uptime_secs": s.started.elapsed().as_secs(),
         "connections": read(&s.curr_connections),
         "queues": ctx.broker.queue_names().len(),
-        "damaged_queues": damaged_json(ctx.broker.damaged_queues()),
-        "damaged_topics": damaged_json(ctx.broker.damaged_topics()),
+        "damaged_queues": damaged_json(damaged_queues),
+        "damaged_topics": damaged_json(damaged_topics),
         "topics": ctx.broker.topic_names().len(),
         "authentication": ctx.broker.auth_enabled(),
         "memory": { "queued_bytes": memory, "max_memory_bytes": memory_max },
         "resident": { "counted_bytes": resident, "max_resident_bytes": c.max_resident_bytes },
-        "reload": ctx.reload.lock().unwrap_or_else(|e| e.into_inner()).status.clone(),
+        "reload": reload,
         "limits": {
             "max_connections": ctx.limits.max_connections(),
             "max_connections_per_address": ctx.limits.max_connections_per_address(),
