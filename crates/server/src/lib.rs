@@ -78,6 +78,8 @@ pub(crate) struct Ctx {
     pub reload: std::sync::Mutex<reload::ReloadState>,
     /// HTTP basic credentials verified lately.
     pub http_logins: http::Logins,
+    /// What floods of `/readyz` and `/metrics` share.
+    pub http_probes: http::Probes,
     /// Queues being made for a first use.
     pub first_use: first_use::FirstUse,
 }
@@ -292,6 +294,7 @@ impl Server {
             limits,
             reload: std::sync::Mutex::new(reload::ReloadState::default()),
             http_logins: http::Logins::default(),
+            http_probes: http::Probes::default(),
             first_use: first_use::FirstUse::default(),
         };
         Ok(Server { ctx: Arc::new(ctx), tcp, unix, memcache, http })

@@ -42,9 +42,15 @@ impl Names {
     }
 }
 
+/// Scrapes that build their text at once, at most: each holds ~140,000 series and their text at
+/// 10,000 queues (tens of MB); more wait their turn.
+pub(super) const SCRAPES_AT_ONCE: usize = 2;
+
 /// `/metrics` (the router asks for a user first, unless `http_open_metrics`).
 /// Off the runtime's workers: a scrape of 10,000 queues takes ~0.2 s (docs/benchmarks.md).
 pub(super) async fn scrape(State(ctx): Ctxt, names: Names) -> Response {
+    let probes = std::sync::Arc::clone(&ctx);
+    let _turn = probes.http_probes.scrapes.acquire().await.expect("the scrapes' semaphore is never closed");
     let rendered = tokio::task::spawn_blocking(move || {
         let scrape = Scrape::new();
         scrape.collect(&ctx, &names);

@@ -300,20 +300,51 @@ impl Logins {
     }
 }
 
+/// What the open probes share, so that a flood of them costs what one does.
+pub(crate) struct Probes {
+    /// `/readyz`'s last answer, and when it was found: given again for a second.
+    ready: tokio::sync::Mutex<Option<(std::time::Instant, Result<(), String>)>>,
+    /// `/metrics` scrapes under way (`metrics::SCRAPES_AT_ONCE`).
+    scrapes: tokio::sync::Semaphore,
+}
+
+impl Default for Probes {
+    fn default() -> Probes {
+        Probes { ready: Default::default(), scrapes: tokio::sync::Semaphore::new(metrics::SCRAPES_AT_ONCE) }
+    }
+}
+
+/// How long `/readyz` gives the answer it last found.
+const READY_FOR: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Open as `/healthz` is (an orchestrator's probe has no password): it tells only whether the
-/// data directory takes a file.
+/// data directory takes a file. Looked at once a second at most, one probe at a time (a file
+/// written and removed each time, on the blocking threads: probes at once would race on it).
 async fn readyz(State(ctx): Ctxt) -> Response {
-    // The data directory takes a new file: the disk is there, writable and not full.
-    let probe = ctx.config.data.join(".petrel-ready");
-    let written = tokio::task::spawn_blocking(move || {
-        let result = std::fs::write(&probe, b"ready");
-        let _ = std::fs::remove_file(&probe);
-        result
-    })
-    .await;
-    match written {
-        Ok(Ok(())) => "ready\n".into_response(),
-        Ok(Err(e)) => refusal(StatusCode::SERVICE_UNAVAILABLE, format!("the data directory does not take a file: {e}")),
-        Err(e) => refusal(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    let mut last = ctx.http_probes.ready.lock().await;
+    let fresh = last.as_ref().filter(|(at, _)| at.elapsed() < READY_FOR).map(|(_, ready)| ready.clone());
+    let ready = match fresh {
+        Some(ready) => ready,
+        None => {
+            // The data directory takes a new file: the disk is there, writable and not full.
+            let probe = ctx.config.data.join(".petrel-ready");
+            let written = tokio::task::spawn_blocking(move || {
+                let result = std::fs::write(&probe, b"ready");
+                let _ = std::fs::remove_file(&probe);
+                result
+            })
+            .await;
+            let ready = match written {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(format!("the data directory does not take a file: {e}")),
+                Err(e) => Err(e.to_string()),
+            };
+            *last = Some((std::time::Instant::now(), ready.clone()));
+            ready
+        }
+    };
+    match ready {
+        Ok(()) => "ready\n".into_response(),
+        Err(why) => refusal(StatusCode::SERVICE_UNAVAILABLE, why),
     }
 }
