@@ -1406,12 +1406,23 @@ impl Broker {
                     // its copy as it keeps every message.
                     copies.iter_mut().for_each(|m| m.durable = false);
                 }
-                match child.offer_unsynced(&mut copies, None, now_ns, moved) {
-                    Ok(queue::Stored { last: Some(last), .. }) => unsynced.children.push((child, last)),
-                    Ok(_) => {}
-                    Err(e) => {
-                        child.count_dropped(copies.len() as u64);
-                        tracing::debug!(queue = %child.name, error = %e, "fanout copy dropped");
+                // One offer per run of one priority: a child with levels takes one priority an
+                // offer, though its parent (without levels) took them mixed.
+                while !copies.is_empty() {
+                    let run = match config::levels_of(&child.config()) {
+                        1 => copies.len(),
+                        _ => copies.iter().take_while(|m| m.priority == copies[0].priority).count(),
+                    };
+                    let mut batch: Vec<Message> = copies.drain(..run).collect();
+                    match child.offer_unsynced(&mut batch, None, now_ns, moved) {
+                        Ok(queue::Stored { last: Some(last), .. }) => {
+                            unsynced.children.push((Arc::clone(&child), last))
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            child.count_dropped(run as u64);
+                            tracing::debug!(queue = %child.name, error = %e, "fanout copy dropped");
+                        }
                     }
                 }
             }

@@ -469,6 +469,26 @@ fn fanout_children_get_copies() {
     assert_eq!(b.fanout_children("orders"), ["orders+audit", "orders+audit+deep"]);
 }
 
+/// A parent without priority levels takes an offer of mixed priorities; a child with levels gets
+/// every copy, each at its level (it takes one priority an offer: the whole copy was refused,
+/// and counted dropped).
+#[test]
+fn a_fanout_child_with_levels_gets_every_copy_of_a_mixed_offer() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    for durable in [false, true] {
+        let (parent, child) = if durable { ("dp", "dp+w") } else { ("mp", "mp+w") };
+        b.create_queue(parent, QueueConfig { durable, ..QueueConfig::default() }, None).unwrap();
+        b.create_queue(child, QueueConfig { durable, priorities: 3, ..QueueConfig::default() }, None).unwrap();
+        let mut offer = msgs(&["low", "high", "high too", "low too"]);
+        offer[1].priority = 2;
+        offer[2].priority = 2;
+        b.offer(parent, offer, 0).unwrap();
+        assert_eq!(payloads(&b.poll(child, 10, None, 1, 0).unwrap()), [&b"high"[..], b"high too", b"low", b"low too"]);
+        assert_eq!(b.queue(child).unwrap().counters().dropped, 0);
+    }
+}
+
 #[test]
 fn durable_queues_and_definitions_survive_a_restart_with_tentative_reads_back() {
     let dir = tempfile::tempdir().unwrap();
