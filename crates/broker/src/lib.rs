@@ -849,15 +849,24 @@ impl Broker {
         self.registry.write().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The configuration a queue named `name` gets when it is created by first use.
+    /// The configuration a queue named `name` gets when it is created by first use. One that
+    /// would name the queue its own dead-letter queue names none, and has no delivery limit
+    /// (which needs one): defaults that name a dead-letter queue are the dead-letter queue's too
+    /// when it is made by first use (by the first message moved to it), and refused, every dead
+    /// letter would be lost.
     pub fn config_for(&self, name: &str) -> QueueConfig {
         let configured = self.configured.read().unwrap_or_else(|e| e.into_inner());
         let queues = &configured.queues;
-        queues
+        let mut config = queues
             .get(name)
             .or_else(|| fanout_parent(name).and_then(|p| queues.get(p)))
             .unwrap_or(&configured.defaults)
-            .clone()
+            .clone();
+        if config.dead_letter == name {
+            config.dead_letter.clear();
+            config.max_deliveries = 0;
+        }
+        config
     }
 
     /// What queue `name`, made by first use and configured as `current`, takes from the server's

@@ -664,11 +664,35 @@ fn queues_made_by_first_use_follow_the_defaults_across_restarts_and_reloads_crea
     drop(b);
     let b = Broker::open(dir.path(), options(always)).unwrap();
     assert_eq!(b.queue("auto").unwrap().config().durability, "always");
-    // Defaults that do not fit the queue (its own dead-letter queue) leave it as it was.
+    // Defaults that name the queue its own dead-letter queue: it takes them, without that.
     drop(b);
     let own = QueueConfig { dead_letter: "auto".into(), ..defaults(9) };
     let b = Broker::open(dir.path(), options(own)).unwrap();
-    assert_eq!(b.queue("auto").unwrap().config().max_items, 7);
+    assert_eq!(b.queue("auto").unwrap().config().max_items, 9);
+    assert_eq!(b.queue("auto").unwrap().config().dead_letter, "");
+}
+
+/// Defaults that name a dead-letter queue: the dead-letter queue, made by the first message moved
+/// to it, takes them too, but not as its own dead-letter queue (refused so, it was never made,
+/// and every dead letter was lost).
+#[test]
+fn a_dead_letter_queue_made_by_first_use_from_defaults_naming_it_takes_its_dead_letters() {
+    let dir = tempfile::tempdir().unwrap();
+    let defaults =
+        QueueConfig { durable: true, max_deliveries: 1, dead_letter: "dlq".into(), ..QueueConfig::default() };
+    let b = Broker::open(dir.path(), BrokerOptions { queue_defaults: defaults, ..BrokerOptions::default() }).unwrap();
+    b.queue_or_create("jobs").unwrap();
+    b.offer("jobs", msgs(&["poison"]), 1_000).unwrap();
+    let taken = b.poll("jobs", 1, VIS, 1, 2_000).unwrap();
+    b.abort("jobs", &[taken[0].handle], 1, 0, 3_000).unwrap();
+    assert_eq!(payloads(&b.poll("dlq", 5, None, 2, 4_000).unwrap()), [b"poison".to_vec()]);
+    let dlq = b.queue("dlq").unwrap().config();
+    assert_eq!(
+        (dlq.dead_letter.as_str(), dlq.max_deliveries),
+        ("", 0),
+        "no delivery limit without a dead-letter queue"
+    );
+    assert_eq!(b.queue("jobs").unwrap().counters().dead_letters_lost, 0);
 }
 
 #[test]
