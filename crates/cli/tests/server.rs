@@ -1048,6 +1048,53 @@ fn the_cli_at_the_wrong_port_says_what_answered() {
     }
 }
 
+/// A follower's poll for good whose answer is lost with its connection loses nothing: what the
+/// poll took comes with the poll made again after the reconnect. (Taken for good, it was gone.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followers_poll_for_good_whose_answer_is_lost_loses_nothing() {
+    use petrel_client::{ClientOptions, Follower, Reconnect};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let admin = server.client().await;
+    admin.create_queue("jobs", QueueConfig { durable: true, ..QueueConfig::default() }).await.unwrap();
+    admin.offer("jobs", vec![msg("one")], None).await.unwrap();
+    // A proxy whose first connection passes the HELLO's answer, then ends at the next answer
+    // (the poll's), which it never passes on; later connections pass everything.
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_addr = proxy.local_addr().unwrap().to_string();
+    let upstream = server.addr.clone();
+    std::thread::spawn(move || {
+        for (n, client) in proxy.incoming().enumerate() {
+            let Ok(client) = client else { return };
+            let server = std::net::TcpStream::connect(&upstream).unwrap();
+            let (mut from_client, mut to_server) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || drop(std::io::copy(&mut from_client, &mut to_server)));
+            let (mut from_server, mut to_client) = (server, client);
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 1 << 16];
+                for answer in 1.. {
+                    let Ok(k @ 1..) = from_server.read(&mut buf) else { break };
+                    if n == 0 && answer == 2 {
+                        let _ = from_server.shutdown(std::net::Shutdown::Both);
+                        let _ = to_client.shutdown(std::net::Shutdown::Both);
+                        break;
+                    }
+                    if to_client.write_all(&buf[..k]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let reconnect = Reconnect { first_pause: Duration::from_millis(20), ..Reconnect::default() };
+    let mut follower = Follower::connect(&proxy_addr, ClientOptions::default(), reconnect).await.unwrap();
+    let for_good = PollOptions { max: 10, timeout: Duration::from_secs(5), visibility: None };
+    let got = follower.poll("jobs", for_good).await.unwrap();
+    let got: Vec<_> = got.iter().map(|d| (d.handle, d.message.payload.clone())).collect();
+    assert_eq!(got, [(0, bytes::Bytes::from_static(b"one"))], "taken again after the reconnect");
+    assert!(admin.poll("jobs", PollOptions::default()).await.unwrap().is_empty(), "and acknowledged");
+}
+
 /// The library's `Follower` outlives a server restart: a poll waits for the server and is made
 /// again, an acknowledgement lost with the connection answers 0 and its message comes again, a
 /// group subscription resumes where the group stands; each loss and return is told.

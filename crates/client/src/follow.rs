@@ -2,7 +2,8 @@
 //! connection), a [`Follower`] connects again with backoff and repeats what is safe to repeat.
 //!
 //! Only reads are followed. A poll taken again after a reconnect is safe: what the lost
-//! connection had taken tentatively went back to the queue. A group subscription resumes where
+//! connection had taken tentatively went back to the queue (a poll for good is taken tentatively
+//! too, and acknowledged once its answer is in: see `Follower::poll`). A group subscription resumes where
 //! the group stands: what was delivered and not acknowledged comes again (at least once). A live
 //! subscription misses what was published while it was away. Offers are never repeated here: an
 //! offer whose answer was lost may have been stored.
@@ -11,6 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{Client, ClientError, ClientOptions, Delivery, Message, PollOptions, StartFrom, Status, Subscription};
+
+/// How long a follower's poll for good holds what it took before acknowledging it (at once,
+/// unless its connection is lost, when the server gives it back with the connection).
+const FOR_GOOD_VISIBILITY: Duration = Duration::from_secs(60);
 
 /// Told of each loss and return of a follower's connection.
 pub type EventHandler = Arc<dyn Fn(ConnectionEvent<'_>) + Send + Sync>;
@@ -98,11 +103,30 @@ impl Follower {
     }
 
     /// Polls `queue`; a lost connection is waited for and the poll made again.
+    ///
+    /// A poll for good (no `visibility`) is taken tentatively and acknowledged as soon as its
+    /// answer is in: taken for good, what a connection lost before the answer arrived had taken
+    /// would be gone, while taken tentatively it goes back to the queue and comes with the poll
+    /// made again. Its deliveries are handed out with handle 0, as a poll for good's are. If the
+    /// acknowledgement's connection is lost, they are handed out all the same and come again
+    /// after the reconnect (at least once, never lost).
     pub async fn poll(&mut self, queue: &str, options: PollOptions) -> Result<Vec<Delivery>, ClientError> {
+        let for_good = options.visibility.is_none();
+        let asked = PollOptions { visibility: Some(options.visibility.unwrap_or(FOR_GOOD_VISIBILITY)), ..options };
         loop {
             self.reconnect_if_lost().await?;
-            match self.client.poll(queue, options).await {
+            match self.client.poll(queue, asked).await {
                 Err(e) if e.is_connection_lost() => self.lost = Some(e),
+                Ok(mut deliveries) if for_good && !deliveries.is_empty() => {
+                    let handles: Vec<u64> = deliveries.iter().map(|d| d.handle).collect();
+                    match self.client.ack(queue, &handles).await {
+                        Err(e) if e.is_connection_lost() => self.lost = Some(e),
+                        Err(e) => return Err(e),
+                        Ok(_) => {}
+                    }
+                    deliveries.iter_mut().for_each(|d| d.handle = 0);
+                    return Ok(deliveries);
+                }
                 other => return other,
             }
         }
