@@ -696,6 +696,26 @@ async fn a_queue_missing_on_some_servers() {
     assert_eq!(got[0].handle.server, 1);
 }
 
+/// A handle from a cluster of more servers counts for nothing in a smaller one, as a lost
+/// connection's does (the smaller cluster indexed its servers with it, and panicked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handle_of_a_server_the_cluster_does_not_have_counts_for_nothing() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    let addrs: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let both = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
+    let first = Cluster::connect(&addrs[..1], ClusterOptions::default()).await.unwrap();
+    let second = servers[1].client().await;
+    second.create_queue("q", QueueConfig::default()).await.unwrap();
+    second.offer("q", vec![Message::new(&b"m"[..])], None).await.unwrap();
+    let options = PollOptions { max: 1, timeout: Duration::from_secs(5), visibility: Some(Duration::from_secs(60)) };
+    let got = both.poll("q", options).await.unwrap();
+    assert_eq!(got[0].handle.server, 1);
+    assert_eq!(first.ack("q", &[got[0].handle]).await.unwrap(), 0);
+    assert_eq!(both.ack("q", &[got[0].handle]).await.unwrap(), 1);
+}
+
 /// A server that accepts connections and never answers (stopped, say) does not stop the cluster
 /// from connecting; keyed offers stay on one server; an abort returns a message to its server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

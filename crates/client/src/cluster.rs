@@ -214,9 +214,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Shared {
-    /// Server `i`'s connection, if it is up.
+    /// Server `i`'s connection, if it is up (none for a server this cluster does not have: a
+    /// handle of another cluster's counts for nothing, as one of a lost connection does).
     fn current(&self, i: usize) -> Option<(Client, u64)> {
-        let link = lock(&self.members[i].link);
+        let link = lock(&self.members.get(i)?.link);
         link.client.as_ref().map(|c| (c.clone(), link.connection))
     }
 
