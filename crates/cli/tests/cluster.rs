@@ -696,6 +696,30 @@ async fn a_queue_missing_on_some_servers() {
     assert_eq!(got[0].handle.server, 1);
 }
 
+/// A function the cluster could serve nowhere (every server down) is not served when a server
+/// comes back: the `Err` said it was not served (the handler stayed registered, and each retry
+/// registered it once more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_refused_everywhere_is_not_served_when_a_server_comes_back() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let addr = Server::free_addr();
+    let server = Server::start_at(&addr, &dir.path().join("s"));
+    let options = ClusterOptions { first_pause: Duration::from_millis(20), ..ClusterOptions::default() };
+    let cluster = Cluster::connect(&[addr.as_str()], options).await.unwrap();
+    server.kill9();
+    common::wait_until_async("the server seen down", || async {
+        cluster.serve("f", |m| async move { Ok(m) }).await.is_err()
+    })
+    .await;
+    let server = Server::start_at(&addr, &dir.path().join("s"));
+    common::wait_until_async("the cluster back", || async { cluster.list_queues().await.is_ok() }).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let caller = server.client().await;
+    let called = caller.call("f", Message::new(&b"x"[..]), Some(Duration::from_secs(2))).await;
+    assert_eq!(called.unwrap_err().status(), Some(petrel_client::Status::FunctionNotFound));
+}
+
 /// A handle from a cluster of more servers counts for nothing in a smaller one, as a lost
 /// connection's does (the smaller cluster indexed its servers with it, and panicked).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

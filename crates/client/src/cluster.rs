@@ -1269,14 +1269,19 @@ impl Cluster {
 
     /// Serves `function` on every server, and again on each one that comes back after a loss.
     /// `Ok` once one server serves it; the servers that refused are named with their answers
-    /// in `stats()` (`ServerState::unserved`).
+    /// in `stats()` (`ServerState::unserved`). An `Err` leaves it served nowhere, now or when a
+    /// server comes back. Serving a function again replaces its handler.
     pub async fn serve<F, Fut>(&self, function: &str, handler: F) -> Result<(), ClientError>
     where
         F: Fn(Message) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Message, String>> + Send + 'static,
     {
         let handler: Handler = Arc::new(move |m| Box::pin(handler(m)));
-        lock(&self.shared.served).push((function.to_owned(), Arc::clone(&handler)));
+        {
+            let mut served = lock(&self.shared.served);
+            served.retain(|(f, _)| f != function);
+            served.push((function.to_owned(), Arc::clone(&handler)));
+        }
         let mut served = 0;
         let mut last = None;
         for i in 0..self.shared.members.len() {
@@ -1290,6 +1295,11 @@ impl Cluster {
                 Ok(()) => served += 1,
                 Err(e) => last = Some(e),
             }
+        }
+        if served == 0 {
+            // Not served: not to be served either when a server comes back (a caller retrying
+            // would register it once a try).
+            lock(&self.shared.served).retain(|(_, h)| !Arc::ptr_eq(h, &handler));
         }
         match (served, last) {
             (0, Some(e)) => Err(e),
