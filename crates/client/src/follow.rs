@@ -108,8 +108,8 @@ impl Follower {
     /// answer is in: taken for good, what a connection lost before the answer arrived had taken
     /// would be gone, while taken tentatively it goes back to the queue and comes with the poll
     /// made again. Its deliveries are handed out with handle 0, as a poll for good's are. If the
-    /// acknowledgement's connection is lost, they are handed out all the same and come again
-    /// after the reconnect (at least once, never lost).
+    /// acknowledgement fails (its connection lost, or the server's error), they are handed out
+    /// all the same, and may come again (at least once, never lost).
     pub async fn poll(&mut self, queue: &str, options: PollOptions) -> Result<Vec<Delivery>, ClientError> {
         let for_good = options.visibility.is_none();
         let asked = PollOptions { visibility: Some(options.visibility.unwrap_or(FOR_GOOD_VISIBILITY)), ..options };
@@ -119,10 +119,11 @@ impl Follower {
                 Err(e) if e.is_connection_lost() => self.lost = Some(e),
                 Ok(mut deliveries) if for_good && !deliveries.is_empty() => {
                     let handles: Vec<u64> = deliveries.iter().map(|d| d.handle).collect();
-                    match self.client.ack(queue, &handles).await {
-                        Err(e) if e.is_connection_lost() => self.lost = Some(e),
-                        Err(e) => return Err(e),
-                        Ok(_) => {}
+                    // (A server's error may still have acknowledged them: handed out, not lost.)
+                    if let Err(e) = self.client.ack(queue, &handles).await
+                        && e.is_connection_lost()
+                    {
+                        self.lost = Some(e);
                     }
                     deliveries.iter_mut().for_each(|d| d.handle = 0);
                     return Ok(deliveries);

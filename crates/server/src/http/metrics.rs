@@ -49,9 +49,12 @@ pub(super) const SCRAPES_AT_ONCE: usize = 2;
 /// `/metrics` (the router asks for a user first, unless `http_open_metrics`).
 /// Off the runtime's workers: a scrape of 10,000 queues takes ~0.2 s (docs/benchmarks.md).
 pub(super) async fn scrape(State(ctx): Ctxt, names: Names) -> Response {
-    let probes = std::sync::Arc::clone(&ctx);
-    let _turn = probes.http_probes.scrapes.acquire().await.expect("the scrapes' semaphore is never closed");
+    // Held by the build itself: a scrape given up (its client gone) keeps its turn until its
+    // build ends, so that builds never pile up past the limit.
+    let scrapes = std::sync::Arc::clone(&ctx.http_probes.scrapes);
+    let turn = scrapes.acquire_owned().await.expect("the scrapes' semaphore is never closed");
     let rendered = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
         let scrape = Scrape::new();
         scrape.collect(&ctx, &names);
         let mut text = scrape.recorder.handle().render();

@@ -305,12 +305,13 @@ pub(crate) struct Probes {
     /// `/readyz`'s last answer, and when it was found: given again for a second.
     ready: tokio::sync::Mutex<Option<(std::time::Instant, Result<(), String>)>>,
     /// `/metrics` scrapes under way (`metrics::SCRAPES_AT_ONCE`).
-    scrapes: tokio::sync::Semaphore,
+    scrapes: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl Default for Probes {
     fn default() -> Probes {
-        Probes { ready: Default::default(), scrapes: tokio::sync::Semaphore::new(metrics::SCRAPES_AT_ONCE) }
+        let scrapes = std::sync::Arc::new(tokio::sync::Semaphore::new(metrics::SCRAPES_AT_ONCE));
+        Probes { ready: Default::default(), scrapes }
     }
 }
 

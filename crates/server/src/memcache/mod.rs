@@ -598,7 +598,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                             tracing::info!(conn, "closing a memcache connection whose user a reload removed");
                             return GetEnd::Closed;
                         }
-                        if let Err(e) = self.ctx.broker.authorize(who, Kind::Queue, name, &[Action::Poll]) {
+                        let (ctx, denials) = (&self.ctx, &mut self.denials);
+                        if let Err(e) = auth::authorize(ctx, conn, who, denials, Kind::Queue, name, &[Action::Poll]) {
                             return GetEnd::Refused(e);
                         }
                     }
