@@ -67,8 +67,9 @@ enum Command {
     Serve(server_cmd::ServeArgs),
     /// Offer each line of stdin to a queue.
     Produce(server_cmd::ProduceArgs),
-    /// Print messages taken from a queue (exit status 3: read to its end, but a cluster's
-    /// servers that were down were not read).
+    /// Print messages taken from a queue, each acknowledged once written to stdout: what is
+    /// not written (a closed pipe, a full disk) stays in the queue (exit status 3: read to its
+    /// end, but a cluster's servers that were down were not read).
     Consume(server_cmd::ConsumeArgs),
     /// Create, list, remove and inspect queues.
     #[command(subcommand)]

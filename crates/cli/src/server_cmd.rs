@@ -490,11 +490,9 @@ pub struct ConsumeArgs {
     queue: String,
     #[command(flatten)]
     server: ServerArg,
-    /// Take each message tentatively and acknowledge it after printing it (at-least-once);
-    /// without it, messages are removed as they are taken. Printed means written to stdout:
-    /// what a reader downstream never reads (`| head -1`) is acknowledged too, so bound the
-    /// take with --count there.
-    #[arg(long)]
+    /// The default (kept so that scripts which say it go on working): messages are taken
+    /// tentatively and acknowledged once written to stdout.
+    #[arg(long, hide = true)]
     ack: bool,
     /// Stop after this many messages.
     #[arg(long)]
@@ -511,6 +509,9 @@ pub struct ConsumeArgs {
     #[arg(long)]
     json: bool,
 }
+
+/// How long `consume` holds what it took before acknowledging it (once written).
+const CONSUME_VISIBILITY: Duration = Duration::from_secs(60);
 
 pub fn consume(args: ConsumeArgs) -> Res {
     // Following, a lost server is waited for (what the lost connection had taken tentatively
@@ -536,8 +537,11 @@ pub fn consume(args: ConsumeArgs) -> Res {
             (false, Some(wait)) => wait.saturating_sub(waited).min(Duration::from_secs(1)),
             (false, None) => Duration::ZERO,
         };
-        let options =
-            PollOptions { max: left.min(256) as u32, timeout, visibility: args.ack.then_some(Duration::from_secs(60)) };
+        // Taken tentatively, and acknowledged once written: what a failed write (a closed pipe, a
+        // full disk) or a lost connection leaves unwritten goes back to the queue. Written means
+        // written to stdout: what a reader downstream never reads (`| head -1`) is acknowledged
+        // too, so bound the take with --count there.
+        let options = PollOptions { max: left.min(256) as u32, timeout, visibility: Some(CONSUME_VISIBILITY) };
         let deliveries = match reader.poll(&args.queue, options) {
             Err(ClientError::Unavailable(why)) if args.follow => {
                 if !std::mem::replace(&mut unavailable, true) {
@@ -567,9 +571,16 @@ pub fn consume(args: ConsumeArgs) -> Res {
             }
         }
         out.flush()?;
-        if args.ack {
-            let handles: Vec<Handle> = deliveries.iter().map(|d| d.handle).collect();
-            reader.ack(&args.queue, &handles)?;
+        let handles: Vec<Handle> = deliveries.iter().map(|d| d.handle).collect();
+        let acked = reader.ack(&args.queue, &handles)?;
+        if (acked as usize) < handles.len() {
+            // Held past their visibility (a slow reader downstream), or their connection lost:
+            // back in the queue, they will be handed out again.
+            eprintln!(
+                "petrel: {} of {} messages written were not acknowledged (held past 60 s, or their connection lost) and will be handed out again",
+                handles.len() - acked as usize,
+                handles.len()
+            );
         }
         left -= deliveries.len() as u64;
     }

@@ -314,6 +314,25 @@ fn a_produce_that_fails_part_way_says_how_many_lines_are_stored() {
     assert!(err.contains("5 messages offered to bq (the first 5 lines) before line 6 failed"), "{err}");
 }
 
+/// `petrel consume` whose output cannot be written (a reader downstream gone before it wrote)
+/// leaves every message in the queue: it takes them tentatively and acknowledges them once
+/// written. (Without `--ack` it removed a batch of 256 as it took them, and lost them.)
+#[test]
+fn a_consume_whose_output_is_closed_leaves_its_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    assert!(run(&["queue", "create", "jobs", "--server", s], "").0);
+    let lines: String = (1..=300).map(|i| format!("{i}\n")).collect();
+    assert!(run(&["produce", "jobs", "--server", s], &lines).0);
+    let mut consumer =
+        Command::new(PETREL).args(["consume", "jobs", "--server", s]).stdout(Stdio::piped()).spawn().unwrap();
+    drop(consumer.stdout.take()); // nobody reads: its first write fails
+    consumer.wait().unwrap();
+    let (ok, status, _) = run(&["queue", "status", "jobs", "--server", s], "");
+    assert!(ok && status.contains("\"messages\": 300"), "{status}");
+}
+
 #[test]
 fn a_bench_against_a_server_never_removes_a_queue_that_holds_messages() {
     let dir = tempfile::tempdir().unwrap();
