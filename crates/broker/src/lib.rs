@@ -1918,20 +1918,14 @@ impl Broker {
         {
             return Ok(());
         }
-        // A fanout child holds copies of its parent's messages: taking them needs the right to
-        // take the parent's as well (asked at every poll, not only when the child is made, so
-        // that an ACL on the parent covers children made before it, or by an admin), unless an
-        // entry gives the child by its own name (a consumer of one child only).
-        let parent_allows = |a: Action| match (kind, a, fanout_parent(name)) {
-            (Kind::Queue, Action::Poll, Some(parent)) => {
-                security.acl.allows(&who.user, kind, parent, a) || security.acl.names_exactly(&who.user, kind, name, a)
-            }
-            _ => true,
-        };
-        if actions
-            .iter()
-            .any(|&a| a != Action::Manage && security.acl.allows(&who.user, kind, name, a) && parent_allows(a))
-        {
+        // A fanout child's parent is asked too (`Acl::parent_allows`), at every poll, not only
+        // when the child is made, so that an ACL on the parent covers children made before it,
+        // or by an admin.
+        if actions.iter().any(|&a| {
+            a != Action::Manage
+                && security.acl.allows(&who.user, kind, name, a)
+                && security.acl.parent_allows(&who.user, kind, name, a)
+        }) {
             return Ok(());
         }
         let action = actions.first().copied().unwrap_or(Action::Manage);

@@ -76,6 +76,9 @@ pub fn acl(cmd: AclCommand) -> Res {
                     None => (true, "authentication is off (no users file)".to_owned()),
                     Some(Role::Admin) => (true, "an admin".to_owned()),
                     Some(_) => match acl.by_entries(&user, kind, &name, action) {
+                        _ if !acl.parent_allows(&user, kind, &name, action) => {
+                            (false, "a fanout child: not allowed to poll its parent".to_owned())
+                        }
                         Some(allowed) => (allowed, "an ACL entry for it".to_owned()),
                         None => (acl.allows(&user, kind, &name, action), format!("the default for a {kind}")),
                     },

@@ -978,6 +978,12 @@ kind = "queue"
 name = "orders*"
 user = "tom"
 access = "poll"
+
+[[security.acl]]
+kind = "queue"
+name = "payroll"
+user = "tom"
+access = "deny"
 "#,
     );
     let config = setup.config.to_str().unwrap();
@@ -995,6 +1001,10 @@ access = "poll"
     assert!(tom.contains("manage") && tom.lines().nth(2).unwrap().contains("denied"), "{tom}");
     let other = check("tom", "queue", "jobs");
     assert!(other.lines().take(2).all(|l| l.contains("allowed") && l.contains("default")), "{other}");
+    // A fanout child of a queue tom may not poll: polled only through its parent's right.
+    let child = check("tom", "queue", "payroll+audit");
+    assert!(child.lines().nth(1).unwrap().contains("denied") && child.contains("fanout child"), "{child}");
+    assert!(child.lines().next().unwrap().contains("allowed"), "offering is the child's own: {child}");
     let admin = check("max", "queue", "orders.eu");
     assert!(admin.lines().all(|l| l.contains("allowed")), "{admin}");
     let list = Command::new(PETREL).args(["acl", "list", "--config", config]).output().unwrap();

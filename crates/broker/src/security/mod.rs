@@ -242,6 +242,19 @@ impl Acl {
         for_others
     }
 
+    /// Whether the rights `name` has through its fanout parent allow `action` to `user`: a child
+    /// holds copies of its parent's messages, so taking them needs the right to take the
+    /// parent's as well, unless an entry gives the child by its own name (a consumer of one
+    /// child only). Anything else is decided by the name alone (`allows`).
+    pub fn parent_allows(&self, user: &str, kind: Kind, name: &str, action: Action) -> bool {
+        match (kind, action, crate::fanout_parent(name)) {
+            (Kind::Queue, Action::Poll, Some(parent)) => {
+                self.allows(user, kind, parent, action) || self.names_exactly(user, kind, name, action)
+            }
+            _ => true,
+        }
+    }
+
     /// Whether an entry allows `action` on `name` to `user` (or everyone) by this very name.
     pub fn names_exactly(&self, user: &str, kind: Kind, name: &str, action: Action) -> bool {
         self.entries
