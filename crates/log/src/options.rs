@@ -21,7 +21,8 @@ pub enum Durability {
 impl FromStr for Durability {
     type Err = String;
 
-    /// `none`, `always`, or `interval:MS` (milliseconds, fractions allowed: `interval:0.05`).
+    /// `none`, `always`, or `interval:MS` (milliseconds, fractions allowed: `interval:0.05`),
+    /// from `MIN_SYNC_INTERVAL` to `MAX_SYNC_INTERVAL`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "none" => Ok(Durability::None),
@@ -32,6 +33,12 @@ impl FromStr for Durability {
                     .and_then(|ms| ms.parse::<f64>().ok())
                     .filter(|ms| ms.is_finite() && *ms > 0.0)
                     .ok_or_else(|| format!("durability must be none, always or interval:MS, not {s:?}"))?;
+                // (Checked as a number first: a duration of 1e300 ms does not exist.)
+                let (least, most) =
+                    (MIN_SYNC_INTERVAL.as_secs_f64() * 1000.0, MAX_SYNC_INTERVAL.as_secs_f64() * 1000.0);
+                if !(least..=most).contains(&ms) {
+                    return Err(format!("a durability interval must be from {least} to {most} ms, not {s:?}"));
+                }
                 Ok(Durability::Interval(Duration::from_secs_f64(ms / 1000.0)))
             }
         }
@@ -173,6 +180,9 @@ impl Options {
 /// nothing but sync (zero made it spin).
 pub const MIN_SYNC_INTERVAL: Duration = Duration::from_micros(10);
 
+/// The longest `interval` durability parsed from text: an hour (longer is `none` in all but name).
+pub const MAX_SYNC_INTERVAL: Duration = Duration::from_secs(3600);
+
 impl Durability {
     /// Whether a log or a consumer group may have this durability.
     pub(crate) fn check(self) -> Result<()> {
@@ -182,6 +192,24 @@ impl Durability {
                 MIN_SYNC_INTERVAL.as_micros()
             ))),
             _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A durability's text is checked before it becomes a duration: one too long for a
+    /// `Duration` panicked (and a client's QUEUE_CREATE could send it), one too short passed
+    /// here and left every log using it unopenable.
+    #[test]
+    fn durability_intervals_out_of_range_are_refused_not_a_panic() {
+        assert_eq!("interval:0.05".parse::<Durability>(), Ok(Durability::Interval(Duration::from_micros(50))));
+        assert_eq!("interval:3600000".parse::<Durability>(), Ok(Durability::Interval(MAX_SYNC_INTERVAL)));
+        for bad in ["interval:1e300", "interval:3600001", "interval:0.005", "interval:0", "interval:-1", "interval:nan"]
+        {
+            assert!(bad.parse::<Durability>().is_err(), "{bad}");
         }
     }
 }
