@@ -77,9 +77,16 @@ pub fn serve(args: ServeArgs) -> Res {
         // Before the listeners are announced: a SIGTERM sent as soon as they are (a supervisor's
         // stop right after a start) ends the server gracefully, not by the signal's default.
         let stop = shutdown_signal()?;
+        // So is a SIGHUP (a `systemctl reload`) during a long recovery: taken, not the signal's
+        // default (the end of the process), and the reload made once the server is up.
+        let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+            .inspect_err(|e| tracing::warn!(error = %e, "SIGHUP not handled: no reloads"))
+            .ok();
         let unix = config.unix_socket.clone();
         let server = Server::bind(config).await?;
-        tokio::spawn(reload_on_sighup(server.reloader(config_file)));
+        if let Some(hup) = hup {
+            tokio::spawn(reload_on_sighup(server.reloader(config_file), hup));
+        }
         let mut out = io::stdout().lock();
         writeln!(out, "native {}", server.native_addr())?;
         if let Some(addr) = server.memcache_addr() {
@@ -128,9 +135,7 @@ pub(crate) fn raise_open_files_limit() {
 
 /// On SIGHUP, reads the configuration file again: users, ACLs, certificates and the limits that
 /// can change live are applied; what needs a restart is said (also in `/api/v1/server`).
-async fn reload_on_sighup(reloader: petrel_server::Reloader) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+async fn reload_on_sighup(reloader: petrel_server::Reloader, mut hup: tokio::signal::unix::Signal) {
     while hup.recv().await.is_some() {
         // The reload reads files and may create queues: off the runtime's threads.
         let reloading = reloader.clone();
