@@ -1850,6 +1850,22 @@ impl Broker {
     /// Replaces the users and ACLs (a reload): connections already open keep their identity,
     /// and their next requests are decided by the new rules.
     pub fn set_security(&self, security: Security) {
+        // An entry for a user the users file does not have (`Tom` for `tom`) applies to nobody.
+        let mut unknown: Vec<&str> = security
+            .acl
+            .entries
+            .iter()
+            .map(|e| e.user.as_str())
+            .filter(|u| *u != "*" && security.users.get(u).is_none())
+            .collect();
+        unknown.sort_unstable();
+        unknown.dedup();
+        for user in unknown {
+            tracing::warn!(
+                user,
+                "ACL entries name a user the users file does not have: they apply to nobody until it does"
+            );
+        }
         *self.security.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(security));
         self.secured.store(true, Ordering::Release);
     }

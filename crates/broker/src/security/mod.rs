@@ -175,6 +175,13 @@ impl AclEntry {
         if user.is_empty() {
             return Err("ACL entry without a user (a name, or * for every user)".into());
         }
+        // A user no users file can hold (`tom*`, a space) would match nobody: a deny so written
+        // would deny nothing.
+        if user != "*"
+            && let Err(why) = Users::check_name(user)
+        {
+            return Err(format!("ACL user {user:?}: a user's name, or * for every user ({why})"));
+        }
         Ok(AclEntry { kind, name: name.to_owned(), user: user.to_owned(), access })
     }
 
@@ -396,6 +403,11 @@ mod tests {
         assert!(AclEntry::new(Kind::Queue, "a*b", "tom", "poll").is_err());
         assert!(AclEntry::new(Kind::Queue, "", "tom", "poll").is_err());
         assert!(AclEntry::new(Kind::Queue, "q", "", "poll").is_err());
+        // A user no users file can hold would match nobody: a deny that denies nothing.
+        for user in ["contractor-*", "tom ", " tom", "t*m"] {
+            assert!(AclEntry::new(Kind::Queue, "q", user, "deny").is_err(), "{user:?}");
+        }
+        assert!(AclEntry::new(Kind::Queue, "q", "*", "deny").is_ok());
         assert!(AclEntry::new(Kind::Queue, "q", "tom", "read").is_err());
         assert_eq!(AclEntry::new(Kind::Queue, "*", "*", ":offer-poll").unwrap().access, Access::OfferPoll);
         for mode in ["offer", "poll", "offer-poll", "publish", "subscribe", "publish-subscribe", "exec", "serve"] {
