@@ -233,8 +233,14 @@ impl Reloader {
                 let name = entry.to_owned();
                 let waits = queues.needs_restart.contains(&name) || queues.failed.iter().any(|(n, _)| *n == name);
                 if table.get("queues").and_then(|q| q.get(entry)).is_none() {
-                    // A block removed: its queue keeps its configuration; nothing was applied.
-                    tracing::info!(queue = %name, "no longer named in the configuration file; it keeps its settings");
+                    // A block removed: a queue made by first use takes the defaults again (it was
+                    // applied, `Broker::reconfigure_queues`); one made explicitly keeps its own.
+                    if queues.applied.contains(&name) {
+                        tracing::info!(queue = %name, "no longer named in the configuration file; made by first use, it takes [queue_defaults]");
+                        summary.applied.push(key);
+                    } else {
+                        tracing::info!(queue = %name, "no longer named in the configuration file; it keeps its settings");
+                    }
                 } else if !waits {
                     summary.applied.push(key);
                 }
