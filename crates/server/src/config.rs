@@ -398,11 +398,15 @@ impl Config {
         if self.idle_timeout.trim() == "0" {
             return Ok(None);
         }
-        duration("idle_timeout", &self.idle_timeout).map(Some)
+        // Kept in whole ms (where 0 means never): at least one, and at most a year.
+        let timeout = duration("idle_timeout", &self.idle_timeout)?;
+        within("idle_timeout", timeout, std::time::Duration::from_millis(1), YEAR).map(Some)
     }
 
     pub fn shutdown_grace(&self) -> Result<std::time::Duration, String> {
-        duration("shutdown_grace", &self.shutdown_grace)
+        // A stop waits this long for clients that do not read: at most a day.
+        let grace = duration("shutdown_grace", &self.shutdown_grace)?;
+        within("shutdown_grace", grace, std::time::Duration::ZERO, std::time::Duration::from_secs(24 * 3600))
     }
 
     /// The `[queue_defaults]` table over Kestrel's defaults (durable).
@@ -469,6 +473,19 @@ impl Config {
         {
             return Err("connection limits must be at least 1".into());
         }
+        // Counts that size a semaphore or a channel each (tokio takes at most 2^61 permits):
+        // bounded far above any use, so that a mistyped one is refused, not a panic later.
+        for (name, value) in [
+            ("max_in_flight_per_connection", self.max_in_flight_per_connection),
+            ("max_queued_responses", self.max_queued_responses),
+            ("max_group_acks_waiting", self.max_group_acks_waiting),
+            ("default_subscriber_buffer_messages", self.default_subscriber_buffer_messages),
+            ("max_subscriber_buffer_messages", self.max_subscriber_buffer_messages),
+        ] {
+            if value > MAX_COUNT {
+                return Err(format!("{name} must be at most {MAX_COUNT}"));
+            }
+        }
         for (name, value) in [
             ("tick_ms", self.tick_ms as usize),
             ("max_poll_messages", self.max_poll_messages),
@@ -510,6 +527,25 @@ impl Config {
 }
 
 /// The duration a configuration key `key` gives as `text` ("30s", "5m", "1h 30m", "7d").
+/// The most a count that sizes a semaphore or a channel may be (`Config::validate`).
+const MAX_COUNT: usize = 1 << 30;
+
+/// A year: the longest `idle_timeout`.
+const YEAR: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+
+/// `value` if it is from `least` to `most`, else why not.
+fn within(
+    key: &str,
+    value: std::time::Duration,
+    least: std::time::Duration,
+    most: std::time::Duration,
+) -> Result<std::time::Duration, String> {
+    match (least..=most).contains(&value) {
+        true => Ok(value),
+        false => Err(format!("{key} must be from {least:?} to {most:?}, not {value:?}")),
+    }
+}
+
 fn duration(key: &str, text: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(text)
         .map_err(|e| format!("{key}: {text:?} is not a duration like \"500ms\", \"30s\", \"5m\" or \"7d\" ({e})"))
@@ -601,6 +637,20 @@ mod tests {
         for timeout in ["0", "10ms", "300000000000y"] {
             let e = error(&format!("[security]\nhandshake_timeout = \"{timeout}\""));
             assert!(e.contains("handshake_timeout must be between"), "{e}");
+        }
+        // Values a typo makes absurd are refused here, not a panic or a wrong meaning later: a
+        // count past what a semaphore or channel takes, an idle timeout that rounds to 0 ms
+        // ("never"), a grace whose deadline overflows the clock.
+        for bad in [
+            "max_in_flight_per_connection = 9007199254740993",
+            "max_queued_responses = 9007199254740993",
+            "max_group_acks_waiting = 9007199254740993",
+            "idle_timeout = \"500us\"",
+            "idle_timeout = \"1000y\"",
+            "shutdown_grace = \"300000000000y\"",
+        ] {
+            let e = error(bad);
+            assert!(e.contains("must be at most") || e.contains("must be from"), "{bad}: {e}");
         }
         let c: Config = toml::from_str("tick_ms = 5\nmax_poll_messages = 100").unwrap();
         c.validate().unwrap();
