@@ -478,6 +478,26 @@ const LEVEL_DIR_PREFIX: &str = "priority-";
 /// Where a durable queue keeps its delayed messages' log, under its own directory.
 const DELAYED_DIR: &str = "delayed";
 
+/// Says which users ACL entries name that the users file does not have (`Tom` for `tom`): their
+/// entries apply to nobody (a deny so written denies nothing).
+fn warn_of_unknown_acl_users(security: &Security) {
+    let mut unknown: Vec<&str> = security
+        .acl
+        .entries
+        .iter()
+        .map(|e| e.user.as_str())
+        .filter(|u| *u != "*" && security.users.get(u).is_none())
+        .collect();
+    unknown.sort_unstable();
+    unknown.dedup();
+    for user in unknown {
+        tracing::warn!(
+            user,
+            "ACL entries name a user the users file does not have: they apply to nobody until it does"
+        );
+    }
+}
+
 /// Configuration of queues named in the server's configuration, and of those made by first use.
 #[derive(Clone, Debug, Default)]
 struct Configured {
@@ -614,6 +634,9 @@ impl Broker {
             topics_given_back_at: AtomicU64::new(0),
             given_back: AtomicU64::new(0),
         };
+        if let Some(security) = &broker.options.security {
+            warn_of_unknown_acl_users(security);
+        }
         *broker.security.write().unwrap_or_else(|e| e.into_inner()) = broker.options.security.clone().map(Arc::new);
         broker.secured.store(broker.options.security.is_some(), Ordering::Release);
         // The queues on disk, opened on several threads: a start is mostly waiting for the file
@@ -1850,22 +1873,7 @@ impl Broker {
     /// Replaces the users and ACLs (a reload): connections already open keep their identity,
     /// and their next requests are decided by the new rules.
     pub fn set_security(&self, security: Security) {
-        // An entry for a user the users file does not have (`Tom` for `tom`) applies to nobody.
-        let mut unknown: Vec<&str> = security
-            .acl
-            .entries
-            .iter()
-            .map(|e| e.user.as_str())
-            .filter(|u| *u != "*" && security.users.get(u).is_none())
-            .collect();
-        unknown.sort_unstable();
-        unknown.dedup();
-        for user in unknown {
-            tracing::warn!(
-                user,
-                "ACL entries name a user the users file does not have: they apply to nobody until it does"
-            );
-        }
+        warn_of_unknown_acl_users(&security);
         *self.security.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(security));
         self.secured.store(true, Ordering::Release);
     }

@@ -517,6 +517,28 @@ pub struct ConsumeArgs {
 
 /// How long `consume` holds what it took before acknowledging it (once written).
 const CONSUME_VISIBILITY: Duration = Duration::from_secs(60);
+/// The most `consume` takes at a time.
+const MAX_CONSUME_BATCH: u64 = 256;
+
+/// Acknowledges `written`; says on stderr what was held too long to be (it comes again).
+fn acknowledge(reader: &mut Reader, queue: &str, written: &[Taken]) -> Result<(), ClientError> {
+    if written.is_empty() {
+        return Ok(());
+    }
+    let handles: Vec<Handle> = written.iter().map(|d| d.handle).collect();
+    let acked = reader.ack(queue, &handles)? as usize;
+    if acked < handles.len() {
+        // Held past their visibility (a slow reader downstream), or their connection lost:
+        // back in the queue, they will be handed out again.
+        eprintln!(
+            "petrel: {} of {} messages written were not acknowledged (held past {} s, or their connection lost) and will be handed out again",
+            handles.len() - acked,
+            handles.len(),
+            CONSUME_VISIBILITY.as_secs()
+        );
+    }
+    Ok(())
+}
 
 pub fn consume(args: ConsumeArgs) -> Res {
     // Following, a lost server is waited for (what the lost connection had taken tentatively
@@ -535,6 +557,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
     let mut out = stdout.lock();
     // With --wait: since the last message came (or the start), in polls of a second at most.
     let mut last_came = std::time::Instant::now();
+    let mut batch = MAX_CONSUME_BATCH;
     while left > 0 {
         let waited = last_came.elapsed();
         let timeout = match (args.follow, args.wait) {
@@ -546,7 +569,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
         // full disk) or a lost connection leaves unwritten goes back to the queue. Written means
         // written to stdout: what a reader downstream never reads (`| head -1`) is acknowledged
         // too, so bound the take with --count there.
-        let options = PollOptions { max: left.min(256) as u32, timeout, visibility: Some(CONSUME_VISIBILITY) };
+        let options = PollOptions { max: left.min(batch) as u32, timeout, visibility: Some(CONSUME_VISIBILITY) };
         let deliveries = match reader.poll(&args.queue, options) {
             Err(ClientError::Unavailable(why)) if args.follow => {
                 if !std::mem::replace(&mut unavailable, true) {
@@ -556,6 +579,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
             }
             other => other?,
         };
+        let taken_at = std::time::Instant::now();
         if std::mem::replace(&mut unavailable, false) {
             eprintln!("petrel: a server is back");
         }
@@ -567,27 +591,37 @@ pub fn consume(args: ConsumeArgs) -> Res {
             break;
         }
         last_came = std::time::Instant::now();
+        // A reader downstream slower than the batch's visibility: what is written is acknowledged
+        // from half of it on, as it goes, and what is not written by three quarters of it is not
+        // written at all (it comes again once its visibility ends, never printed twice).
+        let (mut written, mut acked) = (0, 0);
         for d in &deliveries {
+            if taken_at.elapsed() > CONSUME_VISIBILITY * 3 / 4 {
+                break;
+            }
             if args.json {
                 writeln!(out, "{}", crate::output::message_json(&d.message))?;
             } else {
                 out.write_all(&d.message.payload)?;
                 out.write_all(b"\n")?;
             }
+            written += 1;
+            if taken_at.elapsed() > CONSUME_VISIBILITY / 2 {
+                out.flush()?;
+                acknowledge(&mut reader, &args.queue, &deliveries[acked..written])?;
+                acked = written;
+            }
         }
         out.flush()?;
-        let handles: Vec<Handle> = deliveries.iter().map(|d| d.handle).collect();
-        let acked = reader.ack(&args.queue, &handles)?;
-        if (acked as usize) < handles.len() {
-            // Held past their visibility (a slow reader downstream), or their connection lost:
-            // back in the queue, they will be handed out again.
-            eprintln!(
-                "petrel: {} of {} messages written were not acknowledged (held past 60 s, or their connection lost) and will be handed out again",
-                handles.len() - acked as usize,
-                handles.len()
-            );
-        }
-        left -= deliveries.len() as u64;
+        acknowledge(&mut reader, &args.queue, &deliveries[acked..written])?;
+        left -= written as u64;
+        // The next batch as large as the reader downstream takes in a quarter of the visibility.
+        let took = taken_at.elapsed();
+        batch = match took {
+            _ if took > CONSUME_VISIBILITY / 4 => (batch / 2).max(1),
+            _ if took < CONSUME_VISIBILITY / 16 => (batch * 2).min(MAX_CONSUME_BATCH),
+            _ => batch,
+        };
     }
     // A cluster read to its end with servers down read only the others: said, and in the exit
     // status, so that a script draining a queue does not take it for empty.

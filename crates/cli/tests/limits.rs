@@ -561,8 +561,9 @@ fn returns_from_a_client_that_does_not_read_are_not_answered_without_bound() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = server.client().await;
+        // (Once they back up, more are refused "busy": enough are on their way by then.)
         for _ in 0..64 {
-            c.call_oneway("f", petrel_client::Message::new(vec![7u8; 64 << 10])).await.unwrap();
+            let _ = c.call_oneway("f", petrel_client::Message::new(vec![7u8; 64 << 10])).await;
         }
     });
     // Both slots held by polls waiting on an empty queue, a third poll waiting for a slot, then

@@ -398,9 +398,9 @@ impl Config {
         if self.idle_timeout.trim() == "0" {
             return Ok(None);
         }
-        // Kept in whole ms (where 0 means never): at least one, and at most a year.
+        // Kept in whole ms (where 0 means never): at least one.
         let timeout = duration("idle_timeout", &self.idle_timeout)?;
-        within("idle_timeout", timeout, std::time::Duration::from_millis(1), YEAR).map(Some)
+        within("idle_timeout", timeout, std::time::Duration::from_millis(1), LONGEST_IDLE).map(Some)
     }
 
     pub fn shutdown_grace(&self) -> Result<std::time::Duration, String> {
@@ -526,12 +526,12 @@ impl Config {
     }
 }
 
-/// The duration a configuration key `key` gives as `text` ("30s", "5m", "1h 30m", "7d").
 /// The most a count that sizes a semaphore or a channel may be (`Config::validate`).
 const MAX_COUNT: usize = 1 << 30;
 
-/// A year: the longest `idle_timeout`.
-const YEAR: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+/// The longest `idle_timeout`: a thousand years ("100y" is a way to say never), well within the
+/// u64 of ms it is kept as.
+const LONGEST_IDLE: std::time::Duration = std::time::Duration::from_secs(1000 * 366 * 24 * 3600);
 
 /// `value` if it is from `least` to `most`, else why not.
 fn within(
@@ -546,6 +546,7 @@ fn within(
     }
 }
 
+/// The duration a configuration key `key` gives as `text` ("30s", "5m", "1h 30m", "7d").
 fn duration(key: &str, text: &str) -> Result<std::time::Duration, String> {
     humantime::parse_duration(text)
         .map_err(|e| format!("{key}: {text:?} is not a duration like \"500ms\", \"30s\", \"5m\" or \"7d\" ({e})"))
@@ -646,7 +647,7 @@ mod tests {
             "max_queued_responses = 9007199254740993",
             "max_group_acks_waiting = 9007199254740993",
             "idle_timeout = \"500us\"",
-            "idle_timeout = \"1000y\"",
+            "idle_timeout = \"2000y\"",
             "shutdown_grace = \"300000000000y\"",
         ] {
             let e = error(bad);
