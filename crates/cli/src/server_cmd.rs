@@ -515,21 +515,32 @@ pub struct ConsumeArgs {
     json: bool,
 }
 
-/// How long `consume` holds what it took before acknowledging it (once written).
-const CONSUME_VISIBILITY: Duration = Duration::from_secs(60);
-/// The most `consume` takes at a time.
+/// How long `consume` holds what it took before acknowledging it (once written). Long, for a
+/// slow reader downstream: a consumer that stops holds its messages no longer than its
+/// connection, which a stop or a crash ends (they then go back at once).
+const CONSUME_VISIBILITY: Duration = Duration::from_secs(600);
+/// `consume` acknowledges what it wrote as it goes once a batch is this old, and writes no more
+/// of it once it is `STOP_WRITING_AT` old: far enough from the visibility's end for a write that
+/// waits on the reader downstream, and for a cluster's deliveries, which may reach it up to half
+/// the visibility old (fetched ahead from one server, `Cluster::poll`).
+const ACK_AS_WRITTEN_AT: Duration = Duration::from_secs(150);
+const STOP_WRITING_AT: Duration = Duration::from_secs(225);
+/// The most `consume` takes at a time; fewer once the reader downstream is slow (each batch
+/// what it took in `BATCH_TIME`).
 const MAX_CONSUME_BATCH: u64 = 256;
+const BATCH_TIME: Duration = Duration::from_secs(75);
 
 /// Acknowledges `written`; says on stderr what was held too long to be (it comes again).
-fn acknowledge(reader: &mut Reader, queue: &str, written: &[Taken]) -> Result<(), ClientError> {
+/// `false`: not all of them were, and the batch's rest is back in the queue too.
+fn acknowledge(reader: &mut Reader, queue: &str, written: &[Taken]) -> Result<bool, ClientError> {
     if written.is_empty() {
-        return Ok(());
+        return Ok(true);
     }
     let handles: Vec<Handle> = written.iter().map(|d| d.handle).collect();
     let acked = reader.ack(queue, &handles)? as usize;
     if acked < handles.len() {
-        // Held past their visibility (a slow reader downstream), or their connection lost:
-        // back in the queue, they will be handed out again.
+        // Held past their visibility, or their connection lost: back in the queue, they will be
+        // handed out again.
         eprintln!(
             "petrel: {} of {} messages written were not acknowledged (held past {} s, or their connection lost) and will be handed out again",
             handles.len() - acked,
@@ -537,7 +548,7 @@ fn acknowledge(reader: &mut Reader, queue: &str, written: &[Taken]) -> Result<()
             CONSUME_VISIBILITY.as_secs()
         );
     }
-    Ok(())
+    Ok(acked == handles.len())
 }
 
 pub fn consume(args: ConsumeArgs) -> Res {
@@ -591,12 +602,12 @@ pub fn consume(args: ConsumeArgs) -> Res {
             break;
         }
         last_came = std::time::Instant::now();
-        // A reader downstream slower than the batch's visibility: what is written is acknowledged
-        // from half of it on, as it goes, and what is not written by three quarters of it is not
-        // written at all (it comes again once its visibility ends, never printed twice).
-        let (mut written, mut acked) = (0, 0);
+        // A reader downstream slow to take the batch: what is written is acknowledged as it
+        // goes once the batch is `ACK_AS_WRITTEN_AT` old, and what is not written by
+        // `STOP_WRITING_AT` is given back unseen (its delivery not counted), never printed twice.
+        let (mut written, mut acked, mut held) = (0, 0, true);
         for d in &deliveries {
-            if taken_at.elapsed() > CONSUME_VISIBILITY * 3 / 4 {
+            if !held || taken_at.elapsed() > STOP_WRITING_AT {
                 break;
             }
             if args.json {
@@ -606,22 +617,23 @@ pub fn consume(args: ConsumeArgs) -> Res {
                 out.write_all(b"\n")?;
             }
             written += 1;
-            if taken_at.elapsed() > CONSUME_VISIBILITY / 2 {
+            if taken_at.elapsed() > ACK_AS_WRITTEN_AT {
                 out.flush()?;
-                acknowledge(&mut reader, &args.queue, &deliveries[acked..written])?;
+                held = acknowledge(&mut reader, &args.queue, &deliveries[acked..written])?;
                 acked = written;
             }
         }
         out.flush()?;
-        acknowledge(&mut reader, &args.queue, &deliveries[acked..written])?;
+        held = held && acknowledge(&mut reader, &args.queue, &deliveries[acked..written])?;
+        if held && written < deliveries.len() {
+            let rest: Vec<Handle> = deliveries[written..].iter().map(|d| d.handle).collect();
+            reader.give_back_unseen(&args.queue, &rest)?;
+        }
         left -= written as u64;
-        // The next batch as large as the reader downstream takes in a quarter of the visibility.
-        let took = taken_at.elapsed();
-        batch = match took {
-            _ if took > CONSUME_VISIBILITY / 4 => (batch / 2).max(1),
-            _ if took < CONSUME_VISIBILITY / 16 => (batch * 2).min(MAX_CONSUME_BATCH),
-            _ => batch,
-        };
+        // The next batch what the reader downstream took in `BATCH_TIME` at this one's pace.
+        let took = taken_at.elapsed().as_secs_f64().max(0.001);
+        let paced = (written as f64 * BATCH_TIME.as_secs_f64() / took) as u64;
+        batch = paced.clamp(1, MAX_CONSUME_BATCH);
     }
     // A cluster read to its end with servers down read only the others: said, and in the exit
     // status, so that a script draining a queue does not take it for empty.
@@ -659,13 +671,21 @@ impl Reader {
     fn ack(&mut self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
         match self {
             Reader::Once(target) => target.ack(queue, handles),
-            Reader::Following(follower) => {
-                let ids: Vec<u64> =
-                    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect();
-                follower.ack(queue, &ids)
-            }
+            Reader::Following(follower) => follower.ack(queue, &single_ids(handles)),
         }
     }
+
+    fn give_back_unseen(&mut self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
+        match self {
+            Reader::Once(target) => target.give_back_unseen(queue, handles),
+            Reader::Following(follower) => follower.give_back_unseen(queue, &single_ids(handles)),
+        }
+    }
+}
+
+/// A single server's handles among `handles`.
+fn single_ids(handles: &[Handle]) -> Vec<u64> {
+    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect()
 }
 
 #[derive(Subcommand)]

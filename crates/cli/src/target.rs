@@ -85,6 +85,22 @@ impl Target {
         }
     }
 
+    /// Gives back deliveries never printed: back at the head, their delivery not counted.
+    pub fn give_back_unseen(&self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
+        match self {
+            Target::One(c) => {
+                let ids: Vec<u64> =
+                    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect();
+                c.give_back_unseen(queue, &ids)
+            }
+            Target::Many(c) => {
+                let ids: Vec<ClusterHandle> =
+                    handles.iter().filter_map(|h| if let Handle::Many(id) = h { Some(*id) } else { None }).collect();
+                c.give_back_unseen(queue, &ids)
+            }
+        }
+    }
+
     /// The servers of a cluster that are down now, with why (none for one server: its loss is
     /// an error of the call itself).
     pub fn servers_down(&self) -> Vec<String> {

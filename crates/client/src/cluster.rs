@@ -1118,6 +1118,12 @@ impl Cluster {
         settle(&self.shared, queue, handles, Settle::Abort(delay)).await
     }
 
+    /// Gives back deliveries the application never saw, each to its server, as
+    /// `Client::give_back_unseen` does: back at the head, their delivery not counted.
+    pub async fn give_back_unseen(&self, queue: &str, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
+        settle(&self.shared, queue, handles, Settle::GiveBack).await
+    }
+
     /// Creates the queue on every server (a no-op where it exists alike). An error names the
     /// servers that failed and those that made it (`on_all`).
     pub async fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {

@@ -149,6 +149,22 @@ impl Follower {
         }
     }
 
+    /// Gives back tentative deliveries of the current connection that the application never saw
+    /// (`Client::give_back_unseen`). After a lost connection this answers 0: they went back
+    /// with it.
+    pub async fn give_back_unseen(&mut self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
+        if self.lost.is_some() {
+            return Ok(0);
+        }
+        match self.client.give_back_unseen(queue, handles).await {
+            Err(e) if e.is_connection_lost() => {
+                self.lost = Some(e);
+                Ok(0)
+            }
+            other => other,
+        }
+    }
+
     /// Subscribes to `topic` live (see `Client::subscribe`), again after each reconnect.
     pub async fn subscribe(self, topic: &str, buffer: u32) -> Result<FollowedSubscription, ClientError> {
         FollowedSubscription::start(self, topic, None, StartFrom::Resume, buffer).await

@@ -1356,6 +1356,10 @@ pub mod blocking {
         pub fn abort_delayed(&self, queue: &str, handles: &[u64], delay: Duration) -> Result<u32, ClientError> {
             self.rt.block_on(self.inner.abort_delayed(queue, handles, delay))
         }
+        /// See the async `Client::give_back_unseen`.
+        pub fn give_back_unseen(&self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.give_back_unseen(queue, handles))
+        }
         pub fn ping(&self) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.ping())
         }
@@ -1466,6 +1470,10 @@ pub mod blocking {
         }
         pub fn abort(&self, queue: &str, handles: &[ClusterHandle], delay: Duration) -> Result<u32, ClientError> {
             self.rt.block_on(self.inner.abort(queue, handles, delay))
+        }
+        /// See the async `Cluster::give_back_unseen`.
+        pub fn give_back_unseen(&self, queue: &str, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.give_back_unseen(queue, handles))
         }
         pub fn create_queue(&self, name: &str, config: QueueConfig) -> Result<(), ClientError> {
             self.rt.block_on(self.inner.create_queue(name, config))
@@ -1582,6 +1590,10 @@ pub mod blocking {
         }
         pub fn ack(&mut self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
             self.rt.block_on(self.inner.ack(queue, handles))
+        }
+        /// See the async `Follower::give_back_unseen`.
+        pub fn give_back_unseen(&mut self, queue: &str, handles: &[u64]) -> Result<u32, ClientError> {
+            self.rt.block_on(self.inner.give_back_unseen(queue, handles))
         }
         pub fn subscribe(self, topic: &str, buffer: u32) -> Result<FollowedSubscription, ClientError> {
             let inner = self.rt.block_on(self.inner.subscribe(topic, buffer))?;

@@ -21,8 +21,8 @@ pub enum Durability {
 impl FromStr for Durability {
     type Err = String;
 
-    /// `none`, `always`, or `interval:MS` (milliseconds, fractions allowed: `interval:0.05`), at
-    /// least `MIN_SYNC_INTERVAL`.
+    /// `none`, `always`, or `interval:MS` (milliseconds, fractions allowed: `interval:0.05`), from
+    /// `MIN_SYNC_INTERVAL` to `MAX_SYNC_INTERVAL`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "none" => Ok(Durability::None),
@@ -33,12 +33,14 @@ impl FromStr for Durability {
                     .and_then(|ms| ms.parse::<f64>().ok())
                     .filter(|ms| ms.is_finite() && *ms > 0.0)
                     .ok_or_else(|| format!("durability must be none, always or interval:MS, not {s:?}"))?;
-                // (A duration of 1e300 ms does not exist: an error, not a panic.)
-                let least = MIN_SYNC_INTERVAL.as_secs_f64() * 1000.0;
-                match Duration::try_from_secs_f64(ms / 1000.0) {
-                    Ok(interval) if ms >= least => Ok(Durability::Interval(interval)),
-                    _ => Err(format!("a durability interval must be at least {least} ms and a duration, not {s:?}")),
+                // (Checked as a number first: a duration of 1e300 ms does not exist, and the sync
+                // thread adds it to the clock.)
+                let (least, most) =
+                    (MIN_SYNC_INTERVAL.as_secs_f64() * 1000.0, MAX_SYNC_INTERVAL.as_secs_f64() * 1000.0);
+                if !(least..=most).contains(&ms) {
+                    return Err(format!("a durability interval must be from {least} to {most} ms, not {s:?}"));
                 }
+                Ok(Durability::Interval(Duration::from_secs_f64(ms / 1000.0)))
             }
         }
     }
@@ -179,6 +181,10 @@ impl Options {
 /// nothing but sync (zero made it spin).
 pub const MIN_SYNC_INTERVAL: Duration = Duration::from_micros(10);
 
+/// The longest `interval` durability read from text: about 31 years, far past any use (a queue's
+/// definition on disk may say hours), and far from the clock's end when added to it.
+pub const MAX_SYNC_INTERVAL: Duration = Duration::from_secs(1_000_000_000);
+
 impl Durability {
     /// Whether a log or a consumer group may have this durability.
     pub(crate) fn check(self) -> Result<()> {
@@ -204,7 +210,7 @@ mod tests {
         assert_eq!("interval:0.05".parse::<Durability>(), Ok(Durability::Interval(Duration::from_micros(50))));
         // (Long ones stay valid: a queue's definition on disk may say so.)
         assert_eq!("interval:7200000".parse::<Durability>(), Ok(Durability::Interval(Duration::from_secs(7200))));
-        for bad in ["interval:1e300", "interval:0.005", "interval:0", "interval:-1", "interval:nan"] {
+        for bad in ["interval:1e300", "interval:1e22", "interval:0.005", "interval:0", "interval:-1", "interval:nan"] {
             assert!(bad.parse::<Durability>().is_err(), "{bad}");
         }
     }
