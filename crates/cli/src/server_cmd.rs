@@ -671,21 +671,16 @@ impl Reader {
     fn ack(&mut self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
         match self {
             Reader::Once(target) => target.ack(queue, handles),
-            Reader::Following(follower) => follower.ack(queue, &single_ids(handles)),
+            Reader::Following(follower) => follower.ack(queue, &crate::target::single_ids(handles)),
         }
     }
 
     fn give_back_unseen(&mut self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
         match self {
             Reader::Once(target) => target.give_back_unseen(queue, handles),
-            Reader::Following(follower) => follower.give_back_unseen(queue, &single_ids(handles)),
+            Reader::Following(follower) => follower.give_back_unseen(queue, &crate::target::single_ids(handles)),
         }
     }
-}
-
-/// A single server's handles among `handles`.
-fn single_ids(handles: &[Handle]) -> Vec<u64> {
-    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect()
 }
 
 #[derive(Subcommand)]

@@ -34,6 +34,16 @@ macro_rules! on_either {
     };
 }
 
+/// A single server's handles among `handles`.
+pub fn single_ids(handles: &[Handle]) -> Vec<u64> {
+    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect()
+}
+
+/// A cluster's handles among `handles`.
+fn cluster_ids(handles: &[Handle]) -> Vec<ClusterHandle> {
+    handles.iter().filter_map(|h| if let Handle::Many(id) = h { Some(*id) } else { None }).collect()
+}
+
 impl Target {
     /// Offers `messages` (all or none); returns how many repeat an idempotency key the queue
     /// remembers, and so were not stored again. On a cluster, offers with the same `route` go
@@ -72,32 +82,16 @@ impl Target {
 
     pub fn ack(&self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
         match self {
-            Target::One(c) => {
-                let ids: Vec<u64> =
-                    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect();
-                c.ack(queue, &ids)
-            }
-            Target::Many(c) => {
-                let ids: Vec<ClusterHandle> =
-                    handles.iter().filter_map(|h| if let Handle::Many(id) = h { Some(*id) } else { None }).collect();
-                c.ack(queue, &ids)
-            }
+            Target::One(c) => c.ack(queue, &single_ids(handles)),
+            Target::Many(c) => c.ack(queue, &cluster_ids(handles)),
         }
     }
 
     /// Gives back deliveries never printed: back at the head, their delivery not counted.
     pub fn give_back_unseen(&self, queue: &str, handles: &[Handle]) -> Result<u32, ClientError> {
         match self {
-            Target::One(c) => {
-                let ids: Vec<u64> =
-                    handles.iter().filter_map(|h| if let Handle::One(id) = h { Some(*id) } else { None }).collect();
-                c.give_back_unseen(queue, &ids)
-            }
-            Target::Many(c) => {
-                let ids: Vec<ClusterHandle> =
-                    handles.iter().filter_map(|h| if let Handle::Many(id) = h { Some(*id) } else { None }).collect();
-                c.give_back_unseen(queue, &ids)
-            }
+            Target::One(c) => c.give_back_unseen(queue, &single_ids(handles)),
+            Target::Many(c) => c.give_back_unseen(queue, &cluster_ids(handles)),
         }
     }
 
