@@ -93,8 +93,29 @@ pub fn topic(cmd: TopicCommand) -> Res {
                 if lines.is_empty() {
                     break;
                 }
-                sent += lines.len() as u64;
-                let n = client.publish(&name, lines.drain(..).map(Message::new).collect())?;
+                let batch = lines.len() as u64;
+                let n = match client.publish(&name, lines.drain(..).map(Message::new).collect()) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        // Say what went out, so that a rerun does not publish it again.
+                        if sent > 0 {
+                            eprintln!(
+                                "{} published to {name} (the first {sent} lines) before line {} failed",
+                                crate::output::count(sent, "message"),
+                                sent + 1
+                            );
+                        }
+                        if e.is_connection_lost() {
+                            eprintln!(
+                                "petrel: the connection was lost before the answer to lines {} to {}: they may have gone out too",
+                                sent + 1,
+                                sent + batch
+                            );
+                        }
+                        return Err(e.into());
+                    }
+                };
+                sent += batch;
                 reached = Some(reached.map_or((n, n), |(lo, hi)| (lo.min(n), hi.max(n))));
             }
             let subscribers = match reached {

@@ -336,6 +336,25 @@ fn a_consume_whose_output_is_closed_leaves_its_messages() {
     });
 }
 
+/// A publish that fails part way says how many lines went out, as a produce does (it said only
+/// the error, and a rerun published them again).
+#[test]
+fn a_publish_that_fails_part_way_says_how_many_lines_went_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("petrel.toml");
+    std::fs::write(&config, "max_message_bytes = 1024\n").unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let s = server.addr.as_str();
+    assert!(run(&["topic", "create", "news", "--server", s], "").0);
+    // The first batch of 1,024 lines goes out; the next holds a line too large.
+    let mut lines: String = (1..=1024).map(|i| format!("{i}\n")).collect();
+    lines.push_str(&"x".repeat(2000));
+    lines.push('\n');
+    let (ok, _, err) = run(&["topic", "publish", "news", "--server", s], &lines);
+    assert!(!ok);
+    assert!(err.contains("1024 messages published to news (the first 1024 lines) before line 1025 failed"), "{err}");
+}
+
 #[test]
 fn a_bench_against_a_server_never_removes_a_queue_that_holds_messages() {
     let dir = tempfile::tempdir().unwrap();
