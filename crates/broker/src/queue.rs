@@ -1570,22 +1570,35 @@ impl Queue {
     /// The open reads, oldest first: `limit` of them, and how many there are.
     pub fn open_reads(&self, limit: usize) -> (u64, Vec<OpenRead>) {
         let inner = self.lock();
-        let mut reads: Vec<OpenRead> = inner
-            .in_flight
-            .iter()
-            .map(|(&handle, f)| OpenRead {
-                handle,
-                message_id: f.item.message_id(),
-                consumer: f.consumer,
-                taken_at_ns: f.taken_at_ns,
-                deadline_ns: f.deadline_ns,
-                bytes: f.bytes,
+        let total = inner.in_flight.len() as u64;
+        // The `limit` oldest, kept as they pass (the newest of them on top): a look at a few of a
+        // million open reads copies and sorts a few, not the million, under the queue's lock.
+        let mut oldest: std::collections::BinaryHeap<(u64, u64)> =
+            std::collections::BinaryHeap::with_capacity(limit.min(inner.in_flight.len()) + 1);
+        for (&handle, f) in inner.in_flight.iter() {
+            let read = (f.taken_at_ns, handle);
+            if oldest.len() < limit {
+                oldest.push(read);
+            } else if oldest.peek().is_some_and(|&newest| read < newest) {
+                oldest.pop();
+                oldest.push(read);
+            }
+        }
+        let reads = oldest
+            .into_sorted_vec()
+            .into_iter()
+            .filter_map(|(_, handle)| {
+                let f = inner.in_flight.get(&handle)?;
+                Some(OpenRead {
+                    handle,
+                    message_id: f.item.message_id(),
+                    consumer: f.consumer,
+                    taken_at_ns: f.taken_at_ns,
+                    deadline_ns: f.deadline_ns,
+                    bytes: f.bytes,
+                })
             })
             .collect();
-        let total = reads.len() as u64;
-        drop(inner);
-        reads.sort_unstable_by_key(|r| (r.taken_at_ns, r.handle));
-        reads.truncate(limit);
         (total, reads)
     }
 

@@ -777,6 +777,18 @@ fn open_reads_are_listed_oldest_first_and_an_operator_can_return_one() {
         assert_eq!(payloads(&b.poll("q", 1, None, 9, 30 * MS).unwrap()), [b"a".to_vec()]);
         assert_eq!(q.open_reads(10).0, 1);
         assert_eq!(q.counters().aborted, 1);
+
+        // Many, taken out of order in time: any limit gives the oldest, oldest first.
+        let many: Vec<String> = (0..40).map(|i| format!("m{i}")).collect();
+        b.offer("q", msgs(&many.iter().map(String::as_str).collect::<Vec<_>>()), 0).unwrap();
+        for i in 0..40u64 {
+            b.poll("q", 1, VIS, 10, (40 + (i * 17) % 40) * MS).unwrap();
+        }
+        let (total, all) = q.open_reads(1000);
+        assert!(total >= 40 && all.is_sorted_by_key(|r| (r.taken_at_ns, r.handle)), "{all:?}");
+        for limit in [0, 1, 7, 39] {
+            assert_eq!(q.open_reads(limit).1, all[..limit].to_vec(), "limit {limit}");
+        }
     }
 }
 
