@@ -252,7 +252,11 @@ class ClusterHandle:
     def __hash__(self) -> int: ...
 
 class ClusterSubscription(Iterator[Message]):
-    """A topic subscription on every server of a cluster: iterate it, or ``get(timeout)``."""
+    """A topic subscription on every server of a cluster: iterate it, or ``get(timeout)``. What
+    one server says of its part is raised as a ``ServerError`` (``SLOW_CONSUMER``: it fell behind
+    and messages were missed there, and it is followed again; ``FORBIDDEN`` or
+    ``TOPIC_NOT_FOUND``: that part ended); the other servers' parts go on, and the next ``get``
+    reads on."""
 
     active: bool
     def get(self, timeout: Optional[float] = None) -> Optional[Message]: ...

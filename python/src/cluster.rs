@@ -478,10 +478,11 @@ impl ClusterSubscription {
                 Err(_elapsed) => Next::TimedOut,
                 Ok(Some(Ok(d))) => Next::Message(d),
                 // One server's part said something: it fell behind (messages missed there; it
-                // is followed again at once), or it ended (the topic was removed there); the
-                // others go on. (A lost connection says nothing: it is followed again when it
-                // comes back.)
-                Ok(Some(Err(_))) => Next::TimedOut,
+                // is followed again at once), or it ended (the topic was removed there, or the
+                // user's right to it): raised, as the Rust subscription yields it; the others
+                // go on, and the next `get` reads on. (A lost connection says nothing: it is
+                // followed again when it comes back.)
+                Ok(Some(Err(e))) => Next::Failed(e),
                 Ok(None) => {
                     drop_in_runtime(stream.take());
                     Next::Ended

@@ -217,3 +217,31 @@ def test_a_signal_interrupts_a_cluster_call(servers):
             signal.signal(signal.SIGALRM, previous)
             release.set()
         assert time.monotonic() - started < 10
+
+
+def test_a_cluster_subscriber_that_fell_behind_is_told_and_reads_on(tmp_path):
+    """What one server says of a cluster subscription's part (it fell behind: SLOW_CONSUMER) is
+    raised, as the Rust subscription yields it, and the next get reads on. (It was swallowed: a
+    subscriber never learned it had missed messages.)"""
+    one = Servers(tmp_path, n=1)
+    try:
+        with petrel.Cluster(one.addresses) as c, petrel.Client(one.addresses[0]) as publisher:
+            c.create_topic("ticks")
+            with c.subscribe("ticks", buffer=16) as sub:
+                for i in range(5000):
+                    publisher.publish("ticks", b"t%d" % i)
+                # It read nothing meanwhile: a prefix, then the notice.
+                with pytest.raises(petrel.ServerError) as told:
+                    for _ in range(5001):
+                        assert sub.get(timeout=10) is not None
+                assert told.value.status == "SLOW_CONSUMER", told.value
+                # Followed again: what is published from now on arrives.
+                deadline = time.monotonic() + 10
+                while True:
+                    publisher.publish("ticks", b"after")
+                    m = sub.get(timeout=0.2)
+                    if m is not None and m.payload == b"after":
+                        break
+                    assert time.monotonic() < deadline, "not followed again"
+    finally:
+        one.stop_all()
