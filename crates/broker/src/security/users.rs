@@ -122,6 +122,15 @@ impl Users {
     /// Writes the file atomically (a temporary file renamed over it), readable by its owner only.
     /// Two writers at once: `edit`.
     pub fn save(&self, path: &Path) -> Result<(), String> {
+        // A users file behind a symbolic link is written where the link points: renamed over the
+        // link, the new file would replace the link and leave its target (which the server may
+        // read) unchanged.
+        let resolved = match fs::canonicalize(path) {
+            Ok(real) => real,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => path.to_path_buf(),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let path = resolved.as_path();
         let file = UsersFile { user: self.by_name.values().cloned().collect() };
         let text = format!(
             "# Petrel users: edit with `petrel user add|passwd|remove`. Hashes are Argon2id PHC strings.\n\n{}",
@@ -372,6 +381,17 @@ mod tests {
         assert!(users.add("tom", "", Role::User).unwrap_err().contains("empty password"));
         assert!(users.add("tom", &"x".repeat(MAX_PASSWORD_LEN + 1), Role::User).unwrap_err().contains("longer"));
         assert!(users.is_empty());
+    }
+
+    #[test]
+    fn a_users_file_behind_a_symbolic_link_is_written_where_it_points() {
+        let dir = tempfile::tempdir().unwrap();
+        let (real, link) = (dir.path().join("real.toml"), dir.path().join("users.toml"));
+        fs::write(&real, "").unwrap();
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        cheap_users(&[("tom", "tom's secret", Role::User)]).save(&link).unwrap();
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "still a link");
+        assert!(fs::read_to_string(&real).unwrap().contains("tom"), "its target written");
     }
 
     #[test]
