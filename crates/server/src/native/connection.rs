@@ -134,11 +134,17 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     /// Hands the answers waiting to the outbox, in the room reserved for them (they then go
     /// out after what it holds).
     pub fn queue_answers(&mut self, reserved: crate::outbox::Reserved<'_>) {
-        let room = self.out.len().clamp(1024, ANSWERS_START_BYTES);
-        let answers = std::mem::replace(&mut self.out, Vec::with_capacity(room));
-        reserved.send(answers.into());
         self.answers = 0;
         self.early_at = self.early_at.saturating_mul(2);
+        reserved.send(self.take_answers().into());
+    }
+
+    /// The answers waiting, for the outbox, `out` left empty with room for the next read's:
+    /// likely as many, so no growing from empty each time (at most what a new connection starts
+    /// with, which an idle one keeps).
+    fn take_answers(&mut self) -> Vec<u8> {
+        let room = self.out.len().clamp(1024, ANSWERS_START_BYTES);
+        std::mem::replace(&mut self.out, Vec::with_capacity(room))
     }
 
     /// The bytes of the answers waiting.
@@ -346,10 +352,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 return if written { Ok(()) } else { Err(Closed) };
             }
         }
-        // The next read's answers likely need as much room: no growing from empty each time (at
-        // most what a new connection starts with, which an idle one keeps).
-        let room = self.out.len().clamp(1024, ANSWERS_START_BYTES);
-        let answers = std::mem::replace(&mut self.out, Vec::with_capacity(room));
+        let answers = self.take_answers();
         tokio::select! {
             biased;
             queued = self.outbox.send(answers) => queued.map_err(|_| Closed),
