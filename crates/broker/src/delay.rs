@@ -680,6 +680,9 @@ pub(crate) struct DelayLog {
     /// Released messages gone for good (`settle`) whose `ctl.moved` marker is not written yet:
     /// one marker names all that one hold of the queue's lock settles (`write_settled`).
     settled: Vec<u64>,
+    /// The time of the log's last record, or later: a message due before it needs its due
+    /// time in a header (`message::append_delayed`).
+    time_floor: u64,
 }
 
 /// What opening a delayed log found.
@@ -705,8 +708,9 @@ pub(crate) struct Reopened {
     /// The newest idempotency keys its records hold (`open`'s `keep_keys` at most): (when
     /// stored, offset, key).
     pub keys: crate::dedup::RecentKeys<(u64, u64, String)>,
-    /// The time of its last record (0: none): a `released` marker's is the time its messages
-    /// joined their level.
+    /// The latest time a message of the queue was stamped with that its records say (0: none):
+    /// when released messages joined their level, when keys were stored. (A delayed record's
+    /// own time is when it is due, `message::KEY_STORED_AT`.)
     pub last_stamp: u64,
     /// Released runs held at most while the markers were read (what opening it took in memory
     /// besides its bits: `RUNS_HELD_WHILE_OPENING`).
@@ -726,6 +730,7 @@ impl DelayLog {
         let ready = ReadyRuns::new(levels);
         let reader = log.reader();
         let returns = NumberMap::default();
+        let time_floor = last_time(&log)?;
         Ok(DelayLog {
             log,
             pin,
@@ -736,6 +741,7 @@ impl DelayLog {
             scan: None,
             reader,
             settled: Vec::new(),
+            time_floor,
         })
     }
 
@@ -759,6 +765,7 @@ impl DelayLog {
         // Released runs in the order they were released: (level, after, stamp, start, end).
         let mut released: Vec<(usize, u64, u64, u64, u64)> = Vec::new();
         let (mut let_go_at, mut runs_held_at_most) = (RUNS_HELD_WHILE_OPENING, 0);
+        let mut last_stamp = 0;
         // First the markers (each follows the records it names), then the messages.
         for_each_record(&log, start, |r| {
             assert_eq!(r.offset, done.end(), "a log's offsets are dense");
@@ -774,6 +781,7 @@ impl DelayLog {
                     done.push(true);
                 }
                 Some(message::Control::Released { level, after, stamp, runs }) => {
+                    last_stamp = last_stamp.max(stamp);
                     for (first, count) in runs {
                         let end = first.saturating_add(u64::from(count)).min(before);
                         // Each once, in the first marker that names it.
@@ -806,7 +814,8 @@ impl DelayLog {
             }
         })?;
         let keys = crate::dedup::RecentKeys::new(keep_keys);
-        let mut reopened = Reopened { released_at: vec![0; levels], keys, runs_held_at_most, ..Reopened::default() };
+        let mut reopened =
+            Reopened { released_at: vec![0; levels], keys, runs_held_at_most, last_stamp, ..Reopened::default() };
         let mut timers = Timers::new(cap);
         let mut repaired = Vec::new();
         for_each_record(&log, start, |r| {
@@ -814,7 +823,9 @@ impl DelayLog {
                 return;
             }
             if let Some(key) = message::idempotency_key(r) {
-                reopened.keys.push((r.timestamp, r.offset, String::from_utf8_lossy(key).into_owned()));
+                let stored_at = message::key_stored_at(r);
+                reopened.last_stamp = reopened.last_stamp.max(stored_at);
+                reopened.keys.push((stored_at, r.offset, String::from_utf8_lossy(key).into_owned()));
             }
             if done.is_done(r.offset) {
                 return;
@@ -832,7 +843,7 @@ impl DelayLog {
             reopened.bytes += message::record_size(r);
             if !done.is_released(r.offset) {
                 let level = usize::from(placement.priority).min(top);
-                timers.insert(message::deliver_at(r), slot(level, r.offset));
+                timers.insert(message::due_at(r), slot(level, r.offset));
                 reopened.pending += 1;
             }
         })?;
@@ -856,13 +867,10 @@ impl DelayLog {
         }
         reopened.released_at = (0..levels).map(|level| ready.len_at(level)).collect();
         returns.retain(|&o, _| !done.is_done(o));
-        if let Some(last) = log.next_offset().checked_sub(1) {
-            let mut reader = log.reader();
-            reader.seek(last);
-            reopened.last_stamp = reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0);
-        }
+        let time_floor = last_time(&log)?;
         let reader = log.reader();
-        let mut delay = DelayLog { log, pin, timers, done, ready, returns, scan: None, reader, settled: Vec::new() };
+        let settled = Vec::new();
+        let mut delay = DelayLog { log, pin, timers, done, ready, returns, scan: None, reader, settled, time_floor };
         // Copies the levels' logs hold, and returned copies whose original stayed: done now.
         delay.mark_done(&repaired)?;
         Ok((delay, reopened))
@@ -911,7 +919,7 @@ impl DelayLog {
         messages: &[Message],
         placements: &[Placement],
     ) -> Result<std::ops::Range<u64>, BrokerError> {
-        let range = message::append_placed(&self.log, messages, placements)?;
+        let range = message::append_delayed(&self.log, messages, placements, &mut self.time_floor)?;
         assert_eq!(range.start, self.done.end(), "only the queue appends to its delayed log");
         let top = self.levels() - 1;
         for ((m, p), offset) in messages.iter().zip(placements).zip(range.clone()) {
@@ -982,6 +990,7 @@ impl DelayLog {
                 .filter(|(_, r)| !r.is_empty())
                 .map(|(level, r)| message::Release { level: level as u8, after: afters[level], runs: r })
                 .collect();
+            self.time_floor = self.time_floor.max(stamp);
             Ok(message::append_released(&self.log, stamp, &releases)?)
         });
         let written = match written {
@@ -1040,7 +1049,7 @@ impl DelayLog {
 
     /// The delayed message at `offset` (one not done).
     pub fn message_at(&mut self, offset: u64) -> Result<Message, BrokerError> {
-        self.with_record(offset, message::from_record)
+        self.with_record(offset, message::from_delayed_record)
     }
 
     /// The size of the delayed message at `offset` (one not done), without decoding it.
@@ -1202,7 +1211,7 @@ impl DelayLog {
             for r in batch.into_iter().take_while(|r| r.offset < end) {
                 if !self.done.is_done(r.offset) && !self.done.is_released(r.offset) && message::control(&r).is_none() {
                     let level = usize::from(message::placement(&r).priority).min(self.levels() - 1);
-                    self.timers.consider((message::deliver_at(&r), slot(level, r.offset)));
+                    self.timers.consider((message::due_at(&r), slot(level, r.offset)));
                 }
                 next = r.offset + 1;
             }
@@ -1268,6 +1277,14 @@ impl DelayLog {
 }
 
 /// Calls `f` with each record of `log` from `start` to its end.
+/// The time of `log`'s last record (0: none).
+fn last_time(log: &SharedLog) -> Result<u64, BrokerError> {
+    let Some(last) = log.next_offset().checked_sub(1) else { return Ok(0) };
+    let mut reader = log.reader();
+    reader.seek(last);
+    Ok(reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0))
+}
+
 fn for_each_record(log: &SharedLog, start: u64, mut f: impl FnMut(&petrel_log::Record<'_>)) -> Result<(), BrokerError> {
     let mut reader = log.reader();
     reader.seek(start);
@@ -1473,6 +1490,59 @@ mod tests {
         drop(delay);
         let (delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false, 100).unwrap();
         assert_eq!((reopened.pending, reopened.released_at, delay.ready_len()), (1, vec![0], 0), "written down");
+    }
+
+    /// A delayed record's time is when it is due, so that most need no `da` header; one due
+    /// before the record ahead of it (whose time the log will not go below) keeps `da`, and a
+    /// keyed one says when its key was stored. A reopen reads back each due time, each key's
+    /// time, and a last stamp that is no due time in the future.
+    #[test]
+    fn a_delayed_record_is_timed_when_due_and_reopens_with_every_due_and_key_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = || petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let mut delay = DelayLog::create(open(), 8, 1).unwrap();
+        let message = |due: u64| Message { deliver_at: due, timestamp: 500, ..Message::new(&b"m"[..]) };
+        let keyed = Message { idempotency_key: "k".into(), timestamp: 600, ..message(40) };
+        let dues = [100, 100, 250, 90, 300];
+        let mut messages: Vec<Message> = dues.iter().map(|&d| message(d)).collect();
+        messages.push(keyed);
+        delay.append(&messages, &vec![Placement::default(); messages.len()]).unwrap();
+        let mut reader = delay.log.reader();
+        let records: Vec<(u64, bool, Option<Vec<u8>>)> = (reader.read_batch(10).unwrap().into_iter())
+            .map(|r| (r.timestamp, r.headers.get("da").is_some(), r.headers.get("ka").map(<[u8]>::to_vec)))
+            .collect();
+        let ka = Some(600u64.to_be_bytes().to_vec());
+        let expected = [
+            (100, false, None),
+            (100, false, None),
+            (250, false, None),
+            (250, true, None),
+            (300, false, None),
+            (300, true, ka),
+        ];
+        assert_eq!(records, expected, "a header only where the record's time is not its due");
+        drop((reader, delay));
+        let (mut delay, reopened) = DelayLog::open(open(), 8, 1, &HashSet::new(), |_| false, 100).unwrap();
+        let mut due = Vec::new();
+        while let Some((at, slot)) = delay.timers.pop_due(u64::MAX) {
+            due.push((at, unslot(slot).1));
+        }
+        assert_eq!(due, [(40, 5), (90, 3), (100, 0), (100, 1), (250, 2), (300, 4)]);
+        let keys = reopened.keys.into_vec();
+        assert_eq!(keys, [(600, 5, "k".to_string())], "the key's time is its offer's");
+        assert_eq!(reopened.last_stamp, 600, "no due time: offers after a restart are stamped from now");
+        assert_eq!(delay.message_at(3).unwrap().deliver_at, 90);
+        assert_eq!(delay.message_at(4).unwrap().deliver_at, 300);
+        // A copy for its level says when it was due, as the delayed record it came from.
+        let mut copies = message::DueCopies::default();
+        let r = delay.reader.get(0).unwrap().unwrap();
+        copies.add(&r, 0);
+        let level_dir = tempfile::tempdir().unwrap();
+        let level = petrel_log::Log::open(level_dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        copies.append(&level, 0, 1_000).unwrap();
+        let mut reader = level.reader();
+        let copy = reader.read_batch(1).unwrap().into_iter().next().unwrap();
+        assert_eq!((copy.timestamp, message::from_record(&copy).deliver_at), (1_000, 100));
     }
 
     /// Every held timer released while later ones are spilled: no held timer says when to look

@@ -28,6 +28,14 @@ const CHARSET: &str = "c";
 /// Where builds before the key became the record's key kept it (still read).
 const IDEMPOTENCY_KEY: &str = "ik";
 const DELIVER_AT: &str = "da";
+/// In a durable queue's delayed log, a message record's time is when it is due, not when it was
+/// offered (a released message takes the time it joins its level, so the offer's time is not
+/// needed): that saves the `da` header, most of what a delayed offer cost beyond a plain one.
+/// The log keeps its records' times in order, so a message due before the record before it
+/// still has `da` (its record's time is then the later one); and a record that holds the
+/// queue's idempotency key says when the key was stored in `ka`, for the window's time. Builds
+/// before this one wrote `da` on every delayed record, its time the offer's: read the same.
+const KEY_STORED_AT: &str = "ka";
 const USER: &str = "h.";
 
 // Where a durable queue's message moves between its logs (a delayed one to its level's log when
@@ -109,8 +117,9 @@ pub(crate) fn append_released(
         })
         .collect();
     let headers: Vec<[(&str, &[u8]); 1]> = values.iter().map(|v| [(RELEASED, &v[..])]).collect();
-    // Timed as its messages joined their level: the queue's offers after it are timed later,
-    // across a restart too.
+    // Timed as its messages joined their level (or later: a due time before it), and `stamp`
+    // kept in its value, which a restart reads so that the queue's offers after it are timed
+    // later.
     let inputs: Vec<Input<'_>> =
         headers.iter().map(|h| Input { key: None, headers: h, payload: &[], timestamp: Some(stamp) }).collect();
     log.append_batch_unsynced(&inputs)
@@ -184,9 +193,23 @@ pub(crate) fn placement(r: &Record<'_>) -> Placement {
     p
 }
 
-/// When the message stored in `r` is due (0: not delayed), without decoding the rest.
-pub(crate) fn deliver_at(r: &Record<'_>) -> u64 {
-    r.headers.get(DELIVER_AT).and_then(|v| v.try_into().ok()).map_or(0, u64::from_be_bytes)
+/// When the message that the delayed log's record `r` holds is due, without decoding the rest:
+/// its `da` header, else its time (`KEY_STORED_AT`).
+pub(crate) fn due_at(r: &Record<'_>) -> u64 {
+    r.headers.get(DELIVER_AT).and_then(|v| v.try_into().ok()).map_or(r.timestamp, u64::from_be_bytes)
+}
+
+/// When the idempotency key that the delayed log's record `r` holds was stored: its `ka`
+/// header, else (an older build's record) its time.
+pub(crate) fn key_stored_at(r: &Record<'_>) -> u64 {
+    r.headers.get(KEY_STORED_AT).and_then(|v| v.try_into().ok()).map_or(r.timestamp, u64::from_be_bytes)
+}
+
+/// The message that the delayed log's record `r` holds, its `deliver_at` set. Its time is the
+/// record's, which is not when it was offered (`KEY_STORED_AT`): a caller gives it the time it
+/// joined its level.
+pub(crate) fn from_delayed_record(r: &Record<'_>) -> Message {
+    Message { deliver_at: due_at(r), ..from_record(r) }
 }
 
 /// One header of a record being written: a fixed name, or `h.` + a message header's name; a
@@ -234,8 +257,8 @@ impl HeaderValue<'_> {
 }
 
 /// Adds the record headers that store `m`'s fields (all but the payload, id and timestamp) to
-/// `out`.
-fn record_headers<'m>(m: &'m Message, out: &mut Vec<RecordHeader<'m>>) {
+/// `out`; its `deliver_at` only if `with_due` (see `KEY_STORED_AT` for when it is not).
+fn record_headers<'m>(m: &'m Message, with_due: bool, out: &mut Vec<RecordHeader<'m>>) {
     if m.kind != MessageKind::Message {
         out.push(RecordHeader::fixed(KIND, HeaderValue::u8(m.kind as u8)));
     }
@@ -245,7 +268,7 @@ fn record_headers<'m>(m: &'m Message, out: &mut Vec<RecordHeader<'m>>) {
     if m.expires_at != 0 {
         out.push(RecordHeader::fixed(EXPIRES, HeaderValue::u64(m.expires_at)));
     }
-    if m.deliver_at != 0 {
+    if with_due && m.deliver_at != 0 {
         out.push(RecordHeader::fixed(DELIVER_AT, HeaderValue::u64(m.deliver_at)));
     }
     for (name, value) in [
@@ -285,14 +308,53 @@ pub(crate) fn append_placed(
     messages: &[Message],
     placements: &[Placement],
 ) -> petrel_log::Result<std::ops::Range<u64>> {
+    append_records(log, messages, placements, None)
+}
+
+/// Appends delayed `messages` (each with its `deliver_at` set) to a durable queue's delayed log
+/// `log`, with their placements, each record timed when it is due (`KEY_STORED_AT`), without
+/// waiting for the disk. `time_floor`: the time of the log's last record, or later (the log
+/// makes no record's time earlier than it), raised to the records' times here.
+pub(crate) fn append_delayed(
+    log: &SharedLog,
+    messages: &[Message],
+    placements: &[Placement],
+    time_floor: &mut u64,
+) -> petrel_log::Result<std::ops::Range<u64>> {
+    debug_assert_eq!(placements.len(), messages.len(), "one placement per delayed message");
+    append_records(log, messages, placements, Some(time_floor))
+}
+
+/// `append_placed`, or `append_delayed` with its `time_floor`.
+fn append_records(
+    log: &SharedLog,
+    messages: &[Message],
+    placements: &[Placement],
+    mut time_floor: Option<&mut u64>,
+) -> petrel_log::Result<std::ops::Range<u64>> {
     debug_assert!(placements.is_empty() || placements.len() == messages.len(), "one placement per message");
     // Every message's headers in one list; message i's are `owned[starts[i]..starts[i + 1]]`.
     let mut owned: Vec<RecordHeader<'_>> = Vec::new();
     let mut starts = Vec::with_capacity(messages.len() + 1);
     for (i, m) in messages.iter().enumerate() {
         starts.push(owned.len());
-        record_headers(m, &mut owned);
-        let Some(p) = placements.get(i) else { continue };
+        let p = placements.get(i);
+        let keeps_key = !m.idempotency_key.is_empty() && !p.is_some_and(|p| p.copy);
+        let with_due = match time_floor.as_deref_mut() {
+            None => true,
+            Some(floor) => {
+                // (Raised before the append: should it fail part way, the floor is still no
+                // lower than the log's last time.)
+                let earlier = m.deliver_at < *floor;
+                *floor = (*floor).max(m.deliver_at);
+                if keeps_key {
+                    owned.push(RecordHeader::fixed(KEY_STORED_AT, HeaderValue::u64(m.timestamp)));
+                }
+                earlier
+            }
+        };
+        record_headers(m, with_due, &mut owned);
+        let Some(p) = p else { continue };
         if p.copy && !m.idempotency_key.is_empty() {
             owned.push(RecordHeader::fixed(MOVED_KEY, HeaderValue::Borrowed(m.idempotency_key.as_bytes())));
         }
@@ -310,17 +372,21 @@ pub(crate) fn append_placed(
     }
     starts.push(owned.len());
     let views: Vec<(&str, &[u8])> = owned.iter().map(|h| (h.name.as_ref(), h.value.bytes())).collect();
+    let delayed = time_floor.is_some();
     let inputs: Vec<Input<'_>> = messages
         .iter()
         .enumerate()
-        // The record's time is the message's (when it was offered), as in a queue in memory; the
-        // log keeps its records' times in order whatever it is given.
+        // In a level's log the record's time is the message's (when it was offered), as in a
+        // queue in memory; the log keeps its records' times in order whatever it is given.
         .map(|(i, m)| Input {
             key: (!m.idempotency_key.is_empty() && !placements.get(i).is_some_and(|p| p.copy))
                 .then_some(m.idempotency_key.as_bytes()),
             headers: &views[starts[i]..starts[i + 1]],
             payload: &m.payload,
-            timestamp: (m.timestamp != 0).then_some(m.timestamp),
+            timestamp: match delayed {
+                true => Some(m.deliver_at),
+                false => (m.timestamp != 0).then_some(m.timestamp),
+            },
         })
         .collect();
     log.append_batch_unsynced(&inputs)
@@ -377,6 +443,9 @@ impl DueCopies {
         let (mut level, mut deliveries) = (0, 0);
         for (name, value) in r.headers.iter() {
             let name = match name {
+                // The copy's time is when it joined its level: its due time is a header there,
+                // and its key is not the queue's to remember.
+                DELIVER_AT | KEY_STORED_AT => continue,
                 // Placement: what the copy keeps is written below, the rest is the delayed log's.
                 PRIORITY => {
                     level = usize::from(value.first().copied().unwrap_or(0)).min(top);
@@ -392,6 +461,7 @@ impl DueCopies {
             };
             self.push_header(name, value);
         }
+        self.push_header(DELIVER_AT, &due_at(r).to_be_bytes());
         if deliveries != 0 {
             self.push_header(DELIVERIES, &deliveries.to_be_bytes());
         }
