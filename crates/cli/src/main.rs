@@ -65,7 +65,7 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Run the server (until SIGTERM or SIGINT).
     Serve(server_cmd::ServeArgs),
-    /// Offer each line of stdin to a queue.
+    /// Offer each line of stdin to a queue (its line end, `\n` or `\r\n`, is not part of the message).
     Produce(server_cmd::ProduceArgs),
     /// Print messages taken from a queue, each acknowledged once written to stdout: what is
     /// not written (a closed pipe, a full disk) stays in the queue (exit status 3: read to its
