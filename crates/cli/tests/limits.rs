@@ -953,6 +953,51 @@ fn a_group_subscriptions_acknowledgements_count_in_the_memory_budget() {
     common::wait_until("the acknowledgements counted", || queued() >= before + 3 * 3_900_000);
 }
 
+/// A RETURN whose body does not decode (here cut short) is refused to its replier, and to its
+/// caller at once when the call it names can be read from its first bytes: the caller waited for
+/// its call's timeout.
+#[test]
+fn a_reply_that_does_not_decode_fails_its_call_at_once() {
+    use petrel_proto::{Message, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"));
+    let mut handler = greeted(&server);
+    handler.write_all(&request_frame(&Request::Serve { function: "f".into() }, 2)).unwrap();
+    assert!(matches!(read_response(&mut handler), (2, Response::Done)));
+    let addr = server.addr.clone();
+    let caller = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let c = petrel_client::Client::connect(&addr).await.unwrap();
+            let started = std::time::Instant::now();
+            let called = c.call("f", petrel_client::Message::new(b"hi".to_vec()), Some(Duration::from_secs(60))).await;
+            (called.map(|m| m.payload), started.elapsed())
+        })
+    });
+    let mut len = [0u8; 4];
+    handler.read_exact(&mut len).unwrap();
+    let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
+    handler.read_exact(&mut frame).unwrap();
+    let call = u64::from_be_bytes(frame[4..12].try_into().unwrap());
+    let reply = Request::Return {
+        call,
+        status: Status::Ok,
+        error: String::new(),
+        message: Box::new(Message::new(b"a reply".to_vec())),
+    };
+    let mut cut = request_frame(&reply, 3);
+    cut.truncate(cut.len() - 3);
+    let new_len = (cut.len() - 4) as u32;
+    cut[..4].copy_from_slice(&new_len.to_be_bytes());
+    handler.write_all(&cut).unwrap();
+    let (id, answer) = read_response(&mut handler);
+    assert!(id == 3 && matches!(answer, Response::Error { status: Status::BadRequest, .. }), "{answer:?}");
+    let (called, took) = caller.join().unwrap();
+    let e = called.unwrap_err();
+    assert!(e.to_string().contains("refused"), "{e}");
+    assert!(took < Duration::from_secs(30), "the caller waited {took:?}");
+}
+
 /// A native connection to `server` that said HELLO.
 fn greeted(server: &Server) -> TcpStream {
     use petrel_proto::{Request, Response};

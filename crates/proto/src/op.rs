@@ -836,6 +836,12 @@ impl Request {
         Ok(())
     }
 
+    /// The call a RETURN's body answers (its first field), read without decoding the rest: a
+    /// RETURN that does not decode is refused to its caller too, not left to its timeout.
+    pub fn return_call(body: &[u8]) -> Option<u64> {
+        Some(u64::from_be_bytes(body.get(..8)?.try_into().ok()?))
+    }
+
     /// Decodes a request body. An unknown opcode is `DecodeError::UnknownOpcode`.
     pub fn decode(opcode: u16, body: Bytes) -> Result<Request, DecodeError> {
         use opcode::*;
@@ -1230,6 +1236,25 @@ mod tests {
     use bytes::Bytes;
 
     use super::{QueueConfig, Request, opcode};
+
+    #[test]
+    fn a_return_s_call_is_read_from_its_first_bytes_as_decode_reads_it() {
+        let reply = Request::Return {
+            call: 0x0102_0304_0506_0708,
+            status: crate::Status::HandlerError,
+            error: "no".into(),
+            message: Box::default(),
+        };
+        let mut frame = Vec::new();
+        reply.encode(9, &mut frame);
+        let body = &frame[4 + crate::frame::HEADER_LEN..];
+        assert!(matches!(
+            Request::decode(opcode::RETURN, Bytes::copy_from_slice(body)).unwrap(),
+            Request::Return { call: 0x0102_0304_0506_0708, .. }
+        ));
+        assert_eq!(Request::return_call(body), Some(0x0102_0304_0506_0708));
+        assert_eq!(Request::return_call(&body[..7]), None);
+    }
 
     #[test]
     fn each_kestrel_name_sets_the_setting_it_is_said_to() {

@@ -21,6 +21,7 @@ use crate::connections::Registered;
 use crate::input::Input;
 use crate::outbox::{Outbox, outbox};
 use crate::stats::add;
+use petrel_broker::ConnId;
 
 /// Answers of one read are sent once this many bytes, or this many answers, wait, mid-read.
 /// The count is so that a client pipelining many small requests gets its first answers while
@@ -60,6 +61,8 @@ pub(super) struct Connection<S> {
     /// The task writing the rest of a frame half written by `flush`, if it has not ended.
     finishing: Option<JoinHandle<bool>>,
     ctx: Arc<Ctx>,
+    /// The broker's name for this connection.
+    conn: ConnId,
     entry: Arc<crate::connections::Connection>,
     /// The server's stop and its grace: how long a client that does not read is waited for.
     stop: Stop,
@@ -97,7 +100,7 @@ fn incomplete_frame(buf: &[u8]) -> Option<Incomplete> {
 
 impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
     /// Splits `stream` and starts its writer task.
-    pub fn new(stream: S, ctx: &Arc<Ctx>, registered: &Registered, stop: Stop) -> Connection<S> {
+    pub fn new(stream: S, ctx: &Arc<Ctx>, conn: ConnId, registered: &Registered, stop: Stop) -> Connection<S> {
         let (rd, wr) = tokio::io::split(stream);
         let (outbox, rx) = outbox(ctx.config.max_queued_responses, ctx.config.max_queued_response_bytes);
         let wire = Arc::new(tokio::sync::Mutex::new(wr));
@@ -115,6 +118,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             writer,
             finishing: None,
             ctx: Arc::clone(ctx),
+            conn,
             entry,
             stop,
             read_at_ns: crate::now_ns(),
@@ -185,8 +189,8 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             rest.extend_from_slice(&buf[from..frame.start]);
             let request_id = u64::from_be_bytes(buf[frame.start + 8..frame.start + 16].try_into().expect("8 bytes"));
             let body = bytes::Bytes::copy_from_slice(&buf[frame.start + 16..frame.end]);
-            let request = Request::decode(petrel_proto::opcode::RETURN, body)
-                .map_err(|e| Response::error(Status::BadRequest, e.to_string()));
+            let call = Request::return_call(&body);
+            let request = Request::decode(petrel_proto::opcode::RETURN, body).map_err(|e| self.refuse_return(call, e));
             returns.push((request_id, request));
             from = frame.end;
         }
@@ -197,6 +201,15 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             self.ctx.stats.native_request(petrel_proto::opcode::RETURN);
         }
         returns
+    }
+
+    /// The answer to a request that does not decode; for a RETURN, its caller's call (`call`,
+    /// read from its first bytes) fails at once too, if this connection had it.
+    fn refuse_return(&self, call: Option<u64>, e: DecodeError) -> Response {
+        if let Some(call) = call {
+            self.ctx.broker.reply(call, self.conn, Err(format!("the function's reply was refused: {e}")));
+        }
+        Response::error(Status::BadRequest, e.to_string())
     }
 
     /// Whether the first frame not read whole yet is a RETURN request (its header read).
@@ -276,13 +289,19 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             self.entry.request();
             self.ctx.stats.native_request(f.opcode);
             let refused = match f.kind {
-                FrameKind::Request => match Request::decode(f.opcode, f.body) {
-                    Ok(request) => return Ok(Some(Incoming { opcode: f.opcode, request_id: f.request_id, request })),
-                    Err(DecodeError::UnknownOpcode(op)) => {
-                        Response::error(Status::Unsupported, format!("unknown opcode {op:#06x}"))
+                FrameKind::Request => {
+                    let call =
+                        (f.opcode == petrel_proto::opcode::RETURN).then(|| Request::return_call(&f.body)).flatten();
+                    match Request::decode(f.opcode, f.body) {
+                        Ok(request) => {
+                            return Ok(Some(Incoming { opcode: f.opcode, request_id: f.request_id, request }));
+                        }
+                        Err(DecodeError::UnknownOpcode(op)) => {
+                            Response::error(Status::Unsupported, format!("unknown opcode {op:#06x}"))
+                        }
+                        Err(e) => self.refuse_return(call, e),
                     }
-                    Err(e) => Response::error(Status::BadRequest, e.to_string()),
-                },
+                }
                 _ => Response::error(Status::BadRequest, "clients send requests only"),
             };
             self.answer(&refused, f.opcode, f.request_id);

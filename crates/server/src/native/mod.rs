@@ -118,7 +118,7 @@ pub(crate) async fn serve<S>(
     let registered = crate::connections::Registry::open(&ctx, conn, &peer, "native");
     let _disconnect = crate::Disconnect { broker: Arc::clone(&ctx.broker), conn };
     let grace = ctx.config.shutdown_grace().unwrap_or(Duration::from_secs(5));
-    let mut connection = Connection::new(stream, &ctx, &registered, (shutdown.clone(), grace));
+    let mut connection = Connection::new(stream, &ctx, conn, &registered, (shutdown.clone(), grace));
     let (reading, closed) = watch::channel(());
     let mut session = Session::new(&ctx, conn, peer, &registered, closed);
     let mut pushes = Pushes::default();
