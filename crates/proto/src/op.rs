@@ -1246,7 +1246,7 @@ mod tests {
             message: Box::default(),
         };
         let mut frame = Vec::new();
-        reply.encode(9, &mut frame);
+        reply.encode(9, &mut frame).unwrap();
         let body = &frame[4 + crate::frame::HEADER_LEN..];
         assert!(matches!(
             Request::decode(opcode::RETURN, Bytes::copy_from_slice(body)).unwrap(),
