@@ -1276,7 +1276,6 @@ impl DelayLog {
     }
 }
 
-/// Calls `f` with each record of `log` from `start` to its end.
 /// The time of `log`'s last record (0: none).
 fn last_time(log: &SharedLog) -> Result<u64, BrokerError> {
     let Some(last) = log.next_offset().checked_sub(1) else { return Ok(0) };
@@ -1285,6 +1284,7 @@ fn last_time(log: &SharedLog) -> Result<u64, BrokerError> {
     Ok(reader.read_batch(1)?.into_iter().map(|r| r.timestamp).max().unwrap_or(0))
 }
 
+/// Calls `f` with each record of `log` from `start` to its end.
 fn for_each_record(log: &SharedLog, start: u64, mut f: impl FnMut(&petrel_log::Record<'_>)) -> Result<(), BrokerError> {
     let mut reader = log.reader();
     reader.seek(start);

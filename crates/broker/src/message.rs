@@ -288,15 +288,6 @@ fn record_headers<'m>(m: &'m Message, with_due: bool, out: &mut Vec<RecordHeader
     }
 }
 
-/// Appends `messages` to `log`, durable as its policy says when this returns.
-pub(crate) fn append(log: &SharedLog, messages: &[Message]) -> petrel_log::Result<std::ops::Range<u64>> {
-    let range = append_unsynced(log, messages)?;
-    if !range.is_empty() {
-        log.wait_durable(range.end - 1)?;
-    }
-    Ok(range)
-}
-
 /// Appends `messages` to `log` without waiting for the disk (see `SharedLog::wait_durable`).
 pub(crate) fn append_unsynced(log: &SharedLog, messages: &[Message]) -> petrel_log::Result<std::ops::Range<u64>> {
     append_placed(log, messages, &[])
@@ -343,6 +334,8 @@ fn append_records(
         let with_due = match time_floor.as_deref_mut() {
             None => true,
             Some(floor) => {
+                // Its record's time is when it is due: 0 would make it due at the log's last time.
+                assert!(m.deliver_at != 0, "a delayed message says when it is due");
                 // (Raised before the append: should it fail part way, the floor is still no
                 // lower than the log's last time.)
                 let earlier = m.deliver_at < *floor;

@@ -10,7 +10,7 @@
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::task::Poll;
 
 use petrel_log::{GroupOptions, SeekTo, SharedLog};
@@ -39,6 +39,43 @@ pub struct Topic {
     /// Set (under `subscribers`' lock) when the topic is removed: a subscription made after, by
     /// a SUBSCRIBE that found the topic just before, ends at once for this reason.
     removed: OnceLock<Ended>,
+    /// A durable topic's publishes each take a turn as they append (the next turn to give), and
+    /// hand their messages to the live subscribers in turn once they are on disk (`Turn`): the
+    /// wait for the disk holds neither the subscribers' lock (a subscribe, a listing, a
+    /// disconnect) nor the next publish, whose append joins the same sync.
+    appending: Mutex<u64>,
+    /// The turn whose messages go to the live subscribers next.
+    delivering: Mutex<u64>,
+    turn_passed: Condvar,
+}
+
+/// A durable topic's publish's turn to hand its messages to the live subscribers: `wait` for it;
+/// dropped, it passes to the next (waited for first if it was not: a publish that failed, or
+/// panicked, between its append and its delivery must not hold up the ones after it).
+struct Turn<'t> {
+    topic: &'t Topic,
+    turn: u64,
+    taken: bool,
+}
+
+impl Turn<'_> {
+    fn wait(&mut self) {
+        let mut delivering = self.topic.delivering.lock().unwrap_or_else(|e| e.into_inner());
+        while *delivering != self.turn {
+            delivering = self.topic.turn_passed.wait(delivering).unwrap_or_else(|e| e.into_inner());
+        }
+        self.taken = true;
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if !self.taken {
+            self.wait();
+        }
+        *self.topic.delivering.lock().unwrap_or_else(|e| e.into_inner()) = self.turn + 1;
+        self.topic.turn_passed.notify_all();
+    }
 }
 
 struct Subscriber {
@@ -194,6 +231,9 @@ impl Topic {
             appends: Arc::default(),
             released: Arc::default(),
             removed: OnceLock::new(),
+            appending: Mutex::new(0),
+            delivering: Mutex::new(0),
+            turn_passed: Condvar::new(),
         }
     }
 
@@ -223,6 +263,14 @@ impl Topic {
         Subscription { id, messages, ended, queued, received: 0 }
     }
 
+    /// Makes the next sync of a durable topic's log fail as a disk's would, for tests
+    /// (`tests/sync_failures.rs`).
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn fail_next_syncs(&self) {
+        self.log.iter().for_each(SharedLog::fail_next_sync);
+    }
+
     pub fn is_durable(&self) -> bool {
         self.log.is_some()
     }
@@ -239,12 +287,25 @@ impl Topic {
                 crate::shown(&self.name)
             )));
         }
-        let mut subscribers = self.lock();
+        let mut turn = None;
         if let Some(log) = &self.log {
-            let range = message::append(log, &messages)?;
-            if durable_asked && !range.is_empty() {
-                log.make_durable(range.end - 1)?;
-            }
+            let range = {
+                let mut next = self.appending.lock().unwrap_or_else(|e| e.into_inner());
+                let range = message::append_unsynced(log, &messages)?;
+                turn = Some(Turn { topic: self, turn: *next, taken: false });
+                *next += 1;
+                range
+            };
+            // Other publishes append meanwhile, and the next sync covers them too.
+            let synced = match range.end.checked_sub(1) {
+                Some(last) => log.wait_durable(last).and_then(|()| match durable_asked {
+                    true => log.make_durable(last),
+                    false => Ok(()),
+                }),
+                None => Ok(()),
+            };
+            turn.as_mut().expect("taken above").wait();
+            synced?;
             let first = range.start;
             for (i, m) in messages.iter_mut().enumerate() {
                 m.id = message::id_of(first + i as u64);
@@ -252,6 +313,7 @@ impl Topic {
             }
             self.appends.happened();
         }
+        let mut subscribers = self.lock();
         let messages: Vec<Arc<Delivered>> =
             messages.into_iter().map(|message| Arc::new(Delivered { message, encoded: OnceLock::new() })).collect();
         let mut delivered = 0;
@@ -297,7 +359,10 @@ impl Topic {
         });
         self.published.fetch_add(messages.len() as u64, Ordering::Relaxed);
         self.delivered.fetch_add(delivered, Ordering::Relaxed);
-        Ok(subscribers.len() as u32)
+        let reached = subscribers.len() as u32;
+        drop(subscribers);
+        drop(turn); // (once delivered: the next publish's messages come after these)
+        Ok(reached)
     }
 
     /// Opens consumer group `group` of a durable topic, positioned by `from` (`None`: where the

@@ -95,3 +95,24 @@ fn a_tick_whose_sync_fails_neither_loses_nor_doubles_a_delayed_message() {
     b.tick(later + 2 * SECOND);
     assert!(take(&b, "jobs", later + 2 * SECOND).unwrap().is_empty(), "acknowledged stays so");
 }
+
+/// A durable topic's publish whose sync fails is refused and reaches no subscriber; the
+/// publishes after it are refused too (the log stays refused) and none waits for the failed one's
+/// turn to hand its messages on; subscribing goes on.
+#[test]
+fn a_durable_topic_s_failed_sync_reaches_no_subscriber_and_holds_up_no_publish() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = open(dir.path());
+    let topic = b.create_topic("news", true).unwrap();
+    let mut sub = b.subscribe("news", 1, 100).unwrap();
+    assert_eq!(b.publish("news", vec![Message::new(&b"kept"[..])], SECOND).unwrap(), 1);
+    assert_eq!(sub.try_recv().map(|d| d.message.payload.clone()), Some(b"kept"[..].into()));
+    topic.fail_next_syncs();
+    let err = b.publish("news", vec![Message::new(&b"doomed"[..])], SECOND).unwrap_err();
+    assert!(matches!(err, BrokerError::Storage(_)), "{err}");
+    let err = b.publish("news", vec![Message::new(&b"later"[..])], SECOND).unwrap_err();
+    assert!(matches!(err, BrokerError::Storage(_)), "{err}");
+    assert!(sub.try_recv().is_none(), "nothing that was not on disk reaches a subscriber");
+    let mut again = b.subscribe("news", 1, 100).unwrap();
+    assert!(again.try_recv().is_none());
+}

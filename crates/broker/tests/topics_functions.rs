@@ -531,3 +531,41 @@ fn at_most_max_topics_are_made_and_those_on_disk_always_open() {
     let b = Broker::open(dir.path(), BrokerOptions { max_topics: 1, ..options() }).unwrap();
     assert_eq!(b.topic_names(), ["a", "b"], "opened, past a smaller limit");
 }
+
+/// Publishes to a durable topic synced on every publish (`always`) wait for the disk outside the
+/// subscribers' lock, several sharing a sync; a live subscriber still gets every message once, in
+/// the order of the topic's log, each publisher's in the order it published them.
+#[test]
+fn concurrent_durable_publishes_reach_a_subscriber_in_the_log_s_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { durability: petrel_log::Durability::Always, ..BrokerOptions::default() };
+    let b = Arc::new(Broker::open(dir.path(), options).unwrap());
+    b.create_topic("t", true).unwrap();
+    let (publishers, each) = (8u32, 100u32);
+    let mut sub = b.subscribe("t", 1, (publishers * each) as usize).unwrap();
+    let threads: Vec<_> = (0..publishers)
+        .map(|p| {
+            let b = Arc::clone(&b);
+            std::thread::spawn(move || {
+                for i in 0..each {
+                    let m = Message::new(format!("{p} {i}"));
+                    assert_eq!(b.publish("t", vec![m], 1).unwrap(), 1);
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let mut last_id = 0;
+    let mut next_of = vec![0u32; publishers as usize];
+    for _ in 0..publishers * each {
+        let d = sub.try_recv().expect("every message reached the subscriber");
+        assert!(d.message.id > last_id, "in the log's order: {} after {last_id}", d.message.id);
+        last_id = d.message.id;
+        let text = String::from_utf8_lossy(&d.message.payload).into_owned();
+        let (p, i) = text.split_once(' ').unwrap();
+        let (p, i): (usize, u32) = (p.parse().unwrap(), i.parse().unwrap());
+        assert_eq!(i, next_of[p], "publisher {p}'s in its order");
+        next_of[p] += 1;
+    }
+    assert!(sub.try_recv().is_none(), "each once");
+}

@@ -1,6 +1,7 @@
 //! `petrel bench queue --mode publish|call`: topics and functions under load. `publish`
-//! publishes `count` messages (`batch` per request, pipelined) to `--subscribers` subscribers on
-//! their own connections and measures messages delivered per second; `call` serves an `echo`
+//! publishes `count` messages (`batch` per request, pipelined, from `connections` connections)
+//! to a topic (durable with `--durable`) with `--subscribers` subscribers on their own
+//! connections and measures messages delivered per second; `call` serves an `echo`
 //! function on one connection, which answers each request with a two-byte acknowledgement, and
 //! calls it from `connections` connections with `pipeline` calls in flight each.
 
@@ -30,7 +31,11 @@ async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
     let topic = &args.queue;
     let publisher = args.connect(addr).await?;
     let _ = publisher.remove_topic(topic).await;
-    publisher.create_topic(topic, false).await?;
+    publisher.create_topic(topic, args.durable).await?;
+    let mut publishers = vec![publisher.clone()];
+    for _ in 1..args.connections {
+        publishers.push(args.connect(addr).await?);
+    }
     let delivered_all = args.count * args.subscribers as u64;
     let bar = progress::bar(delivered_all, "delivered", Unit::Items);
     let mut subscribers = Vec::new();
@@ -55,12 +60,14 @@ async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
     let started = Instant::now();
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     let mut in_flight = FuturesUnordered::new();
-    let mut sent = 0;
+    let (mut sent, mut requests) = (0, 0);
     while sent < args.count || !in_flight.is_empty() {
-        while sent < args.count && in_flight.len() < args.pipeline {
+        while sent < args.count && in_flight.len() < args.pipeline * publishers.len() {
             let n = (args.count - sent).min(args.batch as u64) as usize;
             sent += n as u64;
-            let (c, topic, messages) = (publisher.clone(), topic.clone(), vec![Message::new(payload.clone()); n]);
+            let c = publishers[requests % publishers.len()].clone();
+            requests += 1;
+            let (topic, messages) = (topic.clone(), vec![Message::new(payload.clone()); n]);
             in_flight.push(async move {
                 let t = Instant::now();
                 c.publish(&topic, messages).await.map(|_| t.elapsed())
