@@ -189,10 +189,13 @@ pub struct AsyncSubscriptionCore {
     completions: Arc<Inner>,
 }
 
-/// A received message on its way to Python: put back in `kept` if its outcome is dropped.
+/// A received message on its way to Python: put back in `kept` if its outcome is dropped. It
+/// holds the stream until then, so that the next `next` looks at `kept` only once this message is
+/// taken or in it: let go as the task ended, a next read could take the message after it first.
 struct Receiving {
     message: Option<petrel_client::Message>,
     kept: Arc<Mutex<VecDeque<petrel_client::Message>>>,
+    _stream: tokio::sync::OwnedMutexGuard<Option<petrel_client::Subscription>>,
 }
 
 impl Drop for Receiving {
@@ -225,18 +228,20 @@ impl AsyncSubscriptionCore {
     fn next(&self, token: u64, timeout: Option<f64>) {
         let (stream, kept) = (Arc::clone(&self.stream), Arc::clone(&self.kept));
         let timeout = crate::timeout_from(timeout);
-        let deliver = move |m: petrel_client::Message, kept: Arc<Mutex<VecDeque<petrel_client::Message>>>| {
-            let mut receiving = Receiving { message: Some(m), kept };
-            outcome_with(move |py| {
-                let m = receiving.message.take().expect("converted once");
-                Message::new(py, 0, m).into_py_any(py)
-            })
-        };
+        type Stream = tokio::sync::OwnedMutexGuard<Option<petrel_client::Subscription>>;
+        let deliver =
+            move |m: petrel_client::Message, kept: Arc<Mutex<VecDeque<petrel_client::Message>>>, stream: Stream| {
+                let mut receiving = Receiving { message: Some(m), kept, _stream: stream };
+                outcome_with(move |py| {
+                    let m = receiving.message.take().expect("converted once");
+                    Message::new(py, 0, m).into_py_any(py)
+                })
+            };
         self.completions.spawn(token, async move {
-            let mut stream = stream.lock().await;
+            let mut stream = stream.lock_owned().await;
             let earlier = kept.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
             if let Some(m) = earlier {
-                return deliver(m, kept);
+                return deliver(m, kept, stream);
             }
             let Some(sub) = stream.as_mut() else { return outcome(Ok(None::<()>)) };
             let next = match timeout {
@@ -247,7 +252,7 @@ impl AsyncSubscriptionCore {
                 None => sub.next().await,
             };
             match next {
-                Some(Ok(m)) => deliver(m, kept),
+                Some(Ok(m)) => deliver(m, kept, stream),
                 Some(Err(e)) => {
                     stream.take();
                     outcome::<()>(Err(client_error(e)))
