@@ -19,16 +19,39 @@ use tokio::sync::{Notify, mpsc, oneshot};
 
 use crate::{BrokerError, MemoryHold, Message, message};
 
-/// Counts a durable topic's appends and wakes the readers waiting for one; says when the topic
-/// was removed (its readers' subscriptions end).
-#[derive(Default)]
+/// Counts a durable topic's appends and wakes the readers waiting for one; says how far the log
+/// may be read (its publishes' records once on disk as their log's durability says: a group
+/// never hands out a record that a crash, or its publish's failed sync, may take back), and when
+/// the topic was removed (its readers' subscriptions end).
 pub(crate) struct Appends {
     count: AtomicU64,
     notify: Notify,
     removed: AtomicBool,
+    /// Records before this offset may be read.
+    visible_end: AtomicU64,
 }
 
 impl Appends {
+    /// For a log whose records before `visible_end` may be read.
+    pub(crate) fn new(visible_end: u64) -> Appends {
+        Appends {
+            count: AtomicU64::new(0),
+            notify: Notify::new(),
+            removed: AtomicBool::new(false),
+            visible_end: AtomicU64::new(visible_end),
+        }
+    }
+
+    /// Records before `end` may be read now; readers are woken.
+    pub(crate) fn visible_up_to(&self, end: u64) {
+        self.visible_end.fetch_max(end, Ordering::AcqRel);
+        self.happened();
+    }
+
+    fn visible_end(&self) -> u64 {
+        self.visible_end.load(Ordering::Acquire)
+    }
+
     pub(crate) fn happened(&self) {
         self.count.fetch_add(1, Ordering::Release);
         self.notify.notify_waiters();
@@ -111,7 +134,7 @@ impl GroupReader {
         max_bytes: usize,
         timeout: Duration,
     ) -> Result<Vec<Message>, BrokerError> {
-        match self.group.poll_within(max, max_bytes, timeout) {
+        match self.group.poll_before(max, max_bytes, timeout, self.appends.visible_end()) {
             Ok(batch) if batch.is_empty() => {
                 // Read to the end: the segment it ends in may be one retention deleted (an idle
                 // topic past its age cap, `Topic::wake_group_readers`), kept mapped, and its disk

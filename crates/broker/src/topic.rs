@@ -221,6 +221,7 @@ impl Topic {
     }
 
     pub(crate) fn new(name: String, log: Option<SharedLog>) -> Topic {
+        let visible_end = log.as_ref().map_or(0, SharedLog::next_offset);
         Topic {
             name,
             log,
@@ -228,7 +229,7 @@ impl Topic {
             published: AtomicU64::new(0),
             delivered: AtomicU64::new(0),
             slow: AtomicU64::new(0),
-            appends: Arc::default(),
+            appends: Arc::new(Appends::new(visible_end)),
             released: Arc::default(),
             removed: OnceLock::new(),
             appending: Mutex::new(0),
@@ -311,7 +312,8 @@ impl Topic {
                 m.id = message::id_of(first + i as u64);
                 m.durable = false; // asked on the way in; not carried by deliveries
             }
-            self.appends.happened();
+            // In turn: the groups read no record before those ahead of it are on disk too.
+            self.appends.visible_up_to(range.end);
         }
         let mut subscribers = self.lock();
         let messages: Vec<Arc<Delivered>> =
@@ -535,6 +537,27 @@ impl Topic {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A consumer group reads a publish's records only once the publish made them visible (on
+    /// disk as the log's durability says), not as soon as they are appended: a crash, or the
+    /// publish's failed sync, could take back what it was handed, and its publisher retries.
+    #[test]
+    fn a_group_reads_no_record_its_publish_has_not_made_visible() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = petrel_log::Log::open(dir.path(), petrel_log::Options::default()).unwrap().into_shared();
+        let topic = Topic::new("t".into(), Some(log.clone()));
+        let mut group = topic.group("g", Some(SeekTo::Oldest), 100).unwrap();
+        topic.publish(vec![Message::new(&b"one"[..])]).unwrap();
+        // A publish that appended and waits for its sync.
+        let range = message::append_unsynced(&log, &[Message::new(&b"two"[..])]).unwrap();
+        let read = |group: &mut GroupReader| -> Vec<bytes::Bytes> {
+            group.poll(10, std::time::Duration::ZERO).unwrap().into_iter().map(|m| m.payload).collect()
+        };
+        assert_eq!(read(&mut group), [&b"one"[..]]);
+        assert!(read(&mut group).is_empty(), "appended, not yet synced");
+        topic.appends.visible_up_to(range.end);
+        assert_eq!(read(&mut group), [&b"two"[..]]);
+    }
 
     /// A SUBSCRIBE that found the topic just before it was removed: its subscription ends at
     /// once, saying why (it was added to the removed topic and then never heard of again).

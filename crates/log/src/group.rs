@@ -597,6 +597,13 @@ impl ConsumerGroup {
     /// `poll`, stopping once the records taken fill `max_bytes` of frames (at least one record):
     /// for a consumer that copies what it polls, so that a batch of large records is bounded.
     pub fn poll_within(&mut self, max: usize, max_bytes: usize, timeout: Duration) -> Result<Batch<'_>> {
+        self.poll_before(max, max_bytes, timeout, u64::MAX)
+    }
+
+    /// `poll_within` of records before offset `end` only (what the writer's caller has made
+    /// visible: a record appended and not yet synced, say). Does not wait for records at or
+    /// past `end`: an empty batch at once when only those are left.
+    pub fn poll_before(&mut self, max: usize, max_bytes: usize, timeout: Duration, end: u64) -> Result<Batch<'_>> {
         self.shared.check_poison()?;
         self.catch_up_with_retention()?;
         while let Some(offset) = self.redeliver.pop_first() {
@@ -623,6 +630,10 @@ impl ConsumerGroup {
             if let Some(&s) = self.skip.first() {
                 allowed = allowed.min(s - self.next);
             }
+            if end <= self.next {
+                return Ok(Batch::default());
+            }
+            allowed = allowed.min(end - self.next);
             if self.reader.position() != self.next {
                 self.reader.seek(self.next);
             }
