@@ -1175,6 +1175,22 @@ impl Broker {
         }
         if !config.dead_letter.is_empty() {
             self.decide(who, Kind::Queue, &config.dead_letter, &[Action::Offer])?;
+            // Made by first use when its first message comes, by nobody: a queue of a name
+            // only an admin (or the configuration) chose, so that a user cannot make queues
+            // beyond its rights and `max_queues_per_user` through it.
+            if self.queue(&config.dead_letter).is_none() && !self.is_configured_dead_letter_queue(&config.dead_letter) {
+                return Err(BrokerError::Forbidden(format!(
+                    "dead-letter queue {:?} does not exist: it is made by first use only if the configuration names it; create it first",
+                    shown(&config.dead_letter)
+                )));
+            }
+        }
+        // A temporary queue named as the parent of fanout children (whose parent is gone): its
+        // offers would be copied into them.
+        if temporary {
+            for child in self.fanout_children(name) {
+                self.decide(who, Kind::Queue, &child, &[Action::Offer])?;
+            }
         }
         for action in [Action::Offer, Action::Poll].into_iter().filter(|_| temporary) {
             if security.acl.by_entries(&principal.user, Kind::Queue, name, action) == Some(false) {
@@ -1200,11 +1216,16 @@ impl Broker {
     /// Whether `name` is the dead-letter queue of the configuration's defaults, of a configured
     /// queue, or of a queue that exists.
     fn is_dead_letter_queue(&self, name: &str) -> bool {
+        self.is_configured_dead_letter_queue(name)
+            || self.read().queues.values().any(|q| q.config().dead_letter == name)
+    }
+
+    /// Whether the configuration names `name` as a dead-letter queue (its defaults', or a
+    /// configured queue's).
+    fn is_configured_dead_letter_queue(&self, name: &str) -> bool {
         let configured = self.configured.read().unwrap_or_else(|e| e.into_inner());
         let named = |config: &QueueConfig| config.dead_letter == name;
-        named(&configured.defaults)
-            || configured.queues.values().any(named)
-            || self.read().queues.values().any(|q| named(&q.config()))
+        named(&configured.defaults) || configured.queues.values().any(named)
     }
 
     fn counted(
@@ -1935,10 +1956,17 @@ impl Broker {
         if user.role == security::Role::Admin {
             return Ok(());
         }
+        // Its owner (or a function's replier) may use a temporary queue, unless an entry for
+        // its very name denies it, or, for a fanout child, its parent refuses the poll: a reload
+        // can take either away after the queue was made.
         if kind == Kind::Queue
             && let Some(q) = self.queue(name)
             && q.owner.is_some()
             && (q.owner == Some(who.conn) || (actions.contains(&Action::Offer) && q.is_replier(who.conn)))
+            && actions.iter().any(|&a| {
+                security.acl.by_entries(&who.user, kind, name, a) != Some(false)
+                    && security.acl.parent_allows(&who.user, kind, name, a)
+            })
         {
             return Ok(());
         }

@@ -609,6 +609,29 @@ async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
     tom.ping().await.unwrap();
 }
 
+/// A reload that denies a user a queue also denies him the copies a temporary fanout child of
+/// it that he made gets: his own queue's use was allowed whatever the rules said since.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_denies_a_temporary_fanout_child_s_owner_its_parent_s_copies() {
+    let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"payroll\"\nuser = \"tom\"\naccess = \"poll\"\n";
+    let setup = Setup::new(allow);
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    max.create_queue("payroll", QueueConfig::default()).await.unwrap();
+    let tom = login(&server, "tom").await.unwrap();
+    tom.create_queue("payroll+tap", QueueConfig { temporary: true, ..QueueConfig::default() }).await.unwrap();
+    max.offer("payroll", vec![msg("before")], None).await.unwrap();
+    assert_eq!(tom.poll("payroll+tap", TAKE).await.unwrap().len(), 1);
+    setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
+    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    common::wait_until_async("the reload in force", || async {
+        tom.poll("payroll", TAKE).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
+    })
+    .await;
+    max.offer("payroll", vec![msg("after")], None).await.unwrap();
+    assert_eq!(status(tom.poll("payroll+tap", TAKE).await), Some(Status::Forbidden));
+}
+
 /// A reload finds the users file a relative path names from the configuration file's
 /// directory, as the start does, not from the server's working directory (where it failed to
 /// find it, and the old users stayed).
@@ -844,6 +867,11 @@ kind = "queue"
 name = "*"
 user = "jon"
 access = "poll"
+[[security.acl]]
+kind = "queue"
+name = "hidden+log"
+user = "tom"
+access = "deny"
 "#,
     );
     let server = setup.start();
@@ -875,8 +903,16 @@ access = "poll"
     assert_eq!(pax.poll("orders+audit", TAKE).await.unwrap().len(), 1);
     assert_eq!(status(pax.poll("orders", TAKE).await), Some(Status::Forbidden));
     assert_eq!(max.poll("orders", TAKE).await.unwrap().len(), 1);
+    // A dead-letter queue that does not exist would be made by first use, by nobody: a queue
+    // outside his rights and his count. One he made, he may name.
+    assert_eq!(status(tom.create_queue("mine", temporary("mine.dlq")).await), Some(Status::Forbidden));
     // What he may use, he may make (an entry for every name, jon's, sets none aside).
+    tom.create_queue("mine.dlq", temporary("")).await.unwrap();
     tom.create_queue("mine", temporary("mine.dlq")).await.unwrap();
+    // A name whose fanout children outlived their parent: his offers would be copied into a
+    // child he may not offer to.
+    max.create_queue("hidden+log", QueueConfig::default()).await.unwrap();
+    assert_eq!(status(tom.create_queue("hidden", temporary("")).await), Some(Status::Forbidden));
     max.offer("orders", vec![msg("secret")], None).await.unwrap();
     assert_eq!(max.poll("orders", TAKE).await.unwrap().len(), 1);
     // The memcache port: first use of a fanout child needs the right to poll its parent.

@@ -137,6 +137,11 @@ pub(crate) struct Authenticated {
     pub _held: UserConnection,
 }
 
+/// Password checks at once: one per core (a check is CPU-bound), at least 2.
+pub(crate) fn max_password_checks() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).max(2)
+}
+
 /// The refusal of a login past `auth_attempts_per_minute` (HTTP answers it `429`).
 pub(crate) const RATE_LIMITED: &str = "too many authentication attempts from this address; try again in a minute";
 
@@ -175,8 +180,17 @@ pub(crate) async fn verify_password(
         return Err(RATE_LIMITED.into());
     }
     let (name, known) = (user.to_owned(), security.users.get(user).is_some());
-    let verified = tokio::task::spawn_blocking(move || security.users.verify(&name, &password)).await;
-    if !matches!(verified, Ok(Some(_))) {
+    // (A turn: the semaphore is never closed.)
+    let turn = ctx.password_checks.acquire().await.map_err(|_| "the server is stopping".to_string())?;
+    let checked = Arc::clone(&security);
+    let verified = tokio::task::spawn_blocking(move || checked.users.verify(&name, &password)).await;
+    drop(turn);
+    // A reload during the check that changed the user's password (or removed the user) makes
+    // it void: the old password must not log in once the new one is in place.
+    let now = ctx.broker.security();
+    let unchanged =
+        now.as_ref().and_then(|s| s.users.get(user)).map(|u| &u.hash) == security.users.get(user).map(|u| &u.hash);
+    if !matches!(verified, Ok(Some(_))) || !unchanged {
         add(&ctx.stats.auth_failures, 1);
         // An unknown name is not logged: it may be a password typed in its place.
         match known {
