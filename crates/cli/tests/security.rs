@@ -632,6 +632,34 @@ async fn a_reload_denies_a_temporary_fanout_child_s_owner_its_parent_s_copies() 
     assert_eq!(status(tom.poll("payroll+tap", TAKE).await), Some(Status::Forbidden));
 }
 
+/// A poll waiting for a message when a reload takes the right to poll away is refused when a
+/// message comes, and does not take it (an offer waiting for room likewise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_refuses_a_poll_that_was_waiting_for_a_message() {
+    let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"q\"\nuser = \"tom\"\naccess = \"poll\"\n";
+    let setup = Setup::new(allow);
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    max.create_queue("q", QueueConfig::default()).await.unwrap();
+    let tom = login(&server, "tom").await.unwrap();
+    let waiting = tokio::spawn(async move {
+        let long = PollOptions { max: 1, timeout: Duration::from_secs(60), visibility: None };
+        tom.poll("q", long).await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await; // (the poll waits)
+    setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
+    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    let probe = login(&server, "tom").await.unwrap();
+    common::wait_until_async("the reload in force", || async {
+        probe.poll("q", TAKE).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
+    })
+    .await;
+    max.offer("q", vec![msg("kept")], None).await.unwrap();
+    let polled = tokio::time::timeout(Duration::from_secs(30), waiting).await.unwrap().unwrap();
+    assert_eq!(status(polled), Some(Status::Forbidden));
+    assert_eq!(max.poll("q", TAKE).await.unwrap().len(), 1, "the message was not taken");
+}
+
 /// A reload finds the users file a relative path names from the configuration file's
 /// directory, as the start does, not from the server's working directory (where it failed to
 /// find it, and the old users stayed).

@@ -79,7 +79,7 @@ pub(super) fn offer(
                 ))));
             };
             let (before, done) = session.offers_waiting.take_turn(&queue.name);
-            let (ctx, reads) = (Arc::clone(ctx), session.reads);
+            let (ctx, reads, principal) = (Arc::clone(ctx), session.reads, session.principal().cloned());
             let gave_up = until_or_closed(timeout_ms, session.closed.clone());
             Answer::later(WaitsFor::Other, async move {
                 let _done = done;
@@ -91,7 +91,7 @@ pub(super) fn offer(
                         () = gave_up.as_mut() => return error(BrokerError::Full(queue.name.clone())),
                     }
                 }
-                offer_when_room(ctx, queue, messages, (held, bytes), gave_up, reads).await
+                offer_when_room(ctx, queue, principal, messages, (held, bytes), gave_up, reads).await
             })
         }
         Ok(mut done) if !done.unsynced.is_durable() => {
@@ -120,10 +120,12 @@ fn until_or_closed(timeout_ms: u32, mut closed: tokio::sync::watch::Receiver<()>
     }
 }
 
-/// `held`: the memory budget's bytes for `messages` while they wait (`bytes` of them).
+/// `held`: the memory budget's bytes for `messages` while they wait (`bytes` of them). Each
+/// attempt asks again whether `principal` may offer: a reload may have taken the right away.
 async fn offer_when_room(
     ctx: Arc<Ctx>,
     queue: Arc<Queue>,
+    principal: Option<petrel_broker::security::Principal>,
     mut messages: Vec<Message>,
     (held, bytes): (MemoryHold, u64),
     gave_up: impl Future<Output = ()>,
@@ -132,6 +134,7 @@ async fn offer_when_room(
     let broker = &ctx.broker;
     let mut held = Some(held);
     let attempt = |q: &Arc<Queue>| {
+        broker.authorize(principal.as_ref(), Kind::Queue, &q.name, &[Action::Offer])?;
         // Given back as the queue takes them: an in-memory queue counts them in the budget itself.
         held = None;
         match broker.offer_unsynced(q, &mut messages, now_ns()) {
@@ -164,7 +167,7 @@ pub(super) fn poll(
 ) -> Answer {
     let visibility = (visibility_ms > 0).then(|| Duration::from_millis(u64::from(visibility_ms)));
     let max = (max as usize).clamp(1, ctx.config.max_poll_messages);
-    let (conn, compress) = (session.conn, session.compress);
+    let (conn, compress, principal) = (session.conn, session.compress, session.principal().cloned());
     let Some(queue) = session.queue(ctx, &queue) else { return Answer::Now(error(ctx.broker.missing(&queue))) };
     match ctx.broker.poll_from(&queue, max, visibility, conn, now_ns()) {
         Ok(d) if d.is_empty() && timeout_ms > 0 => {
@@ -174,6 +177,8 @@ pub(super) fn poll(
             Answer::later(WaitsFor::Other, async move {
                 let broker = &ctx.broker;
                 let attempt = |q: &Arc<Queue>| {
+                    // Asked again: a reload may have taken the right away while it waited.
+                    broker.authorize(principal.as_ref(), Kind::Queue, &q.name, &[Action::Poll])?;
                     let taken = broker.poll_from(q, max, visibility, conn, now_ns())?;
                     Ok((!taken.is_empty()).then_some(taken))
                 };
