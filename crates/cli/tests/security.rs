@@ -660,6 +660,27 @@ async fn a_reload_refuses_a_poll_that_was_waiting_for_a_message() {
     assert_eq!(max.poll("q", TAKE).await.unwrap().len(), 1, "the message was not taken");
 }
 
+/// A users file others may read is served, with a warning to make it `0600`; once it is, no
+/// warning.
+#[test]
+fn a_users_file_others_may_read_is_warned_of() {
+    use std::os::unix::fs::PermissionsExt;
+    let setup = Setup::new("");
+    let users = setup.dir.path().join("users.toml");
+    let args = ["--config", setup.config.to_str().unwrap()];
+    let started = |mode: u32, log: &str| {
+        std::fs::set_permissions(&users, std::fs::Permissions::from_mode(mode)).unwrap();
+        let log = setup.dir.path().join(log);
+        let server = Server::start_logged(&setup.dir.path().join("data"), &args, &log);
+        drop(server);
+        std::fs::read_to_string(&log).unwrap()
+    };
+    let log = started(0o644, "open.log");
+    assert!(log.contains("chmod 600"), "{log}");
+    let log = started(0o600, "closed.log");
+    assert!(!log.contains("chmod 600"), "{log}");
+}
+
 /// A reload finds the users file a relative path names from the configuration file's
 /// directory, as the start does, not from the server's working directory (where it failed to
 /// find it, and the old users stayed).
@@ -1019,6 +1040,12 @@ async fn a_client_that_has_not_logged_in_holds_little_and_not_for_long() {
     let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
     mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     assert!(exchange(&mut mc, "set q 0 0 16777216\r\n").starts_with("CLIENT_ERROR authentication required"));
+    assert_eq!(mc.read_to_end(&mut rest).unwrap_or(0), 0, "closed");
+    // So does a `set` line that does not parse (a size past any limit, with noreply): refused
+    // as a request before a login, not skipped over until the handshake timeout.
+    let mut mc = std::net::TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(exchange(&mut mc, "set q 0 0 4000000000 noreply\r\n").starts_with("CLIENT_ERROR authentication required"));
     assert_eq!(mc.read_to_end(&mut rest).unwrap_or(0), 0, "closed");
     // A silent one, at the handshake timeout.
     let mut silent = std::net::TcpStream::connect(&server.memcache).unwrap();

@@ -231,6 +231,7 @@ impl SecurityConfig {
             return Ok(None);
         };
         let users = Users::load(path).map_err(|e| format!("security.users_file: {e}"))?;
+        warn_if_others_may_read(path);
         if users.is_empty() {
             return Err(format!("{}: no users (add one with `petrel user add`)", path.display()));
         }
@@ -768,5 +769,21 @@ max_itemz = 1
             let err = over(bad).unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");
         }
+    }
+}
+
+/// Warns (at start and at each reload) when others than the file's owner may read or write the
+/// users file: its hashes are open to offline guessing, its users to whoever may edit it
+/// (`petrel user` writes it `0600`).
+fn warn_if_others_may_read(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(
+            path = %path.display(),
+            mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            "the users file may be read or written by others than its owner: chmod 600 it"
+        );
     }
 }

@@ -131,6 +131,16 @@ pub(crate) async fn serve<S>(
                     s.input.taken();
                     flow
                 }
+                Err(_) if s.authenticated.is_none() && s.ctx.broker.auth_enabled() => {
+                    // Before a login, a line that does not parse is refused as any other
+                    // request is: nothing of it is counted, logged or read on (a `set` header
+                    // naming 4 GB would have been skipped until the handshake timeout).
+                    s.connection.request();
+                    s.line(
+                        "CLIENT_ERROR authentication required: first `set` any key with the data `<user> <password>`",
+                    );
+                    Flow::Close
+                }
                 Err(reject) => {
                     if reject.set {
                         let why = reject.reply.clone();
