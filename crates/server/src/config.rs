@@ -592,6 +592,22 @@ pub(crate) fn queue_over(lower: &QueueConfig, upper: &[u8]) -> Result<QueueConfi
     toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| e.to_string())
 }
 
+/// Warns (at start and at each reload) when others than the file's owner may read or write the
+/// users file: its hashes are open to offline guessing, its users to whoever may edit it
+/// (`petrel user` writes it `0600`).
+fn warn_if_others_may_read(path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(
+            path = %path.display(),
+            mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            "the users file may be read or written by others than its owner: chmod 600 it"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -769,21 +785,5 @@ max_itemz = 1
             let err = over(bad).unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");
         }
-    }
-}
-
-/// Warns (at start and at each reload) when others than the file's owner may read or write the
-/// users file: its hashes are open to offline guessing, its users to whoever may edit it
-/// (`petrel user` writes it `0600`).
-fn warn_if_others_may_read(path: &std::path::Path) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(path)
-        && meta.permissions().mode() & 0o077 != 0
-    {
-        tracing::warn!(
-            path = %path.display(),
-            mode = format!("{:o}", meta.permissions().mode() & 0o777),
-            "the users file may be read or written by others than its owner: chmod 600 it"
-        );
     }
 }
