@@ -681,6 +681,29 @@ fn a_users_file_others_may_read_is_warned_of() {
     assert!(!log.contains("chmod 600"), "{log}");
 }
 
+/// A subscription the server ended (its topic removed) holds no grant: a reload does not close
+/// its connection for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_a_connection_whose_subscription_the_server_ended() {
+    let setup = Setup::new("");
+    let server = setup.start();
+    let max = login(&server, "max").await.unwrap();
+    max.create_topic("news", false).await.unwrap();
+    let tom = login(&server, "tom").await.unwrap();
+    let mut sub = tom.subscribe("news", 0).await.unwrap();
+    max.remove_topic("news").await.unwrap();
+    assert!(matches!(sub.next().await, Some(Err(_)) | None), "ended by the server");
+    let deny = "[[security.acl]]\nkind = \"queue\"\nname = \"other\"\nuser = \"tom\"\naccess = \"deny\"\n";
+    setup.write_config(deny);
+    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    common::wait_until_async("the reload in force", || async {
+        tom.poll("other", TAKE).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tom.ping().await.unwrap();
+}
+
 /// A reload finds the users file a relative path names from the configuration file's
 /// directory, as the start does, not from the server's working directory (where it failed to
 /// find it, and the old users stayed).

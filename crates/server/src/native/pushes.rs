@@ -28,9 +28,18 @@ pub(super) struct Pushes {
 
 impl Pushes {
     /// Whether the connection holds something its rights granted once and that runs on: a
-    /// subscription, a group subscription, calls of served functions.
-    pub fn holds_grants(&self) -> bool {
-        !self.subscriptions.is_empty() || !self.groups.is_empty() || self.invocations.is_some()
+    /// subscription, a group subscription, calls of served functions. (Subscriptions the server
+    /// ended, and an invocation task left with no function served, hold nothing.)
+    pub fn holds_grants(&mut self) -> bool {
+        self.forget_ended();
+        !self.subscriptions.is_empty() || !self.groups.is_empty() || !self.served.is_empty()
+    }
+
+    /// Lets go of the subscriptions whose task ended (SLOW_CONSUMER, TOPIC_NOT_FOUND): they
+    /// push nothing more.
+    pub fn forget_ended(&mut self) {
+        self.subscriptions.retain(|_, task| !task.is_finished());
+        self.groups.retain(|_, (_, task)| !task.is_finished());
     }
 
     /// A gate for a new subscription's task: opened once the answers before it have gone to the
@@ -54,8 +63,8 @@ impl Pushes {
     }
 
     /// Nothing pushes to this connection: it may be closed for idleness.
-    pub fn is_empty(&self) -> bool {
-        self.subscriptions.is_empty() && self.groups.is_empty() && self.invocations.is_none()
+    pub fn is_empty(&mut self) -> bool {
+        !self.holds_grants()
     }
 
     pub fn stop(&mut self) {

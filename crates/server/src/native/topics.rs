@@ -104,8 +104,7 @@ pub(super) fn subscribe(
 /// Whether this connection may hold one more subscription (`max_subscriptions_per_connection`).
 fn room_for_a_subscription(ctx: &Ctx, pushes: &mut Pushes) -> Result<(), BrokerError> {
     // Those the server ended (a slow consumer, a removed topic) do not count.
-    pushes.subscriptions.retain(|_, task| !task.is_finished());
-    pushes.groups.retain(|_, (_, task)| !task.is_finished());
+    pushes.forget_ended();
     let (held, max) = (pushes.subscriptions.len() + pushes.groups.len(), ctx.config.max_subscriptions_per_connection);
     match held < max {
         true => Ok(()),
