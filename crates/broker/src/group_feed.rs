@@ -491,13 +491,14 @@ mod tests {
         let (_dir, broker) = topic_with(1);
         let topic = broker.topic("t").unwrap();
         let held = topic.group("g", Some(SeekTo::Oldest), 8).unwrap();
-        let gave_up = topic.group_when_free("g", None, 8, tokio::time::sleep(Duration::from_millis(20))).await;
+        let run = |open: crate::topic::OpenGroup| std::future::ready(open());
+        let gave_up = topic.group_when_free("g", None, 8, tokio::time::sleep(Duration::from_millis(20)), run).await;
         assert!(matches!(gave_up, Err(BrokerError::Held(_))), "still held when the wait ran out");
         let letting_go = tokio::spawn(async move {
             tokio::task::yield_now().await;
             drop(held);
         });
-        let taken = topic.group_when_free("g", None, 8, std::future::pending()).await;
+        let taken = topic.group_when_free("g", None, 8, std::future::pending(), run).await;
         assert!(taken.is_ok(), "taken once the other reader dropped it: {:?}", taken.err());
         letting_go.await.unwrap();
     }

@@ -71,7 +71,7 @@ pub use message::{Message, MessageKind, Status, answer_len_bound, id_of, offset_
 pub use petrel_log::SeekTo;
 pub use petrel_proto::{Delivery, GroupStats, QueueStats, TopicStats};
 pub use queue::{Leaving, MemoryBudget, MemoryHold, OpenRead, Polled, Queue, QueueCounters, TICK_RETRY_NS, TickAlarm};
-pub use topic::{Delivered, Ended, MAX_GROUPS_PER_TOPIC, Subscription, Topic};
+pub use topic::{Delivered, Ended, MAX_GROUPS_PER_TOPIC, OpenGroup, Subscription, Topic};
 pub use waiting::{WaitFor, Waited};
 
 use security::{Action, Kind, Principal, Security};

@@ -49,6 +49,9 @@ pub struct Topic {
     turn_passed: Condvar,
 }
 
+/// The opening of a consumer group, for `Topic::group_when_free`'s caller to run.
+pub type OpenGroup = Box<dyn FnOnce() -> Result<GroupReader, BrokerError> + Send>;
+
 /// A durable topic's publish's turn to hand its messages to the live subscribers: `wait` for it;
 /// dropped, it passes to the next (waited for first if it was not: a publish that failed, or
 /// panicked, between its append and its delivery must not hold up the ones after it).
@@ -409,20 +412,28 @@ impl Topic {
 
     /// `group`, waiting while a subscription that is ending still holds it, until `stop`
     /// finishes (then the group-in-use error). For a client that reconnects and subscribes again
-    /// before its old connection's subscription has let the group go.
-    pub async fn group_when_free(
-        &self,
+    /// before its old connection's subscription has let the group go. Each attempt opens the
+    /// group's cursor (files, perhaps a sync, an index for a seek by time): `blocking` runs it
+    /// where blocking is allowed (the server's blocking threads).
+    pub async fn group_when_free<B, F>(
+        self: &Arc<Self>,
         group: &str,
         from: Option<SeekTo>,
         max_pending: usize,
         stop: impl Future<Output = ()>,
-    ) -> Result<GroupReader, BrokerError> {
+        blocking: B,
+    ) -> Result<GroupReader, BrokerError>
+    where
+        B: Fn(OpenGroup) -> F,
+        F: Future<Output = Result<GroupReader, BrokerError>>,
+    {
         let mut stop = pin!(stop);
         loop {
             let mut released = pin!(self.released.notified());
             // Registered before the attempt: a reader let go after it still wakes us.
             released.as_mut().enable();
-            match self.group(group, from, max_pending) {
+            let (topic, name) = (Arc::clone(self), group.to_owned());
+            match blocking(Box::new(move || topic.group(&name, from, max_pending))).await {
                 Err(BrokerError::Storage(petrel_log::Error::GroupInUse(_))) => {}
                 other => return other,
             }

@@ -144,7 +144,8 @@ pub(super) async fn subscribe_group(
         StartFrom::Time(ns) => Some(SeekTo::Time(ns)),
     };
     let released_within = tokio::time::sleep(Duration::from_millis(ctx.config.group_release_wait_ms));
-    let reader = match t.group_when_free(&group, from, max_pending, released_within).await {
+    let blocking = |open: petrel_broker::OpenGroup| crate::blocking(open);
+    let reader = match t.group_when_free(&group, from, max_pending, released_within, blocking).await {
         Ok(reader) => reader,
         Err(e) => return error(e),
     };
