@@ -339,6 +339,12 @@ pub struct Broker {
     removed_polled: AtomicU64,
     /// Topics live in memory: at most once, gone with the server.
     topics: RwLock<HashMap<String, Arc<Topic>>>,
+    /// Held while a topic's directory is worked on: a durable topic made (its log opened), one
+    /// removed (its directory renamed away), the tick's retention of every topic. The registry's
+    /// lock is held for its map only, so that the publishes, subscribes and disconnects that
+    /// read it (on the server's runtime threads) never wait for the disk; and a topic made again
+    /// under a removed one's name never has the old one's directory, nor retention's hands on it.
+    topic_dirs: Mutex<()>,
     functions: function::Functions,
     /// Users and ACLs in force (replaced whole on reload); `None`: authentication is off.
     security: RwLock<Option<Arc<Security>>>,
@@ -625,6 +631,7 @@ impl Broker {
             removed_offered: AtomicU64::new(0),
             removed_polled: AtomicU64::new(0),
             topics: RwLock::new(HashMap::new()),
+            topic_dirs: Mutex::new(()),
             functions: function::Functions::new(on_call),
             security: RwLock::new(None),
             secured: AtomicBool::new(false),
@@ -1569,23 +1576,30 @@ impl Broker {
         if self.damaged_topics.contains(name) {
             return Err(self.missing_topic(name));
         }
-        let mut topics = self.topics.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = topics.get(name) {
-            return if t.is_durable() == durable {
-                Ok(Arc::clone(t))
-            } else {
-                Err(BrokerError::TopicExists(name.to_owned(), t.is_durable()))
-            };
-        }
-        // Each is a map entry, a status row and metric series, and a durable one a directory,
-        // a segment and a mapping: bounded, as queues are.
-        let limit = self.options.max_topics;
-        if limited && limit != 0 && topics.len() >= limit {
-            return Err(BrokerError::Limit(format!("the server has {} topics, its limit (max_topics)", topics.len())));
+        let _dirs = self.topic_dirs.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            let topics = self.topics.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(t) = topics.get(name) {
+                return if t.is_durable() == durable {
+                    Ok(Arc::clone(t))
+                } else {
+                    Err(BrokerError::TopicExists(name.to_owned(), t.is_durable()))
+                };
+            }
+            // Each is a map entry, a status row and metric series, and a durable one a
+            // directory, a segment and a mapping: bounded, as queues are. (Only a creation adds
+            // one, and creations take turns: still true once the log is open.)
+            let limit = self.options.max_topics;
+            if limited && limit != 0 && topics.len() >= limit {
+                return Err(BrokerError::Limit(format!(
+                    "the server has {} topics, its limit (max_topics)",
+                    topics.len()
+                )));
+            }
         }
         let log = if durable { Some(self.open_topic_log(name)?) } else { None };
         let topic = Arc::new(Topic::new(name.to_owned(), log));
-        topics.insert(name.to_owned(), Arc::clone(&topic));
+        self.topics.write().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned(), Arc::clone(&topic));
         Ok(topic)
     }
 
@@ -1641,6 +1655,7 @@ impl Broker {
 
     /// Removes a topic (and a durable topic's log); its subscriptions end.
     pub fn remove_topic(&self, name: &str) -> Result<(), BrokerError> {
+        let _dirs = self.topic_dirs.lock().unwrap_or_else(|e| e.into_inner());
         let topic = self.topics.write().unwrap_or_else(|e| e.into_inner()).remove(name);
         let topic = topic.ok_or_else(|| self.missing_topic(name))?;
         topic.end_subscriptions(Ended::TopicRemoved(format!("topic {name} was removed")));
@@ -1827,10 +1842,12 @@ impl Broker {
         let last = self.topics_given_back_at.load(Ordering::Relaxed);
         if now_ns >= last.saturating_add(TOPIC_GIVE_BACK_EVERY_NS) {
             self.topics_given_back_at.store(now_ns, Ordering::Relaxed);
-            // Under the registry's lock, which a removal takes before it renames the topic's
-            // directory away: a topic made again under the name is never worked on as the old.
-            let topics = self.topics.read().unwrap_or_else(|e| e.into_inner());
-            for topic in topics.values() {
+            // Holding the topics' directories, which a removal holds until it has renamed the
+            // topic's away: a topic made again under the name is never worked on as the old.
+            let _dirs = self.topic_dirs.lock().unwrap_or_else(|e| e.into_inner());
+            let topics: Vec<Arc<Topic>> =
+                self.topics.read().unwrap_or_else(|e| e.into_inner()).values().cloned().collect();
+            for topic in &topics {
                 match topic.log.as_ref().map(|log| log.give_back()) {
                     Some(Ok(report)) => {
                         self.given_back.fetch_add(report.bytes_removed, Ordering::Relaxed);
