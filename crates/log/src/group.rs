@@ -378,6 +378,14 @@ impl CursorFile {
 #[derive(Clone)]
 pub struct Appends(Arc<LogState>);
 
+/// When a wait of `timeout` from now ends; a timeout too large for the clock (`Duration::MAX`:
+/// "no limit") waits about a century.
+fn deadline_after(timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(timeout).or_else(|| now.checked_add(CENTURY)).unwrap_or(now)
+}
+
 impl Appends {
     /// The log's end now: what `wait_past` waits beyond. Read it before looking for records,
     /// so that one appended in between ends the wait.
@@ -388,7 +396,7 @@ impl Appends {
     /// Waits up to `timeout` for a record at `end` or after; whether one came (or the log can
     /// take no more: a failed sync).
     pub fn wait_past(&self, end: u64, timeout: Duration) -> bool {
-        self.0.wait_for_append(end, Instant::now() + timeout)
+        self.0.wait_for_append(end, deadline_after(timeout))
     }
 }
 
@@ -606,16 +614,23 @@ impl ConsumerGroup {
     pub fn poll_before(&mut self, max: usize, max_bytes: usize, timeout: Duration, end: u64) -> Result<Batch<'_>> {
         self.shared.check_poison()?;
         self.catch_up_with_retention()?;
-        while let Some(offset) = self.redeliver.pop_first() {
+        if max == 0 {
+            return Ok(Batch::default());
+        }
+        // (Taken out of `redeliver` once read: a read that fails leaves it to be delivered again.)
+        while let Some(&offset) = self.redeliver.first().filter(|&&o| o < end) {
             self.redelivery.seek(offset);
             if self.redelivery.next_readable()? == Some(offset) {
-                return self.redelivery.read_batch(1);
+                let batch = self.redelivery.read_batch(1)?;
+                self.redeliver.remove(&offset);
+                return Ok(batch);
             }
+            self.redeliver.remove(&offset);
             // Retention removed it since the catch-up above (held records are the oldest):
             // caught up with again, the next one.
             self.catch_up_with_retention()?;
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         loop {
             self.pass_acknowledged();
             if self.pending() >= self.options.max_pending {
@@ -626,7 +641,10 @@ impl ConsumerGroup {
             if span >= self.options.max_pending {
                 return Err(Error::TooManyPending { group: self.name.clone(), max: self.options.max_pending });
             }
-            let mut allowed = max.min(self.options.max_pending - span) as u64;
+            // Held records are pending too, outside the window: `pending()` is below
+            // `max_pending` (checked above, and holding does not change it).
+            let mut allowed =
+                max.min(self.options.max_pending - span).min(self.options.max_pending - self.pending()) as u64;
             if let Some(&s) = self.skip.first() {
                 allowed = allowed.min(s - self.next);
             }
@@ -679,7 +697,7 @@ impl ConsumerGroup {
             }
             return Ok(self.redelivery.read_batch(1)?.into_iter().next().filter(|r| r.offset == offset));
         }
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         while self.shared.next_offset() <= self.next {
             if !self.shared.wait_for_append(self.next, deadline) {
                 return Ok(None);
@@ -716,6 +734,8 @@ impl ConsumerGroup {
     /// The record `take` would return now, without taking it (and without waiting).
     pub fn peek(&mut self) -> Result<Option<Record<'_>>> {
         self.shared.check_poison()?;
+        // (Past what retention removed: else the head it took would hide the rest for good.)
+        self.catch_up_with_retention()?;
         self.pass_acknowledged();
         let offset = self.redeliver.first().copied().unwrap_or(self.next);
         self.redelivery.seek(offset);
@@ -809,6 +829,9 @@ impl ConsumerGroup {
             return self.persist();
         }
         if offset >= self.next {
+            if self.skip.contains(&offset) {
+                return Ok(()); // acknowledged already (before a restart, or an `unpoll`)
+            }
             return Err(Error::NotDelivered { group: self.name.clone(), offset });
         }
         let i = (offset - self.committed) as usize;

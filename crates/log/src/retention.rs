@@ -32,9 +32,9 @@ pub struct RetentionReport {
 }
 
 /// The offset every consumer group has acknowledged everything below; `None` without a group
-/// whose position is known. A group whose position is not known yet (being opened, or one that
-/// failed to open) holds nothing back, and does not count as having consumed everything either:
-/// alone, it leaves the log as a log without groups is left.
+/// whose position is known. (A group being opened stands at the log's first offset meanwhile,
+/// `ConsumerGroup::open`, so it holds everything back; `u64::MAX`, a position not known, is
+/// passed over.)
 pub(crate) fn min_committed(groups: &std::collections::BTreeMap<String, Arc<crate::group::GroupEntry>>) -> Option<u64> {
     let committed = groups.values().map(|g| g.committed.load(Ordering::Acquire));
     committed.filter(|&c| c != u64::MAX).min()

@@ -167,6 +167,7 @@ proptest! {
                     prop_assert!(got.len() <= max);
                     prop_assert!(m.next - m.base() <= MAX_PENDING as u64, "the window holds what was delivered");
                     prop_assert_eq!(group.pending(), m.pending_count());
+                    prop_assert!(m.pending_count() <= MAX_PENDING, "held ones count toward max_pending");
                 }
                 Op::Ack(i) => {
                     if !m.pending.is_empty() {

@@ -543,3 +543,71 @@ fn max_groups_lets_exactly_one_of_many_openers_take_the_last_place() {
     assert_eq!(log.groups().len(), 4);
     drop(log.group("g1", opts).expect("a group that exists opens at the limit"));
 }
+
+/// Records held (out long) count toward `max_pending` with those in the window: a poll never
+/// lets more out than `max_pending` in all.
+#[test]
+fn held_records_count_toward_max_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 10);
+    let mut g = log.group("g", GroupOptions { max_pending: 2, ..GroupOptions::default() }).unwrap();
+    assert_eq!(offsets(g.poll(2, NOW).unwrap()), [0, 1]);
+    g.ack(1).unwrap();
+    // 0 is held as the window moves on; one more may go out, not two.
+    assert_eq!(offsets(g.poll(10, NOW).unwrap()), [2]);
+    assert_eq!(g.pending(), 2);
+    assert!(matches!(g.poll(10, NOW), Err(Error::TooManyPending { .. })));
+}
+
+/// A timeout of `Duration::MAX` means "no limit", not a panic; a poll of none and one before an
+/// end at or below a record to be delivered again hand out nothing.
+#[test]
+fn odd_but_legal_poll_arguments_are_taken_as_meant() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = log_with(dir.path(), 3);
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    assert_eq!(offsets(g.poll(1, Duration::MAX).unwrap()), [0]);
+    g.nack(0).unwrap();
+    assert!(g.poll(0, NOW).unwrap().is_empty(), "none asked for");
+    assert!(g.poll_before(5, usize::MAX, NOW, 0).unwrap().is_empty(), "0 is not before 0");
+    assert_eq!(offsets(g.poll_before(5, usize::MAX, NOW, 1).unwrap()), [0], "delivered again");
+    assert_eq!(offsets(g.poll_before(5, usize::MAX, NOW, 2).unwrap()), [1]);
+    let mut taker = log.group("t", GroupOptions::default()).unwrap();
+    assert_eq!(taker.take(Duration::MAX).unwrap().map(|r| r.offset), Some(0));
+}
+
+/// An acknowledgement made again after a restart, of a record acknowledged above the group's
+/// position, is a no-op, as any acknowledgement made twice.
+#[test]
+fn an_acknowledgement_made_again_after_a_restart_is_a_no_op() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let log = log_with(dir.path(), 10);
+        let mut g = log.group("g", GroupOptions::default()).unwrap();
+        assert_eq!(offsets(g.poll(6, NOW).unwrap()), [0, 1, 2, 3, 4, 5]);
+        g.ack(5).unwrap();
+    }
+    let log = log_with(dir.path(), 10);
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    g.ack(5).unwrap();
+    assert!(matches!(g.ack(7), Err(Error::NotDelivered { .. })), "one never delivered still is refused");
+}
+
+/// `peek` finds the head past records a cap removed, as `poll` and `take` do: it found nothing
+/// for good once the head's segment was gone.
+#[test]
+fn peek_looks_past_what_a_cap_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let cap = petrel_log::Retention { max_bytes: Some(2 * MIN_SEGMENT_BYTES), ..Default::default() };
+    let options = Options { segment_bytes: MIN_SEGMENT_BYTES, retention: cap, ..Options::default() };
+    let mut log = Log::open(dir.path(), options).unwrap();
+    let mut g = log.group("g", GroupOptions::default()).unwrap();
+    let record = [7u8; 200];
+    for _ in 0..2_000 {
+        log.append(&record).unwrap();
+    }
+    log.apply_retention().unwrap();
+    let first = log.first_offset();
+    assert!(first > 0, "the cap removed the oldest segments");
+    assert_eq!(g.peek().unwrap().map(|r| r.offset), Some(first));
+}
