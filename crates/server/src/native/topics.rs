@@ -153,7 +153,9 @@ pub(super) async fn subscribe_group(
     let subscription = ctx.broker.next_id();
     let answered = pushes.after_answers();
     let push = PushFrame::of(ctx);
-    let task = tokio::spawn(deliver_group(subscription, feed, answered, outbox.clone(), session.compress, push));
+    let broker = Arc::clone(&ctx.broker);
+    let task =
+        tokio::spawn(deliver_group(subscription, feed, broker, answered, outbox.clone(), session.compress, push));
     pushes.groups.insert(subscription, (acks, task));
     Response::Subscribed { subscription }
 }
@@ -311,9 +313,11 @@ async fn send_end(id: u64, status: Status, reason: String, outbox: &Outbox) {
 /// Delivers what a group feed hands out as DELIVER pushes. An async task, not a thread: the
 /// feed's waits are in memory, and each step (a read of the log, acknowledgements written to
 /// the group's cursor) runs as a short blocking call, so idle group subscribers hold no thread.
+/// What a step read (copied out of the log) counts in the memory budget until it is sent on.
 async fn deliver_group(
     id: u64,
     mut feed: GroupFeed,
+    broker: Arc<petrel_broker::Broker>,
     answered: oneshot::Receiver<()>,
     outbox: Outbox,
     compress: Option<usize>,
@@ -337,6 +341,7 @@ async fn deliver_group(
         };
         match step {
             Ok(Some(messages)) => {
+                let _held = broker.hold_memory_anyway(messages.iter().map(|m| m.size()).sum());
                 if !send_group_messages(id, messages, &outbox, compress, push).await {
                     return;
                 }
