@@ -577,6 +577,21 @@ impl Lane {
         let visible_end = self.visible_end;
         Ok(self.group.peek()?.filter(|r| r.offset < visible_end && message::control(r).is_none()))
     }
+
+    /// Whether `head` would find a message: without reading it when no marker is unread, as
+    /// every unacknowledged record is then a message (a poll asks each level, each take).
+    fn has_head(&mut self) -> Result<bool, BrokerError> {
+        if self.markers_unread > 0 {
+            return Ok(self.head()?.is_some());
+        }
+        let found = self.group.head_offset()?.is_some_and(|offset| offset < self.visible_end);
+        #[cfg(debug_assertions)]
+        {
+            let read = self.head()?.is_some();
+            debug_assert_eq!(found, read, "the head found by its offset is the one read");
+        }
+        Ok(found)
+    }
 }
 
 /// The messages taken tentatively, by handle, and how many of them are released delayed messages
@@ -2127,7 +2142,7 @@ impl Inner {
         }
         Ok(match &mut self.store {
             Store::Memory { levels, .. } => !levels[level].is_empty(),
-            Store::Log { lanes, .. } => lanes[level].head()?.is_some(),
+            Store::Log { lanes, .. } => lanes[level].has_head()?,
         })
     }
 

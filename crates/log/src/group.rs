@@ -742,6 +742,18 @@ impl ConsumerGroup {
         Ok(self.redelivery.read_batch(1)?.into_iter().next().filter(|r| r.offset == offset))
     }
 
+    /// The offset of the record `peek` would return now (`None`: none yet), without reading it:
+    /// for a caller that only asks whether there is one.
+    pub fn head_offset(&mut self) -> Result<Option<u64>> {
+        self.shared.check_poison()?;
+        self.catch_up_with_retention()?;
+        self.pass_acknowledged();
+        Ok(match self.redeliver.first() {
+            Some(&offset) => Some(offset),
+            None => (self.next < self.shared.next_offset()).then_some(self.next),
+        })
+    }
+
     /// While the window of delivered records (`committed..next`) is full and its oldest record
     /// is still unacknowledged, moves the window over it and names it among the held records,
     /// `MAX_HELD` at most: a record one consumer holds long (an open read, a slow job) does not
