@@ -195,7 +195,7 @@ pub struct AsyncSubscriptionCore {
 struct Receiving {
     message: Option<petrel_client::Message>,
     kept: Arc<Mutex<VecDeque<petrel_client::Message>>>,
-    _stream: tokio::sync::OwnedMutexGuard<Option<petrel_client::Subscription>>,
+    stream: Option<tokio::sync::OwnedMutexGuard<Option<petrel_client::Subscription>>>,
 }
 
 impl Drop for Receiving {
@@ -203,6 +203,11 @@ impl Drop for Receiving {
         if let Some(m) = self.message.take() {
             self.kept.lock().unwrap_or_else(|e| e.into_inner()).push_front(m);
         }
+        // On the runtime (this may run on the event loop's thread): if the subscription's core
+        // was dropped meanwhile, this guard holds the stream's last reference, and the
+        // subscription it drops unsubscribes only from within a runtime.
+        let _entered = runtime().enter();
+        drop(self.stream.take());
     }
 }
 
@@ -231,7 +236,7 @@ impl AsyncSubscriptionCore {
         type Stream = tokio::sync::OwnedMutexGuard<Option<petrel_client::Subscription>>;
         let deliver =
             move |m: petrel_client::Message, kept: Arc<Mutex<VecDeque<petrel_client::Message>>>, stream: Stream| {
-                let mut receiving = Receiving { message: Some(m), kept, _stream: stream };
+                let mut receiving = Receiving { message: Some(m), kept, stream: Some(stream) };
                 outcome_with(move |py| {
                     let m = receiving.message.take().expect("converted once");
                     Message::new(py, 0, m).into_py_any(py)
@@ -285,7 +290,8 @@ impl AsyncSubscriptionCore {
 
 impl Drop for AsyncSubscriptionCore {
     fn drop(&mut self) {
-        // A `next` still pending holds the stream and drops it on the runtime when it ends.
+        // A `next` still pending, or its outcome not yet taken (`Receiving`), holds the stream
+        // and drops it on the runtime when it ends.
         if let Ok(mut stream) = self.stream.try_lock()
             && let Some(sub) = stream.take()
         {

@@ -856,6 +856,7 @@ impl Broker {
     /// Repairs the log of damaged durable topic `name` in place (as `repair_damaged` does a
     /// queue's) and serves it again.
     pub fn repair_damaged_topic(&self, name: &str) -> Result<petrel_log::verify::RepairReport, BrokerError> {
+        let dirs = self.topic_dirs.lock().unwrap_or_else(|e| e.into_inner());
         if !self.damaged_topics.contains(name) {
             return Err(match self.topic(name) {
                 Some(_) => BrokerError::BadRequest(format!(
@@ -866,6 +867,7 @@ impl Broker {
             });
         }
         let report = petrel_log::verify::repair(self.dir.join("topics").join(name))?;
+        drop(dirs); // (the reopen takes it)
         tracing::warn!(topic = %shown(name), records_removed = report.records_removed, "repaired a damaged topic's log");
         self.reopen_topic(name)?;
         Ok(report)
@@ -1576,15 +1578,22 @@ impl Broker {
         if self.damaged_topics.contains(name) {
             return Err(self.missing_topic(name));
         }
+        let existing = |topics: &HashMap<String, Arc<Topic>>| {
+            topics.get(name).map(|t| match t.is_durable() == durable {
+                true => Ok(Arc::clone(t)),
+                false => Err(BrokerError::TopicExists(name.to_owned(), t.is_durable())),
+            })
+        };
+        // (One that exists is found without waiting for the directories' lock: the tick's
+        // retention may hold it a while.)
+        if let Some(found) = existing(&self.topics.read().unwrap_or_else(|e| e.into_inner())) {
+            return found;
+        }
         let _dirs = self.topic_dirs.lock().unwrap_or_else(|e| e.into_inner());
         {
             let topics = self.topics.read().unwrap_or_else(|e| e.into_inner());
-            if let Some(t) = topics.get(name) {
-                return if t.is_durable() == durable {
-                    Ok(Arc::clone(t))
-                } else {
-                    Err(BrokerError::TopicExists(name.to_owned(), t.is_durable()))
-                };
+            if let Some(found) = existing(&topics) {
+                return found;
             }
             // Each is a map entry, a status row and metric series, and a durable one a
             // directory, a segment and a mapping: bounded, as queues are. (Only a creation adds
@@ -1973,16 +1982,17 @@ impl Broker {
         if user.role == security::Role::Admin {
             return Ok(());
         }
-        // Its owner (or a function's replier) may use a temporary queue, unless an entry for
-        // its very name denies it, or, for a fanout child, its parent refuses the poll: a reload
-        // can take either away after the queue was made.
+        // Its owner (or a function's replier) may use a temporary queue whatever the entries
+        // grant, unless one denies it, or, for a fanout child, its parent refuses the poll: a
+        // reload can take either away after the queue was made. Its owner may always remove it.
         if kind == Kind::Queue
             && let Some(q) = self.queue(name)
             && q.owner.is_some()
             && (q.owner == Some(who.conn) || (actions.contains(&Action::Offer) && q.is_replier(who.conn)))
             && actions.iter().any(|&a| {
-                security.acl.by_entries(&who.user, kind, name, a) != Some(false)
-                    && security.acl.parent_allows(&who.user, kind, name, a)
+                a == Action::Manage
+                    || !security.acl.denies(&who.user, kind, name)
+                        && security.acl.parent_allows(&who.user, kind, name, a)
             })
         {
             return Ok(());

@@ -578,10 +578,11 @@ impl Lane {
         Ok(self.group.peek()?.filter(|r| r.offset < visible_end && message::control(r).is_none()))
     }
 
-    /// Whether `head` would find a message: without reading it when no marker is unread, as
-    /// every unacknowledged record is then a message (a poll asks each level, each take).
+    /// Whether `head` would find a message: without reading it when no marker is unread and no
+    /// record waits to be delivered again, as the next record is then a message (a poll asks
+    /// each level, each take).
     fn has_head(&mut self) -> Result<bool, BrokerError> {
-        if self.markers_unread > 0 {
+        if self.markers_unread > 0 || self.group.redeliveries() > 0 {
             return Ok(self.head()?.is_some());
         }
         let found = self.group.head_offset()?.is_some_and(|offset| offset < self.visible_end);

@@ -61,9 +61,18 @@ impl Broker {
                     let mut counted = None;
                     loop {
                         ticket.arm();
-                        if let Some(ready) = attempt(&queue)? {
-                            ticket.took();
-                            return Ok(Waited::Ready(ready));
+                        match attempt(&queue) {
+                            Ok(Some(ready)) => {
+                                ticket.took();
+                                return Ok(Waited::Ready(ready));
+                            }
+                            Ok(None) => {}
+                            // (The change it was woken for, if it was, goes to the next in line:
+                            // an attempt refused, say its right taken away, took nothing.)
+                            Err(e) => {
+                                ticket.took();
+                                return Err(e);
+                            }
                         }
                         if what == WaitFor::Messages && counted.is_none() {
                             counted = Some(queue.waiting());
@@ -151,6 +160,43 @@ mod tests {
         }
         offering.await.unwrap();
         assert_eq!(broker.queue("q").unwrap().counters().waiters, 0, "the waiter is no longer counted");
+    }
+
+    /// A waiter woken first whose attempt fails (its right to poll taken away, say) takes
+    /// nothing: the next in line is woken for the message, not left to its timeout.
+    #[tokio::test]
+    async fn a_waiter_whose_attempt_fails_passes_its_wake_up_on() {
+        let (_dir, broker) = broker();
+        let q = broker.queue("q").unwrap();
+        let (first, second) = (Arc::clone(&broker), Arc::clone(&broker));
+        let refused = tokio::spawn(async move {
+            let mut looked = false;
+            let attempt = move |_: &Arc<Queue>| match std::mem::replace(&mut looked, true) {
+                false => Ok(None::<()>),
+                true => Err(BrokerError::Forbidden("no longer allowed".into())),
+            };
+            first
+                .wait_on_queue(first.queue("q").unwrap(), WaitFor::Messages, attempt, std::future::pending::<()>())
+                .await
+        });
+        while q.counters().waiters < 1 {
+            tokio::task::yield_now().await;
+        }
+        let taker = tokio::spawn(async move {
+            let waited = second.wait_on_queue(
+                second.queue("q").unwrap(),
+                WaitFor::Messages,
+                take_one(&second),
+                tokio::time::sleep(Duration::from_secs(5)),
+            );
+            waited.await.map(|w| matches!(w, Waited::Ready(_)))
+        });
+        while q.counters().waiters < 2 {
+            tokio::task::yield_now().await;
+        }
+        broker.offer("q", vec![Message::new(&b"m"[..])], 0).unwrap();
+        assert!(matches!(refused.await.unwrap(), Err(BrokerError::Forbidden(_))));
+        assert!(taker.await.unwrap().unwrap(), "the next in line took the message at once");
     }
 
     #[tokio::test]

@@ -704,6 +704,22 @@ async fn a_reload_keeps_a_connection_whose_subscription_the_server_ended() {
     tom.ping().await.unwrap();
 }
 
+/// Under default-deny, an entry that gives a user every queue (`*`) lets him make, use and
+/// remove his own temporary queue: an entry that grants no right to remove does not take his
+/// own queue's away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_removes_its_temporary_queue_whatever_the_entries_grant() {
+    let setup = Setup::new(
+        "default_queue = \"deny\"\n[[security.acl]]\nkind = \"queue\"\nname = \"*\"\nuser = \"tom\"\naccess = \"offer-poll\"\n",
+    );
+    let server = setup.start();
+    let tom = login(&server, "tom").await.unwrap();
+    tom.create_queue("tmp.x", QueueConfig { temporary: true, ..QueueConfig::default() }).await.unwrap();
+    tom.offer("tmp.x", vec![msg("m")], None).await.unwrap();
+    assert_eq!(tom.poll("tmp.x", TAKE).await.unwrap().len(), 1);
+    tom.remove_queue("tmp.x").await.unwrap();
+}
+
 /// A reload finds the users file a relative path names from the configuration file's
 /// directory, as the start does, not from the server's working directory (where it failed to
 /// find it, and the old users stayed).

@@ -180,11 +180,16 @@ pub(crate) async fn verify_password(
         return Err(RATE_LIMITED.into());
     }
     let (name, known) = (user.to_owned(), security.users.get(user).is_some());
-    // (A turn: the semaphore is never closed.)
-    let turn = ctx.password_checks.acquire().await.map_err(|_| "the server is stopping".to_string())?;
+    // A turn (the semaphore is never closed), held by the check itself: a request dropped
+    // meanwhile (an HTTP client gone) does not give it back while the hash still runs.
+    let turn =
+        Arc::clone(&ctx.password_checks).acquire_owned().await.map_err(|_| "the server is stopping".to_string())?;
     let checked = Arc::clone(&security);
-    let verified = tokio::task::spawn_blocking(move || checked.users.verify(&name, &password)).await;
-    drop(turn);
+    let verified = tokio::task::spawn_blocking(move || {
+        let _turn = turn;
+        checked.users.verify(&name, &password)
+    })
+    .await;
     // A reload during the check that changed the user's password (or removed the user) makes
     // it void: the old password must not log in once the new one is in place.
     let now = ctx.broker.security();

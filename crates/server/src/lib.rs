@@ -66,7 +66,7 @@ pub(crate) struct Ctx {
     /// Password checks running at once (`auth::MAX_PASSWORD_CHECKS`): each takes ~19 MiB and
     /// tens of ms of a core, so many clients logging in at once wait for a turn rather than take
     /// the memory and the blocking threads (which durable publishes and group reads need too).
-    pub password_checks: tokio::sync::Semaphore,
+    pub password_checks: Arc<tokio::sync::Semaphore>,
     /// Authenticated connections per user.
     pub user_connections: std::sync::Mutex<std::collections::HashMap<String, usize>>,
     /// Open TCP connections per client address, for `max_connections_per_address`.
@@ -290,7 +290,7 @@ impl Server {
             shutdown: Notify::new(),
             tls: std::sync::RwLock::new(tls),
             auth_attempts: auth::AttemptLimiter::new(),
-            password_checks: tokio::sync::Semaphore::new(auth::max_password_checks()),
+            password_checks: Arc::new(tokio::sync::Semaphore::new(auth::max_password_checks())),
             user_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
             address_connections: std::sync::Mutex::new(std::collections::HashMap::new()),
             connections: connections::Registry::default(),

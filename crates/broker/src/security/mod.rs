@@ -269,6 +269,11 @@ impl Acl {
             .any(|e| e.kind == kind && e.name == name && (e.user == "*" || e.user == user) && e.access.allows(action))
     }
 
+    /// Whether an entry matching `user`, `kind` and `name` denies it everything.
+    pub fn denies(&self, user: &str, kind: Kind, name: &str) -> bool {
+        self.entries.iter().any(|e| e.access == Access::Deny && e.matches(user, kind, name))
+    }
+
     /// What the entries matching `user`, `kind` and `name` decide for `action` (a deny among
     /// them wins); `None` when none matches (the kind's default decides).
     pub fn by_entries(&self, user: &str, kind: Kind, name: &str, action: Action) -> Option<bool> {
