@@ -186,16 +186,28 @@ pub(super) async fn server(State(ctx): Ctxt, Caller(who): Caller) -> Response {
     .into_response()
 }
 
+/// A listing takes each destination's lock in turn (a queue may hold its own across a sync):
+/// built on a blocking thread, not the runtime's.
+async fn listed(build: impl FnOnce() -> Value + Send + 'static) -> Response {
+    match tokio::task::spawn_blocking(build).await {
+        Ok(list) => Json(list).into_response(),
+        Err(e) => refusal(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
 pub(super) async fn queues(State(ctx): Ctxt, Caller(who): Caller) -> Response {
-    let list: Vec<Value> = ctx
-        .broker
-        .queue_names()
-        .iter()
-        .filter(|n| may(&ctx, who.as_ref(), Kind::Queue, n, ANY_QUEUE_RIGHT))
-        .filter_map(|n| ctx.broker.queue(n))
-        .map(|q| queue_json(&q))
-        .collect();
-    Json(json!({ "queues": list })).into_response()
+    listed(move || {
+        let list: Vec<Value> = ctx
+            .broker
+            .queue_names()
+            .iter()
+            .filter(|n| may(&ctx, who.as_ref(), Kind::Queue, n, ANY_QUEUE_RIGHT))
+            .filter_map(|n| ctx.broker.queue(n))
+            .map(|q| queue_json(&q))
+            .collect();
+        json!({ "queues": list })
+    })
+    .await
 }
 
 pub(super) async fn queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
@@ -396,14 +408,17 @@ pub(super) async fn return_read(
 }
 
 pub(super) async fn topics(State(ctx): Ctxt, Caller(who): Caller) -> Response {
-    let list: Vec<Value> = ctx
-        .broker
-        .topic_names()
-        .iter()
-        .filter(|n| may(&ctx, who.as_ref(), Kind::Topic, n, ANY_TOPIC_RIGHT))
-        .filter_map(|n| Some(topic_json(n, ctx.broker.topic(n)?.as_ref())))
-        .collect();
-    Json(json!({ "topics": list })).into_response()
+    listed(move || {
+        let list: Vec<Value> = ctx
+            .broker
+            .topic_names()
+            .iter()
+            .filter(|n| may(&ctx, who.as_ref(), Kind::Topic, n, ANY_TOPIC_RIGHT))
+            .filter_map(|n| Some(topic_json(n, ctx.broker.topic(n)?.as_ref())))
+            .collect();
+        json!({ "topics": list })
+    })
+    .await
 }
 
 pub(super) async fn topic(State(ctx): Ctxt, Caller(who): Caller, Path(name): Path<String>) -> Response {
