@@ -230,6 +230,11 @@ fn check_password(password: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The costliest hash parameters a users file may hold (`petrel user` writes m=19456, t=2, p=1).
+const MAX_HASH_MEMORY_KIB: u32 = 256 * 1024;
+const MAX_HASH_PASSES: u32 = 16;
+const MAX_HASH_LANES: u32 = 16;
+
 /// Refuses what `verify` could not check: anything but Argon2id with usable parameters, salt and output.
 fn check_hash(hash: &str) -> Result<(), String> {
     let bad = |why: String| format!("hash is not an Argon2id PHC string ($argon2id$v=19$m=…,t=…,p=…$SALT$HASH): {why}");
@@ -237,7 +242,17 @@ fn check_hash(hash: &str) -> Result<(), String> {
     if parsed.algorithm.as_str() != ARGON2ID_IDENT.as_str() {
         return Err(bad(format!("algorithm {}", parsed.algorithm)));
     }
-    Params::try_from(&parsed).map_err(|e| bad(e.to_string()))?;
+    let params = Params::try_from(&parsed).map_err(|e| bad(e.to_string()))?;
+    // Each login attempt against the user costs what the hash asks for: a hand-made one of
+    // gigabytes would let any client exhaust the server's memory.
+    if params.m_cost() > MAX_HASH_MEMORY_KIB || params.t_cost() > MAX_HASH_PASSES || params.p_cost() > MAX_HASH_LANES {
+        return Err(format!(
+            "hash parameters m={},t={},p={} exceed what the server checks (m ≤ {MAX_HASH_MEMORY_KIB} KiB, t ≤ {MAX_HASH_PASSES}, p ≤ {MAX_HASH_LANES}): set the password again with `petrel user passwd`",
+            params.m_cost(),
+            params.t_cost(),
+            params.p_cost()
+        ));
+    }
     if parsed.salt.is_none() || parsed.hash.is_none() {
         return Err(bad("no salt or no hash".into()));
     }
@@ -454,6 +469,10 @@ mod tests {
             (
                 "[[user]]\nname = \"max\"\nrole = \"admin\"\nhash = \"$argon2i$v=19$m=19456,t=2,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA\"\n",
                 "not an Argon2id",
+            ),
+            (
+                "[[user]]\nname = \"max\"\nrole = \"admin\"\nhash = \"$argon2id$v=19$m=4194304,t=2,p=1$c2FsdHNhbHQ$aGFzaGhhc2hoYXNoaGFzaA\"\n",
+                "exceed what the server checks",
             ),
             (&format!("[[user]]\nname = \"a b\"\nrole = \"user\"\nhash = \"{hash}\"\n"), "bad user name"),
             (&format!("[[user]]\nname = \"max\"\nrole = \"user\"\nhash = \"{hash}\"\n").repeat(2), "more than once"),
