@@ -379,6 +379,26 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
     let cut_base = segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())
         .expect("problems name segment files");
     let cut_offset = first.offset.expect("frame problems name the expected record");
+    if first.position == SEGMENT_HEADER_LEN as u64 && cut_base != cut_offset {
+        // Records missing before this segment (or it starts inside the one before): its records
+        // cannot follow the ones before it, so it goes with every later one, and the segment
+        // before ends the log. (Kept empty under its name, the gap stayed: no record could be
+        // read past it, and the next append took the segment's base, not the log's end.)
+        out.cut_at = Some((first.file.clone(), 0));
+        let mut from: Vec<u64> = bases.iter().copied().filter(|&b| b >= cut_base).collect();
+        from.sort_unstable();
+        for &base in from.iter().rev() {
+            let path = dir.join(segment::file_name(base));
+            fs::remove_file(&path).map_err(io_err("remove segment", &path))?;
+            crate::index::remove(dir, base);
+            out.segments_removed += 1;
+        }
+        segment::sync_dir(dir)?;
+        let after = verify(dir, |_, _| {})?;
+        out.records_removed = (before.records + out.records_replaced.len() as u64).saturating_sub(after.records);
+        out.next_offset = after.next_offset;
+        return Ok(out);
+    }
     // In the order that leaves, wherever a crash stops it, a log a second repair finishes and
     // open never reads wrongly: the kept batch's end marked first (zeroing first would leave an
     // intact batch that continues into zeros, cut as a torn tail), the later segments removed

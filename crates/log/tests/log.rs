@@ -1463,3 +1463,35 @@ fn reopening_under_a_syncing_policy_syncs_what_the_last_session_left_unsynced() 
         syncs.load(Ordering::Relaxed)
     );
 }
+
+/// A segment missing in the middle (its records gone): verify names the gap; repair deletes the
+/// segments after it, which cannot follow the ones before, and the log then reads and appends on
+/// from the end of those. (It kept the first of them empty under its name: the gap stayed, no
+/// record could be read past it, and the next append took that segment's base.)
+#[test]
+fn a_gap_between_segments_is_repaired_by_ending_the_log_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    for i in 0..2000u64 {
+        log.append(&payload(i)).unwrap();
+    }
+    drop(log);
+    let segs = segments(dir.path());
+    assert!(segs.len() >= 4, "{segs:?}");
+    fs::remove_file(&segs[1]).unwrap();
+    let report = verify::verify(dir.path(), |_, _| {}).unwrap();
+    let gap = report.problems.iter().find(|p| p.kind == ProblemKind::Corrupt).expect("the gap is reported");
+    assert_eq!(gap.file, segs[2], "{gap:?}");
+    let base = |p: &Path| p.file_name().unwrap().to_string_lossy().split('.').next().unwrap().parse::<u64>().unwrap();
+    let end = base(&segs[1]);
+    let repaired = verify::repair(dir.path()).unwrap();
+    assert_eq!(repaired.next_offset, end);
+    assert_eq!(repaired.segments_removed, segs.len() - 2);
+    assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty(), "no gap is left");
+    let mut log = Log::open(dir.path(), small(Durability::None)).unwrap();
+    assert_eq!(log.next_offset(), end);
+    assert_eq!(log.append(b"after").unwrap(), end, "appends go on from the end of what stayed");
+    let all = read_all(&mut log.reader());
+    assert_eq!(all.len() as u64, end + 1);
+    assert!(all.iter().take(end as usize).enumerate().all(|(i, r)| r.payload == payload(i as u64)));
+}
