@@ -224,15 +224,23 @@ fn parse_time(s: &str) -> Result<u64, String> {
     crate::output::unix_ns(s).map_err(|e| format!("{e} (nor nanoseconds)"))
 }
 
+/// Where each group stands; shown for a damaged log too (its end as verify finds it, a damaged
+/// cursor named as such), which is when an operator weighs what a repair will do.
 fn groups(dir: PathBuf) -> Result<ExitCode, Box<dyn std::error::Error>> {
-    let end = verify::open_read_only(&dir)?.end_offset();
-    let groups = verify::list_groups(&dir)?;
+    let end = match verify::open_read_only(&dir) {
+        Ok(reader) => reader.end_offset(),
+        Err(_) => verify::verify(&dir, |_, _| {})?.next_offset,
+    };
+    let (groups, unreadable) = verify::list_readable_groups(&dir)?;
     println!("{:<24} {:>14} {:>14} {:>12} {:>6}", "group", "committed", "lag", "acked ahead", "held");
     for g in groups {
         let lag = g.unacknowledged(end);
         println!("{:<24} {:>14} {:>14} {:>12} {:>6}", g.name, g.committed, lag, g.acked_above, g.held);
     }
-    Ok(ExitCode::SUCCESS)
+    for (name, why) in &unreadable {
+        println!("{name:<24} unreadable cursor: {why}");
+    }
+    Ok(if unreadable.is_empty() { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
 /// Prints records of a group, acknowledging each after it is printed and flushed.

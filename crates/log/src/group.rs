@@ -200,11 +200,21 @@ pub(crate) fn cursor_path(dir: &Path, name: &str) -> PathBuf {
 
 /// Reads every cursor file under `dir/groups`. A file with no valid slot is corruption.
 pub(crate) fn load_all(dir: &Path) -> Result<BTreeMap<String, CursorState>> {
+    let (out, unreadable) = load_readable(dir)?;
+    match unreadable.into_iter().next() {
+        Some((_, e)) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// `load_all`, with the cursors that hold no valid slot apart (name and why): for the read-only
+/// tools, which show a log whose cursor is damaged rather than refuse it.
+pub(crate) fn load_readable(dir: &Path) -> Result<(BTreeMap<String, CursorState>, Vec<(String, Error)>)> {
     let groups = dir.join(GROUPS_DIR);
-    let mut out = BTreeMap::new();
+    let (mut out, mut unreadable) = (BTreeMap::new(), Vec::new());
     let entries = match fs::read_dir(&groups) {
         Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((out, unreadable)),
         Err(e) => return Err(io_err("list groups", &groups)(e)),
     };
     for entry in entries {
@@ -213,9 +223,13 @@ pub(crate) fn load_all(dir: &Path) -> Result<BTreeMap<String, CursorState>> {
         let Some(name) = file_name.to_str().and_then(|n| n.strip_suffix(CURSOR_SUFFIX)) else {
             continue; // a leftover `.tmp` or a foreign file
         };
-        out.insert(name.to_owned(), read_cursor(&entry.path())?);
+        match read_cursor(&entry.path()) {
+            Ok(state) => drop(out.insert(name.to_owned(), state)),
+            Err(e @ Error::Corrupt { .. }) => unreadable.push((name.to_owned(), e)),
+            Err(e) => return Err(e),
+        }
     }
-    Ok(out)
+    Ok((out, unreadable))
 }
 
 /// What the cursor file at `path` holds. One that is empty or all zeros never reached the disk

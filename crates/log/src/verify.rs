@@ -62,7 +62,8 @@ pub fn open_read_only(dir: impl AsRef<Path>) -> Result<Reader> {
     let seg = seg.read_only_until(end, scan.next_offset - last)?;
     segments.push(Arc::new(seg));
     let options = Options { create: false, ..Options::default() };
-    let cursors = crate::group::load_all(dir)?;
+    // (A group whose cursor is damaged is left out: its records can still be read.)
+    let (cursors, _unreadable) = crate::group::load_readable(dir)?;
     Ok(Reader::new(LogState::new(dir.to_path_buf(), options, segments, scan.next_offset, cursors, None)))
 }
 
@@ -73,7 +74,17 @@ pub fn holds_segments(dir: impl AsRef<Path>) -> bool {
 
 /// The consumer groups of the log in `dir`, read from their cursor files (no lock taken).
 pub fn list_groups(dir: impl AsRef<Path>) -> Result<Vec<crate::GroupInfo>> {
-    Ok(crate::group::load_all(dir.as_ref())?
+    let (groups, unreadable) = list_readable_groups(dir)?;
+    match unreadable.into_iter().next() {
+        Some((_, e)) => Err(e),
+        None => Ok(groups),
+    }
+}
+
+/// `list_groups`, with the groups whose cursor holds no valid slot apart (name and why).
+pub fn list_readable_groups(dir: impl AsRef<Path>) -> Result<(Vec<crate::GroupInfo>, Vec<(String, Error)>)> {
+    let (groups, unreadable) = crate::group::load_readable(dir.as_ref())?;
+    let groups = groups
         .into_iter()
         .map(|(name, state)| crate::GroupInfo {
             name,
@@ -84,7 +95,8 @@ pub fn list_groups(dir: impl AsRef<Path>) -> Result<Vec<crate::GroupInfo>> {
             open: false,
             skipped: 0,
         })
-        .collect())
+        .collect();
+    Ok((groups, unreadable))
 }
 
 /// One problem `verify` found.

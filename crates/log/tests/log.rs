@@ -558,6 +558,13 @@ fn an_unreadable_cursor_is_reported_by_verify_and_its_group_restarted_by_repair(
     assert!(!report.is_clean());
     assert_eq!(report.problems.len(), 1);
     assert_eq!((report.problems[0].kind, &report.problems[0].file), (ProblemKind::Cursor, &cursor));
+    // The read-only tools still show the log (`petrel log dump`), and name the damaged group
+    // (`petrel log groups`), which is what an operator looks at before a repair.
+    assert_eq!(read_all(&mut verify::open_read_only(dir.path()).unwrap()).len(), 50);
+    assert!(verify::list_groups(dir.path()).is_err());
+    let (readable, unreadable) = verify::list_readable_groups(dir.path()).unwrap();
+    assert!(readable.is_empty());
+    assert_eq!(unreadable.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>(), ["workers"]);
     let repaired = verify::repair(dir.path()).unwrap();
     assert_eq!((repaired.groups_restarted.as_slice(), repaired.records_removed), (&["workers".to_owned()][..], 0));
     assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
