@@ -207,9 +207,12 @@ pub(crate) fn load_all(dir: &Path) -> Result<BTreeMap<String, CursorState>> {
     }
 }
 
+/// Groups whose cursor holds no valid slot: each name, and why.
+pub type Unreadable = Vec<(String, Error)>;
+
 /// `load_all`, with the cursors that hold no valid slot apart (name and why): for the read-only
 /// tools, which show a log whose cursor is damaged rather than refuse it.
-pub(crate) fn load_readable(dir: &Path) -> Result<(BTreeMap<String, CursorState>, Vec<(String, Error)>)> {
+pub(crate) fn load_readable(dir: &Path) -> Result<(BTreeMap<String, CursorState>, Unreadable)> {
     let groups = dir.join(GROUPS_DIR);
     let (mut out, mut unreadable) = (BTreeMap::new(), Vec::new());
     let entries = match fs::read_dir(&groups) {

@@ -82,7 +82,7 @@ pub fn list_groups(dir: impl AsRef<Path>) -> Result<Vec<crate::GroupInfo>> {
 }
 
 /// `list_groups`, with the groups whose cursor holds no valid slot apart (name and why).
-pub fn list_readable_groups(dir: impl AsRef<Path>) -> Result<(Vec<crate::GroupInfo>, Vec<(String, Error)>)> {
+pub fn list_readable_groups(dir: impl AsRef<Path>) -> Result<(Vec<crate::GroupInfo>, crate::group::Unreadable)> {
     let (groups, unreadable) = crate::group::load_readable(dir.as_ref())?;
     let groups = groups
         .into_iter()
