@@ -414,7 +414,8 @@ impl Group {
 /// A persistent FIFO queue in a directory, shaped like `queue.Queue`: `put` at the tail, `get`
 /// from the head. With `auto_ack=False`, a `get` is acknowledged by `task_done()` (the oldest
 /// item the calling thread got and has not yet done), and items got but not done come back after
-/// a crash or restart.
+/// a crash or restart. Its disk is its backlog's: segments whose items are all done are deleted,
+/// and the last one when a `get` finds the queue drained.
 #[pyclass(module = "petrel", frozen)]
 pub struct Queue {
     log: Mutex<Option<SharedLog>>,
@@ -447,7 +448,10 @@ impl Queue {
     #[pyo3(signature = (path, durability = "none", auto_ack = true))]
     fn new(py: Python<'_>, path: PathBuf, durability: &str, auto_ack: bool) -> PyResult<Queue> {
         let durability = durability_from(durability)?;
-        let options = Options { durability, ..Options::default() };
+        // Segments every item of which is done are deleted (at each new segment, and the last
+        // one once the queue is drained: `get`): a queue's disk is its backlog's, not its past's.
+        let retention = petrel_log::Retention { delete_consumed: true, ..petrel_log::Retention::default() };
+        let options = Options { durability, retention, ..Options::default() };
         let (log, head) = py
             .detach(|| {
                 let log = petrel_log::Log::open(&path, options)?.into_shared();
@@ -485,6 +489,8 @@ impl Queue {
         let auto_ack = self.auto_ack;
         // The wait for items is made without the head's lock (see `Group::poll`).
         let appends = py.detach(|| self.with_head(|head| Ok(head.appends())))?;
+        let log = self.log()?;
+        let mut looked = false;
         let found = wait_for(py, crate::timeout_from(timeout), |slice| {
             let end = appends.end();
             let found = self.with_head(|head| {
@@ -497,6 +503,11 @@ impl Queue {
                 Ok(Some(record.payload.to_vec()))
             })?;
             if found.is_none() {
+                // Drained: its disk given back, once a call (a no-op unless it holds more than a
+                // first segment's worth of done items).
+                if !std::mem::replace(&mut looked, true) && lock(&self.taken).is_empty() {
+                    log.give_back().map_err(log_error)?;
+                }
                 appends.wait_past(end, slice);
             }
             Ok(found)

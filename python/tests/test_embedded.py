@@ -293,3 +293,22 @@ def test_closing_a_log_lets_other_threads_run_while_it_syncs(tmp_path):
         pytest.skip(f"the sync took {took * 1000:.0f} ms: too short to tell")
     # Holding the GIL, the counter gets at most a switch interval or two (5 ms each).
     assert during > 200_000, f"{during} counts in {took * 1000:.0f} ms of closing"
+
+
+def test_a_drained_queue_gives_its_disk_back(tmp_path):
+    # What every item of is done goes: at each new segment, and the last one once the queue
+    # is found empty. It kept everything it ever held.
+    path = tmp_path / "q"
+
+    def on_disk():
+        return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
+
+    with petrel.Queue(path) as q:
+        item = b"x" * 10_000
+        for _ in range(3):
+            q.put_many([item] * 1000)
+            for _ in range(1000):
+                assert q.get(timeout=5) == item
+        assert on_disk() < 64 << 20
+        assert q.get(timeout=0) is None
+        assert on_disk() < 4 << 20, on_disk()
