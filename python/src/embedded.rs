@@ -155,20 +155,20 @@ impl Log {
     fn append(&self, py: Python<'_>, payload: &[u8], key: Option<&[u8]>) -> PyResult<u64> {
         let log = self.shared()?;
         let input = Input { key, headers: &[], payload, timestamp: None };
-        py.detach(|| log.append_with(&input)).map_err(log_error)
+        py.detach(move || log.append_with(&input)).map_err(log_error)
     }
 
     /// Appends records together (one sync under `"always"`); returns their offsets.
     fn append_batch(&self, py: Python<'_>, payloads: Vec<PyBackedBytes>) -> PyResult<Vec<u64>> {
         let log = self.shared()?;
-        let range = py.detach(|| log.append_batch(&payloads)).map_err(log_error)?;
+        let range = py.detach(move || log.append_batch(&payloads)).map_err(log_error)?;
         Ok(range.collect())
     }
 
     /// Makes every record appended so far durable.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let log = self.shared()?;
-        py.detach(|| log.sync()).map_err(log_error)
+        py.detach(move || log.sync()).map_err(log_error)
     }
 
     /// The record at `offset`, or `None` if there is none (not yet appended, or removed).
@@ -411,6 +411,37 @@ impl Group {
     }
 }
 
+/// Drops what a closing takes, without the GIL: a log's last handle syncs it, a group's cursor
+/// syncs (a `Log`, `Group` or `Queue` released without `close()`, by the garbage collector, would
+/// stall every Python thread for the disk).
+fn drop_detached<T: Send>(held: Option<T>) {
+    if held.is_some() {
+        Python::attach(|py| py.detach(move || drop(held)));
+    }
+}
+
+impl Drop for Log {
+    fn drop(&mut self) {
+        drop_detached(self.log.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        drop_detached(self.group.get_mut().unwrap_or_else(|e| e.into_inner()).take());
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        let head = self.head.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        let log = self.log.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if head.is_some() || log.is_some() {
+            drop_detached(Some((head, log)));
+        }
+    }
+}
+
 /// A persistent FIFO queue in a directory, shaped like `queue.Queue`: `put` at the tail, `get`
 /// from the head. With `auto_ack=False`, a `get` is acknowledged by `task_done()` (the oldest
 /// item the calling thread got and has not yet done), and items got but not done come back after
@@ -472,13 +503,13 @@ impl Queue {
     /// Adds an item at the tail; returns its offset.
     fn put(&self, py: Python<'_>, payload: &[u8]) -> PyResult<u64> {
         let log = self.log()?;
-        py.detach(|| log.append(payload)).map_err(log_error)
+        py.detach(move || log.append(payload)).map_err(log_error)
     }
 
     /// Adds items at the tail together (one sync under `"always"`).
     fn put_many(&self, py: Python<'_>, items: Vec<PyBackedBytes>) -> PyResult<()> {
         let log = self.log()?;
-        py.detach(|| log.append_batch(&items)).map_err(log_error)?;
+        py.detach(move || log.append_batch(&items)).map_err(log_error)?;
         Ok(())
     }
 
@@ -557,7 +588,7 @@ impl Queue {
     /// Makes every item put so far durable.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let log = self.log()?;
-        py.detach(|| log.sync()).map_err(log_error)
+        py.detach(move || log.sync()).map_err(log_error)
     }
 
     /// Closes the queue; items got and not done come back at the next open.
