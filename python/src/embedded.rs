@@ -37,7 +37,9 @@ pub(crate) fn log_error(e: petrel_log::Error) -> PyErr {
         E::Locked { .. } => LockedError::new_err(text),
         E::Poisoned(_) => PoisonedError::new_err(text),
         E::RecordTooLarge { .. } => TooLargeError::new_err(text),
-        E::Config(_) => PyValueError::new_err(text),
+        // A bad argument: a record the log cannot hold as given (a key too long), an offset
+        // never delivered to the group acknowledged.
+        E::Config(_) | E::InvalidRecord(_) | E::NotDelivered { .. } => PyValueError::new_err(text),
         _ => PetrelError::new_err(text),
     }
 }
