@@ -166,7 +166,12 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
     let mut total = 0;
     for &base in &bases {
         let path = dir.join(segment::file_name(base));
-        total += fs::metadata(&path).map_err(io_err("stat segment", &path))?.len();
+        match fs::metadata(&path) {
+            Ok(meta) => total += meta.len(),
+            // Deleted by retention since the listing (a server at work): passed over below.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("stat segment", &path)(e)),
+        }
     }
     let mut report = VerifyReport { segments: bases.len(), first_offset: bases[0], ..VerifyReport::default() };
     let mut done = 0;
@@ -174,9 +179,24 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
     // After damage in a format-2 segment the offsets of the records after it are not known (its
     // frames do not carry them) until the next segment's base says them again.
     let mut offsets_unknown = false;
+    let mut seen_one = false;
     for (i, &base) in bases.iter().enumerate() {
         let is_last = i + 1 == bases.len();
-        let (seg, header) = Segment::open(&dir.join(segment::file_name(base)), base, false)?;
+        let opened = Segment::open(&dir.join(segment::file_name(base)), base, false);
+        let (seg, header) = match opened {
+            // Retention deletes the oldest segments only: one gone before any was read was the
+            // log's first, and the next starts the log.
+            Err(Error::Io { ref source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound && !seen_one && !is_last =>
+            {
+                expected = bases[i + 1];
+                report.first_offset = expected;
+                report.segments -= 1;
+                continue;
+            }
+            opened => opened?,
+        };
+        seen_one = true;
         let problem = |position: usize, offset: Option<u64>, kind, detail: String| Problem {
             file: seg.path.clone(),
             position: position as u64,
@@ -303,7 +323,18 @@ fn unreadable_cursors(dir: &Path) -> Result<Vec<Problem>> {
         let path = entry.map_err(io_err("list groups", &groups))?.path();
         let is_cursor =
             path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.ends_with(crate::group::CURSOR_SUFFIX));
-        if is_cursor && crate::group::read_cursor(&path).is_err() {
+        // (One deleted meanwhile, a group removed beside a running server, is no problem; a
+        // cursor that could not be read for another reason is not known to be damaged.)
+        if !is_cursor {
+            continue;
+        }
+        let unreadable = match crate::group::read_cursor(&path) {
+            Ok(_) => false,
+            Err(Error::Corrupt { .. }) => true,
+            Err(Error::Io { ref source, .. }) if source.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => return Err(e),
+        };
+        if unreadable {
             let detail = "no valid cursor slot: the group's position is lost and the log does not open; \
                           repair starts the group again at the oldest record on disk (records after its lost \
                           position come again)";
