@@ -866,7 +866,10 @@ impl Broker {
                 None => BrokerError::TopicNotFound(name.to_owned()),
             });
         }
-        let report = petrel_log::verify::repair(self.dir.join("topics").join(name))?;
+        // (A topic's groups may seek back over a damaged record: it is cut, not written again as
+        // a record of zeros they would be handed as a message.)
+        let report =
+            petrel_log::verify::repair_with(self.dir.join("topics").join(name), petrel_log::verify::Replace::Never)?;
         drop(dirs); // (the reopen takes it)
         tracing::warn!(topic = %shown(name), records_removed = report.records_removed, "repaired a damaged topic's log");
         self.reopen_topic(name)?;

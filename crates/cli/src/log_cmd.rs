@@ -364,6 +364,10 @@ fn append(args: AppendArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 }
 
 fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error>> {
+    // A server's durable topic (`DATA/topics/NAME`): its groups may seek back, so no damaged
+    // record is written again as a record of zeros they would be handed.
+    let under_topics = dir.canonicalize().ok().and_then(|d| d.parent().map(|p| p.ends_with("topics"))).unwrap_or(false);
+    let replace = if under_topics { verify::Replace::Never } else { verify::Replace::Passed };
     if !yes {
         let report = verify::verify(&dir, |_, _| {})?;
         if report.problems.is_empty() {
@@ -383,7 +387,7 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
                 ProblemKind::Corrupt | ProblemKind::TornTail => {}
             }
         }
-        let plan = verify::plan(&dir, &report)?;
+        let plan = verify::plan_with(&dir, &report, replace)?;
         for r in &plan.replace {
             println!(
                 "would write record {} in {} at byte {} again as a record of zeros (every consumer group has passed it; the records after it stay)",
@@ -413,7 +417,7 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
         return Ok(ExitCode::from(1));
     }
     let _server_kept_out = not_served(&dir)?;
-    let report = verify::repair(&dir)?;
+    let report = verify::repair_with(&dir, replace)?;
     for offset in &report.records_replaced {
         println!("record {offset} written again as a record of zeros (every consumer group had passed it)");
     }

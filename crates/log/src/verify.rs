@@ -380,6 +380,22 @@ pub struct RepairReport {
 /// valid record of zeros under its offset, and the records after it stay.
 /// Takes the directory lock, so the log must not be open for writing.
 pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
+    repair_with(dir, Replace::Passed)
+}
+
+/// Which damaged records `repair_with` may write again as records of zeros.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replace {
+    /// One that every consumer group has passed: for a log whose readers only move on (a
+    /// queue's), which never read it again.
+    Passed,
+    /// None: for a log whose readers may seek back (a topic's groups), which would be handed a
+    /// record of zeros as a message. The log is cut at its first bad frame instead.
+    Never,
+}
+
+/// `repair`, replacing what `replace` says.
+pub fn repair_with(dir: impl AsRef<Path>, replace: Replace) -> Result<RepairReport> {
     let dir = dir.as_ref();
     let _lock = lock_dir(dir)?;
     let before = verify(dir, |_, _| {})?;
@@ -401,7 +417,7 @@ pub fn repair(dir: impl AsRef<Path>) -> Result<RepairReport> {
             ProblemKind::Corrupt | ProblemKind::TornTail => {}
         }
     }
-    let plan = plan(dir, &before)?;
+    let plan = plan_with(dir, &before, replace)?;
     for r in &plan.replace {
         use std::os::unix::fs::FileExt;
         let file = fs::OpenOptions::new().write(true).open(&r.file).map_err(io_err("open segment", &r.file))?;
@@ -487,7 +503,13 @@ pub struct Replacement {
 
 /// What `repair` would do with the frame problems of `report` (`verify(dir)`'s), changing nothing.
 pub fn plan(dir: &Path, report: &VerifyReport) -> Result<RepairPlan> {
-    let passed = passed_by_every_group(dir);
+    plan_with(dir, report, Replace::Passed)
+}
+
+/// What `repair_with` would do, changing nothing.
+pub fn plan_with(dir: &Path, report: &VerifyReport, replace: Replace) -> Result<RepairPlan> {
+    let may_replace = passed_by_every_group(dir);
+    let passed = |offset: u64| replace == Replace::Passed && may_replace(offset);
     let mut plan = RepairPlan::default();
     for problem in report.problems.iter().filter(|p| matches!(p.kind, ProblemKind::Corrupt | ProblemKind::TornTail)) {
         let frame = match (problem.kind, problem.records_lost, problem.offset, problem.resumes_at) {

@@ -413,6 +413,9 @@ fn a_damaged_record_every_group_has_passed_is_replaced_and_the_records_after_it_
     assert_eq!(report.next_offset, 50, "the records after it are counted under their offsets");
     let plan = verify::plan(dir.path(), &report).unwrap();
     assert_eq!((plan.replace.len(), plan.cut.is_none()), (1, true));
+    // A topic's log (whose groups may seek back over it) is cut there instead.
+    let topic_plan = verify::plan_with(dir.path(), &report, verify::Replace::Never).unwrap();
+    assert_eq!((topic_plan.replace.len(), topic_plan.cut.as_ref().and_then(|c| c.offset)), (0, Some(10)));
     let repaired = verify::repair(dir.path()).unwrap();
     assert_eq!((repaired.records_replaced, repaired.records_removed, repaired.cut_at), (vec![10], 0, None));
     assert!(verify::verify(dir.path(), |_, _| {}).unwrap().problems.is_empty());
