@@ -37,9 +37,9 @@ pub(crate) fn log_error(e: petrel_log::Error) -> PyErr {
         E::Locked { .. } => LockedError::new_err(text),
         E::Poisoned(_) => PoisonedError::new_err(text),
         E::RecordTooLarge { .. } => TooLargeError::new_err(text),
-        // A bad argument: a record the log cannot hold as given (a key too long), an offset
-        // never delivered to the group acknowledged.
-        E::Config(_) | E::InvalidRecord(_) | E::NotDelivered { .. } => PyValueError::new_err(text),
+        // A record the log cannot hold as given (a key too long).
+        E::InvalidRecord(_) => TooLargeError::new_err(text),
+        E::Config(_) => PyValueError::new_err(text),
         _ => PetrelError::new_err(text),
     }
 }
@@ -522,7 +522,6 @@ impl Queue {
         let auto_ack = self.auto_ack;
         // The wait for items is made without the head's lock (see `Group::poll`).
         let appends = py.detach(|| self.with_head(|head| Ok(head.appends())))?;
-        let log = self.log()?;
         let mut looked = false;
         let found = wait_for(py, crate::timeout_from(timeout), |slice| {
             let end = appends.end();
@@ -537,9 +536,13 @@ impl Queue {
             })?;
             if found.is_none() {
                 // Drained: its disk given back, once a call (a no-op unless it holds more than a
-                // first segment's worth of done items).
-                if !std::mem::replace(&mut looked, true) && lock(&self.taken).is_empty() {
-                    log.give_back().map_err(log_error)?;
+                // first segment's worth of done items). Best effort: the `get` found nothing, and
+                // says so (a full disk is for `put` to report). The handle is taken and dropped
+                // here, without the GIL: the last one, after a `close` meanwhile, syncs the log.
+                if !std::mem::replace(&mut looked, true)
+                    && let Ok(log) = self.log()
+                {
+                    let _ = log.give_back();
                 }
                 appends.wait_past(end, slice);
             }

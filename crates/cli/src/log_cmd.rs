@@ -1,7 +1,7 @@
 //! `petrel log …`: verify, dump, append and repair a log directory.
 
 use std::io::{self, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use base64::Engine;
@@ -167,7 +167,11 @@ fn dump(args: DumpArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
         reader.seek(at);
     }
     if let Some(name) = &args.group {
-        let group = verify::list_groups(&args.dir)?
+        let (groups, unreadable) = verify::list_readable_groups(&args.dir)?;
+        if let Some((_, why)) = unreadable.iter().find(|(g, _)| g == name) {
+            return Err(format!("consumer group {name:?}: {why}").into());
+        }
+        let group = groups
             .into_iter()
             .find(|g| &g.name == name)
             .ok_or_else(|| format!("no consumer group {name:?} in {}", args.dir.display()))?;
@@ -366,7 +370,12 @@ fn append(args: AppendArgs) -> Result<ExitCode, Box<dyn std::error::Error>> {
 fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error>> {
     // A server's durable topic (`DATA/topics/NAME`): its groups may seek back, so no damaged
     // record is written again as a record of zeros they would be handed.
-    let under_topics = dir.canonicalize().ok().and_then(|d| d.parent().map(|p| p.ends_with("topics"))).unwrap_or(false);
+    let under_topics = dir.canonicalize().ok().is_some_and(|d| {
+        let parent = d.parent();
+        // (Not a sub-log of a queue named "topics": `DATA/queues/topics/delayed`.)
+        parent.is_some_and(|p| p.ends_with("topics"))
+            && !parent.and_then(Path::parent).is_some_and(|g| g.ends_with("queues"))
+    });
     let replace = if under_topics { verify::Replace::Never } else { verify::Replace::Passed };
     if !yes {
         let report = verify::verify(&dir, |_, _| {})?;
@@ -398,7 +407,7 @@ fn repair(dir: PathBuf, yes: bool) -> Result<ExitCode, Box<dyn std::error::Error
         }
         if let Some(p) = &plan.cut {
             let from = p.offset.map_or("an unknown record".into(), |o| format!("record {o}"));
-            match p.detail.contains("segment") && p.position == 64 {
+            match p.is_segment_gap() {
                 // (Records missing before a segment: it cannot follow the one before.)
                 true => println!(
                     "would delete {} and every later segment ({}): the log would end before {from}",

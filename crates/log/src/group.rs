@@ -229,6 +229,8 @@ pub(crate) fn load_readable(dir: &Path) -> Result<(BTreeMap<String, CursorState>
         match read_cursor(&entry.path()) {
             Ok(state) => drop(out.insert(name.to_owned(), state)),
             Err(e @ Error::Corrupt { .. }) => unreadable.push((name.to_owned(), e)),
+            // (Deleted since the listing: a group removed beside a running server.)
+            Err(Error::Io { ref source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
     }

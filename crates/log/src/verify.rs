@@ -131,6 +131,15 @@ pub enum ProblemKind {
     Cursor,
 }
 
+impl Problem {
+    /// Whether this is records missing before a segment (or a segment starting inside the one
+    /// before): `repair` removes that segment and every later one.
+    pub fn is_segment_gap(&self) -> bool {
+        let base = self.file.file_name().and_then(|n| segment::parse_name(&n.to_string_lossy()));
+        self.position == SEGMENT_HEADER_LEN as u64 && self.offset.is_some() && base.is_some() && base != self.offset
+    }
+}
+
 /// What `verify` saw.
 #[derive(Clone, Debug, Default)]
 pub struct VerifyReport {
@@ -179,16 +188,13 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
     // After damage in a format-2 segment the offsets of the records after it are not known (its
     // frames do not carry them) until the next segment's base says them again.
     let mut offsets_unknown = false;
-    let mut seen_one = false;
     for (i, &base) in bases.iter().enumerate() {
         let is_last = i + 1 == bases.len();
         let opened = Segment::open(&dir.join(segment::file_name(base)), base, false);
         let (seg, header) = match opened {
-            // Retention deletes the oldest segments only: one gone before any was read was the
-            // log's first, and the next starts the log.
-            Err(Error::Io { ref source, .. })
-                if source.kind() == std::io::ErrorKind::NotFound && !seen_one && !is_last =>
-            {
+            // Listed, and gone since: retention, which deletes the oldest segments only (those
+            // before it too, read already or not), and the next starts the log.
+            Err(Error::Io { ref source, .. }) if source.kind() == std::io::ErrorKind::NotFound && !is_last => {
                 expected = bases[i + 1];
                 report.first_offset = expected;
                 report.segments -= 1;
@@ -196,7 +202,6 @@ pub fn verify(dir: impl AsRef<Path>, mut progress: impl FnMut(u64, u64)) -> Resu
             }
             opened => opened?,
         };
-        seen_one = true;
         let problem = |position: usize, offset: Option<u64>, kind, detail: String| Problem {
             file: seg.path.clone(),
             position: position as u64,
@@ -438,7 +443,7 @@ pub fn repair_with(dir: impl AsRef<Path>, replace: Replace) -> Result<RepairRepo
     let cut_base = segment::parse_name(&first.file.file_name().unwrap_or_default().to_string_lossy())
         .expect("problems name segment files");
     let cut_offset = first.offset.expect("frame problems name the expected record");
-    if first.position == SEGMENT_HEADER_LEN as u64 && cut_base != cut_offset {
+    if first.is_segment_gap() {
         // Records missing before this segment (or it starts inside the one before): its records
         // cannot follow the ones before it, so it goes with every later one, and the segment
         // before ends the log. (Kept empty under its name, the gap stayed: no record could be

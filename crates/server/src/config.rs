@@ -232,6 +232,11 @@ impl SecurityConfig {
         };
         let users = Users::load(path).map_err(|e| format!("security.users_file: {e}"))?;
         warn_if_others_may_read(path);
+        for user in users.iter() {
+            if let Some(why) = petrel_broker::security::too_costly(&user.hash) {
+                tracing::warn!(user = %user.name, "{why}");
+            }
+        }
         if users.is_empty() {
             return Err(format!("{}: no users (add one with `petrel user add`)", path.display()));
         }

@@ -19,7 +19,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::Deserialize;
-pub use users::{Role, User, Users, hash_password};
+pub use users::{Role, User, Users, hash_password, too_costly};
 
 use crate::ConnId;
 
