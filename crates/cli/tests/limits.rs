@@ -871,14 +871,14 @@ fn an_offer_that_waited_for_room_in_a_memory_queue_is_not_counted_twice_when_it_
     assert!(matches!(answer, (3, Response::Offered { count: 1, .. })), "{answer:?}");
 }
 
-/// A reply the server refuses before it reaches the function's broker (its compressed payload does
-/// not unfold) is refused to its caller too, at once: the caller waited for its call's timeout.
-#[test]
-fn a_reply_refused_as_it_arrives_fails_its_call_at_once() {
-    use petrel_proto::{Message, Request, Response};
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("data"));
-    let mut handler = greeted(&server);
+/// What a refused reply's test needs: a native connection serving function "f" (HELLO said), the
+/// thread of a client calling it (its outcome and how long it waited), and the call's id as the
+/// INVOKE pushed to the server named it.
+type CallerOutcome = (Result<bytes::Bytes, petrel_client::ClientError>, Duration);
+
+fn a_call_invoked(server: &Server) -> (TcpStream, std::thread::JoinHandle<CallerOutcome>, u64) {
+    use petrel_proto::{Request, Response};
+    let mut handler = greeted(server);
     handler.write_all(&request_frame(&Request::Serve { function: "f".into() }, 2)).unwrap();
     assert!(matches!(read_response(&mut handler), (2, Response::Done)));
     let addr = server.addr.clone();
@@ -896,11 +896,14 @@ fn a_reply_refused_as_it_arrives_fails_its_call_at_once() {
     handler.read_exact(&mut len).unwrap();
     let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
     handler.read_exact(&mut frame).unwrap();
-    let call = u64::from_be_bytes(frame[4..12].try_into().unwrap());
-    let garbled = Message { payload: b"not zstd at all".to_vec().into(), compressed: true, ..Message::default() };
-    let reply = Request::Return { call, status: Status::Ok, error: String::new(), message: Box::new(garbled) };
-    handler.write_all(&request_frame(&reply, 3)).unwrap();
-    let (id, answer) = read_response(&mut handler);
+    (handler, caller, u64::from_be_bytes(frame[4..12].try_into().unwrap()))
+}
+
+/// The replier's RETURN (request id 3) was answered BAD_REQUEST, and its caller was refused at
+/// once rather than left to its call's timeout.
+fn refused_to_both(handler: &mut TcpStream, caller: std::thread::JoinHandle<CallerOutcome>) {
+    use petrel_proto::Response;
+    let (id, answer) = read_response(handler);
     assert!(id == 3 && matches!(answer, Response::Error { status: Status::BadRequest, .. }), "{answer:?}");
     let (called, took) = caller.join().unwrap();
     let e = called.unwrap_err();
@@ -908,49 +911,18 @@ fn a_reply_refused_as_it_arrives_fails_its_call_at_once() {
     assert!(took < Duration::from_secs(30), "the caller waited {took:?}");
 }
 
-/// Acknowledgements of a group subscription wait for its task counted in the memory budget: a
-/// frame of them holds two million ids (16 MB), and up to a thousand batches a subscription wait
-/// while its task waits for a client that does not read. (They waited outside the budget.)
+/// A reply the server refuses before it reaches the function's broker (its compressed payload does
+/// not unfold) is refused to its caller too, at once: the caller waited for its call's timeout.
 #[test]
-fn a_group_subscriptions_acknowledgements_count_in_the_memory_budget() {
-    use petrel_proto::{Message, Request, Response};
+fn a_reply_refused_as_it_arrives_fails_its_call_at_once() {
+    use petrel_proto::{Message, Request};
     let dir = tempfile::tempdir().unwrap();
-    let config = config(dir.path(), "max_queued_responses = 4\nmax_queued_response_bytes = 65536\n");
-    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
-    let mut sub = greeted(&server);
-    rustix::net::sockopt::set_socket_recv_buffer_size(&sub, 4096).unwrap();
-    sub.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
-    sub.write_all(&request_frame(&Request::TopicCreate { name: "t".into(), durable: true }, 2)).unwrap();
-    assert!(matches!(read_response(&mut sub), (2, Response::Done)));
-    let subscribe =
-        Request::Subscribe { topic: "t".into(), buffer: 16, group: "g".into(), from: petrel_proto::StartFrom::Resume };
-    sub.write_all(&request_frame(&subscribe, 3)).unwrap();
-    let (_, subscribed) = read_response(&mut sub);
-    let Response::Subscribed { subscription } = subscribed else { panic!("{subscribed:?}") };
-    // Its task stuck behind deliveries the subscriber does not read.
-    let mut publisher = greeted(&server);
-    for round in 0..20 {
-        let publish = Request::Publish { topic: "t".into(), messages: vec![Message::new(vec![7u8; 1 << 20])] };
-        publisher.write_all(&request_frame(&publish, 10 + round)).unwrap();
-        assert!(matches!(read_response(&mut publisher), (_, Response::Published { .. })));
-    }
-    let queued = || {
-        let mut mc = TcpStream::connect(&server.memcache).unwrap();
-        mc.write_all(b"stats\r\n").unwrap();
-        let mut text = String::new();
-        let mut reader = std::io::BufReader::new(&mut mc);
-        while !text.ends_with("END\r\n") {
-            std::io::BufRead::read_line(&mut reader, &mut text).unwrap();
-        }
-        let line = text.lines().find(|l| l.starts_with("STAT memory_queued_bytes ")).unwrap().to_owned();
-        line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
-    };
-    let before = queued();
-    let ids: Vec<u64> = (0..500_000).collect();
-    for id in 0..3 {
-        sub.write_all(&request_frame(&Request::TopicAck { subscription, ids: ids.clone() }, 100 + id)).unwrap();
-    }
-    common::wait_until("the acknowledgements counted", || queued() >= before + 3 * 3_900_000);
+    let server = Server::start(&dir.path().join("data"));
+    let (mut handler, caller, call) = a_call_invoked(&server);
+    let garbled = Message { payload: b"not zstd at all".to_vec().into(), compressed: true, ..Message::default() };
+    let reply = Request::Return { call, status: Status::Ok, error: String::new(), message: Box::new(garbled) };
+    handler.write_all(&request_frame(&reply, 3)).unwrap();
+    refused_to_both(&mut handler, caller);
 }
 
 /// A RETURN whose body does not decode (here cut short) is refused to its replier, and to its
@@ -958,27 +930,10 @@ fn a_group_subscriptions_acknowledgements_count_in_the_memory_budget() {
 /// its call's timeout.
 #[test]
 fn a_reply_that_does_not_decode_fails_its_call_at_once() {
-    use petrel_proto::{Message, Request, Response};
+    use petrel_proto::{Message, Request};
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(&dir.path().join("data"));
-    let mut handler = greeted(&server);
-    handler.write_all(&request_frame(&Request::Serve { function: "f".into() }, 2)).unwrap();
-    assert!(matches!(read_response(&mut handler), (2, Response::Done)));
-    let addr = server.addr.clone();
-    let caller = std::thread::spawn(move || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async {
-            let c = petrel_client::Client::connect(&addr).await.unwrap();
-            let started = std::time::Instant::now();
-            let called = c.call("f", petrel_client::Message::new(b"hi".to_vec()), Some(Duration::from_secs(60))).await;
-            (called.map(|m| m.payload), started.elapsed())
-        })
-    });
-    let mut len = [0u8; 4];
-    handler.read_exact(&mut len).unwrap();
-    let mut frame = vec![0u8; u32::from_be_bytes(len) as usize];
-    handler.read_exact(&mut frame).unwrap();
-    let call = u64::from_be_bytes(frame[4..12].try_into().unwrap());
+    let (mut handler, caller, call) = a_call_invoked(&server);
     let reply = Request::Return {
         call,
         status: Status::Ok,
@@ -990,12 +945,7 @@ fn a_reply_that_does_not_decode_fails_its_call_at_once() {
     let new_len = (cut.len() - 4) as u32;
     cut[..4].copy_from_slice(&new_len.to_be_bytes());
     handler.write_all(&cut).unwrap();
-    let (id, answer) = read_response(&mut handler);
-    assert!(id == 3 && matches!(answer, Response::Error { status: Status::BadRequest, .. }), "{answer:?}");
-    let (called, took) = caller.join().unwrap();
-    let e = called.unwrap_err();
-    assert!(e.to_string().contains("refused"), "{e}");
-    assert!(took < Duration::from_secs(30), "the caller waited {took:?}");
+    refused_to_both(&mut handler, caller);
 }
 
 /// A native connection to `server` that said HELLO.

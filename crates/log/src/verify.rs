@@ -449,15 +449,7 @@ pub fn repair_with(dir: impl AsRef<Path>, replace: Replace) -> Result<RepairRepo
         // before ends the log. (Kept empty under its name, the gap stayed: no record could be
         // read past it, and the next append took the segment's base, not the log's end.)
         out.cut_at = Some((first.file.clone(), 0));
-        let mut from: Vec<u64> = bases.iter().copied().filter(|&b| b >= cut_base).collect();
-        from.sort_unstable();
-        for &base in from.iter().rev() {
-            let path = dir.join(segment::file_name(base));
-            fs::remove_file(&path).map_err(io_err("remove segment", &path))?;
-            crate::index::remove(dir, base);
-            out.segments_removed += 1;
-        }
-        segment::sync_dir(dir)?;
+        out.segments_removed = remove_segments_from(dir, &bases, cut_base)?;
         let after = verify(dir, |_, _| {})?;
         out.records_removed = (before.records + out.records_replaced.len() as u64).saturating_sub(after.records);
         out.next_offset = after.next_offset;
@@ -470,21 +462,27 @@ pub fn repair_with(dir: impl AsRef<Path>, replace: Replace) -> Result<RepairRepo
     end_batch_before(&first.file, first.position)?;
     crate::index::remove(dir, cut_base);
     out.cut_at = Some((first.file.clone(), first.position));
-    let mut later: Vec<u64> = bases.iter().copied().filter(|&b| b > cut_base).collect();
-    later.sort_unstable();
-    for &base in later.iter().rev() {
-        let path = dir.join(segment::file_name(base));
-        fs::remove_file(&path).map_err(io_err("remove segment", &path))?;
-        crate::index::remove(dir, base);
-        out.segments_removed += 1;
-    }
-    segment::sync_dir(dir)?;
+    out.segments_removed = remove_segments_from(dir, &bases, cut_base + 1)?;
     zero_from(&first.file, first.position)?;
     // Counted again rather than computed, so the number printed is what is really on disk.
     let after = verify(dir, |_, _| {})?;
     out.records_removed = (before.records + out.records_replaced.len() as u64).saturating_sub(after.records);
     out.next_offset = cut_offset;
     Ok(out)
+}
+
+/// Removes the segments of `bases` from base `from` on, newest first (oldest first would leave a
+/// gap in the offsets, should a crash stop it), with their indexes; returns how many.
+fn remove_segments_from(dir: &Path, bases: &[u64], from: u64) -> Result<usize> {
+    let mut doomed: Vec<u64> = bases.iter().copied().filter(|&b| b >= from).collect();
+    doomed.sort_unstable();
+    for &base in doomed.iter().rev() {
+        let path = dir.join(segment::file_name(base));
+        fs::remove_file(&path).map_err(io_err("remove segment", &path))?;
+        crate::index::remove(dir, base);
+    }
+    segment::sync_dir(dir)?;
+    Ok(doomed.len())
 }
 
 /// What `repair` does with the damaged frames `verify` found (`report`): the records it
