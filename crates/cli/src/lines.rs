@@ -35,7 +35,9 @@ impl<R: Read> Lines<R> {
                 }
             }
             batch.push(line);
-            if self.input.buffer().is_empty() || batch.len() >= self.max {
+            // On while a whole line is buffered: reading a partial one would wait for its end,
+            // holding back the lines taken (a slow producer gets each line at once).
+            if !self.input.buffer().contains(&b'\n') || batch.len() >= self.max {
                 return Ok(());
             }
         }
@@ -45,6 +47,29 @@ impl<R: Read> Lines<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A whole line is handed on while the next one is still partly read: the rest of it is not
+    /// waited for (here: it would be the next read, which counts).
+    #[test]
+    fn a_line_is_not_held_back_by_a_partial_one_after_it() {
+        struct Chunks(Vec<&'static [u8]>, usize);
+        impl Read for Chunks {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                self.1 += 1;
+                let Some(chunk) = self.0.first().copied() else { return Ok(0) };
+                self.0.remove(0);
+                buf[..chunk.len()].copy_from_slice(chunk);
+                Ok(chunk.len())
+            }
+        }
+        let mut lines = Lines { input: BufReader::new(Chunks(vec![b"a\nb", b"\n"], 0)), max: 100 };
+        let mut batch = Vec::new();
+        lines.next_batch(&mut batch).unwrap();
+        assert_eq!(batch, [b"a".to_vec()]);
+        assert_eq!(lines.input.get_ref().1, 1, "no read waited for the rest of b");
+        lines.next_batch(&mut batch).unwrap();
+        assert_eq!(batch, [b"b".to_vec()]);
+    }
 
     #[test]
     fn lines_lose_their_line_ends_lf_or_crlf_and_nothing_else() {
