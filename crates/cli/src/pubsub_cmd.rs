@@ -77,8 +77,12 @@ pub fn topic(cmd: TopicCommand) -> Res {
     match cmd {
         TopicCommand::Create { name, server, durable } => server.target()?.create_topic(&name, durable)?,
         TopicCommand::List { server } => {
-            for name in server.target()?.list_topics()? {
+            let target = server.target()?;
+            for name in target.list_topics()? {
                 println!("{name}");
+            }
+            if let Some(partial) = target.partial_listing() {
+                return Ok(partial);
             }
         }
         TopicCommand::Remove { name, server } => server.target()?.remove_topic(&name)?,

@@ -813,8 +813,12 @@ pub fn queue(cmd: QueueCommand) -> Res {
             server.target()?.create_queue(&name, config)?;
         }
         QueueCommand::List { server } => {
-            for name in server.target()?.list_queues()? {
+            let target = server.target()?;
+            for name in target.list_queues()? {
                 println!("{name}");
+            }
+            if let Some(partial) = target.partial_listing() {
+                return Ok(partial);
             }
         }
         QueueCommand::Remove { name, server } => server.target()?.remove_queue(&name)?,

@@ -95,6 +95,17 @@ impl Target {
         }
     }
 
+    /// After a listing: on a cluster with servers down, names them on stderr and returns the
+    /// exit status that says the list is partial (3, as `consume` says a partial drain).
+    pub fn partial_listing(&self) -> Option<std::process::ExitCode> {
+        let down = self.servers_down();
+        if down.is_empty() {
+            return None;
+        }
+        eprintln!("petrel: not listed, servers down: {}", down.join("; "));
+        Some(std::process::ExitCode::from(3))
+    }
+
     /// The servers of a cluster that are down now, with why (none for one server: its loss is
     /// an error of the call itself).
     pub fn servers_down(&self) -> Vec<String> {

@@ -444,6 +444,16 @@ fn produce_on_a_cluster_keys_its_lines_to_one_server_and_creates_past_a_server_d
     assert_eq!(out.status.code(), Some(3), "{err}");
     assert_eq!(lines.lines().count(), 2, "{lines}");
     assert!(err.contains("servers down") && err.contains(&down), "{err}");
+    // A listing past the server down lists the others', names it, and exits 3 (it was exit 0
+    // with a partial list).
+    for kind in ["queue", "topic"] {
+        let out = petrel(&[kind, "list", "--server", &with_down], b"");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{kind} list: {err}");
+        assert!(err.contains("servers down") && err.contains(&down), "{err}");
+    }
+    let out = petrel(&["queue", "list", "--server", &with_down], b"");
+    assert!(String::from_utf8_lossy(&out.stdout).lines().any(|l| l == "fresh"), "the others' queues are listed");
 }
 
 /// `--server A,B,C` on the client commands: a queue made on every server, lines offered across
