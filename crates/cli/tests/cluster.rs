@@ -577,7 +577,11 @@ fn client_commands_take_a_list_of_servers() {
     let said = String::from_utf8_lossy(&out.stderr);
     let done = format!("(done on {}, {})", servers[0].addr, servers[1].addr);
     assert!(said.contains(&down_addr) && said.contains(&done), "{said}");
-    assert!(run(&["queue", "list"], b"").lines().any(|l| l == "later"));
+    // Listed from the others, the server down named and the list said partial (exit 3).
+    let out = petrel(&["queue", "list", "--server", &list], b"");
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&down_addr));
+    assert!(String::from_utf8_lossy(&out.stdout).lines().any(|l| l == "later"));
 }
 
 /// `petrel reply` serves its function again after its server restarts: a client that only serves
