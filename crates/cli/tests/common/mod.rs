@@ -16,8 +16,15 @@ pub fn petrel(args: &[&str], stdin: &[u8]) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let _ = child.stdin.take().unwrap().write_all(stdin);
-    child.wait_with_output().unwrap()
+    // Written from a thread of its own while the output is read: a command that writes much
+    // before it has read all its input (`log append` prints each offset) would otherwise fill
+    // its output pipe while this waited to write the rest of the input.
+    let mut input = child.stdin.take().unwrap();
+    let stdin = stdin.to_vec();
+    let writer = std::thread::spawn(move || drop(input.write_all(&stdin)));
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    out
 }
 
 pub struct Server {
