@@ -65,6 +65,11 @@ impl Setup {
     }
 }
 
+/// Asks `server` to reload its configuration, as `systemctl reload` does.
+fn sighup(server: &Server) {
+    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+}
+
 async fn login(server: &Server, user: &str) -> Result<Client, ClientError> {
     let password = USERS.iter().find(|u| u.0 == user).map_or("nope", |u| u.1);
     login_with(server, user, password).await
@@ -551,7 +556,7 @@ async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_wa
     setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
     let users = setup.dir.path().join("users.toml");
     assert!(Command::new(PETREL).args(["user", "remove"]).arg(&users).arg("jon").status().unwrap().success());
-    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    sighup(&server);
     common::wait_until_async("the reload in force", || async {
         let mut probe = connect("tom", "3-kio");
         exchange(&mut probe, "get jobs\r\n").starts_with("CLIENT_ERROR")
@@ -593,8 +598,7 @@ async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
     let tom = login(&server, "tom").await.unwrap();
     tom.offer("q", vec![msg("before")], None).await.unwrap();
     setup.write_config(&allow.replace("\"offer\"", "\"deny\""));
-    let hup = Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
-    assert!(hup.success());
+    sighup(&server);
     let mut decided = None;
     for _ in 0..500 {
         match tom.offer("q", vec![msg("after")], None).await {
@@ -623,7 +627,7 @@ async fn a_reload_denies_a_temporary_fanout_child_s_owner_its_parent_s_copies() 
     max.offer("payroll", vec![msg("before")], None).await.unwrap();
     assert_eq!(tom.poll("payroll+tap", TAKE).await.unwrap().len(), 1);
     setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
-    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    sighup(&server);
     common::wait_until_async("the reload in force", || async {
         tom.poll("payroll", TAKE).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
     })
@@ -648,7 +652,7 @@ async fn a_reload_refuses_a_poll_that_was_waiting_for_a_message() {
     });
     tokio::time::sleep(Duration::from_millis(200)).await; // (the poll waits)
     setup.write_config(&allow.replace("\"poll\"", "\"deny\""));
-    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    sighup(&server);
     let probe = login(&server, "tom").await.unwrap();
     common::wait_until_async("the reload in force", || async {
         probe.poll("q", TAKE).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
@@ -695,7 +699,7 @@ async fn a_reload_keeps_a_connection_whose_subscription_the_server_ended() {
     assert!(matches!(sub.next().await, Some(Err(_)) | None), "ended by the server");
     let deny = "[[security.acl]]\nkind = \"queue\"\nname = \"other\"\nuser = \"tom\"\naccess = \"deny\"\n";
     setup.write_config(deny);
-    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    sighup(&server);
     common::wait_until_async("the reload in force", || async {
         tom.poll("other", TAKE).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
     })
@@ -731,8 +735,7 @@ async fn a_reload_finds_a_relative_users_file_beside_the_configuration() {
     assert!(std::env::current_dir().unwrap() != setup.dir.path(), "the server runs elsewhere");
     login(&server, "max").await.unwrap();
     add_user(&setup.dir.path().join("users.toml"), "ann", "an-12", false);
-    let hup = Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
-    assert!(hup.success());
+    sighup(&server);
     let mut logged_in = None;
     for _ in 0..500 {
         logged_in = login_with(&server, "ann", "an-12").await.ok();
@@ -764,7 +767,7 @@ async fn a_reload_ends_subscriptions_and_connections_the_new_rules_do_not_allow(
     let users = setup.dir.path().join("users.toml");
     assert!(Command::new(PETREL).args(["user", "remove"]).arg(&users).arg("jak").status().unwrap().success());
     let tom_again = login(&server, "tom").await.unwrap();
-    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    sighup(&server);
     // Once the new rules decide tom's requests (and the connections have had a moment to look).
     common::wait_until_async("the reload in force", || async {
         tom_again.publish("news", vec![msg("x")]).await.is_err_and(|e| e.status() == Some(Status::Forbidden))
@@ -799,7 +802,7 @@ async fn the_server_status_names_no_queue_a_user_may_not_see() {
     let setup = Setup::new(&format!("{deny}[queues.payroll]\nmax_items = 10\n"));
     let server = setup.start();
     setup.write_config(&format!("{deny}[queues.payroll]\nmax_items = 20\n"));
-    assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
+    sighup(&server);
     let status = |credentials: &str| {
         let mut http = std::net::TcpStream::connect(&server.http).unwrap();
         http.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
