@@ -65,6 +65,11 @@ impl Setup {
     }
 }
 
+/// A `[[security.acl]]` entry for queue `name`.
+fn queue_entry(name: &str, user: &str, access: &str) -> String {
+    format!("[[security.acl]]\nkind = \"queue\"\nname = \"{name}\"\nuser = \"{user}\"\naccess = \"{access}\"\n")
+}
+
 /// Asks `server` to reload its configuration, as `systemctl reload` does.
 fn sighup(server: &Server) {
     assert!(Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap().success());
@@ -590,7 +595,7 @@ async fn a_memcache_reload_keeps_open_items_closable_and_ends_a_removed_users_wa
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
-    let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"q\"\nuser = \"tom\"\naccess = \"offer\"\n";
+    let allow = &queue_entry("q", "tom", "offer");
     let setup = Setup::new(allow);
     let server = setup.start();
     let max = login(&server, "max").await.unwrap();
@@ -617,7 +622,7 @@ async fn sighup_reload_changes_a_decision_without_dropping_the_connection() {
 /// it that he made gets: his own queue's use was allowed whatever the rules said since.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_denies_a_temporary_fanout_child_s_owner_its_parent_s_copies() {
-    let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"payroll\"\nuser = \"tom\"\naccess = \"poll\"\n";
+    let allow = &queue_entry("payroll", "tom", "poll");
     let setup = Setup::new(allow);
     let server = setup.start();
     let max = login(&server, "max").await.unwrap();
@@ -640,7 +645,7 @@ async fn a_reload_denies_a_temporary_fanout_child_s_owner_its_parent_s_copies() 
 /// message comes, and does not take it (an offer waiting for room likewise).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_refuses_a_poll_that_was_waiting_for_a_message() {
-    let allow = "[[security.acl]]\nkind = \"queue\"\nname = \"q\"\nuser = \"tom\"\naccess = \"poll\"\n";
+    let allow = &queue_entry("q", "tom", "poll");
     let setup = Setup::new(allow);
     let server = setup.start();
     let max = login(&server, "max").await.unwrap();
@@ -697,7 +702,7 @@ async fn a_reload_keeps_a_connection_whose_subscription_the_server_ended() {
     let mut sub = tom.subscribe("news", 0).await.unwrap();
     max.remove_topic("news").await.unwrap();
     assert!(matches!(sub.next().await, Some(Err(_)) | None), "ended by the server");
-    let deny = "[[security.acl]]\nkind = \"queue\"\nname = \"other\"\nuser = \"tom\"\naccess = \"deny\"\n";
+    let deny = &queue_entry("other", "tom", "deny");
     setup.write_config(deny);
     sighup(&server);
     common::wait_until_async("the reload in force", || async {

@@ -140,7 +140,14 @@ impl Follower {
         if self.lost.is_some() {
             return Ok(0);
         }
-        match self.client.ack(queue, handles).await {
+        let answer = self.client.ack(queue, handles).await;
+        self.zero_if_lost(answer)
+    }
+
+    /// `answer` of a request about the current connection's deliveries; a lost connection is
+    /// noted (the next poll reconnects) and answers 0: they went back with it.
+    fn zero_if_lost(&mut self, answer: Result<u32, ClientError>) -> Result<u32, ClientError> {
+        match answer {
             Err(e) if e.is_connection_lost() => {
                 self.lost = Some(e);
                 Ok(0)
@@ -156,13 +163,8 @@ impl Follower {
         if self.lost.is_some() {
             return Ok(0);
         }
-        match self.client.give_back_unseen(queue, handles).await {
-            Err(e) if e.is_connection_lost() => {
-                self.lost = Some(e);
-                Ok(0)
-            }
-            other => other,
-        }
+        let answer = self.client.give_back_unseen(queue, handles).await;
+        self.zero_if_lost(answer)
     }
 
     /// Subscribes to `topic` live (see `Client::subscribe`), again after each reconnect.
