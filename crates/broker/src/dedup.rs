@@ -9,7 +9,7 @@
 //!
 //! Layout, for a window larger than the caches (100,000 keys by default, up to 10 million): the
 //! keys, oldest first, in a ring (`order`), each with its sequence number; and an index from a
-//! key to its place in the ring, of 8-byte slots (a 32-bit tag of the key's hash and the ring
+//! key to its place in the ring, of slots (a 32-bit tag of the key's hash and a 32-bit ring
 //! sequence), seven to a 64-byte bucket. A new key costs one cache miss (its bucket, looked up
 //! and then written); forgetting the oldest key costs none, because a slot whose sequence has
 //! left the ring is simply free (the index is never cleaned, only overwritten). A key whose home
@@ -17,7 +17,7 @@
 //! a lookup goes on past a bucket only while keys that passed it are remembered.
 
 use std::collections::VecDeque;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, Hasher};
 
 /// A key as the window knows it: two independently seeded 64-bit hashes of its bytes. Keeping
 /// the hash instead of the key means no allocation per key and one cache miss fewer per lookup
@@ -34,25 +34,65 @@ pub(crate) struct KeyHasher([foldhash::quality::RandomState; 2]);
 
 impl KeyHasher {
     pub fn hash(&self, key: &str) -> KeyHash {
+        // The bytes written once, without `Hash for str`'s end marker: a lone write is its own
+        // end (the hasher mixes the length in), and the marker cost a third of the hash.
+        let one = |state: &foldhash::quality::RandomState| {
+            let mut hasher = state.build_hasher();
+            hasher.write(key.as_bytes());
+            hasher.finish()
+        };
         let [a, b] = &self.0;
-        (u128::from(a.hash_one(key)) << 64) | u128::from(b.hash_one(key))
+        (u128::from(one(a)) << 64) | u128::from(one(b))
     }
 }
 
-/// Slots of a bucket of the index; its eighth word is its `overflow` count.
+/// Slots of a bucket of the index.
 const SLOTS: usize = 7;
+/// Lanes of a bucket's two arrays: its slots, and in the tags' last lane its `overflow` count.
+const LANES: usize = SLOTS + 1;
+/// The lanes that are slots, as bits.
+const SLOT_BITS: u32 = (1 << SLOTS) - 1;
 /// Buckets of the smallest index.
 const MIN_BUCKETS: usize = 16;
 
-/// One cache line of the index.
+/// One cache line of the index: seven slots, each a key's tag and its ring sequence. The tags
+/// and the sequences are kept apart, as two arrays of 32-bit lanes, which the compiler compares
+/// several at a time even on the x86-64 baseline (SSE2 has no 64-bit compare: slots of one
+/// 64-bit word each were compared one by one, half of what placing a key cost).
 #[derive(Clone, Copy, Default)]
 #[repr(C, align(64))]
 struct Bucket {
-    /// 0: never used; else a key's tag (high half, never 0) and its ring sequence (low half).
-    /// A slot whose sequence is not in the ring is free.
-    slots: [u64; SLOTS],
-    /// Remembered keys that passed this bucket, full when they came, for a later one.
-    overflow: u64,
+    /// 0: never used; else a key's tag (never 0). The last lane is `overflow`: remembered keys
+    /// that passed this bucket, full when they came, for a later one.
+    tags: [u32; LANES],
+    /// The ring sequence of the key whose tag the slot holds. A slot whose sequence is not in
+    /// the ring is free. (The last lane is not used.)
+    seqs: [u32; LANES],
+}
+
+impl Bucket {
+    fn overflow(&self) -> u32 {
+        self.tags[SLOTS]
+    }
+
+    fn overflow_mut(&mut self) -> &mut u32 {
+        &mut self.tags[SLOTS]
+    }
+
+    /// The slots whose tag is `tag`, as bits (slot `i`: bit `i`).
+    fn tagged(&self, tag: u32) -> u32 {
+        lanes_where(|i| self.tags[i] == tag) & SLOT_BITS
+    }
+
+    /// The free slots of a ring of `len` keys whose first has sequence `first_seq`, as bits.
+    fn free(&self, first_seq: u32, len: u32) -> u32 {
+        lanes_where(|i| self.tags[i] == 0 || self.seqs[i].wrapping_sub(first_seq) >= len) & SLOT_BITS
+    }
+}
+
+/// The lanes for which `f` holds, as bits: the eight tests made without a branch between them.
+fn lanes_where(f: impl Fn(usize) -> bool) -> u32 {
+    (0..LANES).fold(0, |bits, i| bits | (u32::from(f(i)) << i))
 }
 
 /// The keys a queue remembers, oldest first, and the index that finds them.
@@ -104,9 +144,9 @@ impl Remembered {
     }
 }
 
-/// The tag a slot keeps of `key`, in its high half: never 0, so that a used slot never is.
-fn tag(key: KeyHash) -> u64 {
-    ((key >> 96) as u64) | 1
+/// The tag a slot keeps of `key`: never 0, so that a used slot's never is.
+fn tag(key: KeyHash) -> u32 {
+    ((key >> 96) as u32) | 1
 }
 
 /// `key`'s home bucket among `buckets` (a power of two): from bits the tag does not use.
@@ -114,32 +154,20 @@ fn home(key: KeyHash, buckets: usize) -> usize {
     (key as u64 as usize) & (buckets - 1)
 }
 
-/// Where the slot `slot` points in a ring of `len` keys whose first has sequence `first_seq`,
-/// if it is used and its key is still in the ring.
-fn live(slot: u64, first_seq: u32, len: usize) -> Option<usize> {
-    let i = (slot as u32).wrapping_sub(first_seq) as usize;
-    (slot != 0 && i < len).then_some(i)
-}
-
-/// The slots of `bucket` for which `f` holds, as bits (slot `i`: bit `i`): the seven tests made
-/// without a branch between them, which the compiler turns into a few vector instructions.
-fn slots_where(bucket: &Bucket, f: impl Fn(u64) -> bool) -> u32 {
-    bucket.slots.iter().enumerate().fold(0, |bits, (i, &slot)| bits | (u32::from(f(slot)) << i))
-}
-
 /// Puts `key` with sequence `seq` in the first free slot from its home bucket on, counting it in
 /// each full bucket it passes; returns how many it passed. The index must have a free slot.
-fn place(buckets: &mut [Bucket], key: KeyHash, seq: u32, first_seq: u32, len: usize) -> u32 {
+fn place(buckets: &mut [Bucket], key: KeyHash, seq: u32, first_seq: u32, len: u32) -> u32 {
     let mask = buckets.len() - 1;
     let mut b = home(key, buckets.len());
     for displaced in 0..buckets.len() as u32 {
         let bucket = &mut buckets[b];
-        let free = slots_where(bucket, |slot| live(slot, first_seq, len).is_none());
+        let free = bucket.free(first_seq, len);
         if free != 0 {
-            bucket.slots[free.trailing_zeros() as usize] = (tag(key) << 32) | u64::from(seq);
+            let slot = free.trailing_zeros() as usize;
+            (bucket.tags[slot], bucket.seqs[slot]) = (tag(key), seq);
             return displaced;
         }
-        bucket.overflow += 1;
+        *bucket.overflow_mut() += 1;
         b = (b + 1) & mask;
     }
     unreachable!("the index is kept at most half full")
@@ -192,12 +220,12 @@ impl DedupWindow {
         let mut folded = 0;
         let mut new = 0;
         for key in keys.iter().flatten() {
-            folded ^= self.buckets[home(*key, self.buckets.len())].overflow;
+            folded ^= self.buckets[home(*key, self.buckets.len())].overflow();
             new += 1;
         }
         let forgotten = (self.order.len() + new).saturating_sub(max_keys).min(self.order.len());
         for oldest in self.order.range(..forgotten) {
-            folded ^= u64::from(oldest.displaced);
+            folded ^= oldest.displaced;
         }
         std::hint::black_box(folded);
     }
@@ -212,17 +240,15 @@ impl DedupWindow {
         let mut b = home(key, self.buckets.len());
         for _ in 0..self.buckets.len() {
             let bucket = &self.buckets[b];
-            let mut tagged = slots_where(bucket, |slot| slot >> 32 == tag);
+            let mut tagged = bucket.tagged(tag);
             while tagged != 0 {
-                let slot = bucket.slots[tagged.trailing_zeros() as usize];
+                let i = bucket.seqs[tagged.trailing_zeros() as usize].wrapping_sub(self.first_seq()) as usize;
                 tagged &= tagged - 1;
-                if let Some(i) = live(slot, self.first_seq(), self.order.len())
-                    && self.order[i].key == whole
-                {
+                if i < self.order.len() && self.order[i].key == whole {
                     return Some(i);
                 }
             }
-            if bucket.overflow == 0 {
+            if bucket.overflow() == 0 {
                 return None;
             }
             b = (b + 1) & mask;
@@ -237,8 +263,8 @@ impl DedupWindow {
         if (self.order.len() + 1) * 2 > self.buckets.len() * SLOTS {
             self.rebuild((self.buckets.len() * 2).max(MIN_BUCKETS));
         }
-        let (first_seq, len) = (self.first_seq(), self.order.len());
-        let displaced = place(&mut self.buckets, key, first_seq.wrapping_add(len as u32), first_seq, len);
+        let (first_seq, len) = (self.first_seq(), self.order.len() as u32);
+        let displaced = place(&mut self.buckets, key, first_seq.wrapping_add(len), first_seq, len);
         self.per_level[level] += 1;
         self.order.push_back(Remembered { key: words(key), id, at_ns, displaced, level: level as u8 });
     }
@@ -264,7 +290,7 @@ impl DedupWindow {
     fn rebuild(&mut self, buckets: usize) {
         assert!(buckets.is_power_of_two() && self.order.len() * 2 <= buckets * SLOTS, "an index at most half full");
         self.buckets = vec![Bucket::default(); buckets];
-        let (first_seq, len) = (self.first_seq(), self.order.len());
+        let (first_seq, len) = (self.first_seq(), self.order.len() as u32);
         for (i, k) in self.order.iter_mut().enumerate() {
             k.displaced = place(&mut self.buckets, k.key(), first_seq.wrapping_add(i as u32), first_seq, len);
         }
@@ -291,7 +317,7 @@ impl DedupWindow {
         if oldest.displaced > 0 {
             let (mut b, mask) = (home(oldest.key(), self.buckets.len()), self.buckets.len() - 1);
             for _ in 0..oldest.displaced {
-                self.buckets[b].overflow -= 1;
+                *self.buckets[b].overflow_mut() -= 1;
                 b = (b + 1) & mask;
             }
         }
@@ -445,7 +471,7 @@ mod tests {
     /// The index's invariants: each remembered key found at its place in the ring, and each
     /// bucket's `overflow` exactly the keys that passed it.
     fn check_index(w: &DedupWindow) {
-        let mut overflow = vec![0u64; w.buckets.len()];
+        let mut overflow = vec![0u32; w.buckets.len()];
         for (i, k) in w.order.iter().enumerate() {
             let key = k.key();
             assert_eq!(w.find(key), Some(i));
@@ -454,7 +480,7 @@ mod tests {
                 overflow[(home + d) % w.buckets.len()] += 1;
             }
         }
-        assert_eq!(w.buckets.iter().map(|b| b.overflow).collect::<Vec<_>>(), overflow);
+        assert_eq!(w.buckets.iter().map(Bucket::overflow).collect::<Vec<_>>(), overflow);
     }
 
     #[test]
@@ -474,7 +500,7 @@ mod tests {
         check_index(&w);
         assert_eq!((w.get_hashed(key(149)), w.get_hashed(key(150))), (None, Some(150)));
         w.evict(0, u64::MAX, 0);
-        assert!(w.buckets.iter().all(|b| b.overflow == 0));
+        assert!(w.buckets.iter().all(|b| b.overflow() == 0));
         assert_eq!(w.get_hashed(key(199)), None);
     }
 
