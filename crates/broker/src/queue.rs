@@ -1472,7 +1472,6 @@ impl Queue {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let mut answer_bytes = 0u64;
-        // (What goes wrong midway still settles the expired messages taken out: `settle_now`.)
         let taking = (|| -> Result<(), BrokerError> {
             while out.deliveries.len() < max {
                 let Some((message, taken)) = inner.next(period)? else { break };
@@ -1518,14 +1517,14 @@ impl Queue {
             Ok(())
         })();
         if let Err(e) = taking {
-            inner.settle_now(&mut out.expired);
-            if out.deliveries.is_empty() {
+            if out.deliveries.is_empty() && out.expired.is_empty() {
                 return Err(e);
             }
-            // Messages taken already go to their consumer (taken for good, they would be lost
-            // with the error; taken tentatively, out of reach until their timeout): the error
-            // is logged, and the next poll meets it again if it lasts.
-            tracing::error!(queue = %self.name, error = %e, "a poll stopped early: the messages it took are handed out");
+            // Messages taken already go on: to their consumer (taken for good, they would be
+            // lost with the error; taken tentatively, out of reach until their timeout), and
+            // expired ones to the dead-letter queue (dropped with the error, they were counted
+            // nowhere). The error is logged, and the next poll meets it again if it lasts.
+            tracing::error!(queue = %self.name, error = %e, "a poll stopped early: the messages it took are handed on");
         }
         drop(guard);
         if !out.deliveries.is_empty() || !out.expired.is_empty() {
@@ -1848,8 +1847,9 @@ impl Queue {
     }
 
     /// The message at the head of the highest level that has one, left in place; expired
-    /// messages before it are removed and returned (for the dead-letter queue).
-    pub fn peek(&self, now_ns: u64) -> Result<(Option<Message>, Leaving), BrokerError> {
+    /// messages before it are removed and returned (for the dead-letter queue), also those taken
+    /// out before an error.
+    pub fn peek(&self, now_ns: u64) -> (Result<Option<Message>, BrokerError>, Leaving) {
         let mut expired = Leaving::default();
         let dead_letter = !self.config().dead_letter.is_empty();
         let mut inner = self.lock();
@@ -1867,12 +1867,11 @@ impl Queue {
                 }
             }
         })();
-        let head = head.inspect_err(|_| inner.settle_now(&mut expired))?;
         drop(inner);
         if !expired.is_empty() {
             self.room.wake_one();
         }
-        Ok((head, expired))
+        (head, expired)
     }
 }
 
@@ -2823,13 +2822,6 @@ impl Inner {
         self.counters.expired += 1;
         self.leave(expired, head, taken, true)?;
         Ok(true)
-    }
-
-    /// Settles now what `leaving` left unsettled: what goes wrong on the way to the dead-letter
-    /// queue drops its messages, as without one (the error says why), and must not leave their
-    /// records taken for good.
-    fn settle_now(&mut self, leaving: &mut Leaving) {
-        self.settle_leaving(std::mem::take(&mut leaving.takings));
     }
 
     /// Settles messages that were leaving for the dead-letter queue (`leave` counted them).

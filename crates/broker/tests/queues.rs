@@ -1010,7 +1010,7 @@ fn offers_to_a_queue_that_syncs_each_offer_share_syncs_and_are_handed_out_only_o
     assert_eq!((first, count, unsynced.is_durable()), (1, 2, false));
     assert_eq!(q.counters().items, 2);
     assert!(b.poll("jobs", 5, None, 1, 0).unwrap().is_empty(), "not yet on disk");
-    assert!(q.peek(0).unwrap().0.is_none());
+    assert!(q.peek(0).0.unwrap().is_none());
     unsynced.wait().unwrap();
     assert_eq!(payloads(&b.poll("jobs", 5, None, 1, 0).unwrap()), [b"a".to_vec(), b"b".to_vec()]);
 
@@ -2270,4 +2270,51 @@ fn a_retry_of_repeats_is_answered_when_the_memory_budget_is_full() {
     let new = Message { idempotency_key: "new".into(), ..Message::new(vec![7u8; 256]) };
     let refused = b.offer("mem", vec![new], 3 * MS).unwrap_err();
     assert!(matches!(refused, BrokerError::Limit(_)), "{refused}");
+}
+
+/// Every file under `dir` whose bytes hold `needle`: that run of bytes overwritten with `with`.
+fn overwrite_in_files(dir: &std::path::Path, needle: &[u8], with: &[u8]) -> usize {
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            n += overwrite_in_files(&path, needle, with);
+            continue;
+        }
+        let mut bytes = std::fs::read(&path).unwrap();
+        if let Some(at) = bytes.windows(needle.len()).position(|w| w == needle) {
+            bytes[at..at + with.len()].copy_from_slice(with);
+            std::fs::write(&path, bytes).unwrap();
+            n += 1;
+        }
+    }
+    n
+}
+
+/// A poll (or a peek) takes an expired message out for the dead-letter queue, then fails to read
+/// the next (its record damaged): the expired one still reaches the dead-letter queue. Before,
+/// the error dropped it, gone from both queues and counted nowhere as lost.
+#[test]
+fn a_poll_that_fails_after_taking_an_expired_message_still_hands_it_to_the_dead_letter_queue() {
+    for peek in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+        b.create_queue("dead", QueueConfig::default(), None).unwrap();
+        let config = QueueConfig { durable: true, dead_letter: "dead".into(), ..QueueConfig::default() };
+        let q = b.create_queue("q", config, None).unwrap();
+        let mut early = Message::new(&b"expiring-message"[..]);
+        early.expires_at = 30 * MS;
+        b.offer("q", vec![early, Message::new(&b"damaged-message"[..])], 0).unwrap();
+        assert_eq!(overwrite_in_files(&dir.path().join("queues/q"), b"damaged-message", b"DAMAGED"), 1);
+        if peek {
+            let head = b.peek(&q, 40 * MS);
+            assert!(head.as_ref().is_ok_and(Option::is_none) || head.is_err(), "{head:?}");
+        } else {
+            let polled = b.poll("q", 5, None, 1, 40 * MS);
+            assert!(polled.as_ref().is_ok_and(Vec::is_empty) || polled.is_err(), "{polled:?}");
+        }
+        let dead = b.poll("dead", 5, None, 1, 40 * MS).unwrap();
+        assert_eq!(payloads(&dead), [b"expiring-message".to_vec()], "peek {peek}");
+        assert_eq!((q.counters().expired, q.counters().dead_letters_lost), (1, 0));
+    }
 }
