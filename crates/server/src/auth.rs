@@ -49,11 +49,27 @@ pub(crate) struct Peer {
     pub tls: bool,
     /// The common name of a verified client certificate.
     pub certificate_user: Option<String>,
+    /// On the Unix socket: the user id of the process at the other end, if the kernel says.
+    pub unix_uid: Option<u32>,
 }
 
 impl Peer {
-    pub fn unix() -> Peer {
-        Peer { addr: None, tls: false, certificate_user: None }
+    /// A TCP peer at `addr`.
+    pub fn tcp(addr: SocketAddr, tls: bool, certificate_user: Option<String>) -> Peer {
+        Peer { addr: Some(addr), tls, certificate_user, unix_uid: None }
+    }
+
+    /// A peer on the Unix socket, run by the user `uid`.
+    pub fn unix(uid: Option<u32>) -> Peer {
+        Peer { addr: None, tls: false, certificate_user: None, unix_uid: uid }
+    }
+
+    /// What its authentication attempts count against.
+    fn attempts_source(&self) -> Source {
+        match self.addr {
+            Some(addr) => Source::Ip(source(addr.ip())),
+            None => Source::UnixUser(self.unix_uid),
+        }
     }
 
     /// On this machine: a loopback address or the Unix socket.
@@ -69,7 +85,15 @@ pub(crate) const INVALID: &str = "invalid user name or password";
 /// IPv6 /64 (what one host is given: counting its addresses one by one would give it 2⁶⁴ tries a
 /// minute).
 pub(crate) struct AttemptLimiter {
-    windows: Mutex<HashMap<Option<IpAddr>, FixedWindow>>,
+    windows: Mutex<HashMap<Source, FixedWindow>>,
+}
+
+/// What attempts count against: an address (`source`), or a local user on the Unix socket (each
+/// its own window: one local user's guesses do not use up another's tries).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Source {
+    Ip(IpAddr),
+    UnixUser(Option<u32>),
 }
 
 /// Sources remembered at most; past it, windows that ended are dropped, then those with the
@@ -95,10 +119,9 @@ impl AttemptLimiter {
     }
 
     /// Counts an attempt from `addr`; `false` if it is over `per_minute`.
-    fn admit(&self, addr: Option<IpAddr>, per_minute: u32) -> bool {
+    fn admit(&self, addr: Source, per_minute: u32) -> bool {
         let now = Instant::now();
         let minute = Duration::from_secs(60);
-        let addr = addr.map(source);
         let mut windows = self.windows.lock().unwrap_or_else(|e| e.into_inner());
         if windows.len() >= MAX_TRACKED_ADDRESSES && !windows.contains_key(&addr) {
             windows.retain(|_, window| !window.ended(now, minute));
@@ -175,7 +198,7 @@ pub(crate) async fn verify_password(
         add(&ctx.stats.auth_failures, 1);
         return Err("a password is accepted only over TLS (allow_plaintext_auth permits it on loopback)".into());
     }
-    if !ctx.auth_attempts.admit(peer.addr.map(|a| a.ip()), settings.auth_attempts_per_minute) {
+    if !ctx.auth_attempts.admit(peer.attempts_source(), settings.auth_attempts_per_minute) {
         add(&ctx.stats.auth_rate_limited, 1);
         return Err(RATE_LIMITED.into());
     }
@@ -245,8 +268,8 @@ fn admit(ctx: &Arc<Ctx>, conn: ConnId, user: String) -> Result<Authenticated, St
 mod tests {
     use super::*;
 
-    fn ip(text: &str) -> Option<IpAddr> {
-        Some(text.parse().unwrap())
+    fn ip(text: &str) -> Source {
+        Source::Ip(source(text.parse().unwrap()))
     }
 
     /// An IPv6 host's /64 is one source; a table filled from many addresses keeps the busiest
@@ -263,7 +286,7 @@ mod tests {
         assert!(!limiter.admit(ip("2001:db8::3"), 5));
         for i in 0..2 * MAX_TRACKED_ADDRESSES as u32 {
             let v4 = std::net::Ipv4Addr::from(0x0a00_0000 + i);
-            limiter.admit(Some(IpAddr::V4(v4)), 5);
+            limiter.admit(Source::Ip(IpAddr::V4(v4)), 5);
         }
         assert!(!limiter.admit(ip("2001:db8::1"), 5), "still over its limit");
         assert!(limiter.windows.lock().unwrap().len() <= MAX_TRACKED_ADDRESSES);
@@ -272,5 +295,12 @@ mod tests {
             assert!(limiter.admit(ip("192.0.2.7"), 5));
         }
         assert!(!limiter.admit(ip("::ffff:192.0.2.7"), 5));
+        // On the Unix socket, each local user has a window of its own.
+        let (alice, bob) = (Peer::unix(Some(1000)), Peer::unix(Some(1001)));
+        for _ in 0..5 {
+            assert!(limiter.admit(alice.attempts_source(), 5));
+        }
+        assert!(!limiter.admit(alice.attempts_source(), 5));
+        assert!(limiter.admit(bob.attempts_source(), 5), "another user's tries are not used up");
     }
 }

@@ -106,7 +106,7 @@ impl Harness {
             1 => Some("tom".to_owned()),
             _ => Some("max".to_owned()),
         };
-        let peer = auth::Peer { addr: Some(([127, 0, 0, 1], 1).into()), tls: false, certificate_user };
+        let peer = auth::Peer::tcp(([127, 0, 0, 1], 1).into(), false, certificate_user);
         let runs = self.runs.fetch_add(1, Ordering::Relaxed);
         let ctx = Arc::clone(&self.ctx);
         self.rt.block_on(async move {

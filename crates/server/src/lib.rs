@@ -372,7 +372,8 @@ impl Server {
                         Ok(stream) if connections.len() < ctx.limits.max_connections() => {
                             let conn = next_conn.fetch_add(1, Ordering::Relaxed);
                             let greet_by = ctx.handshake_deadline();
-                            connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), auth::Peer::unix(), greet_by));
+                            let peer = auth::Peer::unix(stream.peer_cred().ok().map(|c| c.uid()));
+                            connections.spawn(native::serve(stream, Arc::clone(&ctx), conn, stop_rx.clone(), peer, greet_by));
                         }
                         Ok(stream) => {
                             stats::add(&ctx.stats.connections_refused, 1);
@@ -498,7 +499,7 @@ async fn open(
         // No handshake to wait for: a memcache client may open its connections long before it
         // uses them (a pool, at its program's start), and its silence is the idle timeout's to
         // end (or, on a server with users, the login's deadline: `memcache::serve`).
-        let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
+        let peer = auth::Peer::tcp(addr, false, None);
         return memcache::serve(stream, ctx, conn, stop, peer, greet_by).await;
     }
     let mut first = [0u8; 1];
@@ -520,8 +521,7 @@ async fn open(
             }
         };
         stats::add(&ctx.stats.tls_connections, 1);
-        let peer =
-            auth::Peer { addr: Some(addr), tls: true, certificate_user: tls::certificate_user(stream.get_ref().1) };
+        let peer = auth::Peer::tcp(addr, true, tls::certificate_user(stream.get_ref().1));
         return match protocol {
             Protocol::Native => native::serve(stream, ctx, conn, stop, peer, greet_by).await,
             Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer, greet_by).await,
@@ -532,7 +532,7 @@ async fn open(
         let reason = "this server requires TLS".to_owned();
         return refuse(stream, None, protocol, petrel_proto::Status::Unauthorized, reason).await;
     }
-    let peer = auth::Peer { addr: Some(addr), tls: false, certificate_user: None };
+    let peer = auth::Peer::tcp(addr, false, None);
     match protocol {
         Protocol::Native => native::serve(stream, ctx, conn, stop, peer, greet_by).await,
         Protocol::Memcache => memcache::serve(stream, ctx, conn, stop, peer, greet_by).await,

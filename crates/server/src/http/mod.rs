@@ -237,8 +237,10 @@ async fn authenticate(
     let Some((user, password)) = credentials.as_deref().and_then(|c| c.split_once(':')) else {
         return Err(ask("authentication required (HTTP basic: a user of the server)"));
     };
-    let peer =
-        Peer { addr: remote.as_ref().map(|r| r.addr), tls: remote.is_some_and(|r| r.tls), certificate_user: None };
+    let peer = match &remote {
+        Some(r) => Peer::tcp(r.addr, r.tls, None),
+        None => Peer::unix(None),
+    };
     let transport_allows = peer.tls || (ctx.config.security.allow_plaintext_auth && peer.is_local());
     if transport_allows && let Some(user) = ctx.http_logins.get(credentials.as_deref().unwrap_or_default()) {
         return Ok(Some(Principal { user, conn: 0 }));

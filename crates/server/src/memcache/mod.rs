@@ -894,11 +894,7 @@ mod tests {
             ctx.broker.create_queue("slowq", petrel_broker::QueueConfig::default(), None).unwrap();
             let (mut client, server) = tokio::io::duplex(64);
             let (_stop, stop) = tokio::sync::watch::channel(false);
-            let peer = crate::auth::Peer {
-                addr: Some(([127, 0, 0, 1], 1).into()),
-                tls: false,
-                certificate_user: Some("max".into()),
-            };
+            let peer = crate::auth::Peer::tcp(([127, 0, 0, 1], 1).into(), false, Some("max".into()));
             let serving = tokio::spawn(super::serve(
                 server,
                 std::sync::Arc::clone(&ctx),

@@ -225,7 +225,7 @@ mod tests {
     fn a_queue_removed_while_still_held_and_made_again_is_found_anew() {
         let harness = crate::fuzzing::Harness::new();
         let ctx = harness.ctx();
-        let peer = Peer { addr: None, tls: false, certificate_user: None };
+        let peer = Peer::unix(None);
         let registered = crate::connections::Registry::open(ctx, 1, &peer, "native");
         let (_reading, closed) = tokio::sync::watch::channel(());
         let mut session = Session::new(ctx, 1, peer, &registered, closed);
