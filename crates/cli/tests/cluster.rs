@@ -967,3 +967,56 @@ async fn messages_kept_for_later_polls_go_back_unseen_at_the_end() {
     }
     assert_eq!((left, dead), (3, 0), "the one printed is gone; the one kept is back, not dead-lettered");
 }
+
+/// A message a cluster poll kept for later polls goes back unseen at half its visibility even
+/// if no poll of its queue comes: before, it waited for one, and its server took it back at its
+/// timeout as delivered — with `max_deliveries = 1`, into the dead-letter queue unseen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_kept_for_later_polls_goes_back_unseen_when_no_poll_comes() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    let limited = QueueConfig { max_deliveries: 1, dead_letter: "dlq".into(), ..QueueConfig::default() };
+    for s in &servers {
+        let c = s.client().await;
+        c.create_queue("dlq", QueueConfig::default()).await.unwrap();
+        c.create_queue("q", limited.clone()).await.unwrap();
+        c.offer("q", vec![Message::new("a"), Message::new("b")], None).await.unwrap();
+    }
+    let addrs: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let cluster = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
+    let options = PollOptions { max: 1, timeout: Duration::ZERO, visibility: Some(Duration::from_secs(1)) };
+    let got = cluster.poll("q", options).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(cluster.ack("q", &[got[0].handle]).await.unwrap(), 1);
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let (mut left, mut dead) = (0, 0);
+    for s in &servers {
+        let c = s.client().await;
+        left += c.queue_status("q").await.unwrap().items;
+        dead += c.queue_status("dlq").await.unwrap().items;
+    }
+    assert_eq!((left, dead), (3, 0), "the kept one is back in its queue, not dead-lettered");
+}
+
+/// Offers and publishes made in turn each go round the servers on their own: with one counter
+/// for both, on two servers every offer went to the same one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offers_between_publishes_still_go_round_the_servers() {
+    use common::Server;
+    let dir = tempfile::tempdir().unwrap();
+    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+    for s in &servers {
+        let c = s.client().await;
+        c.create_queue("q", QueueConfig::default()).await.unwrap();
+        c.create_topic("t", false).await.unwrap();
+    }
+    let addrs: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
+    let cluster = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
+    let mut offered_to = HashSet::new();
+    for _ in 0..10 {
+        offered_to.insert(cluster.offer("q", vec![Message::new("m")], None).await.unwrap().server);
+        cluster.publish("t", vec![Message::new("p")]).await.unwrap();
+    }
+    assert_eq!(offered_to.len(), 2, "offers went to {offered_to:?}");
+}

@@ -146,8 +146,11 @@ struct Member {
 /// servers have such a poll waiting.
 #[derive(Default)]
 struct Parked {
-    /// With when they were taken: kept past half their visibility timeout, they are given back.
+    /// With when they were taken: kept past half their visibility timeout, they are given back
+    /// (`sweep_later`).
     arrived: VecDeque<(Instant, ClusterDelivery)>,
+    /// A task gives back what `arrived` keeps too long.
+    sweeping: bool,
     waiting: HashSet<usize>,
     /// Callers of `poll` waiting for arrivals.
     callers: usize,
@@ -183,10 +186,22 @@ const MAX_PARKED: u32 = 1024;
 /// caller left) goes back to its queue if this process ends, instead of being lost.
 const HELD_FOR_GOOD: Duration = Duration::from_secs(60);
 
+/// What a turn among the servers is taken for: each kind of request goes round on its own, so
+/// that a producer that offers and publishes (or polls and offers) in turn does not send every
+/// offer to the same server.
+#[derive(Clone, Copy)]
+enum Turn {
+    Offer,
+    Poll,
+    Publish,
+    Call,
+}
+
 struct Shared {
     members: Vec<Member>,
     options: ClusterOptions,
-    next: AtomicUsize,
+    /// The next server in turn, per `Turn`.
+    next: [AtomicUsize; 4],
     /// Rung when a server comes up or a waiting poll brings deliveries.
     changed: Notify,
     parked: Mutex<HashMap<(String, u32), Parked>>,
@@ -258,15 +273,15 @@ impl Shared {
         result
     }
 
-    /// The servers in the order to try them: by rendezvous rank for a key (so a key stays on its
-    /// server while that one is up, and adding a server moves only the keys it wins), else in
-    /// turn from the next one.
-    fn order(&self, key: Option<&[u8]>) -> Vec<usize> {
+    /// The servers in the order to try them for `turn`: by rendezvous rank for a key (so a key
+    /// stays on its server while that one is up, and adding a server moves only the keys it
+    /// wins), else in turn from the next one.
+    fn order(&self, key: Option<&[u8]>, turn: Turn) -> Vec<usize> {
         let n = self.members.len();
         match key {
             Some(key) => rank(key, self.members.iter().map(|m| m.addr.as_str())),
             None => {
-                let start = self.next.fetch_add(1, Ordering::Relaxed);
+                let start = self.next[turn as usize].fetch_add(1, Ordering::Relaxed);
                 (0..n).map(|k| (start + k) % n).collect()
             }
         }
@@ -507,6 +522,55 @@ impl Settle {
     }
 }
 
+/// How long a delivery taken for polls of `key` stays with its server before it goes back (a
+/// poll for good holds its deliveries tentatively, for `HELD_FOR_GOOD`).
+fn kept_visibility(key: &(String, u32)) -> Duration {
+    match key.1 {
+        0 => HELD_FOR_GOOD,
+        ms => Duration::from_millis(u64::from(ms)),
+    }
+}
+
+/// Gives back what `key`'s arrivals keep past half their visibility, when that comes, as never
+/// handed out: without it they waited for the next poll of the key, which may never come, and
+/// their server took them back at their timeout as delivered (towards `max_deliveries`, and a
+/// dead-letter queue, though the application never saw them). One task a key while it keeps
+/// any, holding the cluster only weakly.
+fn sweep_later(shared: &Arc<Shared>, key: &(String, u32)) {
+    {
+        let mut parked = lock(&shared.parked);
+        let Some(p) = parked.get_mut(key) else { return };
+        if p.sweeping || p.arrived.is_empty() {
+            return;
+        }
+        p.sweeping = true;
+    }
+    let (weak, key) = (Arc::downgrade(shared), key.clone());
+    let limit = kept_visibility(&key) / 2;
+    tokio::spawn(async move {
+        loop {
+            let next = {
+                let Some(shared) = weak.upgrade() else { return };
+                let mut parked = lock(&shared.parked);
+                let Some(p) = parked.get_mut(&key) else { return };
+                let mut stale = Vec::new();
+                while let Some((at, _)) = p.arrived.front()
+                    && at.elapsed() > limit
+                {
+                    stale.extend(p.arrived.pop_front().map(|(_, d)| d));
+                }
+                let next = p.arrived.front().map(|(at, _)| *at + limit);
+                p.sweeping = next.is_some();
+                drop(parked);
+                settle_unanswered(&shared, &key.0, &stale, Settle::GiveBack);
+                next
+            };
+            let Some(next) = next else { return };
+            tokio::time::sleep_until((next + Duration::from_millis(1)).into()).await;
+        }
+    });
+}
+
 /// Acknowledges or returns `handles`, each on its own server, all servers at once. Handles of a
 /// connection since lost count for nothing (their messages went back to their queues).
 /// `settle` without waiting for the answers, each server's on its current connection (those of
@@ -671,7 +735,7 @@ impl Cluster {
             options,
             // Each client starts its turn at a server of its own, so that many short-lived
             // producers (one command each) spread their offers too.
-            next: AtomicUsize::new(random_start()),
+            next: std::array::from_fn(|_| AtomicUsize::new(random_start())),
             changed: Notify::new(),
             parked: Mutex::default(),
             seen: Mutex::default(),
@@ -781,7 +845,7 @@ impl Cluster {
             .map(|messages| Request::Offer { queue: queue.into(), timeout_ms: 0, messages })
             .collect();
         let mut again = Vec::new();
-        match shared.order(None).into_iter().find_map(|i| shared.current(i).map(|(c, n)| (i, c, n))) {
+        match shared.order(None, Turn::Offer).into_iter().find_map(|i| shared.current(i).map(|(c, n)| (i, c, n))) {
             None => again = requests.into_iter().enumerate().collect(),
             Some((server, client, connection)) => {
                 let answers = match shared
@@ -834,7 +898,7 @@ impl Cluster {
         messages: Vec<Message>,
         timeout: Option<Duration>,
     ) -> Result<Offered, ClientError> {
-        let order = self.shared.order(key);
+        let order = self.shared.order(key, Turn::Offer);
         let full = |e: &ClientError| e.status() == Some(Status::QueueFull);
         // A server without the queue passes the offer on too (one made while it was down): the
         // offer fails for it only if no server has it.
@@ -939,8 +1003,11 @@ impl Cluster {
             }
             if first {
                 first = false;
-                let up: Vec<(usize, Client, u64)> =
-                    shared.order(None).into_iter().filter_map(|i| shared.current(i).map(|(c, n)| (i, c, n))).collect();
+                let up: Vec<(usize, Client, u64)> = shared
+                    .order(None, Turn::Poll)
+                    .into_iter()
+                    .filter_map(|i| shared.current(i).map(|(c, n)| (i, c, n)))
+                    .collect();
                 any_up = !up.is_empty();
                 // The next server in turn alone first, asked for what every server up would
                 // have been asked for together (`max` each): while it has messages, a poll is
@@ -962,6 +1029,7 @@ impl Cluster {
                         let now = Instant::now();
                         let kept = taken.drain(max..).map(|d| (now, d));
                         lock(&shared.parked).entry(key.clone()).or_default().arrived.extend(kept);
+                        sweep_later(shared, &key);
                         shared.changed.notify_waiters();
                     }
                     let taken = shared.drop_copies(queue, taken);
@@ -1035,10 +1103,7 @@ impl Cluster {
     /// their server might hand them to another meanwhile), and those of a connection that has
     /// ended went back already.
     fn take_arrived(&self, key: &(String, u32), max: usize) -> Vec<ClusterDelivery> {
-        let visibility = match key.1 {
-            0 => HELD_FOR_GOOD,
-            ms => Duration::from_millis(u64::from(ms)),
-        };
+        let visibility = kept_visibility(key);
         let mut stale = Vec::new();
         let taken: Vec<ClusterDelivery> = {
             let mut parked = lock(&self.shared.parked);
@@ -1094,13 +1159,14 @@ impl Cluster {
                 let Some(shared) = shared.upgrade() else { return };
                 {
                     let mut parked = lock(&shared.parked);
-                    let p = parked.entry(key).or_default();
+                    let p = parked.entry(key.clone()).or_default();
                     p.waiting.remove(&i);
                     if let Ok(taken) = taken {
                         let now = Instant::now();
                         p.arrived.extend(deliveries(i, connection, taken).into_iter().map(|d| (now, d)));
                     }
                 }
+                sweep_later(&shared, &key);
                 shared.changed.notify_waiters();
             });
         }
@@ -1178,7 +1244,11 @@ impl Cluster {
     /// them. Returns how many subscribers that server reached.
     pub async fn publish(&self, topic: &str, messages: Vec<Message>) -> Result<u32, ClientError> {
         let request = Request::Publish { topic: topic.into(), messages };
-        match self.shared.first_answer(&self.shared.order(None), &request, Duration::ZERO, |_| false).await? {
+        match self
+            .shared
+            .first_answer(&self.shared.order(None, Turn::Publish), &request, Duration::ZERO, |_| false)
+            .await?
+        {
             (_, Response::Published { subscribers }) => Ok(subscribers),
             (_, other) => Err(crate::unexpected(other)),
         }
@@ -1258,7 +1328,7 @@ impl Cluster {
         let request =
             Request::Call { function: function.into(), timeout_ms, oneway: false, message: Box::new(message) };
         let not_here = |e: &ClientError| e.status() == Some(Status::FunctionNotFound);
-        match self.shared.first_answer(&self.shared.order(None), &request, wait, not_here).await? {
+        match self.shared.first_answer(&self.shared.order(None, Turn::Call), &request, wait, not_here).await? {
             (_, Response::Reply { message }) => Ok(*message),
             (_, other) => Err(crate::unexpected(other)),
         }
@@ -1270,7 +1340,10 @@ impl Cluster {
         let request =
             Request::Call { function: function.into(), timeout_ms: 0, oneway: true, message: Box::new(message) };
         let not_here = |e: &ClientError| e.status() == Some(Status::FunctionNotFound);
-        self.shared.first_answer(&self.shared.order(None), &request, Duration::ZERO, not_here).await.map(|_| ())
+        self.shared
+            .first_answer(&self.shared.order(None, Turn::Call), &request, Duration::ZERO, not_here)
+            .await
+            .map(|_| ())
     }
 
     /// Serves `function` on every server, and again on each one that comes back after a loss.
