@@ -114,6 +114,9 @@ pub struct ClientOptions {
     pub tls: Option<TlsOptions>,
     /// For the TCP connection, the TLS handshake and HELLO, each.
     pub connect_timeout: Duration,
+    /// For the answer to AUTH: longer than the others, since a server checks a few passwords at
+    /// a time (each a slow hash, a failure answered after a delay), so a login may wait its turn.
+    pub auth_timeout: Duration,
     /// Ask for zstd-compressed payloads: if the server agrees, payloads of at least this many
     /// bytes go compressed both ways (the server uses its own cutoff). `None`: never.
     pub compress_min_bytes: Option<usize>,
@@ -126,6 +129,7 @@ impl Default for ClientOptions {
             password: None,
             tls: None,
             connect_timeout: Duration::from_secs(5),
+            auth_timeout: Duration::from_secs(10),
             compress_min_bytes: None,
         }
     }
@@ -415,7 +419,7 @@ impl Client {
             }
             let connecting = tokio::net::UnixStream::connect(path);
             let stream = connect_within(addr, options.connect_timeout, connecting).await?;
-            return Client::start(stream, addr, options).await?.log_in(options).await;
+            return Client::start(stream, addr, options).await?.log_in(addr, options).await;
         }
         let connecting = tokio::net::TcpStream::connect(addr);
         let stream = connect_within(addr, options.connect_timeout, connecting).await?;
@@ -443,14 +447,17 @@ impl Client {
             }
             None => Client::start(stream, addr, options).await?,
         };
-        client.log_in(options).await
+        client.log_in(addr, options).await
     }
 
-    /// AUTH as `options.user`, if it names one.
-    async fn log_in(self, options: &ClientOptions) -> Result<Client, ClientError> {
+    /// AUTH as `options.user`, if it names one, within `auth_timeout`: a server that answered
+    /// HELLO and then stopped is a server down, not a connect that never returns (a cluster's
+    /// connect waits for every server).
+    async fn log_in(self, addr: &str, options: &ClientOptions) -> Result<Client, ClientError> {
         if let Some(user) = &options.user {
             let password = options.password.clone().unwrap_or_default();
-            self.call_op(Request::Auth { user: user.clone(), password }).await?;
+            let auth = self.call_op(Request::Auth { user: user.clone(), password });
+            answer_within(options.auth_timeout, addr, auth).await?;
         }
         Ok(self)
     }
@@ -1686,6 +1693,33 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), client.closed()).await.expect("closed once hung up");
         assert!(client.is_closed());
         tokio::time::timeout(Duration::from_secs(1), client.closed()).await.expect("and at once after");
+    }
+
+    /// A server that answers HELLO and never AUTH: the connect fails after `auth_timeout` as a
+    /// server that cannot be reached (a cluster goes on with the others), instead of waiting on.
+    #[tokio::test]
+    async fn a_server_that_never_answers_auth_is_given_up_on() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let (opcode, id) = read_request(&mut s).await;
+            let mut out = Vec::new();
+            Response::Hello { server: "fake".into(), max_frame: 64 << 10, features: 1 }.encode(opcode, id, &mut out);
+            s.write_all(&out).await.unwrap();
+            read_request(&mut s).await; // AUTH, never answered
+            s
+        });
+        let options = ClientOptions {
+            user: Some("max".into()),
+            password: Some("secret".into()),
+            auth_timeout: Duration::from_millis(300),
+            ..ClientOptions::default()
+        };
+        let connecting = Client::connect_with(&addr, &options);
+        let connected = tokio::time::timeout(Duration::from_secs(5), connecting).await.expect("gave up on AUTH");
+        assert!(connected.as_ref().is_err_and(ClientError::is_connection_lost), "{connected:?}");
+        drop(server.await.unwrap());
     }
 
     /// A server that says its frames hold 64 KiB, then answers a poll with a compressed payload
