@@ -30,6 +30,9 @@ pub struct Config {
     pub http_addr: Option<SocketAddr>,
     /// `/metrics` answers without authentication even when authentication is on.
     pub http_open_metrics: bool,
+    /// With authentication off, names (besides addresses and `localhost`) by which browsers may
+    /// reach the admin API and the dashboard (`http::from_this_site`: DNS rebinding).
+    pub http_allowed_hosts: Vec<String>,
     /// `/metrics` has series per queue (14 each); off, only server-wide ones (for servers with
     /// very many queues).
     pub metrics_per_queue: bool,
@@ -322,6 +325,7 @@ impl Default for Config {
             memcache_shutdown: false,
             http_addr: Some(DEFAULT_HTTP_ADDR.parse().expect("valid address")),
             http_open_metrics: false,
+            http_allowed_hosts: Vec::new(),
             metrics_per_queue: true,
             max_frame_bytes: petrel_proto::DEFAULT_MAX_FRAME,
             max_message_bytes: 16 << 20,

@@ -85,10 +85,15 @@ type Ctxt = State<Arc<Ctx>>;
 /// Refuses what a web page of another site can make a browser send here. A request that
 /// changes something (any method but GET and HEAD) and that the browser says comes from
 /// another site (`Sec-Fetch-Site`, or an `Origin` that is not this server's `Host`) is refused:
-/// a form's POST or a fetch cannot purge a queue (cross-site request forgery). With
-/// authentication off on a loopback listener, every request must also name a loopback host
-/// (`Host`), so that a page whose own name was made to resolve to 127.0.0.1 (DNS rebinding)
-/// reads nothing either. `curl` and other clients that are not browsers send neither header.
+/// a form's POST or a fetch cannot purge a queue (cross-site request forgery). `curl` and other
+/// clients that are not browsers send neither header.
+///
+/// With authentication off, a page whose own name was made to resolve to this server (DNS
+/// rebinding) is a page of the same origin to the browser: it must reach nothing through that
+/// name. On a loopback listener every request must name a loopback host (`Host`); on any other,
+/// the admin API and the dashboard answer only a `Host` that is an address, `localhost`, or a
+/// name in `http_allowed_hosts` (`/metrics` and the health checks answer any, for scrapers and
+/// probes that use the server's name).
 async fn from_this_site(State(ctx): Ctxt, request: axum::extract::Request, next: axum::middleware::Next) -> Response {
     let headers = request.headers();
     let text = |name: header::HeaderName| headers.get(name).and_then(|v| v.to_str().ok());
@@ -103,14 +108,40 @@ async fn from_this_site(State(ctx): Ctxt, request: axum::extract::Request, next:
             return refusal(StatusCode::FORBIDDEN, "a change sent by a page of another site is refused");
         }
     }
-    let loopback_only = !ctx.broker.auth_enabled() && ctx.config.http_addr.is_some_and(|a| a.ip().is_loopback());
-    if loopback_only && !host.is_none_or(names_loopback) {
-        return refusal(
-            StatusCode::FORBIDDEN,
-            "with authentication off, this listener answers only requests to a loopback host",
-        );
+    if !ctx.broker.auth_enabled()
+        && let Some(host) = host
+    {
+        let loopback_listener = ctx.config.http_addr.is_some_and(|a| a.ip().is_loopback());
+        let path = request.uri().path();
+        if let Some(why) = unsafe_host(host, path, loopback_listener, &ctx.config.http_allowed_hosts) {
+            return refusal(StatusCode::FORBIDDEN, why);
+        }
     }
     next.run(request).await
+}
+
+/// Why a request naming `host` for `path` is refused with authentication off (DNS rebinding,
+/// `from_this_site`), if it is.
+fn unsafe_host(host: &str, path: &str, loopback_listener: bool, allowed: &[String]) -> Option<&'static str> {
+    if loopback_listener && !names_loopback(host) {
+        return Some("with authentication off, this listener answers only requests to a loopback host");
+    }
+    let name = host_name(host);
+    let probe = matches!(path, "/metrics" | "/healthz" | "/readyz");
+    let safe = names_loopback(host)
+        || name.parse::<std::net::IpAddr>().is_ok()
+        || allowed.iter().any(|allowed| allowed.eq_ignore_ascii_case(name));
+    (!probe && !safe).then_some(
+        "with authentication off, the admin API and the dashboard answer only requests that name this server by an address, localhost, or a name in http_allowed_hosts (a web page whose own name was made to resolve here must reach nothing)",
+    )
+}
+
+/// The name (or address) a `Host` header names, without its port or an IPv6 address's brackets.
+fn host_name(host: &str) -> &str {
+    match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    }
 }
 
 /// Reads a request's body within `listener::REQUEST` of now (`408` past it, `413` past
@@ -142,10 +173,7 @@ async fn at_work(request: axum::extract::Request, next: axum::middleware::Next) 
 /// Whether a `Host` header names this machine's loopback: `localhost` or a loopback address,
 /// with or without a port.
 fn names_loopback(host: &str) -> bool {
-    let name = match host.strip_prefix('[') {
-        Some(v6) => v6.split(']').next().unwrap_or_default(),
-        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
-    };
+    let name = host_name(host);
     name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
@@ -349,5 +377,36 @@ async fn readyz(State(ctx): Ctxt) -> Response {
     match ready {
         Ok(()) => "ready\n".into_response(),
         Err(why) => refusal(StatusCode::SERVICE_UNAVAILABLE, why),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unsafe_host;
+
+    /// With authentication off, a browser may reach the admin API and the dashboard only by an
+    /// address, localhost or a listed name: any other name may be a rebinding page's own.
+    /// `/metrics` and the health checks answer any name (scrapers and probes by DNS name).
+    #[test]
+    fn a_name_that_could_be_a_rebinding_page_s_reaches_no_admin_route() {
+        let allowed = ["petrel.internal".to_owned()];
+        for (host, path, loopback_listener, refused) in [
+            ("evil.example:22135", "/api/v1/queues", false, true),
+            ("evil.example:22135", "/", false, true),
+            ("evil.example:22135", "/metrics", false, false),
+            ("evil.example:22135", "/readyz", false, false),
+            ("evil.example:22135", "/metrics", true, true),
+            ("10.1.2.3:22135", "/api/v1/queues", false, false),
+            ("[2001:db8::1]:22135", "/api/v1/queues", false, false),
+            ("localhost:22135", "/api/v1/queues", false, false),
+            ("127.0.0.1:22135", "/api/v1/queues", true, false),
+            ("10.1.2.3:22135", "/api/v1/queues", true, true),
+            ("PETREL.internal:22135", "/api/v1/queues", false, false),
+            ("petrel.internal", "/", false, false),
+            ("petrel.internal.evil.example", "/", false, true),
+        ] {
+            let answer = unsafe_host(host, path, loopback_listener, &allowed);
+            assert_eq!(answer.is_some(), refused, "{host} {path} loopback listener {loopback_listener}: {answer:?}");
+        }
     }
 }
