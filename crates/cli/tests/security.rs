@@ -1221,3 +1221,53 @@ fn a_client_that_never_reads_is_closed_at_the_handshake_timeout_and_does_not_hol
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Over TLS, answers larger than the sockets hold arrive whole, round after round. (A TLS
+/// stream's write returns once it has taken the bytes, not once it sent them: the server flushes
+/// after each answer. Whether a round here finds the last records held back depends on the
+/// socket's room at that moment, so the flush's own check is the server's unit test
+/// `answers_are_flushed_through_a_stream_that_holds_writes`.)
+#[test]
+fn large_answers_over_tls_arrive_whole() {
+    use rustls::pki_types::pem::PemObject;
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    cert_dev(&certs, "jak");
+    let config = dir.path().join("petrel.toml");
+    let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
+    std::fs::write(&config, format!("[security]\ntls_cert = {cert:?}\ntls_key = {key:?}\n")).unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(rustls::pki_types::CertificateDer::from_pem_file(certs.join("ca.pem")).unwrap()).unwrap();
+    let client_config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tcp = std::net::TcpStream::connect(&server.memcache).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // A small receive buffer (no autotuning): the server's socket fills at once and stays full.
+    rustix::net::sockopt::set_socket_recv_buffer_size(&tcp, 16 << 10).unwrap();
+    let session = rustls::ClientConnection::new(std::sync::Arc::new(client_config), name).unwrap();
+    let mut tls = rustls::StreamOwned::new(session, tcp);
+
+    for round in 0..10 {
+        let value = vec![b'v'; (1 << 20) + round * 40_009];
+        tls.write_all(format!("set big 0 0 {}\r\n", value.len()).as_bytes()).unwrap();
+        tls.write_all(&value).unwrap();
+        tls.write_all(b"\r\n").unwrap();
+        tls.flush().unwrap();
+        let mut stored = [0u8; 8];
+        tls.read_exact(&mut stored).unwrap();
+        assert_eq!(&stored, b"STORED\r\n");
+        tls.write_all(b"get big\r\n").unwrap();
+        tls.flush().unwrap();
+        let head = format!("VALUE big 0 {}\r\n", value.len());
+        let mut answer = vec![0u8; head.len() + value.len() + b"\r\nEND\r\n".len()];
+        tls.read_exact(&mut answer).unwrap_or_else(|e| panic!("round {round}: the whole answer within 10 s: {e}"));
+        assert!(answer.starts_with(head.as_bytes()) && answer.ends_with(b"v\r\nEND\r\n"));
+    }
+}

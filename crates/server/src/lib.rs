@@ -474,7 +474,7 @@ async fn accept_tcp(listener: Option<&TcpListener>) -> std::io::Result<(TcpStrea
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Protocol {
     Native,
     Memcache,
@@ -799,5 +799,46 @@ mod tests {
         assert_eq!((0..500).filter_map(|i| lines.take(at(1 + i))).count(), 0);
         assert_eq!(lines.take(at(1000)), Some(500), "the line after says how many were left out");
         assert_eq!(lines.take(at(2500)), Some(0));
+    }
+
+    /// Both protocols flush their streams once an answer is written. A TLS stream's write
+    /// returns once it took the bytes, not once it sent them; a stream that holds writes until
+    /// flushed (`BufWriter`, as TLS holds records the socket could not take at once) shows
+    /// whether the server sends what it holds, or leaves the client waiting for its answer.
+    #[test]
+    fn answers_are_flushed_through_a_stream_that_holds_writes() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
+        let harness = crate::fuzzing::Harness::new();
+        let ctx = Arc::clone(harness.ctx());
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            for protocol in [Protocol::Native, Protocol::Memcache] {
+                let (mut client, server) = tokio::io::duplex(1 << 20);
+                let server = BufWriter::with_capacity(1 << 20, server);
+                let (_stop, stop) = watch::channel(false);
+                let peer = auth::Peer::tcp(([127, 0, 0, 1], 1).into(), false, Some("max".into()));
+                let deadline = ctx.handshake_deadline();
+                let serving = match protocol {
+                    Protocol::Native => tokio::spawn(native::serve(server, Arc::clone(&ctx), 1, stop, peer, deadline)),
+                    Protocol::Memcache => {
+                        tokio::spawn(memcache::serve(server, Arc::clone(&ctx), 2, stop, peer, deadline))
+                    }
+                };
+                let (request, answer_starts) = match protocol {
+                    Protocol::Native => {
+                        let mut frame = Vec::new();
+                        petrel_proto::Request::Ping.encode(7, &mut frame).unwrap();
+                        (frame, 4)
+                    }
+                    Protocol::Memcache => (b"version\r\n".to_vec(), 8),
+                };
+                client.write_all(&request).await.unwrap();
+                let mut answer = vec![0u8; answer_starts];
+                let read = tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut answer)).await;
+                assert!(read.is_ok_and(|r| r.is_ok()), "{protocol:?}: no answer");
+                drop(client);
+                let _ = serving.await;
+            }
+        });
     }
 }

@@ -239,11 +239,20 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         // between writes (a blocking get's wait ends when an item comes) leaves only what is
         // still to go, never bytes sent already (they went out twice).
         let ok = loop {
-            if self.out_sent == self.out.len() {
-                break true;
-            }
+            // Once all is taken, a flush: a TLS stream may still hold the last records of what
+            // it took (its write returns once it has the bytes, not once they are sent), and
+            // nothing else would send them before the client's next request, which waits for
+            // them.
+            let flushing = self.out_sent == self.out.len();
+            let (stream, rest) = (&mut self.stream, &self.out[self.out_sent..]);
+            let step = async move {
+                match flushing {
+                    true => stream.flush().await.map(|()| None),
+                    false => stream.write(rest).await.map(Some),
+                }
+            };
             let written = tokio::select! {
-                written = self.stream.write(&self.out[self.out_sent..]) => written,
+                written = step => written,
                 _ = crate::sleep_until_or_never(deadline) => {
                     if !stopping {
                         add(&self.ctx.stats.idle_closed, 1); // closed for silence, as the loop closes it
@@ -258,8 +267,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                 }
             };
             match written {
-                Ok(0) | Err(_) => break false,
-                Ok(n) => {
+                Ok(None) => break true,
+                Ok(Some(0)) | Err(_) => break false,
+                Ok(Some(n)) => {
                     self.out_sent += n;
                     add(&self.ctx.stats.bytes_written, n as u64);
                     self.connection.sent(n);

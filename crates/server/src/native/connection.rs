@@ -338,7 +338,18 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
             if sent > 0 {
                 add(&self.ctx.stats.bytes_written, sent as u64);
                 self.entry.sent(sent);
-                if sent == self.out.len() {
+                // A TLS stream may still hold the last records of what it took (its write
+                // returns once it has the bytes): sent now if the socket takes them, else by the
+                // task below, since nothing else would send them before the client's next
+                // request, which waits for them.
+                let flushed = sent == self.out.len()
+                    && std::future::poll_fn(|cx| match std::pin::Pin::new(&mut *wr).poll_flush(cx) {
+                        std::task::Poll::Pending => std::task::Poll::Ready(Ok(false)),
+                        std::task::Poll::Ready(done) => std::task::Poll::Ready(done.map(|()| true)),
+                    })
+                    .await
+                    .map_err(|_| Closed)?;
+                if flushed {
                     self.out.clear();
                     return Ok(());
                 }
@@ -354,7 +365,7 @@ impl<S: AsyncRead + AsyncWrite + Send + 'static> Connection<S> {
                 let finishing = self.finishing.insert(tokio::spawn(async move {
                     let written = tokio::select! {
                         biased;
-                        written = wr.write_all(&out[sent..]) => written.is_ok(),
+                        written = async { wr.write_all(&out[sent..]).await.and(wr.flush().await) } => written.is_ok(),
                         () = past_the_stop(&mut stop) => false,
                     };
                     match written {
@@ -504,5 +515,6 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(wr: &mut W, chunks: &[crate::
         }
         std::io::IoSlice::advance_slices(&mut rest, n);
     }
-    Ok(())
+    // What a TLS stream took and still holds (see `Connection::flush`).
+    wr.flush().await
 }
