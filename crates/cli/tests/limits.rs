@@ -1193,3 +1193,35 @@ fn a_large_message_goes_out_in_a_deliver_of_its_own() {
     }
     assert_eq!(per_frame, [1; 6]);
 }
+
+/// A memcache client that reads a large value slowly, but steadily, gets all of it: the idle
+/// timeout counts from the last byte it took. Before, it counted from the start of the answer's
+/// write, and the connection was closed mid-value (the item, taken for good, lost).
+#[test]
+fn a_memcache_client_reading_a_large_value_slowly_gets_all_of_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(dir.path(), "idle_timeout = \"1s\"\n");
+    let server = Server::start_with(&dir.path().join("data"), &["--config", &config]);
+    let mut mc = TcpStream::connect(&server.memcache).unwrap();
+    mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // A small receive buffer: the server's socket fills, and its write waits on this reader.
+    rustix::net::sockopt::set_socket_recv_buffer_size(&mc, 16 << 10).unwrap();
+    let value = vec![b'v'; 12 << 20];
+    mc.write_all(format!("set big 0 0 {}\r\n", value.len()).as_bytes()).unwrap();
+    mc.write_all(&value).unwrap();
+    mc.write_all(b"\r\n").unwrap();
+    let mut stored = [0u8; 8];
+    mc.read_exact(&mut stored).unwrap();
+    assert_eq!(&stored, b"STORED\r\n");
+    mc.write_all(b"get big\r\n").unwrap();
+    let head = format!("VALUE big 0 {}\r\n", value.len());
+    let mut answer = vec![0u8; head.len() + value.len() + b"\r\nEND\r\n".len()];
+    let started = std::time::Instant::now();
+    // 64 KiB every 10 ms: about 2 s for the whole value, twice the idle timeout.
+    for chunk in answer.chunks_mut(64 << 10) {
+        mc.read_exact(chunk).expect("the value, not a close");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(started.elapsed() > Duration::from_millis(1_500), "read slower than the idle timeout");
+    assert!(answer.starts_with(head.as_bytes()) && answer.ends_with(b"v\r\nEND\r\n"));
+}

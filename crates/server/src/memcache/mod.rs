@@ -216,10 +216,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         self.out.extend_from_slice(b"\r\n");
     }
 
-    /// Writes the answers waiting; `false` if the client is gone.
-    /// Writes the answers out. A client that does not read them holds this no longer than it may
-    /// be silent (before a login, the handshake timeout), nor more than the shutdown grace past a
-    /// shutdown: then the connection ends.
+    /// Writes the answers out; `false` if the client is gone. A client that stops reading them
+    /// holds this no longer than it may be silent (before a login, the handshake timeout), from
+    /// the last byte it took, nor more than the shutdown grace past a shutdown: then the
+    /// connection ends. (One that reads a large answer slowly is not cut: each write it takes
+    /// starts its time again.)
     async fn flush(&mut self) -> bool {
         if self.out.is_empty() {
             return true;
@@ -273,6 +274,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
                     self.out_sent += n;
                     add(&self.ctx.stats.bytes_written, n as u64);
                     self.connection.sent(n);
+                    if !stopping {
+                        deadline = stall.map(|d| tokio::time::Instant::now() + d);
+                    }
                 }
             }
         };
