@@ -1148,8 +1148,22 @@ impl DelayLog {
     }
 
     /// Marks the delayed messages at `offsets` done (taken out of the timers or the released
-    /// ones before), in one marker.
+    /// ones before), in as few markers as the log's record limit allows.
     pub fn mark_done(&mut self, offsets: &[u64]) -> Result<(), BrokerError> {
+        let (_, failed) = self.mark_done_in_markers(offsets, usize::MAX);
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Offsets one marker names at most: `per_marker`, within what one record of the log may
+    /// hold (8 bytes an offset). A marker larger than that could never be written: its messages
+    /// would stay taken but not done, and come again after a restart.
+    fn offsets_per_marker(&self, per_marker: usize) -> usize {
+        let room = self.log.max_record_bytes().saturating_sub(message::MARKER_OVERHEAD_BYTES) / 8;
+        per_marker.min(room).max(1)
+    }
+
+    /// Marks the delayed messages at `offsets` done in one marker.
+    fn mark_done_once(&mut self, offsets: &[u64]) -> Result<(), BrokerError> {
         if offsets.is_empty() {
             return Ok(());
         }
@@ -1169,17 +1183,15 @@ impl DelayLog {
         self.settled.push(offset);
     }
 
-    /// Writes the marker of the messages settled since the last call. On a failure they stay to
-    /// be written by the next call (until then they are neither waiting nor done: a restart
-    /// hands them out again).
+    /// Writes the markers of the messages settled since the last call. On a failure those not
+    /// marked stay to be written by the next call (until then they are neither waiting nor done:
+    /// a restart hands them out again).
     pub fn write_settled(&mut self) -> Result<(), BrokerError> {
         let mut settled = std::mem::take(&mut self.settled);
-        let written = self.mark_done(&settled);
-        if written.is_ok() {
-            settled.clear(); // its room kept for the next hold of the lock
-        }
+        let (marked, failed) = self.mark_done_in_markers(&settled, usize::MAX);
+        settled.drain(..marked); // (its room kept for the next hold of the lock)
         self.settled = settled;
-        written
+        failed.map_or(Ok(()), Err)
     }
 
     /// Holds the earliest spilled timers again once the held ones ran low, reading the log's
@@ -1244,12 +1256,12 @@ impl DelayLog {
         (marked, failed)
     }
 
-    /// `mark_done` of `offsets` in markers of at most `per_marker`, in order; returns how many
-    /// are marked, and the error that stopped it.
+    /// `mark_done` of `offsets` in markers of at most `per_marker` (and what a record holds), in
+    /// order; returns how many are marked, and the error that stopped it.
     fn mark_done_in_markers(&mut self, offsets: &[u64], per_marker: usize) -> (usize, Option<BrokerError>) {
         let mut marked = 0;
-        for chunk in offsets.chunks(per_marker) {
-            if let Err(e) = self.mark_done(chunk) {
+        for chunk in offsets.chunks(self.offsets_per_marker(per_marker)) {
+            if let Err(e) = self.mark_done_once(chunk) {
                 return (marked, Some(e));
             }
             marked += chunk.len();

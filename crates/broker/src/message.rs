@@ -77,6 +77,10 @@ pub(crate) fn append_returned(log: &SharedLog, of: u64) -> petrel_log::Result<u6
     Ok(log.append_batch_unsynced(&[input])?.start)
 }
 
+/// What a `moved` marker's record takes besides its offsets (8 bytes each), at most: the frame,
+/// its header block and the header's name, with room to spare.
+pub(crate) const MARKER_OVERHEAD_BYTES: usize = 256;
+
 /// Appends a marker to a durable queue's delayed log: the delayed messages at `offsets` are
 /// done there. Not synced (see `append_returned`).
 pub(crate) fn append_moved(log: &SharedLog, offsets: &[u64]) -> petrel_log::Result<u64> {

@@ -2318,3 +2318,31 @@ fn a_poll_that_fails_after_taking_an_expired_message_still_hands_it_to_the_dead_
         assert_eq!((q.counters().expired, q.counters().dead_letters_lost), (1, 0));
     }
 }
+
+/// Released delayed messages taken for good in numbers whose `moved` marker would be larger
+/// than a record of the log may be (its limit follows `max_message_bytes`): they are marked done
+/// in several markers, and stay taken across a restart. Before, the one marker could never be
+/// written, and a restart handed all of them out again.
+#[test]
+fn many_released_messages_taken_at_once_stay_taken_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = BrokerOptions { max_message_bytes: 1024, ..BrokerOptions::default() };
+    let b = Broker::open(dir.path(), options.clone()).unwrap();
+    b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    let count = 10_000;
+    let delayed = (0..count).map(|i| Message { delay_ms: 1, ..Message::new(format!("{i}").into_bytes()) });
+    b.offer("q", delayed.collect(), 0).unwrap();
+    let mut at = 2 * MS;
+    let mut taken = 0;
+    while taken < count {
+        b.tick(at);
+        let got = b.poll("q", count, None, 1, at).unwrap().len();
+        assert!(got > 0 || at < 1_000 * MS, "released and taken: {taken}");
+        taken += got;
+        at += MS;
+    }
+    drop(b);
+    let b = Broker::open(dir.path(), options).unwrap();
+    b.tick(at);
+    assert_eq!(b.poll("q", count, None, 1, at).unwrap().len(), 0, "taken for good before the restart");
+}

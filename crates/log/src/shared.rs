@@ -89,6 +89,11 @@ impl SharedLog {
         self.shared.options().durability
     }
 
+    /// The largest record the log takes (`Options::max_record_bytes`).
+    pub fn max_record_bytes(&self) -> usize {
+        self.shared.options().max_record_bytes
+    }
+
     /// Makes the next sync of the active segment fail as a disk's would (poisoning the log),
     /// for the tests of what is built on the log.
     #[cfg(feature = "fault-injection")]
