@@ -643,6 +643,12 @@ impl ReadyRuns {
         self.levels[level].0.iter().map(|r| u64::from(r.len)).sum()
     }
 
+    /// Every waiting one's offset, in the order `drain` gives them.
+    fn offsets(&self) -> Vec<u64> {
+        let runs = self.levels.iter().flat_map(|(runs, _)| runs);
+        runs.flat_map(|r| r.start..r.start + u64::from(r.len)).collect()
+    }
+
     /// Every waiting one's offset, none left, and how many each level had.
     fn drain(&mut self) -> (Vec<u64>, Vec<u64>) {
         let mut out = Vec::with_capacity(self.len as usize);
@@ -1074,6 +1080,11 @@ impl DelayLog {
     pub fn deliveries(&mut self, offset: u64) -> Result<u32, BrokerError> {
         let before = self.with_record(offset, |r| message::placement(r).deliveries)?;
         Ok(before.saturating_add(crate::deliveries_of(&self.returns, offset)))
+    }
+
+    /// Every released message's offset, in the order `drop_ready` drops them.
+    pub fn ready_offsets(&self) -> Vec<u64> {
+        self.ready.offsets()
     }
 
     /// Drops every released message waiting (a flush), marking them done in markers of at

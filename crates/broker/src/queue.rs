@@ -2696,6 +2696,9 @@ impl Inner {
                     counting::subtract(&mut self.delayed, marked as u64, "a queue's delayed messages");
                     return Err(e);
                 }
+                // All are dropped: counted so before the pin moves, whether it can or not (a
+                // cursor that fails to move keeps the log's segments a while, nothing more).
+                self.delayed = 0;
                 let oldest_key = self.dedup.oldest_id_at(lanes.len()).and_then(message::queue_position);
                 delay.repin(oldest_key.map(|(_, offset)| offset))?;
             }
@@ -2709,7 +2712,11 @@ impl Inner {
     /// many.
     fn drop_released(&mut self) -> Result<u64, BrokerError> {
         let Store::Log { delayed: Some(delay), .. } = &mut self.store else { return Ok(0) };
-        // A failure part way drops only those marked done; the others stay released.
+        // Their sizes first: a record that cannot be read stops the flush before any is dropped
+        // (dropped first, their bytes stayed counted for good).
+        let sizes = delay.ready_offsets().into_iter().map(|o| delay.size_at(o)).collect::<Result<Vec<u64>, _>>()?;
+        // A failure part way drops only those marked done (the first ones); the others stay
+        // released.
         let (per_level, offsets, failed) = delay.drop_ready(MARKER_OFFSETS);
         let dropped = per_level.iter().sum::<u64>();
         for (waiting, n) in self.waiting_at.iter_mut().zip(per_level) {
@@ -2719,8 +2726,7 @@ impl Inner {
         self.head_taken |= dropped > 0;
         // Their bytes go with them (a flush that leaves messages waiting, behind a level at its
         // limit of open reads, does not count the bytes afresh).
-        let sizes = offsets.iter().map(|&o| delay.size_at(o)).sum::<Result<u64, _>>()?;
-        counting::subtract(&mut self.bytes, sizes, "a queue's bytes");
+        counting::subtract(&mut self.bytes, sizes[..offsets.len()].iter().sum(), "a queue's bytes");
         failed.map_or(Ok(dropped), Err)
     }
 

@@ -2346,3 +2346,22 @@ fn many_released_messages_taken_at_once_stay_taken_across_a_restart() {
     b.tick(at);
     assert_eq!(b.poll("q", count, None, 1, at).unwrap().len(), 0, "taken for good before the restart");
 }
+
+/// A flush that cannot read one of the released delayed messages it would drop (its record
+/// damaged) leaves the queue's counts as they were: its items and its bytes go together. Before,
+/// the messages were dropped and then their sizes read: the error left their bytes counted for
+/// good in a queue with no items.
+#[test]
+fn a_flush_that_cannot_read_a_released_message_keeps_items_and_bytes_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = Broker::open(dir.path(), BrokerOptions::default()).unwrap();
+    let q = b.create_queue("q", QueueConfig { durable: true, ..QueueConfig::default() }, None).unwrap();
+    let delayed = |text: &str| Message { delay_ms: 1, ..Message::new(text.as_bytes().to_vec()) };
+    b.offer("q", vec![delayed("released-first"), delayed("released-damaged")], 0).unwrap();
+    b.tick(2 * MS);
+    assert_eq!((q.status().delayed, q.status().items), (0, 2), "released");
+    assert_eq!(overwrite_in_files(&dir.path().join("queues/q"), b"released-damaged", b"DAMAGED"), 1);
+    let flushed = q.flush();
+    let status = q.status();
+    assert_eq!(status.items == 0, status.bytes == 0, "{flushed:?}: {status:?}");
+}
