@@ -808,10 +808,12 @@ impl Queue {
         let (mut delayed, mut delayed_count) = (None, 0);
         let delayed_log_handle = Arc::new(OnceLock::new());
         if let Some(log) = delayed_log {
-            // A returned message's copy counts only if its original was acknowledged.
+            // A returned message's copy counts only if its original was acknowledged, or is gone
+            // (past its log's end: lost with a tail a power loss took, the copy synced before).
             let original_waits = |id: u64| {
-                message::queue_position(id)
-                    .is_some_and(|(level, offset)| lanes.get(level).is_some_and(|l| !l.group.is_acknowledged(offset)))
+                message::queue_position(id).is_some_and(|(level, offset)| {
+                    lanes.get(level).is_some_and(|l| offset < l.log.next_offset() && !l.group.is_acknowledged(offset))
+                })
             };
             let (delay, reopened) =
                 DelayLog::open(log.clone(), delay::MAX_TIMERS, lanes.len(), &moved, original_waits, max_keys)?;
@@ -2599,6 +2601,17 @@ impl Inner {
                         let top = lanes.len() - 1;
                         let (due, copies) =
                             delay.take_due(now_ns, delay::MAX_MOVES_PER_TICK, top, delay::MAX_MOVE_BYTES)?;
+                        // The originals on disk before their copies (as a release's marker waits for
+                        // them): a power loss must not keep a copy whose original the delayed log
+                        // lost, for its offset is taken again by a later delayed message, which the
+                        // copy's `moved_from` would mark done on the next open.
+                        let last = due.iter().map(|t| t.offset()).max();
+                        if let Some(last) = last.filter(|_| delay.log.durability() != Durability::None)
+                            && let Err(e) = delay.log.make_durable(last)
+                        {
+                            delay.untake(&due);
+                            return Err(e.into());
+                        }
                         // Level by level. The levels before `synced` have their copies on disk (as
                         // their durability has it), those before `appended` in their logs.
                         let (mut synced, mut appended, mut failed) = (0, 0, None);
