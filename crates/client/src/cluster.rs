@@ -1596,6 +1596,9 @@ impl FollowTopic {
                         break;
                     }
                     Err(e) => {
+                        // This server's part ended (its topic removed, its log unreadable): its
+                        // acknowledgements go nowhere from now on.
+                        lock(&self.current)[i] = None;
                         let _ = tx.send(Err(e)).await;
                         return;
                     }
@@ -1656,25 +1659,30 @@ pub struct ClusterAcks {
 }
 
 impl ClusterAcks {
-    /// As `ClusterSubscription::ack`.
+    /// As `ClusterSubscription::ack`: every server's at once. An error of one server's (other
+    /// than a lost connection, which counts none) is returned once all were sent: the other
+    /// servers' acknowledgements are made all the same.
     pub async fn ack(&self, handles: &[ClusterHandle]) -> Result<u32, ClientError> {
-        let mut total = 0;
         let servers: HashSet<usize> = handles.iter().map(|h| h.server).collect();
-        for i in servers {
-            let Some(f) = lock(&self.current).get(i).cloned().flatten() else { continue };
+        let acks = servers.into_iter().filter_map(|i| {
+            let f = lock(&self.current).get(i).cloned().flatten()?;
             let ids: Vec<u64> =
                 handles.iter().filter(|h| h.server == i && h.connection == f.connection).map(|h| h.handle).collect();
-            if ids.is_empty() {
-                continue; // all delivered on a connection since lost
-            }
-            let acked = f.client.ack_subscription(f.subscription, &ids);
-            match crate::answer_within(self.request_timeout, &f.addr, acked).await {
+            // (None: all delivered on a connection since lost, or by a part that ended.)
+            (!ids.is_empty()).then(|| async move {
+                let acked = f.client.ack_subscription(f.subscription, &ids);
+                crate::answer_within(self.request_timeout, &f.addr, acked).await
+            })
+        });
+        let (mut total, mut failed) = (0, None);
+        for answer in join_all(acks).await {
+            match answer {
                 Ok(n) => total += n,
                 Err(e) if e.is_connection_lost() => {}
-                Err(e) => return Err(e),
+                Err(e) => failed = failed.or(Some(e)),
             }
         }
-        Ok(total)
+        failed.map_or(Ok(total), Err)
     }
 }
 
