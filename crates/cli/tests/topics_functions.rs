@@ -682,3 +682,26 @@ async fn removing_a_durable_topic_ends_its_group_subscriptions() {
     let e = end.expect("told why").expect_err("an end, not a message");
     assert_eq!(e.status(), Some(Status::TopicNotFound), "{e}");
 }
+
+/// A group subscription dropped on a thread with no async runtime lets its group go: before, its
+/// drop could not unsubscribe there, and the group stayed held (EXISTS to its next reader) for
+/// as long as the connection lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_subscription_dropped_outside_the_runtime_lets_its_group_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let first = server.client().await;
+    first.create_topic("t", true).await.unwrap();
+    let oldest = petrel_client::StartFrom::Oldest;
+    let sub = first.subscribe_group("t", "g", oldest, 10).await.unwrap();
+    std::thread::spawn(move || drop(sub)).join().unwrap();
+    let next = server.client().await;
+    let began = Instant::now();
+    loop {
+        match next.subscribe_group("t", "g", oldest, 10).await {
+            Ok(_) => break,
+            Err(e) => assert!(began.elapsed() < Duration::from_secs(5), "the group is still held: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

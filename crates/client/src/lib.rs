@@ -1030,13 +1030,11 @@ impl futures_core::Stream for Subscription {
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        if !self.done
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
-        {
-            let (client, id) = (self.client.clone(), self.id);
-            rt.spawn(async move {
-                let _ = client.unsubscribe(id).await;
-            });
+        if !self.done {
+            // Without waiting for the answer, so from any thread (a runtime's or not): the
+            // server stops pushing, and a group is free for its next reader.
+            self.client.inner.pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.remove(&self.id);
+            self.client.send_unanswered(&Request::Unsubscribe { subscription: self.id });
         }
     }
 }
@@ -1199,6 +1197,15 @@ fn route(pending: &Mutex<Pending>, id: u64, push: Push) -> bool {
             let Some(tx) = pending.lock().unwrap_or_else(|e| e.into_inner()).subscriptions.get(&id).cloned() else {
                 return false;
             };
+            if tx.is_closed() {
+                // Nobody reads it (its `Subscription` was never made, its caller gone meanwhile):
+                // the server is told, or it would push to this connection for its whole life
+                // (and hold a group).
+                let mut pending = pending.lock().unwrap_or_else(|e| e.into_inner());
+                pending.subscriptions.remove(&id);
+                pending.send_own(&Request::Unsubscribe { subscription: id });
+                return true;
+            }
             for m in messages {
                 let sent = match tx.capacity() {
                     0 | 1 => Err(()),
@@ -1650,7 +1657,8 @@ pub mod blocking {
 
     impl Drop for Subscription<'_> {
         fn drop(&mut self) {
-            // Outside the runtime, the async subscription cannot unsubscribe on its own.
+            // Waits for the answer (the async subscription's drop does not): a group is free for
+            // its next reader once this returns.
             self.inner.done = true;
             let _ = self.rt.block_on(self.inner.client.unsubscribe(self.inner.id));
         }
