@@ -1669,7 +1669,7 @@ impl ClusterAcks {
             let ids: Vec<u64> =
                 handles.iter().filter(|h| h.server == i && h.connection == f.connection).map(|h| h.handle).collect();
             // (None: all delivered on a connection since lost, or by a part that ended.)
-            (!ids.is_empty()).then(|| async move {
+            (!ids.is_empty()).then_some(async move {
                 let acked = f.client.ack_subscription(f.subscription, &ids);
                 crate::answer_within(self.request_timeout, &f.addr, acked).await
             })
