@@ -419,9 +419,9 @@ fn requests_that_fail_in_the_server_are_counted_on_metrics_and_in_stats() {
             let line = text.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("{prefix} in {text}"));
             line[prefix.len()..].parse().unwrap()
         };
-        (count("native"), count("memcache"))
+        (count("native"), count("memcache"), count("http"))
     };
-    assert_eq!(failures(&server), (0, 0));
+    assert_eq!(failures(&server), (0, 0, 0));
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let c = server.client().await;
@@ -435,14 +435,23 @@ fn requests_that_fail_in_the_server_are_counted_on_metrics_and_in_stats() {
     mc.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let set = format!("set q 0 0 400000\r\n{}\r\n", "y".repeat(400_000));
     assert!(ask(&mut mc, &set).starts_with("SERVER_ERROR"));
-    assert_eq!(failures(&server), (1, 1));
+    assert_eq!(failures(&server), (1, 1, 0));
+    // The admin API's: a queue whose directory cannot be made (a file in its place).
+    std::fs::write(dir.path().join("data/queues/blocked"), b"in the way").unwrap();
+    let mut http = TcpStream::connect(&server.http).unwrap();
+    let put = "PUT /api/v1/queues/blocked HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+    http.write_all(put.as_bytes()).unwrap();
+    let mut answer = String::new();
+    http.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.0 500"), "{answer}");
+    assert_eq!(failures(&server), (1, 1, 1));
     mc.write_all(b"stats\r\n").unwrap();
     let mut text = String::new();
     let mut reader = std::io::BufReader::new(&mut mc);
     while !text.ends_with("END\r\n") {
         std::io::BufRead::read_line(&mut reader, &mut text).unwrap();
     }
-    assert!(text.contains("STAT request_failures 2\r\n"), "{text}");
+    assert!(text.contains("STAT request_failures 3\r\n"), "{text}");
 }
 
 #[test]

@@ -916,11 +916,18 @@ async fn the_http_port_speaks_tls_and_takes_passwords_only_over_it() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"authentication\":true"), "{body}");
     assert_eq!(https("/api/v1/server", "max:wrong").0, 401);
-    // The same port in plaintext: a password is refused (it would cross the network in clear).
+    // The same port in plaintext: a password is refused (it would cross the network in clear),
+    // and none is asked for (a browser would prompt again and again): 403, no challenge, and
+    // not counted as a failed login.
     let plain = format!("http://{}/api/v1/server", server.http);
     let (status, body) = curl(&["-u", "max:zu*67", &plain]);
-    assert_eq!(status, 401, "{body}");
+    assert_eq!(status, 403, "{body}");
     assert!(body.contains("TLS"), "{body}");
+    let head = Command::new("curl").args(["-s", "-D", "-", "-o", "/dev/null", &plain]).output().unwrap().stdout;
+    let head = String::from_utf8_lossy(&head);
+    assert!(!head.to_ascii_lowercase().contains("www-authenticate"), "{head}");
+    let (_, metrics) = https("/metrics", "max:zu*67");
+    assert!(metrics.contains("petrel_auth_failures_total 1\n"), "only the wrong password: {metrics}");
     // Probes need no password, in plaintext or TLS.
     assert_eq!(curl(&[&format!("http://{}/readyz", server.http)]).0, 200);
     assert_eq!(curl(&[&format!("http://{}/healthz", server.http)]).0, 200);

@@ -38,7 +38,7 @@ pub(crate) struct ServerStats {
 /// second), by `FAILURE_PROTOCOLS`. Process-wide, as the log lines' limit is: counted where a
 /// failure is logged, which knows no server (one server per process outside tests).
 static REQUEST_FAILURES: [AtomicU64; FAILURE_PROTOCOLS.len()] = [const { AtomicU64::new(0) }; FAILURE_PROTOCOLS.len()];
-pub(crate) const FAILURE_PROTOCOLS: [&str; 2] = ["native", "memcache"];
+pub(crate) const FAILURE_PROTOCOLS: [&str; 3] = ["native", "memcache", "http"];
 
 pub(crate) fn count_request_failure(protocol: &str) {
     let i = FAILURE_PROTOCOLS.iter().position(|p| *p == protocol).expect("a protocol that logs failures");

@@ -40,8 +40,15 @@ fn broker_error(e: BrokerError) -> Response {
         BrokerError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
         BrokerError::Forbidden(_) => StatusCode::FORBIDDEN,
         BrokerError::Damaged { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        // (`crate::blocking` of a stopping server)
+        BrokerError::Timeout(_) => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
+    if status == StatusCode::INTERNAL_SERVER_ERROR {
+        // The server's own failure (a disk that refuses, a definition that cannot be written):
+        // logged and counted as the protocols' are, not only told to the one who asked.
+        crate::log_request_failure("http", &e);
+    }
     refusal(status, e.to_string())
 }
 
@@ -215,7 +222,8 @@ pub(super) async fn queue(State(ctx): Ctxt, Caller(who): Caller, Path(name): Pat
         return forbidden("see this queue");
     }
     match ctx.broker.queue(&name) {
-        Some(q) => Json(queue_json(&q)).into_response(),
+        // (The queue's lock, which it may hold across a sync: not on a runtime thread.)
+        Some(q) => listed(move || queue_json(&q)).await,
         None => broker_error(ctx.broker.missing(&name)),
     }
 }
@@ -360,7 +368,10 @@ pub(super) async fn open_reads(
     let Some(q) = ctx.broker.queue(&name) else { return broker_error(ctx.broker.missing(&name)) };
     let admin = may(&ctx, who.as_ref(), Kind::Queue, "*", &[Action::Manage]);
     let now = crate::now_ns();
-    let (total, reads) = q.open_reads(limit);
+    // (The queue's lock, which it may hold across a sync: not on a runtime thread.)
+    let Ok((total, reads)) = tokio::task::spawn_blocking(move || q.open_reads(limit)).await else {
+        return refusal(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down");
+    };
     let list: Vec<Value> = reads
         .iter()
         .map(|r| {
@@ -400,7 +411,10 @@ pub(super) async fn return_read(
         return refusal(StatusCode::BAD_REQUEST, format!("{handle:?} is not a read's handle (a number)"));
     };
     let Some(q) = ctx.broker.queue(&name) else { return broker_error(ctx.broker.missing(&name)) };
-    match ctx.broker.return_read(&q, handle, crate::now_ns()) {
+    // A return may sync (a redelivery delay), create a dead-letter queue and wait for its sync:
+    // not on a runtime thread.
+    let broker = Arc::clone(&ctx.broker);
+    match crate::blocking(move || broker.return_read(&q, handle, crate::now_ns())).await {
         Ok(true) => Json(json!({ "returned": handle })).into_response(),
         Ok(false) => refusal(StatusCode::NOT_FOUND, format!("queue {name:?} has no open read {handle}")),
         Err(e) => broker_error(e),
@@ -534,7 +548,9 @@ pub(super) async fn remove_group(
         return forbidden("remove this topic's consumer groups");
     }
     let Some(t) = ctx.broker.topic(&name) else { return broker_error(ctx.broker.missing_topic(&name)) };
-    match t.remove_group(&group) {
+    // (Its cursor file removed: not on a runtime thread.)
+    let removing = group.clone();
+    match crate::blocking(move || t.remove_group(&removing)).await {
         Ok(()) => Json(json!({ "removed": group })).into_response(),
         Err(e) => broker_error(e),
     }

@@ -256,6 +256,19 @@ async fn authenticate(
         r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"petrel\""));
         r
     };
+    let peer = match &remote {
+        Some(r) => Peer::tcp(r.addr, r.tls, None),
+        None => Peer::unix(None),
+    };
+    let transport_allows = peer.tls || (ctx.config.security.allow_plaintext_auth && peer.is_local());
+    if !transport_allows {
+        // No password is asked for where none is taken: a browser would prompt for it again
+        // and again, and send it in the clear each time.
+        return Err(refusal(
+            StatusCode::FORBIDDEN,
+            "this server takes a password over TLS only (https:// on this same port; allow_plaintext_auth permits plain HTTP on loopback)",
+        ));
+    }
     let credentials = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -265,12 +278,7 @@ async fn authenticate(
     let Some((user, password)) = credentials.as_deref().and_then(|c| c.split_once(':')) else {
         return Err(ask("authentication required (HTTP basic: a user of the server)"));
     };
-    let peer = match &remote {
-        Some(r) => Peer::tcp(r.addr, r.tls, None),
-        None => Peer::unix(None),
-    };
-    let transport_allows = peer.tls || (ctx.config.security.allow_plaintext_auth && peer.is_local());
-    if transport_allows && let Some(user) = ctx.http_logins.get(credentials.as_deref().unwrap_or_default()) {
+    if let Some(user) = ctx.http_logins.get(credentials.as_deref().unwrap_or_default()) {
         return Ok(Some(Principal { user, conn: 0 }));
     }
     // A reload during the check (users changed) forgets what the check concludes.

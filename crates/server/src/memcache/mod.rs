@@ -730,8 +730,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Session<S> {
         put("connections_refused", &get(&s.connections_refused));
         put("idle_closed", &get(&s.idle_closed));
         put("set_refused", &get(&s.set_refused));
-        let [native_failures, memcache_failures] = crate::stats::request_failures();
-        put("request_failures", &(native_failures + memcache_failures));
+        put("request_failures", &crate::stats::request_failures().iter().sum::<u64>());
         put("queues_damaged", &broker.damaged_queues().len());
         // The limits a reload changes as they are now; the rest as the server started.
         let limits = &ctx.config;
