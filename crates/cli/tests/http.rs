@@ -1139,3 +1139,33 @@ fn errors_before_a_handler_are_json_too() {
     }
     assert_eq!(get(http, "/api/v1/queues/big", None).0, 404, "not made");
 }
+
+/// Requests that bring the same credentials at once, none verified yet (a dashboard's, once its
+/// login was forgotten), share one password check: before, each paid one, and five of them used
+/// up an `auth_attempts_per_minute` of three, the last ones refused (429) with a right password.
+#[test]
+fn requests_with_the_same_credentials_at_once_share_one_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = dir.path().join("users.toml");
+    let mut add = Command::new(env!("CARGO_BIN_EXE_petrel"))
+        .args(["user", "add"])
+        .arg(&users)
+        .arg("ops")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    add.stdin.take().unwrap().write_all(b"s3cret-words\n").unwrap();
+    assert!(add.wait().unwrap().success());
+    let config = dir.path().join("petrel.toml");
+    let text =
+        format!("[security]\nusers_file = {users:?}\nallow_plaintext_auth = true\nauth_attempts_per_minute = 3\n");
+    std::fs::write(&config, text).unwrap();
+    let server = Server::start_with(&dir.path().join("data"), &["--config", config.to_str().unwrap()]);
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let asking: Vec<_> =
+            (0..5).map(|_| s.spawn(|| get(&server.http, "/api/v1/server", Some(("ops", "s3cret-words"))).0)).collect();
+        asking.into_iter().map(|a| a.join().unwrap()).collect()
+    });
+    assert_eq!(statuses, [200; 5]);
+}

@@ -281,16 +281,41 @@ async fn authenticate(
     if let Some(user) = ctx.http_logins.get(credentials.as_deref().unwrap_or_default()) {
         return Ok(Some(Principal { user, conn: 0 }));
     }
+    // One check at a time for the same credentials: a dashboard's requests that come together
+    // once its login was forgotten wait for the first one's check, not pay one each (each a
+    // slow hash, and an attempt against auth_attempts_per_minute).
+    let key = credentials.as_deref().unwrap_or_default();
+    let turn = ctx.http_logins.turn(key);
+    let checked = {
+        let _turn = turn.mutex.lock().await;
+        match ctx.http_logins.get(key) {
+            Some(user) => Ok(Some(Principal { user, conn: 0 })),
+            None => check_password(ctx, &peer, user, password, key).await,
+        }
+    };
+    checked.map_err(|reason| match reason == auth::RATE_LIMITED {
+        true => refusal(StatusCode::TOO_MANY_REQUESTS, &reason),
+        false => ask(&reason),
+    })
+}
+
+/// Checks `user`'s `password` (given as `credentials`), and keeps them verified for a minute.
+async fn check_password(
+    ctx: &Arc<Ctx>,
+    peer: &Peer,
+    user: &str,
+    password: &str,
+    credentials: &str,
+) -> Result<Option<Principal>, String> {
     // A reload during the check (users changed) forgets what the check concludes.
     let generation = ctx.http_logins.generation();
-    match auth::verify_password(ctx, &peer, 0, user, password.to_owned()).await {
+    match auth::verify_password(ctx, peer, 0, user, password.to_owned()).await {
         Ok(()) => {
             crate::stats::add(&ctx.stats.auth_successes, 1);
-            ctx.http_logins.insert(credentials.as_deref().unwrap_or_default(), user, generation);
+            ctx.http_logins.insert(credentials, user, generation);
             Ok(Some(Principal { user: user.to_owned(), conn: 0 }))
         }
-        Err(reason) if reason == auth::RATE_LIMITED => Err(refusal(StatusCode::TOO_MANY_REQUESTS, &reason)),
-        Err(reason) => Err(ask(&reason)),
+        Err(reason) => Err(reason),
     }
 }
 
@@ -302,6 +327,8 @@ pub(crate) struct Logins {
     verified: std::sync::Mutex<std::collections::HashMap<String, (String, std::time::Instant)>>,
     /// Reloads so far: a check begun before one is not kept.
     generation: std::sync::atomic::AtomicU64,
+    /// A turn per credentials being checked now (as many as requests under way, at most).
+    checking: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 const LOGIN_KEPT: std::time::Duration = std::time::Duration::from_secs(60);
@@ -312,6 +339,13 @@ impl Logins {
         let verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
         let (user, at) = verified.get(credentials)?;
         (at.elapsed() < LOGIN_KEPT).then(|| user.clone())
+    }
+
+    /// The turn to take to check `credentials` (shared by the requests that bring them now).
+    fn turn(&self, credentials: &str) -> CheckTurn<'_> {
+        let mut checking = self.checking.lock().unwrap_or_else(|e| e.into_inner());
+        let mutex = Arc::clone(checking.entry(credentials.to_owned()).or_default());
+        CheckTurn { logins: self, credentials: credentials.to_owned(), mutex }
     }
 
     fn generation(&self) -> u64 {
@@ -335,6 +369,24 @@ impl Logins {
         let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
         self.generation.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         verified.clear();
+    }
+}
+
+/// A request's share of the turn to check its credentials (`Logins::turn`); forgotten with the
+/// last request that holds it, also one given up midway.
+struct CheckTurn<'a> {
+    logins: &'a Logins,
+    credentials: String,
+    mutex: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Drop for CheckTurn<'_> {
+    fn drop(&mut self) {
+        let mut checking = self.logins.checking.lock().unwrap_or_else(|e| e.into_inner());
+        // (Turns are shared under this lock: two, the map's and this one, is the last.)
+        if Arc::strong_count(&self.mutex) <= 2 {
+            checking.remove(&self.credentials);
+        }
     }
 }
 
