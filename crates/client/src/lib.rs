@@ -571,6 +571,13 @@ impl Client {
         mut subscribing: Option<mpsc::Sender<Result<Message, ClientError>>>,
     ) -> Vec<Result<Response, ClientError>> {
         let mut waiting = Vec::with_capacity(requests.len());
+        // Compressed before the lock, which every task sending on this connection (and its
+        // reader) needs: a large payload takes milliseconds. (Nothing made unless negotiated.)
+        let min_bytes = self.inner.compress_min_bytes.load(Ordering::Relaxed);
+        let compressed: Vec<Option<Request>> = match min_bytes {
+            0 => Vec::new(),
+            _ => requests.iter().map(|r| compressed(r, min_bytes)).collect(),
+        };
         loop {
             let room = self.inner.room.notified();
             tokio::pin!(room);
@@ -578,14 +585,14 @@ impl Client {
             {
                 let mut pending = self.inner.pending.lock().unwrap_or_else(|e| e.into_inner());
                 if pending.outbox.len() < MAX_OUTBOX || pending.closed {
-                    for r in requests {
+                    for (i, r) in requests.iter().enumerate() {
                         if pending.closed {
                             waiting.push(Err(ClientError::Closed));
                             continue;
                         }
                         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-                        let compressed = compressed(r, self.inner.compress_min_bytes.load(Ordering::Relaxed));
-                        if let Err(e) = pending.outbox.push(compressed.as_ref().unwrap_or(r), id) {
+                        let sent = compressed.get(i).and_then(Option::as_ref).unwrap_or(r);
+                        if let Err(e) = pending.outbox.push(sent, id) {
                             waiting.push(Err(ClientError::Invalid(e.to_string())));
                             continue;
                         }
@@ -1079,8 +1086,14 @@ async fn read_responses<R: AsyncRead + Unpin>(
             if sent_own {
                 written.notify_one();
             }
-            // Answered before what follows them is handled, in the order they came.
-            for (tx, response) in answered.drain(..) {
+            // Answered before what follows them is handled, in the order they came; unfolded
+            // here, without the lock (a large payload takes milliseconds).
+            for (tx, response, max_unfold) in answered.drain(..) {
+                let response = response.and_then(|mut r| {
+                    petrel_proto::compression::decompress_response(&mut r, max_unfold)
+                        .map_err(|e| ClientError::Protocol(e.to_string()))?;
+                    Ok(r)
+                });
                 let _ = tx.send(response);
             }
             match next {
@@ -1131,7 +1144,7 @@ async fn read_responses<R: AsyncRead + Unpin>(
 fn take_responses(
     buf: &mut BytesMut,
     pending: &Mutex<Pending>,
-    answered: &mut Vec<(Reply, Result<Response, ClientError>)>,
+    answered: &mut Vec<(Reply, Result<Response, ClientError>, usize)>,
     sent_own: &mut bool,
 ) -> Result<Option<(u64, Push)>, ()> {
     let mut p = None;
@@ -1141,11 +1154,6 @@ fn take_responses(
                 let p = p.get_or_insert_with(|| pending.lock().unwrap_or_else(|e| e.into_inner()));
                 let Some((opcode, tx)) = p.waiting.remove(&f.request_id) else { continue };
                 let response = Response::decode(opcode, f.body).map_err(|e| ClientError::Protocol(e.to_string()));
-                let response = response.and_then(|mut r| {
-                    petrel_proto::compression::decompress_response(&mut r, p.max_unfold)
-                        .map_err(|e| ClientError::Protocol(e.to_string()))?;
-                    Ok(r)
-                });
                 // (Looked for only while a SUBSCRIBE is in flight: hashing each answer's id
                 // would cost a pipelined client's every answer.)
                 if !p.subscribing.is_empty()
@@ -1160,7 +1168,7 @@ fn take_responses(
                         p.subscriptions.insert(*subscription, sub);
                     }
                 }
-                answered.push((tx, response));
+                answered.push((tx, response, p.max_unfold));
             }
             Ok(Some(f)) if f.kind == FrameKind::Push => {
                 // Decoded (and decompressed) without the lock, which callers need to send.
