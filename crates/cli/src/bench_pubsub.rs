@@ -30,7 +30,14 @@ pub(crate) async fn bench(args: &QueueBench, addr: &str) -> Res<Outcome> {
 async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
     let topic = &args.queue;
     let publisher = args.connect(addr).await?;
-    let _ = publisher.remove_topic(topic).await;
+    // A topic of its own: one that exists (a durable one holds a log and its groups' cursors)
+    // is refused, never removed.
+    if publisher.topic_status(topic).await.is_ok() {
+        let why = format!(
+            "topic {topic:?} exists: the bench makes a topic of its own and removes it when done; name another with --queue"
+        );
+        return Err(why.into());
+    }
     publisher.create_topic(topic, args.durable).await?;
     let mut publishers = vec![publisher.clone()];
     for _ in 1..args.connections {
@@ -82,7 +89,9 @@ async fn publish(args: &QueueBench, addr: &str) -> Res<Outcome> {
     }
     let secs = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let _ = publisher.remove_topic(topic).await;
+    if !args.keep {
+        let _ = publisher.remove_topic(topic).await;
+    }
     Ok(Outcome::new(delivered_all, hist.len(), delivered_all, secs, args.payload_bytes, &hist))
 }
 

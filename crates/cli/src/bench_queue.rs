@@ -66,6 +66,8 @@ pub struct QueueBench {
     pub(crate) data: PathBuf,
     /// The queue the run makes, and removes after it (unless --keep). An empty one of this name
     /// (a run's that was stopped) is replaced; one holding messages is refused, never removed.
+    /// With --mode publish, the topic: one that exists is refused. With --mode call, the
+    /// function the run serves (its calls go to any server of it: name one nobody serves).
     #[arg(long, default_value = "bench")]
     pub(crate) queue: String,
     /// A durable queue (on disk) rather than one in memory.

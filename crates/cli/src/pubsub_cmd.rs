@@ -319,6 +319,9 @@ async fn run_handler(command: &str, input: &[u8]) -> Result<Vec<u8>, String> {
     use tokio::io::AsyncWriteExt;
     let mut child = tokio::process::Command::new("sh")
         .args(["-c", command])
+        // The server's password is this process's, not the handler's: a handler that prints its
+        // environment (or a tool it runs that logs it) would hand it to every caller.
+        .env_remove("PETREL_PASSWORD")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -189,6 +189,7 @@ fn reply_serves_a_function_with_a_command() {
     let serve = |function: &str, command: &str| {
         let mut child = Command::new(PETREL)
             .args(["reply", function, "--exec", command, "--count", "1", "--server", s])
+            .env("PETREL_PASSWORD", "the-server-password")
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
@@ -203,6 +204,12 @@ fn reply_serves_a_function_with_a_command() {
     assert!(ok, "{err}");
     assert_eq!(out, "HELLO\n");
     assert!(exited(shout), "--count 1: done after one call");
+
+    // The handler does not see the password `petrel reply` logs in with.
+    let env = serve("env", "env");
+    let (ok, out, err) = run(&["call", "env", "--data", "x", "--server", s], "");
+    assert!(ok && out.contains("PATH=") && !out.contains("the-server-password"), "{err}");
+    assert!(exited(env));
 
     let failing = serve("fail", "echo oops >&2; exit 3");
     let (ok, _, err) = run(&["call", "fail", "--data", "x", "--server", s], "");
@@ -370,6 +377,15 @@ fn a_bench_against_a_server_never_removes_a_queue_that_holds_messages() {
     assert!(ok, "{err}");
     let (_, out, _) = run(&["queue", "list", "--server", s], "");
     assert!(!out.contains("orders"), "{out}");
+    // A publish bench refuses a topic that exists (it removed it, a durable one's log and its
+    // groups' cursors with it).
+    assert!(run(&["topic", "create", "events", "--durable", "--server", s], "").0);
+    assert!(run(&["topic", "publish", "events", "--server", s], "1\n2\n3\n").0);
+    let bench = ["bench", "queue", "--mode", "publish", "--server", s, "--queue", "events", "--count", "10"];
+    let (ok, _, err) = run(&bench, "");
+    assert!(!ok && err.contains("topic \"events\" exists"), "{err}");
+    let (_, out, _) = run(&["topic", "list", "--server", s], "");
+    assert!(out.contains("events"), "{out}");
 }
 
 #[test]
