@@ -456,3 +456,35 @@ fn mistakes_get_plain_answers() {
     let (ok, _, err) = run(&["produce", "tiny", "--server", s], "too long\n");
     assert!(!ok && !err.contains("0 messages offered") && err.contains("exceeds the limit of 2"), "{err}");
 }
+
+/// `consume` into a pipe nobody reads gives back what it did not print, its delivery not
+/// counted: with `max_deliveries = 1` the messages stay in their queue. Before, the failed
+/// write ended the command at once, the connection's end returned them as delivered, and every
+/// one went to the dead-letter queue unprinted.
+#[test]
+fn consume_into_a_closed_pipe_leaves_its_messages_in_the_queue() {
+    use petrel_client::QueueConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let s = server.addr.as_str();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let status = |queue: &str| rt.block_on(async { server.client().await.queue_status(queue).await.unwrap().items });
+    rt.block_on(async {
+        let c = server.client().await;
+        c.create_queue("dlq", QueueConfig::default()).await.unwrap();
+        let limited = QueueConfig { max_deliveries: 1, dead_letter: "dlq".into(), ..QueueConfig::default() };
+        c.create_queue("q", limited).await.unwrap();
+        let messages = (0..10).map(|i| petrel_client::Message::new(format!("m{i}").into_bytes())).collect();
+        c.offer("q", messages, None).await.unwrap();
+    });
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(PETREL).args(["consume", "q", "--server", s]).stdout(writer).output().unwrap();
+    assert!(out.stdout.is_empty());
+    // (The connection's end returns what it held after the command exits.)
+    let began = std::time::Instant::now();
+    while status("q") < 10 && began.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!((status("q"), status("dlq")), (10, 0), "all back in the queue, none dead-lettered");
+}
