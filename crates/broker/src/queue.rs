@@ -1663,7 +1663,9 @@ impl Queue {
         drop(inner);
         if n > 0 {
             self.available.wake_one();
-            if !over_limit.is_empty() {
+            // A circular queue's offer refused beside open reads may fit now, the returned
+            // messages its oldest to drop.
+            if !over_limit.is_empty() || self.config().circular {
                 self.room.wake_one();
             }
         }
@@ -1760,7 +1762,10 @@ impl Queue {
         if !overdue.is_empty() || moved > 0 || failed.is_some() {
             self.available.wake_one();
         }
-        if !expired.is_empty() || !over_limit.is_empty() {
+        // (A circular queue's offer refused beside open reads or delayed messages may fit once
+        // they are back or due: they are what it drops.)
+        let circular_room = (!overdue.is_empty() || moved > 0) && config.circular;
+        if !expired.is_empty() || !over_limit.is_empty() || circular_room {
             self.room.wake_one();
         }
         (DeadLetters { expired, over_limit }, failed, given_back)

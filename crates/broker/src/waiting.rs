@@ -162,6 +162,77 @@ mod tests {
         assert_eq!(broker.queue("q").unwrap().counters().waiters, 0, "the waiter is no longer counted");
     }
 
+    /// An offer waiting for room that is woken, does not fit, and then gives up passes on the
+    /// wake-up it used: a smaller offer behind it gets the room at once, not at its timeout.
+    #[tokio::test]
+    async fn a_younger_offer_gets_in_once_an_older_one_that_did_not_fit_gives_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
+        broker.create_queue("q", QueueConfig { max_items: 2, ..QueueConfig::default() }, None).unwrap();
+        broker.offer("q", vec![Message::new(&b"1"[..]), Message::new(&b"2"[..])], 0).unwrap();
+        let older = {
+            let broker = Arc::clone(&broker);
+            tokio::spawn(async move {
+                let mut two = vec![Message::new(&b"a"[..]), Message::new(&b"b"[..])];
+                let q = broker.queue("q").unwrap();
+                let gives_up = tokio::time::sleep(Duration::from_millis(200));
+                let waited = broker.wait_on_queue(q, WaitFor::Room, offer_into(&broker, &mut two), gives_up);
+                matches!(waited.await, Ok(Waited::Stopped(())))
+            })
+        };
+        // (Offers waiting for room are not counted in `waiters`: a few turns of this
+        // single-threaded runtime let each task reach its wait.)
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let younger = {
+            let broker = Arc::clone(&broker);
+            tokio::spawn(async move {
+                let mut one = vec![Message::new(&b"c"[..])];
+                let q = broker.queue("q").unwrap();
+                let patience = tokio::time::sleep(Duration::from_secs(10));
+                let waited = broker.wait_on_queue(q, WaitFor::Room, offer_into(&broker, &mut one), patience);
+                matches!(waited.await, Ok(Waited::Ready(_)))
+            })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(broker.poll("q", 1, None, 1, 0).unwrap().len(), 1, "room for one: the older offer is woken");
+        assert!(older.await.unwrap(), "the older offer gave up");
+        let got_in = tokio::time::timeout(Duration::from_secs(2), younger).await;
+        assert!(matches!(got_in, Ok(Ok(true))), "the younger offer was left waiting beside room");
+    }
+
+    /// A circular queue's offer refused beside an open read (it cannot drop a message out with
+    /// a consumer) gets in once the read comes back, dropping it: before, only consumers were
+    /// woken, and the offer waited for its timeout.
+    #[tokio::test]
+    async fn a_circular_offer_waiting_beside_an_open_read_gets_in_when_it_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let broker = Arc::new(Broker::open(dir.path(), BrokerOptions::default()).unwrap());
+        let ring = QueueConfig { circular: true, max_bytes: 10, ..QueueConfig::default() };
+        broker.create_queue("ring", ring, None).unwrap();
+        broker.offer("ring", vec![Message::new(&b"12345678"[..])], 0).unwrap();
+        let out = broker.poll("ring", 1, Some(Duration::from_secs(60)), 1, 0).unwrap();
+        let offering = {
+            let broker = Arc::clone(&broker);
+            tokio::spawn(async move {
+                let mut m = vec![Message::new(&b"abcde"[..])];
+                let q = broker.queue("ring").unwrap();
+                let patience = tokio::time::sleep(Duration::from_secs(10));
+                let waited = broker.wait_on_queue(q, WaitFor::Room, offer_into(&broker, &mut m), patience);
+                matches!(waited.await, Ok(Waited::Ready(_)))
+            })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(broker.abort("ring", &[out[0].handle], 1, 0, 0).unwrap(), 1);
+        let got_in = tokio::time::timeout(Duration::from_secs(2), offering).await;
+        assert!(matches!(got_in, Ok(Ok(true))), "not woken by the read's return");
+    }
+
     /// A waiter woken first whose attempt fails (its right to poll taken away, say) takes
     /// nothing: the next in line is woken for the message, not left to its timeout.
     #[tokio::test]

@@ -9,7 +9,9 @@
 //!   messages, a sync or a tick that made several visible, reaches as many waiters as there are
 //!   messages, one after another, and a wake-up for nothing costs one look;
 //! * a ticket dropped after being woken, without taking (its caller gave up, timed out or went
-//!   away at that moment), wakes the next one, so no wake-up is lost.
+//!   away at that moment), wakes the next one, so no wake-up is lost. So does one dropped after
+//!   it used a wake-up to look and found nothing it could take: an offer waiting for room that
+//!   did not fit may leave room a smaller one behind it fits in.
 //!
 //! A ticket is registered *before* its holder looks at the queue, so a change made after the look
 //! finds it in line (the look and the change both hold the queue's lock, which orders them).
@@ -37,6 +39,8 @@ struct Line {
 #[derive(Default)]
 struct Slot {
     woken: bool,
+    /// A wake-up was used to look (`arm` after one): the next in line looks when this goes.
+    looked: bool,
     waker: Option<Waker>,
 }
 
@@ -109,6 +113,7 @@ impl Ticket<'_> {
     /// anew.
     pub(crate) fn arm(&self) {
         if let Some(slot) = self.list.line().tickets.get_mut(&self.seq) {
+            slot.looked |= slot.woken;
             slot.woken = false;
         }
     }
@@ -141,7 +146,7 @@ impl Drop for Ticket<'_> {
             self.list.registered.fetch_sub(1, Ordering::SeqCst);
             slot
         };
-        if self.took || slot.woken {
+        if self.took || slot.woken || slot.looked {
             self.list.wake_one();
         }
     }
@@ -223,13 +228,21 @@ mod tests {
         list.wake_one();
         drop(a);
         assert!(woken(&fb));
-        // A ticket dropped unwoken (its caller gave up) passes nothing on.
+        // One that used its wake-up to look, found nothing it could take, and then went (an
+        // offer that did not fit, and gave up) passes it on: a smaller one behind may fit.
         let c = list.register();
         let (fc, wc) = waker();
         assert!(pending(&c, &wc));
         b.arm();
         drop(b);
-        assert!(!woken(&fc));
+        assert!(woken(&fc));
+        drop(c);
+        // A ticket dropped never woken (its caller gave up) passes nothing on.
+        let (d, e) = (list.register(), list.register());
+        let ((_fd, wd), (fe, we)) = (waker(), waker());
+        assert!(pending(&d, &wd) && pending(&e, &we));
+        drop(d);
+        assert!(!woken(&fe));
     }
 
     #[test]
