@@ -2367,7 +2367,10 @@ mod tests {
         let (_, failed, _) = q.tick(20 * MS);
         assert!(failed.is_none(), "{failed:?}");
         assert_eq!(q.status().items, 1, "the expired one waits");
+        // For an acknowledgement, not for a tick: one due at once would come every millisecond.
+        assert!(q.next_due() > 20 * MS, "due again at once: {}", q.next_due());
         b.ack("q", &out, 1).unwrap();
+        assert!(q.next_due() <= 10 * MS, "due once it may be taken: {}", q.next_due());
         b.tick(30 * MS);
         assert_eq!(payloads_in(&b, "dlq", 40 * MS), [b"stale".to_vec()]);
         assert_eq!(q.status().items, 0);

@@ -570,6 +570,12 @@ struct Lane {
 }
 
 impl Lane {
+    /// Whether its next record may not go out now: as many out as its group lets out, and none
+    /// waiting to be delivered again (those go out regardless). Errs towards `true`.
+    fn held_back(&self) -> bool {
+        self.group.may_block() && self.group.redeliveries() == 0
+    }
+
     /// The record at the head, if it may be handed out (markers read past first; one that could
     /// not be, its group at its limit of open reads, is no message to show).
     fn head(&mut self) -> Result<Option<petrel_log::Record<'_>>, BrokerError> {
@@ -1538,6 +1544,9 @@ impl Queue {
     /// Acknowledges tentative deliveries of `consumer`; returns how many were known.
     pub fn ack(&self, handles: &[u64], consumer: ConnId) -> Result<u32, BrokerError> {
         let mut inner = self.lock();
+        // A level held back at its limit of records out has a head whose expiry was not
+        // planned (`head_expiry`): planned once it may be taken again.
+        inner.head_taken |= inner.any_level_held_back();
         let (mut n, mut failed) = (0, None);
         for h in handles {
             if inner.in_flight.get(h).is_some_and(|f| f.consumer == consumer) {
@@ -2081,16 +2090,32 @@ impl Inner {
             if self.waiting_at[level] == 0 {
                 continue; // nothing to read at that level's head
             }
+            // A head that cannot be taken now (as many of its level's records out as its log
+            // lets out) is not due: a tick could not take it out, and would come again at once,
+            // every millisecond until an acknowledgement. The acknowledgement looks again
+            // (`Queue::ack`).
             let expires_at = match self.ready_front(level)? {
+                Some(_) if self.in_flight.released_at(level) >= MAX_PENDING => None,
                 Some(ready) => Some(self.released_from().expires_at(ready.offset)?),
                 None => match &mut self.store {
                     Store::Memory { levels, .. } => levels[level].front().map(|m| m.expires_at),
+                    Store::Log { lanes, .. } if lanes[level].held_back() => None,
                     Store::Log { lanes, .. } => lanes[level].head()?.map(|r| message::expires_at(&r)),
                 },
             };
             earliest = earliest.into_iter().chain(expires_at.filter(|&e| e != 0)).min();
         }
         Ok(earliest)
+    }
+
+    /// Whether a level's head may not be taken now: as many of its records out as its log (or
+    /// its released delayed messages) lets out.
+    fn any_level_held_back(&self) -> bool {
+        let lanes_held = match &self.store {
+            Store::Log { lanes, .. } => lanes.iter().any(Lane::held_back),
+            Store::Memory { .. } => false,
+        };
+        lanes_held || (0..self.waiting_at.len()).any(|level| self.in_flight.released_at(level) >= MAX_PENDING)
     }
 
     /// The message at the head of `level`, left in place (its id and priority set).
