@@ -33,8 +33,29 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
+/// The runtime of this process. A child made by `fork` has none of its parent's threads, and
+/// the runtime's worker threads are what drive its sockets and timers: with the parent's, every
+/// call in the child would wait for ever, Ctrl-C included. So a forked child makes its own (the
+/// parent's, copied into it, is left alone: dropping it would wait for threads that are not
+/// there).
 pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
-    pyo3_async_runtimes::tokio::get_runtime()
+    static STARTED_IN: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    type Forked = Option<(u32, &'static tokio::runtime::Runtime)>;
+    static FORKED: std::sync::Mutex<Forked> = std::sync::Mutex::new(None);
+    let pid = std::process::id();
+    if *STARTED_IN.get_or_init(|| pid) == pid {
+        return pyo3_async_runtimes::tokio::get_runtime();
+    }
+    let mut forked = FORKED.lock().unwrap_or_else(|e| e.into_inner());
+    match *forked {
+        Some((made_in, runtime)) if made_in == pid => runtime,
+        _ => {
+            let made = tokio::runtime::Builder::new_multi_thread().enable_all().build();
+            let runtime: &'static tokio::runtime::Runtime = Box::leak(Box::new(made.expect("a runtime")));
+            *forked = Some((pid, runtime));
+            runtime
+        }
+    }
 }
 
 /// Runs `work` on the runtime until it is done, from any thread. A call made inside another's
@@ -171,6 +192,9 @@ pub(crate) struct Connection {
     /// Held while a lost connection is made again, so that one request does it; with the
     /// number of connections made before it (which connection a function was served on).
     current: tokio::sync::Mutex<(petrel_client::Client, u64)>,
+    /// The process `current` was made in: a forked child makes a connection of its own (the
+    /// parent's socket is the parent's, and its tasks are not in the child).
+    made_in: std::sync::atomic::AtomicU32,
     closed: std::sync::atomic::AtomicBool,
     /// The functions served, and on which connection they all were last (held while serving, so
     /// that each connection serves each once).
@@ -199,6 +223,7 @@ impl Connection {
         Arc::new(Connection {
             connect,
             current: tokio::sync::Mutex::new((client, 0)),
+            made_in: std::sync::atomic::AtomicU32::new(std::process::id()),
             closed: Default::default(),
             served: Default::default(),
         })
@@ -212,8 +237,11 @@ impl Connection {
     /// `client`, and its number.
     async fn numbered(&self) -> Result<(petrel_client::Client, u64), petrel_client::ClientError> {
         let mut current = self.current.lock().await;
-        if current.0.is_closed() && !self.closed.load(std::sync::atomic::Ordering::Acquire) {
+        let pid = std::process::id();
+        let forked = self.made_in.load(std::sync::atomic::Ordering::Relaxed) != pid;
+        if (forked || current.0.is_closed()) && !self.closed.load(std::sync::atomic::Ordering::Acquire) {
             *current = (self.connect.connect_client().await?, current.1 + 1);
+            self.made_in.store(pid, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(current.clone())
     }

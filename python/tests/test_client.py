@@ -617,3 +617,31 @@ def test_a_waiting_poll_for_good_then_close_delivers_once(server):
     assert got is not None and got.payload == b"only" and got.handle == 0
     c.close()
     assert other.poll("once", timeout=0.3) is None
+
+
+def _offer_in_child(address, client, payload):
+    # A client made here, and one made by the parent before the fork.
+    petrel.Client(address).offer("forked", payload)
+    client.offer("forked", payload + b"-inherited")
+
+
+def test_a_forked_child_uses_the_client(server):
+    """A child made by fork (multiprocessing's default start method on Linux, gunicorn and celery
+    workers) uses the client: the parent's runtime threads are not in the child, and every call
+    there waited for ever, Ctrl-C included."""
+    import multiprocessing
+
+    parent = petrel.Client(server)
+    parent.create_queue("forked")
+    child = multiprocessing.get_context("fork").Process(target=_offer_in_child, args=(server, parent, b"child"))
+    child.start()
+    child.join(20)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+        child.join()
+    assert not hung and child.exitcode == 0
+    got = sorted(m.payload for m in parent.poll_many("forked", max=10))
+    assert got == [b"child", b"child-inherited"]
+    parent.offer("forked", b"parent")  # and the parent's client goes on
+    assert parent.poll("forked").payload == b"parent"
