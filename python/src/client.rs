@@ -229,6 +229,18 @@ impl Connection {
         })
     }
 
+    /// `e`, said as a lost connection (`ConnectionError` in Python) when the connection ended
+    /// without `close`: the crate's `Closed` also says that the server closed it, and Python's
+    /// `ClosedError` is for a client the program closed, which no retry mends.
+    fn lost_unless_closed(&self, e: petrel_client::ClientError) -> petrel_client::ClientError {
+        match e {
+            petrel_client::ClientError::Closed if !self.closed.load(std::sync::atomic::Ordering::Acquire) => {
+                std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the server closed the connection").into()
+            }
+            e => e,
+        }
+    }
+
     /// The connection, made again first if it was lost.
     async fn client(&self) -> Result<petrel_client::Client, petrel_client::ClientError> {
         self.numbered().await.map(|(client, _)| client)
@@ -626,7 +638,8 @@ impl Client {
         py: Python<'_>,
         call: impl Future<Output = Result<T, petrel_client::ClientError>> + Send,
     ) -> PyResult<T> {
-        wait_with_signals(py, call)
+        let conn = &self.conn;
+        wait_with_signals(py, async move { call.await.map_err(|e| conn.lost_unless_closed(e)) })
     }
 }
 
@@ -665,7 +678,7 @@ impl Client {
         let delivered = py.detach(|| {
             crate::client::block_on(async {
                 // Dropped by a signal, its answer is given back when it comes (`Taken`).
-                let polling = poll_once(client.clone(), queue.to_owned(), options);
+                let polling = poll_once(&self.conn, client.clone(), queue.to_owned(), options);
                 tokio::pin!(polling);
                 let taken = loop {
                     tokio::select! {
@@ -966,7 +979,12 @@ async fn connected(conn: &Connection) -> Result<petrel_client::Client, crate::co
 /// gets the answer, and its messages go back to the queue at once. A take for good is made
 /// tentatively for that reason too: the Python side acknowledges it once the messages are in the
 /// awaiting coroutine's hands (`AsyncClient._acknowledge`).
-async fn poll_once(client: petrel_client::Client, queue: String, mut options: PollOptions) -> PyResult<Taken> {
+async fn poll_once(
+    conn: &Connection,
+    client: petrel_client::Client,
+    queue: String,
+    mut options: PollOptions,
+) -> PyResult<Taken> {
     if options.visibility.is_none() {
         options.visibility = Some(ASYNC_TAKE_VISIBILITY);
     }
@@ -976,7 +994,8 @@ async fn poll_once(client: petrel_client::Client, queue: String, mut options: Po
         // Not received (sent or not), it is dropped: given back.
         let _ = answer.send(result.map(|deliveries| Taken { client, queue, deliveries }));
     });
-    answered.await.map_err(|_| ClosedError::new_err("the poll's task ended"))?.map_err(client_error)
+    let answer = answered.await.map_err(|_| ClosedError::new_err("the poll's task ended"))?;
+    answer.map_err(|e| client_error(conn.lost_unless_closed(e)))
 }
 
 /// Messages a poll took tentatively, given back to the head of their queue when dropped before
@@ -1131,7 +1150,7 @@ impl AsyncCore {
                 Ok(client) => client,
                 Err(none) => return none,
             };
-            match poll_once(client, queue, options).await {
+            match poll_once(&conn, client, queue, options).await {
                 Ok(taken) => outcome_with(move |py| {
                     let delivered = taken.keep();
                     let handles: Vec<u64> = delivered.iter().map(|d| d.handle).collect();

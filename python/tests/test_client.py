@@ -645,3 +645,20 @@ def test_a_forked_child_uses_the_client(server):
     assert got == [b"child", b"child-inherited"]
     parent.offer("forked", b"parent")  # and the parent's client goes on
     assert parent.poll("forked").payload == b"parent"
+
+
+def test_a_server_killed_during_a_poll_is_a_connection_error(tmp_path):
+    """A server that goes away while a call waits raises ConnectionError, what a retry loop
+    catches; ClosedError is for a client the program closed. (The crate says `Closed` for both.)"""
+    from conftest import start
+
+    process, address = start(tmp_path)
+    try:
+        c = petrel.Client(address)
+        c.create_queue("q")
+        threading.Timer(0.5, process.kill).start()
+        with pytest.raises(petrel.ConnectionError):
+            c.poll("q", timeout=10)
+    finally:
+        process.kill()
+        process.wait()
