@@ -176,6 +176,16 @@ class _Requests:
         if self.closing:
             # Its outcome would never be looked for: the completions are no longer watched.
             raise ClosedError("the client was closed")
+        try:
+            running: Optional[asyncio.AbstractEventLoop] = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is not self.loop:
+            # Refused before it is sent: started, it would be done by the server while its
+            # future (of the other loop) could not be awaited here, and a retry would do it twice.
+            raise RuntimeError(
+                "this AsyncClient belongs to the event loop it was first used on; make one per loop"
+            )
         token = next(self.tokens)
         future = self.loop.create_future()
         self.waiting[token] = (future, give_back)

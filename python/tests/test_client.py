@@ -662,3 +662,15 @@ def test_a_server_killed_during_a_poll_is_a_connection_error(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_an_async_client_used_on_a_second_loop_refuses_before_sending(server):
+    """An AsyncClient belongs to the loop it was first used on. Used on another (a loop per test,
+    a client shared), the request was sent and done, and only then failed with RuntimeError: a
+    retry stored the message twice. Now it fails before anything is sent."""
+    client = petrel.AsyncClient(server)
+    asyncio.run(client.create_queue("loops"))
+    with pytest.raises(RuntimeError, match="event loop"):
+        asyncio.run(client.offer("loops", b"x"))
+    with petrel.Client(server) as c:
+        assert c.poll("loops") is None, "nothing was stored"
