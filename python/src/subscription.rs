@@ -136,17 +136,20 @@ impl Subscription {
     /// Acknowledges messages of a group subscription by id (`Message.id`); returns how many
     /// counted. The group's position moves past them once everything before is acknowledged.
     fn ack(&self, py: Python<'_>, ids: Vec<u64>) -> PyResult<u32> {
-        py.detach(|| crate::client::block_on(self.client.ack_subscription(self.id, &ids))).map_err(client_error)
+        // (Ctrl-C interrupts it, as any call waiting for a server that does not answer.)
+        crate::client::wait_with_signals(py, self.client.ack_subscription(self.id, &ids))
     }
 
     /// Ends the subscription; a reader waiting in another thread gets `None` (or the end of its
     /// loop). Unacknowledged messages of a group come again to its next subscriber.
     fn unsubscribe(&self, py: Python<'_>) -> PyResult<()> {
-        match py.detach(|| crate::client::block_on(self.client.unsubscribe(self.id))) {
-            Ok(()) => Ok(()),
-            Err(e) if e.is_connection_lost() => Ok(()),
-            Err(e) => Err(client_error(e)),
-        }
+        let unsubscribed = async {
+            match self.client.unsubscribe(self.id).await {
+                Err(e) if e.is_connection_lost() => Ok(()),
+                other => other,
+            }
+        };
+        crate::client::wait_with_signals(py, unsubscribed)
     }
 
     fn __iter__(slf: Py<Self>) -> Py<Self> {
