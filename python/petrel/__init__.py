@@ -26,6 +26,7 @@ import builtins
 import inspect
 import itertools
 import time
+import weakref
 from typing import Any, Awaitable, Callable, Deque, Dict, Generator, List, Optional, Set, Tuple, Union
 
 from ._petrel import (
@@ -203,6 +204,15 @@ class _Requests:
             self._unwatch()
 
 
+def _let_go_of(requests: _Requests) -> None:
+    """The requests of an AsyncClient collected without ``close``: no longer watched once those
+    in flight have their outcomes."""
+    try:
+        requests.loop.call_soon_threadsafe(requests.close)
+    except RuntimeError:
+        pass  # the loop is closed: nothing watches them any more
+
+
 class AsyncSubscription:
     """A topic subscription for asyncio: ``async for message in subscription``.
 
@@ -329,6 +339,9 @@ class AsyncClient:
             return self._core
         if self._requests is None:
             self._requests = _Requests(asyncio.get_running_loop())
+            # Collected without `close`: the loop lets go of the requests' descriptor (it held
+            # it, and two descriptors with it, for as long as the loop lived).
+            weakref.finalize(self, _let_go_of, self._requests)
         requests = self._requests
         if self._connecting is None:
             self._connecting = asyncio.ensure_future(

@@ -674,3 +674,24 @@ def test_an_async_client_used_on_a_second_loop_refuses_before_sending(server):
         asyncio.run(client.offer("loops", b"x"))
     with petrel.Client(server) as c:
         assert c.poll("loops") is None, "nothing was stored"
+
+
+def test_an_unclosed_async_client_gives_its_descriptors_back(server):
+    """AsyncClients dropped without close give back their descriptors once collected: the loop
+    held each one's completions (two descriptors) for as long as the loop lived."""
+    import gc
+    import os
+
+    async def main() -> int:
+        async with petrel.AsyncClient(server) as first:
+            await first.create_queue("fds")
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            c = petrel.AsyncClient(server)
+            await c.offer("fds", b"x")
+            del c
+        gc.collect()
+        await asyncio.sleep(0.5)
+        return len(os.listdir("/proc/self/fd")) - before
+
+    assert asyncio.run(main()) < 10
