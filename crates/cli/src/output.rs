@@ -38,6 +38,8 @@ pub fn message_json(m: &Message) -> serde_json::Value {
         "reply_to": m.reply_to,
         "mimetype": m.mimetype,
         "charset": m.charset,
+        "durable": m.durable,
+        "status": m.status.name(),
         "headers": headers,
         "payload_base64": B64.encode(&m.payload),
     })
@@ -51,8 +53,10 @@ mod tests {
     fn counts_and_json() {
         assert_eq!(count(1, "message"), "1 message");
         assert_eq!(count(0, "message"), "0 messages");
-        let m = Message { headers: vec![("h".into(), bytes::Bytes::from_static(b"v"))], ..Message::new(&b"hi"[..]) };
+        let headers = vec![("h".into(), bytes::Bytes::from_static(b"v"))];
+        let m = Message { headers, durable: true, ..Message::new(&b"hi"[..]) };
         let j = message_json(&m);
         assert_eq!((j["payload_base64"].as_str(), j["headers"]["h"].as_str()), (Some("aGk="), Some("dg==")));
+        assert_eq!((j["durable"].as_bool(), j["status"].as_str()), (Some(true), Some("OK")));
     }
 }
