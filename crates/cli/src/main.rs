@@ -25,6 +25,7 @@ mod stat_cmd;
 mod target;
 mod user_cmd;
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -94,9 +95,22 @@ enum Command {
     Cert(user_cmd::CertCommand),
 }
 
+/// Whether a closed stdout fails this run: for commands whose exit status is their verdict or
+/// whose work goes on past what they print (a verify, a repair, an append, certificates, the
+/// server). For those that only print what they read, it ends them quietly (`| head`).
+static STDOUT_MUST_STAY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 fn main() -> ExitCode {
     exit_quietly_on_broken_pipe();
     let cli = Cli::parse();
+    let must_stay = matches!(
+        cli.command,
+        Command::Log(log_cmd::LogCommand::Verify { .. } | log_cmd::LogCommand::Repair { .. })
+            | Command::Log(log_cmd::LogCommand::Append(_))
+            | Command::Cert(_)
+            | Command::Serve(_)
+    );
+    STDOUT_MUST_STAY.store(must_stay, std::sync::atomic::Ordering::Relaxed);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
     let logs = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter);
     match cli.log_format {
@@ -118,20 +132,24 @@ fn main() -> ExitCode {
         Command::Acl(cmd) => acl_cmd::acl(cmd),
         Command::Cert(cmd) => user_cmd::cert(cmd),
     };
+    let broken_pipe = |e: &Box<dyn std::error::Error>| {
+        e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    };
     match result {
         Ok(code) => code,
-        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {
-            ExitCode::SUCCESS
-        }
+        Err(e) if broken_pipe(&e) && !STDOUT_MUST_STAY.load(std::sync::atomic::Ordering::Relaxed) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("petrel: {e}");
+            // (A stderr nobody reads does not turn the failure into a panic.)
+            let _ = writeln!(std::io::stderr(), "petrel: {e}");
             ExitCode::from(2)
         }
     }
 }
 
 /// `petrel … | head` closes our stdout early; `println!` then panics. That is not an error of
-/// ours: end quietly, as other command-line tools do.
+/// ours: end quietly, as other command-line tools do, unless the command's work or verdict
+/// goes on past what it prints (`STDOUT_MUST_STAY`: exit 1). A stderr nobody reads is not
+/// this case: a failure written there still exits as a failure.
 fn exit_quietly_on_broken_pipe() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -141,8 +159,11 @@ fn exit_quietly_on_broken_pipe() {
             .map(String::as_str)
             .or_else(|| info.payload().downcast_ref::<&str>().copied())
             .unwrap_or("");
-        if message.contains("Broken pipe") {
-            std::process::exit(0);
+        if message.contains("failed printing to stdout") && message.contains("Broken pipe") {
+            std::process::exit(i32::from(STDOUT_MUST_STAY.load(std::sync::atomic::Ordering::Relaxed)));
+        }
+        if message.contains("failed printing to stderr") {
+            std::process::exit(2); // (the default hook would print it there too)
         }
         default(info);
     }));

@@ -488,3 +488,36 @@ fn consume_into_a_closed_pipe_leaves_its_messages_in_the_queue() {
     }
     assert_eq!((status("q"), status("dlq")), (10, 0), "all back in the queue, none dead-lettered");
 }
+
+/// A failure is a failure even when nobody reads stderr, and a command whose work goes on past
+/// what it prints does not end quietly when nobody reads stdout: before, any broken pipe, on
+/// either, made every command exit 0 (`log append | head -1` appended one batch of its input).
+#[test]
+fn a_closed_pipe_turns_no_failure_into_success() {
+    let closed = || {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        writer
+    };
+    let status = Command::new(PETREL)
+        .args(["queue", "list", "--server", "127.0.0.1:1"])
+        .stdout(Stdio::null())
+        .stderr(closed())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "a server that cannot be reached");
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let lines: String = (0..100_000).map(|i| format!("line {i}\n")).collect();
+    let mut append = Command::new(PETREL)
+        .args(["log", "append", d])
+        .stdin(Stdio::piped())
+        .stdout(closed())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = append.stdin.take().unwrap();
+    let _ = std::io::Write::write_all(&mut stdin, lines.as_bytes());
+    drop(stdin);
+    assert!(!append.wait().unwrap().success(), "the append could not say what it stored");
+}
