@@ -132,12 +132,14 @@ fn main() -> ExitCode {
         Command::Acl(cmd) => acl_cmd::acl(cmd),
         Command::Cert(cmd) => user_cmd::cert(cmd),
     };
-    let broken_pipe = |e: &dyn std::error::Error| {
+    let broken_pipe = |e: &(dyn std::error::Error + 'static)| {
         e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
     };
     match result {
         Ok(code) => code,
-        Err(e) if broken_pipe(e.as_ref()) && !STDOUT_MUST_STAY.load(std::sync::atomic::Ordering::Relaxed) => ExitCode::SUCCESS,
+        Err(e) if broken_pipe(e.as_ref()) && !STDOUT_MUST_STAY.load(std::sync::atomic::Ordering::Relaxed) => {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             // (A stderr nobody reads does not turn the failure into a panic.)
             let _ = writeln!(std::io::stderr(), "petrel: {e}");
