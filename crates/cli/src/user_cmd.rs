@@ -114,15 +114,39 @@ pub fn user(cmd: UserCommand) -> Res {
 }
 
 /// One line from stdin, without its line ending; never from argv, where `ps` and shell history
-/// would show it. No echo suppression: a terminal shows what is typed.
+/// would show it. At a terminal it is not shown as it is typed, and asked twice (a typo would
+/// be stored unseen).
 fn read_password(name: &str) -> Result<String, String> {
-    let stdin = io::stdin();
-    if stdin.is_terminal() {
-        eprint!("password for {name}: ");
-        let _ = io::stderr().flush();
+    if !io::stdin().is_terminal() {
+        return read_password_line();
     }
+    let first = read_unseen(&format!("password for {name}: "))?;
+    let again = read_unseen("again: ")?;
+    if first != again {
+        return Err("the two passwords typed differ".into());
+    }
+    Ok(first)
+}
+
+/// A line of stdin, the terminal's echo off while it is typed (back on however the read ends).
+fn read_unseen(prompt: &str) -> Result<String, String> {
+    use rustix::termios::{LocalModes, OptionalActions, tcgetattr, tcsetattr};
+    eprint!("{prompt}");
+    let _ = io::stderr().flush();
+    let stdin = io::stdin();
+    let shown = tcgetattr(&stdin).map_err(|e| format!("the terminal's settings: {e}"))?;
+    let mut unseen = shown.clone();
+    unseen.local_modes.remove(LocalModes::ECHO);
+    tcsetattr(&stdin, OptionalActions::Flush, &unseen).map_err(|e| format!("turning the echo off: {e}"))?;
+    let read = read_password_line();
+    let _ = tcsetattr(&stdin, OptionalActions::Now, &shown);
+    eprintln!(); // (the line's end was not shown either)
+    read
+}
+
+fn read_password_line() -> Result<String, String> {
     let mut line = String::new();
-    stdin.lock().read_line(&mut line).map_err(|e| format!("reading the password from stdin: {e}"))?;
+    io::stdin().lock().read_line(&mut line).map_err(|e| format!("reading the password from stdin: {e}"))?;
     let password = line.strip_suffix('\n').map_or(line.as_str(), |l| l.strip_suffix('\r').unwrap_or(l));
     if password.is_empty() {
         return Err("empty password (give it as one line on stdin)".into());

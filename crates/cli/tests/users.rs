@@ -236,3 +236,22 @@ fn users_added_at_once_are_all_kept() {
     assert_eq!(text(&out.stdout).lines().count(), 8, "{}", text(&out.stdout));
     assert_eq!(mode(&file), 0o600);
 }
+
+/// At a terminal, `user add` shows nothing of the password typed, and asks for it twice: before,
+/// the terminal showed it (and its scrollback and logs kept it), and a typo was stored unseen.
+#[test]
+fn a_password_typed_at_a_terminal_is_not_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("users.toml");
+    let petrel = env!("CARGO_BIN_EXE_petrel");
+    // `script` runs the command on a terminal of its own, fed with what the shell types slowly
+    // (each line once the prompt is up), and prints what the terminal shows.
+    let typed = "(sleep 1; printf 'typed-s3cret\\n'; sleep 1; printf 'typed-s3cret\\n'; sleep 1)";
+    let shell = format!("{typed} | script -qec '{petrel} user add {} ann' /dev/null", file.display());
+    let out = std::process::Command::new("sh").args(["-c", &shell]).output().expect("sh and script (util-linux)");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{shown}");
+    assert!(shown.contains("password for ann:") && shown.contains("again:"), "{shown}");
+    assert!(!shown.contains("typed-s3cret"), "the password was shown: {shown}");
+    assert!(std::fs::read_to_string(&file).unwrap().contains("ann"));
+}
