@@ -214,19 +214,38 @@ pub fn cert(cmd: CertCommand) -> Res {
         ("client.pem", client_cert.pem(), 0o644, format!("client certificate for user {client_name}")),
         ("client.key", client_key.serialize_pem(), 0o600, "client private key".to_owned()),
     ];
+    // The whole set or nothing: each written aside first, then all put in place (a CA of one
+    // run beside a client certificate of another trusts nothing, and a server reloading meanwhile
+    // must not read a key half written).
+    let aside = |name: &str| dir.join(format!(".{name}.tmp"));
+    if let Some(name) = NAMES.iter().find(|name| dir.join(name).is_dir()) {
+        return Err(format!("{}: a directory, where the {name} file goes", dir.join(name).display()).into());
+    }
+    for (name, contents, mode, _) in &files {
+        let path = aside(name);
+        write_with_mode(&path, contents.as_bytes(), *mode).map_err(|e| {
+            files.iter().for_each(|(name, ..)| drop(fs::remove_file(aside(name))));
+            format!("{}: {e}", path.display())
+        })?;
+    }
     let mut out = io::stdout().lock();
-    for (name, contents, mode, what) in files {
+    for (name, _, _, what) in &files {
         let path = dir.join(name);
-        write_with_mode(&path, contents.as_bytes(), mode).map_err(|e| format!("{}: {e}", path.display()))?;
+        fs::rename(aside(name), &path).map_err(|e| format!("{}: {e}", path.display()))?;
         writeln!(out, "wrote {}: {what}", path.display())?;
     }
+    fs::File::open(&dir).and_then(|d| d.sync_all()).map_err(|e| format!("{}: {e}", dir.display()))?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// Writes `path` with exactly `mode`, also when it existed with another: the mode is set before
-/// anything is written, so a key is never readable by others even for a moment.
+/// Writes `path` (a new file: one left by an earlier run is replaced) with exactly `mode`: set
+/// before anything is written, so a key is never readable by others even for a moment.
 fn write_with_mode(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
-    let mut file = OpenOptions::new().write(true).create(true).truncate(true).mode(mode).open(path)?;
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(path)?;
     file.set_permissions(fs::Permissions::from_mode(mode))?;
     file.write_all(contents)?;
     file.sync_all()

@@ -255,3 +255,29 @@ fn a_password_typed_at_a_terminal_is_not_shown() {
     assert!(!shown.contains("typed-s3cret"), "the password was shown: {shown}");
     assert!(std::fs::read_to_string(&file).unwrap().contains("ann"));
 }
+
+/// `cert dev --force` replaces the whole set or nothing: when one file cannot be written, the
+/// certificates there are left as they were. Before, each was rewritten in place in turn, and a
+/// failure part way left a new CA beside the old client certificate.
+#[test]
+fn cert_dev_force_replaces_all_or_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let d = certs.to_str().unwrap();
+    assert!(petrel(&["cert", "dev", d], b"").status.success());
+    let ca = fs::read(certs.join("ca.pem")).unwrap();
+    // The client key cannot be written (a directory in its place), nor its new copy.
+    fs::remove_file(certs.join("client.key")).unwrap();
+    fs::create_dir(certs.join("client.key")).unwrap();
+    assert!(!petrel(&["cert", "dev", d, "--force"], b"").status.success());
+    assert_eq!(fs::read(certs.join("ca.pem")).unwrap(), ca, "the CA is the old one");
+    fs::remove_dir(certs.join("client.key")).unwrap();
+    fs::create_dir(certs.join(".client.key.tmp")).unwrap();
+    fs::write(certs.join(".client.key.tmp/in-the-way"), b"").unwrap();
+    assert!(!petrel(&["cert", "dev", d, "--force"], b"").status.success());
+    assert_eq!(fs::read(certs.join("ca.pem")).unwrap(), ca, "the CA is the old one");
+    assert!(!certs.join(".ca.pem.tmp").exists(), "nothing left aside");
+    fs::remove_dir_all(certs.join(".client.key.tmp")).unwrap();
+    assert!(petrel(&["cert", "dev", d, "--force"], b"").status.success());
+    assert_ne!(fs::read(certs.join("ca.pem")).unwrap(), ca);
+}
