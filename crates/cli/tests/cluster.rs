@@ -940,14 +940,10 @@ async fn a_server_at_its_connection_limit_is_down_not_fatal() {
     assert_eq!(cluster.list_queues().await.unwrap(), ["q"]);
 }
 
-/// Messages a cluster poll took beyond what its caller asked for, kept for later polls, go back
-/// unseen when the cluster ends: `consume --count 1` on two servers with `max_deliveries = 1`
-/// dead-lettered the message it kept (its connection's end counted it as a delivery).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn messages_kept_for_later_polls_go_back_unseen_at_the_end() {
-    use common::Server;
-    let dir = tempfile::tempdir().unwrap();
-    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
+/// Two servers, each with queue "q" (`max_deliveries = 1`, dead letters to "dlq") holding two
+/// messages.
+async fn limited_pair(dir: &std::path::Path) -> Vec<common::Server> {
+    let servers: Vec<common::Server> = (0..2).map(|k| common::Server::start(&dir.join(format!("s{k}")))).collect();
     let limited = QueueConfig { max_deliveries: 1, dead_letter: "dlq".into(), ..QueueConfig::default() };
     for s in &servers {
         let c = s.client().await;
@@ -955,16 +951,32 @@ async fn messages_kept_for_later_polls_go_back_unseen_at_the_end() {
         c.create_queue("q", limited.clone()).await.unwrap();
         c.offer("q", vec![Message::new("a"), Message::new("b")], None).await.unwrap();
     }
-    let list = format!("{},{}", servers[0].addr, servers[1].addr);
-    let out = common::petrel(&["consume", "q", "--count", "1", "--server", &list], b"");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    servers
+}
+
+/// The messages in "q" and in "dlq" on all of `servers`.
+async fn left_and_dead(servers: &[common::Server]) -> (u64, u64) {
     let (mut left, mut dead) = (0, 0);
-    for s in &servers {
+    for s in servers {
         let c = s.client().await;
         left += c.queue_status("q").await.unwrap().items;
         dead += c.queue_status("dlq").await.unwrap().items;
     }
+    (left, dead)
+}
+
+/// Messages a cluster poll took beyond what its caller asked for, kept for later polls, go back
+/// unseen when the cluster ends: `consume --count 1` on two servers with `max_deliveries = 1`
+/// dead-lettered the message it kept (its connection's end counted it as a delivery).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_kept_for_later_polls_go_back_unseen_at_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let servers = limited_pair(dir.path()).await;
+    let list = format!("{},{}", servers[0].addr, servers[1].addr);
+    let out = common::petrel(&["consume", "q", "--count", "1", "--server", &list], b"");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+    let (left, dead) = left_and_dead(&servers).await;
     assert_eq!((left, dead), (3, 0), "the one printed is gone; the one kept is back, not dead-lettered");
 }
 
@@ -973,16 +985,8 @@ async fn messages_kept_for_later_polls_go_back_unseen_at_the_end() {
 /// timeout as delivered — with `max_deliveries = 1`, into the dead-letter queue unseen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_kept_for_later_polls_goes_back_unseen_when_no_poll_comes() {
-    use common::Server;
     let dir = tempfile::tempdir().unwrap();
-    let servers: Vec<Server> = (0..2).map(|k| Server::start(&dir.path().join(format!("s{k}")))).collect();
-    let limited = QueueConfig { max_deliveries: 1, dead_letter: "dlq".into(), ..QueueConfig::default() };
-    for s in &servers {
-        let c = s.client().await;
-        c.create_queue("dlq", QueueConfig::default()).await.unwrap();
-        c.create_queue("q", limited.clone()).await.unwrap();
-        c.offer("q", vec![Message::new("a"), Message::new("b")], None).await.unwrap();
-    }
+    let servers = limited_pair(dir.path()).await;
     let addrs: Vec<&str> = servers.iter().map(|s| s.addr.as_str()).collect();
     let cluster = Cluster::connect(&addrs, ClusterOptions::default()).await.unwrap();
     let options = PollOptions { max: 1, timeout: Duration::ZERO, visibility: Some(Duration::from_secs(1)) };
@@ -990,12 +994,7 @@ async fn a_message_kept_for_later_polls_goes_back_unseen_when_no_poll_comes() {
     assert_eq!(got.len(), 1);
     assert_eq!(cluster.ack("q", &[got[0].handle]).await.unwrap(), 1);
     tokio::time::sleep(Duration::from_millis(2_500)).await;
-    let (mut left, mut dead) = (0, 0);
-    for s in &servers {
-        let c = s.client().await;
-        left += c.queue_status("q").await.unwrap().items;
-        dead += c.queue_status("dlq").await.unwrap().items;
-    }
+    let (left, dead) = left_and_dead(&servers).await;
     assert_eq!((left, dead), (3, 0), "the kept one is back in its queue, not dead-lettered");
 }
 

@@ -118,10 +118,9 @@ fn metrics_pass_promtool_and_count_what_a_client_did() {
     assert_eq!(status, 404);
 }
 
-#[test]
-fn with_users_metrics_ask_for_a_password_unless_left_open() {
-    let dir = tempfile::tempdir().unwrap();
-    let users = dir.path().join("users.toml");
+/// A users file in `dir` with the user "ops", password "s3cret-words".
+fn users_file_with_ops(dir: &std::path::Path) -> std::path::PathBuf {
+    let users = dir.join("users.toml");
     let mut add = Command::new(env!("CARGO_BIN_EXE_petrel"))
         .args(["user", "add"])
         .arg(&users)
@@ -132,6 +131,13 @@ fn with_users_metrics_ask_for_a_password_unless_left_open() {
         .unwrap();
     add.stdin.take().unwrap().write_all(b"s3cret-words\n").unwrap();
     assert!(add.wait().unwrap().success());
+    users
+}
+
+#[test]
+fn with_users_metrics_ask_for_a_password_unless_left_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let users = users_file_with_ops(dir.path());
     for open in [false, true] {
         let config = dir.path().join("petrel.toml");
         let text =
@@ -1146,17 +1152,7 @@ fn errors_before_a_handler_are_json_too() {
 #[test]
 fn requests_with_the_same_credentials_at_once_share_one_check() {
     let dir = tempfile::tempdir().unwrap();
-    let users = dir.path().join("users.toml");
-    let mut add = Command::new(env!("CARGO_BIN_EXE_petrel"))
-        .args(["user", "add"])
-        .arg(&users)
-        .arg("ops")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    add.stdin.take().unwrap().write_all(b"s3cret-words\n").unwrap();
-    assert!(add.wait().unwrap().success());
+    let users = users_file_with_ops(dir.path());
     let config = dir.path().join("petrel.toml");
     let text =
         format!("[security]\nusers_file = {users:?}\nallow_plaintext_auth = true\nauth_attempts_per_minute = 3\n");
