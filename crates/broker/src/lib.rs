@@ -2376,6 +2376,22 @@ mod tests {
         assert_eq!(q.status().items, 0);
     }
 
+    /// Well below the limit of records out (200 open, the limit 8192), a head's expiry is planned
+    /// as ever: the check of a level held back must not take "may stop" for "stops".
+    #[test]
+    fn a_head_s_expiry_is_planned_with_many_reads_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = durable_with_dead_letters(dir.path(), QueueConfig { durable: true, ..QueueConfig::default() });
+        let q = b.get("q").unwrap();
+        b.offer("q", (0..200).map(|i| Message::new(format!("m{i}").into_bytes())).collect(), MS).unwrap();
+        let mut m = Message::new(&b"stale"[..]);
+        m.expires_at = 10 * MS;
+        b.offer("q", vec![m], MS).unwrap();
+        assert_eq!(b.poll("q", 200, Some(Duration::from_secs(60)), 1, 2 * MS).unwrap().len(), 200);
+        q.tick(5 * MS);
+        assert!(q.next_due() <= 10 * MS, "the head's expiry: {}", q.next_due());
+    }
+
     /// A message returned with a redelivery delay is copied to the delayed log and then
     /// acknowledged where it was; a crash between the two drops the copy at the next open (its
     /// original still waits), and the original keeps the delivery counted: dead-lettered after

@@ -571,9 +571,9 @@ struct Lane {
 
 impl Lane {
     /// Whether its next record may not go out now: as many out as its group lets out, and none
-    /// waiting to be delivered again (those go out regardless). Errs towards `true`.
+    /// waiting to be delivered again (those go out regardless).
     fn held_back(&self) -> bool {
-        self.group.may_block() && self.group.redeliveries() == 0
+        self.group.would_block() && self.group.redeliveries() == 0
     }
 
     /// The record at the head, if it may be handed out (markers read past first; one that could

@@ -606,11 +606,14 @@ pub fn consume(args: ConsumeArgs) -> Res {
         // goes once the batch is `ACK_AS_WRITTEN_AT` old, and what is not written by
         // `STOP_WRITING_AT` is given back unseen (its delivery not counted), never printed twice.
         let (mut written, mut acked, mut held) = (0, 0, true);
+        // Whether the failure (if any) came while a message was being written.
+        let mut writing = false;
         let wrote = (|| -> std::io::Result<()> {
             for d in &deliveries {
                 if !held || taken_at.elapsed() > STOP_WRITING_AT {
                     break;
                 }
+                writing = true;
                 if args.json {
                     writeln!(out, "{}", crate::output::message_json(&d.message))?;
                 } else {
@@ -618,6 +621,7 @@ pub fn consume(args: ConsumeArgs) -> Res {
                     out.write_all(b"\n")?;
                 }
                 written += 1;
+                writing = false;
                 if taken_at.elapsed() > ACK_AS_WRITTEN_AT {
                     out.flush()?;
                     held = acknowledge(&mut reader, &args.queue, &deliveries[acked..written])
@@ -629,14 +633,18 @@ pub fn consume(args: ConsumeArgs) -> Res {
         })();
         if let Err(e) = wrote {
             // Stdout is written a line at a time: the messages before the failed one are out,
-            // those after it never began. Those go back unseen, their delivery not counted (with
-            // max_deliveries, they went to the dead-letter queue unprinted); so does the failed
-            // one if the pipe is closed (its reader is gone, and never read it whole), else it
-            // may be partly out and goes back as delivered when the connection ends.
-            let began = usize::from(e.kind() != io::ErrorKind::BrokenPipe);
-            let rest: Vec<Handle> = deliveries.iter().skip(written + began).map(|d| d.handle).collect();
-            if held && !rest.is_empty() {
-                let _ = reader.give_back_unseen(&args.queue, &rest);
+            // and acknowledged (as written ones are); those after it never began: they go back
+            // unseen, their delivery not counted (with max_deliveries, they went to the
+            // dead-letter queue unprinted). So does the one being written if the pipe is closed
+            // (its reader is gone, and never read it whole); else it may be partly out and goes
+            // back as delivered when the connection ends.
+            let began = usize::from(writing && e.kind() != io::ErrorKind::BrokenPipe);
+            if held {
+                let _ = acknowledge(&mut reader, &args.queue, &deliveries[acked..written]);
+                let rest: Vec<Handle> = deliveries.iter().skip(written + began).map(|d| d.handle).collect();
+                if !rest.is_empty() {
+                    let _ = reader.give_back_unseen(&args.queue, &rest);
+                }
             }
             return Err(e.into());
         }

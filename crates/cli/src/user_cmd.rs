@@ -228,13 +228,16 @@ pub fn cert(cmd: CertCommand) -> Res {
             format!("{}: {e}", path.display())
         })?;
     }
-    let mut out = io::stdout().lock();
-    for (name, _, _, what) in &files {
+    for (name, ..) in &files {
         let path = dir.join(name);
         fs::rename(aside(name), &path).map_err(|e| format!("{}: {e}", path.display()))?;
-        writeln!(out, "wrote {}: {what}", path.display())?;
     }
     fs::File::open(&dir).and_then(|d| d.sync_all()).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // Said once all are in place (a stdout that fails must not stop the set half replaced).
+    let mut out = io::stdout().lock();
+    for (name, _, _, what) in &files {
+        writeln!(out, "wrote {}: {what}", dir.join(name).display())?;
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -577,6 +577,13 @@ impl ConsumerGroup {
         pending >= self.options.max_pending || pending > MAX_HELD
     }
 
+    /// Whether `poll` would refuse a new record now (`TooManyPending`): `max_pending` records
+    /// out, or the window as wide and no room to hold its oldest. Unlike `may_block`, not before.
+    pub fn would_block(&self) -> bool {
+        let span = (self.next - self.committed) as usize;
+        self.pending() >= self.options.max_pending || (span >= self.options.max_pending && self.held.len() >= MAX_HELD)
+    }
+
     /// Of the `pending` records, those `poll` hands out again before any new one: returned
     /// with `nack`, or held by the group before it was last opened (whoever read them then is
     /// gone). A reader that limits what it has out counts `pending` less these.

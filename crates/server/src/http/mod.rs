@@ -287,7 +287,7 @@ async fn authenticate(
     let key = credentials.as_deref().unwrap_or_default();
     let turn = ctx.http_logins.turn(key);
     let checked = {
-        let _turn = turn.mutex.lock().await;
+        let _turn = turn.mutex().lock().await;
         match ctx.http_logins.get(key) {
             Some(user) => Ok(Some(Principal { user, conn: 0 })),
             None => check_password(ctx, &peer, user, password, key).await,
@@ -345,7 +345,7 @@ impl Logins {
     fn turn(&self, credentials: &str) -> CheckTurn<'_> {
         let mut checking = self.checking.lock().unwrap_or_else(|e| e.into_inner());
         let mutex = Arc::clone(checking.entry(credentials.to_owned()).or_default());
-        CheckTurn { logins: self, credentials: credentials.to_owned(), mutex }
+        CheckTurn { logins: self, credentials: credentials.to_owned(), mutex: Some(mutex) }
     }
 
     fn generation(&self) -> u64 {
@@ -377,14 +377,23 @@ impl Logins {
 struct CheckTurn<'a> {
     logins: &'a Logins,
     credentials: String,
-    mutex: Arc<tokio::sync::Mutex<()>>,
+    /// (`None` only in `drop`.)
+    mutex: Option<Arc<tokio::sync::Mutex<()>>>,
+}
+
+impl CheckTurn<'_> {
+    fn mutex(&self) -> &tokio::sync::Mutex<()> {
+        self.mutex.as_ref().expect("a turn is held until dropped")
+    }
 }
 
 impl Drop for CheckTurn<'_> {
     fn drop(&mut self) {
         let mut checking = self.logins.checking.lock().unwrap_or_else(|e| e.into_inner());
-        // (Turns are shared under this lock: two, the map's and this one, is the last.)
-        if Arc::strong_count(&self.mutex) <= 2 {
+        // Let go of under the lock that shares turns out: the map's own is then the last one
+        // exactly when no request holds it (two requests ending at once both see it so).
+        drop(self.mutex.take());
+        if checking.get(&self.credentials).is_some_and(|m| Arc::strong_count(m) == 1) {
             checking.remove(&self.credentials);
         }
     }
