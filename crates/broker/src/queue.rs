@@ -920,7 +920,7 @@ impl Queue {
                 counters: QueueCounters::default(),
             }),
             available: Waitlist::default(),
-            room: Waitlist::default(),
+            room: Waitlist::for_room(),
             removed: AtomicBool::new(false),
             waiters: AtomicU64::new(0),
             due_ns: Due {

@@ -9,9 +9,11 @@
 //!   messages, a sync or a tick that made several visible, reaches as many waiters as there are
 //!   messages, one after another, and a wake-up for nothing costs one look;
 //! * a ticket dropped after being woken, without taking (its caller gave up, timed out or went
-//!   away at that moment), wakes the next one, so no wake-up is lost. So does one dropped after
-//!   it used a wake-up to look and found nothing it could take: an offer waiting for room that
-//!   did not fit may leave room a smaller one behind it fits in.
+//!   away at that moment), wakes the next one, so no wake-up is lost. In a line of offers
+//!   waiting for room (`Waitlist::for_room`), so does one dropped after it used a wake-up to
+//!   look and found nothing it could take: an offer that did not fit may leave room a smaller
+//!   one behind it fits in. (Waiters for messages all want the same: one that found nothing
+//!   leaves nothing for the next.)
 //!
 //! A ticket is registered *before* its holder looks at the queue, so a change made after the look
 //! finds it in line (the look and the change both hold the queue's lock, which orders them).
@@ -27,6 +29,9 @@ pub(crate) struct Waitlist {
     /// costs one load.
     registered: AtomicUsize,
     line: Mutex<Line>,
+    /// A ticket that looked and found nothing passes a wake-up on when it goes (offers waiting
+    /// for room, whose needs differ).
+    pass_on_looked: bool,
 }
 
 #[derive(Default)]
@@ -54,6 +59,11 @@ pub(crate) struct Ticket<'a> {
 impl Waitlist {
     fn line(&self) -> std::sync::MutexGuard<'_, Line> {
         self.line.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A line of offers waiting for room.
+    pub(crate) fn for_room() -> Waitlist {
+        Waitlist { pass_on_looked: true, ..Waitlist::default() }
     }
 
     /// Joins the end of the line.
@@ -146,7 +156,7 @@ impl Drop for Ticket<'_> {
             self.list.registered.fetch_sub(1, Ordering::SeqCst);
             slot
         };
-        if self.took || slot.woken || slot.looked {
+        if self.took || slot.woken || (slot.looked && self.list.pass_on_looked) {
             self.list.wake_one();
         }
     }
@@ -228,15 +238,26 @@ mod tests {
         list.wake_one();
         drop(a);
         assert!(woken(&fb));
-        // One that used its wake-up to look, found nothing it could take, and then went (an
-        // offer that did not fit, and gave up) passes it on: a smaller one behind may fit.
+        // One that used its wake-up to look, found nothing and then went passes nothing on in
+        // a line for messages (what it did not find, the next would not either)...
         let c = list.register();
         let (fc, wc) = waker();
         assert!(pending(&c, &wc));
         b.arm();
         drop(b);
-        assert!(woken(&fc));
+        assert!(!woken(&fc));
         drop(c);
+        // ...and passes it on in a line for room (an offer that did not fit: a smaller one
+        // behind may).
+        let room = Waitlist::for_room();
+        let (a, b) = (room.register(), room.register());
+        let ((_fa, wa), (fb, wb)) = (waker(), waker());
+        assert!(pending(&a, &wa) && pending(&b, &wb));
+        room.wake_one();
+        a.arm();
+        drop(a);
+        assert!(woken(&fb));
+        drop(b);
         // A ticket dropped never woken (its caller gave up) passes nothing on.
         let (d, e) = (list.register(), list.register());
         let ((_fd, wd), (fe, we)) = (waker(), waker());
