@@ -127,6 +127,15 @@ fn an_unpolled_record_is_read_again_in_order_and_frees_its_open_read() {
     assert!(!g.may_block());
     g.poll(1, NOW).unwrap();
     assert!(g.may_block());
+    // Yet `poll` lets more out: `would_block` says so exactly, and only at `max_pending`.
+    assert!(!g.would_block());
+    assert_eq!(offsets(g.poll(10, NOW).unwrap()), (125..135).collect::<Vec<_>>());
+    let mut g = log.group("k", GroupOptions { max_pending: 3, ..GroupOptions::default() }).unwrap();
+    g.poll(2, NOW).unwrap();
+    assert!(!g.would_block());
+    g.poll(1, NOW).unwrap();
+    assert!(g.would_block());
+    assert!(matches!(g.poll(1, NOW), Err(Error::TooManyPending { .. })));
 }
 
 #[test]

@@ -128,7 +128,7 @@ fn unsafe_host(host: &str, path: &str, loopback_listener: bool, allowed: &[Strin
     }
     let name = host_name(host);
     let probe = matches!(path, "/metrics" | "/healthz" | "/readyz");
-    let safe = names_loopback(host)
+    let safe = name.eq_ignore_ascii_case("localhost")
         || name.parse::<std::net::IpAddr>().is_ok()
         || allowed.iter().any(|allowed| allowed.eq_ignore_ascii_case(name));
     (!probe && !safe).then_some(
